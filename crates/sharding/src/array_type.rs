@@ -1,0 +1,294 @@
+//! The type of a global array: dtype, shape and a [`NamedSharding`] that fits the shape, printed in
+//! JAX's short form `f32[8@data,4]{U:fsdp, R:x}` (spec §1.6).
+//!
+//! Invariants of an [`ArrayType`] (checked by [`ArrayType::new`]): the spec is padded with
+//! replicated dimensions to exactly the array's rank (never longer), and every sharded dimension is
+//! divisible by the product of its axis sizes (§1.4). Tags are kept as given.
+
+use std::fmt;
+
+use crate::error::ShardingError;
+use crate::mesh::{AxisType, Mesh};
+use crate::named::NamedSharding;
+use crate::spec::AxisSet;
+
+/// Element type of an array. The sharding layer only needs its name and width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum DType {
+    /// 32-bit IEEE float.
+    F32,
+    /// bfloat16.
+    BF16,
+    /// 16-bit IEEE float.
+    F16,
+    /// 32-bit signed integer.
+    I32,
+    /// 32-bit unsigned integer.
+    U32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    /// The short name used in printed types (`f32`, `bf16`, ...).
+    pub fn short_name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I32 => "i32",
+            DType::U32 => "u32",
+        }
+    }
+
+    /// Parses a short name (`f32`, `bf16`, `f16`, `i32`, `u32`).
+    pub fn from_short_name(name: &str) -> Option<DType> {
+        Some(match name {
+            "f32" => DType::F32,
+            "bf16" => DType::BF16,
+            "f16" => DType::F16,
+            "i32" => DType::I32,
+            "u32" => DType::U32,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.short_name())
+    }
+}
+
+/// dtype + shape + a sharding that fits the shape. See the module docs for the invariants.
+///
+/// # Examples
+/// ```
+/// use std::sync::Arc;
+/// use ferrotext_sharding::{ArrayType, DType, Mesh, NamedSharding, PartitionSpec};
+/// let mesh = Arc::new(Mesh::explicit([("data", 2), ("fsdp", 2)]).unwrap());
+/// let spec = PartitionSpec::new(["fsdp"]).with_unreduced(["data"]).unwrap();
+/// let ty = ArrayType::new(DType::F32, vec![4, 4], NamedSharding::new(mesh, spec).unwrap()).unwrap();
+/// assert_eq!(ty.to_string(), "f32[4@fsdp,4]{U:data}");
+/// assert_eq!(ty.shard_shape(), vec![2, 4]);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ArrayType {
+    dtype: DType,
+    shape: Vec<usize>,
+    sharding: NamedSharding,
+}
+
+impl ArrayType {
+    /// Checks `sharding` against `shape` and pads its spec to the rank.
+    ///
+    /// # Errors
+    /// [`ShardingError::RankTooSmall`] or [`ShardingError::Indivisible`].
+    pub fn new(
+        dtype: DType,
+        shape: Vec<usize>,
+        sharding: NamedSharding,
+    ) -> Result<ArrayType, ShardingError> {
+        sharding.check_shape(&shape)?;
+        let padded = sharding.spec().truncated_to_rank(shape.len());
+        let sharding = sharding.with_spec(padded)?;
+        Ok(ArrayType {
+            dtype,
+            shape,
+            sharding,
+        })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The global shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The sharding (its spec has exactly `rank` partitions).
+    pub fn sharding(&self) -> &NamedSharding {
+        &self.sharding
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &Mesh {
+        self.sharding.mesh()
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements of the global array.
+    pub fn element_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The shape of one device's shard (tags do not shrink it, R1.20).
+    pub fn shard_shape(&self) -> Vec<usize> {
+        self.shape
+            .iter()
+            .zip(self.sharding.spec().partitions())
+            .map(|(&n, dim)| {
+                let parts: usize = dim
+                    .axis_names()
+                    .iter()
+                    .filter_map(|a| self.mesh().axis(a).map(|x| x.size()))
+                    .product();
+                n / parts
+            })
+            .collect()
+    }
+
+    /// The cotangent's type: same dtype and shape, tags swapped (R4.2).
+    pub fn to_cotangent(&self) -> ArrayType {
+        ArrayType {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            sharding: self.sharding.to_cotangent(),
+        }
+    }
+
+    /// Axis names of `set` in mesh order, as printing wants them (R1.4).
+    fn in_mesh_order<'a>(&'a self, set: &'a AxisSet) -> Vec<&'a str> {
+        self.mesh()
+            .axis_names()
+            .filter(|a| set.contains(*a))
+            .collect()
+    }
+}
+
+/// `f32[8@data,4]{U:fsdp, R:x}`: each dim as `n`, `n@x` or `n@(x,y)` (only `Explicit` axes are part
+/// of the type, so `Auto` ones are not printed), then `U:` and `R:` in mesh order, each one name
+/// or a parenthesised list; no braces when untagged.
+impl fmt::Display for ArrayType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}[", self.dtype)?;
+        for (i, (n, dim)) in self
+            .shape
+            .iter()
+            .zip(self.sharding.spec().partitions())
+            .enumerate()
+        {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{n}")?;
+            let explicit: Vec<&str> = dim
+                .axis_names()
+                .iter()
+                .map(String::as_str)
+                .filter(|a| {
+                    self.mesh()
+                        .axis(a)
+                        .is_some_and(|x| x.axis_type() == AxisType::Explicit)
+                })
+                .collect();
+            write_axes(f, "@", &explicit)?;
+        }
+        f.write_str("]")?;
+        let spec = self.sharding.spec();
+        let tags: Vec<(&str, Vec<&str>)> = [("U:", spec.unreduced()), ("R:", spec.reduced())]
+            .into_iter()
+            .map(|(label, set)| (label, self.in_mesh_order(set)))
+            .filter(|(_, axes)| !axes.is_empty())
+            .collect();
+        if !tags.is_empty() {
+            f.write_str("{")?;
+            for (i, (label, axes)) in tags.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(", ")?;
+                }
+                write_axes(f, label, axes)?;
+            }
+            f.write_str("}")?;
+        }
+        Ok(())
+    }
+}
+
+/// `prefix` + `x` or `(x,y)`; nothing for no axes.
+fn write_axes(f: &mut fmt::Formatter<'_>, prefix: &str, axes: &[&str]) -> fmt::Result {
+    match axes {
+        [] => Ok(()),
+        [one] => write!(f, "{prefix}{one}"),
+        many => write!(f, "{prefix}({})", many.join(",")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::spec::{DimSpec, PartitionSpec};
+
+    fn ty(mesh: &[(&str, usize, AxisType)], shape: &[usize], spec: PartitionSpec) -> String {
+        let mesh = Arc::new(Mesh::new(mesh.iter().map(|&(n, s, t)| (n, s, t))).unwrap());
+        ArrayType::new(DType::F32, shape.to_vec(), NamedSharding::new(mesh, spec).unwrap())
+            .unwrap()
+            .to_string()
+    }
+
+    const E: AxisType = AxisType::Explicit;
+
+    /// The examples of spec §1.6.
+    #[test]
+    fn golden_strings_of_section_1_6() {
+        let abc = [("a", 1, E), ("b", 1, E), ("c", 1, E)];
+        let spec = PartitionSpec::tagged([None::<&str>, None, None, None], ["a"], ["b"]).unwrap();
+        // (`V:c` is a manual-region annotation printed by the spmd layer; the rest is ours.)
+        assert_eq!(ty(&abc, &[1, 1, 1, 1], spec), "f32[1,1,1,1]{U:a, R:b}");
+        let df = [("data", 2, E), ("fsdp", 2, E)];
+        let spec = PartitionSpec::new(["fsdp"]).with_unreduced(["data"]).unwrap();
+        assert_eq!(ty(&df, &[4, 4], spec), "f32[4@fsdp,4]{U:data}");
+        let spec = PartitionSpec::replicated().with_unreduced(["fsdp", "data"]).unwrap();
+        assert_eq!(ty(&df, &[4, 4], spec), "f32[4,4]{U:(data,fsdp)}");
+    }
+
+    #[test]
+    fn partitions_print_major_first_and_tags_in_mesh_order() {
+        let xyz = [("x", 1, E), ("y", 2, E), ("z", 4, E)];
+        assert_eq!(ty(&xyz, &[8], PartitionSpec::new([DimSpec::axes(["z", "x"])])), "f32[8@(z,x)]");
+        let spec = PartitionSpec::tagged(["x"], ["y"], ["z"]).unwrap();
+        assert_eq!(ty(&xyz, &[8, 16], spec), "f32[8@x,16]{U:y, R:z}");
+        let dft = [("data", 2, E), ("fsdp", 1, E), ("tensor", 2, E)];
+        let spec = PartitionSpec::tagged(["fsdp"], ["tensor"], ["data"]).unwrap();
+        assert_eq!(ty(&dft, &[16], spec), "f32[16@fsdp]{U:tensor, R:data}");
+    }
+
+    #[test]
+    fn auto_axes_are_not_part_of_the_printed_type() {
+        let mixed = [("x", 2, E), ("y", 2, AxisType::Auto)];
+        let spec = PartitionSpec::new([Some("y"), None]).with_unreduced(["x"]).unwrap();
+        assert_eq!(ty(&mixed, &[8, 4], spec), "f32[8,4]{U:x}");
+        let mixed = [("x", 2, E), ("y", 1, AxisType::Auto), ("z", 2, E)];
+        assert_eq!(ty(&mixed, &[8, 4], PartitionSpec::new(["x", "y"])), "f32[8@x,4]");
+    }
+
+    #[test]
+    fn spec_is_padded_to_rank() {
+        let mesh = Arc::new(Mesh::explicit([("x", 2)]).unwrap());
+        let t = ArrayType::new(
+            DType::BF16,
+            vec![4, 6, 2],
+            NamedSharding::new(mesh, PartitionSpec::new(["x"])).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(t.sharding().spec().len(), 3);
+        assert_eq!(t.to_string(), "bf16[4@x,6,2]");
+        assert_eq!(t.shard_shape(), vec![2, 6, 2]);
+    }
+}
