@@ -1,1 +1,62 @@
-fn main(){}
+//! `ferrotext`: the command-line front door. Composes the library layers; no library sees a flag.
+//!
+//! Exit codes: 0 success, 1 a run that failed, 2 bad input (usage, config, mesh).
+
+mod bench;
+mod demo;
+mod mesh_arg;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Train transformer language models on a mesh of devices with typed shardings.
+#[derive(Parser)]
+#[command(name = "ferrotext", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a known schedule of collectives on an in-process mesh, check every result against a
+    /// serial reference, and print the collective trace.
+    Collectives(demo::CollectivesArgs),
+    /// Benchmarks that write JSON.
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCommand,
+    },
+}
+
+/// An error the user caused (bad flag value, bad mesh): exit code 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Collectives(args) => demo::run(&args),
+        Command::Bench { which } => bench::run(which),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            if err.downcast_ref::<UsageError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}

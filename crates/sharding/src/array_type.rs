@@ -237,9 +237,13 @@ mod tests {
 
     fn ty(mesh: &[(&str, usize, AxisType)], shape: &[usize], spec: PartitionSpec) -> String {
         let mesh = Arc::new(Mesh::new(mesh.iter().map(|&(n, s, t)| (n, s, t))).unwrap());
-        ArrayType::new(DType::F32, shape.to_vec(), NamedSharding::new(mesh, spec).unwrap())
-            .unwrap()
-            .to_string()
+        ArrayType::new(
+            DType::F32,
+            shape.to_vec(),
+            NamedSharding::new(mesh, spec).unwrap(),
+        )
+        .unwrap()
+        .to_string()
     }
 
     const E: AxisType = AxisType::Explicit;
@@ -252,16 +256,23 @@ mod tests {
         // (`V:c` is a manual-region annotation printed by the spmd layer; the rest is ours.)
         assert_eq!(ty(&abc, &[1, 1, 1, 1], spec), "f32[1,1,1,1]{U:a, R:b}");
         let df = [("data", 2, E), ("fsdp", 2, E)];
-        let spec = PartitionSpec::new(["fsdp"]).with_unreduced(["data"]).unwrap();
+        let spec = PartitionSpec::new(["fsdp"])
+            .with_unreduced(["data"])
+            .unwrap();
         assert_eq!(ty(&df, &[4, 4], spec), "f32[4@fsdp,4]{U:data}");
-        let spec = PartitionSpec::replicated().with_unreduced(["fsdp", "data"]).unwrap();
+        let spec = PartitionSpec::replicated()
+            .with_unreduced(["fsdp", "data"])
+            .unwrap();
         assert_eq!(ty(&df, &[4, 4], spec), "f32[4,4]{U:(data,fsdp)}");
     }
 
     #[test]
     fn partitions_print_major_first_and_tags_in_mesh_order() {
         let xyz = [("x", 1, E), ("y", 2, E), ("z", 4, E)];
-        assert_eq!(ty(&xyz, &[8], PartitionSpec::new([DimSpec::axes(["z", "x"])])), "f32[8@(z,x)]");
+        assert_eq!(
+            ty(&xyz, &[8], PartitionSpec::new([DimSpec::axes(["z", "x"])])),
+            "f32[8@(z,x)]"
+        );
         let spec = PartitionSpec::tagged(["x"], ["y"], ["z"]).unwrap();
         assert_eq!(ty(&xyz, &[8, 16], spec), "f32[8@x,16]{U:y, R:z}");
         let dft = [("data", 2, E), ("fsdp", 1, E), ("tensor", 2, E)];
@@ -272,10 +283,15 @@ mod tests {
     #[test]
     fn auto_axes_are_not_part_of_the_printed_type() {
         let mixed = [("x", 2, E), ("y", 2, AxisType::Auto)];
-        let spec = PartitionSpec::new([Some("y"), None]).with_unreduced(["x"]).unwrap();
+        let spec = PartitionSpec::new([Some("y"), None])
+            .with_unreduced(["x"])
+            .unwrap();
         assert_eq!(ty(&mixed, &[8, 4], spec), "f32[8,4]{U:x}");
         let mixed = [("x", 2, E), ("y", 1, AxisType::Auto), ("z", 2, E)];
-        assert_eq!(ty(&mixed, &[8, 4], PartitionSpec::new(["x", "y"])), "f32[8@x,4]");
+        assert_eq!(
+            ty(&mixed, &[8, 4], PartitionSpec::new(["x", "y"])),
+            "f32[8@x,4]"
+        );
     }
 
     #[test]

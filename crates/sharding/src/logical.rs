@@ -44,7 +44,11 @@ impl LogicalAxisRules {
             if table.iter().any(|(n, _)| *n == name) {
                 return invalid(format!("logical axis `{name}` has two rules"));
             }
-            if let Some(dup) = axes.iter().enumerate().find(|(i, a)| axes[..*i].contains(a)) {
+            if let Some(dup) = axes
+                .iter()
+                .enumerate()
+                .find(|(i, a)| axes[..*i].contains(a))
+            {
                 return invalid(format!("rule `{name}` lists mesh axis `{}` twice", dup.1));
             }
             table.push((name, axes));
@@ -57,14 +61,23 @@ impl LogicalAxisRules {
     /// resolution, so the table works on any mesh.
     pub fn maxtext() -> LogicalAxisRules {
         const RULES: &[(&str, &[&str])] = &[
-            ("activation_batch", &["data", "fsdp", "fsdp_transpose", "expert"]),
-            ("activation_batch_no_exp", &["data", "fsdp", "fsdp_transpose"]),
+            (
+                "activation_batch",
+                &["data", "fsdp", "fsdp_transpose", "expert"],
+            ),
+            (
+                "activation_batch_no_exp",
+                &["data", "fsdp", "fsdp_transpose"],
+            ),
             (
                 "activation_embed_and_logits_batch",
                 &["data", "stage", "fsdp", "fsdp_transpose", "expert"],
             ),
             ("activation_length", &["sequence", "context"]),
-            ("activation_norm_length", &["tensor_sequence", "context", "sequence"]),
+            (
+                "activation_norm_length",
+                &["tensor_sequence", "context", "sequence"],
+            ),
             ("activation_embed", &["tensor"]),
             ("activation_mlp", &["tensor"]),
             ("activation_heads", &["tensor", "sequence"]),
@@ -72,11 +85,36 @@ impl LogicalAxisRules {
             ("activation_kv", &["tensor"]),
             ("activation_vocab", &["tensor"]),
             ("activation_exp", &["expert"]),
-            ("embed", &["fsdp", "fsdp_transpose", "sequence", "context", "expert"]),
-            ("embed_no_exp", &["fsdp", "fsdp_transpose", "sequence", "context"]),
-            ("embed_moe", &["fsdp", "fsdp_transpose", "sequence", "context"]),
-            ("mlp", &["fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"]),
-            ("mlp_moe", &["fsdp_transpose", "tensor", "tensor_sequence", "autoregressive"]),
+            (
+                "embed",
+                &["fsdp", "fsdp_transpose", "sequence", "context", "expert"],
+            ),
+            (
+                "embed_no_exp",
+                &["fsdp", "fsdp_transpose", "sequence", "context"],
+            ),
+            (
+                "embed_moe",
+                &["fsdp", "fsdp_transpose", "sequence", "context"],
+            ),
+            (
+                "mlp",
+                &[
+                    "fsdp_transpose",
+                    "tensor",
+                    "tensor_sequence",
+                    "autoregressive",
+                ],
+            ),
+            (
+                "mlp_moe",
+                &[
+                    "fsdp_transpose",
+                    "tensor",
+                    "tensor_sequence",
+                    "autoregressive",
+                ],
+            ),
             ("heads", &["tensor", "tensor_sequence", "autoregressive"]),
             ("q_heads", &["tensor", "tensor_sequence", "autoregressive"]),
             ("kv_heads", &["tensor", "tensor_sequence", "autoregressive"]),
@@ -147,7 +185,9 @@ impl LogicalAxisRules {
             let mut kept: Vec<String> = Vec::new();
             let mut product = 1;
             for axis in rule_axes {
-                let Some(mesh_axis) = mesh.axis(axis) else { continue };
+                let Some(mesh_axis) = mesh.axis(axis) else {
+                    continue;
+                };
                 if mesh_axis.size() == 1 || used.contains(&axis.as_str()) {
                     continue;
                 }
@@ -229,19 +269,35 @@ mod tests {
         let mesh = Mesh::explicit([("data", 4), ("fsdp", 1), ("tensor", 2)]).unwrap();
         // activation_batch → data (fsdp has size 1, fsdp_transpose/expert absent)
         let spec = rules
-            .resolve(&[Some("activation_batch"), None, Some("activation_embed")], &[8, 16, 32], &mesh)
+            .resolve(
+                &[Some("activation_batch"), None, Some("activation_embed")],
+                &[8, 16, 32],
+                &mesh,
+            )
             .unwrap();
-        assert_eq!(spec, PartitionSpec::new([Some("data"), None, Some("tensor")]));
+        assert_eq!(
+            spec,
+            PartitionSpec::new([Some("data"), None, Some("tensor")])
+        );
         // `tensor` already used by dim 0: dim 1 stays replicated.
-        let spec = rules.resolve(&[Some("vocab"), Some("mlp")], &[8, 8], &mesh).unwrap();
+        let spec = rules
+            .resolve(&[Some("vocab"), Some("mlp")], &[8, 8], &mesh)
+            .unwrap();
         assert_eq!(spec, PartitionSpec::new([Some("tensor"), None]));
         // 6 is not divisible by data=4: skipped.
-        let spec = rules.resolve(&[Some("activation_batch")], &[6], &mesh).unwrap();
+        let spec = rules
+            .resolve(&[Some("activation_batch")], &[6], &mesh)
+            .unwrap();
         assert_eq!(spec, PartitionSpec::new([None::<&str>]));
         // several axes, major first
         let mesh = Mesh::explicit([("data", 2), ("fsdp", 2)]).unwrap();
-        let spec = rules.resolve(&[Some("activation_batch"), Some("embed")], &[8, 8], &mesh).unwrap();
-        assert_eq!(spec, PartitionSpec::new([DimSpec::axes(["data", "fsdp"]), DimSpec::Replicated]));
+        let spec = rules
+            .resolve(&[Some("activation_batch"), Some("embed")], &[8, 8], &mesh)
+            .unwrap();
+        assert_eq!(
+            spec,
+            PartitionSpec::new([DimSpec::axes(["data", "fsdp"]), DimSpec::Replicated])
+        );
         assert!(rules.resolve(&[Some("embed")], &[8, 8], &mesh).is_err());
     }
 
@@ -252,11 +308,20 @@ mod tests {
         let current = PartitionSpec::new([None::<&str>, None])
             .with_reduced(["data"])
             .unwrap();
-        let spec = rules.resolve_for(&[Some("embed"), Some("mlp")], &[8, 8], &mesh, &current).unwrap();
-        assert_eq!(spec.partitions(), &[DimSpec::axis("fsdp"), DimSpec::axis("tensor")]);
+        let spec = rules
+            .resolve_for(&[Some("embed"), Some("mlp")], &[8, 8], &mesh, &current)
+            .unwrap();
+        assert_eq!(
+            spec.partitions(),
+            &[DimSpec::axis("fsdp"), DimSpec::axis("tensor")]
+        );
         assert_eq!(spec.reduced(), &set(&["data"]));
-        let current = PartitionSpec::replicated().with_unreduced(["data"]).unwrap();
-        let spec = rules.resolve_for(&[Some("embed")], &[8], &mesh, &current).unwrap();
+        let current = PartitionSpec::replicated()
+            .with_unreduced(["data"])
+            .unwrap();
+        let spec = rules
+            .resolve_for(&[Some("embed")], &[8], &mesh, &current)
+            .unwrap();
         assert_eq!(spec.unreduced(), &set(&["data"]));
     }
 
@@ -268,13 +333,23 @@ mod tests {
         let err = rules
             .resolve_for(&[Some("activation_batch")], &[8], &mesh, &current)
             .unwrap_err();
-        assert!(matches!(err, ShardingError::RuleConflictsWithTag { kind: TagKind::Reduced, .. }));
-        assert!(err.to_string().contains("`activation_batch` resolves to mesh axis `data`"));
+        assert!(matches!(
+            err,
+            ShardingError::RuleConflictsWithTag {
+                kind: TagKind::Reduced,
+                ..
+            }
+        ));
+        assert!(err
+            .to_string()
+            .contains("`activation_batch` resolves to mesh axis `data`"));
     }
 
     #[test]
     fn carry_reduced_accepts_and_declines() {
-        let from = PartitionSpec::new([None::<&str>, None]).with_reduced(["data"]).unwrap();
+        let from = PartitionSpec::new([None::<&str>, None])
+            .with_reduced(["data"])
+            .unwrap();
         let rebuilt = PartitionSpec::new([Some("expert"), None, Some("tensor")]);
         let carried = carry_reduced(&rebuilt, &from).unwrap();
         assert_eq!(carried.reduced(), &set(&["data"]));
@@ -282,14 +357,25 @@ mod tests {
 
         let sharded_on_data = PartitionSpec::new([Some("data"), None]);
         let err = carry_reduced(&sharded_on_data, &from).unwrap_err();
-        assert!(matches!(err, ShardingError::PartitionOverlapsTag { kind: TagKind::Reduced, .. }));
-        let unreduced_on_data = PartitionSpec::replicated().with_unreduced(["data"]).unwrap();
+        assert!(matches!(
+            err,
+            ShardingError::PartitionOverlapsTag {
+                kind: TagKind::Reduced,
+                ..
+            }
+        ));
+        let unreduced_on_data = PartitionSpec::replicated()
+            .with_unreduced(["data"])
+            .unwrap();
         assert!(matches!(
             carry_reduced(&unreduced_on_data, &from),
             Err(ShardingError::TagsOverlap { .. })
         ));
         // Nothing to carry: the spec comes back unchanged.
-        assert_eq!(carry_reduced(&rebuilt, &PartitionSpec::replicated()).unwrap(), rebuilt);
+        assert_eq!(
+            carry_reduced(&rebuilt, &PartitionSpec::replicated()).unwrap(),
+            rebuilt
+        );
     }
 
     #[test]
@@ -298,7 +384,10 @@ mod tests {
         let mesh = Mesh::explicit([("data", 4), ("fsdp", 1), ("tensor", 2)]).unwrap();
         assert_eq!(rules.batch_mesh_axes(&mesh).unwrap(), set(&["data"]));
         let mesh = Mesh::explicit([("data", 2), ("fsdp", 2)]).unwrap();
-        assert_eq!(rules.batch_mesh_axes(&mesh).unwrap(), set(&["data", "fsdp"]));
+        assert_eq!(
+            rules.batch_mesh_axes(&mesh).unwrap(),
+            set(&["data", "fsdp"])
+        );
         let mesh = Mesh::explicit([("tensor", 4)]).unwrap();
         assert!(rules.batch_mesh_axes(&mesh).is_err());
     }

@@ -193,7 +193,8 @@ impl Mesh {
     /// [`ShardingError::InvalidMesh`] when the number of coordinates or any coordinate is out of
     /// range.
     pub fn device_at(&self, coords: &[usize]) -> Result<usize, ShardingError> {
-        if coords.len() != self.axes.len() || coords.iter().zip(&self.axes).any(|(c, a)| *c >= a.size)
+        if coords.len() != self.axes.len()
+            || coords.iter().zip(&self.axes).any(|(c, a)| *c >= a.size)
         {
             return Err(ShardingError::InvalidMesh {
                 reason: format!("coordinates {coords:?} do not address a device of {self}"),
@@ -240,7 +241,10 @@ impl Mesh {
     ///
     /// # Errors
     /// As [`Mesh::group_of`].
-    pub fn groups<S: AsRef<str>>(&self, group_axes: &[S]) -> Result<Vec<Vec<usize>>, ShardingError> {
+    pub fn groups<S: AsRef<str>>(
+        &self,
+        group_axes: &[S],
+    ) -> Result<Vec<Vec<usize>>, ShardingError> {
         let mut seen = vec![false; self.device_count()];
         let mut groups = Vec::new();
         for device in 0..self.device_count() {
@@ -261,7 +265,9 @@ impl Mesh {
         let mut positions = Vec::with_capacity(names.len());
         for name in names {
             let name = name.as_ref();
-            let p = self.axis_index(name).ok_or_else(|| self.unknown_axis(name))?;
+            let p = self
+                .axis_index(name)
+                .ok_or_else(|| self.unknown_axis(name))?;
             if positions.contains(&p) {
                 return Err(ShardingError::InvalidMesh {
                     reason: format!("axis `{name}` is listed twice in a device group"),
@@ -342,7 +348,10 @@ mod tests {
         // `c` major: rank order walks `c` slowest.
         assert_eq!(mesh.groups(&["c", "a"]).unwrap(), vec![vec![0, 2, 1, 3]]);
         let none: [&str; 0] = [];
-        assert_eq!(mesh.groups(&none).unwrap(), vec![vec![0], vec![1], vec![2], vec![3]]);
+        assert_eq!(
+            mesh.groups(&none).unwrap(),
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        );
         assert_eq!(mesh.group_of(3, &["b"]).unwrap(), vec![3]);
     }
 

@@ -54,9 +54,10 @@ impl NamedSharding {
             (TagKind::Unreduced, spec.unreduced()),
             (TagKind::Reduced, spec.reduced()),
         ] {
-            let all_explicit = set
-                .iter()
-                .all(|a| mesh.axis(a).is_some_and(|x| x.axis_type() == AxisType::Explicit));
+            let all_explicit = set.iter().all(|a| {
+                mesh.axis(a)
+                    .is_some_and(|x| x.axis_type() == AxisType::Explicit)
+            });
             if !all_explicit {
                 return Err(ShardingError::TagAxisNotExplicit {
                     kind,
@@ -227,11 +228,12 @@ impl NamedSharding {
             Some((spec.partitions().to_vec(), unreduced))
         };
         self.mesh.device_count() == other.mesh.device_count()
-            && self.mesh.axes().iter().map(|a| (a.name(), a.size())).eq(other
+            && self
                 .mesh
                 .axes()
                 .iter()
-                .map(|a| (a.name(), a.size())))
+                .map(|a| (a.name(), a.size()))
+                .eq(other.mesh.axes().iter().map(|a| (a.name(), a.size())))
             && physical(self).is_some()
             && physical(self) == physical(other)
     }
@@ -247,7 +249,11 @@ impl NamedSharding {
             .partition_axes()
             .chain(self.spec.unreduced().iter().map(String::as_str))
             .chain(self.spec.reduced().iter().map(String::as_str))
-            .filter(|a| self.mesh.axis(a).is_some_and(|x| x.axis_type() != AxisType::Explicit))
+            .filter(|a| {
+                self.mesh
+                    .axis(a)
+                    .is_some_and(|x| x.axis_type() != AxisType::Explicit)
+            })
             .map(str::to_string)
             .collect();
         bad.dedup();
@@ -284,7 +290,8 @@ mod tests {
 
     #[test]
     fn r1_11_unreduced_axis_must_exist() {
-        let spec = PartitionSpec::tagged([None::<&str>, None], ["w"], Vec::<String>::new()).unwrap();
+        let spec =
+            PartitionSpec::tagged([None::<&str>, None], ["w"], Vec::<String>::new()).unwrap();
         let err = NamedSharding::new(xy(), spec).unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -295,7 +302,8 @@ mod tests {
 
     #[test]
     fn r1_12_reduced_axis_must_exist() {
-        let spec = PartitionSpec::tagged([None::<&str>, None], Vec::<String>::new(), ["y", "w"]).unwrap();
+        let spec =
+            PartitionSpec::tagged([None::<&str>, None], Vec::<String>::new(), ["y", "w"]).unwrap();
         let err = NamedSharding::new(xy(), spec).unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -318,7 +326,10 @@ mod tests {
         let spec = PartitionSpec::replicated().with_unreduced(["x"]).unwrap();
         assert!(matches!(
             NamedSharding::new(manual, spec),
-            Err(ShardingError::TagAxisNotExplicit { kind: TagKind::Unreduced, .. })
+            Err(ShardingError::TagAxisNotExplicit {
+                kind: TagKind::Unreduced,
+                ..
+            })
         ));
     }
 
@@ -351,9 +362,14 @@ mod tests {
             "A single NamedSharding spec specification can map every mesh axis to at most one \
              positional dimension, but P('x', 'x') has duplicate entries for `x`"
         );
-        let err = NamedSharding::new(xy(), PartitionSpec::new([DimSpec::axes(["y", "x"]), DimSpec::axis("x")]))
-            .unwrap_err();
-        assert!(err.to_string().ends_with("but P(('y', 'x'), 'x') has duplicate entries for `x`"));
+        let err = NamedSharding::new(
+            xy(),
+            PartitionSpec::new([DimSpec::axes(["y", "x"]), DimSpec::axis("x")]),
+        )
+        .unwrap_err();
+        assert!(err
+            .to_string()
+            .ends_with("but P(('y', 'x'), 'x') has duplicate entries for `x`"));
     }
 
     #[test]
@@ -364,14 +380,30 @@ mod tests {
         assert!(err
             .to_string()
             .starts_with("PartitionSpec passed to reshard cannot contain axis names that are of type Auto or Manual."));
-        assert!(ns.with_spec(PartitionSpec::new(["x"])).unwrap().check_explicit_for("reshard").is_ok());
+        assert!(ns
+            .with_spec(PartitionSpec::new(["x"]))
+            .unwrap()
+            .check_explicit_for("reshard")
+            .is_ok());
     }
 
     #[test]
     fn r1_18_equality_and_equivalence() {
         let plain = NamedSharding::new(xy(), PartitionSpec::new([None::<&str>])).unwrap();
-        let reduced = plain.with_spec(PartitionSpec::new([None::<&str>]).with_reduced(["x"]).unwrap()).unwrap();
-        let unreduced = plain.with_spec(PartitionSpec::new([None::<&str>]).with_unreduced(["x"]).unwrap()).unwrap();
+        let reduced = plain
+            .with_spec(
+                PartitionSpec::new([None::<&str>])
+                    .with_reduced(["x"])
+                    .unwrap(),
+            )
+            .unwrap();
+        let unreduced = plain
+            .with_spec(
+                PartitionSpec::new([None::<&str>])
+                    .with_unreduced(["x"])
+                    .unwrap(),
+            )
+            .unwrap();
         assert_ne!(plain, reduced);
         assert_ne!(plain, unreduced);
         assert!(reduced.is_equivalent_to(&plain, 2));
@@ -384,16 +416,30 @@ mod tests {
     fn r1_19_fully_replicated() {
         let plain = NamedSharding::replicated(xy());
         assert!(plain.is_fully_replicated());
-        assert!(plain.with_spec(PartitionSpec::replicated().with_reduced(["x"]).unwrap()).unwrap().is_fully_replicated());
-        assert!(!plain.with_spec(PartitionSpec::replicated().with_unreduced(["x"]).unwrap()).unwrap().is_fully_replicated());
-        assert!(!plain.with_spec(PartitionSpec::new(["y"])).unwrap().is_fully_replicated());
+        assert!(plain
+            .with_spec(PartitionSpec::replicated().with_reduced(["x"]).unwrap())
+            .unwrap()
+            .is_fully_replicated());
+        assert!(!plain
+            .with_spec(PartitionSpec::replicated().with_unreduced(["x"]).unwrap())
+            .unwrap()
+            .is_fully_replicated());
+        assert!(!plain
+            .with_spec(PartitionSpec::new(["y"]))
+            .unwrap()
+            .is_fully_replicated());
     }
 
     #[test]
     fn r1_20_shard_shape_ignores_tags() {
-        let ns = NamedSharding::new(xy(), PartitionSpec::new(["x"]).with_unreduced(["y"]).unwrap()).unwrap();
+        let ns = NamedSharding::new(
+            xy(),
+            PartitionSpec::new(["x"]).with_unreduced(["y"]).unwrap(),
+        )
+        .unwrap();
         assert_eq!(ns.shard_shape(&[8, 4]).unwrap(), vec![4, 4]);
-        let both = NamedSharding::new(xy(), PartitionSpec::new([DimSpec::axes(["x", "y"])])).unwrap();
+        let both =
+            NamedSharding::new(xy(), PartitionSpec::new([DimSpec::axes(["x", "y"])])).unwrap();
         assert_eq!(both.shard_shape(&[8, 4]).unwrap(), vec![2, 4]);
     }
 
@@ -407,8 +453,14 @@ mod tests {
              divide the dimension size 3. Got shape: (3, 4) and sharding NamedSharding(mesh=Mesh('x': 2, \
              'y': 2, axis_types=(Explicit, Explicit)), spec=P('y', None))"
         );
-        let err = ns.with_spec(PartitionSpec::new([None, Some("y")])).unwrap().shard_shape(&[8]).unwrap_err();
-        assert!(err.to_string().ends_with("is only valid for values of rank at least 2, but was applied to a value of rank 1"));
+        let err = ns
+            .with_spec(PartitionSpec::new([None, Some("y")]))
+            .unwrap()
+            .shard_shape(&[8])
+            .unwrap_err();
+        assert!(err.to_string().ends_with(
+            "is only valid for values of rank at least 2, but was applied to a value of rank 1"
+        ));
     }
 
     #[test]

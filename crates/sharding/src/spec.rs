@@ -539,27 +539,44 @@ mod tests {
             px.with_unreduced(["y"]).unwrap(),
             PartitionSpec::tagged(["x"], ["y"], Vec::<String>::new()).unwrap()
         );
-        assert_eq!(PartitionSpec::replicated().with_unreduced(["x"]).unwrap().len(), 0);
+        assert_eq!(
+            PartitionSpec::replicated()
+                .with_unreduced(["x"])
+                .unwrap()
+                .len(),
+            0
+        );
     }
 
     #[test]
     fn prints_like_jax_0_10() {
         let spec = PartitionSpec::tagged([Some("x"), None], ["y"], ["z"]).unwrap();
-        assert_eq!(spec.to_string(), "P('x', None, unreduced={'y'}, reduced={'z'})");
+        assert_eq!(
+            spec.to_string(),
+            "P('x', None, unreduced={'y'}, reduced={'z'})"
+        );
         assert_eq!(PartitionSpec::replicated().to_string(), "P()");
         assert_eq!(
             PartitionSpec::new([DimSpec::axes(["x", "y"])]).to_string(),
             "P(('x', 'y'))"
         );
-        assert_eq!(PartitionsRepr(vec![DimSpec::axis("z")]).to_string(), "('z',)");
+        assert_eq!(
+            PartitionsRepr(vec![DimSpec::axis("z")]).to_string(),
+            "('z',)"
+        );
     }
 
     #[test]
     fn concat_unites_tags_and_checks_them() {
         let a = PartitionSpec::new(["x"]).with_reduced(["z"]).unwrap();
-        let b = PartitionSpec::new([None::<&str>]).with_unreduced(["y"]).unwrap();
+        let b = PartitionSpec::new([None::<&str>])
+            .with_unreduced(["y"])
+            .unwrap();
         let ab = a.concat(&b).unwrap();
-        assert_eq!(ab.to_string(), "P('x', None, unreduced={'y'}, reduced={'z'})");
+        assert_eq!(
+            ab.to_string(),
+            "P('x', None, unreduced={'y'}, reduced={'z'})"
+        );
         assert!(a.concat(&PartitionSpec::new(["z"])).is_err());
     }
 
@@ -574,11 +591,12 @@ mod tests {
         assert_eq!(no_ones.partitions()[0], DimSpec::axis("tensor"));
         assert_eq!(no_ones.reduced(), &set(&["data"]));
 
-        let adjusted = PartitionSpec::new([DimSpec::axes(["tensor", "fsdp"]), DimSpec::axis("fsdp")])
-            .with_unreduced(["data"])
-            .unwrap()
-            .adjusted_for_shape(&[3, 8], &mesh)
-            .unwrap();
+        let adjusted =
+            PartitionSpec::new([DimSpec::axes(["tensor", "fsdp"]), DimSpec::axis("fsdp")])
+                .with_unreduced(["data"])
+                .unwrap()
+                .adjusted_for_shape(&[3, 8], &mesh)
+                .unwrap();
         assert_eq!(
             adjusted.partitions(),
             &[DimSpec::Replicated, DimSpec::axis("fsdp")]

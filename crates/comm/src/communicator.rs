@@ -1,0 +1,395 @@
+//! `Communicator`: one device's handle on the collectives, independent of the backend.
+//!
+//! The front end does everything that must be the same for every backend, in this order: resolve
+//! the mesh axes to a device group (validated), check the buffers fit the collective, record the
+//! event in the trace under the current phase, then hand the call to the backend. A group of one
+//! device is served here without the backend (copy or no-op) but is still recorded, so traces do
+//! not depend on mesh sizes.
+
+use std::sync::Arc;
+
+use ferrotext_sharding::{DType, Mesh};
+
+use crate::element::{Buf, BufMut, Element};
+use crate::error::CommError;
+use crate::trace::{CollectiveKind, Trace, TraceEvent};
+
+/// What a backend is told about one collective (already validated by the front end).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpInfo {
+    /// What it does.
+    pub kind: CollectiveKind,
+    /// Position in this device's sequence of collectives (identical on every device of a correct
+    /// SPMD program).
+    pub seq: u64,
+    /// The mesh axes of the group, as listed by the caller.
+    pub axes: Vec<String>,
+    /// The group's devices in rank order (see `Mesh::group_of`).
+    pub group: Vec<usize>,
+    /// This device's rank in `group`.
+    pub rank: usize,
+    /// Elements of the full buffer (as in [`TraceEvent::elements`]).
+    pub elements: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Root rank of a broadcast (0 otherwise).
+    pub root: usize,
+}
+
+impl OpInfo {
+    /// A short description for error messages: `all_reduce over [data] of 1024 f32`.
+    pub fn describe(&self) -> String {
+        let root = if self.kind == CollectiveKind::Broadcast {
+            format!(" from rank {}", self.root)
+        } else {
+            String::new()
+        };
+        format!(
+            "{} over {:?} of {} {}{root}",
+            self.kind, self.axes, self.elements, self.dtype
+        )
+    }
+}
+
+/// A transport that moves the bytes: the in-process [`crate::LocalBackend`] today, MPI and NCCL
+/// later. Called only for groups of two or more devices, with buffers already checked.
+///
+/// Every method must either complete on every member of the group or return an error on every
+/// member within the backend's timeout.
+pub trait Backend: Send {
+    /// In-place sum over the group.
+    ///
+    /// # Errors
+    /// As the trait docs.
+    fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError>;
+    /// `output` (len M) = chunk `rank` of the sum of every member's `input` (len group×M).
+    ///
+    /// # Errors
+    /// As the trait docs.
+    fn reduce_scatter(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError>;
+    /// `output` (len group×M) = every member's `input` (len M), in rank order.
+    ///
+    /// # Errors
+    /// As the trait docs.
+    fn all_gather(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError>;
+    /// Chunk `k` of `output` = chunk `rank` of member `k`'s `input` (equal lengths, group×M).
+    ///
+    /// # Errors
+    /// As the trait docs.
+    fn all_to_all(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError>;
+    /// Every member's `buf` = the root's.
+    ///
+    /// # Errors
+    /// As the trait docs.
+    fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError>;
+    /// Waits for every member.
+    ///
+    /// # Errors
+    /// As the trait docs.
+    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError>;
+}
+
+/// One device's collectives over groups of mesh axes, with its trace and phase labels.
+///
+/// # Collectives
+/// Each method runs over the group of devices that share this device's coordinates on every
+/// mesh axis *not* listed (e.g. over `["data"]` on a data×tensor mesh: the devices with the same
+/// `tensor` index). Ranks in the group follow the listed axes, first axis major. Every member must
+/// make the same call (kind, axes, length, dtype, root) at the same point of its program; results
+/// are bitwise identical on every member and from run to run (sums are taken in rank order).
+pub struct Communicator {
+    device: usize,
+    mesh: Arc<Mesh>,
+    backend: Box<dyn Backend>,
+    trace: Trace,
+    phases: Vec<String>,
+    seq: u64,
+}
+
+impl Communicator {
+    /// A communicator for `device` of `mesh` over `backend`.
+    pub fn new(device: usize, mesh: Arc<Mesh>, backend: Box<dyn Backend>) -> Communicator {
+        Communicator {
+            device,
+            mesh,
+            backend,
+            trace: Trace::new(),
+            phases: Vec::new(),
+            seq: 0,
+        }
+    }
+
+    /// This device's index in the mesh.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &Arc<Mesh> {
+        &self.mesh
+    }
+
+    /// The devices of this device's group over `axes`, in rank order.
+    ///
+    /// # Errors
+    /// When an axis is unknown or repeated.
+    pub fn group<S: AsRef<str>>(&self, axes: &[S]) -> Result<Vec<usize>, CommError> {
+        self.mesh
+            .group_of(self.device, axes)
+            .map_err(|source| CommError::Axes {
+                kind: CollectiveKind::Barrier,
+                axes: names(axes),
+                source: Box::new(source),
+            })
+    }
+
+    /// Enters a phase: events recorded until the matching [`Communicator::pop_phase`] carry this
+    /// label (nested labels are joined with `/`).
+    pub fn push_phase(&mut self, label: impl Into<String>) {
+        self.phases.push(label.into());
+    }
+
+    /// Leaves the innermost phase (no-op when none).
+    pub fn pop_phase(&mut self) {
+        self.phases.pop();
+    }
+
+    /// The phase label in force (empty outside any phase).
+    pub fn phase(&self) -> String {
+        self.phases.join("/")
+    }
+
+    /// This device's trace so far.
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+
+    /// Takes the trace, leaving an empty one.
+    pub fn take_trace(&mut self) -> Trace {
+        std::mem::take(&mut self.trace)
+    }
+
+    /// In-place sum of `buf` over the group (every member passes the same length).
+    ///
+    /// # Errors
+    /// Bad axes; or any [`CommError`] of the backend (mismatch, peer departed, timeout).
+    pub fn all_reduce<T: Element, S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        buf: &mut [T],
+    ) -> Result<(), CommError> {
+        let op = self.begin::<T, S>(CollectiveKind::AllReduce, axes, buf.len(), 0)?;
+        if op.group.len() == 1 {
+            return Ok(());
+        }
+        self.backend.all_reduce(&op, T::buf_mut(buf))
+    }
+
+    /// Sum over the group, scattered: `output` (len M) receives chunk `rank` of the sum of every
+    /// member's `input` (len group×M).
+    ///
+    /// # Errors
+    /// [`CommError::BadBuffer`] when `input.len() != group × output.len()`; else as
+    /// [`Communicator::all_reduce`].
+    pub fn reduce_scatter<T: Element, S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        let op = self.begin::<T, S>(CollectiveKind::ReduceScatter, axes, input.len(), 0)?;
+        self.check_len(
+            &op,
+            input.len(),
+            op.group.len() * output.len(),
+            "input",
+            "group × output",
+        )?;
+        if op.group.len() == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        self.backend
+            .reduce_scatter(&op, T::buf(input), T::buf_mut(output))
+    }
+
+    /// Concatenation over the group: `output` (len group×M) receives every member's `input`
+    /// (len M) in rank order.
+    ///
+    /// # Errors
+    /// [`CommError::BadBuffer`] when `output.len() != group × input.len()`; else as
+    /// [`Communicator::all_reduce`].
+    pub fn all_gather<T: Element, S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        let op = self.begin::<T, S>(CollectiveKind::AllGather, axes, output.len(), 0)?;
+        self.check_len(
+            &op,
+            output.len(),
+            op.group.len() * input.len(),
+            "output",
+            "group × input",
+        )?;
+        if op.group.len() == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        self.backend
+            .all_gather(&op, T::buf(input), T::buf_mut(output))
+    }
+
+    /// Personalised exchange: both buffers hold group×M elements; chunk `k` of `output` receives
+    /// chunk `rank` of member `k`'s `input`.
+    ///
+    /// # Errors
+    /// [`CommError::BadBuffer`] when the lengths differ or are not divisible by the group size;
+    /// else as [`Communicator::all_reduce`].
+    pub fn all_to_all<T: Element, S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        let op = self.begin::<T, S>(CollectiveKind::AllToAll, axes, input.len(), 0)?;
+        self.check_len(&op, output.len(), input.len(), "output", "input")?;
+        let n = op.group.len();
+        let rounded = input.len() / n * n;
+        self.check_len(
+            &op,
+            input.len(),
+            rounded,
+            "input",
+            "a multiple of the group size",
+        )?;
+        if n == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        self.backend
+            .all_to_all(&op, T::buf(input), T::buf_mut(output))
+    }
+
+    /// Copies the buffer of group rank `root` to every member.
+    ///
+    /// # Errors
+    /// [`CommError::BadBuffer`] when `root` is not a rank of the group; else as
+    /// [`Communicator::all_reduce`].
+    pub fn broadcast<T: Element, S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        root: usize,
+        buf: &mut [T],
+    ) -> Result<(), CommError> {
+        let op = self.begin::<T, S>(CollectiveKind::Broadcast, axes, buf.len(), root)?;
+        if root >= op.group.len() {
+            return Err(self.bad(&op, format!("root rank {root} is not in the group")));
+        }
+        if op.group.len() == 1 {
+            return Ok(());
+        }
+        self.backend.broadcast(&op, T::buf_mut(buf))
+    }
+
+    /// Waits until every member of the group has arrived.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    pub fn barrier<S: AsRef<str>>(&mut self, axes: &[S]) -> Result<(), CommError> {
+        let op = self.begin::<f32, S>(CollectiveKind::Barrier, axes, 0, 0)?;
+        if op.group.len() == 1 {
+            return Ok(());
+        }
+        self.backend.barrier(&op)
+    }
+
+    /// Resolves the group, records the event and advances the sequence number.
+    fn begin<T: Element, S: AsRef<str>>(
+        &mut self,
+        kind: CollectiveKind,
+        axes: &[S],
+        elements: usize,
+        root: usize,
+    ) -> Result<OpInfo, CommError> {
+        let axes = names(axes);
+        let group = self
+            .mesh
+            .group_of(self.device, &axes)
+            .map_err(|source| CommError::Axes {
+                kind,
+                axes: axes.clone(),
+                source: Box::new(source),
+            })?;
+        let rank = group.iter().position(|&d| d == self.device).unwrap_or(0);
+        let op = OpInfo {
+            kind,
+            seq: self.seq,
+            axes,
+            rank,
+            elements,
+            dtype: T::DTYPE,
+            root,
+            group,
+        };
+        self.seq += 1;
+        self.trace.record(TraceEvent {
+            seq: op.seq,
+            kind,
+            axes: op.axes.clone(),
+            group_size: op.group.len(),
+            elements,
+            bytes: elements * T::DTYPE.size_bytes(),
+            dtype: T::DTYPE,
+            phase: self.phase(),
+        });
+        Ok(op)
+    }
+
+    fn check_len(
+        &self,
+        op: &OpInfo,
+        got: usize,
+        want: usize,
+        what: &str,
+        rule: &str,
+    ) -> Result<(), CommError> {
+        if got == want {
+            Ok(())
+        } else {
+            Err(self.bad(
+                op,
+                format!("{what} has {got} elements; it must be {rule} = {want}"),
+            ))
+        }
+    }
+
+    fn bad(&self, op: &OpInfo, reason: String) -> CommError {
+        CommError::BadBuffer {
+            kind: op.kind,
+            axes: op.axes.clone(),
+            group_size: op.group.len(),
+            reason,
+        }
+    }
+}
+
+fn names<S: AsRef<str>>(axes: &[S]) -> Vec<String> {
+    axes.iter().map(|a| a.as_ref().to_string()).collect()
+}

@@ -1,0 +1,94 @@
+//! The one error type of the `comm` layer.
+
+use std::time::Duration;
+
+use ferrotext_sharding::ShardingError;
+
+use crate::trace::CollectiveKind;
+
+/// Why a collective did not complete.
+///
+/// Every failure of a collective reaches *every* member of its group as one of these (the member
+/// that caused it may see another variant), within the configured timeout: a collective never
+/// hangs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommError {
+    /// The group's axes are not valid on the mesh.
+    #[error("`{kind}` over axes {axes:?}: {source}")]
+    Axes {
+        /// The collective.
+        kind: CollectiveKind,
+        /// The axes given.
+        axes: Vec<String>,
+        /// Why they are invalid (boxed: keeps `Result<_, CommError>` small on the hot path).
+        source: Box<ShardingError>,
+    },
+    /// The buffers do not fit the collective (checked before any communication).
+    #[error("`{kind}` over axes {axes:?} on a group of {group_size}: {reason}")]
+    BadBuffer {
+        /// The collective.
+        kind: CollectiveKind,
+        /// The axes given.
+        axes: Vec<String>,
+        /// Devices in the group.
+        group_size: usize,
+        /// What does not fit.
+        reason: String,
+    },
+    /// Members of the group issued different collectives at the same point of the program.
+    #[error(
+        "collective mismatch at collective #{seq}: device {device} issued {mine} but device \
+         {other_device} issued {theirs}; every device must issue the same collectives in the same order"
+    )]
+    Mismatch {
+        /// Position in the devices' sequences of collectives.
+        seq: u64,
+        /// A device whose call is shown as `mine`.
+        device: usize,
+        /// Its call, described.
+        mine: String,
+        /// A device that disagrees.
+        other_device: usize,
+        /// Its call, described.
+        theirs: String,
+    },
+    /// A member of the group left the program (returned, failed or panicked) while others waited.
+    #[error(
+        "`{kind}` (collective #{seq}) cannot complete: device {departed} has already left the \
+         program (it returned, failed or panicked)"
+    )]
+    PeerDeparted {
+        /// The collective.
+        kind: CollectiveKind,
+        /// Its position in the sequence.
+        seq: u64,
+        /// The device that left.
+        departed: usize,
+    },
+    /// Not every member arrived within the timeout.
+    #[error(
+        "`{kind}` (collective #{seq}) over axes {axes:?} timed out after {waited:?}: devices \
+         {missing:?} never arrived"
+    )]
+    Timeout {
+        /// The collective.
+        kind: CollectiveKind,
+        /// Its position in the sequence.
+        seq: u64,
+        /// The axes given.
+        axes: Vec<String>,
+        /// How long this device waited.
+        waited: Duration,
+        /// Members that had not arrived.
+        missing: Vec<usize>,
+    },
+    /// An earlier collective on this group failed; the group cannot be used again.
+    #[error("the device group {group:?} is broken by an earlier failure: {cause}")]
+    GroupBroken {
+        /// The group's devices.
+        group: Vec<usize>,
+        /// The first failure, printed.
+        cause: String,
+    },
+}

@@ -1,0 +1,202 @@
+//! `ferrotext bench ...`: benchmarks that write JSON and print a table.
+//!
+//! Times are medians over repetitions within one process; compare the ratios, not the absolute
+//! numbers (the machine is shared and noisy).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::{Subcommand, ValueEnum};
+use ferrotext_comm::{human_bytes, run_spmd, CommError, SpmdOptions};
+use ferrotext_sharding::Mesh;
+use serde::Serialize;
+
+use crate::UsageError;
+
+/// The benchmarks.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// All-reduce bandwidth from 4 KiB to 64 MiB next to memcpy of the same buffer.
+    Collectives {
+        /// Device counts to run (a one-axis `data` mesh each).
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        devices: Vec<usize>,
+        /// Smallest buffer in bytes (sizes grow ×4).
+        #[arg(long, default_value_t = 4 << 10)]
+        min_bytes: usize,
+        /// Largest buffer in bytes.
+        #[arg(long, default_value_t = 64 << 20)]
+        max_bytes: usize,
+        /// Which transport.
+        #[arg(long, value_enum, default_value_t = Backend::Local)]
+        backend: Backend,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/collectives.json")]
+        out: PathBuf,
+    },
+}
+
+/// Collective transports the benchmark can run.
+#[derive(Clone, Copy, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Device threads in this process, shared memory.
+    Local,
+}
+
+#[derive(Serialize)]
+struct Row {
+    backend: Backend,
+    devices: usize,
+    bytes: usize,
+    reps: usize,
+    all_reduce_median_s: f64,
+    /// Buffer bytes / time.
+    algbw_gb_s: f64,
+    /// algbw × 2(n−1)/n, the per-device traffic of a bandwidth-optimal all-reduce (NCCL's bus
+    /// bandwidth).
+    busbw_gb_s: f64,
+    memcpy_median_s: f64,
+    memcpy_gb_s: f64,
+    /// algbw / memcpy bandwidth.
+    ratio_to_memcpy: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    benchmark: &'static str,
+    cores: usize,
+    rows: Vec<Row>,
+}
+
+/// Runs one benchmark.
+pub fn run(which: BenchCommand) -> Result<()> {
+    match which {
+        BenchCommand::Collectives {
+            devices,
+            min_bytes,
+            max_bytes,
+            backend,
+            out,
+        } => collectives(&devices, min_bytes, max_bytes, backend, &out),
+    }
+}
+
+fn sizes(min_bytes: usize, max_bytes: usize) -> Vec<usize> {
+    let mut sizes = Vec::new();
+    let mut s = min_bytes.max(4);
+    while s <= max_bytes {
+        sizes.push(s);
+        s *= 4;
+    }
+    sizes
+}
+
+/// Enough repetitions for ~0.25 s of copying per size, within [5, 200].
+fn reps_for(bytes: usize) -> usize {
+    ((256usize << 20) / bytes.max(1)).clamp(5, 200)
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn memcpy_seconds(bytes: usize, reps: usize) -> f64 {
+    let src = vec![1.0f32; bytes / 4];
+    let mut dst = vec![0.0f32; bytes / 4];
+    dst.copy_from_slice(&src);
+    let times = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    median(times)
+}
+
+fn collectives(
+    devices: &[usize],
+    min_bytes: usize,
+    max_bytes: usize,
+    backend: Backend,
+    out: &PathBuf,
+) -> Result<()> {
+    if devices.iter().any(|&n| n < 2) || min_bytes > max_bytes {
+        return Err(
+            UsageError("--devices must be ≥ 2 each and --min-bytes ≤ --max-bytes".into()).into(),
+        );
+    }
+    let sizes = sizes(min_bytes, max_bytes);
+    let mut rows = Vec::new();
+    for &n in devices {
+        let mesh = std::sync::Arc::new(Mesh::explicit([("data", n)])?);
+        let per_size = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+            let mut medians = Vec::new();
+            for &bytes in &sizes {
+                let reps = reps_for(bytes);
+                let mut buf = vec![1.0f32; bytes / 4];
+                for _ in 0..2 {
+                    dev.comm().all_reduce(&["data"], &mut buf)?;
+                }
+                let mut times = Vec::with_capacity(reps);
+                for _ in 0..reps {
+                    let t = Instant::now();
+                    dev.comm().all_reduce(&["data"], &mut buf)?;
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                medians.push((reps, median(times)));
+            }
+            Ok::<_, CommError>(medians)
+        })
+        .context("all-reduce benchmark failed")?;
+        for (&bytes, &(reps, seconds)) in sizes.iter().zip(&per_size[0]) {
+            let memcpy = memcpy_seconds(bytes, reps);
+            let algbw = bytes as f64 / seconds / 1e9;
+            let memcpy_bw = bytes as f64 / memcpy / 1e9;
+            rows.push(Row {
+                backend,
+                devices: n,
+                bytes,
+                reps,
+                all_reduce_median_s: seconds,
+                algbw_gb_s: algbw,
+                busbw_gb_s: algbw * 2.0 * (n - 1) as f64 / n as f64,
+                memcpy_median_s: memcpy,
+                memcpy_gb_s: memcpy_bw,
+                ratio_to_memcpy: algbw / memcpy_bw,
+            });
+        }
+    }
+    println!(
+        "{:>7}  {:>9}  {:>12}  {:>11}  {:>11}  {:>11}  {:>8}",
+        "devices", "bytes", "all_reduce", "algbw GB/s", "busbw GB/s", "memcpy GB/s", "ratio"
+    );
+    for r in &rows {
+        println!(
+            "{:>7}  {:>9}  {:>9.1} us  {:>11.2}  {:>11.2}  {:>11.2}  {:>8.2}",
+            r.devices,
+            human_bytes(r.bytes),
+            r.all_reduce_median_s * 1e6,
+            r.algbw_gb_s,
+            r.busbw_gb_s,
+            r.memcpy_gb_s,
+            r.ratio_to_memcpy
+        );
+    }
+    let report = Report {
+        benchmark: "all_reduce",
+        cores: std::thread::available_parallelism().map_or(1, |c| c.get()),
+        rows,
+    };
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(out, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!("wrote {}", out.display());
+    Ok(())
+}

@@ -1,0 +1,57 @@
+//! The binary end to end.
+
+use std::process::Command;
+
+fn ferrotext(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotext"))
+        .args(args)
+        .output()
+        .expect("the ferrotext binary runs")
+}
+
+#[test]
+fn collectives_demo_checks_its_results_and_prints_the_trace() {
+    let out = ferrotext(&["collectives", "--mesh", "data=2,tensor=2", "--elements", "4096"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("equal the serial reference (bitwise)"), "{stdout}");
+    assert!(stdout.contains("update/zero1   reduce_scatter"), "{stdout}");
+    assert!(stdout.contains("micro_batch 3  all_reduce"), "{stdout}");
+}
+
+#[test]
+fn a_bad_mesh_is_a_usage_error_with_exit_code_2() {
+    for mesh in ["data=x", "data", "data=2,data=2", "data=0"] {
+        let out = ferrotext(&["collectives", "--mesh", mesh]);
+        assert_eq!(out.status.code(), Some(2), "--mesh {mesh}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.starts_with("error: "), "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "one clear line: {stderr}");
+    }
+}
+
+#[test]
+fn collectives_bench_writes_json() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-bench-{}", std::process::id()));
+    let out_path = dir.join("collectives.json");
+    let out = ferrotext(&[
+        "bench",
+        "collectives",
+        "--devices",
+        "2",
+        "--min-bytes",
+        "4096",
+        "--max-bytes",
+        "16384",
+        "--out",
+        out_path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
+    let rows = json["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1]["bytes"], 16384);
+    assert!(rows[0]["algbw_gb_s"].as_f64().unwrap() > 0.0);
+    std::fs::remove_dir_all(dir).ok();
+}
