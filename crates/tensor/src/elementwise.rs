@@ -1,0 +1,159 @@
+//! Elementwise kernels: unary maps and binary ops with NumPy broadcasting.
+//!
+//! Layout: any shape, row-major. Time goes to memory traffic; equal-shape binary ops take a
+//! straight zip loop the compiler vectorises, broadcasting goes through a strided gather.
+
+use crate::error::TensorError;
+use crate::tensor::Tensor;
+
+impl Tensor {
+    /// `f` applied to every element.
+    pub fn map(&self, f: impl Fn(f32) -> f32) -> Tensor {
+        Tensor::new(self.shape().to_vec(), self.data().iter().map(|&x| f(x)).collect())
+            .unwrap_or_else(|_| unreachable!("same element count")) // ok: length preserved
+    }
+
+    /// `f(a, b)` elementwise with NumPy broadcasting (shapes aligned at the right; size-1
+    /// dimensions stretch).
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when the shapes do not broadcast.
+    pub fn zip_with(
+        &self,
+        other: &Tensor,
+        f: impl Fn(f32, f32) -> f32,
+    ) -> Result<Tensor, TensorError> {
+        if self.shape() == other.shape() {
+            let data = self
+                .data()
+                .iter()
+                .zip(other.data())
+                .map(|(&a, &b)| f(a, b))
+                .collect();
+            return Tensor::new(self.shape().to_vec(), data);
+        }
+        let shape = broadcast_shapes(self.shape(), other.shape())?;
+        let a = self.broadcast_to(&shape)?;
+        let b = other.broadcast_to(&shape)?;
+        a.zip_with(&b, f)
+    }
+
+    /// This tensor broadcast (NumPy rules) to `shape`.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when it does not broadcast.
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor, TensorError> {
+        if self.rank() > shape.len() {
+            return Err(TensorError::shape(
+                "broadcast_to",
+                format!("{:?} has more dimensions than {shape:?}", self.shape()),
+            ));
+        }
+        let dims: Vec<usize> = (shape.len() - self.rank()..shape.len()).collect();
+        self.broadcast_in_dim(shape, &dims)
+    }
+
+    /// `self + other` (broadcasting).
+    ///
+    /// # Errors
+    /// As [`Tensor::zip_with`].
+    pub fn add(&self, other: &Tensor) -> Result<Tensor, TensorError> {
+        self.zip_with(other, |a, b| a + b)
+    }
+
+    /// `self - other` (broadcasting).
+    ///
+    /// # Errors
+    /// As [`Tensor::zip_with`].
+    pub fn sub(&self, other: &Tensor) -> Result<Tensor, TensorError> {
+        self.zip_with(other, |a, b| a - b)
+    }
+
+    /// `self * other` (broadcasting).
+    ///
+    /// # Errors
+    /// As [`Tensor::zip_with`].
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor, TensorError> {
+        self.zip_with(other, |a, b| a * b)
+    }
+
+    /// `self / other` (broadcasting).
+    ///
+    /// # Errors
+    /// As [`Tensor::zip_with`].
+    pub fn div(&self, other: &Tensor) -> Result<Tensor, TensorError> {
+        self.zip_with(other, |a, b| a / b)
+    }
+
+    /// `self += other` for equal shapes, in place (gradient accumulation).
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when the shapes differ.
+    pub fn add_assign(&mut self, other: &Tensor) -> Result<(), TensorError> {
+        if self.shape() != other.shape() {
+            return Err(TensorError::shape(
+                "add_assign",
+                format!("{:?} += {:?}", self.shape(), other.shape()),
+            ));
+        }
+        for (a, &b) in self.data_mut().iter_mut().zip(other.data()) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// Every element times `k`.
+    pub fn scale(&self, k: f32) -> Tensor {
+        self.map(|x| x * k)
+    }
+}
+
+/// The NumPy broadcast of two shapes.
+///
+/// # Errors
+/// [`TensorError::Shape`] when a pair of dimensions differs and neither is 1.
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, TensorError> {
+    let rank = a.len().max(b.len());
+    let at = |s: &[usize], i: usize| {
+        (i + s.len())
+            .checked_sub(rank)
+            .map_or(1, |j| s[j])
+    };
+    (0..rank)
+        .map(|i| match (at(a, i), at(b, i)) {
+            (x, y) if x == y => Ok(x),
+            (1, y) => Ok(y),
+            (x, 1) => Ok(x),
+            _ => Err(TensorError::shape(
+                "broadcast",
+                format!("shapes {a:?} and {b:?} do not broadcast"),
+            )),
+        })
+        .collect()
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcasting_follows_numpy() {
+        let a = Tensor::from_fn(&[2, 3], |i| i as f32);
+        let b = Tensor::new(vec![3], vec![10., 20., 30.]).unwrap();
+        assert_eq!(a.add(&b).unwrap().data(), &[10., 21., 32., 13., 24., 35.]);
+        let c = Tensor::new(vec![2, 1], vec![1., 2.]).unwrap();
+        assert_eq!(a.mul(&c).unwrap().data(), &[0., 1., 2., 6., 8., 10.]);
+        assert_eq!(broadcast_shapes(&[4, 1, 3], &[5, 1]).unwrap(), vec![4, 5, 3]);
+        assert!(a.add(&Tensor::zeros(&[2])).is_err());
+    }
+
+    #[test]
+    fn unary_and_in_place() {
+        let mut a = Tensor::new(vec![2], vec![1., -2.]).unwrap();
+        assert_eq!(a.map(f32::abs).data(), &[1., 2.]);
+        a.add_assign(&Tensor::new(vec![2], vec![1., 1.]).unwrap()).unwrap();
+        assert_eq!(a.data(), &[2., -1.]);
+        assert_eq!(a.scale(2.).data(), &[4., -2.]);
+    }
+}

@@ -1,0 +1,36 @@
+/*!
+The `tensor` layer of ferrotext: one device's dense `f32` tensors and the kernels the models
+need. It must not know about meshes or collectives: a [`Tensor`] is just this device's block.
+
+Main items: [`Tensor`] (row-major, contiguous; structural ops copy, reshape does not),
+elementwise maps with NumPy broadcasting, reductions, and [`dot_general`] on the `gemm` crate
+with arbitrary batch and contracting dimensions.
+
+# The key decision: strided views instead of copies for matrix products
+
+`gemm` takes any row and column strides, so [`dot_general`] views each operand as a strided
+matrix stack whenever its batch, free and contracting dimensions are contiguous groups — `x·W`,
+`x·Wᵀ` and `xᵀ·dy` (the weight gradient) never copy. Kernels run on the thread budget the
+caller passes (a device's share of the cores), never more.
+
+# Example
+```
+use ferrotext_tensor::{dot_general, DotDims, Tensor};
+let x = Tensor::new(vec![2, 3], vec![1., 2., 3., 4., 5., 6.]).unwrap();
+let w = Tensor::new(vec![3, 1], vec![1., 0., -1.]).unwrap();
+let y = dot_general(&x, &w, &DotDims::matmul(2), 1).unwrap();
+assert_eq!(y.data(), &[-2., -2.]);
+```
+*/
+#![deny(missing_docs)]
+
+mod elementwise;
+mod error;
+mod matmul;
+mod reduce;
+mod tensor;
+
+pub use elementwise::broadcast_shapes;
+pub use error::TensorError;
+pub use matmul::{dot_general, DotDims};
+pub use tensor::{strides, Tensor};

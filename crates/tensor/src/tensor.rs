@@ -1,0 +1,399 @@
+//! `Tensor`: a dense, row-major, contiguous `f32` array on one device, and its structural ops.
+//!
+//! Invariant: `data.len() == shape.iter().product()` (a rank-0 tensor holds one element).
+//! Structural ops (transpose, slice, concat, split, broadcast) copy; reshape does not.
+
+use std::ops::Range;
+
+use crate::error::TensorError;
+
+/// A dense row-major `f32` tensor. See the module docs for the invariant.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    data: Vec<f32>,
+}
+
+/// Row-major strides of `shape` (in elements).
+pub fn strides(shape: &[usize]) -> Vec<usize> {
+    let mut s = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        s[d] = s[d + 1] * shape[d + 1];
+    }
+    s
+}
+
+impl Tensor {
+    /// A tensor of `shape` holding `data` in row-major order.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `data` has the wrong length.
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Result<Tensor, TensorError> {
+        let n: usize = shape.iter().product();
+        if data.len() != n {
+            return Err(TensorError::shape(
+                "new",
+                format!("shape {shape:?} needs {n} elements, got {}", data.len()),
+            ));
+        }
+        Ok(Tensor { shape, data })
+    }
+
+    /// All zeros.
+    pub fn zeros(shape: &[usize]) -> Tensor {
+        Tensor::full(shape, 0.0)
+    }
+
+    /// Every element `value`.
+    pub fn full(shape: &[usize], value: f32) -> Tensor {
+        Tensor {
+            shape: shape.to_vec(),
+            data: vec![value; shape.iter().product()],
+        }
+    }
+
+    /// A rank-0 tensor.
+    pub fn scalar(value: f32) -> Tensor {
+        Tensor {
+            shape: Vec::new(),
+            data: vec![value],
+        }
+    }
+
+    /// Element `i` (row-major) is `f(i)`.
+    pub fn from_fn(shape: &[usize], f: impl FnMut(usize) -> f32) -> Tensor {
+        let n = shape.iter().product();
+        Tensor {
+            shape: shape.to_vec(),
+            data: (0..n).map(f).collect(),
+        }
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// The elements, row-major.
+    pub fn data(&self) -> &[f32] {
+        &self.data
+    }
+
+    /// The elements, row-major, mutable.
+    pub fn data_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    /// Takes the elements.
+    pub fn into_data(self) -> Vec<f32> {
+        self.data
+    }
+
+    /// The same elements under another shape with the same element count (no copy).
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when the counts differ.
+    pub fn reshape(self, shape: &[usize]) -> Result<Tensor, TensorError> {
+        let n: usize = shape.iter().product();
+        if n != self.data.len() {
+            return Err(TensorError::shape(
+                "reshape",
+                format!("cannot reshape {:?} to {shape:?}", self.shape),
+            ));
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            data: self.data,
+        })
+    }
+
+    /// `out[i_perm[0], ..] = self[i_0, ..]`: dimension `d` of the result is dimension `perm[d]` of
+    /// `self`.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `perm` is not a permutation of the dimensions.
+    pub fn transpose(&self, perm: &[usize]) -> Result<Tensor, TensorError> {
+        check_perm(perm, self.rank())?;
+        if perm.iter().enumerate().all(|(i, &p)| i == p) {
+            return Ok(self.clone());
+        }
+        let in_strides = strides(&self.shape);
+        let out_shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
+        let src_strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+        let mut data = Vec::with_capacity(self.data.len());
+        gather_strided(&self.data, 0, &out_shape, &src_strides, &mut data);
+        Ok(Tensor {
+            shape: out_shape,
+            data,
+        })
+    }
+
+    /// The sub-tensor `ranges[d]` along each dimension.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] for a wrong number of ranges or a range out of bounds.
+    pub fn slice(&self, ranges: &[Range<usize>]) -> Result<Tensor, TensorError> {
+        if ranges.len() != self.rank()
+            || ranges
+                .iter()
+                .zip(&self.shape)
+                .any(|(r, &n)| r.start > r.end || r.end > n)
+        {
+            return Err(TensorError::shape(
+                "slice",
+                format!("ranges {ranges:?} do not fit shape {:?}", self.shape),
+            ));
+        }
+        let st = strides(&self.shape);
+        let offset: usize = ranges.iter().zip(&st).map(|(r, s)| r.start * s).sum();
+        let out_shape: Vec<usize> = ranges.iter().map(|r| r.end - r.start).collect();
+        let mut data = Vec::with_capacity(out_shape.iter().product());
+        gather_strided(&self.data, offset, &out_shape, &st, &mut data);
+        Ok(Tensor {
+            shape: out_shape,
+            data,
+        })
+    }
+
+    /// `range` along dimension `dim`, everything along the others.
+    ///
+    /// # Errors
+    /// As [`Tensor::slice`].
+    pub fn slice_dim(&self, dim: usize, range: Range<usize>) -> Result<Tensor, TensorError> {
+        let mut ranges: Vec<Range<usize>> = self.shape.iter().map(|&n| 0..n).collect();
+        let slot = ranges
+            .get_mut(dim)
+            .ok_or_else(|| TensorError::shape("slice_dim", format!("no dimension {dim}")))?;
+        *slot = range;
+        self.slice(&ranges)
+    }
+
+    /// Concatenation along `dim`; the other dimensions must agree.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when there are no parts or their shapes disagree.
+    pub fn concat(parts: &[&Tensor], dim: usize) -> Result<Tensor, TensorError> {
+        let first = parts
+            .first()
+            .ok_or_else(|| TensorError::shape("concat", "no parts".into()))?;
+        let rank = first.rank();
+        if dim >= rank
+            || parts.iter().any(|p| {
+                p.rank() != rank
+                    || p.shape
+                        .iter()
+                        .zip(&first.shape)
+                        .enumerate()
+                        .any(|(d, (a, b))| d != dim && a != b)
+            })
+        {
+            return Err(TensorError::shape(
+                "concat",
+                format!(
+                    "shapes {:?} do not concatenate along {dim}",
+                    parts.iter().map(|p| p.shape.clone()).collect::<Vec<_>>()
+                ),
+            ));
+        }
+        let outer: usize = first.shape[..dim].iter().product();
+        let inner: usize = first.shape[dim + 1..].iter().product();
+        let mut shape = first.shape.clone();
+        shape[dim] = parts.iter().map(|p| p.shape[dim]).sum();
+        let mut data = Vec::with_capacity(shape.iter().product());
+        for o in 0..outer {
+            for p in parts {
+                let run = p.shape[dim] * inner;
+                data.extend_from_slice(&p.data[o * run..(o + 1) * run]);
+            }
+        }
+        Ok(Tensor { shape, data })
+    }
+
+    /// `n` equal parts along `dim`.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `n` does not divide the dimension.
+    pub fn split(&self, dim: usize, n: usize) -> Result<Vec<Tensor>, TensorError> {
+        let extent = *self
+            .shape
+            .get(dim)
+            .ok_or_else(|| TensorError::shape("split", format!("no dimension {dim}")))?;
+        if n == 0 || extent % n != 0 {
+            return Err(TensorError::shape(
+                "split",
+                format!("{n} parts do not divide dimension {dim} of {:?}", self.shape),
+            ));
+        }
+        let part = extent / n;
+        (0..n)
+            .map(|i| self.slice_dim(dim, i * part..(i + 1) * part))
+            .collect()
+    }
+
+    /// `out[i] = self[i restricted to dims]`: dimension `d` of `self` becomes dimension
+    /// `dims[d]` of a tensor of `shape`; every other dimension is broadcast (XLA's
+    /// `broadcast_in_dim`). A size-1 dimension of `self` may broadcast to any size.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `dims` does not map `self` into `shape`.
+    pub fn broadcast_in_dim(&self, shape: &[usize], dims: &[usize]) -> Result<Tensor, TensorError> {
+        let bad = dims.len() != self.rank()
+            || dims.windows(2).any(|w| w[0] >= w[1])
+            || dims.iter().zip(&self.shape).any(|(&d, &n)| {
+                d >= shape.len() || (n != shape[d] && n != 1)
+            });
+        if bad {
+            return Err(TensorError::shape(
+                "broadcast_in_dim",
+                format!("{:?} with dims {dims:?} does not broadcast to {shape:?}", self.shape),
+            ));
+        }
+        let in_strides = strides(&self.shape);
+        let mut src_strides = vec![0; shape.len()];
+        for (i, &d) in dims.iter().enumerate() {
+            if self.shape[i] != 1 {
+                src_strides[d] = in_strides[i];
+            }
+        }
+        let mut data = Vec::with_capacity(shape.iter().product());
+        gather_strided(&self.data, 0, shape, &src_strides, &mut data);
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            data,
+        })
+    }
+}
+
+fn check_perm(perm: &[usize], rank: usize) -> Result<(), TensorError> {
+    let mut seen = vec![false; rank];
+    let ok = perm.len() == rank
+        && perm.iter().all(|&p| p < rank && !std::mem::replace(&mut seen[p], true));
+    if ok {
+        Ok(())
+    } else {
+        Err(TensorError::shape(
+            "transpose",
+            format!("{perm:?} is not a permutation of {rank} dimensions"),
+        ))
+    }
+}
+
+/// Appends `src[offset + Σ i_d·strides[d]]` for every index of `shape`, row-major. The innermost
+/// dimension runs as a tight loop (a memcpy when its stride is 1).
+pub(crate) fn gather_strided(
+    src: &[f32],
+    offset: usize,
+    shape: &[usize],
+    strides: &[usize],
+    out: &mut Vec<f32>,
+) {
+    if shape.iter().any(|&n| n == 0) {
+        return;
+    }
+    let Some((&inner, outer_shape)) = shape.split_last() else {
+        out.push(src[offset]);
+        return;
+    };
+    let inner_stride = strides[shape.len() - 1];
+    let mut index = vec![0usize; outer_shape.len()];
+    loop {
+        let base = offset
+            + index
+                .iter()
+                .zip(strides)
+                .map(|(i, s)| i * s)
+                .sum::<usize>();
+        if inner_stride == 1 {
+            out.extend_from_slice(&src[base..base + inner]);
+        } else {
+            out.extend((0..inner).map(|j| src[base + j * inner_stride]));
+        }
+        // advance the outer index, row-major
+        let mut d = outer_shape.len();
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < outer_shape[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iota(shape: &[usize]) -> Tensor {
+        Tensor::from_fn(shape, |i| i as f32)
+    }
+
+    #[test]
+    fn transpose_matches_index_arithmetic() {
+        let t = iota(&[2, 3, 4]);
+        let p = t.transpose(&[2, 0, 1]).unwrap();
+        assert_eq!(p.shape(), &[4, 2, 3]);
+        for a in 0..2 {
+            for b in 0..3 {
+                for c in 0..4 {
+                    assert_eq!(p.data()[c * 6 + a * 3 + b], t.data()[a * 12 + b * 4 + c]);
+                }
+            }
+        }
+        assert!(t.transpose(&[0, 0, 1]).is_err());
+    }
+
+    #[test]
+    fn slice_concat_split_round_trip() {
+        let t = iota(&[4, 6]);
+        let parts = t.split(1, 3).unwrap();
+        assert_eq!(parts[1].data(), &[2., 3., 8., 9., 14., 15., 20., 21.]);
+        let refs: Vec<&Tensor> = parts.iter().collect();
+        assert_eq!(Tensor::concat(&refs, 1).unwrap(), t);
+        let rows = t.split(0, 2).unwrap();
+        assert_eq!(Tensor::concat(&[&rows[0], &rows[1]], 0).unwrap(), t);
+        assert_eq!(t.slice(&[1..3, 4..6]).unwrap().data(), &[10., 11., 16., 17.]);
+        assert!(t.split(1, 4).is_err());
+        assert!(t.slice(&[0..5, 0..1]).is_err());
+    }
+
+    #[test]
+    fn broadcast_in_dim_repeats_missing_dims() {
+        let b = Tensor::new(vec![3], vec![1., 2., 3.]).unwrap();
+        let out = b.broadcast_in_dim(&[2, 3], &[1]).unwrap();
+        assert_eq!(out.data(), &[1., 2., 3., 1., 2., 3.]);
+        let col = Tensor::new(vec![2, 1], vec![5., 6.]).unwrap();
+        let out = col.broadcast_in_dim(&[2, 3], &[0, 1]).unwrap();
+        assert_eq!(out.data(), &[5., 5., 5., 6., 6., 6.]);
+        assert_eq!(Tensor::scalar(7.).broadcast_in_dim(&[2], &[]).unwrap().data(), &[7., 7.]);
+        assert!(b.broadcast_in_dim(&[3, 2], &[1]).is_err());
+    }
+
+    #[test]
+    fn reshape_keeps_data_and_checks_counts() {
+        let t = iota(&[2, 3]).reshape(&[3, 2]).unwrap();
+        assert_eq!(t.shape(), &[3, 2]);
+        assert_eq!(t.data()[5], 5.0);
+        assert!(t.reshape(&[4]).is_err());
+        assert!(Tensor::new(vec![2], vec![1.0]).is_err());
+    }
+}
