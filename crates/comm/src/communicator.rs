@@ -320,12 +320,40 @@ impl Communicator {
         self.backend.barrier(&op)
     }
 
+    /// Records a collective without moving data: abstract (shape-only) evaluation calls this
+    /// where a real run would call the collective, so both produce the same trace.
+    ///
+    /// # Errors
+    /// Bad axes, as the collectives themselves.
+    pub fn record_abstract<S: AsRef<str>>(
+        &mut self,
+        kind: CollectiveKind,
+        axes: &[S],
+        elements: usize,
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        let op = self.begin_op(kind, axes, elements, dtype, 0)?;
+        drop(op);
+        Ok(())
+    }
+
     /// Resolves the group, records the event and advances the sequence number.
     fn begin<T: Element, S: AsRef<str>>(
         &mut self,
         kind: CollectiveKind,
         axes: &[S],
         elements: usize,
+        root: usize,
+    ) -> Result<OpInfo, CommError> {
+        self.begin_op(kind, axes, elements, T::DTYPE, root)
+    }
+
+    fn begin_op<S: AsRef<str>>(
+        &mut self,
+        kind: CollectiveKind,
+        axes: &[S],
+        elements: usize,
+        dtype: DType,
         root: usize,
     ) -> Result<OpInfo, CommError> {
         let axes = names(axes);
@@ -344,7 +372,7 @@ impl Communicator {
             axes,
             rank,
             elements,
-            dtype: T::DTYPE,
+            dtype,
             root,
             group,
         };
@@ -355,8 +383,8 @@ impl Communicator {
             axes: op.axes.clone(),
             group_size: op.group.len(),
             elements,
-            bytes: elements * T::DTYPE.size_bytes(),
-            dtype: T::DTYPE,
+            bytes: elements * dtype.size_bytes(),
+            dtype,
             phase: self.phase(),
         });
         Ok(op)
@@ -392,4 +420,40 @@ impl Communicator {
 
 fn names<S: AsRef<str>>(axes: &[S]) -> Vec<String> {
     axes.iter().map(|a| a.as_ref().to_string()).collect()
+}
+
+/// A backend for abstract (shape-only) programs: it moves nothing, and any data-carrying call is
+/// an error. Pair it with [`Communicator::record_abstract`].
+pub struct NoTransport;
+
+impl NoTransport {
+    fn refuse(op: &OpInfo) -> CommError {
+        CommError::BadBuffer {
+            kind: op.kind,
+            axes: op.axes.clone(),
+            group_size: op.group.len(),
+            reason: "this communicator is abstract (shape only) and carries no data".into(),
+        }
+    }
+}
+
+impl Backend for NoTransport {
+    fn all_reduce(&mut self, op: &OpInfo, _: BufMut<'_>) -> Result<(), CommError> {
+        Err(Self::refuse(op))
+    }
+    fn reduce_scatter(&mut self, op: &OpInfo, _: Buf<'_>, _: BufMut<'_>) -> Result<(), CommError> {
+        Err(Self::refuse(op))
+    }
+    fn all_gather(&mut self, op: &OpInfo, _: Buf<'_>, _: BufMut<'_>) -> Result<(), CommError> {
+        Err(Self::refuse(op))
+    }
+    fn all_to_all(&mut self, op: &OpInfo, _: Buf<'_>, _: BufMut<'_>) -> Result<(), CommError> {
+        Err(Self::refuse(op))
+    }
+    fn broadcast(&mut self, op: &OpInfo, _: BufMut<'_>) -> Result<(), CommError> {
+        Err(Self::refuse(op))
+    }
+    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
+        Err(Self::refuse(op))
+    }
 }

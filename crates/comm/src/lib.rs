@@ -48,7 +48,7 @@ mod local;
 mod spmd;
 mod trace;
 
-pub use communicator::{Backend, Communicator, OpInfo};
+pub use communicator::{Backend, Communicator, NoTransport, OpInfo};
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;
 pub use local::LocalBackend;

@@ -11,10 +11,23 @@ fn ferrotext(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn collectives_demo_checks_its_results_and_prints_the_trace() {
-    let out = ferrotext(&["collectives", "--mesh", "data=2,tensor=2", "--elements", "4096"]);
+    let out = ferrotext(&[
+        "collectives",
+        "--mesh",
+        "data=2,tensor=2",
+        "--elements",
+        "4096",
+    ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("equal the serial reference (bitwise)"), "{stdout}");
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("equal the serial reference (bitwise)"),
+        "{stdout}"
+    );
     assert!(stdout.contains("update/zero1   reduce_scatter"), "{stdout}");
     assert!(stdout.contains("micro_batch 3  all_reduce"), "{stdout}");
 }
@@ -46,7 +59,11 @@ fn collectives_bench_writes_json() {
         "--out",
         out_path.to_str().unwrap(),
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
     let rows = json["rows"].as_array().unwrap();

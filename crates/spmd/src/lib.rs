@@ -1,1 +1,64 @@
-//! spmd
+/*!
+The `spmd` layer of ferrotext: global arrays under JAX's explicit-sharding rules, with
+`reduced`/`unreduced` tags, `reshard`, reverse-mode autodiff and abstract (shape-only)
+evaluation. It must not know about models, optimizers or files.
+
+Main items: [`Array`] (a global array: type plus this device's shard), [`Ctx`] (one device's
+context: communicator, mode, thread budget, tape), the ops on `Ctx` (elementwise,
+`dot_general`, `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose`, `reshard`),
+[`Ctx::value_and_grad`] / [`Ctx::vjp`], the type rules in [`rules`], and the [`conformance`]
+runner.
+
+# The key decision: deferral falls out of the types
+
+Every op computes its output type first (a type error stops it before any compute or
+communication), then computes its shard and issues exactly the collectives its types require.
+Autodiff gives each cotangent its primal's type with `reduced` and `unreduced` swapped, and each
+transpose passes that type as the output sharding of the op it emits. So a weight typed
+`{R:data}` gets a `{U:data}` gradient with no collective, and a plain weight gets its
+all-reduce inside the transposed dot — nothing in the trainer has to special-case either.
+
+# Example
+```
+use std::sync::Arc;
+use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions};
+use ferrotext_sharding::{Mesh, PartitionSpec};
+use ferrotext_spmd::{Ctx, SpmdError};
+use ferrotext_tensor::Tensor;
+
+let mesh = Arc::new(Mesh::explicit([("data", 2)]).unwrap());
+let grads = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+    let mut cx = Ctx::new(dev.comm(), 1);
+    let x_ty = cx.array_type(&[4, 3], PartitionSpec::new(["data"]))?;
+    let x = cx.from_global(&Tensor::full(&[4, 3], 1.0), x_ty.sharding().clone())?;
+    let w_ty = cx.array_type(&[3, 2], PartitionSpec::replicated().with_reduced(["data"])?)?;
+    let w = cx.from_global(&Tensor::full(&[3, 2], 0.5), w_ty.sharding().clone())?;
+    let (_, g) = cx.value_and_grad(&[w], |cx, p| {
+        let y = cx.matmul(&x, &p[0], None)?;
+        cx.reduce_sum(&y, &[0, 1], None)
+    })?;
+    let n_all_reduce = cx.comm().trace().count(CollectiveKind::AllReduce, &PhasePattern::any());
+    Ok::<_, SpmdError>((g[0].ty().to_string(), n_all_reduce))
+})
+.unwrap();
+// The gradient of a `{R:data}` weight is a per-device partial sum, and the backward pass
+// communicated nothing (the one all-reduce is the forward loss sum over the batch).
+assert_eq!(grads[0], ("f32[3,2]{U:data}".to_string(), 1));
+```
+*/
+#![deny(missing_docs)]
+
+mod array;
+mod autodiff;
+pub mod conformance;
+mod ctx;
+mod error;
+mod ops;
+mod reshard;
+pub mod rules;
+
+pub use array::Array;
+pub use ctx::{Ctx, Mode};
+pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
+pub use ops::UnaryOp;
+pub use rules::BinaryOp;

@@ -9,8 +9,11 @@ use crate::tensor::Tensor;
 impl Tensor {
     /// `f` applied to every element.
     pub fn map(&self, f: impl Fn(f32) -> f32) -> Tensor {
-        Tensor::new(self.shape().to_vec(), self.data().iter().map(|&x| f(x)).collect())
-            .unwrap_or_else(|_| unreachable!("same element count")) // ok: length preserved
+        Tensor::new(
+            self.shape().to_vec(),
+            self.data().iter().map(|&x| f(x)).collect(),
+        )
+        .unwrap_or_else(|_| unreachable!("same element count")) // ok: length preserved
     }
 
     /// `f(a, b)` elementwise with NumPy broadcasting (shapes aligned at the right; size-1
@@ -114,11 +117,7 @@ impl Tensor {
 /// [`TensorError::Shape`] when a pair of dimensions differs and neither is 1.
 pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, TensorError> {
     let rank = a.len().max(b.len());
-    let at = |s: &[usize], i: usize| {
-        (i + s.len())
-            .checked_sub(rank)
-            .map_or(1, |j| s[j])
-    };
+    let at = |s: &[usize], i: usize| (i + s.len()).checked_sub(rank).map_or(1, |j| s[j]);
     (0..rank)
         .map(|i| match (at(a, i), at(b, i)) {
             (x, y) if x == y => Ok(x),
@@ -132,7 +131,6 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, TensorEr
         .collect()
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,7 +142,10 @@ mod tests {
         assert_eq!(a.add(&b).unwrap().data(), &[10., 21., 32., 13., 24., 35.]);
         let c = Tensor::new(vec![2, 1], vec![1., 2.]).unwrap();
         assert_eq!(a.mul(&c).unwrap().data(), &[0., 1., 2., 6., 8., 10.]);
-        assert_eq!(broadcast_shapes(&[4, 1, 3], &[5, 1]).unwrap(), vec![4, 5, 3]);
+        assert_eq!(
+            broadcast_shapes(&[4, 1, 3], &[5, 1]).unwrap(),
+            vec![4, 5, 3]
+        );
         assert!(a.add(&Tensor::zeros(&[2])).is_err());
     }
 
@@ -152,7 +153,8 @@ mod tests {
     fn unary_and_in_place() {
         let mut a = Tensor::new(vec![2], vec![1., -2.]).unwrap();
         assert_eq!(a.map(f32::abs).data(), &[1., 2.]);
-        a.add_assign(&Tensor::new(vec![2], vec![1., 1.]).unwrap()).unwrap();
+        a.add_assign(&Tensor::new(vec![2], vec![1., 1.]).unwrap())
+            .unwrap();
         assert_eq!(a.data(), &[2., -1.]);
         assert_eq!(a.scale(2.).data(), &[4., -2.]);
     }

@@ -69,14 +69,26 @@ impl DotDims {
             dims.iter()
                 .all(|&d| d < rank && !std::mem::replace(&mut seen[d], true))
         };
-        let lhs_dims: Vec<usize> = self.lhs_batch.iter().chain(&self.lhs_contracting).copied().collect();
-        let rhs_dims: Vec<usize> = self.rhs_batch.iter().chain(&self.rhs_contracting).copied().collect();
+        let lhs_dims: Vec<usize> = self
+            .lhs_batch
+            .iter()
+            .chain(&self.lhs_contracting)
+            .copied()
+            .collect();
+        let rhs_dims: Vec<usize> = self
+            .rhs_batch
+            .iter()
+            .chain(&self.rhs_contracting)
+            .copied()
+            .collect();
         if self.lhs_batch.len() != self.rhs_batch.len()
             || self.lhs_contracting.len() != self.rhs_contracting.len()
             || !unique(&lhs_dims, lhs.len())
             || !unique(&rhs_dims, rhs.len())
         {
-            return bad(format!("invalid dimension numbers {self:?} for {lhs:?} · {rhs:?}"));
+            return bad(format!(
+                "invalid dimension numbers {self:?} for {lhs:?} · {rhs:?}"
+            ));
         }
         for (&l, &r) in lhs_dims.iter().zip(&rhs_dims) {
             if lhs[l] != rhs[r] {
@@ -219,7 +231,11 @@ mod tests {
         let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
         let ls = strides(lhs.shape());
         let rs = strides(rhs.shape());
-        let csizes: Vec<usize> = dims.lhs_contracting.iter().map(|&d| lhs.shape()[d]).collect();
+        let csizes: Vec<usize> = dims
+            .lhs_contracting
+            .iter()
+            .map(|&d| lhs.shape()[d])
+            .collect();
         let ccount: usize = csizes.iter().product();
         Tensor::from_fn(&out_shape, |flat| {
             let mut idx = vec![0; out_shape.len()];
@@ -249,7 +265,12 @@ mod tests {
                 for (j, &r2) in rf.iter().enumerate() {
                     ro += idx[nb + lf.len() + j] * rs[r2];
                 }
-                for (j, (&l, &r2)) in dims.lhs_contracting.iter().zip(&dims.rhs_contracting).enumerate() {
+                for (j, (&l, &r2)) in dims
+                    .lhs_contracting
+                    .iter()
+                    .zip(&dims.rhs_contracting)
+                    .enumerate()
+                {
                     lo += cidx[j] * ls[l];
                     ro += cidx[j] * rs[r2];
                 }
@@ -282,13 +303,47 @@ mod tests {
             // x·W
             (vec![5, 7], vec![7, 3], DotDims::matmul(2)),
             // x·Wᵀ
-            (vec![5, 7], vec![3, 7], DotDims { lhs_contracting: vec![1], rhs_contracting: vec![1], ..Default::default() }),
+            (
+                vec![5, 7],
+                vec![3, 7],
+                DotDims {
+                    lhs_contracting: vec![1],
+                    rhs_contracting: vec![1],
+                    ..Default::default()
+                },
+            ),
             // xᵀ·dy over two leading (batch, seq) dims: the weight gradient
-            (vec![2, 3, 4], vec![2, 3, 5], DotDims { lhs_contracting: vec![0, 1], rhs_contracting: vec![0, 1], ..Default::default() }),
+            (
+                vec![2, 3, 4],
+                vec![2, 3, 5],
+                DotDims {
+                    lhs_contracting: vec![0, 1],
+                    rhs_contracting: vec![0, 1],
+                    ..Default::default()
+                },
+            ),
             // attention scores: [B,H,T,D]·[B,H,S,D] over D, batch (B,H)
-            (vec![2, 3, 4, 5], vec![2, 3, 6, 5], DotDims { lhs_contracting: vec![3], rhs_contracting: vec![3], lhs_batch: vec![0, 1], rhs_batch: vec![0, 1] }),
+            (
+                vec![2, 3, 4, 5],
+                vec![2, 3, 6, 5],
+                DotDims {
+                    lhs_contracting: vec![3],
+                    rhs_contracting: vec![3],
+                    lhs_batch: vec![0, 1],
+                    rhs_batch: vec![0, 1],
+                },
+            ),
             // a permuted layout that needs a copy: batch in the middle
-            (vec![4, 2, 3], vec![3, 2, 5], DotDims { lhs_contracting: vec![2], rhs_contracting: vec![0], lhs_batch: vec![1], rhs_batch: vec![1] }),
+            (
+                vec![4, 2, 3],
+                vec![3, 2, 5],
+                DotDims {
+                    lhs_contracting: vec![2],
+                    rhs_contracting: vec![0],
+                    lhs_batch: vec![1],
+                    rhs_batch: vec![1],
+                },
+            ),
             // outer product and an empty contraction
             (vec![3], vec![4], DotDims::default()),
             (vec![3, 0], vec![0, 2], DotDims::matmul(2)),
@@ -297,13 +352,19 @@ mod tests {
             let a = rand(&ls, i as u32);
             let b = rand(&rs, 100 + i as u32);
             for threads in [1, 2] {
-                close(&dot_general(&a, &b, &dims, threads).unwrap(), &reference(&a, &b, &dims));
+                close(
+                    &dot_general(&a, &b, &dims, threads).unwrap(),
+                    &reference(&a, &b, &dims),
+                );
             }
         }
         // A big enough product to run multithreaded.
         let a = rand(&[96, 80], 7);
         let b = rand(&[80, 72], 8);
-        close(&dot_general(&a, &b, &DotDims::matmul(2), 2).unwrap(), &reference(&a, &b, &DotDims::matmul(2)));
+        close(
+            &dot_general(&a, &b, &DotDims::matmul(2), 2).unwrap(),
+            &reference(&a, &b, &DotDims::matmul(2)),
+        );
     }
 
     #[test]
@@ -311,7 +372,11 @@ mod tests {
         let a = Tensor::zeros(&[2, 3]);
         let b = Tensor::zeros(&[4, 2]);
         assert!(dot_general(&a, &b, &DotDims::matmul(2), 1).is_err());
-        let dup = DotDims { lhs_contracting: vec![1, 1], rhs_contracting: vec![0, 1], ..Default::default() };
+        let dup = DotDims {
+            lhs_contracting: vec![1, 1],
+            rhs_contracting: vec![0, 1],
+            ..Default::default()
+        };
         assert!(dot_general(&a, &Tensor::zeros(&[3, 3]), &dup, 1).is_err());
     }
 }

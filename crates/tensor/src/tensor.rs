@@ -236,7 +236,10 @@ impl Tensor {
         if n == 0 || extent % n != 0 {
             return Err(TensorError::shape(
                 "split",
-                format!("{n} parts do not divide dimension {dim} of {:?}", self.shape),
+                format!(
+                    "{n} parts do not divide dimension {dim} of {:?}",
+                    self.shape
+                ),
             ));
         }
         let part = extent / n;
@@ -254,13 +257,17 @@ impl Tensor {
     pub fn broadcast_in_dim(&self, shape: &[usize], dims: &[usize]) -> Result<Tensor, TensorError> {
         let bad = dims.len() != self.rank()
             || dims.windows(2).any(|w| w[0] >= w[1])
-            || dims.iter().zip(&self.shape).any(|(&d, &n)| {
-                d >= shape.len() || (n != shape[d] && n != 1)
-            });
+            || dims
+                .iter()
+                .zip(&self.shape)
+                .any(|(&d, &n)| d >= shape.len() || (n != shape[d] && n != 1));
         if bad {
             return Err(TensorError::shape(
                 "broadcast_in_dim",
-                format!("{:?} with dims {dims:?} does not broadcast to {shape:?}", self.shape),
+                format!(
+                    "{:?} with dims {dims:?} does not broadcast to {shape:?}",
+                    self.shape
+                ),
             ));
         }
         let in_strides = strides(&self.shape);
@@ -282,7 +289,9 @@ impl Tensor {
 fn check_perm(perm: &[usize], rank: usize) -> Result<(), TensorError> {
     let mut seen = vec![false; rank];
     let ok = perm.len() == rank
-        && perm.iter().all(|&p| p < rank && !std::mem::replace(&mut seen[p], true));
+        && perm
+            .iter()
+            .all(|&p| p < rank && !std::mem::replace(&mut seen[p], true));
     if ok {
         Ok(())
     } else {
@@ -312,12 +321,7 @@ pub(crate) fn gather_strided(
     let inner_stride = strides[shape.len() - 1];
     let mut index = vec![0usize; outer_shape.len()];
     loop {
-        let base = offset
-            + index
-                .iter()
-                .zip(strides)
-                .map(|(i, s)| i * s)
-                .sum::<usize>();
+        let base = offset + index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>();
         if inner_stride == 1 {
             out.extend_from_slice(&src[base..base + inner]);
         } else {
@@ -371,7 +375,10 @@ mod tests {
         assert_eq!(Tensor::concat(&refs, 1).unwrap(), t);
         let rows = t.split(0, 2).unwrap();
         assert_eq!(Tensor::concat(&[&rows[0], &rows[1]], 0).unwrap(), t);
-        assert_eq!(t.slice(&[1..3, 4..6]).unwrap().data(), &[10., 11., 16., 17.]);
+        assert_eq!(
+            t.slice(&[1..3, 4..6]).unwrap().data(),
+            &[10., 11., 16., 17.]
+        );
         assert!(t.split(1, 4).is_err());
         assert!(t.slice(&[0..5, 0..1]).is_err());
     }
@@ -384,7 +391,13 @@ mod tests {
         let col = Tensor::new(vec![2, 1], vec![5., 6.]).unwrap();
         let out = col.broadcast_in_dim(&[2, 3], &[0, 1]).unwrap();
         assert_eq!(out.data(), &[5., 5., 5., 6., 6., 6.]);
-        assert_eq!(Tensor::scalar(7.).broadcast_in_dim(&[2], &[]).unwrap().data(), &[7., 7.]);
+        assert_eq!(
+            Tensor::scalar(7.)
+                .broadcast_in_dim(&[2], &[])
+                .unwrap()
+                .data(),
+            &[7., 7.]
+        );
         assert!(b.broadcast_in_dim(&[3, 2], &[1]).is_err());
     }
 

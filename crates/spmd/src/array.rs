@@ -1,0 +1,90 @@
+//! `Array`: a global array as one device sees it — its type and this device's shard.
+//!
+//! Invariant: in real mode the shard's shape is the type's shard shape; in abstract mode there is
+//! no shard. An unreduced array's shard is a partial sum, never the value (DESIGN §4.4).
+
+use std::sync::Arc;
+
+use ferrotext_sharding::ArrayType;
+use ferrotext_tensor::Tensor;
+
+use crate::error::SpmdError;
+
+/// A global array: type plus this device's shard (shared, cheap to clone). See the module docs.
+#[derive(Clone, Debug)]
+pub struct Array {
+    ty: ArrayType,
+    local: Option<Arc<Tensor>>,
+    /// Tape variable, when recorded for autodiff.
+    pub(crate) var: Option<usize>,
+}
+
+impl Array {
+    pub(crate) fn new(ty: ArrayType, local: Option<Tensor>) -> Array {
+        Array {
+            ty,
+            local: local.map(Arc::new),
+            var: None,
+        }
+    }
+
+    /// The type.
+    pub fn ty(&self) -> &ArrayType {
+        &self.ty
+    }
+
+    /// The global shape.
+    pub fn shape(&self) -> &[usize] {
+        self.ty.shape()
+    }
+
+    /// True when this array carries no data (abstract mode).
+    pub fn is_abstract(&self) -> bool {
+        self.local.is_none()
+    }
+
+    /// This device's shard: for an unreduced array, a partial sum (JAX's
+    /// `addressable_shards[i].data`, the one sanctioned view of per-device partials).
+    ///
+    /// # Errors
+    /// [`SpmdError::NoData`] in abstract mode.
+    pub fn local(&self) -> Result<&Tensor, SpmdError> {
+        self.local.as_deref().ok_or_else(|| SpmdError::NoData {
+            ty: self.ty.to_string(),
+        })
+    }
+
+    pub(crate) fn local_opt(&self) -> Option<&Tensor> {
+        self.local.as_deref()
+    }
+
+    /// The shard, owned (copied only if shared).
+    pub(crate) fn local_owned(&self) -> Result<Tensor, SpmdError> {
+        self.local().cloned()
+    }
+
+    pub(crate) fn local_cloned(&self) -> Option<Tensor> {
+        self.local.as_deref().cloned()
+    }
+
+    /// The value as a host scalar (rank 0 or one element).
+    ///
+    /// # Errors
+    /// [`SpmdError::HostAccessUnreduced`] for an unreduced array, [`SpmdError::NoData`] in
+    /// abstract mode, [`SpmdError::BadArgument`] for more than one element.
+    pub fn scalar(&self) -> Result<f32, SpmdError> {
+        if !self.ty.sharding().spec().unreduced().is_empty() {
+            return Err(SpmdError::HostAccessUnreduced {
+                ty: self.ty.to_string(),
+            });
+        }
+        let t = self.local()?;
+        if self.ty.element_count() != 1 {
+            return Err(SpmdError::BadArgument {
+                op: "scalar".into(),
+                reason: format!("`{}` has more than one element", self.ty),
+            });
+        }
+        Ok(t.data()[0])
+    }
+}

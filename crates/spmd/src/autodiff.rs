@@ -1,0 +1,448 @@
+//! Reverse-mode autodiff on a per-device tape, with the cotangent-type rule.
+//!
+//! The rule that makes deferral work (R4.2–R4.3): the cotangent of a value has the value's type
+//! with `reduced` and `unreduced` swapped, and each transpose emits its op with that type as the
+//! output sharding. So a weight typed `{R:data}` used against activations sharded on `data` gets
+//! a gradient typed `{U:data}` from a transposed dot that communicates nothing, while a plain
+//! weight gets its all-reduce inside that dot, once per use (§4.2).
+//!
+//! Every device records the same tape (same program, same types), so the backward pass issues the
+//! same collectives in the same order everywhere. Contributions to a cotangent are type-checked
+//! against the expected cotangent type and added without communication (R4.4); inputs that
+//! receive no contribution get typed zeros (R4.12).
+
+use ferrotext_sharding::{ArrayType, PartitionSpec};
+use ferrotext_tensor::DotDims;
+
+use crate::array::Array;
+use crate::ctx::Ctx;
+use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind};
+use crate::ops::UnaryOp;
+use crate::rules::BinaryOp;
+
+/// What a recorded op needs for its transpose.
+#[derive(Debug)]
+pub(crate) enum Backward {
+    Leaf,
+    Unary {
+        op: UnaryOp,
+        x: Array,
+        out: Array,
+    },
+    Binary {
+        op: BinaryOp,
+        a: Array,
+        b: Array,
+        out: Array,
+    },
+    Dot {
+        lhs: Array,
+        rhs: Array,
+        dims: DotDims,
+    },
+    ReduceSum {
+        x: ArrayType,
+        axes: Vec<usize>,
+    },
+    Broadcast {
+        x: ArrayType,
+        dims: Vec<usize>,
+    },
+    Reshape {
+        x: ArrayType,
+    },
+    Transpose {
+        perm: Vec<usize>,
+    },
+    Reshard {
+        src: ArrayType,
+    },
+}
+
+#[derive(Debug)]
+struct Node {
+    inputs: Vec<Option<usize>>,
+    backward: Backward,
+    ty: ArrayType,
+}
+
+/// The recorded ops of one differentiated function.
+#[derive(Debug, Default)]
+pub(crate) struct Tape {
+    nodes: Vec<Node>,
+}
+
+impl Ctx<'_> {
+    /// Records `out` as produced by `backward` from `inputs`, when a tape is active and some
+    /// input is being differentiated.
+    pub(crate) fn record(
+        &mut self,
+        backward: Backward,
+        inputs: &[&Array],
+        mut out: Array,
+    ) -> Result<Array, SpmdError> {
+        if let Some(tape) = &mut self.tape {
+            if inputs.iter().any(|a| a.var.is_some()) {
+                tape.nodes.push(Node {
+                    inputs: inputs.iter().map(|a| a.var).collect(),
+                    backward,
+                    ty: out.ty().clone(),
+                });
+                out.var = Some(tape.nodes.len() - 1);
+            }
+        }
+        Ok(out)
+    }
+
+    fn leaf(&mut self, x: &Array) -> Array {
+        let tape = self.tape.get_or_insert_with(Tape::default);
+        tape.nodes.push(Node {
+            inputs: Vec::new(),
+            backward: Backward::Leaf,
+            ty: x.ty().clone(),
+        });
+        let mut leaf = x.clone();
+        leaf.var = Some(tape.nodes.len() - 1);
+        leaf
+    }
+
+    /// Runs `f` on `inputs` and pulls `cotangent` (typed as the output's cotangent, R4.9) back
+    /// to each input: returns the output and one cotangent per input, typed as that input's
+    /// cotangent (R4.2).
+    ///
+    /// # Errors
+    /// A type error in `f` or in a transpose (e.g. `unreduced_not_contracting` when a `{R:data}`
+    /// weight meets a batch sharded over `(data, fsdp)`); a cotangent of the wrong type.
+    pub fn vjp<F>(
+        &mut self,
+        inputs: &[Array],
+        f: F,
+        cotangent: impl FnOnce(&mut Ctx<'_>, &Array) -> Result<Array, SpmdError>,
+    ) -> Result<(Array, Vec<Array>), SpmdError>
+    where
+        F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
+    {
+        let outer = self.tape.take();
+        self.tape = Some(Tape::default());
+        let leaves: Vec<Array> = inputs.iter().map(|x| self.leaf(x)).collect();
+        let result = f(self, &leaves);
+        let tape = self.tape.take().unwrap_or_default();
+        self.tape = outer;
+        let mut out = result?;
+        let seed = cotangent(self, &out)?;
+        let expected = out.ty().to_cotangent();
+        if seed.ty() != &expected {
+            return Err(ct_error("vjp", &expected, seed.ty()).into());
+        }
+        let grads = self.backward(tape, &out, seed, &leaves)?;
+        out.var = None;
+        Ok((out, grads))
+    }
+
+    /// `f`'s value and its gradient with respect to `params`, for a scalar `f`. The seed is 1 of
+    /// the output's cotangent type (R4.5): plain 1 for a plain loss; for a reduced loss, 1 on the
+    /// index-0 device of the group and 0 elsewhere.
+    ///
+    /// # Errors
+    /// As [`Ctx::vjp`]; a non-scalar output.
+    pub fn value_and_grad<F>(
+        &mut self,
+        params: &[Array],
+        f: F,
+    ) -> Result<(Array, Vec<Array>), SpmdError>
+    where
+        F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
+    {
+        self.vjp(params, f, |cx, out| {
+            if out.ty().rank() != 0 {
+                return Err(SpmdError::BadArgument {
+                    op: "value_and_grad".into(),
+                    reason: format!("the function must return a scalar, got `{}`", out.ty()),
+                });
+            }
+            let ct_ty = out.ty().to_cotangent();
+            let spec = ct_ty.sharding().spec();
+            if spec.unreduced().is_empty() {
+                cx.full(ct_ty, 1.0)
+            } else {
+                let plain = cx.array_type(
+                    &[],
+                    PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?,
+                )?;
+                let one = cx.full(plain, 1.0)?;
+                cx.reshard_untracked(&one, spec)
+            }
+        })
+    }
+
+    fn backward(
+        &mut self,
+        tape: Tape,
+        out: &Array,
+        seed: Array,
+        leaves: &[Array],
+    ) -> Result<Vec<Array>, SpmdError> {
+        let n = tape.nodes.len();
+        let mut cts: Vec<Option<Array>> = (0..n).map(|_| None).collect();
+        if let Some(v) = out.var {
+            cts[v] = Some(seed);
+        }
+        let mut leaf_cts: Vec<Option<Array>> = (0..n).map(|_| None).collect();
+        for i in (0..n).rev() {
+            let Some(ct) = cts[i].take() else { continue };
+            let node = &tape.nodes[i];
+            if let Backward::Leaf = node.backward {
+                leaf_cts[i] = Some(ct);
+                continue;
+            }
+            let input_cts = self.transpose_node(&node.backward, &ct)?;
+            for (input, ict) in node.inputs.iter().zip(input_cts) {
+                let (Some(v), Some(ict)) = (input, ict) else {
+                    continue;
+                };
+                let expected = tape.nodes[*v].ty.to_cotangent();
+                if ict.ty() != &expected {
+                    return Err(ct_error("backward", &expected, ict.ty()).into());
+                }
+                cts[*v] = Some(match cts[*v].take() {
+                    None => ict,
+                    // R4.4: contributions of equal type add without communication.
+                    Some(acc) => self.binary_untracked(BinaryOp::Add, &acc, &ict)?,
+                });
+            }
+        }
+        leaves
+            .iter()
+            .map(|leaf| {
+                let v = leaf.var.unwrap_or(usize::MAX);
+                match leaf_cts.get_mut(v).and_then(Option::take) {
+                    Some(ct) => Ok(ct),
+                    // R4.12: zero cotangents are typed too.
+                    None => Ok(self.zeros(leaf.ty().to_cotangent())),
+                }
+            })
+            .collect()
+    }
+
+    /// Cotangents of a node's inputs from the cotangent of its output.
+    fn transpose_node(
+        &mut self,
+        backward: &Backward,
+        ct: &Array,
+    ) -> Result<Vec<Option<Array>>, SpmdError> {
+        Ok(match backward {
+            Backward::Leaf => Vec::new(),
+            Backward::Unary { op, x, out } => {
+                let d = if matches!(op, UnaryOp::Neg | UnaryOp::Scale(_)) {
+                    self.unary_untracked(*op, ct)?
+                } else {
+                    // ct · f'(x): the derivative has x's type (reduced passes), so a `{U}` ct
+                    // times an `{R}` derivative stays `{U}` (R4.13).
+                    let local = match (x.local_opt(), out.local_opt()) {
+                        (Some(xv), Some(yv)) => Some(xv.zip_with(yv, |a, b| op.derivative(a, b))?),
+                        _ => None,
+                    };
+                    let deriv = Array::new(x.ty().clone(), local);
+                    self.binary_untracked(BinaryOp::Mul, ct, &deriv)?
+                };
+                vec![Some(d)]
+            }
+            Backward::Binary { op, a, b, out } => {
+                let (da, db) = match op {
+                    BinaryOp::Add => (ct.clone(), ct.clone()),
+                    BinaryOp::Sub => (ct.clone(), self.unary_untracked(UnaryOp::Neg, ct)?),
+                    BinaryOp::Mul => (
+                        self.binary_untracked(BinaryOp::Mul, ct, b)?,
+                        self.binary_untracked(BinaryOp::Mul, ct, a)?,
+                    ),
+                    BinaryOp::Div => {
+                        let da = self.binary_untracked(BinaryOp::Div, ct, b)?;
+                        let q = self.binary_untracked(BinaryOp::Div, out, b)?;
+                        let p = self.binary_untracked(BinaryOp::Mul, ct, &q)?;
+                        (da, self.unary_untracked(UnaryOp::Neg, &p)?)
+                    }
+                    BinaryOp::Max => {
+                        return Err(SpmdError::BadArgument {
+                            op: "max".into(),
+                            reason: "max is not differentiable here".into(),
+                        })
+                    }
+                };
+                vec![
+                    Some(self.unbroadcast(&da, a.ty())?),
+                    Some(self.unbroadcast(&db, b.ty())?),
+                ]
+            }
+            Backward::Dot { lhs, rhs, dims } => {
+                let nb = dims.lhs_batch.len();
+                let lf =
+                    DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting).len();
+                let rf =
+                    DotDims::free(rhs.ty().rank(), &dims.rhs_batch, &dims.rhs_contracting).len();
+                let batch: Vec<usize> = (0..nb).collect();
+                let lkept: Vec<usize> = (nb..nb + lf).collect();
+                let rkept: Vec<usize> = (nb + lf..nb + lf + rf).collect();
+                let dl = self.dot_transpose(
+                    ct,
+                    rhs,
+                    lhs.ty(),
+                    (&dims.lhs_batch, &dims.lhs_contracting),
+                    (&dims.rhs_batch, &dims.rhs_contracting),
+                    (&batch, &rkept),
+                )?;
+                let dr = self.dot_transpose(
+                    ct,
+                    lhs,
+                    rhs.ty(),
+                    (&dims.rhs_batch, &dims.rhs_contracting),
+                    (&dims.lhs_batch, &dims.lhs_contracting),
+                    (&batch, &lkept),
+                )?;
+                vec![Some(dl), Some(dr)]
+            }
+            Backward::ReduceSum { x, axes } => {
+                let kept: Vec<usize> = (0..x.rank()).filter(|d| !axes.contains(d)).collect();
+                let target = x.to_cotangent();
+                vec![Some(self.broadcast_in_dim_untracked(
+                    ct,
+                    x.shape(),
+                    &kept,
+                    Some(target.sharding().spec()),
+                )?)]
+            }
+            Backward::Broadcast { x, dims } => {
+                vec![Some(self.unbroadcast_in_dim(ct, x, dims)?)]
+            }
+            Backward::Reshape { x } => {
+                let target = x.to_cotangent();
+                vec![Some(self.reshape_untracked(
+                    ct,
+                    x.shape(),
+                    Some(target.sharding().spec()),
+                )?)]
+            }
+            Backward::Transpose { perm } => {
+                let mut inverse = vec![0; perm.len()];
+                for (i, &p) in perm.iter().enumerate() {
+                    inverse[p] = i;
+                }
+                vec![Some(self.transpose_untracked(ct, &inverse)?)]
+            }
+            Backward::Reshard { src } => {
+                let target = src.to_cotangent();
+                vec![Some(self.reshard_untracked(ct, target.sharding().spec())?)]
+            }
+        })
+    }
+
+    /// JAX's `_dot_general_transpose_lhs`, written for either side: the cotangent of `this`
+    /// operand from `ct` (`[batch, lhs free, rhs free]`) and the `other` operand, emitted with
+    /// `this`'s cotangent type as `out_sharding` (R4.3).
+    fn dot_transpose(
+        &mut self,
+        ct: &Array,
+        other: &Array,
+        this: &ArrayType,
+        (this_batch, this_contract): (&Vec<usize>, &Vec<usize>),
+        (other_batch, other_contract): (&Vec<usize>, &Vec<usize>),
+        (ct_batch, ct_other_kept): (&Vec<usize>, &Vec<usize>),
+    ) -> Result<Array, SpmdError> {
+        let other_kept = DotDims::free(other.ty().rank(), other_batch, other_contract);
+        let this_kept = DotDims::free(this.rank(), this_batch, this_contract);
+        let dims = DotDims {
+            lhs_contracting: ct_other_kept.clone(),
+            rhs_contracting: other_kept,
+            lhs_batch: ct_batch.clone(),
+            rhs_batch: other_batch.clone(),
+        };
+        // Result dims are [batch, this kept, other's contracting dims in ascending order]; map
+        // them to `this`'s dims.
+        let mut pairs: Vec<(usize, usize)> = this_contract
+            .iter()
+            .copied()
+            .zip(other_contract.iter().copied())
+            .collect();
+        pairs.sort_by_key(|&(_, o)| o);
+        let order: Vec<usize> = this_batch
+            .iter()
+            .copied()
+            .chain(this_kept)
+            .chain(pairs.into_iter().map(|(t, _)| t))
+            .collect();
+        let target = this.to_cotangent();
+        let tspec = target.sharding().spec();
+        let out_spec = PartitionSpec::tagged(
+            order.iter().map(|&d| tspec.dim(d).clone()),
+            tspec.unreduced().clone(),
+            tspec.reduced().clone(),
+        )?;
+        let r = self.dot_general_untracked(ct, other, &dims, Some(&out_spec))?;
+        let mut perm = vec![0; order.len()];
+        for (k, &d) in order.iter().enumerate() {
+            perm[d] = k;
+        }
+        self.transpose_untracked(&r, &perm)
+    }
+
+    /// The cotangent of an operand that a binary op broadcast: summed over the broadcast dims and
+    /// typed as the operand's cotangent.
+    fn unbroadcast(&mut self, ct: &Array, operand: &ArrayType) -> Result<Array, SpmdError> {
+        let target = operand.to_cotangent();
+        if ct.shape() == operand.shape() {
+            return self.reshard_untracked(ct, target.sharding().spec());
+        }
+        let lead = ct.ty().rank() - operand.rank();
+        let dims: Vec<usize> = (lead..ct.ty().rank()).collect();
+        self.unbroadcast_in_dim(ct, operand, &dims)
+    }
+
+    /// Transpose of `broadcast_in_dim(x → ct's shape, dims)`: `reduce_sum` over the new dims
+    /// (and the stretched size-1 dims) with the cotangent type as `out_sharding`.
+    fn unbroadcast_in_dim(
+        &mut self,
+        ct: &Array,
+        x: &ArrayType,
+        dims: &[usize],
+    ) -> Result<Array, SpmdError> {
+        let target = x.to_cotangent();
+        let tspec = target.sharding().spec();
+        let stretched: Vec<usize> = (0..x.rank())
+            .filter(|&i| x.shape()[i] == 1 && ct.shape()[dims[i]] != 1)
+            .collect();
+        let summed: Vec<usize> = (0..ct.ty().rank())
+            .filter(|d| !dims.contains(d) || stretched.iter().any(|&i| dims[i] == *d))
+            .collect();
+        if stretched.is_empty() {
+            return self.reduce_sum_untracked(ct, &summed, Some(tspec));
+        }
+        let kept_spec = PartitionSpec::tagged(
+            (0..x.rank())
+                .filter(|i| !stretched.contains(i))
+                .map(|i| tspec.dim(i).clone()),
+            tspec.unreduced().clone(),
+            tspec.reduced().clone(),
+        )?;
+        let s = self.reduce_sum_untracked(ct, &summed, Some(&kept_spec))?;
+        self.reshape_untracked(&s, x.shape(), Some(tspec))
+    }
+}
+
+/// R4.3's check, typed by what differs.
+fn ct_error(op: &str, expected: &ArrayType, got: &ArrayType) -> ShardingTypeError {
+    let (es, gs) = (expected.sharding().spec(), got.sharding().spec());
+    let kind = if es.unreduced() != gs.unreduced() {
+        TypeErrorKind::UnreducedMismatch
+    } else if es.reduced() != gs.reduced() {
+        TypeErrorKind::ReducedConflict
+    } else if expected.shape() != got.shape() {
+        TypeErrorKind::ShapeError
+    } else {
+        TypeErrorKind::ShardingMismatch
+    };
+    ShardingTypeError::new(
+        kind,
+        op,
+        &[got],
+        format!("Expected cotangent type {expected} but got {got}"),
+    )
+}

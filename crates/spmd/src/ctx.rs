@@ -1,0 +1,272 @@
+//! `Ctx`: one device's execution context — its communicator, its mode (real or abstract), its
+//! kernel thread budget and the autodiff tape — and the mode-aware collective helpers every op
+//! uses, so a real run and an abstract run record the same trace.
+
+use std::sync::Arc;
+
+use ferrotext_comm::{CollectiveKind, Communicator};
+use ferrotext_sharding::{ArrayType, DType, Mesh, NamedSharding, PartitionSpec};
+use ferrotext_tensor::Tensor;
+
+use crate::array::Array;
+use crate::autodiff::Tape;
+use crate::error::SpmdError;
+
+/// Whether ops compute data or only types and the collective trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Every op computes this device's shard and issues its collectives.
+    Real,
+    /// Shape-only: every type rule is checked and every collective recorded with its size, but
+    /// no data exists and nothing is communicated.
+    Abstract,
+}
+
+/// One device's context for SPMD ops. See the module docs.
+pub struct Ctx<'c> {
+    comm: &'c mut Communicator,
+    mode: Mode,
+    threads: usize,
+    pub(crate) tape: Option<Tape>,
+}
+
+impl<'c> Ctx<'c> {
+    /// A real context on `comm`, running kernels on `threads` threads.
+    pub fn new(comm: &'c mut Communicator, threads: usize) -> Ctx<'c> {
+        Ctx {
+            comm,
+            mode: Mode::Real,
+            threads: threads.max(1),
+            tape: None,
+        }
+    }
+
+    /// An abstract context: the same program, types and trace only. `comm` is typically
+    /// `Communicator::new(0, mesh, Box::new(NoTransport))`, which plans any mesh in one process.
+    pub fn new_abstract(comm: &'c mut Communicator) -> Ctx<'c> {
+        Ctx {
+            comm,
+            mode: Mode::Abstract,
+            threads: 1,
+            tape: None,
+        }
+    }
+
+    /// Real or abstract.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &Arc<Mesh> {
+        self.comm.mesh()
+    }
+
+    /// This device's index.
+    pub fn device(&self) -> usize {
+        self.comm.device()
+    }
+
+    /// Kernel threads of this device.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The communicator (phases, trace).
+    pub fn comm(&mut self) -> &mut Communicator {
+        self.comm
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Making arrays
+
+    /// This device's shard of a global value `global` laid out as `sharding` (every device passes
+    /// the same global value; each keeps its slice).
+    ///
+    /// # Errors
+    /// A shape that does not fit the sharding; and an unreduced sharding (DESIGN §4.5: a value is
+    /// made unreduced only by `reshard`, which zeroes the other replicas).
+    pub fn from_global(
+        &self,
+        global: &Tensor,
+        sharding: NamedSharding,
+    ) -> Result<Array, SpmdError> {
+        let ty = ArrayType::new(DType::F32, global.shape().to_vec(), sharding)?;
+        if !ty.sharding().spec().unreduced().is_empty() {
+            return Err(SpmdError::BadArgument {
+                op: "from_global".into(),
+                reason: format!(
+                    "cannot build `{ty}` directly: only `reshard` makes a value unreduced (DESIGN \
+                     §4.5); build it plain and reshard"
+                ),
+            });
+        }
+        let local = match self.mode {
+            Mode::Real => {
+                let ranges = ty.sharding().shard_ranges(global.shape(), self.device())?;
+                Some(global.slice(&ranges)?)
+            }
+            Mode::Abstract => None,
+        };
+        Ok(Array::new(ty, local))
+    }
+
+    /// An array from this device's shard (e.g. its micro-batch slice).
+    ///
+    /// # Errors
+    /// [`SpmdError::BadArgument`] when `local`'s shape is not the type's shard shape.
+    pub fn from_local(&self, ty: ArrayType, local: Tensor) -> Result<Array, SpmdError> {
+        if local.shape() != ty.shard_shape().as_slice() {
+            return Err(SpmdError::BadArgument {
+                op: "from_local".into(),
+                reason: format!(
+                    "a shard of `{ty}` has shape {:?}, got {:?}",
+                    ty.shard_shape(),
+                    local.shape()
+                ),
+            });
+        }
+        Ok(Array::new(ty, (self.mode == Mode::Real).then_some(local)))
+    }
+
+    /// Zeros of type `ty` (any type, unreduced included: zeros are a valid partial-sum split).
+    pub fn zeros(&self, ty: ArrayType) -> Array {
+        let local = (self.mode == Mode::Real).then(|| Tensor::zeros(&ty.shard_shape()));
+        Array::new(ty, local)
+    }
+
+    /// An array of type `ty` with every element `value` on every device. Refused for unreduced
+    /// types unless `value` is 0 (DESIGN §4.5).
+    ///
+    /// # Errors
+    /// [`SpmdError::BadArgument`] for a non-zero unreduced constant.
+    pub fn full(&self, ty: ArrayType, value: f32) -> Result<Array, SpmdError> {
+        if value != 0.0 && !ty.sharding().spec().unreduced().is_empty() {
+            return Err(SpmdError::BadArgument {
+                op: "full".into(),
+                reason: format!(
+                    "a constant {value} typed `{ty}` would be summed over its unreduced axes \
+                     (JAX's R9.2); build it plain and `reshard`"
+                ),
+            });
+        }
+        let local = (self.mode == Mode::Real).then(|| Tensor::full(&ty.shard_shape(), value));
+        Ok(Array::new(ty, local))
+    }
+
+    /// A shape-only array (abstract mode, or a type probe).
+    pub fn abstract_array(&self, ty: ArrayType) -> Array {
+        Array::new(ty, None)
+    }
+
+    /// A type on this context's mesh.
+    ///
+    /// # Errors
+    /// When the spec does not fit the mesh or the shape.
+    pub fn array_type(&self, shape: &[usize], spec: PartitionSpec) -> Result<ArrayType, SpmdError> {
+        Ok(ArrayType::new(
+            DType::F32,
+            shape.to_vec(),
+            NamedSharding::new(self.mesh().clone(), spec)?,
+        )?)
+    }
+
+    /// The global value of `x` on the host (every device gets it; gathers sharded dims).
+    ///
+    /// # Errors
+    /// [`SpmdError::HostAccessUnreduced`] for an unreduced array (DESIGN §4.4): reshard first.
+    pub fn to_host(&mut self, x: &Array) -> Result<Tensor, SpmdError> {
+        if !x.ty().sharding().spec().unreduced().is_empty() {
+            return Err(SpmdError::HostAccessUnreduced {
+                ty: x.ty().to_string(),
+            });
+        }
+        let replicated = PartitionSpec::replicated()
+            .with_reduced_set(x.ty().sharding().spec().reduced().clone())?;
+        let full = self.reshard_untracked(x, &replicated)?;
+        full.local_owned()
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Mode-aware collectives over local blocks
+
+    /// This device's rank over `axes` (first axis major) and the group size.
+    pub(crate) fn rank_over(&self, axes: &[String]) -> Result<(usize, usize), SpmdError> {
+        let group = self.comm.group(axes)?;
+        let rank = group.iter().position(|&d| d == self.device()).unwrap_or(0);
+        Ok((rank, group.len()))
+    }
+
+    /// In-place sum over `axes`.
+    pub(crate) fn all_reduce(
+        &mut self,
+        axes: &[String],
+        local: &mut Option<Tensor>,
+        elements: usize,
+    ) -> Result<(), SpmdError> {
+        match local {
+            Some(t) => self.comm.all_reduce(axes, t.data_mut())?,
+            None => {
+                self.comm
+                    .record_abstract(CollectiveKind::AllReduce, axes, elements, DType::F32)?
+            }
+        }
+        Ok(())
+    }
+
+    /// Sum over `axes`, scattered along `dim` (rank `r` keeps block `r`, first axis major).
+    pub(crate) fn reduce_scatter_dim(
+        &mut self,
+        axes: &[String],
+        local: Option<Tensor>,
+        local_shape: &[usize],
+        dim: usize,
+    ) -> Result<Option<Tensor>, SpmdError> {
+        let (_, n) = self.rank_over(axes)?;
+        let elements: usize = local_shape.iter().product();
+        let Some(t) = local else {
+            self.comm
+                .record_abstract(CollectiveKind::ReduceScatter, axes, elements, DType::F32)?;
+            return Ok(None);
+        };
+        let parts = t.split(dim, n)?;
+        let part_shape = parts[0].shape().to_vec();
+        let mut flat = Vec::with_capacity(elements);
+        for p in &parts {
+            flat.extend_from_slice(p.data());
+        }
+        let mut out = vec![0.0; elements / n];
+        self.comm.reduce_scatter(axes, &flat, &mut out)?;
+        Ok(Some(Tensor::new(part_shape, out)?))
+    }
+
+    /// Concatenation over `axes` along `dim` (rank order, first axis major).
+    pub(crate) fn all_gather_dim(
+        &mut self,
+        axes: &[String],
+        local: Option<Tensor>,
+        local_shape: &[usize],
+        dim: usize,
+    ) -> Result<Option<Tensor>, SpmdError> {
+        let (_, n) = self.rank_over(axes)?;
+        let elements: usize = local_shape.iter().product::<usize>() * n;
+        let Some(t) = local else {
+            self.comm
+                .record_abstract(CollectiveKind::AllGather, axes, elements, DType::F32)?;
+            return Ok(None);
+        };
+        let mut out = vec![0.0; elements];
+        self.comm.all_gather(axes, t.data(), &mut out)?;
+        if t.is_empty() {
+            let mut shape = t.shape().to_vec();
+            shape[dim] *= n;
+            return Ok(Some(Tensor::zeros(&shape)));
+        }
+        let blocks: Vec<Tensor> = out
+            .chunks(t.len())
+            .map(|c| Tensor::new(t.shape().to_vec(), c.to_vec()))
+            .collect::<Result<_, _>>()?;
+        let refs: Vec<&Tensor> = blocks.iter().collect();
+        Ok(Some(Tensor::concat(&refs, dim)?))
+    }
+}
