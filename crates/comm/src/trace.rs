@@ -169,13 +169,18 @@ impl Trace {
 
     /// All-reduces with more than `min_elements` elements in phases matching `phase`: the probe
     /// for "gradients were reduced inside a micro-batch".
-    pub fn all_reduces_larger_than<'a>(
-        &'a self,
+    pub fn all_reduces_larger_than(
+        &self,
         min_elements: usize,
-        phase: &'a PhasePattern,
-    ) -> Vec<&'a TraceEvent> {
-        self.filter(CollectiveKind::AllReduce, phase)
-            .filter(|e| e.elements > min_elements)
+        phase: &PhasePattern,
+    ) -> Vec<&TraceEvent> {
+        self.events
+            .iter()
+            .filter(|e| {
+                e.kind == CollectiveKind::AllReduce
+                    && e.elements > min_elements
+                    && phase.matches(&e.phase)
+            })
             .collect()
     }
 
