@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 a run that failed, 2 bad input (usage, config, mesh).
 
 mod bench;
+mod conformance;
 mod demo;
 mod mesh_arg;
 
@@ -23,6 +24,8 @@ enum Command {
     /// Run a known schedule of collectives on an in-process mesh, check every result against a
     /// serial reference, and print the collective trace.
     Collectives(demo::CollectivesArgs),
+    /// Check the sharding type rules against conformance case files (JSON lines, abstract mode).
+    Conformance(conformance::ConformanceArgs),
     /// Benchmarks that write JSON.
     Bench {
         #[command(subcommand)]
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Collectives(args) => demo::run(&args),
+        Command::Conformance(args) => conformance::run(&args),
         Command::Bench { which } => bench::run(which),
     };
     match result {

@@ -3,8 +3,9 @@ The `tensor` layer of ferrotext: one device's dense `f32` tensors and the kernel
 need. It must not know about meshes or collectives: a [`Tensor`] is just this device's block.
 
 Main items: [`Tensor`] (row-major, contiguous; structural ops copy, reshape does not),
-elementwise maps with NumPy broadcasting, reductions, and [`dot_general`] on the `gemm` crate
-with arbitrary batch and contracting dimensions.
+elementwise maps with NumPy broadcasting, reductions, [`dot_general`] on the `gemm` crate
+with arbitrary batch and contracting dimensions, and the model kernels (softmax, RMSNorm, RoPE,
+SiLU, cross-entropy, gather/scatter-add, top-k), each forward beside its backward.
 
 # The key decision: strided views instead of copies for matrix products
 
@@ -27,10 +28,15 @@ assert_eq!(y.data(), &[-2., -2.]);
 mod elementwise;
 mod error;
 mod matmul;
+mod nn;
 mod reduce;
 mod tensor;
 
 pub use elementwise::broadcast_shapes;
 pub use error::TensorError;
 pub use matmul::{dot_general, DotDims};
+pub use nn::{
+    cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward, rope, scatter_add,
+    silu, silu_backward, softmax_last, softmax_last_backward, top_k,
+};
 pub use tensor::{strides, Tensor};

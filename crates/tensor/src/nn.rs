@@ -1,0 +1,437 @@
+//! The model kernels, each forward next to its backward: softmax, RMSNorm, RoPE, SiLU,
+//! cross-entropy with a token mask, gather / scatter-add along an axis, top-k.
+//!
+//! Layouts are row-major; "rows" are every dimension but the last. These are memory-bound loops:
+//! one pass over the data for the forward, one or two for the backward; no allocation inside
+//! the row loops.
+
+use crate::error::TensorError;
+use crate::tensor::Tensor;
+
+fn last_dim(x: &Tensor, op: &'static str) -> Result<usize, TensorError> {
+    match x.shape().last() {
+        Some(&n) if n > 0 => Ok(n),
+        _ => Err(TensorError::shape(op, format!("needs a non-empty last dimension, got {:?}", x.shape()))),
+    }
+}
+
+fn same_shape(a: &Tensor, b: &Tensor, op: &'static str) -> Result<(), TensorError> {
+    if a.shape() != b.shape() {
+        return Err(TensorError::shape(op, format!("{:?} vs {:?}", a.shape(), b.shape())));
+    }
+    Ok(())
+}
+
+/// Softmax over the last dim, stable (the row max is subtracted first).
+///
+/// # Errors
+/// An empty last dimension.
+pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
+    let n = last_dim(x, "softmax")?;
+    let mut y = x.clone();
+    for row in y.data_mut().chunks_mut(n) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        row.iter_mut().for_each(|v| *v *= inv);
+    }
+    Ok(y)
+}
+
+/// Backward of `y = softmax(x)`: `dx = y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row.
+///
+/// # Errors
+/// Shapes differ.
+pub fn softmax_last_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
+    same_shape(y, dy, "softmax_backward")?;
+    let n = last_dim(y, "softmax_backward")?;
+    let mut dx = dy.clone();
+    for (drow, yrow) in dx.data_mut().chunks_mut(n).zip(y.data().chunks(n)) {
+        let dot: f32 = drow.iter().zip(yrow).map(|(d, y)| d * y).sum();
+        for (d, &yv) in drow.iter_mut().zip(yrow) {
+            *d = yv * (*d - dot);
+        }
+    }
+    Ok(dx)
+}
+
+/// RMSNorm over the last dim: `y = x · rsqrt(mean(x²) + eps) · scale`. Returns `y` and each row's
+/// `rsqrt(mean(x²) + eps)` for the backward.
+///
+/// # Errors
+/// `scale` is not the last dim's length.
+pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32>), TensorError> {
+    let n = last_dim(x, "rms_norm")?;
+    if scale.shape() != [n] {
+        return Err(TensorError::shape("rms_norm", format!("scale {:?} for rows of {n}", scale.shape())));
+    }
+    let mut y = x.clone();
+    let mut inv = Vec::with_capacity(x.len() / n);
+    for row in y.data_mut().chunks_mut(n) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for (v, &s) in row.iter_mut().zip(scale.data()) {
+            *v *= r * s;
+        }
+        inv.push(r);
+    }
+    Ok((y, inv))
+}
+
+/// Backward of [`rms_norm`]. With `n = x·r` (r the row's inverse RMS):
+/// `dscale = Σ_rows dy ⊙ n`, `dx = r · (g − n · mean(g ⊙ n))` where `g = dy ⊙ scale`.
+///
+/// # Errors
+/// Shapes disagree.
+pub fn rms_norm_backward(
+    x: &Tensor,
+    scale: &Tensor,
+    inv_rms: &[f32],
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor), TensorError> {
+    same_shape(x, dy, "rms_norm_backward")?;
+    let n = last_dim(x, "rms_norm_backward")?;
+    if inv_rms.len() * n != x.len() || scale.shape() != [n] {
+        return Err(TensorError::shape("rms_norm_backward", "row statistics do not fit".into()));
+    }
+    let mut dx = Tensor::zeros(x.shape());
+    let mut dscale = vec![0.0f32; n];
+    for (((xrow, dyrow), dxrow), &r) in x
+        .data()
+        .chunks(n)
+        .zip(dy.data().chunks(n))
+        .zip(dx.data_mut().chunks_mut(n))
+        .zip(inv_rms)
+    {
+        let mut mean_gn = 0.0;
+        for i in 0..n {
+            let normed = xrow[i] * r;
+            dscale[i] += dyrow[i] * normed;
+            mean_gn += dyrow[i] * scale.data()[i] * normed;
+        }
+        mean_gn /= n as f32;
+        for i in 0..n {
+            let normed = xrow[i] * r;
+            dxrow[i] = r * (dyrow[i] * scale.data()[i] - normed * mean_gn);
+        }
+    }
+    Ok((dx, Tensor::new(vec![n], dscale)?))
+}
+
+/// Rotary position embedding, rotate-half form, on `x: [.., seq, heads, head_dim]`: pair `i`
+/// (`i < head_dim/2`) of position `p` turns by `p·θ^(−2i/head_dim)`. `positions[s]` is the position
+/// of sequence index `s`. `inverse` turns the other way (the backward: rotations are orthogonal).
+///
+/// # Errors
+/// Rank below 3, odd head_dim, or `positions` of the wrong length.
+pub fn rope(x: &Tensor, positions: &[usize], theta: f32, inverse: bool) -> Result<Tensor, TensorError> {
+    let r = x.rank();
+    if r < 3 || x.shape()[r - 1] % 2 != 0 || positions.len() != x.shape()[r - 3] {
+        return Err(TensorError::shape(
+            "rope",
+            format!("x {:?} with {} positions (need [.., seq, heads, even head_dim])", x.shape(), positions.len()),
+        ));
+    }
+    let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
+    let half = dim / 2;
+    let freqs: Vec<f32> = (0..half).map(|i| theta.powf(-((2 * i) as f32) / dim as f32)).collect();
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let mut y = x.clone();
+    for chunk in y.data_mut().chunks_mut(seq * heads * dim) {
+        for (s, pos_chunk) in chunk.chunks_mut(heads * dim).enumerate() {
+            let pos = positions[s] as f32;
+            for head in pos_chunk.chunks_mut(dim) {
+                for i in 0..half {
+                    let (sin, cos) = (sign * pos * freqs[i]).sin_cos();
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos - b * sin;
+                    head[i + half] = b * cos + a * sin;
+                }
+            }
+        }
+    }
+    Ok(y)
+}
+
+/// `silu(x) = x·σ(x)`.
+pub fn silu(x: &Tensor) -> Tensor {
+    x.map(|v| v / (1.0 + (-v).exp()))
+}
+
+/// Backward of [`silu`]: `dx = dy · σ(x)·(1 + x·(1 − σ(x)))`.
+///
+/// # Errors
+/// Shapes differ.
+pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
+    x.zip_with(dy, |v, d| {
+        let s = 1.0 / (1.0 + (-v).exp());
+        d * s * (1.0 + v * (1.0 - s))
+    })
+}
+
+/// Cross-entropy of `logits: [N, V]` against `targets` (N class ids), weighted by `mask` (N
+/// weights, 0 = ignore). Returns the *sum* of masked token losses, the sum of the mask (the
+/// token count), and the softmax probabilities for the backward.
+///
+/// # Errors
+/// Shapes disagree or a target is out of range.
+pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &[u32],
+    mask: &[f32],
+) -> Result<(f32, f32, Tensor), TensorError> {
+    let v = last_dim(logits, "cross_entropy")?;
+    let n = logits.len() / v;
+    if logits.rank() != 2 || targets.len() != n || mask.len() != n {
+        return Err(TensorError::shape(
+            "cross_entropy",
+            format!("logits {:?}, {} targets, {} mask weights", logits.shape(), targets.len(), mask.len()),
+        ));
+    }
+    if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
+        return Err(TensorError::shape("cross_entropy", format!("target {t} out of range for {v} classes")));
+    }
+    let probs = softmax_last(logits)?;
+    let mut loss = 0.0f64;
+    for ((row, &t), &m) in probs.data().chunks(v).zip(targets).zip(mask) {
+        if m != 0.0 {
+            loss -= m as f64 * (row[t as usize].max(f32::MIN_POSITIVE) as f64).ln();
+        }
+    }
+    Ok((loss as f32, mask.iter().sum(), probs))
+}
+
+/// Backward of [`cross_entropy`]'s loss sum: `dlogits = dloss · mask ⊙ (probs − onehot(targets))`.
+///
+/// # Errors
+/// Shapes disagree.
+pub fn cross_entropy_backward(
+    probs: &Tensor,
+    targets: &[u32],
+    mask: &[f32],
+    dloss: f32,
+) -> Result<Tensor, TensorError> {
+    let v = last_dim(probs, "cross_entropy_backward")?;
+    if targets.len() * v != probs.len() || mask.len() != targets.len() {
+        return Err(TensorError::shape("cross_entropy_backward", "targets do not fit".into()));
+    }
+    let mut d = probs.clone();
+    for ((row, &t), &m) in d.data_mut().chunks_mut(v).zip(targets).zip(mask) {
+        let k = dloss * m;
+        row.iter_mut().for_each(|x| *x *= k);
+        row[t as usize] -= k;
+    }
+    Ok(d)
+}
+
+/// `out = x` indexed by `indices` along `axis` (XLA's gather of whole slices): the result has
+/// `indices.len()` entries along `axis`.
+///
+/// # Errors
+/// `axis` out of range or an index out of bounds.
+pub fn gather(x: &Tensor, axis: usize, indices: &[u32]) -> Result<Tensor, TensorError> {
+    let extent = *x.shape().get(axis).ok_or_else(|| TensorError::shape("gather", format!("no axis {axis}")))?;
+    if let Some(i) = indices.iter().find(|&&i| i as usize >= extent) {
+        return Err(TensorError::shape("gather", format!("index {i} out of bounds for {extent}")));
+    }
+    let outer: usize = x.shape()[..axis].iter().product();
+    let inner: usize = x.shape()[axis + 1..].iter().product();
+    let mut shape = x.shape().to_vec();
+    shape[axis] = indices.len();
+    let mut data = Vec::with_capacity(outer * indices.len() * inner);
+    for o in 0..outer {
+        for &i in indices {
+            let start = (o * extent + i as usize) * inner;
+            data.extend_from_slice(&x.data()[start..start + inner]);
+        }
+    }
+    Tensor::new(shape, data)
+}
+
+/// Backward of [`gather`]: a zero tensor of `shape` with each slice of `src` added at its index
+/// along `axis` (repeated indices accumulate, in order).
+///
+/// # Errors
+/// Shapes disagree or an index is out of bounds.
+pub fn scatter_add(shape: &[usize], axis: usize, indices: &[u32], src: &Tensor) -> Result<Tensor, TensorError> {
+    let extent = *shape.get(axis).ok_or_else(|| TensorError::shape("scatter_add", format!("no axis {axis}")))?;
+    let mut want = shape.to_vec();
+    want[axis] = indices.len();
+    if src.shape() != want.as_slice() || indices.iter().any(|&i| i as usize >= extent) {
+        return Err(TensorError::shape(
+            "scatter_add",
+            format!("src {:?} with {} indices into {shape:?}", src.shape(), indices.len()),
+        ));
+    }
+    let outer: usize = shape[..axis].iter().product();
+    let inner: usize = shape[axis + 1..].iter().product();
+    let mut out = Tensor::zeros(shape);
+    for o in 0..outer {
+        for (k, &i) in indices.iter().enumerate() {
+            let dst = (o * extent + i as usize) * inner;
+            let s = (o * indices.len() + k) * inner;
+            for (d, &v) in out.data_mut()[dst..dst + inner].iter_mut().zip(&src.data()[s..s + inner]) {
+                *d += v;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The `k` largest entries of each row (last dim), descending; ties go to the lower index.
+/// Returns the values `[.., k]` and their indices.
+///
+/// # Errors
+/// `k` is 0 or larger than the row.
+pub fn top_k(x: &Tensor, k: usize) -> Result<(Tensor, Vec<u32>), TensorError> {
+    let n = last_dim(x, "top_k")?;
+    if k == 0 || k > n {
+        return Err(TensorError::shape("top_k", format!("k = {k} for rows of {n}")));
+    }
+    let rows = x.len() / n;
+    let mut values = Vec::with_capacity(rows * k);
+    let mut indices = Vec::with_capacity(rows * k);
+    let mut order: Vec<u32> = Vec::with_capacity(n);
+    for row in x.data().chunks(n) {
+        order.clear();
+        order.extend(0..n as u32);
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        for &i in &order[..k] {
+            values.push(row[i as usize]);
+            indices.push(i);
+        }
+    }
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().unwrap_or(&mut 0) = k; // ok: rank ≥ 1 checked by last_dim
+    Ok((Tensor::new(shape, values)?, indices))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(shape: &[usize], data: &[f32]) -> Tensor {
+        Tensor::new(shape.to_vec(), data.to_vec()).unwrap()
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{x} vs {y}\n{a:?}\n{b:?}");
+        }
+    }
+
+    /// Central differences of a scalar function of a tensor, in f64 around f32 data.
+    fn numeric_grad(x: &Tensor, f: impl Fn(&Tensor) -> f64) -> Vec<f32> {
+        let h = 1e-3f32;
+        (0..x.len())
+            .map(|i| {
+                let mut p = x.clone();
+                let mut m = x.clone();
+                p.data_mut()[i] += h;
+                m.data_mut()[i] -= h;
+                ((f(&p) - f(&m)) / (2.0 * h as f64)) as f32
+            })
+            .collect()
+    }
+
+    fn weighted_sum(y: &Tensor, w: &Tensor) -> f64 {
+        y.data().iter().zip(w.data()).map(|(a, b)| *a as f64 * *b as f64).sum()
+    }
+
+    #[test]
+    fn softmax_is_stable_and_its_backward_matches_finite_differences() {
+        let x = t(&[2, 3], &[1000., 1001., 1002., -1., 0., 1.]);
+        let y = softmax_last(&x).unwrap();
+        let e = [(-2f32).exp(), (-1f32).exp(), 1.0];
+        let s: f32 = e.iter().sum();
+        close(&y.data()[..3], &[e[0] / s, e[1] / s, e[2] / s], 1e-6);
+        close(&y.data()[3..], &[e[0] / s, e[1] / s, e[2] / s], 1e-6);
+        let x = t(&[2, 3], &[0.1, -0.4, 0.3, 0.9, 0.2, -0.5]);
+        let w = t(&[2, 3], &[1., 2., -1., 0.5, -2., 3.]);
+        let dx = softmax_last_backward(&softmax_last(&x).unwrap(), &w).unwrap();
+        close(dx.data(), &numeric_grad(&x, |x| weighted_sum(&softmax_last(x).unwrap(), &w)), 1e-2);
+    }
+
+    #[test]
+    fn rms_norm_forward_and_backward() {
+        let x = t(&[2, 4], &[1., 2., 3., 4., -1., 0.5, 0., 2.]);
+        let s = t(&[4], &[1., 0.5, 2., -1.]);
+        let (y, inv) = rms_norm(&x, &s, 1e-6).unwrap();
+        let r0 = 1.0 / (30.0f32 / 4.0 + 1e-6).sqrt();
+        close(&y.data()[..4], &[r0, 0.5 * 2. * r0, 2. * 3. * r0, -4. * r0], 1e-6);
+        let w = t(&[2, 4], &[0.3, -1., 2., 0.5, 1., 1., -0.5, 0.25]);
+        let (dx, ds) = rms_norm_backward(&x, &s, &inv, &w).unwrap();
+        close(dx.data(), &numeric_grad(&x, |x| weighted_sum(&rms_norm(x, &s, 1e-6).unwrap().0, &w)), 1e-2);
+        close(ds.data(), &numeric_grad(&s, |s| weighted_sum(&rms_norm(&x, s, 1e-6).unwrap().0, &w)), 1e-2);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_and_inverts() {
+        // one sequence of 2 positions, 1 head, head_dim 4
+        let x = t(&[2, 1, 4], &[1., 2., 3., 4., 1., 2., 3., 4.]);
+        let y = rope(&x, &[0, 1], 10000.0, false).unwrap();
+        close(&y.data()[..4], &[1., 2., 3., 4.], 1e-6); // position 0: identity
+        let (f0, f1) = (1.0f32, 10000f32.powf(-0.5));
+        let (s0, c0) = f0.sin_cos();
+        let (s1, c1) = f1.sin_cos();
+        close(&y.data()[4..], &[1. * c0 - 3. * s0, 2. * c1 - 4. * s1, 3. * c0 + 1. * s0, 4. * c1 + 2. * s1], 1e-6);
+        let back = rope(&y, &[0, 1], 10000.0, true).unwrap();
+        close(back.data(), x.data(), 1e-6);
+        assert!(rope(&t(&[2, 3], &[0.; 6]), &[0, 1], 1e4, false).is_err());
+    }
+
+    #[test]
+    fn silu_backward_matches_finite_differences() {
+        let x = t(&[5], &[-3., -0.5, 0., 0.7, 4.]);
+        let w = t(&[5], &[1., 2., 3., -1., 0.5]);
+        let dx = silu_backward(&x, &w).unwrap();
+        close(dx.data(), &numeric_grad(&x, |x| weighted_sum(&silu(x), &w)), 1e-2);
+    }
+
+    #[test]
+    fn cross_entropy_sums_masked_losses_and_its_backward_matches() {
+        let logits = t(&[3, 4], &[0.1, 2., -1., 0.5, 1., 1., 1., 1., 3., 0., 0., -2.]);
+        let targets = [1, 2, 3];
+        let mask = [1., 0., 1.];
+        let (loss, count, probs) = cross_entropy(&logits, &targets, &mask).unwrap();
+        let lse = |r: &[f32]| r.iter().map(|v| v.exp()).sum::<f32>().ln();
+        let want = (lse(&logits.data()[..4]) - 2.) + (lse(&logits.data()[8..]) + 2.);
+        assert!((loss - want).abs() < 1e-5, "{loss} vs {want}");
+        assert_eq!(count, 2.0);
+        let d = cross_entropy_backward(&probs, &targets, &mask, 1.0).unwrap();
+        let num = numeric_grad(&logits, |l| cross_entropy(l, &targets, &mask).unwrap().0 as f64);
+        close(d.data(), &num, 1e-2);
+        assert!(d.data()[4..8].iter().all(|&v| v == 0.0), "masked row has no gradient");
+        assert!(cross_entropy(&logits, &[1, 2, 4], &mask).is_err());
+    }
+
+    #[test]
+    fn gather_and_scatter_add_are_adjoint() {
+        let x = Tensor::from_fn(&[2, 3, 2], |i| i as f32);
+        let g = gather(&x, 1, &[2, 0, 2]).unwrap();
+        assert_eq!(g.shape(), &[2, 3, 2]);
+        assert_eq!(&g.data()[..6], &[4., 5., 0., 1., 4., 5.]);
+        let s = scatter_add(&[2, 3, 2], 1, &[2, 0, 2], &Tensor::full(&[2, 3, 2], 1.0)).unwrap();
+        assert_eq!(&s.data()[..6], &[1., 1., 0., 0., 2., 2.]);
+        // <gather(x), y> == <x, scatter_add(y)>
+        let y = Tensor::from_fn(&[2, 3, 2], |i| (i as f32).sin());
+        let lhs = weighted_sum(&g, &y);
+        let rhs = weighted_sum(&x, &scatter_add(&[2, 3, 2], 1, &[2, 0, 2], &y).unwrap());
+        assert!((lhs - rhs).abs() < 1e-5);
+        assert!(gather(&x, 1, &[3]).is_err());
+    }
+
+    #[test]
+    fn top_k_is_descending_with_ties_to_the_lower_index() {
+        let x = t(&[2, 4], &[0.5, 2., 2., -1., 3., 1., 0., 3.]);
+        let (v, i) = top_k(&x, 2).unwrap();
+        assert_eq!(v.data(), &[2., 2., 3., 3.]);
+        assert_eq!(i, vec![1, 2, 0, 3]);
+        assert!(top_k(&x, 5).is_err());
+    }
+}
