@@ -35,6 +35,22 @@ pub enum BenchCommand {
         #[arg(long, default_value = "target/bench/collectives.json")]
         out: PathBuf,
     },
+    /// GFLOP/s of the matmul shapes of a transformer layer (forward and both backward products)
+    /// through `dot_general`, next to the `gemm` crate called directly on the same layout.
+    Kernels {
+        /// Model widths to run.
+        #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+        d_model: Vec<usize>,
+        /// Tokens per matmul (rows of the activations).
+        #[arg(long, default_value_t = 1024)]
+        tokens: usize,
+        /// Thread counts to run.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        threads: Vec<usize>,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/kernels.json")]
+        out: PathBuf,
+    },
 }
 
 /// Collective transports the benchmark can run.
@@ -80,6 +96,12 @@ pub fn run(which: BenchCommand) -> Result<()> {
             backend,
             out,
         } => collectives(&devices, min_bytes, max_bytes, backend, &out),
+        BenchCommand::Kernels {
+            d_model,
+            tokens,
+            threads,
+            out,
+        } => crate::bench_kernels::run(&d_model, tokens, &threads, &out),
     }
 }
 

@@ -75,11 +75,17 @@ fn collectives_bench_writes_json() {
 
 #[test]
 fn conformance_command_passes_the_public_cases_and_reports_failures() {
-    let public = concat!(env!("CARGO_MANIFEST_DIR"), "/../spmd/tests/data/conformance-public.jsonl");
+    let public = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../spmd/tests/data/conformance-public.jsonl"
+    );
     let out = ferrotext(&["conformance", public]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
-    assert!(stdout.trim_end().ends_with("723 passed, 0 failed"), "{stdout}");
+    assert!(
+        stdout.trim_end().ends_with("723 passed, 0 failed"),
+        "{stdout}"
+    );
 
     // A case whose expectation is wrong is reported and fails the run.
     let dir = std::env::temp_dir().join(format!("ferrotext-conf-{}", std::process::id()));
@@ -93,7 +99,10 @@ fn conformance_command_passes_the_public_cases_and_reports_failures() {
     let out = ferrotext(&["conformance", bad.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1));
-    assert!(stdout.contains("FAIL wrong-1: forward: want f32[4], got f32[4]{U:x}"), "{stdout}");
+    assert!(
+        stdout.contains("FAIL wrong-1: forward: want f32[4], got f32[4]{U:x}"),
+        "{stdout}"
+    );
     assert!(stdout.contains("0 passed, 1 failed"), "{stdout}");
     std::fs::remove_dir_all(dir).ok();
 }

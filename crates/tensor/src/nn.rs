@@ -11,13 +11,19 @@ use crate::tensor::Tensor;
 fn last_dim(x: &Tensor, op: &'static str) -> Result<usize, TensorError> {
     match x.shape().last() {
         Some(&n) if n > 0 => Ok(n),
-        _ => Err(TensorError::shape(op, format!("needs a non-empty last dimension, got {:?}", x.shape()))),
+        _ => Err(TensorError::shape(
+            op,
+            format!("needs a non-empty last dimension, got {:?}", x.shape()),
+        )),
     }
 }
 
 fn same_shape(a: &Tensor, b: &Tensor, op: &'static str) -> Result<(), TensorError> {
     if a.shape() != b.shape() {
-        return Err(TensorError::shape(op, format!("{:?} vs {:?}", a.shape(), b.shape())));
+        return Err(TensorError::shape(
+            op,
+            format!("{:?} vs {:?}", a.shape(), b.shape()),
+        ));
     }
     Ok(())
 }
@@ -67,7 +73,10 @@ pub fn softmax_last_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor, TensorEr
 pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32>), TensorError> {
     let n = last_dim(x, "rms_norm")?;
     if scale.shape() != [n] {
-        return Err(TensorError::shape("rms_norm", format!("scale {:?} for rows of {n}", scale.shape())));
+        return Err(TensorError::shape(
+            "rms_norm",
+            format!("scale {:?} for rows of {n}", scale.shape()),
+        ));
     }
     let mut y = x.clone();
     let mut inv = Vec::with_capacity(x.len() / n);
@@ -96,7 +105,10 @@ pub fn rms_norm_backward(
     same_shape(x, dy, "rms_norm_backward")?;
     let n = last_dim(x, "rms_norm_backward")?;
     if inv_rms.len() * n != x.len() || scale.shape() != [n] {
-        return Err(TensorError::shape("rms_norm_backward", "row statistics do not fit".into()));
+        return Err(TensorError::shape(
+            "rms_norm_backward",
+            "row statistics do not fit".into(),
+        ));
     }
     let mut dx = Tensor::zeros(x.shape());
     let mut dscale = vec![0.0f32; n];
@@ -128,17 +140,28 @@ pub fn rms_norm_backward(
 ///
 /// # Errors
 /// Rank below 3, odd head_dim, or `positions` of the wrong length.
-pub fn rope(x: &Tensor, positions: &[usize], theta: f32, inverse: bool) -> Result<Tensor, TensorError> {
+pub fn rope(
+    x: &Tensor,
+    positions: &[usize],
+    theta: f32,
+    inverse: bool,
+) -> Result<Tensor, TensorError> {
     let r = x.rank();
     if r < 3 || x.shape()[r - 1] % 2 != 0 || positions.len() != x.shape()[r - 3] {
         return Err(TensorError::shape(
             "rope",
-            format!("x {:?} with {} positions (need [.., seq, heads, even head_dim])", x.shape(), positions.len()),
+            format!(
+                "x {:?} with {} positions (need [.., seq, heads, even head_dim])",
+                x.shape(),
+                positions.len()
+            ),
         ));
     }
     let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
     let half = dim / 2;
-    let freqs: Vec<f32> = (0..half).map(|i| theta.powf(-((2 * i) as f32) / dim as f32)).collect();
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| theta.powf(-((2 * i) as f32) / dim as f32))
+        .collect();
     let sign = if inverse { -1.0 } else { 1.0 };
     let mut y = x.clone();
     for chunk in y.data_mut().chunks_mut(seq * heads * dim) {
@@ -189,11 +212,19 @@ pub fn cross_entropy(
     if logits.rank() != 2 || targets.len() != n || mask.len() != n {
         return Err(TensorError::shape(
             "cross_entropy",
-            format!("logits {:?}, {} targets, {} mask weights", logits.shape(), targets.len(), mask.len()),
+            format!(
+                "logits {:?}, {} targets, {} mask weights",
+                logits.shape(),
+                targets.len(),
+                mask.len()
+            ),
         ));
     }
     if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
-        return Err(TensorError::shape("cross_entropy", format!("target {t} out of range for {v} classes")));
+        return Err(TensorError::shape(
+            "cross_entropy",
+            format!("target {t} out of range for {v} classes"),
+        ));
     }
     let probs = softmax_last(logits)?;
     let mut loss = 0.0f64;
@@ -217,7 +248,10 @@ pub fn cross_entropy_backward(
 ) -> Result<Tensor, TensorError> {
     let v = last_dim(probs, "cross_entropy_backward")?;
     if targets.len() * v != probs.len() || mask.len() != targets.len() {
-        return Err(TensorError::shape("cross_entropy_backward", "targets do not fit".into()));
+        return Err(TensorError::shape(
+            "cross_entropy_backward",
+            "targets do not fit".into(),
+        ));
     }
     let mut d = probs.clone();
     for ((row, &t), &m) in d.data_mut().chunks_mut(v).zip(targets).zip(mask) {
@@ -234,9 +268,15 @@ pub fn cross_entropy_backward(
 /// # Errors
 /// `axis` out of range or an index out of bounds.
 pub fn gather(x: &Tensor, axis: usize, indices: &[u32]) -> Result<Tensor, TensorError> {
-    let extent = *x.shape().get(axis).ok_or_else(|| TensorError::shape("gather", format!("no axis {axis}")))?;
+    let extent = *x
+        .shape()
+        .get(axis)
+        .ok_or_else(|| TensorError::shape("gather", format!("no axis {axis}")))?;
     if let Some(i) = indices.iter().find(|&&i| i as usize >= extent) {
-        return Err(TensorError::shape("gather", format!("index {i} out of bounds for {extent}")));
+        return Err(TensorError::shape(
+            "gather",
+            format!("index {i} out of bounds for {extent}"),
+        ));
     }
     let outer: usize = x.shape()[..axis].iter().product();
     let inner: usize = x.shape()[axis + 1..].iter().product();
@@ -257,14 +297,25 @@ pub fn gather(x: &Tensor, axis: usize, indices: &[u32]) -> Result<Tensor, Tensor
 ///
 /// # Errors
 /// Shapes disagree or an index is out of bounds.
-pub fn scatter_add(shape: &[usize], axis: usize, indices: &[u32], src: &Tensor) -> Result<Tensor, TensorError> {
-    let extent = *shape.get(axis).ok_or_else(|| TensorError::shape("scatter_add", format!("no axis {axis}")))?;
+pub fn scatter_add(
+    shape: &[usize],
+    axis: usize,
+    indices: &[u32],
+    src: &Tensor,
+) -> Result<Tensor, TensorError> {
+    let extent = *shape
+        .get(axis)
+        .ok_or_else(|| TensorError::shape("scatter_add", format!("no axis {axis}")))?;
     let mut want = shape.to_vec();
     want[axis] = indices.len();
     if src.shape() != want.as_slice() || indices.iter().any(|&i| i as usize >= extent) {
         return Err(TensorError::shape(
             "scatter_add",
-            format!("src {:?} with {} indices into {shape:?}", src.shape(), indices.len()),
+            format!(
+                "src {:?} with {} indices into {shape:?}",
+                src.shape(),
+                indices.len()
+            ),
         ));
     }
     let outer: usize = shape[..axis].iter().product();
@@ -274,7 +325,10 @@ pub fn scatter_add(shape: &[usize], axis: usize, indices: &[u32], src: &Tensor) 
         for (k, &i) in indices.iter().enumerate() {
             let dst = (o * extent + i as usize) * inner;
             let s = (o * indices.len() + k) * inner;
-            for (d, &v) in out.data_mut()[dst..dst + inner].iter_mut().zip(&src.data()[s..s + inner]) {
+            for (d, &v) in out.data_mut()[dst..dst + inner]
+                .iter_mut()
+                .zip(&src.data()[s..s + inner])
+            {
                 *d += v;
             }
         }
@@ -290,7 +344,10 @@ pub fn scatter_add(shape: &[usize], axis: usize, indices: &[u32], src: &Tensor) 
 pub fn top_k(x: &Tensor, k: usize) -> Result<(Tensor, Vec<u32>), TensorError> {
     let n = last_dim(x, "top_k")?;
     if k == 0 || k > n {
-        return Err(TensorError::shape("top_k", format!("k = {k} for rows of {n}")));
+        return Err(TensorError::shape(
+            "top_k",
+            format!("k = {k} for rows of {n}"),
+        ));
     }
     let rows = x.len() / n;
     let mut values = Vec::with_capacity(rows * k);
@@ -321,7 +378,10 @@ mod tests {
     fn close(a: &[f32], b: &[f32], tol: f32) {
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(b) {
-            assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{x} vs {y}\n{a:?}\n{b:?}");
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "{x} vs {y}\n{a:?}\n{b:?}"
+            );
         }
     }
 
@@ -340,7 +400,11 @@ mod tests {
     }
 
     fn weighted_sum(y: &Tensor, w: &Tensor) -> f64 {
-        y.data().iter().zip(w.data()).map(|(a, b)| *a as f64 * *b as f64).sum()
+        y.data()
+            .iter()
+            .zip(w.data())
+            .map(|(a, b)| *a as f64 * *b as f64)
+            .sum()
     }
 
     #[test]
@@ -354,7 +418,11 @@ mod tests {
         let x = t(&[2, 3], &[0.1, -0.4, 0.3, 0.9, 0.2, -0.5]);
         let w = t(&[2, 3], &[1., 2., -1., 0.5, -2., 3.]);
         let dx = softmax_last_backward(&softmax_last(&x).unwrap(), &w).unwrap();
-        close(dx.data(), &numeric_grad(&x, |x| weighted_sum(&softmax_last(x).unwrap(), &w)), 1e-2);
+        close(
+            dx.data(),
+            &numeric_grad(&x, |x| weighted_sum(&softmax_last(x).unwrap(), &w)),
+            1e-2,
+        );
     }
 
     #[test]
@@ -363,11 +431,23 @@ mod tests {
         let s = t(&[4], &[1., 0.5, 2., -1.]);
         let (y, inv) = rms_norm(&x, &s, 1e-6).unwrap();
         let r0 = 1.0 / (30.0f32 / 4.0 + 1e-6).sqrt();
-        close(&y.data()[..4], &[r0, 0.5 * 2. * r0, 2. * 3. * r0, -4. * r0], 1e-6);
+        close(
+            &y.data()[..4],
+            &[r0, 0.5 * 2. * r0, 2. * 3. * r0, -4. * r0],
+            1e-6,
+        );
         let w = t(&[2, 4], &[0.3, -1., 2., 0.5, 1., 1., -0.5, 0.25]);
         let (dx, ds) = rms_norm_backward(&x, &s, &inv, &w).unwrap();
-        close(dx.data(), &numeric_grad(&x, |x| weighted_sum(&rms_norm(x, &s, 1e-6).unwrap().0, &w)), 1e-2);
-        close(ds.data(), &numeric_grad(&s, |s| weighted_sum(&rms_norm(&x, s, 1e-6).unwrap().0, &w)), 1e-2);
+        close(
+            dx.data(),
+            &numeric_grad(&x, |x| weighted_sum(&rms_norm(x, &s, 1e-6).unwrap().0, &w)),
+            1e-2,
+        );
+        close(
+            ds.data(),
+            &numeric_grad(&s, |s| weighted_sum(&rms_norm(&x, s, 1e-6).unwrap().0, &w)),
+            1e-2,
+        );
     }
 
     #[test]
@@ -379,7 +459,16 @@ mod tests {
         let (f0, f1) = (1.0f32, 10000f32.powf(-0.5));
         let (s0, c0) = f0.sin_cos();
         let (s1, c1) = f1.sin_cos();
-        close(&y.data()[4..], &[1. * c0 - 3. * s0, 2. * c1 - 4. * s1, 3. * c0 + 1. * s0, 4. * c1 + 2. * s1], 1e-6);
+        close(
+            &y.data()[4..],
+            &[
+                1. * c0 - 3. * s0,
+                2. * c1 - 4. * s1,
+                3. * c0 + 1. * s0,
+                4. * c1 + 2. * s1,
+            ],
+            1e-6,
+        );
         let back = rope(&y, &[0, 1], 10000.0, true).unwrap();
         close(back.data(), x.data(), 1e-6);
         assert!(rope(&t(&[2, 3], &[0.; 6]), &[0, 1], 1e4, false).is_err());
@@ -390,12 +479,19 @@ mod tests {
         let x = t(&[5], &[-3., -0.5, 0., 0.7, 4.]);
         let w = t(&[5], &[1., 2., 3., -1., 0.5]);
         let dx = silu_backward(&x, &w).unwrap();
-        close(dx.data(), &numeric_grad(&x, |x| weighted_sum(&silu(x), &w)), 1e-2);
+        close(
+            dx.data(),
+            &numeric_grad(&x, |x| weighted_sum(&silu(x), &w)),
+            1e-2,
+        );
     }
 
     #[test]
     fn cross_entropy_sums_masked_losses_and_its_backward_matches() {
-        let logits = t(&[3, 4], &[0.1, 2., -1., 0.5, 1., 1., 1., 1., 3., 0., 0., -2.]);
+        let logits = t(
+            &[3, 4],
+            &[0.1, 2., -1., 0.5, 1., 1., 1., 1., 3., 0., 0., -2.],
+        );
         let targets = [1, 2, 3];
         let mask = [1., 0., 1.];
         let (loss, count, probs) = cross_entropy(&logits, &targets, &mask).unwrap();
@@ -404,9 +500,14 @@ mod tests {
         assert!((loss - want).abs() < 1e-5, "{loss} vs {want}");
         assert_eq!(count, 2.0);
         let d = cross_entropy_backward(&probs, &targets, &mask, 1.0).unwrap();
-        let num = numeric_grad(&logits, |l| cross_entropy(l, &targets, &mask).unwrap().0 as f64);
+        let num = numeric_grad(&logits, |l| {
+            cross_entropy(l, &targets, &mask).unwrap().0 as f64
+        });
         close(d.data(), &num, 1e-2);
-        assert!(d.data()[4..8].iter().all(|&v| v == 0.0), "masked row has no gradient");
+        assert!(
+            d.data()[4..8].iter().all(|&v| v == 0.0),
+            "masked row has no gradient"
+        );
         assert!(cross_entropy(&logits, &[1, 2, 4], &mask).is_err());
     }
 
