@@ -4,6 +4,10 @@
 //! Invariants of an [`ArrayType`] (checked by [`ArrayType::new`]): the spec is padded with
 //! replicated dimensions to exactly the array's rank (never longer), and every sharded dimension is
 //! divisible by the product of its axis sizes (§1.4). Tags are kept as given.
+//!
+//! Inside a manual (`shard_map`) region a value's type also carries its [`ManualTags`] (JAX's
+//! `mat`): the manual axes it is varying, unreduced or reduced over (spec §6.1). Those types are
+//! built by [`ArrayType::manual`]; outside a region the manual tags are empty.
 
 use std::fmt;
 
@@ -67,6 +71,79 @@ impl fmt::Display for DType {
     }
 }
 
+/// The per-axis state of a value inside a manual region (JAX's `ManualAxisType`, spec §1.4, §6.1):
+/// varying (devices hold different values), unreduced (partial sums), reduced (identical, with an
+/// unreduced gradient); an axis in none of them is invarying.
+///
+/// Invariants (checked by [`ManualTags::new`]): the three sets are pairwise disjoint.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ManualTags {
+    varying: AxisSet,
+    unreduced: AxisSet,
+    reduced: AxisSet,
+}
+
+impl ManualTags {
+    /// Checks that the sets are pairwise disjoint.
+    ///
+    /// # Errors
+    /// [`ShardingError::TagsOverlap`] when unreduced and reduced overlap, and
+    /// [`ShardingError::InvalidMesh`] naming the rule when varying overlaps either
+    /// ("varying and unreduced cannot have common mesh axes").
+    pub fn new(
+        varying: AxisSet,
+        unreduced: AxisSet,
+        reduced: AxisSet,
+    ) -> Result<ManualTags, ShardingError> {
+        if !unreduced.is_disjoint(&reduced) {
+            return Err(ShardingError::TagsOverlap { unreduced, reduced });
+        }
+        for (name, set) in [("unreduced", &unreduced), ("reduced", &reduced)] {
+            if !varying.is_disjoint(set) {
+                return Err(ShardingError::InvalidMesh {
+                    reason: format!(
+                        "varying and {name} cannot have common mesh axes. Got varying={varying:?} and {name}={set:?}"
+                    ),
+                });
+            }
+        }
+        Ok(ManualTags {
+            varying,
+            unreduced,
+            reduced,
+        })
+    }
+
+    /// Axes the devices hold different values over.
+    pub fn varying(&self) -> &AxisSet {
+        &self.varying
+    }
+
+    /// Axes the value holds partial sums over.
+    pub fn unreduced(&self) -> &AxisSet {
+        &self.unreduced
+    }
+
+    /// Axes the value is identical over, with an unreduced gradient.
+    pub fn reduced(&self) -> &AxisSet {
+        &self.reduced
+    }
+
+    /// True when all three sets are empty.
+    pub fn is_empty(&self) -> bool {
+        self.varying.is_empty() && self.unreduced.is_empty() && self.reduced.is_empty()
+    }
+
+    /// The cotangent's tags: varying kept, unreduced and reduced swapped (R4.2).
+    pub fn to_cotangent(&self) -> ManualTags {
+        ManualTags {
+            varying: self.varying.clone(),
+            unreduced: self.reduced.clone(),
+            reduced: self.unreduced.clone(),
+        }
+    }
+}
+
 /// dtype + shape + a sharding that fits the shape. See the module docs for the invariants.
 ///
 /// # Examples
@@ -84,6 +161,7 @@ pub struct ArrayType {
     dtype: DType,
     shape: Vec<usize>,
     sharding: NamedSharding,
+    manual: ManualTags,
 }
 
 impl ArrayType {
@@ -103,7 +181,64 @@ impl ArrayType {
             dtype,
             shape,
             sharding,
+            manual: ManualTags::default(),
         })
+    }
+
+    /// The type of a per-device value inside a manual region over every axis of `mesh`: `shape`
+    /// is the local shape, the spec is replicated, `tags` give the manual state (spec §6.1).
+    ///
+    /// # Errors
+    /// [`ShardingError::InvalidMesh`] when a mesh axis is not `Manual` or a tag names an axis the
+    /// mesh does not have ("Axes mentioned in `manual_axis_type` ... should be of type `Manual`").
+    pub fn manual(
+        dtype: DType,
+        shape: Vec<usize>,
+        mesh: std::sync::Arc<Mesh>,
+        tags: ManualTags,
+    ) -> Result<ArrayType, ShardingError> {
+        let not_manual = mesh
+            .axes()
+            .iter()
+            .find(|a| a.axis_type() != AxisType::Manual);
+        let unknown = tags
+            .varying
+            .iter()
+            .chain(&tags.unreduced)
+            .chain(&tags.reduced)
+            .find(|a| mesh.axis(a).is_none());
+        if let Some(axis) = not_manual
+            .map(|a| a.name().to_string())
+            .or(unknown.cloned())
+        {
+            return Err(ShardingError::InvalidMesh {
+                reason: format!(
+                    "Axes mentioned in `manual_axis_type` should be of type `Manual`; `{axis}` is not \
+                     a manual axis of {mesh}"
+                ),
+            });
+        }
+        let sharding = NamedSharding::replicated(mesh)
+            .with_spec(crate::spec::PartitionSpec::replicated().truncated_to_rank(shape.len()))?;
+        Ok(ArrayType {
+            dtype,
+            shape,
+            sharding,
+            manual: tags,
+        })
+    }
+
+    /// The manual-region tags (empty outside a region).
+    pub fn manual_tags(&self) -> &ManualTags {
+        &self.manual
+    }
+
+    /// True for the type of a value inside a manual region.
+    pub fn is_manual(&self) -> bool {
+        self.mesh()
+            .axes()
+            .iter()
+            .all(|a| a.axis_type() == AxisType::Manual)
     }
 
     /// The element type.
@@ -158,6 +293,7 @@ impl ArrayType {
             dtype: self.dtype,
             shape: self.shape.clone(),
             sharding: self.sharding.to_cotangent(),
+            manual: self.manual.to_cotangent(),
         }
     }
 
@@ -171,8 +307,8 @@ impl ArrayType {
 }
 
 /// `f32[8@data,4]{U:fsdp, R:x}`: each dim as `n`, `n@x` or `n@(x,y)` (only `Explicit` axes are part
-/// of the type, so `Auto` ones are not printed), then `U:` and `R:` in mesh order, each one name
-/// or a parenthesised list; no braces when untagged.
+/// of the type, so `Auto` ones are not printed), then `V:` (varying, manual regions only), `U:` and
+/// `R:` in mesh order, each one name or a parenthesised list; no braces when untagged.
 impl fmt::Display for ArrayType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}[", self.dtype)?;
@@ -200,7 +336,12 @@ impl fmt::Display for ArrayType {
         }
         f.write_str("]")?;
         let spec = self.sharding.spec();
-        let tags: Vec<(&str, Vec<&str>)> = [("U:", spec.unreduced()), ("R:", spec.reduced())]
+        let union = |a: &AxisSet, b: &AxisSet| -> AxisSet { a.union(b).cloned().collect() };
+        let (u, r) = (
+            union(spec.unreduced(), &self.manual.unreduced),
+            union(spec.reduced(), &self.manual.reduced),
+        );
+        let tags: Vec<(&str, Vec<&str>)> = [("V:", &self.manual.varying), ("U:", &u), ("R:", &r)]
             .into_iter()
             .map(|(label, set)| (label, self.in_mesh_order(set)))
             .filter(|(_, axes)| !axes.is_empty())
@@ -248,12 +389,31 @@ mod tests {
 
     const E: AxisType = AxisType::Explicit;
 
+    #[test]
+    fn manual_types_print_varying_first() {
+        let mesh = Arc::new(
+            Mesh::new([
+                ("a", 1, AxisType::Manual),
+                ("b", 1, AxisType::Manual),
+                ("c", 1, AxisType::Manual),
+            ])
+            .unwrap(),
+        );
+        let set = |a: &str| -> AxisSet { [a.to_string()].into_iter().collect() };
+        let tags = ManualTags::new(set("c"), set("a"), set("b")).unwrap();
+        let t = ArrayType::manual(DType::F32, vec![1, 1, 1, 1], mesh.clone(), tags).unwrap();
+        assert_eq!(t.to_string(), "f32[1,1,1,1]{V:c, U:a, R:b}");
+        assert_eq!(t.to_cotangent().to_string(), "f32[1,1,1,1]{V:c, U:b, R:a}");
+        assert!(ManualTags::new(set("a"), set("a"), AxisSet::new()).is_err());
+        let explicit = Arc::new(Mesh::explicit([("a", 2)]).unwrap());
+        assert!(ArrayType::manual(DType::F32, vec![2], explicit, ManualTags::default()).is_err());
+    }
+
     /// The examples of spec §1.6.
     #[test]
     fn golden_strings_of_section_1_6() {
         let abc = [("a", 1, E), ("b", 1, E), ("c", 1, E)];
         let spec = PartitionSpec::tagged([None::<&str>, None, None, None], ["a"], ["b"]).unwrap();
-        // (`V:c` is a manual-region annotation printed by the spmd layer; the rest is ours.)
         assert_eq!(ty(&abc, &[1, 1, 1, 1], spec), "f32[1,1,1,1]{U:a, R:b}");
         let df = [("data", 2, E), ("fsdp", 2, E)];
         let spec = PartitionSpec::new(["fsdp"])

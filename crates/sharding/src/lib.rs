@@ -44,7 +44,7 @@ mod mesh;
 mod named;
 mod spec;
 
-pub use array_type::{ArrayType, DType};
+pub use array_type::{ArrayType, DType, ManualTags};
 pub use error::{ShardingError, TagKind};
 pub use logical::{carry_reduced, LogicalAxisRules};
 pub use mesh::{AxisType, Mesh, MeshAxis};

@@ -57,6 +57,15 @@ pub(crate) enum Backward {
     Reshard {
         src: ArrayType,
     },
+    EnterRegion {
+        outside: ArrayType,
+    },
+    ExitRegion {
+        inside: ArrayType,
+    },
+    Manual {
+        op: crate::manual::ManualOp,
+    },
 }
 
 #[derive(Debug)]
@@ -300,6 +309,16 @@ impl Ctx<'_> {
                 )?;
                 vec![Some(dl), Some(dr)]
             }
+            Backward::ReduceSum { x, .. } if x.is_manual() => {
+                let kept_shape: Vec<usize> = ct.shape().to_vec();
+                let dims = (0..x.rank()).filter(|d| !matches!(backward, Backward::ReduceSum { axes, .. } if axes.contains(d))).collect::<Vec<_>>();
+                let local = match ct.local_opt() {
+                    Some(t) => Some(t.broadcast_in_dim(x.shape(), &dims)?),
+                    None => None,
+                };
+                let _ = kept_shape;
+                vec![Some(Array::new(x.to_cotangent(), local))]
+            }
             Backward::ReduceSum { x, axes } => {
                 let kept: Vec<usize> = (0..x.rank()).filter(|d| !axes.contains(d)).collect();
                 let target = x.to_cotangent();
@@ -310,8 +329,24 @@ impl Ctx<'_> {
                     Some(target.sharding().spec()),
                 )?)]
             }
+            Backward::Broadcast { x, dims } if x.is_manual() => {
+                let summed: Vec<usize> =
+                    (0..ct.ty().rank()).filter(|d| !dims.contains(d)).collect();
+                let local = match ct.local_opt() {
+                    Some(t) => Some(t.sum_axes(&summed)?.reshape(x.shape())?),
+                    None => None,
+                };
+                vec![Some(Array::new(x.to_cotangent(), local))]
+            }
             Backward::Broadcast { x, dims } => {
                 vec![Some(self.unbroadcast_in_dim(ct, x, dims)?)]
+            }
+            Backward::Reshape { x } if x.is_manual() => {
+                let local = match ct.local_opt() {
+                    Some(t) => Some(t.clone().reshape(x.shape())?),
+                    None => None,
+                };
+                vec![Some(Array::new(x.to_cotangent(), local))]
             }
             Backward::Reshape { x } => {
                 let target = x.to_cotangent();
@@ -332,6 +367,15 @@ impl Ctx<'_> {
                 let target = src.to_cotangent();
                 vec![Some(self.reshard_untracked(ct, target.sharding().spec())?)]
             }
+            // The region boundary moves no data; the cotangent crosses it with swapped tags
+            // (R6.13) and no collective (R6.14).
+            Backward::EnterRegion { outside } => {
+                vec![Some(Array::new(outside.to_cotangent(), ct.local_cloned()))]
+            }
+            Backward::ExitRegion { inside } => {
+                vec![Some(Array::new(inside.to_cotangent(), ct.local_cloned()))]
+            }
+            Backward::Manual { op } => vec![Some(self.manual_transpose(op, ct)?)],
         })
     }
 
@@ -370,6 +414,14 @@ impl Ctx<'_> {
             .chain(pairs.into_iter().map(|(t, _)| t))
             .collect();
         let target = this.to_cotangent();
+        if target.is_manual() {
+            let r = self.manual_dot(ct, other, &dims)?;
+            let mut perm = vec![0; order.len()];
+            for (k, &d) in order.iter().enumerate() {
+                perm[d] = k;
+            }
+            return self.transpose_untracked(&r, &perm);
+        }
         let tspec = target.sharding().spec();
         let out_spec = PartitionSpec::tagged(
             order.iter().map(|&d| tspec.dim(d).clone()),
@@ -388,6 +440,20 @@ impl Ctx<'_> {
     /// typed as the operand's cotangent.
     fn unbroadcast(&mut self, ct: &Array, operand: &ArrayType) -> Result<Array, SpmdError> {
         let target = operand.to_cotangent();
+        if ct.ty() == &target {
+            return Ok(ct.clone());
+        }
+        if target.is_manual() {
+            let lead = ct.ty().rank() - operand.rank();
+            let summed: Vec<usize> = (0..ct.ty().rank())
+                .filter(|&d| d < lead || (operand.shape()[d - lead] == 1 && ct.shape()[d] != 1))
+                .collect();
+            let local = match ct.local_opt() {
+                Some(t) => Some(t.sum_axes(&summed)?.reshape(operand.shape())?),
+                None => None,
+            };
+            return Ok(Array::new(target, local));
+        }
         if ct.shape() == operand.shape() {
             return self.reshard_untracked(ct, target.sharding().spec());
         }

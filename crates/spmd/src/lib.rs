@@ -6,6 +6,8 @@ evaluation. It must not know about models, optimizers or files.
 Main items: [`Array`] (a global array: type plus this device's shard), [`Ctx`] (one device's
 context: communicator, mode, thread budget, tape), the ops on `Ctx` (elementwise,
 `dot_general`, `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose`, `reshard`),
+[`Ctx::shard_map`] with its casts and collectives (`pcast`, `psum`, `psum_scatter`,
+`all_gather`, `all_to_all`),
 [`Ctx::value_and_grad`] / [`Ctx::vjp`], the type rules in [`rules`], and the [`conformance`]
 runner.
 
@@ -53,6 +55,7 @@ mod autodiff;
 pub mod conformance;
 mod ctx;
 mod error;
+mod manual;
 mod ops;
 mod reshard;
 pub mod rules;
@@ -60,5 +63,6 @@ pub mod rules;
 pub use array::Array;
 pub use ctx::{Ctx, Mode};
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
+pub use manual::{AxisState, GatherTo};
 pub use ops::UnaryOp;
 pub use rules::BinaryOp;

@@ -119,7 +119,11 @@ impl Ctx<'_> {
     }
 
     pub(crate) fn unary_untracked(&mut self, op: UnaryOp, x: &Array) -> Result<Array, SpmdError> {
-        let ty = rules::unary_type(op.name(), op.is_linear(), x.ty())?;
+        let ty = if x.ty().is_manual() {
+            crate::manual::manual_unary_type(op.name(), op.is_linear(), x.ty())?
+        } else {
+            rules::unary_type(op.name(), op.is_linear(), x.ty())?
+        };
         let local = x.local_opt().map(|t| t.map(|v| op.apply(v)));
         Ok(Array::new(ty, local))
     }
@@ -172,6 +176,13 @@ impl Ctx<'_> {
                 self.binary(op, a, &cast)
             };
         }
+        if a.ty().is_manual() || b.ty().is_manual() {
+            // R6.10: missing varying axes are cast in first (recorded: their transposes matter).
+            let cast = self.match_varying(&[a, b])?;
+            if cast[0].ty() != a.ty() || cast[1].ty() != b.ty() {
+                return self.binary(op, &cast[0], &cast[1]);
+            }
+        }
         let out = self.binary_untracked(op, a, b)?;
         self.record(
             Backward::Binary {
@@ -191,8 +202,11 @@ impl Ctx<'_> {
         a: &Array,
         b: &Array,
     ) -> Result<Array, SpmdError> {
-        let typing = rules::binary_type(op, a.ty(), b.ty())?;
-        let out_ty = typing.out;
+        let out_ty = if a.ty().is_manual() || b.ty().is_manual() {
+            crate::manual::manual_binary_type(op, a.ty(), b.ty())?
+        } else {
+            rules::binary_type(op, a.ty(), b.ty())?.out
+        };
         let local = match (a.local_opt(), b.local_opt()) {
             (Some(x), Some(y)) => {
                 let x = self.slice_to(x, a.ty(), &out_ty)?;
@@ -215,6 +229,9 @@ impl Ctx<'_> {
     /// broadcast size-1 dims stay size 1). Only slices: the type rule guarantees that every
     /// operand dim is either partitioned like the output or replicated.
     fn slice_to(&self, t: &Tensor, ty: &ArrayType, out: &ArrayType) -> Result<Tensor, SpmdError> {
+        if out.is_manual() {
+            return Ok(t.clone());
+        }
         let lead = out.rank() - ty.rank();
         let mut t = t.clone();
         for i in 0..ty.rank() {
@@ -282,6 +299,12 @@ impl Ctx<'_> {
         dims: &DotDims,
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
+        if lhs.ty().is_manual() || rhs.ty().is_manual() {
+            let cast = self.match_varying(&[lhs, rhs])?;
+            if cast[0].ty() != lhs.ty() || cast[1].ty() != rhs.ty() {
+                return self.dot_general(&cast[0], &cast[1], dims, out_sharding);
+            }
+        }
         let out = self.dot_general_untracked(lhs, rhs, dims, out_sharding)?;
         self.record(
             Backward::Dot {
@@ -314,6 +337,10 @@ impl Ctx<'_> {
         dims: &DotDims,
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
+        if lhs.ty().is_manual() || rhs.ty().is_manual() {
+            manual_without_out_sharding("dot_general", out_sharding)?;
+            return self.manual_dot(lhs, rhs, dims);
+        }
         let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, out_sharding)?;
         let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs.ty(), rhs.ty(), dims)?;
         let l = self.convert(lhs.local_cloned(), lhs.ty(), &lhs_ty)?;
@@ -377,6 +404,12 @@ impl Ctx<'_> {
         axes: &[usize],
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
+        if x.ty().is_manual() {
+            manual_without_out_sharding("reduce_sum", out_sharding)?;
+            let shape = rules::reduce_sum_type(x.ty(), axes, None)?.shape().to_vec();
+            let local = x.local_opt().map(|t| t.sum_axes(axes)).transpose()?;
+            return self.manual_local(x, shape, local);
+        }
         let out_ty = rules::reduce_sum_type(x.ty(), axes, out_sharding)?;
         let spec = x.ty().sharding().spec();
         let mut u = spec.unreduced().clone();
@@ -436,6 +469,15 @@ impl Ctx<'_> {
         dims: &[usize],
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
+        if x.ty().is_manual() {
+            manual_without_out_sharding("broadcast_in_dim", out_sharding)?;
+            rules::broadcast_in_dim_type(x.ty(), shape, dims, None)?;
+            let local = x
+                .local_opt()
+                .map(|t| t.broadcast_in_dim(shape, dims))
+                .transpose()?;
+            return self.manual_local(x, shape.to_vec(), local);
+        }
         let out_ty = rules::broadcast_in_dim_type(x.ty(), shape, dims, out_sharding)?;
         let natural = rules::broadcast_in_dim_type(x.ty(), shape, dims, None)?;
         let local = match x.local_opt() {
@@ -473,6 +515,15 @@ impl Ctx<'_> {
         new_sizes: &[usize],
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
+        if x.ty().is_manual() {
+            manual_without_out_sharding("reshape", out_sharding)?;
+            rules::reshape_type(x.ty(), new_sizes, None)?;
+            let local = x
+                .local_opt()
+                .map(|t| t.clone().reshape(new_sizes))
+                .transpose()?;
+            return self.manual_local(x, new_sizes.to_vec(), local);
+        }
         let out_ty = rules::reshape_type(x.ty(), new_sizes, out_sharding)?;
         let spec = x.ty().sharding().spec();
         // Either reshape each shard in place, or gather the partitions first.
@@ -522,7 +573,24 @@ impl Ctx<'_> {
             Some(t) => Some(t.transpose(perm)?),
             None => None,
         };
+        if x.ty().is_manual() {
+            return self.manual_local(x, ty.shape().to_vec(), local);
+        }
         Ok(Array::new(ty, local))
+    }
+}
+
+/// Inside a region every op is local: an output sharding has no meaning there.
+fn manual_without_out_sharding(
+    op: &str,
+    out_sharding: Option<&PartitionSpec>,
+) -> Result<(), SpmdError> {
+    match out_sharding {
+        None => Ok(()),
+        Some(spec) => Err(SpmdError::BadArgument {
+            op: op.into(),
+            reason: format!("`out_sharding` {spec} is not allowed inside a shard_map body"),
+        }),
     }
 }
 

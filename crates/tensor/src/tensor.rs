@@ -311,7 +311,7 @@ pub(crate) fn gather_strided(
     strides: &[usize],
     out: &mut Vec<f32>,
 ) {
-    if shape.iter().any(|&n| n == 0) {
+    if shape.contains(&0) {
         return;
     }
     let Some((&inner, outer_shape)) = shape.split_last() else {
