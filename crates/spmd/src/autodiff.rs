@@ -12,7 +12,7 @@
 //! receive no contribution get typed zeros (R4.12).
 
 use ferrotext_sharding::{ArrayType, PartitionSpec};
-use ferrotext_tensor::DotDims;
+use ferrotext_tensor::{DotDims, Tensor};
 
 use crate::array::Array;
 use crate::ctx::Ctx;
@@ -65,6 +65,23 @@ pub(crate) enum Backward {
     },
     Manual {
         op: crate::manual::ManualOp,
+    },
+    Slice {
+        x: ArrayType,
+        dim: usize,
+        start: usize,
+    },
+    Concat {
+        types: Vec<ArrayType>,
+        dim: usize,
+        sizes: Vec<usize>,
+    },
+    Take {
+        table: ArrayType,
+        ids: crate::structural::Ids,
+    },
+    Select {
+        mask: Array,
     },
 }
 
@@ -376,6 +393,52 @@ impl Ctx<'_> {
                 vec![Some(Array::new(inside.to_cotangent(), ct.local_cloned()))]
             }
             Backward::Manual { op } => vec![Some(self.manual_transpose(op, ct)?)],
+            // slice ↔ zero padding (zeros keep an unreduced cotangent's sum exact, R9.1)
+            Backward::Slice { x, dim, start } => {
+                let local = match ct.local_opt() {
+                    Some(c) => {
+                        let full = x.to_cotangent().shard_shape();
+                        let mut before = full.clone();
+                        before[*dim] = *start;
+                        let mut after = full.clone();
+                        after[*dim] = full[*dim] - start - c.shape()[*dim];
+                        let (z0, z1) = (Tensor::zeros(&before), Tensor::zeros(&after));
+                        Some(Tensor::concat(&[&z0, c, &z1], *dim)?)
+                    }
+                    None => None,
+                };
+                vec![Some(Array::new(x.to_cotangent(), local))]
+            }
+            Backward::Concat { types, dim, sizes } => {
+                let mut out = Vec::with_capacity(types.len());
+                let mut offset = 0;
+                for (t, &n) in types.iter().zip(sizes) {
+                    let local = ct
+                        .local_opt()
+                        .map(|c| c.slice_dim(*dim, offset..offset + n))
+                        .transpose()?;
+                    out.push(Some(Array::new(t.to_cotangent(), local)));
+                    offset += n;
+                }
+                out
+            }
+            Backward::Take { table, ids } => vec![Some(self.take_transpose(ct, table, ids)?)],
+            Backward::Select { mask } => {
+                let (da, db) = match (mask.local_opt(), ct.local_opt()) {
+                    (Some(m), Some(c)) => {
+                        let zero = Tensor::zeros(c.shape());
+                        (
+                            Some(crate::structural::select_local(m, c, &zero)?),
+                            Some(crate::structural::select_local(m, &zero, c)?),
+                        )
+                    }
+                    _ => (None, None),
+                };
+                vec![
+                    Some(Array::new(ct.ty().clone(), da)),
+                    Some(Array::new(ct.ty().clone(), db)),
+                ]
+            }
         })
     }
 

@@ -5,7 +5,8 @@ evaluation. It must not know about models, optimizers or files.
 
 Main items: [`Array`] (a global array: type plus this device's shard), [`Ctx`] (one device's
 context: communicator, mode, thread budget, tape), the ops on `Ctx` (elementwise,
-`dot_general`, `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose`, `reshard`),
+`dot_general`, `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose`, `slice`, `concat`,
+`take` (gather by [`Ids`]), `select`, `reshard`),
 [`Ctx::shard_map`] with its casts and collectives (`pcast`, `psum`, `psum_scatter`,
 `all_gather`, `all_to_all`),
 [`Ctx::value_and_grad`] / [`Ctx::vjp`], the type rules in [`rules`], and the [`conformance`]
@@ -59,6 +60,7 @@ mod manual;
 mod ops;
 mod reshard;
 pub mod rules;
+mod structural;
 
 pub use array::Array;
 pub use ctx::{Ctx, Mode};
@@ -66,3 +68,4 @@ pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
 pub use manual::{AxisState, GatherTo};
 pub use ops::UnaryOp;
 pub use rules::BinaryOp;
+pub use structural::Ids;

@@ -1,0 +1,360 @@
+//! Structural ops on global arrays: `slice`, `concat`, `take` (gather along the leading axis by
+//! an index array, the embedding lookup) and its transpose `scatter_add`, and `select`.
+//!
+//! All are linear in their data operands, so unreduced and reduced tags pass through (§3.5);
+//! a sliced or concatenated dimension must not be sharded (reshard first), which keeps every op
+//! local. `take` follows R3.27 with DESIGN §4.2's deviation: a table reduced on an axis the
+//! indices are sharded on is used locally, and its cotangent comes back unreduced on that axis.
+
+use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, NamedSharding, PartitionSpec};
+use ferrotext_tensor::Tensor;
+
+use crate::array::Array;
+use crate::autodiff::Backward;
+use crate::ctx::{Ctx, Mode};
+use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::rules;
+
+/// An integer index array (token ids): its type (dtype `u32`) and this device's block.
+#[derive(Clone, Debug)]
+pub struct Ids {
+    ty: ArrayType,
+    local: Option<Vec<u32>>,
+}
+
+impl Ids {
+    /// The type.
+    pub fn ty(&self) -> &ArrayType {
+        &self.ty
+    }
+
+    /// This device's ids (`None` in abstract mode).
+    pub fn local(&self) -> Option<&[u32]> {
+        self.local.as_deref()
+    }
+}
+
+fn type_error(kind: K, op: &str, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
+    ShardingTypeError::new(kind, op, xs, message).into()
+}
+
+fn sharded_over_devices(ty: &ArrayType, dim: usize) -> bool {
+    ty.sharding().dim_parts(dim).map_or(true, |n| n > 1)
+}
+
+impl Ctx<'_> {
+    /// An index array from this device's block, typed `u32[shape]` with `spec`.
+    ///
+    /// # Errors
+    /// A spec that does not fit, or a block of the wrong length.
+    pub fn ids_from_local(
+        &self,
+        shape: &[usize],
+        spec: PartitionSpec,
+        local: Vec<u32>,
+    ) -> Result<Ids, SpmdError> {
+        let ty = ArrayType::new(
+            DType::U32,
+            shape.to_vec(),
+            NamedSharding::new(self.mesh().clone(), spec)?,
+        )?;
+        if ty.sharding().spec().is_tagged() {
+            return Err(type_error(
+                K::InvalidSpec,
+                "ids",
+                &[&ty],
+                "index arrays cannot be reduced or unreduced (R3.27)",
+            ));
+        }
+        let n: usize = ty.shard_shape().iter().product();
+        if local.len() != n {
+            return Err(SpmdError::BadArgument {
+                op: "ids_from_local".into(),
+                reason: format!("a block of `{ty}` has {n} ids, got {}", local.len()),
+            });
+        }
+        Ok(Ids {
+            ty,
+            local: (self.mode() == Mode::Real).then_some(local),
+        })
+    }
+
+    /// The index array `global` laid out by `spec` (each device keeps its block).
+    ///
+    /// # Errors
+    /// As [`Ctx::ids_from_local`].
+    pub fn ids_from_global(
+        &self,
+        shape: &[usize],
+        spec: PartitionSpec,
+        global: &[u32],
+    ) -> Result<Ids, SpmdError> {
+        let as_f32 = Tensor::new(shape.to_vec(), global.iter().map(|&i| i as f32).collect())?;
+        let named = NamedSharding::new(self.mesh().clone(), spec.clone())?;
+        let ranges = named.shard_ranges(shape, self.device())?;
+        let block = as_f32.slice(&ranges)?;
+        self.ids_from_local(
+            shape,
+            spec,
+            block.data().iter().map(|&v| v as u32).collect(),
+        )
+    }
+
+    /// `x[.., start..end, ..]` along `dim`.
+    ///
+    /// # Errors
+    /// `shape_error` for a range out of bounds; `sharding_mismatch` when `dim` is sharded (and the
+    /// range is not the whole dim).
+    pub fn slice(
+        &mut self,
+        x: &Array,
+        dim: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Array, SpmdError> {
+        let t = x.ty();
+        if dim >= t.rank() || start > end || end > t.shape()[dim] {
+            return Err(type_error(
+                K::ShapeError,
+                "slice",
+                &[t],
+                format!("{start}..{end} along dim {dim} of {:?}", t.shape()),
+            ));
+        }
+        if (start, end) != (0, t.shape()[dim]) && sharded_over_devices(t, dim) {
+            return Err(type_error(
+                K::ShardingMismatch,
+                "slice",
+                &[t],
+                format!("dimension {dim} is sharded; reshard it to replicated before slicing"),
+            ));
+        }
+        let mut shape = t.shape().to_vec();
+        shape[dim] = end - start;
+        let ty = rules::make_type("slice", t, shape, Ok(t.sharding().spec().clone()))?;
+        let local = x
+            .local_opt()
+            .map(|l| l.slice_dim(dim, start..end))
+            .transpose()?;
+        let out = Array::new(ty, local);
+        self.record(
+            Backward::Slice {
+                x: t.clone(),
+                dim,
+                start,
+            },
+            &[x],
+            out,
+        )
+    }
+
+    /// Concatenation along `dim` of arrays with the same sharding (tags included, R3.24).
+    ///
+    /// # Errors
+    /// `sharding_mismatch` for different shardings or a sharded `dim`; `shape_error` for shapes
+    /// that do not concatenate.
+    pub fn concat(&mut self, xs: &[&Array], dim: usize) -> Result<Array, SpmdError> {
+        let first = xs.first().ok_or_else(|| SpmdError::BadArgument {
+            op: "concat".into(),
+            reason: "no operands".into(),
+        })?;
+        let t0 = first.ty();
+        let types: Vec<&ArrayType> = xs.iter().map(|x| x.ty()).collect();
+        if xs.iter().any(|x| x.ty().sharding() != t0.sharding()) {
+            return Err(type_error(
+                K::ShardingMismatch,
+                "concat",
+                &types,
+                "All operands should have the same sharding (R3.24)",
+            ));
+        }
+        if dim >= t0.rank() || sharded_over_devices(t0, dim) {
+            return Err(type_error(
+                K::ShardingMismatch,
+                "concat",
+                &types,
+                format!("cannot concatenate along dimension {dim}: out of range or sharded"),
+            ));
+        }
+        let parts: Vec<Tensor> = xs.iter().filter_map(|x| x.local_opt().cloned()).collect();
+        let mut shape = t0.shape().to_vec();
+        shape[dim] = xs.iter().map(|x| x.shape()[dim]).sum();
+        if xs.iter().any(|x| {
+            x.ty().rank() != t0.rank()
+                || (0..t0.rank()).any(|d| d != dim && x.shape()[d] != t0.shape()[d])
+        }) {
+            return Err(type_error(
+                K::ShapeError,
+                "concat",
+                &types,
+                "shapes do not concatenate",
+            ));
+        }
+        let ty = rules::make_type("concat", t0, shape, Ok(t0.sharding().spec().clone()))?;
+        let local = if parts.len() == xs.len() {
+            let refs: Vec<&Tensor> = parts.iter().collect();
+            Some(Tensor::concat(&refs, dim)?)
+        } else {
+            None
+        };
+        let sizes = xs.iter().map(|x| x.shape()[dim]).collect();
+        let out = Array::new(ty, local);
+        self.record(
+            Backward::Concat {
+                types: xs.iter().map(|x| x.ty().clone()).collect(),
+                dim,
+                sizes,
+            },
+            xs,
+            out,
+        )
+    }
+
+    /// Rows of `table` (dim 0) picked by `ids`: the output is `ids.shape ++ table.shape[1..]`,
+    /// laid out like the ids then like the table's other dims (the embedding lookup).
+    ///
+    /// # Errors
+    /// R3.27: an unreduced table; a table sharded along dim 0; an axis used twice.
+    ///
+    /// # Collectives
+    /// None forward. Backward: the per-device scatter-adds are partial sums over the ids' axes,
+    /// kept unreduced for a table reduced on them, else all-reduced.
+    pub fn take(&mut self, table: &Array, ids: &Ids) -> Result<Array, SpmdError> {
+        let t = table.ty();
+        if !t.sharding().spec().unreduced().is_empty() {
+            return Err(type_error(
+                K::UnreducedOperand,
+                "take",
+                &[t],
+                "gather cannot take an unreduced operand (R3.27)",
+            ));
+        }
+        if t.rank() == 0 || sharded_over_devices(t, 0) {
+            return Err(type_error(
+                K::ShardingMismatch,
+                "take",
+                &[t],
+                "the gathered dimension must be replicated; reshard the table first",
+            ));
+        }
+        let ids_axes: AxisSet = ids
+            .ty
+            .sharding()
+            .spec()
+            .partition_axes()
+            .map(str::to_string)
+            .collect();
+        let mut shape = ids.ty.shape().to_vec();
+        shape.extend_from_slice(&t.shape()[1..]);
+        let mut partitions: Vec<DimSpec> = ids.ty.sharding().spec().partitions().to_vec();
+        partitions.extend((1..t.rank()).map(|d| t.sharding().spec().dim(d).clone()));
+        let reduced: AxisSet = t
+            .sharding()
+            .spec()
+            .reduced()
+            .difference(&ids_axes)
+            .cloned()
+            .collect();
+        let spec = PartitionSpec::tagged(partitions, AxisSet::new(), reduced);
+        let ty = rules::make_type(
+            "take",
+            t,
+            shape,
+            spec.map_err(ShardingTypeError::from),
+        )?;
+        let local = match (table.local_opt(), ids.local()) {
+            (Some(tb), Some(ix)) => {
+                let rows = ferrotext_tensor::gather(tb, 0, ix)?;
+                let local_shape = ty.shard_shape();
+                Some(rows.reshape(&local_shape)?)
+            }
+            _ => None,
+        };
+        let out = Array::new(ty, local);
+        self.record(
+            Backward::Take {
+                table: t.clone(),
+                ids: ids.clone(),
+            },
+            &[table],
+            out,
+        )
+    }
+
+    /// The transpose of [`Ctx::take`]: `ct` rows added into a zero table of type `table`'s
+    /// cotangent.
+    pub(crate) fn take_transpose(
+        &mut self,
+        ct: &Array,
+        table: &ArrayType,
+        ids: &Ids,
+    ) -> Result<Array, SpmdError> {
+        let target = table.to_cotangent();
+        let rows = table.shape()[0];
+        let ids_axes: AxisSet = ids
+            .ty
+            .sharding()
+            .spec()
+            .partition_axes()
+            .map(str::to_string)
+            .collect();
+        // The natural result: each device adds its own rows, partial over the ids' axes.
+        let mut partitions = vec![DimSpec::Replicated];
+        partitions.extend((1..table.rank()).map(|d| table.sharding().spec().dim(d).clone()));
+        let spec = PartitionSpec::tagged(partitions, ids_axes, AxisSet::new())?;
+        let natural = rules::make_type("take", table, table.shape().to_vec(), Ok(spec))?;
+        let local = match (ct.local_opt(), ids.local()) {
+            (Some(c), Some(ix)) => {
+                let local_shape = natural.shard_shape();
+                let width: usize = local_shape[1..].iter().product();
+                let src = c.clone().reshape(&[ix.len(), width])?;
+                let added = ferrotext_tensor::scatter_add(&[rows, width], 0, ix, &src)?;
+                Some(added.reshape(&local_shape)?)
+            }
+            _ => None,
+        };
+        let local = self.convert(local, &natural, &target)?;
+        Ok(Array::new(target, local))
+    }
+
+    /// `mask ? a : b` elementwise, where `mask` holds 0 or 1 and every operand has the same type
+    /// (tags included, §3.2 select row).
+    ///
+    /// # Errors
+    /// `sharding_mismatch` when the types differ; `unreduced_operand` for a tagged mask.
+    pub fn select(&mut self, mask: &Array, a: &Array, b: &Array) -> Result<Array, SpmdError> {
+        let types = [mask.ty(), a.ty(), b.ty()];
+        if a.ty() != b.ty()
+            || mask.shape() != a.shape()
+            || mask.ty().sharding().spec().partitions() != a.ty().sharding().spec().partitions()
+        {
+            return Err(type_error(
+                K::ShardingMismatch,
+                "select",
+                &types,
+                "select cases must have the same shardings",
+            ));
+        }
+        if mask.ty().sharding().spec().is_tagged() {
+            return Err(type_error(
+                K::UnreducedOperand,
+                "select",
+                &types,
+                "the predicate of select cannot be tagged",
+            ));
+        }
+        let local = match (mask.local_opt(), a.local_opt(), b.local_opt()) {
+            (Some(m), Some(x), Some(y)) => Some(select_local(m, x, y)?),
+            _ => None,
+        };
+        let out = Array::new(a.ty().clone(), local);
+        self.record(Backward::Select { mask: mask.clone() }, &[a, b], out)
+    }
+}
+
+/// `m ? x : y` on local blocks.
+pub(crate) fn select_local(m: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor, SpmdError> {
+    let xm = x.zip_with(m, |v, k| if k != 0.0 { v } else { 0.0 })?;
+    let ym = y.zip_with(m, |v, k| if k != 0.0 { 0.0 } else { v })?;
+    Ok(xm.add(&ym)?)
+}

@@ -1,0 +1,174 @@
+//! slice, concat, take (embedding lookup) and select: values, gradients, type errors; and R7.2.
+
+mod common;
+
+use common::*;
+use ferrotext_comm::{CollectiveKind, PhasePattern};
+use ferrotext_sharding::PartitionSpec;
+use ferrotext_spmd::{Array, Ctx, SpmdError, TypeErrorKind};
+use ferrotext_tensor::Tensor;
+
+fn sum_sq(cx: &mut Ctx<'_>, y: &Array) -> Result<Array, SpmdError> {
+    let y2 = cx.mul(y, y)?;
+    let axes: Vec<usize> = (0..y.ty().rank()).collect();
+    cx.reduce_sum(&y2, &axes, None)
+}
+
+#[test]
+fn slice_and_concat_values_and_gradients() {
+    let m = mesh(&[("data", 2)]);
+    let results = on_devices(&m, |cx| {
+        let x = place(cx, &iota(&[4, 6]), p(&["data", ""], &[], &[]));
+        let (_, g) = cx.value_and_grad(&[x.clone()], |cx, xs| {
+            let a = cx.slice(&xs[0], 1, 1, 3)?;
+            let b = cx.slice(&xs[0], 1, 4, 6)?;
+            let c = cx.concat(&[&a, &b], 1)?;
+            sum_sq(cx, &c)
+        })?;
+        let err = cx.slice(&x, 0, 0, 1).unwrap_err();
+        assert_eq!(
+            err.type_error().unwrap().kind,
+            TypeErrorKind::ShardingMismatch
+        );
+        let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
+        Ok(local(&full))
+    });
+    // d/dx sum(c²) = 2x on the kept columns 1,2,4,5 and 0 on columns 0,3.
+    let want: Vec<f32> = (0..24)
+        .map(|i| {
+            if matches!(i % 6, 0 | 3) {
+                0.0
+            } else {
+                2.0 * i as f32
+            }
+        })
+        .collect();
+    for (g, _) in results {
+        assert_eq!(g, want);
+    }
+}
+
+#[test]
+fn slice_keeps_an_unreduced_tag_and_pads_its_cotangent_with_zeros() {
+    let m = mesh(&[("data", 2)]);
+    let results = on_devices(&m, |cx| {
+        let plain = place(cx, &iota(&[6]), PartitionSpec::replicated());
+        let u = cx.reshard(&plain, &p(&[""], &["data"], &[]))?;
+        let s = cx.slice(&u, 0, 2, 5)?;
+        assert_eq!(s.ty().to_string(), "f32[3]{U:data}");
+        let full = cx.reshard(&s, &PartitionSpec::replicated())?;
+        Ok(local(&full))
+    });
+    for (v, _) in results {
+        assert_eq!(v, vec![2., 3., 4.]);
+    }
+}
+
+fn lookup(table_reduced: bool) -> Vec<((Vec<f32>, String), ferrotext_comm::Trace)> {
+    let m = mesh(&[("data", 2)]);
+    on_devices(&m, move |cx| {
+        let spec = if table_reduced {
+            p(&["", ""], &[], &["data"])
+        } else {
+            p(&["", ""], &[], &[])
+        };
+        let table = place(cx, &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32), spec);
+        let ids = cx.ids_from_global(
+            &[2, 4],
+            p(&["data", ""], &[], &[]),
+            &[4, 0, 4, 2, 1, 1, 3, 0],
+        )?;
+        cx.comm().push_phase("step");
+        let (_, g) = cx.value_and_grad(&[table], |cx, ts| {
+            let rows = cx.take(&ts[0], &ids)?;
+            assert_eq!(rows.ty().to_string(), "f32[2@data,4,3]");
+            sum_sq(cx, &rows)
+        })?;
+        cx.comm().pop_phase();
+        let ty = g[0].ty().to_string();
+        let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
+        Ok((local(&full), ty))
+    })
+}
+
+fn host_lookup_grad() -> Vec<f32> {
+    let mut g = vec![0f32; 15];
+    for &i in &[4usize, 0, 4, 2, 1, 1, 3, 0] {
+        for j in 0..3 {
+            g[i * 3 + j] += 2.0 * 0.1 * (i * 3 + j) as f32;
+        }
+    }
+    g
+}
+
+#[test]
+fn take_of_a_reduced_table_gives_an_unreduced_gradient_without_communication() {
+    for ((g, ty), trace) in lookup(true) {
+        assert_eq!(ty, "f32[5,3]{U:data}");
+        assert_close(&g, &host_lookup_grad(), 1e-6, "embedding grad");
+        assert!(trace
+            .all_reduces_larger_than(1, &PhasePattern::new("step"))
+            .is_empty());
+    }
+}
+
+#[test]
+fn mirror_take_of_a_plain_table_all_reduces_its_gradient() {
+    for ((g, ty), trace) in lookup(false) {
+        assert_eq!(ty, "f32[5,3]");
+        assert_close(&g, &host_lookup_grad(), 1e-6, "embedding grad");
+        let big = trace.all_reduces_larger_than(1, &PhasePattern::new("step"));
+        assert_eq!(big.len(), 1);
+        assert_eq!(big[0].elements, 15);
+    }
+}
+
+#[test]
+fn select_routes_values_and_gradients() {
+    let m = mesh(&[("data", 2)]);
+    let results = on_devices(&m, |cx| {
+        let mask = place(
+            cx,
+            &Tensor::from_fn(&[4], |i| (i % 2) as f32),
+            p(&["data"], &[], &[]),
+        );
+        let a = place(cx, &Tensor::full(&[4], 3.0), p(&["data"], &[], &[]));
+        let b = place(cx, &Tensor::full(&[4], 5.0), p(&["data"], &[], &[]));
+        let (v, g) = cx.value_and_grad(&[a, b], |cx, xs| {
+            let s = cx.select(&mask, &xs[0], &xs[1])?;
+            sum_sq(cx, &s)
+        })?;
+        let ga = cx.reshard(&g[0], &PartitionSpec::replicated())?;
+        let gb = cx.reshard(&g[1], &PartitionSpec::replicated())?;
+        Ok((v.scalar()?, local(&ga), local(&gb)))
+    });
+    for ((v, ga, gb), _) in results {
+        assert_eq!(v, 2.0 * 9.0 + 2.0 * 25.0);
+        assert_eq!(ga, vec![0., 6., 0., 6.]);
+        assert_eq!(gb, vec![10., 0., 10., 0.]);
+    }
+}
+
+/// R7.2: an unreduced gradient cannot be accumulated into a plain accumulator.
+#[test]
+fn accumulating_unreduced_into_plain_is_an_error() {
+    let m = mesh(&[("data", 2)]);
+    let results = on_devices(&m, |cx| {
+        let acc = cx.zeros(cx.array_type(&[3], PartitionSpec::replicated())?);
+        let g = cx.zeros(cx.array_type(&[3], p(&[""], &["data"], &[]))?);
+        let err = cx.add(&acc, &g).unwrap_err();
+        let t = err.type_error().unwrap().clone();
+        Ok((
+            t.kind,
+            t.to_string(),
+            cx.comm()
+                .trace()
+                .count(CollectiveKind::AllReduce, &PhasePattern::any()),
+        ))
+    });
+    for ((kind, msg, n), _) in results {
+        assert_eq!(kind, TypeErrorKind::UnreducedMismatch);
+        assert!(msg.contains("rhs is unreduced while lhs is not"), "{msg}");
+        assert_eq!(n, 0, "the error is raised before any communication");
+    }
+}
