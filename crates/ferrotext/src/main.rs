@@ -7,6 +7,7 @@ mod bench_kernels;
 mod conformance;
 mod demo;
 mod mesh_arg;
+mod train_cmd;
 
 use std::process::ExitCode;
 
@@ -22,6 +23,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train a model: `ferrotext train [config.toml] key=value ...` (MaxText key names). With no
+    /// arguments: qwen3-tiny on a data=4 in-process mesh, GA 4, the bundled corpus.
+    Train(train_cmd::TrainArgs),
     /// Run a known schedule of collectives on an in-process mesh, check every result against a
     /// serial reference, and print the collective trace.
     Collectives(demo::CollectivesArgs),
@@ -49,6 +53,7 @@ impl std::error::Error for UsageError {}
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Train(args) => train_cmd::run(&args),
         Command::Collectives(args) => demo::run(&args),
         Command::Conformance(args) => conformance::run(&args),
         Command::Bench { which } => bench::run(which),

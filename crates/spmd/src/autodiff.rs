@@ -83,6 +83,23 @@ pub(crate) enum Backward {
     Select {
         mask: Array,
     },
+    RmsNorm {
+        x: Array,
+        scale: Array,
+        inv_rms: Vec<f32>,
+    },
+    Rope {
+        theta: f32,
+        positions: Vec<usize>,
+    },
+    Softmax {
+        out: Array,
+    },
+    CrossEntropy {
+        logits: ArrayType,
+        targets: crate::structural::Ids,
+        probs: Option<Tensor>,
+    },
 }
 
 #[derive(Debug)]
@@ -221,7 +238,8 @@ impl Ctx<'_> {
                 leaf_cts[i] = Some(ct);
                 continue;
             }
-            let input_cts = self.transpose_node(&node.backward, &ct)?;
+            let needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
+            let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
             for (input, ict) in node.inputs.iter().zip(input_cts) {
                 let (Some(v), Some(ict)) = (input, ict) else {
                     continue;
@@ -255,6 +273,7 @@ impl Ctx<'_> {
         &mut self,
         backward: &Backward,
         ct: &Array,
+        needed: &[bool],
     ) -> Result<Vec<Option<Array>>, SpmdError> {
         Ok(match backward {
             Backward::Leaf => Vec::new(),
@@ -273,33 +292,41 @@ impl Ctx<'_> {
                 };
                 vec![Some(d)]
             }
+            // Only the cotangents of differentiated inputs are computed: a constant operand (a
+            // mask, a batch) must not cost a reduction.
             Backward::Binary { op, a, b, out } => {
-                let (da, db) = match op {
-                    BinaryOp::Add => (ct.clone(), ct.clone()),
-                    BinaryOp::Sub => (ct.clone(), self.unary_untracked(UnaryOp::Neg, ct)?),
-                    BinaryOp::Mul => (
-                        self.binary_untracked(BinaryOp::Mul, ct, b)?,
-                        self.binary_untracked(BinaryOp::Mul, ct, a)?,
-                    ),
-                    BinaryOp::Div => {
-                        let da = self.binary_untracked(BinaryOp::Div, ct, b)?;
-                        let q = self.binary_untracked(BinaryOp::Div, out, b)?;
-                        let p = self.binary_untracked(BinaryOp::Mul, ct, &q)?;
-                        (da, self.unary_untracked(UnaryOp::Neg, &p)?)
-                    }
-                    BinaryOp::Max => {
-                        return Err(SpmdError::BadArgument {
-                            op: "max".into(),
-                            reason: "max is not differentiable here".into(),
-                        })
-                    }
+                let need = |i: usize| needed.get(i).copied().unwrap_or(false);
+                let da = if !need(0) {
+                    None
+                } else {
+                    let d = match op {
+                        BinaryOp::Add | BinaryOp::Sub => ct.clone(),
+                        BinaryOp::Mul => self.binary_untracked(BinaryOp::Mul, ct, b)?,
+                        BinaryOp::Div => self.binary_untracked(BinaryOp::Div, ct, b)?,
+                        BinaryOp::Max => return Err(not_differentiable("max")),
+                    };
+                    Some(self.unbroadcast(&d, a.ty())?)
                 };
-                vec![
-                    Some(self.unbroadcast(&da, a.ty())?),
-                    Some(self.unbroadcast(&db, b.ty())?),
-                ]
+                let db = if !need(1) {
+                    None
+                } else {
+                    let d = match op {
+                        BinaryOp::Add => ct.clone(),
+                        BinaryOp::Sub => self.unary_untracked(UnaryOp::Neg, ct)?,
+                        BinaryOp::Mul => self.binary_untracked(BinaryOp::Mul, ct, a)?,
+                        BinaryOp::Div => {
+                            let q = self.binary_untracked(BinaryOp::Div, out, b)?;
+                            let p = self.binary_untracked(BinaryOp::Mul, ct, &q)?;
+                            self.unary_untracked(UnaryOp::Neg, &p)?
+                        }
+                        BinaryOp::Max => return Err(not_differentiable("max")),
+                    };
+                    Some(self.unbroadcast(&d, b.ty())?)
+                };
+                vec![da, db]
             }
             Backward::Dot { lhs, rhs, dims } => {
+                let need = |i: usize| needed.get(i).copied().unwrap_or(false);
                 let nb = dims.lhs_batch.len();
                 let lf =
                     DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting).len();
@@ -308,23 +335,31 @@ impl Ctx<'_> {
                 let batch: Vec<usize> = (0..nb).collect();
                 let lkept: Vec<usize> = (nb..nb + lf).collect();
                 let rkept: Vec<usize> = (nb + lf..nb + lf + rf).collect();
-                let dl = self.dot_transpose(
-                    ct,
-                    rhs,
-                    lhs.ty(),
-                    (&dims.lhs_batch, &dims.lhs_contracting),
-                    (&dims.rhs_batch, &dims.rhs_contracting),
-                    (&batch, &rkept),
-                )?;
-                let dr = self.dot_transpose(
-                    ct,
-                    lhs,
-                    rhs.ty(),
-                    (&dims.rhs_batch, &dims.rhs_contracting),
-                    (&dims.lhs_batch, &dims.lhs_contracting),
-                    (&batch, &lkept),
-                )?;
-                vec![Some(dl), Some(dr)]
+                let dl = if need(0) {
+                    Some(self.dot_transpose(
+                        ct,
+                        rhs,
+                        lhs.ty(),
+                        (&dims.lhs_batch, &dims.lhs_contracting),
+                        (&dims.rhs_batch, &dims.rhs_contracting),
+                        (&batch, &rkept),
+                    )?)
+                } else {
+                    None
+                };
+                let dr = if need(1) {
+                    Some(self.dot_transpose(
+                        ct,
+                        lhs,
+                        rhs.ty(),
+                        (&dims.rhs_batch, &dims.rhs_contracting),
+                        (&dims.lhs_batch, &dims.lhs_contracting),
+                        (&batch, &lkept),
+                    )?)
+                } else {
+                    None
+                };
+                vec![dl, dr]
             }
             Backward::ReduceSum { x, .. } if x.is_manual() => {
                 let kept_shape: Vec<usize> = ct.shape().to_vec();
@@ -423,6 +458,49 @@ impl Ctx<'_> {
                 out
             }
             Backward::Take { table, ids } => vec![Some(self.take_transpose(ct, table, ids)?)],
+            Backward::RmsNorm { x, scale, inv_rms } => {
+                let need_scale = needed.get(1).copied().unwrap_or(false);
+                let (dx, ds) = self.rms_norm_transpose(ct, x, scale, inv_rms, need_scale)?;
+                vec![Some(dx), ds]
+            }
+            // rotations are orthogonal: the transpose turns the other way
+            Backward::Rope { theta, positions } => {
+                let local = ct
+                    .local_opt()
+                    .map(|c| ferrotext_tensor::rope(c, positions, *theta, true))
+                    .transpose()?;
+                vec![Some(Array::new(ct.ty().clone(), local))]
+            }
+            Backward::Softmax { out } => {
+                let local = match (out.local_opt(), ct.local_opt()) {
+                    (Some(y), Some(c)) => Some(ferrotext_tensor::softmax_last_backward(y, c)?),
+                    _ => None,
+                };
+                vec![Some(Array::new(ct.ty().clone(), local))]
+            }
+            Backward::CrossEntropy {
+                logits,
+                targets,
+                probs,
+            } => {
+                let local = match (probs, ct.local_opt(), targets.local()) {
+                    (Some(p), Some(c), Some(ids)) => {
+                        let mask: Vec<f32> = ids
+                            .iter()
+                            .map(|&i| if i == u32::MAX { 0.0 } else { 1.0 })
+                            .collect();
+                        let safe: Vec<u32> = ids
+                            .iter()
+                            .map(|&i| if i == u32::MAX { 0 } else { i })
+                            .collect();
+                        let d =
+                            ferrotext_tensor::cross_entropy_backward(p, &safe, &mask, c.data()[0])?;
+                        Some(d.reshape(&logits.to_cotangent().shard_shape())?)
+                    }
+                    _ => None,
+                };
+                vec![Some(Array::new(logits.to_cotangent(), local))]
+            }
             Backward::Select { mask } => {
                 let (da, db) = match (mask.local_opt(), ct.local_opt()) {
                     (Some(m), Some(c)) => {
@@ -553,6 +631,13 @@ impl Ctx<'_> {
         )?;
         let s = self.reduce_sum_untracked(ct, &summed, Some(&kept_spec))?;
         self.reshape_untracked(&s, x.shape(), Some(tspec))
+    }
+}
+
+fn not_differentiable(op: &str) -> SpmdError {
+    SpmdError::BadArgument {
+        op: op.into(),
+        reason: format!("`{op}` has no transpose; it cannot be differentiated"),
     }
 }
 

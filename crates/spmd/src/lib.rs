@@ -56,6 +56,7 @@ mod autodiff;
 pub mod conformance;
 mod ctx;
 mod error;
+mod fused;
 mod manual;
 mod ops;
 mod reshard;

@@ -256,12 +256,7 @@ impl Ctx<'_> {
             .cloned()
             .collect();
         let spec = PartitionSpec::tagged(partitions, AxisSet::new(), reduced);
-        let ty = rules::make_type(
-            "take",
-            t,
-            shape,
-            spec.map_err(ShardingTypeError::from),
-        )?;
+        let ty = rules::make_type("take", t, shape, spec.map_err(ShardingTypeError::from))?;
         let local = match (table.local_opt(), ids.local()) {
             (Some(tb), Some(ix)) => {
                 let rows = ferrotext_tensor::gather(tb, 0, ix)?;

@@ -1,0 +1,168 @@
+//! `ferrotext train [config.toml] key=value ...`: validate everything first (one clear line and
+//! exit code 2 on bad input, nothing written), train with a progress bar, then print a summary
+//! and write per-step metrics as JSON lines.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Args;
+use ferrotext_comm::{human_bytes, CollectiveKind, PhasePattern};
+use ferrotext_train::{io, train, RunOptions, StepMetrics, TrainConfig, TrainError};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::UsageError;
+
+/// Arguments of `ferrotext train`.
+#[derive(Args)]
+pub struct TrainArgs {
+    /// An optional TOML config file, then `key=value` overrides.
+    args: Vec<String>,
+}
+
+fn usage(err: TrainError) -> anyhow::Error {
+    match err {
+        TrainError::Config(_) | TrainError::Data(_) | TrainError::Params { .. } => {
+            UsageError(err.to_string()).into()
+        }
+        other => other.into(),
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// The machine's matmul peak (GFLOP/s) on all cores, measured with gemm on a 512³ product.
+fn gemm_peak_gflops() -> f64 {
+    let n = 512;
+    let a = ferrotext_tensor::Tensor::full(&[n, n], 0.5);
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let dims = ferrotext_tensor::DotDims::matmul(2);
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let _ = ferrotext_tensor::dot_general(&a, &a, &dims, cores);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * n * n) as f64 / best / 1e9
+}
+
+/// Runs the command.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let (file, overrides): (Option<PathBuf>, Vec<String>) = match args.args.first() {
+        Some(first) if !first.contains('=') => {
+            (Some(PathBuf::from(first)), args.args[1..].to_vec())
+        }
+        _ => (None, args.args.clone()),
+    };
+    let config = TrainConfig::load(file.as_deref(), &overrides).map_err(usage)?;
+    let model = config.model().map_err(usage)?;
+    let mesh = config.mesh().map_err(usage)?;
+    let tokens_per_step =
+        config.micro_batch_rows() * config.gradient_accumulation_steps * config.max_target_length;
+    println!(
+        "{} ({} layers, d {}, vocab {}) on {mesh}; GA {}, {} tokens per step, {} steps",
+        config.model_name,
+        model.base_num_decoder_layers,
+        model.base_emb_dim,
+        model.vocab_size,
+        config.gradient_accumulation_steps,
+        tokens_per_step,
+        config.steps
+    );
+    let bar = ProgressBar::new(config.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} step  {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()), // ok: the template is a constant
+    );
+    let on_step = |m: &StepMetrics| {
+        bar.set_message(format!(
+            "loss {:.4}  {:.0} tok/s",
+            m.loss,
+            m.tokens as f64 / m.seconds
+        ));
+        bar.inc(1);
+    };
+    let options = RunOptions {
+        on_step: Some(&on_step),
+        return_params: !config.save_parameters_path.is_empty(),
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let report = train(&config, &options).map_err(usage)?;
+    bar.finish_and_clear();
+    let wall = started.elapsed().as_secs_f64();
+
+    let m = &report.metrics;
+    let first = m.first().map_or(0.0, |x| x.loss);
+    let last = m.last().map_or(0.0, |x| x.loss);
+    for x in m
+        .iter()
+        .filter(|x| x.step % (config.steps / 10).max(1) == 0 || x.step + 1 == config.steps)
+    {
+        println!(
+            "step {:>4}  loss {:.4}  grad_norm {:.3}  lr {:.2e}  {:.0} ms",
+            x.step,
+            x.loss,
+            x.grad_norm,
+            x.learning_rate,
+            x.seconds * 1e3
+        );
+    }
+    let step_time = median(m.iter().skip(1).map(|x| x.seconds).collect());
+    let tok_s = tokens_per_step as f64 / step_time.max(1e-12);
+    let peak = gemm_peak_gflops();
+    let mfu = report.flops_per_token * tok_s / 1e9 / peak;
+    println!("\nsummary");
+    println!("  loss             {first:.4} -> {last:.4}");
+    println!("  parameters       {}", report.param_count);
+    println!(
+        "  median step      {:.1} ms  ({tok_s:.0} tokens/s; whole run {wall:.1} s)",
+        step_time * 1e3
+    );
+    println!(
+        "  model FLOPs util {:.1}% of the gemm peak ({peak:.0} GFLOP/s on all cores)",
+        mfu * 100.0
+    );
+    println!("  deferral         {}", report.gate.describe());
+    let grad_bytes: usize = report
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>() * 4)
+        .sum();
+    let saved = if report.gate.is_open() {
+        (config.gradient_accumulation_steps - 1) * grad_bytes * config.steps
+    } else {
+        0
+    };
+    let mb = PhasePattern::new("micro_batch*");
+    println!(
+        "  all-reduce bytes micro-batches {}, update {}; deferral saved {}",
+        human_bytes(report.trace.bytes(CollectiveKind::AllReduce, &mb)),
+        human_bytes(
+            report
+                .trace
+                .bytes(CollectiveKind::AllReduce, &PhasePattern::new("update"))
+        ),
+        human_bytes(saved)
+    );
+    println!(
+        "\ncollectives of device 0 (all steps):\n{}",
+        report.trace.summary_table()
+    );
+
+    let metrics_path = config.metrics_path();
+    io::write_metrics(&metrics_path, m)?;
+    println!("metrics: {}", metrics_path.display());
+    if let Some(values) = &report.values {
+        let path = PathBuf::from(&config.save_parameters_path);
+        io::save_parameters(&path, &report.params, values)?;
+        println!("parameters: {}", path.display());
+    }
+    Ok(())
+}

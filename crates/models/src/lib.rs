@@ -1,0 +1,21 @@
+/*!
+The `models` layer of ferrotext: layers ([`nn`]) and model families ([`qwen3`]) written on the
+`spmd` ops. It must not know about the training loop: a model declares its parameters (names,
+shapes, logical axes, initialisation) and computes a loss from parameters and a batch; the
+trainer decides how parameters are laid out and tagged.
+
+# The key decision: parameters come in, typed
+
+A model never chooses its parameters' `reduced` tags. It receives them as [`Array`]s already
+placed by the caller, so the same forward pass serves the deferred step (parameters `{R:data}`,
+gradients `{U:data}`) and the untagged one, and nothing here can drop a tag.
+
+[`Array`]: ferrotext_spmd::Array
+*/
+#![deny(missing_docs)]
+
+pub mod nn;
+mod params;
+pub mod qwen3;
+
+pub use params::{init_normal, Init, ParamInfo, Rng};

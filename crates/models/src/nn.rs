@@ -1,0 +1,179 @@
+//! Layers shared by the model families: linear maps, RMSNorm, GQA attention with QK-norm and
+//! RoPE, the SwiGLU MLP. Each is a function of `spmd` arrays; shardings come from the operands
+//! ([`linear`] keeps the activation's layout and settles what the weight's split requires).
+
+use ferrotext_sharding::{DimSpec, PartitionSpec};
+use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
+use ferrotext_tensor::{DotDims, Tensor};
+
+/// How activations are laid out: the mesh axes the batch dim is split over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ActivationLayout {
+    /// Mesh axes of the batch dim, major first (empty: replicated).
+    pub batch: Vec<String>,
+}
+
+impl ActivationLayout {
+    /// `[batch, None, ...]` for an activation of `rank` dims.
+    pub fn spec(&self, rank: usize) -> PartitionSpec {
+        let mut dims = vec![DimSpec::axes(self.batch.clone())];
+        dims.resize(rank, DimSpec::Replicated);
+        PartitionSpec::new(dims)
+    }
+}
+
+/// `x · w` over the last dim of `x` and the first of `w`. The output keeps `x`'s layout on its
+/// leading dims and `w`'s on the last, minus any axis `x` already uses: under FSDP (`w` split on
+/// an axis the batch is split on too) that gathers `w`; under tensor parallelism with `w` split
+/// on its *input* dim (both sides split on the contraction) it reduces the partial sums here.
+///
+/// # Errors
+/// The dot_general type errors.
+pub fn linear(cx: &mut Ctx<'_>, x: &Array, w: &Array) -> Result<Array, SpmdError> {
+    let xs = x.ty().sharding().spec();
+    let rank = x.ty().rank();
+    let used: Vec<&String> = (0..rank - 1).flat_map(|d| xs.dim(d).axis_names()).collect();
+    let out_last: Vec<String> = w
+        .ty()
+        .sharding()
+        .spec()
+        .dim(1)
+        .axis_names()
+        .iter()
+        .filter(|a| !used.contains(a))
+        .cloned()
+        .collect();
+    let mut dims: Vec<DimSpec> = (0..rank - 1).map(|d| xs.dim(d).clone()).collect();
+    dims.push(DimSpec::axes(out_last));
+    let out = PartitionSpec::new(dims);
+    cx.matmul(x, w, Some(&out))
+}
+
+/// RMSNorm of `x` over its last dim with `scale`. A scale stored split (MaxText's `norm → tensor`
+/// rule) is first laid out like the activation's last dim, keeping its tags (MaxText's
+/// `_align_scale_with_normalized_axis`): an all-gather per use under tensor parallelism.
+///
+/// # Errors
+/// The rms_norm type errors.
+pub fn rms_norm(cx: &mut Ctx<'_>, x: &Array, scale: &Array, eps: f32) -> Result<Array, SpmdError> {
+    let want = x.ty().sharding().spec().dim(x.ty().rank() - 1).clone();
+    let sspec = scale.ty().sharding().spec();
+    if sspec.dim(0) == &want {
+        return cx.rms_norm(x, scale, eps);
+    }
+    let aligned = sspec.with_partitions([want])?;
+    let scale = cx.reshard(scale, &aligned)?;
+    cx.rms_norm(x, &scale, eps)
+}
+
+/// Attention hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDims {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// RoPE base θ.
+    pub rope_theta: f32,
+    /// RMSNorm epsilon of the QK-norm.
+    pub eps: f32,
+}
+
+/// The weights of one GQA attention block (`[in, out]` matrices).
+pub struct AttentionWeights<'a> {
+    /// `[d, heads·head_dim]`.
+    pub q_proj: &'a Array,
+    /// `[d, kv_heads·head_dim]`.
+    pub k_proj: &'a Array,
+    /// `[d, kv_heads·head_dim]`.
+    pub v_proj: &'a Array,
+    /// `[heads·head_dim, d]`.
+    pub o_proj: &'a Array,
+    /// `[head_dim]` RMSNorm scale of the queries (QK-norm).
+    pub q_norm: &'a Array,
+    /// `[head_dim]` RMSNorm scale of the keys.
+    pub k_norm: &'a Array,
+}
+
+/// Causal GQA self-attention with QK-norm (per-head RMSNorm before RoPE) on `x: [B, T, d]`.
+///
+/// # Errors
+/// Any type error of the ops (e.g. heads not divisible by the tensor axis).
+pub fn attention(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    w: &AttentionWeights<'_>,
+    dims: AttentionDims,
+) -> Result<Array, SpmdError> {
+    let (b, t) = (x.shape()[0], x.shape()[1]);
+    let (h, kv, hd) = (dims.heads, dims.kv_heads, dims.head_dim);
+    // 1. projections: q [B, T, H, hd], k/v [B, T, KV, hd] (heads split over `tensor` if any)
+    let q = linear(cx, x, w.q_proj)?;
+    let q = cx.reshape(&q, &[b, t, h, hd], None)?;
+    let k = linear(cx, x, w.k_proj)?;
+    let k = cx.reshape(&k, &[b, t, kv, hd], None)?;
+    let v = linear(cx, x, w.v_proj)?;
+    let v = cx.reshape(&v, &[b, t, kv, hd], None)?;
+    // 2. QK-norm, then RoPE (rotate-half)
+    let q = rms_norm(cx, &q, w.q_norm, dims.eps)?;
+    let k = rms_norm(cx, &k, w.k_norm, dims.eps)?;
+    let q = cx.rope(&q, dims.rope_theta)?;
+    let k = cx.rope(&k, dims.rope_theta)?;
+    // 3. GQA: each kv head serves heads/kv query heads
+    let (k, v) = if kv == h {
+        (k, v)
+    } else {
+        let g = h / kv;
+        let k5 = cx.broadcast_in_dim(&k, &[b, t, kv, g, hd], &[0, 1, 2, 4], None)?;
+        let v5 = cx.broadcast_in_dim(&v, &[b, t, kv, g, hd], &[0, 1, 2, 4], None)?;
+        (
+            cx.reshape(&k5, &[b, t, h, hd], None)?,
+            cx.reshape(&v5, &[b, t, h, hd], None)?,
+        )
+    };
+    // 4. scores [B, H, T, T] = q·kᵀ / √hd, causal mask, softmax
+    let qk = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![3],
+        lhs_batch: vec![0, 2],
+        rhs_batch: vec![0, 2],
+    };
+    let scores = cx.dot_general(&q, &k, &qk, None)?;
+    let scores = cx.scale(&scores, 1.0 / (hd as f32).sqrt())?;
+    let mask_ty = cx.array_type(&[t, t], PartitionSpec::replicated())?;
+    let mask = Tensor::from_fn(&[t, t], |i| if i % t > i / t { -1e30 } else { 0.0 });
+    let mask = cx.from_global(&mask, mask_ty.sharding().clone())?;
+    let scores = cx.add(&scores, &mask)?;
+    let probs = cx.softmax(&scores)?;
+    // 5. out [B, H, T, hd] = probs·v → [B, T, H·hd] → o_proj
+    let pv = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![1],
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+    };
+    let out = cx.dot_general(&probs, &v, &pv, None)?;
+    let out = cx.transpose(&out, &[0, 2, 1, 3])?;
+    let out = cx.reshape(&out, &[b, t, h * hd], None)?;
+    linear(cx, &out, w.o_proj)
+}
+
+/// The SwiGLU MLP: `(silu(x·w_gate) ⊙ (x·w_up))·w_down`.
+///
+/// # Errors
+/// Any type error of the ops.
+pub fn swiglu(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    gate: &Array,
+    up: &Array,
+    down: &Array,
+) -> Result<Array, SpmdError> {
+    let g = linear(cx, x, gate)?;
+    let g = cx.unary(UnaryOp::Silu, &g)?;
+    let u = linear(cx, x, up)?;
+    let a = cx.mul(&g, &u)?;
+    linear(cx, &a, down)
+}

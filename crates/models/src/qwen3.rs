@@ -1,0 +1,383 @@
+//! Qwen3-style dense decoder (MaxText's `decoder_block: qwen3`, HF `Qwen3ForCausalLM`).
+//!
+//! Token embedding → N × [RMSNorm → GQA attention with QK-norm and RoPE (rotate-half) → residual
+//! → RMSNorm → SwiGLU MLP → residual] → final RMSNorm → LM head (tied to the embedding or not)
+//! → cross-entropy, returned as the *sum* over target tokens (the trainer divides once per step).
+//!
+//! Parameter names follow HF Qwen3 (`model.embed_tokens.weight`,
+//! `model.layers.{i}.self_attn.q_proj.weight`, ...), but matrices are stored `[in, out]` (the
+//! transpose of HF's `[out, in]`), so `x·W` needs no transpose; loading and saving in HF
+//! orientation is one function in the trainer. Left out: biases (Qwen3 has none), sliding
+//! windows, z-loss, dropout.
+
+use ferrotext_sharding::PartitionSpec;
+use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
+use ferrotext_tensor::DotDims;
+
+use crate::nn::{self, ActivationLayout, AttentionDims, AttentionWeights};
+use crate::params::{Init, ParamInfo};
+
+/// Model dimensions, named like MaxText's model keys.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width (`base_emb_dim`).
+    pub base_emb_dim: usize,
+    /// Decoder layers (`base_num_decoder_layers`).
+    pub base_num_decoder_layers: usize,
+    /// Query heads (`base_num_query_heads`).
+    pub base_num_query_heads: usize,
+    /// Key/value heads (`base_num_kv_heads`).
+    pub base_num_kv_heads: usize,
+    /// Per-head width (`head_dim`).
+    pub head_dim: usize,
+    /// SwiGLU hidden width (`base_mlp_dim`).
+    pub base_mlp_dim: usize,
+    /// Tied LM head (`logits_via_embedding`).
+    pub logits_via_embedding: bool,
+    /// RoPE θ (`rope_max_timescale`).
+    pub rope_max_timescale: f32,
+    /// RMSNorm epsilon (`normalization_layer_epsilon`).
+    pub normalization_layer_epsilon: f32,
+}
+
+impl Config {
+    /// A preset by name: `qwen3-tiny` (CPU-sized, byte vocabulary), `qwen3-peer` (the JAX peer
+    /// harness's model) or `qwen3-0.6b` (the real dims; abstract mode on CPU).
+    pub fn preset(name: &str) -> Option<Config> {
+        let base = Config {
+            vocab_size: 256,
+            base_emb_dim: 128,
+            base_num_decoder_layers: 2,
+            base_num_query_heads: 4,
+            base_num_kv_heads: 2,
+            head_dim: 32,
+            base_mlp_dim: 384,
+            logits_via_embedding: true,
+            rope_max_timescale: 1_000_000.0,
+            normalization_layer_epsilon: 1e-6,
+        };
+        Some(match name {
+            "qwen3-tiny" => base,
+            "qwen3-peer" => Config {
+                vocab_size: 2048,
+                base_emb_dim: 256,
+                base_num_decoder_layers: 4,
+                base_num_query_heads: 8,
+                base_num_kv_heads: 4,
+                head_dim: 32,
+                base_mlp_dim: 768,
+                ..base
+            },
+            "qwen3-0.6b" => Config {
+                vocab_size: 151_936,
+                base_emb_dim: 1024,
+                base_num_decoder_layers: 28,
+                base_num_query_heads: 16,
+                base_num_kv_heads: 8,
+                head_dim: 128,
+                base_mlp_dim: 3072,
+                ..base
+            },
+            _ => return None,
+        })
+    }
+
+    /// The preset names.
+    pub const PRESETS: &'static [&'static str] = &["qwen3-tiny", "qwen3-peer", "qwen3-0.6b"];
+}
+
+/// A Qwen3 decoder: its config, checked once.
+#[derive(Clone, Debug)]
+pub struct Qwen3 {
+    cfg: Config,
+}
+
+/// Why a config cannot build a model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid qwen3 config: {0}")]
+pub struct ConfigError(pub String);
+
+impl Qwen3 {
+    /// Checks the config once, so the forward pass never branches on it.
+    ///
+    /// # Errors
+    /// Zero sizes, `kv_heads` not dividing `heads`, an odd `head_dim` (RoPE pairs dims).
+    pub fn new(cfg: Config) -> Result<Qwen3, ConfigError> {
+        let sizes = [
+            cfg.vocab_size,
+            cfg.base_emb_dim,
+            cfg.base_num_decoder_layers,
+            cfg.base_num_query_heads,
+            cfg.base_num_kv_heads,
+            cfg.head_dim,
+            cfg.base_mlp_dim,
+        ];
+        if sizes.contains(&0) {
+            return Err(ConfigError("every model dimension must be positive".into()));
+        }
+        if cfg.base_num_query_heads % cfg.base_num_kv_heads != 0 {
+            return Err(ConfigError(format!(
+                "base_num_query_heads ({}) must be a multiple of base_num_kv_heads ({})",
+                cfg.base_num_query_heads, cfg.base_num_kv_heads
+            )));
+        }
+        if cfg.head_dim % 2 != 0 {
+            return Err(ConfigError(format!(
+                "head_dim ({}) must be even for RoPE",
+                cfg.head_dim
+            )));
+        }
+        Ok(Qwen3 { cfg })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Every parameter, in the order [`Qwen3::loss_sum`] takes them.
+    pub fn params(&self) -> Vec<ParamInfo> {
+        let c = &self.cfg;
+        let (d, hq, hkv, f) = (
+            c.base_emb_dim,
+            c.base_num_query_heads * c.head_dim,
+            c.base_num_kv_heads * c.head_dim,
+            c.base_mlp_dim,
+        );
+        let p = |name: String,
+                 shape: Vec<usize>,
+                 logical: Vec<Option<&'static str>>,
+                 init: Init| ParamInfo {
+            name,
+            shape,
+            logical,
+            init,
+        };
+        let mut out = vec![p(
+            "model.embed_tokens.weight".into(),
+            vec![c.vocab_size, d],
+            vec![Some("vocab"), Some("embed")],
+            Init::Normal { std: 0.02 },
+        )];
+        for i in 0..c.base_num_decoder_layers {
+            let l = |s: &str| format!("model.layers.{i}.{s}");
+            out.push(p(
+                l("input_layernorm.weight"),
+                vec![d],
+                vec![Some("norm")],
+                Init::Ones,
+            ));
+            out.push(p(
+                l("self_attn.q_proj.weight"),
+                vec![d, hq],
+                vec![Some("embed"), Some("q_heads")],
+                Init::FanIn,
+            ));
+            out.push(p(
+                l("self_attn.k_proj.weight"),
+                vec![d, hkv],
+                vec![Some("embed"), Some("kv_heads")],
+                Init::FanIn,
+            ));
+            out.push(p(
+                l("self_attn.v_proj.weight"),
+                vec![d, hkv],
+                vec![Some("embed"), Some("kv_heads")],
+                Init::FanIn,
+            ));
+            out.push(p(
+                l("self_attn.o_proj.weight"),
+                vec![hq, d],
+                vec![Some("q_heads"), Some("embed")],
+                Init::FanIn,
+            ));
+            out.push(p(
+                l("self_attn.q_norm.weight"),
+                vec![c.head_dim],
+                vec![None],
+                Init::Ones,
+            ));
+            out.push(p(
+                l("self_attn.k_norm.weight"),
+                vec![c.head_dim],
+                vec![None],
+                Init::Ones,
+            ));
+            out.push(p(
+                l("post_attention_layernorm.weight"),
+                vec![d],
+                vec![Some("norm")],
+                Init::Ones,
+            ));
+            out.push(p(
+                l("mlp.gate_proj.weight"),
+                vec![d, f],
+                vec![Some("embed"), Some("mlp")],
+                Init::FanIn,
+            ));
+            out.push(p(
+                l("mlp.up_proj.weight"),
+                vec![d, f],
+                vec![Some("embed"), Some("mlp")],
+                Init::FanIn,
+            ));
+            out.push(p(
+                l("mlp.down_proj.weight"),
+                vec![f, d],
+                vec![Some("mlp"), Some("embed")],
+                Init::FanIn,
+            ));
+        }
+        out.push(p(
+            "model.norm.weight".into(),
+            vec![d],
+            vec![Some("norm")],
+            Init::Ones,
+        ));
+        if !c.logits_via_embedding {
+            out.push(p(
+                "lm_head.weight".into(),
+                vec![d, c.vocab_size],
+                vec![Some("embed"), Some("vocab")],
+                Init::FanIn,
+            ));
+        }
+        out
+    }
+
+    /// Total parameter count.
+    pub fn param_count(&self) -> usize {
+        self.params()
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Training FLOPs per token at sequence length `seq`: 6 per matmul weight (forward and both
+    /// backward products; the LM head counts the vocabulary projection, the embedding lookup
+    /// counts nothing) plus the attention score and value products (12·layers·seq·heads·head_dim).
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        let c = &self.cfg;
+        let embedding = c.vocab_size * c.base_emb_dim;
+        let norms =
+            c.base_num_decoder_layers * (2 * c.base_emb_dim + 2 * c.head_dim) + c.base_emb_dim;
+        let lm_head = embedding;
+        let untied_extra = if c.logits_via_embedding { 0 } else { embedding };
+        let matmul_weights = self.param_count() - embedding - norms - untied_extra + lm_head;
+        let attention =
+            12.0 * (c.base_num_decoder_layers * seq * c.base_num_query_heads * c.head_dim) as f64;
+        6.0 * matmul_weights as f64 + attention
+    }
+
+    /// The cross-entropy *sum* over the target tokens of a batch (`u32::MAX` targets are
+    /// ignored), as a plain scalar. `params` are in [`Qwen3::params`] order, laid out and tagged
+    /// by the caller; `inputs` and `targets` are `[B, T]`.
+    ///
+    /// # Errors
+    /// A type error of the ops (a layout the model cannot run).
+    pub fn loss_sum(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<Array, SpmdError> {
+        let logits = self.logits(cx, params, inputs)?;
+        cx.cross_entropy_sum(&logits, targets)
+    }
+
+    /// Logits `[B, T, vocab]`, split over the batch like the inputs, vocab replicated.
+    ///
+    /// # Errors
+    /// As [`Qwen3::loss_sum`].
+    pub fn logits(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+    ) -> Result<Array, SpmdError> {
+        let c = &self.cfg;
+        let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
+        let layout = ActivationLayout { batch: batch_axes };
+        let mut it = params.iter();
+        let mut next = || {
+            it.next().ok_or_else(|| SpmdError::BadArgument {
+                op: "qwen3".into(),
+                reason: "too few parameters".into(),
+            })
+        };
+        // 1. embedding lookup: x [B, T, d] split like the tokens (the table is gathered first if
+        //    it is split, keeping its tags)
+        let embed = next()?;
+        let table = unsplit(cx, embed)?;
+        let mut x = cx.take(&table, inputs)?;
+        let dims = AttentionDims {
+            heads: c.base_num_query_heads,
+            kv_heads: c.base_num_kv_heads,
+            head_dim: c.head_dim,
+            rope_theta: c.rope_max_timescale,
+            eps: c.normalization_layer_epsilon,
+        };
+        for _ in 0..c.base_num_decoder_layers {
+            let (attn_norm, q, k, v, o, qn, kn) = (
+                next()?,
+                next()?,
+                next()?,
+                next()?,
+                next()?,
+                next()?,
+                next()?,
+            );
+            let (mlp_norm, gate, up, down) = (next()?, next()?, next()?, next()?);
+            // 2. x = x + attention(norm(x))
+            let h = nn::rms_norm(cx, &x, attn_norm, c.normalization_layer_epsilon)?;
+            let w = AttentionWeights {
+                q_proj: q,
+                k_proj: k,
+                v_proj: v,
+                o_proj: o,
+                q_norm: qn,
+                k_norm: kn,
+            };
+            let a = nn::attention(cx, &h, &w, dims)?;
+            x = cx.add(&x, &a)?;
+            // 3. x = x + swiglu(norm(x))
+            let h = nn::rms_norm(cx, &x, mlp_norm, c.normalization_layer_epsilon)?;
+            let m = nn::swiglu(cx, &h, gate, up, down)?;
+            x = cx.add(&x, &m)?;
+        }
+        // 4. final norm and LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
+        let final_norm = next()?;
+        let x = nn::rms_norm(cx, &x, final_norm, c.normalization_layer_epsilon)?;
+        let logits = if c.logits_via_embedding {
+            let dims = DotDims {
+                lhs_contracting: vec![2],
+                rhs_contracting: vec![1],
+                ..Default::default()
+            };
+            cx.dot_general(&x, &table, &dims, None)?
+        } else {
+            let head = next()?;
+            nn::linear(cx, &x, head)?
+        };
+        // 5. cross-entropy needs whole vocab rows: gather the vocab dim if it is split
+        let want = layout.spec(3);
+        if logits.ty().sharding().spec().partitions() == want.partitions() {
+            Ok(logits)
+        } else {
+            cx.reshard(&logits, &want)
+        }
+    }
+}
+
+/// `w` with every partition removed but its tags kept (an all-gather when it was split).
+fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
+    let spec = w.ty().sharding().spec();
+    if spec.partitions().iter().all(|p| p.is_replicated()) {
+        return Ok(w.clone());
+    }
+    let target = PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?;
+    cx.reshard(w, &target)
+}

@@ -1,0 +1,249 @@
+//! Fused row-wise ops the models need, each one op on the tape with a hand-written backward
+//! from `ferrotext_tensor`: RMSNorm, RoPE, softmax over the last dim, and cross-entropy.
+//!
+//! Their type rules: the row dimension(s) they reduce over must not be split over devices
+//! (reshard first); activations may not be unreduced; a scale reduced on an axis the rows are
+//! sharded on is used locally and its cotangent comes back unreduced there (DESIGN §4.2) — the
+//! same answer `mul` gives, whose rule RMSNorm reuses.
+
+use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
+
+use crate::array::Array;
+use crate::autodiff::Backward;
+use crate::ctx::Ctx;
+use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::rules::{self, BinaryOp};
+use crate::structural::Ids;
+
+fn type_error(kind: K, op: &str, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
+    ShardingTypeError::new(kind, op, xs, message).into()
+}
+
+fn check_rowwise(op: &str, x: &ArrayType, dims_from_end: usize) -> Result<(), SpmdError> {
+    if x.rank() < dims_from_end {
+        return Err(type_error(
+            K::ShapeError,
+            op,
+            &[x],
+            format!("needs rank ≥ {dims_from_end}"),
+        ));
+    }
+    for d in x.rank() - dims_from_end..x.rank() {
+        if x.sharding().dim_parts(d)? > 1 {
+            return Err(type_error(
+                K::ShardingMismatch,
+                op,
+                &[x],
+                format!("dimension {d} is sharded; `{op}` works on whole rows, reshard it first"),
+            ));
+        }
+    }
+    if !x.sharding().spec().unreduced().is_empty() {
+        return Err(type_error(
+            K::UnreducedOperand,
+            op,
+            &[x],
+            format!("`{op}` cannot take an unreduced operand"),
+        ));
+    }
+    Ok(())
+}
+
+/// Axes that split the rows of `x` (every dim but the last `skip`), i.e. the axes a row-wise
+/// sum over all rows is partial over.
+fn row_axes(x: &ArrayType) -> AxisSet {
+    x.sharding()
+        .spec()
+        .partition_axes()
+        .map(str::to_string)
+        .collect()
+}
+
+impl Ctx<'_> {
+    /// RMSNorm over the last dim: `x · rsqrt(mean(x²) + eps) · scale` (f32 statistics).
+    ///
+    /// # Errors
+    /// A sharded last dim, an unreduced operand, or what `mul(x, scale)` would reject.
+    ///
+    /// # Collectives
+    /// None forward. Backward: the scale's gradient is a sum over rows, partial over the axes
+    /// the rows are split on — kept unreduced for a scale reduced on them, else all-reduced.
+    pub fn rms_norm(&mut self, x: &Array, scale: &Array, eps: f32) -> Result<Array, SpmdError> {
+        const OP: &str = "rms_norm";
+        check_rowwise(OP, x.ty(), 1)?;
+        if scale.ty().rank() != 1 || scale.shape()[0] != *x.shape().last().unwrap_or(&0) {
+            return Err(type_error(
+                K::ShapeError,
+                OP,
+                &[x.ty(), scale.ty()],
+                "scale must match the last dim",
+            ));
+        }
+        check_rowwise(OP, scale.ty(), 1)?;
+        let out_ty = rules::binary_type(BinaryOp::Mul, x.ty(), scale.ty())?.out;
+        let (local, inv) = match (x.local_opt(), scale.local_opt()) {
+            (Some(xv), Some(s)) => {
+                let (y, inv) = ferrotext_tensor::rms_norm(xv, s, eps)?;
+                (Some(y), inv)
+            }
+            _ => (None, Vec::new()),
+        };
+        let out = Array::new(out_ty, local);
+        self.record(
+            Backward::RmsNorm {
+                x: x.clone(),
+                scale: scale.clone(),
+                inv_rms: inv,
+            },
+            &[x, scale],
+            out,
+        )
+    }
+
+    pub(crate) fn rms_norm_transpose(
+        &mut self,
+        ct: &Array,
+        x: &Array,
+        scale: &Array,
+        inv_rms: &[f32],
+        need_scale: bool,
+    ) -> Result<(Array, Option<Array>), SpmdError> {
+        let (dx, dscale) = match (x.local_opt(), scale.local_opt(), ct.local_opt()) {
+            (Some(xv), Some(s), Some(c)) => {
+                let (dx, ds) = ferrotext_tensor::rms_norm_backward(xv, s, inv_rms, c)?;
+                (Some(dx), Some(ds))
+            }
+            _ => (None, None),
+        };
+        let dx = Array::new(x.ty().to_cotangent(), dx);
+        if !need_scale {
+            return Ok((dx, None));
+        }
+        // The scale's gradient: each device summed its own rows.
+        let target = scale.ty().to_cotangent();
+        let natural_spec =
+            PartitionSpec::tagged([DimSpec::Replicated], row_axes(x.ty()), AxisSet::new())?;
+        let natural = rules::make_type(
+            "rms_norm",
+            scale.ty(),
+            scale.shape().to_vec(),
+            Ok(natural_spec),
+        )?;
+        let dscale = self.convert(dscale, &natural, &target)?;
+        Ok((dx, Some(Array::new(target, dscale))))
+    }
+
+    /// Rotary position embedding (rotate-half) on `x: [.., seq, heads, head_dim]` at positions
+    /// `0..seq` with base `theta`. Linear, so tags pass through.
+    ///
+    /// # Errors
+    /// A sharded seq or head_dim dim; a shape that is not `[.., seq, heads, even head_dim]`.
+    pub fn rope(&mut self, x: &Array, theta: f32) -> Result<Array, SpmdError> {
+        const OP: &str = "rope";
+        let t = x.ty();
+        if t.rank() < 3 || t.shape()[t.rank() - 1] % 2 != 0 {
+            return Err(type_error(
+                K::ShapeError,
+                OP,
+                &[t],
+                "needs [.., seq, heads, even head_dim]",
+            ));
+        }
+        for d in [t.rank() - 3, t.rank() - 1] {
+            if t.sharding().dim_parts(d)? > 1 {
+                return Err(type_error(
+                    K::ShardingMismatch,
+                    OP,
+                    &[t],
+                    format!("dimension {d} is sharded; reshard it first"),
+                ));
+            }
+        }
+        let positions: Vec<usize> = (0..t.shape()[t.rank() - 3]).collect();
+        let local = x
+            .local_opt()
+            .map(|v| ferrotext_tensor::rope(v, &positions, theta, false))
+            .transpose()?;
+        let out = Array::new(t.clone(), local);
+        self.record(Backward::Rope { theta, positions }, &[x], out)
+    }
+
+    /// Softmax over the last dim (stable).
+    ///
+    /// # Errors
+    /// A sharded last dim or an unreduced operand.
+    pub fn softmax(&mut self, x: &Array) -> Result<Array, SpmdError> {
+        check_rowwise("softmax", x.ty(), 1)?;
+        let local = x
+            .local_opt()
+            .map(ferrotext_tensor::softmax_last)
+            .transpose()?;
+        let out = Array::new(x.ty().clone(), local);
+        let saved = out.clone();
+        self.record(Backward::Softmax { out: saved }, &[x], out)
+    }
+
+    /// The *sum* of token cross-entropies of `logits: [.., vocab]` against `targets` (same
+    /// leading shape and sharding; `u32::MAX` marks a token to ignore), as a plain scalar.
+    ///
+    /// # Errors
+    /// A sharded vocab dim, tagged logits, or targets laid out differently from the logits'
+    /// leading dims.
+    ///
+    /// # Collectives
+    /// One all-reduce of one element over the axes the tokens are split on (forward only).
+    pub fn cross_entropy_sum(&mut self, logits: &Array, targets: &Ids) -> Result<Array, SpmdError> {
+        const OP: &str = "cross_entropy";
+        let t = logits.ty();
+        check_rowwise(OP, t, 1)?;
+        let lead = &t.shape()[..t.rank() - 1];
+        let lead_parts: Vec<DimSpec> = (0..t.rank() - 1)
+            .map(|d| t.sharding().spec().dim(d).clone())
+            .collect();
+        let tparts: Vec<DimSpec> = (0..targets.ty().rank())
+            .map(|d| targets.ty().sharding().spec().dim(d).clone())
+            .collect();
+        if targets.ty().shape() != lead || tparts != lead_parts {
+            return Err(type_error(
+                K::ShardingMismatch,
+                OP,
+                &[t, targets.ty()],
+                "targets must have the logits' leading shape and sharding",
+            ));
+        }
+        let scalar_ty = self.array_type(&[], PartitionSpec::replicated())?;
+        let natural = self.array_type(
+            &[],
+            PartitionSpec::replicated().with_unreduced_set(row_axes(t))?,
+        )?;
+        let (local, probs) = match (logits.local_opt(), targets.local()) {
+            (Some(l), Some(ids)) => {
+                let v = *t.shape().last().unwrap_or(&1);
+                let rows = l.len() / v;
+                let flat = l.clone().reshape(&[rows, v])?;
+                let mask: Vec<f32> = ids
+                    .iter()
+                    .map(|&i| if i == u32::MAX { 0.0 } else { 1.0 })
+                    .collect();
+                let safe: Vec<u32> = ids
+                    .iter()
+                    .map(|&i| if i == u32::MAX { 0 } else { i })
+                    .collect();
+                let (loss, _, probs) = ferrotext_tensor::cross_entropy(&flat, &safe, &mask)?;
+                (Some(ferrotext_tensor::Tensor::scalar(loss)), Some(probs))
+            }
+            _ => (None, None),
+        };
+        let local = self.convert(local, &natural, &scalar_ty)?;
+        let out = Array::new(scalar_ty, local);
+        self.record(
+            Backward::CrossEntropy {
+                logits: t.clone(),
+                targets: targets.clone(),
+                probs,
+            },
+            &[logits],
+            out,
+        )
+    }
+}

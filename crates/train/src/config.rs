@@ -1,0 +1,480 @@
+//! The training config: MaxText's key names, a TOML file plus `key=value` overrides, validated
+//! once at the edge so the trainer never branches on a bad combination.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ferrotext_models::qwen3;
+use ferrotext_sharding::{AxisType, Mesh};
+use serde::{Deserialize, Serialize};
+
+use crate::error::TrainError;
+
+/// `shard_mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardMode {
+    /// Every mesh axis `Explicit`: shardings are types and tags are legal.
+    Explicit,
+    /// Every mesh axis `Auto`. ferrotext has no automatic partitioner: layouts still come from
+    /// the logical rules, but the axes are not part of the types, so no tags and no deferral.
+    Auto,
+}
+
+/// `opt_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptType {
+    /// AdamW with decoupled weight decay on matrices.
+    Adamw,
+    /// Plain SGD.
+    Sgd,
+}
+
+/// `dataset_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetType {
+    /// The bundled corpus ferrotext generates itself (byte-level tokens).
+    Corpus,
+    /// Deterministic arithmetic token sequences with 10% noise (the JAX peer's data).
+    Synthetic,
+    /// A text file (`dataset_path`), byte-level tokens.
+    Text,
+    /// A pre-tokenized binary file of little-endian `u16` or `u32` ids (`token_dtype`), mapped.
+    Tokens,
+}
+
+/// Every key `ferrotext train` accepts, with MaxText's names and ferrotext's defaults (the
+/// README's main command: `qwen3-tiny` on a data=4 in-process mesh, GA 4, explicit).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Model preset (`qwen3-tiny`, `qwen3-peer`, `qwen3-0.6b`).
+    pub model_name: String,
+    /// Override of the preset's vocabulary size.
+    pub vocab_size: Option<usize>,
+    /// Override of the model width.
+    pub base_emb_dim: Option<usize>,
+    /// Override of the layer count.
+    pub base_num_decoder_layers: Option<usize>,
+    /// Override of the query heads.
+    pub base_num_query_heads: Option<usize>,
+    /// Override of the key/value heads.
+    pub base_num_kv_heads: Option<usize>,
+    /// Override of the head width.
+    pub head_dim: Option<usize>,
+    /// Override of the MLP width.
+    pub base_mlp_dim: Option<usize>,
+    /// Override of the tied LM head.
+    pub logits_via_embedding: Option<bool>,
+    /// Devices of the in-process mesh.
+    pub local_devices: usize,
+    /// Size of the `data` axis (−1 fills).
+    pub ici_data_parallelism: i64,
+    /// Size of the `fsdp` axis (−1 fills).
+    pub ici_fsdp_parallelism: i64,
+    /// Size of the `tensor` axis (−1 fills).
+    pub ici_tensor_parallelism: i64,
+    /// `explicit` or `auto`.
+    pub shard_mode: ShardMode,
+    /// Micro-batches per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Sequences per device per micro-batch (may be fractional, as in MaxText, as long as the
+    /// micro-batch is a whole number of sequences divisible by the batch axes).
+    pub per_device_batch_size: f64,
+    /// Tokens per sequence.
+    pub max_target_length: usize,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// Fraction of the steps spent in linear warmup.
+    pub warmup_steps_fraction: f64,
+    /// Final learning rate of the cosine decay, as a fraction of the peak.
+    pub learning_rate_final_fraction: f64,
+    /// `adamw` or `sgd`.
+    pub opt_type: OptType,
+    /// AdamW β1.
+    pub adam_b1: f64,
+    /// AdamW β2.
+    pub adam_b2: f64,
+    /// AdamW ε.
+    pub adam_eps: f64,
+    /// AdamW decoupled weight decay (matrices only).
+    pub adam_weight_decay: f64,
+    /// Global-norm clipping threshold (0 disables).
+    pub gradient_clipping_threshold: f64,
+    /// Where the data comes from.
+    pub dataset_type: DatasetType,
+    /// The file for `text` and `tokens`.
+    pub dataset_path: String,
+    /// `u16` or `u32` for `tokens` files.
+    pub token_dtype: String,
+    /// Seed of the parameter initialisation.
+    pub init_weights_seed: u64,
+    /// Seed of the data order.
+    pub data_shuffle_seed: u64,
+    /// Safetensors file to start from (HF-Qwen3-like names).
+    pub load_parameters_path: String,
+    /// Where to save the final parameters (safetensors; empty: don't).
+    pub save_parameters_path: String,
+    /// Directory for run outputs.
+    pub base_output_directory: String,
+    /// The run's name (its outputs go to `base_output_directory/run_name`).
+    pub run_name: String,
+    /// Per-step metrics as JSON lines (empty: `base_output_directory/run_name/metrics.jsonl`).
+    pub metrics_file: String,
+    /// Seconds a device waits in a collective before the run fails.
+    pub collective_timeout_seconds: f64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> TrainConfig {
+        TrainConfig {
+            model_name: "qwen3-tiny".into(),
+            vocab_size: None,
+            base_emb_dim: None,
+            base_num_decoder_layers: None,
+            base_num_query_heads: None,
+            base_num_kv_heads: None,
+            head_dim: None,
+            base_mlp_dim: None,
+            logits_via_embedding: None,
+            local_devices: 4,
+            ici_data_parallelism: -1,
+            ici_fsdp_parallelism: 1,
+            ici_tensor_parallelism: 1,
+            shard_mode: ShardMode::Explicit,
+            gradient_accumulation_steps: 4,
+            per_device_batch_size: 2.0,
+            max_target_length: 64,
+            steps: 60,
+            learning_rate: 3e-3,
+            warmup_steps_fraction: 0.1,
+            learning_rate_final_fraction: 0.1,
+            opt_type: OptType::Adamw,
+            adam_b1: 0.9,
+            adam_b2: 0.95,
+            adam_eps: 1e-8,
+            adam_weight_decay: 0.1,
+            gradient_clipping_threshold: 1.0,
+            dataset_type: DatasetType::Corpus,
+            dataset_path: String::new(),
+            token_dtype: "u16".into(),
+            init_weights_seed: 0,
+            data_shuffle_seed: 0,
+            load_parameters_path: String::new(),
+            save_parameters_path: String::new(),
+            base_output_directory: "ferrotext_runs".into(),
+            run_name: "default".into(),
+            metrics_file: String::new(),
+            collective_timeout_seconds: 300.0,
+        }
+    }
+}
+
+/// A `key=value` override's value as TOML: integer, float, boolean, or string.
+fn parse_value(text: &str) -> toml::Value {
+    if let Ok(i) = text.parse::<i64>() {
+        return toml::Value::Integer(i);
+    }
+    if let Ok(f) = text.parse::<f64>() {
+        return toml::Value::Float(f);
+    }
+    match text {
+        "true" | "True" => toml::Value::Boolean(true),
+        "false" | "False" => toml::Value::Boolean(false),
+        _ => toml::Value::String(text.to_string()),
+    }
+}
+
+impl TrainConfig {
+    /// The config from an optional TOML file and `key=value` overrides (later ones win),
+    /// validated.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] with one line naming the key: an unknown key, a value of the wrong
+    /// type, an unreadable file, or any [`TrainConfig::validate`] failure.
+    pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    TrainError::Config(format!("cannot read config {}: {e}", path.display()))
+                })?;
+                text.parse::<toml::Table>().map_err(|e| {
+                    TrainError::Config(format!("config {}: {}", path.display(), e.message()))
+                })?
+            }
+            None => toml::Table::new(),
+        };
+        for item in overrides {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| TrainError::Config(format!("`{item}` is not `key=value`")))?;
+            table.insert(key.trim().to_string(), parse_value(value.trim()));
+        }
+        let config: TrainConfig = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| TrainError::Config(e.message().to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The model config: the preset with the overrides applied.
+    ///
+    /// # Errors
+    /// An unknown preset.
+    pub fn model(&self) -> Result<qwen3::Config, TrainError> {
+        let mut m = qwen3::Config::preset(&self.model_name).ok_or_else(|| {
+            TrainError::Config(format!(
+                "model_name `{}` is not a preset (one of {})",
+                self.model_name,
+                qwen3::Config::PRESETS.join(", ")
+            ))
+        })?;
+        let set = |field: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut m.vocab_size, self.vocab_size);
+        set(&mut m.base_emb_dim, self.base_emb_dim);
+        set(&mut m.base_num_decoder_layers, self.base_num_decoder_layers);
+        set(&mut m.base_num_query_heads, self.base_num_query_heads);
+        set(&mut m.base_num_kv_heads, self.base_num_kv_heads);
+        set(&mut m.head_dim, self.head_dim);
+        set(&mut m.base_mlp_dim, self.base_mlp_dim);
+        if let Some(t) = self.logits_via_embedding {
+            m.logits_via_embedding = t;
+        }
+        Ok(m)
+    }
+
+    /// The mesh `data × fsdp × tensor` over `local_devices`, each −1 filled, every axis typed by
+    /// `shard_mode`.
+    ///
+    /// # Errors
+    /// More than one −1, a size that is 0 or below −1, or a product that is not the device count.
+    pub fn mesh(&self) -> Result<Arc<Mesh>, TrainError> {
+        let named = [
+            ("data", self.ici_data_parallelism),
+            ("fsdp", self.ici_fsdp_parallelism),
+            ("tensor", self.ici_tensor_parallelism),
+        ];
+        if named.iter().any(|&(_, s)| s == 0 || s < -1) {
+            return Err(TrainError::Config(
+                "ici_*_parallelism values must be positive or -1 (fill)".into(),
+            ));
+        }
+        let fills = named.iter().filter(|&&(_, s)| s == -1).count();
+        if fills > 1 {
+            return Err(TrainError::Config(
+                "at most one ici_*_parallelism may be -1".into(),
+            ));
+        }
+        let known: i64 = named
+            .iter()
+            .filter(|&&(_, s)| s > 0)
+            .map(|&(_, s)| s)
+            .product();
+        let devices = self.local_devices as i64;
+        let sizes: Vec<(String, usize)> = named
+            .iter()
+            .map(|&(n, s)| {
+                (
+                    n.to_string(),
+                    if s == -1 {
+                        (devices / known.max(1)).max(1) as usize
+                    } else {
+                        s as usize
+                    },
+                )
+            })
+            .collect();
+        let product: usize = sizes.iter().map(|(_, s)| s).product();
+        if product != self.local_devices {
+            return Err(TrainError::Config(format!(
+                "mesh data×fsdp×tensor = {}×{}×{} = {product} does not match local_devices = {}",
+                sizes[0].1, sizes[1].1, sizes[2].1, self.local_devices
+            )));
+        }
+        let axis_type = match self.shard_mode {
+            ShardMode::Explicit => AxisType::Explicit,
+            ShardMode::Auto => AxisType::Auto,
+        };
+        Ok(Arc::new(Mesh::new(
+            sizes.into_iter().map(|(n, s)| (n, s, axis_type)),
+        )?))
+    }
+
+    /// Sequences per micro-batch over the whole mesh.
+    pub fn micro_batch_rows(&self) -> usize {
+        (self.per_device_batch_size * self.local_devices as f64).round() as usize
+    }
+
+    /// Checks every value and combination once.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] naming the key.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        let model = self.model()?;
+        ferrotext_models::qwen3::Qwen3::new(model.clone())
+            .map_err(|e| TrainError::Config(e.to_string()))?;
+        for (key, v) in [
+            ("local_devices", self.local_devices),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
+            ("max_target_length", self.max_target_length),
+            ("steps", self.steps),
+        ] {
+            if v == 0 {
+                return bad(format!("{key} must be at least 1"));
+            }
+        }
+        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
+            return bad(format!(
+                "learning_rate must be positive, got {}",
+                self.learning_rate
+            ));
+        }
+        if !(0.0..1.0).contains(&self.warmup_steps_fraction) {
+            return bad("warmup_steps_fraction must be in [0, 1)".into());
+        }
+        if !(0.0..=1.0).contains(&self.learning_rate_final_fraction) {
+            return bad("learning_rate_final_fraction must be in [0, 1]".into());
+        }
+        if self.gradient_clipping_threshold < 0.0 {
+            return bad("gradient_clipping_threshold must be ≥ 0 (0 disables)".into());
+        }
+        if !(0.0..1.0).contains(&self.adam_b1)
+            || !(0.0..1.0).contains(&self.adam_b2)
+            || self.adam_eps <= 0.0
+        {
+            return bad("adam_b1 and adam_b2 must be in [0, 1) and adam_eps positive".into());
+        }
+        if self.collective_timeout_seconds <= 0.0 {
+            return bad("collective_timeout_seconds must be positive".into());
+        }
+        let rows = self.per_device_batch_size * self.local_devices as f64;
+        if !(rows >= 1.0 && (rows - rows.round()).abs() < 1e-9) {
+            return bad(format!(
+                "per_device_batch_size × local_devices = {rows} must be a whole number of sequences ≥ 1"
+            ));
+        }
+        let mesh = self.mesh()?;
+        let batch_parts = mesh.axes_size(&["data", "fsdp"])?;
+        if self.micro_batch_rows() % batch_parts != 0 {
+            return bad(format!(
+                "the micro-batch of {} sequences (per_device_batch_size × local_devices) is not divisible by data×fsdp = {batch_parts}",
+                self.micro_batch_rows()
+            ));
+        }
+        let tensor = mesh.axis_size("tensor")?;
+        for (what, n) in [
+            ("base_num_query_heads", model.base_num_query_heads),
+            ("base_num_kv_heads", model.base_num_kv_heads),
+            ("base_mlp_dim", model.base_mlp_dim),
+        ] {
+            if n % tensor != 0 {
+                return bad(format!(
+                    "{what} = {n} is not divisible by ici_tensor_parallelism = {tensor}"
+                ));
+            }
+        }
+        match self.dataset_type {
+            DatasetType::Text | DatasetType::Tokens if self.dataset_path.is_empty() => {
+                return bad(
+                    format!("dataset_type={:?} needs dataset_path", self.dataset_type)
+                        .to_lowercase(),
+                );
+            }
+            DatasetType::Tokens if self.token_dtype != "u16" && self.token_dtype != "u32" => {
+                return bad(format!(
+                    "token_dtype must be u16 or u32, got `{}`",
+                    self.token_dtype
+                ));
+            }
+            _ => {}
+        }
+        if matches!(self.dataset_type, DatasetType::Corpus | DatasetType::Text)
+            && model.vocab_size < 256
+        {
+            return bad(format!(
+                "byte-level data needs vocab_size ≥ 256, got {}",
+                model.vocab_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// Where per-step metrics go.
+    pub fn metrics_path(&self) -> std::path::PathBuf {
+        if self.metrics_file.is_empty() {
+            Path::new(&self.base_output_directory)
+                .join(&self.run_name)
+                .join("metrics.jsonl")
+        } else {
+            self.metrics_file.clone().into()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(items: &[&str]) -> Result<TrainConfig, TrainError> {
+        TrainConfig::load(
+            None,
+            &items.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn defaults_are_the_readme_main_job() {
+        let c = load(&[]).unwrap();
+        assert_eq!(c.model_name, "qwen3-tiny");
+        let mesh = c.mesh().unwrap();
+        assert_eq!(
+            mesh.to_string(),
+            "Mesh('data': 4, 'fsdp': 1, 'tensor': 1, axis_types=(Explicit, Explicit, Explicit))"
+        );
+        assert_eq!(c.gradient_accumulation_steps, 4);
+    }
+
+    #[test]
+    fn overrides_and_fill() {
+        let c = load(&[
+            "ici_data_parallelism=2",
+            "ici_tensor_parallelism=-1",
+            "opt_type=sgd",
+            "learning_rate=0.5",
+        ])
+        .unwrap();
+        assert_eq!(c.mesh().unwrap().axis_size("tensor").unwrap(), 2);
+        assert_eq!(c.opt_type, OptType::Sgd);
+        assert_eq!(c.learning_rate, 0.5);
+    }
+
+    #[test]
+    fn bad_input_is_one_clear_line() {
+        let msg = |items: &[&str]| load(items).unwrap_err().to_string();
+        assert!(msg(&["no_such_key=1"]).contains("unknown field `no_such_key`"));
+        assert!(msg(&["steps=abc"]).contains("invalid type"));
+        assert!(msg(&["ici_data_parallelism=3"]).contains("does not match local_devices = 4"));
+        assert!(msg(&["shard_mode=manual"]).contains("unknown variant `manual`"));
+        assert!(msg(&["gradient_accumulation_steps=0"])
+            .contains("gradient_accumulation_steps must be at least 1"));
+        assert!(msg(&["per_device_batch_size=0.5"]).contains("is not divisible by data×fsdp = 4"));
+        assert!(msg(&["per_device_batch_size=0.3"]).contains("whole number of sequences"));
+        assert!(msg(&["model_name=gpt5"]).contains("is not a preset"));
+        assert!(msg(&["dataset_type=text"]).contains("needs dataset_path"));
+        for m in [msg(&["steps=abc"]), msg(&["no_such_key=1"])] {
+            assert_eq!(m.lines().count(), 1, "{m}");
+        }
+    }
+}

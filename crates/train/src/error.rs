@@ -1,0 +1,80 @@
+//! The one error type of the `train` layer.
+
+use ferrotext_comm::SpmdError as RunError;
+use ferrotext_sharding::ShardingError;
+use ferrotext_spmd::SpmdError;
+
+/// Everything training can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// A bad config value or combination (caught before anything runs).
+    #[error("{0}")]
+    Config(String),
+    /// A data file that cannot be used.
+    #[error("data: {0}")]
+    Data(String),
+    /// A parameter file that cannot be used.
+    #[error("parameters {path}: {reason}")]
+    Params {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A gradient arrived typed differently from what the gate promised its accumulator —
+    /// typically a helper rebuilt the parameter's spec without its reduced tag — and the step
+    /// stops instead of reducing early.
+    #[error(
+        "gradient of `{param}` arrived as `{got}` but its accumulator is `{expected}`: the \
+         deferral gate promised unreduced {expected_unreduced:?}; a spec rebuilt somewhere dropped \
+         the parameter's reduced tag (use `carry_reduced`)"
+    )]
+    AccumulatorType {
+        /// The parameter.
+        param: String,
+        /// The accumulator's type.
+        expected: String,
+        /// The gradient's type.
+        got: String,
+        /// The unreduced axes promised.
+        expected_unreduced: Vec<String>,
+    },
+    /// An op failed (type error, collective failure).
+    #[error(transparent)]
+    Spmd(#[from] SpmdError),
+    /// A mesh or spec error.
+    #[error(transparent)]
+    Sharding(#[from] ShardingError),
+    /// Writing outputs failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+impl From<RunError<TrainError>> for TrainError {
+    fn from(err: RunError<TrainError>) -> TrainError {
+        match err {
+            RunError::Device { error, .. } => error,
+            RunError::Panicked { device, message } => TrainError::Config(format!(
+                "device {device} panicked (a bug in ferrotext): {message}"
+            )),
+        }
+    }
+}
+
+impl From<ferrotext_comm::CommError> for TrainError {
+    fn from(err: ferrotext_comm::CommError) -> TrainError {
+        TrainError::Spmd(err.into())
+    }
+}
+
+impl From<ferrotext_tensor::TensorError> for TrainError {
+    fn from(err: ferrotext_tensor::TensorError) -> TrainError {
+        TrainError::Spmd(err.into())
+    }
+}

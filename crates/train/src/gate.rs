@@ -1,0 +1,136 @@
+//! The deferral gate (DESIGN §6, MaxText's `_deferred_all_reduce_shardings` and
+//! `data_is_only_batch_axis`): whether parameters may enter each micro-batch `{R:data}` so their
+//! gradients stay `{U:data}` until the step's one reduction.
+
+use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh};
+
+/// The gate's decision. A closed gate says why; training then proceeds untagged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Deferral {
+    /// Parameters enter micro-batches `{R:data}`; gradients and the accumulator are `{U:data}`;
+    /// `update` performs the one reduction.
+    Open,
+    /// Everything untagged: gradients are reduced inside every micro-batch.
+    Closed(String),
+}
+
+impl Deferral {
+    /// True when open.
+    pub fn is_open(&self) -> bool {
+        matches!(self, Deferral::Open)
+    }
+
+    /// "on", or "off: <reason>".
+    pub fn describe(&self) -> String {
+        match self {
+            Deferral::Open => "on: gradients stay unreduced over `data` until the update".into(),
+            Deferral::Closed(why) => format!("off: {why}"),
+        }
+    }
+}
+
+/// Decides deferral for `mesh` under `rules` in explicit (`explicit_mode`) or auto mode.
+///
+/// Open only when all hold: explicit mode; every mesh axis `Explicit`; a `data` axis larger
+/// than 1; every other axis of size 1 (the blunt rule: `fsdp` breaks the tag through the batch
+/// contraction, `tensor` through the feature contraction, and listing bad axes missed `tensor`
+/// once); and the batch resolves to `data` alone.
+pub fn deferral_gate(explicit_mode: bool, mesh: &Mesh, rules: &LogicalAxisRules) -> Deferral {
+    let closed = |why: String| Deferral::Closed(why);
+    if !explicit_mode {
+        return closed("shard_mode is auto: tags need explicit sharding".into());
+    }
+    if let Some(axis) = mesh
+        .axes()
+        .iter()
+        .find(|a| a.axis_type() != AxisType::Explicit)
+    {
+        return closed(format!(
+            "mesh axis `{}` is {}, and tags are legal only on Explicit axes",
+            axis.name(),
+            axis.axis_type()
+        ));
+    }
+    match mesh.axis("data") {
+        Some(a) if a.size() > 1 => {}
+        _ => {
+            return closed(
+                "the data axis has size 1: there is no data-parallel reduction to defer".into(),
+            )
+        }
+    }
+    if let Some(axis) = mesh
+        .axes()
+        .iter()
+        .find(|a| a.name() != "data" && a.size() > 1)
+    {
+        return closed(format!(
+            "mesh axis `{}` has size {}: deferral needs data to be the only axis of size > 1 (its contractions would make a data-only tag illegal)",
+            axis.name(),
+            axis.size()
+        ));
+    }
+    match rules.batch_mesh_axes(mesh) {
+        Ok(axes) if axes.len() == 1 && axes.contains("data") => Deferral::Open,
+        Ok(axes) => closed(format!(
+            "the batch resolves to {axes:?}, not to `data` alone"
+        )),
+        Err(e) => closed(format!("the batch axes cannot be resolved: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mesh(axes: &[(&str, usize, AxisType)]) -> Mesh {
+        Mesh::new(axes.iter().map(|&(n, s, t)| (n, s, t))).unwrap()
+    }
+    const E: AxisType = AxisType::Explicit;
+
+    #[test]
+    fn gate_table() {
+        let rules = LogicalAxisRules::maxtext();
+        let gate = |m: &Mesh, explicit: bool| deferral_gate(explicit, m, &rules);
+        let pure_dp = mesh(&[("data", 4, E), ("fsdp", 1, E), ("tensor", 1, E)]);
+        assert_eq!(gate(&pure_dp, true), Deferral::Open);
+        let off = |d: Deferral, needle: &str| match d {
+            Deferral::Closed(why) => assert!(why.contains(needle), "{why}"),
+            Deferral::Open => panic!("gate open; expected closed with `{needle}`"),
+        };
+        off(gate(&pure_dp, false), "shard_mode is auto");
+        off(
+            gate(
+                &mesh(&[
+                    ("data", 4, E),
+                    ("fsdp", 1, E),
+                    ("tensor", 1, AxisType::Auto),
+                ]),
+                true,
+            ),
+            "`tensor` is Auto",
+        );
+        off(
+            gate(
+                &mesh(&[("data", 1, E), ("fsdp", 1, E), ("tensor", 1, E)]),
+                true,
+            ),
+            "data axis has size 1",
+        );
+        off(
+            gate(
+                &mesh(&[("data", 2, E), ("fsdp", 2, E), ("tensor", 1, E)]),
+                true,
+            ),
+            "`fsdp` has size 2",
+        );
+        off(
+            gate(
+                &mesh(&[("data", 2, E), ("fsdp", 1, E), ("tensor", 2, E)]),
+                true,
+            ),
+            "`tensor` has size 2",
+        );
+        assert!(gate(&pure_dp, true).describe().starts_with("on"));
+    }
+}

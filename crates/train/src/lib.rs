@@ -1,0 +1,142 @@
+/*!
+The `train` layer of ferrotext: the config (MaxText's keys), data, optimizers, the deferral
+gate, and the trainer that runs gradient accumulation with the data-parallel reduction deferred
+to the step. It must not know about the command line.
+
+Main items: [`TrainConfig`], [`deferral_gate`] / [`Deferral`], [`Trainer`] (one step:
+micro-batches, then `update`), [`train`] (a whole run on the in-process mesh), the token
+sources in [`data`], [`Optimizer`].
+
+# The key decision: the gate decides, the types do the rest
+
+When the gate opens, parameters enter each micro-batch typed `{R:data}` (a free cast, outside the
+differentiated function). Everything else follows from the `spmd` type rules: the gradients come
+out `{U:data}`, add up without communication, and the `reshard` to the plain layout in `update`
+is the step's one all-reduce. The trainer checks every gradient against the accumulator type the
+gate promised, so a tag dropped anywhere is an error naming the parameter, never a silent early
+reduction.
+*/
+#![deny(missing_docs)]
+
+mod config;
+pub mod data;
+mod error;
+mod gate;
+pub mod io;
+mod optim;
+mod trainer;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrotext_comm::{run_spmd, SpmdOptions, Trace};
+use ferrotext_models::ParamInfo;
+use ferrotext_spmd::Ctx;
+use ferrotext_tensor::Tensor;
+
+pub use config::{DatasetType, OptType, ShardMode, TrainConfig};
+pub use error::TrainError;
+pub use gate::{deferral_gate, Deferral};
+pub use optim::{clip_scale, learning_rate, Optimizer};
+pub use trainer::{compute_mesh, StepMetrics, Trainer};
+
+/// Extras of a run beyond the config.
+#[derive(Default)]
+pub struct RunOptions<'a> {
+    /// Called on device 0 after every step (progress reporting).
+    pub on_step: Option<&'a (dyn Fn(&StepMetrics) + Sync)>,
+    /// Gather the final parameters into the report.
+    pub return_params: bool,
+    /// Diagnostic: use this spec for this parameter inside micro-batches (see
+    /// [`Trainer::override_inside_spec`]).
+    pub inside_spec_override: Option<(String, ferrotext_sharding::PartitionSpec)>,
+}
+
+/// What a run produced (device 0's view).
+#[derive(Debug)]
+pub struct TrainReport {
+    /// The gate's decision.
+    pub gate: Deferral,
+    /// Per-step metrics.
+    pub metrics: Vec<StepMetrics>,
+    /// Device 0's collective trace of the whole run.
+    pub trace: Trace,
+    /// The parameter declarations.
+    pub params: Vec<ParamInfo>,
+    /// Final parameter values, when asked for.
+    pub values: Option<Vec<Tensor>>,
+    /// Parameter count.
+    pub param_count: usize,
+    /// Training FLOPs per token.
+    pub flops_per_token: f64,
+}
+
+/// Runs `config.steps` steps on the in-process mesh.
+///
+/// # Errors
+/// The first device's failure: a bad parameter file, a type error, a collective failure, an
+/// accumulator-type violation.
+pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainReport, TrainError> {
+    config.validate()?;
+    let model_cfg = config.model()?;
+    let model = ferrotext_models::qwen3::Qwen3::new(model_cfg.clone())
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+    let source: Arc<dyn data::TokenSource> =
+        Arc::from(data::source_for(config, model_cfg.vocab_size)?);
+    let initial = if config.load_parameters_path.is_empty() {
+        None
+    } else {
+        Some(io::load_parameters(
+            std::path::Path::new(&config.load_parameters_path),
+            &model.params(),
+        )?)
+    };
+    let mesh = compute_mesh(config)?;
+    let spmd = SpmdOptions::default()
+        .with_timeout(Duration::from_secs_f64(config.collective_timeout_seconds));
+    let results = run_spmd(
+        &mesh,
+        &spmd,
+        |dev| -> Result<Option<TrainReport>, TrainError> {
+            let device = dev.index();
+            let threads = dev.threads();
+            let mut cx = Ctx::new(dev.comm(), threads);
+            let mut trainer = Trainer::new(&mut cx, config, source.clone(), initial.as_deref())?;
+            if let Some((name, spec)) = &options.inside_spec_override {
+                trainer.override_inside_spec(name, spec.clone())?;
+            }
+            let mut metrics = Vec::with_capacity(config.steps);
+            for _ in 0..config.steps {
+                let m = trainer.step(&mut cx)?;
+                if device == 0 {
+                    if let Some(f) = options.on_step {
+                        f(&m);
+                    }
+                }
+                metrics.push(m);
+            }
+            let values = if options.return_params {
+                Some(trainer.params_to_host(&mut cx)?)
+            } else {
+                None
+            };
+            if device != 0 {
+                return Ok(None);
+            }
+            Ok(Some(TrainReport {
+                gate: trainer.gate().clone(),
+                metrics,
+                trace: cx.comm().take_trace(),
+                params: trainer.param_infos().to_vec(),
+                values,
+                param_count: trainer.model().param_count(),
+                flops_per_token: trainer.model().flops_per_token(config.max_target_length),
+            }))
+        },
+    )?;
+    results
+        .into_iter()
+        .next()
+        .flatten()
+        .ok_or_else(|| TrainError::Config("device 0 produced no report".into()))
+}

@@ -1,0 +1,161 @@
+//! Optimizers on f32 master weights (this device's shards), the learning-rate schedule, and
+//! global-norm clipping.
+
+use ferrotext_tensor::Tensor;
+
+use crate::config::{OptType, TrainConfig};
+
+/// Linear warmup to the peak over `warmup_steps_fraction · steps`, then cosine decay to
+/// `learning_rate_final_fraction · peak` at the last step.
+pub fn learning_rate(config: &TrainConfig, step: usize) -> f64 {
+    let peak = config.learning_rate;
+    let warmup = (config.warmup_steps_fraction * config.steps as f64).round() as usize;
+    if step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let span = (config.steps - warmup).max(1) as f64;
+    let progress = ((step - warmup) as f64 / span).min(1.0);
+    let floor = config.learning_rate_final_fraction * peak;
+    floor + (peak - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// The scale that brings `norm` down to `threshold` (1 when under it, or when clipping is off).
+pub fn clip_scale(norm: f64, threshold: f64) -> f64 {
+    if threshold > 0.0 && norm > threshold {
+        threshold / norm
+    } else {
+        1.0
+    }
+}
+
+/// Optimizer state for one device's shards.
+#[derive(Clone, Debug)]
+pub enum Optimizer {
+    /// `p ← p − lr·g`.
+    Sgd,
+    /// AdamW with bias correction and decoupled weight decay on matrices.
+    AdamW {
+        /// β1.
+        b1: f64,
+        /// β2.
+        b2: f64,
+        /// ε.
+        eps: f64,
+        /// Weight decay.
+        weight_decay: f64,
+        /// First moments, one per parameter shard.
+        m: Vec<Tensor>,
+        /// Second moments.
+        v: Vec<Tensor>,
+        /// Steps taken.
+        t: u64,
+    },
+}
+
+impl Optimizer {
+    /// State for shards of these shapes.
+    pub fn new(config: &TrainConfig, shapes: &[Vec<usize>]) -> Optimizer {
+        match config.opt_type {
+            OptType::Sgd => Optimizer::Sgd,
+            OptType::Adamw => Optimizer::AdamW {
+                b1: config.adam_b1,
+                b2: config.adam_b2,
+                eps: config.adam_eps,
+                weight_decay: config.adam_weight_decay,
+                m: shapes.iter().map(|s| Tensor::zeros(s)).collect(),
+                v: shapes.iter().map(|s| Tensor::zeros(s)).collect(),
+                t: 0,
+            },
+        }
+    }
+
+    /// One step on every shard: `grads` already divided by the token count and clipped.
+    /// `decay[i]` says whether parameter `i` takes weight decay.
+    pub fn step(&mut self, lr: f64, params: &mut [Tensor], grads: &[Tensor], decay: &[bool]) {
+        match self {
+            Optimizer::Sgd => {
+                for (p, g) in params.iter_mut().zip(grads) {
+                    for (w, &d) in p.data_mut().iter_mut().zip(g.data()) {
+                        *w -= (lr as f32) * d;
+                    }
+                }
+            }
+            Optimizer::AdamW {
+                b1,
+                b2,
+                eps,
+                weight_decay,
+                m,
+                v,
+                t,
+            } => {
+                *t += 1;
+                let (c1, c2) = (1.0 - b1.powi(*t as i32), 1.0 - b2.powi(*t as i32));
+                let (b1, b2) = (*b1 as f32, *b2 as f32);
+                let step = (lr / c1) as f32;
+                let c2_sqrt = c2.sqrt() as f32;
+                for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
+                    let wd = if decay[i] {
+                        (lr * *weight_decay) as f32
+                    } else {
+                        0.0
+                    };
+                    let (mi, vi) = (m[i].data_mut(), v[i].data_mut());
+                    for (((w, &d), mm), vv) in p
+                        .data_mut()
+                        .iter_mut()
+                        .zip(g.data())
+                        .zip(mi.iter_mut())
+                        .zip(vi.iter_mut())
+                    {
+                        *mm = b1 * *mm + (1.0 - b1) * d;
+                        *vv = b2 * *vv + (1.0 - b2) * d * d;
+                        *w -= step * *mm / (vv.sqrt() / c2_sqrt + *eps as f32) + wd * *w;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_then_decays_to_the_floor() {
+        let c = TrainConfig {
+            steps: 100,
+            learning_rate: 1.0,
+            warmup_steps_fraction: 0.1,
+            learning_rate_final_fraction: 0.1,
+            ..TrainConfig::default()
+        };
+        assert!((learning_rate(&c, 0) - 0.1).abs() < 1e-12);
+        assert!((learning_rate(&c, 9) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(&c, 10) - 1.0).abs() < 1e-12);
+        assert!((learning_rate(&c, 100) - 0.1).abs() < 1e-12);
+        assert!(learning_rate(&c, 55) < 1.0 && learning_rate(&c, 55) > 0.1);
+    }
+
+    #[test]
+    fn adamw_first_step_matches_hand_computation() {
+        let c = TrainConfig {
+            adam_b1: 0.9,
+            adam_b2: 0.95,
+            adam_eps: 1e-8,
+            adam_weight_decay: 0.0,
+            ..TrainConfig::default()
+        };
+        let mut opt = Optimizer::new(&c, &[vec![2]]);
+        let mut p = vec![Tensor::new(vec![2], vec![1.0, -1.0]).unwrap()];
+        let g = vec![Tensor::new(vec![2], vec![0.5, -2.0]).unwrap()];
+        opt.step(0.1, &mut p, &g, &[false]);
+        // bias-corrected m/√v = g/|g| on the first step: each weight moves by lr·sign(g)
+        assert!((p[0].data()[0] - 0.9).abs() < 1e-6);
+        assert!((p[0].data()[1] + 0.9).abs() < 1e-6);
+        assert_eq!(clip_scale(2.0, 1.0), 0.5);
+        assert_eq!(clip_scale(0.5, 1.0), 1.0);
+        assert_eq!(clip_scale(5.0, 0.0), 1.0);
+    }
+}
