@@ -35,6 +35,25 @@ pub enum BenchCommand {
         #[arg(long, default_value = "target/bench/collectives.json")]
         out: PathBuf,
     },
+    /// Step time with the gradient reduction deferred vs per micro-batch, GA ∈ {1,2,4,8}, data=4,
+    /// in one process, ABBA-paired; JSON plus the fit of o, c, a.
+    Ga {
+        /// Model preset.
+        #[arg(long, default_value = "qwen3-peer")]
+        model: String,
+        /// GA values.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        ga: Vec<usize>,
+        /// Timed (deferred, untagged) step pairs per GA.
+        #[arg(long, default_value_t = 4)]
+        pairs: usize,
+        /// Extra `key=value` train overrides.
+        #[arg(long = "set")]
+        set: Vec<String>,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/ga.json")]
+        out: PathBuf,
+    },
     /// GFLOP/s of the matmul shapes of a transformer layer (forward and both backward products)
     /// through `dot_general`, next to the `gemm` crate called directly on the same layout.
     Kernels {
@@ -96,6 +115,13 @@ pub fn run(which: BenchCommand) -> Result<()> {
             backend,
             out,
         } => collectives(&devices, min_bytes, max_bytes, backend, &out),
+        BenchCommand::Ga {
+            model,
+            ga,
+            pairs,
+            set,
+            out,
+        } => crate::bench_ga::run(&model, &ga, pairs, &set, &out),
         BenchCommand::Kernels {
             d_model,
             tokens,

@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 a run that failed, 2 bad input (usage, config, mesh).
 
 mod bench;
+mod bench_ga;
 mod bench_kernels;
 mod conformance;
 mod demo;

@@ -106,3 +106,102 @@ fn conformance_command_passes_the_public_cases_and_reports_failures() {
     assert!(stdout.contains("0 passed, 1 failed"), "{stdout}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Every bad-input path of `ferrotext train`: exit code 2, one `error:` line, nothing written.
+#[test]
+fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-bad-{}", std::process::id()));
+    let out = format!("base_output_directory={}", dir.display());
+    let cases: &[(&[&str], &str)] = &[
+        (&["no_such_key=1"], "unknown field `no_such_key`"),
+        (&["steps=many"], "invalid type"),
+        (&["learning_rate=-1"], "learning_rate must be positive"),
+        (&["shard_mode=manual"], "unknown variant `manual`"),
+        (
+            &["ici_data_parallelism=3"],
+            "does not match local_devices = 4",
+        ),
+        (
+            &["ici_data_parallelism=-1", "ici_fsdp_parallelism=-1"],
+            "at most one",
+        ),
+        (
+            &["per_device_batch_size=0.5"],
+            "not divisible by data×fsdp = 4",
+        ),
+        (&["model_name=gpt5"], "is not a preset"),
+        (&["dataset_type=text"], "needs dataset_path"),
+        (
+            &["dataset_type=text", "dataset_path=/no/such/file.txt"],
+            "cannot open /no/such/file.txt",
+        ),
+        (
+            &["load_parameters_path=/no/such/params.safetensors"],
+            "cannot read",
+        ),
+        (&["notakeyvalue"], "is not `key=value`"),
+    ];
+    for (args, needle) in cases {
+        let mut all = vec!["train", &out];
+        all.extend_from_slice(args);
+        let res = ferrotext(&all);
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr}");
+        assert!(!dir.exists(), "{args:?} wrote {}", dir.display());
+    }
+}
+
+#[test]
+fn train_runs_and_writes_metrics_and_parameters() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-train-{}", std::process::id()));
+    let params = dir.join("final.safetensors");
+    let res = ferrotext(&[
+        "train",
+        &format!("base_output_directory={}", dir.display()),
+        "run_name=smoke",
+        "steps=2",
+        "base_emb_dim=32",
+        "base_mlp_dim=64",
+        "head_dim=8",
+        "max_target_length=16",
+        &format!("save_parameters_path={}", params.display()),
+    ]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        res.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(stdout.contains("deferral         on"), "{stdout}");
+    let metrics = std::fs::read_to_string(dir.join("smoke/metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2);
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    assert!(first["loss"].as_f64().unwrap() > 5.0);
+    assert!(params.exists());
+    // The saved parameters load back as the starting point of another run.
+    let res = ferrotext(&[
+        "train",
+        &format!("base_output_directory={}", dir.display()),
+        "run_name=again",
+        "steps=1",
+        "base_emb_dim=32",
+        "base_mlp_dim=64",
+        "head_dim=8",
+        "max_target_length=16",
+        &format!("load_parameters_path={}", params.display()),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let again = std::fs::read_to_string(dir.join("again/metrics.jsonl")).unwrap();
+    let loaded: serde_json::Value = serde_json::from_str(again.lines().next().unwrap()).unwrap();
+    assert!(
+        loaded["loss"].as_f64().unwrap() < first["loss"].as_f64().unwrap(),
+        "training continued from the saved weights"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}

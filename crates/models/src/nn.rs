@@ -4,7 +4,7 @@
 
 use ferrotext_sharding::{DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
-use ferrotext_tensor::{DotDims, Tensor};
+use ferrotext_tensor::DotDims;
 
 /// How activations are laid out: the mesh axes the batch dim is split over.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,11 +142,7 @@ pub fn attention(
     };
     let scores = cx.dot_general(&q, &k, &qk, None)?;
     let scores = cx.scale(&scores, 1.0 / (hd as f32).sqrt())?;
-    let mask_ty = cx.array_type(&[t, t], PartitionSpec::replicated())?;
-    let mask = Tensor::from_fn(&[t, t], |i| if i % t > i / t { -1e30 } else { 0.0 });
-    let mask = cx.from_global(&mask, mask_ty.sharding().clone())?;
-    let scores = cx.add(&scores, &mask)?;
-    let probs = cx.softmax(&scores)?;
+    let probs = cx.causal_softmax(&scores)?;
     // 5. out [B, H, T, hd] = probs·v → [B, T, H·hd] → o_proj
     let pv = DotDims {
         lhs_contracting: vec![3],

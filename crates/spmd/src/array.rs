@@ -28,6 +28,16 @@ impl Array {
         }
     }
 
+    /// The same data under another type (no copy). The caller guarantees the two types have the
+    /// same physical layout on every device.
+    pub(crate) fn with_type(&self, ty: ArrayType) -> Array {
+        Array {
+            ty,
+            local: self.local.clone(),
+            var: None,
+        }
+    }
+
     /// The type.
     pub fn ty(&self) -> &ArrayType {
         &self.ty
@@ -52,6 +62,19 @@ impl Array {
         self.local.as_deref().ok_or_else(|| SpmdError::NoData {
             ty: self.ty.to_string(),
         })
+    }
+
+    /// This device's shard, mutable: copied first only if another array shares it. For
+    /// in-place updates of values nothing else reads (optimizer steps).
+    ///
+    /// # Errors
+    /// [`SpmdError::NoData`] in abstract mode.
+    pub fn local_mut(&mut self) -> Result<&mut Tensor, SpmdError> {
+        let ty = &self.ty;
+        self.local
+            .as_mut()
+            .map(Arc::make_mut)
+            .ok_or_else(|| SpmdError::NoData { ty: ty.to_string() })
     }
 
     pub(crate) fn local_opt(&self) -> Option<&Tensor> {

@@ -422,10 +422,10 @@ impl Ctx<'_> {
             // The region boundary moves no data; the cotangent crosses it with swapped tags
             // (R6.13) and no collective (R6.14).
             Backward::EnterRegion { outside } => {
-                vec![Some(Array::new(outside.to_cotangent(), ct.local_cloned()))]
+                vec![Some(ct.with_type(outside.to_cotangent()))]
             }
             Backward::ExitRegion { inside } => {
-                vec![Some(Array::new(inside.to_cotangent(), ct.local_cloned()))]
+                vec![Some(ct.with_type(inside.to_cotangent()))]
             }
             Backward::Manual { op } => vec![Some(self.manual_transpose(op, ct)?)],
             // slice ↔ zero padding (zeros keep an unreduced cotangent's sum exact, R9.1)

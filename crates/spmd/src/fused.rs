@@ -183,6 +183,22 @@ impl Ctx<'_> {
         self.record(Backward::Softmax { out: saved }, &[x], out)
     }
 
+    /// Causal softmax over the last two dims `[.., T, T]` (query × key): keys after the query get
+    /// probability 0 (attention's mask, fused).
+    ///
+    /// # Errors
+    /// A sharded query or key dim; an unreduced operand; non-square last dims.
+    pub fn causal_softmax(&mut self, x: &Array) -> Result<Array, SpmdError> {
+        check_rowwise("causal_softmax", x.ty(), 2)?;
+        let local = x
+            .local_opt()
+            .map(ferrotext_tensor::causal_softmax)
+            .transpose()?;
+        let out = Array::new(x.ty().clone(), local);
+        let saved = out.clone();
+        self.record(Backward::Softmax { out: saved }, &[x], out)
+    }
+
     /// The *sum* of token cross-entropies of `logits: [.., vocab]` against `targets` (same
     /// leading shape and sharding; `u32::MAX` marks a token to ignore), as a plain scalar.
     ///

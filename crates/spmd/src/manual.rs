@@ -340,7 +340,7 @@ impl Ctx<'_> {
                 spec.reduced().clone(),
             )?;
             let ty = ArrayType::manual(x.ty().dtype(), x.ty().shard_shape(), mesh.clone(), tags)?;
-            let y = Array::new(ty, x.local_cloned());
+            let y = x.with_type(ty);
             inside.push(self.record(
                 Backward::EnterRegion {
                     outside: x.ty().clone(),
@@ -393,7 +393,7 @@ impl Ctx<'_> {
                 }
             }
             let ty = self.array_type(&shape, spec.clone())?;
-            let out = Array::new(ty, y.local_cloned());
+            let out = y.with_type(ty);
             results.push(self.record(
                 Backward::ExitRegion {
                     inside: y.ty().clone(),

@@ -228,11 +228,21 @@ impl Ctx<'_> {
     /// The operand's local block cut down to the output's partitions (right-aligned dims;
     /// broadcast size-1 dims stay size 1). Only slices: the type rule guarantees that every
     /// operand dim is either partitioned like the output or replicated.
-    fn slice_to(&self, t: &Tensor, ty: &ArrayType, out: &ArrayType) -> Result<Tensor, SpmdError> {
-        if out.is_manual() {
-            return Ok(t.clone());
-        }
+    fn slice_to<'a>(
+        &self,
+        t: &'a Tensor,
+        ty: &ArrayType,
+        out: &ArrayType,
+    ) -> Result<std::borrow::Cow<'a, Tensor>, SpmdError> {
         let lead = out.rank() - ty.rank();
+        let needs_slice = !out.is_manual()
+            && (0..ty.rank()).any(|i| {
+                ty.shape()[i] == out.shape()[lead + i]
+                    && ty.sharding().spec().dim(i) != out.sharding().spec().dim(lead + i)
+            });
+        if !needs_slice {
+            return Ok(std::borrow::Cow::Borrowed(t));
+        }
         let mut t = t.clone();
         for i in 0..ty.rank() {
             let want = out.sharding().spec().dim(lead + i);
@@ -243,7 +253,7 @@ impl Ctx<'_> {
             let block = t.shape()[i] / n;
             t = t.slice_dim(i, index * block..(index + 1) * block)?;
         }
-        Ok(t)
+        Ok(std::borrow::Cow::Owned(t))
     }
 
     /// `a + b`.
@@ -343,8 +353,8 @@ impl Ctx<'_> {
         }
         let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, out_sharding)?;
         let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs.ty(), rhs.ty(), dims)?;
-        let l = self.convert(lhs.local_cloned(), lhs.ty(), &lhs_ty)?;
-        let r = self.convert(rhs.local_cloned(), rhs.ty(), &rhs_ty)?;
+        let l = self.aligned(lhs, &lhs_ty)?;
+        let r = self.aligned(rhs, &rhs_ty)?;
         let natural_local = match (l, r) {
             (Some(l), Some(r)) => Some(dot_general(&l, &r, dims, self.threads())?),
             _ => None,
@@ -368,6 +378,20 @@ impl Ctx<'_> {
         )?;
         let local = self.convert(natural_local, &natural, &out_ty)?;
         Ok(Array::new(out_ty, local))
+    }
+
+    /// `x`'s shard laid out as `ty`: borrowed when the layout already matches, else moved.
+    fn aligned<'a>(
+        &mut self,
+        x: &'a Array,
+        ty: &ArrayType,
+    ) -> Result<Option<std::borrow::Cow<'a, Tensor>>, SpmdError> {
+        if crate::reshard::same_layout(x.ty(), ty) {
+            return Ok(x.local_opt().map(std::borrow::Cow::Borrowed));
+        }
+        Ok(self
+            .convert(x.local_cloned(), x.ty(), ty)?
+            .map(std::borrow::Cow::Owned))
     }
 
     // -----------------------------------------------------------------------------------------

@@ -25,6 +25,16 @@ use crate::ctx::Ctx;
 use crate::error::SpmdError;
 use crate::rules;
 
+/// True when every device holds the same data under both types: equal partitions and equal
+/// unreduced sets (reduced is physically replicated).
+pub(crate) fn same_layout(a: &ArrayType, b: &ArrayType) -> bool {
+    let (sa, sb) = (a.sharding().spec(), b.sharding().spec());
+    a.shape() == b.shape()
+        && (0..a.rank()).all(|d| sa.dim(d) == sb.dim(d))
+        && sa.unreduced() == sb.unreduced()
+        && a.manual_tags() == b.manual_tags()
+}
+
 impl Ctx<'_> {
     /// `x` moved onto `target` (same mesh and shape).
     ///
@@ -53,6 +63,10 @@ impl Ctx<'_> {
         target: &PartitionSpec,
     ) -> Result<Array, SpmdError> {
         let out_ty = rules::reshard_type(x.ty(), target)?;
+        if same_layout(x.ty(), &out_ty) {
+            // plain ↔ reduced and other tag-only changes: nothing moves, nothing is copied
+            return Ok(x.with_type(out_ty));
+        }
         let local = self.convert(x.local_cloned(), x.ty(), &out_ty)?;
         Ok(Array::new(out_ty, local))
     }

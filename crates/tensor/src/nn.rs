@@ -48,7 +48,40 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
     Ok(y)
 }
 
-/// Backward of `y = softmax(x)`: `dx = y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row.
+/// Causal softmax over the last dim of `x: [.., T, T]`: row `i` of each `T×T` block attends to
+/// columns `0..=i` (the rest become exact zeros), as attention masks future keys. Fusing the
+/// mask saves materialising a `-∞` bias the size of the scores.
+///
+/// # Errors
+/// The last two dims are not square.
+pub fn causal_softmax(x: &Tensor) -> Result<Tensor, TensorError> {
+    let r = x.rank();
+    if r < 2 || x.shape()[r - 1] != x.shape()[r - 2] {
+        return Err(TensorError::shape(
+            "causal_softmax",
+            format!("needs [.., T, T], got {:?}", x.shape()),
+        ));
+    }
+    let t = x.shape()[r - 1];
+    let mut y = x.clone();
+    for (k, row) in y.data_mut().chunks_mut(t).enumerate() {
+        let keep = k % t + 1;
+        let (live, masked) = row.split_at_mut(keep);
+        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for v in live.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        let inv = 1.0 / sum;
+        live.iter_mut().for_each(|v| *v *= inv);
+        masked.fill(0.0);
+    }
+    Ok(y)
+}
+
+/// Backward of `y = softmax(x)`: `dx = y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row (also the backward of
+/// [`causal_softmax`], whose masked entries have `y = 0`).
 ///
 /// # Errors
 /// Shapes differ.
@@ -159,20 +192,27 @@ pub fn rope(
     }
     let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
     let half = dim / 2;
-    let freqs: Vec<f32> = (0..half)
-        .map(|i| theta.powf(-((2 * i) as f32) / dim as f32))
-        .collect();
+    // One (sin, cos) table per call: position × pair, shared by every head and batch row.
     let sign = if inverse { -1.0 } else { 1.0 };
+    let table: Vec<(f32, f32)> = positions
+        .iter()
+        .flat_map(|&p| {
+            (0..half).map(move |i| {
+                let freq = theta.powf(-((2 * i) as f32) / dim as f32);
+                (sign * p as f32 * freq).sin_cos()
+            })
+        })
+        .collect();
     let mut y = x.clone();
     for chunk in y.data_mut().chunks_mut(seq * heads * dim) {
         for (s, pos_chunk) in chunk.chunks_mut(heads * dim).enumerate() {
-            let pos = positions[s] as f32;
+            let rot = &table[s * half..(s + 1) * half];
             for head in pos_chunk.chunks_mut(dim) {
-                for i in 0..half {
-                    let (sin, cos) = (sign * pos * freqs[i]).sin_cos();
-                    let (a, b) = (head[i], head[i + half]);
-                    head[i] = a * cos - b * sin;
-                    head[i + half] = b * cos + a * sin;
+                let (lo, hi) = head.split_at_mut(half);
+                for ((a, b), &(sin, cos)) in lo.iter_mut().zip(hi.iter_mut()).zip(rot) {
+                    let (x0, x1) = (*a, *b);
+                    *a = x0 * cos - x1 * sin;
+                    *b = x1 * cos + x0 * sin;
                 }
             }
         }
@@ -423,6 +463,21 @@ mod tests {
             &numeric_grad(&x, |x| weighted_sum(&softmax_last(x).unwrap(), &w)),
             1e-2,
         );
+    }
+
+    #[test]
+    fn causal_softmax_matches_masked_softmax() {
+        let x = Tensor::from_fn(&[2, 3, 3], |i| ((i * 7) % 5) as f32 * 0.3);
+        let y = causal_softmax(&x).unwrap();
+        let masked = x
+            .map(|v| v)
+            .zip_with(
+                &Tensor::from_fn(&[3, 3], |i| if i % 3 > i / 3 { -1e30 } else { 0.0 }),
+                |a, b| a + b,
+            )
+            .unwrap();
+        close(y.data(), softmax_last(&masked).unwrap().data(), 1e-6);
+        assert!(causal_softmax(&Tensor::zeros(&[2, 3])).is_err());
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! `data_is_only_batch_axis`): whether parameters may enter each micro-batch `{R:data}` so their
 //! gradients stay `{U:data}` until the step's one reduction.
 
-use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh};
+use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh, PartitionSpec, ShardingError};
 
 /// The gate's decision. A closed gate says why; training then proceeds untagged.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +26,23 @@ impl Deferral {
             Deferral::Open => "on: gradients stay unreduced over `data` until the update".into(),
             Deferral::Closed(why) => format!("off: {why}"),
         }
+    }
+}
+
+/// The layout a parameter enters micro-batches with: its storage spec, tagged `{R:data}` when
+/// the gate is open — unless the parameter is already sharded on `data` (the tag would overlap a
+/// partition, R1.8), in which case it stays untagged (MaxText's `_tag_sharding`).
+///
+/// # Errors
+/// Never for a valid spec; typed for safety.
+pub fn deferred_spec(
+    spec: &PartitionSpec,
+    gate: &Deferral,
+) -> Result<PartitionSpec, ShardingError> {
+    if gate.is_open() && !spec.is_sharded_on("data") {
+        spec.with_reduced(["data"])
+    } else {
+        Ok(spec.clone())
     }
 }
 
@@ -132,5 +149,19 @@ mod tests {
             "`tensor` has size 2",
         );
         assert!(gate(&pure_dp, true).describe().starts_with("on"));
+    }
+
+    #[test]
+    fn params_already_sharded_on_data_stay_untagged() {
+        let open = Deferral::Open;
+        let on_data = PartitionSpec::new([Some("data"), None]);
+        assert_eq!(deferred_spec(&on_data, &open).unwrap(), on_data);
+        let replicated = PartitionSpec::new([None::<&str>, Some("tensor")]);
+        assert_eq!(
+            deferred_spec(&replicated, &open).unwrap().to_string(),
+            "P(None, 'tensor', reduced={'data'})"
+        );
+        let closed = Deferral::Closed("x".into());
+        assert_eq!(deferred_spec(&replicated, &closed).unwrap(), replicated);
     }
 }

@@ -36,7 +36,7 @@ use ferrotext_tensor::Tensor;
 
 pub use config::{DatasetType, OptType, ShardMode, TrainConfig};
 pub use error::TrainError;
-pub use gate::{deferral_gate, Deferral};
+pub use gate::{deferral_gate, deferred_spec, Deferral};
 pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use trainer::{compute_mesh, StepMetrics, Trainer};
 

@@ -69,14 +69,23 @@ impl Optimizer {
         }
     }
 
-    /// One step on every shard: `grads` already divided by the token count and clipped.
-    /// `decay[i]` says whether parameter `i` takes weight decay.
-    pub fn step(&mut self, lr: f64, params: &mut [Tensor], grads: &[Tensor], decay: &[bool]) {
+    /// One step on every shard, in place: the gradients are multiplied by `grad_scale` (one over
+    /// the token count, times the clipping factor) as they are read. `decay[i]` says whether
+    /// parameter `i` takes weight decay.
+    pub fn step(
+        &mut self,
+        lr: f64,
+        grad_scale: f32,
+        params: &mut [&mut Tensor],
+        grads: &[&Tensor],
+        decay: &[bool],
+    ) {
         match self {
             Optimizer::Sgd => {
+                let k = lr as f32 * grad_scale;
                 for (p, g) in params.iter_mut().zip(grads) {
                     for (w, &d) in p.data_mut().iter_mut().zip(g.data()) {
-                        *w -= (lr as f32) * d;
+                        *w -= k * d;
                     }
                 }
             }
@@ -148,12 +157,21 @@ mod tests {
             ..TrainConfig::default()
         };
         let mut opt = Optimizer::new(&c, &[vec![2]]);
-        let mut p = vec![Tensor::new(vec![2], vec![1.0, -1.0]).unwrap()];
-        let g = vec![Tensor::new(vec![2], vec![0.5, -2.0]).unwrap()];
-        opt.step(0.1, &mut p, &g, &[false]);
+        let mut p = Tensor::new(vec![2], vec![1.0, -1.0]).unwrap();
+        let g = Tensor::new(vec![2], vec![0.5, -2.0]).unwrap();
+        opt.step(0.1, 3.0, &mut [&mut p], &[&g], &[false]);
         // bias-corrected m/√v = g/|g| on the first step: each weight moves by lr·sign(g)
-        assert!((p[0].data()[0] - 0.9).abs() < 1e-6);
-        assert!((p[0].data()[1] + 0.9).abs() < 1e-6);
+        assert!((p.data()[0] - 0.9).abs() < 1e-6);
+        assert!((p.data()[1] + 0.9).abs() < 1e-6);
+        let mut q = Tensor::new(vec![1], vec![1.0]).unwrap();
+        Optimizer::Sgd.step(
+            0.1,
+            2.0,
+            &mut [&mut q],
+            &[&Tensor::new(vec![1], vec![1.0]).unwrap()],
+            &[false],
+        );
+        assert!((q.data()[0] - 0.8).abs() < 1e-7);
         assert_eq!(clip_scale(2.0, 1.0), 0.5);
         assert_eq!(clip_scale(0.5, 1.0), 1.0);
         assert_eq!(clip_scale(5.0, 0.0), 1.0);

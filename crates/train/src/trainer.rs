@@ -18,7 +18,7 @@ use serde::Serialize;
 use crate::config::{ShardMode, TrainConfig};
 use crate::data::{micro_batch, TokenSource};
 use crate::error::TrainError;
-use crate::gate::{deferral_gate, Deferral};
+use crate::gate::{deferral_gate, deferred_spec, Deferral};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
 
 /// What one step reports.
@@ -92,12 +92,7 @@ impl Trainer {
         let mut decay = Vec::new();
         for (i, info) in infos.iter().enumerate() {
             let spec = rules.resolve(&info.logical, &info.shape, &mesh)?;
-            // Parameters already sharded on `data` stay untagged (a tag there is illegal).
-            let tagged = if gate.is_open() && !spec.is_sharded_on("data") {
-                spec.with_reduced(["data"])?
-            } else {
-                spec.clone()
-            };
+            let tagged = deferred_spec(&spec, &gate)?;
             let value = match initial {
                 Some(values) => {
                     let v = values.get(i).ok_or_else(|| {
@@ -278,19 +273,18 @@ impl Trainer {
         let grad_norm = sq.sqrt() * inv_tokens;
         let scale =
             (inv_tokens * clip_scale(grad_norm, self.config.gradient_clipping_threshold)) as f32;
-        let mut locals: Vec<Tensor> = self
+        // Nothing else holds the parameters' shards now, so the update runs in place.
+        drop(used);
+        drop(acc);
+        let grad_locals: Vec<&Tensor> =
+            grads.iter().map(|g| g.local()).collect::<Result<_, _>>()?;
+        let mut param_locals: Vec<&mut Tensor> = self
             .params
-            .iter()
-            .map(|p| p.local().cloned())
+            .iter_mut()
+            .map(|p| p.local_mut())
             .collect::<Result<_, _>>()?;
-        let scaled: Vec<Tensor> = grads
-            .iter()
-            .map(|g| g.local().map(|t| t.scale(scale)))
-            .collect::<Result<_, _>>()?;
-        self.opt.step(lr, &mut locals, &scaled, &self.decay);
-        for (p, t) in self.params.iter_mut().zip(locals) {
-            *p = cx.from_local(p.ty().clone(), t)?;
-        }
+        self.opt
+            .step(lr, scale, &mut param_locals, &grad_locals, &self.decay);
         cx.comm().pop_phase();
         let metrics = StepMetrics {
             step: self.step,

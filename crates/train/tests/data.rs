@@ -1,0 +1,104 @@
+//! Token sources from files: text (byte-level) and pre-tokenized u16/u32, with their errors.
+
+use ferrotext_train::data::source_for;
+use ferrotext_train::TrainConfig;
+
+fn cfg(items: &[String]) -> TrainConfig {
+    let mut all = vec!["max_target_length=8".to_string()];
+    all.extend(items.iter().cloned());
+    TrainConfig::load(None, &all).unwrap()
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotext-data-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn text_files_are_byte_tokens() {
+    let path = tmp("corpus.txt");
+    std::fs::write(&path, "hello world, hello ferrotext!\n".repeat(4)).unwrap();
+    let c = cfg(&[
+        "dataset_type=text".into(),
+        format!("dataset_path={}", path.display()),
+    ]);
+    let s = source_for(&c, 256).unwrap();
+    let seq = s.sequence(3, 9);
+    let text = String::from_utf8(seq.iter().map(|&t| t as u8).collect()).unwrap();
+    assert!(
+        "hello world, hello ferrotext!\n".repeat(5).contains(&text),
+        "{text:?}"
+    );
+    assert_eq!(s.sequence(3, 9), seq, "deterministic");
+}
+
+#[test]
+fn token_files_read_u16_and_u32_little_endian() {
+    let ids: Vec<u32> = (0..100).map(|i| (i * 37) % 1000).collect();
+    for (dtype, bytes) in [
+        (
+            "u16",
+            ids.iter()
+                .flat_map(|&i| (i as u16).to_le_bytes())
+                .collect::<Vec<u8>>(),
+        ),
+        (
+            "u32",
+            ids.iter()
+                .flat_map(|&i| i.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        ),
+    ] {
+        let path = tmp(&format!("tokens.{dtype}"));
+        std::fs::write(&path, bytes).unwrap();
+        let c = cfg(&[
+            "dataset_type=tokens".into(),
+            format!("dataset_path={}", path.display()),
+            format!("token_dtype={dtype}"),
+            "vocab_size=1000".into(),
+            "model_name=qwen3-peer".into(),
+        ]);
+        let s = source_for(&c, 1000).unwrap();
+        let seq = s.sequence(0, 9);
+        let start = ids.iter().position(|&i| i == seq[0]).unwrap();
+        assert_eq!(seq, ids[start..start + 9].to_vec(), "{dtype}");
+    }
+}
+
+#[test]
+fn bad_token_files_are_clear_errors() {
+    let odd = tmp("odd.u16");
+    std::fs::write(&odd, [1u8, 2, 3]).unwrap();
+    let c = cfg(&[
+        "dataset_type=tokens".into(),
+        format!("dataset_path={}", odd.display()),
+    ]);
+    assert!(source_for(&c, 256)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("not a whole number of u16 tokens"));
+    let big = tmp("big.u16");
+    std::fs::write(&big, [0xffu8; 40]).unwrap();
+    let c = cfg(&[
+        "dataset_type=tokens".into(),
+        format!("dataset_path={}", big.display()),
+    ]);
+    assert!(source_for(&c, 256)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("token id 65535 ≥ vocab_size 256"));
+    let short = tmp("short.txt");
+    std::fs::write(&short, "abc").unwrap();
+    let c = cfg(&[
+        "dataset_type=text".into(),
+        format!("dataset_path={}", short.display()),
+    ]);
+    assert!(source_for(&c, 256)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("a sequence needs 9"));
+}
