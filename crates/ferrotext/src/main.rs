@@ -27,6 +27,9 @@ enum Command {
     /// Train a model: `ferrotext train [config.toml] key=value ...` (MaxText key names). With no
     /// arguments: qwen3-tiny on a data=4 in-process mesh, GA 4, the bundled corpus.
     Train(train_cmd::TrainArgs),
+    /// Plan one training step in abstract mode (shapes only, nothing allocated or communicated):
+    /// type-check the whole step on any mesh and print its collective schedule.
+    Plan(train_cmd::TrainArgs),
     /// Run a known schedule of collectives on an in-process mesh, check every result against a
     /// serial reference, and print the collective trace.
     Collectives(demo::CollectivesArgs),
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(&args),
+        Command::Plan(args) => train_cmd::plan(&args),
         Command::Collectives(args) => demo::run(&args),
         Command::Conformance(args) => conformance::run(&args),
         Command::Bench { which } => bench::run(which),

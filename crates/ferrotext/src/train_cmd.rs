@@ -52,15 +52,47 @@ fn gemm_peak_gflops() -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
-/// Runs the command.
-pub fn run(args: &TrainArgs) -> Result<()> {
+fn load(args: &TrainArgs) -> Result<TrainConfig> {
     let (file, overrides): (Option<PathBuf>, Vec<String>) = match args.args.first() {
         Some(first) if !first.contains('=') => {
             (Some(PathBuf::from(first)), args.args[1..].to_vec())
         }
         _ => (None, args.args.clone()),
     };
-    let config = TrainConfig::load(file.as_deref(), &overrides).map_err(usage)?;
+    Ok(TrainConfig::load(file.as_deref(), &overrides).map_err(usage)?)
+}
+
+/// `ferrotext plan`: one step in abstract mode.
+pub fn plan(args: &TrainArgs) -> Result<()> {
+    let config = load(args)?;
+    let model = config.model().map_err(usage)?;
+    let mesh = config.mesh().map_err(usage)?;
+    let source: std::sync::Arc<dyn ferrotext_train::data::TokenSource> = std::sync::Arc::from(
+        ferrotext_train::data::source_for(&config, model.vocab_size).map_err(usage)?,
+    );
+    let started = Instant::now();
+    let (gate, trace) = ferrotext_train::plan_step(&config, source)?;
+    let qwen = ferrotext_models::qwen3::Qwen3::new(model).map_err(|e| UsageError(e.to_string()))?;
+    println!(
+        "planned one step of {} ({} parameters) on {mesh} in {:.2} s: every sharding rule checked",
+        config.model_name,
+        qwen.param_count(),
+        started.elapsed().as_secs_f64()
+    );
+    println!("deferral: {}", gate.describe());
+    let mb = PhasePattern::new("micro_batch*");
+    println!(
+        "all-reduces larger than 8 elements in micro-batches: {}; in update: {}",
+        trace.all_reduces_larger_than(8, &mb).len(),
+        trace.count(CollectiveKind::AllReduce, &PhasePattern::new("update"))
+    );
+    println!("\ncollectives of one device:\n{}", trace.summary_table());
+    Ok(())
+}
+
+/// Runs the command.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let config = load(args)?;
     let model = config.model().map_err(usage)?;
     let mesh = config.mesh().map_err(usage)?;
     let tokens_per_step =

@@ -205,3 +205,26 @@ fn train_runs_and_writes_metrics_and_parameters() {
     );
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// qwen3-0.6b (the real dims) type-checks and plans on a 256-device mesh in abstract mode.
+#[test]
+fn plan_qwen3_0_6b_on_256_devices() {
+    let res = ferrotext(&[
+        "plan",
+        "model_name=qwen3-0.6b",
+        "local_devices=256",
+        "per_device_batch_size=1",
+        "max_target_length=256",
+    ]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(
+        res.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    assert!(stdout.contains("(596049920 parameters)"), "{stdout}");
+    assert!(
+        stdout.contains("all-reduces larger than 8 elements in micro-batches: 0; in update: 310"),
+        "{stdout}"
+    );
+}

@@ -38,7 +38,7 @@ pub use config::{DatasetType, OptType, ShardMode, TrainConfig};
 pub use error::TrainError;
 pub use gate::{deferral_gate, deferred_spec, Deferral};
 pub use optim::{clip_scale, learning_rate, Optimizer};
-pub use trainer::{compute_mesh, StepMetrics, Trainer};
+pub use trainer::{compute_mesh, plan_step, StepMetrics, Trainer};
 
 /// Extras of a run beyond the config.
 #[derive(Default)]

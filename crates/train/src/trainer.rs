@@ -11,7 +11,7 @@ use ferrotext_models::{init_normal, ParamInfo};
 use ferrotext_sharding::{
     ArrayType, AxisType, LogicalAxisRules, Mesh, NamedSharding, PartitionSpec,
 };
-use ferrotext_spmd::{Array, Ctx, Ids};
+use ferrotext_spmd::{Array, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
@@ -58,6 +58,26 @@ pub struct Trainer {
     source: Arc<dyn TokenSource>,
 }
 
+/// Plans one step of `config` on its declared mesh in abstract mode (shapes only, device 0,
+/// nothing communicated), e.g. `qwen3-0.6b` on 256 devices: returns the gate's decision and the
+/// collective trace, or the first type error.
+///
+/// # Errors
+/// A type error or an invalid config.
+pub fn plan_step(
+    config: &TrainConfig,
+    source: Arc<dyn TokenSource>,
+) -> Result<(Deferral, ferrotext_comm::Trace), TrainError> {
+    let mesh = compute_mesh(config)?;
+    let mut comm =
+        ferrotext_comm::Communicator::new(0, mesh, Box::new(ferrotext_comm::NoTransport));
+    let mut cx = Ctx::new_abstract(&mut comm);
+    let mut trainer = Trainer::new(&mut cx, config, source, None)?;
+    trainer.step(&mut cx)?;
+    let gate = trainer.gate().clone();
+    Ok((gate, cx.comm().take_trace()))
+}
+
 /// The mesh the trainer computes on: the config's, with every axis Explicit (ferrotext has no
 /// automatic partitioner; under `shard_mode=auto` the axes keep their layouts but the gate keeps
 /// tags off).
@@ -93,6 +113,17 @@ impl Trainer {
         for (i, info) in infos.iter().enumerate() {
             let spec = rules.resolve(&info.logical, &info.shape, &mesh)?;
             let tagged = deferred_spec(&spec, &gate)?;
+            let named = NamedSharding::new(mesh.clone(), spec.clone())?;
+            if cx.mode() == Mode::Abstract {
+                // Planning: types and collectives only; no 2-GB initialisation for a 0.6B model.
+                let ty = ArrayType::new(ferrotext_sharding::DType::F32, info.shape.clone(), named)?;
+                promised.push(cx.array_type(&info.shape, tagged.clone())?.to_cotangent());
+                params.push(cx.abstract_array(ty));
+                plain.push(spec);
+                inside.push(tagged);
+                decay.push(info.shape.len() >= 2);
+                continue;
+            }
             let value = match initial {
                 Some(values) => {
                     let v = values.get(i).ok_or_else(|| {
@@ -110,7 +141,7 @@ impl Trainer {
                 }
                 None => init_normal(info, config.init_weights_seed, i),
             };
-            let array = cx.from_global(&value, NamedSharding::new(mesh.clone(), spec.clone())?)?;
+            let array = cx.from_global(&value, named)?;
             promised.push(cx.array_type(&info.shape, tagged.clone())?.to_cotangent());
             plain.push(spec);
             inside.push(tagged);
@@ -127,7 +158,11 @@ impl Trainer {
         Ok(Trainer {
             config: config.clone(),
             model,
-            opt: Optimizer::new(config, &shapes),
+            opt: if cx.mode() == Mode::Abstract {
+                Optimizer::Sgd
+            } else {
+                Optimizer::new(config, &shapes)
+            },
             infos,
             gate,
             plain,
@@ -252,7 +287,9 @@ impl Trainer {
                 }
                 acc[i] = cx.add(&acc[i], grad)?;
             }
-            loss_sum += f64::from(loss.scalar()?);
+            if !loss.is_abstract() {
+                loss_sum += f64::from(loss.scalar()?);
+            }
             tokens += count;
             cx.comm().pop_phase();
         }
@@ -268,7 +305,10 @@ impl Trainer {
         for g in &grads {
             let g2 = cx.mul(g, g)?;
             let axes: Vec<usize> = (0..g.ty().rank()).collect();
-            sq += f64::from(cx.reduce_sum(&g2, &axes, None)?.scalar()?);
+            let s = cx.reduce_sum(&g2, &axes, None)?;
+            if !s.is_abstract() {
+                sq += f64::from(s.scalar()?);
+            }
         }
         let grad_norm = sq.sqrt() * inv_tokens;
         let scale =
@@ -276,6 +316,18 @@ impl Trainer {
         // Nothing else holds the parameters' shards now, so the update runs in place.
         drop(used);
         drop(acc);
+        if cx.mode() == Mode::Abstract {
+            cx.comm().pop_phase();
+            self.step += 1;
+            return Ok(StepMetrics {
+                step: self.step - 1,
+                loss: 0.0,
+                tokens,
+                grad_norm: 0.0,
+                learning_rate: lr,
+                seconds: start.elapsed().as_secs_f64(),
+            });
+        }
         let grad_locals: Vec<&Tensor> =
             grads.iter().map(|g| g.local()).collect::<Result<_, _>>()?;
         let mut param_locals: Vec<&mut Tensor> = self
