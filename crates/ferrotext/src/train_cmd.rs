@@ -59,7 +59,7 @@ fn load(args: &TrainArgs) -> Result<TrainConfig> {
         }
         _ => (None, args.args.clone()),
     };
-    Ok(TrainConfig::load(file.as_deref(), &overrides).map_err(usage)?)
+    TrainConfig::load(file.as_deref(), &overrides).map_err(usage)
 }
 
 /// `ferrotext plan`: one step in abstract mode.
