@@ -111,6 +111,8 @@ pub struct TrainConfig {
     pub dataset_path: String,
     /// `u16` or `u32` for `tokens` files.
     pub token_dtype: String,
+    /// An HF `tokenizer.json` for `corpus` and `text` data (empty: byte-level tokens).
+    pub tokenizer_path: String,
     /// Seed of the parameter initialisation.
     pub init_weights_seed: u64,
     /// Seed of the data order.
@@ -162,6 +164,7 @@ impl Default for TrainConfig {
             dataset_type: DatasetType::Corpus,
             dataset_path: String::new(),
             token_dtype: "u16".into(),
+            tokenizer_path: String::new(),
             init_weights_seed: 0,
             data_shuffle_seed: 0,
             load_parameters_path: String::new(),
@@ -401,6 +404,7 @@ impl TrainConfig {
             _ => {}
         }
         if matches!(self.dataset_type, DatasetType::Corpus | DatasetType::Text)
+            && self.tokenizer_path.is_empty()
             && model.vocab_size < 256
         {
             return bad(format!(

@@ -172,6 +172,28 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
         }
         Ok(())
     };
+    if !config.tokenizer_path.is_empty()
+        && matches!(config.dataset_type, DatasetType::Corpus | DatasetType::Text)
+    {
+        let text = match config.dataset_type {
+            DatasetType::Text => std::fs::read_to_string(&config.dataset_path).map_err(|e| {
+                TrainError::Data(format!(
+                    "cannot read {} as UTF-8 text: {e}",
+                    config.dataset_path
+                ))
+            })?,
+            _ => bundled_corpus(),
+        };
+        let ids = tokenize(&config.tokenizer_path, &text, vocab)?;
+        check_len(ids.len(), "the tokenized text")?;
+        let data: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        return Ok(Box::new(Windows {
+            seed,
+            data,
+            width: 4,
+            vocab,
+        }));
+    }
     Ok(match config.dataset_type {
         DatasetType::Synthetic => Box::new(Synthetic { seed, vocab }),
         DatasetType::Corpus => {
@@ -224,6 +246,27 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
             Box::new(w)
         }
     })
+}
+
+/// `text` encoded with the HF tokenizer at `path` (the `tokenizers` crate: BPE, WordPiece,
+/// Unigram, WordLevel, as the file says).
+///
+/// # Errors
+/// [`TrainError::Data`] for a file that is not a tokenizer, or ids beyond `vocab`.
+pub fn tokenize(path: &str, text: &str, vocab: usize) -> Result<Vec<u32>, TrainError> {
+    let tokenizer = tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| TrainError::Data(format!("tokenizer_path {path}: {e}")))?;
+    let encoding = tokenizer
+        .encode(text, false)
+        .map_err(|e| TrainError::Data(format!("tokenizer_path {path}: {e}")))?;
+    let ids = encoding.get_ids().to_vec();
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(TrainError::Data(format!(
+            "tokenizer_path {path} produced id {bad} ≥ vocab_size {vocab}; raise vocab_size to the tokenizer's size ({})",
+            tokenizer.get_vocab_size(true)
+        )));
+    }
+    Ok(ids)
 }
 
 /// The rows of micro-batch `micro` of step `step`, each `len + 1` tokens, in micro-batch order.

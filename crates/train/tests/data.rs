@@ -102,3 +102,44 @@ fn bad_token_files_are_clear_errors() {
         .to_string()
         .contains("a sequence needs 9"));
 }
+
+/// A small WordLevel `tokenizer.json` in HF's format (whitespace pre-tokenizer).
+const TOKENIZER: &str = r#"{
+  "version": "1.0",
+  "truncation": null,
+  "padding": null,
+  "added_tokens": [],
+  "normalizer": {"type": "Lowercase"},
+  "pre_tokenizer": {"type": "Whitespace"},
+  "post_processor": null,
+  "decoder": null,
+  "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, "on": 4, "mat": 5, ".": 6}, "unk_token": "[UNK]"}
+}"#;
+
+#[test]
+fn hf_tokenizer_files_tokenize_text() {
+    let tok = tmp("tokenizer.json");
+    std::fs::write(&tok, TOKENIZER).unwrap();
+    let text = tmp("cat.txt");
+    std::fs::write(&text, "The cat sat on the mat. ".repeat(10)).unwrap();
+    let ids = ferrotext_train::data::tokenize(tok.to_str().unwrap(), "the cat sat on the dog .", 7)
+        .unwrap();
+    assert_eq!(ids, vec![1, 2, 3, 4, 1, 0, 6]);
+    let c = cfg(&[
+        "dataset_type=text".into(),
+        format!("dataset_path={}", text.display()),
+        format!("tokenizer_path={}", tok.display()),
+        "vocab_size=64".into(),
+    ]);
+    let s = source_for(&c, 64).unwrap();
+    let seq = s.sequence(1, 9);
+    assert!(seq.iter().all(|&t| (1..=6).contains(&t)), "{seq:?}");
+    // A vocabulary smaller than the tokenizer's ids is refused.
+    let err = ferrotext_train::data::tokenize(tok.to_str().unwrap(), "mat", 4)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("produced id 5 ≥ vocab_size 4"), "{err}");
+    let bad = tmp("bad.json");
+    std::fs::write(&bad, "{}").unwrap();
+    assert!(ferrotext_train::data::tokenize(bad.to_str().unwrap(), "x", 10).is_err());
+}
