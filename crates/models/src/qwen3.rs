@@ -2,13 +2,13 @@
 //!
 //! Token embedding → N × [RMSNorm → GQA attention with QK-norm and RoPE (rotate-half) → residual
 //! → RMSNorm → SwiGLU MLP → residual] → final RMSNorm → LM head (tied to the embedding or not)
-//! → cross-entropy, returned as the *sum* over target tokens (the trainer divides once per step).
+//! → cross-entropy (plus optional z-loss), returned as the *sum* over target tokens (the trainer divides once per step).
 //!
 //! Parameter names follow HF Qwen3 (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ...), but matrices are stored `[in, out]` (the
 //! transpose of HF's `[out, in]`), so `x·W` needs no transpose; loading and saving in HF
 //! orientation is one function in the trainer. Left out: biases (Qwen3 has none), sliding
-//! windows, z-loss, dropout.
+//! windows, dropout.
 
 use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
@@ -40,6 +40,8 @@ pub struct Config {
     pub rope_max_timescale: f32,
     /// RMSNorm epsilon (`normalization_layer_epsilon`).
     pub normalization_layer_epsilon: f32,
+    /// Weight of the z-loss `(log Z)²` per token (`z_loss_multiplier`; 0 disables).
+    pub z_loss_multiplier: f32,
 }
 
 impl Config {
@@ -57,6 +59,7 @@ impl Config {
             logits_via_embedding: true,
             rope_max_timescale: 1_000_000.0,
             normalization_layer_epsilon: 1e-6,
+            z_loss_multiplier: 0.0,
         };
         Some(match name {
             "qwen3-tiny" => base,
@@ -285,7 +288,7 @@ impl Qwen3 {
         targets: &Ids,
     ) -> Result<Array, SpmdError> {
         let logits = self.logits(cx, params, inputs)?;
-        cx.cross_entropy_sum(&logits, targets)
+        cx.cross_entropy_sum(&logits, targets, self.cfg.z_loss_multiplier)
     }
 
     /// Logits `[B, T, vocab]`, split over the batch like the inputs, vocab replicated.

@@ -22,6 +22,7 @@ fn tiny(tied: bool) -> Qwen3 {
         logits_via_embedding: tied,
         rope_max_timescale: 10_000.0,
         normalization_layer_epsilon: 1e-6,
+        z_loss_multiplier: 1e-2,
     })
     .unwrap()
 }

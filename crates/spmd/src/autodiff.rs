@@ -98,7 +98,8 @@ pub(crate) enum Backward {
     CrossEntropy {
         logits: ArrayType,
         targets: crate::structural::Ids,
-        probs: Option<Tensor>,
+        ce: Option<ferrotext_tensor::CrossEntropy>,
+        z_loss: f32,
     },
 }
 
@@ -478,23 +479,12 @@ impl Ctx<'_> {
                 };
                 vec![Some(Array::new(ct.ty().clone(), local))]
             }
-            Backward::CrossEntropy {
-                logits,
-                targets,
-                probs,
-            } => {
-                let local = match (probs, ct.local_opt(), targets.local()) {
-                    (Some(p), Some(c), Some(ids)) => {
-                        let mask: Vec<f32> = ids
-                            .iter()
-                            .map(|&i| if i == u32::MAX { 0.0 } else { 1.0 })
-                            .collect();
-                        let safe: Vec<u32> = ids
-                            .iter()
-                            .map(|&i| if i == u32::MAX { 0 } else { i })
-                            .collect();
-                        let d =
-                            ferrotext_tensor::cross_entropy_backward(p, &safe, &mask, c.data()[0])?;
+            Backward::CrossEntropy { logits, targets, ce, z_loss } => {
+                let local = match (ce, ct.local_opt(), targets.local()) {
+                    (Some(ce), Some(c), Some(ids)) => {
+                        let mask: Vec<f32> = ids.iter().map(|&i| if i == u32::MAX { 0.0 } else { 1.0 }).collect();
+                        let safe: Vec<u32> = ids.iter().map(|&i| if i == u32::MAX { 0 } else { i }).collect();
+                        let d = ferrotext_tensor::cross_entropy_backward(ce, &safe, &mask, *z_loss, c.data()[0])?;
                         Some(d.reshape(&logits.to_cotangent().shard_shape())?)
                     }
                     _ => None,

@@ -200,7 +200,8 @@ impl Ctx<'_> {
     }
 
     /// The *sum* of token cross-entropies of `logits: [.., vocab]` against `targets` (same
-    /// leading shape and sharding; `u32::MAX` marks a token to ignore), as a plain scalar.
+    /// leading shape and sharding; `u32::MAX` marks a token to ignore), plus `z_loss·(log Z)²` per
+    /// token (0 disables), as a plain scalar.
     ///
     /// # Errors
     /// A sharded vocab dim, tagged logits, or targets laid out differently from the logits'
@@ -208,7 +209,7 @@ impl Ctx<'_> {
     ///
     /// # Collectives
     /// One all-reduce of one element over the axes the tokens are split on (forward only).
-    pub fn cross_entropy_sum(&mut self, logits: &Array, targets: &Ids) -> Result<Array, SpmdError> {
+    pub fn cross_entropy_sum(&mut self, logits: &Array, targets: &Ids, z_loss: f32) -> Result<Array, SpmdError> {
         const OP: &str = "cross_entropy";
         let t = logits.ty();
         check_rowwise(OP, t, 1)?;
@@ -245,8 +246,8 @@ impl Ctx<'_> {
                     .iter()
                     .map(|&i| if i == u32::MAX { 0 } else { i })
                     .collect();
-                let (loss, _, probs) = ferrotext_tensor::cross_entropy(&flat, &safe, &mask)?;
-                (Some(ferrotext_tensor::Tensor::scalar(loss)), Some(probs))
+                let ce = ferrotext_tensor::cross_entropy(&flat, &safe, &mask, z_loss)?;
+                (Some(ferrotext_tensor::Tensor::scalar(ce.loss_sum)), Some(ce))
             }
             _ => (None, None),
         };
@@ -256,7 +257,8 @@ impl Ctx<'_> {
             Backward::CrossEntropy {
                 logits: t.clone(),
                 targets: targets.clone(),
-                probs,
+                ce: probs,
+                z_loss,
             },
             &[logits],
             out,

@@ -236,9 +236,24 @@ pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
     })
 }
 
+/// What [`cross_entropy`] returns: the masked loss sum (cross-entropy plus z-loss), the token
+/// count (sum of the mask), and what the backward needs (softmax probabilities, each row's
+/// log-partition `log Z`).
+#[derive(Clone, Debug)]
+pub struct CrossEntropy {
+    /// Σ mask·(log Z − logit[target] + z_loss·(log Z)²).
+    pub loss_sum: f32,
+    /// Σ mask.
+    pub count: f32,
+    /// softmax(logits).
+    pub probs: Tensor,
+    /// log Z per row.
+    pub log_z: Vec<f32>,
+}
+
 /// Cross-entropy of `logits: [N, V]` against `targets` (N class ids), weighted by `mask` (N
-/// weights, 0 = ignore). Returns the *sum* of masked token losses, the sum of the mask (the
-/// token count), and the softmax probabilities for the backward.
+/// weights, 0 = ignore), plus MaxText's optional z-loss `z_loss·(log Z)²` per token. The loss is
+/// computed as `log Z − logit[target]` (no log of a rounded probability).
 ///
 /// # Errors
 /// Shapes disagree or a target is out of range.
@@ -246,57 +261,56 @@ pub fn cross_entropy(
     logits: &Tensor,
     targets: &[u32],
     mask: &[f32],
-) -> Result<(f32, f32, Tensor), TensorError> {
+    z_loss: f32,
+) -> Result<CrossEntropy, TensorError> {
     let v = last_dim(logits, "cross_entropy")?;
     let n = logits.len() / v;
     if logits.rank() != 2 || targets.len() != n || mask.len() != n {
         return Err(TensorError::shape(
             "cross_entropy",
-            format!(
-                "logits {:?}, {} targets, {} mask weights",
-                logits.shape(),
-                targets.len(),
-                mask.len()
-            ),
+            format!("logits {:?}, {} targets, {} mask weights", logits.shape(), targets.len(), mask.len()),
         ));
     }
     if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
-        return Err(TensorError::shape(
-            "cross_entropy",
-            format!("target {t} out of range for {v} classes"),
-        ));
+        return Err(TensorError::shape("cross_entropy", format!("target {t} out of range for {v} classes")));
     }
     let probs = softmax_last(logits)?;
     let mut loss = 0.0f64;
-    for ((row, &t), &m) in probs.data().chunks(v).zip(targets).zip(mask) {
+    let mut log_z = Vec::with_capacity(n);
+    for ((row, &t), &m) in logits.data().chunks(v).zip(targets).zip(mask) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+        let lz = max as f64 + sum.ln();
+        log_z.push(lz as f32);
         if m != 0.0 {
-            loss -= m as f64 * (row[t as usize].max(f32::MIN_POSITIVE) as f64).ln();
+            loss += m as f64 * (lz - row[t as usize] as f64 + z_loss as f64 * lz * lz);
         }
     }
-    Ok((loss as f32, mask.iter().sum(), probs))
+    Ok(CrossEntropy { loss_sum: loss as f32, count: mask.iter().sum(), probs, log_z })
 }
 
-/// Backward of [`cross_entropy`]'s loss sum: `dlogits = dloss · mask ⊙ (probs − onehot(targets))`.
+/// Backward of [`cross_entropy`]'s loss sum:
+/// `dlogits = dloss · mask ⊙ (probs − onehot(targets) + 2·z_loss·log Z·probs)`.
 ///
 /// # Errors
 /// Shapes disagree.
 pub fn cross_entropy_backward(
-    probs: &Tensor,
+    ce: &CrossEntropy,
     targets: &[u32],
     mask: &[f32],
+    z_loss: f32,
     dloss: f32,
 ) -> Result<Tensor, TensorError> {
+    let probs = &ce.probs;
     let v = last_dim(probs, "cross_entropy_backward")?;
-    if targets.len() * v != probs.len() || mask.len() != targets.len() {
-        return Err(TensorError::shape(
-            "cross_entropy_backward",
-            "targets do not fit".into(),
-        ));
+    if targets.len() * v != probs.len() || mask.len() != targets.len() || ce.log_z.len() != targets.len() {
+        return Err(TensorError::shape("cross_entropy_backward", "targets do not fit".into()));
     }
     let mut d = probs.clone();
-    for ((row, &t), &m) in d.data_mut().chunks_mut(v).zip(targets).zip(mask) {
+    for (((row, &t), &m), &lz) in d.data_mut().chunks_mut(v).zip(targets).zip(mask).zip(&ce.log_z) {
         let k = dloss * m;
-        row.iter_mut().for_each(|x| *x *= k);
+        let kp = k * (1.0 + 2.0 * z_loss * lz);
+        row.iter_mut().for_each(|x| *x *= kp);
         row[t as usize] -= k;
     }
     Ok(d)
@@ -543,27 +557,25 @@ mod tests {
 
     #[test]
     fn cross_entropy_sums_masked_losses_and_its_backward_matches() {
-        let logits = t(
-            &[3, 4],
-            &[0.1, 2., -1., 0.5, 1., 1., 1., 1., 3., 0., 0., -2.],
-        );
+        let logits = t(&[3, 4], &[0.1, 2., -1., 0.5, 1., 1., 1., 1., 3., 0., 0., -2.]);
         let targets = [1, 2, 3];
         let mask = [1., 0., 1.];
-        let (loss, count, probs) = cross_entropy(&logits, &targets, &mask).unwrap();
+        let ce = cross_entropy(&logits, &targets, &mask, 0.0).unwrap();
         let lse = |r: &[f32]| r.iter().map(|v| v.exp()).sum::<f32>().ln();
         let want = (lse(&logits.data()[..4]) - 2.) + (lse(&logits.data()[8..]) + 2.);
-        assert!((loss - want).abs() < 1e-5, "{loss} vs {want}");
-        assert_eq!(count, 2.0);
-        let d = cross_entropy_backward(&probs, &targets, &mask, 1.0).unwrap();
-        let num = numeric_grad(&logits, |l| {
-            cross_entropy(l, &targets, &mask).unwrap().0 as f64
-        });
-        close(d.data(), &num, 1e-2);
-        assert!(
-            d.data()[4..8].iter().all(|&v| v == 0.0),
-            "masked row has no gradient"
-        );
-        assert!(cross_entropy(&logits, &[1, 2, 4], &mask).is_err());
+        assert!((ce.loss_sum - want).abs() < 1e-5, "{} vs {want}", ce.loss_sum);
+        assert_eq!(ce.count, 2.0);
+        for z in [0.0, 0.1] {
+            let ce = cross_entropy(&logits, &targets, &mask, z).unwrap();
+            let d = cross_entropy_backward(&ce, &targets, &mask, z, 1.0).unwrap();
+            let num = numeric_grad(&logits, |l| cross_entropy(l, &targets, &mask, z).unwrap().loss_sum as f64);
+            close(d.data(), &num, 1e-2);
+            assert!(d.data()[4..8].iter().all(|&v| v == 0.0), "masked row has no gradient");
+        }
+        let with_z = cross_entropy(&logits, &targets, &mask, 0.5).unwrap().loss_sum;
+        let z_term = 0.5 * (lse(&logits.data()[..4]).powi(2) + lse(&logits.data()[8..]).powi(2));
+        assert!((with_z - want - z_term).abs() < 1e-4);
+        assert!(cross_entropy(&logits, &[1, 2, 4], &mask, 0.0).is_err());
     }
 
     #[test]

@@ -68,6 +68,8 @@ pub struct TrainConfig {
     pub base_mlp_dim: Option<usize>,
     /// Override of the tied LM head.
     pub logits_via_embedding: Option<bool>,
+    /// Weight of the z-loss `(log Z)²` per token (0 disables).
+    pub z_loss_multiplier: f64,
     /// Devices of the in-process mesh.
     pub local_devices: usize,
     /// Size of the `data` axis (−1 fills).
@@ -143,6 +145,7 @@ impl Default for TrainConfig {
             head_dim: None,
             base_mlp_dim: None,
             logits_via_embedding: None,
+            z_loss_multiplier: 0.0,
             local_devices: 4,
             ici_data_parallelism: -1,
             ici_fsdp_parallelism: 1,
@@ -150,8 +153,8 @@ impl Default for TrainConfig {
             shard_mode: ShardMode::Explicit,
             gradient_accumulation_steps: 4,
             per_device_batch_size: 2.0,
-            max_target_length: 64,
-            steps: 60,
+            max_target_length: 128,
+            steps: 300,
             learning_rate: 3e-3,
             warmup_steps_fraction: 0.1,
             learning_rate_final_fraction: 0.1,
@@ -251,6 +254,7 @@ impl TrainConfig {
         if let Some(t) = self.logits_via_embedding {
             m.logits_via_embedding = t;
         }
+        m.z_loss_multiplier = self.z_loss_multiplier as f32;
         Ok(m)
     }
 
