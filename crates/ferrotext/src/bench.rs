@@ -146,7 +146,11 @@ fn reps_for(bytes: usize) -> usize {
     ((256usize << 20) / bytes.max(1)).clamp(5, 200)
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The median of timings (0 for none).
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }

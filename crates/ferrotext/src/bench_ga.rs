@@ -13,6 +13,8 @@ use ferrotext_spmd::Ctx;
 use ferrotext_train::{compute_mesh, data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
+use crate::bench::median;
+
 #[derive(Serialize)]
 struct Row {
     ga: usize,
@@ -23,11 +25,6 @@ struct Row {
     untagged_tokens_per_s: f64,
     max_abs_loss_diff: f64,
     predicted_speedup: f64,
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 /// Least squares for `(o, c, a)` from `(N, deferred s, untagged s)` rows.

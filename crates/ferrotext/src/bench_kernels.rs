@@ -10,6 +10,8 @@ use ferrotext_tensor::{dot_general, DotDims, Tensor};
 use gemm::Parallelism;
 use serde::Serialize;
 
+use crate::bench::median;
+
 #[derive(Serialize)]
 struct Row {
     d_model: usize,
@@ -32,11 +34,6 @@ struct Product {
     k: usize,
     lhs_transposed: bool,
     rhs_transposed: bool,
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 fn time_it(reps: usize, mut f: impl FnMut()) -> f64 {

@@ -11,6 +11,7 @@ use ferrotext_comm::{human_bytes, CollectiveKind, PhasePattern};
 use ferrotext_train::{io, train, RunOptions, StepMetrics, TrainConfig, TrainError};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::bench::median;
 use crate::UsageError;
 
 /// Arguments of `ferrotext train`.
@@ -27,14 +28,6 @@ fn usage(err: TrainError) -> anyhow::Error {
         }
         other => other.into(),
     }
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    if xs.is_empty() {
-        return 0.0;
-    }
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 /// The machine's matmul peak (GFLOP/s) on all cores, measured with gemm on a 512³ product.

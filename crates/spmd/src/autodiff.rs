@@ -479,12 +479,29 @@ impl Ctx<'_> {
                 };
                 vec![Some(Array::new(ct.ty().clone(), local))]
             }
-            Backward::CrossEntropy { logits, targets, ce, z_loss } => {
+            Backward::CrossEntropy {
+                logits,
+                targets,
+                ce,
+                z_loss,
+            } => {
                 let local = match (ce, ct.local_opt(), targets.local()) {
                     (Some(ce), Some(c), Some(ids)) => {
-                        let mask: Vec<f32> = ids.iter().map(|&i| if i == u32::MAX { 0.0 } else { 1.0 }).collect();
-                        let safe: Vec<u32> = ids.iter().map(|&i| if i == u32::MAX { 0 } else { i }).collect();
-                        let d = ferrotext_tensor::cross_entropy_backward(ce, &safe, &mask, *z_loss, c.data()[0])?;
+                        let mask: Vec<f32> = ids
+                            .iter()
+                            .map(|&i| if i == u32::MAX { 0.0 } else { 1.0 })
+                            .collect();
+                        let safe: Vec<u32> = ids
+                            .iter()
+                            .map(|&i| if i == u32::MAX { 0 } else { i })
+                            .collect();
+                        let d = ferrotext_tensor::cross_entropy_backward(
+                            ce,
+                            &safe,
+                            &mask,
+                            *z_loss,
+                            c.data()[0],
+                        )?;
                         Some(d.reshape(&logits.to_cotangent().shard_shape())?)
                     }
                     _ => None,

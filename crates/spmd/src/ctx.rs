@@ -229,12 +229,7 @@ impl<'c> Ctx<'c> {
                 .record_abstract(CollectiveKind::ReduceScatter, axes, elements, DType::F32)?;
             return Ok(None);
         };
-        let parts = t.split(dim, n)?;
-        let part_shape = parts[0].shape().to_vec();
-        let mut flat = Vec::with_capacity(elements);
-        for p in &parts {
-            flat.extend_from_slice(p.data());
-        }
+        let (part_shape, flat) = chunk_major(&t, dim, n)?;
         let mut out = vec![0.0; elements / n];
         self.comm.reduce_scatter(axes, &flat, &mut out)?;
         Ok(Some(Tensor::new(part_shape, out)?))
@@ -269,4 +264,23 @@ impl<'c> Ctx<'c> {
         let refs: Vec<&Tensor> = blocks.iter().collect();
         Ok(Some(Tensor::concat(&refs, dim)?))
     }
+}
+
+/// `t` split into `n` equal blocks along `dim`, laid out block after block (what a collective's
+/// rank-ordered chunks expect), with the block shape.
+pub(crate) fn chunk_major(
+    t: &Tensor,
+    dim: usize,
+    n: usize,
+) -> Result<(Vec<usize>, Vec<f32>), SpmdError> {
+    let parts = t.split(dim, n)?;
+    let part_shape = parts
+        .first()
+        .map(|p| p.shape().to_vec())
+        .unwrap_or_default();
+    let mut flat = Vec::with_capacity(t.len());
+    for p in &parts {
+        flat.extend_from_slice(p.data());
+    }
+    Ok((part_shape, flat))
 }

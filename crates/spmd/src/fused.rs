@@ -209,7 +209,12 @@ impl Ctx<'_> {
     ///
     /// # Collectives
     /// One all-reduce of one element over the axes the tokens are split on (forward only).
-    pub fn cross_entropy_sum(&mut self, logits: &Array, targets: &Ids, z_loss: f32) -> Result<Array, SpmdError> {
+    pub fn cross_entropy_sum(
+        &mut self,
+        logits: &Array,
+        targets: &Ids,
+        z_loss: f32,
+    ) -> Result<Array, SpmdError> {
         const OP: &str = "cross_entropy";
         let t = logits.ty();
         check_rowwise(OP, t, 1)?;
@@ -247,7 +252,10 @@ impl Ctx<'_> {
                     .map(|&i| if i == u32::MAX { 0 } else { i })
                     .collect();
                 let ce = ferrotext_tensor::cross_entropy(&flat, &safe, &mask, z_loss)?;
-                (Some(ferrotext_tensor::Tensor::scalar(ce.loss_sum)), Some(ce))
+                (
+                    Some(ferrotext_tensor::Tensor::scalar(ce.loss_sum)),
+                    Some(ce),
+                )
             }
             _ => (None, None),
         };

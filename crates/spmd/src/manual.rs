@@ -859,12 +859,7 @@ impl Ctx<'_> {
             )?;
             return Ok(None);
         };
-        let parts = t.split(split, n)?;
-        let part_shape = parts[0].shape().to_vec();
-        let mut send = Vec::with_capacity(elements);
-        for p in &parts {
-            send.extend_from_slice(p.data());
-        }
+        let (part_shape, send) = crate::ctx::chunk_major(&t, split, n)?;
         let mut recv = vec![0.0; elements];
         self.comm().all_to_all(axes, &send, &mut recv)?;
         let chunk = elements / n;

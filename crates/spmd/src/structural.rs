@@ -237,13 +237,7 @@ impl Ctx<'_> {
                 "the gathered dimension must be replicated; reshard the table first",
             ));
         }
-        let ids_axes: AxisSet = ids
-            .ty
-            .sharding()
-            .spec()
-            .partition_axes()
-            .map(str::to_string)
-            .collect();
+        let ids_axes = rules::sharded_axes(&ids.ty);
         let mut shape = ids.ty.shape().to_vec();
         shape.extend_from_slice(&t.shape()[1..]);
         let mut partitions: Vec<DimSpec> = ids.ty.sharding().spec().partitions().to_vec();
@@ -286,13 +280,7 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let target = table.to_cotangent();
         let rows = table.shape()[0];
-        let ids_axes: AxisSet = ids
-            .ty
-            .sharding()
-            .spec()
-            .partition_axes()
-            .map(str::to_string)
-            .collect();
+        let ids_axes = rules::sharded_axes(&ids.ty);
         // The natural result: each device adds its own rows, partial over the ids' axes.
         let mut partitions = vec![DimSpec::Replicated];
         partitions.extend((1..table.rank()).map(|d| table.sharding().spec().dim(d).clone()));

@@ -268,11 +268,19 @@ pub fn cross_entropy(
     if logits.rank() != 2 || targets.len() != n || mask.len() != n {
         return Err(TensorError::shape(
             "cross_entropy",
-            format!("logits {:?}, {} targets, {} mask weights", logits.shape(), targets.len(), mask.len()),
+            format!(
+                "logits {:?}, {} targets, {} mask weights",
+                logits.shape(),
+                targets.len(),
+                mask.len()
+            ),
         ));
     }
     if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
-        return Err(TensorError::shape("cross_entropy", format!("target {t} out of range for {v} classes")));
+        return Err(TensorError::shape(
+            "cross_entropy",
+            format!("target {t} out of range for {v} classes"),
+        ));
     }
     let probs = softmax_last(logits)?;
     let mut loss = 0.0f64;
@@ -286,7 +294,12 @@ pub fn cross_entropy(
             loss += m as f64 * (lz - row[t as usize] as f64 + z_loss as f64 * lz * lz);
         }
     }
-    Ok(CrossEntropy { loss_sum: loss as f32, count: mask.iter().sum(), probs, log_z })
+    Ok(CrossEntropy {
+        loss_sum: loss as f32,
+        count: mask.iter().sum(),
+        probs,
+        log_z,
+    })
 }
 
 /// Backward of [`cross_entropy`]'s loss sum:
@@ -303,11 +316,23 @@ pub fn cross_entropy_backward(
 ) -> Result<Tensor, TensorError> {
     let probs = &ce.probs;
     let v = last_dim(probs, "cross_entropy_backward")?;
-    if targets.len() * v != probs.len() || mask.len() != targets.len() || ce.log_z.len() != targets.len() {
-        return Err(TensorError::shape("cross_entropy_backward", "targets do not fit".into()));
+    if targets.len() * v != probs.len()
+        || mask.len() != targets.len()
+        || ce.log_z.len() != targets.len()
+    {
+        return Err(TensorError::shape(
+            "cross_entropy_backward",
+            "targets do not fit".into(),
+        ));
     }
     let mut d = probs.clone();
-    for (((row, &t), &m), &lz) in d.data_mut().chunks_mut(v).zip(targets).zip(mask).zip(&ce.log_z) {
+    for (((row, &t), &m), &lz) in d
+        .data_mut()
+        .chunks_mut(v)
+        .zip(targets)
+        .zip(mask)
+        .zip(&ce.log_z)
+    {
         let k = dloss * m;
         let kp = k * (1.0 + 2.0 * z_loss * lz);
         row.iter_mut().for_each(|x| *x *= kp);
@@ -557,22 +582,36 @@ mod tests {
 
     #[test]
     fn cross_entropy_sums_masked_losses_and_its_backward_matches() {
-        let logits = t(&[3, 4], &[0.1, 2., -1., 0.5, 1., 1., 1., 1., 3., 0., 0., -2.]);
+        let logits = t(
+            &[3, 4],
+            &[0.1, 2., -1., 0.5, 1., 1., 1., 1., 3., 0., 0., -2.],
+        );
         let targets = [1, 2, 3];
         let mask = [1., 0., 1.];
         let ce = cross_entropy(&logits, &targets, &mask, 0.0).unwrap();
         let lse = |r: &[f32]| r.iter().map(|v| v.exp()).sum::<f32>().ln();
         let want = (lse(&logits.data()[..4]) - 2.) + (lse(&logits.data()[8..]) + 2.);
-        assert!((ce.loss_sum - want).abs() < 1e-5, "{} vs {want}", ce.loss_sum);
+        assert!(
+            (ce.loss_sum - want).abs() < 1e-5,
+            "{} vs {want}",
+            ce.loss_sum
+        );
         assert_eq!(ce.count, 2.0);
         for z in [0.0, 0.1] {
             let ce = cross_entropy(&logits, &targets, &mask, z).unwrap();
             let d = cross_entropy_backward(&ce, &targets, &mask, z, 1.0).unwrap();
-            let num = numeric_grad(&logits, |l| cross_entropy(l, &targets, &mask, z).unwrap().loss_sum as f64);
+            let num = numeric_grad(&logits, |l| {
+                cross_entropy(l, &targets, &mask, z).unwrap().loss_sum as f64
+            });
             close(d.data(), &num, 1e-2);
-            assert!(d.data()[4..8].iter().all(|&v| v == 0.0), "masked row has no gradient");
+            assert!(
+                d.data()[4..8].iter().all(|&v| v == 0.0),
+                "masked row has no gradient"
+            );
         }
-        let with_z = cross_entropy(&logits, &targets, &mask, 0.5).unwrap().loss_sum;
+        let with_z = cross_entropy(&logits, &targets, &mask, 0.5)
+            .unwrap()
+            .loss_sum;
         let z_term = 0.5 * (lse(&logits.data()[..4]).powi(2) + lse(&logits.data()[8..]).powi(2));
         assert!((with_z - want - z_term).abs() < 1e-4);
         assert!(cross_entropy(&logits, &[1, 2, 4], &mask, 0.0).is_err());
