@@ -14,8 +14,8 @@ use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
+use crate::engine::StepMetrics;
 use crate::error::TrainError;
-use crate::trainer::StepMetrics;
 
 fn hf_transposed(name: &str) -> bool {
     name.ends_with("_proj.weight") || name == "lm_head.weight"

@@ -3,8 +3,9 @@ The `train` layer of ferrotext: the config (MaxText's keys), data, optimizers, t
 gate, and the trainer that runs gradient accumulation with the data-parallel reduction deferred
 to the step. It must not know about the command line.
 
-Main items: [`TrainConfig`], [`deferral_gate`] / [`Deferral`], [`Trainer`] (one step:
-micro-batches, then `update`), [`train`] (a whole run on the in-process mesh), the token
+Main items: [`TrainConfig`], [`deferral_gate`] / [`Deferral`], [`Engine`] (`fwd_bwd` per
+micro-batch, `update` per step, the opaque [`PartialGradients`]), [`Trainer`] (a thin loop over
+the engine), [`train`] (a whole run on the in-process mesh), the token
 sources in [`data`], [`Optimizer`].
 
 # The key decision: the gate decides, the types do the rest
@@ -20,6 +21,7 @@ reduction.
 
 mod config;
 pub mod data;
+mod engine;
 mod error;
 mod gate;
 pub mod io;
@@ -35,10 +37,11 @@ use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 
 pub use config::{DatasetType, OptType, ShardMode, TrainConfig};
+pub use engine::{compute_mesh, Batch, Engine, FwdBwd, Gradients, PartialGradients, StepMetrics};
 pub use error::TrainError;
 pub use gate::{deferral_gate, deferred_spec, Deferral};
 pub use optim::{clip_scale, learning_rate, Optimizer};
-pub use trainer::{compute_mesh, plan_step, StepMetrics, Trainer};
+pub use trainer::{plan_step, Trainer};
 
 /// Extras of a run beyond the config.
 #[derive(Default)]
@@ -103,7 +106,9 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
             let mut cx = Ctx::new(dev.comm(), threads);
             let mut trainer = Trainer::new(&mut cx, config, source.clone(), initial.as_deref())?;
             if let Some((name, spec)) = &options.inside_spec_override {
-                trainer.override_inside_spec(name, spec.clone())?;
+                trainer
+                    .engine_mut()
+                    .override_inside_spec(name, spec.clone())?;
             }
             let mut metrics = Vec::with_capacity(config.steps);
             for _ in 0..config.steps {
@@ -116,7 +121,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 metrics.push(m);
             }
             let values = if options.return_params {
-                Some(trainer.params_to_host(&mut cx)?)
+                Some(trainer.engine().params_to_host(&mut cx)?)
             } else {
                 None
             };
@@ -124,13 +129,16 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 return Ok(None);
             }
             Ok(Some(TrainReport {
-                gate: trainer.gate().clone(),
+                gate: trainer.engine().gate().clone(),
                 metrics,
                 trace: cx.comm().take_trace(),
-                params: trainer.param_infos().to_vec(),
+                params: trainer.engine().param_infos().to_vec(),
                 values,
-                param_count: trainer.model().param_count(),
-                flops_per_token: trainer.model().flops_per_token(config.max_target_length),
+                param_count: trainer.engine().model().param_count(),
+                flops_per_token: trainer
+                    .engine()
+                    .model()
+                    .flops_per_token(config.max_target_length),
             }))
         },
     )?;

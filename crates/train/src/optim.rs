@@ -127,6 +127,38 @@ impl Optimizer {
     }
 }
 
+impl Optimizer {
+    /// [`Optimizer::step`] on the parameters' shards with reduced gradients — the only form the
+    /// optimizer accepts (see [`crate::PartialGradients`]). Shards nobody else holds are updated
+    /// in place.
+    ///
+    /// # Errors
+    /// An abstract (data-less) parameter or gradient.
+    pub fn apply(
+        &mut self,
+        lr: f64,
+        grad_scale: f32,
+        params: &mut [ferrotext_spmd::Array],
+        grads: &crate::engine::Gradients,
+        decay: &[bool],
+    ) -> Result<(), crate::TrainError> {
+        let grad_locals: Vec<&Tensor> = grads
+            .arrays()
+            .iter()
+            .map(|g| g.local())
+            .collect::<Result<_, _>>()?;
+        let mut param_locals: Vec<&mut Tensor> = params
+            .iter_mut()
+            .map(|p| p.local_mut())
+            .collect::<Result<_, _>>()?;
+        let decay: Vec<bool> = (0..param_locals.len())
+            .map(|i| decay.get(i).copied().unwrap_or(false))
+            .collect();
+        self.step(lr, grad_scale, &mut param_locals, &grad_locals, &decay);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,502 @@
+//! The engine: the training core as two calls, for callers that drive gradient accumulation
+//! themselves (post-training and RL loops) and for the [`crate::Trainer`]'s own loop.
+//!
+//! * [`Engine::fwd_bwd`] runs forward and backward on one micro-batch and adds its gradients to
+//!   the pending accumulator — typed `{U:data}` when the deferral gate is open, so nothing is
+//!   communicated;
+//! * [`Engine::update`] performs the step's one reduction, divides once by the tokens of every
+//!   micro-batch since the last update, clips, and steps the optimizer.
+//!
+//! The accumulator is a [`PartialGradients`]: an opaque value whose only way out is
+//! [`PartialGradients::reduce`], so partial sums can never reach the optimizer (or a reader)
+//! unreduced.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferrotext_models::qwen3::Qwen3;
+use ferrotext_models::{init_normal, ParamInfo};
+use ferrotext_sharding::{
+    ArrayType, AxisType, LogicalAxisRules, Mesh, NamedSharding, PartitionSpec,
+};
+use ferrotext_spmd::{Array, Ctx, Ids, Mode};
+use ferrotext_tensor::Tensor;
+use serde::Serialize;
+
+use crate::config::{ShardMode, TrainConfig};
+use crate::error::TrainError;
+use crate::gate::{deferral_gate, deferred_spec, Deferral};
+use crate::optim::{clip_scale, learning_rate, Optimizer};
+
+/// What one step reports.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepMetrics {
+    /// The step index (0-based).
+    pub step: usize,
+    /// Mean token loss of the step (Σ loss / Σ tokens).
+    pub loss: f64,
+    /// Target tokens in the step.
+    pub tokens: u64,
+    /// Global gradient norm after the division by tokens, before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub learning_rate: f64,
+    /// Wall time of the step on this device (its micro-batches and the update).
+    pub seconds: f64,
+}
+
+/// One micro-batch: this device's blocks of the inputs and targets (`[rows, len]`, split over the
+/// batch axes) and the micro-batch's target-token count.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    inputs: Ids,
+    targets: Ids,
+    tokens: u64,
+}
+
+/// What [`Engine::fwd_bwd`] reports for one micro-batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FwdBwd {
+    /// Σ token losses of the micro-batch (not divided).
+    pub loss_sum: f64,
+    /// Target tokens of the micro-batch.
+    pub tokens: u64,
+}
+
+/// Gradients summed over micro-batches, possibly still per-device partial sums (`{U:data}`).
+///
+/// Opaque on purpose: it has no accessor, and the optimizer takes only [`Gradients`], so the one
+/// way to use it is [`PartialGradients::reduce`] — the step's reduction.
+///
+/// The legitimate path compiles — reduce, then apply:
+///
+/// ```no_run
+/// # fn ok(
+/// #     cx: &mut ferrotext_spmd::Ctx<'_>,
+/// #     opt: &mut ferrotext_train::Optimizer,
+/// #     params: &mut [ferrotext_spmd::Array],
+/// #     partial: ferrotext_train::PartialGradients,
+/// # ) -> Result<(), ferrotext_train::TrainError> {
+/// let reduced = partial.reduce(cx)?;
+/// opt.apply(0.1, 1.0, params, &reduced, &[])?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// ```compile_fail
+/// # fn misuse(partial: ferrotext_train::PartialGradients) {
+/// // Partial sums cannot be read...
+/// let first = &partial.grads[0];
+/// # }
+/// ```
+///
+/// ```compile_fail
+/// # fn misuse(opt: &mut ferrotext_train::Optimizer, params: &mut [ferrotext_spmd::Array],
+/// #           partial: &ferrotext_train::PartialGradients) {
+/// // ...nor handed to the optimizer without the reduction.
+/// opt.apply(0.1, 1.0, params, partial, &[]).unwrap();
+/// # }
+/// ```
+pub struct PartialGradients {
+    grads: Vec<Array>,
+    plain: Vec<PartitionSpec>,
+}
+
+impl PartialGradients {
+    /// The reduction: every gradient resharded to its parameter's plain layout — an all-reduce
+    /// per unreduced gradient, nothing for gradients already reduced.
+    ///
+    /// # Errors
+    /// A collective failure.
+    ///
+    /// # Collectives
+    /// One all-reduce over `data` per gradient when they are `{U:data}`; none otherwise.
+    pub fn reduce(self, cx: &mut Ctx<'_>) -> Result<Gradients, TrainError> {
+        let mut out = Vec::with_capacity(self.grads.len());
+        for (g, spec) in self.grads.iter().zip(&self.plain) {
+            out.push(cx.reshard(g, spec)?);
+        }
+        Ok(Gradients { grads: out })
+    }
+}
+
+/// Reduced gradients in the parameters' layout: what the optimizer takes.
+pub struct Gradients {
+    grads: Vec<Array>,
+}
+
+impl Gradients {
+    /// The gradients, in parameter order.
+    pub fn arrays(&self) -> &[Array] {
+        &self.grads
+    }
+}
+
+/// The accumulation in progress between updates.
+struct Pending {
+    /// Parameters as they enter micro-batches (`{R:data}` when deferred), cast once.
+    used: Vec<Array>,
+    acc: PartialGradients,
+    loss_sum: f64,
+    tokens: u64,
+    micro_steps: usize,
+    started: Instant,
+}
+
+/// The per-device training engine. See the module docs.
+pub struct Engine {
+    config: TrainConfig,
+    model: Qwen3,
+    infos: Vec<ParamInfo>,
+    gate: Deferral,
+    /// Storage layout of each parameter (from the logical rules, untagged).
+    plain: Vec<PartitionSpec>,
+    /// Layout inside micro-batches (tagged `{R:data}` when the gate is open).
+    inside: Vec<PartitionSpec>,
+    /// The accumulator type the gate promised for each gradient.
+    promised: Vec<ArrayType>,
+    params: Vec<Array>,
+    opt: Optimizer,
+    decay: Vec<bool>,
+    step: usize,
+    batch_spec: PartitionSpec,
+    pending: Option<Pending>,
+}
+
+/// The mesh the engine computes on: the config's, with every axis Explicit (ferrotext has no
+/// automatic partitioner; under `shard_mode=auto` the axes keep their layouts but the gate keeps
+/// tags off).
+pub fn compute_mesh(config: &TrainConfig) -> Result<Arc<Mesh>, TrainError> {
+    Ok(Arc::new(
+        config.mesh()?.with_all_axis_types(AxisType::Explicit),
+    ))
+}
+
+impl Engine {
+    /// Places the parameters (from `initial` global values, or initialised from the seed) and
+    /// decides deferral.
+    ///
+    /// # Errors
+    /// A parameter shape that does not match the model, or a layout the mesh cannot hold.
+    pub fn new(
+        cx: &mut Ctx<'_>,
+        config: &TrainConfig,
+        initial: Option<&[Tensor]>,
+    ) -> Result<Engine, TrainError> {
+        let model = Qwen3::new(config.model()?).map_err(|e| TrainError::Config(e.to_string()))?;
+        let infos = model.params();
+        let rules = LogicalAxisRules::maxtext();
+        let declared = config.mesh()?;
+        let mesh = cx.mesh().clone();
+        let gate = deferral_gate(config.shard_mode == ShardMode::Explicit, &declared, &rules);
+        let mut plain = Vec::new();
+        let mut inside = Vec::new();
+        let mut promised = Vec::new();
+        let mut params = Vec::new();
+        let mut decay = Vec::new();
+        for (i, info) in infos.iter().enumerate() {
+            let spec = rules.resolve(&info.logical, &info.shape, &mesh)?;
+            let tagged = deferred_spec(&spec, &gate)?;
+            let named = NamedSharding::new(mesh.clone(), spec.clone())?;
+            if cx.mode() == Mode::Abstract {
+                // Planning: types and collectives only; no 2-GB initialisation for a 0.6B model.
+                let ty = ArrayType::new(ferrotext_sharding::DType::F32, info.shape.clone(), named)?;
+                promised.push(cx.array_type(&info.shape, tagged.clone())?.to_cotangent());
+                params.push(cx.abstract_array(ty));
+                plain.push(spec);
+                inside.push(tagged);
+                decay.push(info.shape.len() >= 2);
+                continue;
+            }
+            let value = match initial {
+                Some(values) => {
+                    let v = values.get(i).ok_or_else(|| {
+                        TrainError::Config(format!("no initial value for `{}`", info.name))
+                    })?;
+                    if v.shape() != info.shape.as_slice() {
+                        return Err(TrainError::Config(format!(
+                            "`{}` has shape {:?}, the model needs {:?}",
+                            info.name,
+                            v.shape(),
+                            info.shape
+                        )));
+                    }
+                    v.clone()
+                }
+                None => init_normal(info, config.init_weights_seed, i),
+            };
+            let array = cx.from_global(&value, named)?;
+            promised.push(cx.array_type(&info.shape, tagged.clone())?.to_cotangent());
+            plain.push(spec);
+            inside.push(tagged);
+            params.push(array);
+            decay.push(info.shape.len() >= 2);
+        }
+        let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.ty().shard_shape()).collect();
+        let rows = config.micro_batch_rows();
+        let batch_spec = rules.resolve(
+            &[Some("activation_batch"), None],
+            &[rows, config.max_target_length],
+            &mesh,
+        )?;
+        Ok(Engine {
+            config: config.clone(),
+            model,
+            opt: if cx.mode() == Mode::Abstract {
+                Optimizer::Sgd
+            } else {
+                Optimizer::new(config, &shapes)
+            },
+            infos,
+            gate,
+            plain,
+            inside,
+            promised,
+            params,
+            decay,
+            step: 0,
+            batch_spec,
+            pending: None,
+        })
+    }
+
+    /// The gate's decision.
+    pub fn gate(&self) -> &Deferral {
+        &self.gate
+    }
+
+    /// The parameters' declarations, in order.
+    pub fn param_infos(&self) -> &[ParamInfo] {
+        &self.infos
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Qwen3 {
+        &self.model
+    }
+
+    /// Uses `spec` for parameter `name` inside micro-batches instead of the gate's layout. A
+    /// diagnostic: it simulates a helper that rebuilt the spec (e.g. from logical rules) and
+    /// dropped the reduced tag, which the accumulator check must catch.
+    ///
+    /// # Errors
+    /// An unknown parameter name.
+    pub fn override_inside_spec(
+        &mut self,
+        name: &str,
+        spec: PartitionSpec,
+    ) -> Result<(), TrainError> {
+        let i = self
+            .infos
+            .iter()
+            .position(|p| p.name == name)
+            .ok_or_else(|| TrainError::Config(format!("no parameter `{name}`")))?;
+        self.inside[i] = spec;
+        Ok(())
+    }
+
+    /// The layout of a micro-batch's `[rows, len]` token arrays.
+    pub fn batch_spec(&self) -> &PartitionSpec {
+        &self.batch_spec
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps_taken(&self) -> usize {
+        self.step
+    }
+
+    /// Micro-batches accumulated since the last update.
+    pub fn pending_micro_steps(&self) -> usize {
+        self.pending.as_ref().map_or(0, |p| p.micro_steps)
+    }
+
+    /// A micro-batch from its global rows (each `len + 1` tokens: inputs then shifted targets;
+    /// `u32::MAX` targets are ignored). Every device passes the same rows and keeps its block.
+    ///
+    /// # Errors
+    /// Rows of unequal length, or a count the batch axes do not divide.
+    pub fn batch(&self, cx: &Ctx<'_>, rows: &[Vec<u32>]) -> Result<Batch, TrainError> {
+        let len = rows.first().map_or(0, |r| r.len().saturating_sub(1));
+        if len == 0 || rows.iter().any(|r| r.len() != len + 1) {
+            return Err(TrainError::Data(
+                "a batch needs rows of equal length ≥ 2".into(),
+            ));
+        }
+        let inputs: Vec<u32> = rows.iter().flat_map(|s| s[..len].iter().copied()).collect();
+        let targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();
+        let tokens = targets.iter().filter(|&&t| t != u32::MAX).count() as u64;
+        let shape = [rows.len(), len];
+        let spec = if rows.len() == self.config.micro_batch_rows() {
+            self.batch_spec.clone()
+        } else {
+            let rules = LogicalAxisRules::maxtext();
+            rules.resolve(&[Some("activation_batch"), None], &shape, cx.mesh())?
+        };
+        Ok(Batch {
+            inputs: cx.ids_from_global(&shape, spec.clone(), &inputs)?,
+            targets: cx.ids_from_global(&shape, spec, &targets)?,
+            tokens,
+        })
+    }
+
+    /// Forward and backward on one micro-batch; its gradients join the pending accumulator.
+    ///
+    /// # Errors
+    /// [`TrainError::AccumulatorType`] when a gradient arrives typed differently from the gate's
+    /// promise (nothing is reduced early); any op or collective failure.
+    ///
+    /// # Collectives
+    /// Gate open: only the one-element loss all-reduce. Gate closed: each gradient's
+    /// all-reduce, inside the backward pass.
+    pub fn fwd_bwd(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
+        if self.pending.is_none() {
+            // Deferral: the parameters enter every micro-batch `{R:data}`. The cast is free and
+            // sits outside the differentiated function (R4.8) — inside it, its transpose would
+            // put the all-reduce back into every micro-batch.
+            let mut used = Vec::with_capacity(self.params.len());
+            for (p, spec) in self.params.iter().zip(&self.inside) {
+                used.push(if p.ty().sharding().spec() == spec {
+                    p.clone()
+                } else {
+                    cx.reshard(p, spec)?
+                });
+            }
+            let grads = self.promised.iter().map(|t| cx.zeros(t.clone())).collect();
+            self.pending = Some(Pending {
+                used,
+                acc: PartialGradients {
+                    grads,
+                    plain: self.plain.clone(),
+                },
+                loss_sum: 0.0,
+                tokens: 0,
+                micro_steps: 0,
+                started: Instant::now(),
+            });
+        }
+        let pending = self
+            .pending
+            .as_mut()
+            .ok_or_else(|| TrainError::Config("no pending accumulation".into()))?;
+        let model = &self.model;
+        let (loss, grads) = cx.value_and_grad(&pending.used, |cx, ps| {
+            model.loss_sum(cx, ps, &batch.inputs, &batch.targets)
+        })?;
+        for (i, grad) in grads.iter().enumerate() {
+            let acc = &mut pending.acc.grads[i];
+            if grad.ty() != acc.ty() {
+                return Err(TrainError::AccumulatorType {
+                    param: self.infos[i].name.clone(),
+                    expected: acc.ty().to_string(),
+                    got: grad.ty().to_string(),
+                    expected_unreduced: acc
+                        .ty()
+                        .sharding()
+                        .spec()
+                        .unreduced()
+                        .iter()
+                        .cloned()
+                        .collect(),
+                });
+            }
+            *acc = cx.add(acc, grad)?;
+        }
+        let loss_sum = if loss.is_abstract() {
+            0.0
+        } else {
+            f64::from(loss.scalar()?)
+        };
+        pending.loss_sum += loss_sum;
+        pending.tokens += batch.tokens;
+        pending.micro_steps += 1;
+        Ok(FwdBwd {
+            loss_sum,
+            tokens: batch.tokens,
+        })
+    }
+
+    /// The optimizer step over every micro-batch since the last update: the one reduction, one
+    /// division by their total token count, global-norm clipping, the optimizer; then the
+    /// accumulator is reset.
+    ///
+    /// # Errors
+    /// No micro-batch since the last update; a collective failure.
+    ///
+    /// # Collectives
+    /// Gate open: one all-reduce per parameter (the deferred reduction), plus one-element norm
+    /// reductions for parameters split over devices. Gate closed: only those.
+    pub fn update(&mut self, cx: &mut Ctx<'_>) -> Result<StepMetrics, TrainError> {
+        let pending = self.pending.take().ok_or_else(|| {
+            TrainError::Config("update called with no fwd_bwd since the last update".into())
+        })?;
+        let lr = learning_rate(&self.config, self.step);
+        let Pending {
+            used,
+            acc,
+            loss_sum,
+            tokens,
+            started,
+            ..
+        } = pending;
+        drop(used);
+        let grads = acc.reduce(cx)?;
+        let inv_tokens = 1.0 / tokens.max(1) as f64;
+        let mut sq = 0.0f64;
+        for g in grads.arrays() {
+            let g2 = cx.mul(g, g)?;
+            let axes: Vec<usize> = (0..g.ty().rank()).collect();
+            let s = cx.reduce_sum(&g2, &axes, None)?;
+            if !s.is_abstract() {
+                sq += f64::from(s.scalar()?);
+            }
+        }
+        let grad_norm = sq.sqrt() * inv_tokens;
+        let scale =
+            (inv_tokens * clip_scale(grad_norm, self.config.gradient_clipping_threshold)) as f32;
+        if cx.mode() == Mode::Real {
+            // Nothing else holds the parameters' shards now, so the update runs in place.
+            self.opt
+                .apply(lr, scale, &mut self.params, &grads, &self.decay)?;
+        }
+        let metrics = StepMetrics {
+            step: self.step,
+            loss: loss_sum * inv_tokens,
+            tokens,
+            grad_norm,
+            learning_rate: lr,
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        self.step += 1;
+        Ok(metrics)
+    }
+
+    /// The loss sum and token count of a batch, without gradients or state changes.
+    ///
+    /// # Errors
+    /// An op or collective failure.
+    pub fn eval_step(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
+        let loss = self
+            .model
+            .loss_sum(cx, &self.params, &batch.inputs, &batch.targets)?;
+        let loss_sum = if loss.is_abstract() {
+            0.0
+        } else {
+            f64::from(loss.scalar()?)
+        };
+        Ok(FwdBwd {
+            loss_sum,
+            tokens: batch.tokens,
+        })
+    }
+
+    /// The global parameter values (gathered; every device gets them).
+    ///
+    /// # Errors
+    /// A collective failure.
+    pub fn params_to_host(&self, cx: &mut Ctx<'_>) -> Result<Vec<Tensor>, TrainError> {
+        self.params
+            .iter()
+            .map(|p| cx.to_host(p).map_err(TrainError::from))
+            .collect()
+    }
+}
