@@ -228,3 +228,54 @@ fn plan_qwen3_0_6b_on_256_devices() {
         "{stdout}"
     );
 }
+
+/// `kill -9` of a real training process while it checkpoints every step, then the same command
+/// again: it resumes from the last complete checkpoint and finishes.
+#[test]
+fn kill_9_mid_run_then_a_clean_resume() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-kill-{}", std::process::id()));
+    let args = [
+        "train".to_string(),
+        format!("base_output_directory={}", dir.display()),
+        "run_name=killed".into(),
+        "steps=30".into(),
+        "enable_checkpointing=true".into(),
+        "checkpoint_period=1".into(),
+        "base_emb_dim=64".into(),
+        "base_mlp_dim=128".into(),
+        "head_dim=16".into(),
+        "max_target_length=32".into(),
+    ];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotext"))
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let latest = dir.join("killed/checkpoints/latest");
+    let start = std::time::Instant::now();
+    while !latest.exists() && start.elapsed() < std::time::Duration::from_secs(120) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(latest.exists(), "no checkpoint within two minutes");
+    // Somewhere in the next steps — possibly in the middle of writing a checkpoint.
+    std::thread::sleep(std::time::Duration::from_millis(70));
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let res = ferrotext(&args);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let metrics = std::fs::read_to_string(dir.join("killed/metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let resumed_at = first["step"].as_u64().unwrap();
+    assert!(
+        resumed_at >= 1,
+        "resumed from a checkpoint, not from scratch"
+    );
+    assert_eq!(metrics.lines().count() as u64, 30 - resumed_at);
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -127,6 +127,10 @@ pub struct TrainConfig {
     pub base_output_directory: String,
     /// The run's name (its outputs go to `base_output_directory/run_name`).
     pub run_name: String,
+    /// Save checkpoints (and resume from the latest one of the same run name).
+    pub enable_checkpointing: bool,
+    /// Steps between checkpoints (the last step is always saved).
+    pub checkpoint_period: usize,
     /// Per-step metrics as JSON lines (empty: `base_output_directory/run_name/metrics.jsonl`).
     pub metrics_file: String,
     /// Seconds a device waits in a collective before the run fails.
@@ -175,6 +179,8 @@ impl Default for TrainConfig {
             base_output_directory: "ferrotext_runs".into(),
             run_name: "default".into(),
             metrics_file: String::new(),
+            enable_checkpointing: false,
+            checkpoint_period: 100,
             collective_timeout_seconds: 300.0,
         }
     }
@@ -337,6 +343,7 @@ impl TrainConfig {
             ),
             ("max_target_length", self.max_target_length),
             ("steps", self.steps),
+            ("checkpoint_period", self.checkpoint_period),
         ] {
             if v == 0 {
                 return bad(format!("{key} must be at least 1"));
@@ -417,6 +424,13 @@ impl TrainConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Where this run's checkpoints live: `base_output_directory/run_name/checkpoints`.
+    pub fn checkpoint_root(&self) -> std::path::PathBuf {
+        Path::new(&self.base_output_directory)
+            .join(&self.run_name)
+            .join("checkpoints")
     }
 
     /// Where per-step metrics go.

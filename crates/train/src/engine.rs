@@ -98,8 +98,8 @@ pub struct FwdBwd {
 /// # }
 /// ```
 pub struct PartialGradients {
-    grads: Vec<Array>,
-    plain: Vec<PartitionSpec>,
+    pub(crate) grads: Vec<Array>,
+    pub(crate) plain: Vec<PartitionSpec>,
 }
 
 impl PartialGradients {
@@ -133,34 +133,34 @@ impl Gradients {
 }
 
 /// The accumulation in progress between updates.
-struct Pending {
+pub(crate) struct Pending {
     /// Parameters as they enter micro-batches (`{R:data}` when deferred), cast once.
-    used: Vec<Array>,
-    acc: PartialGradients,
-    loss_sum: f64,
-    tokens: u64,
-    micro_steps: usize,
-    started: Instant,
+    pub(crate) used: Vec<Array>,
+    pub(crate) acc: PartialGradients,
+    pub(crate) loss_sum: f64,
+    pub(crate) tokens: u64,
+    pub(crate) micro_steps: usize,
+    pub(crate) started: Instant,
 }
 
 /// The per-device training engine. See the module docs.
 pub struct Engine {
-    config: TrainConfig,
-    model: Qwen3,
-    infos: Vec<ParamInfo>,
-    gate: Deferral,
+    pub(crate) config: TrainConfig,
+    pub(crate) model: Qwen3,
+    pub(crate) infos: Vec<ParamInfo>,
+    pub(crate) gate: Deferral,
     /// Storage layout of each parameter (from the logical rules, untagged).
-    plain: Vec<PartitionSpec>,
+    pub(crate) plain: Vec<PartitionSpec>,
     /// Layout inside micro-batches (tagged `{R:data}` when the gate is open).
-    inside: Vec<PartitionSpec>,
+    pub(crate) inside: Vec<PartitionSpec>,
     /// The accumulator type the gate promised for each gradient.
-    promised: Vec<ArrayType>,
-    params: Vec<Array>,
-    opt: Optimizer,
-    decay: Vec<bool>,
-    step: usize,
-    batch_spec: PartitionSpec,
-    pending: Option<Pending>,
+    pub(crate) promised: Vec<ArrayType>,
+    pub(crate) params: Vec<Array>,
+    pub(crate) opt: Optimizer,
+    pub(crate) decay: Vec<bool>,
+    pub(crate) step: usize,
+    pub(crate) batch_spec: PartitionSpec,
+    pub(crate) pending: Option<Pending>,
 }
 
 /// The mesh the engine computes on: the config's, with every axis Explicit (ferrotext has no

@@ -22,6 +22,15 @@ pub enum TrainError {
         /// What is wrong.
         reason: String,
     },
+    /// A checkpoint that cannot be used (missing file, bad checksum, wrong shape, newer format,
+    /// a name outside its directory).
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file or directory.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A gradient arrived typed differently from what the gate promised its accumulator —
     /// typically a helper rebuilt the parameter's spec without its reduced tag — and the step
     /// stops instead of reducing early.

@@ -19,6 +19,7 @@ reduction.
 */
 #![deny(missing_docs)]
 
+pub mod checkpoint;
 mod config;
 pub mod data;
 mod engine;
@@ -50,6 +51,9 @@ pub struct RunOptions<'a> {
     pub on_step: Option<&'a (dyn Fn(&StepMetrics) + Sync)>,
     /// Gather the final parameters into the report.
     pub return_params: bool,
+    /// Stop after this many steps of this run (as an interrupted run would; the schedule still
+    /// spans `steps`).
+    pub stop_after_steps: Option<usize>,
     /// Diagnostic: use this spec for this parameter inside micro-batches (see
     /// [`Trainer::override_inside_spec`]).
     pub inside_spec_override: Option<(String, ferrotext_sharding::PartitionSpec)>,
@@ -110,13 +114,28 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                     .engine_mut()
                     .override_inside_spec(name, spec.clone())?;
             }
+            // Automatic resume: the same run name continues from its latest checkpoint; the
+            // data position is the step index, so no batch is skipped or repeated.
+            let root = config.checkpoint_root();
+            if config.enable_checkpointing && checkpoint::latest(&root).is_some() {
+                trainer.engine_mut().restore_checkpoint(&mut cx, &root)?;
+            }
             let mut metrics = Vec::with_capacity(config.steps);
-            for _ in 0..config.steps {
+            let limit = options.stop_after_steps.map_or(config.steps, |n| {
+                (trainer.engine().steps_taken() + n).min(config.steps)
+            });
+            while trainer.engine().steps_taken() < limit {
                 let m = trainer.step(&mut cx)?;
                 if device == 0 {
                     if let Some(f) = options.on_step {
                         f(&m);
                     }
+                }
+                let done = trainer.engine().steps_taken();
+                if config.enable_checkpointing
+                    && (done % config.checkpoint_period == 0 || done == config.steps)
+                {
+                    trainer.engine().save_checkpoint(&mut cx, &root)?;
                 }
                 metrics.push(m);
             }

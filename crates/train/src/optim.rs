@@ -128,6 +128,45 @@ impl Optimizer {
 }
 
 impl Optimizer {
+    /// The AdamW moments and step count (`None` for SGD, which keeps no state).
+    pub fn moments(&self) -> Option<(&[Tensor], &[Tensor], u64)> {
+        match self {
+            Optimizer::AdamW { m, v, t, .. } => Some((m, v, *t)),
+            Optimizer::Sgd => None,
+        }
+    }
+
+    /// Replaces the AdamW moments and step count (shards of the parameters' shapes).
+    ///
+    /// # Errors
+    /// SGD (no state to set) or moments of the wrong shapes.
+    pub fn set_moments(
+        &mut self,
+        new_m: Vec<Tensor>,
+        new_v: Vec<Tensor>,
+        new_t: u64,
+    ) -> Result<(), crate::TrainError> {
+        match self {
+            Optimizer::AdamW { m, v, t, .. } => {
+                let fits = |a: &[Tensor], b: &[Tensor]| {
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.shape() == y.shape())
+                };
+                if !fits(m, &new_m) || !fits(v, &new_v) {
+                    return Err(crate::TrainError::Config(
+                        "optimizer moments do not fit the parameters".into(),
+                    ));
+                }
+                *m = new_m;
+                *v = new_v;
+                *t = new_t;
+                Ok(())
+            }
+            Optimizer::Sgd => Err(crate::TrainError::Config(
+                "SGD keeps no moments to restore".into(),
+            )),
+        }
+    }
+
     /// [`Optimizer::step`] on the parameters' shards with reduced gradients — the only form the
     /// optimizer accepts (see [`crate::PartialGradients`]). Shards nobody else holds are updated
     /// in place.
