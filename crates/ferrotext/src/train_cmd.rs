@@ -155,6 +155,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         mfu * 100.0
     );
     println!("  deferral         {}", report.gate.describe());
+    println!("  ZeRO-1           {}", report.zero1.describe());
     let grad_bytes: usize = report
         .params
         .iter()

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use ferrotext_sharding::NamedSharding;
-use ferrotext_spmd::{Array, Ctx};
+use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
@@ -304,9 +304,9 @@ impl Engine {
             Some((m, v, t)) => {
                 let mut gm = Vec::with_capacity(m.len());
                 let mut gv = Vec::with_capacity(v.len());
-                for (p, (mi, vi)) in self.params.iter().zip(m.iter().zip(v)) {
-                    gm.push(cx.to_host(&cx.from_local(p.ty().clone(), mi.clone())?)?);
-                    gv.push(cx.to_host(&cx.from_local(p.ty().clone(), vi.clone())?)?);
+                for (ty, (mi, vi)) in self.moment_types.iter().zip(m.iter().zip(v)) {
+                    gm.push(cx.to_host(&cx.from_local(ty.clone(), mi.clone())?)?);
+                    gv.push(cx.to_host(&cx.from_local(ty.clone(), vi.clone())?)?);
                 }
                 Some((gm, gv, t))
             }
@@ -616,17 +616,17 @@ impl Engine {
         }
         let moments = match &loaded.moments {
             Some((m, v)) => {
-                let shard = |cx: &Ctx<'_>, t: &Tensor, p: &Array| -> Result<Tensor, TrainError> {
-                    Ok(cx
-                        .from_global(t, p.ty().sharding().clone())?
-                        .local()?
-                        .clone())
+                let shard = |cx: &Ctx<'_>,
+                             t: &Tensor,
+                             ty: &ferrotext_sharding::ArrayType|
+                 -> Result<Tensor, TrainError> {
+                    Ok(cx.from_global(t, ty.sharding().clone())?.local()?.clone())
                 };
                 let mut lm = Vec::new();
                 let mut lv = Vec::new();
-                for ((mi, vi), p) in m.iter().zip(v).zip(&params) {
-                    lm.push(shard(cx, mi, p)?);
-                    lv.push(shard(cx, vi, p)?);
+                for ((mi, vi), ty) in m.iter().zip(v).zip(&self.moment_types) {
+                    lm.push(shard(cx, mi, ty)?);
+                    lv.push(shard(cx, vi, ty)?);
                 }
                 Some((lm, lv))
             }
@@ -670,7 +670,7 @@ impl Engine {
                     used,
                     acc: PartialGradients {
                         grads,
-                        plain: self.plain.clone(),
+                        targets: self.targets.clone(),
                     },
                     loss_sum: loaded.manifest.pending_loss_sum,
                     tokens: loaded.manifest.token_denominator,

@@ -105,6 +105,8 @@ pub struct TrainConfig {
     pub adam_eps: f64,
     /// AdamW decoupled weight decay (matrices only).
     pub adam_weight_decay: f64,
+    /// ZeRO-1: shard the optimizer state over `data` (not with FSDP).
+    pub shard_optimizer_over_data: bool,
     /// Global-norm clipping threshold (0 disables).
     pub gradient_clipping_threshold: f64,
     /// Where the data comes from.
@@ -167,6 +169,7 @@ impl Default for TrainConfig {
             adam_b2: 0.95,
             adam_eps: 1e-8,
             adam_weight_decay: 0.1,
+            shard_optimizer_over_data: false,
             gradient_clipping_threshold: 1.0,
             dataset_type: DatasetType::Corpus,
             dataset_path: String::new(),
@@ -380,6 +383,9 @@ impl TrainConfig {
             ));
         }
         let mesh = self.mesh()?;
+        if self.shard_optimizer_over_data && mesh.axis_size("fsdp")? > 1 {
+            return bad("`shard_optimizer_over_data` (ZeRO-1) cannot be combined with FSDP".into());
+        }
         let batch_parts = mesh.axes_size(&["data", "fsdp"])?;
         if self.micro_batch_rows() % batch_parts != 0 {
             return bad(format!(

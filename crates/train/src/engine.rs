@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use crate::config::{ShardMode, TrainConfig};
 use crate::error::TrainError;
-use crate::gate::{deferral_gate, deferred_spec, Deferral};
+use crate::gate::{deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
 
 /// What one step reports.
@@ -99,21 +99,24 @@ pub struct FwdBwd {
 /// ```
 pub struct PartialGradients {
     pub(crate) grads: Vec<Array>,
-    pub(crate) plain: Vec<PartitionSpec>,
+    /// The layout each gradient is reduced to: its parameter's, or its ZeRO-1 shard.
+    pub(crate) targets: Vec<PartitionSpec>,
 }
 
 impl PartialGradients {
-    /// The reduction: every gradient resharded to its parameter's plain layout — an all-reduce
-    /// per unreduced gradient, nothing for gradients already reduced.
+    /// The reduction: every gradient resharded to its target layout — the parameter's own (an
+    /// all-reduce per unreduced gradient) or, under ZeRO-1, its `data` shard (a reduce-scatter);
+    /// nothing moves for gradients already reduced but a local slice.
     ///
     /// # Errors
     /// A collective failure.
     ///
     /// # Collectives
-    /// One all-reduce over `data` per gradient when they are `{U:data}`; none otherwise.
+    /// One all-reduce (ZeRO-1: reduce-scatter) over `data` per gradient when they are
+    /// `{U:data}`; none otherwise.
     pub fn reduce(self, cx: &mut Ctx<'_>) -> Result<Gradients, TrainError> {
         let mut out = Vec::with_capacity(self.grads.len());
-        for (g, spec) in self.grads.iter().zip(&self.plain) {
+        for (g, spec) in self.grads.iter().zip(&self.targets) {
             out.push(cx.reshard(g, spec)?);
         }
         Ok(Gradients { grads: out })
@@ -155,6 +158,13 @@ pub struct Engine {
     pub(crate) inside: Vec<PartitionSpec>,
     /// The accumulator type the gate promised for each gradient.
     pub(crate) promised: Vec<ArrayType>,
+    /// ZeRO-1's decision.
+    pub(crate) zero1: Zero1,
+    /// Where each reduced gradient and each optimizer-state tensor lives: the parameter's layout,
+    /// or its ZeRO-1 `data` shard.
+    pub(crate) targets: Vec<PartitionSpec>,
+    /// The optimizer state's types (`targets` on the parameters' shapes).
+    pub(crate) moment_types: Vec<ArrayType>,
     pub(crate) params: Vec<Array>,
     pub(crate) opt: Optimizer,
     pub(crate) decay: Vec<bool>,
@@ -188,7 +198,11 @@ impl Engine {
         let rules = LogicalAxisRules::maxtext();
         let declared = config.mesh()?;
         let mesh = cx.mesh().clone();
-        let gate = deferral_gate(config.shard_mode == ShardMode::Explicit, &declared, &rules);
+        let explicit = config.shard_mode == ShardMode::Explicit;
+        let gate = deferral_gate(explicit, &declared, &rules);
+        let mut zero1 = zero1_gate(config.shard_optimizer_over_data, explicit, &declared);
+        let mut targets = Vec::new();
+        let mut moment_types = Vec::new();
         let mut plain = Vec::new();
         let mut inside = Vec::new();
         let mut promised = Vec::new();
@@ -197,6 +211,18 @@ impl Engine {
         for (i, info) in infos.iter().enumerate() {
             let spec = rules.resolve(&info.logical, &info.shape, &mesh)?;
             let tagged = deferred_spec(&spec, &gate)?;
+            let target = match &mut zero1 {
+                Zero1::Active { replicated } => match zero1_spec(&spec, &info.shape, &mesh)? {
+                    Some(z) => z,
+                    None => {
+                        replicated.push(info.name.clone());
+                        spec.clone()
+                    }
+                },
+                Zero1::Off(_) => spec.clone(),
+            };
+            moment_types.push(cx.array_type(&info.shape, target.clone())?);
+            targets.push(target);
             let named = NamedSharding::new(mesh.clone(), spec.clone())?;
             if cx.mode() == Mode::Abstract {
                 // Planning: types and collectives only; no 2-GB initialisation for a 0.6B model.
@@ -232,7 +258,7 @@ impl Engine {
             params.push(array);
             decay.push(info.shape.len() >= 2);
         }
-        let shapes: Vec<Vec<usize>> = params.iter().map(|p| p.ty().shard_shape()).collect();
+        let shapes: Vec<Vec<usize>> = moment_types.iter().map(ArrayType::shard_shape).collect();
         let rows = config.micro_batch_rows();
         let batch_spec = rules.resolve(
             &[Some("activation_batch"), None],
@@ -249,6 +275,9 @@ impl Engine {
             },
             infos,
             gate,
+            zero1,
+            targets,
+            moment_types,
             plain,
             inside,
             promised,
@@ -293,6 +322,16 @@ impl Engine {
             .ok_or_else(|| TrainError::Config(format!("no parameter `{name}`")))?;
         self.inside[i] = spec;
         Ok(())
+    }
+
+    /// ZeRO-1's decision.
+    pub fn zero1(&self) -> &Zero1 {
+        &self.zero1
+    }
+
+    /// This device's optimizer-state shards (AdamW `m` and `v`; `None` for SGD).
+    pub fn optimizer_state(&self) -> Option<(&[Tensor], &[Tensor])> {
+        self.opt.moments().map(|(m, v, _)| (m, v))
     }
 
     /// The layout of a micro-batch's `[rows, len]` token arrays.
@@ -366,7 +405,7 @@ impl Engine {
                 used,
                 acc: PartialGradients {
                     grads,
-                    plain: self.plain.clone(),
+                    targets: self.targets.clone(),
                 },
                 loss_sum: 0.0,
                 tokens: 0,
@@ -453,7 +492,29 @@ impl Engine {
         let grad_norm = sq.sqrt() * inv_tokens;
         let scale =
             (inv_tokens * clip_scale(grad_norm, self.config.gradient_clipping_threshold)) as f32;
-        if cx.mode() == Mode::Real {
+        if self.zero1.is_active() {
+            // ZeRO-1: step on this device's `data` slice of each parameter (a free local slice),
+            // then all-gather the parameters — the one all-gather per parameter per step.
+            let mut slices = Vec::with_capacity(self.params.len());
+            for (p, t) in self.params.iter().zip(&self.targets) {
+                slices.push(if p.ty().sharding().spec() == t {
+                    p.clone()
+                } else {
+                    cx.reshard(p, t)?
+                });
+            }
+            if cx.mode() == Mode::Real {
+                self.opt
+                    .apply(lr, scale, &mut slices, &grads, &self.decay)?;
+            }
+            for (i, (s, spec)) in slices.iter().zip(&self.plain).enumerate() {
+                self.params[i] = if s.ty().sharding().spec() == spec {
+                    s.clone()
+                } else {
+                    cx.reshard(s, spec)?
+                };
+            }
+        } else if cx.mode() == Mode::Real {
             // Nothing else holds the parameters' shards now, so the update runs in place.
             self.opt
                 .apply(lr, scale, &mut self.params, &grads, &self.decay)?;

@@ -29,6 +29,88 @@ impl Deferral {
     }
 }
 
+/// Whether ZeRO-1 (`shard_optimizer_over_data`) is on. It only reshards, so unlike deferral it
+/// works on meshes with other axes (data2×tensor2: deferral off, ZeRO-1 on).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Zero1 {
+    /// Optimizer state sharded over `data`; `update` reduce-scatters the gradients, steps on the
+    /// local slices and all-gathers the parameters. `replicated` names the parameters whose
+    /// state stays replicated (no dimension the `data` axis divides).
+    Active {
+        /// Parameters whose optimizer state stays replicated.
+        replicated: Vec<String>,
+    },
+    /// Not active, and why.
+    Off(String),
+}
+
+impl Zero1 {
+    /// True when active.
+    pub fn is_active(&self) -> bool {
+        matches!(self, Zero1::Active { .. })
+    }
+
+    /// "on" (with the replicated ones, said once) or "off: <reason>".
+    pub fn describe(&self) -> String {
+        match self {
+            Zero1::Active { replicated } if replicated.is_empty() => "on: every optimizer-state tensor is sharded over `data`".into(),
+            Zero1::Active { replicated } => format!(
+                "on: optimizer state sharded over `data`, except {} tensor(s) no dimension of which `data` divides ({})",
+                replicated.len(),
+                replicated.join(", ")
+            ),
+            Zero1::Off(why) => format!("off: {why}"),
+        }
+    }
+}
+
+/// Decides ZeRO-1 (MaxText's `_zero1_active`): the flag, explicit mode, every axis Explicit, and
+/// a `data` axis larger than 1.
+pub fn zero1_gate(flag: bool, explicit_mode: bool, mesh: &Mesh) -> Zero1 {
+    if !flag {
+        return Zero1::Off("shard_optimizer_over_data is false".into());
+    }
+    if !explicit_mode || !mesh.is_all_explicit() {
+        return Zero1::Off("ZeRO-1 needs explicit sharding on every mesh axis".into());
+    }
+    match mesh.axis("data") {
+        Some(a) if a.size() > 1 => Zero1::Active {
+            replicated: Vec::new(),
+        },
+        _ => {
+            Zero1::Off("the data axis has size 1: nothing to shard the optimizer state over".into())
+        }
+    }
+}
+
+/// The ZeRO-1 layout of a parameter's optimizer state (and of its reduced gradient): `data`
+/// added, minor, to the first dimension whose shard it divides. `None` when the parameter is
+/// already sharded on `data` or no dimension is divisible (it stays replicated).
+///
+/// # Errors
+/// An axis the mesh does not have.
+pub fn zero1_spec(
+    spec: &PartitionSpec,
+    shape: &[usize],
+    mesh: &Mesh,
+) -> Result<Option<PartitionSpec>, ShardingError> {
+    let data = mesh.axis_size("data")?;
+    if spec.is_sharded_on("data") || data <= 1 {
+        return Ok(None);
+    }
+    for (d, &extent) in shape.iter().enumerate() {
+        let parts = mesh.axes_size(spec.dim(d).axis_names())?;
+        if (extent / parts) % data == 0 {
+            let mut dims: Vec<_> = (0..shape.len()).map(|i| spec.dim(i).clone()).collect();
+            let mut axes = dims[d].axis_names().to_vec();
+            axes.push("data".into());
+            dims[d] = ferrotext_sharding::DimSpec::axes(axes);
+            return spec.with_partitions(dims).map(Some);
+        }
+    }
+    Ok(None)
+}
+
 /// The layout a parameter enters micro-batches with: its storage spec, tagged `{R:data}` when
 /// the gate is open — unless the parameter is already sharded on `data` (the tag would overlap a
 /// partition, R1.8), in which case it stays untagged (MaxText's `_tag_sharding`).
@@ -149,6 +231,40 @@ mod tests {
             "`tensor` has size 2",
         );
         assert!(gate(&pure_dp, true).describe().starts_with("on"));
+    }
+
+    #[test]
+    fn zero1_layouts() {
+        let mesh = mesh(&[("data", 4, E), ("tensor", 2, E)]);
+        let spec = PartitionSpec::new([None, Some("tensor")]);
+        assert_eq!(
+            zero1_spec(&spec, &[8, 6], &mesh)
+                .unwrap()
+                .unwrap()
+                .to_string(),
+            "P('data', 'tensor')"
+        );
+        assert_eq!(
+            zero1_spec(&spec, &[6, 16], &mesh)
+                .unwrap()
+                .unwrap()
+                .to_string(),
+            "P(None, ('tensor', 'data'))"
+        );
+        assert_eq!(
+            zero1_spec(&spec, &[6, 6], &mesh).unwrap(),
+            None,
+            "indivisible: replicated"
+        );
+        assert_eq!(
+            zero1_spec(&PartitionSpec::new([Some("data")]), &[8], &mesh).unwrap(),
+            None
+        );
+        assert!(zero1_gate(true, true, &mesh).is_active());
+        assert!(!zero1_gate(false, true, &mesh).is_active());
+        assert!(!zero1_gate(true, false, &mesh).is_active());
+        let one = super::tests::mesh(&[("data", 1, E)]);
+        assert!(matches!(zero1_gate(true, true, &one), Zero1::Off(why) if why.contains("size 1")));
     }
 
     #[test]

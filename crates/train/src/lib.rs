@@ -40,7 +40,7 @@ use ferrotext_tensor::Tensor;
 pub use config::{DatasetType, OptType, ShardMode, TrainConfig};
 pub use engine::{compute_mesh, Batch, Engine, FwdBwd, Gradients, PartialGradients, StepMetrics};
 pub use error::TrainError;
-pub use gate::{deferral_gate, deferred_spec, Deferral};
+pub use gate::{deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1};
 pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use trainer::{plan_step, Trainer};
 
@@ -64,6 +64,8 @@ pub struct RunOptions<'a> {
 pub struct TrainReport {
     /// The gate's decision.
     pub gate: Deferral,
+    /// ZeRO-1's decision.
+    pub zero1: Zero1,
     /// Per-step metrics.
     pub metrics: Vec<StepMetrics>,
     /// Device 0's collective trace of the whole run.
@@ -149,6 +151,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
             }
             Ok(Some(TrainReport {
                 gate: trainer.engine().gate().clone(),
+                zero1: trainer.engine().zero1().clone(),
                 metrics,
                 trace: cx.comm().take_trace(),
                 params: trainer.engine().param_infos().to_vec(),

@@ -393,3 +393,8 @@ fn corrupt_checkpoints_are_clear_errors() {
         std::fs::remove_dir_all(scratch(name)).ok();
     }
 }
+
+#[test]
+fn mid_step_round_trip_with_zero1_is_bitwise_equal() {
+    mid_step_round_trip(&["shard_optimizer_over_data=true"]);
+}

@@ -1,0 +1,205 @@
+//! ZeRO-1 (`shard_optimizer_over_data`): the same weights as the replicated optimizer, 1/data of
+//! the state per device, one reduce-scatter and one all-gather per parameter in `update`, and
+//! the gate × ZeRO-1 table.
+
+use std::sync::Arc;
+
+use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions};
+use ferrotext_spmd::Ctx;
+use ferrotext_train::data::{micro_batch, source_for, TokenSource};
+use ferrotext_train::{
+    compute_mesh, train, Deferral, Engine, RunOptions, TrainConfig, TrainError, TrainReport, Zero1,
+};
+
+fn config(extra: &[&str]) -> TrainConfig {
+    let mut items: Vec<String> = [
+        "base_emb_dim=32",
+        "base_mlp_dim=64",
+        "head_dim=8",
+        "max_target_length=16",
+        "per_device_batch_size=1",
+        "gradient_accumulation_steps=2",
+        "dataset_type=synthetic",
+        "steps=3",
+        "learning_rate=0.01",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    items.extend(extra.iter().map(|s| s.to_string()));
+    TrainConfig::load(None, &items).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn run(extra: &[&str]) -> TrainReport {
+    train(
+        &config(extra),
+        &RunOptions {
+            return_params: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn max_rel_diff(a: &TrainReport, b: &TrainReport) -> f64 {
+    let (va, vb) = (a.values.as_ref().unwrap(), b.values.as_ref().unwrap());
+    va.iter()
+        .zip(vb)
+        .map(|(x, y)| {
+            let diff = x
+                .data()
+                .iter()
+                .zip(y.data())
+                .map(|(p, q)| (p - q).abs())
+                .fold(0.0f32, f32::max);
+            f64::from(diff / y.data().iter().map(|q| q.abs()).fold(0.0f32, f32::max))
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn zero1_adamw_matches_the_replicated_optimizer() {
+    let plain = run(&[]);
+    let zero1 = run(&["shard_optimizer_over_data=true"]);
+    let d = max_rel_diff(&zero1, &plain);
+    assert!(d <= 1e-6, "max relative weight difference {d}");
+    for (a, b) in zero1.metrics.iter().zip(&plain.metrics) {
+        assert!(
+            (a.grad_norm - b.grad_norm).abs() <= 1e-6 * b.grad_norm,
+            "grad norm {} vs {} (no √N under-count)",
+            a.grad_norm,
+            b.grad_norm
+        );
+    }
+}
+
+#[test]
+fn zero1_collectives_and_state_sizes() {
+    let cfg = config(&["shard_optimizer_over_data=true"]);
+    let mesh = compute_mesh(&cfg).unwrap();
+    let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
+    let out = run_spmd(
+        &mesh,
+        &SpmdOptions::default(),
+        |dev| -> Result<_, TrainError> {
+            let mut cx = Ctx::new(dev.comm(), 1);
+            let mut e = Engine::new(&mut cx, &cfg, None)?;
+            assert!(
+                matches!(e.zero1(), Zero1::Active { replicated } if replicated.is_empty()),
+                "{:?}",
+                e.zero1()
+            );
+            for micro in 0..2 {
+                cx.comm().push_phase(format!("micro_batch {micro}"));
+                let rows = micro_batch(
+                    source.as_ref(),
+                    0,
+                    micro,
+                    2,
+                    cfg.micro_batch_rows(),
+                    cfg.max_target_length,
+                );
+                let b = e.batch(&cx, &rows)?;
+                e.fwd_bwd(&mut cx, &b)?;
+                cx.comm().pop_phase();
+            }
+            cx.comm().push_phase("update");
+            e.update(&mut cx)?;
+            cx.comm().pop_phase();
+            let sizes: Vec<(usize, usize)> = e
+                .param_infos()
+                .iter()
+                .zip(e.optimizer_state().unwrap().0)
+                .map(|(p, m)| (p.shape.iter().product::<usize>(), m.len()))
+                .collect();
+            Ok((sizes, e.param_infos().len(), cx.comm().take_trace()))
+        },
+    )
+    .unwrap();
+    let (sizes, n_params, trace) = &out[0];
+    for (full, local) in sizes {
+        assert_eq!(
+            full / 4,
+            *local,
+            "each device holds a quarter of every moment"
+        );
+    }
+    let update = PhasePattern::new("update");
+    assert_eq!(
+        trace.count(CollectiveKind::ReduceScatter, &update),
+        *n_params,
+        "one reduce-scatter per gradient"
+    );
+    assert_eq!(
+        trace.count(CollectiveKind::AllGather, &update),
+        *n_params,
+        "one all-gather per parameter"
+    );
+    assert!(
+        trace.all_reduces_larger_than(8, &update).is_empty(),
+        "no full all-reduce in update"
+    );
+    assert!(trace
+        .all_reduces_larger_than(8, &PhasePattern::new("micro_batch*"))
+        .is_empty());
+}
+
+#[test]
+fn gate_and_zero1_table() {
+    let z = ["shard_optimizer_over_data=true"];
+    // pure DP: both on
+    let r = run(&z);
+    assert!(r.gate.is_open());
+    // auto: both off
+    let r = run(&[z[0], "shard_mode=auto"]);
+    assert!(matches!(r.gate, Deferral::Closed(_)));
+    // data=1: off
+    let r = run(&[z[0], "local_devices=1", "per_device_batch_size=4"]);
+    assert!(matches!(r.gate, Deferral::Closed(_)));
+    // data2×fsdp2: deferral off, ZeRO-1 rejected by the config
+    let items: Vec<String> = [z[0], "ici_data_parallelism=2", "ici_fsdp_parallelism=2"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let err = TrainConfig::load(None, &items).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "`shard_optimizer_over_data` (ZeRO-1) cannot be combined with FSDP"
+    );
+    // data2×tensor2: deferral off, ZeRO-1 on — and the same weights as without it
+    let tp = ["ici_data_parallelism=2", "ici_tensor_parallelism=2"];
+    let with = run(&[z[0], tp[0], tp[1]]);
+    let without = run(&tp);
+    assert!(matches!(&with.gate, Deferral::Closed(why) if why.contains("`tensor`")));
+    // Deferral off: gradients were all-reduced in the micro-batches, so `update` slices them
+    // locally (no reduce-scatter) and all-gathers the stepped parameters.
+    let update = PhasePattern::new("update");
+    assert_eq!(with.trace.count(CollectiveKind::ReduceScatter, &update), 0);
+    assert!(
+        with.trace.count(CollectiveKind::AllGather, &update) > 0,
+        "ZeRO-1 active"
+    );
+    assert!(max_rel_diff(&with, &without) <= 1e-5);
+}
+
+/// Engine-level check that a ZeRO-1 run's modes agree: auto vs explicit, both with ZeRO-1 flag.
+#[test]
+fn zero1_engine_reports_its_decision() {
+    let cfg = config(&["shard_optimizer_over_data=true", "shard_mode=auto"]);
+    let mesh = compute_mesh(&cfg).unwrap();
+    let out = run_spmd(
+        &mesh,
+        &SpmdOptions::default(),
+        |dev| -> Result<_, TrainError> {
+            let mut cx = Ctx::new(dev.comm(), 1);
+            let e = Engine::new(&mut cx, &cfg, None)?;
+            Ok(e.zero1().describe())
+        },
+    )
+    .unwrap();
+    assert!(
+        out[0].contains("off: ZeRO-1 needs explicit sharding"),
+        "{}",
+        out[0]
+    );
+}
