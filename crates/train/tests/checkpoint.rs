@@ -8,54 +8,26 @@ use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions};
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 use ferrotext_train::checkpoint::latest;
-use ferrotext_train::data::{micro_batch, source_for, TokenSource};
+use ferrotext_train::data::{source_for, TokenSource};
+mod common;
+
+use common::{feed, small_config};
 use ferrotext_train::{compute_mesh, train, Engine, RunOptions, TrainConfig, TrainError};
 
 fn config(extra: &[&str]) -> TrainConfig {
-    let mut items: Vec<String> = [
-        "base_emb_dim=32",
-        "base_mlp_dim=64",
-        "head_dim=8",
-        "max_target_length=16",
-        "per_device_batch_size=1",
+    let mut all = vec![
         "gradient_accumulation_steps=2",
-        "dataset_type=synthetic",
         "steps=4",
         "learning_rate=0.01",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    items.extend(extra.iter().map(|s| s.to_string()));
-    TrainConfig::load(None, &items).unwrap()
+    ];
+    all.extend_from_slice(extra);
+    small_config(&all)
 }
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ferrotext-ckpt-{}-{name}", std::process::id()));
     std::fs::remove_dir_all(&dir).ok();
     dir
-}
-
-/// Micro-batch `micro` of step `step` fed to `engine`.
-fn feed(
-    cx: &mut Ctx<'_>,
-    engine: &mut Engine,
-    source: &dyn TokenSource,
-    cfg: &TrainConfig,
-    step: u64,
-    micro: usize,
-) -> Result<(), TrainError> {
-    let rows = micro_batch(
-        source,
-        step,
-        micro,
-        cfg.gradient_accumulation_steps,
-        cfg.micro_batch_rows(),
-        cfg.max_target_length,
-    );
-    let batch = engine.batch(cx, &rows)?;
-    engine.fwd_bwd(cx, &batch)?;
-    Ok(())
 }
 
 /// 1.5 steps, save, a fresh engine restores, finish the step and one more; vs uninterrupted.

@@ -4,58 +4,10 @@
 
 use ferrotext_comm::{CollectiveKind, PhasePattern};
 use ferrotext_sharding::PartitionSpec;
-use ferrotext_train::{train, Deferral, RunOptions, TrainConfig, TrainError, TrainReport};
+mod common;
 
-/// A small, fast model for tests.
-fn config(items: &[&str]) -> TrainConfig {
-    let mut all: Vec<String> = [
-        "vocab_size=256",
-        "base_emb_dim=32",
-        "base_num_decoder_layers=2",
-        "base_num_query_heads=4",
-        "base_num_kv_heads=2",
-        "head_dim=8",
-        "base_mlp_dim=64",
-        "max_target_length=16",
-        "per_device_batch_size=1",
-        "steps=3",
-        "dataset_type=synthetic",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    all.extend(items.iter().map(|s| s.to_string()));
-    TrainConfig::load(None, &all).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn run(items: &[&str]) -> TrainReport {
-    train(
-        &config(items),
-        &RunOptions {
-            return_params: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// The largest per-tensor relative difference `‖a − b‖∞ / ‖b‖∞` of the final weights.
-fn max_rel_diff(a: &TrainReport, b: &TrainReport) -> f64 {
-    let (va, vb) = (a.values.as_ref().unwrap(), b.values.as_ref().unwrap());
-    va.iter()
-        .zip(vb)
-        .map(|(x, y)| {
-            let diff = x
-                .data()
-                .iter()
-                .zip(y.data())
-                .map(|(p, q)| (p - q).abs())
-                .fold(0.0f32, f32::max);
-            let scale = y.data().iter().map(|q| q.abs()).fold(0.0f32, f32::max);
-            f64::from(diff / scale)
-        })
-        .fold(0.0, f64::max)
-}
+use common::{max_rel_diff, run, small_config as config};
+use ferrotext_train::{train, Deferral, RunOptions, TrainError};
 
 #[test]
 fn deferred_step_reduces_gradients_once_per_step() {

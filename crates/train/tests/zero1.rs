@@ -8,53 +8,29 @@ use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions};
 use ferrotext_spmd::Ctx;
 use ferrotext_train::data::{micro_batch, source_for, TokenSource};
 use ferrotext_train::{
-    compute_mesh, train, Deferral, Engine, RunOptions, TrainConfig, TrainError, TrainReport, Zero1,
+    compute_mesh, Deferral, Engine, TrainConfig, TrainError, TrainReport, Zero1,
 };
 
+mod common;
+
+use common::{max_rel_diff, small_config};
+
+const BASE: [&str; 3] = [
+    "gradient_accumulation_steps=2",
+    "learning_rate=0.01",
+    "steps=3",
+];
+
 fn config(extra: &[&str]) -> TrainConfig {
-    let mut items: Vec<String> = [
-        "base_emb_dim=32",
-        "base_mlp_dim=64",
-        "head_dim=8",
-        "max_target_length=16",
-        "per_device_batch_size=1",
-        "gradient_accumulation_steps=2",
-        "dataset_type=synthetic",
-        "steps=3",
-        "learning_rate=0.01",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    items.extend(extra.iter().map(|s| s.to_string()));
-    TrainConfig::load(None, &items).unwrap_or_else(|e| panic!("{e}"))
+    let mut all = BASE.to_vec();
+    all.extend_from_slice(extra);
+    small_config(&all)
 }
 
 fn run(extra: &[&str]) -> TrainReport {
-    train(
-        &config(extra),
-        &RunOptions {
-            return_params: true,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
-
-fn max_rel_diff(a: &TrainReport, b: &TrainReport) -> f64 {
-    let (va, vb) = (a.values.as_ref().unwrap(), b.values.as_ref().unwrap());
-    va.iter()
-        .zip(vb)
-        .map(|(x, y)| {
-            let diff = x
-                .data()
-                .iter()
-                .zip(y.data())
-                .map(|(p, q)| (p - q).abs())
-                .fold(0.0f32, f32::max);
-            f64::from(diff / y.data().iter().map(|q| q.abs()).fold(0.0f32, f32::max))
-        })
-        .fold(0.0, f64::max)
+    let mut all = BASE.to_vec();
+    all.extend_from_slice(extra);
+    common::run(&all)
 }
 
 #[test]
