@@ -285,7 +285,7 @@ impl Ctx<'_> {
                     // ct · f'(x): the derivative has x's type (reduced passes), so a `{U}` ct
                     // times an `{R}` derivative stays `{U}` (R4.13).
                     let local = match (x.local_opt(), out.local_opt()) {
-                        (Some(xv), Some(yv)) => Some(xv.zip_with(yv, |a, b| op.derivative(a, b))?),
+                        (Some(xv), Some(yv)) => Some(op.derivative(xv, yv)?),
                         _ => None,
                     };
                     let deriv = Array::new(x.ty().clone(), local);

@@ -62,38 +62,39 @@ impl UnaryOp {
         matches!(self, UnaryOp::Neg | UnaryOp::Scale(_))
     }
 
-    fn apply(self, x: f32) -> f32 {
+    /// `op` over every element, one monomorphic loop per op.
+    fn map(self, t: &Tensor) -> Tensor {
         match self {
-            UnaryOp::Neg => -x,
-            UnaryOp::Scale(k) => k * x,
-            UnaryOp::Exp => x.exp(),
-            UnaryOp::Log => x.ln(),
-            UnaryOp::Sin => x.sin(),
-            UnaryOp::Cos => x.cos(),
-            UnaryOp::Tanh => x.tanh(),
-            UnaryOp::Square => x * x,
-            UnaryOp::Rsqrt => 1.0 / x.sqrt(),
-            UnaryOp::Silu => x / (1.0 + (-x).exp()),
+            UnaryOp::Neg => t.map(|x| -x),
+            UnaryOp::Scale(k) => t.map(|x| k * x),
+            UnaryOp::Exp => t.map(f32::exp),
+            UnaryOp::Log => t.map(f32::ln),
+            UnaryOp::Sin => t.map(f32::sin),
+            UnaryOp::Cos => t.map(f32::cos),
+            UnaryOp::Tanh => t.map(f32::tanh),
+            UnaryOp::Square => t.map(|x| x * x),
+            UnaryOp::Rsqrt => t.map(|x| 1.0 / x.sqrt()),
+            UnaryOp::Silu => t.map(|x| x / (1.0 + (-x).exp())),
         }
     }
 
-    /// d(op)/dx at `x` (with `y = op(x)` at hand), for the non-linear ops.
-    pub(crate) fn derivative(self, x: f32, y: f32) -> f32 {
-        match self {
-            UnaryOp::Neg => -1.0,
-            UnaryOp::Scale(k) => k,
-            UnaryOp::Exp => y,
-            UnaryOp::Log => 1.0 / x,
-            UnaryOp::Sin => x.cos(),
-            UnaryOp::Cos => -x.sin(),
-            UnaryOp::Tanh => 1.0 - y * y,
-            UnaryOp::Square => 2.0 * x,
-            UnaryOp::Rsqrt => -0.5 * y * y * y,
-            UnaryOp::Silu => {
-                let s = 1.0 / (1.0 + (-x).exp());
-                s * (1.0 + x * (1.0 - s))
-            }
-        }
+    /// d(op)/dx elementwise at `x` (with `y = op(x)` at hand), one monomorphic loop per op.
+    pub(crate) fn derivative(self, x: &Tensor, y: &Tensor) -> Result<Tensor, SpmdError> {
+        Ok(match self {
+            UnaryOp::Neg => x.map(|_| -1.0),
+            UnaryOp::Scale(k) => x.map(|_| k),
+            UnaryOp::Exp => y.clone(),
+            UnaryOp::Log => x.map(|v| 1.0 / v),
+            UnaryOp::Sin => x.map(f32::cos),
+            UnaryOp::Cos => x.map(|v| -v.sin()),
+            UnaryOp::Tanh => y.map(|t| 1.0 - t * t),
+            UnaryOp::Square => x.map(|v| 2.0 * v),
+            UnaryOp::Rsqrt => y.map(|r| -0.5 * r * r * r),
+            UnaryOp::Silu => x.map(|v| {
+                let s = 1.0 / (1.0 + (-v).exp());
+                s * (1.0 + v * (1.0 - s))
+            }),
+        })
     }
 }
 
@@ -124,7 +125,7 @@ impl Ctx<'_> {
         } else {
             rules::unary_type(op.name(), op.is_linear(), x.ty())?
         };
-        let local = x.local_opt().map(|t| t.map(|v| op.apply(v)));
+        let local = x.local_opt().map(|t| op.map(t));
         Ok(Array::new(ty, local))
     }
 
@@ -211,14 +212,15 @@ impl Ctx<'_> {
             (Some(x), Some(y)) => {
                 let x = self.slice_to(x, a.ty(), &out_ty)?;
                 let y = self.slice_to(y, b.ty(), &out_ty)?;
-                let f: fn(f32, f32) -> f32 = match op {
-                    BinaryOp::Add => |p, q| p + q,
-                    BinaryOp::Sub => |p, q| p - q,
-                    BinaryOp::Mul => |p, q| p * q,
-                    BinaryOp::Div => |p, q| p / q,
-                    BinaryOp::Max => f32::max,
-                };
-                Some(x.zip_with(&y, f)?)
+                // One monomorphic loop per op (a function pointer here would cost a call per
+                // element and stop vectorisation).
+                Some(match op {
+                    BinaryOp::Add => x.zip_with(&y, |p, q| p + q)?,
+                    BinaryOp::Sub => x.zip_with(&y, |p, q| p - q)?,
+                    BinaryOp::Mul => x.zip_with(&y, |p, q| p * q)?,
+                    BinaryOp::Div => x.zip_with(&y, |p, q| p / q)?,
+                    BinaryOp::Max => x.zip_with(&y, f32::max)?,
+                })
             }
             _ => None,
         };
