@@ -3,7 +3,7 @@
 //! ([`linear`] keeps the activation's layout and settles what the weight's split requires).
 
 use ferrotext_sharding::{DimSpec, PartitionSpec};
-use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
+use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::DotDims;
 
 /// How activations are laid out: the mesh axes the batch dim is split over.
@@ -141,8 +141,7 @@ pub fn attention(
         rhs_batch: vec![0, 2],
     };
     let scores = cx.dot_general(&q, &k, &qk, None)?;
-    let scores = cx.scale(&scores, 1.0 / (hd as f32).sqrt())?;
-    let probs = cx.causal_softmax(&scores)?;
+    let probs = cx.causal_softmax(&scores, 1.0 / (hd as f32).sqrt())?;
     // 5. out [B, H, T, hd] = probs·v → [B, T, H·hd] → o_proj
     let pv = DotDims {
         lhs_contracting: vec![3],
@@ -168,8 +167,7 @@ pub fn swiglu(
     down: &Array,
 ) -> Result<Array, SpmdError> {
     let g = linear(cx, x, gate)?;
-    let g = cx.unary(UnaryOp::Silu, &g)?;
     let u = linear(cx, x, up)?;
-    let a = cx.mul(&g, &u)?;
+    let a = cx.swiglu(&g, &u)?;
     linear(cx, &a, down)
 }

@@ -94,6 +94,11 @@ pub(crate) enum Backward {
     },
     Softmax {
         out: Array,
+        scale: f32,
+    },
+    Swiglu {
+        g: Array,
+        u: Array,
     },
     CrossEntropy {
         logits: ArrayType,
@@ -472,12 +477,27 @@ impl Ctx<'_> {
                     .transpose()?;
                 vec![Some(Array::new(ct.ty().clone(), local))]
             }
-            Backward::Softmax { out } => {
+            Backward::Softmax { out, scale } => {
                 let local = match (out.local_opt(), ct.local_opt()) {
-                    (Some(y), Some(c)) => Some(ferrotext_tensor::softmax_last_backward(y, c)?),
+                    (Some(y), Some(c)) => {
+                        Some(ferrotext_tensor::softmax_backward_scaled(y, c, *scale)?)
+                    }
                     _ => None,
                 };
                 vec![Some(Array::new(ct.ty().clone(), local))]
+            }
+            Backward::Swiglu { g, u } => {
+                let (dg, du) = match (g.local_opt(), u.local_opt(), ct.local_opt()) {
+                    (Some(a), Some(b), Some(c)) => {
+                        let (dg, du) = ferrotext_tensor::swiglu_backward(a, b, c)?;
+                        (Some(dg), Some(du))
+                    }
+                    _ => (None, None),
+                };
+                vec![
+                    Some(Array::new(g.ty().to_cotangent(), dg)),
+                    Some(Array::new(u.ty().to_cotangent(), du)),
+                ]
             }
             Backward::CrossEntropy {
                 logits,

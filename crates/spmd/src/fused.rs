@@ -180,23 +180,74 @@ impl Ctx<'_> {
             .transpose()?;
         let out = Array::new(x.ty().clone(), local);
         let saved = out.clone();
-        self.record(Backward::Softmax { out: saved }, &[x], out)
+        self.record(
+            Backward::Softmax {
+                out: saved,
+                scale: 1.0,
+            },
+            &[x],
+            out,
+        )
     }
 
-    /// Causal softmax over the last two dims `[.., T, T]` (query × key): keys after the query get
-    /// probability 0 (attention's mask, fused).
+    /// Causal softmax of `scale·x` over the last two dims `[.., T, T]` (query × key): keys after
+    /// the query get probability 0 (attention's mask and `1/√d` scale, fused).
     ///
     /// # Errors
     /// A sharded query or key dim; an unreduced operand; non-square last dims.
-    pub fn causal_softmax(&mut self, x: &Array) -> Result<Array, SpmdError> {
+    pub fn causal_softmax(&mut self, x: &Array, scale: f32) -> Result<Array, SpmdError> {
         check_rowwise("causal_softmax", x.ty(), 2)?;
         let local = x
             .local_opt()
-            .map(ferrotext_tensor::causal_softmax)
+            .map(|t| ferrotext_tensor::causal_softmax(t, scale))
             .transpose()?;
         let out = Array::new(x.ty().clone(), local);
         let saved = out.clone();
-        self.record(Backward::Softmax { out: saved }, &[x], out)
+        self.record(Backward::Softmax { out: saved, scale }, &[x], out)
+    }
+
+    /// The SwiGLU activation `silu(g) ⊙ u` as one op (one pass forward, one backward).
+    ///
+    /// # Errors
+    /// What `mul(g, u)` would reject; an unreduced operand.
+    pub fn swiglu(&mut self, g: &Array, u: &Array) -> Result<Array, SpmdError> {
+        if g.shape() != u.shape() {
+            return Err(type_error(
+                K::ShapeError,
+                "swiglu",
+                &[g.ty(), u.ty()],
+                "gate and up must have one shape",
+            ));
+        }
+        rules::unary_type("swiglu", false, g.ty())?;
+        let out_ty = if g.ty().is_manual() {
+            crate::manual::manual_binary_type(BinaryOp::Mul, g.ty(), u.ty())?
+        } else {
+            rules::binary_type(BinaryOp::Mul, g.ty(), u.ty())?.out
+        };
+        if out_ty.sharding().spec().partitions() != g.ty().sharding().spec().partitions()
+            || g.ty().sharding().spec().partitions() != u.ty().sharding().spec().partitions()
+        {
+            return Err(type_error(
+                K::ShardingMismatch,
+                "swiglu",
+                &[g.ty(), u.ty()],
+                "gate and up must be laid out alike",
+            ));
+        }
+        let local = match (g.local_opt(), u.local_opt()) {
+            (Some(a), Some(b)) => Some(ferrotext_tensor::swiglu(a, b)?),
+            _ => None,
+        };
+        let out = Array::new(out_ty, local);
+        self.record(
+            Backward::Swiglu {
+                g: g.clone(),
+                u: u.clone(),
+            },
+            &[g, u],
+            out,
+        )
     }
 
     /// The *sum* of token cross-entropies of `logits: [.., vocab]` against `targets` (same

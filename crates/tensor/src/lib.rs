@@ -37,7 +37,7 @@ pub use error::TensorError;
 pub use matmul::{dot_general, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,
-    rope, scatter_add, silu, silu_backward, softmax_last, softmax_last_backward, top_k,
-    CrossEntropy,
+    rope, scatter_add, silu, silu_backward, softmax_backward_scaled, softmax_last,
+    softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
 };
 pub use tensor::{strides, Tensor};

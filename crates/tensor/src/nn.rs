@@ -48,13 +48,14 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
     Ok(y)
 }
 
-/// Causal softmax over the last dim of `x: [.., T, T]`: row `i` of each `T×T` block attends to
-/// columns `0..=i` (the rest become exact zeros), as attention masks future keys. Fusing the
-/// mask saves materialising a `-∞` bias the size of the scores.
+/// Causal softmax over the last dim of `scale·x` for `x: [.., T, T]`: row `i` of each `T×T`
+/// block attends to columns `0..=i` (the rest become exact zeros), as attention masks future
+/// keys. Fusing the mask and the `1/√d` scale saves two passes over the scores and a `-∞` bias
+/// the size of the scores.
 ///
 /// # Errors
 /// The last two dims are not square.
-pub fn causal_softmax(x: &Tensor) -> Result<Tensor, TensorError> {
+pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
     let r = x.rank();
     if r < 2 || x.shape()[r - 1] != x.shape()[r - 2] {
         return Err(TensorError::shape(
@@ -70,7 +71,7 @@ pub fn causal_softmax(x: &Tensor) -> Result<Tensor, TensorError> {
         let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0;
         for v in live.iter_mut() {
-            *v = (*v - max).exp();
+            *v = ((*v - max) * scale).exp();
             sum += *v;
         }
         let inv = 1.0 / sum;
@@ -80,19 +81,27 @@ pub fn causal_softmax(x: &Tensor) -> Result<Tensor, TensorError> {
     Ok(y)
 }
 
-/// Backward of `y = softmax(x)`: `dx = y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row (also the backward of
-/// [`causal_softmax`], whose masked entries have `y = 0`).
+/// Backward of `y = softmax(x)`: `dx = y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row (with `scale` = 1; the
+/// backward of [`causal_softmax`] passes its scale, and its masked entries have `y = 0`).
 ///
 /// # Errors
 /// Shapes differ.
 pub fn softmax_last_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
+    softmax_backward_scaled(y, dy, 1.0)
+}
+
+/// Backward of `y = softmax(scale·x)`: `dx = scale · y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row.
+///
+/// # Errors
+/// Shapes differ.
+pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
     same_shape(y, dy, "softmax_backward")?;
     let n = last_dim(y, "softmax_backward")?;
     let mut dx = dy.clone();
     for (drow, yrow) in dx.data_mut().chunks_mut(n).zip(y.data().chunks(n)) {
         let dot: f32 = drow.iter().zip(yrow).map(|(d, y)| d * y).sum();
         for (d, &yv) in drow.iter_mut().zip(yrow) {
-            *d = yv * (*d - dot);
+            *d = scale * yv * (*d - dot);
         }
     }
     Ok(dx)
@@ -218,6 +227,39 @@ pub fn rope(
         }
     }
     Ok(y)
+}
+
+/// The SwiGLU activation `silu(g) ⊙ u`, one pass.
+///
+/// # Errors
+/// Shapes differ.
+pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
+    same_shape(g, u, "swiglu")?;
+    g.zip_with(u, |a, b| a / (1.0 + (-a).exp()) * b)
+}
+
+/// Backward of [`swiglu`], one pass: `dg = dy·u·silu'(g)`, `du = dy·silu(g)`.
+///
+/// # Errors
+/// Shapes differ.
+pub fn swiglu_backward(
+    g: &Tensor,
+    u: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor), TensorError> {
+    same_shape(g, u, "swiglu_backward")?;
+    same_shape(g, dy, "swiglu_backward")?;
+    let n = g.len();
+    let (mut dg, mut du) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for ((&a, &b), &d) in g.data().iter().zip(u.data()).zip(dy.data()) {
+        let s = 1.0 / (1.0 + (-a).exp());
+        dg.push(d * b * s * (1.0 + a * (1.0 - s)));
+        du.push(d * a * s);
+    }
+    Ok((
+        Tensor::new(g.shape().to_vec(), dg)?,
+        Tensor::new(g.shape().to_vec(), du)?,
+    ))
 }
 
 /// `silu(x) = x·σ(x)`.
@@ -507,7 +549,7 @@ mod tests {
     #[test]
     fn causal_softmax_matches_masked_softmax() {
         let x = Tensor::from_fn(&[2, 3, 3], |i| ((i * 7) % 5) as f32 * 0.3);
-        let y = causal_softmax(&x).unwrap();
+        let y = causal_softmax(&x, 1.0).unwrap();
         let masked = x
             .map(|v| v)
             .zip_with(
@@ -516,7 +558,21 @@ mod tests {
             )
             .unwrap();
         close(y.data(), softmax_last(&masked).unwrap().data(), 1e-6);
-        assert!(causal_softmax(&Tensor::zeros(&[2, 3])).is_err());
+        assert!(causal_softmax(&Tensor::zeros(&[2, 3]), 1.0).is_err());
+        // the scale is folded in, and its backward matches finite differences
+        let w = Tensor::from_fn(&[2, 3, 3], |i| (i % 4) as f32 - 1.5);
+        let ys = causal_softmax(&x, 0.5).unwrap();
+        close(
+            ys.data(),
+            causal_softmax(&x.scale(0.5), 1.0).unwrap().data(),
+            1e-6,
+        );
+        let dx = softmax_backward_scaled(&ys, &w, 0.5).unwrap();
+        close(
+            dx.data(),
+            &numeric_grad(&x, |x| weighted_sum(&causal_softmax(x, 0.5).unwrap(), &w)),
+            1e-2,
+        );
     }
 
     #[test]
@@ -566,6 +622,29 @@ mod tests {
         let back = rope(&y, &[0, 1], 10000.0, true).unwrap();
         close(back.data(), x.data(), 1e-6);
         assert!(rope(&t(&[2, 3], &[0.; 6]), &[0, 1], 1e4, false).is_err());
+    }
+
+    #[test]
+    fn swiglu_and_its_backward() {
+        let g = t(&[4], &[-2., -0.3, 0.5, 3.]);
+        let u = t(&[4], &[1., -1., 2., 0.5]);
+        let w = t(&[4], &[0.5, 1., -1., 2.]);
+        close(
+            swiglu(&g, &u).unwrap().data(),
+            silu(&g).mul(&u).unwrap().data(),
+            1e-6,
+        );
+        let (dg, du) = swiglu_backward(&g, &u, &w).unwrap();
+        close(
+            dg.data(),
+            &numeric_grad(&g, |g| weighted_sum(&swiglu(g, &u).unwrap(), &w)),
+            1e-2,
+        );
+        close(
+            du.data(),
+            &numeric_grad(&u, |u| weighted_sum(&swiglu(&g, u).unwrap(), &w)),
+            1e-2,
+        );
     }
 
     #[test]
