@@ -283,7 +283,7 @@ pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
 /// log-partition `log Z`).
 #[derive(Clone, Debug)]
 pub struct CrossEntropy {
-    /// Σ mask·(log Z − logit[target] + z_loss·(log Z)²).
+    /// Σ mask·(log Z − logit\[target\] + z_loss·(log Z)²).
     pub loss_sum: f32,
     /// Σ mask.
     pub count: f32,

@@ -20,7 +20,7 @@ impl Deferral {
         matches!(self, Deferral::Open)
     }
 
-    /// "on", or "off: <reason>".
+    /// "on", or "off: " followed by the reason.
     pub fn describe(&self) -> String {
         match self {
             Deferral::Open => "on: gradients stay unreduced over `data` until the update".into(),
@@ -50,7 +50,7 @@ impl Zero1 {
         matches!(self, Zero1::Active { .. })
     }
 
-    /// "on" (with the replicated ones, said once) or "off: <reason>".
+    /// "on" (with the replicated ones, said once) or "off: " followed by the reason.
     pub fn describe(&self) -> String {
         match self {
             Zero1::Active { replicated } if replicated.is_empty() => "on: every optimizer-state tensor is sharded over `data`".into(),

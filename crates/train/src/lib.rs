@@ -55,7 +55,7 @@ pub struct RunOptions<'a> {
     /// spans `steps`).
     pub stop_after_steps: Option<usize>,
     /// Diagnostic: use this spec for this parameter inside micro-batches (see
-    /// [`Trainer::override_inside_spec`]).
+    /// [`Engine::override_inside_spec`]).
     pub inside_spec_override: Option<(String, ferrotext_sharding::PartitionSpec)>,
 }
 
