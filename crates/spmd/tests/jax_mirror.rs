@@ -69,7 +69,7 @@ fn minibatch_accumulation(weights_reduced: bool) -> Vec<(Vec<f32>, ferrotext_com
             cx.comm().push_phase(format!("micro_batch {micro}"));
             let xs = Tensor::from_fn(&[8, 4], |i| ((i + micro * 7) % 11) as f32 * 0.1);
             let x = place(cx, &xs, p(&["x", ""], &[], &[]));
-            let (_, g) = cx.value_and_grad(&[w.clone()], |cx, ws| {
+            let (_, g) = cx.value_and_grad(std::slice::from_ref(&w), |cx, ws| {
                 let y = cx.matmul(&x, &ws[0], None)?;
                 let y2 = cx.mul(&y, &y)?;
                 // The loss stays a per-device partial sum: no forward all-reduce.

@@ -107,12 +107,12 @@ fn mlp_loss(
     cx.reduce_sum(&d2, &[0, 1], None)
 }
 
-/// One value_and_grad step; returns the loss, the gradients reduced to plain, their types, and
-/// the trace of the step alone.
-fn step(
-    cx: &mut Ctx<'_>,
-    layout: &Layout,
-) -> Result<(f32, Vec<Vec<f32>>, Vec<String>, Trace), SpmdError> {
+/// What one device reports from a step: the loss, the gradients reduced to plain, their types,
+/// and the trace of the step alone.
+type StepResult = (f32, Vec<Vec<f32>>, Vec<String>, Trace);
+
+/// One value_and_grad step on one device.
+fn step(cx: &mut Ctx<'_>, layout: &Layout) -> Result<StepResult, SpmdError> {
     let x = place(cx, &x_value(), p(&[layout.batch, ""], &[], &[]));
     let t = place(cx, &t_value(), p(&[layout.batch, ""], &[], &[]));
     let [g, w1, w2] = params();
@@ -187,15 +187,12 @@ fn finite_difference_grads() -> Vec<Vec<f64>> {
         .collect()
 }
 
-fn run(
-    mesh_axes: &[(&str, usize)],
-    layout: Layout,
-) -> Vec<((f32, Vec<Vec<f32>>, Vec<String>, Trace), Trace)> {
+fn run(mesh_axes: &[(&str, usize)], layout: Layout) -> Vec<(StepResult, Trace)> {
     let m = mesh(mesh_axes);
     on_devices(&m, move |cx| step(cx, &layout))
 }
 
-fn check_against_references(results: &[((f32, Vec<Vec<f32>>, Vec<String>, Trace), Trace)]) {
+fn check_against_references(results: &[(StepResult, Trace)]) {
     let fd = finite_difference_grads();
     let single = run(&[("data", 1)], Layout::single());
     let single_grads = &single[0].0 .1;

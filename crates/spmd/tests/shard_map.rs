@@ -34,8 +34,11 @@ fn host_dw() -> Vec<f32> {
     g
 }
 
+/// Per device: the full gradient of `w`, its type before resharding, and the type of `x·w` inside the region.
+type RegionResult = (Vec<f32>, String, String);
+
 /// `y = x·w` inside a shard_map (x split over the batch), loss `sum(y²)` outside.
-fn matmul_in_region(reduced_w: bool) -> Vec<((Vec<f32>, String, String), ferrotext_comm::Trace)> {
+fn matmul_in_region(reduced_w: bool) -> Vec<(RegionResult, ferrotext_comm::Trace)> {
     let m = mesh(&[("data", 2)]);
     on_devices(&m, move |cx| {
         let x_spec = p(&["data", ""], &[], &[]);
@@ -143,7 +146,7 @@ fn psum_of_unreduced_and_preduced_transpose_into_each_other() {
         let (_, g) = cx.value_and_grad(&[w], |cx, ws| {
             let out = cx.shard_map(
                 &[ws[0].clone()],
-                &[spec.clone()],
+                std::slice::from_ref(&spec),
                 &[p(&[""], &[], &[])],
                 |cx, xs| {
                     // R → V (free cast), V → U, then psum of U: an all-reduce to invarying.
@@ -179,7 +182,7 @@ fn all_gather_reduced_and_psum_scatter_unreduced_are_a_transpose_pair() {
         let (_, g) = cx.value_and_grad(&[w], |cx, ws| {
             let out = cx.shard_map(
                 &[ws[0].clone()],
-                &[spec.clone()],
+                std::slice::from_ref(&spec),
                 &[p(&["", ""], &[], &["fsdp"])],
                 |cx, xs| {
                     Ok(vec![cx.all_gather(
@@ -218,8 +221,8 @@ fn all_to_all_forward_and_backward() {
         let (_, g) = cx.value_and_grad(&[x], |cx, xs| {
             let out = cx.shard_map(
                 &[xs[0].clone()],
-                &[spec.clone()],
-                &[spec.clone()],
+                std::slice::from_ref(&spec),
+                std::slice::from_ref(&spec),
                 |cx, xs| {
                     let y = cx.all_to_all(&xs[0], &["expert"], 0, 0)?;
                     exchanged = local(&y);
@@ -253,26 +256,32 @@ fn boundary_and_inside_type_errors() {
                 .map(|t| (t.kind, t.message.clone()))
         };
         // R6.3: the in_spec must equal the argument's spec, tags included.
-        let r6_3 = kind(
-            cx.shard_map(&[w.clone()], &[p(&["", ""], &[], &[])], &[], |_, _| {
-                Ok(vec![])
-            }),
-        );
+        let r6_3 = kind(cx.shard_map(
+            std::slice::from_ref(&w),
+            &[p(&["", ""], &[], &[])],
+            &[],
+            |_, _| Ok(vec![]),
+        ));
         // R6.6: a reduced output through an untagged out_spec.
         let spec = p(&["", ""], &[], &["data"]);
         let r6_6 = kind(cx.shard_map(
-            &[w.clone()],
-            &[spec.clone()],
+            std::slice::from_ref(&w),
+            std::slice::from_ref(&spec),
             &[p(&["", ""], &[], &[])],
             |_, xs| Ok(vec![xs[0].clone()]),
         ));
         // R6.12: sin of an unreduced value inside.
-        let r6_12 = kind(cx.shard_map(&[w.clone()], &[spec.clone()], &[], |cx, xs| {
-            let v = cx.pcast(&xs[0], &["data"], AxisState::Varying)?;
-            let u = cx.pcast(&v, &["data"], AxisState::Unreduced)?;
-            cx.unary(UnaryOp::Sin, &u)?;
-            Ok(vec![])
-        }));
+        let r6_12 = kind(cx.shard_map(
+            std::slice::from_ref(&w),
+            std::slice::from_ref(&spec),
+            &[],
+            |cx, xs| {
+                let v = cx.pcast(&xs[0], &["data"], AxisState::Varying)?;
+                let u = cx.pcast(&v, &["data"], AxisState::Unreduced)?;
+                cx.unary(UnaryOp::Sin, &u)?;
+                Ok(vec![])
+            },
+        ));
         // Unsupported pcast: invarying → unreduced.
         let plain = place(cx, &w_value(), p(&["", ""], &[], &[]));
         let bad_cast = kind(

@@ -19,7 +19,7 @@ fn slice_and_concat_values_and_gradients() {
     let m = mesh(&[("data", 2)]);
     let results = on_devices(&m, |cx| {
         let x = place(cx, &iota(&[4, 6]), p(&["data", ""], &[], &[]));
-        let (_, g) = cx.value_and_grad(&[x.clone()], |cx, xs| {
+        let (_, g) = cx.value_and_grad(std::slice::from_ref(&x), |cx, xs| {
             let a = cx.slice(&xs[0], 1, 1, 3)?;
             let b = cx.slice(&xs[0], 1, 4, 6)?;
             let c = cx.concat(&[&a, &b], 1)?;
