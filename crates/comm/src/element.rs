@@ -61,7 +61,7 @@ mod sealed {
 }
 
 /// An element type the collectives accept. Sealed: `f32` and `bf16`.
-pub trait Element: sealed::Sealed + Copy + Default + Send + Sync + 'static {
+pub trait Element: sealed::Sealed + bytemuck::Pod + Default + Send + Sync + 'static {
     /// Its dtype in the sharding layer's terms (for the trace).
     const DTYPE: DType;
     /// Widen to `f32` (exact for both types).

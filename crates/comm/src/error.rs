@@ -91,4 +91,25 @@ pub enum CommError {
         /// The first failure, printed.
         cause: String,
     },
+    /// The processes of a multi-process run were started with different inputs.
+    #[error(
+        "the processes of this run disagree on {what}: processes {differing:?} differ from \
+         process 0; start every process with the same arguments"
+    )]
+    Disagreement {
+        /// What was compared (`the config`, `the mesh`).
+        what: String,
+        /// The processes whose value differs from process 0's.
+        differing: Vec<usize>,
+    },
+    /// The transport between processes reported an error.
+    #[error("`{kind}` (collective #{seq}): the transport failed: {detail}")]
+    Transport {
+        /// The collective.
+        kind: CollectiveKind,
+        /// Its position in the sequence.
+        seq: u64,
+        /// The transport's message.
+        detail: String,
+    },
 }

@@ -41,16 +41,20 @@ assert_eq!(traces[0].count(CollectiveKind::AllReduce, &PhasePattern::new("update
 */
 #![deny(missing_docs)]
 
+mod cluster;
 mod communicator;
 mod element;
 mod error;
 mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod spmd;
 mod trace;
 
+pub use cluster::Cluster;
 pub use communicator::{Backend, Communicator, NoTransport, OpInfo};
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;
 pub use local::LocalBackend;
-pub use spmd::{default_threads_per_device, run_spmd, Device, SpmdError, SpmdOptions};
+pub use spmd::{default_threads_per_device, run_spmd, run_spmd_in, Device, SpmdError, SpmdOptions};
 pub use trace::{human_bytes, CollectiveKind, PhaseKindTotal, PhasePattern, Trace, TraceEvent};

@@ -335,7 +335,7 @@ fn break_group(state: &mut GroupState, wake: &Condvar, err: CommError) -> CommEr
 }
 
 /// Chunk `r` of `len` elements split over `n` owners, cache-line aligned.
-fn chunk(len: usize, n: usize, r: usize) -> std::ops::Range<usize> {
+pub(crate) fn chunk(len: usize, n: usize, r: usize) -> std::ops::Range<usize> {
     let size = len.div_ceil(n).div_ceil(ALIGN) * ALIGN;
     let start = (r * size).min(len);
     start..((r + 1) * size).min(len)

@@ -1,9 +1,10 @@
 //! `run_spmd`: run one program on every device of a mesh, one thread per device.
 //!
 //! Every device thread gets a [`Device`] (its index, coordinates, thread budget and
-//! [`Communicator`] on the in-process backend) and runs the same closure. The run ends when every
-//! device has returned; a device that fails or panics is marked departed at once, so peers blocked
-//! in a collective with it get an error instead of hanging (see [`crate::LocalBackend`]).
+//! [`Communicator`]) and runs the same closure. The run ends when every device has returned; a
+//! device that fails or panics is marked departed at once, so peers blocked in a collective with
+//! it get an error instead of hanging (see [`crate::LocalBackend`]). [`run_spmd_in`] runs this
+//! process's share of a mesh that spans several processes (a [`Cluster`]).
 
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -13,7 +14,8 @@ use std::time::Duration;
 
 use ferrotext_sharding::Mesh;
 
-use crate::communicator::Communicator;
+use crate::cluster::Cluster;
+use crate::communicator::{Backend, Communicator};
 use crate::local::{LocalBackend, World};
 
 /// How a run is set up.
@@ -117,6 +119,13 @@ pub enum SpmdError<E> {
         /// The panic message.
         message: String,
     },
+    /// The mesh cannot be split evenly over the cluster's processes (nothing ran).
+    Placement {
+        /// Devices of the mesh.
+        devices: usize,
+        /// Processes of the cluster.
+        processes: usize,
+    },
 }
 
 impl<E> SpmdError<E> {
@@ -124,6 +133,7 @@ impl<E> SpmdError<E> {
     pub fn device(&self) -> usize {
         match self {
             SpmdError::Device { device, .. } | SpmdError::Panicked { device, .. } => *device,
+            SpmdError::Placement { .. } => 0,
         }
     }
 }
@@ -135,15 +145,21 @@ impl<E: fmt::Display> fmt::Display for SpmdError<E> {
             SpmdError::Panicked { device, message } => {
                 write!(f, "device {device} panicked: {message}")
             }
+            SpmdError::Placement { devices, processes } => write!(
+                f,
+                "a mesh of {devices} devices cannot be split evenly over {processes} processes"
+            ),
         }
     }
 }
 
 impl<E: std::error::Error + 'static> std::error::Error for SpmdError<E> {
+    /// The device error's own source: the error itself is already part of the message, so an
+    /// error chain (`{:#}`) prints it once.
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            SpmdError::Device { error, .. } => Some(error),
-            SpmdError::Panicked { .. } => None,
+            SpmdError::Device { error, .. } => error.source(),
+            SpmdError::Panicked { .. } | SpmdError::Placement { .. } => None,
         }
     }
 }
@@ -183,18 +199,53 @@ where
     E: Send,
     F: Fn(&mut Device) -> Result<T, E> + Sync,
 {
+    run_spmd_in(None, mesh, options, program)
+}
+
+/// Runs `program` on this process's devices of `mesh`: all of them without a cluster, else the
+/// `devices / processes` consecutive devices of this process (see [`Cluster`]). Results come back
+/// for this process's devices, in device order.
+///
+/// # Errors
+/// [`SpmdError::Placement`] when the mesh does not split evenly over the processes; else as
+/// [`run_spmd`] (failures of devices in other processes reach this one as collective errors).
+///
+/// # Panics
+/// Only if the operating system cannot spawn a thread.
+pub fn run_spmd_in<T, E, F>(
+    cluster: Option<&dyn Cluster>,
+    mesh: &Arc<Mesh>,
+    options: &SpmdOptions,
+    program: F,
+) -> Result<Vec<T>, SpmdError<E>>
+where
+    T: Send,
+    E: Send,
+    F: Fn(&mut Device) -> Result<T, E> + Sync,
+{
     let n = mesh.device_count();
+    let (process, processes) = cluster.map_or((0, 1), |c| (c.process(), c.processes()));
+    if processes == 0 || n % processes != 0 {
+        return Err(SpmdError::Placement {
+            devices: n,
+            processes,
+        });
+    }
+    let per_process = n / processes;
+    let mine = process * per_process..(process + 1) * per_process;
     let world = Arc::new(World::new(mesh, options.collective_timeout));
+    let hosts_share = cluster.map_or(1, |c| c.processes_on_this_host().max(1));
     let threads = options
         .threads_per_device
-        .unwrap_or_else(|| default_threads_per_device(n))
+        .unwrap_or_else(|| default_threads_per_device(per_process * hosts_share))
         .max(1);
     // Devices in the order they failed: the first is the root cause.
     let failures: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-    let mut outcomes: Vec<Option<Result<T, SpmdError<E>>>> = (0..n).map(|_| None).collect();
+    let mut outcomes: Vec<Option<Result<T, SpmdError<E>>>> = mine.clone().map(|_| None).collect();
 
     thread::scope(|scope| {
-        let handles: Vec<_> = (0..n)
+        let handles: Vec<_> = mine
+            .clone()
             .map(|index| {
                 let (world, program, failures) = (world.clone(), &program, &failures);
                 let mesh = mesh.clone();
@@ -203,7 +254,13 @@ where
                     .stack_size(options.stack_size)
                     .spawn_scoped(scope, move || {
                         let coords = mesh.coords(index).unwrap_or_default();
-                        let backend = Box::new(LocalBackend::new(index, world.clone()));
+                        let local = LocalBackend::new(index, world.clone());
+                        let backend: Box<dyn Backend> = match cluster {
+                            Some(c) => {
+                                c.backend(index, per_process, options.collective_timeout, local)
+                            }
+                            None => Box::new(local),
+                        };
                         let mut device = Device {
                             index,
                             coords,
@@ -234,8 +291,8 @@ where
                     .expect("the OS refused to spawn a device thread") // ok: not input-dependent
             })
             .collect();
-        for (index, handle) in handles.into_iter().enumerate() {
-            outcomes[index] = Some(handle.join().unwrap_or_else(|payload| {
+        for (slot, (index, handle)) in mine.clone().zip(handles).enumerate() {
+            outcomes[slot] = Some(handle.join().unwrap_or_else(|payload| {
                 Err(SpmdError::Panicked {
                     device: index,
                     message: panic_message(payload.as_ref()),
@@ -250,14 +307,14 @@ where
         .first()
         .copied();
     if let Some(device) = first_failure {
-        if let Some(Some(Err(err))) = outcomes.get_mut(device).map(Option::take) {
+        if let Some(Some(Err(err))) = outcomes.get_mut(device - mine.start).map(Option::take) {
             return Err(err);
         }
     }
     outcomes
         .into_iter()
-        .enumerate()
-        .map(|(device, o)| {
+        .zip(mine)
+        .map(|(o, device)| {
             o.unwrap_or_else(|| {
                 Err(SpmdError::Panicked {
                     device,

@@ -487,3 +487,72 @@ fn the_trace_records_a_known_sequence_exactly() {
     assert_eq!(t.count(ReduceScatter, &PhasePattern::new("update*")), 1);
     assert_eq!(t.bytes(AllGather, &PhasePattern::any()), 256);
 }
+
+/// A cluster of `processes` processes in which this one is `process`, whose "remote" transport is
+/// the local backend: enough to run groups that stay inside the process.
+struct FakeCluster {
+    process: usize,
+    processes: usize,
+}
+
+impl ferrotext_comm::Cluster for FakeCluster {
+    fn process(&self) -> usize {
+        self.process
+    }
+    fn processes(&self) -> usize {
+        self.processes
+    }
+    fn processes_on_this_host(&self) -> usize {
+        self.processes
+    }
+    fn describe(&self) -> String {
+        "fake".into()
+    }
+    fn backend(
+        &self,
+        _device: usize,
+        _devices_per_process: usize,
+        _timeout: Duration,
+        local: ferrotext_comm::LocalBackend,
+    ) -> Box<dyn ferrotext_comm::Backend> {
+        Box::new(local)
+    }
+    fn agree(&self, _what: &str, _bytes: &[u8]) -> Result<(), CommError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_process_runs_its_own_consecutive_devices() {
+    let mesh = Arc::new(Mesh::explicit([("data", 2), ("tensor", 2)]).unwrap());
+    let cluster = FakeCluster {
+        process: 1,
+        processes: 2,
+    };
+    let results =
+        ferrotext_comm::run_spmd_in(Some(&cluster), &mesh, &SpmdOptions::default(), |dev| {
+            // `tensor` groups stay inside a process: devices {2, 3} here.
+            let mut x = vec![dev.index() as f32; 3];
+            dev.comm().all_reduce(&["tensor"], &mut x)?;
+            Ok::<_, CommError>((dev.index(), x[0]))
+        })
+        .unwrap();
+    assert_eq!(results, vec![(2, 5.0), (3, 5.0)]);
+}
+
+#[test]
+fn a_mesh_that_does_not_split_over_the_processes_is_refused() {
+    let mesh = Arc::new(Mesh::explicit([("data", 4)]).unwrap());
+    let cluster = FakeCluster {
+        process: 0,
+        processes: 3,
+    };
+    let err = ferrotext_comm::run_spmd_in(Some(&cluster), &mesh, &SpmdOptions::default(), |_| {
+        Ok::<_, CommError>(())
+    })
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "a mesh of 4 devices cannot be split evenly over 3 processes"
+    );
+}

@@ -8,18 +8,20 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::{Subcommand, ValueEnum};
-use ferrotext_comm::{human_bytes, run_spmd, CommError, SpmdOptions};
+use ferrotext_comm::{human_bytes, run_spmd_in, CommError, SpmdOptions};
 use ferrotext_sharding::Mesh;
 use serde::Serialize;
 
+use crate::launch::Launch;
 use crate::UsageError;
 
 /// The benchmarks.
 #[derive(Subcommand)]
 pub enum BenchCommand {
-    /// All-reduce bandwidth from 4 KiB to 64 MiB next to memcpy of the same buffer.
+    /// All-reduce bandwidth from 4 KiB to 64 MiB next to memcpy of the same buffer. With
+    /// `--backend mpi`, run under `mpirun -n P`: one `data` mesh of P × `--local-devices`.
     Collectives {
-        /// Device counts to run (a one-axis `data` mesh each).
+        /// Device counts to run (a one-axis `data` mesh each; local backend).
         #[arg(long, value_delimiter = ',', default_value = "2,4")]
         devices: Vec<usize>,
         /// Smallest buffer in bytes (sizes grow ×4).
@@ -31,6 +33,12 @@ pub enum BenchCommand {
         /// Which transport.
         #[arg(long, value_enum, default_value_t = Backend::Local)]
         backend: Backend,
+        /// Device threads per process (`--backend mpi`).
+        #[arg(long, default_value_t = 1)]
+        local_devices: usize,
+        /// Run collectives across processes flat, not hierarchically (`--backend mpi`).
+        #[arg(long)]
+        flat: bool,
         /// Where to write the JSON results.
         #[arg(long, default_value = "target/bench/collectives.json")]
         out: PathBuf,
@@ -78,12 +86,16 @@ pub enum BenchCommand {
 pub enum Backend {
     /// Device threads in this process, shared memory.
     Local,
+    /// Processes of an MPI job (`mpirun -n P ferrotext bench collectives --backend mpi`).
+    Mpi,
 }
 
 #[derive(Serialize)]
 struct Row {
     backend: Backend,
     devices: usize,
+    /// Processes the devices span (1 for the local backend).
+    processes: usize,
     bytes: usize,
     reps: usize,
     all_reduce_median_s: f64,
@@ -106,15 +118,26 @@ struct Report {
 }
 
 /// Runs one benchmark.
-pub fn run(which: BenchCommand) -> Result<()> {
+pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
     match which {
         BenchCommand::Collectives {
             devices,
             min_bytes,
             max_bytes,
             backend,
+            local_devices,
+            flat,
             out,
-        } => collectives(&devices, min_bytes, max_bytes, backend, &out),
+        } => {
+            let plan = match backend {
+                Backend::Local => Plan::Local { devices },
+                Backend::Mpi => Plan::Mpi {
+                    local_devices,
+                    flat,
+                },
+            };
+            collectives(launch, &plan, min_bytes, max_bytes, &out)
+        }
         BenchCommand::Ga {
             model,
             ga,
@@ -129,6 +152,15 @@ pub fn run(which: BenchCommand) -> Result<()> {
             out,
         } => crate::bench_kernels::run(&d_model, tokens, &threads, &out),
     }
+}
+
+/// Switches the MPI cluster between flat and hierarchical collectives.
+fn set_flat(launch: &mut Launch, flat: bool) {
+    #[cfg(feature = "mpi")]
+    if let Some(mpi) = launch.mpi_mut() {
+        mpi.set_hierarchical(!flat);
+    }
+    let _ = (launch, flat);
 }
 
 fn sizes(min_bytes: usize, max_bytes: usize) -> Vec<usize> {
@@ -170,23 +202,49 @@ fn memcpy_seconds(bytes: usize, reps: usize) -> f64 {
     median(times)
 }
 
+/// What `bench collectives` runs.
+enum Plan {
+    /// One in-process mesh per device count.
+    Local { devices: Vec<usize> },
+    /// The processes of this MPI job × `local_devices` threads each.
+    Mpi { local_devices: usize, flat: bool },
+}
+
 fn collectives(
-    devices: &[usize],
+    launch: &mut Launch,
+    plan: &Plan,
     min_bytes: usize,
     max_bytes: usize,
-    backend: Backend,
     out: &PathBuf,
 ) -> Result<()> {
-    if devices.iter().any(|&n| n < 2) || min_bytes > max_bytes {
-        return Err(
-            UsageError("--devices must be ≥ 2 each and --min-bytes ≤ --max-bytes".into()).into(),
-        );
+    let (meshes, backend): (Vec<usize>, Backend) = match plan {
+        Plan::Local { devices } => (devices.clone(), Backend::Local),
+        Plan::Mpi {
+            local_devices,
+            flat,
+        } => {
+            if launch.cluster().is_none() {
+                return Err(UsageError(
+                    "--backend mpi runs under `mpirun -n P` with an MPI build (--features mpi)"
+                        .into(),
+                )
+                .into());
+            }
+            set_flat(launch, *flat);
+            (vec![launch.processes() * local_devices], Backend::Mpi)
+        }
+    };
+    if meshes.iter().any(|&n| n < 2) || min_bytes > max_bytes {
+        return Err(UsageError(
+            "the benchmark needs ≥ 2 devices per mesh and --min-bytes ≤ --max-bytes".into(),
+        )
+        .into());
     }
     let sizes = sizes(min_bytes, max_bytes);
     let mut rows = Vec::new();
-    for &n in devices {
+    for &n in &meshes {
         let mesh = std::sync::Arc::new(Mesh::explicit([("data", n)])?);
-        let per_size = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let per_size = run_spmd_in(launch.cluster(), &mesh, &SpmdOptions::default(), |dev| {
             let mut medians = Vec::new();
             for &bytes in &sizes {
                 let reps = reps_for(bytes);
@@ -212,6 +270,7 @@ fn collectives(
             rows.push(Row {
                 backend,
                 devices: n,
+                processes: launch.processes(),
                 bytes,
                 reps,
                 all_reduce_median_s: seconds,
@@ -223,13 +282,24 @@ fn collectives(
             });
         }
     }
+    if !launch.is_leader() {
+        return Ok(());
+    }
     println!(
-        "{:>7}  {:>9}  {:>12}  {:>11}  {:>11}  {:>11}  {:>8}",
-        "devices", "bytes", "all_reduce", "algbw GB/s", "busbw GB/s", "memcpy GB/s", "ratio"
+        "{:>9}  {:>7}  {:>9}  {:>12}  {:>11}  {:>11}  {:>11}  {:>8}",
+        "processes",
+        "devices",
+        "bytes",
+        "all_reduce",
+        "algbw GB/s",
+        "busbw GB/s",
+        "memcpy GB/s",
+        "ratio"
     );
     for r in &rows {
         println!(
-            "{:>7}  {:>9}  {:>9.1} us  {:>11.2}  {:>11.2}  {:>11.2}  {:>8.2}",
+            "{:>9}  {:>7}  {:>9}  {:>9.1} us  {:>11.2}  {:>11.2}  {:>11.2}  {:>8.2}",
+            r.processes,
             r.devices,
             human_bytes(r.bytes),
             r.all_reduce_median_s * 1e6,

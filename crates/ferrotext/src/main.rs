@@ -7,6 +7,7 @@ mod bench_ga;
 mod bench_kernels;
 mod conformance;
 mod demo;
+mod launch;
 mod mesh_arg;
 mod train_cmd;
 
@@ -56,22 +57,41 @@ impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut launch = match launch::Launch::detect() {
+        Ok(launch) => launch,
+        Err(err) => return report(&err, None),
+    };
     let result = match cli.command {
-        Command::Train(args) => train_cmd::run(&args),
+        Command::Train(args) => train_cmd::run(&args, &launch),
         Command::Plan(args) => train_cmd::plan(&args),
-        Command::Collectives(args) => demo::run(&args),
+        Command::Collectives(args) => demo::run(&args, &mut launch),
         Command::Conformance(args) => conformance::run(&args),
-        Command::Bench { which } => bench::run(which),
+        Command::Bench { which } => bench::run(which, &mut launch),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            if err.downcast_ref::<UsageError>().is_some() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::FAILURE
-            }
-        }
+        Err(err) => report(&err, Some(&launch)),
     }
+}
+
+/// Prints `err` (prefixed by the process under MPI) and picks the exit code; under MPI with
+/// several processes it ends the whole job instead of returning.
+fn report(err: &anyhow::Error, launch: Option<&launch::Launch>) -> ExitCode {
+    let code = if err.downcast_ref::<UsageError>().is_some() {
+        2
+    } else {
+        1
+    };
+    match launch.filter(|l| l.processes() > 1) {
+        Some(l) => eprintln!(
+            "error (process {} of {}): {err:#}",
+            l.process(),
+            l.processes()
+        ),
+        None => eprintln!("error: {err:#}"),
+    }
+    if let Some(l) = launch {
+        l.end_job_on_error(code);
+    }
+    ExitCode::from(code)
 }

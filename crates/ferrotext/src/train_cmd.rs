@@ -12,6 +12,7 @@ use ferrotext_train::{io, train, RunOptions, StepMetrics, TrainConfig, TrainErro
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::bench::median;
+use crate::launch::Launch;
 use crate::UsageError;
 
 /// Arguments of `ferrotext train`.
@@ -83,13 +84,57 @@ pub fn plan(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs the command.
-pub fn run(args: &TrainArgs) -> Result<()> {
-    let config = load(args)?;
+/// The config of one process of the job: the user's, with `num_processes` from the launcher.
+fn load_for(args: &TrainArgs, launch: &Launch) -> Result<TrainConfig> {
+    let processes = launch.processes();
+    if processes == 1 {
+        return load(args);
+    }
+    let given = args
+        .args
+        .iter()
+        .filter_map(|a| a.strip_prefix("num_processes="))
+        .next_back();
+    if let Some(given) = given.filter(|g| g.trim() != processes.to_string()) {
+        return Err(UsageError(format!(
+            "num_processes={given} but the launcher started {processes} processes"
+        ))
+        .into());
+    }
+    let mut with_processes = TrainArgs {
+        args: args.args.clone(),
+    };
+    with_processes
+        .args
+        .push(format!("num_processes={processes}"));
+    load(&with_processes)
+}
+
+/// Runs the command (under MPI: this process's share; process 0 prints and writes).
+pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
+    let config = load_for(args, launch)?;
+    let leader = launch.is_leader();
     let model = config.model().map_err(usage)?;
     let mesh = config.mesh().map_err(usage)?;
     let tokens_per_step =
         config.micro_batch_rows() * config.gradient_accumulation_steps * config.max_target_length;
+    if !leader {
+        // Every process computes the same run; only process 0 reports it.
+        let options = RunOptions {
+            cluster: launch.cluster(),
+            return_params: !config.save_parameters_path.is_empty(),
+            ..Default::default()
+        };
+        train(&config, &options).map_err(usage)?;
+        return Ok(());
+    }
+    if let Some(cluster) = launch.cluster() {
+        println!(
+            "{}: {} devices per process",
+            cluster.describe(),
+            config.local_devices
+        );
+    }
     println!(
         "{} ({} layers, d {}, vocab {}) on {mesh}; GA {}, {} tokens per step, {} steps",
         config.model_name,
@@ -116,6 +161,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let options = RunOptions {
         on_step: Some(&on_step),
         return_params: !config.save_parameters_path.is_empty(),
+        cluster: launch.cluster(),
         ..Default::default()
     };
     let started = Instant::now();
@@ -139,7 +185,9 @@ pub fn run(args: &TrainArgs) -> Result<()> {
             x.seconds * 1e3
         );
     }
-    let step_time = median(m.iter().skip(1).map(|x| x.seconds).collect());
+    // The first step pays for warm-up; leave it out when there are others.
+    let warm_up = usize::from(m.len() > 1);
+    let step_time = median(m.iter().skip(warm_up).map(|x| x.seconds).collect());
     let tok_s = tokens_per_step as f64 / step_time.max(1e-12);
     let peak = gemm_peak_gflops();
     let mfu = report.flops_per_token * tok_s / 1e9 / peak;

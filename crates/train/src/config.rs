@@ -70,8 +70,11 @@ pub struct TrainConfig {
     pub logits_via_embedding: Option<bool>,
     /// Weight of the z-loss `(log Z)²` per token (0 disables).
     pub z_loss_multiplier: f64,
-    /// Devices of the in-process mesh.
+    /// Devices (threads) in each process.
     pub local_devices: usize,
+    /// Processes of the job; the mesh has `num_processes × local_devices` devices. Set by the
+    /// launcher (`mpirun -n P` gives `P`); 1 for an in-process run.
+    pub num_processes: usize,
     /// Size of the `data` axis (−1 fills).
     pub ici_data_parallelism: i64,
     /// Size of the `fsdp` axis (−1 fills).
@@ -133,6 +136,9 @@ pub struct TrainConfig {
     pub enable_checkpointing: bool,
     /// Steps between checkpoints (the last step is always saved).
     pub checkpoint_period: usize,
+    /// Also checkpoint inside a step, after every this many micro-batches (0: only at step
+    /// boundaries). A resumed run continues from the saved micro-batch.
+    pub checkpoint_micro_batch_period: usize,
     /// Per-step metrics as JSON lines (empty: `base_output_directory/run_name/metrics.jsonl`).
     pub metrics_file: String,
     /// Seconds a device waits in a collective before the run fails.
@@ -153,6 +159,7 @@ impl Default for TrainConfig {
             logits_via_embedding: None,
             z_loss_multiplier: 0.0,
             local_devices: 4,
+            num_processes: 1,
             ici_data_parallelism: -1,
             ici_fsdp_parallelism: 1,
             ici_tensor_parallelism: 1,
@@ -184,6 +191,7 @@ impl Default for TrainConfig {
             metrics_file: String::new(),
             enable_checkpointing: false,
             checkpoint_period: 100,
+            checkpoint_micro_batch_period: 0,
             collective_timeout_seconds: 300.0,
         }
     }
@@ -267,7 +275,12 @@ impl TrainConfig {
         Ok(m)
     }
 
-    /// The mesh `data × fsdp × tensor` over `local_devices`, each −1 filled, every axis typed by
+    /// Devices of the whole mesh: `num_processes × local_devices`.
+    pub fn devices(&self) -> usize {
+        self.num_processes * self.local_devices
+    }
+
+    /// The mesh `data × fsdp × tensor` over [`TrainConfig::devices`], each −1 filled, every axis typed by
     /// `shard_mode`.
     ///
     /// # Errors
@@ -294,7 +307,7 @@ impl TrainConfig {
             .filter(|&&(_, s)| s > 0)
             .map(|&(_, s)| s)
             .product();
-        let devices = self.local_devices as i64;
+        let devices = self.devices() as i64;
         let sizes: Vec<(String, usize)> = named
             .iter()
             .map(|&(n, s)| {
@@ -309,9 +322,14 @@ impl TrainConfig {
             })
             .collect();
         let product: usize = sizes.iter().map(|(_, s)| s).product();
-        if product != self.local_devices {
+        if product != self.devices() {
+            let processes = if self.num_processes > 1 {
+                format!(" × num_processes = {}", self.num_processes)
+            } else {
+                String::new()
+            };
             return Err(TrainError::Config(format!(
-                "mesh data×fsdp×tensor = {}×{}×{} = {product} does not match local_devices = {}",
+                "mesh data×fsdp×tensor = {}×{}×{} = {product} does not match local_devices = {}{processes}",
                 sizes[0].1, sizes[1].1, sizes[2].1, self.local_devices
             )));
         }
@@ -326,7 +344,7 @@ impl TrainConfig {
 
     /// Sequences per micro-batch over the whole mesh.
     pub fn micro_batch_rows(&self) -> usize {
-        (self.per_device_batch_size * self.local_devices as f64).round() as usize
+        (self.per_device_batch_size * self.devices() as f64).round() as usize
     }
 
     /// Checks every value and combination once.
@@ -340,6 +358,7 @@ impl TrainConfig {
             .map_err(|e| TrainError::Config(e.to_string()))?;
         for (key, v) in [
             ("local_devices", self.local_devices),
+            ("num_processes", self.num_processes),
             (
                 "gradient_accumulation_steps",
                 self.gradient_accumulation_steps,
@@ -376,10 +395,10 @@ impl TrainConfig {
         if self.collective_timeout_seconds <= 0.0 {
             return bad("collective_timeout_seconds must be positive".into());
         }
-        let rows = self.per_device_batch_size * self.local_devices as f64;
+        let rows = self.per_device_batch_size * self.devices() as f64;
         if !(rows >= 1.0 && (rows - rows.round()).abs() < 1e-9) {
             return bad(format!(
-                "per_device_batch_size × local_devices = {rows} must be a whole number of sequences ≥ 1"
+                "per_device_batch_size × devices = {rows} must be a whole number of sequences ≥ 1"
             ));
         }
         let mesh = self.mesh()?;
@@ -389,7 +408,7 @@ impl TrainConfig {
         let batch_parts = mesh.axes_size(&["data", "fsdp"])?;
         if self.micro_batch_rows() % batch_parts != 0 {
             return bad(format!(
-                "the micro-batch of {} sequences (per_device_batch_size × local_devices) is not divisible by data×fsdp = {batch_parts}",
+                "the micro-batch of {} sequences (per_device_batch_size × devices) is not divisible by data×fsdp = {batch_parts}",
                 self.micro_batch_rows()
             ));
         }

@@ -72,6 +72,7 @@ impl From<RunError<TrainError>> for TrainError {
             RunError::Panicked { device, message } => TrainError::Config(format!(
                 "device {device} panicked (a bug in ferrotext): {message}"
             )),
+            placement @ RunError::Placement { .. } => TrainError::Config(placement.to_string()),
         }
     }
 }

@@ -32,7 +32,7 @@ mod trainer;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferrotext_comm::{run_spmd, SpmdOptions, Trace};
+use ferrotext_comm::{run_spmd_in, Cluster, SpmdOptions, Trace};
 use ferrotext_models::ParamInfo;
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
@@ -57,9 +57,12 @@ pub struct RunOptions<'a> {
     /// Diagnostic: use this spec for this parameter inside micro-batches (see
     /// [`Engine::override_inside_spec`]).
     pub inside_spec_override: Option<(String, ferrotext_sharding::PartitionSpec)>,
+    /// The processes the mesh spans (`None`: every device is a thread of this process). Its
+    /// process count must equal `num_processes`.
+    pub cluster: Option<&'a dyn Cluster>,
 }
 
-/// What a run produced (device 0's view).
+/// What a run produced (the view of this process's first device; device 0 in process 0).
 #[derive(Debug)]
 pub struct TrainReport {
     /// The gate's decision.
@@ -68,7 +71,7 @@ pub struct TrainReport {
     pub zero1: Zero1,
     /// Per-step metrics.
     pub metrics: Vec<StepMetrics>,
-    /// Device 0's collective trace of the whole run.
+    /// The collective trace of the whole run (of the device the report comes from).
     pub trace: Trace,
     /// The parameter declarations.
     pub params: Vec<ParamInfo>,
@@ -80,13 +83,32 @@ pub struct TrainReport {
     pub flops_per_token: f64,
 }
 
-/// Runs `config.steps` steps on the in-process mesh.
+/// Runs `config.steps` steps: on the in-process mesh, or this process's share of it under a
+/// [`Cluster`] (every process calls `train` with the same config; device 0, in process 0, reports
+/// progress and writes checkpoints).
 ///
 /// # Errors
 /// The first device's failure: a bad parameter file, a type error, a collective failure, an
-/// accumulator-type violation.
+/// accumulator-type violation; under a cluster, also processes started with different configs.
 pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainReport, TrainError> {
-    config.validate()?;
+    let valid = config.validate();
+    if let Some(cluster) = options.cluster {
+        // Every process takes part in the agreement, even one whose config is invalid, so none
+        // waits for another that already gave up.
+        let described = match &valid {
+            Ok(()) => format!("{config:?}"),
+            Err(e) => format!("invalid: {e}"),
+        };
+        cluster.agree("the config", described.as_bytes())?;
+        if cluster.processes() != config.num_processes {
+            return Err(TrainError::Config(format!(
+                "num_processes = {} but the job has {} processes",
+                config.num_processes,
+                cluster.processes()
+            )));
+        }
+    }
+    valid?;
     let model_cfg = config.model()?;
     let model = ferrotext_models::qwen3::Qwen3::new(model_cfg.clone())
         .map_err(|e| TrainError::Config(e.to_string()))?;
@@ -103,7 +125,8 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
     let mesh = compute_mesh(config)?;
     let spmd = SpmdOptions::default()
         .with_timeout(Duration::from_secs_f64(config.collective_timeout_seconds));
-    let results = run_spmd(
+    let results = run_spmd_in(
+        options.cluster,
         &mesh,
         &spmd,
         |dev| -> Result<Option<TrainReport>, TrainError> {
@@ -127,7 +150,13 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 (trainer.engine().steps_taken() + n).min(config.steps)
             });
             while trainer.engine().steps_taken() < limit {
-                let m = trainer.step(&mut cx)?;
+                let period = config.checkpoint_micro_batch_period;
+                let m = trainer.step_with(&mut cx, &mut |cx, engine, done| {
+                    if config.enable_checkpointing && period > 0 && done % period == 0 {
+                        engine.save_checkpoint(cx, &root)?;
+                    }
+                    Ok(())
+                })?;
                 if device == 0 {
                     if let Some(f) = options.on_step {
                         f(&m);
@@ -146,9 +175,6 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
             } else {
                 None
             };
-            if device != 0 {
-                return Ok(None);
-            }
             Ok(Some(TrainReport {
                 gate: trainer.engine().gate().clone(),
                 zero1: trainer.engine().zero1().clone(),
@@ -168,5 +194,5 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
         .into_iter()
         .next()
         .flatten()
-        .ok_or_else(|| TrainError::Config("device 0 produced no report".into()))
+        .ok_or_else(|| TrainError::Config("this process ran no device".into()))
 }

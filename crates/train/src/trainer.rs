@@ -70,7 +70,8 @@ impl Trainer {
         &mut self.engine
     }
 
-    /// One optimizer step: every micro-batch of the step through `fwd_bwd`, then `update`.
+    /// One optimizer step: every micro-batch of the step through `fwd_bwd`, then `update`. A
+    /// step restored from a mid-step checkpoint continues at its next micro-batch.
     ///
     /// # Errors
     /// As [`Engine::fwd_bwd`] and [`Engine::update`].
@@ -78,20 +79,36 @@ impl Trainer {
     /// # Collectives
     /// As the engine's: with the gate open, no gradient reduction until `update`.
     pub fn step(&mut self, cx: &mut Ctx<'_>) -> Result<StepMetrics, TrainError> {
+        self.step_with(cx, &mut |_, _, _| Ok(()))
+    }
+
+    /// [`Trainer::step`], calling `after_micro_batch(cx, engine, done)` after each micro-batch
+    /// but the last (`done` micro-batches of this step are accumulated): the place for a
+    /// mid-step checkpoint.
+    ///
+    /// # Errors
+    /// As [`Trainer::step`], or the callback's error.
+    pub fn step_with(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        after_micro_batch: &mut dyn FnMut(&mut Ctx<'_>, &Engine, usize) -> Result<(), TrainError>,
+    ) -> Result<StepMetrics, TrainError> {
         let (ga, rows, len) = (
             self.config.gradient_accumulation_steps,
             self.config.micro_batch_rows(),
             self.config.max_target_length,
         );
         let step = self.engine.steps_taken() as u64;
-        for micro in 0..ga {
+        for micro in self.engine.pending_micro_steps()..ga {
             cx.comm().push_phase(format!("micro_batch {micro}"));
             let seqs = micro_batch(self.source.as_ref(), step, micro, ga, rows, len);
             let batch = self.engine.batch(cx, &seqs)?;
             self.engine.fwd_bwd(cx, &batch)?;
             cx.comm().pop_phase();
+            if micro + 1 < ga {
+                after_micro_batch(cx, &self.engine, micro + 1)?;
+            }
         }
-        // The step's one reduction happens here, in `update` (phase `update` in the trace).
         cx.comm().push_phase("update");
         let metrics = self.engine.update(cx)?;
         cx.comm().pop_phase();

@@ -1,0 +1,48 @@
+//! `Cluster`: the processes one SPMD run spans.
+//!
+//! A mesh of `P·L` devices runs as `P` processes of `L` device threads each; device `d` lives in
+//! process `d / L` (local devices are the *minor* end of the row-major device order, so the last
+//! mesh axes stay inside a process, as devices inside one host do). Inside a process, devices
+//! talk through the in-process backend; a `Cluster` supplies the backend for groups that cross
+//! processes. Without a cluster, every device is a thread of this process ([`crate::run_spmd`]).
+
+use std::time::Duration;
+
+use crate::communicator::Backend;
+use crate::error::CommError;
+use crate::local::LocalBackend;
+
+/// The processes of a multi-process run (MPI today; anything that moves bytes between processes
+/// fits). Every process of a run must hold an equal cluster and run the same program.
+pub trait Cluster: Sync {
+    /// This process's index, `0..processes()`.
+    fn process(&self) -> usize;
+
+    /// How many processes the run spans.
+    fn processes(&self) -> usize;
+
+    /// How many of them run on this host (they share its cores).
+    fn processes_on_this_host(&self) -> usize;
+
+    /// A short description for logs: `MPI (Open MPI v4.1.4), 4 processes`.
+    fn describe(&self) -> String;
+
+    /// The backend of `device` (one of this process's `devices_per_process` devices): `local`
+    /// serves groups inside this process, the cluster's transport the others. Collectives wait at
+    /// most `timeout` for their peers.
+    fn backend(
+        &self,
+        device: usize,
+        devices_per_process: usize,
+        timeout: Duration,
+        local: LocalBackend,
+    ) -> Box<dyn Backend>;
+
+    /// Checks that every process passes the same `bytes` (a config, a mesh): `Ok` on every
+    /// process, or on every process the same error naming `what` and the processes that differ
+    /// from process 0. Call it from one thread per process, outside any SPMD run.
+    ///
+    /// # Errors
+    /// [`CommError::Disagreement`], or a transport failure.
+    fn agree(&self, what: &str, bytes: &[u8]) -> Result<(), CommError>;
+}

@@ -1,0 +1,579 @@
+//! The MPI backend of one device: local groups through shared memory, groups across processes
+//! through [`Transport`], hierarchically where the group has several devices in each process.
+//!
+//! # Algorithms (group of `n` members; `P` processes holding `m` members each)
+//! * **Inside one process**: the in-process backend, unchanged.
+//! * **Flat** (every member a separate MPI peer): member `r` owns chunk `r`. An all-reduce sends
+//!   chunk `k` to member `k`, sums the `n` copies of its own chunk in rank order in `f32`, then
+//!   sends the sum to everyone — the in-process backend's algorithm, so a flat MPI all-reduce is
+//!   bitwise equal to the in-process one. Reduce-scatter, all-gather, all-to-all, broadcast and
+//!   barrier are the matching sends.
+//! * **Hierarchical** (`m > 1` in every process): reduce-scatter inside the process, flat
+//!   collective between the `P` members that hold the same part, all-gather inside the process.
+//!   Only `1/m` of the buffer leaves each device for another process. Sums are then added
+//!   process by process (still a fixed order: deterministic run to run, but not bitwise the
+//!   flat order). All-to-all, broadcast and barrier always run flat.
+
+use crate::communicator::{Backend, OpInfo};
+use crate::element::{Buf, BufMut, Element};
+use crate::error::CommError;
+use crate::local::{chunk, LocalBackend};
+use crate::trace::CollectiveKind;
+
+use super::transport::{header, Outbox, Received, Transport};
+
+/// How a group is laid out over processes, from one member's point of view.
+enum Layout {
+    /// Every member is in this process.
+    Local,
+    /// Members talk to each other directly through MPI.
+    Flat,
+    /// `m` members in each of `P` processes.
+    Hierarchical {
+        /// This process's members (devices), in group order.
+        local: Vec<usize>,
+        /// Group positions: `members[p][j]` is member `j` of the `p`-th process (in order of
+        /// first appearance in the group).
+        members: Vec<Vec<usize>>,
+        /// This device's process position `p` and local position `j`.
+        p: usize,
+        j: usize,
+    },
+}
+
+/// One device's MPI backend (see the module docs).
+pub(crate) struct MpiBackend {
+    local: LocalBackend,
+    transport: Transport,
+    device: usize,
+    per_process: usize,
+    hierarchical: bool,
+}
+
+impl MpiBackend {
+    pub(crate) fn new(
+        local: LocalBackend,
+        transport: Transport,
+        device: usize,
+        per_process: usize,
+        hierarchical: bool,
+    ) -> MpiBackend {
+        MpiBackend {
+            local,
+            transport,
+            device,
+            per_process: per_process.max(1),
+            hierarchical,
+        }
+    }
+
+    fn layout(&self, op: &OpInfo) -> Layout {
+        let mut procs: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (position, &d) in op.group.iter().enumerate() {
+            let proc = d / self.per_process;
+            match procs.iter_mut().find(|(p, _)| *p == proc) {
+                Some((_, list)) => list.push(position),
+                None => procs.push((proc, vec![position])),
+            }
+        }
+        if procs.len() == 1 {
+            return Layout::Local;
+        }
+        let m = procs[0].1.len();
+        if m == 1 || !self.hierarchical || procs.iter().any(|(_, l)| l.len() != m) {
+            return Layout::Flat;
+        }
+        let mine = self.device / self.per_process;
+        let p = procs.iter().position(|(q, _)| *q == mine).unwrap_or(0);
+        let j = procs[p].1.iter().position(|&g| g == op.rank).unwrap_or(0);
+        Layout::Hierarchical {
+            local: procs[p].1.iter().map(|&g| op.group[g]).collect(),
+            members: procs.into_iter().map(|(_, l)| l).collect(),
+            p,
+            j,
+        }
+    }
+
+    /// The op a stage inside this process runs as (same sequence number, its own group).
+    fn local_stage(
+        op: &OpInfo,
+        kind: CollectiveKind,
+        local: &[usize],
+        j: usize,
+        elements: usize,
+    ) -> OpInfo {
+        OpInfo {
+            kind,
+            seq: op.seq,
+            axes: op.axes.clone(),
+            group: local.to_vec(),
+            rank: j,
+            elements,
+            dtype: op.dtype,
+            root: 0,
+        }
+    }
+
+    /// The devices of the cross-process stage of member position `j`.
+    fn cross(op: &OpInfo, members: &[Vec<usize>], j: usize) -> Vec<usize> {
+        members.iter().map(|l| op.group[l[j]]).collect()
+    }
+
+    fn all_reduce_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        buf: &mut [T],
+    ) -> Result<(), CommError> {
+        match self.layout(op) {
+            Layout::Local => self.local.all_reduce(op, T::buf_mut(buf)),
+            Layout::Flat => flat_all_reduce(&mut self.transport, op, 0, &op.group, op.rank, buf),
+            Layout::Hierarchical {
+                local,
+                members,
+                p,
+                j,
+            } => {
+                let m = local.len();
+                let part = buf.len().div_ceil(m);
+                let mut padded = vec![T::default(); part * m];
+                padded[..buf.len()].copy_from_slice(buf);
+                let mut mine = vec![T::default(); part];
+                let stage =
+                    Self::local_stage(op, CollectiveKind::ReduceScatter, &local, j, part * m);
+                self.local
+                    .reduce_scatter(&stage, T::buf(&padded), T::buf_mut(&mut mine))?;
+                let cross = Self::cross(op, &members, j);
+                let cross_op = OpInfo {
+                    group: cross.clone(),
+                    rank: p,
+                    elements: part,
+                    ..op.clone()
+                };
+                flat_all_reduce(&mut self.transport, &cross_op, 0, &cross, p, &mut mine)?;
+                let stage = Self::local_stage(op, CollectiveKind::AllGather, &local, j, part * m);
+                self.local
+                    .all_gather(&stage, T::buf(&mine), T::buf_mut(&mut padded))?;
+                let len = buf.len();
+                buf.copy_from_slice(&padded[..len]);
+                Ok(())
+            }
+        }
+    }
+
+    fn reduce_scatter_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        match self.layout(op) {
+            Layout::Local => self
+                .local
+                .reduce_scatter(op, T::buf(input), T::buf_mut(output)),
+            Layout::Flat => {
+                flat_reduce_scatter(&mut self.transport, op, &op.group, op.rank, input, output)
+            }
+            Layout::Hierarchical {
+                local,
+                members,
+                p,
+                j,
+            } => {
+                let (m, procs, size) = (local.len(), members.len(), output.len());
+                // Blocks in [local position][process] order, so the local stage hands member `j`
+                // the blocks of every process's member `j`.
+                let mut packed = vec![T::default(); input.len()];
+                for (q, list) in members.iter().enumerate() {
+                    for (i, &g) in list.iter().enumerate() {
+                        let to = (i * procs + q) * size;
+                        packed[to..to + size].copy_from_slice(&input[g * size..(g + 1) * size]);
+                    }
+                }
+                let mut mine = vec![T::default(); procs * size];
+                let stage = Self::local_stage(
+                    op,
+                    CollectiveKind::ReduceScatter,
+                    &local,
+                    j,
+                    m * procs * size,
+                );
+                self.local
+                    .reduce_scatter(&stage, T::buf(&packed), T::buf_mut(&mut mine))?;
+                let cross = Self::cross(op, &members, j);
+                let cross_op = OpInfo {
+                    group: cross.clone(),
+                    rank: p,
+                    elements: procs * size,
+                    ..op.clone()
+                };
+                flat_reduce_scatter(&mut self.transport, &cross_op, &cross, p, &mine, output)
+            }
+        }
+    }
+
+    fn all_gather_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        match self.layout(op) {
+            Layout::Local => self.local.all_gather(op, T::buf(input), T::buf_mut(output)),
+            Layout::Flat => {
+                flat_all_gather(&mut self.transport, op, &op.group, op.rank, input, output)
+            }
+            Layout::Hierarchical {
+                local,
+                members,
+                p,
+                j,
+            } => {
+                let (m, procs, size) = (local.len(), members.len(), input.len());
+                let cross = Self::cross(op, &members, j);
+                let cross_op = OpInfo {
+                    group: cross.clone(),
+                    rank: p,
+                    elements: procs * size,
+                    ..op.clone()
+                };
+                let mut across = vec![T::default(); procs * size];
+                flat_all_gather(
+                    &mut self.transport,
+                    &cross_op,
+                    &cross,
+                    p,
+                    input,
+                    &mut across,
+                )?;
+                let mut packed = vec![T::default(); m * procs * size];
+                let stage =
+                    Self::local_stage(op, CollectiveKind::AllGather, &local, j, m * procs * size);
+                self.local
+                    .all_gather(&stage, T::buf(&across), T::buf_mut(&mut packed))?;
+                for (q, list) in members.iter().enumerate() {
+                    for (i, &g) in list.iter().enumerate() {
+                        let from = (i * procs + q) * size;
+                        output[g * size..(g + 1) * size]
+                            .copy_from_slice(&packed[from..from + size]);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn all_to_all_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        if let Layout::Local = self.layout(op) {
+            return self.local.all_to_all(op, T::buf(input), T::buf_mut(output));
+        }
+        let n = op.group.len();
+        let size = input.len() / n;
+        let me = self.device;
+        let mut outbox = Outbox::default();
+        for (k, &d) in op.group.iter().enumerate() {
+            if k != op.rank {
+                let bytes = bytes_of(&input[k * size..(k + 1) * size]);
+                let b = outbox.stage(header(op, 0, bytes.len(), me), bytes);
+                outbox.send(d, b);
+            }
+        }
+        let sources = peers(op, size * std::mem::size_of::<T>());
+        let received = self.transport.exchange(op, 0, outbox, &sources)?;
+        let mut it = received.iter();
+        for k in 0..n {
+            let dst = &mut output[k * size..(k + 1) * size];
+            if k == op.rank {
+                dst.copy_from_slice(&input[k * size..(k + 1) * size]);
+            } else if let Some(r) = it.next() {
+                dst.copy_from_slice(typed::<T>(r));
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast_typed<T: Element>(&mut self, op: &OpInfo, buf: &mut [T]) -> Result<(), CommError> {
+        if let Layout::Local = self.layout(op) {
+            return self.local.broadcast(op, T::buf_mut(buf));
+        }
+        let me = self.device;
+        let bytes = std::mem::size_of_val(buf);
+        if op.rank == op.root {
+            let mut outbox = Outbox::default();
+            let b = outbox.stage(header(op, 0, bytes, me), bytes_of(buf));
+            for (k, &d) in op.group.iter().enumerate() {
+                if k != op.rank {
+                    outbox.send(d, b);
+                }
+            }
+            self.transport.exchange(op, 0, outbox, &[])?;
+        } else {
+            let received =
+                self.transport
+                    .exchange(op, 0, Outbox::default(), &[(op.group[op.root], bytes)])?;
+            if let Some(r) = received.first() {
+                buf.copy_from_slice(typed::<T>(r));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn bytes_of<T: Element>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn typed<T: Element>(r: &Received) -> &[T] {
+    bytemuck::cast_slice(r.payload())
+}
+
+/// Every member but this one, each sending `bytes`.
+fn peers(op: &OpInfo, bytes: usize) -> Vec<(usize, usize)> {
+    op.group
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| k != op.rank)
+        .map(|(_, &d)| (d, bytes))
+        .collect()
+}
+
+/// Flat all-reduce over `members` (this device is `members[r]`), steps `stage` and `stage + 1`.
+fn flat_all_reduce<T: Element>(
+    transport: &mut Transport,
+    op: &OpInfo,
+    stage: u8,
+    members: &[usize],
+    r: usize,
+    buf: &mut [T],
+) -> Result<(), CommError> {
+    let n = members.len();
+    let me = members[r];
+    let len = buf.len();
+    let size = std::mem::size_of::<T>();
+    // 1. chunk k to member k; sum the copies of chunk r in rank order.
+    let mut outbox = Outbox::default();
+    for (k, &d) in members.iter().enumerate() {
+        if k != r {
+            let bytes = bytes_of(&buf[chunk(len, n, k)]);
+            let b = outbox.stage(header(op, stage, bytes.len(), me), bytes);
+            outbox.send(d, b);
+        }
+    }
+    let own = chunk(len, n, r);
+    let sources: Vec<(usize, usize)> = members
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| k != r)
+        .map(|(_, &d)| (d, own.len() * size))
+        .collect();
+    let received = transport.exchange(op, stage, outbox, &sources)?;
+    let mut acc = vec![0f32; own.len()];
+    let mut it = received.iter();
+    for k in 0..n {
+        let part: &[T] = if k == r {
+            &buf[own.clone()]
+        } else {
+            it.next().map_or(&[], typed::<T>)
+        };
+        if k == 0 {
+            acc.iter_mut().zip(part).for_each(|(a, &x)| *a = x.to_f32());
+        } else {
+            acc.iter_mut()
+                .zip(part)
+                .for_each(|(a, &x)| *a += x.to_f32());
+        }
+    }
+    for (d, &a) in buf[own.clone()].iter_mut().zip(&acc) {
+        *d = T::from_f32(a);
+    }
+    // 2. the summed chunk r to everyone; chunk k from member k.
+    let mut outbox = Outbox::default();
+    let bytes = bytes_of(&buf[own.clone()]);
+    let b = outbox.stage(header(op, stage + 1, bytes.len(), me), bytes);
+    for (k, &d) in members.iter().enumerate() {
+        if k != r {
+            outbox.send(d, b);
+        }
+    }
+    let sources: Vec<(usize, usize)> = members
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| k != r)
+        .map(|(k, &d)| (d, chunk(len, n, k).len() * size))
+        .collect();
+    let received = transport.exchange(op, stage + 1, outbox, &sources)?;
+    let mut it = received.iter();
+    for k in (0..n).filter(|&k| k != r) {
+        if let Some(msg) = it.next() {
+            buf[chunk(len, n, k)].copy_from_slice(typed::<T>(msg));
+        }
+    }
+    Ok(())
+}
+
+/// Flat reduce-scatter: `output` = block `r` of the rank-order sum of every member's `input`.
+fn flat_reduce_scatter<T: Element>(
+    transport: &mut Transport,
+    op: &OpInfo,
+    members: &[usize],
+    r: usize,
+    input: &[T],
+    output: &mut [T],
+) -> Result<(), CommError> {
+    let size = output.len();
+    let me = members[r];
+    let mut outbox = Outbox::default();
+    for (k, &d) in members.iter().enumerate() {
+        if k != r {
+            let bytes = bytes_of(&input[k * size..(k + 1) * size]);
+            let b = outbox.stage(header(op, 0, bytes.len(), me), bytes);
+            outbox.send(d, b);
+        }
+    }
+    let sources: Vec<(usize, usize)> = members
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| k != r)
+        .map(|(_, &d)| (d, std::mem::size_of_val(output)))
+        .collect();
+    let received = transport.exchange(op, 0, outbox, &sources)?;
+    let mut acc = vec![0f32; size];
+    let mut it = received.iter();
+    for k in 0..members.len() {
+        let part: &[T] = if k == r {
+            &input[r * size..(r + 1) * size]
+        } else {
+            it.next().map_or(&[], typed::<T>)
+        };
+        if k == 0 {
+            acc.iter_mut().zip(part).for_each(|(a, &x)| *a = x.to_f32());
+        } else {
+            acc.iter_mut()
+                .zip(part)
+                .for_each(|(a, &x)| *a += x.to_f32());
+        }
+    }
+    for (o, &a) in output.iter_mut().zip(&acc) {
+        *o = T::from_f32(a);
+    }
+    Ok(())
+}
+
+/// Flat all-gather: block `k` of `output` = member `k`'s `input`.
+fn flat_all_gather<T: Element>(
+    transport: &mut Transport,
+    op: &OpInfo,
+    members: &[usize],
+    r: usize,
+    input: &[T],
+    output: &mut [T],
+) -> Result<(), CommError> {
+    let size = input.len();
+    let me = members[r];
+    let mut outbox = Outbox::default();
+    let bytes = bytes_of(input);
+    let b = outbox.stage(header(op, 0, bytes.len(), me), bytes);
+    for (k, &d) in members.iter().enumerate() {
+        if k != r {
+            outbox.send(d, b);
+        }
+    }
+    let sources: Vec<(usize, usize)> = members
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| k != r)
+        .map(|(_, &d)| (d, std::mem::size_of_val(input)))
+        .collect();
+    let received = transport.exchange(op, 0, outbox, &sources)?;
+    let mut it = received.iter();
+    for k in 0..members.len() {
+        let dst = &mut output[k * size..(k + 1) * size];
+        if k == r {
+            dst.copy_from_slice(input);
+        } else if let Some(msg) = it.next() {
+            dst.copy_from_slice(typed::<T>(msg));
+        }
+    }
+    Ok(())
+}
+
+macro_rules! typed_mut {
+    ($buf:expr, $b:ident => $body:expr) => {
+        match $buf {
+            BufMut::F32($b) => $body,
+            BufMut::BF16($b) => $body,
+        }
+    };
+}
+
+macro_rules! typed_pair {
+    ($input:expr, $output:expr, $i:ident, $o:ident => $body:expr, $op:expr) => {
+        match ($input, $output) {
+            (Buf::F32($i), BufMut::F32($o)) => $body,
+            (Buf::BF16($i), BufMut::BF16($o)) => $body,
+            _ => Err(CommError::BadBuffer {
+                kind: $op.kind,
+                axes: $op.axes.clone(),
+                group_size: $op.group.len(),
+                reason: "input and output have different element types".into(),
+            }),
+        }
+    };
+}
+
+impl Backend for MpiBackend {
+    fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
+        typed_mut!(buf, b => self.all_reduce_typed(op, b))
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        typed_pair!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
+    }
+
+    fn all_gather(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        typed_pair!(input, output, i, o => self.all_gather_typed(op, i, o), op)
+    }
+
+    fn all_to_all(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        typed_pair!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
+    }
+
+    fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
+        typed_mut!(buf, b => self.broadcast_typed(op, b))
+    }
+
+    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
+        if let Layout::Local = self.layout(op) {
+            return self.local.barrier(op);
+        }
+        let mut outbox = Outbox::default();
+        let b = outbox.stage(header(op, 0, 0, self.device), &[]);
+        for (k, &d) in op.group.iter().enumerate() {
+            if k != op.rank {
+                outbox.send(d, b);
+            }
+        }
+        self.transport
+            .exchange(op, 0, outbox, &peers(op, 0))
+            .map(|_| ())
+    }
+}

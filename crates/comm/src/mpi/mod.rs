@@ -1,0 +1,211 @@
+//! MPI: devices in several processes, on one host or many (`mpirun -n P ferrotext ...`).
+//!
+//! [`MpiCluster`] initialises MPI (with `MPI_THREAD_MULTIPLE`: every device thread talks to MPI
+//! on its own) and is the [`Cluster`] a run spans: process `p` of `P` runs devices
+//! `p·L .. (p+1)·L` of a `P·L`-device mesh. Collectives inside a process stay in shared memory;
+//! the others go through non-blocking MPI point-to-point messages (see `backend` for the
+//! algorithms, `transport` for the wire format and the timeout). The trace is recorded by the
+//! [`crate::Communicator`] front end as for every backend, so an MPI run's trace equals the
+//! in-process run's.
+//!
+//! # Invariants
+//! * Every process must run the same program on the same mesh; [`Cluster::agree`] checks inputs
+//!   at start-up, message headers check every collective after that.
+//! * Nothing waits inside MPI without a bound: a collective that does not complete within the
+//!   run's timeout fails with [`CommError::Timeout`] naming the devices it waited for. A process
+//!   that died is normally reported sooner by `mpirun` itself, which ends the job.
+//! * `MpiCluster` must be created and dropped on the main thread (MPI finalises on drop).
+
+mod backend;
+mod transport;
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::Hasher;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ::mpi::environment::Universe;
+use ::mpi::ffi;
+use ::mpi::raw::AsRaw;
+use ::mpi::topology::SimpleCommunicator;
+use ::mpi::traits::{Communicator as _, CommunicatorCollectives as _};
+use ::mpi::Threading;
+
+use crate::cluster::Cluster;
+use crate::communicator::Backend;
+use crate::error::CommError;
+use crate::local::LocalBackend;
+
+use backend::MpiBackend;
+use transport::{error_string, Counters, RawComm, Transport};
+
+/// Bytes this process's devices have sent through MPI since start-up (payload only, headers
+/// excluded).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MpiTraffic {
+    /// To devices of other processes: what crosses the network between hosts.
+    pub to_other_processes: u64,
+    /// To other devices of this process (only flat collectives send these through MPI).
+    pub within_process: u64,
+}
+
+/// This process's membership in an MPI job (see the module docs).
+pub struct MpiCluster {
+    // Field order is drop order: the communicators are freed before the universe finalises MPI.
+    comm: SimpleCommunicator,
+    raw: RawComm,
+    process: usize,
+    processes: usize,
+    on_this_host: usize,
+    library: String,
+    hierarchical: bool,
+    counters: Arc<Counters>,
+    _universe: Universe,
+}
+
+// SAFETY: MPI runs with `MPI_THREAD_MULTIPLE` (checked in `init`), so its handles may be used from
+// any thread concurrently. Device threads only copy the raw communicator handle and update atomic
+// counters; the handles are freed on drop, which (documented) happens on the main thread after
+// every SPMD run has joined its device threads.
+unsafe impl Sync for MpiCluster {}
+
+impl MpiCluster {
+    /// True when this process was started by an MPI launcher (`mpirun`/`mpiexec` of Open MPI,
+    /// MPICH or Intel MPI, or Slurm's `srun` with PMI/PMIx).
+    pub fn launched_by_mpirun() -> bool {
+        [
+            "OMPI_COMM_WORLD_SIZE",
+            "PMI_SIZE",
+            "PMIX_RANK",
+            "MPI_LOCALNRANKS",
+        ]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+    }
+
+    /// Initialises MPI for this process with full thread support.
+    ///
+    /// # Errors
+    /// When MPI was already initialised, or the library cannot give `MPI_THREAD_MULTIPLE`
+    /// ([`CommError::Transport`]).
+    pub fn init() -> Result<MpiCluster, CommError> {
+        let fail = |detail: String| CommError::Transport {
+            kind: crate::CollectiveKind::Barrier,
+            seq: 0,
+            detail,
+        };
+        let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
+            .ok_or_else(|| fail("MPI is already initialised in this process".into()))?;
+        if threading != Threading::Multiple {
+            return Err(fail(format!(
+                "the MPI library gives {threading:?} thread support; ferrotext needs Multiple \
+                 (each device thread calls MPI)"
+            )));
+        }
+        let world = universe.world();
+        let comm = world.duplicate();
+        // SAFETY: `comm` is a live communicator; ERRORS_RETURN makes MPI report errors as codes
+        // (turned into `CommError`s) instead of aborting the process.
+        let rc = unsafe { ffi::MPI_Comm_set_errhandler(comm.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
+        if rc != ffi::MPI_SUCCESS as i32 {
+            return Err(fail(error_string(rc)));
+        }
+        let on_this_host = world.split_shared(world.rank()).size() as usize;
+        let library = ::mpi::environment::library_version()
+            .ok()
+            .and_then(|v| v.split(',').next().map(|l| l.trim().to_string()))
+            .unwrap_or_else(|| "MPI".into());
+        Ok(MpiCluster {
+            raw: RawComm(comm.as_raw()),
+            process: comm.rank() as usize,
+            processes: comm.size() as usize,
+            comm,
+            on_this_host,
+            library,
+            hierarchical: true,
+            counters: Arc::new(Counters::default()),
+            _universe: universe,
+        })
+    }
+
+    /// With `false`, every collective across processes runs flat (each device an MPI peer of
+    /// every other) instead of hierarchically; for comparisons and tests.
+    pub fn set_hierarchical(&mut self, on: bool) {
+        self.hierarchical = on;
+    }
+
+    /// Bytes sent through MPI so far.
+    pub fn traffic(&self) -> MpiTraffic {
+        MpiTraffic {
+            to_other_processes: self.counters.to_other_processes.load(Ordering::Relaxed),
+            within_process: self.counters.within_process.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Ends every process of the job (`MPI_Abort`): the way out after an error, since peers may
+    /// be blocked waiting for this process.
+    pub fn abort(&self, code: i32) -> ! {
+        self.comm.abort(code)
+    }
+}
+
+impl Cluster for MpiCluster {
+    fn process(&self) -> usize {
+        self.process
+    }
+
+    fn processes(&self) -> usize {
+        self.processes
+    }
+
+    fn processes_on_this_host(&self) -> usize {
+        self.on_this_host
+    }
+
+    fn describe(&self) -> String {
+        format!("MPI ({}), {} processes", self.library, self.processes)
+    }
+
+    fn backend(
+        &self,
+        device: usize,
+        devices_per_process: usize,
+        timeout: Duration,
+        local: LocalBackend,
+    ) -> Box<dyn Backend> {
+        let transport = Transport::new(
+            self.raw,
+            device,
+            devices_per_process,
+            timeout,
+            self.counters.clone(),
+        );
+        Box::new(MpiBackend::new(
+            local,
+            transport,
+            device,
+            devices_per_process,
+            self.hierarchical,
+        ))
+    }
+
+    fn agree(&self, what: &str, bytes: &[u8]) -> Result<(), CommError> {
+        let mut hasher = DefaultHasher::new();
+        hasher.write(bytes);
+        let mine = [hasher.finish(), bytes.len() as u64];
+        let mut all = vec![0u64; 2 * self.processes];
+        self.comm.all_gather_into(&mine[..], &mut all[..]);
+        let differing: Vec<usize> = (1..self.processes)
+            .filter(|&p| all[2 * p..2 * p + 2] != all[0..2])
+            .collect();
+        if differing.is_empty() {
+            Ok(())
+        } else {
+            Err(CommError::Disagreement {
+                what: what.into(),
+                differing,
+            })
+        }
+    }
+}

@@ -1,0 +1,402 @@
+//! Non-blocking point-to-point messages between the devices of different (or the same) MPI
+//! processes, waited on with a timeout.
+//!
+//! Every collective of the MPI backend is built from [`Transport::exchange`]: post every receive
+//! and send of one step at once (`MPI_Irecv`/`MPI_Isend`), then poll `MPI_Testall` until all are
+//! done or the timeout passes. Nothing blocks inside MPI, so a peer that never arrives costs at
+//! most the timeout.
+//!
+//! # Invariants
+//! * **Addressing**: device `d` lives in process `d / L`; a message from device `s` to device `t`
+//!   carries tag `(s mod L)·L + (t mod L)`, so the device threads of one process never see each
+//!   other's messages, and MPI's non-overtaking rule keeps each pair's messages in program order.
+//! * **Every message starts with a header** (collective number, kind and stage, payload bytes,
+//!   sender). A receiver checks it against what it expects, so devices that diverge get a
+//!   [`CommError::Mismatch`] instead of summing unrelated data.
+//! * **MPI only ever touches staging buffers owned here.** They are copied in before the sends
+//!   and out after the receives. When a wait times out the requests are still live, so their
+//!   buffers are leaked on purpose (MPI may still write them) and the transport refuses all later
+//!   work: the process is expected to end (the launcher aborts the job).
+
+use std::os::raw::{c_char, c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ::mpi::ffi;
+
+use crate::communicator::OpInfo;
+use crate::error::CommError;
+use crate::trace::CollectiveKind;
+
+/// Header words before every payload.
+const HEADER_WORDS: usize = 4;
+/// Header bytes (payloads start 8-byte aligned after it).
+pub(crate) const HEADER_BYTES: usize = HEADER_WORDS * 8;
+/// Polls before a waiting device starts to sleep between polls.
+const SPIN_POLLS: u32 = 200;
+/// The longest sleep between two polls once spinning is over.
+const MAX_NAP: Duration = Duration::from_micros(200);
+
+/// The MPI communicator handle, shareable between device threads.
+#[derive(Clone, Copy)]
+pub(crate) struct RawComm(pub(crate) ffi::MPI_Comm);
+
+// SAFETY: MPI is initialised with `MPI_THREAD_MULTIPLE` (checked in `MpiCluster::init`), which
+// lets any thread use a communicator handle concurrently; the handle itself is an opaque pointer
+// that MPI owns and frees only at `MpiCluster` drop, after every device thread has joined.
+unsafe impl Send for RawComm {}
+// SAFETY: as above.
+unsafe impl Sync for RawComm {}
+
+/// Bytes this process's devices sent through MPI, by where they went (payload only).
+#[derive(Default, Debug)]
+pub(crate) struct Counters {
+    pub(crate) to_other_processes: AtomicU64,
+    pub(crate) within_process: AtomicU64,
+}
+
+/// A message to send: its destination device and the staging buffer it comes from.
+struct Outgoing {
+    dest: usize,
+    buffer: usize,
+}
+
+/// Everything one device sends in one step of a collective.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    buffers: Vec<Vec<u64>>,
+    messages: Vec<Outgoing>,
+}
+
+impl Outbox {
+    /// Stages `payload` (raw bytes) behind the header; returns its buffer's index.
+    pub(crate) fn stage(&mut self, header: [u64; HEADER_WORDS], payload: &[u8]) -> usize {
+        let words = HEADER_WORDS + payload.len().div_ceil(8);
+        let mut buf = vec![0u64; words];
+        buf[..HEADER_WORDS].copy_from_slice(&header);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+        bytes[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
+        self.buffers.push(buf);
+        self.buffers.len() - 1
+    }
+
+    /// Sends staged buffer `buffer` to device `dest`.
+    pub(crate) fn send(&mut self, dest: usize, buffer: usize) {
+        self.messages.push(Outgoing { dest, buffer });
+    }
+}
+
+/// A received message: header checked, payload bytes at [`Received::payload`].
+pub(crate) struct Received {
+    buf: Vec<u64>,
+    len: usize,
+}
+
+impl Received {
+    /// The payload bytes (8-byte aligned).
+    pub(crate) fn payload(&self) -> &[u8] {
+        &bytemuck::cast_slice::<u64, u8>(&self.buf)[HEADER_BYTES..HEADER_BYTES + self.len]
+    }
+}
+
+/// One device's end of the MPI transport.
+pub(crate) struct Transport {
+    comm: RawComm,
+    device: usize,
+    per_process: usize,
+    timeout: Duration,
+    counters: Arc<Counters>,
+    broken: Option<CommError>,
+}
+
+/// The header a message of step `stage` of `op`, sent by `sender`, carries.
+pub(crate) fn header(op: &OpInfo, stage: u8, payload_bytes: usize, sender: usize) -> [u64; 4] {
+    [
+        op.seq,
+        (u64::from(kind_code(op.kind)) << 8) | u64::from(stage),
+        payload_bytes as u64,
+        sender as u64,
+    ]
+}
+
+fn kind_code(kind: CollectiveKind) -> u8 {
+    match kind {
+        CollectiveKind::AllReduce => 1,
+        CollectiveKind::ReduceScatter => 2,
+        CollectiveKind::AllGather => 3,
+        CollectiveKind::AllToAll => 4,
+        CollectiveKind::Broadcast => 5,
+        CollectiveKind::Barrier => 6,
+    }
+}
+
+impl Transport {
+    pub(crate) fn new(
+        comm: RawComm,
+        device: usize,
+        per_process: usize,
+        timeout: Duration,
+        counters: Arc<Counters>,
+    ) -> Transport {
+        Transport {
+            comm,
+            device,
+            per_process: per_process.max(1),
+            timeout,
+            counters,
+            broken: None,
+        }
+    }
+
+    fn process_of(&self, device: usize) -> c_int {
+        (device / self.per_process) as c_int
+    }
+
+    fn tag(&self, from: usize, to: usize) -> c_int {
+        ((from % self.per_process) * self.per_process + to % self.per_process) as c_int
+    }
+
+    /// Sends every message of `outbox` and receives one message of `payload_bytes` from each of
+    /// `sources`, all at once; returns the received payloads in `sources` order. Every message's
+    /// header must be `header(op, stage, bytes, source)`.
+    ///
+    /// # Errors
+    /// [`CommError::Timeout`] naming the sources still missing; [`CommError::Mismatch`] when a
+    /// header (or length) is not the expected one; [`CommError::Transport`] for MPI errors;
+    /// [`CommError::GroupBroken`] after any earlier failure.
+    pub(crate) fn exchange(
+        &mut self,
+        op: &OpInfo,
+        stage: u8,
+        outbox: Outbox,
+        sources: &[(usize, usize)],
+    ) -> Result<Vec<Received>, CommError> {
+        if let Some(err) = &self.broken {
+            return Err(CommError::GroupBroken {
+                group: op.group.clone(),
+                cause: err.to_string(),
+            });
+        }
+        let result = self.exchange_inner(op, stage, outbox, sources);
+        if let Err(err) = &result {
+            self.broken = Some(err.clone());
+        }
+        result
+    }
+
+    fn exchange_inner(
+        &mut self,
+        op: &OpInfo,
+        stage: u8,
+        outbox: Outbox,
+        sources: &[(usize, usize)],
+    ) -> Result<Vec<Received>, CommError> {
+        let transport_err = |detail: String| CommError::Transport {
+            kind: op.kind,
+            seq: op.seq,
+            detail,
+        };
+        let mut inbox: Vec<Received> = sources
+            .iter()
+            .map(|&(_, bytes)| Received {
+                // One spare word: a longer (mismatched) message is then seen, not truncated.
+                buf: vec![0u64; HEADER_WORDS + bytes.div_ceil(8) + 1],
+                len: bytes,
+            })
+            .collect();
+        let mut requests: Vec<ffi::MPI_Request> =
+            Vec::with_capacity(sources.len() + outbox.messages.len());
+        for (&(source, _), slot) in sources.iter().zip(inbox.iter_mut()) {
+            let bytes = slot.buf.len() * 8;
+            let count = c_int::try_from(bytes).map_err(|_| {
+                transport_err(format!(
+                    "a message of {bytes} bytes exceeds MPI's int count"
+                ))
+            })?;
+            // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
+            let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
+            // SAFETY: the receive buffer is a live allocation of `count` bytes owned by `inbox`,
+            // which is leaked (never freed) if we stop waiting before the request completes.
+            let rc = unsafe {
+                ffi::MPI_Irecv(
+                    slot.buf.as_mut_ptr().cast::<c_void>(),
+                    count,
+                    ffi::RSMPI_UINT8_T,
+                    self.process_of(source),
+                    self.tag(source, self.device),
+                    self.comm.0,
+                    &mut request,
+                )
+            };
+            check(rc).map_err(transport_err)?;
+            requests.push(request);
+        }
+        for message in &outbox.messages {
+            let buf = &outbox.buffers[message.buffer];
+            let bytes = buf.len() * 8;
+            let count = c_int::try_from(bytes).map_err(|_| {
+                transport_err(format!(
+                    "a message of {bytes} bytes exceeds MPI's int count"
+                ))
+            })?;
+            // SAFETY: see above.
+            let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
+            // SAFETY: the send buffer is owned by `outbox`, which is leaked if we stop waiting
+            // before the request completes; MPI only reads it.
+            let rc = unsafe {
+                ffi::MPI_Isend(
+                    buf.as_ptr().cast::<c_void>(),
+                    count,
+                    ffi::RSMPI_UINT8_T,
+                    self.process_of(message.dest),
+                    self.tag(self.device, message.dest),
+                    self.comm.0,
+                    &mut request,
+                )
+            };
+            check(rc).map_err(transport_err)?;
+            requests.push(request);
+            let counter = if self.process_of(message.dest) == self.process_of(self.device) {
+                &self.counters.within_process
+            } else {
+                &self.counters.to_other_processes
+            };
+            counter.fetch_add(buf[2], Ordering::Relaxed);
+        }
+        // SAFETY: an `MPI_Status` is a plain C struct of integers; all-zero is a valid value.
+        let mut statuses: Vec<ffi::MPI_Status> =
+            vec![unsafe { std::mem::zeroed() }; requests.len()];
+        let started = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let mut done: c_int = 0;
+            // SAFETY: `requests` and `statuses` have the same length and stay alive for the call.
+            let rc = unsafe {
+                ffi::MPI_Testall(
+                    requests.len() as c_int,
+                    requests.as_mut_ptr(),
+                    &mut done,
+                    statuses.as_mut_ptr(),
+                )
+            };
+            if rc != ffi::MPI_SUCCESS as c_int {
+                let detail = statuses
+                    .iter()
+                    .map(|s| s.MPI_ERROR)
+                    .find(|&e| e != ffi::MPI_SUCCESS as c_int)
+                    .map_or_else(|| error_string(rc), error_string);
+                std::mem::forget(inbox);
+                std::mem::forget(outbox);
+                return Err(transport_err(detail));
+            }
+            if done != 0 {
+                break;
+            }
+            if started.elapsed() >= self.timeout {
+                let missing = self.still_missing(&mut requests[..sources.len()], sources);
+                // MPI may still write the receive buffers and read the send buffers.
+                std::mem::forget(inbox);
+                std::mem::forget(outbox);
+                return Err(CommError::Timeout {
+                    kind: op.kind,
+                    seq: op.seq,
+                    axes: op.axes.clone(),
+                    waited: started.elapsed(),
+                    missing,
+                });
+            }
+            polls += 1;
+            if polls < SPIN_POLLS {
+                std::thread::yield_now();
+            } else {
+                let nap = Duration::from_micros(u64::from((polls - SPIN_POLLS).min(200)));
+                std::thread::sleep(nap.min(MAX_NAP));
+            }
+        }
+        for (k, (&(source, bytes), slot)) in sources.iter().zip(&inbox).enumerate() {
+            let mut received: c_int = 0;
+            // SAFETY: the status was filled by the completed `MPI_Testall`.
+            unsafe { ffi::MPI_Get_count(&statuses[k], ffi::RSMPI_UINT8_T, &mut received) };
+            let expected = header(op, stage, bytes, source);
+            let got: [u64; HEADER_WORDS] = slot.buf[..HEADER_WORDS].try_into().unwrap_or_default();
+            let want_len = (HEADER_WORDS + bytes.div_ceil(8)) * 8;
+            if received as usize != want_len || got != expected {
+                return Err(CommError::Mismatch {
+                    seq: op.seq,
+                    device: self.device,
+                    mine: format!(
+                        "{} (expecting {bytes} bytes in step {stage})",
+                        op.describe()
+                    ),
+                    other_device: source,
+                    theirs: describe_header(&got, received as usize),
+                });
+            }
+        }
+        Ok(inbox)
+    }
+
+    /// The sources whose receive has not completed (tests each once more).
+    fn still_missing(
+        &self,
+        receives: &mut [ffi::MPI_Request],
+        sources: &[(usize, usize)],
+    ) -> Vec<usize> {
+        let mut missing = Vec::new();
+        for (request, &(source, _)) in receives.iter_mut().zip(sources) {
+            let mut done: c_int = 0;
+            // SAFETY: a live (or already null) request handle; the status is ignored.
+            unsafe { ffi::MPI_Test(request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+            if done == 0 {
+                missing.push(source);
+            }
+        }
+        missing
+    }
+}
+
+fn check(rc: c_int) -> Result<(), String> {
+    if rc == ffi::MPI_SUCCESS as c_int {
+        Ok(())
+    } else {
+        Err(error_string(rc))
+    }
+}
+
+/// MPI's text for an error code.
+pub(crate) fn error_string(code: c_int) -> String {
+    let mut text = vec![0 as c_char; ffi::MPI_MAX_ERROR_STRING as usize + 1];
+    let mut len: c_int = 0;
+    // SAFETY: the buffer holds MPI_MAX_ERROR_STRING characters, as the call requires.
+    let rc = unsafe { ffi::MPI_Error_string(code, text.as_mut_ptr(), &mut len) };
+    if rc != ffi::MPI_SUCCESS as c_int {
+        return format!("MPI error code {code}");
+    }
+    let bytes: Vec<u8> = text[..len.max(0) as usize]
+        .iter()
+        .map(|&c| c as u8)
+        .collect();
+    format!(
+        "{} (MPI error code {code})",
+        String::from_utf8_lossy(&bytes)
+    )
+}
+
+fn describe_header(h: &[u64; HEADER_WORDS], received: usize) -> String {
+    let kind = match h[1] >> 8 {
+        1 => "all_reduce",
+        2 => "reduce_scatter",
+        3 => "all_gather",
+        4 => "all_to_all",
+        5 => "broadcast",
+        6 => "barrier",
+        _ => "an unknown collective",
+    };
+    format!(
+        "{kind} #{} (step {}, {} payload bytes; message of {received} bytes)",
+        h[0],
+        h[1] & 0xff,
+        h[2]
+    )
+}

@@ -1,0 +1,396 @@
+//! Multi-process runs under `mpirun` (feature `mpi`): collectives against a serial reference,
+//! the hierarchical algorithm's traffic, failures that end the job, and training that equals the
+//! in-process run — losses, schedule and checkpoints.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One MPI job at a time: they share the machine's cores.
+static JOBS: Mutex<()> = Mutex::new(());
+
+const EXE: &str = env!("CARGO_BIN_EXE_ferrotext");
+
+fn mpirun_command(processes: usize, args: &[&str]) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-n"])
+        .arg(processes.to_string())
+        .arg(EXE)
+        .args(args);
+    cmd
+}
+
+fn mpirun(processes: usize, args: &[&str]) -> Output {
+    mpirun_command(processes, args)
+        .output()
+        .expect("mpirun runs (install openmpi-bin)")
+}
+
+fn local(args: &[&str]) -> Output {
+    Command::new(EXE)
+        .args(args)
+        .output()
+        .expect("ferrotext runs")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn succeeded(out: &Output) -> String {
+    let (stdout, stderr) = text(out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    stdout
+}
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotext-mpi-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn collectives_across_processes_equal_the_serial_reference() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let cases: &[(usize, &str, &str, bool)] = &[
+        (2, "data=4", "data", false),
+        (2, "data=4", "data", true),
+        (4, "data=4", "data", false),
+        (2, "data=2,tensor=2", "data,tensor", false),
+        (2, "data=2,tensor=2", "tensor,data", false),
+        (2, "data=2,tensor=2", "data", false),
+        (2, "data=2,tensor=2", "tensor", false),
+        (4, "data=2,tensor=4", "data,tensor", false),
+    ];
+    for &(processes, mesh, axes, flat) in cases {
+        let mut args = vec![
+            "collectives",
+            "--mesh",
+            mesh,
+            "--axes",
+            axes,
+            "--elements",
+            "1001",
+        ];
+        if flat {
+            args.push("--flat");
+        }
+        let stdout = succeeded(&mpirun(processes, &args));
+        let ok = stdout
+            .lines()
+            .filter(|l| l.contains("equal the serial reference"))
+            .count();
+        assert_eq!(
+            ok, processes,
+            "{processes} processes, {mesh} over {axes}:\n{stdout}"
+        );
+    }
+}
+
+/// Bytes process `p` sent to other processes and within itself, from the demo's report.
+fn traffic(stdout: &str) -> Vec<(u64, u64)> {
+    let mut rows: Vec<(usize, u64, u64)> = stdout
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("process ")?;
+            let (p, rest) = rest.split_once(": mpi bytes to other processes ")?;
+            let (other, within) = rest.split_once(", within this process ")?;
+            Some((p.parse().ok()?, other.parse().ok()?, within.parse().ok()?))
+        })
+        .collect();
+    rows.sort();
+    rows.into_iter().map(|(_, o, w)| (o, w)).collect()
+}
+
+#[test]
+fn hierarchical_all_reduce_sends_one_lth_of_the_flat_bytes_between_processes() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    for (mesh, per_process) in [("data=4", 2u64), ("data=8", 4)] {
+        let run = |flat: bool| {
+            let mut args = vec![
+                "collectives",
+                "--mesh",
+                mesh,
+                "--elements",
+                "65536",
+                "--micro-batches",
+                "0",
+                "--all-reduce-only",
+            ];
+            if flat {
+                args.push("--flat");
+            }
+            traffic(&succeeded(&mpirun(2, &args)))
+        };
+        let (hierarchical, flat) = (run(false), run(true));
+        assert_eq!(hierarchical.len(), 2, "{hierarchical:?}");
+        for (h, f) in hierarchical.iter().zip(&flat) {
+            assert!(
+                h.0 > 0,
+                "the hierarchical all-reduce crossed processes: {h:?}"
+            );
+            assert_eq!(
+                h.0 * per_process,
+                f.0,
+                "{mesh}: hierarchical {h:?}, flat {f:?}"
+            );
+            // Mirror: the flat algorithm also sends to its own process's devices through MPI;
+            // the hierarchical one keeps those in shared memory.
+            assert_eq!(h.1, 0);
+            assert!(f.1 > 0);
+        }
+    }
+}
+
+#[test]
+fn a_diverging_device_ends_the_job_with_a_mismatch_error() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let out = mpirun(
+        2,
+        &[
+            "collectives",
+            "--mesh",
+            "data=2",
+            "--diverge-device",
+            "1",
+            "--timeout-seconds",
+            "20",
+        ],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stderr.contains("collective mismatch at collective #4"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_stalled_process_ends_the_job_with_a_timeout_error_within_the_timeout() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let started = Instant::now();
+    let out = mpirun(
+        2,
+        &[
+            "collectives",
+            "--mesh",
+            "data=2",
+            "--stall-device",
+            "1",
+            "--timeout-seconds",
+            "2",
+        ],
+    );
+    let elapsed = started.elapsed();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("timed out after") && stderr.contains("devices [1] never arrived"),
+        "{stderr}"
+    );
+    // Ended by the 2 s timeout, not by the 6 s stall.
+    assert!(elapsed < Duration::from_secs(6), "took {elapsed:?}");
+}
+
+#[test]
+fn killing_one_process_ends_the_job_with_a_clear_error() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("kill");
+    let out_dir = format!("base_output_directory={}", dir.display());
+    let child = mpirun_command(2, &["train", "local_devices=2", "steps=100000", &out_dir])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    // Wait until both processes run, then kill process 1 (its PID is the later child).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let victim = loop {
+        let pids = Command::new("pgrep")
+            .args(["-P", &child.id().to_string()])
+            .output()
+            .expect("pgrep runs");
+        let pids: Vec<String> = String::from_utf8_lossy(&pids.stdout)
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        if pids.len() == 2 {
+            std::thread::sleep(Duration::from_secs(2)); // well into training
+            break pids[1].clone();
+        }
+        assert!(Instant::now() < deadline, "the MPI processes did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Command::new("kill")
+        .args(["-9", &victim])
+        .status()
+        .expect("kill runs");
+    let killed = Instant::now();
+    let out = child.wait_with_output().expect("mpirun ends");
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("exited on signal 9"), "{stderr}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        killed.elapsed()
+    );
+}
+
+/// `(loss, grad_norm)` per step from a run's metrics file.
+fn metrics(dir: &Path, run: &str) -> Vec<(f64, f64)> {
+    let text = std::fs::read_to_string(dir.join(run).join("metrics.jsonl")).expect("metrics");
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json line");
+            (
+                v["loss"].as_f64().unwrap_or(f64::NAN),
+                v["grad_norm"].as_f64().unwrap_or(f64::NAN),
+            )
+        })
+        .collect()
+}
+
+/// The per-phase collective table a run prints.
+fn schedule(stdout: &str) -> String {
+    stdout
+        .split("collectives of device 0 (all steps):")
+        .nth(1)
+        .and_then(|rest| rest.split("metrics:").next())
+        .unwrap_or("")
+        .to_string()
+}
+
+fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(b) {
+        assert!(
+            (x.0 - y.0).abs() <= 1e-6 && (x.1 - y.1).abs() <= 1e-6,
+            "{what}: {a:?} vs {b:?}"
+        );
+    }
+}
+
+#[test]
+fn mpi_training_equals_the_local_run_and_repeats_bitwise() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("train");
+    let out_dir = format!("base_output_directory={}", dir.display());
+    let common = [
+        "train",
+        "steps=3",
+        "gradient_accumulation_steps=4",
+        &out_dir,
+    ];
+    let with = |extra: &[&'static str], run: &'static str| -> Vec<String> {
+        let mut v: Vec<String> = common.iter().map(|s| s.to_string()).collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v.push(format!("run_name={run}"));
+        v
+    };
+    let first = succeeded(&mpirun(4, &refs(&with(&["local_devices=1"], "mpi_a"))));
+    let _ = succeeded(&mpirun(4, &refs(&with(&["local_devices=1"], "mpi_b"))));
+    let hybrid = succeeded(&mpirun(2, &refs(&with(&["local_devices=2"], "hybrid"))));
+    let alone = succeeded(&local(&refs(&with(&["local_devices=4"], "local"))));
+    assert!(first.contains("MPI (Open MPI"), "{first}");
+
+    let (a, b) = (metrics(&dir, "mpi_a"), metrics(&dir, "mpi_b"));
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, b, "two MPI runs are bitwise equal");
+    assert!(a[2].0 < a[0].0, "the loss falls: {a:?}");
+    assert_close(
+        &a,
+        &metrics(&dir, "local"),
+        "mpirun -n 4 vs 4 local devices",
+    );
+    assert_close(
+        &metrics(&dir, "hybrid"),
+        &metrics(&dir, "local"),
+        "2 processes × 2 devices vs 4 local",
+    );
+
+    // The same schedule: only the loss all-reduce in micro-batches, the gradients in update.
+    let (mpi_schedule, local_schedule) = (schedule(&first), schedule(&alone));
+    assert!(
+        mpi_schedule.contains("micro_batch 3  all_reduce  3      12 B"),
+        "{mpi_schedule}"
+    );
+    assert_eq!(mpi_schedule, local_schedule);
+    assert_eq!(schedule(&hybrid), local_schedule);
+}
+
+/// Copies checkpoint `name` of run `from` into a fresh run `to`, as its latest.
+fn adopt_checkpoint(dir: &Path, from: &str, name: &str, to: &str) {
+    let src = dir.join(from).join("checkpoints").join(name);
+    let dst_root = dir.join(to).join("checkpoints");
+    std::fs::create_dir_all(dst_root.join(name)).expect("mkdir");
+    for entry in std::fs::read_dir(&src).expect("checkpoint dir") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), dst_root.join(name).join(entry.file_name())).expect("copy");
+    }
+    std::fs::write(dst_root.join("latest"), name).expect("latest");
+}
+
+#[test]
+fn mid_step_checkpoints_move_between_mpi_and_local_runs() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("ckpt");
+    let out_dir = format!("base_output_directory={}", dir.display());
+    let args = |run: &str, devices: &str| -> Vec<String> {
+        [
+            "train",
+            "steps=2",
+            "gradient_accumulation_steps=4",
+            "enable_checkpointing=true",
+            "checkpoint_micro_batch_period=2",
+            devices,
+            &out_dir,
+            &format!("run_name={run}"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    succeeded(&mpirun(4, &refs(&args("mpi", "local_devices=1"))));
+    succeeded(&local(&refs(&args("local", "local_devices=4"))));
+    let whole = metrics(&dir, "local");
+    assert_close(&metrics(&dir, "mpi"), &whole, "uninterrupted runs");
+
+    // Written under MPI in the middle of step 1, finished by 4 local devices, and vice versa.
+    let mid = "step_00000001_micro_002";
+    adopt_checkpoint(&dir, "mpi", mid, "to_local");
+    succeeded(&local(&refs(&args("to_local", "local_devices=4"))));
+    adopt_checkpoint(&dir, "local", mid, "to_mpi");
+    succeeded(&mpirun(4, &refs(&args("to_mpi", "local_devices=1"))));
+    for run in ["to_local", "to_mpi"] {
+        let resumed = metrics(&dir, run);
+        assert_eq!(resumed.len(), 1, "{run} ran only the rest of step 1");
+        assert_close(&resumed, &whole[1..], run);
+    }
+}
+
+#[test]
+fn processes_started_with_different_configs_stop_at_start_up() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe"])
+        .args(["-n", "1", EXE, "train", "local_devices=1", "steps=3"])
+        .arg(":")
+        .args(["-n", "1", EXE, "train", "local_devices=1", "steps=4"])
+        .output()
+        .expect("mpirun runs");
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("disagree on the config: processes [1] differ from process 0"),
+        "{stderr}"
+    );
+}
