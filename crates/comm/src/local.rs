@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use ferrotext_sharding::Mesh;
 
 use crate::communicator::{Backend, OpInfo};
-use crate::element::{Buf, BufMut, Element};
+use crate::element::{dispatch_mut, dispatch_pair, Buf, BufMut, Element};
 use crate::error::CommError;
 
 /// Elements summed per block: 16 KiB of f32 accumulators stay in L1.
@@ -387,30 +387,6 @@ fn ptrs<T>(slots: &[Slot], pick: impl Fn(&Slot) -> usize) -> Vec<*mut T> {
     slots.iter().map(|s| pick(s) as *mut T).collect()
 }
 
-macro_rules! typed {
-    ($buf:expr, $b:ident => $body:expr) => {
-        match $buf {
-            BufMut::F32($b) => $body,
-            BufMut::BF16($b) => $body,
-        }
-    };
-}
-
-macro_rules! typed2 {
-    ($input:expr, $output:expr, $i:ident, $o:ident => $body:expr, $op:expr) => {
-        match ($input, $output) {
-            (Buf::F32($i), BufMut::F32($o)) => $body,
-            (Buf::BF16($i), BufMut::BF16($o)) => $body,
-            _ => Err(CommError::BadBuffer {
-                kind: $op.kind,
-                axes: $op.axes.clone(),
-                group_size: $op.group.len(),
-                reason: "input and output have different element types".into(),
-            }),
-        }
-    };
-}
-
 impl LocalBackend {
     fn all_reduce_typed<T: Element>(
         &mut self,
@@ -497,7 +473,7 @@ impl LocalBackend {
 
 impl Backend for LocalBackend {
     fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        typed!(buf, b => self.all_reduce_typed(op, b))
+        dispatch_mut!(buf, b => self.all_reduce_typed(op, b))
     }
 
     fn reduce_scatter(
@@ -506,7 +482,7 @@ impl Backend for LocalBackend {
         input: Buf<'_>,
         output: BufMut<'_>,
     ) -> Result<(), CommError> {
-        typed2!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
+        dispatch_pair!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
     }
 
     fn all_gather(
@@ -515,7 +491,7 @@ impl Backend for LocalBackend {
         input: Buf<'_>,
         output: BufMut<'_>,
     ) -> Result<(), CommError> {
-        typed2!(input, output, i, o => self.all_gather_typed(op, i, o), op)
+        dispatch_pair!(input, output, i, o => self.all_gather_typed(op, i, o), op)
     }
 
     fn all_to_all(
@@ -524,11 +500,11 @@ impl Backend for LocalBackend {
         input: Buf<'_>,
         output: BufMut<'_>,
     ) -> Result<(), CommError> {
-        typed2!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
+        dispatch_pair!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
     }
 
     fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        typed!(buf, b => self.broadcast_typed(op, b))
+        dispatch_mut!(buf, b => self.broadcast_typed(op, b))
     }
 
     fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {

@@ -15,7 +15,7 @@
 //!   flat order). All-to-all, broadcast and barrier always run flat.
 
 use crate::communicator::{Backend, OpInfo};
-use crate::element::{Buf, BufMut, Element};
+use crate::element::{dispatch_mut, dispatch_pair, Buf, BufMut, Element};
 use crate::error::CommError;
 use crate::local::{chunk, LocalBackend};
 use crate::trace::CollectiveKind;
@@ -501,33 +501,9 @@ fn flat_all_gather<T: Element>(
     Ok(())
 }
 
-macro_rules! typed_mut {
-    ($buf:expr, $b:ident => $body:expr) => {
-        match $buf {
-            BufMut::F32($b) => $body,
-            BufMut::BF16($b) => $body,
-        }
-    };
-}
-
-macro_rules! typed_pair {
-    ($input:expr, $output:expr, $i:ident, $o:ident => $body:expr, $op:expr) => {
-        match ($input, $output) {
-            (Buf::F32($i), BufMut::F32($o)) => $body,
-            (Buf::BF16($i), BufMut::BF16($o)) => $body,
-            _ => Err(CommError::BadBuffer {
-                kind: $op.kind,
-                axes: $op.axes.clone(),
-                group_size: $op.group.len(),
-                reason: "input and output have different element types".into(),
-            }),
-        }
-    };
-}
-
 impl Backend for MpiBackend {
     fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        typed_mut!(buf, b => self.all_reduce_typed(op, b))
+        dispatch_mut!(buf, b => self.all_reduce_typed(op, b))
     }
 
     fn reduce_scatter(
@@ -536,7 +512,7 @@ impl Backend for MpiBackend {
         input: Buf<'_>,
         output: BufMut<'_>,
     ) -> Result<(), CommError> {
-        typed_pair!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
+        dispatch_pair!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
     }
 
     fn all_gather(
@@ -545,7 +521,7 @@ impl Backend for MpiBackend {
         input: Buf<'_>,
         output: BufMut<'_>,
     ) -> Result<(), CommError> {
-        typed_pair!(input, output, i, o => self.all_gather_typed(op, i, o), op)
+        dispatch_pair!(input, output, i, o => self.all_gather_typed(op, i, o), op)
     }
 
     fn all_to_all(
@@ -554,11 +530,11 @@ impl Backend for MpiBackend {
         input: Buf<'_>,
         output: BufMut<'_>,
     ) -> Result<(), CommError> {
-        typed_pair!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
+        dispatch_pair!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
     }
 
     fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        typed_mut!(buf, b => self.broadcast_typed(op, b))
+        dispatch_mut!(buf, b => self.broadcast_typed(op, b))
     }
 
     fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
