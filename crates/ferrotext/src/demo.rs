@@ -33,7 +33,7 @@ pub struct CollectivesArgs {
     /// Make this device issue a different collective in `update` (tests the mismatch path).
     #[arg(long, hide = true)]
     diverge_device: Option<usize>,
-    /// Make this device stall before `update` for three timeouts (tests the timeout path).
+    /// Make this device stall before `update` for ten timeouts (tests the timeout path).
     #[arg(long, hide = true)]
     stall_device: Option<usize>,
     /// Collective timeout in seconds.
@@ -107,7 +107,7 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
         }
         if args.stall_device == Some(me) {
             std::thread::sleep(std::time::Duration::from_secs_f64(
-                3.0 * args.timeout_seconds,
+                10.0 * args.timeout_seconds,
             ));
         }
         comm.push_phase("update");

@@ -197,8 +197,9 @@ fn a_stalled_process_ends_the_job_with_a_timeout_error_within_the_timeout() {
         stderr.contains("timed out after") && stderr.contains("devices [1] never arrived"),
         "{stderr}"
     );
-    // Ended by the 2 s timeout, not by the 6 s stall.
-    assert!(elapsed < Duration::from_secs(6), "took {elapsed:?}");
+    // Ended by the 2 s timeout, not by the end of the 20 s stall (after which the run would
+    // have succeeded): the error above already says so; this bounds the wait.
+    assert!(elapsed < Duration::from_secs(20), "took {elapsed:?}");
 }
 
 #[test]

@@ -20,7 +20,7 @@ use crate::error::CommError;
 use crate::local::{chunk, LocalBackend};
 use crate::trace::CollectiveKind;
 
-use super::transport::{header, Outbox, Received, Transport};
+use super::transport::{header, Received, Transport};
 
 /// How a group is laid out over processes, from one member's point of view.
 enum Layout {
@@ -135,13 +135,17 @@ impl MpiBackend {
             } => {
                 let m = local.len();
                 let part = buf.len().div_ceil(m);
-                let mut padded = vec![T::default(); part * m];
-                padded[..buf.len()].copy_from_slice(buf);
+                // Pad only when the buffer does not split evenly over the local members.
+                let mut padded = Vec::new();
+                if buf.len() != part * m {
+                    padded = vec![T::default(); part * m];
+                    padded[..buf.len()].copy_from_slice(buf);
+                }
                 let mut mine = vec![T::default(); part];
-                let stage =
-                    Self::local_stage(op, CollectiveKind::ReduceScatter, &local, j, part * m);
+                let rs = Self::local_stage(op, CollectiveKind::ReduceScatter, &local, j, part * m);
+                let whole: &mut [T] = if padded.is_empty() { buf } else { &mut padded };
                 self.local
-                    .reduce_scatter(&stage, T::buf(&padded), T::buf_mut(&mut mine))?;
+                    .reduce_scatter(&rs, T::buf(whole), T::buf_mut(&mut mine))?;
                 let cross = Self::cross(op, &members, j);
                 let cross_op = OpInfo {
                     group: cross.clone(),
@@ -150,11 +154,13 @@ impl MpiBackend {
                     ..op.clone()
                 };
                 flat_all_reduce(&mut self.transport, &cross_op, 0, &cross, p, &mut mine)?;
-                let stage = Self::local_stage(op, CollectiveKind::AllGather, &local, j, part * m);
+                let ag = Self::local_stage(op, CollectiveKind::AllGather, &local, j, part * m);
                 self.local
-                    .all_gather(&stage, T::buf(&mine), T::buf_mut(&mut padded))?;
-                let len = buf.len();
-                buf.copy_from_slice(&padded[..len]);
+                    .all_gather(&ag, T::buf(&mine), T::buf_mut(whole))?;
+                if !padded.is_empty() {
+                    let len = buf.len();
+                    buf.copy_from_slice(&padded[..len]);
+                }
                 Ok(())
             }
         }
@@ -274,7 +280,7 @@ impl MpiBackend {
         let n = op.group.len();
         let size = input.len() / n;
         let me = self.device;
-        let mut outbox = Outbox::default();
+        let mut outbox = self.transport.outbox();
         for (k, &d) in op.group.iter().enumerate() {
             if k != op.rank {
                 let bytes = bytes_of(&input[k * size..(k + 1) * size]);
@@ -293,6 +299,7 @@ impl MpiBackend {
                 dst.copy_from_slice(typed::<T>(r));
             }
         }
+        self.transport.recycle(received);
         Ok(())
     }
 
@@ -303,7 +310,7 @@ impl MpiBackend {
         let me = self.device;
         let bytes = std::mem::size_of_val(buf);
         if op.rank == op.root {
-            let mut outbox = Outbox::default();
+            let mut outbox = self.transport.outbox();
             let b = outbox.stage(header(op, 0, bytes, me), bytes_of(buf));
             for (k, &d) in op.group.iter().enumerate() {
                 if k != op.rank {
@@ -312,12 +319,14 @@ impl MpiBackend {
             }
             self.transport.exchange(op, 0, outbox, &[])?;
         } else {
-            let received =
-                self.transport
-                    .exchange(op, 0, Outbox::default(), &[(op.group[op.root], bytes)])?;
+            let outbox = self.transport.outbox();
+            let received = self
+                .transport
+                .exchange(op, 0, outbox, &[(op.group[op.root], bytes)])?;
             if let Some(r) = received.first() {
                 buf.copy_from_slice(typed::<T>(r));
             }
+            self.transport.recycle(received);
         }
         Ok(())
     }
@@ -355,7 +364,7 @@ fn flat_all_reduce<T: Element>(
     let len = buf.len();
     let size = std::mem::size_of::<T>();
     // 1. chunk k to member k; sum the copies of chunk r in rank order.
-    let mut outbox = Outbox::default();
+    let mut outbox = transport.outbox();
     for (k, &d) in members.iter().enumerate() {
         if k != r {
             let bytes = bytes_of(&buf[chunk(len, n, k)]);
@@ -371,27 +380,11 @@ fn flat_all_reduce<T: Element>(
         .map(|(_, &d)| (d, own.len() * size))
         .collect();
     let received = transport.exchange(op, stage, outbox, &sources)?;
-    let mut acc = vec![0f32; own.len()];
-    let mut it = received.iter();
-    for k in 0..n {
-        let part: &[T] = if k == r {
-            &buf[own.clone()]
-        } else {
-            it.next().map_or(&[], typed::<T>)
-        };
-        if k == 0 {
-            acc.iter_mut().zip(part).for_each(|(a, &x)| *a = x.to_f32());
-        } else {
-            acc.iter_mut()
-                .zip(part)
-                .for_each(|(a, &x)| *a += x.to_f32());
-        }
-    }
-    for (d, &a) in buf[own.clone()].iter_mut().zip(&acc) {
-        *d = T::from_f32(a);
-    }
+    let others: Vec<&[T]> = received.iter().map(typed::<T>).collect();
+    sum_in_rank_order(&mut buf[own.clone()], r, &others);
+    transport.recycle(received);
     // 2. the summed chunk r to everyone; chunk k from member k.
-    let mut outbox = Outbox::default();
+    let mut outbox = transport.outbox();
     let bytes = bytes_of(&buf[own.clone()]);
     let b = outbox.stage(header(op, stage + 1, bytes.len(), me), bytes);
     for (k, &d) in members.iter().enumerate() {
@@ -412,7 +405,41 @@ fn flat_all_reduce<T: Element>(
             buf[chunk(len, n, k)].copy_from_slice(typed::<T>(msg));
         }
     }
+    transport.recycle(received);
     Ok(())
+}
+
+/// Elements summed per block (16 KiB of `f32` accumulators, as in the in-process backend).
+const BLOCK: usize = 4096;
+
+/// `mine` = the sum, in rank order and in `f32`, of the `others` (every member's part but this
+/// one's, in rank order) with `mine`'s current value inserted at rank `r`: the in-process
+/// backend's order, so results are bitwise equal to it.
+fn sum_in_rank_order<T: Element>(mine: &mut [T], r: usize, others: &[&[T]]) {
+    let mut acc = [0f32; BLOCK];
+    let mut start = 0;
+    while start < mine.len() {
+        let end = (start + BLOCK).min(mine.len());
+        let acc = &mut acc[..end - start];
+        for k in 0..=others.len() {
+            let part: &[T] = match k.cmp(&r) {
+                std::cmp::Ordering::Equal => &mine[start..end],
+                std::cmp::Ordering::Less => &others[k][start..end],
+                std::cmp::Ordering::Greater => &others[k - 1][start..end],
+            };
+            if k == 0 {
+                acc.iter_mut().zip(part).for_each(|(a, &x)| *a = x.to_f32());
+            } else {
+                acc.iter_mut()
+                    .zip(part)
+                    .for_each(|(a, &x)| *a += x.to_f32());
+            }
+        }
+        for (d, &a) in mine[start..end].iter_mut().zip(acc.iter()) {
+            *d = T::from_f32(a);
+        }
+        start = end;
+    }
 }
 
 /// Flat reduce-scatter: `output` = block `r` of the rank-order sum of every member's `input`.
@@ -426,7 +453,7 @@ fn flat_reduce_scatter<T: Element>(
 ) -> Result<(), CommError> {
     let size = output.len();
     let me = members[r];
-    let mut outbox = Outbox::default();
+    let mut outbox = transport.outbox();
     for (k, &d) in members.iter().enumerate() {
         if k != r {
             let bytes = bytes_of(&input[k * size..(k + 1) * size]);
@@ -441,25 +468,10 @@ fn flat_reduce_scatter<T: Element>(
         .map(|(_, &d)| (d, std::mem::size_of_val(output)))
         .collect();
     let received = transport.exchange(op, 0, outbox, &sources)?;
-    let mut acc = vec![0f32; size];
-    let mut it = received.iter();
-    for k in 0..members.len() {
-        let part: &[T] = if k == r {
-            &input[r * size..(r + 1) * size]
-        } else {
-            it.next().map_or(&[], typed::<T>)
-        };
-        if k == 0 {
-            acc.iter_mut().zip(part).for_each(|(a, &x)| *a = x.to_f32());
-        } else {
-            acc.iter_mut()
-                .zip(part)
-                .for_each(|(a, &x)| *a += x.to_f32());
-        }
-    }
-    for (o, &a) in output.iter_mut().zip(&acc) {
-        *o = T::from_f32(a);
-    }
+    output.copy_from_slice(&input[r * size..(r + 1) * size]);
+    let others: Vec<&[T]> = received.iter().map(typed::<T>).collect();
+    sum_in_rank_order(output, r, &others);
+    transport.recycle(received);
     Ok(())
 }
 
@@ -474,7 +486,7 @@ fn flat_all_gather<T: Element>(
 ) -> Result<(), CommError> {
     let size = input.len();
     let me = members[r];
-    let mut outbox = Outbox::default();
+    let mut outbox = transport.outbox();
     let bytes = bytes_of(input);
     let b = outbox.stage(header(op, 0, bytes.len(), me), bytes);
     for (k, &d) in members.iter().enumerate() {
@@ -498,6 +510,7 @@ fn flat_all_gather<T: Element>(
             dst.copy_from_slice(typed::<T>(msg));
         }
     }
+    transport.recycle(received);
     Ok(())
 }
 
@@ -541,7 +554,7 @@ impl Backend for MpiBackend {
         if let Layout::Local = self.layout(op) {
             return self.local.barrier(op);
         }
-        let mut outbox = Outbox::default();
+        let mut outbox = self.transport.outbox();
         let b = outbox.stage(header(op, 0, 0, self.device), &[]);
         for (k, &d) in op.group.iter().enumerate() {
             if k != op.rank {

@@ -64,18 +64,64 @@ struct Outgoing {
     buffer: usize,
 }
 
-/// Everything one device sends in one step of a collective.
+/// Staging buffers kept between collectives: a fresh multi-MiB allocation per message costs a
+/// page fault per 4 KiB on first touch (most of a large all-reduce's time before the pool).
 #[derive(Default)]
+struct Pool {
+    free: Vec<Vec<u64>>,
+}
+
+/// Buffers the pool keeps at most (the largest are kept).
+const POOL_BUFFERS: usize = 16;
+
+impl Pool {
+    /// A buffer of exactly `words` words (contents unspecified but initialised): the smallest free
+    /// one that fits, else the largest grown.
+    fn take(&mut self, words: usize) -> Vec<u64> {
+        let fit = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= words)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let largest = || {
+            self.free
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i)
+        };
+        let mut buf = match fit.or_else(largest) {
+            Some(i) => self.free.swap_remove(i),
+            None => Vec::new(),
+        };
+        buf.resize(words, 0);
+        buf
+    }
+
+    fn give(&mut self, buffers: impl IntoIterator<Item = Vec<u64>>) {
+        self.free.extend(buffers);
+        if self.free.len() > POOL_BUFFERS {
+            self.free.sort_by_key(|b| std::cmp::Reverse(b.capacity()));
+            self.free.truncate(POOL_BUFFERS);
+        }
+    }
+}
+
+/// Everything one device sends in one step of a collective (get one from
+/// [`Transport::outbox`], which lends it the pooled buffers).
 pub(crate) struct Outbox {
     buffers: Vec<Vec<u64>>,
     messages: Vec<Outgoing>,
+    pool: Pool,
 }
 
 impl Outbox {
     /// Stages `payload` (raw bytes) behind the header; returns its buffer's index.
     pub(crate) fn stage(&mut self, header: [u64; HEADER_WORDS], payload: &[u8]) -> usize {
         let words = HEADER_WORDS + payload.len().div_ceil(8);
-        let mut buf = vec![0u64; words];
+        let mut buf = self.pool.take(words);
         buf[..HEADER_WORDS].copy_from_slice(&header);
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
         bytes[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
@@ -110,6 +156,7 @@ pub(crate) struct Transport {
     timeout: Duration,
     counters: Arc<Counters>,
     broken: Option<CommError>,
+    pool: Pool,
 }
 
 /// The header a message of step `stage` of `op`, sent by `sender`, carries.
@@ -148,7 +195,22 @@ impl Transport {
             timeout,
             counters,
             broken: None,
+            pool: Pool::default(),
         }
+    }
+
+    /// An empty outbox that stages into this transport's pooled buffers.
+    pub(crate) fn outbox(&mut self) -> Outbox {
+        Outbox {
+            buffers: Vec::new(),
+            messages: Vec::new(),
+            pool: std::mem::take(&mut self.pool),
+        }
+    }
+
+    /// Returns received messages' buffers to the pool.
+    pub(crate) fn recycle(&mut self, received: Vec<Received>) {
+        self.pool.give(received.into_iter().map(|r| r.buf));
     }
 
     fn process_of(&self, device: usize) -> c_int {
@@ -191,9 +253,10 @@ impl Transport {
         &mut self,
         op: &OpInfo,
         stage: u8,
-        outbox: Outbox,
+        mut outbox: Outbox,
         sources: &[(usize, usize)],
     ) -> Result<Vec<Received>, CommError> {
+        self.pool = std::mem::take(&mut outbox.pool);
         let transport_err = |detail: String| CommError::Transport {
             kind: op.kind,
             seq: op.seq,
@@ -203,7 +266,7 @@ impl Transport {
             .iter()
             .map(|&(_, bytes)| Received {
                 // One spare word: a longer (mismatched) message is then seen, not truncated.
-                buf: vec![0u64; HEADER_WORDS + bytes.div_ceil(8) + 1],
+                buf: self.pool.take(HEADER_WORDS + bytes.div_ceil(8) + 1),
                 len: bytes,
             })
             .collect();
@@ -323,6 +386,7 @@ impl Transport {
             let got: [u64; HEADER_WORDS] = slot.buf[..HEADER_WORDS].try_into().unwrap_or_default();
             let want_len = (HEADER_WORDS + bytes.div_ceil(8)) * 8;
             if received as usize != want_len || got != expected {
+                self.pool.give(outbox.buffers);
                 return Err(CommError::Mismatch {
                     seq: op.seq,
                     device: self.device,
@@ -335,6 +399,7 @@ impl Transport {
                 });
             }
         }
+        self.pool.give(outbox.buffers);
         Ok(inbox)
     }
 
