@@ -1,5 +1,5 @@
 /*!
-The `models` layer of ferrotext: layers ([`nn`]) and model families ([`qwen3`]) written on the
+The `models` layer of ferrotext: layers ([`nn`], the mixture-of-experts block [`moe`]) and model families ([`qwen3`]) written on the
 `spmd` ops. It must not know about the training loop: a model declares its parameters (names,
 shapes, logical axes, initialisation) and computes a loss from parameters and a batch; the
 trainer decides how parameters are laid out and tagged.
@@ -14,6 +14,7 @@ gradients `{U:data}`) and the untagged one, and nothing here can drop a tag.
 */
 #![deny(missing_docs)]
 
+pub mod moe;
 pub mod nn;
 mod params;
 pub mod qwen3;

@@ -100,6 +100,15 @@ pub(crate) enum Backward {
         g: Array,
         u: Array,
     },
+    GroupedMatmul {
+        x: Array,
+        w: Array,
+        group_sizes: Vec<usize>,
+    },
+    TakeRows {
+        x: ArrayType,
+        rows: Vec<u32>,
+    },
     CrossEntropy {
         logits: ArrayType,
         targets: crate::structural::Ids,
@@ -486,6 +495,10 @@ impl Ctx<'_> {
                 };
                 vec![Some(Array::new(ct.ty().clone(), local))]
             }
+            Backward::GroupedMatmul { x, w, group_sizes } => {
+                self.grouped_matmul_transpose(x, w, group_sizes, ct)?
+            }
+            Backward::TakeRows { x, rows } => vec![Some(self.take_rows_transpose(x, rows, ct)?)],
             Backward::Swiglu { g, u } => {
                 let (dg, du) = match (g.local_opt(), u.local_opt(), ct.local_opt()) {
                     (Some(a), Some(b), Some(c)) => {

@@ -57,6 +57,7 @@ pub mod conformance;
 mod ctx;
 mod error;
 mod fused;
+mod grouped;
 mod manual;
 mod ops;
 mod reshard;

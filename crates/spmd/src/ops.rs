@@ -40,6 +40,8 @@ pub enum UnaryOp {
     Rsqrt,
     /// `x·σ(x)` (SiLU).
     Silu,
+    /// `σ(x) = 1/(1+e⁻ˣ)` (DeepSeek's router score).
+    Sigmoid,
 }
 
 impl UnaryOp {
@@ -55,6 +57,7 @@ impl UnaryOp {
             UnaryOp::Square => "square",
             UnaryOp::Rsqrt => "rsqrt",
             UnaryOp::Silu => "silu",
+            UnaryOp::Sigmoid => "sigmoid",
         }
     }
 
@@ -75,6 +78,7 @@ impl UnaryOp {
             UnaryOp::Square => t.map(|x| x * x),
             UnaryOp::Rsqrt => t.map(|x| 1.0 / x.sqrt()),
             UnaryOp::Silu => t.map(|x| x / (1.0 + (-x).exp())),
+            UnaryOp::Sigmoid => t.map(|x| 1.0 / (1.0 + (-x).exp())),
         }
     }
 
@@ -94,6 +98,7 @@ impl UnaryOp {
                 let s = 1.0 / (1.0 + (-v).exp());
                 s * (1.0 + v * (1.0 - s))
             }),
+            UnaryOp::Sigmoid => y.map(|s| s * (1.0 - s)),
         })
     }
 }

@@ -27,6 +27,7 @@ assert_eq!(y.data(), &[-2., -2.]);
 
 mod elementwise;
 mod error;
+mod grouped;
 mod matmul;
 mod nn;
 mod reduce;
@@ -34,6 +35,7 @@ mod tensor;
 
 pub use elementwise::broadcast_shapes;
 pub use error::TensorError;
+pub use grouped::{grouped_matmul, grouped_matmul_backward};
 pub use matmul::{dot_general, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,

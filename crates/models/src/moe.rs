@@ -1,0 +1,357 @@
+//! The DeepSeek-style mixture-of-experts block: a router, top-k routed experts with SwiGLU, and
+//! optional shared experts — as a dropless sparse path inside a `shard_map` region, and a dense
+//! reference (every expert on every token, masked) for tests.
+//!
+//! # The sparse path (per device, inside the region)
+//! 1. router logits `x·W_r`, scores by softmax or sigmoid; the top-k experts per token are chosen
+//!    on `scores + bias` (DeepSeek's selection-only bias, never in the weights), and the chosen
+//!    scores are the gate weights, renormalised over the k if asked and times
+//!    `routed_scaling_factor`;
+//! 2. the token copies are sorted by expert (`take_rows`), each expert's consecutive rows go
+//!    through its SwiGLU (`grouped_matmul`, no capacity, nothing dropped), and the results are
+//!    unsorted and combined with the gate weights;
+//! 3. the shared experts (a plain SwiGLU on every token) are added.
+//!
+//! # The key decision: weights enter the region with the spec they carry
+//! R6.3 wants every in_spec equal to its argument's spec, tags included. The block therefore
+//! takes each weight's in_spec from the weight itself (the `carry_reduced` of its layout and its
+//! tags), never rebuilds it from logical rules: an expert weight placed `{R:data}` is
+//! `reduced_vary_cast` inside, and its gradient leaves the region `{U:data}` with no psum — the
+//! per-micro-batch expert reduction of the seed never happens. [`MoeOptions::withhold_tags`] is
+//! the diagnostic mirror (tags dropped before the region, as a rebuilt spec would).
+
+use ferrotext_sharding::carry_reduced;
+use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
+use ferrotext_tensor::Tensor;
+
+/// How router logits become scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterScore {
+    /// `softmax` over the experts (Mixtral, DeepSeek-V2).
+    Softmax,
+    /// Per-expert `sigmoid` (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// The block's routing hyper-parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts.
+    pub num_experts: usize,
+    /// Experts per token (top-k).
+    pub num_experts_per_tok: usize,
+    /// Score function.
+    pub score: RouterScore,
+    /// Renormalise the k chosen scores to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Factor on the routed experts' output.
+    pub routed_scaling_factor: f32,
+}
+
+/// The block's weights, as placed by the caller (their tags are theirs to choose).
+#[derive(Clone, Debug)]
+pub struct MoeWeights {
+    /// Router `[d, experts]`.
+    pub router: Array,
+    /// Selection-only bias `[experts]` (DeepSeek-V3's load balancing; not differentiated).
+    pub router_bias: Option<Vec<f32>>,
+    /// Expert gate projections `[experts, d, f]`.
+    pub wi_0: Array,
+    /// Expert up projections `[experts, d, f]`.
+    pub wi_1: Array,
+    /// Expert down projections `[experts, f, d]`.
+    pub wo: Array,
+    /// Shared experts as one SwiGLU: gate `[d, s]`, up `[d, s]`, down `[s, d]`.
+    pub shared: Option<[Array; 3]>,
+}
+
+/// Diagnostics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoeOptions {
+    /// Drop the weights' `reduced` tags before the region (what a spec rebuilt from logical
+    /// rules does): the mirror that makes the in-region gradient psums appear.
+    pub withhold_tags: bool,
+}
+
+/// This device's routing of `n` tokens: expert per copy (token-major) and gate positions.
+struct Routing {
+    /// `experts[t·k + j]`: the j-th expert of token t.
+    experts: Vec<u32>,
+}
+
+impl MoeConfig {
+    fn check(&self, weights: &MoeWeights) -> Result<(), SpmdError> {
+        let e = self.num_experts;
+        let k = self.num_experts_per_tok;
+        let bad = |reason: String| SpmdError::BadArgument {
+            op: "moe".into(),
+            reason,
+        };
+        if k == 0 || k > e {
+            return Err(bad(format!("num_experts_per_tok = {k} with {e} experts")));
+        }
+        for (name, w) in [
+            ("wi_0", &weights.wi_0),
+            ("wi_1", &weights.wi_1),
+            ("wo", &weights.wo),
+        ] {
+            if w.ty().rank() != 3 || w.ty().shape()[0] != e {
+                return Err(bad(format!("{name} must be [{e}, _, _], got {}", w.ty())));
+            }
+        }
+        if weights.router.ty().shape().last() != Some(&e) {
+            return Err(bad(format!(
+                "router must be [d, {e}], got {}",
+                weights.router.ty()
+            )));
+        }
+        if weights.router_bias.as_ref().is_some_and(|b| b.len() != e) {
+            return Err(bad(format!("router_bias must have {e} entries")));
+        }
+        Ok(())
+    }
+
+    /// Top-k experts per row of `scores` (`[n, experts]`, this device's), chosen on
+    /// `scores + bias`.
+    fn route(&self, scores: &Tensor, bias: Option<&[f32]>) -> Result<Routing, SpmdError> {
+        let selection = match bias {
+            Some(b) => {
+                let e = self.num_experts;
+                Tensor::from_fn(scores.shape(), |i| scores.data()[i] + b[i % e])
+            }
+            None => scores.clone(),
+        };
+        let (_, experts) = ferrotext_tensor::top_k(&selection, self.num_experts_per_tok)?;
+        Ok(Routing { experts })
+    }
+
+    fn scores(&self, cx: &mut Ctx<'_>, logits: &Array) -> Result<Array, SpmdError> {
+        match self.score {
+            RouterScore::Softmax => cx.softmax(logits),
+            RouterScore::Sigmoid => cx.unary(UnaryOp::Sigmoid, logits),
+        }
+    }
+
+    /// Gate weights `[n, k]` from the chosen scores `[n, k]`.
+    fn gates(&self, cx: &mut Ctx<'_>, chosen: &Array) -> Result<Array, SpmdError> {
+        let gates = if self.norm_topk_prob {
+            let shape = chosen.ty().shape().to_vec();
+            let sum = cx.reduce_sum(chosen, &[1], None)?;
+            let sum = cx.broadcast_in_dim(&sum, &shape, &[0], None)?;
+            cx.div(chosen, &sum)?
+        } else {
+            chosen.clone()
+        };
+        if self.routed_scaling_factor == 1.0 {
+            Ok(gates)
+        } else {
+            cx.scale(&gates, self.routed_scaling_factor)
+        }
+    }
+}
+
+/// Every weight of the block, in a fixed order (in_specs follow it).
+fn weight_list(w: &MoeWeights) -> Vec<Array> {
+    let mut list = vec![
+        w.router.clone(),
+        w.wi_0.clone(),
+        w.wi_1.clone(),
+        w.wo.clone(),
+    ];
+    if let Some(shared) = &w.shared {
+        list.extend(shared.iter().cloned());
+    }
+    list
+}
+
+/// The MoE block on `x` (`[batch, seq, d]`), dropless and sparse, inside a `shard_map` over the
+/// whole mesh (tokens stay on their device; every device holds every expert).
+///
+/// # Errors
+/// Weights that do not fit the config; any op's type error.
+///
+/// # Collectives
+/// None forward. Backward: none for weights tagged reduced over the axes the batch is split on
+/// (their gradients leave unreduced); a psum per untagged weight.
+pub fn moe_sparse(
+    cx: &mut Ctx<'_>,
+    config: &MoeConfig,
+    x: &Array,
+    weights: &MoeWeights,
+    options: MoeOptions,
+) -> Result<Array, SpmdError> {
+    config.check(weights)?;
+    let mut inputs = vec![x.clone()];
+    let mut in_specs = vec![x.ty().sharding().spec().clone()];
+    for w in weight_list(weights) {
+        let spec = w.ty().sharding().spec();
+        let layout = spec.without_tags();
+        if options.withhold_tags {
+            let plain = cx.reshard(&w, &layout)?;
+            in_specs.push(layout);
+            inputs.push(plain);
+        } else {
+            in_specs.push(carry_reduced(&layout, spec)?);
+            inputs.push(w);
+        }
+    }
+    let out_spec = x.ty().sharding().spec().clone();
+    let has_shared = weights.shared.is_some();
+    let bias = weights.router_bias.clone();
+    let out = cx.shard_map(&inputs, &in_specs, &[out_spec], |cx, xs| {
+        let y = sparse_body(cx, config, &xs[0], &xs[1..], has_shared, bias.as_deref())?;
+        Ok(vec![y])
+    })?;
+    out.into_iter()
+        .next()
+        .ok_or_else(|| SpmdError::BadArgument {
+            op: "moe".into(),
+            reason: "the region returned nothing".into(),
+        })
+}
+
+/// One device's tokens through the block (see the module docs).
+fn sparse_body(
+    cx: &mut Ctx<'_>,
+    config: &MoeConfig,
+    x: &Array,
+    w: &[Array],
+    has_shared: bool,
+    bias: Option<&[f32]>,
+) -> Result<Array, SpmdError> {
+    let shape = x.ty().shape().to_vec();
+    let d = shape[shape.len() - 1];
+    let n: usize = shape[..shape.len() - 1].iter().product();
+    let (e, k) = (config.num_experts, config.num_experts_per_tok);
+    let xf = cx.reshape(x, &[n, d], None)?;
+    let logits = cx.matmul(&xf, &w[0], None)?;
+    let scores = config.scores(cx, &logits)?;
+
+    // Routing is data: chosen on this device's scores (abstract mode: any valid routing).
+    let experts: Vec<u32> = match scores.local().ok() {
+        Some(s) => config.route(s, bias)?.experts,
+        None => (0..n * k).map(|i| (i % k) as u32).collect(),
+    };
+    let picks: Vec<u32> = experts
+        .iter()
+        .enumerate()
+        .map(|(i, &ex)| ((i / k) * e) as u32 + ex)
+        .collect();
+    let flat = cx.reshape(&scores, &[n * e, 1], None)?;
+    let chosen = cx.take_rows(&flat, &picks)?;
+    let chosen = cx.reshape(&chosen, &[n, k], None)?;
+    let gates = config.gates(cx, &chosen)?;
+
+    // Sort the token copies by expert (stable), remember where each copy went.
+    let mut order: Vec<usize> = (0..n * k).collect();
+    order.sort_by_key(|&c| experts[c]);
+    let sorted_tokens: Vec<u32> = order.iter().map(|&c| (c / k) as u32).collect();
+    let mut back = vec![0u32; n * k];
+    for (position, &c) in order.iter().enumerate() {
+        back[c] = position as u32;
+    }
+    let mut group_sizes = vec![0usize; e];
+    for &ex in &experts {
+        group_sizes[ex as usize] += 1;
+    }
+
+    let xs = cx.take_rows(&xf, &sorted_tokens)?;
+    let g = cx.grouped_matmul(&xs, &w[1], &group_sizes)?;
+    let u = cx.grouped_matmul(&xs, &w[2], &group_sizes)?;
+    let a = cx.swiglu(&g, &u)?;
+    let ys = cx.grouped_matmul(&a, &w[3], &group_sizes)?;
+    let copies = cx.take_rows(&ys, &back)?;
+    let copies = cx.reshape(&copies, &[n, k, d], None)?;
+    let gates = cx.broadcast_in_dim(&gates, &[n, k, d], &[0, 1], None)?;
+    let weighted = cx.mul(&copies, &gates)?;
+    let mut y = cx.reduce_sum(&weighted, &[1], None)?;
+    if has_shared {
+        let g = cx.matmul(&xf, &w[4], None)?;
+        let u = cx.matmul(&xf, &w[5], None)?;
+        let a = cx.swiglu(&g, &u)?;
+        let s = cx.matmul(&a, &w[6], None)?;
+        y = cx.add(&y, &s)?;
+    }
+    cx.reshape(&y, &shape, None)
+}
+
+/// The reference: every expert on every token, each output masked by its gate weight (zero for
+/// experts not chosen). Global ops only; the same routing rule as [`moe_sparse`].
+///
+/// # Errors
+/// As [`moe_sparse`].
+pub fn moe_dense(
+    cx: &mut Ctx<'_>,
+    config: &MoeConfig,
+    x: &Array,
+    weights: &MoeWeights,
+) -> Result<Array, SpmdError> {
+    config.check(weights)?;
+    let shape = x.ty().shape().to_vec();
+    let rank = shape.len();
+    let (e, k) = (config.num_experts, config.num_experts_per_tok);
+    let logits = crate::nn::linear(cx, x, &weights.router)?;
+    let scores = config.scores(cx, &logits)?;
+    // The chosen experts' scores, everything else zero (a constant mask from this device's rows).
+    let mask_local = match scores.local().ok() {
+        Some(s) => {
+            let rows = s.len() / e;
+            let flat = s.clone().reshape(&[rows, e])?;
+            let routing = config.route(&flat, weights.router_bias.as_deref())?;
+            let mut m = vec![0f32; rows * e];
+            for (i, &ex) in routing.experts.iter().enumerate() {
+                m[(i / k) * e + ex as usize] = 1.0;
+            }
+            Tensor::new(s.shape().to_vec(), m)?
+        }
+        None => Tensor::zeros(&scores.ty().shard_shape()),
+    };
+    let mask_ty = cx.array_type(
+        scores.ty().shape(),
+        scores.ty().sharding().spec().without_tags(),
+    )?;
+    let mask = cx.from_local(mask_ty, mask_local)?;
+    let chosen = cx.mul(&scores, &mask)?;
+    let mut gates = if config.norm_topk_prob {
+        let sum = cx.reduce_sum(&chosen, &[rank - 1], None)?;
+        let dims: Vec<usize> = (0..rank - 1).collect();
+        let sum = cx.broadcast_in_dim(&sum, chosen.ty().shape(), &dims, None)?;
+        cx.div(&chosen, &sum)?
+    } else {
+        chosen
+    };
+    if config.routed_scaling_factor != 1.0 {
+        gates = cx.scale(&gates, config.routed_scaling_factor)?;
+    }
+    let mut y: Option<Array> = None;
+    let dims: Vec<usize> = (0..rank).collect();
+    for expert in 0..e {
+        let pick = |cx: &mut Ctx<'_>, w: &Array| -> Result<Array, SpmdError> {
+            let s = cx.slice(w, 0, expert, expert + 1)?;
+            let rest = w.ty().shape()[1..].to_vec();
+            cx.reshape(&s, &rest, None)
+        };
+        let (w0, w1, w2) = (
+            pick(cx, &weights.wi_0)?,
+            pick(cx, &weights.wi_1)?,
+            pick(cx, &weights.wo)?,
+        );
+        let h = crate::nn::swiglu(cx, x, &w0, &w1, &w2)?;
+        let gate = cx.slice(&gates, rank - 1, expert, expert + 1)?;
+        let gate = cx.broadcast_in_dim(&gate, &shape, &dims, None)?;
+        let part = cx.mul(&h, &gate)?;
+        y = Some(match y {
+            Some(acc) => cx.add(&acc, &part)?,
+            None => part,
+        });
+    }
+    let mut y = y.ok_or_else(|| SpmdError::BadArgument {
+        op: "moe".into(),
+        reason: "no experts".into(),
+    })?;
+    if let Some([gate, up, down]) = &weights.shared {
+        let s = crate::nn::swiglu(cx, x, gate, up, down)?;
+        y = cx.add(&y, &s)?;
+    }
+    Ok(y)
+}

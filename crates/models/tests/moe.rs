@@ -1,0 +1,286 @@
+//! The MoE block: the sparse dropless path equals the dense masked reference (forward and every
+//! gradient) on data=1 and data=4 with both router scores; its gradients equal central finite
+//! differences; and expert weights tagged `{R:data}` leave the region `{U:data}` with no
+//! all-reduce, while the mirror (tags withheld) finds one per weight.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions, Trace};
+use ferrotext_models::moe::{
+    moe_dense, moe_sparse, MoeConfig, MoeOptions, MoeWeights, RouterScore,
+};
+use ferrotext_sharding::{DimSpec, Mesh, PartitionSpec};
+use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_tensor::Tensor;
+
+const B: usize = 4;
+const T: usize = 3;
+const D: usize = 6;
+const E: usize = 4;
+const K: usize = 2;
+const F: usize = 5;
+const S: usize = 3;
+
+fn value(shape: &[usize], seed: usize, scale: f32) -> Tensor {
+    Tensor::from_fn(shape, |i| {
+        let h = (i * 2654435761 + seed * 40503) % 1000;
+        (h as f32 / 1000.0 - 0.5) * scale
+    })
+}
+
+/// x, then router, wi_0, wi_1, wo, shared gate, up, down.
+fn values() -> Vec<Tensor> {
+    vec![
+        value(&[B, T, D], 1, 2.0),
+        value(&[D, E], 2, 1.5),
+        value(&[E, D, F], 3, 1.0),
+        value(&[E, D, F], 4, 1.0),
+        value(&[E, F, D], 5, 1.0),
+        value(&[D, S], 6, 1.0),
+        value(&[D, S], 7, 1.0),
+        value(&[S, D], 8, 1.0),
+    ]
+}
+
+fn config(score: RouterScore) -> MoeConfig {
+    MoeConfig {
+        num_experts: E,
+        num_experts_per_tok: K,
+        score,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.5,
+    }
+}
+
+fn bias(score: RouterScore) -> Option<Vec<f32>> {
+    (score == RouterScore::Sigmoid).then(|| vec![0.3, -0.2, 0.0, 0.1])
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    Sparse { withhold_tags: bool },
+    Dense,
+}
+
+struct Run {
+    loss: f32,
+    /// Gradients of x and every weight, reduced to plain.
+    grads: Vec<Tensor>,
+    /// The weights' gradient types before reduction.
+    grad_types: Vec<String>,
+    trace: Trace,
+}
+
+/// `sum(moe(x) ⊙ c)` and its gradients, on a `data=devices` mesh; weights `{R:data}` when
+/// `tagged`.
+fn run(devices: usize, path: Path, score: RouterScore, tagged: bool, vals: &[Tensor]) -> Run {
+    let mesh = Arc::new(Mesh::explicit([("data", devices)]).unwrap());
+    let c = value(&[B, T, D], 9, 1.0);
+    let opts = SpmdOptions::default().with_timeout(Duration::from_secs(60));
+    let mut runs = run_spmd(&mesh, &opts, |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let batch = PartitionSpec::new([
+            DimSpec::axes(["data"]),
+            DimSpec::Replicated,
+            DimSpec::Replicated,
+        ]);
+        let weight_spec = if tagged {
+            PartitionSpec::replicated().with_reduced(["data"])?
+        } else {
+            PartitionSpec::replicated()
+        };
+        let place = |cx: &Ctx<'_>, v: &Tensor, spec: &PartitionSpec| -> Result<Array, SpmdError> {
+            let ty = cx.array_type(v.shape(), spec.clone())?;
+            cx.from_global(v, ty.sharding().clone())
+        };
+        let mut params = vec![place(&cx, &vals[0], &batch)?];
+        for v in &vals[1..] {
+            params.push(place(&cx, v, &weight_spec)?);
+        }
+        let c = place(&cx, &c, &batch)?;
+        let cfg = config(score);
+        cx.comm().push_phase("step");
+        let (loss, grads) = cx.value_and_grad(&params, |cx, p| {
+            let weights = MoeWeights {
+                router: p[1].clone(),
+                router_bias: bias(score),
+                wi_0: p[2].clone(),
+                wi_1: p[3].clone(),
+                wo: p[4].clone(),
+                shared: Some([p[5].clone(), p[6].clone(), p[7].clone()]),
+            };
+            let y = match path {
+                Path::Sparse { withhold_tags } => {
+                    moe_sparse(cx, &cfg, &p[0], &weights, MoeOptions { withhold_tags })?
+                }
+                Path::Dense => moe_dense(cx, &cfg, &p[0], &weights)?,
+            };
+            let yc = cx.mul(&y, &c)?;
+            cx.reduce_sum(&yc, &[0, 1, 2], None)
+        })?;
+        cx.comm().pop_phase();
+        let grad_types = grads[1..].iter().map(|g| g.ty().to_string()).collect();
+        let mut host = Vec::new();
+        for g in &grads {
+            let plain = cx.reshard(g, &g.ty().sharding().spec().without_tags())?;
+            host.push(cx.to_host(&plain)?);
+        }
+        let loss = loss.scalar()?;
+        Ok::<_, SpmdError>(Run {
+            loss,
+            grads: host,
+            grad_types,
+            trace: cx.comm().take_trace(),
+        })
+    })
+    .unwrap_or_else(|e| panic!("run failed: {e}"));
+    runs.swap_remove(0)
+}
+
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+const NAMES: [&str; 8] = [
+    "x",
+    "router",
+    "wi_0",
+    "wi_1",
+    "wo",
+    "shared_gate",
+    "shared_up",
+    "shared_down",
+];
+
+#[test]
+fn sparse_path_equals_the_dense_reference_with_gradients() {
+    let vals = values();
+    for score in [RouterScore::Softmax, RouterScore::Sigmoid] {
+        for devices in [1, 4] {
+            let sparse = run(
+                devices,
+                Path::Sparse {
+                    withhold_tags: false,
+                },
+                score,
+                true,
+                &vals,
+            );
+            let dense = run(devices, Path::Dense, score, true, &vals);
+            assert!((sparse.loss - dense.loss).abs() <= 1e-5 * (1.0 + dense.loss.abs()));
+            for (i, name) in NAMES.iter().enumerate() {
+                let what = format!("{score:?} data={devices} d{name}");
+                assert_close(sparse.grads[i].data(), dense.grads[i].data(), 1e-5, &what);
+            }
+            // Every expert got some tokens and some none of a token's copies: the routing
+            // matters (a router gradient of zero would hide a broken gate path).
+            assert!(sparse.grads[1].data().iter().any(|&g| g.abs() > 1e-3));
+        }
+    }
+}
+
+#[test]
+fn sparse_gradients_match_finite_differences() {
+    let vals = values();
+    let score = RouterScore::Softmax;
+    let base = run(
+        1,
+        Path::Sparse {
+            withhold_tags: false,
+        },
+        score,
+        false,
+        &vals,
+    );
+    for (p, name) in NAMES.iter().enumerate() {
+        // x and the router also decide the routing, which is piecewise constant: a smaller step
+        // keeps every top-k choice where it is.
+        let h = if p <= 1 { 1e-3f32 } else { 1e-2 };
+        for i in [0, vals[p].len() / 2, vals[p].len() - 1] {
+            let loss_at = |delta: f32| {
+                let mut v = vals.clone();
+                v[p].data_mut()[i] += delta;
+                f64::from(
+                    run(
+                        1,
+                        Path::Sparse {
+                            withhold_tags: false,
+                        },
+                        score,
+                        false,
+                        &v,
+                    )
+                    .loss,
+                )
+            };
+            let fd = (loss_at(h) - loss_at(-h)) / (2.0 * f64::from(h));
+            let got = f64::from(base.grads[p].data()[i]);
+            assert!(
+                (fd - got).abs() <= 2e-3 * (1.0 + fd.abs()),
+                "d{name}[{i}]: fd {fd} vs {got}"
+            );
+        }
+    }
+}
+
+#[test]
+fn tagged_expert_weights_leave_the_region_unreduced_without_an_all_reduce() {
+    let vals = values();
+    let tagged = run(
+        4,
+        Path::Sparse {
+            withhold_tags: false,
+        },
+        RouterScore::Sigmoid,
+        true,
+        &vals,
+    );
+    for (ty, name) in tagged.grad_types.iter().zip(&NAMES[1..]) {
+        assert!(ty.ends_with("{U:data}"), "d{name}: {ty}");
+    }
+    let step = PhasePattern::new("step");
+    // The only all-reduce of the step is the 1-element loss sum over the batch.
+    assert!(
+        tagged.trace.all_reduces_larger_than(8, &step).is_empty(),
+        "{}",
+        tagged.trace
+    );
+    assert_eq!(tagged.trace.count(CollectiveKind::AllReduce, &step), 1);
+
+    // Mirror: tags withheld before the region (a rebuilt spec) — every weight's gradient is
+    // psummed inside the step, expert kernels included.
+    let withheld = run(
+        4,
+        Path::Sparse {
+            withhold_tags: true,
+        },
+        RouterScore::Sigmoid,
+        true,
+        &vals,
+    );
+    let big: Vec<usize> = withheld
+        .trace
+        .all_reduces_larger_than(8, &step)
+        .iter()
+        .map(|e| e.elements)
+        .collect();
+    for size in [D * E, E * D * F, E * D * F, E * F * D, D * S, D * S, S * D] {
+        assert!(
+            big.contains(&size),
+            "an all-reduce of {size} elements in {big:?}"
+        );
+    }
+    assert_eq!(big.len(), 7, "{big:?}");
+    // Same numbers either way.
+    assert!((tagged.loss - withheld.loss).abs() <= 1e-6 * (1.0 + tagged.loss.abs()));
+    for (i, name) in NAMES.iter().enumerate() {
+        assert_close(tagged.grads[i].data(), withheld.grads[i].data(), 1e-5, name);
+    }
+}
