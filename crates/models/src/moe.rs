@@ -184,6 +184,9 @@ pub fn moe_sparse(
     let mut inputs = vec![x.clone()];
     let mut in_specs = vec![x.ty().sharding().spec().clone()];
     for w in weight_list(weights) {
+        // Every device runs every expert on its own tokens: weights split over devices (FSDP,
+        // tensor) are gathered first, keeping their tags (the backward reduce-scatters).
+        let w = crate::qwen3::unsplit(cx, &w)?;
         let spec = w.ty().sharding().spec();
         let layout = spec.without_tags();
         if options.withhold_tags {

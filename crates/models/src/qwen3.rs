@@ -1,8 +1,11 @@
-//! Qwen3-style dense decoder (MaxText's `decoder_block: qwen3`, HF `Qwen3ForCausalLM`).
+//! Qwen3-style decoder (MaxText's `decoder_block: qwen3`, HF `Qwen3ForCausalLM`), dense or with
+//! mixture-of-experts feed-forward layers (HF `Qwen3MoeForCausalLM`: routed experts, optionally
+//! shared ones, the first `first_num_dense_layers` layers dense).
 //!
 //! Token embedding → N × [RMSNorm → GQA attention with QK-norm and RoPE (rotate-half) → residual
-//! → RMSNorm → SwiGLU MLP → residual] → final RMSNorm → LM head (tied to the embedding or not)
-//! → cross-entropy (plus optional z-loss), returned as the *sum* over target tokens (the trainer divides once per step).
+//! → RMSNorm → SwiGLU MLP or MoE block → residual] → final RMSNorm → LM head (tied to the
+//! embedding or not) → cross-entropy (plus optional z-loss), returned as the *sum* over target
+//! tokens (the trainer divides once per step).
 //!
 //! Parameter names follow HF Qwen3 (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ...), but matrices are stored `[in, out]` (the
@@ -14,8 +17,45 @@ use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
 use ferrotext_tensor::DotDims;
 
+use crate::moe::{self, MoeConfig, MoeOptions, MoeWeights, RouterScore};
 use crate::nn::{self, ActivationLayout, AttentionDims, AttentionWeights};
 use crate::params::{Init, ParamInfo};
+
+/// The mixture-of-experts feed-forward of a [`Config`] (MaxText's MoE keys).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeSettings {
+    /// Routed experts (`num_experts`).
+    pub num_experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub num_experts_per_tok: usize,
+    /// Hidden width of each expert (`moe_mlp_dim`).
+    pub moe_mlp_dim: usize,
+    /// Shared experts, run on every token as one SwiGLU of `shared_experts × moe_mlp_dim`.
+    pub shared_experts: usize,
+    /// Leading dense layers (`first_num_dense_layers`).
+    pub first_num_dense_layers: usize,
+    /// Router score.
+    pub score: RouterScore,
+    /// Renormalise the chosen scores (`norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Factor on the routed output (`routed_scaling_factor`).
+    pub routed_scaling_factor: f32,
+    /// Diagnostic mirror: drop the expert weights' tags before the MoE region (see
+    /// [`MoeOptions::withhold_tags`]).
+    pub withhold_tags: bool,
+}
+
+impl MoeSettings {
+    fn block(&self) -> MoeConfig {
+        MoeConfig {
+            num_experts: self.num_experts,
+            num_experts_per_tok: self.num_experts_per_tok,
+            score: self.score,
+            norm_topk_prob: self.norm_topk_prob,
+            routed_scaling_factor: self.routed_scaling_factor,
+        }
+    }
+}
 
 /// Model dimensions, named like MaxText's model keys.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,11 +82,15 @@ pub struct Config {
     pub normalization_layer_epsilon: f32,
     /// Weight of the z-loss `(log Z)²` per token (`z_loss_multiplier`; 0 disables).
     pub z_loss_multiplier: f32,
+    /// Mixture-of-experts feed-forward layers (`None`: every layer dense).
+    pub moe: Option<MoeSettings>,
 }
 
 impl Config {
     /// A preset by name: `qwen3-tiny` (CPU-sized, byte vocabulary), `qwen3-peer` (the JAX peer
-    /// harness's model) or `qwen3-0.6b` (the real dims; abstract mode on CPU).
+    /// harness's model), `qwen3-0.6b` (the real dims; abstract mode on CPU), `qwen3-moe-tiny`
+    /// (qwen3-tiny with 8 routed experts, top-2, one shared expert, the first layer dense) or
+    /// `qwen3-moe-bench` (many small experts: a large gradient for its FLOPs).
     pub fn preset(name: &str) -> Option<Config> {
         let base = Config {
             vocab_size: 256,
@@ -60,6 +104,18 @@ impl Config {
             rope_max_timescale: 1_000_000.0,
             normalization_layer_epsilon: 1e-6,
             z_loss_multiplier: 0.0,
+            moe: None,
+        };
+        let moe = MoeSettings {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_mlp_dim: 96,
+            shared_experts: 1,
+            first_num_dense_layers: 1,
+            score: RouterScore::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            withhold_tags: false,
         };
         Some(match name {
             "qwen3-tiny" => base,
@@ -71,6 +127,20 @@ impl Config {
                 base_num_kv_heads: 4,
                 head_dim: 32,
                 base_mlp_dim: 768,
+                ..base
+            },
+            "qwen3-moe-tiny" => Config {
+                moe: Some(moe),
+                ..base
+            },
+            "qwen3-moe-bench" => Config {
+                base_num_decoder_layers: 2,
+                moe: Some(MoeSettings {
+                    num_experts: 16,
+                    moe_mlp_dim: 64,
+                    first_num_dense_layers: 0,
+                    ..moe
+                }),
                 ..base
             },
             "qwen3-0.6b" => Config {
@@ -88,7 +158,20 @@ impl Config {
     }
 
     /// The preset names.
-    pub const PRESETS: &'static [&'static str] = &["qwen3-tiny", "qwen3-peer", "qwen3-0.6b"];
+    pub const PRESETS: &'static [&'static str] = &[
+        "qwen3-tiny",
+        "qwen3-peer",
+        "qwen3-0.6b",
+        "qwen3-moe-tiny",
+        "qwen3-moe-bench",
+    ];
+
+    /// True when layer `i` has the MoE feed-forward.
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| i >= m.first_num_dense_layers)
+    }
 }
 
 /// A Qwen3 decoder: its config, checked once.
@@ -131,6 +214,18 @@ impl Qwen3 {
                 "head_dim ({}) must be even for RoPE",
                 cfg.head_dim
             )));
+        }
+        if let Some(m) = &cfg.moe {
+            if m.num_experts == 0
+                || m.moe_mlp_dim == 0
+                || m.num_experts_per_tok == 0
+                || m.num_experts_per_tok > m.num_experts
+            {
+                return Err(ConfigError(format!(
+                    "MoE needs experts, a positive moe_mlp_dim and 1 ≤ num_experts_per_tok ≤                      num_experts; got {} experts, top-{}, width {}",
+                    m.num_experts, m.num_experts_per_tok, m.moe_mlp_dim
+                )));
+            }
         }
         Ok(Qwen3 { cfg })
     }
@@ -214,24 +309,76 @@ impl Qwen3 {
                 vec![Some("norm")],
                 Init::Ones,
             ));
-            out.push(p(
-                l("mlp.gate_proj.weight"),
-                vec![d, f],
-                vec![Some("embed"), Some("mlp")],
-                Init::FanIn,
-            ));
-            out.push(p(
-                l("mlp.up_proj.weight"),
-                vec![d, f],
-                vec![Some("embed"), Some("mlp")],
-                Init::FanIn,
-            ));
-            out.push(p(
-                l("mlp.down_proj.weight"),
-                vec![f, d],
-                vec![Some("mlp"), Some("embed")],
-                Init::FanIn,
-            ));
+            match c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
+                None => {
+                    out.push(p(
+                        l("mlp.gate_proj.weight"),
+                        vec![d, f],
+                        vec![Some("embed"), Some("mlp")],
+                        Init::FanIn,
+                    ));
+                    out.push(p(
+                        l("mlp.up_proj.weight"),
+                        vec![d, f],
+                        vec![Some("embed"), Some("mlp")],
+                        Init::FanIn,
+                    ));
+                    out.push(p(
+                        l("mlp.down_proj.weight"),
+                        vec![f, d],
+                        vec![Some("mlp"), Some("embed")],
+                        Init::FanIn,
+                    ));
+                }
+                Some(m) => {
+                    let (e, fe) = (m.num_experts, m.moe_mlp_dim);
+                    out.push(p(
+                        l("mlp.gate.weight"),
+                        vec![d, e],
+                        vec![Some("embed"), None],
+                        Init::FanIn,
+                    ));
+                    for (name, shape, logical) in [
+                        (
+                            "gate_proj",
+                            vec![e, d, fe],
+                            [Some("exp"), Some("embed"), Some("mlp")],
+                        ),
+                        (
+                            "up_proj",
+                            vec![e, d, fe],
+                            [Some("exp"), Some("embed"), Some("mlp")],
+                        ),
+                        (
+                            "down_proj",
+                            vec![e, fe, d],
+                            [Some("exp"), Some("mlp"), Some("embed")],
+                        ),
+                    ] {
+                        out.push(p(
+                            l(&format!("mlp.experts.{name}")),
+                            shape,
+                            logical.to_vec(),
+                            Init::FanIn,
+                        ));
+                    }
+                    if m.shared_experts > 0 {
+                        let s = m.shared_experts * fe;
+                        for (name, shape, logical) in [
+                            ("gate_proj", vec![d, s], [Some("embed"), Some("mlp")]),
+                            ("up_proj", vec![d, s], [Some("embed"), Some("mlp")]),
+                            ("down_proj", vec![s, d], [Some("mlp"), Some("embed")]),
+                        ] {
+                            out.push(p(
+                                l(&format!("mlp.shared_expert.{name}.weight")),
+                                shape,
+                                logical.to_vec(),
+                                Init::FanIn,
+                            ));
+                        }
+                    }
+                }
+            }
         }
         out.push(p(
             "model.norm.weight".into(),
@@ -260,7 +407,8 @@ impl Qwen3 {
 
     /// Training FLOPs per token at sequence length `seq`: 6 per matmul weight (forward and both
     /// backward products; the LM head counts the vocabulary projection, the embedding lookup
-    /// counts nothing) plus the attention score and value products (12·layers·seq·heads·head_dim).
+    /// counts nothing; of the routed experts only the k a token uses) plus the attention score and
+    /// value products (12·layers·seq·heads·head_dim).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let c = &self.cfg;
         let embedding = c.vocab_size * c.base_emb_dim;
@@ -268,7 +416,19 @@ impl Qwen3 {
             c.base_num_decoder_layers * (2 * c.base_emb_dim + 2 * c.head_dim) + c.base_emb_dim;
         let lm_head = embedding;
         let untied_extra = if c.logits_via_embedding { 0 } else { embedding };
-        let matmul_weights = self.param_count() - embedding - norms - untied_extra + lm_head;
+        // A token runs k of the E routed experts: only their weights count.
+        let idle_experts: usize = match &c.moe {
+            Some(m) => {
+                let layers = (0..c.base_num_decoder_layers)
+                    .filter(|&i| c.is_moe_layer(i))
+                    .count();
+                let per_expert = 3 * c.base_emb_dim * m.moe_mlp_dim;
+                layers * (m.num_experts - m.num_experts_per_tok) * per_expert
+            }
+            None => 0,
+        };
+        let matmul_weights =
+            self.param_count() - embedding - norms - untied_extra - idle_experts + lm_head;
         let attention =
             12.0 * (c.base_num_decoder_layers * seq * c.base_num_query_heads * c.head_dim) as f64;
         6.0 * matmul_weights as f64 + attention
@@ -323,7 +483,7 @@ impl Qwen3 {
             rope_theta: c.rope_max_timescale,
             eps: c.normalization_layer_epsilon,
         };
-        for _ in 0..c.base_num_decoder_layers {
+        for i in 0..c.base_num_decoder_layers {
             let (attn_norm, q, k, v, o, qn, kn) = (
                 next()?,
                 next()?,
@@ -333,7 +493,7 @@ impl Qwen3 {
                 next()?,
                 next()?,
             );
-            let (mlp_norm, gate, up, down) = (next()?, next()?, next()?, next()?);
+            let mlp_norm = next()?;
             // 2. x = x + attention(norm(x))
             let h = nn::rms_norm(cx, &x, attn_norm, c.normalization_layer_epsilon)?;
             let w = AttentionWeights {
@@ -348,7 +508,32 @@ impl Qwen3 {
             x = cx.add(&x, &a)?;
             // 3. x = x + swiglu(norm(x))
             let h = nn::rms_norm(cx, &x, mlp_norm, c.normalization_layer_epsilon)?;
-            let m = nn::swiglu(cx, &h, gate, up, down)?;
+            let m = match c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
+                None => {
+                    let (gate, up, down) = (next()?, next()?, next()?);
+                    nn::swiglu(cx, &h, gate, up, down)?
+                }
+                Some(settings) => {
+                    let (router, wi_0, wi_1, wo) = (next()?, next()?, next()?, next()?);
+                    let shared = if settings.shared_experts > 0 {
+                        Some([next()?.clone(), next()?.clone(), next()?.clone()])
+                    } else {
+                        None
+                    };
+                    let weights = MoeWeights {
+                        router: router.clone(),
+                        router_bias: None,
+                        wi_0: wi_0.clone(),
+                        wi_1: wi_1.clone(),
+                        wo: wo.clone(),
+                        shared,
+                    };
+                    let options = MoeOptions {
+                        withhold_tags: settings.withhold_tags,
+                    };
+                    moe::moe_sparse(cx, &settings.block(), &h, &weights, options)?
+                }
+            };
             x = cx.add(&x, &m)?;
         }
         // 4. final norm and LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
@@ -376,7 +561,7 @@ impl Qwen3 {
 }
 
 /// `w` with every partition removed but its tags kept (an all-gather when it was split).
-fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
+pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
     let spec = w.ty().sharding().spec();
     if spec.partitions().iter().all(|p| p.is_replicated()) {
         return Ok(w.clone());

@@ -23,6 +23,7 @@ fn tiny(tied: bool) -> Qwen3 {
         rope_max_timescale: 10_000.0,
         normalization_layer_epsilon: 1e-6,
         z_loss_multiplier: 1e-2,
+        moe: None,
     })
     .unwrap()
 }

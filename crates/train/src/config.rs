@@ -68,6 +68,27 @@ pub struct TrainConfig {
     pub base_mlp_dim: Option<usize>,
     /// Override of the tied LM head.
     pub logits_via_embedding: Option<bool>,
+    /// Routed experts: turns the preset's feed-forward layers into MoE blocks (or overrides the
+    /// count of an MoE preset).
+    pub num_experts: Option<usize>,
+    /// Experts per token (top-k).
+    pub num_experts_per_tok: Option<usize>,
+    /// Hidden width of each expert.
+    pub moe_mlp_dim: Option<usize>,
+    /// Shared experts (each `moe_mlp_dim` wide, run on every token).
+    pub shared_experts: Option<usize>,
+    /// Leading dense layers of an MoE model.
+    pub first_num_dense_layers: Option<usize>,
+    /// Router score: `softmax` or `sigmoid`.
+    pub routed_score_func: Option<String>,
+    /// Factor on the routed experts' output.
+    pub routed_scaling_factor: Option<f64>,
+    /// Renormalise the chosen experts' scores.
+    pub norm_topk_prob: Option<bool>,
+    /// Diagnostic mirror, for tests and the MoE benchmark: drop the expert weights' `reduced`
+    /// tags before the MoE region, as a spec rebuilt from logical rules would — their gradients
+    /// are then all-reduced inside every micro-batch (numerics unchanged).
+    pub moe_withhold_tags: bool,
     /// Weight of the z-loss `(log Z)²` per token (0 disables).
     pub z_loss_multiplier: f64,
     /// Devices (threads) in each process.
@@ -157,6 +178,15 @@ impl Default for TrainConfig {
             head_dim: None,
             base_mlp_dim: None,
             logits_via_embedding: None,
+            num_experts: None,
+            num_experts_per_tok: None,
+            moe_mlp_dim: None,
+            shared_experts: None,
+            first_num_dense_layers: None,
+            routed_score_func: None,
+            routed_scaling_factor: None,
+            norm_topk_prob: None,
+            moe_withhold_tags: false,
             z_loss_multiplier: 0.0,
             local_devices: 4,
             num_processes: 1,
@@ -272,7 +302,71 @@ impl TrainConfig {
             m.logits_via_embedding = t;
         }
         m.z_loss_multiplier = self.z_loss_multiplier as f32;
+        self.apply_moe(&mut m)?;
         Ok(m)
+    }
+
+    /// The MoE keys on top of the preset's feed-forward.
+    fn apply_moe(&self, m: &mut qwen3::Config) -> Result<(), TrainError> {
+        let any_key = self.num_experts.is_some()
+            || self.num_experts_per_tok.is_some()
+            || self.moe_mlp_dim.is_some()
+            || self.shared_experts.is_some()
+            || self.first_num_dense_layers.is_some()
+            || self.routed_score_func.is_some()
+            || self.routed_scaling_factor.is_some()
+            || self.norm_topk_prob.is_some()
+            || self.moe_withhold_tags;
+        if m.moe.is_none() && self.num_experts.is_none() {
+            if any_key {
+                return Err(TrainError::Config(format!(
+                    "MoE keys need an MoE model: set num_experts or pick an MoE preset (model_name                      `{}` is dense)",
+                    self.model_name
+                )));
+            }
+            return Ok(());
+        }
+        let mut moe = m.moe.clone().unwrap_or(qwen3::MoeSettings {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_mlp_dim: m.base_mlp_dim,
+            shared_experts: 0,
+            first_num_dense_layers: 0,
+            score: ferrotext_models::moe::RouterScore::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            withhold_tags: false,
+        });
+        let set = |field: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut moe.num_experts, self.num_experts);
+        set(&mut moe.num_experts_per_tok, self.num_experts_per_tok);
+        set(&mut moe.moe_mlp_dim, self.moe_mlp_dim);
+        set(&mut moe.shared_experts, self.shared_experts);
+        set(&mut moe.first_num_dense_layers, self.first_num_dense_layers);
+        if let Some(f) = &self.routed_score_func {
+            moe.score = match f.as_str() {
+                "softmax" => ferrotext_models::moe::RouterScore::Softmax,
+                "sigmoid" => ferrotext_models::moe::RouterScore::Sigmoid,
+                other => {
+                    return Err(TrainError::Config(format!(
+                        "routed_score_func must be `softmax` or `sigmoid`, got `{other}`"
+                    )))
+                }
+            };
+        }
+        if let Some(f) = self.routed_scaling_factor {
+            moe.routed_scaling_factor = f as f32;
+        }
+        if let Some(n) = self.norm_topk_prob {
+            moe.norm_topk_prob = n;
+        }
+        moe.withhold_tags = self.moe_withhold_tags;
+        m.moe = Some(moe);
+        Ok(())
     }
 
     /// Devices of the whole mesh: `num_processes × local_devices`.

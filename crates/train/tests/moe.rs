@@ -1,0 +1,139 @@
+//! An MoE model through the trainer (the seed's `test_deepseek_zero1_reduces_gradients_once_per_step`
+//! at CPU scale): data=4, GA=4, ZeRO-1 off and on — no all-reduce larger than 8 elements in any
+//! micro-batch, the MoE region included; the mirror with the expert weights' tags withheld in
+//! the region finds the per-micro-batch expert reductions; deferred vs untagged SGD weights; the
+//! loss falls on the bundled corpus.
+
+use ferrotext_comm::{CollectiveKind, PhasePattern};
+mod common;
+
+use common::{max_rel_diff, run, small_config as config};
+use ferrotext_train::{train, RunOptions};
+
+/// `small_config`'s model with 4 routed experts (top-2, width 24), one shared expert, the first
+/// layer dense; `E·d·f = 4·32·24` per expert kernel.
+const MOE: [&str; 5] = [
+    "num_experts=4",
+    "num_experts_per_tok=2",
+    "moe_mlp_dim=24",
+    "shared_experts=1",
+    "first_num_dense_layers=1",
+];
+const EXPERT_KERNEL: usize = 4 * 32 * 24;
+
+fn moe_run(extra: &[&str]) -> ferrotext_train::TrainReport {
+    let mut all: Vec<&str> = MOE.to_vec();
+    all.extend_from_slice(&["gradient_accumulation_steps=4", "local_devices=4"]);
+    all.extend_from_slice(extra);
+    run(&all)
+}
+
+#[test]
+fn moe_gradients_are_reduced_once_per_step_with_and_without_zero1() {
+    for zero1 in [
+        "shard_optimizer_over_data=false",
+        "shard_optimizer_over_data=true",
+    ] {
+        let r = moe_run(&[zero1]);
+        assert!(r.gate.is_open(), "{zero1}");
+        assert!(
+            r.params
+                .iter()
+                .any(|p| p.name.ends_with("mlp.experts.gate_proj")),
+            "the model has expert kernels"
+        );
+        let mb = PhasePattern::new("micro_batch*");
+        let big = r.trace.all_reduces_larger_than(8, &mb);
+        assert!(
+            big.is_empty(),
+            "{zero1}: all-reduces inside micro-batches: {big:?}"
+        );
+        // The step's reductions happen in `update`: one per parameter per step (an all-reduce,
+        // or with ZeRO-1 a reduce-scatter).
+        let update = PhasePattern::new("update*");
+        let kind = if zero1.ends_with("true") {
+            CollectiveKind::ReduceScatter
+        } else {
+            CollectiveKind::AllReduce
+        };
+        assert_eq!(r.trace.count(kind, &update), r.params.len() * 3, "{zero1}");
+    }
+}
+
+#[test]
+fn mirror_tags_withheld_in_the_region_reduce_experts_in_every_micro_batch() {
+    let tagged = moe_run(&["opt_type=sgd", "gradient_clipping_threshold=0"]);
+    let withheld = moe_run(&[
+        "opt_type=sgd",
+        "gradient_clipping_threshold=0",
+        "moe_withhold_tags=true",
+    ]);
+    for micro in 0..4 {
+        let phase = PhasePattern::new(format!("micro_batch {micro}"));
+        let experts = withheld
+            .trace
+            .all_reduces_larger_than(8, &phase)
+            .into_iter()
+            .filter(|e| e.elements == EXPERT_KERNEL)
+            .count();
+        // gate_proj, up_proj, down_proj of the one MoE layer, in each of the 3 steps.
+        assert_eq!(experts, 3 * 3, "micro-batch {micro}");
+        assert!(tagged.trace.all_reduces_larger_than(8, &phase).is_empty());
+    }
+    // Silent: the numbers do not change, only where the reduction happens.
+    let d = max_rel_diff(&tagged, &withheld);
+    assert!(d <= 1e-6, "max relative weight difference {d}");
+}
+
+#[test]
+fn deferred_and_untagged_sgd_give_the_same_moe_weights() {
+    let sgd = [
+        "opt_type=sgd",
+        "learning_rate=0.5",
+        "gradient_clipping_threshold=0",
+    ];
+    let deferred = moe_run(&sgd);
+    let mut untagged_args = sgd.to_vec();
+    untagged_args.push("shard_mode=auto");
+    let untagged = moe_run(&untagged_args);
+    assert!(deferred.gate.is_open() && !untagged.gate.is_open());
+    let d = max_rel_diff(&deferred, &untagged);
+    assert!(d <= 1e-6, "max relative weight difference {d}");
+}
+
+#[test]
+fn moe_loss_falls_on_the_bundled_corpus() {
+    let mut args: Vec<&str> = MOE.to_vec();
+    args.extend_from_slice(&[
+        "dataset_type=corpus",
+        "steps=40",
+        "max_target_length=32",
+        "learning_rate=0.01",
+    ]);
+    let r = train(&config(&args), &RunOptions::default()).unwrap();
+    let (first, last) = (
+        r.metrics[0].loss,
+        r.metrics.last().map_or(f64::NAN, |m| m.loss),
+    );
+    assert!(first > 5.0, "{first}");
+    assert!(last < 3.0, "loss {first} -> {last}");
+}
+
+#[test]
+fn moe_keys_on_a_dense_model_need_num_experts() {
+    let err =
+        ferrotext_train::TrainConfig::load(None, &["moe_mlp_dim=16".to_string()]).unwrap_err();
+    assert!(
+        err.to_string().contains("MoE keys need an MoE model"),
+        "{err}"
+    );
+    let err = ferrotext_train::TrainConfig::load(
+        None,
+        &[
+            "num_experts=4".to_string(),
+            "num_experts_per_tok=5".to_string(),
+        ],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+}
