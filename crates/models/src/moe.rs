@@ -12,6 +12,13 @@
 //!    unsorted and combined with the gate weights;
 //! 3. the shared experts (a plain SwiGLU on every token) are added.
 //!
+//! # Expert parallelism
+//! When the expert kernels are split along their expert dim (mesh axes `A`, `ep` devices, `E/ep`
+//! experts each), every device sends each token copy to the device holding its expert and gets
+//! the result back — two `all_to_all`s over `A`, plus one of the per-expert counts. The exchange
+//! buffers have a fixed size (`ep × n·k` rows: no token is ever dropped, whatever the routing),
+//! padded with zero rows that the grouped product skips. The batch must be split over `A` too.
+//!
 //! # The key decision: weights enter the region with the spec they carry
 //! R6.3 wants every in_spec equal to its argument's spec, tags included. The block therefore
 //! takes each weight's in_spec from the weight itself (the `carry_reduced` of its layout and its
@@ -20,9 +27,9 @@
 //! per-micro-batch expert reduction of the seed never happens. [`MoeOptions::withhold_tags`] is
 //! the diagnostic mirror (tags dropped before the region, as a rebuilt spec would).
 
-use ferrotext_sharding::carry_reduced;
+use ferrotext_sharding::{carry_reduced, ArrayType, DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
-use ferrotext_tensor::Tensor;
+use ferrotext_tensor::{Tensor, PAD_ROW};
 
 /// How router logits become scores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,12 +188,45 @@ pub fn moe_sparse(
     options: MoeOptions,
 ) -> Result<Array, SpmdError> {
     config.check(weights)?;
+    // Expert parallelism: the axes the expert kernels' expert dim is split over.
+    let ep_axes: Vec<String> = weights
+        .wi_0
+        .ty()
+        .sharding()
+        .spec()
+        .dim(0)
+        .axis_names()
+        .to_vec();
+    for w in [&weights.wi_1, &weights.wo] {
+        if w.ty().sharding().spec().dim(0).axis_names() != ep_axes.as_slice() {
+            return Err(SpmdError::BadArgument {
+                op: "moe".into(),
+                reason: format!(
+                    "the expert kernels must split their expert dim alike: {} vs {}",
+                    weights.wi_0.ty(),
+                    w.ty()
+                ),
+            });
+        }
+    }
+    let batch_axes = x.ty().sharding().spec().dim(0).axis_names().to_vec();
+    if let Some(missing) = ep_axes.iter().find(|a| !batch_axes.contains(a)) {
+        return Err(SpmdError::BadArgument {
+            op: "moe".into(),
+            reason: format!(
+                "expert parallelism over `{missing}` needs the batch split over it too; x is {}",
+                x.ty()
+            ),
+        });
+    }
     let mut inputs = vec![x.clone()];
     let mut in_specs = vec![x.ty().sharding().spec().clone()];
-    for w in weight_list(weights) {
-        // Every device runs every expert on its own tokens: weights split over devices (FSDP,
-        // tensor) are gathered first, keeping their tags (the backward reduce-scatters).
-        let w = crate::qwen3::unsplit(cx, &w)?;
+    for (i, w) in weight_list(weights).into_iter().enumerate() {
+        // Weights split over devices other than by expert (FSDP, tensor) are gathered first,
+        // keeping their tags (the backward reduce-scatters); expert kernels keep their expert
+        // split.
+        let keep_dim0 = (1..=3).contains(&i) && !ep_axes.is_empty();
+        let w = gather_except(cx, &w, keep_dim0)?;
         let spec = w.ty().sharding().spec();
         let layout = spec.without_tags();
         if options.withhold_tags {
@@ -201,8 +241,17 @@ pub fn moe_sparse(
     let out_spec = x.ty().sharding().spec().clone();
     let has_shared = weights.shared.is_some();
     let bias = weights.router_bias.clone();
+    let ep: Vec<&str> = ep_axes.iter().map(String::as_str).collect();
     let out = cx.shard_map(&inputs, &in_specs, &[out_spec], |cx, xs| {
-        let y = sparse_body(cx, config, &xs[0], &xs[1..], has_shared, bias.as_deref())?;
+        let y = sparse_body(
+            cx,
+            config,
+            &xs[0],
+            &xs[1..],
+            has_shared,
+            bias.as_deref(),
+            &ep,
+        )?;
         Ok(vec![y])
     })?;
     out.into_iter()
@@ -213,6 +262,21 @@ pub fn moe_sparse(
         })
 }
 
+/// `w` with every partition removed (but its expert dim's, when `keep_dim0`), tags kept.
+fn gather_except(cx: &mut Ctx<'_>, w: &Array, keep_dim0: bool) -> Result<Array, SpmdError> {
+    let spec = w.ty().sharding().spec();
+    let mut dims = vec![DimSpec::Replicated; w.ty().rank()];
+    if keep_dim0 {
+        dims[0] = spec.dim(0).clone();
+    }
+    let target = PartitionSpec::new(dims).with_reduced_set(spec.reduced().clone())?;
+    if target == *spec {
+        Ok(w.clone())
+    } else {
+        cx.reshard(w, &target)
+    }
+}
+
 /// One device's tokens through the block (see the module docs).
 fn sparse_body(
     cx: &mut Ctx<'_>,
@@ -221,6 +285,7 @@ fn sparse_body(
     w: &[Array],
     has_shared: bool,
     bias: Option<&[f32]>,
+    ep_axes: &[&str],
 ) -> Result<Array, SpmdError> {
     let shape = x.ty().shape().to_vec();
     let d = shape[shape.len() - 1];
@@ -245,25 +310,11 @@ fn sparse_body(
     let chosen = cx.reshape(&chosen, &[n, k], None)?;
     let gates = config.gates(cx, &chosen)?;
 
-    // Sort the token copies by expert (stable), remember where each copy went.
-    let mut order: Vec<usize> = (0..n * k).collect();
-    order.sort_by_key(|&c| experts[c]);
-    let sorted_tokens: Vec<u32> = order.iter().map(|&c| (c / k) as u32).collect();
-    let mut back = vec![0u32; n * k];
-    for (position, &c) in order.iter().enumerate() {
-        back[c] = position as u32;
-    }
-    let mut group_sizes = vec![0usize; e];
-    for &ex in &experts {
-        group_sizes[ex as usize] += 1;
-    }
-
-    let xs = cx.take_rows(&xf, &sorted_tokens)?;
-    let g = cx.grouped_matmul(&xs, &w[1], &group_sizes)?;
-    let u = cx.grouped_matmul(&xs, &w[2], &group_sizes)?;
-    let a = cx.swiglu(&g, &u)?;
-    let ys = cx.grouped_matmul(&a, &w[3], &group_sizes)?;
-    let copies = cx.take_rows(&ys, &back)?;
+    let copies = if ep_axes.is_empty() {
+        experts_local(cx, &xf, w, &experts, e, k)?
+    } else {
+        experts_parallel(cx, &xf, w, &experts, e, k, ep_axes)?
+    };
     let copies = cx.reshape(&copies, &[n, k, d], None)?;
     let gates = cx.broadcast_in_dim(&gates, &[n, k, d], &[0, 1], None)?;
     let weighted = cx.mul(&copies, &gates)?;
@@ -276,6 +327,123 @@ fn sparse_body(
         y = cx.add(&y, &s)?;
     }
     cx.reshape(&y, &shape, None)
+}
+
+/// Every copy's expert output `[n·k, d]` (token-major), all experts on this device.
+fn experts_local(
+    cx: &mut Ctx<'_>,
+    xf: &Array,
+    w: &[Array],
+    experts: &[u32],
+    e: usize,
+    k: usize,
+) -> Result<Array, SpmdError> {
+    // Sort the token copies by expert (stable), remember where each copy went.
+    let mut order: Vec<usize> = (0..experts.len()).collect();
+    order.sort_by_key(|&c| experts[c]);
+    let sorted_tokens: Vec<u32> = order.iter().map(|&c| (c / k) as u32).collect();
+    let mut back = vec![0u32; experts.len()];
+    for (position, &c) in order.iter().enumerate() {
+        back[c] = position as u32;
+    }
+    let mut group_sizes = vec![0usize; e];
+    for &ex in experts {
+        group_sizes[ex as usize] += 1;
+    }
+    let xs = cx.take_rows(xf, &sorted_tokens)?;
+    let ys = expert_swiglu(cx, &xs, w, &group_sizes)?;
+    cx.take_rows(&ys, &back)
+}
+
+/// `swiglu(x·wi_0[g], x·wi_1[g])·wo[g]` per group of rows.
+fn expert_swiglu(
+    cx: &mut Ctx<'_>,
+    xs: &Array,
+    w: &[Array],
+    group_sizes: &[usize],
+) -> Result<Array, SpmdError> {
+    let g = cx.grouped_matmul(xs, &w[1], group_sizes)?;
+    let u = cx.grouped_matmul(xs, &w[2], group_sizes)?;
+    let a = cx.swiglu(&g, &u)?;
+    cx.grouped_matmul(&a, &w[3], group_sizes)
+}
+
+/// [`experts_local`] with the experts split over `ep_axes`: copies travel to their expert's
+/// device and back by `all_to_all` (see the module docs).
+fn experts_parallel(
+    cx: &mut Ctx<'_>,
+    xf: &Array,
+    w: &[Array],
+    experts: &[u32],
+    e: usize,
+    k: usize,
+    ep_axes: &[&str],
+) -> Result<Array, SpmdError> {
+    let (_, ep) = cx.axis_index(ep_axes)?;
+    let local_experts = w[1].ty().shape()[0];
+    if local_experts * ep != e {
+        return Err(SpmdError::BadArgument {
+            op: "moe".into(),
+            reason: format!("{e} experts do not split over {ep} devices of {ep_axes:?}"),
+        });
+    }
+    let copies = experts.len();
+    let cap = copies; // worst case: every copy goes to one device
+                      // 1. the send buffer: chunk j holds the copies for device j, sorted by expert, then padding.
+    let mut order: Vec<usize> = (0..copies).collect();
+    order.sort_by_key(|&c| experts[c]);
+    let mut send_rows = vec![PAD_ROW; ep * cap];
+    let mut slot_of_copy = vec![0u32; copies];
+    let mut filled = vec![0usize; ep];
+    let mut counts = vec![0f32; ep * local_experts];
+    for &c in &order {
+        let ex = experts[c] as usize;
+        let j = ex / local_experts;
+        let slot = j * cap + filled[j];
+        filled[j] += 1;
+        send_rows[slot] = (c / k) as u32;
+        slot_of_copy[c] = slot as u32;
+        counts[ex] += 1.0; // = counts[j * local_experts + ex % local_experts]
+    }
+    // 2. counts and rows to the experts' devices.
+    let counts_ty = ArrayType::manual(
+        xf.ty().dtype(),
+        vec![ep * local_experts],
+        xf.ty().sharding().mesh().clone(),
+        xf.ty().manual_tags().clone(),
+    )?;
+    let counts = cx.from_local(counts_ty, Tensor::new(vec![ep * local_experts], counts)?)?;
+    let received_counts = cx.all_to_all(&counts, ep_axes, 0, 0)?;
+    let xs_send = cx.take_rows(xf, &send_rows)?;
+    let xs_recv = cx.all_to_all(&xs_send, ep_axes, 0, 0)?;
+    // 3. here: rows grouped by local expert across the sources, padding last.
+    let received: Vec<usize> = match received_counts.local() {
+        Ok(t) => t.data().iter().map(|&c| c as usize).collect(),
+        Err(_) => vec![0; ep * local_experts], // abstract mode: shapes only
+    };
+    let mut local_rows = Vec::with_capacity(ep * cap);
+    let mut group_sizes = vec![0usize; local_experts];
+    for (l, size) in group_sizes.iter_mut().enumerate() {
+        for source in 0..ep {
+            let before: usize = received[source * local_experts..source * local_experts + l]
+                .iter()
+                .sum();
+            let count = received[source * local_experts + l];
+            local_rows.extend((0..count).map(|r| (source * cap + before + r) as u32));
+            *size += count;
+        }
+    }
+    let mut back = vec![PAD_ROW; ep * cap];
+    for (position, &row) in local_rows.iter().enumerate() {
+        back[row as usize] = position as u32;
+    }
+    local_rows.resize(ep * cap, PAD_ROW);
+    let xs = cx.take_rows(&xs_recv, &local_rows)?;
+    let ys = expert_swiglu(cx, &xs, w, &group_sizes)?;
+    // 4. results back to the devices the copies came from, then into token-major order.
+    let ys_recv_layout = cx.take_rows(&ys, &back)?;
+    let ys_home = cx.all_to_all(&ys_recv_layout, ep_axes, 0, 0)?;
+    cx.take_rows(&ys_home, &slot_of_copy)
 }
 
 /// The reference: every expert on every token, each output masked by its gate weight (zero for

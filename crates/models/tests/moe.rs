@@ -1,7 +1,8 @@
 //! The MoE block: the sparse dropless path equals the dense masked reference (forward and every
-//! gradient) on data=1 and data=4 with both router scores; its gradients equal central finite
-//! differences; and expert weights tagged `{R:data}` leave the region `{U:data}` with no
-//! all-reduce, while the mirror (tags withheld) finds one per weight.
+//! gradient) on data=1, data=4, expert=2 and data2×expert2 (expert parallelism) with both router
+//! scores; its gradients equal central finite differences; and expert weights tagged `{R:data}`
+//! leave the region `{U:data}` with no all-reduce, while the mirror (tags withheld) finds one per
+//! weight.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -72,31 +73,68 @@ struct Run {
     trace: Trace,
 }
 
-/// `sum(moe(x) ⊙ c)` and its gradients, on a `data=devices` mesh; weights `{R:data}` when
-/// `tagged`.
+/// A mesh and how the block is laid out on it.
+#[derive(Clone, Copy)]
+struct Layout {
+    /// Mesh axes; the batch is split over all of them.
+    axes: &'static [(&'static str, usize)],
+    /// The axes the expert kernels' expert dim is split over (sparse path only).
+    experts: &'static [&'static str],
+}
+
+const fn data(n: usize) -> Layout {
+    Layout {
+        axes: match n {
+            1 => &[("data", 1)],
+            _ => &[("data", 4)],
+        },
+        experts: &[],
+    }
+}
+
+/// `sum(moe(x) ⊙ c)` and its gradients on a `data=devices` mesh; weights `{R:data}` when `tagged`.
 fn run(devices: usize, path: Path, score: RouterScore, tagged: bool, vals: &[Tensor]) -> Run {
-    let mesh = Arc::new(Mesh::explicit([("data", devices)]).unwrap());
+    run_on(data(devices), path, score, tagged, vals)
+}
+
+/// `sum(moe(x) ⊙ c)` and its gradients on `layout`; weights reduced over every batch axis (but
+/// the ones their own dims are split over) when `tagged`.
+fn run_on(layout: Layout, path: Path, score: RouterScore, tagged: bool, vals: &[Tensor]) -> Run {
+    let mesh = Arc::new(Mesh::explicit(layout.axes.iter().copied()).unwrap());
+    let batch_axes: Vec<&str> = layout.axes.iter().map(|a| a.0).collect();
     let c = value(&[B, T, D], 9, 1.0);
     let opts = SpmdOptions::default().with_timeout(Duration::from_secs(60));
     let mut runs = run_spmd(&mesh, &opts, |dev| {
         let mut cx = Ctx::new(dev.comm(), 1);
         let batch = PartitionSpec::new([
-            DimSpec::axes(["data"]),
+            DimSpec::axes(batch_axes.clone()),
             DimSpec::Replicated,
             DimSpec::Replicated,
         ]);
-        let weight_spec = if tagged {
-            PartitionSpec::replicated().with_reduced(["data"])?
-        } else {
-            PartitionSpec::replicated()
+        let tags = |split: &[&str]| -> Vec<String> {
+            let reduced = batch_axes.iter().filter(|a| tagged && !split.contains(a));
+            reduced.map(|a| a.to_string()).collect()
         };
+        let weight_spec = PartitionSpec::replicated().with_reduced(tags(&[]))?;
+        let experts = if matches!(path, Path::Sparse { .. }) {
+            layout.experts
+        } else {
+            &[]
+        };
+        let expert_spec =
+            PartitionSpec::new([DimSpec::axes(experts.to_vec())]).with_reduced(tags(experts))?;
         let place = |cx: &Ctx<'_>, v: &Tensor, spec: &PartitionSpec| -> Result<Array, SpmdError> {
             let ty = cx.array_type(v.shape(), spec.clone())?;
             cx.from_global(v, ty.sharding().clone())
         };
         let mut params = vec![place(&cx, &vals[0], &batch)?];
-        for v in &vals[1..] {
-            params.push(place(&cx, v, &weight_spec)?);
+        for (i, v) in vals.iter().enumerate().skip(1) {
+            let spec = if (2..=4).contains(&i) {
+                &expert_spec
+            } else {
+                &weight_spec
+            };
+            params.push(place(&cx, v, spec)?);
         }
         let c = place(&cx, &c, &batch)?;
         let cfg = config(score);
@@ -182,6 +220,73 @@ fn sparse_path_equals_the_dense_reference_with_gradients() {
             // Every expert got some tokens and some none of a token's copies: the routing
             // matters (a router gradient of zero would hide a broken gate path).
             assert!(sparse.grads[1].data().iter().any(|&g| g.abs() > 1e-3));
+        }
+    }
+}
+
+#[test]
+fn expert_parallel_path_equals_the_dense_reference_with_gradients() {
+    let vals = values();
+    let layouts = [
+        Layout {
+            axes: &[("expert", 2)],
+            experts: &["expert"],
+        },
+        Layout {
+            axes: &[("data", 2), ("expert", 2)],
+            experts: &["expert"],
+        },
+        Layout {
+            axes: &[("data", 2), ("expert", 2)],
+            experts: &["data", "expert"],
+        },
+    ];
+    for layout in layouts {
+        for score in [RouterScore::Softmax, RouterScore::Sigmoid] {
+            let sparse = run_on(
+                layout,
+                Path::Sparse {
+                    withhold_tags: false,
+                },
+                score,
+                true,
+                &vals,
+            );
+            let dense = run_on(layout, Path::Dense, score, true, &vals);
+            let what = format!(
+                "{score:?} on {:?}, experts over {:?}",
+                layout.axes, layout.experts
+            );
+            assert!(
+                (sparse.loss - dense.loss).abs() <= 1e-5 * (1.0 + dense.loss.abs()),
+                "{what}"
+            );
+            for (i, name) in NAMES.iter().enumerate() {
+                assert_close(
+                    sparse.grads[i].data(),
+                    dense.grads[i].data(),
+                    1e-5,
+                    &format!("{what}: d{name}"),
+                );
+            }
+            // The expert kernels' gradients stay split by expert and unreduced over the rest.
+            assert!(
+                sparse.grad_types[1].starts_with("f32[4@"),
+                "{}",
+                sparse.grad_types[1]
+            );
+            // Tokens travelled: rows out, rows back, counts — and nothing was all-reduced but
+            // the loss.
+            let step = PhasePattern::new("step");
+            assert!(
+                sparse.trace.count(CollectiveKind::AllToAll, &step) >= 3,
+                "{what}"
+            );
+            assert!(
+                sparse.trace.all_reduces_larger_than(8, &step).is_empty(),
+                "{what}: {}",
+                sparse.trace
+            );
         }
     }
 }

@@ -190,6 +190,17 @@ impl<'c> Ctx<'c> {
     // -----------------------------------------------------------------------------------------
     // Mode-aware collectives over local blocks
 
+    /// This device's index along `axes` (first axis major) and their total size: JAX's
+    /// `lax.axis_index`, for per-device decisions inside `shard_map` (which experts a device
+    /// holds).
+    ///
+    /// # Errors
+    /// An unknown or repeated axis.
+    pub fn axis_index(&self, axes: &[&str]) -> Result<(usize, usize), SpmdError> {
+        let axes: Vec<String> = axes.iter().map(|a| a.to_string()).collect();
+        self.rank_over(&axes)
+    }
+
     /// This device's rank over `axes` (first axis major) and the group size.
     pub(crate) fn rank_over(&self, axes: &[String]) -> Result<(usize, usize), SpmdError> {
         let group = self.comm.group(axes)?;

@@ -12,7 +12,9 @@
 //! the region unreduced — no psum — exactly as a dense weight's.
 
 use ferrotext_sharding::{ArrayType, AxisSet, ManualTags};
-use ferrotext_tensor::{gather, grouped_matmul, grouped_matmul_backward, scatter_add, Tensor};
+use ferrotext_tensor::{
+    grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, Tensor, PAD_ROW,
+};
 
 use crate::array::Array;
 use crate::autodiff::Backward;
@@ -34,9 +36,10 @@ fn manual_only(op: &str, xs: &[&ArrayType]) -> Result<(), SpmdError> {
 }
 
 impl Ctx<'_> {
-    /// Rows `rows[i]` of this device's block of `x` (dim 0), in that order: the output has
-    /// `rows.len()` rows and `x`'s tags. The indices are this device's own (they may differ
-    /// between devices); in abstract mode only their count matters. Only inside `shard_map`.
+    /// Rows `rows[i]` of this device's block of `x` (dim 0), in that order ([`PAD_ROW`]: a zero
+    /// row): the output has `rows.len()` rows and `x`'s tags. The indices are this device's own
+    /// (they may differ between devices); in abstract mode only their count matters. Only inside
+    /// `shard_map`.
     ///
     /// # Errors
     /// Outside a manual region; an unreduced or rank-0 `x`; an index past `x`'s rows.
@@ -55,7 +58,10 @@ impl Ctx<'_> {
             )
             .into());
         }
-        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= t.shape()[0]) {
+        if let Some(&bad) = rows
+            .iter()
+            .find(|&&r| r != PAD_ROW && r as usize >= t.shape()[0])
+        {
             return Err(ShardingTypeError::new(
                 K::ShapeError,
                 "take_rows",
@@ -73,7 +79,7 @@ impl Ctx<'_> {
             t.manual_tags().clone(),
         )?;
         let local = match x.local_opt() {
-            Some(block) => Some(gather(block, 0, rows)?),
+            Some(block) => Some(take_rows(block, rows)?),
             None => None,
         };
         self.record(
@@ -95,9 +101,8 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let local = match ct.local_opt() {
             Some(c) => {
-                let width: usize = x.shape()[1..].iter().product();
-                let src: Tensor = c.clone().reshape(&[rows.len(), width])?;
-                Some(scatter_add(&[x.shape()[0], width], 0, rows, &src)?.reshape(x.shape())?)
+                let src: Tensor = c.clone();
+                Some(scatter_rows(x.shape(), rows, &src)?)
             }
             None => None,
         };
@@ -105,7 +110,8 @@ impl Ctx<'_> {
     }
 
     /// `y[group g rows] = x[group g rows] · w[g]` on this device's blocks (see the module docs);
-    /// `group_sizes` are this device's (they must sum to `x`'s rows). Only inside `shard_map`.
+    /// `group_sizes` are this device's (they may sum to less than `x`'s rows: the rest is
+    /// padding, zero in `y`). Only inside `shard_map`.
     ///
     /// # Errors
     /// Outside a manual region; an unreduced operand; shapes that do not fit
@@ -135,7 +141,7 @@ impl Ctx<'_> {
             .into());
         }
         let fits = matches!((tx.shape(), tw.shape()), (&[n, d], &[e, wd, _])
-            if wd == d && group_sizes.len() == e && group_sizes.iter().sum::<usize>() == n);
+            if wd == d && group_sizes.len() == e && group_sizes.iter().sum::<usize>() <= n);
         if !fits {
             return Err(ShardingTypeError::new(
                 K::ShapeError,
@@ -143,7 +149,7 @@ impl Ctx<'_> {
                 &[tx, tw],
                 format!(
                     "x must be [rows, d], w [groups, d, f] with one group size per group summing \
-                     to the rows; got group sizes {group_sizes:?}"
+                     to at most the rows; got group sizes {group_sizes:?}"
                 ),
             )
             .into());

@@ -1,10 +1,72 @@
 //! Grouped (ragged) matrix products: the rows of `x` come in consecutive groups, and group `g`
 //! multiplies expert matrix `w[g]` — the dropless mixture-of-experts product after tokens are
-//! sorted by expert. Each group is one `dot_general` on `gemm`; empty groups cost nothing.
+//! sorted by expert. Each group is one `dot_general` on `gemm`; empty groups cost nothing. Rows
+//! after the last group are padding (fixed-size exchange buffers): their output is zero.
+//!
+//! Also the row gathers that sort and unsort token copies, where [`PAD_ROW`] stands for a zero
+//! row (padding of a fixed-size buffer).
 
 use crate::error::TensorError;
 use crate::matmul::{dot_general, DotDims};
 use crate::tensor::Tensor;
+
+/// A row index meaning "a zero row" in [`take_rows`] (and skipped by [`scatter_rows`]).
+pub const PAD_ROW: u32 = u32::MAX;
+
+/// Rows `rows[i]` of `x` along dim 0 (a zero row for [`PAD_ROW`]).
+///
+/// # Errors
+/// A rank-0 `x` or an index past its rows.
+pub fn take_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor, TensorError> {
+    let (&n, rest) = x
+        .shape()
+        .split_first()
+        .ok_or_else(|| TensorError::shape("take_rows", "a scalar has no rows".into()))?;
+    if let Some(bad) = rows.iter().find(|&&r| r != PAD_ROW && r as usize >= n) {
+        return Err(TensorError::shape("take_rows", format!("row {bad} of {n}")));
+    }
+    let width: usize = rest.iter().product();
+    let mut data = vec![0.0f32; rows.len() * width];
+    for (out, &r) in data.chunks_exact_mut(width.max(1)).zip(rows) {
+        if r != PAD_ROW {
+            let start = r as usize * width;
+            out.copy_from_slice(&x.data()[start..start + width]);
+        }
+    }
+    let mut shape = x.shape().to_vec();
+    shape[0] = rows.len();
+    Tensor::new(shape, data)
+}
+
+/// The transpose of [`take_rows`]: zeros of `shape` with row `i` of `src` added into row
+/// `rows[i]` ([`PAD_ROW`] rows dropped).
+///
+/// # Errors
+/// `src` not `[rows.len(), shape[1..]]`, or an index past `shape[0]`.
+pub fn scatter_rows(shape: &[usize], rows: &[u32], src: &Tensor) -> Result<Tensor, TensorError> {
+    let n = shape.first().copied().unwrap_or(0);
+    let width: usize = shape.iter().skip(1).product();
+    if src.len() != rows.len() * width || rows.iter().any(|&r| r != PAD_ROW && r as usize >= n) {
+        return Err(TensorError::shape(
+            "scatter_rows",
+            format!(
+                "src {:?} with {} rows into {shape:?}",
+                src.shape(),
+                rows.len()
+            ),
+        ));
+    }
+    let mut out = Tensor::zeros(shape);
+    for (i, &r) in rows.iter().enumerate() {
+        if r != PAD_ROW {
+            let dst = &mut out.data_mut()[r as usize * width..(r as usize + 1) * width];
+            for (d, &v) in dst.iter_mut().zip(&src.data()[i * width..(i + 1) * width]) {
+                *d += v;
+            }
+        }
+    }
+    Ok(out)
+}
 
 fn check(
     op: &'static str,
@@ -22,11 +84,11 @@ fn check(
             ),
         ));
     };
-    if wd != d || group_sizes.len() != e || group_sizes.iter().sum::<usize>() != n {
+    if wd != d || group_sizes.len() != e || group_sizes.iter().sum::<usize>() > n {
         return Err(TensorError::shape(
             op,
             format!(
-                "x {:?}, w {:?}: needs w's d = x's d and {e} group sizes summing to {n}, got {group_sizes:?}",
+                "x {:?}, w {:?}: needs w's d = x's d and {e} group sizes summing to at most {n}, got {group_sizes:?}",
                 x.shape(),
                 w.shape()
             ),
@@ -36,7 +98,8 @@ fn check(
 }
 
 /// `y[rows of group g] = x[rows of group g] · w[g]`: `x` is `[rows, d]` with its rows in
-/// `group_sizes.len()` consecutive groups, `w` is `[groups, d, f]`, `y` is `[rows, f]`.
+/// `group_sizes.len()` consecutive groups (rows after them are padding, `y` zero there), `w` is
+/// `[groups, d, f]`, `y` is `[rows, f]`.
 ///
 /// # Errors
 /// Shapes that do not fit, or group sizes that do not sum to the rows.
@@ -134,7 +197,27 @@ mod tests {
                 assert!((y.data()[r * 2 + c] - want).abs() < 1e-6);
             }
         }
-        assert!(grouped_matmul(&x, &w, &[2, 2, 1], 1).is_err());
+        assert!(grouped_matmul(&x, &w, &[2, 2, 3], 1).is_err());
+        // Padding rows after the groups come out zero.
+        let padded = grouped_matmul(&x, &w, &[2, 0, 3], 1).unwrap();
+        assert_eq!(&padded.data()[..10], &y.data()[..10]);
+        assert_eq!(&padded.data()[10..], &[0.0, 0.0]);
+    }
+
+    #[test]
+    fn take_rows_and_scatter_rows_are_transposes() {
+        let x = t(&[3, 2], 7);
+        let rows = [2, PAD_ROW, 0, 2];
+        let y = take_rows(&x, &rows).unwrap();
+        assert_eq!(&y.data()[..2], &x.data()[4..6]);
+        assert_eq!(&y.data()[2..4], &[0.0, 0.0]);
+        let ct = t(&[4, 2], 8);
+        let back = scatter_rows(&[3, 2], &rows, &ct).unwrap();
+        // <take(x), ct> = <x, scatter(ct)>
+        let lhs: f32 = y.data().iter().zip(ct.data()).map(|(a, b)| a * b).sum();
+        let rhs: f32 = x.data().iter().zip(back.data()).map(|(a, b)| a * b).sum();
+        assert!((lhs - rhs).abs() < 1e-5);
+        assert!(take_rows(&x, &[3]).is_err());
     }
 
     /// The backward against finite differences of `sum(y ⊙ dy)`, in f64.

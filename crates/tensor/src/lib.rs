@@ -35,7 +35,7 @@ mod tensor;
 
 pub use elementwise::broadcast_shapes;
 pub use error::TensorError;
-pub use grouped::{grouped_matmul, grouped_matmul_backward};
+pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, PAD_ROW};
 pub use matmul::{dot_general, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,
