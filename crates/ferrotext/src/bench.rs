@@ -62,6 +62,26 @@ pub enum BenchCommand {
         #[arg(long, default_value = "target/bench/ga.json")]
         out: PathBuf,
     },
+    /// The MoE sweeps (GA, tokens per micro-batch, experts, depth): deferred vs per-micro-batch
+    /// reduction, ABBA-paired in one process, with predicted speedups and peak memory; JSON and
+    /// an SVG plot.
+    Moe {
+        /// MoE model preset.
+        #[arg(long, default_value = "qwen3-moe-bench")]
+        model: String,
+        /// Timed (tagged, untagged) step pairs per point.
+        #[arg(long, default_value_t = 3)]
+        pairs: usize,
+        /// Extra `key=value` train overrides.
+        #[arg(long = "set")]
+        set: Vec<String>,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/moe.json")]
+        out: PathBuf,
+        /// Where to write the plot.
+        #[arg(long, default_value = "target/bench/moe.svg")]
+        svg: PathBuf,
+    },
     /// GFLOP/s of the matmul shapes of a transformer layer (forward and both backward products)
     /// through `dot_general`, next to the `gemm` crate called directly on the same layout.
     Kernels {
@@ -145,6 +165,13 @@ pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
             set,
             out,
         } => crate::bench_ga::run(&model, &ga, pairs, &set, &out),
+        BenchCommand::Moe {
+            model,
+            pairs,
+            set,
+            out,
+            svg,
+        } => crate::bench_moe::run(&model, pairs, &set, &out, &svg),
         BenchCommand::Kernels {
             d_model,
             tokens,

@@ -5,6 +5,7 @@
 mod bench;
 mod bench_ga;
 mod bench_kernels;
+mod bench_moe;
 mod conformance;
 mod demo;
 mod launch;

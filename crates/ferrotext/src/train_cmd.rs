@@ -84,6 +84,19 @@ pub fn plan(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// This process's peak resident memory so far (Linux `VmHWM`), in MB.
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
+}
+
 /// The config of one process of the job: the user's, with `num_processes` from the launcher.
 fn load_for(args: &TrainArgs, launch: &Launch) -> Result<TrainConfig> {
     let processes = launch.processes();
@@ -202,6 +215,9 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         "  model FLOPs util {:.1}% of the gemm peak ({peak:.0} GFLOP/s on all cores)",
         mfu * 100.0
     );
+    if let Some(mb) = peak_rss_mb() {
+        println!("  peak RSS         {mb:.1} MB");
+    }
     println!("  deferral         {}", report.gate.describe());
     println!("  ZeRO-1           {}", report.zero1.describe());
     let grad_bytes: usize = report

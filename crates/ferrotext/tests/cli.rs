@@ -175,6 +175,19 @@ fn train_runs_and_writes_metrics_and_parameters() {
         String::from_utf8_lossy(&res.stderr)
     );
     assert!(stdout.contains("deferral         on"), "{stdout}");
+    // `bench moe` reads this line from child runs.
+    let rss: f64 = stdout
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("peak RSS")?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no peak RSS line: {stdout}"));
+    assert!(rss > 1.0, "{rss}");
     let metrics = std::fs::read_to_string(dir.join("smoke/metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2);
     let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
