@@ -14,6 +14,7 @@ gradients `{U:data}`) and the untagged one, and nothing here can drop a tag.
 */
 #![deny(missing_docs)]
 
+pub mod mla;
 pub mod moe;
 pub mod nn;
 mod params;

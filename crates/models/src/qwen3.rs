@@ -17,7 +17,24 @@ use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
 use ferrotext_tensor::DotDims;
 
+use crate::mla::{mla_attention, MlaDims, MlaWeights};
 use crate::moe::{self, MoeConfig, MoeOptions, MoeWeights, RouterScore};
+use ferrotext_tensor::{Rope, Yarn};
+
+/// Multi-head latent attention in place of GQA (DeepSeek; MaxText's MLA keys).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaSettings {
+    /// Query latent width (`q_lora_rank`).
+    pub q_lora_rank: usize,
+    /// Key/value latent width (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Position-free query/key width per head (`qk_nope_head_dim`).
+    pub qk_nope_head_dim: usize,
+    /// RoPE query/key width per head (`qk_rope_head_dim`).
+    pub qk_rope_head_dim: usize,
+    /// Value width per head (`v_head_dim`).
+    pub v_head_dim: usize,
+}
 use crate::nn::{self, ActivationLayout, AttentionDims, AttentionWeights};
 use crate::params::{Init, ParamInfo};
 
@@ -84,13 +101,19 @@ pub struct Config {
     pub z_loss_multiplier: f32,
     /// Mixture-of-experts feed-forward layers (`None`: every layer dense).
     pub moe: Option<MoeSettings>,
+    /// Multi-head latent attention (`None`: GQA with QK-norm).
+    pub mla: Option<MlaSettings>,
+    /// YaRN RoPE extension (MLA models; `None`: plain RoPE).
+    pub rope_yarn: Option<Yarn>,
 }
 
 impl Config {
     /// A preset by name: `qwen3-tiny` (CPU-sized, byte vocabulary), `qwen3-peer` (the JAX peer
     /// harness's model), `qwen3-0.6b` (the real dims; abstract mode on CPU), `qwen3-moe-tiny`
-    /// (qwen3-tiny with 8 routed experts, top-2, one shared expert, the first layer dense) or
-    /// `qwen3-moe-bench` (many small experts: a large gradient for its FLOPs).
+    /// (qwen3-tiny with 8 routed experts, top-2, one shared expert, the first layer dense),
+    /// `qwen3-moe-bench` (many small experts: a large gradient for its FLOPs), `deepseek3-tiny`
+    /// (MaxText's: MLA, YaRN, 16 experts top-8) or `deepseek3-1.3b` (its ~1.3B variant; abstract
+    /// mode on CPU, or train it with reduced dims).
     pub fn preset(name: &str) -> Option<Config> {
         let base = Config {
             vocab_size: 256,
@@ -105,6 +128,48 @@ impl Config {
             normalization_layer_epsilon: 1e-6,
             z_loss_multiplier: 0.0,
             moe: None,
+            mla: None,
+            rope_yarn: None,
+        };
+        // MaxText's deepseek3-tiny (reference §4): MLA with YaRN, 16 experts top-8 with a
+        // sigmoid router, 1 shared expert, the first 3 of 61 layers dense, untied head.
+        let deepseek3_tiny = Config {
+            vocab_size: 129_280,
+            base_emb_dim: 64,
+            base_num_decoder_layers: 61,
+            base_num_query_heads: 4,
+            base_num_kv_heads: 4,
+            head_dim: 128,
+            base_mlp_dim: 64,
+            logits_via_embedding: false,
+            rope_max_timescale: 10_000.0,
+            normalization_layer_epsilon: 1e-6,
+            z_loss_multiplier: 0.0,
+            moe: Some(MoeSettings {
+                num_experts: 16,
+                num_experts_per_tok: 8,
+                moe_mlp_dim: 64,
+                shared_experts: 1,
+                first_num_dense_layers: 3,
+                score: RouterScore::Sigmoid,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.5,
+                withhold_tags: false,
+            }),
+            mla: Some(MlaSettings {
+                q_lora_rank: 32,
+                kv_lora_rank: 16,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+            }),
+            rope_yarn: Some(Yarn {
+                factor: 40.0,
+                original_max_position: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 1.0,
+            }),
         };
         let moe = MoeSettings {
             num_experts: 8,
@@ -143,6 +208,20 @@ impl Config {
                 }),
                 ..base
             },
+            "deepseek3-tiny" => deepseek3_tiny,
+            // The ~1.3B variant of MaxText's GA integration test (reference §4).
+            "deepseek3-1.3b" => Config {
+                base_emb_dim: 1024,
+                base_mlp_dim: 2048,
+                base_num_decoder_layers: 24,
+                moe: deepseek3_tiny.moe.clone().map(|m| MoeSettings {
+                    moe_mlp_dim: 1024,
+                    first_num_dense_layers: 1,
+                    num_experts_per_tok: 2,
+                    ..m
+                }),
+                ..deepseek3_tiny.clone()
+            },
             "qwen3-0.6b" => Config {
                 vocab_size: 151_936,
                 base_emb_dim: 1024,
@@ -164,7 +243,18 @@ impl Config {
         "qwen3-0.6b",
         "qwen3-moe-tiny",
         "qwen3-moe-bench",
+        "deepseek3-tiny",
+        "deepseek3-1.3b",
     ];
+
+    /// The RoPE variant: interleaved YaRN for MLA models that set it, else plain rotate-half.
+    pub fn rope(&self) -> Rope {
+        Rope {
+            theta: self.rope_max_timescale,
+            interleaved: self.mla.is_some(),
+            yarn: self.rope_yarn,
+        }
+    }
 
     /// True when layer `i` has the MoE feed-forward.
     pub fn is_moe_layer(&self, i: usize) -> bool {
@@ -214,6 +304,20 @@ impl Qwen3 {
                 "head_dim ({}) must be even for RoPE",
                 cfg.head_dim
             )));
+        }
+        if let Some(m) = &cfg.mla {
+            let dims = [
+                m.q_lora_rank,
+                m.kv_lora_rank,
+                m.qk_nope_head_dim,
+                m.qk_rope_head_dim,
+                m.v_head_dim,
+            ];
+            if dims.contains(&0) || m.qk_rope_head_dim % 2 != 0 {
+                return Err(ConfigError(format!(
+                    "MLA needs positive ranks and head widths and an even qk_rope_head_dim, got {m:?}"
+                )));
+            }
         }
         if let Some(m) = &cfg.moe {
             if m.num_experts == 0
@@ -267,42 +371,94 @@ impl Qwen3 {
                 vec![Some("norm")],
                 Init::Ones,
             ));
-            out.push(p(
-                l("self_attn.q_proj.weight"),
-                vec![d, hq],
-                vec![Some("embed"), Some("q_heads")],
-                Init::FanIn,
-            ));
-            out.push(p(
-                l("self_attn.k_proj.weight"),
-                vec![d, hkv],
-                vec![Some("embed"), Some("kv_heads")],
-                Init::FanIn,
-            ));
-            out.push(p(
-                l("self_attn.v_proj.weight"),
-                vec![d, hkv],
-                vec![Some("embed"), Some("kv_heads")],
-                Init::FanIn,
-            ));
-            out.push(p(
-                l("self_attn.o_proj.weight"),
-                vec![hq, d],
-                vec![Some("q_heads"), Some("embed")],
-                Init::FanIn,
-            ));
-            out.push(p(
-                l("self_attn.q_norm.weight"),
-                vec![c.head_dim],
-                vec![None],
-                Init::Ones,
-            ));
-            out.push(p(
-                l("self_attn.k_norm.weight"),
-                vec![c.head_dim],
-                vec![None],
-                Init::Ones,
-            ));
+            if let Some(m) = &c.mla {
+                let h = c.base_num_query_heads;
+                let (qk, v) = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim);
+                for (name, shape, logical, init) in [
+                    (
+                        "q_a_proj.weight",
+                        vec![d, m.q_lora_rank],
+                        [Some("embed"), Some("q_lora")],
+                        Init::FanIn,
+                    ),
+                    (
+                        "q_a_layernorm.weight",
+                        vec![m.q_lora_rank],
+                        [Some("q_lora"), None],
+                        Init::Ones,
+                    ),
+                    (
+                        "q_b_proj.weight",
+                        vec![m.q_lora_rank, h * qk],
+                        [Some("q_lora"), Some("q_heads")],
+                        Init::FanIn,
+                    ),
+                    (
+                        "kv_a_proj_with_mqa.weight",
+                        vec![d, m.kv_lora_rank + m.qk_rope_head_dim],
+                        [Some("embed"), Some("kv_lora")],
+                        Init::FanIn,
+                    ),
+                    (
+                        "kv_a_layernorm.weight",
+                        vec![m.kv_lora_rank],
+                        [Some("kv_lora"), None],
+                        Init::Ones,
+                    ),
+                    (
+                        "kv_b_proj.weight",
+                        vec![m.kv_lora_rank, h * (m.qk_nope_head_dim + v)],
+                        [Some("kv_lora"), Some("q_heads")],
+                        Init::FanIn,
+                    ),
+                    (
+                        "o_proj.weight",
+                        vec![h * v, d],
+                        [Some("q_heads"), Some("embed")],
+                        Init::FanIn,
+                    ),
+                ] {
+                    let logical = logical[..shape.len()].to_vec();
+                    out.push(p(l(&format!("self_attn.{name}")), shape, logical, init));
+                }
+            } else {
+                out.push(p(
+                    l("self_attn.q_proj.weight"),
+                    vec![d, hq],
+                    vec![Some("embed"), Some("q_heads")],
+                    Init::FanIn,
+                ));
+                out.push(p(
+                    l("self_attn.k_proj.weight"),
+                    vec![d, hkv],
+                    vec![Some("embed"), Some("kv_heads")],
+                    Init::FanIn,
+                ));
+                out.push(p(
+                    l("self_attn.v_proj.weight"),
+                    vec![d, hkv],
+                    vec![Some("embed"), Some("kv_heads")],
+                    Init::FanIn,
+                ));
+                out.push(p(
+                    l("self_attn.o_proj.weight"),
+                    vec![hq, d],
+                    vec![Some("q_heads"), Some("embed")],
+                    Init::FanIn,
+                ));
+                out.push(p(
+                    l("self_attn.q_norm.weight"),
+                    vec![c.head_dim],
+                    vec![None],
+                    Init::Ones,
+                ));
+                out.push(p(
+                    l("self_attn.k_norm.weight"),
+                    vec![c.head_dim],
+                    vec![None],
+                    Init::Ones,
+                ));
+            }
             out.push(p(
                 l("post_attention_layernorm.weight"),
                 vec![d],
@@ -412,8 +568,12 @@ impl Qwen3 {
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let c = &self.cfg;
         let embedding = c.vocab_size * c.base_emb_dim;
+        let attention_norms = match &c.mla {
+            Some(m) => m.q_lora_rank + m.kv_lora_rank,
+            None => 2 * c.head_dim,
+        };
         let norms =
-            c.base_num_decoder_layers * (2 * c.base_emb_dim + 2 * c.head_dim) + c.base_emb_dim;
+            c.base_num_decoder_layers * (2 * c.base_emb_dim + attention_norms) + c.base_emb_dim;
         let lm_head = embedding;
         let untied_extra = if c.logits_via_embedding { 0 } else { embedding };
         // A token runs k of the E routed experts: only their weights count.
@@ -429,8 +589,14 @@ impl Qwen3 {
         };
         let matmul_weights =
             self.param_count() - embedding - norms - untied_extra - idle_experts + lm_head;
-        let attention =
-            12.0 * (c.base_num_decoder_layers * seq * c.base_num_query_heads * c.head_dim) as f64;
+        // Scores (q·k over the query/key width) and values, forward and backward: 6 each.
+        let (qk_width, v_width) = match &c.mla {
+            Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
+            None => (c.head_dim, c.head_dim),
+        };
+        let attention = 6.0
+            * (c.base_num_decoder_layers * seq * c.base_num_query_heads * (qk_width + v_width))
+                as f64;
         6.0 * matmul_weights as f64 + attention
     }
 
@@ -484,28 +650,46 @@ impl Qwen3 {
             eps: c.normalization_layer_epsilon,
         };
         for i in 0..c.base_num_decoder_layers {
-            let (attn_norm, q, k, v, o, qn, kn) = (
-                next()?,
-                next()?,
-                next()?,
-                next()?,
-                next()?,
-                next()?,
-                next()?,
-            );
-            let mlp_norm = next()?;
+            let attn_norm = next()?;
             // 2. x = x + attention(norm(x))
             let h = nn::rms_norm(cx, &x, attn_norm, c.normalization_layer_epsilon)?;
-            let w = AttentionWeights {
-                q_proj: q,
-                k_proj: k,
-                v_proj: v,
-                o_proj: o,
-                q_norm: qn,
-                k_norm: kn,
+            let a = match &c.mla {
+                None => {
+                    let w = AttentionWeights {
+                        q_proj: next()?,
+                        k_proj: next()?,
+                        v_proj: next()?,
+                        o_proj: next()?,
+                        q_norm: next()?,
+                        k_norm: next()?,
+                    };
+                    nn::attention(cx, &h, &w, dims)?
+                }
+                Some(m) => {
+                    let w = MlaWeights {
+                        wq_a: next()?,
+                        q_norm: next()?,
+                        wq_b: next()?,
+                        wkv_a: next()?,
+                        kv_norm: next()?,
+                        wkv_b: next()?,
+                        out: next()?,
+                    };
+                    let mla = MlaDims {
+                        heads: c.base_num_query_heads,
+                        q_lora_rank: m.q_lora_rank,
+                        kv_lora_rank: m.kv_lora_rank,
+                        qk_nope_head_dim: m.qk_nope_head_dim,
+                        qk_rope_head_dim: m.qk_rope_head_dim,
+                        v_head_dim: m.v_head_dim,
+                        eps: c.normalization_layer_epsilon,
+                        rope: c.rope(),
+                    };
+                    mla_attention(cx, &h, &w, mla)?
+                }
             };
-            let a = nn::attention(cx, &h, &w, dims)?;
             x = cx.add(&x, &a)?;
+            let mlp_norm = next()?;
             // 3. x = x + swiglu(norm(x))
             let h = nn::rms_norm(cx, &x, mlp_norm, c.normalization_layer_epsilon)?;
             let m = match c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {

@@ -1,14 +1,17 @@
-//! The Qwen3 model's gradients against central finite differences of its own loss, on a tiny
-//! config, single device; and the same loss on data=2 and data=1.
+//! The decoder's gradients against central finite differences of its own loss, on tiny configs
+//! (Qwen3 tied and untied; DeepSeek-style MLA + YaRN + MoE), single device; the same loss on
+//! data=2 and data=1; and the DeepSeek presets' parameter counts against MaxText's.
 
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_models::init_normal;
-use ferrotext_models::qwen3::{Config, Qwen3};
+use ferrotext_models::moe::RouterScore;
+use ferrotext_models::qwen3::{Config, MlaSettings, MoeSettings, Qwen3};
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::Tensor;
+use ferrotext_tensor::Yarn;
 
 fn tiny(tied: bool) -> Qwen3 {
     Qwen3::new(Config {
@@ -24,6 +27,8 @@ fn tiny(tied: bool) -> Qwen3 {
         normalization_layer_epsilon: 1e-6,
         z_loss_multiplier: 1e-2,
         moe: None,
+        mla: None,
+        rope_yarn: None,
     })
     .unwrap()
 }
@@ -75,29 +80,74 @@ fn loss_and_grads(model: &Qwen3, values: &[Tensor], devices: usize) -> (f32, Vec
     out.into_iter().next().unwrap()
 }
 
+/// MLA (low-rank q/kv, decoupled rope dims, interleaved YaRN) and MoE layers (sigmoid router,
+/// top-2 of 4, a shared expert) after one dense layer; untied head.
+fn tiny_deepseek() -> Qwen3 {
+    let mut cfg = tiny(false).config().clone();
+    cfg.base_num_decoder_layers = 2;
+    cfg.mla = Some(MlaSettings {
+        q_lora_rank: 6,
+        kv_lora_rank: 4,
+        qk_nope_head_dim: 4,
+        qk_rope_head_dim: 4,
+        v_head_dim: 3,
+    });
+    cfg.rope_yarn = Some(Yarn {
+        factor: 4.0,
+        original_max_position: 8,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: 1.0,
+    });
+    cfg.moe = Some(MoeSettings {
+        num_experts: 4,
+        num_experts_per_tok: 2,
+        moe_mlp_dim: 6,
+        shared_experts: 1,
+        first_num_dense_layers: 1,
+        score: RouterScore::Sigmoid,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.5,
+        withhold_tags: false,
+    });
+    Qwen3::new(cfg).unwrap()
+}
+
 fn check_against_finite_differences(tied: bool) {
-    let model = tiny(tied);
+    check_model_against_finite_differences(&tiny(tied));
+}
+
+fn check_model_against_finite_differences(model: &Qwen3) {
     let infos = model.params();
     let values: Vec<Tensor> = infos
         .iter()
         .enumerate()
         .map(|(i, p)| init_normal(p, 3, i))
         .collect();
-    let (_, grads) = loss_and_grads(&model, &values, 1);
-    let h = 1e-3f32;
+    let (l0, grads) = loss_and_grads(model, &values, 1);
     for (k, info) in infos.iter().enumerate() {
         let n = values[k].len();
         for e in [0, n / 3, n - 1] {
-            let mut plus = values.clone();
-            let mut minus = values.clone();
-            plus[k].data_mut()[e] += h;
-            minus[k].data_mut()[e] -= h;
-            let fd = (loss_and_grads(&model, &plus, 1).0 - loss_and_grads(&model, &minus, 1).0)
-                / (2.0 * h);
+            // Routing is piecewise constant: a step that crosses a top-k boundary shows as two
+            // one-sided slopes that disagree; shrink the step until it does not.
+            let mut h = 1e-3f32;
+            let fd = loop {
+                let mut plus = values.clone();
+                let mut minus = values.clone();
+                plus[k].data_mut()[e] += h;
+                minus[k].data_mut()[e] -= h;
+                let up = loss_and_grads(model, &plus, 1).0 - l0;
+                let down = l0 - loss_and_grads(model, &minus, 1).0;
+                let smooth = (up - down).abs() <= 0.2 * (up.abs() + down.abs()) + 1e-4;
+                if smooth || h < 2e-5 {
+                    break (up + down) / (2.0 * h);
+                }
+                h /= 4.0;
+            };
             let g = grads[k].data()[e];
             assert!(
                 (g - fd).abs() <= 5e-3 + 2e-2 * fd.abs(),
-                "{} [{e}]: autodiff {g}, finite difference {fd}",
+                "{} [{e}]: autodiff {g}, finite difference {fd} (step {h})",
                 info.name
             );
         }
@@ -112,6 +162,35 @@ fn gradients_match_finite_differences_tied() {
 #[test]
 fn gradients_match_finite_differences_untied() {
     check_against_finite_differences(false);
+}
+
+#[test]
+fn gradients_match_finite_differences_deepseek_style() {
+    check_model_against_finite_differences(&tiny_deepseek());
+}
+
+/// Independent baseline: MaxText's counts (reference §4): deepseek3-tiny ~33.7M; the ~1.3B
+/// variant 1.518B total, of which 2 × 132.4M untied embeddings.
+#[test]
+fn deepseek_presets_have_maxtexts_parameter_counts() {
+    let tiny = Qwen3::new(Config::preset("deepseek3-tiny").unwrap()).unwrap();
+    assert!(
+        (tiny.param_count() as f64 / 33.7e6 - 1.0).abs() < 0.002,
+        "{}",
+        tiny.param_count()
+    );
+    let big = Qwen3::new(Config::preset("deepseek3-1.3b").unwrap()).unwrap();
+    assert!(
+        (big.param_count() as f64 / 1.518e9 - 1.0).abs() < 0.001,
+        "{}",
+        big.param_count()
+    );
+    let embeddings = 2 * 129_280 * 1024;
+    let non_embedding = (big.param_count() - embeddings) as f64;
+    assert!(
+        (non_embedding / 1.253e9 - 1.0).abs() < 0.001,
+        "{non_embedding}"
+    );
 }
 
 #[test]

@@ -89,7 +89,7 @@ pub(crate) enum Backward {
         inv_rms: Vec<f32>,
     },
     Rope {
-        theta: f32,
+        rope: ferrotext_tensor::Rope,
         positions: Vec<usize>,
     },
     Softmax {
@@ -479,10 +479,10 @@ impl Ctx<'_> {
                 vec![Some(dx), ds]
             }
             // rotations are orthogonal: the transpose turns the other way
-            Backward::Rope { theta, positions } => {
+            Backward::Rope { rope, positions } => {
                 let local = ct
                     .local_opt()
-                    .map(|c| ferrotext_tensor::rope(c, positions, *theta, true))
+                    .map(|c| ferrotext_tensor::rope_with(c, positions, rope, true))
                     .transpose()?;
                 vec![Some(Array::new(ct.ty().clone(), local))]
             }

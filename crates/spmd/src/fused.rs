@@ -137,8 +137,21 @@ impl Ctx<'_> {
     /// `0..seq` with base `theta`. Linear, so tags pass through.
     ///
     /// # Errors
-    /// A sharded seq or head_dim dim; a shape that is not `[.., seq, heads, even head_dim]`.
+    /// As [`Ctx::rope_with`].
     pub fn rope(&mut self, x: &Array, theta: f32) -> Result<Array, SpmdError> {
+        self.rope_with(x, &ferrotext_tensor::Rope::standard(theta))
+    }
+
+    /// Rotary position embedding of any variant (YaRN, interleaved pairs) on
+    /// `x: [.., seq, heads, head_dim]` at positions `0..seq`. Linear, so tags pass through.
+    ///
+    /// # Errors
+    /// A sharded seq or head_dim dim; a shape that is not `[.., seq, heads, even head_dim]`.
+    pub fn rope_with(
+        &mut self,
+        x: &Array,
+        rope: &ferrotext_tensor::Rope,
+    ) -> Result<Array, SpmdError> {
         const OP: &str = "rope";
         let t = x.ty();
         if t.rank() < 3 || t.shape()[t.rank() - 1] % 2 != 0 {
@@ -162,10 +175,17 @@ impl Ctx<'_> {
         let positions: Vec<usize> = (0..t.shape()[t.rank() - 3]).collect();
         let local = x
             .local_opt()
-            .map(|v| ferrotext_tensor::rope(v, &positions, theta, false))
+            .map(|v| ferrotext_tensor::rope_with(v, &positions, rope, false))
             .transpose()?;
         let out = Array::new(t.clone(), local);
-        self.record(Backward::Rope { theta, positions }, &[x], out)
+        self.record(
+            Backward::Rope {
+                rope: *rope,
+                positions,
+            },
+            &[x],
+            out,
+        )
     }
 
     /// Softmax over the last dim (stable).

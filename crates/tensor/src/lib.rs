@@ -31,6 +31,7 @@ mod grouped;
 mod matmul;
 mod nn;
 mod reduce;
+mod rope;
 mod tensor;
 
 pub use elementwise::broadcast_shapes;
@@ -42,4 +43,5 @@ pub use nn::{
     rope, scatter_add, silu, silu_backward, softmax_backward_scaled, softmax_last,
     softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
 };
+pub use rope::{rope_with, Rope, Yarn};
 pub use tensor::{strides, Tensor};

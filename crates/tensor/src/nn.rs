@@ -6,6 +6,7 @@
 //! the row loops.
 
 use crate::error::TensorError;
+use crate::rope::{rope_with, Rope};
 use crate::tensor::Tensor;
 
 fn last_dim(x: &Tensor, op: &'static str) -> Result<usize, TensorError> {
@@ -176,57 +177,17 @@ pub fn rms_norm_backward(
     Ok((dx, Tensor::new(vec![n], dscale)?))
 }
 
-/// Rotary position embedding, rotate-half form, on `x: [.., seq, heads, head_dim]`: pair `i`
-/// (`i < head_dim/2`) of position `p` turns by `p·θ^(−2i/head_dim)`. `positions[s]` is the position
-/// of sequence index `s`. `inverse` turns the other way (the backward: rotations are orthogonal).
+/// Rotary position embedding, rotate-half form with base `theta` (see [`rope_with`]).
 ///
 /// # Errors
-/// Rank below 3, odd head_dim, or `positions` of the wrong length.
+/// As [`rope_with`].
 pub fn rope(
     x: &Tensor,
     positions: &[usize],
     theta: f32,
     inverse: bool,
 ) -> Result<Tensor, TensorError> {
-    let r = x.rank();
-    if r < 3 || x.shape()[r - 1] % 2 != 0 || positions.len() != x.shape()[r - 3] {
-        return Err(TensorError::shape(
-            "rope",
-            format!(
-                "x {:?} with {} positions (need [.., seq, heads, even head_dim])",
-                x.shape(),
-                positions.len()
-            ),
-        ));
-    }
-    let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
-    let half = dim / 2;
-    // One (sin, cos) table per call: position × pair, shared by every head and batch row.
-    let sign = if inverse { -1.0 } else { 1.0 };
-    let table: Vec<(f32, f32)> = positions
-        .iter()
-        .flat_map(|&p| {
-            (0..half).map(move |i| {
-                let freq = theta.powf(-((2 * i) as f32) / dim as f32);
-                (sign * p as f32 * freq).sin_cos()
-            })
-        })
-        .collect();
-    let mut y = x.clone();
-    for chunk in y.data_mut().chunks_mut(seq * heads * dim) {
-        for (s, pos_chunk) in chunk.chunks_mut(heads * dim).enumerate() {
-            let rot = &table[s * half..(s + 1) * half];
-            for head in pos_chunk.chunks_mut(dim) {
-                let (lo, hi) = head.split_at_mut(half);
-                for ((a, b), &(sin, cos)) in lo.iter_mut().zip(hi.iter_mut()).zip(rot) {
-                    let (x0, x1) = (*a, *b);
-                    *a = x0 * cos - x1 * sin;
-                    *b = x1 * cos + x0 * sin;
-                }
-            }
-        }
-    }
-    Ok(y)
+    rope_with(x, positions, &Rope::standard(theta), inverse)
 }
 
 /// The SwiGLU activation `silu(g) ⊙ u`, one pass.

@@ -137,3 +137,72 @@ fn moe_keys_on_a_dense_model_need_num_experts() {
     .unwrap_err();
     assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
 }
+
+/// The seed's repro at CPU scale: `model_name=deepseek3-tiny shard_mode=explicit
+/// shard_optimizer_over_data=true gradient_accumulation_steps=4` on data=4 (MLA, YaRN, sigmoid
+/// top-8 of 16 experts, a shared expert), with reduced depth and vocabulary. Its mirror withholds
+/// the expert weights' tags in the region and finds their reductions in every micro-batch.
+#[test]
+fn test_deepseek_zero1_reduces_gradients_once_per_step() {
+    let items = |withhold: bool| -> Vec<String> {
+        [
+            "model_name=deepseek3-tiny",
+            "base_num_decoder_layers=2",
+            "first_num_dense_layers=1",
+            "vocab_size=64",
+            "max_target_length=16",
+            "per_device_batch_size=1",
+            "local_devices=4",
+            "ici_data_parallelism=-1",
+            "shard_mode=explicit",
+            "shard_optimizer_over_data=true",
+            "gradient_accumulation_steps=4",
+            "dataset_type=synthetic",
+            "steps=2",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("moe_withhold_tags={withhold}")])
+        .collect()
+    };
+    let run = |withhold: bool| {
+        let config = ferrotext_train::TrainConfig::load(None, &items(withhold)).unwrap();
+        train(&config, &RunOptions::default()).unwrap()
+    };
+    let tagged = run(false);
+    assert!(tagged.gate.is_open());
+    assert!(
+        matches!(tagged.zero1, ferrotext_train::Zero1::Active { .. }),
+        "{:?}",
+        tagged.zero1
+    );
+    let mb = PhasePattern::new("micro_batch*");
+    let big = tagged.trace.all_reduces_larger_than(8, &mb);
+    assert!(big.is_empty(), "all-reduces inside micro-batches: {big:?}");
+    let update = PhasePattern::new("update*");
+    assert_eq!(
+        tagged.trace.count(CollectiveKind::ReduceScatter, &update),
+        tagged.params.len() * 2,
+        "one reduce-scatter per parameter per step"
+    );
+
+    let withheld = run(true);
+    let expert_kernel = 16 * 64 * 64;
+    let in_micro_batches = withheld
+        .trace
+        .all_reduces_larger_than(8, &mb)
+        .into_iter()
+        .filter(|e| e.elements == expert_kernel)
+        .count();
+    // 3 kernels × 1 MoE layer × 4 micro-batches × 2 steps.
+    assert_eq!(in_micro_batches, 3 * 4 * 2);
+    let (a, b) = (&tagged.metrics, &withheld.metrics);
+    for (x, y) in a.iter().zip(b.iter()) {
+        assert!(
+            (x.loss - y.loss).abs() <= 1e-6 * x.loss.abs(),
+            "{} vs {}",
+            x.loss,
+            y.loss
+        );
+    }
+}

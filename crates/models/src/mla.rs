@@ -1,0 +1,111 @@
+//! Multi-head latent attention (DeepSeek-V2/V3, MaxText `attention_type: mla`): queries and
+//! keys/values go through low-rank latents with their own RMSNorms; each head's query/key is a
+//! position-free part (`qk_nope_head_dim`) and a RoPE part (`qk_rope_head_dim`) whose key half is
+//! one vector shared by every head; values have their own width (`v_head_dim`).
+
+use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_tensor::{DotDims, Rope};
+
+use crate::nn::{linear, rms_norm};
+
+/// MLA hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaDims {
+    /// Heads.
+    pub heads: usize,
+    /// Query latent width (`q_lora_rank`).
+    pub q_lora_rank: usize,
+    /// Key/value latent width (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Position-free query/key width per head.
+    pub qk_nope_head_dim: usize,
+    /// RoPE query/key width per head.
+    pub qk_rope_head_dim: usize,
+    /// Value width per head.
+    pub v_head_dim: usize,
+    /// RMSNorm epsilon of the latent norms.
+    pub eps: f32,
+    /// The RoPE variant (DeepSeek: YaRN, interleaved).
+    pub rope: Rope,
+}
+
+/// The weights of one MLA block (`[in, out]` matrices; HF DeepSeek names in brackets).
+pub struct MlaWeights<'a> {
+    /// `[d, q_lora]` (`q_a_proj`).
+    pub wq_a: &'a Array,
+    /// `[q_lora]` (`q_a_layernorm`).
+    pub q_norm: &'a Array,
+    /// `[q_lora, heads·(nope+rope)]` (`q_b_proj`).
+    pub wq_b: &'a Array,
+    /// `[d, kv_lora + rope]` (`kv_a_proj_with_mqa`).
+    pub wkv_a: &'a Array,
+    /// `[kv_lora]` (`kv_a_layernorm`).
+    pub kv_norm: &'a Array,
+    /// `[kv_lora, heads·(nope+v)]` (`kv_b_proj`).
+    pub wkv_b: &'a Array,
+    /// `[heads·v, d]` (`o_proj`).
+    pub out: &'a Array,
+}
+
+/// Causal MLA self-attention on `x: [B, T, d]`. The softmax scale is
+/// `(nope+rope)^−½ · rope.attention_scale_factor()` (YaRN's `mscale²`).
+///
+/// # Errors
+/// Any type error of the ops.
+pub fn mla_attention(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    w: &MlaWeights<'_>,
+    dims: MlaDims,
+) -> Result<Array, SpmdError> {
+    let (b, t) = (x.ty().shape()[0], x.ty().shape()[1]);
+    let h = dims.heads;
+    let (nope, rope, vd) = (
+        dims.qk_nope_head_dim,
+        dims.qk_rope_head_dim,
+        dims.v_head_dim,
+    );
+    // 1. queries through their latent: [B, T, H, nope | rope]
+    let cq = linear(cx, x, w.wq_a)?;
+    let cq = rms_norm(cx, &cq, w.q_norm, dims.eps)?;
+    let q = linear(cx, &cq, w.wq_b)?;
+    let q = cx.reshape(&q, &[b, t, h, nope + rope], None)?;
+    let q_nope = cx.slice(&q, 3, 0, nope)?;
+    let q_rope = cx.slice(&q, 3, nope, nope + rope)?;
+    let q_rope = cx.rope_with(&q_rope, &dims.rope)?;
+    // 2. keys/values through theirs; the RoPE key is one vector for every head
+    let ckv = linear(cx, x, w.wkv_a)?;
+    let c = cx.slice(&ckv, 2, 0, dims.kv_lora_rank)?;
+    let k_rope = cx.slice(&ckv, 2, dims.kv_lora_rank, dims.kv_lora_rank + rope)?;
+    let k_rope = cx.reshape(&k_rope, &[b, t, 1, rope], None)?;
+    let k_rope = cx.rope_with(&k_rope, &dims.rope)?;
+    let k_rope = cx.reshape(&k_rope, &[b, t, rope], None)?;
+    let k_rope = cx.broadcast_in_dim(&k_rope, &[b, t, h, rope], &[0, 1, 3], None)?;
+    let c = rms_norm(cx, &c, w.kv_norm, dims.eps)?;
+    let kv = linear(cx, &c, w.wkv_b)?;
+    let kv = cx.reshape(&kv, &[b, t, h, nope + vd], None)?;
+    let k_nope = cx.slice(&kv, 3, 0, nope)?;
+    let v = cx.slice(&kv, 3, nope, nope + vd)?;
+    let q = cx.concat(&[&q_nope, &q_rope], 3)?;
+    let k = cx.concat(&[&k_nope, &k_rope], 3)?;
+    // 3. scores [B, H, T, T], causal softmax, values
+    let qk = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![3],
+        lhs_batch: vec![0, 2],
+        rhs_batch: vec![0, 2],
+    };
+    let scores = cx.dot_general(&q, &k, &qk, None)?;
+    let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
+    let probs = cx.causal_softmax(&scores, scale)?;
+    let pv = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![1],
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+    };
+    let out = cx.dot_general(&probs, &v, &pv, None)?;
+    let out = cx.transpose(&out, &[0, 2, 1, 3])?;
+    let out = cx.reshape(&out, &[b, t, h * vd], None)?;
+    linear(cx, &out, w.out)
+}

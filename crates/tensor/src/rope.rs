@@ -1,0 +1,204 @@
+//! Rotary position embeddings: the frequency table (plain, or YaRN-extended) and the rotation
+//! (rotate-half or interleaved pairs) on `x: [.., seq, heads, head_dim]`.
+//!
+//! Pair `i` of position `p` turns by `p·f_i`. Plain RoPE has `f_i = θ^(−2i/dim)`. YaRN (DeepSeek
+//! V3, MaxText `rope_type: yarn`) keeps the high frequencies, divides the low ones by `factor`,
+//! and ramps linearly between them over the pairs whose wavelength falls between `beta_fast` and
+//! `beta_slow` rotations of the original context. The attention's softmax scale correction
+//! (`mscale`) is not part of the rotation: [`Rope::attention_scale_factor`] gives it.
+
+use crate::error::TensorError;
+use crate::tensor::Tensor;
+
+/// YaRN context extension of a RoPE table.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// Context extension factor (`rope_factor`).
+    pub factor: f32,
+    /// The pre-training context (`original_max_position_embeddings`).
+    pub original_max_position: usize,
+    /// Rotations above which a pair keeps its frequency (`beta_fast`).
+    pub beta_fast: f32,
+    /// Rotations below which a pair is fully interpolated (`beta_slow`).
+    pub beta_slow: f32,
+    /// `mscale` of the attention scale correction.
+    pub mscale: f32,
+}
+
+/// A RoPE variant.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Base θ (`rope_max_timescale`).
+    pub theta: f32,
+    /// Pairs are `(2i, 2i+1)` (DeepSeek) instead of `(i, i + dim/2)` (rotate-half).
+    pub interleaved: bool,
+    /// YaRN extension, if any.
+    pub yarn: Option<Yarn>,
+}
+
+impl Rope {
+    /// Plain rotate-half RoPE with base `theta`.
+    pub fn standard(theta: f32) -> Rope {
+        Rope {
+            theta,
+            interleaved: false,
+            yarn: None,
+        }
+    }
+
+    /// The frequency of each of the `dim/2` pairs.
+    pub fn frequencies(&self, dim: usize) -> Vec<f32> {
+        let half = dim / 2;
+        let base: Vec<f64> = (0..half)
+            .map(|i| f64::from(self.theta).powf(-((2 * i) as f64) / dim as f64))
+            .collect();
+        let Some(y) = self.yarn else {
+            return base.iter().map(|&f| f as f32).collect();
+        };
+        // The pair index at which a wavelength makes `rotations` turns over the original context.
+        let correction = |rotations: f32| -> f64 {
+            let max = y.original_max_position as f64;
+            dim as f64 * (max / (f64::from(rotations) * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * f64::from(self.theta).ln())
+        };
+        let low = correction(y.beta_fast).floor().max(0.0);
+        let high = correction(y.beta_slow).ceil().min(dim as f64 - 1.0);
+        let high = if high == low { high + 0.001 } else { high };
+        base.iter()
+            .enumerate()
+            .map(|(i, &f)| {
+                let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                let keep = 1.0 - ramp; // 1: keep the frequency (fast pairs), 0: interpolate
+                (f / f64::from(y.factor) * (1.0 - keep) + f * keep) as f32
+            })
+            .collect()
+    }
+
+    /// The factor YaRN puts on the attention's softmax scale: `(0.1·mscale·ln(factor) + 1)²`
+    /// (1 without YaRN or for `factor ≤ 1`).
+    pub fn attention_scale_factor(&self) -> f32 {
+        match self.yarn {
+            Some(y) if y.factor > 1.0 => {
+                let m = 0.1 * y.mscale * y.factor.ln() + 1.0;
+                m * m
+            }
+            _ => 1.0,
+        }
+    }
+}
+
+/// The rotation `rope` on `x: [.., seq, heads, even head_dim]` at `positions` (one per sequence
+/// index). `inverse` turns the other way (the backward: rotations are orthogonal).
+///
+/// # Errors
+/// Rank below 3, odd head_dim, or `positions` of the wrong length.
+pub fn rope_with(
+    x: &Tensor,
+    positions: &[usize],
+    rope: &Rope,
+    inverse: bool,
+) -> Result<Tensor, TensorError> {
+    let r = x.rank();
+    if r < 3 || x.shape()[r - 1] % 2 != 0 || positions.len() != x.shape()[r - 3] {
+        return Err(TensorError::shape(
+            "rope",
+            format!(
+                "x {:?} with {} positions (need [.., seq, heads, even head_dim])",
+                x.shape(),
+                positions.len()
+            ),
+        ));
+    }
+    let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
+    let half = dim / 2;
+    let freqs = rope.frequencies(dim);
+    // One (sin, cos) table per call: position × pair, shared by every head and batch row.
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let table: Vec<(f32, f32)> = positions
+        .iter()
+        .flat_map(|&p| freqs.iter().map(move |&f| (sign * p as f32 * f).sin_cos()))
+        .collect();
+    let mut y = x.clone();
+    for chunk in y.data_mut().chunks_mut(seq * heads * dim) {
+        for (s, pos_chunk) in chunk.chunks_mut(heads * dim).enumerate() {
+            let rot = &table[s * half..(s + 1) * half];
+            for head in pos_chunk.chunks_mut(dim) {
+                if rope.interleaved {
+                    for (pair, &(sin, cos)) in head.chunks_exact_mut(2).zip(rot) {
+                        let (x0, x1) = (pair[0], pair[1]);
+                        pair[0] = x0 * cos - x1 * sin;
+                        pair[1] = x1 * cos + x0 * sin;
+                    }
+                } else {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for ((a, b), &(sin, cos)) in lo.iter_mut().zip(hi.iter_mut()).zip(rot) {
+                        let (x0, x1) = (*a, *b);
+                        *a = x0 * cos - x1 * sin;
+                        *b = x1 * cos + x0 * sin;
+                    }
+                }
+            }
+        }
+    }
+    Ok(y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deepseek() -> Rope {
+        Rope {
+            theta: 10_000.0,
+            interleaved: true,
+            yarn: Some(Yarn {
+                factor: 40.0,
+                original_max_position: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 1.0,
+            }),
+        }
+    }
+
+    /// Hand-computed: for dim 64, θ 1e4, 4096 positions, the ramp runs from pair
+    /// floor(64·ln(4096/(32·2π))/(2·ln 1e4)) = 10 to ceil(64·ln(4096/(2π))/(2·ln 1e4)) = 23.
+    #[test]
+    fn yarn_keeps_fast_pairs_and_interpolates_slow_ones() {
+        let plain = Rope::standard(10_000.0).frequencies(64);
+        let yarn = deepseek().frequencies(64);
+        for i in 0..=10 {
+            assert_eq!(yarn[i], plain[i], "pair {i} keeps its frequency");
+        }
+        for i in 23..32 {
+            assert!(
+                (yarn[i] - plain[i] / 40.0).abs() <= 1e-6 * plain[i],
+                "pair {i} / 40"
+            );
+        }
+        let mid = 16; // ramp (16-10)/13
+        let ramp = 6.0 / 13.0;
+        let want = plain[mid] / 40.0 * ramp + plain[mid] * (1.0 - ramp);
+        assert!((yarn[mid] - want).abs() <= 1e-6 * want);
+        let m = 0.1 * 40f32.ln() + 1.0;
+        assert!((deepseek().attention_scale_factor() - m * m).abs() < 1e-6);
+    }
+
+    /// Interleaved pairs rotate (2i, 2i+1); the inverse undoes it; norms are kept.
+    #[test]
+    fn interleaved_rotation_is_orthogonal_and_inverts() {
+        let x = Tensor::from_fn(&[3, 2, 8], |i| (i as f32 * 0.37).sin());
+        let rope = deepseek();
+        let y = rope_with(&x, &[0, 5, 9], &rope, false).unwrap();
+        assert_eq!(&y.data()[..16], &x.data()[..16], "position 0 does not turn");
+        let back = rope_with(&y, &[0, 5, 9], &rope, true).unwrap();
+        for (a, b) in back.data().iter().zip(x.data()) {
+            assert!((a - b).abs() < 1e-5);
+        }
+        let freqs = rope.frequencies(8);
+        let (sin, cos) = (5.0 * freqs[1]).sin_cos();
+        let (x0, x1) = (x.data()[16 + 2], x.data()[16 + 3]);
+        assert!((y.data()[16 + 2] - (x0 * cos - x1 * sin)).abs() < 1e-6);
+        assert!((y.data()[16 + 3] - (x1 * cos + x0 * sin)).abs() < 1e-6);
+    }
+}
