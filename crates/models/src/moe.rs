@@ -53,6 +53,20 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
     /// Factor on the routed experts' output.
     pub routed_scaling_factor: f32,
+    /// Weight of the Switch-style load-balance loss (0: not computed).
+    pub load_balance_loss_weight: f32,
+}
+
+/// What the block returns.
+#[derive(Clone, Debug)]
+pub struct MoeOutput {
+    /// The block's output, laid out like its input.
+    pub y: Array,
+    /// The load-balance loss (a replicated scalar), when its weight is positive:
+    /// `weight · E² · mean over (sequences, experts) of density · mean score`, where `density` is
+    /// the fraction of a sequence's tokens that chose the expert (MaxText's sequence-wise
+    /// Switch loss). The gradient flows through the scores only.
+    pub load_balance_loss: Option<Array>,
 }
 
 /// The block's weights, as placed by the caller (their tags are theirs to choose).
@@ -178,15 +192,16 @@ fn weight_list(w: &MoeWeights) -> Vec<Array> {
 /// Weights that do not fit the config; any op's type error.
 ///
 /// # Collectives
-/// None forward. Backward: none for weights tagged reduced over the axes the batch is split on
-/// (their gradients leave unreduced); a psum per untagged weight.
+/// None forward (but a 1-element psum of the load-balance loss, when on). Backward: none for
+/// weights tagged reduced over the axes the batch is split on (their gradients leave
+/// unreduced); a psum per untagged weight.
 pub fn moe_sparse(
     cx: &mut Ctx<'_>,
     config: &MoeConfig,
     x: &Array,
     weights: &MoeWeights,
     options: MoeOptions,
-) -> Result<Array, SpmdError> {
+) -> Result<MoeOutput, SpmdError> {
     config.check(weights)?;
     // Expert parallelism: the axes the expert kernels' expert dim is split over.
     let ep_axes: Vec<String> = weights
@@ -242,8 +257,14 @@ pub fn moe_sparse(
     let has_shared = weights.shared.is_some();
     let bias = weights.router_bias.clone();
     let ep: Vec<&str> = ep_axes.iter().map(String::as_str).collect();
-    let out = cx.shard_map(&inputs, &in_specs, &[out_spec], |cx, xs| {
-        let y = sparse_body(
+    let with_loss = config.load_balance_loss_weight > 0.0;
+    let mut out_specs = vec![out_spec];
+    if with_loss {
+        out_specs.push(PartitionSpec::replicated());
+    }
+    let sequences = x.ty().shape()[0];
+    let out = cx.shard_map(&inputs, &in_specs, &out_specs, |cx, xs| {
+        let (y, loss) = sparse_body(
             cx,
             config,
             &xs[0],
@@ -251,15 +272,19 @@ pub fn moe_sparse(
             has_shared,
             bias.as_deref(),
             &ep,
+            sequences,
         )?;
-        Ok(vec![y])
+        Ok(std::iter::once(y).chain(loss).collect())
     })?;
-    out.into_iter()
-        .next()
-        .ok_or_else(|| SpmdError::BadArgument {
-            op: "moe".into(),
-            reason: "the region returned nothing".into(),
-        })
+    let mut out = out.into_iter();
+    let y = out.next().ok_or_else(|| SpmdError::BadArgument {
+        op: "moe".into(),
+        reason: "the region returned nothing".into(),
+    })?;
+    Ok(MoeOutput {
+        y,
+        load_balance_loss: out.next(),
+    })
 }
 
 /// `w` with every partition removed (but its expert dim's, when `keep_dim0`), tags kept.
@@ -277,7 +302,9 @@ fn gather_except(cx: &mut Ctx<'_>, w: &Array, keep_dim0: bool) -> Result<Array, 
     }
 }
 
-/// One device's tokens through the block (see the module docs).
+/// One device's tokens through the block (see the module docs), and its load-balance loss
+/// (summed over the devices) when on. `sequences` is the global batch.
+#[allow(clippy::too_many_arguments)]
 fn sparse_body(
     cx: &mut Ctx<'_>,
     config: &MoeConfig,
@@ -286,7 +313,8 @@ fn sparse_body(
     has_shared: bool,
     bias: Option<&[f32]>,
     ep_axes: &[&str],
-) -> Result<Array, SpmdError> {
+    sequences: usize,
+) -> Result<(Array, Option<Array>), SpmdError> {
     let shape = x.ty().shape().to_vec();
     let d = shape[shape.len() - 1];
     let n: usize = shape[..shape.len() - 1].iter().product();
@@ -305,6 +333,39 @@ fn sparse_body(
         .enumerate()
         .map(|(i, &ex)| ((i / k) * e) as u32 + ex)
         .collect();
+    let loss = if config.load_balance_loss_weight > 0.0 {
+        let seq = shape[shape.len() - 2];
+        let rows = n / seq.max(1);
+        // density[b, e]: the fraction of sequence b's tokens that chose expert e (data).
+        let mut density = vec![0f32; rows * e];
+        for (copy, &ex) in experts.iter().enumerate() {
+            density[(copy / k / seq) * e + ex as usize] += 1.0 / seq as f32;
+        }
+        let ty = ArrayType::manual(
+            scores.ty().dtype(),
+            vec![rows, e],
+            scores.ty().sharding().mesh().clone(),
+            scores.ty().manual_tags().clone(),
+        )?;
+        let density = cx.from_local(ty, Tensor::new(vec![rows, e], density)?)?;
+        let per_seq = cx.reshape(&scores, &[rows, seq, e], None)?;
+        let mean_prob = cx.reduce_sum(&per_seq, &[1], None)?;
+        let both = cx.mul(&mean_prob, &density)?;
+        let local = cx.reduce_sum(&both, &[0, 1], None)?;
+        // weight · E² · mean over (sequences, experts) = weight · E / sequences · Σ, with the
+        // 1/seq of the mean score folded in.
+        let factor = config.load_balance_loss_weight * e as f32 / (sequences * seq) as f32;
+        let local = cx.scale(&local, factor)?;
+        let varying: Vec<String> = local.ty().manual_tags().varying().iter().cloned().collect();
+        let axes: Vec<&str> = varying.iter().map(String::as_str).collect();
+        Some(if axes.is_empty() {
+            local
+        } else {
+            cx.psum(&local, &axes)?
+        })
+    } else {
+        None
+    };
     let flat = cx.reshape(&scores, &[n * e, 1], None)?;
     let chosen = cx.take_rows(&flat, &picks)?;
     let chosen = cx.reshape(&chosen, &[n, k], None)?;
@@ -326,7 +387,7 @@ fn sparse_body(
         let s = cx.matmul(&a, &w[6], None)?;
         y = cx.add(&y, &s)?;
     }
-    cx.reshape(&y, &shape, None)
+    Ok((cx.reshape(&y, &shape, None)?, loss))
 }
 
 /// Every copy's expert output `[n·k, d]` (token-major), all experts on this device.
@@ -456,7 +517,7 @@ pub fn moe_dense(
     config: &MoeConfig,
     x: &Array,
     weights: &MoeWeights,
-) -> Result<Array, SpmdError> {
+) -> Result<MoeOutput, SpmdError> {
     config.check(weights)?;
     let shape = x.ty().shape().to_vec();
     let rank = shape.len();
@@ -482,6 +543,18 @@ pub fn moe_dense(
         scores.ty().sharding().spec().without_tags(),
     )?;
     let mask = cx.from_local(mask_ty, mask_local)?;
+    let load_balance_loss = if config.load_balance_loss_weight > 0.0 && rank == 3 {
+        let (b, t) = (shape[0], shape[1]);
+        let density = cx.reduce_sum(&mask, &[1], None)?;
+        let mean_prob = cx.reduce_sum(&scores, &[1], None)?;
+        let both = cx.mul(&density, &mean_prob)?;
+        let total = cx.reduce_sum(&both, &[0, 1], Some(&PartitionSpec::replicated()))?;
+        // density and mean score are each a mean over t: divide by t².
+        let factor = config.load_balance_loss_weight * (e * e) as f32 / (b * e * t * t) as f32;
+        Some(cx.scale(&total, factor)?)
+    } else {
+        None
+    };
     let chosen = cx.mul(&scores, &mask)?;
     let mut gates = if config.norm_topk_prob {
         let sum = cx.reduce_sum(&chosen, &[rank - 1], None)?;
@@ -524,5 +597,8 @@ pub fn moe_dense(
         let s = crate::nn::swiglu(cx, x, gate, up, down)?;
         y = cx.add(&y, &s)?;
     }
-    Ok(y)
+    Ok(MoeOutput {
+        y,
+        load_balance_loss,
+    })
 }

@@ -57,6 +57,8 @@ pub struct MoeSettings {
     pub norm_topk_prob: bool,
     /// Factor on the routed output (`routed_scaling_factor`).
     pub routed_scaling_factor: f32,
+    /// Weight of the load-balance loss (`load_balance_loss_weight`; 0 disables).
+    pub load_balance_loss_weight: f32,
     /// Diagnostic mirror: drop the expert weights' tags before the MoE region (see
     /// [`MoeOptions::withhold_tags`]).
     pub withhold_tags: bool,
@@ -70,6 +72,7 @@ impl MoeSettings {
             score: self.score,
             norm_topk_prob: self.norm_topk_prob,
             routed_scaling_factor: self.routed_scaling_factor,
+            load_balance_loss_weight: self.load_balance_loss_weight,
         }
     }
 }
@@ -154,6 +157,7 @@ impl Config {
                 score: RouterScore::Sigmoid,
                 norm_topk_prob: true,
                 routed_scaling_factor: 2.5,
+                load_balance_loss_weight: 0.0,
                 withhold_tags: false,
             }),
             mla: Some(MlaSettings {
@@ -180,6 +184,7 @@ impl Config {
             score: RouterScore::Softmax,
             norm_topk_prob: true,
             routed_scaling_factor: 1.0,
+            load_balance_loss_weight: 0.0,
             withhold_tags: false,
         };
         Some(match name {
@@ -613,8 +618,18 @@ impl Qwen3 {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<Array, SpmdError> {
-        let logits = self.logits(cx, params, inputs)?;
-        cx.cross_entropy_sum(&logits, targets, self.cfg.z_loss_multiplier)
+        let (logits, aux) = self.forward(cx, params, inputs)?;
+        let ce = cx.cross_entropy_sum(&logits, targets, self.cfg.z_loss_multiplier)?;
+        match aux {
+            // The trainer divides the sum by the step's tokens: an auxiliary loss joins as
+            // `aux · tokens` so that it ends up added to the mean.
+            Some(aux) => {
+                let tokens: usize = inputs.ty().shape().iter().product();
+                let aux = cx.scale(&aux, tokens as f32)?;
+                cx.add(&ce, &aux)
+            }
+            None => Ok(ce),
+        }
     }
 
     /// Logits `[B, T, vocab]`, split over the batch like the inputs, vocab replicated.
@@ -627,7 +642,19 @@ impl Qwen3 {
         params: &[Array],
         inputs: &Ids,
     ) -> Result<Array, SpmdError> {
+        Ok(self.forward(cx, params, inputs)?.0)
+    }
+
+    /// Logits and the summed auxiliary losses of the MoE layers (their load-balance losses,
+    /// when on).
+    fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+    ) -> Result<(Array, Option<Array>), SpmdError> {
         let c = &self.cfg;
+        let mut aux: Option<Array> = None;
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
         let layout = ActivationLayout { batch: batch_axes };
         let mut it = params.iter();
@@ -715,7 +742,14 @@ impl Qwen3 {
                     let options = MoeOptions {
                         withhold_tags: settings.withhold_tags,
                     };
-                    moe::moe_sparse(cx, &settings.block(), &h, &weights, options)?
+                    let out = moe::moe_sparse(cx, &settings.block(), &h, &weights, options)?;
+                    if let Some(loss) = out.load_balance_loss {
+                        aux = Some(match aux {
+                            Some(sum) => cx.add(&sum, &loss)?,
+                            None => loss,
+                        });
+                    }
+                    out.y
                 }
             };
             x = cx.add(&x, &m)?;
@@ -736,11 +770,12 @@ impl Qwen3 {
         };
         // 5. cross-entropy needs whole vocab rows: gather the vocab dim if it is split
         let want = layout.spec(3);
-        if logits.ty().sharding().spec().partitions() == want.partitions() {
-            Ok(logits)
+        let logits = if logits.ty().sharding().spec().partitions() == want.partitions() {
+            logits
         } else {
-            cx.reshard(&logits, &want)
-        }
+            cx.reshard(&logits, &want)?
+        };
+        Ok((logits, aux))
     }
 }
 

@@ -51,6 +51,7 @@ fn config(score: RouterScore) -> MoeConfig {
         score,
         norm_topk_prob: true,
         routed_scaling_factor: 2.5,
+        load_balance_loss_weight: 0.1,
     }
 }
 
@@ -66,6 +67,8 @@ enum Path {
 
 struct Run {
     loss: f32,
+    /// The load-balance loss alone.
+    balance: f32,
     /// Gradients of x and every weight, reduced to plain.
     grads: Vec<Tensor>,
     /// The weights' gradient types before reduction.
@@ -138,6 +141,7 @@ fn run_on(layout: Layout, path: Path, score: RouterScore, tagged: bool, vals: &[
         }
         let c = place(&cx, &c, &batch)?;
         let cfg = config(score);
+        let balance_value = std::sync::Mutex::new(f32::NAN);
         cx.comm().push_phase("step");
         let (loss, grads) = cx.value_and_grad(&params, |cx, p| {
             let weights = MoeWeights {
@@ -148,14 +152,17 @@ fn run_on(layout: Layout, path: Path, score: RouterScore, tagged: bool, vals: &[
                 wo: p[4].clone(),
                 shared: Some([p[5].clone(), p[6].clone(), p[7].clone()]),
             };
-            let y = match path {
+            let out = match path {
                 Path::Sparse { withhold_tags } => {
                     moe_sparse(cx, &cfg, &p[0], &weights, MoeOptions { withhold_tags })?
                 }
                 Path::Dense => moe_dense(cx, &cfg, &p[0], &weights)?,
             };
-            let yc = cx.mul(&y, &c)?;
-            cx.reduce_sum(&yc, &[0, 1, 2], None)
+            let yc = cx.mul(&out.y, &c)?;
+            let sum = cx.reduce_sum(&yc, &[0, 1, 2], None)?;
+            let balance = out.load_balance_loss.expect("the loss is on");
+            *balance_value.lock().unwrap() = balance.scalar()?;
+            cx.add(&sum, &balance)
         })?;
         cx.comm().pop_phase();
         let grad_types = grads[1..].iter().map(|g| g.ty().to_string()).collect();
@@ -165,8 +172,10 @@ fn run_on(layout: Layout, path: Path, score: RouterScore, tagged: bool, vals: &[
             host.push(cx.to_host(&plain)?);
         }
         let loss = loss.scalar()?;
+        let balance = *balance_value.lock().unwrap();
         Ok::<_, SpmdError>(Run {
             loss,
+            balance,
             grads: host,
             grad_types,
             trace: cx.comm().take_trace(),
@@ -220,6 +229,61 @@ fn sparse_path_equals_the_dense_reference_with_gradients() {
             // Every expert got some tokens and some none of a token's copies: the routing
             // matters (a router gradient of zero would hide a broken gate path).
             assert!(sparse.grads[1].data().iter().any(|&g| g.abs() > 1e-3));
+        }
+    }
+}
+
+/// The load-balance loss on the host from the raw values: softmax scores, top-2 per token,
+/// per-sequence density and mean score, `weight · E² · mean over (sequence, expert)`.
+fn host_balance_loss(vals: &[Tensor]) -> f32 {
+    let (x, wr) = (&vals[0], &vals[1]);
+    let mut total = 0.0f64;
+    for b in 0..B {
+        let mut density = [0.0f64; E];
+        let mut mean = [0.0f64; E];
+        for t in 0..T {
+            let row = &x.data()[(b * T + t) * D..(b * T + t + 1) * D];
+            let logits: Vec<f64> = (0..E)
+                .map(|e| {
+                    (0..D)
+                        .map(|k| f64::from(row[k] * wr.data()[k * E + e]))
+                        .sum()
+                })
+                .collect();
+            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let exps: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+            let z: f64 = exps.iter().sum();
+            let mut order: Vec<usize> = (0..E).collect();
+            order.sort_by(|&i, &j| exps[j].total_cmp(&exps[i]));
+            for &e in &order[..K] {
+                density[e] += 1.0 / T as f64;
+            }
+            for e in 0..E {
+                mean[e] += exps[e] / z / T as f64;
+            }
+        }
+        total += (0..E).map(|e| density[e] * mean[e]).sum::<f64>();
+    }
+    (0.1 * (E * E) as f64 * total / (B * E) as f64) as f32
+}
+
+#[test]
+fn load_balance_loss_equals_the_host_computation() {
+    let vals = values();
+    let want = host_balance_loss(&vals);
+    for devices in [1, 4] {
+        for path in [
+            Path::Sparse {
+                withhold_tags: false,
+            },
+            Path::Dense,
+        ] {
+            let r = run(devices, path, RouterScore::Softmax, true, &vals);
+            assert!(
+                (r.balance - want).abs() <= 1e-5 * want.abs(),
+                "{} vs {want}",
+                r.balance
+            );
         }
     }
 }
@@ -351,13 +415,14 @@ fn tagged_expert_weights_leave_the_region_unreduced_without_an_all_reduce() {
         assert!(ty.ends_with("{U:data}"), "d{name}: {ty}");
     }
     let step = PhasePattern::new("step");
-    // The only all-reduce of the step is the 1-element loss sum over the batch.
+    // The only all-reduces of the step are 1-element ones: the loss sum over the batch and the
+    // load-balance loss's psum in the region.
     assert!(
         tagged.trace.all_reduces_larger_than(8, &step).is_empty(),
         "{}",
         tagged.trace
     );
-    assert_eq!(tagged.trace.count(CollectiveKind::AllReduce, &step), 1);
+    assert_eq!(tagged.trace.count(CollectiveKind::AllReduce, &step), 2);
 
     // Mirror: tags withheld before the region (a rebuilt spec) — every weight's gradient is
     // psummed inside the step, expert kernels included.

@@ -108,6 +108,7 @@ fn tiny_deepseek() -> Qwen3 {
         score: RouterScore::Sigmoid,
         norm_topk_prob: true,
         routed_scaling_factor: 2.5,
+        load_balance_loss_weight: 0.01,
         withhold_tags: false,
     });
     Qwen3::new(cfg).unwrap()

@@ -85,6 +85,8 @@ pub struct TrainConfig {
     pub routed_scaling_factor: Option<f64>,
     /// Renormalise the chosen experts' scores.
     pub norm_topk_prob: Option<bool>,
+    /// Weight of the MoE load-balance loss (0 disables).
+    pub load_balance_loss_weight: Option<f64>,
     /// Diagnostic mirror, for tests and the MoE benchmark: drop the expert weights' `reduced`
     /// tags before the MoE region, as a spec rebuilt from logical rules would — their gradients
     /// are then all-reduced inside every micro-batch (numerics unchanged).
@@ -186,6 +188,7 @@ impl Default for TrainConfig {
             routed_score_func: None,
             routed_scaling_factor: None,
             norm_topk_prob: None,
+            load_balance_loss_weight: None,
             moe_withhold_tags: false,
             z_loss_multiplier: 0.0,
             local_devices: 4,
@@ -316,6 +319,7 @@ impl TrainConfig {
             || self.routed_score_func.is_some()
             || self.routed_scaling_factor.is_some()
             || self.norm_topk_prob.is_some()
+            || self.load_balance_loss_weight.is_some()
             || self.moe_withhold_tags;
         if m.moe.is_none() && self.num_experts.is_none() {
             if any_key {
@@ -335,6 +339,7 @@ impl TrainConfig {
             score: ferrotext_models::moe::RouterScore::Softmax,
             norm_topk_prob: true,
             routed_scaling_factor: 1.0,
+            load_balance_loss_weight: 0.0,
             withhold_tags: false,
         });
         let set = |field: &mut usize, v: Option<usize>| {
@@ -363,6 +368,14 @@ impl TrainConfig {
         }
         if let Some(n) = self.norm_topk_prob {
             moe.norm_topk_prob = n;
+        }
+        if let Some(w) = self.load_balance_loss_weight {
+            if !(w >= 0.0 && w.is_finite()) {
+                return Err(TrainError::Config(format!(
+                    "load_balance_loss_weight must be ≥ 0, got {w}"
+                )));
+            }
+            moe.load_balance_loss_weight = w as f32;
         }
         moe.withhold_tags = self.moe_withhold_tags;
         m.moe = Some(moe);
