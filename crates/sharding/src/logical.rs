@@ -133,6 +133,16 @@ impl LogicalAxisRules {
         }
     }
 
+    /// This table with `axis` removed from the rule for `logical` (unchanged when the rule does
+    /// not list it): e.g. `embed` without `expert`, so dense weights stay whole while the expert
+    /// axis splits only the batch and the experts.
+    pub fn without_axis(mut self, logical: &str, axis: &str) -> LogicalAxisRules {
+        if let Some((_, axes)) = self.rules.iter_mut().find(|(n, _)| n == logical) {
+            axes.retain(|a| a != axis);
+        }
+        self
+    }
+
     /// The mesh axes the rule for `logical` lists, in order (`None` when there is no rule).
     pub fn rule(&self, logical: &str) -> Option<&[String]> {
         self.rules

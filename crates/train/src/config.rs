@@ -104,6 +104,9 @@ pub struct TrainConfig {
     pub ici_fsdp_parallelism: i64,
     /// Size of the `tensor` axis (−1 fills).
     pub ici_tensor_parallelism: i64,
+    /// Size of the `expert` axis (−1 fills): MoE experts are split over it (expert
+    /// parallelism), and so is the batch; dense weights stay whole over it.
+    pub ici_expert_parallelism: i64,
     /// `explicit` or `auto`.
     pub shard_mode: ShardMode,
     /// Micro-batches per optimizer step.
@@ -196,6 +199,7 @@ impl Default for TrainConfig {
             ici_data_parallelism: -1,
             ici_fsdp_parallelism: 1,
             ici_tensor_parallelism: 1,
+            ici_expert_parallelism: 1,
             shard_mode: ShardMode::Explicit,
             gradient_accumulation_steps: 4,
             per_device_batch_size: 2.0,
@@ -397,6 +401,7 @@ impl TrainConfig {
             ("data", self.ici_data_parallelism),
             ("fsdp", self.ici_fsdp_parallelism),
             ("tensor", self.ici_tensor_parallelism),
+            ("expert", self.ici_expert_parallelism),
         ];
         if named.iter().any(|&(_, s)| s == 0 || s < -1) {
             return Err(TrainError::Config(
@@ -436,8 +441,8 @@ impl TrainConfig {
                 String::new()
             };
             return Err(TrainError::Config(format!(
-                "mesh data×fsdp×tensor = {}×{}×{} = {product} does not match local_devices = {}{processes}",
-                sizes[0].1, sizes[1].1, sizes[2].1, self.local_devices
+                "mesh data×fsdp×tensor×expert = {}×{}×{}×{} = {product} does not match local_devices = {}{processes}",
+                sizes[0].1, sizes[1].1, sizes[2].1, sizes[3].1, self.local_devices
             )));
         }
         let axis_type = match self.shard_mode {
@@ -509,13 +514,25 @@ impl TrainConfig {
             ));
         }
         let mesh = self.mesh()?;
+        if self.shard_optimizer_over_data && mesh.axis_size("expert")? > 1 {
+            return bad(
+                "`shard_optimizer_over_data` (ZeRO-1) cannot be combined with expert parallelism yet"
+                    .into(),
+            );
+        }
+        if mesh.axis_size("expert")? > 1 && model.moe.is_none() {
+            return bad(format!(
+                "ici_expert_parallelism > 1 needs an MoE model; `{}` is dense",
+                self.model_name
+            ));
+        }
         if self.shard_optimizer_over_data && mesh.axis_size("fsdp")? > 1 {
             return bad("`shard_optimizer_over_data` (ZeRO-1) cannot be combined with FSDP".into());
         }
-        let batch_parts = mesh.axes_size(&["data", "fsdp"])?;
+        let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])?;
         if self.micro_batch_rows() % batch_parts != 0 {
             return bad(format!(
-                "the micro-batch of {} sequences (per_device_batch_size × devices) is not divisible by data×fsdp = {batch_parts}",
+                "the micro-batch of {} sequences (per_device_batch_size × devices) is not divisible by data×fsdp×expert = {batch_parts}",
                 self.micro_batch_rows()
             ));
         }
@@ -595,7 +612,7 @@ mod tests {
         let mesh = c.mesh().unwrap();
         assert_eq!(
             mesh.to_string(),
-            "Mesh('data': 4, 'fsdp': 1, 'tensor': 1, axis_types=(Explicit, Explicit, Explicit))"
+            "Mesh('data': 4, 'fsdp': 1, 'tensor': 1, 'expert': 1, axis_types=(Explicit, Explicit, Explicit, Explicit))"
         );
         assert_eq!(c.gradient_accumulation_steps, 4);
     }
@@ -623,7 +640,8 @@ mod tests {
         assert!(msg(&["shard_mode=manual"]).contains("unknown variant `manual`"));
         assert!(msg(&["gradient_accumulation_steps=0"])
             .contains("gradient_accumulation_steps must be at least 1"));
-        assert!(msg(&["per_device_batch_size=0.5"]).contains("is not divisible by data×fsdp = 4"));
+        assert!(msg(&["per_device_batch_size=0.5"])
+            .contains("is not divisible by data×fsdp×expert = 4"));
         assert!(msg(&["per_device_batch_size=0.3"]).contains("whole number of sequences"));
         assert!(msg(&["model_name=gpt5"]).contains("is not a preset"));
         assert!(msg(&["dataset_type=text"]).contains("needs dataset_path"));

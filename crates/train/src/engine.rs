@@ -25,7 +25,9 @@ use serde::Serialize;
 
 use crate::config::{ShardMode, TrainConfig};
 use crate::error::TrainError;
-use crate::gate::{deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1};
+use crate::gate::{
+    deferral_axes, deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1,
+};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
 
 /// What one step reports.
@@ -173,6 +175,13 @@ pub struct Engine {
     pub(crate) pending: Option<Pending>,
 }
 
+/// MaxText's logical rules, with `embed` kept off the `expert` axis: under expert parallelism
+/// that axis splits the batch and the experts, and dense weights stay whole over it (MaxText
+/// would shard them over it like FSDP, which closes deferral).
+fn engine_rules() -> LogicalAxisRules {
+    LogicalAxisRules::maxtext().without_axis("embed", "expert")
+}
+
 /// The mesh the engine computes on: the config's, with every axis Explicit (ferrotext has no
 /// automatic partitioner; under `shard_mode=auto` the axes keep their layouts but the gate keeps
 /// tags off).
@@ -195,11 +204,16 @@ impl Engine {
     ) -> Result<Engine, TrainError> {
         let model = Qwen3::new(config.model()?).map_err(|e| TrainError::Config(e.to_string()))?;
         let infos = model.params();
-        let rules = LogicalAxisRules::maxtext();
+        let rules = engine_rules();
         let declared = config.mesh()?;
         let mesh = cx.mesh().clone();
         let explicit = config.shard_mode == ShardMode::Explicit;
         let gate = deferral_gate(explicit, &declared, &rules);
+        let batch_axes = if gate.is_open() {
+            deferral_axes(&declared, &rules)?
+        } else {
+            Vec::new()
+        };
         let mut zero1 = zero1_gate(config.shard_optimizer_over_data, explicit, &declared);
         let mut targets = Vec::new();
         let mut moment_types = Vec::new();
@@ -210,7 +224,7 @@ impl Engine {
         let mut decay = Vec::new();
         for (i, info) in infos.iter().enumerate() {
             let spec = rules.resolve(&info.logical, &info.shape, &mesh)?;
-            let tagged = deferred_spec(&spec, &gate)?;
+            let tagged = deferred_spec(&spec, &gate, &batch_axes)?;
             let target = match &mut zero1 {
                 Zero1::Active { replicated } => match zero1_spec(&spec, &info.shape, &mesh)? {
                     Some(z) => z,
@@ -368,8 +382,7 @@ impl Engine {
         let spec = if rows.len() == self.config.micro_batch_rows() {
             self.batch_spec.clone()
         } else {
-            let rules = LogicalAxisRules::maxtext();
-            rules.resolve(&[Some("activation_batch"), None], &shape, cx.mesh())?
+            engine_rules().resolve(&[Some("activation_batch"), None], &shape, cx.mesh())?
         };
         Ok(Batch {
             inputs: cx.ids_from_global(&shape, spec.clone(), &inputs)?,

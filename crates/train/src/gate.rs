@@ -7,8 +7,9 @@ use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh, PartitionSpec, Shardi
 /// The gate's decision. A closed gate says why; training then proceeds untagged.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Deferral {
-    /// Parameters enter micro-batches `{R:data}`; gradients and the accumulator are `{U:data}`;
-    /// `update` performs the one reduction.
+    /// Parameters enter micro-batches tagged reduced over the batch axes (`{R:data}`, plus
+    /// `expert` under expert parallelism, minus the axes a parameter is split over); gradients
+    /// and the accumulator are unreduced there; `update` performs the one reduction.
     Open,
     /// Everything untagged: gradients are reduced inside every micro-batch.
     Closed(String),
@@ -23,7 +24,9 @@ impl Deferral {
     /// "on", or "off: " followed by the reason.
     pub fn describe(&self) -> String {
         match self {
-            Deferral::Open => "on: gradients stay unreduced over `data` until the update".into(),
+            Deferral::Open => {
+                "on: gradients stay unreduced over the batch axes until the update".into()
+            }
             Deferral::Closed(why) => format!("off: {why}"),
         }
     }
@@ -111,29 +114,45 @@ pub fn zero1_spec(
     Ok(None)
 }
 
-/// The layout a parameter enters micro-batches with: its storage spec, tagged `{R:data}` when
-/// the gate is open — unless the parameter is already sharded on `data` (the tag would overlap a
-/// partition, R1.8), in which case it stays untagged (MaxText's `_tag_sharding`).
+/// The layout a parameter enters micro-batches with: its storage spec, tagged reduced over the
+/// batch axes `batch_axes` when the gate is open — except the axes the parameter is already
+/// sharded on (the tag would overlap a partition, R1.8; MaxText's `_tag_sharding`): an expert
+/// kernel split over `expert` is tagged `{R:data}` only.
 ///
 /// # Errors
 /// Never for a valid spec; typed for safety.
 pub fn deferred_spec(
     spec: &PartitionSpec,
     gate: &Deferral,
+    batch_axes: &[String],
 ) -> Result<PartitionSpec, ShardingError> {
-    if gate.is_open() && !spec.is_sharded_on("data") {
-        spec.with_reduced(["data"])
+    let axes: Vec<&String> = batch_axes
+        .iter()
+        .filter(|a| !spec.is_sharded_on(a))
+        .collect();
+    if gate.is_open() && !axes.is_empty() {
+        spec.with_reduced(axes.into_iter().cloned())
     } else {
         Ok(spec.clone())
     }
 }
 
+/// The axes a deferred parameter is tagged over: the batch axes of size > 1 (`data`, and
+/// `expert` when it splits the batch).
+///
+/// # Errors
+/// When the batch resolves to no axis.
+pub fn deferral_axes(mesh: &Mesh, rules: &LogicalAxisRules) -> Result<Vec<String>, ShardingError> {
+    Ok(rules.batch_mesh_axes(mesh)?.into_iter().collect())
+}
+
 /// Decides deferral for `mesh` under `rules` in explicit (`explicit_mode`) or auto mode.
 ///
-/// Open only when all hold: explicit mode; every mesh axis `Explicit`; a `data` axis larger
-/// than 1; every other axis of size 1 (the blunt rule: `fsdp` breaks the tag through the batch
-/// contraction, `tensor` through the feature contraction, and listing bad axes missed `tensor`
-/// once); and the batch resolves to `data` alone.
+/// Open only when all hold: explicit mode; every mesh axis `Explicit`; a `data` or `expert`
+/// axis larger than 1; every other axis of size 1 (the blunt rule: `fsdp` breaks the tag through
+/// the batch contraction, `tensor` through the feature contraction, and listing bad axes missed
+/// `tensor` once); and the batch resolves to `data` and/or `expert` alone. (`expert` splits the
+/// batch and the experts only: the engine keeps dense weights whole over it.)
 pub fn deferral_gate(explicit_mode: bool, mesh: &Mesh, rules: &LogicalAxisRules) -> Deferral {
     let closed = |why: String| Deferral::Closed(why);
     if !explicit_mode {
@@ -150,29 +169,31 @@ pub fn deferral_gate(explicit_mode: bool, mesh: &Mesh, rules: &LogicalAxisRules)
             axis.axis_type()
         ));
     }
-    match mesh.axis("data") {
-        Some(a) if a.size() > 1 => {}
-        _ => {
-            return closed(
-                "the data axis has size 1: there is no data-parallel reduction to defer".into(),
-            )
-        }
+    let batch_like = |name: &str| name == "data" || name == "expert";
+    if !mesh
+        .axes()
+        .iter()
+        .any(|a| batch_like(a.name()) && a.size() > 1)
+    {
+        return closed(
+            "the data axis has size 1: there is no data-parallel reduction to defer".into(),
+        );
     }
     if let Some(axis) = mesh
         .axes()
         .iter()
-        .find(|a| a.name() != "data" && a.size() > 1)
+        .find(|a| !batch_like(a.name()) && a.size() > 1)
     {
         return closed(format!(
-            "mesh axis `{}` has size {}: deferral needs data to be the only axis of size > 1 (its contractions would make a data-only tag illegal)",
+            "mesh axis `{}` has size {}: deferral needs data (and expert) to be the only axes of size > 1 (its contractions would make a batch-only tag illegal)",
             axis.name(),
             axis.size()
         ));
     }
     match rules.batch_mesh_axes(mesh) {
-        Ok(axes) if axes.len() == 1 && axes.contains("data") => Deferral::Open,
+        Ok(axes) if axes.iter().all(|a| batch_like(a)) => Deferral::Open,
         Ok(axes) => closed(format!(
-            "the batch resolves to {axes:?}, not to `data` alone"
+            "the batch resolves to {axes:?}, not to `data` (and `expert`) alone"
         )),
         Err(e) => closed(format!("the batch axes cannot be resolved: {e}")),
     }
@@ -230,6 +251,34 @@ mod tests {
             ),
             "`tensor` has size 2",
         );
+        // Expert parallelism: `expert` splits the batch like `data`; tags cover both.
+        let ep = mesh(&[
+            ("data", 2, E),
+            ("fsdp", 1, E),
+            ("tensor", 1, E),
+            ("expert", 2, E),
+        ]);
+        assert_eq!(gate(&ep, true), Deferral::Open);
+        assert_eq!(deferral_axes(&ep, &rules).unwrap(), ["data", "expert"]);
+        let split = PartitionSpec::new([Some("expert"), None, None]);
+        let axes = deferral_axes(&ep, &rules).unwrap();
+        assert_eq!(
+            deferred_spec(&split, &Deferral::Open, &axes).unwrap(),
+            split.with_reduced(["data"]).unwrap(),
+            "an expert kernel split over `expert` is tagged over `data` only"
+        );
+        off(
+            gate(
+                &mesh(&[
+                    ("data", 1, E),
+                    ("fsdp", 1, E),
+                    ("tensor", 2, E),
+                    ("expert", 2, E),
+                ]),
+                true,
+            ),
+            "`tensor` has size 2",
+        );
         assert!(gate(&pure_dp, true).describe().starts_with("on"));
     }
 
@@ -271,13 +320,19 @@ mod tests {
     fn params_already_sharded_on_data_stay_untagged() {
         let open = Deferral::Open;
         let on_data = PartitionSpec::new([Some("data"), None]);
-        assert_eq!(deferred_spec(&on_data, &open).unwrap(), on_data);
+        let data = ["data".to_string()];
+        assert_eq!(deferred_spec(&on_data, &open, &data).unwrap(), on_data);
         let replicated = PartitionSpec::new([None::<&str>, Some("tensor")]);
         assert_eq!(
-            deferred_spec(&replicated, &open).unwrap().to_string(),
+            deferred_spec(&replicated, &open, &data)
+                .unwrap()
+                .to_string(),
             "P(None, 'tensor', reduced={'data'})"
         );
         let closed = Deferral::Closed("x".into());
-        assert_eq!(deferred_spec(&replicated, &closed).unwrap(), replicated);
+        assert_eq!(
+            deferred_spec(&replicated, &closed, &data).unwrap(),
+            replicated
+        );
     }
 }

@@ -40,7 +40,9 @@ use ferrotext_tensor::Tensor;
 pub use config::{DatasetType, OptType, ShardMode, TrainConfig};
 pub use engine::{compute_mesh, Batch, Engine, FwdBwd, Gradients, PartialGradients, StepMetrics};
 pub use error::TrainError;
-pub use gate::{deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1};
+pub use gate::{
+    deferral_axes, deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1,
+};
 pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use trainer::{plan_step, Trainer};
 

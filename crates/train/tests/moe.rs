@@ -206,3 +206,60 @@ fn test_deepseek_zero1_reduces_gradients_once_per_step() {
         );
     }
 }
+
+/// Expert parallelism through the trainer: data2×expert2 (each device holds half the experts;
+/// the batch is split over both axes) gives the weights of data=4 (same global batch), with
+/// tokens travelling by all_to_all in every micro-batch and still no gradient all-reduce there;
+/// the expert kernels are reduced in the update over `data` only, half a kernel each.
+#[test]
+fn expert_parallel_training_equals_data_parallel() {
+    let sgd = [
+        "opt_type=sgd",
+        "learning_rate=0.5",
+        "gradient_clipping_threshold=0",
+    ];
+    let data4 = moe_run(&sgd);
+    let mut ep_args = sgd.to_vec();
+    ep_args.extend_from_slice(&["ici_data_parallelism=2", "ici_expert_parallelism=2"]);
+    let ep = moe_run(&ep_args);
+    assert!(ep.gate.is_open());
+    let d = max_rel_diff(&ep, &data4);
+    assert!(d <= 1e-5, "max relative weight difference {d}");
+    for micro in 0..4 {
+        let phase = PhasePattern::new(format!("micro_batch {micro}"));
+        assert!(ep.trace.all_reduces_larger_than(8, &phase).is_empty());
+        assert!(
+            ep.trace.count(CollectiveKind::AllToAll, &phase) >= 5 * 3,
+            "micro-batch {micro}"
+        );
+    }
+    let update = PhasePattern::new("update");
+    let halves = ep
+        .trace
+        .all_reduces_larger_than(8, &update)
+        .into_iter()
+        .filter(|e| e.elements == EXPERT_KERNEL / 2 && e.axes == ["data"])
+        .count();
+    assert_eq!(halves, 3 * 3, "three expert kernels, three steps");
+}
+
+#[test]
+fn expert_parallelism_needs_an_moe_model_and_no_zero1() {
+    let load = |items: &[&str]| {
+        let items: Vec<String> = items.iter().map(|s| s.to_string()).collect();
+        ferrotext_train::TrainConfig::load(None, &items)
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(
+        load(&["ici_expert_parallelism=2", "ici_data_parallelism=2"])
+            .contains("needs an MoE model")
+    );
+    let err = load(&[
+        "model_name=qwen3-moe-tiny",
+        "ici_expert_parallelism=2",
+        "ici_data_parallelism=2",
+        "shard_optimizer_over_data=true",
+    ]);
+    assert!(err.contains("expert parallelism"), "{err}");
+}
