@@ -127,7 +127,7 @@ fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
         ),
         (
             &["per_device_batch_size=0.5"],
-            "not divisible by data×fsdp = 4",
+            "not divisible by data×fsdp×expert = 4",
         ),
         (&["model_name=gpt5"], "is not a preset"),
         (&["dataset_type=text"], "needs dataset_path"),
