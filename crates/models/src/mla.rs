@@ -4,9 +4,9 @@
 //! one vector shared by every head; values have their own width (`v_head_dim`).
 
 use ferrotext_spmd::{Array, Ctx, SpmdError};
-use ferrotext_tensor::{DotDims, Rope};
+use ferrotext_tensor::Rope;
 
-use crate::nn::{linear, rms_norm};
+use crate::nn::{causal_attention, linear, rms_norm};
 
 /// MLA hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -88,24 +88,8 @@ pub fn mla_attention(
     let v = cx.slice(&kv, 3, nope, nope + vd)?;
     let q = cx.concat(&[&q_nope, &q_rope], 3)?;
     let k = cx.concat(&[&k_nope, &k_rope], 3)?;
-    // 3. scores [B, H, T, T], causal softmax, values
-    let qk = DotDims {
-        lhs_contracting: vec![3],
-        rhs_contracting: vec![3],
-        lhs_batch: vec![0, 2],
-        rhs_batch: vec![0, 2],
-    };
-    let scores = cx.dot_general(&q, &k, &qk, None)?;
+    // 3. causal attention with DeepSeek's scale, then the output projection
     let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
-    let probs = cx.causal_softmax(&scores, scale)?;
-    let pv = DotDims {
-        lhs_contracting: vec![3],
-        rhs_contracting: vec![1],
-        lhs_batch: vec![0, 1],
-        rhs_batch: vec![0, 2],
-    };
-    let out = cx.dot_general(&probs, &v, &pv, None)?;
-    let out = cx.transpose(&out, &[0, 2, 1, 3])?;
-    let out = cx.reshape(&out, &[b, t, h * vd], None)?;
+    let out = causal_attention(cx, &q, &k, &v, scale)?;
     linear(cx, &out, w.out)
 }

@@ -133,26 +133,44 @@ pub fn attention(
             cx.reshape(&v5, &[b, t, h, hd], None)?,
         )
     };
-    // 4. scores [B, H, T, T] = q·kᵀ / √hd, causal mask, softmax
+    // 4. causal attention with the usual 1/√hd scale, then o_proj
+    let out = causal_attention(cx, &q, &k, &v, 1.0 / (hd as f32).sqrt())?;
+    linear(cx, &out, w.o_proj)
+}
+
+/// The heads' causal attention: `q`, `k` `[B, T, H, qk]` and `v` `[B, T, H, vd]` give
+/// `softmax(scale · q·kᵀ, causal) · v` as `[B, T, H·vd]` (heads concatenated, ready for the
+/// output projection).
+///
+/// # Errors
+/// Any type error of the ops.
+pub fn causal_attention(
+    cx: &mut Ctx<'_>,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+) -> Result<Array, SpmdError> {
+    let (b, t, h, vd) = (v.shape()[0], v.shape()[1], v.shape()[2], v.shape()[3]);
+    // scores [B, H, T, T]
     let qk = DotDims {
         lhs_contracting: vec![3],
         rhs_contracting: vec![3],
         lhs_batch: vec![0, 2],
         rhs_batch: vec![0, 2],
     };
-    let scores = cx.dot_general(&q, &k, &qk, None)?;
-    let probs = cx.causal_softmax(&scores, 1.0 / (hd as f32).sqrt())?;
-    // 5. out [B, H, T, hd] = probs·v → [B, T, H·hd] → o_proj
+    let scores = cx.dot_general(q, k, &qk, None)?;
+    let probs = cx.causal_softmax(&scores, scale)?;
+    // out [B, H, T, vd] = probs·v → [B, T, H·vd]
     let pv = DotDims {
         lhs_contracting: vec![3],
         rhs_contracting: vec![1],
         lhs_batch: vec![0, 1],
         rhs_batch: vec![0, 2],
     };
-    let out = cx.dot_general(&probs, &v, &pv, None)?;
+    let out = cx.dot_general(&probs, v, &pv, None)?;
     let out = cx.transpose(&out, &[0, 2, 1, 3])?;
-    let out = cx.reshape(&out, &[b, t, h * hd], None)?;
-    linear(cx, &out, w.o_proj)
+    cx.reshape(&out, &[b, t, h * vd], None)
 }
 
 /// The SwiGLU MLP: `(silu(x·w_gate) ⊙ (x·w_up))·w_down`.
