@@ -186,15 +186,18 @@ fn weight_list(w: &MoeWeights) -> Vec<Array> {
 }
 
 /// The MoE block on `x` (`[batch, seq, d]`), dropless and sparse, inside a `shard_map` over the
-/// whole mesh (tokens stay on their device; every device holds every expert).
+/// whole mesh: every device routes its own tokens; its experts are all of them, or — when the
+/// expert kernels split their expert dim (expert parallelism, see the module docs) — its share,
+/// with the token copies sent to the experts' devices and back.
 ///
 /// # Errors
 /// Weights that do not fit the config; any op's type error.
 ///
 /// # Collectives
-/// None forward (but a 1-element psum of the load-balance loss, when on). Backward: none for
-/// weights tagged reduced over the axes the batch is split on (their gradients leave
-/// unreduced); a psum per untagged weight.
+/// Forward: a 1-element psum of the load-balance loss (when on) and, under expert parallelism,
+/// three `all_to_all`s (counts, rows out, results back). Backward: the transposed `all_to_all`s;
+/// no reduction for weights tagged reduced over the axes the batch is split on (their
+/// gradients leave unreduced); a psum per untagged weight.
 pub fn moe_sparse(
     cx: &mut Ctx<'_>,
     config: &MoeConfig,
