@@ -45,6 +45,39 @@ pub enum DatasetType {
     Tokens,
 }
 
+/// `nan_policy`: what a non-finite loss or gradient norm does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NanPolicy {
+    /// Stop the run with an error naming the step (nothing of the step is applied).
+    Stop,
+    /// Drop the step's update (parameters and optimizer state unchanged), count it in the
+    /// summary, and go on.
+    SkipStep,
+}
+
+/// `dataset_order`: how `text` and `tokens` data are cut into sequences.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DatasetOrder {
+    /// Windows at pseudo-random offsets (seeded by `data_shuffle_seed`; they may overlap).
+    Random,
+    /// Consecutive, non-overlapping windows of `max_target_length + 1` tokens in file order,
+    /// wrapping at the end of the file (each wrap is one epoch).
+    Sequential,
+}
+
+/// `resume`: what a run does with the checkpoints already under its `run_name`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Continue from the checkpoint `latest` names; a `latest` that cannot be read, or names a
+    /// checkpoint that cannot be loaded, is an error (nothing is overwritten).
+    Auto,
+    /// Start at step 0; an existing checkpoint directory is moved aside (never deleted).
+    Fresh,
+}
+
 /// Every key `ferrotext train` accepts, with MaxText's names and ferrotext's defaults (the
 /// README's main command: `qwen3-tiny` on a data=4 in-process mesh, GA 4, explicit).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -167,6 +200,14 @@ pub struct TrainConfig {
     pub checkpoint_micro_batch_period: usize,
     /// Per-step metrics as JSON lines (empty: `base_output_directory/run_name/metrics.jsonl`).
     pub metrics_file: String,
+    /// Checkpoints to keep (the newest ones; 0 keeps all).
+    pub checkpoint_keep: usize,
+    /// `auto` (continue from `latest`) or `fresh` (start over, moving old checkpoints aside).
+    pub resume: ResumeMode,
+    /// `stop` or `skip_step` on a non-finite loss or gradient.
+    pub nan_policy: NanPolicy,
+    /// `random` or `sequential` windows for `text` and `tokens` data.
+    pub dataset_order: DatasetOrder,
     /// Seconds a device waits in a collective before the run fails.
     pub collective_timeout_seconds: f64,
 }
@@ -229,6 +270,10 @@ impl Default for TrainConfig {
             enable_checkpointing: false,
             checkpoint_period: 100,
             checkpoint_micro_batch_period: 0,
+            checkpoint_keep: 0,
+            resume: ResumeMode::Auto,
+            nan_policy: NanPolicy::Stop,
+            dataset_order: DatasetOrder::Random,
             collective_timeout_seconds: 300.0,
         }
     }

@@ -37,7 +37,9 @@ use ferrotext_models::ParamInfo;
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 
-pub use config::{DatasetType, OptType, ShardMode, TrainConfig};
+pub use config::{
+    DatasetOrder, DatasetType, NanPolicy, OptType, ResumeMode, ShardMode, TrainConfig,
+};
 pub use engine::{compute_mesh, Batch, Engine, FwdBwd, Gradients, PartialGradients, StepMetrics};
 pub use error::TrainError;
 pub use gate::{
