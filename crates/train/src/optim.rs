@@ -110,13 +110,17 @@ impl Optimizer {
                         0.0
                     };
                     let (mi, vi) = (m[i].data_mut(), v[i].data_mut());
-                    for (((w, &d), mm), vv) in p
+                    for (((w, &raw), mm), vv) in p
                         .data_mut()
                         .iter_mut()
                         .zip(g.data())
                         .zip(mi.iter_mut())
                         .zip(vi.iter_mut())
                     {
+                        // The moments see the gradient the step is defined on: divided by the
+                        // step's tokens and clipped (Adam is not invariant to that scale once
+                        // ε and the clip factor's step-to-step changes count).
+                        let d = raw * grad_scale;
                         *mm = b1 * *mm + (1.0 - b1) * d;
                         *vv = b2 * *vv + (1.0 - b2) * d * d;
                         *w -= step * *mm / (vv.sqrt() / c2_sqrt + *eps as f32) + wd * *w;
