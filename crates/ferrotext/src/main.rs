@@ -83,16 +83,39 @@ fn report(err: &anyhow::Error, launch: Option<&launch::Launch>) -> ExitCode {
     } else {
         1
     };
+    let message = one_line(err);
     match launch.filter(|l| l.processes() > 1) {
         Some(l) => eprintln!(
-            "error (process {} of {}): {err:#}",
+            "error (process {} of {}): {message}",
             l.process(),
             l.processes()
         ),
-        None => eprintln!("error: {err:#}"),
+        None => eprintln!("error: {message}"),
     }
     if let Some(l) = launch {
         l.end_job_on_error(code);
     }
     ExitCode::from(code)
+}
+
+/// `err` and its causes as one line: each cause joined with `: ` unless its text is already in
+/// the message (an I/O error's display often repeats its source), line breaks folded to `; `.
+fn one_line(err: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if message.contains(&text) {
+            continue;
+        }
+        if !message.is_empty() {
+            message.push_str(": ");
+        }
+        message.push_str(&text);
+    }
+    message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
 }

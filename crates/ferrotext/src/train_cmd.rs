@@ -131,6 +131,8 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let mesh = config.mesh().map_err(usage)?;
     let tokens_per_step =
         config.micro_batch_rows() * config.gradient_accumulation_steps * config.max_target_length;
+    // Every output is checked before anything runs: a bad path is bad input, found now.
+    io::check_output_paths(&config).map_err(usage)?;
     if !leader {
         // Every process computes the same run; only process 0 reports it.
         let options = RunOptions {
@@ -163,18 +165,40 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} step  {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()), // ok: the template is a constant
     );
+    // Step lines are printed as the steps end (every tenth of the run, the last, and every
+    // skipped step), above the progress bar.
     let on_step = |m: &StepMetrics| {
+        bar.set_position(m.step as u64 + 1);
         bar.set_message(format!(
             "loss {:.4}  {:.0} tok/s",
             m.loss,
             m.tokens as f64 / m.seconds
         ));
-        bar.inc(1);
+        if m.step % (config.steps / 10).max(1) == 0 || m.step + 1 == config.steps || m.skipped {
+            let skipped = if m.skipped {
+                "  skipped: not finite"
+            } else {
+                ""
+            };
+            let epoch = m.epoch.map_or(String::new(), |e| format!("  epoch {e}"));
+            bar.suspend(|| {
+                println!(
+                    "step {:>4}  loss {:.4}  grad_norm {:.3}  lr {:.2e}  {:.0} ms{epoch}{skipped}",
+                    m.step,
+                    m.loss,
+                    m.grad_norm,
+                    m.learning_rate,
+                    m.seconds * 1e3
+                )
+            });
+        }
     };
+    let metrics_path = config.metrics_path();
     let options = RunOptions {
         on_step: Some(&on_step),
         return_params: !config.save_parameters_path.is_empty(),
         cluster: launch.cluster(),
+        metrics_path: Some(metrics_path.clone()),
         ..Default::default()
     };
     let started = Instant::now();
@@ -183,21 +207,25 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let wall = started.elapsed().as_secs_f64();
 
     let m = &report.metrics;
-    let first = m.first().map_or(0.0, |x| x.loss);
-    let last = m.last().map_or(0.0, |x| x.loss);
-    for x in m
-        .iter()
-        .filter(|x| x.step % (config.steps / 10).max(1) == 0 || x.step + 1 == config.steps)
-    {
+    if m.is_empty() {
         println!(
-            "step {:>4}  loss {:.4}  grad_norm {:.3}  lr {:.2e}  {:.0} ms",
-            x.step,
-            x.loss,
-            x.grad_norm,
-            x.learning_rate,
-            x.seconds * 1e3
+            "nothing to do: run `{}` already finished its {} steps (checkpoints in {}); raise `steps` to train further, or set `resume=fresh` to start over",
+            config.run_name,
+            config.steps,
+            config.checkpoint_root().display()
+        );
+        return Ok(());
+    }
+    if report.first_step > 0 {
+        println!(
+            "resumed at step {} from {}",
+            report.first_step,
+            config.checkpoint_root().display()
         );
     }
+    let first = m.first().map_or(0.0, |x| x.loss);
+    let last = m.last().map_or(0.0, |x| x.loss);
+    let skipped = m.iter().filter(|x| x.skipped).count();
     // The first step pays for warm-up; leave it out when there are others.
     let warm_up = usize::from(m.len() > 1);
     let step_time = median(m.iter().skip(warm_up).map(|x| x.seconds).collect());
@@ -206,6 +234,11 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let mfu = report.flops_per_token * tok_s / 1e9 / peak;
     println!("\nsummary");
     println!("  loss             {first:.4} -> {last:.4}");
+    if skipped > 0 {
+        println!(
+            "  skipped steps    {skipped} (loss or gradient not finite; nan_policy=skip_step)"
+        );
+    }
     println!("  parameters       {}", report.param_count);
     println!(
         "  median step      {:.1} ms  ({tok_s:.0} tokens/s; whole run {wall:.1} s)",
@@ -246,8 +279,6 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         report.trace.summary_table()
     );
 
-    let metrics_path = config.metrics_path();
-    io::write_metrics(&metrics_path, m)?;
     println!("metrics: {}", metrics_path.display());
     if let Some(values) = &report.values {
         let path = PathBuf::from(&config.save_parameters_path);

@@ -115,7 +115,10 @@ fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
     let cases: &[(&[&str], &str)] = &[
         (&["no_such_key=1"], "unknown field `no_such_key`"),
         (&["steps=many"], "invalid type"),
-        (&["learning_rate=-1"], "learning_rate must be positive"),
+        (
+            &["learning_rate=-1"],
+            "learning_rate must be a finite number in (0, ∞)",
+        ),
         (&["shard_mode=manual"], "unknown variant `manual`"),
         (
             &["ici_data_parallelism=3"],

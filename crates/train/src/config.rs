@@ -294,6 +294,50 @@ fn parse_value(text: &str) -> toml::Value {
     }
 }
 
+/// `err`'s message, naming the key whose value failed to deserialize (serde's message names the
+/// expected type but not the field): each key is tried alone to find it.
+fn name_the_key(table: &toml::Table, err: &toml::de::Error) -> String {
+    let message = err.message().replace('\n', " ");
+    for (key, value) in table {
+        let alone: toml::Table = [(key.clone(), value.clone())].into_iter().collect();
+        if let Err(e) = toml::Value::Table(alone).try_into::<TrainConfig>() {
+            let first = e.message().lines().next().unwrap_or_default().to_string();
+            if first.starts_with("unknown field") {
+                return first;
+            }
+            return format!("{key} = {value}: {first}");
+        }
+    }
+    message
+}
+
+/// The largest value accepted for each model dimension, for `local_devices` and for the layer
+/// and expert counts: far beyond any real model, small enough that every size product below is
+/// exact in `usize`.
+const MAX_DIM: usize = 1 << 24;
+const MAX_LAYERS: usize = 4096;
+const MAX_LOCAL_DEVICES: usize = 1024;
+const MAX_PROCESSES: usize = 1 << 16;
+/// The longest collective timeout accepted: one week.
+const MAX_TIMEOUT_SECONDS: f64 = 7.0 * 86_400.0;
+
+/// A float key that must be finite and within `[lo, hi]` (`lo_open`: strictly above `lo`).
+fn check_float(key: &str, v: f64, lo: f64, lo_open: bool, hi: f64) -> Result<(), TrainError> {
+    let above = if lo_open { v > lo } else { v >= lo };
+    if v.is_finite() && above && v <= hi {
+        return Ok(());
+    }
+    let low = if lo_open { "(" } else { "[" };
+    let high = if hi.is_finite() {
+        format!("{hi}]")
+    } else {
+        "∞)".into()
+    };
+    Err(TrainError::Config(format!(
+        "{key} must be a finite number in {low}{lo}, {high}, got {v}"
+    )))
+}
+
 impl TrainConfig {
     /// The config from an optional TOML file and `key=value` overrides (later ones win),
     /// validated.
@@ -304,8 +348,10 @@ impl TrainConfig {
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
         let mut table = match file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| {
-                    TrainError::Config(format!("cannot read config {}: {e}", path.display()))
+                let bytes = crate::data::read_regular_file(path)
+                    .map_err(|e| TrainError::Config(format!("config: {e}")))?;
+                let text = String::from_utf8(bytes).map_err(|_| {
+                    TrainError::Config(format!("config {} is not UTF-8 text", path.display()))
                 })?;
                 text.parse::<toml::Table>().map_err(|e| {
                     TrainError::Config(format!("config {}: {}", path.display(), e.message()))
@@ -319,9 +365,9 @@ impl TrainConfig {
                 .ok_or_else(|| TrainError::Config(format!("`{item}` is not `key=value`")))?;
             table.insert(key.trim().to_string(), parse_value(value.trim()));
         }
-        let config: TrainConfig = toml::Value::Table(table)
+        let config: TrainConfig = toml::Value::Table(table.clone())
             .try_into()
-            .map_err(|e: toml::de::Error| TrainError::Config(e.message().to_string()))?;
+            .map_err(|e: toml::de::Error| TrainError::Config(name_the_key(&table, &e)))?;
         config.validate()?;
         Ok(config)
     }
@@ -431,9 +477,10 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// Devices of the whole mesh: `num_processes × local_devices`.
+    /// Devices of the whole mesh: `num_processes × local_devices` (saturating; `validate`
+    /// bounds both).
     pub fn devices(&self) -> usize {
-        self.num_processes * self.local_devices
+        self.num_processes.saturating_mul(self.local_devices)
     }
 
     /// The mesh `data × fsdp × tensor` over [`TrainConfig::devices`], each −1 filled, every axis typed by
@@ -459,11 +506,21 @@ impl TrainConfig {
                 "at most one ici_*_parallelism may be -1".into(),
             ));
         }
-        let known: i64 = named
+        let known = named
             .iter()
             .filter(|&&(_, s)| s > 0)
-            .map(|&(_, s)| s)
-            .product();
+            .try_fold(1i64, |acc, &(_, s)| acc.checked_mul(s))
+            .filter(|&k| k <= self.devices() as i64)
+            .ok_or_else(|| {
+                TrainError::Config(format!(
+                    "mesh data×fsdp×tensor×expert = {}×{}×{}×{} is larger than the {} devices",
+                    named[0].1,
+                    named[1].1,
+                    named[2].1,
+                    named[3].1,
+                    self.devices()
+                ))
+            })?;
         let devices = self.devices() as i64;
         let sizes: Vec<(String, usize)> = named
             .iter()
@@ -510,6 +567,7 @@ impl TrainConfig {
     /// [`TrainError::Config`] naming the key.
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Config(m));
+        self.check_sizes()?;
         let model = self.model()?;
         ferrotext_models::qwen3::Qwen3::new(model.clone())
             .map_err(|e| TrainError::Config(e.to_string()))?;
@@ -528,30 +586,7 @@ impl TrainConfig {
                 return bad(format!("{key} must be at least 1"));
             }
         }
-        if !(self.learning_rate.is_finite() && self.learning_rate > 0.0) {
-            return bad(format!(
-                "learning_rate must be positive, got {}",
-                self.learning_rate
-            ));
-        }
-        if !(0.0..1.0).contains(&self.warmup_steps_fraction) {
-            return bad("warmup_steps_fraction must be in [0, 1)".into());
-        }
-        if !(0.0..=1.0).contains(&self.learning_rate_final_fraction) {
-            return bad("learning_rate_final_fraction must be in [0, 1]".into());
-        }
-        if self.gradient_clipping_threshold < 0.0 {
-            return bad("gradient_clipping_threshold must be ≥ 0 (0 disables)".into());
-        }
-        if !(0.0..1.0).contains(&self.adam_b1)
-            || !(0.0..1.0).contains(&self.adam_b2)
-            || self.adam_eps <= 0.0
-        {
-            return bad("adam_b1 and adam_b2 must be in [0, 1) and adam_eps positive".into());
-        }
-        if self.collective_timeout_seconds <= 0.0 {
-            return bad("collective_timeout_seconds must be positive".into());
-        }
+        self.check_floats()?;
         let rows = self.per_device_batch_size * self.devices() as f64;
         if !(rows >= 1.0 && (rows - rows.round()).abs() < 1e-9) {
             return bad(format!(
@@ -620,6 +655,184 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Every float key: finite, and within the range where it means something (NaN fails every
+    /// comparison, so each check is written as "inside", never as "not outside").
+    fn check_floats(&self) -> Result<(), TrainError> {
+        const INF: f64 = f64::INFINITY;
+        check_float("learning_rate", self.learning_rate, 0.0, true, INF)?;
+        if !(0.0..1.0).contains(&self.warmup_steps_fraction) {
+            return Err(TrainError::Config(format!(
+                "warmup_steps_fraction must be in [0, 1), got {}",
+                self.warmup_steps_fraction
+            )));
+        }
+        check_float(
+            "learning_rate_final_fraction",
+            self.learning_rate_final_fraction,
+            0.0,
+            false,
+            1.0,
+        )?;
+        check_float(
+            "gradient_clipping_threshold",
+            self.gradient_clipping_threshold,
+            0.0,
+            false,
+            INF,
+        )?;
+        for (key, v) in [("adam_b1", self.adam_b1), ("adam_b2", self.adam_b2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(TrainError::Config(format!(
+                    "{key} must be in [0, 1), got {v}"
+                )));
+            }
+        }
+        check_float("adam_eps", self.adam_eps, 0.0, true, INF)?;
+        check_float("adam_weight_decay", self.adam_weight_decay, 0.0, false, INF)?;
+        check_float("z_loss_multiplier", self.z_loss_multiplier, 0.0, false, INF)?;
+        if let Some(f) = self.routed_scaling_factor {
+            check_float("routed_scaling_factor", f, 0.0, true, INF)?;
+        }
+        if let Some(w) = self.load_balance_loss_weight {
+            check_float("load_balance_loss_weight", w, 0.0, false, INF)?;
+        }
+        check_float(
+            "per_device_batch_size",
+            self.per_device_batch_size,
+            0.0,
+            true,
+            MAX_DIM as f64,
+        )?;
+        check_float(
+            "collective_timeout_seconds",
+            self.collective_timeout_seconds,
+            0.0,
+            true,
+            MAX_TIMEOUT_SECONDS,
+        )
+    }
+
+    /// Every count and size within the bounds that keep the size products exact, before any of
+    /// them is multiplied (the model, the mesh and the batch are built from these).
+    fn check_sizes(&self) -> Result<(), TrainError> {
+        let over = |key: &str, v: usize, max: usize| -> Result<(), TrainError> {
+            if v > max {
+                return Err(TrainError::Config(format!(
+                    "{key} = {v} is larger than the largest supported value, {max}"
+                )));
+            }
+            Ok(())
+        };
+        over("local_devices", self.local_devices, MAX_LOCAL_DEVICES)?;
+        over("num_processes", self.num_processes, MAX_PROCESSES)?;
+        over("max_target_length", self.max_target_length, MAX_DIM)?;
+        over(
+            "gradient_accumulation_steps",
+            self.gradient_accumulation_steps,
+            MAX_DIM,
+        )?;
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("base_emb_dim", self.base_emb_dim),
+            ("base_num_query_heads", self.base_num_query_heads),
+            ("base_num_kv_heads", self.base_num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("base_mlp_dim", self.base_mlp_dim),
+            ("moe_mlp_dim", self.moe_mlp_dim),
+        ] {
+            over(key, v.unwrap_or(0), MAX_DIM)?;
+        }
+        for (key, v) in [
+            ("base_num_decoder_layers", self.base_num_decoder_layers),
+            ("num_experts", self.num_experts),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("shared_experts", self.shared_experts),
+            ("first_num_dense_layers", self.first_num_dense_layers),
+        ] {
+            over(key, v.unwrap_or(0), MAX_LAYERS)?;
+        }
+        for (key, v) in [
+            ("ici_data_parallelism", self.ici_data_parallelism),
+            ("ici_fsdp_parallelism", self.ici_fsdp_parallelism),
+            ("ici_tensor_parallelism", self.ici_tensor_parallelism),
+            ("ici_expert_parallelism", self.ici_expert_parallelism),
+        ] {
+            if v > (MAX_LOCAL_DEVICES * MAX_PROCESSES) as i64 {
+                return Err(TrainError::Config(format!(
+                    "{key} = {v} is larger than the largest supported mesh"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The memory one process of this run needs, estimated: parameters, the gradient
+    /// accumulator and the reduced gradients, the optimizer state, and one micro-batch's
+    /// activations, per device, times the devices of the process; plus the host copies of the
+    /// parameters. A lower bound in spirit: it counts what must exist, not allocator slack.
+    ///
+    /// # Errors
+    /// An invalid config (see [`TrainConfig::validate`]).
+    pub fn memory_estimate(&self) -> Result<MemoryEstimate, TrainError> {
+        let model = ferrotext_models::qwen3::Qwen3::new(self.model()?)
+            .map_err(|e| TrainError::Config(e.to_string()))?;
+        let mesh = self.mesh()?;
+        let m = model.config();
+        let params: f64 = model
+            .params()
+            .iter()
+            .map(|p| p.shape.iter().map(|&d| d as f64).product::<f64>())
+            .sum();
+        let split = mesh.axes_size(&["fsdp", "tensor"])? as f64;
+        let data = mesh.axis_size("data")? as f64;
+        let optimizer_copies = match (self.opt_type, self.shard_optimizer_over_data) {
+            (OptType::Sgd, _) => 0.0,
+            (OptType::Adamw, false) => 2.0,
+            (OptType::Adamw, true) => 2.0 / data,
+        };
+        // parameters, the accumulator, the reduced gradients, the optimizer state
+        let state = params / split * (3.0 + optimizer_copies) * 4.0;
+        let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
+        let rows = (self.micro_batch_rows() as f64 / batch_parts).max(1.0);
+        let len = self.max_target_length as f64;
+        let tokens = rows * len;
+        let (d, f) = (m.base_emb_dim as f64, m.base_mlp_dim as f64);
+        let heads = m.base_num_query_heads as f64;
+        let layers = m.base_num_decoder_layers as f64;
+        // Kept for the backward pass per layer: ~16 d-wide and 4 f-wide values per token, and
+        // the attention probabilities; then the logits, their softmax and gradient.
+        let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
+        let activations = (layers * per_layer + 3.0 * tokens * m.vocab_size as f64) * 4.0;
+        let local = self.local_devices as f64;
+        Ok(MemoryEstimate {
+            parameter_and_optimizer_bytes: state * local + params * 4.0,
+            activation_bytes: activations * local,
+        })
+    }
+
+    /// Refuses a run whose [`TrainConfig::memory_estimate`] exceeds this machine's memory
+    /// (`MemTotal` of `/proc/meminfo`; no check where that cannot be read), before anything is
+    /// allocated.
+    ///
+    /// # Errors
+    /// [`TrainError::Config`] with the estimate and the machine's memory.
+    pub fn check_fits_in_memory(&self) -> Result<(), TrainError> {
+        let Some(total) = machine_memory_bytes() else {
+            return Ok(());
+        };
+        let estimate = self.memory_estimate()?;
+        if estimate.total() > total {
+            return Err(TrainError::Config(format!(
+                "this run needs about {} per process ({} of parameters and optimizer state, {} of activations for one micro-batch), more than this machine's {}; reduce per_device_batch_size, max_target_length or the model",
+                gib(estimate.total()),
+                gib(estimate.parameter_and_optimizer_bytes),
+                gib(estimate.activation_bytes),
+                gib(total)
+            )));
+        }
+        Ok(())
+    }
+
     /// Where this run's checkpoints live: `base_output_directory/run_name/checkpoints`.
     pub fn checkpoint_root(&self) -> std::path::PathBuf {
         Path::new(&self.base_output_directory)
@@ -637,6 +850,40 @@ impl TrainConfig {
             self.metrics_file.clone().into()
         }
     }
+}
+
+/// What [`TrainConfig::memory_estimate`] counts, in bytes per process.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemoryEstimate {
+    /// Parameters, accumulator, reduced gradients and optimizer state of the process's
+    /// devices, plus the host copy of the parameters.
+    pub parameter_and_optimizer_bytes: f64,
+    /// One micro-batch's activations on each of the process's devices.
+    pub activation_bytes: f64,
+}
+
+impl MemoryEstimate {
+    /// The sum.
+    pub fn total(&self) -> f64 {
+        self.parameter_and_optimizer_bytes + self.activation_bytes
+    }
+}
+
+fn gib(bytes: f64) -> String {
+    format!("{:.1} GiB", bytes / f64::from(1u32 << 30))
+}
+
+/// `MemTotal` from `/proc/meminfo`, in bytes.
+fn machine_memory_bytes() -> Option<f64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib: f64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024.0)
 }
 
 #[cfg(test)]

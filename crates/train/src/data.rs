@@ -3,15 +3,29 @@
 //! Every source is a deterministic function from a sequence index to `max_target_length + 1`
 //! tokens, so step `s` of a run always sees the same sequences (resume loses or repeats nothing)
 //! and every device can compute the global batch and keep its block. The global batch of step `s`
-//! holds sequences `s·R .. (s+1)·R` (R = micro-batch rows × G). **Micro-batch split: strided,
-//! like MaxText** — micro-batch `i` takes rows `i, i+G, i+2G, ...` — then its rows are split over
-//! the batch mesh axes in order.
+//! holds sequences `s·R .. (s+1)·R` (R = micro-batch rows × G); a micro-batch's rows are split
+//! over the batch mesh axes in order, so each device holds a contiguous block of them.
+//!
+//! Which sequences form micro-batch `i`:
+//! * `dataset_order=random` (windows at seeded random offsets, and the synthetic data):
+//!   **strided, like MaxText** — micro-batch `i` takes rows `i, i+G, i+2G, ...` of the step, so
+//!   each device's rows of the whole step are one contiguous block of the global batch;
+//! * `dataset_order=sequential` (consecutive, non-overlapping windows in file order):
+//!   **contiguous** — micro-batch `i` takes rows `i·r .. (i+1)·r` (r rows per micro-batch), so a
+//!   file laid out `[step][micro-batch][row][max_target_length + 1]` is read exactly as written
+//!   (the layout PyTorch DDP loaders and the torch peer use), each device reading a contiguous
+//!   block of every micro-batch. The window index wraps at the end of the file; each wrap is one
+//!   epoch.
+//!
+//! Inputs are read into memory (not mapped), so a file truncated or rewritten while a run reads
+//! it cannot fault the process; only regular files are accepted (a FIFO or `/dev/zero` would
+//! block or read without bound).
 
 use std::path::Path;
 
 use ferrotext_models::Rng;
 
-use crate::config::{DatasetType, TrainConfig};
+use crate::config::{DatasetOrder, DatasetType, TrainConfig};
 use crate::error::TrainError;
 
 /// A deterministic source of token sequences.
@@ -20,6 +34,15 @@ pub trait TokenSource: Send + Sync {
     fn sequence(&self, index: u64, len: usize) -> Vec<u32>;
     /// Largest token id + 1.
     fn vocab_size(&self) -> usize;
+    /// Whether micro-batches take contiguous runs of sequence indices (sequential reading)
+    /// rather than strided ones (see the module docs).
+    fn contiguous_micro_batches(&self) -> bool {
+        false
+    }
+    /// The epoch sequence `index` belongs to, for sources that wrap around their data in order.
+    fn epoch(&self, _index: u64, _len: usize) -> Option<u64> {
+        None
+    }
 }
 
 /// Arithmetic sequences `start + stride·i mod vocab` with 10% noise (the JAX peer's data).
@@ -49,17 +72,19 @@ impl TokenSource for Synthetic {
     }
 }
 
-/// Windows of a token stream at pseudo-random offsets (text bytes or a token file).
-pub struct Windows<T: AsRef<[u8]> + Send + Sync> {
+/// Windows of a token stream (text bytes or a token file): at pseudo-random offsets, or
+/// consecutive and non-overlapping in file order.
+pub struct Windows {
     seed: u64,
-    data: T,
+    data: Vec<u8>,
     width: usize,
     vocab: usize,
+    order: DatasetOrder,
 }
 
-impl<T: AsRef<[u8]> + Send + Sync> Windows<T> {
+impl Windows {
     fn token(&self, i: usize) -> u32 {
-        let b = self.data.as_ref();
+        let b = &self.data;
         match self.width {
             1 => b[i] as u32,
             2 => u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32,
@@ -67,18 +92,33 @@ impl<T: AsRef<[u8]> + Send + Sync> Windows<T> {
         }
     }
     fn len(&self) -> usize {
-        self.data.as_ref().len() / self.width
+        self.data.len() / self.width
+    }
+    /// Whole windows of `len` tokens in the data (at least 1: sources check the length).
+    fn windows(&self, len: usize) -> u64 {
+        (self.len() / len.max(1)).max(1) as u64
     }
 }
 
-impl<T: AsRef<[u8]> + Send + Sync> TokenSource for Windows<T> {
+impl TokenSource for Windows {
     fn sequence(&self, index: u64, len: usize) -> Vec<u32> {
-        let mut rng = Rng::new(self.seed, index);
-        let start = rng.below((self.len() - len + 1) as u64) as usize;
+        let start = match self.order {
+            DatasetOrder::Random => {
+                let mut rng = Rng::new(self.seed, index);
+                rng.below((self.len() - len + 1) as u64) as usize
+            }
+            DatasetOrder::Sequential => (index % self.windows(len)) as usize * len,
+        };
         (start..start + len).map(|i| self.token(i)).collect()
     }
     fn vocab_size(&self) -> usize {
         self.vocab
+    }
+    fn contiguous_micro_batches(&self) -> bool {
+        self.order == DatasetOrder::Sequential
+    }
+    fn epoch(&self, index: u64, len: usize) -> Option<u64> {
+        (self.order == DatasetOrder::Sequential).then(|| index / self.windows(len))
     }
 }
 
@@ -155,14 +195,10 @@ pub fn bundled_corpus() -> String {
 /// a whole number of tokens, or token ids beyond the model's vocabulary.
 pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSource>, TrainError> {
     let seed = config.data_shuffle_seed;
+    let order = config.dataset_order;
     let need = config.max_target_length + 1;
-    let open = |path: &str| -> Result<memmap2::Mmap, TrainError> {
-        let file = std::fs::File::open(Path::new(path))
-            .map_err(|e| TrainError::Data(format!("cannot open {path}: {e}")))?;
-        // SAFETY: the file is opened read-only and only read through the map; a concurrent
-        // writer truncating it could fault, as with any mapped input (documented in the README).
-        unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| TrainError::Data(format!("cannot map {path}: {e}")))
+    let open = |path: &str| -> Result<Vec<u8>, TrainError> {
+        read_regular_file(Path::new(path)).map_err(TrainError::Data)
     };
     let check_len = |tokens: usize, what: &str| -> Result<(), TrainError> {
         if tokens < need {
@@ -176,7 +212,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
         && matches!(config.dataset_type, DatasetType::Corpus | DatasetType::Text)
     {
         let text = match config.dataset_type {
-            DatasetType::Text => std::fs::read_to_string(&config.dataset_path).map_err(|e| {
+            DatasetType::Text => String::from_utf8(open(&config.dataset_path)?).map_err(|e| {
                 TrainError::Data(format!(
                     "cannot read {} as UTF-8 text: {e}",
                     config.dataset_path
@@ -192,6 +228,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
             data,
             width: 4,
             vocab,
+            order,
         }));
     }
     Ok(match config.dataset_type {
@@ -204,6 +241,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
                 data: bytes,
                 width: 1,
                 vocab,
+                order,
             })
         }
         DatasetType::Text => {
@@ -214,6 +252,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
                 data: map,
                 width: 1,
                 vocab,
+                order,
             })
         }
         DatasetType::Tokens => {
@@ -232,6 +271,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
                 data: map,
                 width,
                 vocab,
+                order,
             };
             check_len(w.len(), &config.dataset_path)?;
             if let Some(bad) = (0..w.len())
@@ -248,13 +288,30 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
     })
 }
 
+/// The bytes of the regular file at `path`. Anything else — a directory, a FIFO, a device such
+/// as `/dev/zero` — is refused before a byte is read, so no input can block or read without
+/// bound.
+///
+/// # Errors
+/// One line naming the file: missing, not a regular file, or unreadable.
+pub fn read_regular_file(path: &Path) -> Result<Vec<u8>, String> {
+    let shown = path.display();
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot open {shown}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("{shown} is not a regular file"));
+    }
+    std::fs::read(path).map_err(|e| format!("cannot read {shown}: {e}"))
+}
+
 /// `text` encoded with the HF tokenizer at `path` (the `tokenizers` crate: BPE, WordPiece,
 /// Unigram, WordLevel, as the file says).
 ///
 /// # Errors
 /// [`TrainError::Data`] for a file that is not a tokenizer, or ids beyond `vocab`.
 pub fn tokenize(path: &str, text: &str, vocab: usize) -> Result<Vec<u32>, TrainError> {
-    let tokenizer = tokenizers::Tokenizer::from_file(path)
+    let bytes = read_regular_file(Path::new(path))
+        .map_err(|e| TrainError::Data(format!("tokenizer_path: {e}")))?;
+    let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
         .map_err(|e| TrainError::Data(format!("tokenizer_path {path}: {e}")))?;
     let encoding = tokenizer
         .encode(text, false)
@@ -278,10 +335,27 @@ pub fn micro_batch(
     rows: usize,
     len: usize,
 ) -> Vec<Vec<u32>> {
-    let per_step = (rows * ga) as u64;
     (0..rows)
-        .map(|r| source.sequence(step * per_step + (r * ga + micro) as u64, len + 1))
+        .map(|r| source.sequence(sequence_index(source, step, micro, r, ga, rows), len + 1))
         .collect()
+}
+
+/// The sequence index of row `row` of micro-batch `micro` of step `step` (see the module docs:
+/// strided, or contiguous for sequential sources).
+pub fn sequence_index(
+    source: &dyn TokenSource,
+    step: u64,
+    micro: usize,
+    row: usize,
+    ga: usize,
+    rows: usize,
+) -> u64 {
+    let in_step = if source.contiguous_micro_batches() {
+        micro * rows + row
+    } else {
+        row * ga + micro
+    };
+    step * (rows * ga) as u64 + in_step as u64
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use ferrotext_spmd::{Array, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
-use crate::config::{ShardMode, TrainConfig};
+use crate::config::{NanPolicy, ShardMode, TrainConfig};
 use crate::error::TrainError;
 use crate::gate::{
     deferral_axes, deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1,
@@ -45,6 +45,13 @@ pub struct StepMetrics {
     pub learning_rate: f64,
     /// Wall time of the step on this device (its micro-batches and the update).
     pub seconds: f64,
+    /// The step's update was dropped because its loss or gradient was not finite
+    /// (`nan_policy=skip_step`); parameters and optimizer state are as before the step.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
+    /// The data epoch the step's last sequence came from (`dataset_order=sequential` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
 }
 
 /// One micro-batch: this device's blocks of the inputs and targets (`[rows, len]`, split over the
@@ -173,6 +180,72 @@ pub struct Engine {
     pub(crate) step: usize,
     pub(crate) batch_spec: PartitionSpec,
     pub(crate) pending: Option<Pending>,
+}
+
+/// Σ of the squares of every reduced gradient, in f64 and the same whatever the layout (so
+/// ZeRO-1, FSDP and replicated runs clip by the same factor): each device sums its own shard of
+/// each gradient in f64; shards of the gradients split over the same mesh axes are combined in
+/// one exact exchange over those axes; replicated gradients need none.
+///
+/// The exchange is an all-reduce of a zero buffer with one `(hi, lo)` f32 slot per member, each
+/// member writing its f64 partial into its own slot: every sum in it adds zeros to one value, so
+/// every member receives every partial exactly (to 48 bits) and adds them in rank order.
+///
+/// # Collectives
+/// One all-reduce of `2 × group` elements per distinct set of axes the gradients are split over
+/// (none when nothing is split).
+fn squared_norm(cx: &mut Ctx<'_>, grads: &Gradients) -> Result<f64, TrainError> {
+    let mut by_axes: std::collections::BTreeMap<Vec<String>, f64> = Default::default();
+    for g in grads.arrays() {
+        let axes: Vec<String> = g
+            .ty()
+            .sharding()
+            .spec()
+            .partition_axes()
+            .map(str::to_string)
+            .collect();
+        let local = if g.is_abstract() {
+            0.0
+        } else {
+            g.local()?
+                .data()
+                .iter()
+                .map(|&x| f64::from(x) * f64::from(x))
+                .sum()
+        };
+        *by_axes.entry(axes).or_default() += local;
+    }
+    let mut total = 0.0;
+    for (axes, partial) in by_axes {
+        let group = cx.comm().group(&axes)?;
+        if group.len() == 1 {
+            total += partial;
+            continue;
+        }
+        if cx.mode() == Mode::Abstract {
+            cx.comm().record_abstract(
+                ferrotext_comm::CollectiveKind::AllReduce,
+                &axes,
+                2 * group.len(),
+                ferrotext_sharding::DType::F32,
+            )?;
+            continue;
+        }
+        let rank = group
+            .iter()
+            .position(|&d| d == cx.comm().device())
+            .ok_or_else(|| TrainError::Config("device outside its own group".into()))?;
+        let mut slots = vec![0.0f32; 2 * group.len()];
+        let hi = partial as f32;
+        slots[2 * rank] = hi;
+        slots[2 * rank + 1] = (partial - f64::from(hi)) as f32;
+        cx.comm().all_reduce(&axes, &mut slots)?;
+        total += slots
+            .chunks_exact(2)
+            .map(|p| f64::from(p[0]) + f64::from(p[1]))
+            .sum::<f64>();
+    }
+    Ok(total)
 }
 
 /// MaxText's logical rules, with `embed` kept off the `expert` axis: under expert parallelism
@@ -493,16 +566,35 @@ impl Engine {
         drop(used);
         let grads = acc.reduce(cx)?;
         let inv_tokens = 1.0 / tokens.max(1) as f64;
-        let mut sq = 0.0f64;
-        for g in grads.arrays() {
-            let g2 = cx.mul(g, g)?;
-            let axes: Vec<usize> = (0..g.ty().rank()).collect();
-            let s = cx.reduce_sum(&g2, &axes, None)?;
-            if !s.is_abstract() {
-                sq += f64::from(s.scalar()?);
+        let grad_norm = squared_norm(cx, &grads)?.sqrt() * inv_tokens;
+        let loss = loss_sum * inv_tokens;
+        // Every device holds the same reduced loss and norm, so every device takes the same
+        // branch here and the collectives below stay matched.
+        if cx.mode() == Mode::Real && !(loss.is_finite() && grad_norm.is_finite()) {
+            match self.config.nan_policy {
+                NanPolicy::Stop => {
+                    return Err(TrainError::NonFinite {
+                        step: self.step,
+                        loss,
+                        grad_norm,
+                    })
+                }
+                NanPolicy::SkipStep => {
+                    let metrics = StepMetrics {
+                        step: self.step,
+                        loss,
+                        tokens,
+                        grad_norm,
+                        learning_rate: lr,
+                        seconds: started.elapsed().as_secs_f64(),
+                        skipped: true,
+                        epoch: None,
+                    };
+                    self.step += 1;
+                    return Ok(metrics);
+                }
             }
         }
-        let grad_norm = sq.sqrt() * inv_tokens;
         let scale =
             (inv_tokens * clip_scale(grad_norm, self.config.gradient_clipping_threshold)) as f32;
         if self.zero1.is_active() {
@@ -534,11 +626,13 @@ impl Engine {
         }
         let metrics = StepMetrics {
             step: self.step,
-            loss: loss_sum * inv_tokens,
+            loss,
             tokens,
             grad_norm,
             learning_rate: lr,
             seconds: started.elapsed().as_secs_f64(),
+            skipped: false,
+            epoch: None,
         };
         self.step += 1;
         Ok(metrics)

@@ -49,6 +49,20 @@ pub enum TrainError {
         /// The unreduced axes promised.
         expected_unreduced: Vec<String>,
     },
+    /// A step whose loss or gradient norm is not finite, under `nan_policy=stop`: nothing of
+    /// the step was applied.
+    #[error(
+        "step {step}: the loss ({loss}) or the gradient norm ({grad_norm}) is not finite; the \
+         step was not applied (nan_policy=skip_step drops such steps and goes on)"
+    )]
+    NonFinite {
+        /// The step (0-based).
+        step: usize,
+        /// Its mean token loss.
+        loss: f64,
+        /// Its global gradient norm.
+        grad_norm: f64,
+    },
     /// An op failed (type error, collective failure).
     #[error(transparent)]
     Spmd(#[from] SpmdError),

@@ -1,4 +1,4 @@
-//! Parameter files and metrics.
+//! Parameter files, the metrics log, and the check that a run's outputs can be written.
 //!
 //! Parameters are safetensors with HF-Qwen3 names and HF orientation: linear weights
 //! (`*_proj.weight`, `lm_head.weight`) are stored `[out, in]` as HF stores them and transposed
@@ -31,6 +31,11 @@ pub fn load_parameters(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, 
         path: path.display().to_string(),
         reason,
     };
+    // Only a regular file: a FIFO or a device such as /dev/zero would block or read forever.
+    let meta = std::fs::metadata(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    if !meta.is_file() {
+        return Err(err("is not a regular file".into()));
+    }
     let bytes = std::fs::read(path).map_err(|e| err(format!("cannot read: {e}")))?;
     let file = SafeTensors::deserialize(&bytes)
         .map_err(|e| err(format!("not a safetensors file: {e}")))?;
@@ -62,6 +67,12 @@ pub fn load_parameters(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, 
                     info.name,
                     view.shape(),
                     shape
+                )));
+            }
+            if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+                return Err(err(format!(
+                    "`{}` holds a non-finite value ({}) at flat index {i}",
+                    info.name, data[i]
                 )));
             }
             let t = Tensor::new(shape, data).map_err(|e| err(e.to_string()))?;
@@ -121,22 +132,180 @@ pub fn save_parameters(
     std::fs::rename(&tmp, path).map_err(io)
 }
 
-/// Appends one JSON line per step.
+/// The per-step metrics file, one JSON line per step, appended and flushed as each step ends, so
+/// a run that is killed or fails keeps every step it finished.
+///
+/// Opened for a run that starts at step `s` (0, or the step a resume continues from), it keeps
+/// the lines of steps before `s` and drops the rest (steps a killed run logged after its last
+/// checkpoint, which the resumed run repeats), so the file never holds a step twice.
+pub struct MetricsLog {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+}
+
+impl MetricsLog {
+    /// Opens `path` for a run starting at step `first_step` (see the type's docs); the kept
+    /// lines are rewritten through a temporary file and a rename.
+    ///
+    /// # Errors
+    /// [`TrainError::Io`] when the file or its directory cannot be written.
+    pub fn open(path: &Path, first_step: usize) -> Result<MetricsLog, TrainError> {
+        let io = |source: std::io::Error| TrainError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let kept: String = match std::fs::read_to_string(path) {
+            Ok(old) => old
+                .lines()
+                .filter(|line| {
+                    serde_json::from_str::<serde_json::Value>(line)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
+                        .is_some_and(|step| (step as usize) < first_step)
+                })
+                .map(|line| format!("{line}\n"))
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(io(e)),
+        };
+        let tmp = path.with_extension("jsonl.tmp");
+        std::fs::write(&tmp, kept).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(io)?;
+        Ok(MetricsLog {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    /// Appends one step's line and flushes it to the OS.
+    ///
+    /// # Errors
+    /// [`TrainError::Io`] when the write fails.
+    pub fn append(&mut self, metrics: &StepMetrics) -> Result<(), TrainError> {
+        let mut line = serde_json::to_string(metrics).map_err(|e| TrainError::Io {
+            path: self.path.display().to_string(),
+            source: e.into(),
+        })?;
+        line.push('\n');
+        self.file
+            .write_all(line.as_bytes())
+            .and_then(|()| self.file.flush())
+            .map_err(|source| TrainError::Io {
+                path: self.path.display().to_string(),
+                source,
+            })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// The longest file-name component Linux file systems accept (`NAME_MAX`).
+const NAME_MAX: usize = 255;
+
+/// Checks, before a run starts and without leaving anything behind, that every output of
+/// `config` can be written: the metrics file, the final parameters, and the checkpoint directory.
+/// Each must be of the right kind where it already exists (a file is not a directory, nor the
+/// reverse), have no name component longer than the file system allows, and its nearest existing
+/// directory must accept a new file (probed by creating and removing one, so read-only mounts,
+/// `/proc` and the like are found even by root).
 ///
 /// # Errors
-/// [`TrainError::Io`] when the file cannot be written.
-pub fn write_metrics(path: &Path, metrics: &[StepMetrics]) -> Result<(), TrainError> {
-    let io = |source: std::io::Error| TrainError::Io {
-        path: path.display().to_string(),
-        source,
+/// [`TrainError::Config`] naming the key and the path.
+pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError> {
+    let mut outputs = vec![("metrics_file", config.metrics_path(), false)];
+    if !config.save_parameters_path.is_empty() {
+        outputs.push((
+            "save_parameters_path",
+            config.save_parameters_path.clone().into(),
+            false,
+        ));
+    }
+    if config.enable_checkpointing {
+        outputs.push((
+            "base_output_directory/run_name",
+            config.checkpoint_root(),
+            true,
+        ));
+    }
+    for (key, path, is_dir) in outputs {
+        check_output(&path, is_dir)
+            .map_err(|reason| TrainError::Config(format!("{key}: {} {reason}", path.display())))?;
+    }
+    Ok(())
+}
+
+/// `path` can be created or replaced as a file (`is_dir`: a directory).
+fn check_output(path: &Path, is_dir: bool) -> Result<(), String> {
+    if let Some(long) = path
+        .components()
+        .map(|c| c.as_os_str().len())
+        .find(|&n| n > NAME_MAX)
+    {
+        return Err(format!(
+            "has a name component of {long} bytes; file systems allow {NAME_MAX}"
+        ));
+    }
+    if path.as_os_str().is_empty() {
+        return Err("is empty".into());
+    }
+    match std::fs::metadata(path) {
+        Ok(meta) if is_dir && !meta.is_dir() => return Err("exists and is not a directory".into()),
+        Ok(meta) if !is_dir && meta.is_dir() => return Err("is a directory".into()),
+        Ok(meta) if !is_dir && !meta.is_file() => return Err("is not a regular file".into()),
+        _ => {}
+    }
+    // The nearest existing ancestor (the path itself for an existing directory) must be a
+    // directory that accepts a new file.
+    let mut dir = if is_dir {
+        path.to_path_buf()
+    } else {
+        path.parent().map(Path::to_path_buf).unwrap_or_default()
     };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(io)?;
+    loop {
+        let shown = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir.as_path()
+        };
+        match std::fs::metadata(shown) {
+            Ok(meta) if meta.is_dir() => return probe_writable(shown),
+            Ok(_) => {
+                return Err(format!(
+                    "cannot be created: {} is not a directory",
+                    shown.display()
+                ))
+            }
+            Err(_) if dir.pop() => continue,
+            Err(_) => return probe_writable(Path::new(".")),
+        }
     }
-    let mut out = String::new();
-    for m in metrics {
-        out.push_str(&serde_json::to_string(m).unwrap_or_default());
-        out.push('\n');
+}
+
+/// Creates and removes a uniquely named empty file in `dir`.
+fn probe_writable(dir: &Path) -> Result<(), String> {
+    let probe = dir.join(format!(".ferrotext-write-check-{}", std::process::id()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "cannot be written: {} refuses new files ({e})",
+            dir.display()
+        )),
     }
-    std::fs::write(path, out).map_err(io)
 }

@@ -38,7 +38,8 @@ use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 
 pub use config::{
-    DatasetOrder, DatasetType, NanPolicy, OptType, ResumeMode, ShardMode, TrainConfig,
+    DatasetOrder, DatasetType, MemoryEstimate, NanPolicy, OptType, ResumeMode, ShardMode,
+    TrainConfig,
 };
 pub use engine::{compute_mesh, Batch, Engine, FwdBwd, Gradients, PartialGradients, StepMetrics};
 pub use error::TrainError;
@@ -64,6 +65,9 @@ pub struct RunOptions<'a> {
     /// The processes the mesh spans (`None`: every device is a thread of this process). Its
     /// process count must equal `num_processes`.
     pub cluster: Option<&'a dyn Cluster>,
+    /// Append each step's metrics to this JSON-lines file as the step ends (device 0 writes;
+    /// see [`io::MetricsLog`] for what a resumed run keeps).
+    pub metrics_path: Option<std::path::PathBuf>,
 }
 
 /// What a run produced (the view of this process's first device; device 0 in process 0).
@@ -73,8 +77,10 @@ pub struct TrainReport {
     pub gate: Deferral,
     /// ZeRO-1's decision.
     pub zero1: Zero1,
-    /// Per-step metrics.
+    /// Per-step metrics of the steps this run took.
     pub metrics: Vec<StepMetrics>,
+    /// The step the run started at: 0, or where a checkpoint left off.
+    pub first_step: usize,
     /// The collective trace of the whole run (of the device the report comes from).
     pub trace: Trace,
     /// The parameter declarations.
@@ -113,6 +119,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
         }
     }
     valid?;
+    config.check_fits_in_memory()?;
     let model_cfg = config.model()?;
     let model = ferrotext_models::qwen3::Qwen3::new(model_cfg.clone())
         .map_err(|e| TrainError::Config(e.to_string()))?;
@@ -149,6 +156,11 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
             if config.enable_checkpointing && checkpoint::latest(&root).is_some() {
                 trainer.engine_mut().restore_checkpoint(&mut cx, &root)?;
             }
+            let first_step = trainer.engine().steps_taken();
+            let mut log = match &options.metrics_path {
+                Some(path) if device == 0 => Some(io::MetricsLog::open(path, first_step)?),
+                _ => None,
+            };
             let mut metrics = Vec::with_capacity(config.steps);
             let limit = options.stop_after_steps.map_or(config.steps, |n| {
                 (trainer.engine().steps_taken() + n).min(config.steps)
@@ -161,6 +173,9 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                     }
                     Ok(())
                 })?;
+                if let Some(log) = &mut log {
+                    log.append(&m)?;
+                }
                 if device == 0 {
                     if let Some(f) = options.on_step {
                         f(&m);
@@ -183,6 +198,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 gate: trainer.engine().gate().clone(),
                 zero1: trainer.engine().zero1().clone(),
                 metrics,
+                first_step,
                 trace: cx.comm().take_trace(),
                 params: trainer.engine().param_infos().to_vec(),
                 values,

@@ -110,8 +110,10 @@ impl Trainer {
             }
         }
         cx.comm().push_phase("update");
-        let metrics = self.engine.update(cx)?;
+        let mut metrics = self.engine.update(cx)?;
         cx.comm().pop_phase();
+        let last_sequence = (step + 1) * (rows * ga) as u64 - 1;
+        metrics.epoch = self.source.epoch(last_sequence, len + 1);
         Ok(metrics)
     }
 }
