@@ -143,6 +143,83 @@ fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
             "cannot read",
         ),
         (&["notakeyvalue"], "is not `key=value`"),
+        // NaN passes every `< 0` check: each float key is checked for being inside its range.
+        (&["adam_eps=nan"], "adam_eps must be a finite number"),
+        (
+            &["adam_weight_decay=inf"],
+            "adam_weight_decay must be a finite number",
+        ),
+        (
+            &["z_loss_multiplier=nan"],
+            "z_loss_multiplier must be a finite number",
+        ),
+        (
+            &["gradient_clipping_threshold=nan"],
+            "gradient_clipping_threshold must be a finite number",
+        ),
+        (
+            &["num_experts=4", "routed_scaling_factor=nan"],
+            "routed_scaling_factor must be a finite number",
+        ),
+        (
+            &["learning_rate=nan"],
+            "learning_rate must be a finite number",
+        ),
+        (
+            &["collective_timeout_seconds=nan"],
+            "collective_timeout_seconds must be",
+        ),
+        (
+            &["collective_timeout_seconds=inf"],
+            "collective_timeout_seconds must be",
+        ),
+        (
+            &["collective_timeout_seconds=1e30"],
+            "collective_timeout_seconds must be",
+        ),
+        // Sizes that cannot fit are refused before anything is allocated or multiplied.
+        (
+            &["local_devices=5000"],
+            "local_devices = 5000 is larger than",
+        ),
+        (
+            &["per_device_batch_size=1e15"],
+            "per_device_batch_size must be",
+        ),
+        (
+            &["vocab_size=1000000000000"],
+            "vocab_size = 1000000000000 is larger than",
+        ),
+        (
+            &["base_num_decoder_layers=100000000"],
+            "base_num_decoder_layers = 100000000 is larger than",
+        ),
+        (
+            &[
+                "ici_data_parallelism=4611686018427387905",
+                "ici_fsdp_parallelism=4",
+            ],
+            "larger than the largest supported mesh",
+        ),
+        (
+            &["ici_data_parallelism=65536", "ici_fsdp_parallelism=65536"],
+            "is larger than the 4 devices",
+        ),
+        (
+            &["max_target_length=200000", "per_device_batch_size=64"],
+            "this run needs about",
+        ),
+        (&["steps=abc"], "steps = \"abc\": invalid type"),
+        // Inputs that are not regular files would block or read without bound.
+        (&["load_parameters_path=/dev/zero"], "is not a regular file"),
+        (&["tokenizer_path=/dev/zero"], "is not a regular file"),
+        (
+            &["dataset_type=text", "dataset_path=/dev/zero"],
+            "is not a regular file",
+        ),
+        // Outputs that cannot be written are found before training.
+        (&["metrics_file=/proc/ferrotext.jsonl"], "refuses new files"),
+        (&["save_parameters_path=/proc"], "save_parameters_path"),
     ];
     for (args, needle) in cases {
         let mut all = vec!["train", &out];
@@ -285,13 +362,56 @@ fn kill_9_mid_run_then_a_clean_resume() {
         "{}",
         String::from_utf8_lossy(&res.stderr)
     );
-    let metrics = std::fs::read_to_string(dir.join("killed/metrics.jsonl")).unwrap();
-    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
-    let resumed_at = first["step"].as_u64().unwrap();
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    let resumed_at: usize = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("resumed at step "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no resume line: {stdout}"));
     assert!(
         resumed_at >= 1,
         "resumed from a checkpoint, not from scratch"
     );
-    assert_eq!(metrics.lines().count() as u64, 30 - resumed_at);
+    // The killed run's steps before the checkpoint stay; the ones it logged after the checkpoint
+    // were repeated by the resume and appear once: every step exactly once, in order.
+    let metrics = std::fs::read_to_string(dir.join("killed/metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, (0..30).collect::<Vec<u64>>());
+    // Run again: nothing left to do, said so, nothing printed as a summary.
+    let again = ferrotext(&args);
+    let stdout = String::from_utf8_lossy(&again.stdout);
+    assert!(again.status.success());
+    assert!(stdout.contains("nothing to do"), "{stdout}");
+    assert!(!stdout.contains("median step"), "{stdout}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A run that diverges stops with an error naming the step (exit 1), keeping the metrics of the
+/// steps it finished.
+#[test]
+fn a_diverging_run_stops_naming_the_step() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-diverge-{}", std::process::id()));
+    let res = ferrotext(&[
+        "train",
+        &format!("base_output_directory={}", dir.display()),
+        "steps=4",
+        "opt_type=sgd",
+        "learning_rate=1e30",
+        "max_target_length=16",
+    ]);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(1), "{stderr}");
+    assert!(stderr.starts_with("error: step 1: the loss"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    let metrics = std::fs::read_to_string(dir.join("default/metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 1, "step 0 was logged as it ended");
     std::fs::remove_dir_all(dir).ok();
 }

@@ -143,3 +143,104 @@ fn hf_tokenizer_files_tokenize_text() {
     std::fs::write(&bad, "{}").unwrap();
     assert!(ferrotext_train::data::tokenize(bad.to_str().unwrap(), "x", 10).is_err());
 }
+
+/// A u32 token file holding `0, 1, 2, ...`: every window's content names its own position.
+fn counting_file(name: &str, tokens: u32) -> std::path::PathBuf {
+    let path = tmp(name);
+    let bytes: Vec<u8> = (0..tokens).flat_map(|i| i.to_le_bytes()).collect();
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn sequential_order_reads_consecutive_windows_in_file_order_and_wraps_by_epoch() {
+    use ferrotext_train::data::micro_batch;
+    // 10 windows of 9 tokens (max_target_length 8), plus 5 tokens that never form a window.
+    let path = counting_file("sequential.u32", 95);
+    let c = cfg(&[
+        "dataset_type=tokens".into(),
+        format!("dataset_path={}", path.display()),
+        "token_dtype=u32".into(),
+        "vocab_size=1000".into(),
+        "model_name=qwen3-peer".into(),
+        "dataset_order=sequential".into(),
+    ]);
+    let s = source_for(&c, 1000).unwrap();
+    for w in 0..10u32 {
+        assert_eq!(
+            s.sequence(u64::from(w), 9),
+            (9 * w..9 * w + 9).collect::<Vec<_>>()
+        );
+        assert_eq!(s.epoch(u64::from(w), 9), Some(0));
+    }
+    // The 11th window is the first again: epoch 1.
+    assert_eq!(s.sequence(10, 9), s.sequence(0, 9));
+    assert_eq!(s.epoch(10, 9), Some(1));
+    assert_eq!(s.epoch(25, 9), Some(2));
+    // Micro-batches are contiguous runs of windows: step 1, GA 2, 2 rows → micro 1 of step 1
+    // is windows 6 and 7 ([step][micro][row] in file order).
+    let rows = micro_batch(s.as_ref(), 1, 1, 2, 2, 8);
+    assert_eq!(rows[0], (54..63).collect::<Vec<_>>());
+    assert_eq!(rows[1], (63..72).collect::<Vec<_>>());
+    // The random order (the default) overlaps windows and has no epoch: the mirror.
+    let random = cfg(&[
+        "dataset_type=tokens".into(),
+        format!("dataset_path={}", path.display()),
+        "token_dtype=u32".into(),
+        "vocab_size=1000".into(),
+        "model_name=qwen3-peer".into(),
+    ]);
+    let r = source_for(&random, 1000).unwrap();
+    assert_eq!(r.epoch(10, 9), None);
+    assert!(
+        (0..20).any(|i| r.sequence(i, 9)[0] % 9 != 0),
+        "random windows start anywhere"
+    );
+}
+
+#[test]
+fn a_data_file_truncated_during_a_run_cannot_fault_the_reader() {
+    // The source holds its own copy: with a mapped file, reading past the new end was SIGBUS.
+    let path = counting_file("truncated.u32", 4096);
+    let c = cfg(&[
+        "dataset_type=tokens".into(),
+        format!("dataset_path={}", path.display()),
+        "token_dtype=u32".into(),
+        "vocab_size=5000".into(),
+        "model_name=qwen3-peer".into(),
+        "dataset_order=sequential".into(),
+    ]);
+    let s = source_for(&c, 5000).unwrap();
+    let before = s.sequence(400, 9);
+    std::fs::File::create(&path).unwrap(); // truncate to 0 bytes
+    assert_eq!(s.sequence(400, 9), before);
+}
+
+#[test]
+fn inputs_that_are_not_regular_files_are_refused_without_reading() {
+    let fifo = tmp("fifo");
+    std::fs::remove_file(&fifo).ok();
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+    let dir = tmp("a-directory");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (dtype, path) in [
+        ("text", fifo.display().to_string()),
+        ("tokens", "/dev/zero".into()),
+        ("text", dir.display().to_string()),
+    ] {
+        let c = cfg(&[
+            format!("dataset_type={dtype}"),
+            format!("dataset_path={path}"),
+        ]);
+        let err = source_for(&c, 256).err().map(|e| e.to_string());
+        assert_eq!(
+            err,
+            Some(format!("data: {path} is not a regular file")),
+            "{path}"
+        );
+    }
+    let c = cfg(&["tokenizer_path=/dev/zero".into()]);
+    let err = source_for(&c, 256).err().unwrap().to_string();
+    assert!(err.contains("/dev/zero is not a regular file"), "{err}");
+}
