@@ -659,7 +659,10 @@ fn aligned_dot_types(
             .flat_map(|(_, p)| p.axis_names().iter().cloned())
             .collect()
     };
-    // Batch dims meet on the lhs's partition (the rhs's when the lhs is replicated there).
+    // Batch dims meet on the lhs's partition (the rhs's when the lhs is replicated there: the
+    // lhs is sliced for free and each device computes its batch slice). When the output type
+    // keeps the lhs's replicated batch dim (R3.9), the natural result is sharded where the
+    // output is not, and the final reshard all-gathers it.
     for (&l, &r) in dims.lhs_batch.iter().zip(&dims.rhs_batch) {
         let target = if !lparts[l].is_replicated() {
             lparts[l].clone()

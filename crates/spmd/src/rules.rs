@@ -403,9 +403,12 @@ pub fn dot_general_type(
         dims_spec(lhs, &dims.lhs_batch),
         dims_spec(rhs, &dims.rhs_batch),
     );
-    // R3.9 binds when the output sharding is inferred (an explicit `out_sharding` decides): a
-    // batch dim sharded on both sides must be sharded alike; one replicated side takes the
-    // other's sharding (sliced locally).
+    // R3.9 binds when the output sharding is inferred (an explicit `out_sharding` decides, as
+    // in JAX 0.10.2): a batch dim sharded on both sides must be sharded alike. A batch dim
+    // sharded on one side only is accepted, and the output takes the *lhs*'s batch partition,
+    // replicated when only the rhs is sharded there (checked on JAX 0.10.2:
+    // `[4,8@fsdp,8]·[4@data,8,4]` → `f32[4,8@fsdp,4]`). The op computes such a batch slice by
+    // slice and gathers it (ops::aligned_dot_types).
     let conflicting = bl
         .iter()
         .zip(&br)
@@ -453,11 +456,9 @@ pub fn dot_general_type(
             }
             let lf = DotDims::free(lhs.rank(), &dims.lhs_batch, &dims.lhs_contracting);
             let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
-            let batch = bl
+            // R3.9: the lhs's batch partitions, whatever the rhs's (checked compatible above).
+            let partitions: Vec<DimSpec> = bl
                 .into_iter()
-                .zip(br)
-                .map(|(l, r)| if l.is_replicated() { r } else { l });
-            let partitions: Vec<DimSpec> = batch
                 .chain(dims_spec(lhs, &lf))
                 .chain(dims_spec(rhs, &rf))
                 .collect();
