@@ -316,6 +316,10 @@ impl Ctx<'_> {
         dims: &DotDims,
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
+        // The `out_sharding` is checked against the mesh before anything else (R1.13/R1.14).
+        if let Some(spec) = out_sharding {
+            rules::check_out_sharding("dot_general", lhs.ty().sharding().mesh(), spec)?;
+        }
         if lhs.ty().is_manual() || rhs.ty().is_manual() {
             let cast = self.match_varying(&[lhs, rhs])?;
             if cast[0].ty() != lhs.ty() || cast[1].ty() != rhs.ty() {
@@ -355,7 +359,7 @@ impl Ctx<'_> {
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
         if lhs.ty().is_manual() || rhs.ty().is_manual() {
-            manual_without_out_sharding("dot_general", out_sharding)?;
+            manual_without_out_sharding("dot_general", lhs, out_sharding)?;
             return self.manual_dot(lhs, rhs, dims);
         }
         let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, out_sharding)?;
@@ -436,7 +440,7 @@ impl Ctx<'_> {
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
         if x.ty().is_manual() {
-            manual_without_out_sharding("reduce_sum", out_sharding)?;
+            manual_without_out_sharding("reduce_sum", x, out_sharding)?;
             let shape = rules::reduce_sum_type(x.ty(), axes, None)?.shape().to_vec();
             let local = x.local_opt().map(|t| t.sum_axes(axes)).transpose()?;
             return self.manual_local(x, shape, local);
@@ -501,7 +505,7 @@ impl Ctx<'_> {
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
         if x.ty().is_manual() {
-            manual_without_out_sharding("broadcast_in_dim", out_sharding)?;
+            manual_without_out_sharding("broadcast_in_dim", x, out_sharding)?;
             rules::broadcast_in_dim_type(x.ty(), shape, dims, None)?;
             let local = x
                 .local_opt()
@@ -547,7 +551,7 @@ impl Ctx<'_> {
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
         if x.ty().is_manual() {
-            manual_without_out_sharding("reshape", out_sharding)?;
+            manual_without_out_sharding("reshape", x, out_sharding)?;
             rules::reshape_type(x.ty(), new_sizes, None)?;
             let local = x
                 .local_opt()
@@ -611,17 +615,22 @@ impl Ctx<'_> {
     }
 }
 
-/// Inside a region every op is local: an output sharding has no meaning there.
+/// Inside a region every op is local: an output sharding has no meaning there. A tag on a Manual
+/// axis is still first of all an invalid spec (R1.13, R1.14), as it is outside a region.
 fn manual_without_out_sharding(
     op: &str,
+    x: &Array,
     out_sharding: Option<&PartitionSpec>,
 ) -> Result<(), SpmdError> {
     match out_sharding {
         None => Ok(()),
-        Some(spec) => Err(SpmdError::BadArgument {
-            op: op.into(),
-            reason: format!("`out_sharding` {spec} is not allowed inside a shard_map body"),
-        }),
+        Some(spec) => {
+            rules::check_out_sharding(op, x.ty().sharding().mesh(), spec)?;
+            Err(SpmdError::BadArgument {
+                op: op.into(),
+                reason: format!("`out_sharding` {spec} is not allowed inside a shard_map body"),
+            })
+        }
     }
 }
 
@@ -650,7 +659,10 @@ fn aligned_dot_types(
             .flat_map(|(_, p)| p.axis_names().iter().cloned())
             .collect()
     };
-    // Batch dims meet on the lhs's partition (the rhs's when the lhs is replicated there).
+    // Batch dims meet on the lhs's partition (the rhs's when the lhs is replicated there: the
+    // lhs is sliced for free and each device computes its batch slice). When the output type
+    // keeps the lhs's replicated batch dim (R3.9), the natural result is sharded where the
+    // output is not, and the final reshard all-gathers it.
     for (&l, &r) in dims.lhs_batch.iter().zip(&dims.rhs_batch) {
         let target = if !lparts[l].is_replicated() {
             lparts[l].clone()

@@ -73,6 +73,36 @@ fn spec_of(
     PartitionSpec::tagged(partitions, u, r).map_err(|e| attribute(op, e.into()))
 }
 
+/// Checks a user-given target sharding (an `out_sharding`, a `reshard` target) against `mesh`
+/// alone: every axis exists (R1.11, R1.12, R1.15), tags name only `Explicit` axes (R1.13,
+/// R1.14), no axis is used twice (R1.16), and partitions name only `Explicit` axes (R1.17).
+///
+/// Every op that takes an `out_sharding` calls this first, before its own rules (and before
+/// its shape checks): JAX canonicalises the sharding at the API boundary, so a tag on an Auto or
+/// Manual axis is an `invalid_spec` whatever else is wrong with the call.
+///
+/// # Errors
+/// `invalid_spec`, attributed to `op`, with the texts of R1.11–R1.17.
+pub fn check_out_sharding(op: &str, mesh: &Arc<Mesh>, spec: &PartitionSpec) -> TypeResult<()> {
+    let named =
+        NamedSharding::new(mesh.clone(), spec.clone()).map_err(|e| attribute(op, e.into()))?;
+    named
+        .check_explicit_for(op)
+        .map_err(|e| attribute(op, e.into()))
+}
+
+/// [`check_out_sharding`] for an optional `out_sharding` on `template`'s mesh.
+fn check_optional_out_sharding(
+    op: &str,
+    template: &ArrayType,
+    out_sharding: Option<&PartitionSpec>,
+) -> TypeResult<()> {
+    match out_sharding {
+        Some(spec) => check_out_sharding(op, template.sharding().mesh(), spec),
+        None => Ok(()),
+    }
+}
+
 /// Checks a user-given target sharding (`out_sharding`, a `reshard` target) on `mesh` for an
 /// array of `shape`: valid (R1.7–R1.16), explicit axes only (R1.17), fits the shape (§1.4).
 pub(crate) fn target_type(
@@ -355,6 +385,9 @@ pub fn dot_general_type(
     out_sharding: Option<&PartitionSpec>,
 ) -> TypeResult<ArrayType> {
     const OP: &str = "dot_general";
+    // R1.13/R1.14/R1.17 first: the reduced set is dropped below (R3.14), but a tag on a
+    // non-Explicit axis is still an invalid spec.
+    check_optional_out_sharding(OP, lhs, out_sharding)?;
     let shape = dims
         .output_shape(lhs.shape(), rhs.shape())
         .map_err(|e| err(K::ShapeError, OP, &[lhs, rhs], e.to_string()))?;
@@ -370,9 +403,12 @@ pub fn dot_general_type(
         dims_spec(lhs, &dims.lhs_batch),
         dims_spec(rhs, &dims.rhs_batch),
     );
-    // R3.9 binds when the output sharding is inferred (an explicit `out_sharding` decides): a
-    // batch dim sharded on both sides must be sharded alike; one replicated side takes the
-    // other's sharding (sliced locally).
+    // R3.9 binds when the output sharding is inferred (an explicit `out_sharding` decides, as
+    // in JAX 0.10.2): a batch dim sharded on both sides must be sharded alike. A batch dim
+    // sharded on one side only is accepted, and the output takes the *lhs*'s batch partition,
+    // replicated when only the rhs is sharded there (checked on JAX 0.10.2:
+    // `[4,8@fsdp,8]·[4@data,8,4]` → `f32[4,8@fsdp,4]`). The op computes such a batch slice by
+    // slice and gathers it (ops::aligned_dot_types).
     let conflicting = bl
         .iter()
         .zip(&br)
@@ -420,11 +456,9 @@ pub fn dot_general_type(
             }
             let lf = DotDims::free(lhs.rank(), &dims.lhs_batch, &dims.lhs_contracting);
             let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
-            let batch = bl
+            // R3.9: the lhs's batch partitions, whatever the rhs's (checked compatible above).
+            let partitions: Vec<DimSpec> = bl
                 .into_iter()
-                .zip(br)
-                .map(|(l, r)| if l.is_replicated() { r } else { l });
-            let partitions: Vec<DimSpec> = batch
                 .chain(dims_spec(lhs, &lf))
                 .chain(dims_spec(rhs, &rf))
                 .collect();
@@ -504,6 +538,7 @@ pub fn reduce_sum_type(
     out_sharding: Option<&PartitionSpec>,
 ) -> TypeResult<ArrayType> {
     const OP: &str = "reduce_sum";
+    check_optional_out_sharding(OP, x, out_sharding)?;
     let mut summed = vec![false; x.rank()];
     for &a in axes {
         if a >= x.rank() || std::mem::replace(&mut summed[a], true) {
@@ -589,6 +624,7 @@ pub fn broadcast_in_dim_type(
     out_sharding: Option<&PartitionSpec>,
 ) -> TypeResult<ArrayType> {
     const OP: &str = "broadcast_in_dim";
+    check_optional_out_sharding(OP, x, out_sharding)?;
     let bad_dims = broadcast_dims.len() != x.rank()
         || broadcast_dims.windows(2).any(|w| w[0] >= w[1])
         || broadcast_dims
@@ -729,6 +765,7 @@ pub fn reshape_type(
     out_sharding: Option<&PartitionSpec>,
 ) -> TypeResult<ArrayType> {
     const OP: &str = "reshape";
+    check_optional_out_sharding(OP, x, out_sharding)?;
     if new_sizes.iter().product::<usize>() != x.element_count() {
         return Err(err(
             K::ShapeError,
@@ -829,6 +866,7 @@ pub fn transpose_type(x: &ArrayType, perm: &[usize]) -> TypeResult<ArrayType> {
 
 /// `reshard` (R5.1): any transition is legal; the target must be valid, explicit and fit.
 pub fn reshard_type(x: &ArrayType, target: &PartitionSpec) -> TypeResult<ArrayType> {
+    check_out_sharding("reshard", x.sharding().mesh(), target)?;
     target_type("reshard", x, x.shape().to_vec(), target)
 }
 
