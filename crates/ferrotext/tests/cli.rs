@@ -316,6 +316,25 @@ fn plan_qwen3_0_6b_on_256_devices() {
         String::from_utf8_lossy(&res.stderr)
     );
     assert!(stdout.contains("(596049920 parameters)"), "{stdout}");
+    let update: usize = stdout
+        .split("all-reduces larger than 8 elements in micro-batches: 0; in update: ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}"));
+    // 310 gradients in 25 MiB buckets: at most ⌈gradient bytes / bucket⌉ + 1 collectives.
+    let bound = (596_049_920usize * 4).div_ceil(25 << 20) + 1;
+    assert!(update > 1 && update <= bound, "{update} > {bound}: {stdout}");
+    // One bucket per gradient: one all-reduce per parameter.
+    let res = ferrotext(&[
+        "plan",
+        "model_name=qwen3-0.6b",
+        "local_devices=256",
+        "per_device_batch_size=1",
+        "max_target_length=256",
+        "grad_bucket_mb=1e-9",
+    ]);
+    let stdout = String::from_utf8_lossy(&res.stdout);
     assert!(
         stdout.contains("all-reduces larger than 8 elements in micro-batches: 0; in update: 310"),
         "{stdout}"

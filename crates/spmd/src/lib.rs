@@ -53,6 +53,7 @@ assert_eq!(grads[0], ("f32[3,2]{U:data}".to_string(), 1));
 
 mod array;
 mod autodiff;
+mod bucketed;
 pub mod conformance;
 mod ctx;
 mod error;

@@ -671,6 +671,7 @@ impl Engine {
                     acc: PartialGradients {
                         grads,
                         targets: self.targets.clone(),
+                        bucket_bytes: self.config.grad_bucket_bytes(),
                     },
                     loss_sum: loaded.manifest.pending_loss_sum,
                     tokens: loaded.manifest.token_denominator,

@@ -210,6 +210,10 @@ pub struct TrainConfig {
     pub dataset_order: DatasetOrder,
     /// Seconds a device waits in a collective before the run fails.
     pub collective_timeout_seconds: f64,
+    /// Size of a gradient bucket in MiB: the update reduces the gradients (and ZeRO-1 gathers
+    /// the parameters) one bucket per collective instead of one collective per parameter
+    /// (PyTorch DDP's default is 25).
+    pub grad_bucket_mb: f64,
 }
 
 impl Default for TrainConfig {
@@ -275,6 +279,7 @@ impl Default for TrainConfig {
             nan_policy: NanPolicy::Stop,
             dataset_order: DatasetOrder::Random,
             collective_timeout_seconds: 300.0,
+            grad_bucket_mb: 25.0,
         }
     }
 }
@@ -703,6 +708,7 @@ impl TrainConfig {
             true,
             MAX_DIM as f64,
         )?;
+        check_float("grad_bucket_mb", self.grad_bucket_mb, 0.0, true, 1e6)?;
         check_float(
             "collective_timeout_seconds",
             self.collective_timeout_seconds,
@@ -831,6 +837,11 @@ impl TrainConfig {
             )));
         }
         Ok(())
+    }
+
+    /// [`TrainConfig::grad_bucket_mb`] in bytes (at least one).
+    pub fn grad_bucket_bytes(&self) -> usize {
+        ((self.grad_bucket_mb * f64::from(1u32 << 20)) as usize).max(1)
     }
 
     /// Where this run's checkpoints live: `base_output_directory/run_name/checkpoints`.

@@ -110,25 +110,25 @@ pub struct PartialGradients {
     pub(crate) grads: Vec<Array>,
     /// The layout each gradient is reduced to: its parameter's, or its ZeRO-1 shard.
     pub(crate) targets: Vec<PartitionSpec>,
+    /// The reduction's bucket size in bytes.
+    pub(crate) bucket_bytes: usize,
 }
 
 impl PartialGradients {
     /// The reduction: every gradient resharded to its target layout — the parameter's own (an
-    /// all-reduce per unreduced gradient) or, under ZeRO-1, its `data` shard (a reduce-scatter);
-    /// nothing moves for gradients already reduced but a local slice.
+    /// all-reduce of each unreduced gradient) or, under ZeRO-1, its `data` shard (a
+    /// reduce-scatter) — in buckets of the configured size (`grad_bucket_mb`); nothing moves for
+    /// gradients already reduced but a local slice. Bitwise equal to one reshard per gradient.
     ///
     /// # Errors
     /// A collective failure.
     ///
     /// # Collectives
-    /// One all-reduce (ZeRO-1: reduce-scatter) over `data` per gradient when they are
-    /// `{U:data}`; none otherwise.
+    /// One all-reduce (ZeRO-1: reduce-scatter) over `data` per bucket of `{U:data}` gradients,
+    /// in parameter order; none when they are already reduced.
     pub fn reduce(self, cx: &mut Ctx<'_>) -> Result<Gradients, TrainError> {
-        let mut out = Vec::with_capacity(self.grads.len());
-        for (g, spec) in self.grads.iter().zip(&self.targets) {
-            out.push(cx.reshard(g, spec)?);
-        }
-        Ok(Gradients { grads: out })
+        let grads = cx.reshard_bucketed(&self.grads, &self.targets, self.bucket_bytes)?;
+        Ok(Gradients { grads })
     }
 }
 
@@ -492,6 +492,7 @@ impl Engine {
                 acc: PartialGradients {
                     grads,
                     targets: self.targets.clone(),
+                    bucket_bytes: self.config.grad_bucket_bytes(),
                 },
                 loss_sum: 0.0,
                 tokens: 0,
@@ -612,13 +613,8 @@ impl Engine {
                 self.opt
                     .apply(lr, scale, &mut slices, &grads, &self.decay)?;
             }
-            for (i, (s, spec)) in slices.iter().zip(&self.plain).enumerate() {
-                self.params[i] = if s.ty().sharding().spec() == spec {
-                    s.clone()
-                } else {
-                    cx.reshard(s, spec)?
-                };
-            }
+            self.params =
+                cx.reshard_bucketed(&slices, &self.plain, self.config.grad_bucket_bytes())?;
         } else if cx.mode() == Mode::Real {
             // Nothing else holds the parameters' shards now, so the update runs in place.
             self.opt

@@ -23,7 +23,12 @@ const EXPERT_KERNEL: usize = 4 * 32 * 24;
 
 fn moe_run(extra: &[&str]) -> ferrotext_train::TrainReport {
     let mut all: Vec<&str> = MOE.to_vec();
-    all.extend_from_slice(&["gradient_accumulation_steps=4", "local_devices=4"]);
+    // One bucket per gradient, so each parameter's reduction shows in the trace by itself.
+    all.extend_from_slice(&[
+        "gradient_accumulation_steps=4",
+        "local_devices=4",
+        "grad_bucket_mb=1e-9",
+    ]);
     all.extend_from_slice(extra);
     run(&all)
 }
@@ -159,6 +164,7 @@ fn test_deepseek_zero1_reduces_gradients_once_per_step() {
             "gradient_accumulation_steps=4",
             "dataset_type=synthetic",
             "steps=2",
+            "grad_bucket_mb=1e-9",
         ]
         .iter()
         .map(|s| s.to_string())

@@ -11,19 +11,33 @@ use ferrotext_train::{train, Deferral, RunOptions, TrainError};
 
 #[test]
 fn deferred_step_reduces_gradients_once_per_step() {
-    let r = run(&["gradient_accumulation_steps=4"]);
-    assert_eq!(r.gate, Deferral::Open);
-    let mb = PhasePattern::new("micro_batch*");
-    let big = r.trace.all_reduces_larger_than(8, &mb);
-    assert!(big.is_empty(), "all-reduces inside micro-batches: {big:?}");
-    let update = r
-        .trace
-        .count(CollectiveKind::AllReduce, &PhasePattern::new("update"));
-    assert_eq!(
-        update,
-        r.params.len() * 3,
-        "one all-reduce per parameter per step"
-    );
+    // One bucket per parameter (a bucket smaller than any gradient), then the default 25 MiB
+    // buckets: the same bytes, the same weights, one collective per bucket.
+    let per_param = run(&["gradient_accumulation_steps=4", "grad_bucket_mb=1e-9"]);
+    let bucketed = run(&["gradient_accumulation_steps=4"]);
+    let update = PhasePattern::new("update");
+    for (r, per_step) in [(&per_param, per_param.params.len()), (&bucketed, 1)] {
+        assert_eq!(r.gate, Deferral::Open);
+        let mb = PhasePattern::new("micro_batch*");
+        let big = r.trace.all_reduces_larger_than(8, &mb);
+        assert!(big.is_empty(), "all-reduces inside micro-batches: {big:?}");
+        assert_eq!(
+            r.trace.count(CollectiveKind::AllReduce, &update),
+            per_step * 3,
+            "one all-reduce per bucket per step"
+        );
+        let elements: usize = r
+            .params
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum();
+        assert_eq!(
+            r.trace.bytes(CollectiveKind::AllReduce, &update),
+            elements * 4 * 3,
+            "every gradient reduced once per step"
+        );
+    }
+    assert_eq!(per_param.values, bucketed.values, "bitwise equal weights");
 }
 
 #[test]

@@ -51,7 +51,18 @@ fn zero1_adamw_matches_the_replicated_optimizer() {
 
 #[test]
 fn zero1_collectives_and_state_sizes() {
-    let cfg = config(&["shard_optimizer_over_data=true"]);
+    zero1_collectives(
+        &["shard_optimizer_over_data=true", "grad_bucket_mb=1e-9"],
+        None,
+    );
+    // Default buckets: the whole model in one reduce-scatter and one all-gather.
+    zero1_collectives(&["shard_optimizer_over_data=true"], Some(1));
+}
+
+/// One ZeRO-1 step: its collectives in update (per parameter, or `buckets` of each kind) and
+/// the state each device holds.
+fn zero1_collectives(items: &[&str], buckets: Option<usize>) {
+    let cfg = config(items);
     let mesh = compute_mesh(&cfg).unwrap();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     let out = run_spmd(
@@ -101,15 +112,16 @@ fn zero1_collectives_and_state_sizes() {
         );
     }
     let update = PhasePattern::new("update");
+    let per_step = buckets.unwrap_or(*n_params);
     assert_eq!(
         trace.count(CollectiveKind::ReduceScatter, &update),
-        *n_params,
-        "one reduce-scatter per gradient"
+        per_step,
+        "one reduce-scatter per bucket of gradients"
     );
     assert_eq!(
         trace.count(CollectiveKind::AllGather, &update),
-        *n_params,
-        "one all-gather per parameter"
+        per_step,
+        "one all-gather per bucket of parameters"
     );
     assert!(
         trace.all_reduces_larger_than(8, &update).is_empty(),
