@@ -324,7 +324,10 @@ fn plan_qwen3_0_6b_on_256_devices() {
         .unwrap_or_else(|| panic!("{stdout}"));
     // 310 gradients in 25 MiB buckets: at most ⌈gradient bytes / bucket⌉ + 1 collectives.
     let bound = (596_049_920usize * 4).div_ceil(25 << 20) + 1;
-    assert!(update > 1 && update <= bound, "{update} > {bound}: {stdout}");
+    assert!(
+        update > 1 && update <= bound,
+        "{update} > {bound}: {stdout}"
+    );
     // One bucket per gradient: one all-reduce per parameter.
     let res = ferrotext(&[
         "plan",

@@ -192,9 +192,62 @@ impl Ctx<'_> {
         if seed.ty() != &expected {
             return Err(ct_error("vjp", &expected, seed.ty()).into());
         }
-        let grads = self.backward(tape, &out, seed, &leaves)?;
+        let grads = self.backward(tape, &out, seed, &leaves, &mut |_, _, _| Ok(()))?;
         out.var = None;
         Ok((out, grads))
+    }
+
+    /// [`Ctx::value_and_grad`], calling `on_final(cx, i, grad)` with the gradient of `params[i]`
+    /// as soon as the backward pass has finished it — when the walk has passed every op that
+    /// used the parameter — rather than only at the end: the hook for starting a gradient's
+    /// reduction while the rest of the backward still runs (overlap). Every parameter is handed
+    /// over exactly once, zero gradients (parameters `f` never used) last; the returned
+    /// gradients are the same values.
+    ///
+    /// # Errors
+    /// As [`Ctx::value_and_grad`], or the hook's error (the walk stops there).
+    pub fn value_and_grad_streaming<F>(
+        &mut self,
+        params: &[Array],
+        f: F,
+        on_final: &mut dyn FnMut(&mut Ctx<'_>, usize, &Array) -> Result<(), SpmdError>,
+    ) -> Result<(Array, Vec<Array>), SpmdError>
+    where
+        F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
+    {
+        let outer = self.tape.take();
+        self.tape = Some(Tape::default());
+        let leaves: Vec<Array> = params.iter().map(|x| self.leaf(x)).collect();
+        let result = f(self, &leaves);
+        let tape = self.tape.take().unwrap_or_default();
+        self.tape = outer;
+        let mut out = result?;
+        let seed = self.scalar_seed(&out)?;
+        let grads = self.backward(tape, &out, seed, &leaves, on_final)?;
+        out.var = None;
+        Ok((out, grads))
+    }
+
+    /// 1 of a scalar output's cotangent type (R4.5).
+    fn scalar_seed(&mut self, out: &Array) -> Result<Array, SpmdError> {
+        if out.ty().rank() != 0 {
+            return Err(SpmdError::BadArgument {
+                op: "value_and_grad".into(),
+                reason: format!("the function must return a scalar, got `{}`", out.ty()),
+            });
+        }
+        let ct_ty = out.ty().to_cotangent();
+        let spec = ct_ty.sharding().spec();
+        if spec.unreduced().is_empty() {
+            self.full(ct_ty, 1.0)
+        } else {
+            let plain = self.array_type(
+                &[],
+                PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?,
+            )?;
+            let one = self.full(plain, 1.0)?;
+            self.reshard_untracked(&one, spec)
+        }
     }
 
     /// `f`'s value and its gradient with respect to `params`, for a scalar `f`. The seed is 1 of
@@ -211,47 +264,97 @@ impl Ctx<'_> {
     where
         F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
     {
-        self.vjp(params, f, |cx, out| {
-            if out.ty().rank() != 0 {
-                return Err(SpmdError::BadArgument {
-                    op: "value_and_grad".into(),
-                    reason: format!("the function must return a scalar, got `{}`", out.ty()),
-                });
-            }
-            let ct_ty = out.ty().to_cotangent();
-            let spec = ct_ty.sharding().spec();
-            if spec.unreduced().is_empty() {
-                cx.full(ct_ty, 1.0)
-            } else {
-                let plain = cx.array_type(
-                    &[],
-                    PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?,
-                )?;
-                let one = cx.full(plain, 1.0)?;
-                cx.reshard_untracked(&one, spec)
-            }
-        })
+        self.vjp(params, f, |cx, out| cx.scalar_seed(out))
     }
 
+    /// The reverse walk. `on_final(cx, k, ct)` gets leaf `k`'s cotangent once no later (in walk
+    /// order) node can add to it.
     fn backward(
         &mut self,
         tape: Tape,
         out: &Array,
         seed: Array,
         leaves: &[Array],
+        on_final: &mut dyn FnMut(&mut Ctx<'_>, usize, &Array) -> Result<(), SpmdError>,
     ) -> Result<Vec<Array>, SpmdError> {
         let n = tape.nodes.len();
         let mut cts: Vec<Option<Array>> = (0..n).map(|_| None).collect();
         if let Some(v) = out.var {
             cts[v] = Some(seed);
         }
+        // The node index below which nothing adds to each leaf's cotangent: the smallest index
+        // of a node that uses it (walked last).
+        let leaf_of: std::collections::HashMap<usize, usize> = leaves
+            .iter()
+            .enumerate()
+            .filter_map(|(k, l)| l.var.map(|v| (v, k)))
+            .collect();
+        let mut finished_at: Vec<Vec<usize>> = vec![Vec::new(); n];
+        let mut first_use: Vec<Option<usize>> = vec![None; n];
+        for (i, node) in tape.nodes.iter().enumerate() {
+            for v in node.inputs.iter().flatten() {
+                if leaf_of.contains_key(v) && first_use[*v].is_none() {
+                    first_use[*v] = Some(i);
+                }
+            }
+        }
+        for (v, use_at) in first_use.iter().enumerate() {
+            if let Some(i) = use_at {
+                finished_at[*i].push(v);
+            }
+        }
+        let mut handed = vec![false; leaves.len()];
         let mut leaf_cts: Vec<Option<Array>> = (0..n).map(|_| None).collect();
         for i in (0..n).rev() {
-            let Some(ct) = cts[i].take() else { continue };
+            let walked = cts[i].take();
+            if let Some(ct) = walked {
+                self.backward_node(&tape, i, ct, &mut cts, &mut leaf_cts)?;
+            }
+            for &v in &finished_at[i] {
+                // Leaves' cotangents sit in `cts` until the walk reaches them; move them now.
+                if let Some(ct) = cts[v].take() {
+                    leaf_cts[v] = Some(ct);
+                }
+                if let (Some(ct), Some(&k)) = (&leaf_cts[v], leaf_of.get(&v)) {
+                    on_final(self, k, ct)?;
+                    handed[k] = true;
+                }
+            }
+        }
+        let grads: Vec<Array> = leaves
+            .iter()
+            .map(|leaf| {
+                let v = leaf.var.unwrap_or(usize::MAX);
+                match leaf_cts.get_mut(v).and_then(Option::take) {
+                    Some(ct) => ct,
+                    // R4.12: zero cotangents are typed too.
+                    None => self.zeros(leaf.ty().to_cotangent()),
+                }
+            })
+            .collect();
+        for (k, grad) in grads.iter().enumerate() {
+            if !handed[k] {
+                on_final(self, k, grad)?;
+            }
+        }
+        Ok(grads)
+    }
+
+    /// Walks node `i` with its cotangent `ct`: a leaf keeps it, any other node passes its
+    /// inputs' cotangents on.
+    fn backward_node(
+        &mut self,
+        tape: &Tape,
+        i: usize,
+        ct: Array,
+        cts: &mut [Option<Array>],
+        leaf_cts: &mut [Option<Array>],
+    ) -> Result<(), SpmdError> {
+        {
             let node = &tape.nodes[i];
             if let Backward::Leaf = node.backward {
                 leaf_cts[i] = Some(ct);
-                continue;
+                return Ok(());
             }
             let needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
             let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
@@ -270,17 +373,7 @@ impl Ctx<'_> {
                 });
             }
         }
-        leaves
-            .iter()
-            .map(|leaf| {
-                let v = leaf.var.unwrap_or(usize::MAX);
-                match leaf_cts.get_mut(v).and_then(Option::take) {
-                    Some(ct) => Ok(ct),
-                    // R4.12: zero cotangents are typed too.
-                    None => Ok(self.zeros(leaf.ty().to_cotangent())),
-                }
-            })
-            .collect()
+        Ok(())
     }
 
     /// Cotangents of a node's inputs from the cotangent of its output.
