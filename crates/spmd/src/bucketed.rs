@@ -96,9 +96,116 @@ fn classify(src: &ArrayType, dst: &ArrayType) -> Option<Fused> {
     }
 }
 
+/// How a set of values moves onto their targets: which values travel together in which bucket.
+/// Built once (it depends on types only) and reused every step; every device builds the same
+/// plan from the same types.
+#[derive(Clone, Debug)]
+pub struct BucketPlan {
+    sources: Vec<ArrayType>,
+    out_types: Vec<ArrayType>,
+    targets: Vec<PartitionSpec>,
+    /// Values whose layout does not change (only their type's tags do).
+    unchanged: Vec<usize>,
+    /// Values no single collective moves: resharded alone.
+    alone: Vec<usize>,
+    buckets: Vec<(Fused, Vec<usize>)>,
+}
+
+impl BucketPlan {
+    /// The buckets' members (indices into the values), in the order the plan runs them.
+    pub fn buckets(&self) -> impl Iterator<Item = &[usize]> + '_ {
+        self.buckets.iter().map(|(_, m)| m.as_slice())
+    }
+
+    /// The number of buckets.
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+}
+
 impl Ctx<'_> {
+    /// The plan for moving values of types `sources` onto `targets` in buckets of at most
+    /// `bucket_bytes`, filling buckets in the order `order` lists the values (e.g. reversed, so
+    /// the gradients a backward pass finishes first share the first bucket).
+    ///
+    /// # Errors
+    /// As [`Ctx::reshard`]'s typing for any value; lengths that differ; an `order` that is not
+    /// a permutation of the values.
+    pub fn plan_buckets(
+        &self,
+        sources: &[ArrayType],
+        targets: &[PartitionSpec],
+        bucket_bytes: usize,
+        order: &[usize],
+    ) -> Result<BucketPlan, SpmdError> {
+        let bad = |reason: String| SpmdError::BadArgument {
+            op: "plan_buckets".into(),
+            reason,
+        };
+        if sources.len() != targets.len() {
+            return Err(bad(format!(
+                "{} values but {} targets",
+                sources.len(),
+                targets.len()
+            )));
+        }
+        let mut seen = vec![false; sources.len()];
+        if order.len() != sources.len()
+            || order
+                .iter()
+                .any(|&i| i >= seen.len() || std::mem::replace(&mut seen[i], true))
+        {
+            return Err(bad("the order must list every value once".into()));
+        }
+        let out_types = sources
+            .iter()
+            .zip(targets)
+            .map(|(x, t)| rules::reshard_type(x, t))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut plan = BucketPlan {
+            sources: sources.to_vec(),
+            out_types,
+            targets: targets.to_vec(),
+            unchanged: Vec::new(),
+            alone: Vec::new(),
+            buckets: Vec::new(),
+        };
+        // (the fused collective, the value indices, the bucket's bytes)
+        let mut open: Vec<(Fused, Vec<usize>, usize)> = Vec::new();
+        for &i in order {
+            let (src, dst) = (&sources[i], &plan.out_types[i]);
+            if same_layout(src, dst) {
+                plan.unchanged.push(i);
+                continue;
+            }
+            let Some(fused) = classify(src, dst) else {
+                plan.alone.push(i);
+                continue;
+            };
+            let bytes = src.shard_shape().iter().product::<usize>() * 4;
+            let slot = open
+                .iter()
+                .position(|(f, _, _)| f.bucket_key() == fused.bucket_key());
+            match slot {
+                Some(s) if open[s].2 + bytes <= bucket_bytes || open[s].1.is_empty() => {
+                    open[s].1.push(i);
+                    open[s].2 += bytes;
+                }
+                Some(s) => {
+                    let (f, members, _) = open.remove(s);
+                    plan.buckets.push((f, members));
+                    open.push((fused, vec![i], bytes));
+                }
+                None => open.push((fused, vec![i], bytes)),
+            }
+        }
+        plan.buckets
+            .extend(open.into_iter().map(|(f, m, _)| (f, m)));
+        Ok(plan)
+    }
+
     /// Each `xs[i]` moved onto `targets[i]`, as [`Ctx::reshard`] would, with the collectives
-    /// fused into buckets of at most `bucket_bytes` (see the module docs).
+    /// fused into buckets of at most `bucket_bytes` filled in value order (see the module docs).
     ///
     /// # Errors
     /// As [`Ctx::reshard`] for any value (checked for every value before anything moves);
@@ -114,62 +221,81 @@ impl Ctx<'_> {
         targets: &[PartitionSpec],
         bucket_bytes: usize,
     ) -> Result<Vec<Array>, SpmdError> {
-        if xs.len() != targets.len() {
-            return Err(SpmdError::BadArgument {
-                op: "reshard_bucketed".into(),
-                reason: format!("{} values but {} targets", xs.len(), targets.len()),
-            });
-        }
-        let out_types = xs
-            .iter()
-            .zip(targets)
-            .map(|(x, t)| rules::reshard_type(x.ty(), t))
-            .collect::<Result<Vec<_>, _>>()?;
+        let types: Vec<ArrayType> = xs.iter().map(|x| x.ty().clone()).collect();
+        let order: Vec<usize> = (0..xs.len()).collect();
+        let plan = self.plan_buckets(&types, targets, bucket_bytes, &order)?;
+        self.reshard_planned(&plan, xs)
+    }
+
+    /// `xs` moved as `plan` says: values resharded alone first, then each bucket in order.
+    ///
+    /// # Errors
+    /// Values whose types are not those the plan was made for; a failed collective.
+    ///
+    /// # Collectives
+    /// As [`Ctx::reshard_bucketed`].
+    pub fn reshard_planned(
+        &mut self,
+        plan: &BucketPlan,
+        xs: &[Array],
+    ) -> Result<Vec<Array>, SpmdError> {
         let mut out: Vec<Option<Array>> = vec![None; xs.len()];
-        // (the fused collective, the value indices, the bucket's bytes)
-        let mut open: Vec<(Fused, Vec<usize>, usize)> = Vec::new();
-        let mut order: Vec<(Fused, Vec<usize>)> = Vec::new();
-        for (i, (x, ty)) in xs.iter().zip(&out_types).enumerate() {
-            if same_layout(x.ty(), ty) {
-                out[i] = Some(x.with_type(ty.clone()));
-                continue;
-            }
-            let Some(fused) = classify(x.ty(), ty) else {
-                out[i] = Some(self.reshard_untracked(x, &targets[i])?);
-                continue;
-            };
-            let bytes = x.ty().shard_shape().iter().product::<usize>() * 4;
-            let slot = open
-                .iter()
-                .position(|(f, _, _)| f.bucket_key() == fused.bucket_key());
-            match slot {
-                Some(s) if open[s].2 + bytes <= bucket_bytes || open[s].1.is_empty() => {
-                    open[s].1.push(i);
-                    open[s].2 += bytes;
-                }
-                Some(s) => {
-                    let (f, members, _) = open.remove(s);
-                    order.push((f, members));
-                    open.push((fused, vec![i], bytes));
-                }
-                None => open.push((fused, vec![i], bytes)),
-            }
-        }
-        order.extend(open.into_iter().map(|(f, m, _)| (f, m)));
-        for (fused, members) in order {
-            let moved = self.move_bucket(&fused, xs, &out_types, &members)?;
-            for (i, a) in members.into_iter().zip(moved) {
+        self.move_outside_buckets(plan, xs, &mut out)?;
+        for b in 0..plan.buckets.len() {
+            for (i, a) in self.move_planned_bucket(plan, b, xs)? {
                 out[i] = Some(a);
             }
         }
         out.into_iter()
             .map(|a| {
                 a.ok_or_else(|| SpmdError::BadArgument {
-                    op: "reshard_bucketed".into(),
+                    op: "reshard_planned".into(),
                     reason: "a value was not moved".into(),
                 })
             })
             .collect()
+    }
+
+    /// The values of `plan` that are in no bucket, moved (tag-only changes and lone reshards).
+    ///
+    /// # Errors
+    /// As [`Ctx::reshard`].
+    pub fn move_outside_buckets(
+        &mut self,
+        plan: &BucketPlan,
+        xs: &[Array],
+        out: &mut [Option<Array>],
+    ) -> Result<(), SpmdError> {
+        check_plan_fits(plan, xs)?;
+        for &i in &plan.unchanged {
+            out[i] = Some(xs[i].with_type(plan.out_types[i].clone()));
+        }
+        for &i in &plan.alone {
+            out[i] = Some(self.reshard_untracked(&xs[i], &plan.targets[i])?);
+        }
+        Ok(())
+    }
+
+    /// Bucket `b` of `plan` moved: its members' new values, with their indices.
+    ///
+    /// # Errors
+    /// Values whose types are not those the plan was made for; a failed collective.
+    ///
+    /// # Collectives
+    /// The bucket's one collective.
+    pub fn move_planned_bucket(
+        &mut self,
+        plan: &BucketPlan,
+        b: usize,
+        xs: &[Array],
+    ) -> Result<Vec<(usize, Array)>, SpmdError> {
+        check_plan_fits(plan, xs)?;
+        let (fused, members) = plan.buckets.get(b).ok_or_else(|| SpmdError::BadArgument {
+            op: "move_planned_bucket".into(),
+            reason: format!("no bucket {b}"),
+        })?;
+        let moved = self.move_bucket(fused, xs, &plan.out_types, members)?;
+        Ok(members.iter().copied().zip(moved).collect())
     }
 
     /// One bucket: pack the members' local blocks, one collective, unpack.
@@ -278,4 +404,26 @@ impl Ctx<'_> {
             .map(|(&i, t)| Array::new(out_types[i].clone(), Some(t)))
             .collect())
     }
+}
+
+/// `xs` are the values the plan was made for: as many, of the same types.
+fn check_plan_fits(plan: &BucketPlan, xs: &[Array]) -> Result<(), SpmdError> {
+    let bad = |reason: String| SpmdError::BadArgument {
+        op: "reshard_planned".into(),
+        reason,
+    };
+    if xs.len() != plan.sources.len() {
+        return Err(bad(format!(
+            "{} values for a plan of {}",
+            xs.len(),
+            plan.sources.len()
+        )));
+    }
+    if let Some((x, want)) = xs.iter().zip(&plan.sources).find(|(x, t)| x.ty() != *t) {
+        return Err(bad(format!(
+            "a value of type `{}` where the plan has `{want}`",
+            x.ty()
+        )));
+    }
+    Ok(())
 }

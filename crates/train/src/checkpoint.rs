@@ -670,8 +670,7 @@ impl Engine {
                     used,
                     acc: PartialGradients {
                         grads,
-                        targets: self.targets.clone(),
-                        bucket_bytes: self.config.grad_bucket_bytes(),
+                        plan: self.reduce_plan.clone(),
                     },
                     loss_sum: loaded.manifest.pending_loss_sum,
                     tokens: loaded.manifest.token_denominator,

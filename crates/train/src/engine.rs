@@ -19,7 +19,7 @@ use ferrotext_models::{init_normal, ParamInfo};
 use ferrotext_sharding::{
     ArrayType, AxisType, LogicalAxisRules, Mesh, NamedSharding, PartitionSpec,
 };
-use ferrotext_spmd::{Array, Ctx, Ids, Mode};
+use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
@@ -108,10 +108,9 @@ pub struct FwdBwd {
 /// ```
 pub struct PartialGradients {
     pub(crate) grads: Vec<Array>,
-    /// The layout each gradient is reduced to: its parameter's, or its ZeRO-1 shard.
-    pub(crate) targets: Vec<PartitionSpec>,
-    /// The reduction's bucket size in bytes.
-    pub(crate) bucket_bytes: usize,
+    /// How the reduction runs: gradients in buckets, filled from the last parameter back (the
+    /// order a backward pass finishes them).
+    pub(crate) plan: Arc<BucketPlan>,
 }
 
 impl PartialGradients {
@@ -127,7 +126,7 @@ impl PartialGradients {
     /// One all-reduce (ZeRO-1: reduce-scatter) over `data` per bucket of `{U:data}` gradients,
     /// in parameter order; none when they are already reduced.
     pub fn reduce(self, cx: &mut Ctx<'_>) -> Result<Gradients, TrainError> {
-        let grads = cx.reshard_bucketed(&self.grads, &self.targets, self.bucket_bytes)?;
+        let grads = cx.reshard_planned(&self.plan, &self.grads)?;
         Ok(Gradients { grads })
     }
 }
@@ -180,6 +179,10 @@ pub struct Engine {
     pub(crate) step: usize,
     pub(crate) batch_spec: PartitionSpec,
     pub(crate) pending: Option<Pending>,
+    /// The step's reduction in buckets (see [`PartialGradients::reduce`]).
+    pub(crate) reduce_plan: Arc<BucketPlan>,
+    /// ZeRO-1: the parameters' all-gather after the step, in buckets.
+    pub(crate) gather_plan: Option<BucketPlan>,
 }
 
 /// Σ of the squares of every reduced gradient, in f64 and the same whatever the layout (so
@@ -346,6 +349,17 @@ impl Engine {
             decay.push(info.shape.len() >= 2);
         }
         let shapes: Vec<Vec<usize>> = moment_types.iter().map(ArrayType::shard_shape).collect();
+        // Buckets filled from the last parameter back: the backward pass finishes the last
+        // layers' gradients first.
+        let bucket_bytes = config.grad_bucket_bytes();
+        let backwards: Vec<usize> = (0..infos.len()).rev().collect();
+        let reduce_plan =
+            Arc::new(cx.plan_buckets(&promised, &targets, bucket_bytes, &backwards)?);
+        let gather_plan = if zero1.is_active() {
+            Some(cx.plan_buckets(&moment_types, &plain, bucket_bytes, &backwards)?)
+        } else {
+            None
+        };
         let rows = config.micro_batch_rows();
         let batch_spec = rules.resolve(
             &[Some("activation_batch"), None],
@@ -373,6 +387,8 @@ impl Engine {
             step: 0,
             batch_spec,
             pending: None,
+            reduce_plan,
+            gather_plan,
         })
     }
 
@@ -491,8 +507,7 @@ impl Engine {
                 used,
                 acc: PartialGradients {
                     grads,
-                    targets: self.targets.clone(),
-                    bucket_bytes: self.config.grad_bucket_bytes(),
+                    plan: self.reduce_plan.clone(),
                 },
                 loss_sum: 0.0,
                 tokens: 0,
@@ -613,8 +628,12 @@ impl Engine {
                 self.opt
                     .apply(lr, scale, &mut slices, &grads, &self.decay)?;
             }
-            self.params =
-                cx.reshard_bucketed(&slices, &self.plain, self.config.grad_bucket_bytes())?;
+            self.params = match &self.gather_plan {
+                Some(plan) => cx.reshard_planned(plan, &slices)?,
+                None => {
+                    cx.reshard_bucketed(&slices, &self.plain, self.config.grad_bucket_bytes())?
+                }
+            };
         } else if cx.mode() == Mode::Real {
             // Nothing else holds the parameters' shards now, so the update runs in place.
             self.opt
