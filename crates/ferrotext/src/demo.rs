@@ -30,7 +30,9 @@ pub struct CollectivesArgs {
     /// Only the gradient all-reduce of `update` (for traffic measurements).
     #[arg(long)]
     all_reduce_only: bool,
-    /// Make this device issue a different collective in `update` (tests the mismatch path).
+    /// Make this device issue a different collective in `update` (tests the mismatch path): an
+    /// all-gather of its whole gradient, so every message it sends is larger than the chunk of
+    /// the all-reduce its peers expect.
     #[arg(long, hide = true)]
     diverge_device: Option<usize>,
     /// Make this device stall before `update` for ten timeouts (tests the timeout path).

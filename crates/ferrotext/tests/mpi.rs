@@ -174,6 +174,46 @@ fn a_diverging_device_ends_the_job_with_a_mismatch_error() {
     );
 }
 
+/// A diverged device's all-gather sends its whole 4 MiB input where its peers expect a chunk of
+/// their all-reduce: a message larger than the receive. Before receives were sized from the
+/// matched probe, Open MPI's shared-memory single-copy path wrote it past the receive buffer
+/// (`malloc(): corrupted top size`, SIGABRT; SIGSEGV with `--flat`).
+#[test]
+fn a_larger_message_from_a_diverged_device_is_a_mismatch_not_memory_corruption() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    for (mesh, flat) in [("data=4", false), ("data=4", true), ("data=8", true)] {
+        let mut args = vec![
+            "collectives",
+            "--mesh",
+            mesh,
+            "--diverge-device",
+            "1",
+            "--timeout-seconds",
+            "30",
+        ];
+        if flat {
+            args.push("--flat");
+        }
+        let out = mpirun(2, &args);
+        let (stdout, stderr) = text(&out);
+        let all = format!("{stdout}\n{stderr}");
+        assert!(!out.status.success(), "{mesh} flat={flat}: {all}");
+        assert!(
+            stderr.contains("collective mismatch at collective #4"),
+            "{mesh} flat={flat}: {all}"
+        );
+        for crash in [
+            "malloc()",
+            "corrupted",
+            "signal 11",
+            "signal 6",
+            "Segmentation",
+        ] {
+            assert!(!all.contains(crash), "{mesh} flat={flat}: {crash}: {all}");
+        }
+    }
+}
+
 #[test]
 fn a_stalled_process_ends_the_job_with_a_timeout_error_within_the_timeout() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
