@@ -435,3 +435,83 @@ fn processes_started_with_different_configs_stop_at_start_up() {
         "{stderr}"
     );
 }
+
+/// Process 1 never reaches the start-up config agreement (it runs another command, whose own
+/// collective waits a minute for device 0): process 0's agreement gives up after the run's
+/// collective timeout naming process 1, instead of waiting inside `MPI_Allgather` for good.
+#[test]
+fn a_process_that_never_reaches_the_config_agreement_is_named_after_the_timeout() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let started = Instant::now();
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe"])
+        .args(["-n", "1", EXE, "train", "local_devices=1", "steps=3"])
+        .arg("collective_timeout_seconds=2")
+        .arg(":")
+        .args(["-n", "1", EXE, "collectives", "--mesh", "data=2"])
+        .args(["--timeout-seconds", "60"])
+        .output()
+        .expect("mpirun runs");
+    let elapsed = started.elapsed();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("agreement on the config")
+            && stderr.contains("processes [1] never arrived"),
+        "{stderr}"
+    );
+    // Ended by the 2 s agreement timeout, not by process 1's own 60 s one.
+    assert!(elapsed < Duration::from_secs(50), "took {elapsed:?}");
+}
+
+/// In one process, a device stalled for ten timeouts no longer keeps the run (and the process)
+/// alive after its peer timed out: the run returns naming it as left running.
+#[test]
+fn an_in_process_stalled_device_does_not_keep_the_process_alive() {
+    let started = Instant::now();
+    let out = local(&[
+        "collectives",
+        "--mesh",
+        "data=2",
+        "--stall-device",
+        "1",
+        "--timeout-seconds",
+        "2",
+    ]);
+    let elapsed = started.elapsed();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("devices [1] never arrived"), "{stderr}");
+    assert!(
+        stderr.contains("devices [1] were still running"),
+        "{stderr}"
+    );
+    // The stall lasts 20 s; the run returns after about 2 × 2 s.
+    assert!(elapsed < Duration::from_secs(16), "took {elapsed:?}");
+}
+
+/// Sizes and timeouts that cannot work are one `error:` line and exit code 2, before anything
+/// is allocated; they used to abort in the allocator or panic in `Duration::from_secs_f64`.
+#[test]
+fn impossible_sizes_and_timeouts_are_usage_errors() {
+    for args in [
+        &["--elements", "1000000000000"][..],
+        &["--elements", "18446744073709551615"],
+        &["--timeout-seconds", "NaN"],
+        &["--timeout-seconds", "inf"],
+        &["--timeout-seconds", "1e30"],
+    ] {
+        let mut all = vec!["collectives"];
+        all.extend_from_slice(args);
+        let out = local(&all);
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stdout}{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("error: "), "{args:?}: {stderr}");
+        if args[0] == "--elements" {
+            assert!(stderr.contains("of memory"), "{stderr}");
+        } else {
+            assert!(stderr.contains("collective timeout"), "{stderr}");
+        }
+    }
+}

@@ -560,3 +560,106 @@ fn describe_header(h: &[u64; HEADER_WORDS], received: usize) -> String {
         h[2]
     )
 }
+
+/// Why [`all_gather_pairs`] failed.
+pub(crate) enum GatherError {
+    /// These processes' values did not arrive within the timeout.
+    Missing {
+        missing: Vec<usize>,
+        waited: Duration,
+    },
+    /// MPI reported an error.
+    Transport(String),
+}
+
+/// The tag of start-up agreements (on their own communicator, so it meets no collective's).
+const AGREE_TAG: c_int = 1;
+
+/// Every process's `mine`, in process order, on every process: point-to-point messages to and
+/// from every other process of `comm` (`processes` of them, this one `me`), waited on for at most
+/// `timeout`. Unlike `MPI_Allgather` this never waits without bound and names who is missing.
+pub(crate) fn all_gather_pairs(
+    comm: RawComm,
+    me: usize,
+    processes: usize,
+    mine: [u64; 2],
+    timeout: Duration,
+) -> Result<Vec<[u64; 2]>, GatherError> {
+    let count = c_int::try_from(processes)
+        .map_err(|_| GatherError::Transport(format!("{processes} processes exceed an MPI rank")))?;
+    let mut all = vec![[0u64; 2]; processes];
+    if let Some(slot) = all.get_mut(me) {
+        *slot = mine;
+    }
+    let outgoing = Box::new(mine);
+    // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
+    let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+    let mut receives = vec![null; processes];
+    let mut sends = vec![null; processes];
+    let base = all.as_mut_ptr();
+    let posted = (0..count).filter(|&p| p as usize != me).try_for_each(|p| {
+        let k = p as usize;
+        // SAFETY: `base.add(k)` is element `k < processes` of `all`, two `u64`s, written only by
+        // this receive; `all` is leaked (never freed) if we stop waiting before it completes.
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                base.add(k).cast::<c_void>(),
+                2,
+                ffi::RSMPI_UINT64_T,
+                p,
+                AGREE_TAG,
+                comm.0,
+                &mut receives[k],
+            )
+        };
+        check(rc)?;
+        // SAFETY: `outgoing` holds two `u64`s, only read by MPI, and is leaked (never freed) if
+        // we stop waiting before the send completes.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                outgoing.as_ptr().cast::<c_void>(),
+                2,
+                ffi::RSMPI_UINT64_T,
+                p,
+                AGREE_TAG,
+                comm.0,
+                &mut sends[k],
+            )
+        };
+        check(rc)
+    });
+    // SAFETY: as above, all-zero is a valid `MPI_Status`.
+    let zero_status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+    let mut statuses = vec![zero_status; processes];
+    let started = Instant::now();
+    let outcome = posted.and_then(|()| loop {
+        let got = test_all(&mut receives, &mut statuses)?;
+        if got && test_all(&mut sends, &mut statuses)? {
+            break Ok(None);
+        }
+        if started.elapsed() >= timeout {
+            let sizes: Vec<Option<usize>> = vec![Some(0); processes];
+            let pairs: Vec<(usize, usize)> = (0..processes).map(|p| (p, 0)).collect();
+            let missing = still_missing(&mut receives, &sizes, &pairs);
+            break Ok(Some(missing));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    });
+    match outcome {
+        Ok(None) => Ok(all),
+        Ok(Some(missing)) => {
+            // MPI may still write `all` and read `outgoing`.
+            std::mem::forget(all);
+            std::mem::forget(outgoing);
+            Err(GatherError::Missing {
+                missing,
+                waited: started.elapsed(),
+            })
+        }
+        Err(detail) => {
+            std::mem::forget(all);
+            std::mem::forget(outgoing);
+            Err(GatherError::Transport(detail))
+        }
+    }
+}
