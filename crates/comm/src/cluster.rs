@@ -40,9 +40,11 @@ pub trait Cluster: Sync {
 
     /// Checks that every process passes the same `bytes` (a config, a mesh): `Ok` on every
     /// process, or on every process the same error naming `what` and the processes that differ
-    /// from process 0. Call it from one thread per process, outside any SPMD run.
+    /// from process 0. Call it from one thread per process, outside any SPMD run. Waits at most
+    /// `timeout` for the other processes.
     ///
     /// # Errors
-    /// [`CommError::Disagreement`], or a transport failure.
-    fn agree(&self, what: &str, bytes: &[u8]) -> Result<(), CommError>;
+    /// [`CommError::Disagreement`]; [`CommError::ProcessesMissing`] naming the processes that did
+    /// not arrive within `timeout`; or a transport failure.
+    fn agree(&self, what: &str, bytes: &[u8], timeout: Duration) -> Result<(), CommError>;
 }

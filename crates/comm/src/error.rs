@@ -102,6 +102,27 @@ pub enum CommError {
         /// The processes whose value differs from process 0's.
         differing: Vec<usize>,
     },
+    /// An option of the run (a timeout, a size) is out of range; nothing ran.
+    #[error("invalid {what}: {reason}")]
+    InvalidOption {
+        /// The option.
+        what: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// Not every process of a multi-process run reached a start-up agreement in time.
+    #[error(
+        "the processes of this run did not all reach the agreement on {what} within {waited:?}: \
+         processes {missing:?} never arrived (failed or stuck before it)"
+    )]
+    ProcessesMissing {
+        /// What was being compared (`the config`).
+        what: String,
+        /// How long this process waited.
+        waited: Duration,
+        /// The processes that had not arrived.
+        missing: Vec<usize>,
+    },
     /// The transport between processes reported an error.
     #[error("`{kind}` (collective #{seq}): the transport failed: {detail}")]
     Transport {

@@ -56,5 +56,8 @@ pub use communicator::{Backend, Communicator, NoTransport, OpInfo};
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;
 pub use local::LocalBackend;
-pub use spmd::{default_threads_per_device, run_spmd, run_spmd_in, Device, SpmdError, SpmdOptions};
+pub use spmd::{
+    collective_timeout, default_threads_per_device, run_spmd, run_spmd_detachable, run_spmd_in,
+    Device, RunFailure, SpmdError, SpmdOptions, MAX_COLLECTIVE_TIMEOUT,
+};
 pub use trace::{human_bytes, CollectiveKind, PhaseKindTotal, PhasePattern, Trace, TraceEvent};

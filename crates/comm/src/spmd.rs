@@ -7,15 +7,17 @@
 //! process's share of a mesh that spans several processes (a [`Cluster`]).
 
 use std::fmt;
+use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferrotext_sharding::Mesh;
 
 use crate::cluster::Cluster;
 use crate::communicator::{Backend, Communicator};
+use crate::error::CommError;
 use crate::local::{LocalBackend, World};
 
 /// How a run is set up.
@@ -41,11 +43,45 @@ impl Default for SpmdOptions {
     }
 }
 
+/// The longest collective timeout [`collective_timeout`] accepts: one year (a longer one is a
+/// typo, and `Instant` arithmetic must not overflow).
+pub const MAX_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// A collective timeout of `seconds` (a user's number: a flag, a config value), validated.
+///
+/// # Errors
+/// [`CommError::InvalidOption`] unless `seconds` is finite, greater than 0 and at most
+/// [`MAX_COLLECTIVE_TIMEOUT`] (NaN, infinities, negative values, 1e30 are refused, never a panic).
+pub fn collective_timeout(seconds: f64) -> Result<Duration, CommError> {
+    let max = MAX_COLLECTIVE_TIMEOUT.as_secs_f64();
+    if seconds.is_finite() && seconds > 0.0 && seconds <= max {
+        if let Ok(timeout) = Duration::try_from_secs_f64(seconds) {
+            return Ok(timeout);
+        }
+    }
+    Err(CommError::InvalidOption {
+        what: "collective timeout".into(),
+        reason: format!(
+            "{seconds} seconds: it must be a number of seconds greater than 0 and at most {max} \
+             (one year)"
+        ),
+    })
+}
+
 impl SpmdOptions {
     /// These options with another collective timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> SpmdOptions {
         self.collective_timeout = timeout;
         self
+    }
+
+    /// These options with a collective timeout of `seconds`, validated by
+    /// [`collective_timeout`].
+    ///
+    /// # Errors
+    /// [`CommError::InvalidOption`] for NaN, infinite, non-positive or absurdly large values.
+    pub fn with_timeout_secs(self, seconds: f64) -> Result<SpmdOptions, CommError> {
+        Ok(self.with_timeout(collective_timeout(seconds)?))
     }
 }
 
@@ -112,7 +148,8 @@ pub enum SpmdError<E> {
         /// Its error.
         error: E,
     },
-    /// The device's closure panicked (a bug in ferrotext; reported, never hung on).
+    /// The device's closure panicked (a bug in ferrotext; reported, never hung on), or its thread
+    /// could not be started.
     Panicked {
         /// Which device.
         device: usize,
@@ -171,9 +208,6 @@ impl<E: std::error::Error + 'static> std::error::Error for SpmdError<E> {
 /// The first device to fail, in time order ([`SpmdError`]). A panic on a device is caught and
 /// returned, and never leaves peers hanging: they fail their pending collective at once.
 ///
-/// # Panics
-/// Only if the operating system cannot spawn a thread.
-///
 /// # Examples
 /// ```
 /// use std::sync::Arc;
@@ -206,12 +240,15 @@ where
 /// `devices / processes` consecutive devices of this process (see [`Cluster`]). Results come back
 /// for this process's devices, in device order.
 ///
-/// # Errors
-/// [`SpmdError::Placement`] when the mesh does not split evenly over the processes; else as
-/// [`run_spmd`] (failures of devices in other processes reach this one as collective errors).
+/// Every device thread is joined before this returns (the program may borrow from the caller),
+/// so a device stuck outside the collectives — in its own computation — keeps this call waiting
+/// after its peers have failed; [`run_spmd_detachable`] returns instead.
 ///
-/// # Panics
-/// Only if the operating system cannot spawn a thread.
+/// # Errors
+/// [`SpmdError::Placement`] when the mesh does not split evenly over the processes; a device
+/// whose thread the operating system refused to start ([`SpmdError::Panicked`] naming it; its
+/// peers fail at once); else as [`run_spmd`] (failures of devices in other processes reach this
+/// one as collective errors).
 pub fn run_spmd_in<T, E, F>(
     cluster: Option<&dyn Cluster>,
     mesh: &Arc<Mesh>,
@@ -223,76 +260,33 @@ where
     E: Send,
     F: Fn(&mut Device) -> Result<T, E> + Sync,
 {
-    let n = mesh.device_count();
-    let (process, processes) = cluster.map_or((0, 1), |c| (c.process(), c.processes()));
-    if processes == 0 || n % processes != 0 {
-        return Err(SpmdError::Placement {
-            devices: n,
-            processes,
-        });
-    }
-    let per_process = n / processes;
-    let mine = process * per_process..(process + 1) * per_process;
-    let world = Arc::new(World::new(mesh, options.collective_timeout));
-    let hosts_share = cluster.map_or(1, |c| c.processes_on_this_host().max(1));
-    let threads = options
-        .threads_per_device
-        .unwrap_or_else(|| default_threads_per_device(per_process * hosts_share))
-        .max(1);
+    let plan = Plan::new(cluster, mesh, options)?;
     // Devices in the order they failed: the first is the root cause.
     let failures: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-    let mut outcomes: Vec<Option<Result<T, SpmdError<E>>>> = mine.clone().map(|_| None).collect();
+    let mut outcomes: Vec<Option<Result<T, SpmdError<E>>>> =
+        plan.mine.clone().map(|_| None).collect();
+    let mut not_started = None;
 
     thread::scope(|scope| {
-        let handles: Vec<_> = mine
-            .clone()
-            .map(|index| {
-                let (world, program, failures) = (world.clone(), &program, &failures);
-                let mesh = mesh.clone();
-                thread::Builder::new()
-                    .name(format!("ferrotext-device-{index}"))
-                    .stack_size(options.stack_size)
-                    .spawn_scoped(scope, move || {
-                        let coords = mesh.coords(index).unwrap_or_default();
-                        let local = LocalBackend::new(index, world.clone());
-                        let backend: Box<dyn Backend> = match cluster {
-                            Some(c) => {
-                                c.backend(index, per_process, options.collective_timeout, local)
-                            }
-                            None => Box::new(local),
-                        };
-                        let mut device = Device {
-                            index,
-                            coords,
-                            threads,
-                            comm: Communicator::new(index, mesh, backend),
-                        };
-                        let outcome = match catch_unwind(AssertUnwindSafe(|| program(&mut device)))
-                        {
-                            Ok(Ok(value)) => Ok(value),
-                            Ok(Err(error)) => Err(SpmdError::Device {
-                                device: index,
-                                error,
-                            }),
-                            Err(payload) => Err(SpmdError::Panicked {
-                                device: index,
-                                message: panic_message(payload.as_ref()),
-                            }),
-                        };
-                        if outcome.is_err() {
-                            failures
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .push(index);
-                        }
-                        world.depart(index);
-                        outcome
-                    })
-                    .expect("the OS refused to spawn a device thread") // ok: not input-dependent
-            })
-            .collect();
-        for (slot, (index, handle)) in mine.clone().zip(handles).enumerate() {
-            outcomes[slot] = Some(handle.join().unwrap_or_else(|payload| {
+        let mut handles = Vec::new();
+        for index in plan.mine.clone() {
+            let backend = plan.backend(cluster, index, options);
+            let (world, program, failures) = (&plan.world, &program, &failures);
+            let (mesh, threads) = (mesh.clone(), plan.threads);
+            let spawned = device_thread(index, options).spawn_scoped(scope, move || {
+                run_device(index, mesh, threads, backend, world, program, failures)
+            });
+            match spawned {
+                Ok(handle) => handles.push((index, handle)),
+                Err(err) => {
+                    plan.never_started(index);
+                    not_started = Some(spawn_failure(index, &err));
+                    break;
+                }
+            }
+        }
+        for (index, handle) in handles {
+            outcomes[index - plan.mine.start] = Some(handle.join().unwrap_or_else(|payload| {
                 Err(SpmdError::Panicked {
                     device: index,
                     message: panic_message(payload.as_ref()),
@@ -301,14 +295,277 @@ where
         }
     });
 
-    let first_failure = failures
-        .into_inner()
-        .unwrap_or_else(|p| p.into_inner())
-        .first()
-        .copied();
-    if let Some(device) = first_failure {
-        if let Some(Some(Err(err))) = outcomes.get_mut(device - mine.start).map(Option::take) {
-            return Err(err);
+    if let Some(err) = not_started {
+        return Err(err);
+    }
+    first_failure_or_results(&failures, outcomes, plan.mine)
+}
+
+/// Why a [`run_spmd_detachable`] run failed.
+#[derive(Debug)]
+pub struct RunFailure<E> {
+    /// The first device to fail (as [`run_spmd_in`] reports it).
+    pub error: SpmdError<E>,
+    /// This process's devices whose threads were still running a collective timeout after the
+    /// failure: they were detached (left running) and the call returned without them.
+    pub left_running: Vec<usize>,
+}
+
+impl<E: fmt::Display> fmt::Display for RunFailure<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.error)?;
+        if !self.left_running.is_empty() {
+            write!(
+                f,
+                "; devices {:?} were still running a collective timeout later and were left \
+                 behind (their threads are detached)",
+                self.left_running
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for RunFailure<E> {
+    /// As [`SpmdError`]'s: the device error's own source.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&self.error)
+    }
+}
+
+/// [`run_spmd_in`] for an owned (`'static`) program, which lets it return once the run has
+/// failed even while a device thread is still busy: after the first failure it waits one more
+/// collective timeout (and a quarter) for the other devices (those blocked in a collective get
+/// their error by then), then detaches the threads still running and reports them in
+/// [`RunFailure::left_running`]. A detached thread finishes on its own (its next collective
+/// fails at once); under a [`Cluster`] the process should end the job after such a failure
+/// rather than tear the cluster down under it.
+///
+/// # Errors
+/// As [`run_spmd_in`], wrapped in a [`RunFailure`].
+pub fn run_spmd_detachable<T, E, F>(
+    cluster: Option<&dyn Cluster>,
+    mesh: &Arc<Mesh>,
+    options: &SpmdOptions,
+    program: F,
+) -> Result<Vec<T>, RunFailure<E>>
+where
+    T: Send + 'static,
+    E: Send + 'static,
+    F: Fn(&mut Device) -> Result<T, E> + Send + Sync + 'static,
+{
+    let plan = Plan::new(cluster, mesh, options).map_err(|error| RunFailure {
+        error,
+        left_running: Vec::new(),
+    })?;
+    let program = Arc::new(program);
+    let failures: Arc<Mutex<Vec<usize>>> = Arc::new(Mutex::new(Vec::new()));
+    let (sender, outcomes_rx) = mpsc::channel::<(usize, Result<T, SpmdError<E>>)>();
+    let mut handles = Vec::new();
+    let mut not_started = None;
+    for index in plan.mine.clone() {
+        let backend = plan.backend(cluster, index, options);
+        let (world, program, failures) = (plan.world.clone(), program.clone(), failures.clone());
+        let (mesh, threads, sender) = (mesh.clone(), plan.threads, sender.clone());
+        let spawned = device_thread(index, options).spawn(move || {
+            let outcome = run_device(index, mesh, threads, backend, &world, &*program, &failures);
+            // No receiver when the run already returned without this device: nobody to tell.
+            let _ = sender.send((index, outcome));
+        });
+        match spawned {
+            Ok(handle) => handles.push((index, handle)),
+            Err(err) => {
+                plan.never_started(index);
+                not_started = Some(spawn_failure(index, &err));
+                break;
+            }
+        }
+    }
+    drop(sender);
+
+    // Peers blocked in a collective get their error within one timeout (a quarter more for
+    // scheduling); whoever is still running then is busy outside the collectives.
+    let grace = options
+        .collective_timeout
+        .saturating_add(options.collective_timeout / 4);
+    let mut failed_at = not_started.is_some().then(Instant::now);
+    let mut outcomes: Vec<Option<Result<T, SpmdError<E>>>> =
+        plan.mine.clone().map(|_| None).collect();
+    let mut pending = handles.len();
+    while pending > 0 {
+        // After a failure, wait at most `grace` more (forever when that overflows `Instant`).
+        let deadline = failed_at.and_then(|t| t.checked_add(grace));
+        let next = match deadline {
+            Some(deadline) => outcomes_rx
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                .ok(),
+            None => outcomes_rx.recv().ok(),
+        };
+        let Some((index, outcome)) = next else { break };
+        if outcome.is_err() && failed_at.is_none() {
+            failed_at = Some(Instant::now());
+        }
+        outcomes[index - plan.mine.start] = Some(outcome);
+        pending -= 1;
+    }
+    let mut left_running = Vec::new();
+    for (index, handle) in handles {
+        let slot = &mut outcomes[index - plan.mine.start];
+        if slot.is_some() || handle.is_finished() {
+            // Done (or about to be, having sent its outcome): joining does not wait.
+            if let Err(payload) = handle.join() {
+                slot.get_or_insert(Err(SpmdError::Panicked {
+                    device: index,
+                    message: panic_message(payload.as_ref()),
+                }));
+            }
+        } else {
+            // Dropping the handle detaches the thread; it owns everything it uses.
+            left_running.push(index);
+        }
+    }
+    if let Some(error) = not_started {
+        return Err(RunFailure {
+            error,
+            left_running,
+        });
+    }
+    first_failure_or_results(&failures, outcomes, plan.mine.clone()).map_err(|error| RunFailure {
+        error,
+        left_running,
+    })
+}
+
+/// What a run sets up before it starts its device threads.
+struct Plan {
+    /// This process's devices.
+    mine: Range<usize>,
+    per_process: usize,
+    world: Arc<World>,
+    threads: usize,
+}
+
+impl Plan {
+    fn new<E>(
+        cluster: Option<&dyn Cluster>,
+        mesh: &Arc<Mesh>,
+        options: &SpmdOptions,
+    ) -> Result<Plan, SpmdError<E>> {
+        let n = mesh.device_count();
+        let (process, processes) = cluster.map_or((0, 1), |c| (c.process(), c.processes()));
+        if processes == 0 || n % processes != 0 {
+            return Err(SpmdError::Placement {
+                devices: n,
+                processes,
+            });
+        }
+        let per_process = n / processes;
+        let hosts_share = cluster.map_or(1, |c| c.processes_on_this_host().max(1));
+        let threads = options
+            .threads_per_device
+            .unwrap_or_else(|| default_threads_per_device(per_process.saturating_mul(hosts_share)))
+            .max(1);
+        Ok(Plan {
+            mine: process * per_process..(process + 1) * per_process,
+            per_process,
+            world: Arc::new(World::new(mesh, options.collective_timeout)),
+            threads,
+        })
+    }
+
+    /// The backend of `device` (made here, so the device thread does not borrow the cluster).
+    fn backend(
+        &self,
+        cluster: Option<&dyn Cluster>,
+        device: usize,
+        options: &SpmdOptions,
+    ) -> Box<dyn Backend> {
+        let local = LocalBackend::new(device, self.world.clone());
+        match cluster {
+            Some(c) => c.backend(device, self.per_process, options.collective_timeout, local),
+            None => Box::new(local),
+        }
+    }
+
+    /// Marks devices `from..` of this process departed: their threads never started, so peers
+    /// waiting for them fail at once instead of at the timeout.
+    fn never_started(&self, from: usize) {
+        for device in from..self.mine.end {
+            self.world.depart(device);
+        }
+    }
+}
+
+fn device_thread(index: usize, options: &SpmdOptions) -> thread::Builder {
+    thread::Builder::new()
+        .name(format!("ferrotext-device-{index}"))
+        .stack_size(options.stack_size)
+}
+
+fn spawn_failure<E>(device: usize, err: &std::io::Error) -> SpmdError<E> {
+    SpmdError::Panicked {
+        device,
+        message: format!(
+            "its thread could not be started ({err}): more device threads than this machine \
+             allows (use fewer devices per process, or a smaller stack size)"
+        ),
+    }
+}
+
+/// One device thread's life: build its [`Device`], run `program` (a panic is caught), record a
+/// failure, then depart so peers stop waiting for it.
+fn run_device<T, E, F>(
+    index: usize,
+    mesh: Arc<Mesh>,
+    threads: usize,
+    backend: Box<dyn Backend>,
+    world: &World,
+    program: &F,
+    failures: &Mutex<Vec<usize>>,
+) -> Result<T, SpmdError<E>>
+where
+    F: Fn(&mut Device) -> Result<T, E>,
+{
+    let coords = mesh.coords(index).unwrap_or_default();
+    let mut device = Device {
+        index,
+        coords,
+        threads,
+        comm: Communicator::new(index, mesh, backend),
+    };
+    let outcome = match catch_unwind(AssertUnwindSafe(|| program(&mut device))) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(SpmdError::Device {
+            device: index,
+            error,
+        }),
+        Err(payload) => Err(SpmdError::Panicked {
+            device: index,
+            message: panic_message(payload.as_ref()),
+        }),
+    };
+    if outcome.is_err() {
+        failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(index);
+    }
+    world.depart(index);
+    outcome
+}
+
+/// The first device to fail (in time order) if any, else every result in device order.
+fn first_failure_or_results<T, E>(
+    failures: &Mutex<Vec<usize>>,
+    mut outcomes: Vec<Option<Result<T, SpmdError<E>>>>,
+    mine: Range<usize>,
+) -> Result<Vec<T>, SpmdError<E>> {
+    let order: Vec<usize> = failures.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    for device in order {
+        if let Some(slot) = outcomes.get_mut(device - mine.start) {
+            if let Some(Err(err)) = slot.take() {
+                return Err(err);
+            }
         }
     }
     outcomes

@@ -517,7 +517,7 @@ impl ferrotext_comm::Cluster for FakeCluster {
     ) -> Box<dyn ferrotext_comm::Backend> {
         Box::new(local)
     }
-    fn agree(&self, _what: &str, _bytes: &[u8]) -> Result<(), CommError> {
+    fn agree(&self, _what: &str, _bytes: &[u8], _timeout: Duration) -> Result<(), CommError> {
         Ok(())
     }
 }
@@ -555,4 +555,100 @@ fn a_mesh_that_does_not_split_over_the_processes_is_refused() {
         err.to_string(),
         "a mesh of 4 devices cannot be split evenly over 3 processes"
     );
+}
+
+/// A device busy far longer than the timeout, outside any collective: `run_spmd` would join it;
+/// the detachable run returns a little after its peer times out and names it as left running.
+#[test]
+fn a_stalled_device_is_left_behind_and_named() {
+    let mesh = Arc::new(Mesh::explicit([("data", 2)]).unwrap());
+    let timeout = Duration::from_millis(300);
+    // Device 1 blocks until this sender is dropped, at the end of the test.
+    let (release, blocked) = std::sync::mpsc::channel::<()>();
+    let blocked = std::sync::Mutex::new(blocked);
+    let start = Instant::now();
+    let err = ferrotext_comm::run_spmd_detachable(
+        None,
+        &mesh,
+        &SpmdOptions::default().with_timeout(timeout),
+        move |dev| {
+            if dev.index() == 1 {
+                let _ = blocked.lock().map(|rx| rx.recv());
+            }
+            let mut x = vec![1.0f32; 4];
+            dev.comm().all_reduce(&["data"], &mut x)
+        },
+    )
+    .unwrap_err();
+    let elapsed = start.elapsed();
+    assert_eq!(err.left_running, vec![1], "{err}");
+    match &err.error {
+        SpmdError::Device {
+            device: 0,
+            error: CommError::Timeout { missing, .. },
+        } => assert_eq!(missing, &vec![1]),
+        other => panic!("expected device 0's timeout, got {other}"),
+    }
+    assert!(
+        err.to_string().contains("devices [1] were still running"),
+        "{err}"
+    );
+    // Returned at all, long before device 1 (blocked for good) could have finished.
+    assert!(elapsed < 20 * timeout, "took {elapsed:?}");
+    drop(release);
+}
+
+#[test]
+fn a_detachable_run_that_succeeds_returns_every_result() {
+    let mesh = Arc::new(Mesh::explicit([("data", 4)]).unwrap());
+    let results = ferrotext_comm::run_spmd_detachable(None, &mesh, &opts(), |dev| {
+        let mut x = vec![dev.index() as f32; 3];
+        dev.comm().all_reduce(&["data"], &mut x)?;
+        Ok::<_, CommError>(x[0])
+    })
+    .unwrap();
+    assert_eq!(results, vec![6.0; 4]);
+}
+
+#[test]
+fn timeouts_that_are_not_a_number_of_seconds_are_errors_not_panics() {
+    for bad in [f64::NAN, f64::INFINITY, -1.0, 0.0, 1e30, 1e10] {
+        let err = SpmdOptions::default().with_timeout_secs(bad).unwrap_err();
+        assert!(
+            matches!(err, CommError::InvalidOption { .. }),
+            "{bad}: {err:?}"
+        );
+        assert!(err.to_string().contains("collective timeout"), "{err}");
+    }
+    let ok = SpmdOptions::default().with_timeout_secs(1.5).unwrap();
+    assert_eq!(ok.collective_timeout, Duration::from_millis(1500));
+    assert_eq!(
+        ferrotext_comm::collective_timeout(31_536_000.0).unwrap(),
+        ferrotext_comm::MAX_COLLECTIVE_TIMEOUT
+    );
+}
+
+/// A device thread the operating system refuses to start (here: a stack it cannot map) is an
+/// error naming the device, from both runners; it used to panic in `run_spmd_in`.
+#[test]
+fn a_device_thread_that_cannot_start_is_an_error_not_a_panic() {
+    let mesh = Arc::new(Mesh::explicit([("data", 2)]).unwrap());
+    let options = SpmdOptions {
+        stack_size: 1 << 60,
+        ..opts()
+    };
+    let err = run_spmd(&mesh, &options, |dev| {
+        let mut x = vec![1.0f32; 4];
+        dev.comm().all_reduce(&["data"], &mut x)
+    })
+    .unwrap_err();
+    assert_eq!(err.device(), 0);
+    assert!(err.to_string().contains("could not be started"), "{err}");
+    let err = ferrotext_comm::run_spmd_detachable(None, &mesh, &options, |dev| {
+        let mut x = vec![1.0f32; 4];
+        dev.comm().all_reduce(&["data"], &mut x)
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("could not be started"), "{err}");
+    assert!(err.left_running.is_empty());
 }

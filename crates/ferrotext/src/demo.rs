@@ -6,11 +6,11 @@
 //! every result against a serial reference computed on the host, and prints device 0's trace.
 //! Under MPI each process checks its own devices and reports the bytes it sent through MPI.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferrotext_comm::{run_spmd_in, CommError, SpmdOptions, Trace};
+use ferrotext_comm::{human_bytes, run_spmd_detachable, CommError, SpmdOptions, Trace};
 
 use crate::launch::Launch;
 use crate::mesh_arg::parse_mesh;
@@ -30,10 +30,13 @@ pub struct CollectivesArgs {
     /// Only the gradient all-reduce of `update` (for traffic measurements).
     #[arg(long)]
     all_reduce_only: bool,
-    /// Make this device issue a different collective in `update` (tests the mismatch path).
+    /// Make this device issue a different collective in `update` (tests the mismatch path): an
+    /// all-gather of its whole gradient, so every message it sends is larger than the chunk of
+    /// the all-reduce its peers expect.
     #[arg(long, hide = true)]
     diverge_device: Option<usize>,
-    /// Make this device stall before `update` for ten timeouts (tests the timeout path).
+    /// Make this device stall before `update` for ten timeouts (tests the timeout path and, in
+    /// one process, that the run returns without waiting for the stalled device).
     #[arg(long, hide = true)]
     stall_device: Option<usize>,
     /// Collective timeout in seconds.
@@ -65,11 +68,84 @@ struct DeviceResults {
     trace: Trace,
 }
 
+/// f32 buffers of the gradient's length each device holds at once (gradient, all-reduced copy,
+/// gathered copy, MPI staging, the host check's reference sum), rounded up.
+const BUFFERS_PER_DEVICE: usize = 6;
+
+/// The memory (bytes) this process needs for `len`-element gradients on `devices` devices, the
+/// diverging one (if here) holding an all-gather output `n` times larger; `None` on overflow.
+fn memory_needed(len: usize, n: usize, devices: usize, diverging_here: bool) -> Option<usize> {
+    let per_device = len.checked_mul(4)?.checked_mul(BUFFERS_PER_DEVICE)?;
+    let extra = if diverging_here {
+        len.checked_mul(4)?.checked_mul(n)?
+    } else {
+        0
+    };
+    per_device.checked_mul(devices)?.checked_add(extra)
+}
+
+/// This machine's physical memory in bytes (Linux), if known.
+fn physical_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses `--elements` values whose buffers overflow or cannot fit in this machine's memory,
+/// before anything is allocated. Returns the gradient length (a multiple of `n`).
+fn checked_len(
+    elements: usize,
+    n: usize,
+    devices: usize,
+    diverging_here: bool,
+) -> Result<usize, crate::UsageError> {
+    let len = elements.div_ceil(n).checked_mul(n);
+    let needed = len.and_then(|len| memory_needed(len, n, devices, diverging_here));
+    let (Some(len), Some(needed)) = (len, needed) else {
+        return Err(crate::UsageError(format!(
+            "--elements {elements}: the buffers of {devices} device(s) would need more than \
+             {} of memory (the size overflows)",
+            human_bytes(usize::MAX)
+        )));
+    };
+    if needed > isize::MAX as usize || physical_memory().is_some_and(|total| needed > total) {
+        let total = physical_memory().map_or_else(String::new, |t| {
+            format!(", more than this machine's {}", human_bytes(t))
+        });
+        return Err(crate::UsageError(format!(
+            "--elements {elements}: needs about {} of memory in this process ({BUFFERS_PER_DEVICE} \
+             f32 buffers of {len} elements on each of {devices} device(s)){total}",
+            human_bytes(needed)
+        )));
+    }
+    Ok(len)
+}
+
+/// What every device thread needs (owned: the run may leave a stalled device behind).
+struct Job {
+    axes: Vec<String>,
+    len: usize,
+    n: usize,
+    micro_batches: usize,
+    all_reduce_only: bool,
+    diverge_device: Option<usize>,
+    stall_device: Option<usize>,
+    stall: Duration,
+}
+
 /// Runs the demo.
 pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
+    let options = SpmdOptions::default()
+        .with_timeout_secs(args.timeout_seconds)
+        .map_err(|e| crate::UsageError(format!("--timeout-seconds: {e}")))?;
     let mesh = parse_mesh(&args.mesh)?;
     let axes_owned: Vec<String> = if args.axes.is_empty() {
-        vec![mesh.axes()[0].name().to_string()]
+        let first = mesh
+            .axes()
+            .first()
+            .ok_or_else(|| crate::UsageError(format!("--mesh {}: no axes", args.mesh)))?;
+        vec![first.name().to_string()]
     } else {
         args.axes.clone()
     };
@@ -77,7 +153,11 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
     let n = mesh
         .axes_size(&axes)
         .map_err(|e| crate::UsageError(e.to_string()))?;
-    let len = args.elements.div_ceil(n) * n;
+    let processes = launch.processes().max(1);
+    let devices_here = mesh.device_count() / processes;
+    let here = launch.process() * devices_here..(launch.process() + 1) * devices_here;
+    let diverging_here = args.diverge_device.is_some_and(|d| here.contains(&d));
+    let len = checked_len(args.elements, n, devices_here, diverging_here)?;
     #[cfg(feature = "mpi")]
     if let Some(mpi) = launch.mpi_mut() {
         mpi.set_hierarchical(!args.flat);
@@ -90,36 +170,44 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
             launch.processes()
         );
     }
-    let options = SpmdOptions::default()
-        .with_timeout(std::time::Duration::from_secs_f64(args.timeout_seconds));
+    let job = Job {
+        axes: axes_owned.clone(),
+        len,
+        n,
+        micro_batches: args.micro_batches,
+        all_reduce_only: args.all_reduce_only,
+        diverge_device: args.diverge_device,
+        stall_device: args.stall_device,
+        stall: options.collective_timeout.saturating_mul(10),
+    };
 
     let start = Instant::now();
-    let results = run_spmd_in(launch.cluster(), &mesh, &options, |dev| {
+    let results = run_spmd_detachable(launch.cluster(), &mesh, &options, move |dev| {
+        let Job { len, n, .. } = job;
+        let axes: Vec<&str> = job.axes.iter().map(String::as_str).collect();
         let me = dev.index();
         let comm = dev.comm();
         let mut losses = Vec::new();
-        for micro in 0..args.micro_batches {
+        for micro in 0..job.micro_batches {
             comm.push_phase(format!("micro_batch {micro}"));
             let mut loss = [me as f32 + micro as f32];
             comm.all_reduce(&axes, &mut loss)?;
             losses.push(loss[0]);
             comm.pop_phase();
         }
-        if args.stall_device == Some(me) {
-            std::thread::sleep(std::time::Duration::from_secs_f64(
-                10.0 * args.timeout_seconds,
-            ));
+        if job.stall_device == Some(me) {
+            std::thread::sleep(job.stall);
         }
         comm.push_phase("update");
         let grad = contents(me, len, 1);
         let mut all_reduced = grad.clone();
-        if args.diverge_device == Some(me) {
+        if job.diverge_device == Some(me) {
             let mut wrong = vec![0.0; len * n];
             comm.all_gather(&axes, &grad, &mut wrong)?;
         } else {
             comm.all_reduce(&axes, &mut all_reduced)?;
         }
-        if args.all_reduce_only {
+        if job.all_reduce_only {
             comm.pop_phase();
             return Ok(DeviceResults {
                 losses,

@@ -174,6 +174,46 @@ fn a_diverging_device_ends_the_job_with_a_mismatch_error() {
     );
 }
 
+/// A diverged device's all-gather sends its whole 4 MiB input where its peers expect a chunk of
+/// their all-reduce: a message larger than the receive. Before receives were sized from the
+/// matched probe, Open MPI's shared-memory single-copy path wrote it past the receive buffer
+/// (`malloc(): corrupted top size`, SIGABRT; SIGSEGV with `--flat`).
+#[test]
+fn a_larger_message_from_a_diverged_device_is_a_mismatch_not_memory_corruption() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    for (mesh, flat) in [("data=4", false), ("data=4", true), ("data=8", true)] {
+        let mut args = vec![
+            "collectives",
+            "--mesh",
+            mesh,
+            "--diverge-device",
+            "1",
+            "--timeout-seconds",
+            "30",
+        ];
+        if flat {
+            args.push("--flat");
+        }
+        let out = mpirun(2, &args);
+        let (stdout, stderr) = text(&out);
+        let all = format!("{stdout}\n{stderr}");
+        assert!(!out.status.success(), "{mesh} flat={flat}: {all}");
+        assert!(
+            stderr.contains("collective mismatch at collective #4"),
+            "{mesh} flat={flat}: {all}"
+        );
+        for crash in [
+            "malloc()",
+            "corrupted",
+            "signal 11",
+            "signal 6",
+            "Segmentation",
+        ] {
+            assert!(!all.contains(crash), "{mesh} flat={flat}: {crash}: {all}");
+        }
+    }
+}
+
 #[test]
 fn a_stalled_process_ends_the_job_with_a_timeout_error_within_the_timeout() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
@@ -394,4 +434,84 @@ fn processes_started_with_different_configs_stop_at_start_up() {
         stderr.contains("disagree on the config: processes [1] differ from process 0"),
         "{stderr}"
     );
+}
+
+/// Process 1 never reaches the start-up config agreement (it runs another command, whose own
+/// collective waits a minute for device 0): process 0's agreement gives up after the run's
+/// collective timeout naming process 1, instead of waiting inside `MPI_Allgather` for good.
+#[test]
+fn a_process_that_never_reaches_the_config_agreement_is_named_after_the_timeout() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let started = Instant::now();
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe"])
+        .args(["-n", "1", EXE, "train", "local_devices=1", "steps=3"])
+        .arg("collective_timeout_seconds=2")
+        .arg(":")
+        .args(["-n", "1", EXE, "collectives", "--mesh", "data=2"])
+        .args(["--timeout-seconds", "60"])
+        .output()
+        .expect("mpirun runs");
+    let elapsed = started.elapsed();
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("agreement on the config")
+            && stderr.contains("processes [1] never arrived"),
+        "{stderr}"
+    );
+    // Ended by the 2 s agreement timeout, not by process 1's own 60 s one.
+    assert!(elapsed < Duration::from_secs(50), "took {elapsed:?}");
+}
+
+/// In one process, a device stalled for ten timeouts no longer keeps the run (and the process)
+/// alive after its peer timed out: the run returns naming it as left running.
+#[test]
+fn an_in_process_stalled_device_does_not_keep_the_process_alive() {
+    let started = Instant::now();
+    let out = local(&[
+        "collectives",
+        "--mesh",
+        "data=2",
+        "--stall-device",
+        "1",
+        "--timeout-seconds",
+        "2",
+    ]);
+    let elapsed = started.elapsed();
+    let (_, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("devices [1] never arrived"), "{stderr}");
+    assert!(
+        stderr.contains("devices [1] were still running"),
+        "{stderr}"
+    );
+    // The stall lasts 20 s; the run returns after about 2 × 2 s.
+    assert!(elapsed < Duration::from_secs(16), "took {elapsed:?}");
+}
+
+/// Sizes and timeouts that cannot work are one `error:` line and exit code 2, before anything
+/// is allocated; they used to abort in the allocator or panic in `Duration::from_secs_f64`.
+#[test]
+fn impossible_sizes_and_timeouts_are_usage_errors() {
+    for args in [
+        &["--elements", "1000000000000"][..],
+        &["--elements", "18446744073709551615"],
+        &["--timeout-seconds", "NaN"],
+        &["--timeout-seconds", "inf"],
+        &["--timeout-seconds", "1e30"],
+    ] {
+        let mut all = vec!["collectives"];
+        all.extend_from_slice(args);
+        let out = local(&all);
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stdout}{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("error: "), "{args:?}: {stderr}");
+        if args[0] == "--elements" {
+            assert!(stderr.contains("of memory"), "{stderr}");
+        } else {
+            assert!(stderr.contains("collective timeout"), "{stderr}");
+        }
+    }
 }

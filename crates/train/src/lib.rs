@@ -109,7 +109,9 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
             Ok(()) => format!("{config:?}"),
             Err(e) => format!("invalid: {e}"),
         };
-        cluster.agree("the config", described.as_bytes())?;
+        let timeout = ferrotext_comm::collective_timeout(config.collective_timeout_seconds)
+            .unwrap_or(SpmdOptions::default().collective_timeout);
+        cluster.agree("the config", described.as_bytes(), timeout)?;
         if cluster.processes() != config.num_processes {
             return Err(TrainError::Config(format!(
                 "num_processes = {} but the job has {} processes",

@@ -12,7 +12,9 @@
 //! * Every process must run the same program on the same mesh; [`Cluster::agree`] checks inputs
 //!   at start-up, message headers check every collective after that.
 //! * Nothing waits inside MPI without a bound: a collective that does not complete within the
-//!   run's timeout fails with [`CommError::Timeout`] naming the devices it waited for. A process
+//!   run's timeout fails with [`CommError::Timeout`] naming the devices it waited for, a start-up
+//!   agreement with [`CommError::ProcessesMissing`] naming the processes. (Only `MPI_Init` and
+//!   `MPI_Finalize`, which synchronise inside Open MPI, are out of our hands.) A process
 //!   that died is normally reported sooner by `mpirun` itself, which ends the job.
 //! * `MpiCluster` must be created and dropped on the main thread (MPI finalises on drop).
 
@@ -29,7 +31,7 @@ use ::mpi::environment::Universe;
 use ::mpi::ffi;
 use ::mpi::raw::AsRaw;
 use ::mpi::topology::SimpleCommunicator;
-use ::mpi::traits::{Communicator as _, CommunicatorCollectives as _};
+use ::mpi::traits::Communicator as _;
 use ::mpi::Threading;
 
 use crate::cluster::Cluster;
@@ -38,7 +40,7 @@ use crate::error::CommError;
 use crate::local::LocalBackend;
 
 use backend::MpiBackend;
-use transport::{error_string, Counters, RawComm, Transport};
+use transport::{all_gather_pairs, error_string, Counters, GatherError, RawComm, Transport};
 
 /// Bytes this process's devices have sent through MPI since start-up (payload only, headers
 /// excluded).
@@ -55,6 +57,8 @@ pub struct MpiCluster {
     // Field order is drop order: the communicators are freed before the universe finalises MPI.
     comm: SimpleCommunicator,
     raw: RawComm,
+    /// Start-up agreements' own communicator (their messages never meet a collective's).
+    control: SimpleCommunicator,
     process: usize,
     processes: usize,
     on_this_host: usize,
@@ -105,11 +109,14 @@ impl MpiCluster {
         }
         let world = universe.world();
         let comm = world.duplicate();
-        // SAFETY: `comm` is a live communicator; ERRORS_RETURN makes MPI report errors as codes
-        // (turned into `CommError`s) instead of aborting the process.
-        let rc = unsafe { ffi::MPI_Comm_set_errhandler(comm.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
-        if rc != ffi::MPI_SUCCESS as i32 {
-            return Err(fail(error_string(rc)));
+        let control = world.duplicate();
+        for c in [&comm, &control] {
+            // SAFETY: `c` is a live communicator; ERRORS_RETURN makes MPI report errors as codes
+            // (turned into `CommError`s) instead of aborting the process.
+            let rc = unsafe { ffi::MPI_Comm_set_errhandler(c.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
+            if rc != ffi::MPI_SUCCESS as i32 {
+                return Err(fail(error_string(rc)));
+            }
         }
         let on_this_host = world.split_shared(world.rank()).size() as usize;
         let library = ::mpi::environment::library_version()
@@ -121,6 +128,7 @@ impl MpiCluster {
             process: comm.rank() as usize,
             processes: comm.size() as usize,
             comm,
+            control,
             on_this_host,
             library,
             hierarchical: true,
@@ -190,14 +198,27 @@ impl Cluster for MpiCluster {
         ))
     }
 
-    fn agree(&self, what: &str, bytes: &[u8]) -> Result<(), CommError> {
+    fn agree(&self, what: &str, bytes: &[u8], timeout: Duration) -> Result<(), CommError> {
         let mut hasher = DefaultHasher::new();
         hasher.write(bytes);
         let mine = [hasher.finish(), bytes.len() as u64];
-        let mut all = vec![0u64; 2 * self.processes];
-        self.comm.all_gather_into(&mine[..], &mut all[..]);
+        let control = RawComm(self.control.as_raw());
+        let all = all_gather_pairs(control, self.process, self.processes, mine, timeout).map_err(
+            |e| match e {
+                GatherError::Missing { missing, waited } => CommError::ProcessesMissing {
+                    what: what.into(),
+                    waited,
+                    missing,
+                },
+                GatherError::Transport(detail) => CommError::Transport {
+                    kind: crate::CollectiveKind::Barrier,
+                    seq: 0,
+                    detail: format!("agreeing on {what}: {detail}"),
+                },
+            },
+        )?;
         let differing: Vec<usize> = (1..self.processes)
-            .filter(|&p| all[2 * p..2 * p + 2] != all[0..2])
+            .filter(|&p| all.get(p) != all.first())
             .collect();
         if differing.is_empty() {
             Ok(())

@@ -1,10 +1,11 @@
 //! Non-blocking point-to-point messages between the devices of different (or the same) MPI
 //! processes, waited on with a timeout.
 //!
-//! Every collective of the MPI backend is built from [`Transport::exchange`]: post every receive
-//! and send of one step at once (`MPI_Irecv`/`MPI_Isend`), then poll `MPI_Testall` until all are
-//! done or the timeout passes. Nothing blocks inside MPI, so a peer that never arrives costs at
-//! most the timeout.
+//! Every collective of the MPI backend is built from [`Transport::exchange`]: post every send of
+//! one step at once (`MPI_Isend`), match each expected message as it arrives (`MPI_Improbe`) and
+//! receive it into a buffer of exactly its size (`MPI_Imrecv`), polling until all are done or the
+//! timeout passes. Nothing blocks inside MPI, so a peer that never arrives costs at most the
+//! timeout.
 //!
 //! # Invariants
 //! * **Addressing**: device `d` lives in process `d / L`; a message from device `s` to device `t`
@@ -13,6 +14,9 @@
 //! * **Every message starts with a header** (collective number, kind and stage, payload bytes,
 //!   sender). A receiver checks it against what it expects, so devices that diverge get a
 //!   [`CommError::Mismatch`] instead of summing unrelated data.
+//! * **A receive buffer is never smaller than its message**: receives are sized from the matched
+//!   probe, so a diverged peer that sends more than expected is a [`CommError::Mismatch`], not a
+//!   write past the buffer (Open MPI's shared-memory single-copy path does not truncate).
 //! * **MPI only ever touches staging buffers owned here.** They are copied in before the sends
 //!   and out after the receives. When a wait times out the requests are still live, so their
 //!   buffers are leaked on purpose (MPI may still write them) and the transport refuses all later
@@ -262,41 +266,7 @@ impl Transport {
             seq: op.seq,
             detail,
         };
-        let mut inbox: Vec<Received> = sources
-            .iter()
-            .map(|&(_, bytes)| Received {
-                // One spare word: a longer (mismatched) message is then seen, not truncated.
-                buf: self.pool.take(HEADER_WORDS + bytes.div_ceil(8) + 1),
-                len: bytes,
-            })
-            .collect();
-        let mut requests: Vec<ffi::MPI_Request> =
-            Vec::with_capacity(sources.len() + outbox.messages.len());
-        for (&(source, _), slot) in sources.iter().zip(inbox.iter_mut()) {
-            let bytes = slot.buf.len() * 8;
-            let count = c_int::try_from(bytes).map_err(|_| {
-                transport_err(format!(
-                    "a message of {bytes} bytes exceeds MPI's int count"
-                ))
-            })?;
-            // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
-            let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
-            // SAFETY: the receive buffer is a live allocation of `count` bytes owned by `inbox`,
-            // which is leaked (never freed) if we stop waiting before the request completes.
-            let rc = unsafe {
-                ffi::MPI_Irecv(
-                    slot.buf.as_mut_ptr().cast::<c_void>(),
-                    count,
-                    ffi::RSMPI_UINT8_T,
-                    self.process_of(source),
-                    self.tag(source, self.device),
-                    self.comm.0,
-                    &mut request,
-                )
-            };
-            check(rc).map_err(transport_err)?;
-            requests.push(request);
-        }
+        let mut sends: Vec<ffi::MPI_Request> = Vec::with_capacity(outbox.messages.len());
         for message in &outbox.messages {
             let buf = &outbox.buffers[message.buffer];
             let bytes = buf.len() * 8;
@@ -305,7 +275,7 @@ impl Transport {
                     "a message of {bytes} bytes exceeds MPI's int count"
                 ))
             })?;
-            // SAFETY: see above.
+            // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
             let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
             // SAFETY: the send buffer is owned by `outbox`, which is leaked if we stop waiting
             // before the request completes; MPI only reads it.
@@ -320,8 +290,12 @@ impl Transport {
                     &mut request,
                 )
             };
-            check(rc).map_err(transport_err)?;
-            requests.push(request);
+            if let Err(detail) = check(rc) {
+                // Earlier sends are live: MPI may still read their buffers.
+                std::mem::forget(outbox);
+                return Err(transport_err(detail));
+            }
+            sends.push(request);
             let counter = if self.process_of(message.dest) == self.process_of(self.device) {
                 &self.counters.within_process
             } else {
@@ -329,37 +303,40 @@ impl Transport {
             };
             counter.fetch_add(buf[2], Ordering::Relaxed);
         }
+        // Receives are posted only once their message is matched (`MPI_Improbe`), into a buffer
+        // of exactly the probed size: a peer that sends more than expected (a diverged program)
+        // can never make MPI write past a buffer. The matched message is received by that
+        // handle (`MPI_Imrecv`), so no other thread can take it in between.
+        // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        let mut receives: Vec<ffi::MPI_Request> = vec![null; sources.len()];
+        let mut inbox: Vec<Vec<u64>> = sources.iter().map(|_| Vec::new()).collect();
+        let mut sizes: Vec<Option<usize>> = vec![None; sources.len()];
         // SAFETY: an `MPI_Status` is a plain C struct of integers; all-zero is a valid value.
-        let mut statuses: Vec<ffi::MPI_Status> =
-            vec![unsafe { std::mem::zeroed() }; requests.len()];
+        let zero_status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        let mut send_statuses = vec![zero_status; sends.len()];
+        let mut recv_statuses = vec![zero_status; receives.len()];
         let started = Instant::now();
         let mut naps = 0u64;
         loop {
-            let mut done: c_int = 0;
-            // SAFETY: `requests` and `statuses` have the same length and stay alive for the call.
-            let rc = unsafe {
-                ffi::MPI_Testall(
-                    requests.len() as c_int,
-                    requests.as_mut_ptr(),
-                    &mut done,
-                    statuses.as_mut_ptr(),
-                )
-            };
-            if rc != ffi::MPI_SUCCESS as c_int {
-                let detail = statuses
-                    .iter()
-                    .map(|s| s.MPI_ERROR)
-                    .find(|&e| e != ffi::MPI_SUCCESS as c_int)
-                    .map_or_else(|| error_string(rc), error_string);
-                std::mem::forget(inbox);
-                std::mem::forget(outbox);
-                return Err(transport_err(detail));
-            }
-            if done != 0 {
-                break;
+            let matched = self.match_receives(sources, &mut receives, &mut inbox, &mut sizes);
+            let done = matched.and_then(|all_matched| {
+                let sent = test_all(&mut sends, &mut send_statuses)?;
+                let got = test_all(&mut receives, &mut recv_statuses)?;
+                Ok(all_matched && sent && got)
+            });
+            match done {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(detail) => {
+                    // MPI may still write the receive buffers and read the send buffers.
+                    std::mem::forget(inbox);
+                    std::mem::forget(outbox);
+                    return Err(transport_err(detail));
+                }
             }
             if started.elapsed() >= self.timeout {
-                let missing = self.still_missing(&mut requests[..sources.len()], sources);
+                let missing = still_missing(&mut receives, &sizes, sources);
                 // MPI may still write the receive buffers and read the send buffers.
                 std::mem::forget(inbox);
                 std::mem::forget(outbox);
@@ -378,16 +355,18 @@ impl Transport {
                 std::thread::sleep(Duration::from_micros(naps.min(200)).min(MAX_NAP));
             }
         }
-        for (k, (&(source, bytes), slot)) in sources.iter().zip(&inbox).enumerate() {
-            let mut received: c_int = 0;
-            // SAFETY: the status was filled by the completed `MPI_Testall`.
-            unsafe { ffi::MPI_Get_count(&statuses[k], ffi::RSMPI_UINT8_T, &mut received) };
+        self.pool.give(outbox.buffers);
+        let mut received = Vec::with_capacity(sources.len());
+        let mut mismatch = None;
+        for ((&(source, bytes), buf), size) in sources.iter().zip(inbox).zip(sizes) {
+            let size = size.unwrap_or(0);
             let expected = header(op, stage, bytes, source);
-            let got: [u64; HEADER_WORDS] = slot.buf[..HEADER_WORDS].try_into().unwrap_or_default();
-            let want_len = (HEADER_WORDS + bytes.div_ceil(8)) * 8;
-            if received as usize != want_len || got != expected {
-                self.pool.give(outbox.buffers);
-                return Err(CommError::Mismatch {
+            let got: [u64; HEADER_WORDS] = buf
+                .get(..HEADER_WORDS)
+                .and_then(|h| h.try_into().ok())
+                .unwrap_or_default();
+            if mismatch.is_none() && (size != message_bytes(bytes) || got != expected) {
+                mismatch = Some(CommError::Mismatch {
                     seq: op.seq,
                     device: self.device,
                     mine: format!(
@@ -395,31 +374,146 @@ impl Transport {
                         op.describe()
                     ),
                     other_device: source,
-                    theirs: describe_header(&got, received as usize),
+                    theirs: describe_header(&got, size),
                 });
             }
+            received.push(Received { buf, len: bytes });
         }
-        self.pool.give(outbox.buffers);
-        Ok(inbox)
+        match mismatch {
+            Some(err) => {
+                self.recycle(received);
+                Err(err)
+            }
+            None => Ok(received),
+        }
     }
 
-    /// The sources whose receive has not completed (tests each once more).
-    fn still_missing(
-        &self,
-        receives: &mut [ffi::MPI_Request],
+    /// Matches the next message of every source without a receive yet and posts its receive
+    /// into a buffer of the probed size. Returns whether every source is matched.
+    fn match_receives(
+        &mut self,
         sources: &[(usize, usize)],
-    ) -> Vec<usize> {
-        let mut missing = Vec::new();
-        for (request, &(source, _)) in receives.iter_mut().zip(sources) {
-            let mut done: c_int = 0;
-            // SAFETY: a live (or already null) request handle; the status is ignored.
-            unsafe { ffi::MPI_Test(request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
-            if done == 0 {
-                missing.push(source);
+        receives: &mut [ffi::MPI_Request],
+        inbox: &mut [Vec<u64>],
+        sizes: &mut [Option<usize>],
+    ) -> Result<bool, String> {
+        let mut all = true;
+        for (k, &(source, bytes)) in sources.iter().enumerate() {
+            if sizes[k].is_some() {
+                continue;
             }
+            let mut found: c_int = 0;
+            // SAFETY: `RSMPI_MESSAGE_NULL` is an immutable MPI constant.
+            let mut message = unsafe { ffi::RSMPI_MESSAGE_NULL };
+            // SAFETY: as above, all-zero is a valid `MPI_Status`.
+            let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+            // SAFETY: the out-pointers point to live locals; the communicator handle is live
+            // (see `RawComm`).
+            let rc = unsafe {
+                ffi::MPI_Improbe(
+                    self.process_of(source),
+                    self.tag(source, self.device),
+                    self.comm.0,
+                    &mut found,
+                    &mut message,
+                    &mut status,
+                )
+            };
+            check(rc)?;
+            if found == 0 {
+                all = false;
+                continue;
+            }
+            let mut count: c_int = 0;
+            // SAFETY: `status` was filled by the successful matched probe.
+            let rc = unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count) };
+            check(rc)?;
+            // MPI_UNDEFINED (negative) cannot happen for bytes; treat it as an empty message.
+            let size = usize::try_from(count).unwrap_or(0);
+            let words = size.div_ceil(8);
+            let buf = if size == message_bytes(bytes) {
+                self.pool.take(words)
+            } else {
+                // A message of the wrong size: receive it whole (its header names the sender's
+                // collective) into a buffer of its own size.
+                let mut buf = Vec::new();
+                buf.try_reserve_exact(words).map_err(|_| {
+                    format!(
+                        "a mismatched message of {size} bytes from device {source} does not fit \
+                         in memory"
+                    )
+                })?;
+                buf.resize(words, 0);
+                buf
+            };
+            inbox[k] = buf;
+            sizes[k] = Some(size);
+            // SAFETY: the buffer holds `words * 8 >= count` bytes and is owned by `inbox`, which
+            // is leaked (never freed) if we stop waiting before the request completes; `message`
+            // is the handle the matched probe returned, consumed here.
+            let rc = unsafe {
+                ffi::MPI_Imrecv(
+                    inbox[k].as_mut_ptr().cast::<c_void>(),
+                    count,
+                    ffi::RSMPI_UINT8_T,
+                    &mut message,
+                    &mut receives[k],
+                )
+            };
+            check(rc)?;
         }
-        missing
+        Ok(all)
     }
+}
+
+/// Bytes of a message with `payload` payload bytes (header and padding to whole words).
+fn message_bytes(payload: usize) -> usize {
+    (HEADER_WORDS + payload.div_ceil(8)) * 8
+}
+
+/// Tests every request (null requests count as complete); `Err` with MPI's message on failure.
+fn test_all(
+    requests: &mut [ffi::MPI_Request],
+    statuses: &mut [ffi::MPI_Status],
+) -> Result<bool, String> {
+    if requests.is_empty() {
+        return Ok(true);
+    }
+    let mut done: c_int = 0;
+    let len = c_int::try_from(requests.len()).map_err(|_| "too many requests".to_string())?;
+    // SAFETY: `requests` and `statuses` have the same length and stay alive for the call.
+    let rc =
+        unsafe { ffi::MPI_Testall(len, requests.as_mut_ptr(), &mut done, statuses.as_mut_ptr()) };
+    if rc != ffi::MPI_SUCCESS as c_int {
+        return Err(statuses
+            .iter()
+            .map(|s| s.MPI_ERROR)
+            .find(|&e| e != ffi::MPI_SUCCESS as c_int)
+            .map_or_else(|| error_string(rc), error_string));
+    }
+    Ok(done != 0)
+}
+
+/// The sources whose message has not arrived or not completed (tests each once more).
+fn still_missing(
+    receives: &mut [ffi::MPI_Request],
+    sizes: &[Option<usize>],
+    sources: &[(usize, usize)],
+) -> Vec<usize> {
+    let mut missing = Vec::new();
+    for ((request, size), &(source, _)) in receives.iter_mut().zip(sizes).zip(sources) {
+        if size.is_none() {
+            missing.push(source);
+            continue;
+        }
+        let mut done: c_int = 0;
+        // SAFETY: a live (or already null) request handle; the status is ignored.
+        unsafe { ffi::MPI_Test(request, &mut done, ffi::RSMPI_STATUS_IGNORE) };
+        if done == 0 {
+            missing.push(source);
+        }
+    }
+    missing
 }
 
 fn check(rc: c_int) -> Result<(), String> {
@@ -465,4 +559,107 @@ fn describe_header(h: &[u64; HEADER_WORDS], received: usize) -> String {
         h[1] & 0xff,
         h[2]
     )
+}
+
+/// Why [`all_gather_pairs`] failed.
+pub(crate) enum GatherError {
+    /// These processes' values did not arrive within the timeout.
+    Missing {
+        missing: Vec<usize>,
+        waited: Duration,
+    },
+    /// MPI reported an error.
+    Transport(String),
+}
+
+/// The tag of start-up agreements (on their own communicator, so it meets no collective's).
+const AGREE_TAG: c_int = 1;
+
+/// Every process's `mine`, in process order, on every process: point-to-point messages to and
+/// from every other process of `comm` (`processes` of them, this one `me`), waited on for at most
+/// `timeout`. Unlike `MPI_Allgather` this never waits without bound and names who is missing.
+pub(crate) fn all_gather_pairs(
+    comm: RawComm,
+    me: usize,
+    processes: usize,
+    mine: [u64; 2],
+    timeout: Duration,
+) -> Result<Vec<[u64; 2]>, GatherError> {
+    let count = c_int::try_from(processes)
+        .map_err(|_| GatherError::Transport(format!("{processes} processes exceed an MPI rank")))?;
+    let mut all = vec![[0u64; 2]; processes];
+    if let Some(slot) = all.get_mut(me) {
+        *slot = mine;
+    }
+    let outgoing = Box::new(mine);
+    // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
+    let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+    let mut receives = vec![null; processes];
+    let mut sends = vec![null; processes];
+    let base = all.as_mut_ptr();
+    let posted = (0..count).filter(|&p| p as usize != me).try_for_each(|p| {
+        let k = p as usize;
+        // SAFETY: `base.add(k)` is element `k < processes` of `all`, two `u64`s, written only by
+        // this receive; `all` is leaked (never freed) if we stop waiting before it completes.
+        let rc = unsafe {
+            ffi::MPI_Irecv(
+                base.add(k).cast::<c_void>(),
+                2,
+                ffi::RSMPI_UINT64_T,
+                p,
+                AGREE_TAG,
+                comm.0,
+                &mut receives[k],
+            )
+        };
+        check(rc)?;
+        // SAFETY: `outgoing` holds two `u64`s, only read by MPI, and is leaked (never freed) if
+        // we stop waiting before the send completes.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                outgoing.as_ptr().cast::<c_void>(),
+                2,
+                ffi::RSMPI_UINT64_T,
+                p,
+                AGREE_TAG,
+                comm.0,
+                &mut sends[k],
+            )
+        };
+        check(rc)
+    });
+    // SAFETY: as above, all-zero is a valid `MPI_Status`.
+    let zero_status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+    let mut statuses = vec![zero_status; processes];
+    let started = Instant::now();
+    let outcome = posted.and_then(|()| loop {
+        let got = test_all(&mut receives, &mut statuses)?;
+        if got && test_all(&mut sends, &mut statuses)? {
+            break Ok(None);
+        }
+        if started.elapsed() >= timeout {
+            let sizes: Vec<Option<usize>> = vec![Some(0); processes];
+            let pairs: Vec<(usize, usize)> = (0..processes).map(|p| (p, 0)).collect();
+            let missing = still_missing(&mut receives, &sizes, &pairs);
+            break Ok(Some(missing));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    });
+    match outcome {
+        Ok(None) => Ok(all),
+        Ok(Some(missing)) => {
+            // MPI may still write `all` and read `outgoing`.
+            std::mem::forget(all);
+            std::mem::forget(outgoing);
+            Err(GatherError::Missing {
+                missing,
+                waited: started.elapsed(),
+            })
+        }
+        Err(detail) => {
+            std::mem::forget(all);
+            std::mem::forget(outgoing);
+            Err(GatherError::Transport(detail))
+        }
+    }
 }
