@@ -167,14 +167,17 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     );
     // Step lines are printed as the steps end (every tenth of the run, the last, and every
     // skipped step), above the progress bar.
-    let on_step = |m: &StepMetrics| {
+    let steps = config.steps;
+    let progress = bar.clone();
+    let on_step = move |m: &StepMetrics| {
+        let bar = &progress;
         bar.set_position(m.step as u64 + 1);
         bar.set_message(format!(
             "loss {:.4}  {:.0} tok/s",
             m.loss,
             m.tokens as f64 / m.seconds
         ));
-        if m.step % (config.steps / 10).max(1) == 0 || m.step + 1 == config.steps || m.skipped {
+        if m.step % (steps / 10).max(1) == 0 || m.step + 1 == steps || m.skipped {
             let skipped = if m.skipped {
                 "  skipped: not finite"
             } else {
@@ -195,7 +198,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     };
     let metrics_path = config.metrics_path();
     let options = RunOptions {
-        on_step: Some(&on_step),
+        on_step: Some(std::sync::Arc::new(on_step)),
         return_params: !config.save_parameters_path.is_empty(),
         cluster: launch.cluster(),
         metrics_path: Some(metrics_path.clone()),

@@ -63,6 +63,26 @@ pub enum TrainError {
         /// Its global gradient norm.
         grad_norm: f64,
     },
+    /// A device thread panicked or could not start: a bug in ferrotext or a resource the
+    /// machine refused, never the user's input.
+    #[error(
+        "device {device} failed (a bug in ferrotext, or the machine refused a resource): {message}"
+    )]
+    DeviceFailed {
+        /// The device.
+        device: usize,
+        /// The panic message or the OS error.
+        message: String,
+    },
+    /// The run failed, and some device threads were still busy a collective timeout later: they
+    /// were left running and the run returned without them.
+    #[error("{error}; devices {devices:?} were still running and were left behind")]
+    LeftRunning {
+        /// The first failure.
+        error: Box<TrainError>,
+        /// The devices left running.
+        devices: Vec<usize>,
+    },
     /// An op failed (type error, collective failure).
     #[error(transparent)]
     Spmd(#[from] SpmdError),
@@ -83,10 +103,21 @@ impl From<RunError<TrainError>> for TrainError {
     fn from(err: RunError<TrainError>) -> TrainError {
         match err {
             RunError::Device { error, .. } => error,
-            RunError::Panicked { device, message } => TrainError::Config(format!(
-                "device {device} panicked (a bug in ferrotext): {message}"
-            )),
+            RunError::Panicked { device, message } => TrainError::DeviceFailed { device, message },
             placement @ RunError::Placement { .. } => TrainError::Config(placement.to_string()),
+        }
+    }
+}
+
+impl From<ferrotext_comm::RunFailure<TrainError>> for TrainError {
+    fn from(failure: ferrotext_comm::RunFailure<TrainError>) -> TrainError {
+        let error = TrainError::from(failure.error);
+        if failure.left_running.is_empty() {
+            return error;
+        }
+        TrainError::LeftRunning {
+            error: Box::new(error),
+            devices: failure.left_running,
         }
     }
 }

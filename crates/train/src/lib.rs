@@ -30,9 +30,8 @@ mod optim;
 mod trainer;
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use ferrotext_comm::{run_spmd_in, Cluster, SpmdOptions, Trace};
+use ferrotext_comm::{run_spmd_detachable, Cluster, SpmdOptions, Trace};
 use ferrotext_models::ParamInfo;
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
@@ -53,7 +52,7 @@ pub use trainer::{plan_step, Trainer};
 #[derive(Default)]
 pub struct RunOptions<'a> {
     /// Called on device 0 after every step (progress reporting).
-    pub on_step: Option<&'a (dyn Fn(&StepMetrics) + Sync)>,
+    pub on_step: Option<Arc<dyn Fn(&StepMetrics) + Send + Sync>>,
     /// Gather the final parameters into the report.
     pub return_params: bool,
     /// Stop after this many steps of this run (as an interrupted run would; the schedule still
@@ -136,18 +135,30 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
         )?)
     };
     let mesh = compute_mesh(config)?;
-    let spmd = SpmdOptions::default()
-        .with_timeout(Duration::from_secs_f64(config.collective_timeout_seconds));
-    let results = run_spmd_in(
+    let spmd = SpmdOptions::default().with_timeout_secs(config.collective_timeout_seconds)?;
+    // The device program owns what it reads, so a run whose group has failed can return even
+    // while a device thread is still busy (it is detached and named in the error).
+    let config = Arc::new(config.clone());
+    let options_owned = Arc::new((
+        options.inside_spec_override.clone(),
+        options.metrics_path.clone(),
+        options.on_step.clone(),
+        options.return_params,
+        options.stop_after_steps,
+    ));
+    let results = run_spmd_detachable(
         options.cluster,
         &mesh,
         &spmd,
-        |dev| -> Result<Option<TrainReport>, TrainError> {
+        move |dev| -> Result<Option<TrainReport>, TrainError> {
+            let config: &TrainConfig = &config;
+            let (inside_spec_override, metrics_path, on_step, return_params, stop_after_steps) =
+                &*options_owned;
             let device = dev.index();
             let threads = dev.threads();
             let mut cx = Ctx::new(dev.comm(), threads);
             let mut trainer = Trainer::new(&mut cx, config, source.clone(), initial.as_deref())?;
-            if let Some((name, spec)) = &options.inside_spec_override {
+            if let Some((name, spec)) = inside_spec_override {
                 trainer
                     .engine_mut()
                     .override_inside_spec(name, spec.clone())?;
@@ -159,12 +170,12 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 trainer.engine_mut().restore_checkpoint(&mut cx, &root)?;
             }
             let first_step = trainer.engine().steps_taken();
-            let mut log = match &options.metrics_path {
+            let mut log = match metrics_path {
                 Some(path) if device == 0 => Some(io::MetricsLog::open(path, first_step)?),
                 _ => None,
             };
             let mut metrics = Vec::with_capacity(config.steps);
-            let limit = options.stop_after_steps.map_or(config.steps, |n| {
+            let limit = stop_after_steps.map_or(config.steps, |n| {
                 (trainer.engine().steps_taken() + n).min(config.steps)
             });
             while trainer.engine().steps_taken() < limit {
@@ -179,7 +190,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                     log.append(&m)?;
                 }
                 if device == 0 {
-                    if let Some(f) = options.on_step {
+                    if let Some(f) = on_step {
                         f(&m);
                     }
                 }
@@ -191,7 +202,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 }
                 metrics.push(m);
             }
-            let values = if options.return_params {
+            let values = if *return_params {
                 Some(trainer.engine().params_to_host(&mut cx)?)
             } else {
                 None
@@ -211,7 +222,8 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                     .flops_per_token(config.max_target_length),
             }))
         },
-    )?;
+    )
+    .map_err(TrainError::from)?;
     results
         .into_iter()
         .next()
