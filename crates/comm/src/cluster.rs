@@ -38,6 +38,17 @@ pub trait Cluster: Sync {
         local: LocalBackend,
     ) -> Box<dyn Backend>;
 
+    /// The backend of `device`'s background stream ([`crate::stream`]): like
+    /// [`Cluster::backend`], but its messages never meet the blocking collectives' (its own
+    /// communicator or tag space), since both run at the same time.
+    fn stream_backend(
+        &self,
+        device: usize,
+        devices_per_process: usize,
+        timeout: Duration,
+        local: LocalBackend,
+    ) -> Box<dyn Backend>;
+
     /// Checks that every process passes the same `bytes` (a config, a mesh): `Ok` on every
     /// process, or on every process the same error naming `what` and the processes that differ
     /// from process 0. Call it from one thread per process, outside any SPMD run. Waits at most

@@ -12,6 +12,7 @@ use ferrotext_sharding::{DType, Mesh};
 
 use crate::element::{Buf, BufMut, Element};
 use crate::error::CommError;
+use crate::stream::{Pending, Stream, Work};
 use crate::trace::{CollectiveKind, Trace, TraceEvent};
 
 /// What a backend is told about one collective (already validated by the front end).
@@ -119,6 +120,8 @@ pub struct Communicator {
     trace: Trace,
     phases: Vec<String>,
     seq: u64,
+    /// The background channel, when the run provides one.
+    stream: Option<Stream>,
 }
 
 impl Communicator {
@@ -131,7 +134,141 @@ impl Communicator {
             trace: Trace::new(),
             phases: Vec::new(),
             seq: 0,
+            stream: None,
         }
+    }
+
+    /// This communicator with a background channel (see [`crate::stream`]) for the `start_*`
+    /// collectives; without one they run at once on the blocking backend.
+    pub fn with_stream(mut self, stream: Stream) -> Communicator {
+        self.stream = Some(stream);
+        self
+    }
+
+    /// Whether `start_*` collectives run in the background.
+    pub fn has_stream(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    /// Starts an in-place sum of `buf` over `axes` in the background and returns at once;
+    /// [`Pending::wait`] gives the summed buffer. Recorded in the trace now, under the current
+    /// phase.
+    ///
+    /// # Errors
+    /// Bad axes. Collective failures come from [`Pending::wait`].
+    ///
+    /// # Collectives
+    /// One all-reduce on the background channel, run after every collective started before it.
+    pub fn start_all_reduce<S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        buf: Vec<f32>,
+    ) -> Result<Pending, CommError> {
+        let op = self.begin_background(CollectiveKind::AllReduce, axes, buf.len())?;
+        if op.group.len() == 1 {
+            return Ok(Pending::done(Ok(buf)));
+        }
+        Ok(self.submit(op, Work::AllReduce(buf)))
+    }
+
+    /// Starts a reduce-scatter in the background: [`Pending::wait`] gives chunk `rank` (length
+    /// `input.len() / group`) of the sum of every member's `input`.
+    ///
+    /// # Errors
+    /// Bad axes, or an input the group does not divide.
+    ///
+    /// # Collectives
+    /// One reduce-scatter on the background channel.
+    pub fn start_reduce_scatter<S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        input: Vec<f32>,
+    ) -> Result<Pending, CommError> {
+        let op = self.begin_background(CollectiveKind::ReduceScatter, axes, input.len())?;
+        let n = op.group.len();
+        if input.len() % n != 0 {
+            return Err(self.bad(
+                &op,
+                format!(
+                    "input has {} elements, not a multiple of the group",
+                    input.len()
+                ),
+            ));
+        }
+        if n == 1 {
+            return Ok(Pending::done(Ok(input)));
+        }
+        let output_len = input.len() / n;
+        Ok(self.submit(op, Work::ReduceScatter { input, output_len }))
+    }
+
+    /// Starts an all-gather in the background: [`Pending::wait`] gives every member's `input`
+    /// in rank order.
+    ///
+    /// # Errors
+    /// Bad axes.
+    ///
+    /// # Collectives
+    /// One all-gather on the background channel.
+    pub fn start_all_gather<S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        input: Vec<f32>,
+    ) -> Result<Pending, CommError> {
+        let n = self.group(axes)?.len();
+        let op = self.begin_background(CollectiveKind::AllGather, axes, input.len() * n)?;
+        if n == 1 {
+            return Ok(Pending::done(Ok(input)));
+        }
+        let output_len = input.len() * n;
+        Ok(self.submit(op, Work::AllGather { input, output_len }))
+    }
+
+    /// A background job on the stream, or run here at once when there is none.
+    fn submit(&mut self, op: OpInfo, work: Work) -> Pending {
+        if let Some(stream) = &mut self.stream {
+            return stream.submit(op, work);
+        }
+        let result = match work {
+            Work::AllReduce(mut buf) => self
+                .backend
+                .all_reduce(&op, f32::buf_mut(&mut buf))
+                .map(|()| buf),
+            Work::ReduceScatter { input, output_len } => {
+                let mut out = vec![0.0; output_len];
+                self.backend
+                    .reduce_scatter(&op, f32::buf(&input), f32::buf_mut(&mut out))
+                    .map(|()| out)
+            }
+            Work::AllGather { input, output_len } => {
+                let mut out = vec![0.0; output_len];
+                self.backend
+                    .all_gather(&op, f32::buf(&input), f32::buf_mut(&mut out))
+                    .map(|()| out)
+            }
+        };
+        Pending::done(result)
+    }
+
+    /// [`Communicator::begin_op`] for the background channel: its own sequence numbers (the
+    /// stream's backend matches by them), the event in this trace.
+    fn begin_background<S: AsRef<str>>(
+        &mut self,
+        kind: CollectiveKind,
+        axes: &[S],
+        elements: usize,
+    ) -> Result<OpInfo, CommError> {
+        let Some(seq) = self.stream.as_ref().map(|s| s.seq) else {
+            return self.begin_op(kind, axes, elements, DType::F32, 0);
+        };
+        let main = self.seq;
+        self.seq = seq;
+        let op = self.begin_op(kind, axes, elements, DType::F32, 0);
+        if let Some(stream) = &mut self.stream {
+            stream.seq = self.seq;
+        }
+        self.seq = main;
+        op
     }
 
     /// This device's index in the mesh.

@@ -49,6 +49,7 @@ mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod spmd;
+pub mod stream;
 mod trace;
 
 pub use cluster::Cluster;
@@ -60,4 +61,5 @@ pub use spmd::{
     collective_timeout, default_threads_per_device, run_spmd, run_spmd_detachable, run_spmd_in,
     Device, RunFailure, SpmdError, SpmdOptions, MAX_COLLECTIVE_TIMEOUT,
 };
+pub use stream::{Pending, Stream};
 pub use trace::{human_bytes, CollectiveKind, PhaseKindTotal, PhasePattern, Trace, TraceEvent};

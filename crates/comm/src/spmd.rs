@@ -19,6 +19,7 @@ use crate::cluster::Cluster;
 use crate::communicator::{Backend, Communicator};
 use crate::error::CommError;
 use crate::local::{LocalBackend, World};
+use crate::stream::Stream;
 
 /// How a run is set up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -441,9 +442,27 @@ struct Plan {
     /// This process's devices.
     mine: Range<usize>,
     per_process: usize,
-    world: Arc<World>,
+    world: Arc<Worlds>,
     threads: usize,
 }
+
+/// The rendezvous spaces of one run: the devices' blocking collectives, and their background
+/// streams' (so a background job never meets a blocking one).
+struct Worlds {
+    main: Arc<World>,
+    stream: Arc<World>,
+}
+
+impl Worlds {
+    /// `device` is gone from both.
+    fn depart(&self, device: usize) {
+        self.main.depart(device);
+        self.stream.depart(device);
+    }
+}
+
+/// A device's two backends: blocking collectives, and its background stream's.
+type Backends = (Box<dyn Backend>, Box<dyn Backend>);
 
 impl Plan {
     fn new<E>(
@@ -468,22 +487,30 @@ impl Plan {
         Ok(Plan {
             mine: process * per_process..(process + 1) * per_process,
             per_process,
-            world: Arc::new(World::new(mesh, options.collective_timeout)),
+            world: Arc::new(Worlds {
+                main: Arc::new(World::new(mesh, options.collective_timeout)),
+                stream: Arc::new(World::new(mesh, options.collective_timeout)),
+            }),
             threads,
         })
     }
 
-    /// The backend of `device` (made here, so the device thread does not borrow the cluster).
+    /// The backends of `device` (made here, so the device thread does not borrow the cluster).
     fn backend(
         &self,
         cluster: Option<&dyn Cluster>,
         device: usize,
         options: &SpmdOptions,
-    ) -> Box<dyn Backend> {
-        let local = LocalBackend::new(device, self.world.clone());
+    ) -> Backends {
+        let main = LocalBackend::new(device, self.world.main.clone());
+        let stream = LocalBackend::new(device, self.world.stream.clone());
+        let timeout = options.collective_timeout;
         match cluster {
-            Some(c) => c.backend(device, self.per_process, options.collective_timeout, local),
-            None => Box::new(local),
+            Some(c) => (
+                c.backend(device, self.per_process, timeout, main),
+                c.stream_backend(device, self.per_process, timeout, stream),
+            ),
+            None => (Box::new(main), Box::new(stream)),
         }
     }
 
@@ -493,6 +520,15 @@ impl Plan {
         for device in from..self.mine.end {
             self.world.depart(device);
         }
+    }
+}
+
+/// `comm` with a background stream on `backend`; without one (the OS refused its thread) the
+/// background collectives run in the foreground, with the same results.
+fn with_stream(comm: Communicator, device: usize, backend: Box<dyn Backend>) -> Communicator {
+    match Stream::new(device, backend) {
+        Ok(stream) => comm.with_stream(stream),
+        Err(_) => comm,
     }
 }
 
@@ -518,8 +554,8 @@ fn run_device<T, E, F>(
     index: usize,
     mesh: Arc<Mesh>,
     threads: usize,
-    backend: Box<dyn Backend>,
-    world: &World,
+    backend: Backends,
+    world: &Worlds,
     program: &F,
     failures: &Mutex<Vec<usize>>,
 ) -> Result<T, SpmdError<E>>
@@ -531,7 +567,7 @@ where
         index,
         coords,
         threads,
-        comm: Communicator::new(index, mesh, backend),
+        comm: with_stream(Communicator::new(index, mesh, backend.0), index, backend.1),
     };
     let outcome = match catch_unwind(AssertUnwindSafe(|| program(&mut device))) {
         Ok(Ok(value)) => Ok(value),

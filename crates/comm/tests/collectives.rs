@@ -517,6 +517,15 @@ impl ferrotext_comm::Cluster for FakeCluster {
     ) -> Box<dyn ferrotext_comm::Backend> {
         Box::new(local)
     }
+    fn stream_backend(
+        &self,
+        _device: usize,
+        _devices_per_process: usize,
+        _timeout: Duration,
+        local: ferrotext_comm::LocalBackend,
+    ) -> Box<dyn ferrotext_comm::Backend> {
+        Box::new(local)
+    }
     fn agree(&self, _what: &str, _bytes: &[u8], _timeout: Duration) -> Result<(), CommError> {
         Ok(())
     }
@@ -651,4 +660,60 @@ fn a_device_thread_that_cannot_start_is_an_error_not_a_panic() {
     .unwrap_err();
     assert!(err.to_string().contains("could not be started"), "{err}");
     assert!(err.left_running.is_empty());
+}
+
+/// Background collectives: started in order, they run on the device's stream while the device
+/// goes on (even into blocking collectives of its own), and give the blocking collectives'
+/// results bit for bit.
+#[test]
+fn background_collectives_match_the_blocking_ones_and_do_not_meet_them() {
+    let mesh = Arc::new(Mesh::explicit([("data", 2), ("tensor", 2)]).unwrap());
+    let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let comm = dev.comm();
+        assert!(comm.has_stream());
+        let d = comm.device() as f32;
+        let data: Vec<f32> = (0..1001).map(|i| (i as f32 * 0.1 + d).sin()).collect();
+        // Start three background jobs, then run blocking collectives on the same groups while
+        // they are in flight: separate channels, so no mismatch.
+        let reduce = comm.start_all_reduce(&["data"], data.clone())?;
+        let scatter = comm.start_reduce_scatter(&["data", "tensor"], data[..1000].to_vec())?;
+        let gather = comm.start_all_gather(&["tensor"], data[..10].to_vec())?;
+        let mut blocking = data.clone();
+        comm.all_reduce(&["data"], &mut blocking)?;
+        let mut scattered = vec![0.0; 250];
+        comm.reduce_scatter(&["data", "tensor"], &data[..1000], &mut scattered)?;
+        let mut gathered = vec![0.0; 20];
+        comm.all_gather(&["tensor"], &data[..10], &mut gathered)?;
+        Ok::<_, CommError>((
+            reduce.wait()? == blocking,
+            scatter.wait()? == scattered,
+            gather.wait()? == gathered,
+            comm.take_trace().events().len(),
+        ))
+    })
+    .unwrap();
+    for (reduced, scattered, gathered, events) in out {
+        assert!(reduced && scattered && gathered);
+        assert_eq!(events, 6, "background collectives are in the trace too");
+    }
+}
+
+/// A background collective whose peer never starts it fails within the timeout.
+#[test]
+fn a_background_collective_without_its_peer_times_out() {
+    let mesh = Arc::new(Mesh::explicit([("data", 2)]).unwrap());
+    let opts = SpmdOptions::default().with_timeout(std::time::Duration::from_millis(300));
+    let out = run_spmd(&mesh, &opts, |dev| {
+        let comm = dev.comm();
+        if comm.device() == 1 {
+            std::thread::sleep(std::time::Duration::from_millis(600));
+            return Ok::<_, CommError>(None);
+        }
+        Ok(Some(comm.start_all_reduce(&["data"], vec![1.0; 8])?.wait()?))
+    });
+    let err = out.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        err.contains("timed out") || err.contains("departed") || err.contains("left"),
+        "{err}"
+    );
 }

@@ -59,6 +59,11 @@ pub struct MpiCluster {
     raw: RawComm,
     /// Start-up agreements' own communicator (their messages never meet a collective's).
     control: SimpleCommunicator,
+    /// The background streams' communicator (their messages never meet a blocking
+    /// collective's, which run at the same time); kept to be freed in order, used through
+    /// `stream_raw`.
+    _stream: SimpleCommunicator,
+    stream_raw: RawComm,
     process: usize,
     processes: usize,
     on_this_host: usize,
@@ -110,7 +115,8 @@ impl MpiCluster {
         let world = universe.world();
         let comm = world.duplicate();
         let control = world.duplicate();
-        for c in [&comm, &control] {
+        let stream = world.duplicate();
+        for c in [&comm, &control, &stream] {
             // SAFETY: `c` is a live communicator; ERRORS_RETURN makes MPI report errors as codes
             // (turned into `CommError`s) instead of aborting the process.
             let rc = unsafe { ffi::MPI_Comm_set_errhandler(c.as_raw(), ffi::RSMPI_ERRORS_RETURN) };
@@ -129,6 +135,8 @@ impl MpiCluster {
             processes: comm.size() as usize,
             comm,
             control,
+            stream_raw: RawComm(stream.as_raw()),
+            _stream: stream,
             on_this_host,
             library,
             hierarchical: true,
@@ -184,6 +192,29 @@ impl Cluster for MpiCluster {
     ) -> Box<dyn Backend> {
         let transport = Transport::new(
             self.raw,
+            device,
+            devices_per_process,
+            timeout,
+            self.counters.clone(),
+        );
+        Box::new(MpiBackend::new(
+            local,
+            transport,
+            device,
+            devices_per_process,
+            self.hierarchical,
+        ))
+    }
+
+    fn stream_backend(
+        &self,
+        device: usize,
+        devices_per_process: usize,
+        timeout: Duration,
+        local: LocalBackend,
+    ) -> Box<dyn Backend> {
+        let transport = Transport::new(
+            self.stream_raw,
             device,
             devices_per_process,
             timeout,
