@@ -530,9 +530,13 @@ fn tensor(
 }
 
 /// Sequences the data layer has handed out at `step`, `micro`: the index of the next one.
+/// Saturating: the step comes from a file, and an absurd one must not overflow.
 fn sequences_consumed(config: &TrainConfig, step: usize, micro: usize) -> u64 {
     let rows = config.micro_batch_rows() as u64;
-    (step as u64 * config.gradient_accumulation_steps as u64 + micro as u64) * rows
+    (step as u64)
+        .saturating_mul(config.gradient_accumulation_steps as u64)
+        .saturating_add(micro as u64)
+        .saturating_mul(rows)
 }
 
 /// `manifest.json` of `dir`: its format version, then its seal, then its fields.
@@ -609,7 +613,9 @@ fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainError> {
             m.micro_steps
         ));
     }
-    let most = m.micro_steps as u64 * cfg.micro_batch_rows() as u64 * cfg.max_target_length as u64;
+    let most = (m.micro_steps as u64)
+        .saturating_mul(cfg.micro_batch_rows() as u64)
+        .saturating_mul(cfg.max_target_length as u64);
     if m.micro_steps == 0 && m.token_denominator != 0 {
         return bad(format!(
             "token_denominator {} at a step boundary (micro_steps 0) must be 0",
@@ -778,8 +784,10 @@ impl Engine {
         self.save_checkpoint_with_hook(cx, root, &|_| Ok(()))
     }
 
-    /// [`Engine::save_checkpoint`] calling `after_file(name)` after each file is written — the
-    /// test hook for injecting a failure at every point of a save.
+    /// [`Engine::save_checkpoint`] calling `after_file(name)` after each file is written and
+    /// after each step of publishing it (`aside`: an existing checkpoint of the same name moved
+    /// aside; `rename`: the new one renamed into place; `latest`) — the test hook for injecting a
+    /// failure at every point of a save.
     ///
     /// # Errors
     /// As [`Engine::save_checkpoint`], or the hook's error (the save stops there).
