@@ -289,15 +289,20 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
             let found = checkpoints_in(root)?;
             return match found.last() {
                 None => Ok(None),
-                Some((_, newest)) => Err(ckpt_err(
-                    &path,
-                    format!(
-                        "is missing but the directory holds {} checkpoint(s), the newest {}; write \
-                         the name of the one to resume from into `latest` {START_OVER}",
-                        found.len(),
-                        newest.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
-                    ),
-                )),
+                Some((_, newest)) => {
+                    let newest = newest
+                        .file_name()
+                        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+                    Err(ckpt_err(
+                        &path,
+                        format!(
+                            "is missing but the directory holds {} checkpoint(s), the newest \
+                             {newest}; write the name of the one to resume from into `latest` \
+                             {START_OVER}",
+                            found.len(),
+                        ),
+                    ))
+                }
             };
         }
         Err(e) => return Err(io_err(&path)(e)),
@@ -305,7 +310,10 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
     if meta.file_type().is_symlink() {
         return Err(ckpt_err(
             &path,
-            format!("is a symlink; ferrotext writes `latest` as a plain file holding a checkpoint's name {START_OVER}"),
+            format!(
+                "is a symlink; ferrotext writes `latest` as a plain file holding a \
+                 checkpoint's name {START_OVER}"
+            ),
         ));
     }
     if !meta.is_file() {
@@ -400,7 +408,10 @@ fn move_aside(root: &Path) -> Result<PathBuf, TrainError> {
         || "checkpoints".to_string(),
         |n| n.to_string_lossy().into_owned(),
     );
-    let parent = root.parent().unwrap_or_else(|| Path::new("."));
+    let parent = match root.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
     let mut n = 0;
     let target = loop {
         let suffix = if n == 0 {
@@ -696,6 +707,12 @@ fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainError> {
                 checkpoint_name(m.step, m.micro_steps)
             ))
         }
+    }
+    if m.dataset_order != cfg.dataset_order {
+        return bad(format!(
+            "dataset_order {:?} disagrees with its config's {:?}",
+            m.dataset_order, cfg.dataset_order
+        ));
     }
     let consumed = sequences_consumed(cfg, m.step, m.micro_steps);
     if m.sequences_consumed != consumed {
