@@ -6,13 +6,24 @@
 //! `optimizer.safetensors` (AdamW moments `m/<name>`, `v/<name>`), `accumulator.safetensors`
 //! (mid-step only: the *reduced* gradient totals `acc/<name>`), and `manifest.json` (format
 //! version, config, step, micro-step count, token denominator, mesh, per-tensor shardings, and
-//! the SHA-256 of every file). `latest` in the root names the newest checkpoint.
+//! the SHA-256 of every file, the data position), sealed by `manifest.sha256` (the manifest's
+//! own SHA-256, in `sha256sum` format). `latest` in the root names the newest checkpoint.
 //!
 //! Invariants: a checkpoint is written into a hidden temporary directory, every file fsynced,
 //! then renamed into place, and only then is `latest` replaced (write + rename) — a crash at any
 //! point leaves the previous checkpoint as `latest`, and a partial directory is never named by
-//! it. Loading validates everything (version, file names, checksums, dtypes, shapes) and builds
+//! it. Saving to a name that exists moves the old directory aside (`.old_<name>`) only once the
+//! new one is complete, renames the new one in, and then removes the old one; start-up
+//! ([`prepare_resume`]) puts back an old directory whose replacement never arrived. Loading
+//! validates everything (version, the manifest's seal, its numbers against the files and the
+//! config, the config against the current one, file names, checksums, dtypes, shapes) and builds
 //! the whole state before touching the engine: an error never leaves a half-restored engine.
+//!
+//! Resume is strict: a `latest` that is not a plain file naming a complete checkpoint is an
+//! error, never a silent fresh start (`resume=fresh` starts over and moves the old checkpoint
+//! directory aside). Only the keys in [`RESUMABLE_KEYS`] (and the layout keys, see
+//! [`is_layout_key`], as long as the global micro-batch is the same) may differ between the run
+//! that saved a checkpoint and the one that restores it.
 //!
 //! Mid-step: saving reduces the pending accumulator on the way out (one all-reduce per gradient,
 //! in trace phase `checkpoint`) and stores the true totals; restoring re-splits them onto the
@@ -22,7 +33,7 @@
 //! the same mesh and layout, each device takes its block back, so the rest of the step sums in
 //! the same order as an uninterrupted run and the weights come out bit for bit the same.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -35,12 +46,54 @@ use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::config::TrainConfig;
+use crate::config::{DatasetOrder, OptType, ResumeMode, TrainConfig};
 use crate::engine::{Engine, PartialGradients, Pending};
 use crate::error::TrainError;
 
-/// The manifest format this build writes and the newest it reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The manifest format this build writes and the only one it reads (2: the manifest is sealed by
+/// `manifest.sha256` and records the data position; 1 had no seal and is refused).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The manifest's seal: `<sha256 hex>  manifest.json`, as `sha256sum` writes it.
+pub const MANIFEST_SEAL: &str = "manifest.sha256";
+
+/// Config keys that may differ between the run that saved a checkpoint and the run that restores
+/// it: the length and learning-rate schedule, paths and outputs, checkpoint cadence, and run
+/// policy. Every other key (model, data, batch, optimizer, seeds, tokenizer) must be equal;
+/// the layout keys ([`is_layout_key`]) may change as long as the global micro-batch stays the
+/// same.
+pub const RESUMABLE_KEYS: &[&str] = &[
+    "steps",
+    "learning_rate",
+    "warmup_steps_fraction",
+    "learning_rate_final_fraction",
+    "dataset_path",
+    "load_parameters_path",
+    "save_parameters_path",
+    "base_output_directory",
+    "run_name",
+    "metrics_file",
+    "enable_checkpointing",
+    "checkpoint_period",
+    "checkpoint_micro_batch_period",
+    "checkpoint_keep",
+    "resume",
+    "collective_timeout_seconds",
+    "nan_policy",
+];
+
+/// The layout keys: a checkpoint restores onto another mesh or mode as long as the global
+/// micro-batch ([`TrainConfig::micro_batch_rows`]) is the same.
+pub fn is_layout_key(key: &str) -> bool {
+    matches!(
+        key,
+        "local_devices"
+            | "num_processes"
+            | "shard_mode"
+            | "shard_optimizer_over_data"
+            | "per_device_batch_size"
+    ) || (key.starts_with("ici_") && key.ends_with("_parallelism"))
+}
 
 /// One tensor of a checkpoint.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -68,10 +121,18 @@ pub struct Manifest {
     pub micro_steps: usize,
     /// Target tokens of those micro-batches (the pending division's denominator).
     pub token_denominator: u64,
-    /// Σ loss of those micro-batches.
+    /// Σ loss of those micro-batches (readable; [`Manifest::pending_loss_sum_bits`] is exact).
     pub pending_loss_sum: f64,
+    /// The same sum's `f64` bits: what a restore uses, so a resumed step's loss is bit for bit
+    /// the uninterrupted one.
+    pub pending_loss_sum_bits: u64,
     /// AdamW's step count (0 for SGD).
     pub optimizer_steps: u64,
+    /// How the data is cut into sequences (`dataset_order`).
+    pub dataset_order: DatasetOrder,
+    /// Sequences consumed so far: `step × micro_batch_rows × GA + micro_steps ×
+    /// micro_batch_rows` (the data layer is deterministic in this index).
+    pub sequences_consumed: u64,
     /// The mesh it was saved from, printed.
     pub mesh: String,
     /// The deferral gate's decision at save time.
@@ -142,29 +203,20 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// The directory a checkpoint path means: a checkpoint directory itself, or a root whose
-/// `latest` names one.
+/// `latest` names one (read strictly, see [`latest`]).
 ///
 /// # Errors
-/// Neither a checkpoint nor a root with `latest`.
+/// Neither a checkpoint nor a root with `latest`, or a `latest` that cannot be used.
 pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     if path.join("manifest.json").is_file() {
         return Ok(path.to_path_buf());
     }
-    let latest = path.join("latest");
-    let name = std::fs::read_to_string(&latest).map_err(|_| {
+    latest(path)?.ok_or_else(|| {
         ckpt_err(
             path,
             "no manifest.json and no `latest` here: not a checkpoint",
         )
-    })?;
-    let name = name.trim();
-    if !is_plain_name(name) {
-        return Err(ckpt_err(
-            &latest,
-            format!("names `{name}`, which is outside its directory"),
-        ));
-    }
-    Ok(path.join(name))
+    })
 }
 
 /// A file name that stays inside its directory.
@@ -176,11 +228,252 @@ fn is_plain_name(name: &str) -> bool {
         && !name.starts_with('.')
 }
 
-/// The newest checkpoint under `root`, if any.
-pub fn latest(root: &Path) -> Option<PathBuf> {
-    resolve(root)
-        .ok()
-        .filter(|p| p.join("manifest.json").is_file())
+/// The name of checkpoint `step`, `micro`: `step_SSSSSSSS_micro_MMM`.
+pub fn checkpoint_name(step: usize, micro: usize) -> String {
+    format!("step_{step:08}_micro_{micro:03}")
+}
+
+/// The step and micro-step a checkpoint directory name stands for (only the exact form
+/// [`checkpoint_name`] writes).
+pub fn parse_checkpoint_name(name: &str) -> Option<(usize, usize)> {
+    let rest = name.strip_prefix("step_")?;
+    let (step, micro) = rest.split_once("_micro_")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(step) || !digits(micro) {
+        return None;
+    }
+    let parsed = (step.parse().ok()?, micro.parse().ok()?);
+    (checkpoint_name(parsed.0, parsed.1) == name).then_some(parsed)
+}
+
+const START_OVER: &str =
+    "(to start over instead, set resume=fresh: the checkpoints are moved aside, not deleted)";
+
+/// A checkpoint directory and its (step, micro-step).
+type CheckpointDir = ((usize, usize), PathBuf);
+
+/// The checkpoint directories directly under `root` with a manifest, by (step, micro), oldest
+/// first. Symlinks and other names are not checkpoints.
+fn checkpoints_in(root: &Path) -> Result<Vec<CheckpointDir>, TrainError> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(io_err(root))? {
+        let entry = entry.map_err(io_err(root))?;
+        let Some(key) = entry.file_name().to_str().and_then(parse_checkpoint_name) else {
+            continue;
+        };
+        let path = entry.path();
+        let is_dir = entry.file_type().map_err(io_err(&path))?.is_dir();
+        if is_dir && path.join("manifest.json").is_file() {
+            found.push((key, path));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// The checkpoint `latest` in `root` names, read strictly: `Ok(None)` only when neither `root`
+/// nor `latest` exists and `root` holds no checkpoint.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`], one line: `latest` is a symlink, not a file, empty, not text, a
+/// name that is not a checkpoint's (or leads outside `root`), names a directory that does not
+/// exist or has no manifest; or `latest` is missing while `root` holds checkpoints.
+pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
+    if !root.exists() {
+        return Ok(None);
+    }
+    let path = root.join("latest");
+    let meta = match std::fs::symlink_metadata(&path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let found = checkpoints_in(root)?;
+            return match found.last() {
+                None => Ok(None),
+                Some((_, newest)) => {
+                    let newest = newest
+                        .file_name()
+                        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+                    Err(ckpt_err(
+                        &path,
+                        format!(
+                            "is missing but the directory holds {} checkpoint(s), the newest \
+                             {newest}; write the name of the one to resume from into `latest` \
+                             {START_OVER}",
+                            found.len(),
+                        ),
+                    ))
+                }
+            };
+        }
+        Err(e) => return Err(io_err(&path)(e)),
+    };
+    if meta.file_type().is_symlink() {
+        return Err(ckpt_err(
+            &path,
+            format!(
+                "is a symlink; ferrotext writes `latest` as a plain file holding a \
+                 checkpoint's name {START_OVER}"
+            ),
+        ));
+    }
+    if !meta.is_file() {
+        return Err(ckpt_err(&path, format!("is not a file {START_OVER}")));
+    }
+    let bytes = std::fs::read(&path).map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
+    let Ok(text) = std::str::from_utf8(&bytes) else {
+        return Err(ckpt_err(&path, format!("is not text {START_OVER}")));
+    };
+    let name = text.trim();
+    if name.is_empty() {
+        return Err(ckpt_err(&path, format!("is empty {START_OVER}")));
+    }
+    if !is_plain_name(name) {
+        return Err(ckpt_err(
+            &path,
+            format!(
+                "names `{}`, which is outside its directory {START_OVER}",
+                name.escape_debug()
+            ),
+        ));
+    }
+    if parse_checkpoint_name(name).is_none() {
+        return Err(ckpt_err(
+            &path,
+            format!(
+                "names `{}`, which is not a checkpoint name (step_SSSSSSSS_micro_MMM) {START_OVER}",
+                name.escape_debug()
+            ),
+        ));
+    }
+    let dir = root.join(name);
+    if !dir.is_dir() {
+        return Err(ckpt_err(
+            &path,
+            format!("names `{name}`, which does not exist {START_OVER}"),
+        ));
+    }
+    if !dir.join("manifest.json").is_file() {
+        return Err(ckpt_err(
+            &dir,
+            format!("named by `latest`, has no manifest.json {START_OVER}"),
+        ));
+    }
+    Ok(Some(dir))
+}
+
+/// Start-up of a run's checkpoint directory `root`, before anything is trained: returns the
+/// checkpoint to resume from, `None` to start at step 0.
+///
+/// * `enable_checkpointing=false`, or no `root` (a first run): `None`, nothing touched.
+/// * `resume=fresh`: `None`; when `writer`, an existing `root` is renamed to
+///   `<root>.replaced_<unix seconds>` beside it (never deleted).
+/// * `resume=auto`: when `writer`, stale temporaries of killed saves (`.tmp_*`, `.latest.tmp`)
+///   are removed and an old checkpoint whose replacement never arrived (`.old_<name>`) is put
+///   back (or removed, when the replacement is in place); then `latest` is read strictly
+///   ([`latest`]).
+///
+/// `writer` is the one process that changes files (process 0); the others only read.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] for a `latest` that cannot be used; I/O failures.
+pub fn prepare_resume(
+    config: &TrainConfig,
+    root: &Path,
+    writer: bool,
+) -> Result<Option<PathBuf>, TrainError> {
+    if !config.enable_checkpointing || !root.exists() {
+        return Ok(None);
+    }
+    if !root.is_dir() {
+        return Err(ckpt_err(root, "is not a directory"));
+    }
+    if config.resume == ResumeMode::Fresh {
+        if writer {
+            move_aside(root)?;
+        }
+        return Ok(None);
+    }
+    if writer {
+        tidy(root)?;
+    }
+    latest(root)
+}
+
+/// Renames `root` to `<root>.replaced_<unix seconds>[_n]`; returns the new path.
+fn move_aside(root: &Path) -> Result<PathBuf, TrainError> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let base = root.file_name().map_or_else(
+        || "checkpoints".to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let parent = match root.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let mut n = 0;
+    let target = loop {
+        let suffix = if n == 0 {
+            String::new()
+        } else {
+            format!("_{n}")
+        };
+        let candidate = parent.join(format!("{base}.replaced_{secs}{suffix}"));
+        if !candidate.exists() {
+            break candidate;
+        }
+        n += 1;
+    };
+    std::fs::rename(root, &target).map_err(io_err(root))?;
+    sync_dir(parent)?;
+    Ok(target)
+}
+
+/// Removes what killed saves left behind and finishes an interrupted replacement (see
+/// [`prepare_resume`]).
+fn tidy(root: &Path) -> Result<(), TrainError> {
+    for entry in std::fs::read_dir(root).map_err(io_err(root))? {
+        let entry = entry.map_err(io_err(root))?;
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        let path = entry.path();
+        let kind = entry.file_type().map_err(io_err(&path))?;
+        if name.starts_with(".tmp_") && kind.is_dir() {
+            std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
+        } else if name == ".latest.tmp" && kind.is_file() {
+            std::fs::remove_file(&path).map_err(io_err(&path))?;
+        } else if let Some(original) = name.strip_prefix(".old_") {
+            if parse_checkpoint_name(original).is_none() || !kind.is_dir() {
+                continue;
+            }
+            let target = root.join(original);
+            if target.exists() {
+                std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
+            } else {
+                std::fs::rename(&path, &target).map_err(io_err(&target))?;
+            }
+        }
+    }
+    sync_dir(root)
+}
+
+/// Keeps the newest `keep` checkpoints under `root` (by step and micro-step) and the one
+/// `latest` names; removes the other checkpoint directories. Anything else is left alone.
+fn prune(root: &Path, keep: usize, current: &str) -> Result<(), TrainError> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let found = checkpoints_in(root)?;
+    let excess = found.len().saturating_sub(keep);
+    for (_, path) in &found[..excess] {
+        if path.file_name().and_then(|n| n.to_str()) == Some(current) {
+            continue;
+        }
+        std::fs::remove_dir_all(path).map_err(io_err(path))?;
+    }
+    sync_dir(root)
 }
 
 /// Everything a checkpoint holds, validated, before it touches an engine.
@@ -247,6 +540,243 @@ fn tensor(
     Ok(Tensor::new(shape.to_vec(), data)?)
 }
 
+/// Sequences the data layer has handed out at `step`, `micro`: the index of the next one.
+/// Saturating: the step comes from a file, and an absurd one must not overflow.
+fn sequences_consumed(config: &TrainConfig, step: usize, micro: usize) -> u64 {
+    let rows = config.micro_batch_rows() as u64;
+    (step as u64)
+        .saturating_mul(config.gradient_accumulation_steps as u64)
+        .saturating_add(micro as u64)
+        .saturating_mul(rows)
+}
+
+/// `manifest.json` of `dir`: its format version, then its seal, then its fields.
+fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
+    let manifest_path = dir.join("manifest.json");
+    let text = std::fs::read(&manifest_path)
+        .map_err(|e| ckpt_err(&manifest_path, format!("cannot read: {e}")))?;
+    let value: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))?;
+    let version = value
+        .get("format_version")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| ckpt_err(&manifest_path, "not a manifest: no format_version"))?;
+    if version > u64::from(FORMAT_VERSION) {
+        return Err(ckpt_err(
+            &manifest_path,
+            format!(
+                "format version {version} is newer than this ferrotext reads ({FORMAT_VERSION})"
+            ),
+        ));
+    }
+    if version < u64::from(FORMAT_VERSION) {
+        return Err(ckpt_err(
+            &manifest_path,
+            format!(
+                "format version {version} has no manifest seal and cannot be verified (this \
+                 ferrotext reads {FORMAT_VERSION}); its parameters load with \
+                 load_parameters_path={}",
+                dir.join("params.safetensors").display()
+            ),
+        ));
+    }
+    let seal_path = dir.join(MANIFEST_SEAL);
+    let seal = std::fs::read_to_string(&seal_path).map_err(|e| {
+        ckpt_err(
+            &seal_path,
+            format!("cannot read ({e}): manifest.json cannot be verified"),
+        )
+    })?;
+    let want = seal.split_whitespace().next().unwrap_or_default();
+    if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ckpt_err(
+            &seal_path,
+            "is not `<sha256>  manifest.json`: manifest.json cannot be verified",
+        ));
+    }
+    if !hex(&Sha256::digest(&text)).eq_ignore_ascii_case(want) {
+        return Err(ckpt_err(
+            &manifest_path,
+            format!(
+                "checksum mismatch with {MANIFEST_SEAL}: the manifest is corrupt or was modified"
+            ),
+        ));
+    }
+    serde_json::from_value(value)
+        .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))
+}
+
+/// Every number of the manifest against the files it lists, the config it carries and the
+/// directory's name.
+fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainError> {
+    let path = dir.join("manifest.json");
+    let bad = |reason: String| Err(ckpt_err(&path, reason));
+    for file in m.files.keys().chain(m.tensors.iter().map(|t| &t.file)) {
+        if !is_plain_name(file) {
+            return bad(format!("points outside its directory: `{file}`"));
+        }
+    }
+    let cfg = &m.config;
+    let ga = cfg.gradient_accumulation_steps;
+    if m.micro_steps >= ga {
+        return bad(format!(
+            "micro_steps {} is not below gradient_accumulation_steps {ga}",
+            m.micro_steps
+        ));
+    }
+    let most = (m.micro_steps as u64)
+        .saturating_mul(cfg.micro_batch_rows() as u64)
+        .saturating_mul(cfg.max_target_length as u64);
+    if m.micro_steps == 0 && m.token_denominator != 0 {
+        return bad(format!(
+            "token_denominator {} at a step boundary (micro_steps 0) must be 0",
+            m.token_denominator
+        ));
+    }
+    if m.micro_steps > 0 && !(1..=most).contains(&m.token_denominator) {
+        return bad(format!(
+            "token_denominator {} is outside 1..={most} (micro_steps {} × {} rows × {} tokens)",
+            m.token_denominator,
+            m.micro_steps,
+            cfg.micro_batch_rows(),
+            cfg.max_target_length
+        ));
+    }
+    let loss = f64::from_bits(m.pending_loss_sum_bits);
+    if !loss.is_finite() {
+        return bad(format!("pending_loss_sum {loss} is not finite"));
+    }
+    if m.micro_steps == 0 && loss != 0.0 {
+        return bad(format!(
+            "pending_loss_sum {loss} at a step boundary (micro_steps 0) must be 0"
+        ));
+    }
+    if (loss - m.pending_loss_sum).abs() > 1e-12 * loss.abs().max(1.0) {
+        return bad(format!(
+            "pending_loss_sum {} disagrees with pending_loss_sum_bits ({loss})",
+            m.pending_loss_sum
+        ));
+    }
+    if m.optimizer_steps > m.step as u64 {
+        return bad(format!(
+            "optimizer_steps {} is more than step {}",
+            m.optimizer_steps, m.step
+        ));
+    }
+    if cfg.opt_type == OptType::Sgd && m.optimizer_steps != 0 {
+        return bad(format!(
+            "optimizer_steps {} for SGD, which keeps no state",
+            m.optimizer_steps
+        ));
+    }
+    let mut needed = BTreeSet::from(["params.safetensors"]);
+    if cfg.opt_type == OptType::Adamw {
+        needed.insert("optimizer.safetensors");
+    }
+    if m.micro_steps > 0 {
+        needed.insert("accumulator.safetensors");
+    }
+    for file in &needed {
+        if !m.files.contains_key(*file) {
+            return bad(format!(
+                "does not list {file}, which this checkpoint needs (opt_type {:?}, micro_steps \
+                 {}): it is incomplete",
+                cfg.opt_type, m.micro_steps
+            ));
+        }
+    }
+    if let Some(extra) = m.files.keys().find(|f| !needed.contains(f.as_str())) {
+        return bad(format!(
+            "lists {extra}, which a checkpoint with opt_type {:?} and micro_steps {} does not have",
+            cfg.opt_type, m.micro_steps
+        ));
+    }
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    match parse_checkpoint_name(name) {
+        Some((step, micro)) if (step, micro) == (m.step, m.micro_steps) => {}
+        Some((step, micro)) => {
+            return bad(format!(
+                "says step {} micro-step {}, but its directory is `{name}` (step {step} \
+                 micro-step {micro})",
+                m.step, m.micro_steps
+            ))
+        }
+        None => {
+            return bad(format!(
+                "is in `{name}`, which is not a checkpoint name ({})",
+                checkpoint_name(m.step, m.micro_steps)
+            ))
+        }
+    }
+    if m.dataset_order != cfg.dataset_order {
+        return bad(format!(
+            "dataset_order {:?} disagrees with its config's {:?}",
+            m.dataset_order, cfg.dataset_order
+        ));
+    }
+    let consumed = sequences_consumed(cfg, m.step, m.micro_steps);
+    if m.sequences_consumed != consumed {
+        return bad(format!(
+            "sequences_consumed {} does not match step {} micro-step {} of its config ({consumed})",
+            m.sequences_consumed, m.step, m.micro_steps
+        ));
+    }
+    Ok(())
+}
+
+/// The saved config against the current one: only [`RESUMABLE_KEYS`] may differ, and the
+/// layout keys as long as the global micro-batch is the same. Compared as JSON, so a new key is
+/// strict until it is listed.
+fn check_config(dir: &Path, saved: &TrainConfig, now: &TrainConfig) -> Result<(), TrainError> {
+    let as_object = |c: &TrainConfig| match serde_json::to_value(c) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ckpt_err(dir, "a config is not a JSON object")),
+        Err(e) => Err(ckpt_err(dir, format!("cannot compare configs: {e}"))),
+    };
+    let (a, b) = (as_object(saved)?, as_object(now)?);
+    let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let null = serde_json::Value::Null;
+    let mut strict = Vec::new();
+    let mut layout = Vec::new();
+    for key in keys {
+        let (was, is) = (a.get(key).unwrap_or(&null), b.get(key).unwrap_or(&null));
+        if was == is || RESUMABLE_KEYS.contains(&key.as_str()) {
+            continue;
+        }
+        let change = format!("{key} was {was} when saved, now {is}");
+        if is_layout_key(key) {
+            layout.push(change);
+        } else {
+            strict.push(change);
+        }
+    }
+    if !strict.is_empty() {
+        return Err(ckpt_err(
+            dir,
+            format!(
+                "{}; only {} may change on resume (and the layout keys local_devices, \
+                 num_processes, ici_*_parallelism, shard_mode, shard_optimizer_over_data, \
+                 per_device_batch_size, as long as the global micro-batch stays the same)",
+                strict.join("; "),
+                RESUMABLE_KEYS.join(", ")
+            ),
+        ));
+    }
+    if saved.micro_batch_rows() != now.micro_batch_rows() {
+        return Err(ckpt_err(
+            dir,
+            format!(
+                "the global micro-batch (per_device_batch_size × devices) was {} sequences when \
+                 saved, now {} ({}); the layout may change on resume only if it stays the same",
+                saved.micro_batch_rows(),
+                now.micro_batch_rows(),
+                layout.join("; ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Engine {
     fn mesh_description(&self) -> String {
         self.promised
@@ -271,8 +801,10 @@ impl Engine {
         self.save_checkpoint_with_hook(cx, root, &|_| Ok(()))
     }
 
-    /// [`Engine::save_checkpoint`] calling `after_file(name)` after each file is written — the
-    /// test hook for injecting a failure at every point of a save.
+    /// [`Engine::save_checkpoint`] calling `after_file(name)` after each file is written and
+    /// after each step of publishing it (`aside`: an existing checkpoint of the same name moved
+    /// aside; `rename`: the new one renamed into place; `latest`) — the test hook for injecting a
+    /// failure at every point of a save.
     ///
     /// # Errors
     /// As [`Engine::save_checkpoint`], or the hook's error (the save stops there).
@@ -338,7 +870,7 @@ impl Engine {
         };
         // 2. device 0 writes: temporary directory, fsync, rename, then `latest`
         let micro = pending.as_ref().map_or(0, |p| p.1);
-        let name = format!("step_{:08}_micro_{micro:03}", self.step);
+        let name = checkpoint_name(self.step, micro);
         let final_dir = root.join(&name);
         if cx.device() == 0 {
             std::fs::create_dir_all(root).map_err(io_err(root))?;
@@ -437,7 +969,10 @@ impl Engine {
                 micro_steps: micro,
                 token_denominator,
                 pending_loss_sum,
+                pending_loss_sum_bits: pending_loss_sum.to_bits(),
                 optimizer_steps,
+                dataset_order: self.config.dataset_order,
+                sequences_consumed: sequences_consumed(&self.config, self.step, micro),
                 mesh: self.mesh_description(),
                 accumulator_types: self
                     .pending
@@ -451,18 +986,39 @@ impl Engine {
             let json =
                 serde_json::to_vec_pretty(&manifest).map_err(|e| ckpt_err(&tmp, e.to_string()))?;
             write_synced(&tmp.join("manifest.json"), &json)?;
+            write_synced(
+                &tmp.join(MANIFEST_SEAL),
+                format!("{}  manifest.json\n", hex(&Sha256::digest(&json))).as_bytes(),
+            )?;
             after_file("manifest.json").map_err(io_err(&tmp))?;
             sync_dir(&tmp)?;
-            if final_dir.exists() {
-                std::fs::remove_dir_all(&final_dir).map_err(io_err(&final_dir))?;
+            // A checkpoint of the same name is replaced only once the new one is complete: the
+            // old one moves aside, the new one in, then the old one goes (start-up puts an old
+            // one back if the new one never arrived).
+            let aside = root.join(format!(".old_{name}"));
+            let replacing = final_dir.exists();
+            if replacing {
+                if aside.exists() {
+                    // A leftover of an earlier replacement that finished: `final_dir` is whole.
+                    std::fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
+                }
+                std::fs::rename(&final_dir, &aside).map_err(io_err(&aside))?;
+                sync_dir(root)?;
+                after_file("aside").map_err(io_err(root))?;
             }
             std::fs::rename(&tmp, &final_dir).map_err(io_err(&final_dir))?;
             sync_dir(root)?;
+            after_file("rename").map_err(io_err(root))?;
             let latest_tmp = root.join(".latest.tmp");
             write_synced(&latest_tmp, name.as_bytes())?;
             std::fs::rename(&latest_tmp, root.join("latest")).map_err(io_err(root))?;
             sync_dir(root)?;
             after_file("latest").map_err(io_err(root))?;
+            if replacing {
+                std::fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
+                sync_dir(root)?;
+            }
+            prune(root, self.config.checkpoint_keep, &name)?;
         }
         // Nobody reads or overwrites the checkpoint before it is complete.
         let all_axes: Vec<String> = cx.mesh().axis_names().map(str::to_string).collect();
@@ -471,31 +1027,30 @@ impl Engine {
     }
 
     fn load(&self, dir: &Path) -> Result<Loaded, TrainError> {
+        let manifest = read_manifest(dir)?;
+        validate_manifest(dir, &manifest)?;
+        check_config(dir, &manifest.config, &self.config)?;
+        // The data position the current config implies for this step and micro-step.
         let manifest_path = dir.join("manifest.json");
-        let text = std::fs::read(&manifest_path)
-            .map_err(|e| ckpt_err(&manifest_path, format!("cannot read: {e}")))?;
-        let manifest: Manifest = serde_json::from_slice(&text)
-            .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))?;
-        if manifest.format_version > FORMAT_VERSION {
+        if manifest.dataset_order != self.config.dataset_order {
             return Err(ckpt_err(
                 &manifest_path,
                 format!(
-                    "format version {} is newer than this ferrotext reads ({FORMAT_VERSION})",
-                    manifest.format_version
+                    "dataset_order was {:?} when saved, now {:?}",
+                    manifest.dataset_order, self.config.dataset_order
                 ),
             ));
         }
-        for file in manifest
-            .files
-            .keys()
-            .chain(manifest.tensors.iter().map(|t| &t.file))
-        {
-            if !is_plain_name(file) {
-                return Err(ckpt_err(
-                    &manifest_path,
-                    format!("points outside its directory: `{file}`"),
-                ));
-            }
+        let expected = sequences_consumed(&self.config, manifest.step, manifest.micro_steps);
+        if manifest.sequences_consumed != expected {
+            return Err(ckpt_err(
+                &manifest_path,
+                format!(
+                    "sequences_consumed is {}, but step {} micro-step {} of this config is at \
+                     sequence {expected}",
+                    manifest.sequences_consumed, manifest.step, manifest.micro_steps
+                ),
+            ));
         }
         let bytes = read_verified(dir, &manifest, "params.safetensors")?;
         let path = dir.join("params.safetensors");
@@ -514,9 +1069,9 @@ impl Engine {
                 t
             });
         }
-        let moments = if self.opt.moments().is_some()
-            && manifest.files.contains_key("optimizer.safetensors")
-        {
+        // `validate_manifest` and `check_config` made sure the file is listed when the
+        // optimizer keeps state: a missing one is an error, never a silent reset.
+        let moments = if self.opt.moments().is_some() {
             let bytes = read_verified(dir, &manifest, "optimizer.safetensors")?;
             let path = dir.join("optimizer.safetensors");
             let file = SafeTensors::deserialize(&bytes)
@@ -672,7 +1227,7 @@ impl Engine {
                         grads,
                         plan: self.reduce_plan.clone(),
                     },
-                    loss_sum: loaded.manifest.pending_loss_sum,
+                    loss_sum: f64::from_bits(loaded.manifest.pending_loss_sum_bits),
                     tokens: loaded.manifest.token_denominator,
                     micro_steps: loaded.manifest.micro_steps,
                     started: Instant::now(),

@@ -134,6 +134,10 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
             &model.params(),
         )?)
     };
+    // Resume (strict; `resume=fresh` moves old checkpoints aside): process 0 changes files.
+    let root = config.checkpoint_root();
+    let writer = options.cluster.is_none_or(|c| c.process() == 0);
+    let resume_from = checkpoint::prepare_resume(config, &root, writer)?;
     let mesh = compute_mesh(config)?;
     let spmd = SpmdOptions::default().with_timeout_secs(config.collective_timeout_seconds)?;
     // The device program owns what it reads, so a run whose group has failed can return even
@@ -165,9 +169,8 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
             }
             // Automatic resume: the same run name continues from its latest checkpoint; the
             // data position is the step index, so no batch is skipped or repeated.
-            let root = config.checkpoint_root();
-            if config.enable_checkpointing && checkpoint::latest(&root).is_some() {
-                trainer.engine_mut().restore_checkpoint(&mut cx, &root)?;
+            if let Some(dir) = &resume_from {
+                trainer.engine_mut().restore_checkpoint(&mut cx, dir)?;
             }
             let first_step = trainer.engine().steps_taken();
             let mut log = match metrics_path {

@@ -1,13 +1,14 @@
 //! Checkpoints: a mid-step round trip bitwise equal to an uninterrupted run (deferral on and
 //! off), resume at a step boundary, a failure after every file of a save, and corrupt files.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions};
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
-use ferrotext_train::checkpoint::latest;
+use ferrotext_train::checkpoint::{latest, prepare_resume};
 use ferrotext_train::data::{source_for, TokenSource};
 mod common;
 
@@ -43,11 +44,12 @@ fn mid_step_round_trip(extra: &[&str]) {
             let mut cx = Ctx::new(dev.comm(), 1);
             // Uninterrupted.
             let mut a = Engine::new(&mut cx, &cfg, None)?;
+            let mut a_losses = Vec::new();
             for step in 0..3u64 {
                 for micro in 0..2 {
                     feed(&mut cx, &mut a, source.as_ref(), &cfg, step, micro)?;
                 }
-                a.update(&mut cx)?;
+                a_losses.push(a.update(&mut cx)?.loss.to_bits());
             }
             // Interrupted in the middle of step 1.
             let mut b = Engine::new(&mut cx, &cfg, None)?;
@@ -67,11 +69,12 @@ fn mid_step_round_trip(extra: &[&str]) {
             c.restore_checkpoint(&mut cx, &root)?;
             assert_eq!(c.pending_micro_steps(), 1);
             feed(&mut cx, &mut c, source.as_ref(), &cfg, 1, 1)?;
-            c.update(&mut cx)?;
+            // The pending loss sum and tokens came back exactly: the step's loss is the same.
+            assert_eq!(c.update(&mut cx)?.loss.to_bits(), a_losses[1]);
             for micro in 0..2 {
                 feed(&mut cx, &mut c, source.as_ref(), &cfg, 2, micro)?;
             }
-            c.update(&mut cx)?;
+            assert_eq!(c.update(&mut cx)?.loss.to_bits(), a_losses[2]);
             Ok((
                 a.params_to_host(&mut cx)?,
                 c.params_to_host(&mut cx)?,
@@ -234,7 +237,9 @@ fn a_failure_after_any_file_of_a_save_leaves_the_previous_checkpoint() {
             err.contains(&format!("injected after {fail_at}")),
             "{fail_at}: {err}"
         );
-        let newest = latest(&root).expect("a checkpoint is still named by `latest`");
+        let newest = latest(&root)
+            .unwrap()
+            .expect("a checkpoint is still named by `latest`");
         assert!(
             newest.ends_with("step_00000001_micro_000"),
             "{fail_at}: latest is {}",
@@ -318,8 +323,9 @@ fn corrupt_checkpoints_are_clear_errors() {
     bytes[mid] ^= 0x40;
     std::fs::write(&f, bytes).unwrap();
     assert!(restore_error(&cfg, &root).contains("optimizer.safetensors: checksum mismatch"));
-    // wrong shape: restored into a wider model
-    let (root, _) = fresh("shape");
+    // wrong shape: a (sealed) manifest that claims a wider model
+    let (root, dir) = fresh("shape");
+    edit_manifest(&dir, true, |m| m["config"]["base_emb_dim"] = 48.into());
     let wider = config(&["base_emb_dim=48"]);
     let err = restore_error(&wider, &root);
     assert!(
@@ -336,10 +342,10 @@ fn corrupt_checkpoints_are_clear_errors() {
     let m = dir.join("manifest.json");
     let text = std::fs::read_to_string(&m)
         .unwrap()
-        .replace("\"format_version\": 1", "\"format_version\": 99");
+        .replace("\"format_version\": 2", "\"format_version\": 99");
     std::fs::write(&m, text).unwrap();
     assert!(restore_error(&cfg, &root)
-        .contains("format version 99 is newer than this ferrotext reads (1)"));
+        .contains("format version 99 is newer than this ferrotext reads (2)"));
     // a manifest pointing outside its directory
     let (root, dir) = fresh("outside");
     let m = dir.join("manifest.json");
@@ -347,6 +353,7 @@ fn corrupt_checkpoints_are_clear_errors() {
         .unwrap()
         .replace("\"params.safetensors\"", "\"../params.safetensors\"");
     std::fs::write(&m, text).unwrap();
+    seal(&dir);
     assert!(restore_error(&cfg, &root)
         .contains("points outside its directory: `../params.safetensors`"));
     // `latest` naming something outside
@@ -369,4 +376,527 @@ fn corrupt_checkpoints_are_clear_errors() {
 #[test]
 fn mid_step_round_trip_with_zero1_is_bitwise_equal() {
     mid_step_round_trip(&["shard_optimizer_over_data=true"]);
+}
+
+/// Rewrites `manifest.sha256` to match `manifest.json` (as a deliberate editor would).
+fn seal(dir: &Path) {
+    use sha2::Digest;
+    let bytes = std::fs::read(dir.join("manifest.json")).unwrap();
+    let hash: String = sha2::Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    std::fs::write(
+        dir.join("manifest.sha256"),
+        format!("{hash}  manifest.json\n"),
+    )
+    .unwrap();
+}
+
+/// Edits `manifest.json` of `dir` as JSON; `reseal` also fixes its seal.
+fn edit_manifest(dir: &Path, reseal: bool, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut m);
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    if reseal {
+        seal(dir);
+    }
+}
+
+/// Every file under `root` (symlinks as their target text), by relative path.
+fn snapshot(root: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let rel = path.strip_prefix(root).unwrap().to_path_buf();
+            if meta.file_type().is_symlink() {
+                let target = std::fs::read_link(&path).unwrap();
+                out.insert(rel, format!("-> {}", target.display()).into_bytes());
+            } else if meta.is_dir() {
+                out.insert(rel, b"<dir>".to_vec());
+                todo.push(path);
+            } else {
+                out.insert(rel, std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        let dest = to.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_dir(&path, &dest);
+        } else {
+            std::fs::copy(&path, &dest).unwrap();
+        }
+    }
+}
+
+/// A run's config under `base` with checkpoints every step.
+fn run_config(base: &Path, run: &str, extra: &[&str]) -> TrainConfig {
+    let dir = format!("base_output_directory={}", base.display());
+    let run = format!("run_name={run}");
+    let mut all = vec![
+        dir.as_str(),
+        run.as_str(),
+        "enable_checkpointing=true",
+        "checkpoint_period=1",
+    ];
+    all.extend_from_slice(extra);
+    config(&all)
+}
+
+fn train_steps(cfg: &TrainConfig, steps: Option<usize>) -> Result<Vec<usize>, TrainError> {
+    let report = train(
+        cfg,
+        &RunOptions {
+            stop_after_steps: steps,
+            ..Default::default()
+        },
+    )?;
+    Ok(report.metrics.iter().map(|m| m.step).collect())
+}
+
+/// Every way `latest` can be unreadable: the run stops with a checkpoint error naming it, and
+/// not one byte of the checkpoint directory changes (before: a silent fresh run from step 0
+/// that overwrote `step_00000001_micro_000` and `step_00000002_micro_000`).
+#[test]
+fn an_unreadable_latest_is_an_error_and_nothing_is_overwritten() {
+    let base = scratch("bad-latest");
+    let template = run_config(&base, "template", &[]);
+    assert_eq!(train_steps(&template, Some(2)).unwrap(), vec![0, 1]);
+    let template_root = template.checkpoint_root();
+    type Spoil = fn(&Path);
+    let variants: [(&str, Spoil, &str); 7] = [
+        (
+            "empty",
+            |r| std::fs::write(r.join("latest"), "").unwrap(),
+            "latest: is empty",
+        ),
+        (
+            "garbage",
+            |r| std::fs::write(r.join("latest"), "\u{0}zz garbage\n").unwrap(),
+            "which is not a checkpoint name",
+        ),
+        (
+            "binary",
+            |r| std::fs::write(r.join("latest"), [0xff, 0xfe, 0x00]).unwrap(),
+            "latest: is not text",
+        ),
+        (
+            "missing-step",
+            |r| std::fs::write(r.join("latest"), "step_00000009_micro_000").unwrap(),
+            "names `step_00000009_micro_000`, which does not exist",
+        ),
+        (
+            "symlink",
+            |r| {
+                std::fs::write(r.join("latest.real"), "step_00000002_micro_000").unwrap();
+                std::fs::remove_file(r.join("latest")).unwrap();
+                std::os::unix::fs::symlink("latest.real", r.join("latest")).unwrap();
+            },
+            "latest: is a symlink",
+        ),
+        (
+            "no-manifest",
+            |r| std::fs::remove_file(r.join("step_00000002_micro_000/manifest.json")).unwrap(),
+            "step_00000002_micro_000: named by `latest`, has no manifest.json",
+        ),
+        (
+            "no-latest",
+            |r| std::fs::remove_file(r.join("latest")).unwrap(),
+            "latest: is missing but the directory holds 2 checkpoint(s)",
+        ),
+    ];
+    for (name, spoil, expected) in variants {
+        let cfg = run_config(&base, name, &[]);
+        let root = cfg.checkpoint_root();
+        copy_dir(&template_root, &root);
+        spoil(&root);
+        let before = snapshot(&root);
+        let err = train_steps(&cfg, None).expect_err(name);
+        let msg = err.to_string();
+        assert!(
+            matches!(err, TrainError::Checkpoint { .. }),
+            "{name}: {msg}"
+        );
+        assert!(msg.contains(expected), "{name}: {msg}");
+        assert!(msg.contains("resume=fresh"), "{name}: {msg}");
+        assert_eq!(msg.lines().count(), 1, "{name}: {msg}");
+        assert!(snapshot(&root) == before, "{name}: the checkpoints changed");
+    }
+    // A checkpoint that `latest` names but that does not load (a bad seal) stops the run too.
+    let cfg = run_config(&base, "unsealed", &[]);
+    let root = cfg.checkpoint_root();
+    copy_dir(&template_root, &root);
+    std::fs::write(root.join("step_00000002_micro_000/manifest.sha256"), "0").unwrap();
+    let before = snapshot(&root);
+    let msg = train_steps(&cfg, None).unwrap_err().to_string();
+    assert!(msg.contains("cannot be verified"), "{msg}");
+    assert!(snapshot(&root) == before);
+    std::fs::remove_dir_all(&base).ok();
+}
+
+/// `resume=fresh` starts at step 0 — even over an unreadable `latest` — and moves the old
+/// checkpoint directory aside, byte for byte.
+#[test]
+fn resume_fresh_starts_over_and_moves_the_old_checkpoints_aside() {
+    let base = scratch("fresh");
+    let cfg = run_config(&base, "run", &[]);
+    train_steps(&cfg, Some(2)).unwrap();
+    let root = cfg.checkpoint_root();
+    std::fs::write(root.join("latest"), "garbage").unwrap();
+    let old = snapshot(&root);
+    let fresh = run_config(&base, "run", &["resume=fresh"]);
+    assert_eq!(train_steps(&fresh, Some(1)).unwrap(), vec![0]);
+    let moved: Vec<PathBuf> = std::fs::read_dir(base.join("run"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("checkpoints.replaced_")
+        })
+        .collect();
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert!(
+        snapshot(&moved[0]) == old,
+        "the old checkpoints moved intact"
+    );
+    assert!(latest(&root)
+        .unwrap()
+        .unwrap()
+        .ends_with("step_00000001_micro_000"));
+    assert!(!root.join("step_00000002_micro_000").exists());
+    // Back to `auto`: it continues from the new run's step 1.
+    assert_eq!(train_steps(&cfg, Some(1)).unwrap(), vec![1]);
+    std::fs::remove_dir_all(&base).ok();
+}
+
+/// A mid-step checkpoint at step 1, micro-step 1 (AdamW, so all four files).
+fn mid_step_checkpoint(root: &Path) -> PathBuf {
+    let cfg = config(&[]);
+    let mesh = compute_mesh(&cfg).unwrap();
+    let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
+    run_spmd(
+        &mesh,
+        &SpmdOptions::default(),
+        |dev| -> Result<_, TrainError> {
+            let mut cx = Ctx::new(dev.comm(), 1);
+            let mut e = Engine::new(&mut cx, &cfg, None)?;
+            for micro in 0..2 {
+                feed(&mut cx, &mut e, source.as_ref(), &cfg, 0, micro)?;
+            }
+            e.update(&mut cx)?;
+            feed(&mut cx, &mut e, source.as_ref(), &cfg, 1, 0)?;
+            e.save_checkpoint(&mut cx, root)
+        },
+    )
+    .unwrap()
+    .remove(0)
+}
+
+/// Each tampering with the manifest — sealed again, or not — is an error naming the problem
+/// (before: all of them loaded, e.g. a zero denominator doubled the step's loss and a dropped
+/// optimizer file reset the Adam moments).
+#[test]
+fn manifest_tampering_is_an_error_naming_the_problem() {
+    let cfg = config(&[]);
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, bool, Edit, &str); 10] = [
+        (
+            "step+1",
+            true,
+            |m| m["step"] = 2.into(),
+            "says step 2 micro-step 1, but its directory is `step_00000001_micro_001`",
+        ),
+        (
+            "step-1",
+            true,
+            |m| m["step"] = 0.into(),
+            "optimizer_steps 1 is more than step 0",
+        ),
+        (
+            "micro>=ga",
+            true,
+            |m| m["micro_steps"] = 2.into(),
+            "micro_steps 2 is not below gradient_accumulation_steps 2",
+        ),
+        (
+            "zero-denominator",
+            true,
+            |m| m["token_denominator"] = 0.into(),
+            "token_denominator 0 is outside 1..=64",
+        ),
+        (
+            "big-denominator",
+            true,
+            |m| m["token_denominator"] = 65.into(),
+            "token_denominator 65 is outside 1..=64",
+        ),
+        (
+            "no-optimizer",
+            true,
+            |m| {
+                m["files"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("optimizer.safetensors");
+            },
+            "does not list optimizer.safetensors",
+        ),
+        (
+            "position",
+            true,
+            |m| m["sequences_consumed"] = 13.into(),
+            "sequences_consumed 13 does not match step 1 micro-step 1 of its config (12)",
+        ),
+        (
+            "loss-nan",
+            true,
+            |m| m["pending_loss_sum_bits"] = f64::NAN.to_bits().into(),
+            "pending_loss_sum NaN is not finite",
+        ),
+        (
+            "unsealed-edit",
+            false,
+            |m| m["pending_loss_sum"] = 1.0.into(),
+            "manifest.json: checksum mismatch with manifest.sha256",
+        ),
+        (
+            "unsealed-config",
+            false,
+            |m| m["config"]["gradient_accumulation_steps"] = 4.into(),
+            "manifest.json: checksum mismatch with manifest.sha256",
+        ),
+    ];
+    for (name, reseal, edit, expected) in cases {
+        let root = scratch(&format!("tamper-{name}"));
+        let dir = mid_step_checkpoint(&root);
+        edit_manifest(&dir, reseal, edit);
+        // Loaded through `latest` and by its own directory alike.
+        for path in [&root, &dir] {
+            let err = restore_error(&cfg, path);
+            assert!(err.contains(expected), "{name}: {err}");
+        }
+        std::fs::remove_dir_all(&root).ok();
+    }
+    // No seal at all.
+    let root = scratch("tamper-no-seal");
+    let dir = mid_step_checkpoint(&root);
+    std::fs::remove_file(dir.join("manifest.sha256")).unwrap();
+    let err = restore_error(&cfg, &dir);
+    assert!(
+        err.contains("manifest.sha256: cannot read") && err.contains("cannot be verified"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// A mid-step checkpoint restored under a changed config: keys that change the data, the
+/// model or the optimizer are errors naming the key and both values; the schedule may change.
+#[test]
+fn a_changed_config_on_resume_is_an_error_naming_the_key() {
+    let root = scratch("changed-config");
+    mid_step_checkpoint(&root);
+    for (change, expected) in [
+        (
+            "gradient_accumulation_steps=4",
+            "gradient_accumulation_steps was 2 when saved, now 4; only steps, learning_rate",
+        ),
+        (
+            "max_target_length=8",
+            "max_target_length was 16 when saved, now 8",
+        ),
+        (
+            "per_device_batch_size=2",
+            "the global micro-batch (per_device_batch_size × devices) was 4 sequences when \
+             saved, now 8 (per_device_batch_size was 1.0 when saved, now 2.0)",
+        ),
+        (
+            "data_shuffle_seed=7",
+            "data_shuffle_seed was 0 when saved, now 7",
+        ),
+        (
+            "opt_type=sgd",
+            "opt_type was \"adamw\" when saved, now \"sgd\"",
+        ),
+        (
+            "dataset_order=sequential",
+            "dataset_order was \"random\" when saved",
+        ),
+    ] {
+        let err = restore_error(&config(&[change]), &root);
+        assert!(err.contains(expected), "{change}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    // The schedule and the cadence may change.
+    let cfg = config(&[
+        "steps=10",
+        "learning_rate=0.05",
+        "checkpoint_keep=3",
+        "collective_timeout_seconds=60",
+    ]);
+    let mesh = compute_mesh(&cfg).unwrap();
+    let restored = run_spmd(
+        &mesh,
+        &SpmdOptions::default(),
+        |dev| -> Result<_, TrainError> {
+            let mut cx = Ctx::new(dev.comm(), 1);
+            let mut e = Engine::new(&mut cx, &cfg, None)?;
+            e.restore_checkpoint(&mut cx, &root)?;
+            Ok((e.steps_taken(), e.pending_micro_steps()))
+        },
+    )
+    .unwrap();
+    assert_eq!(restored[0], (1, 1));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+/// What killed saves leave behind (`.tmp_*` directories, `.latest.tmp`) is removed when the
+/// next run starts, which then resumes normally.
+#[test]
+fn start_up_removes_stale_temporaries() {
+    let base = scratch("stale");
+    let cfg = run_config(&base, "run", &[]);
+    train_steps(&cfg, Some(2)).unwrap();
+    let root = cfg.checkpoint_root();
+    let stale = root.join(".tmp_step_00000003_micro_000_424242");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("params.safetensors"), b"half a file").unwrap();
+    std::fs::write(root.join(".latest.tmp"), "step_0000").unwrap();
+    assert_eq!(train_steps(&cfg, Some(1)).unwrap(), vec![2]);
+    assert!(!stale.exists(), "the stale temporary directory is gone");
+    assert!(!root.join(".latest.tmp").exists());
+    std::fs::remove_dir_all(&base).ok();
+}
+
+/// `checkpoint_keep=2`: after every save only the two newest checkpoints remain; other
+/// directories under the root are left alone.
+#[test]
+fn checkpoint_keep_leaves_exactly_the_two_newest() {
+    let base = scratch("keep");
+    let cfg = run_config(&base, "run", &["checkpoint_keep=2"]);
+    let root = cfg.checkpoint_root();
+    std::fs::create_dir_all(root.join("notes")).unwrap();
+    std::fs::create_dir_all(root.join("step_00000000_micro_000.bak")).unwrap();
+    assert_eq!(train_steps(&cfg, None).unwrap(), vec![0, 1, 2, 3]);
+    let mut names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "latest",
+            "notes",
+            "step_00000000_micro_000.bak",
+            "step_00000003_micro_000",
+            "step_00000004_micro_000",
+        ]
+    );
+    std::fs::remove_dir_all(&base).ok();
+}
+
+/// Saving again under a name that exists, failing at every point of the save: at each point a
+/// complete checkpoint of that name is in place or set aside, and after start-up the one
+/// `latest` names loads with the saved weights (before: the old directory was deleted before
+/// the new one was renamed in).
+#[test]
+fn re_saving_the_same_name_keeps_a_loadable_checkpoint_at_every_point() {
+    let cfg = config(&[]);
+    let mesh = compute_mesh(&cfg).unwrap();
+    let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
+    let name = "step_00000001_micro_000";
+    for fail_at in [
+        "params.safetensors",
+        "optimizer.safetensors",
+        "manifest.json",
+        "aside",
+        "rename",
+        "latest",
+    ] {
+        let root = scratch(&format!("resave-{fail_at}"));
+        let whole = Mutex::new(Vec::new());
+        let outcome = run_spmd(
+            &mesh,
+            &SpmdOptions::default(),
+            |dev| -> Result<_, TrainError> {
+                let mut cx = Ctx::new(dev.comm(), 1);
+                let mut e = Engine::new(&mut cx, &cfg, None)?;
+                for micro in 0..2 {
+                    feed(&mut cx, &mut e, source.as_ref(), &cfg, 0, micro)?;
+                }
+                e.update(&mut cx)?;
+                e.save_checkpoint(&mut cx, &root)?;
+                let hook = |point: &str| {
+                    // A complete checkpoint of this name exists at every point of the save.
+                    let in_place = root.join(name).join("manifest.json").is_file();
+                    let aside = root.join(format!(".old_{name}/manifest.json")).is_file();
+                    whole
+                        .lock()
+                        .unwrap()
+                        .push((point.to_string(), in_place || aside));
+                    if point == fail_at {
+                        Err(std::io::Error::other(format!("injected after {point}")))
+                    } else {
+                        Ok(())
+                    }
+                };
+                let failed = e.save_checkpoint_with_hook(&mut cx, &root, &hook);
+                Ok((
+                    e.params_to_host(&mut cx)?,
+                    failed.err().map(|e| e.to_string()),
+                ))
+            },
+        )
+        .unwrap();
+        let (saved, err) = &outcome[0];
+        let err = err.clone().unwrap_or_default();
+        assert!(
+            err.contains(&format!("injected after {fail_at}")),
+            "{fail_at}: {err}"
+        );
+        for (point, ok) in whole.lock().unwrap().iter() {
+            assert!(ok, "{fail_at}: no complete checkpoint at `{point}`");
+        }
+        // Start-up finishes or undoes the replacement; the checkpoint loads.
+        let dir = prepare_resume(&run_like(&cfg), &root, true)
+            .unwrap()
+            .expect("a checkpoint to resume from");
+        assert!(dir.ends_with(name), "{fail_at}: {}", dir.display());
+        assert!(!root.join(format!(".old_{name}")).exists());
+        let restored = run_spmd(
+            &mesh,
+            &SpmdOptions::default(),
+            |dev| -> Result<_, TrainError> {
+                let mut cx = Ctx::new(dev.comm(), 1);
+                let mut e = Engine::new(&mut cx, &cfg, None)?;
+                e.restore_checkpoint(&mut cx, &dir)?;
+                Ok((e.steps_taken(), e.params_to_host(&mut cx)?))
+            },
+        )
+        .unwrap();
+        assert_eq!(restored[0].0, 1);
+        assert!(&restored[0].1 == saved, "{fail_at}: the weights came back");
+        std::fs::remove_dir_all(&root).ok();
+    }
+}
+
+/// `cfg` with checkpointing on (what [`prepare_resume`] looks at).
+fn run_like(cfg: &TrainConfig) -> TrainConfig {
+    TrainConfig {
+        enable_checkpointing: true,
+        ..cfg.clone()
+    }
 }
