@@ -133,9 +133,13 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         config.micro_batch_rows() * config.gradient_accumulation_steps * config.max_target_length;
     // Every output is checked before anything runs: a bad path is bad input, found now.
     io::check_output_paths(&config).map_err(usage)?;
+    // Under `ferrotext emulate`: each process logs its link's counters at every step boundary.
+    let wire = crate::emulate::probe::WireProbe::from_env(launch);
+    let probe_step = |m: &StepMetrics| wire.iter().for_each(|w| w.record(m));
     if !leader {
         // Every process computes the same run; only process 0 reports it.
         let options = RunOptions {
+            on_step: wire.as_ref().map(|_| &probe_step as _),
             cluster: launch.cluster(),
             return_params: !config.save_parameters_path.is_empty(),
             ..Default::default()
@@ -168,6 +172,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     // Step lines are printed as the steps end (every tenth of the run, the last, and every
     // skipped step), above the progress bar.
     let on_step = |m: &StepMetrics| {
+        probe_step(m);
         bar.set_position(m.step as u64 + 1);
         bar.set_message(format!(
             "loss {:.4}  {:.0} tok/s",
