@@ -192,9 +192,10 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
         return Err(crate::UsageError("--steps must be at least 2".into()).into());
     }
     if args.pairs == 0 || args.hosts.is_empty() || args.links.is_empty() || args.ga.is_empty() {
-        return Err(
-            crate::UsageError("--pairs, --hosts, --links and --ga must be non-empty".into()).into(),
-        );
+        return Err(crate::UsageError(
+            "--pairs, --hosts, --links and --ga must be non-empty".into(),
+        )
+        .into());
     }
     let overlaps: Vec<Option<bool>> = if args.overlap.is_empty() {
         vec![None]
@@ -202,10 +203,8 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
         args.overlap.iter().map(|&o| Some(o)).collect()
     };
     // Every cell's input is checked before any network exists.
-    let scratch = std::env::temp_dir().join(format!(
-        "ferrotext-bench-cluster-{}",
-        std::process::id()
-    ));
+    let scratch =
+        std::env::temp_dir().join(format!("ferrotext-bench-cluster-{}", std::process::id()));
     let mut grid = Vec::new();
     for &hosts in &args.hosts {
         for link in &args.links {

@@ -134,12 +134,19 @@ impl Plan {
                 }
             }
             job.push(format!("local_devices={local}"));
-            let cfg = train_config(&job[1..], &[format!("num_processes={hosts}")])?;
-            cfg.validate().map_err(|e| {
-                usage(format!(
-                    "{e} (--hosts {hosts} × --devices-per-host {local} must form the job's mesh)"
-                ))
-            })?;
+            let shape = |e: String| {
+                if e.contains("mesh") || e.contains("devices") {
+                    usage(format!(
+                        "{e} (--hosts {hosts} × --devices-per-host {local} must form the job's \
+                         mesh)"
+                    ))
+                } else {
+                    usage(e)
+                }
+            };
+            let cfg = train_config(&job[1..], &[format!("num_processes={hosts}")])
+                .map_err(|e| shape(e.to_string()))?;
+            cfg.validate().map_err(|e| shape(e.to_string()))?;
             config = Some(cfg);
         }
         Ok(Plan {
@@ -163,7 +170,11 @@ pub fn preflight() -> Result<()> {
              with `cargo build --release --features mpi`",
         ));
     }
-    for (tool, package) in [("ip", "iproute2"), ("tc", "iproute2"), ("mpirun", "openmpi-bin")] {
+    for (tool, package) in [
+        ("ip", "iproute2"),
+        ("tc", "iproute2"),
+        ("mpirun", "openmpi-bin"),
+    ] {
         if net::find_tool(tool).is_none() {
             return Err(usage(format!(
                 "emulate needs `{tool}` on PATH (install {package})"
@@ -527,5 +538,7 @@ pub fn agent(args: &AgentArgs) -> Result<()> {
             .args(["netns", "exec", &ns, "sh", "-c", &command.join(" ")])
             .env_remove(ENV_HOSTS),
     );
-    Err(anyhow!("emulate-agent: running `ip netns exec {ns}`: {err}"))
+    Err(anyhow!(
+        "emulate-agent: running `ip netns exec {ns}`: {err}"
+    ))
 }

@@ -346,7 +346,10 @@ fn taken_prefixes() -> Result<Vec<Prefix>> {
         if words.any(|w| w == "inet") {
             if let Some(p) = words.next().and_then(Prefix::parse) {
                 taken.push(p);
-                taken.push(Prefix { net: p.net, len: 32 });
+                taken.push(Prefix {
+                    net: p.net,
+                    len: 32,
+                });
             }
         }
     }
@@ -406,7 +409,10 @@ impl Network {
         let bridge = self.names.bridge();
         let cidr = format!("{}/24", self.bridge_address());
         sh("ip", &["link", "add", &bridge, "type", "bridge"])?;
-        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{bridge}/disable_ipv6"), "1");
+        let _ = std::fs::write(
+            format!("/proc/sys/net/ipv6/conf/{bridge}/disable_ipv6"),
+            "1",
+        );
         sh("ip", &["addr", "add", &cidr, "dev", &bridge])?;
         sh("ip", &["link", "set", &bridge, "up"])?;
         for host in 0..self.hosts {
@@ -418,7 +424,12 @@ impl Network {
             quiet(
                 "ip",
                 &[
-                    "netns", "exec", &ns, "sysctl", "-q", "-w",
+                    "netns",
+                    "exec",
+                    &ns,
+                    "sysctl",
+                    "-q",
+                    "-w",
                     "net.ipv6.conf.all.disable_ipv6=1",
                 ],
             );
@@ -541,7 +552,15 @@ mod tests {
         assert_eq!(l.delay, Some(Duration::from_micros(100)));
         assert_eq!(LinkSpec::parse("10gbit").unwrap().rate_bps, 10_000_000_000);
         assert_eq!(LinkSpec::parse("2.5Gbit").unwrap().rate_bps, 2_500_000_000);
-        for bad in ["", "fast", "1gb", "0gbit", "1gbit,", "1gbit,5parsecs", "-1mbit"] {
+        for bad in [
+            "",
+            "fast",
+            "1gb",
+            "0gbit",
+            "1gbit,",
+            "1gbit,5parsecs",
+            "-1mbit",
+        ] {
             assert!(LinkSpec::parse(bad).is_err(), "{bad}");
         }
     }

@@ -54,9 +54,8 @@ pub fn per_host_per_step(trace: &Trace, mesh: &Mesh, local: usize) -> f64 {
 pub fn plan(config: &TrainConfig) -> Result<Prediction> {
     let model = config.model()?;
     let mesh = config.mesh()?;
-    let source: Arc<dyn ferrotext_train::data::TokenSource> = Arc::from(
-        ferrotext_train::data::source_for(config, model.vocab_size)?,
-    );
+    let source: Arc<dyn ferrotext_train::data::TokenSource> =
+        Arc::from(ferrotext_train::data::source_for(config, model.vocab_size)?);
     let (gate, trace) = ferrotext_train::plan_step(config, source)?;
     let collectives = trace.events().len();
     Ok(Prediction {

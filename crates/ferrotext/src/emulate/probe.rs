@@ -60,7 +60,12 @@ fn interface_counters(iface: &str) -> Option<(u64, u64, u64, u64)> {
         .filter_map(|f| f.parse().ok())
         .collect();
     // rx: bytes packets errs drop fifo frame compressed multicast; tx: bytes packets ...
-    Some((*fields.first()?, *fields.get(1)?, *fields.get(8)?, *fields.get(9)?))
+    Some((
+        *fields.first()?,
+        *fields.get(1)?,
+        *fields.get(8)?,
+        *fields.get(9)?,
+    ))
 }
 
 /// `RetransSegs` from `/proc/self/net/snmp` (0 when unreadable).
