@@ -135,7 +135,7 @@ impl Plan {
             }
             job.push(format!("local_devices={local}"));
             let shape = |e: String| {
-                if e.contains("mesh") || e.contains("devices") {
+                if e.contains("mesh") {
                     usage(format!(
                         "{e} (--hosts {hosts} × --devices-per-host {local} must form the job's \
                          mesh)"
@@ -362,6 +362,8 @@ pub fn run_job(
         });
     }
     let mut child = cmd.spawn().context("starting mpirun")?;
+    // For the clean-up of a later start, should this process be killed.
+    let _ = std::fs::write(dir.join(net::MPIRUN_PID_FILE), child.id().to_string());
     let status: ExitStatus = loop {
         if let Some(status) = child.try_wait().context("waiting for mpirun")? {
             break status;

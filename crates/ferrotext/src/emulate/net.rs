@@ -27,6 +27,8 @@ const BRIDGE_PREFIX: &str = "fxb";
 const VETH_PREFIX: &str = "fxv";
 /// Namespace-side veth ends before they move: `fxn<pid>h<i>`.
 const PEER_PREFIX: &str = "fxn";
+/// The file in the run directory that holds `mpirun`'s PID.
+pub const MPIRUN_PID_FILE: &str = "mpirun.pid";
 /// The interface name every host sees inside its namespace.
 pub const HOST_IF: &str = "ftx0";
 /// The run directory (agent map, probe files): `<tmp>/ferrotext-emulate-<pid>`.
@@ -259,6 +261,33 @@ fn end_processes_in(ns: &str, grace: Duration) {
 /// them), links and run directories. Returns what it removed.
 pub fn remove_leftovers() -> Vec<String> {
     let mut removed = Vec::new();
+    // First the killed run's `mpirun` (it can hang once its daemons are gone): its PID is in the
+    // run directory, and its command line names that directory.
+    if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(owner) = name
+                .strip_prefix(RUN_DIR_PREFIX)
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let pid_file = entry.path().join(MPIRUN_PID_FILE);
+            let Some(pid) = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|p| p.trim().parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let ours =
+                String::from_utf8_lossy(&cmdline).contains(&entry.path().display().to_string());
+            if !alive(owner) && ours {
+                quiet("kill", &["-KILL", &pid.to_string()]);
+                removed.push(format!("mpirun (pid {pid})"));
+            }
+        }
+    }
     for ns in our_namespaces() {
         if owner_of(&ns).is_some_and(|pid| !alive(pid)) {
             end_processes_in(&ns, Duration::from_secs(2));
@@ -470,7 +499,18 @@ impl Network {
                         "-n", ns, "qdisc", "add", "dev", HOST_IF, "root", "handle", "1:", "netem",
                         "delay", &delay, "limit", "100000",
                     ],
-                )?;
+                )
+                .map_err(|e| {
+                    if e.to_string().contains("unknown") {
+                        UsageError(format!(
+                            "the link delay needs the kernel's netem qdisc (sch_netem), which \
+                             this machine lacks; give the link without a delay ({e})"
+                        ))
+                        .into()
+                    } else {
+                        e
+                    }
+                })?;
                 let mut args = vec![
                     "-n", ns, "qdisc", "add", "dev", HOST_IF, "parent", "1:", "handle", "2:",
                 ];
