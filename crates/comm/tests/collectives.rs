@@ -709,7 +709,9 @@ fn a_background_collective_without_its_peer_times_out() {
             std::thread::sleep(std::time::Duration::from_millis(600));
             return Ok::<_, CommError>(None);
         }
-        Ok(Some(comm.start_all_reduce(&["data"], vec![1.0; 8])?.wait()?))
+        Ok(Some(
+            comm.start_all_reduce(&["data"], vec![1.0; 8])?.wait()?,
+        ))
     });
     let err = out.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(

@@ -82,6 +82,10 @@ pub enum BenchCommand {
         #[arg(long, default_value = "target/bench/moe.svg")]
         svg: PathBuf,
     },
+    /// Deferred vs per-micro-batch gradient reduction on emulated clusters (hosts × links × GA,
+    /// ABBA-paired `mpirun` jobs through `ferrotext emulate`'s network): step time, bytes on the
+    /// links; JSON and an SVG plot. Needs what `emulate` needs (root, `ip`, `tc`, `mpirun`).
+    Cluster(crate::bench_cluster::ClusterArgs),
     /// GFLOP/s of the matmul shapes of a transformer layer (forward and both backward products)
     /// through `dot_general`, next to the `gemm` crate called directly on the same layout.
     Kernels {
@@ -172,6 +176,7 @@ pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
             out,
             svg,
         } => crate::bench_moe::run(&model, pairs, &set, &out, &svg),
+        BenchCommand::Cluster(args) => crate::bench_cluster::run(&args, None),
         BenchCommand::Kernels {
             d_model,
             tokens,

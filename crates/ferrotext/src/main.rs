@@ -3,11 +3,13 @@
 //! Exit codes: 0 success, 1 a run that failed, 2 bad input (usage, config, mesh).
 
 mod bench;
+mod bench_cluster;
 mod bench_ga;
 mod bench_kernels;
 mod bench_moe;
 mod conformance;
 mod demo;
+mod emulate;
 mod launch;
 mod mesh_arg;
 mod train_cmd;
@@ -37,6 +39,14 @@ enum Command {
     Collectives(demo::CollectivesArgs),
     /// Check the sharding type rules against conformance case files (JSON lines, abstract mode).
     Conformance(conformance::ConformanceArgs),
+    /// Run a command under `mpirun` on emulated hosts (network namespaces on a bridge, links
+    /// shaped with `tc`) and report the bytes on the links per step:
+    /// `ferrotext emulate --hosts 2 --devices-per-host 2 --link 1gbit,100us -- train steps=6`.
+    /// Needs root (or CAP_NET_ADMIN), `ip`, `tc`, `mpirun` and a build with `--features mpi`.
+    Emulate(emulate::EmulateArgs),
+    /// The launch agent `emulate` gives `mpirun` (runs a command inside a host's namespace).
+    #[command(hide = true)]
+    EmulateAgent(emulate::AgentArgs),
     /// Benchmarks that write JSON.
     Bench {
         #[command(subcommand)]
@@ -58,6 +68,12 @@ impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Neither runs as an MPI process: the agent starts daemons for mpirun, emulate starts mpirun.
+    match &cli.command {
+        Command::EmulateAgent(args) => return finish(emulate::agent(args)),
+        Command::Emulate(args) => return finish(emulate::run(args)),
+        _ => {}
+    }
     let mut launch = match launch::Launch::detect() {
         Ok(launch) => launch,
         Err(err) => return report(&err, None),
@@ -68,10 +84,19 @@ fn main() -> ExitCode {
         Command::Collectives(args) => demo::run(&args, &mut launch),
         Command::Conformance(args) => conformance::run(&args),
         Command::Bench { which } => bench::run(which, &mut launch),
+        Command::Emulate(_) | Command::EmulateAgent(_) => Ok(()), // handled above
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => report(&err, Some(&launch)),
+    }
+}
+
+/// The exit code of a command that runs outside MPI.
+fn finish(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => report(&err, None),
     }
 }
 

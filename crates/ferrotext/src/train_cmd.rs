@@ -133,9 +133,19 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         config.micro_batch_rows() * config.gradient_accumulation_steps * config.max_target_length;
     // Every output is checked before anything runs: a bad path is bad input, found now.
     io::check_output_paths(&config).map_err(usage)?;
+    // Under `ferrotext emulate`: each process logs its link's counters at every step boundary.
+    let wire = std::sync::Arc::new(crate::emulate::probe::WireProbe::from_env(launch));
+    let probe = wire.clone();
+    let probe_step = move |m: &StepMetrics| probe.iter().for_each(|w| w.record(m));
     if !leader {
         // Every process computes the same run; only process 0 reports it.
+        let on_step: Option<std::sync::Arc<dyn Fn(&StepMetrics) + Send + Sync>> =
+            match wire.as_ref() {
+                Some(_) => Some(std::sync::Arc::new(probe_step)),
+                None => None,
+            };
         let options = RunOptions {
+            on_step,
             cluster: launch.cluster(),
             return_params: !config.save_parameters_path.is_empty(),
             ..Default::default()
@@ -170,6 +180,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let steps = config.steps;
     let progress = bar.clone();
     let on_step = move |m: &StepMetrics| {
+        probe_step(m);
         let bar = &progress;
         bar.set_position(m.step as u64 + 1);
         bar.set_message(format!(

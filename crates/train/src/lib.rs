@@ -51,7 +51,8 @@ pub use trainer::{plan_step, Trainer};
 /// Extras of a run beyond the config.
 #[derive(Default)]
 pub struct RunOptions<'a> {
-    /// Called on device 0 after every step (progress reporting).
+    /// Called after every step on the first device of each process (device 0 alone in one
+    /// process): progress reporting, per-process probes.
     pub on_step: Option<Arc<dyn Fn(&StepMetrics) + Send + Sync>>,
     /// Gather the final parameters into the report.
     pub return_params: bool,
@@ -192,7 +193,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 if let Some(log) = &mut log {
                     log.append(&m)?;
                 }
-                if device == 0 {
+                if device % config.local_devices == 0 {
                     if let Some(f) = on_step {
                         f(&m);
                     }

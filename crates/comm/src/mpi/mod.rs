@@ -42,6 +42,19 @@ use crate::local::LocalBackend;
 use backend::MpiBackend;
 use transport::{all_gather_pairs, error_string, Counters, GatherError, RawComm, Transport};
 
+/// A handle on a process's MPI byte counters ([`MpiCluster::traffic_meter`]).
+pub struct TrafficMeter(Arc<Counters>);
+
+impl TrafficMeter {
+    /// Bytes sent through MPI so far.
+    pub fn read(&self) -> MpiTraffic {
+        MpiTraffic {
+            to_other_processes: self.0.to_other_processes.load(Ordering::Relaxed),
+            within_process: self.0.within_process.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// Bytes this process's devices have sent through MPI since start-up (payload only, headers
 /// excluded).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -153,10 +166,13 @@ impl MpiCluster {
 
     /// Bytes sent through MPI so far.
     pub fn traffic(&self) -> MpiTraffic {
-        MpiTraffic {
-            to_other_processes: self.counters.to_other_processes.load(Ordering::Relaxed),
-            within_process: self.counters.within_process.load(Ordering::Relaxed),
-        }
+        self.traffic_meter().read()
+    }
+
+    /// A handle on this process's MPI byte counters that can be kept and read anywhere (a
+    /// per-step probe).
+    pub fn traffic_meter(&self) -> TrafficMeter {
+        TrafficMeter(self.counters.clone())
     }
 
     /// Ends every process of the job (`MPI_Abort`): the way out after an error, since peers may

@@ -1,0 +1,637 @@
+//! The emulated network: one namespace per host on a Linux bridge, each host's egress shaped with
+//! `tc`; names derived from this process's PID so a later run can find and remove the leftovers of
+//! a killed one.
+//!
+//! # Invariants
+//! * Every name this module creates starts with one of the run prefixes below followed by the
+//!   creating process's PID; nothing else is ever deleted.
+//! * The subnet is a private /24 that overlaps no route and no address of the machine, so the
+//!   jobs' traffic can only go to the namespaces' addresses (and the bridge's `.254`).
+//! * [`Network`] tears everything down when dropped (and [`Network::teardown`] is idempotent).
+
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::UsageError;
+
+/// Namespace names: `ftxemu-<pid>-h<i>`.
+const NS_PREFIX: &str = "ftxemu-";
+/// Bridge names: `fxb<pid>`.
+const BRIDGE_PREFIX: &str = "fxb";
+/// Root-namespace veth ends: `fxv<pid>h<i>`.
+const VETH_PREFIX: &str = "fxv";
+/// Namespace-side veth ends before they move: `fxn<pid>h<i>`.
+const PEER_PREFIX: &str = "fxn";
+/// The file in the run directory that holds `mpirun`'s PID.
+pub const MPIRUN_PID_FILE: &str = "mpirun.pid";
+/// The interface name every host sees inside its namespace.
+pub const HOST_IF: &str = "ftx0";
+/// The run directory (agent map, probe files): `<tmp>/ferrotext-emulate-<pid>`.
+const RUN_DIR_PREFIX: &str = "ferrotext-emulate-";
+
+/// A link: egress rate and optional one-way delay (`1gbit`, `10gbit,100us`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinkSpec {
+    /// Bits per second.
+    pub rate_bps: u64,
+    /// One-way delay added to every packet a host sends.
+    pub delay: Option<Duration>,
+    text: String,
+}
+
+impl fmt::Display for LinkSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+fn split_number(s: &str) -> Option<(f64, &str)> {
+    let end = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let value: f64 = s[..end].parse().ok()?;
+    (value.is_finite() && value > 0.0).then_some((value, &s[end..]))
+}
+
+impl LinkSpec {
+    /// Parses `RATE[,DELAY]`: RATE a number with `bit`, `kbit`, `mbit`, `gbit` or `tbit`
+    /// (`tc`'s units, decimal), DELAY a number with `us`, `ms` or `s`.
+    ///
+    /// # Errors
+    /// A [`UsageError`] naming what does not parse.
+    pub fn parse(text: &str) -> Result<LinkSpec> {
+        let bad = |why: &str| -> anyhow::Error {
+            UsageError(format!(
+                "--link {text:?}: {why} (expected RATE[,DELAY], e.g. 1gbit or 10gbit,100us)"
+            ))
+            .into()
+        };
+        let text = text.trim();
+        let (rate, delay) = match text.split_once(',') {
+            Some((r, d)) => (r.trim(), Some(d.trim())),
+            None => (text, None),
+        };
+        let (value, unit) = split_number(rate).ok_or_else(|| bad("the rate is not a number"))?;
+        let scale = match unit.to_ascii_lowercase().as_str() {
+            "bit" => 1.0,
+            "kbit" => 1e3,
+            "mbit" => 1e6,
+            "gbit" => 1e9,
+            "tbit" => 1e12,
+            _ => return Err(bad("the rate's unit is not bit, kbit, mbit, gbit or tbit")),
+        };
+        let rate_bps = (value * scale).round();
+        if !(8_000.0..=1e13).contains(&rate_bps) {
+            return Err(bad("the rate must be between 8kbit and 10tbit"));
+        }
+        let delay = match delay {
+            None => None,
+            Some(d) => {
+                let (value, unit) =
+                    split_number(d).ok_or_else(|| bad("the delay is not a number"))?;
+                let seconds = match unit.to_ascii_lowercase().as_str() {
+                    "us" => value * 1e-6,
+                    "ms" => value * 1e-3,
+                    "s" => value,
+                    _ => return Err(bad("the delay's unit is not us, ms or s")),
+                };
+                if seconds > 10.0 {
+                    return Err(bad("the delay must be at most 10s"));
+                }
+                Some(Duration::from_secs_f64(seconds))
+            }
+        };
+        Ok(LinkSpec {
+            rate_bps: rate_bps as u64,
+            delay,
+            text: text.to_string(),
+        })
+    }
+}
+
+/// Finds `tool` on `PATH`.
+pub fn find_tool(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(tool))
+        .find(|p| p.is_file())
+}
+
+/// True when this process may create namespaces and links (CAP_NET_ADMIN in its effective set;
+/// root normally has it).
+pub fn has_net_admin() -> bool {
+    const CAP_NET_ADMIN: u32 = 12;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << CAP_NET_ADMIN) != 0)
+}
+
+/// Runs `program args`, failing with its stderr.
+fn sh(program: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    if !out.status.success() {
+        bail!(
+            "`{program} {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs `program args`, ignoring failure (teardown of what may already be gone).
+fn quiet(program: &str, args: &[&str]) {
+    let _ = Command::new(program).args(args).output();
+}
+
+/// The names of one run's objects.
+#[derive(Clone, Debug)]
+struct Names {
+    pid: u32,
+}
+
+impl Names {
+    fn namespace(&self, host: usize) -> String {
+        format!("{NS_PREFIX}{}-h{host}", self.pid)
+    }
+    fn bridge(&self) -> String {
+        format!("{BRIDGE_PREFIX}{}", self.pid)
+    }
+    fn veth(&self, host: usize) -> String {
+        format!("{VETH_PREFIX}{}h{host}", self.pid)
+    }
+    fn peer(&self, host: usize) -> String {
+        format!("{PEER_PREFIX}{}h{host}", self.pid)
+    }
+    fn run_dir(&self) -> PathBuf {
+        std::env::temp_dir().join(format!("{RUN_DIR_PREFIX}{}", self.pid))
+    }
+}
+
+/// The PID a name of ours carries, when it is one of ours.
+fn owner_of(name: &str) -> Option<u32> {
+    let rest = name
+        .strip_prefix(NS_PREFIX)
+        .map(|r| r.split('-').next().unwrap_or(""))
+        .or_else(|| name.strip_prefix(BRIDGE_PREFIX))
+        .or_else(|| {
+            name.strip_prefix(VETH_PREFIX)
+                .or_else(|| name.strip_prefix(PEER_PREFIX))
+                .map(|r| r.split('h').next().unwrap_or(""))
+        })?;
+    rest.parse().ok()
+}
+
+/// True when `pid` is a live ferrotext process (a reused PID running something else does not
+/// count).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "ferrotext")
+}
+
+/// Namespaces of emulate runs that exist now (every one, live owner or not).
+pub fn our_namespaces() -> Vec<String> {
+    sh("ip", &["netns", "list"])
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(NS_PREFIX) && owner_of(n).is_some())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Links (bridges, veth ends) of emulate runs in this namespace.
+pub fn our_links() -> Vec<String> {
+    sh("ip", &["-o", "link", "show"])
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(':').nth(1))
+        .map(|n| n.trim().split('@').next().unwrap_or("").to_string())
+        .filter(|n| {
+            [BRIDGE_PREFIX, VETH_PREFIX, PEER_PREFIX]
+                .iter()
+                .any(|p| n.starts_with(p))
+                && owner_of(n).is_some()
+        })
+        .collect()
+}
+
+/// Ends the processes inside namespace `ns` (they were started there by an emulate run):
+/// SIGTERM, then SIGKILL for those still there after a grace period.
+fn end_processes_in(ns: &str, grace: Duration) {
+    let pids = |ns: &str| -> Vec<String> {
+        sh("ip", &["netns", "pids", ns])
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    let first = pids(ns);
+    if first.is_empty() {
+        return;
+    }
+    for pid in &first {
+        quiet("kill", &["-TERM", pid]);
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if pids(ns).is_empty() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for pid in pids(ns) {
+        quiet("kill", &["-KILL", &pid]);
+    }
+}
+
+/// Removes what killed emulate runs left behind: their namespaces (and the processes still in
+/// them), links and run directories. Returns what it removed.
+pub fn remove_leftovers() -> Vec<String> {
+    let mut removed = Vec::new();
+    // First the killed run's `mpirun` (it can hang once its daemons are gone): its PID is in the
+    // run directory, and its command line names that directory.
+    if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(owner) = name
+                .strip_prefix(RUN_DIR_PREFIX)
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let pid_file = entry.path().join(MPIRUN_PID_FILE);
+            let Some(pid) = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|p| p.trim().parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let ours =
+                String::from_utf8_lossy(&cmdline).contains(&entry.path().display().to_string());
+            if !alive(owner) && ours {
+                quiet("kill", &["-KILL", &pid.to_string()]);
+                removed.push(format!("mpirun (pid {pid})"));
+            }
+        }
+    }
+    for ns in our_namespaces() {
+        if owner_of(&ns).is_some_and(|pid| !alive(pid)) {
+            end_processes_in(&ns, Duration::from_secs(2));
+            quiet("ip", &["netns", "del", &ns]);
+            removed.push(ns);
+        }
+    }
+    for link in our_links() {
+        if owner_of(&link).is_some_and(|pid| !alive(pid)) {
+            quiet("ip", &["link", "del", &link]);
+            removed.push(link);
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name
+                .strip_prefix(RUN_DIR_PREFIX)
+                .and_then(|p| p.parse::<u32>().ok())
+            {
+                if !alive(pid) && std::fs::remove_dir_all(entry.path()).is_ok() {
+                    removed.push(name);
+                }
+            }
+        }
+    }
+    removed
+}
+
+/// An IPv4 prefix `net/len`.
+#[derive(Clone, Copy, Debug)]
+struct Prefix {
+    net: u32,
+    len: u32,
+}
+
+impl Prefix {
+    fn parse(text: &str) -> Option<Prefix> {
+        let (addr, len) = match text.split_once('/') {
+            Some((a, l)) => (a, l.parse().ok()?),
+            None => (text, 32),
+        };
+        let addr: Ipv4Addr = addr.parse().ok()?;
+        (len <= 32).then_some(Prefix {
+            net: u32::from(addr),
+            len,
+        })
+    }
+
+    fn overlaps(&self, other: &Prefix) -> bool {
+        let len = self.len.min(other.len);
+        let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+        self.net & mask == other.net & mask
+    }
+}
+
+/// Every destination of every IPv4 route (all tables, the default route excepted) and every
+/// address on the machine.
+fn taken_prefixes() -> Result<Vec<Prefix>> {
+    const ROUTE_TYPES: &[&str] = &[
+        "unicast",
+        "local",
+        "broadcast",
+        "multicast",
+        "anycast",
+        "unreachable",
+        "blackhole",
+        "prohibit",
+        "throw",
+        "nat",
+    ];
+    let mut taken = Vec::new();
+    for line in sh("ip", &["-4", "-o", "route", "show", "table", "all"])?.lines() {
+        let mut words = line.split_whitespace();
+        let mut dest = words.next().unwrap_or("");
+        if ROUTE_TYPES.contains(&dest) {
+            dest = words.next().unwrap_or("");
+        }
+        if let Some(p) = Prefix::parse(dest) {
+            taken.push(p);
+        }
+    }
+    for line in sh("ip", &["-4", "-o", "addr", "show"])?.lines() {
+        let mut words = line.split_whitespace();
+        if words.any(|w| w == "inet") {
+            if let Some(p) = words.next().and_then(Prefix::parse) {
+                taken.push(p);
+                taken.push(Prefix {
+                    net: p.net,
+                    len: 32,
+                });
+            }
+        }
+    }
+    Ok(taken)
+}
+
+/// A private /24 (`10.x.y.0`, x in 128..=254) that overlaps nothing in `taken`, starting from a
+/// place derived from `seed` so concurrent runs rarely try the same one.
+fn free_subnet(taken: &[Prefix], seed: u32) -> Option<Ipv4Addr> {
+    const SPAN: u32 = 127 * 256;
+    (0..SPAN).find_map(|k| {
+        let i = (seed.wrapping_mul(2_654_435_761) % SPAN + k) % SPAN;
+        let candidate = Ipv4Addr::new(10, 128 + (i / 256) as u8, (i % 256) as u8, 0);
+        let prefix = Prefix {
+            net: u32::from(candidate),
+            len: 24,
+        };
+        (!taken.iter().any(|t| t.overlaps(&prefix))).then_some(candidate)
+    })
+}
+
+/// The emulated network of one run; dropped, it is torn down.
+pub struct Network {
+    names: Names,
+    hosts: usize,
+    subnet: Ipv4Addr,
+    link: LinkSpec,
+    torn_down: bool,
+}
+
+impl Network {
+    /// Creates `hosts` namespaces on a bridge, each host's egress shaped to `link`.
+    ///
+    /// # Errors
+    /// An `ip`/`tc` command failed (what was created so far is removed before returning), or
+    /// no free private /24 was found.
+    pub fn create(hosts: usize, link: &LinkSpec) -> Result<Network> {
+        let names = Names {
+            pid: std::process::id(),
+        };
+        let taken = taken_prefixes()?;
+        let subnet = free_subnet(&taken, names.pid)
+            .context("no private /24 in 10.128.0.0/9 is free of routes on this machine")?;
+        let mut net = Network {
+            names,
+            hosts,
+            subnet,
+            link: link.clone(),
+            torn_down: false,
+        };
+        net.build()?; // on error, `net` drops here and removes what exists
+        Ok(net)
+    }
+
+    fn build(&mut self) -> Result<()> {
+        std::fs::create_dir_all(self.run_dir()).context("creating the run directory")?;
+        let bridge = self.names.bridge();
+        let cidr = format!("{}/24", self.bridge_address());
+        sh("ip", &["link", "add", &bridge, "type", "bridge"])?;
+        let _ = std::fs::write(
+            format!("/proc/sys/net/ipv6/conf/{bridge}/disable_ipv6"),
+            "1",
+        );
+        sh("ip", &["addr", "add", &cidr, "dev", &bridge])?;
+        sh("ip", &["link", "set", &bridge, "up"])?;
+        for host in 0..self.hosts {
+            let ns = self.names.namespace(host);
+            let (veth, peer) = (self.names.veth(host), self.names.peer(host));
+            let addr = format!("{}/24", self.address(host));
+            sh("ip", &["netns", "add", &ns])?;
+            // No IPv6 chatter (router solicitations, DAD) in the byte counts.
+            quiet(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    &ns,
+                    "sysctl",
+                    "-q",
+                    "-w",
+                    "net.ipv6.conf.all.disable_ipv6=1",
+                ],
+            );
+            sh(
+                "ip",
+                &["link", "add", &veth, "type", "veth", "peer", "name", &peer],
+            )?;
+            sh("ip", &["link", "set", &peer, "netns", &ns])?;
+            sh("ip", &["-n", &ns, "link", "set", &peer, "name", HOST_IF])?;
+            sh("ip", &["-n", &ns, "addr", "add", &addr, "dev", HOST_IF])?;
+            sh("ip", &["-n", &ns, "link", "set", HOST_IF, "up"])?;
+            sh("ip", &["-n", &ns, "link", "set", "lo", "up"])?;
+            let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{veth}/disable_ipv6"), "1");
+            sh("ip", &["link", "set", &veth, "master", &bridge])?;
+            sh("ip", &["link", "set", &veth, "up"])?;
+            self.shape(&ns)?;
+        }
+        Ok(())
+    }
+
+    /// `tbf` at the link rate on the host's egress, under a `netem` delay when one is given.
+    fn shape(&self, ns: &str) -> Result<()> {
+        let rate = format!("{}bit", self.link.rate_bps);
+        // Bucket: at least 512 KiB, and 4 ms of traffic at high rates.
+        let burst = format!("{}b", (self.link.rate_bps / 8 / 250).max(512 * 1024));
+        let tbf = ["tbf", "rate", &rate, "burst", &burst, "latency", "100ms"];
+        match self.link.delay {
+            None => {
+                let mut args = vec!["-n", ns, "qdisc", "add", "dev", HOST_IF, "root"];
+                args.extend(tbf);
+                sh("tc", &args)?;
+            }
+            Some(delay) => {
+                let delay = format!("{}us", delay.as_micros().max(1));
+                sh(
+                    "tc",
+                    &[
+                        "-n", ns, "qdisc", "add", "dev", HOST_IF, "root", "handle", "1:", "netem",
+                        "delay", &delay, "limit", "100000",
+                    ],
+                )
+                .map_err(|e| {
+                    if e.to_string().contains("unknown") {
+                        UsageError(format!(
+                            "the link delay needs the kernel's netem qdisc (sch_netem), which \
+                             this machine lacks; give the link without a delay ({e})"
+                        ))
+                        .into()
+                    } else {
+                        e
+                    }
+                })?;
+                let mut args = vec![
+                    "-n", ns, "qdisc", "add", "dev", HOST_IF, "parent", "1:", "handle", "2:",
+                ];
+                args.extend(tbf);
+                sh("tc", &args)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hosts in the network.
+    pub fn hosts(&self) -> usize {
+        self.hosts
+    }
+
+    /// The subnet as `a.b.c.0/24`.
+    pub fn cidr(&self) -> String {
+        format!("{}/24", self.subnet)
+    }
+
+    /// Host `i`'s address: `.i+1`.
+    pub fn address(&self, host: usize) -> Ipv4Addr {
+        let o = self.subnet.octets();
+        Ipv4Addr::new(o[0], o[1], o[2], host as u8 + 1)
+    }
+
+    /// The bridge's address (`.254`), where `mpirun` in the root namespace is reached.
+    pub fn bridge_address(&self) -> Ipv4Addr {
+        let o = self.subnet.octets();
+        Ipv4Addr::new(o[0], o[1], o[2], 254)
+    }
+
+    /// Host `i`'s namespace.
+    pub fn namespace(&self, host: usize) -> String {
+        self.names.namespace(host)
+    }
+
+    /// The run directory (removed at teardown).
+    pub fn run_dir(&self) -> PathBuf {
+        self.names.run_dir()
+    }
+
+    /// Ends every process left in the namespaces, deletes the veths, namespaces and bridge, and
+    /// removes the run directory. Idempotent; ignores what is already gone.
+    pub fn teardown(&mut self) {
+        if self.torn_down {
+            return;
+        }
+        self.torn_down = true;
+        for host in 0..self.hosts {
+            end_processes_in(&self.names.namespace(host), Duration::from_secs(3));
+        }
+        for host in 0..self.hosts {
+            // Deleting the root end removes the pair now (a namespace's own links go with it
+            // only once the kernel gets to it).
+            quiet("ip", &["link", "del", &self.names.veth(host)]);
+            quiet("ip", &["link", "del", &self.names.peer(host)]);
+            quiet("ip", &["netns", "del", &self.names.namespace(host)]);
+        }
+        quiet("ip", &["link", "del", &self.names.bridge()]);
+        let _ = std::fs::remove_dir_all(self.run_dir());
+    }
+}
+
+impl Drop for Network {
+    fn drop(&mut self) {
+        self.teardown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_specs_parse() {
+        let l = LinkSpec::parse("1gbit,100us").unwrap();
+        assert_eq!(l.rate_bps, 1_000_000_000);
+        assert_eq!(l.delay, Some(Duration::from_micros(100)));
+        assert_eq!(LinkSpec::parse("10gbit").unwrap().rate_bps, 10_000_000_000);
+        assert_eq!(LinkSpec::parse("2.5Gbit").unwrap().rate_bps, 2_500_000_000);
+        for bad in [
+            "",
+            "fast",
+            "1gb",
+            "0gbit",
+            "1gbit,",
+            "1gbit,5parsecs",
+            "-1mbit",
+        ] {
+            assert!(LinkSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn names_carry_their_owner() {
+        let n = Names { pid: 4_194_303 };
+        for name in [n.namespace(3), n.bridge(), n.veth(12), n.peer(12)] {
+            assert_eq!(owner_of(&name), Some(4_194_303), "{name}");
+            assert!(name.len() <= 15 || name.starts_with(NS_PREFIX), "{name}");
+        }
+        assert_eq!(owner_of("fxbridge"), None);
+        assert_eq!(owner_of("eth0"), None);
+    }
+
+    #[test]
+    fn the_subnet_avoids_every_route() {
+        let taken: Vec<Prefix> = ["10.128.0.0/16", "10.129.7.0/24", "192.0.2.0/24"]
+            .iter()
+            .filter_map(|p| Prefix::parse(p))
+            .collect();
+        for seed in 0..200 {
+            let s = free_subnet(&taken, seed).unwrap();
+            let p = Prefix {
+                net: u32::from(s),
+                len: 24,
+            };
+            assert!(!taken.iter().any(|t| t.overlaps(&p)), "{s}");
+        }
+        // A /9 route over the whole range leaves nothing.
+        let all = [Prefix::parse("10.128.0.0/9").unwrap()];
+        assert_eq!(free_subnet(&all, 1), None);
+    }
+}
