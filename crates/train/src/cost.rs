@@ -728,16 +728,15 @@ fn step_breakdown(
     } else {
         0.0
     };
-    let update_reduction: f64 = rows
+    // Folded from +0.0: an empty f64 `sum()` is −0.0.
+    let update_reduction = rows
         .iter()
         .filter(|r| update.matches(&r.phase) && r.gradient_reduction)
-        .map(|r| r.ms)
-        .sum();
-    let update_other: f64 = rows
+        .fold(0.0, |t, r| t + r.ms);
+    let update_other = rows
         .iter()
         .filter(|r| update.matches(&r.phase) && !r.gradient_reduction)
-        .map(|r| r.ms)
-        .sum();
+        .fold(0.0, |t, r| t + r.ms);
     let (mut other, mut reduction, mut exposed) = (0.0, update_reduction, 0.0);
     let mut counts = Vec::with_capacity(ga);
     for i in 0..ga {
@@ -1011,7 +1010,6 @@ mod tests {
     /// 2 hosts × 2 devices, a 16 MiB all-reduce over all four at 1 Gbit/s between hosts.
     #[test]
     fn hierarchical_all_reduce_by_hand() {
-        let intra = gbit(200.0, 1e-6);
         let span = GroupSpan::of(&[0, 1, 2, 3], 2);
         assert_eq!(
             span,
