@@ -32,8 +32,9 @@ enum Command {
     /// arguments: qwen3-tiny on a data=4 in-process mesh, GA 4, the bundled corpus.
     Train(train_cmd::TrainArgs),
     /// Plan one training step in abstract mode (shapes only, nothing allocated or communicated):
-    /// type-check the whole step on any mesh and print its collective schedule.
-    Plan(train_cmd::TrainArgs),
+    /// type-check the whole step on any mesh and print its collective schedule; with `--cluster`,
+    /// predict the step's time and memory on that cluster.
+    Plan(train_cmd::PlanArgs),
     /// Run a known schedule of collectives on an in-process mesh, check every result against a
     /// serial reference, and print the collective trace.
     Collectives(demo::CollectivesArgs),

@@ -56,9 +56,34 @@ fn load(args: &TrainArgs) -> Result<TrainConfig> {
     TrainConfig::load(file.as_deref(), &overrides).map_err(usage)
 }
 
-/// `ferrotext plan`: one step in abstract mode.
-pub fn plan(args: &TrainArgs) -> Result<()> {
-    let config = load(args)?;
+/// Arguments of `ferrotext plan`.
+#[derive(Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    train: TrainArgs,
+    /// Predict the step on a cluster:
+    /// `hosts=H,devices_per_host=L,link=25gbit,10us[,intra=200gbit,1us][,mem=20GB/s][,link_per=host|device]`
+    /// (`link` is a host's link, shared by its devices, unless `link_per=device`).
+    #[arg(long)]
+    cluster: Option<String>,
+    /// A device's matmul throughput in GFLOP/s for `--cluster` (default: measured here with
+    /// gemm on the threads one of the cluster's devices would get on this machine).
+    #[arg(long = "device-gflops", allow_hyphen_values = true)]
+    device_gflops: Option<String>,
+    /// With `--cluster`: print the prediction as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `ferrotext plan`: one step in abstract mode; with `--cluster`, the predicted step.
+pub fn plan(args: &PlanArgs) -> Result<()> {
+    if let Some(text) = &args.cluster {
+        return plan_cluster(args, text);
+    }
+    if args.json || args.device_gflops.is_some() {
+        return Err(UsageError("--json and --device-gflops need --cluster".into()).into());
+    }
+    let config = load(&args.train)?;
     let model = config.model().map_err(usage)?;
     let mesh = config.mesh().map_err(usage)?;
     let source: std::sync::Arc<dyn ferrotext_train::data::TokenSource> = std::sync::Arc::from(
@@ -82,6 +107,234 @@ pub fn plan(args: &TrainArgs) -> Result<()> {
     );
     println!("\ncollectives of one device:\n{}", trace.summary_table());
     Ok(())
+}
+
+/// Where a prediction's device throughput came from, in words.
+enum Throughput {
+    Given,
+    Measured {
+        threads: usize,
+        cores: usize,
+        devices: usize,
+        per_thread_run: f64,
+    },
+}
+
+/// `ferrotext plan --cluster ...`: the cost model's predicted step (`ferrotext_train::cost`).
+fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
+    use ferrotext_train::cost;
+    let cluster: cost::ClusterSpec = text
+        .parse()
+        .map_err(|e: cost::ClusterSpecError| UsageError(e.to_string()))?;
+    // The cluster lays the devices out; an explicit, different layout is a contradiction.
+    for (key, want) in [
+        ("local_devices", cluster.devices_per_host),
+        ("num_processes", cluster.hosts),
+    ] {
+        let given = args
+            .train
+            .args
+            .iter()
+            .filter_map(|a| a.strip_prefix(key)?.strip_prefix('='))
+            .next_back();
+        if let Some(given) = given.filter(|g| g.trim() != want.to_string()) {
+            return Err(UsageError(format!(
+                "{key}={given} contradicts --cluster ({key} would be {want}); leave it out"
+            ))
+            .into());
+        }
+    }
+    // The config is validated on the cluster's layout, not on the in-process default.
+    let mut on_cluster = TrainArgs {
+        args: args.train.args.clone(),
+    };
+    on_cluster.args.extend([
+        format!("local_devices={}", cluster.devices_per_host),
+        format!("num_processes={}", cluster.hosts),
+    ]);
+    let config = load(&on_cluster)?;
+    let devices = cluster.devices();
+    let (gflops, source) = match &args.device_gflops {
+        Some(g) => match g.trim().parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => (v, Throughput::Given),
+            _ => {
+                return Err(UsageError(format!(
+                    "--device-gflops `{g}` must be a positive number (GFLOP/s)"
+                ))
+                .into())
+            }
+        },
+        None => {
+            // One device's thread budget if the cluster's devices shared this machine (DESIGN
+            // §3); when they outnumber the cores, each gets cores/devices of its thread.
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            let threads = (cores / devices.max(1)).max(1);
+            let run = cost::measure_matmul_gflops(512, threads)?;
+            let share = (cores as f64 / (devices * threads) as f64).min(1.0);
+            (
+                run * share,
+                Throughput::Measured {
+                    threads,
+                    cores,
+                    devices,
+                    per_thread_run: run,
+                },
+            )
+        }
+    };
+    let p = cost::predict(&config, &cluster, gflops).map_err(usage)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+        return Ok(());
+    }
+    print_prediction(&p, &source);
+    Ok(())
+}
+
+fn print_prediction(p: &ferrotext_train::cost::Prediction, source: &Throughput) {
+    use ferrotext_train::cost::LinkShare;
+    let c = &p.cluster;
+    println!(
+        "predicted step of {} ({} parameters) on {} hosts × {} devices: {}",
+        p.model, p.parameters, c.hosts, c.devices_per_host, p.mesh
+    );
+    if let Some(link) = &c.link {
+        let shared = match c.link_per {
+            LinkShare::Host => format!("per host, shared by its {} devices", c.devices_per_host),
+            LinkShare::Device => "per device".into(),
+        };
+        println!("  link between hosts   {link} ({shared})");
+    }
+    println!("  link inside a host   {}", c.intra);
+    println!(
+        "  memory bandwidth     {:.1} GB/s per device (prices the optimizer)",
+        c.memory_bytes_per_second / 1e9
+    );
+    match source {
+        Throughput::Given => println!(
+            "  device throughput    {:.1} GFLOP/s (given by --device-gflops)",
+            p.device_gflops
+        ),
+        Throughput::Measured {
+            threads,
+            cores,
+            devices,
+            per_thread_run,
+        } => println!(
+            "  device throughput    {:.1} GFLOP/s measured here with gemm (512³ f32 matmul on {threads} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores: {per_thread_run:.1} GFLOP/s{}); emulated hosts share these {cores} cores",
+            p.device_gflops,
+            if (devices * threads) > *cores {
+                format!(", × {cores}/{} as the devices outnumber the cores", devices * threads)
+            } else {
+                String::new()
+            }
+        ),
+    }
+    println!(
+        "  compute              {:.3} MFLOP/token × {} tokens per device per micro-batch = {:.3} ms per micro-batch",
+        p.flops_per_token / 1e6,
+        p.tokens_per_device_per_micro_batch,
+        p.compute_ms_per_micro_batch
+    );
+    println!(
+        "  overlap_grad_reduce  {}{}",
+        p.overlap_grad_reduce,
+        if p.overlap_grad_reduce {
+            " (gradient reductions hide behind 2/3 of a micro-batch's compute)"
+        } else {
+            ""
+        }
+    );
+    for (title, rows) in [
+        (
+            format!("deferred ({})", p.deferred.deferral),
+            &p.collectives,
+        ),
+        (
+            format!("per micro-batch ({})", p.per_micro_batch.deferral),
+            &p.per_micro_batch_collectives,
+        ),
+    ] {
+        println!("\ncollectives of one device, {title}:");
+        println!(
+            "{:<14} {:<14} {:<12} {:>5} {:>9} {:>6} {:>10} {:>10} {:>10}",
+            "phase",
+            "collective",
+            "axes",
+            "group",
+            "hosts×dev",
+            "count",
+            "bytes",
+            "intra ms",
+            "link ms"
+        );
+        for r in rows.iter() {
+            println!(
+                "{:<14} {:<14} {:<12} {:>5} {:>9} {:>6} {:>10} {:>10.3} {:>10.3}{}",
+                r.phase,
+                r.kind,
+                r.axes.join(","),
+                r.span.members,
+                format!("{}×{}", r.span.hosts, r.span.per_host),
+                r.count,
+                human_bytes(r.bytes),
+                r.intra_ms,
+                r.link_ms,
+                if r.in_step {
+                    ""
+                } else {
+                    "  (outside the step)"
+                }
+            );
+        }
+    }
+    let (d, m) = (&p.deferred, &p.per_micro_batch);
+    println!(
+        "\nstep (GA {}, ms)               {:>12} {:>16}",
+        p.gradient_accumulation_steps, "deferred", "per-micro-batch"
+    );
+    for (what, a, b) in [
+        ("compute", d.compute_ms, m.compute_ms),
+        (
+            "micro-batch collectives",
+            d.micro_batch_collectives_ms,
+            m.micro_batch_collectives_ms,
+        ),
+        (
+            "gradient reduction",
+            d.gradient_reduction_ms,
+            m.gradient_reduction_ms,
+        ),
+        (
+            "  of it exposed",
+            d.exposed_reduction_ms,
+            m.exposed_reduction_ms,
+        ),
+        (
+            "update's other collectives",
+            d.update_other_collectives_ms,
+            m.update_other_collectives_ms,
+        ),
+        ("optimizer", d.optimizer_ms, m.optimizer_ms),
+        ("step", d.step_ms, m.step_ms),
+    ] {
+        println!("  {what:<28} {a:>12.3} {b:>16.3}");
+    }
+    println!(
+        "  ratio deferred / per-micro-batch = {:.3} (speedup {:.3}x)",
+        p.ratio, p.speedup
+    );
+    let mem = &p.memory;
+    let mib = |b: f64| b / f64::from(1u32 << 20);
+    println!(
+        "\npeak memory per device: {:.1} MiB = parameters {:.1} + accumulator {:.1} + gradients {:.1} + optimizer state {:.1} + activations of one micro-batch {:.1}",
+        mib(mem.total_bytes),
+        mib(mem.parameter_bytes),
+        mib(mem.accumulator_bytes),
+        mib(mem.gradient_bytes),
+        mib(mem.optimizer_bytes),
+        mib(mem.activation_bytes)
+    );
 }
 
 /// This process's peak resident memory so far (Linux `VmHWM`), in MB.

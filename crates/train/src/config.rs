@@ -772,14 +772,30 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The memory one process of this run needs, estimated: parameters, the gradient
-    /// accumulator and the reduced gradients, the optimizer state, and one micro-batch's
-    /// activations, per device, times the devices of the process; plus the host copies of the
-    /// parameters. A lower bound in spirit: it counts what must exist, not allocator slack.
+    /// The memory one process of this run needs, estimated: [`TrainConfig::memory_per_device`]
+    /// times the devices of the process, plus the host copies of the parameters. A lower bound
+    /// in spirit: it counts what must exist, not allocator slack.
     ///
     /// # Errors
     /// An invalid config (see [`TrainConfig::validate`]).
     pub fn memory_estimate(&self) -> Result<MemoryEstimate, TrainError> {
+        let device = self.memory_per_device()?;
+        let local = self.local_devices as f64;
+        Ok(MemoryEstimate {
+            parameter_and_optimizer_bytes: (device.total_bytes - device.activation_bytes) * local
+                + device.parameter_elements * 4.0,
+            activation_bytes: device.activation_bytes * local,
+        })
+    }
+
+    /// The peak memory of one device, estimated: its parameters, the gradient accumulator, the
+    /// reduced gradients, the optimizer state (÷ `data` under ZeRO-1, as are the reduced
+    /// gradients, which ZeRO-1 reduce-scatters) and one micro-batch's activations, all `f32`.
+    /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
+    ///
+    /// # Errors
+    /// An invalid config (see [`TrainConfig::validate`]).
+    pub fn memory_per_device(&self) -> Result<DeviceMemory, TrainError> {
         let model = ferrotext_models::qwen3::Qwen3::new(self.model()?)
             .map_err(|e| TrainError::Config(e.to_string()))?;
         let mesh = self.mesh()?;
@@ -791,13 +807,16 @@ impl TrainConfig {
             .sum();
         let split = mesh.axes_size(&["fsdp", "tensor"])? as f64;
         let data = mesh.axis_size("data")? as f64;
-        let optimizer_copies = match (self.opt_type, self.shard_optimizer_over_data) {
-            (OptType::Sgd, _) => 0.0,
-            (OptType::Adamw, false) => 2.0,
-            (OptType::Adamw, true) => 2.0 / data,
+        let local = params / split;
+        let zero1 = if self.shard_optimizer_over_data {
+            data
+        } else {
+            1.0
         };
-        // parameters, the accumulator, the reduced gradients, the optimizer state
-        let state = params / split * (3.0 + optimizer_copies) * 4.0;
+        let moments = match self.opt_type {
+            OptType::Sgd => 0.0,
+            OptType::Adamw => 2.0,
+        };
         let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
         let rows = (self.micro_batch_rows() as f64 / batch_parts).max(1.0);
         let len = self.max_target_length as f64;
@@ -808,11 +827,24 @@ impl TrainConfig {
         // Kept for the backward pass per layer: ~16 d-wide and 4 f-wide values per token, and
         // the attention probabilities; then the logits, their softmax and gradient.
         let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
-        let activations = (layers * per_layer + 3.0 * tokens * m.vocab_size as f64) * 4.0;
-        let local = self.local_devices as f64;
-        Ok(MemoryEstimate {
-            parameter_and_optimizer_bytes: state * local + params * 4.0,
-            activation_bytes: activations * local,
+        let activation_bytes = (layers * per_layer + 3.0 * tokens * m.vocab_size as f64) * 4.0;
+        let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
+        let gradient_bytes = local / zero1 * 4.0;
+        let optimizer_bytes = local * moments / zero1 * 4.0;
+        Ok(DeviceMemory {
+            parameter_elements: params,
+            local_parameter_elements: local,
+            optimizer_stepped_elements: local / zero1,
+            parameter_bytes,
+            accumulator_bytes,
+            gradient_bytes,
+            optimizer_bytes,
+            activation_bytes,
+            total_bytes: parameter_bytes
+                + accumulator_bytes
+                + gradient_bytes
+                + optimizer_bytes
+                + activation_bytes,
         })
     }
 
@@ -871,6 +903,31 @@ pub struct MemoryEstimate {
     pub parameter_and_optimizer_bytes: f64,
     /// One micro-batch's activations on each of the process's devices.
     pub activation_bytes: f64,
+}
+
+/// What [`TrainConfig::memory_per_device`] counts for one device, in bytes (`f32` values), with
+/// the element counts the optimizer's cost is computed from. `total_bytes` is the sum of the five
+/// byte fields.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct DeviceMemory {
+    /// Parameters of the whole model.
+    pub parameter_elements: f64,
+    /// Parameter elements this device holds (÷ `fsdp × tensor`).
+    pub local_parameter_elements: f64,
+    /// Elements the optimizer steps on this device (÷ `data` more under ZeRO-1).
+    pub optimizer_stepped_elements: f64,
+    /// The device's parameters.
+    pub parameter_bytes: f64,
+    /// The gradient accumulator (the micro-batches' partial sums).
+    pub accumulator_bytes: f64,
+    /// The reduced gradients `update` produces (a slice under ZeRO-1).
+    pub gradient_bytes: f64,
+    /// The optimizer state (AdamW's two moments; none for SGD; ÷ `data` under ZeRO-1).
+    pub optimizer_bytes: f64,
+    /// One micro-batch's activations kept for the backward pass.
+    pub activation_bytes: f64,
+    /// The sum of the five above.
+    pub total_bytes: f64,
 }
 
 impl MemoryEstimate {

@@ -21,6 +21,7 @@ reduction.
 
 pub mod checkpoint;
 mod config;
+pub mod cost;
 pub mod data;
 mod engine;
 mod error;
@@ -37,8 +38,8 @@ use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 
 pub use config::{
-    DatasetOrder, DatasetType, MemoryEstimate, NanPolicy, OptType, ResumeMode, ShardMode,
-    TrainConfig,
+    DatasetOrder, DatasetType, DeviceMemory, MemoryEstimate, NanPolicy, OptType, ResumeMode,
+    ShardMode, TrainConfig,
 };
 pub use engine::{compute_mesh, Batch, Engine, FwdBwd, Gradients, PartialGradients, StepMetrics};
 pub use error::TrainError;
