@@ -306,19 +306,74 @@ impl Ctx<'_> {
         out_types: &[ArrayType],
         members: &[usize],
     ) -> Result<Vec<Array>, SpmdError> {
-        let sizes: Vec<usize> = members
-            .iter()
-            .map(|&i| xs[i].ty().shard_shape().iter().product())
-            .collect();
-        let total: usize = sizes.iter().sum();
-        let abstract_mode = members.iter().any(|&i| xs[i].is_abstract());
+        let started = self.start_bucket(fused, xs, out_types, members, false)?;
+        self.finish_bucket(started)
+    }
+
+    /// Starts bucket `b` of `plan` on the device's background stream (see
+    /// `ferrotext_comm::stream`) and returns at once; [`Ctx::finish_planned_bucket`] gives its
+    /// values. Buckets started this way run in start order, on every device the same.
+    ///
+    /// # Errors
+    /// Values whose types are not those the plan was made for; no bucket `b`.
+    ///
+    /// # Collectives
+    /// The bucket's one collective, on the background channel.
+    pub fn start_planned_bucket(
+        &mut self,
+        plan: &BucketPlan,
+        b: usize,
+        xs: &[Array],
+    ) -> Result<StartedBucket, SpmdError> {
+        check_plan_fits(plan, xs)?;
+        let (fused, members) = plan.buckets.get(b).ok_or_else(|| SpmdError::BadArgument {
+            op: "start_planned_bucket".into(),
+            reason: format!("no bucket {b}"),
+        })?;
+        self.start_bucket(fused, xs, &plan.out_types, members, true)
+    }
+
+    /// The values of a bucket started with [`Ctx::start_planned_bucket`], with their indices
+    /// (waits for its collective).
+    ///
+    /// # Errors
+    /// The collective's failure.
+    pub fn finish_planned_bucket(
+        &mut self,
+        started: StartedBucket,
+    ) -> Result<Vec<(usize, Array)>, SpmdError> {
+        let members = started.members.clone();
+        let moved = self.finish_bucket(started)?;
+        Ok(members.into_iter().zip(moved).collect())
+    }
+
+    /// Packs the members' local blocks and issues the bucket's collective, blocking or on the
+    /// background stream.
+    fn start_bucket(
+        &mut self,
+        fused: &Fused,
+        xs: &[Array],
+        out_types: &[ArrayType],
+        members: &[usize],
+        background: bool,
+    ) -> Result<StartedBucket, SpmdError> {
         let (kind, axes) = match fused {
             Fused::AllReduce(a) => (CollectiveKind::AllReduce, a),
             Fused::ReduceScatter(a, _) => (CollectiveKind::ReduceScatter, a),
             Fused::AllGather(a, _) => (CollectiveKind::AllGather, a),
         };
         let (_, n) = self.rank_over(axes)?;
-        if abstract_mode {
+        let shapes: Vec<Vec<usize>> = members.iter().map(|&i| xs[i].ty().shard_shape()).collect();
+        let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+        let mut started = StartedBucket {
+            fused: fused.clone(),
+            members: members.to_vec(),
+            out_types: members.iter().map(|&i| out_types[i].clone()).collect(),
+            shapes,
+            n,
+            flight: Flight::Abstract,
+        };
+        if members.iter().any(|&i| xs[i].is_abstract()) {
             let elements = if kind == CollectiveKind::AllGather {
                 total * n
             } else {
@@ -326,84 +381,171 @@ impl Ctx<'_> {
             };
             self.comm()
                 .record_abstract(kind, axes, elements, DType::F32)?;
-            return Ok(members
-                .iter()
-                .map(|&i| Array::new(out_types[i].clone(), None))
-                .collect());
+            return Ok(started);
         }
         let locals: Vec<&Tensor> = members
             .iter()
             .map(|&i| xs[i].local())
             .collect::<Result<_, _>>()?;
-        let outputs: Vec<Tensor> = match fused {
-            Fused::AllReduce(axes) => {
-                let mut flat = Vec::with_capacity(total);
-                for t in &locals {
-                    flat.extend_from_slice(t.data());
+        let packed = pack(fused, &locals, n, total)?;
+        started.flight = if background {
+            Flight::Background(match fused {
+                Fused::AllReduce(axes) => self.comm().start_all_reduce(axes, packed)?,
+                Fused::ReduceScatter(axes, _) => self.comm().start_reduce_scatter(axes, packed)?,
+                Fused::AllGather(axes, _) => self.comm().start_all_gather(axes, packed)?,
+            })
+        } else {
+            Flight::Done(match fused {
+                Fused::AllReduce(axes) => {
+                    let mut buf = packed;
+                    self.comm().all_reduce(axes, &mut buf)?;
+                    buf
                 }
-                self.comm().all_reduce(axes, &mut flat)?;
-                let mut rest = flat.as_slice();
-                let mut out = Vec::with_capacity(locals.len());
-                for t in &locals {
-                    let (mine, tail) = rest.split_at(t.len());
-                    out.push(Tensor::new(t.shape().to_vec(), mine.to_vec())?);
-                    rest = tail;
+                Fused::ReduceScatter(axes, _) => {
+                    let mut mine = vec![0.0; total / n];
+                    self.comm().reduce_scatter(axes, &packed, &mut mine)?;
+                    mine
                 }
-                out
-            }
-            Fused::ReduceScatter(axes, dim) => {
-                // Chunk k of every value, for k = 0..n, back to back.
-                let split: Vec<(Vec<usize>, Vec<f32>)> = locals
-                    .iter()
-                    .map(|t| chunk_major(t, *dim, n))
-                    .collect::<Result<_, _>>()?;
-                let mut flat = Vec::with_capacity(total);
-                for k in 0..n {
-                    for ((_, data), &size) in split.iter().zip(&sizes) {
-                        let part = size / n;
-                        flat.extend_from_slice(&data[k * part..(k + 1) * part]);
-                    }
+                Fused::AllGather(axes, _) => {
+                    let mut all = vec![0.0; total * n];
+                    self.comm().all_gather(axes, &packed, &mut all)?;
+                    all
                 }
-                let mut mine = vec![0.0; total / n];
-                self.comm().reduce_scatter(axes, &flat, &mut mine)?;
-                let mut rest = mine.as_slice();
-                let mut out = Vec::with_capacity(locals.len());
-                for ((shape, _), &size) in split.iter().zip(&sizes) {
-                    let (part, tail) = rest.split_at(size / n);
-                    out.push(Tensor::new(shape.clone(), part.to_vec())?);
-                    rest = tail;
-                }
-                out
-            }
-            Fused::AllGather(axes, dim) => {
-                let mut flat = Vec::with_capacity(total);
-                for t in &locals {
-                    flat.extend_from_slice(t.data());
-                }
-                let mut all = vec![0.0; total * n];
-                self.comm().all_gather(axes, &flat, &mut all)?;
-                let mut out = Vec::with_capacity(locals.len());
-                let mut offset = 0;
-                for t in &locals {
-                    let blocks: Vec<Tensor> = (0..n)
-                        .map(|k| {
-                            let start = k * total + offset;
-                            Tensor::new(t.shape().to_vec(), all[start..start + t.len()].to_vec())
-                        })
-                        .collect::<Result<_, _>>()?;
-                    offset += t.len();
-                    let refs: Vec<&Tensor> = blocks.iter().collect();
-                    out.push(Tensor::concat(&refs, *dim)?);
-                }
-                out
-            }
+            })
         };
-        Ok(members
-            .iter()
-            .zip(outputs)
-            .map(|(&i, t)| Array::new(out_types[i].clone(), Some(t)))
+        Ok(started)
+    }
+
+    /// The bucket's values from its collective's output.
+    fn finish_bucket(&mut self, started: StartedBucket) -> Result<Vec<Array>, SpmdError> {
+        let StartedBucket {
+            fused,
+            out_types,
+            shapes,
+            n,
+            flight,
+            ..
+        } = started;
+        let flat = match flight {
+            Flight::Abstract => {
+                return Ok(out_types
+                    .into_iter()
+                    .map(|ty| Array::new(ty, None))
+                    .collect())
+            }
+            Flight::Done(flat) => flat,
+            Flight::Background(pending) => pending.wait()?,
+        };
+        let tensors = unpack(&fused, &flat, &shapes, n)?;
+        Ok(out_types
+            .into_iter()
+            .zip(tensors)
+            .map(|(ty, t)| Array::new(ty, Some(t)))
             .collect())
     }
+}
+
+/// Where a started bucket's collective is.
+enum Flight {
+    /// Abstract mode: recorded, nothing moves.
+    Abstract,
+    /// Finished (blocking): its output.
+    Done(Vec<f32>),
+    /// On the background stream.
+    Background(ferrotext_comm::Pending),
+}
+
+/// A bucket whose collective has been issued (see [`Ctx::start_planned_bucket`]).
+pub struct StartedBucket {
+    fused: Fused,
+    members: Vec<usize>,
+    out_types: Vec<ArrayType>,
+    /// The members' local block shapes before the move.
+    shapes: Vec<Vec<usize>>,
+    /// The group's size.
+    n: usize,
+    flight: Flight,
+}
+
+impl StartedBucket {
+    /// The values (indices into the plan's values) the bucket moves.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+}
+
+/// The members' local blocks as the bucket's one collective takes them: back to back (all-reduce,
+/// all-gather), or chunk `k` of every block for `k = 0..n` (reduce-scatter: member `r` receives
+/// chunk `r` of every value).
+fn pack(fused: &Fused, locals: &[&Tensor], n: usize, total: usize) -> Result<Vec<f32>, SpmdError> {
+    let mut flat = Vec::with_capacity(total);
+    match fused {
+        Fused::AllReduce(_) | Fused::AllGather(..) => {
+            for t in locals {
+                flat.extend_from_slice(t.data());
+            }
+        }
+        Fused::ReduceScatter(_, dim) => {
+            let split: Vec<(Vec<usize>, Vec<f32>)> = locals
+                .iter()
+                .map(|t| chunk_major(t, *dim, n))
+                .collect::<Result<_, _>>()?;
+            for k in 0..n {
+                for (_, data) in &split {
+                    let part = data.len() / n;
+                    flat.extend_from_slice(&data[k * part..(k + 1) * part]);
+                }
+            }
+        }
+    }
+    Ok(flat)
+}
+
+/// Each member's new local block from the collective's output (`shapes`: the blocks before).
+fn unpack(
+    fused: &Fused,
+    flat: &[f32],
+    shapes: &[Vec<usize>],
+    n: usize,
+) -> Result<Vec<Tensor>, SpmdError> {
+    let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+    let total: usize = sizes.iter().sum();
+    let mut out = Vec::with_capacity(shapes.len());
+    match fused {
+        Fused::AllReduce(_) => {
+            let mut rest = flat;
+            for (shape, &size) in shapes.iter().zip(&sizes) {
+                let (mine, tail) = rest.split_at(size);
+                out.push(Tensor::new(shape.clone(), mine.to_vec())?);
+                rest = tail;
+            }
+        }
+        Fused::ReduceScatter(_, dim) => {
+            let mut rest = flat;
+            for (shape, &size) in shapes.iter().zip(&sizes) {
+                let (part, tail) = rest.split_at(size / n);
+                let mut part_shape = shape.clone();
+                part_shape[*dim] /= n;
+                out.push(Tensor::new(part_shape, part.to_vec())?);
+                rest = tail;
+            }
+        }
+        Fused::AllGather(_, dim) => {
+            let mut offset = 0;
+            for (shape, &size) in shapes.iter().zip(&sizes) {
+                let blocks: Vec<Tensor> = (0..n)
+                    .map(|k| {
+                        let start = k * total + offset;
+                        Tensor::new(shape.clone(), flat[start..start + size].to_vec())
+                    })
+                    .collect::<Result<_, _>>()?;
+                offset += size;
+                let refs: Vec<&Tensor> = blocks.iter().collect();
+                out.push(Tensor::concat(&refs, *dim)?);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `xs` are the values the plan was made for: as many, of the same types.

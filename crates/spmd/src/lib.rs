@@ -66,7 +66,7 @@ pub mod rules;
 mod structural;
 
 pub use array::Array;
-pub use bucketed::BucketPlan;
+pub use bucketed::{BucketPlan, StartedBucket};
 pub use ctx::{Ctx, Mode};
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
 pub use manual::{AxisState, GatherTo};

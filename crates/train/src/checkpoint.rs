@@ -80,6 +80,8 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "resume",
     "collective_timeout_seconds",
     "nan_policy",
+    "grad_bucket_mb",
+    "overlap_grad_reduce",
 ];
 
 /// The layout keys: a checkpoint restores onto another mesh or mode as long as the global
@@ -1226,11 +1228,13 @@ impl Engine {
                     acc: PartialGradients {
                         grads,
                         plan: self.reduce_plan.clone(),
+                        started: Vec::new(),
                     },
                     loss_sum: f64::from_bits(loaded.manifest.pending_loss_sum_bits),
                     tokens: loaded.manifest.token_denominator,
                     micro_steps: loaded.manifest.micro_steps,
                     started: Instant::now(),
+                    closed: false,
                 })
             }
             None => None,

@@ -214,6 +214,10 @@ pub struct TrainConfig {
     /// the parameters) one bucket per collective instead of one collective per parameter
     /// (PyTorch DDP's default is 25).
     pub grad_bucket_mb: f64,
+    /// Start each bucket's reduction during the backward pass of the step's last micro-batch,
+    /// as soon as every gradient in it is final, on a background stream; the update waits for
+    /// them (bitwise the same weights).
+    pub overlap_grad_reduce: bool,
 }
 
 impl Default for TrainConfig {
@@ -280,6 +284,7 @@ impl Default for TrainConfig {
             dataset_order: DatasetOrder::Random,
             collective_timeout_seconds: 300.0,
             grad_bucket_mb: 25.0,
+            overlap_grad_reduce: false,
         }
     }
 }

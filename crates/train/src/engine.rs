@@ -19,7 +19,7 @@ use ferrotext_models::{init_normal, ParamInfo};
 use ferrotext_sharding::{
     ArrayType, AxisType, LogicalAxisRules, Mesh, NamedSharding, PartitionSpec,
 };
-use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
+use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode, StartedBucket};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
@@ -111,6 +111,8 @@ pub struct PartialGradients {
     /// How the reduction runs: gradients in buckets, filled from the last parameter back (the
     /// order a backward pass finishes them).
     pub(crate) plan: Arc<BucketPlan>,
+    /// Buckets whose reduction already started (overlap), in start order.
+    pub(crate) started: Vec<StartedBucket>,
 }
 
 impl PartialGradients {
@@ -126,7 +128,41 @@ impl PartialGradients {
     /// One all-reduce (ZeRO-1: reduce-scatter) over `data` per bucket of `{U:data}` gradients,
     /// in parameter order; none when they are already reduced.
     pub fn reduce(self, cx: &mut Ctx<'_>) -> Result<Gradients, TrainError> {
-        let grads = cx.reshard_planned(&self.plan, &self.grads)?;
+        let PartialGradients {
+            grads,
+            plan,
+            started,
+        } = self;
+        if started.is_empty() {
+            return Ok(Gradients {
+                grads: cx.reshard_planned(&plan, &grads)?,
+            });
+        }
+        // Overlapped: finish what the backward started, then run any bucket it did not.
+        let mut out: Vec<Option<Array>> = vec![None; grads.len()];
+        cx.move_outside_buckets(&plan, &grads, &mut out)?;
+        let mut done = vec![false; grads.len()];
+        for bucket in started {
+            for (i, a) in cx.finish_planned_bucket(bucket)? {
+                done[i] = true;
+                out[i] = Some(a);
+            }
+        }
+        let remaining: Vec<usize> = plan
+            .buckets()
+            .enumerate()
+            .filter(|(_, members)| members.iter().any(|&m| !done[m]))
+            .map(|(b, _)| b)
+            .collect();
+        for b in remaining {
+            for (i, a) in cx.move_planned_bucket(&plan, b, &grads)? {
+                out[i] = Some(a);
+            }
+        }
+        let grads = out
+            .into_iter()
+            .map(|a| a.ok_or_else(|| TrainError::Config("a gradient was not reduced".into())))
+            .collect::<Result<_, _>>()?;
         Ok(Gradients { grads })
     }
 }
@@ -152,6 +188,8 @@ pub(crate) struct Pending {
     pub(crate) tokens: u64,
     pub(crate) micro_steps: usize,
     pub(crate) started: Instant,
+    /// The step's last micro-batch has run (`fwd_bwd_final`): only `update` may follow.
+    pub(crate) closed: bool,
 }
 
 /// The per-device training engine. See the module docs.
@@ -484,12 +522,45 @@ impl Engine {
     ///
     /// # Errors
     /// [`TrainError::AccumulatorType`] when a gradient arrives typed differently from the gate's
-    /// promise (nothing is reduced early); any op or collective failure.
+    /// promise (nothing is reduced early); a call after [`Engine::fwd_bwd_final`] (the step is
+    /// closed: call `update`); any op or collective failure.
     ///
     /// # Collectives
     /// Gate open: only the one-element loss all-reduce. Gate closed: each gradient's
     /// all-reduce, inside the backward pass.
     pub fn fwd_bwd(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
+        self.micro_batch(cx, batch, false)
+    }
+
+    /// [`Engine::fwd_bwd`] for the step's last micro-batch. With `overlap_grad_reduce`, each
+    /// bucket of the step's reduction starts on the device's background stream as soon as the
+    /// backward pass has finished every gradient in it, so the reduction runs while the rest of
+    /// the backward computes, and [`Engine::update`] waits for it; without, this is `fwd_bwd`.
+    /// Either way the step is closed: the next call must be `update`. The weights are bitwise
+    /// those of the non-overlapped step (the same buckets, the same sums).
+    ///
+    /// # Errors
+    /// As [`Engine::fwd_bwd`].
+    ///
+    /// # Collectives
+    /// As [`Engine::fwd_bwd`], plus (overlap, gate open) the step's bucketed reduction on the
+    /// background channel.
+    pub fn fwd_bwd_final(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
+        let overlap = self.config.overlap_grad_reduce;
+        let out = self.micro_batch(cx, batch, overlap)?;
+        if let Some(pending) = &mut self.pending {
+            pending.closed = true;
+        }
+        Ok(out)
+    }
+
+    /// One micro-batch; `overlap`: start each finished bucket's reduction during the backward.
+    fn micro_batch(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        batch: &Batch,
+        overlap: bool,
+    ) -> Result<FwdBwd, TrainError> {
         if self.pending.is_none() {
             // Deferral: the parameters enter every micro-batch `{R:data}`. The cast is free and
             // sits outside the differentiated function (R4.8) — inside it, its transpose would
@@ -508,40 +579,61 @@ impl Engine {
                 acc: PartialGradients {
                     grads,
                     plan: self.reduce_plan.clone(),
+                    started: Vec::new(),
                 },
                 loss_sum: 0.0,
                 tokens: 0,
                 micro_steps: 0,
                 started: Instant::now(),
+                closed: false,
             });
         }
         let pending = self
             .pending
             .as_mut()
             .ok_or_else(|| TrainError::Config("no pending accumulation".into()))?;
-        let model = &self.model;
-        let (loss, grads) = cx.value_and_grad(&pending.used, |cx, ps| {
-            model.loss_sum(cx, ps, &batch.inputs, &batch.targets)
-        })?;
-        for (i, grad) in grads.iter().enumerate() {
-            let acc = &mut pending.acc.grads[i];
-            if grad.ty() != acc.ty() {
-                return Err(TrainError::AccumulatorType {
-                    param: self.infos[i].name.clone(),
-                    expected: acc.ty().to_string(),
-                    got: grad.ty().to_string(),
-                    expected_unreduced: acc
-                        .ty()
-                        .sharding()
-                        .spec()
-                        .unreduced()
-                        .iter()
-                        .cloned()
-                        .collect(),
-                });
-            }
-            *acc = cx.add(acc, grad)?;
+        if pending.closed {
+            return Err(TrainError::Config(
+                "fwd_bwd after fwd_bwd_final: the step is closed, call update".into(),
+            ));
         }
+        let model = &self.model;
+        let infos = &self.infos;
+        let acc = &mut pending.acc;
+        let buckets: Vec<Vec<usize>> = acc.plan.buckets().map(<[usize]>::to_vec).collect();
+        let mut finished = vec![false; acc.grads.len()];
+        let mut in_flight = vec![false; buckets.len()];
+        let mut wrong_type: Option<TrainError> = None;
+        // Each gradient joins its accumulator as soon as the backward has finished it; with
+        // `overlap`, a bucket whose gradients are all in starts reducing at once.
+        let (loss, _) = cx
+            .value_and_grad_streaming(
+                &pending.used,
+                |cx, ps| model.loss_sum(cx, ps, &batch.inputs, &batch.targets),
+                &mut |cx, i, grad| {
+                    let slot = &mut acc.grads[i];
+                    if grad.ty() != slot.ty() {
+                        wrong_type = Some(accumulator_type_error(&infos[i].name, slot, grad));
+                        return Err(ferrotext_spmd::SpmdError::BadArgument {
+                            op: "fwd_bwd".into(),
+                            reason: "a gradient's type differs from its accumulator's".into(),
+                        });
+                    }
+                    *slot = cx.add(slot, grad)?;
+                    finished[i] = true;
+                    if overlap {
+                        for (b, members) in buckets.iter().enumerate() {
+                            if !in_flight[b] && members.iter().all(|&m| finished[m]) {
+                                let started = cx.start_planned_bucket(&acc.plan, b, &acc.grads)?;
+                                acc.started.push(started);
+                                in_flight[b] = true;
+                            }
+                        }
+                    }
+                    Ok(())
+                },
+            )
+            .map_err(|e| wrong_type.take().unwrap_or(TrainError::from(e)))?;
         let loss_sum = if loss.is_abstract() {
             0.0
         } else {
@@ -681,5 +773,22 @@ impl Engine {
             .iter()
             .map(|p| cx.to_host(p).map_err(TrainError::from))
             .collect()
+    }
+}
+
+/// The error for a gradient that arrived typed differently from its accumulator.
+fn accumulator_type_error(param: &str, acc: &Array, grad: &Array) -> TrainError {
+    TrainError::AccumulatorType {
+        param: param.to_string(),
+        expected: acc.ty().to_string(),
+        got: grad.ty().to_string(),
+        expected_unreduced: acc
+            .ty()
+            .sharding()
+            .spec()
+            .unreduced()
+            .iter()
+            .cloned()
+            .collect(),
     }
 }

@@ -103,7 +103,12 @@ impl Trainer {
             cx.comm().push_phase(format!("micro_batch {micro}"));
             let seqs = micro_batch(self.source.as_ref(), step, micro, ga, rows, len);
             let batch = self.engine.batch(cx, &seqs)?;
-            self.engine.fwd_bwd(cx, &batch)?;
+            if micro + 1 < ga {
+                self.engine.fwd_bwd(cx, &batch)?;
+            } else {
+                // The step's last micro-batch: with overlap, the reduction starts in its backward.
+                self.engine.fwd_bwd_final(cx, &batch)?;
+            }
             cx.comm().pop_phase();
             if micro + 1 < ga {
                 after_micro_batch(cx, &self.engine, micro + 1)?;

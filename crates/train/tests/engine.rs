@@ -120,3 +120,30 @@ fn update_without_micro_batches_is_an_error_and_eval_changes_nothing() {
     assert!(unchanged);
     assert!(*updates > 0);
 }
+
+#[test]
+fn a_micro_batch_after_the_final_one_is_an_error_until_update() {
+    let cfg = config();
+    let mesh = compute_mesh(&cfg).unwrap();
+    let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
+    let results = run_spmd(
+        &mesh,
+        &SpmdOptions::default(),
+        |dev| -> Result<_, TrainError> {
+            let mut cx = Ctx::new(dev.comm(), 1);
+            let mut engine = Engine::new(&mut cx, &cfg, None)?;
+            let rows = micro_batch(source.as_ref(), 0, 0, 1, cfg.micro_batch_rows(), 16);
+            let batch = engine.batch(&cx, &rows)?;
+            engine.fwd_bwd_final(&mut cx, &batch)?;
+            let err = engine.fwd_bwd(&mut cx, &batch).err().map(|e| e.to_string());
+            engine.update(&mut cx)?;
+            // A new step opens again.
+            engine.fwd_bwd(&mut cx, &batch)?;
+            Ok(err)
+        },
+    )
+    .unwrap();
+    assert!(results[0]
+        .as_deref()
+        .is_some_and(|e| e.contains("fwd_bwd after fwd_bwd_final")));
+}

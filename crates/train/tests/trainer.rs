@@ -212,3 +212,65 @@ fn loss_falls_on_the_bundled_corpus() {
     assert!(first > 5.0, "{first}");
     assert!(last < 3.0, "loss {first} -> {last}");
 }
+
+#[test]
+fn overlapped_reduction_gives_bitwise_the_same_weights_and_starts_in_the_last_micro_batch() {
+    // Small buckets, so the reduction has several to overlap; AdamW with clipping engaged and
+    // ZeRO-1 (reduce-scatter buckets) as well as plain data parallelism.
+    for zero1 in ["false", "true"] {
+        let items = |overlap: &str| {
+            [
+                "gradient_accumulation_steps=4".to_string(),
+                "grad_bucket_mb=0.01".into(),
+                format!("shard_optimizer_over_data={zero1}"),
+                format!("overlap_grad_reduce={overlap}"),
+            ]
+        };
+        let plain_items = items("false");
+        let overlap_items = items("true");
+        let plain = run(&plain_items.iter().map(String::as_str).collect::<Vec<_>>());
+        let overlapped = run(&overlap_items.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!(
+            plain.values, overlapped.values,
+            "zero1={zero1}: bitwise weights"
+        );
+        let losses = |r: &ferrotext_train::TrainReport| -> Vec<u64> {
+            r.metrics.iter().map(|m| m.loss.to_bits()).collect()
+        };
+        assert_eq!(losses(&plain), losses(&overlapped));
+        let kind = if zero1 == "true" {
+            CollectiveKind::ReduceScatter
+        } else {
+            CollectiveKind::AllReduce
+        };
+        let (last, update) = (
+            PhasePattern::new("micro_batch 3"),
+            PhasePattern::new("update"),
+        );
+        // Without overlap the buckets run in update; with it, they are issued during the last
+        // micro-batch's backward and update only collects them: the same buckets, the same bytes.
+        // Gradient collectives: more than 8 elements (the loss all-reduce has one).
+        let big = |r: &ferrotext_train::TrainReport, phase: &PhasePattern| -> (usize, usize) {
+            let events: Vec<_> = r
+                .trace
+                .events()
+                .iter()
+                .filter(|e| e.kind == kind && e.elements > 8 && phase.matches(&e.phase))
+                .collect();
+            (events.len(), events.iter().map(|e| e.bytes).sum())
+        };
+        let (buckets, bytes) = big(&plain, &update);
+        assert!(buckets > 3, "several buckets: {buckets}");
+        assert_eq!(big(&plain, &last).0, 0);
+        assert_eq!(big(&overlapped, &last), (buckets, bytes));
+        assert_eq!(big(&overlapped, &update).0, 0);
+        // The earlier micro-batches still reduce nothing.
+        for micro in 0..3 {
+            let phase = PhasePattern::new(format!("micro_batch {micro}"));
+            assert!(overlapped
+                .trace
+                .all_reduces_larger_than(8, &phase)
+                .is_empty());
+        }
+    }
+}
