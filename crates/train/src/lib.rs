@@ -49,12 +49,16 @@ pub use gate::{
 pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use trainer::{plan_step, Trainer};
 
+/// A callback for each finished step (progress bars, probes); owned, since the device threads
+/// that call it may outlive a failed run's caller.
+pub type StepCallback = Arc<dyn Fn(&StepMetrics) + Send + Sync>;
+
 /// Extras of a run beyond the config.
 #[derive(Default)]
 pub struct RunOptions<'a> {
     /// Called after every step on the first device of each process (device 0 alone in one
     /// process): progress reporting, per-process probes.
-    pub on_step: Option<Arc<dyn Fn(&StepMetrics) + Send + Sync>>,
+    pub on_step: Option<StepCallback>,
     /// Gather the final parameters into the report.
     pub return_params: bool,
     /// Stop after this many steps of this run (as an interrupted run would; the schedule still
