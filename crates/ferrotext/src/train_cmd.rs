@@ -392,11 +392,10 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let probe_step = move |m: &StepMetrics| probe.iter().for_each(|w| w.record(m));
     if !leader {
         // Every process computes the same run; only process 0 reports it.
-        let on_step: Option<ferrotext_train::StepCallback> =
-            match wire.as_ref() {
-                Some(_) => Some(std::sync::Arc::new(probe_step)),
-                None => None,
-            };
+        let on_step: Option<ferrotext_train::StepCallback> = match wire.as_ref() {
+            Some(_) => Some(std::sync::Arc::new(probe_step)),
+            None => None,
+        };
         let options = RunOptions {
             on_step,
             cluster: launch.cluster(),
