@@ -176,7 +176,10 @@ pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
             out,
             svg,
         } => crate::bench_moe::run(&model, pairs, &set, &out, &svg),
-        BenchCommand::Cluster(args) => crate::bench_cluster::run(&args, None),
+        BenchCommand::Cluster(args) => {
+            let predict = crate::bench_cluster::cost_model(args.set(), args.steps());
+            crate::bench_cluster::run(&args, Some(&predict))
+        }
         BenchCommand::Kernels {
             d_model,
             tokens,

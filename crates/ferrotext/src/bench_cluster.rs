@@ -57,6 +57,18 @@ pub struct ClusterArgs {
     svg: PathBuf,
 }
 
+impl ClusterArgs {
+    /// The extra `key=value` overrides every job gets.
+    pub fn set(&self) -> &[String] {
+        &self.set
+    }
+
+    /// Steps per job.
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+}
+
 /// The two ways to reduce the gradients.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -402,4 +414,57 @@ fn plot(cells: &[Cell], path: &Path) -> Result<()> {
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// The cost model (`ferrotext_train::cost::predict`) as the grid's prediction function: the
+/// cell's config on `hosts × devices_per_host` with its link, device throughput measured here
+/// once with the thread budget one of the cell's devices gets when every emulated device shares
+/// this machine's cores (the emulated hosts do). `None` for a cell the model cannot price.
+pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> Option<f64> + '_ {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let gflops = move |devices: usize| -> Option<f64> {
+        let threads = (cores / devices.max(1)).max(1);
+        let rate = ferrotext_train::cost::measure_matmul_gflops(512, threads).ok()?;
+        // More devices than cores: each gets a share of one.
+        Some(rate * (cores as f64 / (devices * threads) as f64).min(1.0))
+    };
+    let cache = std::sync::Mutex::new(std::collections::HashMap::<usize, f64>::new());
+    move |spec: &CellSpec, mode: Mode| {
+        let devices = spec.hosts * spec.devices_per_host;
+        let rate = {
+            let mut cache = cache.lock().ok()?;
+            match cache.get(&devices) {
+                Some(&r) => r,
+                None => {
+                    let r = gflops(devices)?;
+                    cache.insert(devices, r);
+                    r
+                }
+            }
+        };
+        let mut items = vec![
+            format!("model_name={}", spec.model),
+            format!("gradient_accumulation_steps={}", spec.ga),
+            format!("steps={steps}"),
+        ];
+        if let Some(o) = spec.overlap {
+            items.push(format!("overlap_grad_reduce={o}"));
+        }
+        items.extend(set.iter().cloned());
+        let config = ferrotext_train::TrainConfig::load(None, &items).ok()?;
+        let cluster: ferrotext_train::cost::ClusterSpec = format!(
+            "hosts={},devices_per_host={},link={}bit,{}us",
+            spec.hosts,
+            spec.devices_per_host,
+            spec.link_bps,
+            spec.link_delay_s * 1e6
+        )
+        .parse()
+        .ok()?;
+        let p = ferrotext_train::cost::predict(&config, &cluster, rate).ok()?;
+        Some(match mode {
+            Mode::PerMicroBatch => p.per_micro_batch_step_ms,
+            Mode::Deferred => p.deferred_step_ms,
+        })
+    }
 }
