@@ -678,36 +678,45 @@ impl Engine {
         let loss = loss_sum * inv_tokens;
         // Every device holds the same reduced loss and norm, so every device takes the same
         // branch here and the collectives below stay matched.
-        if cx.mode() == Mode::Real && !(loss.is_finite() && grad_norm.is_finite()) {
-            match self.config.nan_policy {
-                NanPolicy::Stop => {
-                    return Err(TrainError::NonFinite {
-                        step: self.step,
-                        loss,
-                        grad_norm,
-                    })
-                }
-                NanPolicy::SkipStep => {
-                    let metrics = StepMetrics {
-                        step: self.step,
-                        loss,
-                        tokens,
-                        grad_norm,
-                        learning_rate: lr,
-                        seconds: started.elapsed().as_secs_f64(),
-                        skipped: true,
-                        epoch: None,
-                    };
-                    self.step += 1;
-                    return Ok(metrics);
-                }
-            }
+        let skipped = cx.mode() == Mode::Real && !(loss.is_finite() && grad_norm.is_finite());
+        if skipped && self.config.nan_policy == NanPolicy::Stop {
+            return Err(TrainError::NonFinite {
+                step: self.step,
+                loss,
+                grad_norm,
+            });
         }
         let scale =
             (inv_tokens * clip_scale(grad_norm, self.config.gradient_clipping_threshold)) as f32;
+        // nan_policy=skip_step: a skipped update leaves parameters and moments as they were.
+        if !skipped {
+            self.apply_update(cx, lr, scale, &grads)?;
+        }
+        let metrics = StepMetrics {
+            step: self.step,
+            loss,
+            tokens,
+            grad_norm,
+            learning_rate: lr,
+            seconds: started.elapsed().as_secs_f64(),
+            skipped,
+            epoch: None,
+        };
+        self.step += 1;
+        Ok(metrics)
+    }
+
+    /// The optimizer on the reduced gradients: in place, or under ZeRO-1 on this device's
+    /// `data` slice of each parameter (a free local slice) followed by the parameters'
+    /// all-gather, one per bucket.
+    fn apply_update(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        lr: f64,
+        scale: f32,
+        grads: &Gradients,
+    ) -> Result<(), TrainError> {
         if self.zero1.is_active() {
-            // ZeRO-1: step on this device's `data` slice of each parameter (a free local slice),
-            // then all-gather the parameters — the one all-gather per parameter per step.
             let mut slices = Vec::with_capacity(self.params.len());
             for (p, t) in self.params.iter().zip(&self.targets) {
                 slices.push(if p.ty().sharding().spec() == t {
@@ -717,8 +726,7 @@ impl Engine {
                 });
             }
             if cx.mode() == Mode::Real {
-                self.opt
-                    .apply(lr, scale, &mut slices, &grads, &self.decay)?;
+                self.opt.apply(lr, scale, &mut slices, grads, &self.decay)?;
             }
             self.params = match &self.gather_plan {
                 Some(plan) => cx.reshard_planned(plan, &slices)?,
@@ -729,20 +737,9 @@ impl Engine {
         } else if cx.mode() == Mode::Real {
             // Nothing else holds the parameters' shards now, so the update runs in place.
             self.opt
-                .apply(lr, scale, &mut self.params, &grads, &self.decay)?;
+                .apply(lr, scale, &mut self.params, grads, &self.decay)?;
         }
-        let metrics = StepMetrics {
-            step: self.step,
-            loss,
-            tokens,
-            grad_norm,
-            learning_rate: lr,
-            seconds: started.elapsed().as_secs_f64(),
-            skipped: false,
-            epoch: None,
-        };
-        self.step += 1;
-        Ok(metrics)
+        Ok(())
     }
 
     /// The loss sum and token count of a batch, without gradients or state changes.

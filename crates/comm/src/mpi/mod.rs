@@ -158,6 +158,31 @@ impl MpiCluster {
         })
     }
 
+    /// A backend whose messages across processes travel on communicator `raw`.
+    fn backend_on(
+        &self,
+        raw: RawComm,
+        device: usize,
+        devices_per_process: usize,
+        timeout: Duration,
+        local: LocalBackend,
+    ) -> Box<dyn Backend> {
+        let transport = Transport::new(
+            raw,
+            device,
+            devices_per_process,
+            timeout,
+            self.counters.clone(),
+        );
+        Box::new(MpiBackend::new(
+            local,
+            transport,
+            device,
+            devices_per_process,
+            self.hierarchical,
+        ))
+    }
+
     /// With `false`, every collective across processes runs flat (each device an MPI peer of
     /// every other) instead of hierarchically; for comparisons and tests.
     pub fn set_hierarchical(&mut self, on: bool) {
@@ -206,20 +231,7 @@ impl Cluster for MpiCluster {
         timeout: Duration,
         local: LocalBackend,
     ) -> Box<dyn Backend> {
-        let transport = Transport::new(
-            self.raw,
-            device,
-            devices_per_process,
-            timeout,
-            self.counters.clone(),
-        );
-        Box::new(MpiBackend::new(
-            local,
-            transport,
-            device,
-            devices_per_process,
-            self.hierarchical,
-        ))
+        self.backend_on(self.raw, device, devices_per_process, timeout, local)
     }
 
     fn stream_backend(
@@ -229,20 +241,7 @@ impl Cluster for MpiCluster {
         timeout: Duration,
         local: LocalBackend,
     ) -> Box<dyn Backend> {
-        let transport = Transport::new(
-            self.stream_raw,
-            device,
-            devices_per_process,
-            timeout,
-            self.counters.clone(),
-        );
-        Box::new(MpiBackend::new(
-            local,
-            transport,
-            device,
-            devices_per_process,
-            self.hierarchical,
-        ))
+        self.backend_on(self.stream_raw, device, devices_per_process, timeout, local)
     }
 
     fn agree(&self, what: &str, bytes: &[u8], timeout: Duration) -> Result<(), CommError> {
