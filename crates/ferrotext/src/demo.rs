@@ -35,6 +35,15 @@ pub struct CollectivesArgs {
     /// the all-reduce its peers expect.
     #[arg(long, hide = true)]
     diverge_device: Option<usize>,
+    /// Make this device's gradient all-reduce twice as long as its peers' (tests that a length
+    /// disagreement is a mismatch even where the first messages have the same size).
+    #[arg(long, hide = true)]
+    diverge_length: Option<usize>,
+    /// Fill the buffers with values of very different magnitudes, whose f32 sums depend on the
+    /// order of addition: the check then holds only where the sums are in rank order (in one
+    /// process, or flat / one device per process under MPI).
+    #[arg(long, hide = true)]
+    rounding: bool,
     /// Make this device stall before `update` for ten timeouts (tests the timeout path and, in
     /// one process, that the run returns without waiting for the stalled device).
     #[arg(long, hide = true)]
@@ -50,10 +59,22 @@ pub struct CollectivesArgs {
     micro_batches: usize,
 }
 
-/// Deterministic per-device contents, different for each `salt`.
-fn contents(device: usize, len: usize, salt: usize) -> Vec<f32> {
+/// Deterministic per-device contents, different for each `salt`: small multiples of 1/4 (sums
+/// exact in any order), or with `rounding` mantissas spread over 2^-20 .. 2^20 (f32 sums that
+/// depend on the order of addition).
+fn contents(device: usize, len: usize, salt: usize, rounding: bool) -> Vec<f32> {
     (0..len)
-        .map(|i| ((device * 31 + i * 7 + salt * 13) % 101) as f32 * 0.25 - 12.0)
+        .map(|i| {
+            let small = ((device * 31 + i * 7 + salt * 13) % 101) as f32 * 0.25 - 12.0;
+            if rounding {
+                let h = (device as u64 * 0x9e37_79b9 + i as u64 * 0x85eb_ca6b + salt as u64)
+                    .wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+                let exponent = ((h >> 40) % 41) as i32 - 20;
+                (small + 0.1) * 2f32.powi(exponent)
+            } else {
+                small
+            }
+        })
         .collect()
 }
 
@@ -130,6 +151,8 @@ struct Job {
     micro_batches: usize,
     all_reduce_only: bool,
     diverge_device: Option<usize>,
+    diverge_length: Option<usize>,
+    rounding: bool,
     stall_device: Option<usize>,
     stall: Duration,
 }
@@ -156,7 +179,10 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
     let processes = launch.processes().max(1);
     let devices_here = mesh.device_count() / processes;
     let here = launch.process() * devices_here..(launch.process() + 1) * devices_here;
-    let diverging_here = args.diverge_device.is_some_and(|d| here.contains(&d));
+    let diverging_here = args
+        .diverge_device
+        .or(args.diverge_length)
+        .is_some_and(|d| here.contains(&d));
     let len = checked_len(args.elements, n, devices_here, diverging_here)?;
     #[cfg(feature = "mpi")]
     if let Some(mpi) = launch.mpi_mut() {
@@ -177,6 +203,8 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
         micro_batches: args.micro_batches,
         all_reduce_only: args.all_reduce_only,
         diverge_device: args.diverge_device,
+        diverge_length: args.diverge_length,
+        rounding: args.rounding,
         stall_device: args.stall_device,
         stall: options.collective_timeout.saturating_mul(10),
     };
@@ -199,11 +227,14 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
             std::thread::sleep(job.stall);
         }
         comm.push_phase("update");
-        let grad = contents(me, len, 1);
+        let grad = contents(me, len, 1, job.rounding);
         let mut all_reduced = grad.clone();
         if job.diverge_device == Some(me) {
             let mut wrong = vec![0.0; len * n];
             comm.all_gather(&axes, &grad, &mut wrong)?;
+        } else if job.diverge_length == Some(me) {
+            let mut longer = contents(me, 2 * len, 1, job.rounding);
+            comm.all_reduce(&axes, &mut longer)?;
         } else {
             comm.all_reduce(&axes, &mut all_reduced)?;
         }
@@ -226,12 +257,12 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
         comm.pop_phase();
         comm.pop_phase();
         comm.push_phase("moe_dispatch");
-        let tokens = contents(me, 8 * n, 2);
+        let tokens = contents(me, 8 * n, 2, job.rounding);
         let mut exchanged = vec![0.0; 8 * n];
         comm.all_to_all(&axes, &tokens, &mut exchanged)?;
         comm.pop_phase();
         comm.push_phase("checkpoint");
-        let mut broadcast = contents(me, 16, 3);
+        let mut broadcast = contents(me, 16, 3, job.rounding);
         comm.broadcast(&axes, 0, &mut broadcast)?;
         comm.barrier(&axes)?;
         comm.pop_phase();
@@ -248,7 +279,15 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
     let elapsed = start.elapsed();
 
     let first = launch.process() * results.len();
-    check(&mesh, &axes, len, args.micro_batches, first, &results)?;
+    check(
+        &mesh,
+        &axes,
+        len,
+        args.micro_batches,
+        args.rounding,
+        first,
+        &results,
+    )?;
     if leader {
         println!("\ncollective trace of device 0:\n{}", results[0].trace);
         println!("per phase:\n{}", results[0].trace.summary_table());
@@ -279,6 +318,7 @@ fn check(
     axes: &[&str],
     len: usize,
     micro_batches: usize,
+    rounding: bool,
     first: usize,
     results: &[DeviceResults],
 ) -> Result<()> {
@@ -292,9 +332,9 @@ fn check(
                 bail!("device {d}: micro-batch {micro} loss {loss} != {want}");
             }
         }
-        let mut sum = contents(group[0], len, 1);
+        let mut sum = contents(group[0], len, 1, rounding);
         for &g in &group[1..] {
-            for (s, x) in sum.iter_mut().zip(contents(g, len, 1)) {
+            for (s, x) in sum.iter_mut().zip(contents(g, len, 1, rounding)) {
                 *s += x;
             }
         }
@@ -306,14 +346,39 @@ fn check(
         }
         let m = 8;
         for (k, &g) in group.iter().enumerate() {
-            let theirs = contents(g, m * n, 2);
+            let theirs = contents(g, m * n, 2, rounding);
             if r.exchanged[k * m..(k + 1) * m] != theirs[rank * m..(rank + 1) * m] {
                 bail!("device {d}: all-to-all chunk {k} is wrong");
             }
         }
-        if r.broadcast != contents(group[0], 16, 3) {
+        if r.broadcast != contents(group[0], 16, 3, rounding) {
             bail!("device {d}: broadcast differs from the root's buffer");
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::contents;
+
+    #[test]
+    fn rounding_contents_have_order_dependent_sums() {
+        let parts: Vec<Vec<f32>> = (0..4).map(|d| contents(d, 1000, 1, true)).collect();
+        let forward: Vec<f32> = (0..1000)
+            .map(|i| ((parts[0][i] + parts[1][i]) + parts[2][i]) + parts[3][i])
+            .collect();
+        let backward: Vec<f32> = (0..1000)
+            .map(|i| ((parts[3][i] + parts[2][i]) + parts[1][i]) + parts[0][i])
+            .collect();
+        let differ = forward
+            .iter()
+            .zip(&backward)
+            .filter(|(a, b)| a != b)
+            .count();
+        assert!(
+            differ > 100,
+            "only {differ} of 1000 sums depend on the order"
+        );
+    }
 }

@@ -96,6 +96,71 @@ fn collectives_across_processes_equal_the_serial_reference() {
     }
 }
 
+/// The pipelined collectives (all-reduce, reduce-scatter, all-gather) against the serial
+/// rank-order sum, bitwise, with contents whose f32 sums depend on the order of addition, on
+/// lengths whose chunks are uneven and cut into several parts (the last one short), for several
+/// process counts; flat over 2 processes × 2 devices mixes peers in and out of the process.
+#[test]
+fn pipelined_collectives_equal_rank_order_sums_bitwise_on_uneven_sizes() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let cases: &[(usize, &str, bool, &str)] = &[
+        (2, "data=2", false, "1000003"),
+        (3, "data=3", false, "777777"),
+        (4, "data=4", false, "1000001"),
+        (2, "data=4", true, "600011"),
+        (2, "data=2", false, "5"),
+    ];
+    for &(processes, mesh, flat, elements) in cases {
+        let mut args = vec![
+            "collectives",
+            "--mesh",
+            mesh,
+            "--elements",
+            elements,
+            "--rounding",
+        ];
+        if flat {
+            args.push("--flat");
+        }
+        let stdout = succeeded(&mpirun(processes, &args));
+        let ok = stdout
+            .lines()
+            .filter(|l| l.contains("equal the serial reference"))
+            .count();
+        assert_eq!(
+            ok, processes,
+            "{processes} processes, {mesh}, {elements}:\n{stdout}"
+        );
+    }
+}
+
+/// A device whose all-reduce is twice as long: its first parts have the same size as its
+/// peers' (parts of a fixed size), only the header's element count differs.
+#[test]
+fn a_length_disagreement_is_a_mismatch_from_the_first_part() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let out = mpirun(
+        2,
+        &[
+            "collectives",
+            "--mesh",
+            "data=2",
+            "--elements",
+            "262144",
+            "--diverge-length",
+            "1",
+            "--timeout-seconds",
+            "30",
+        ],
+    );
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stderr.contains("collective mismatch at collective #4") && stderr.contains("elements"),
+        "{stderr}"
+    );
+}
+
 /// Bytes process `p` sent to other processes and within itself, from the demo's report.
 fn traffic(stdout: &str) -> Vec<(u64, u64)> {
     let mut rows: Vec<(usize, u64, u64)> = stdout

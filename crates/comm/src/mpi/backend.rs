@@ -6,8 +6,9 @@
 //! * **Flat** (every member a separate MPI peer): member `r` owns chunk `r`. An all-reduce sends
 //!   chunk `k` to member `k`, sums the `n` copies of its own chunk in rank order in `f32`, then
 //!   sends the sum to everyone — the in-process backend's algorithm, so a flat MPI all-reduce is
-//!   bitwise equal to the in-process one. Reduce-scatter, all-gather, all-to-all, broadcast and
-//!   barrier are the matching sends.
+//!   bitwise equal to the in-process one. All-reduce, reduce-scatter and all-gather run
+//!   pipelined (`pipeline`: chunks cut into parts in flight at once, each part summed and sent on
+//!   as soon as it has arrived); all-to-all, broadcast and barrier are one step of sends.
 //! * **Hierarchical** (`m > 1` in every process): reduce-scatter inside the process, flat
 //!   collective between the `P` members that hold the same part, all-gather inside the process.
 //!   Only `1/m` of the buffer leaves each device for another process. Sums are then added
@@ -20,6 +21,7 @@ use crate::error::CommError;
 use crate::local::{chunk, LocalBackend};
 use crate::trace::CollectiveKind;
 
+use super::pipeline::{pipelined, Data};
 use super::transport::{header, Received, Transport};
 
 /// How a group is laid out over processes, from one member's point of view.
@@ -350,7 +352,8 @@ fn peers(op: &OpInfo, bytes: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Flat all-reduce over `members` (this device is `members[r]`), steps `stage` and `stage + 1`.
+/// Flat all-reduce over `members` (this device is `members[r]`), steps `stage` and `stage + 1`:
+/// member `k` owns chunk `k` (the in-process backend's chunks), see [`pipelined`].
 fn flat_all_reduce<T: Element>(
     transport: &mut Transport,
     op: &OpInfo,
@@ -360,86 +363,16 @@ fn flat_all_reduce<T: Element>(
     buf: &mut [T],
 ) -> Result<(), CommError> {
     let n = members.len();
-    let me = members[r];
-    let len = buf.len();
-    let size = std::mem::size_of::<T>();
-    // 1. chunk k to member k; sum the copies of chunk r in rank order.
-    let mut outbox = transport.outbox();
-    for (k, &d) in members.iter().enumerate() {
-        if k != r {
-            let bytes = bytes_of(&buf[chunk(len, n, k)]);
-            let b = outbox.stage(header(op, stage, bytes.len(), me), bytes);
-            outbox.send(d, b);
-        }
-    }
-    let own = chunk(len, n, r);
-    let sources: Vec<(usize, usize)> = members
-        .iter()
-        .enumerate()
-        .filter(|&(k, _)| k != r)
-        .map(|(_, &d)| (d, own.len() * size))
-        .collect();
-    let received = transport.exchange(op, stage, outbox, &sources)?;
-    let others: Vec<&[T]> = received.iter().map(typed::<T>).collect();
-    sum_in_rank_order(&mut buf[own.clone()], r, &others);
-    transport.recycle(received);
-    // 2. the summed chunk r to everyone; chunk k from member k.
-    let mut outbox = transport.outbox();
-    let bytes = bytes_of(&buf[own.clone()]);
-    let b = outbox.stage(header(op, stage + 1, bytes.len(), me), bytes);
-    for (k, &d) in members.iter().enumerate() {
-        if k != r {
-            outbox.send(d, b);
-        }
-    }
-    let sources: Vec<(usize, usize)> = members
-        .iter()
-        .enumerate()
-        .filter(|&(k, _)| k != r)
-        .map(|(k, &d)| (d, chunk(len, n, k).len() * size))
-        .collect();
-    let received = transport.exchange(op, stage + 1, outbox, &sources)?;
-    let mut it = received.iter();
-    for k in (0..n).filter(|&k| k != r) {
-        if let Some(msg) = it.next() {
-            buf[chunk(len, n, k)].copy_from_slice(typed::<T>(msg));
-        }
-    }
-    transport.recycle(received);
-    Ok(())
-}
-
-/// Elements summed per block (16 KiB of `f32` accumulators, as in the in-process backend).
-const BLOCK: usize = 4096;
-
-/// `mine` = the sum, in rank order and in `f32`, of the `others` (every member's part but this
-/// one's, in rank order) with `mine`'s current value inserted at rank `r`: the in-process
-/// backend's order, so results are bitwise equal to it.
-fn sum_in_rank_order<T: Element>(mine: &mut [T], r: usize, others: &[&[T]]) {
-    let mut acc = [0f32; BLOCK];
-    let mut start = 0;
-    while start < mine.len() {
-        let end = (start + BLOCK).min(mine.len());
-        let acc = &mut acc[..end - start];
-        for k in 0..=others.len() {
-            let part: &[T] = match k.cmp(&r) {
-                std::cmp::Ordering::Equal => &mine[start..end],
-                std::cmp::Ordering::Less => &others[k][start..end],
-                std::cmp::Ordering::Greater => &others[k - 1][start..end],
-            };
-            if k == 0 {
-                acc.iter_mut().zip(part).for_each(|(a, &x)| *a = x.to_f32());
-            } else {
-                acc.iter_mut()
-                    .zip(part)
-                    .for_each(|(a, &x)| *a += x.to_f32());
-            }
-        }
-        for (d, &a) in mine[start..end].iter_mut().zip(acc.iter()) {
-            *d = T::from_f32(a);
-        }
-        start = end;
-    }
+    let blocks: Vec<_> = (0..n).map(|k| chunk(buf.len(), n, k)).collect();
+    pipelined(
+        transport,
+        op,
+        stage,
+        members,
+        r,
+        &blocks,
+        Data::AllReduce(buf),
+    )
 }
 
 /// Flat reduce-scatter: `output` = block `r` of the rank-order sum of every member's `input`.
@@ -452,27 +385,18 @@ fn flat_reduce_scatter<T: Element>(
     output: &mut [T],
 ) -> Result<(), CommError> {
     let size = output.len();
-    let me = members[r];
-    let mut outbox = transport.outbox();
-    for (k, &d) in members.iter().enumerate() {
-        if k != r {
-            let bytes = bytes_of(&input[k * size..(k + 1) * size]);
-            let b = outbox.stage(header(op, 0, bytes.len(), me), bytes);
-            outbox.send(d, b);
-        }
-    }
-    let sources: Vec<(usize, usize)> = members
-        .iter()
-        .enumerate()
-        .filter(|&(k, _)| k != r)
-        .map(|(_, &d)| (d, std::mem::size_of_val(output)))
+    let blocks: Vec<_> = (0..members.len())
+        .map(|k| k * size..(k + 1) * size)
         .collect();
-    let received = transport.exchange(op, 0, outbox, &sources)?;
-    output.copy_from_slice(&input[r * size..(r + 1) * size]);
-    let others: Vec<&[T]> = received.iter().map(typed::<T>).collect();
-    sum_in_rank_order(output, r, &others);
-    transport.recycle(received);
-    Ok(())
+    pipelined(
+        transport,
+        op,
+        0,
+        members,
+        r,
+        &blocks,
+        Data::ReduceScatter { input, output },
+    )
 }
 
 /// Flat all-gather: block `k` of `output` = member `k`'s `input`.
@@ -485,33 +409,18 @@ fn flat_all_gather<T: Element>(
     output: &mut [T],
 ) -> Result<(), CommError> {
     let size = input.len();
-    let me = members[r];
-    let mut outbox = transport.outbox();
-    let bytes = bytes_of(input);
-    let b = outbox.stage(header(op, 0, bytes.len(), me), bytes);
-    for (k, &d) in members.iter().enumerate() {
-        if k != r {
-            outbox.send(d, b);
-        }
-    }
-    let sources: Vec<(usize, usize)> = members
-        .iter()
-        .enumerate()
-        .filter(|&(k, _)| k != r)
-        .map(|(_, &d)| (d, std::mem::size_of_val(input)))
+    let blocks: Vec<_> = (0..members.len())
+        .map(|k| k * size..(k + 1) * size)
         .collect();
-    let received = transport.exchange(op, 0, outbox, &sources)?;
-    let mut it = received.iter();
-    for k in 0..members.len() {
-        let dst = &mut output[k * size..(k + 1) * size];
-        if k == r {
-            dst.copy_from_slice(input);
-        } else if let Some(msg) = it.next() {
-            dst.copy_from_slice(typed::<T>(msg));
-        }
-    }
-    transport.recycle(received);
-    Ok(())
+    pipelined(
+        transport,
+        op,
+        0,
+        members,
+        r,
+        &blocks,
+        Data::AllGather { input, output },
+    )
 }
 
 impl Backend for MpiBackend {

@@ -19,6 +19,7 @@
 //! * `MpiCluster` must be created and dropped on the main thread (MPI finalises on drop).
 
 mod backend;
+mod pipeline;
 mod transport;
 
 use std::collections::hash_map::DefaultHasher;

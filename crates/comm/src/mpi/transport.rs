@@ -23,6 +23,7 @@
 //!   work: the process is expected to end (the launcher aborts the job).
 
 use std::os::raw::{c_char, c_int, c_void};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,7 +35,7 @@ use crate::error::CommError;
 use crate::trace::CollectiveKind;
 
 /// Header words before every payload.
-const HEADER_WORDS: usize = 4;
+pub(crate) const HEADER_WORDS: usize = 5;
 /// Header bytes (payloads start 8-byte aligned after it).
 pub(crate) const HEADER_BYTES: usize = HEADER_WORDS * 8;
 /// How long a waiting device polls back to back (yielding its core between polls) before it
@@ -70,13 +71,26 @@ struct Outgoing {
 
 /// Staging buffers kept between collectives: a fresh multi-MiB allocation per message costs a
 /// page fault per 4 KiB on first touch (most of a large all-reduce's time before the pool).
-#[derive(Default)]
 struct Pool {
     free: Vec<Vec<u64>>,
+    /// Buffers kept at most (the largest are kept).
+    keep: usize,
 }
 
-/// Buffers the pool keeps at most (the largest are kept).
+/// Buffers the pool of whole messages keeps at most.
 const POOL_BUFFERS: usize = 16;
+/// Buffers the pool of pipeline parts keeps at most: parts are under 64 KiB, and a pipelined
+/// collective has a few windows of them in flight per peer.
+const PART_BUFFERS: usize = 96;
+
+impl Default for Pool {
+    fn default() -> Pool {
+        Pool {
+            free: Vec::new(),
+            keep: POOL_BUFFERS,
+        }
+    }
+}
 
 impl Pool {
     /// A buffer of exactly `words` words (contents unspecified but initialised): the smallest free
@@ -106,9 +120,9 @@ impl Pool {
 
     fn give(&mut self, buffers: impl IntoIterator<Item = Vec<u64>>) {
         self.free.extend(buffers);
-        if self.free.len() > POOL_BUFFERS {
+        if self.free.len() > self.keep {
             self.free.sort_by_key(|b| std::cmp::Reverse(b.capacity()));
-            self.free.truncate(POOL_BUFFERS);
+            self.free.truncate(self.keep);
         }
     }
 }
@@ -161,15 +175,36 @@ pub(crate) struct Transport {
     counters: Arc<Counters>,
     broken: Option<CommError>,
     pool: Pool,
+    /// Staging buffers of pipeline parts (see [`Flight`]).
+    parts: Pool,
 }
 
 /// The header a message of step `stage` of `op`, sent by `sender`, carries.
-pub(crate) fn header(op: &OpInfo, stage: u8, payload_bytes: usize, sender: usize) -> [u64; 4] {
+pub(crate) fn header(
+    op: &OpInfo,
+    stage: u8,
+    payload_bytes: usize,
+    sender: usize,
+) -> [u64; HEADER_WORDS] {
+    part_header(op, stage, 0, payload_bytes, sender)
+}
+
+/// The header of pipeline part `part` of step `stage` of `op`: collective number; part, kind and
+/// step; payload bytes; sender; the collective's element count (so peers that disagree on the
+/// buffer's length differ in the first message, not only when their parts' sizes part ways).
+pub(crate) fn part_header(
+    op: &OpInfo,
+    stage: u8,
+    part: usize,
+    payload_bytes: usize,
+    sender: usize,
+) -> [u64; HEADER_WORDS] {
     [
         op.seq,
-        (u64::from(kind_code(op.kind)) << 8) | u64::from(stage),
+        ((part as u64) << 16) | (u64::from(kind_code(op.kind)) << 8) | u64::from(stage),
         payload_bytes as u64,
         sender as u64,
+        op.elements as u64,
     ]
 }
 
@@ -200,6 +235,10 @@ impl Transport {
             counters,
             broken: None,
             pool: Pool::default(),
+            parts: Pool {
+                free: Vec::new(),
+                keep: PART_BUFFERS,
+            },
         }
     }
 
@@ -222,7 +261,14 @@ impl Transport {
     }
 
     fn tag(&self, from: usize, to: usize) -> c_int {
-        ((from % self.per_process) * self.per_process + to % self.per_process) as c_int
+        self.lane_tag(from, to, 0)
+    }
+
+    /// The tag of lane `lane` from `from` to `to`: lane 0 is [`Transport::tag`], every lane its
+    /// own ordered stream between the pair.
+    fn lane_tag(&self, from: usize, to: usize, lane: usize) -> c_int {
+        let l = self.per_process;
+        ((lane * l + from % l) * l + to % l) as c_int
     }
 
     /// Sends every message of `outbox` and receives one message of `payload_bytes` from each of
@@ -466,6 +512,408 @@ impl Transport {
     }
 }
 
+/// A staged message: header and payload in a buffer MPI may read while its sends are in flight;
+/// shared by the sends of one payload to several devices.
+pub(crate) type Staged = Rc<Vec<u64>>;
+
+/// What a [`Flight`] reports back: a send that completed or a receive that completed with the
+/// expected header, each with the token it was posted with.
+pub(crate) enum Event<K> {
+    Sent(K),
+    Received(K, Received),
+}
+
+/// One request in flight and what it owns.
+enum Slot<K> {
+    Send {
+        token: K,
+        buf: Staged,
+    },
+    Receive {
+        token: K,
+        source: usize,
+        stage: u8,
+        expected: [u64; HEADER_WORDS],
+        payload: usize,
+        size: usize,
+        buf: Vec<u64>,
+    },
+}
+
+/// Many non-blocking messages of one collective in flight at once, posted and completed one by
+/// one (the pipelined algorithms' building block; [`Transport::exchange`] is one step at once).
+///
+/// The same rules as [`Transport::exchange`]: every message carries a header that the receiver
+/// checks ([`CommError::Mismatch`]); receives are posted only once matched (`MPI_Improbe`) into a
+/// buffer of the probed size; MPI only touches staging buffers owned here. Dropping a flight
+/// with requests still live leaks their buffers (MPI may still touch them), and every error
+/// marks the transport broken.
+pub(crate) struct Flight<'t, K> {
+    transport: &'t mut Transport,
+    op: &'t OpInfo,
+    requests: Vec<ffi::MPI_Request>,
+    slots: Vec<Slot<K>>,
+    indices: Vec<c_int>,
+    statuses: Vec<ffi::MPI_Status>,
+    started: Instant,
+    last_progress: Instant,
+    naps: u64,
+}
+
+impl Transport {
+    /// A flight of messages for `op`.
+    ///
+    /// # Errors
+    /// [`CommError::GroupBroken`] after any earlier failure of this transport.
+    pub(crate) fn flight<'t, K: Copy>(
+        &'t mut self,
+        op: &'t OpInfo,
+    ) -> Result<Flight<'t, K>, CommError> {
+        if let Some(err) = &self.broken {
+            return Err(CommError::GroupBroken {
+                group: op.group.clone(),
+                cause: err.to_string(),
+            });
+        }
+        let now = Instant::now();
+        Ok(Flight {
+            transport: self,
+            op,
+            requests: Vec::new(),
+            slots: Vec::new(),
+            indices: Vec::new(),
+            statuses: Vec::new(),
+            started: now,
+            last_progress: now,
+            naps: 0,
+        })
+    }
+}
+
+impl<K: Copy> Flight<'_, K> {
+    /// Records `err` as the transport's failure and returns it.
+    fn fail(&mut self, err: CommError) -> CommError {
+        self.transport.broken = Some(err.clone());
+        err
+    }
+
+    fn transport_err(&mut self, detail: String) -> CommError {
+        let err = CommError::Transport {
+            kind: self.op.kind,
+            seq: self.op.seq,
+            detail,
+        };
+        self.fail(err)
+    }
+
+    /// Stages `header` and `payload` (raw bytes) in a pooled part buffer.
+    pub(crate) fn stage(&mut self, header: [u64; HEADER_WORDS], payload: &[u8]) -> Staged {
+        let mut buf = self
+            .transport
+            .parts
+            .take(HEADER_WORDS + payload.len().div_ceil(8));
+        buf[..HEADER_WORDS].copy_from_slice(&header);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+        bytes[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
+        Rc::new(buf)
+    }
+
+    /// Sends `buf` to device `dest` on lane `lane`; [`Event::Sent`] with `token` when done.
+    pub(crate) fn send(
+        &mut self,
+        dest: usize,
+        lane: usize,
+        buf: &Staged,
+        token: K,
+    ) -> Result<(), CommError> {
+        let bytes = buf.len() * 8;
+        let Ok(count) = c_int::try_from(bytes) else {
+            return Err(self.transport_err(format!(
+                "a message of {bytes} bytes exceeds MPI's int count"
+            )));
+        };
+        // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
+        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        let t = &*self.transport;
+        // SAFETY: the buffer is kept alive by the `Rc` stored with the request below until the
+        // request completes, or leaked (never freed) if the flight is dropped before; nothing
+        // writes it while shared (`Staged` is only read); MPI only reads it.
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                buf.as_ptr().cast::<c_void>(),
+                count,
+                ffi::RSMPI_UINT8_T,
+                t.process_of(dest),
+                t.lane_tag(t.device, dest, lane),
+                t.comm.0,
+                &mut request,
+            )
+        };
+        if let Err(detail) = check(rc) {
+            return Err(self.transport_err(detail));
+        }
+        self.requests.push(request);
+        self.slots.push(Slot::Send {
+            token,
+            buf: buf.clone(),
+        });
+        let counter = if t.process_of(dest) == t.process_of(t.device) {
+            &t.counters.within_process
+        } else {
+            &t.counters.to_other_processes
+        };
+        counter.fetch_add(buf[2], Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Matches the next message from `source` on lane `lane`, if one has arrived, and posts its
+    /// receive into a buffer of the probed size; returns whether one was matched. The message
+    /// must carry `expected` (step `stage`) and `payload` bytes: when it completes,
+    /// [`Flight::poll`] reports it or a [`CommError::Mismatch`].
+    pub(crate) fn probe(
+        &mut self,
+        source: usize,
+        lane: usize,
+        stage: u8,
+        expected: [u64; HEADER_WORDS],
+        payload: usize,
+        token: K,
+    ) -> Result<bool, CommError> {
+        let mut found: c_int = 0;
+        // SAFETY: `RSMPI_MESSAGE_NULL` is an immutable MPI constant.
+        let mut message = unsafe { ffi::RSMPI_MESSAGE_NULL };
+        // SAFETY: an `MPI_Status` is a plain C struct of integers; all-zero is a valid value.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        let t = &*self.transport;
+        // SAFETY: the out-pointers point to live locals; the communicator handle is live (see
+        // `RawComm`).
+        let rc = unsafe {
+            ffi::MPI_Improbe(
+                t.process_of(source),
+                t.lane_tag(source, t.device, lane),
+                t.comm.0,
+                &mut found,
+                &mut message,
+                &mut status,
+            )
+        };
+        if let Err(detail) = check(rc) {
+            return Err(self.transport_err(detail));
+        }
+        if found == 0 {
+            return Ok(false);
+        }
+        let mut count: c_int = 0;
+        // SAFETY: `status` was filled by the successful matched probe.
+        let rc = unsafe { ffi::MPI_Get_count(&status, ffi::RSMPI_UINT8_T, &mut count) };
+        if let Err(detail) = check(rc) {
+            return Err(self.transport_err(detail));
+        }
+        // MPI_UNDEFINED (negative) cannot happen for bytes; treat it as an empty message.
+        let size = usize::try_from(count).unwrap_or(0);
+        let words = size.div_ceil(8);
+        let mut buf = if size == message_bytes(payload) {
+            self.transport.parts.take(words)
+        } else {
+            // A message of the wrong size: receive it whole (its header names the sender's
+            // collective) into a buffer of its own size.
+            let mut buf = Vec::new();
+            if buf.try_reserve_exact(words).is_err() {
+                return Err(self.transport_err(format!(
+                    "a mismatched message of {size} bytes from device {source} does not fit in \
+                     memory"
+                )));
+            }
+            buf.resize(words, 0);
+            buf
+        };
+        // SAFETY: `RSMPI_REQUEST_NULL` is an immutable MPI constant.
+        let mut request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: the buffer holds `words * 8 >= count` bytes; it moves into `self.slots` below
+        // (moving a `Vec` does not move its heap allocation) and is freed only after the request
+        // completes, or leaked if the flight is dropped before; `message` is the handle the
+        // matched probe returned, consumed here.
+        let rc = unsafe {
+            ffi::MPI_Imrecv(
+                buf.as_mut_ptr().cast::<c_void>(),
+                count,
+                ffi::RSMPI_UINT8_T,
+                &mut message,
+                &mut request,
+            )
+        };
+        if let Err(detail) = check(rc) {
+            // Whether MPI took the buffer is unknown: leak it.
+            std::mem::forget(buf);
+            return Err(self.transport_err(detail));
+        }
+        self.requests.push(request);
+        self.slots.push(Slot::Receive {
+            token,
+            source,
+            stage,
+            expected,
+            payload,
+            size,
+            buf,
+        });
+        Ok(true)
+    }
+
+    /// Tests every request in flight and appends the completed ones to `events`; returns whether
+    /// any completed.
+    ///
+    /// # Errors
+    /// [`CommError::Mismatch`] for a received message whose header or length is not the
+    /// expected one; [`CommError::Transport`] for MPI errors.
+    pub(crate) fn poll(&mut self, events: &mut Vec<Event<K>>) -> Result<bool, CommError> {
+        if self.requests.is_empty() {
+            return Ok(false);
+        }
+        let n = self.requests.len();
+        let Ok(count) = c_int::try_from(n) else {
+            return Err(self.transport_err("too many requests".into()));
+        };
+        self.indices.resize(n, 0);
+        // SAFETY: as above, all-zero is a valid `MPI_Status`.
+        self.statuses.resize(n, unsafe { std::mem::zeroed() });
+        let mut done: c_int = 0;
+        // SAFETY: `requests`, `indices` and `statuses` hold `count` elements and stay alive for
+        // the call; completed requests are set to MPI_REQUEST_NULL by MPI.
+        let rc = unsafe {
+            ffi::MPI_Testsome(
+                count,
+                self.requests.as_mut_ptr(),
+                &mut done,
+                self.indices.as_mut_ptr(),
+                self.statuses.as_mut_ptr(),
+            )
+        };
+        if rc != ffi::MPI_SUCCESS as c_int {
+            let detail = self.statuses[..usize::try_from(done).unwrap_or(0).min(n)]
+                .iter()
+                .map(|s| s.MPI_ERROR)
+                .find(|&e| e != ffi::MPI_SUCCESS as c_int)
+                .map_or_else(|| error_string(rc), error_string);
+            return Err(self.transport_err(detail));
+        }
+        // MPI_UNDEFINED (no active request) or 0: nothing completed.
+        let done = usize::try_from(done).unwrap_or(0).min(n);
+        if done == 0 {
+            return Ok(false);
+        }
+        let mut completed: Vec<usize> = self.indices[..done]
+            .iter()
+            .filter_map(|&i| usize::try_from(i).ok())
+            .filter(|&i| i < n)
+            .collect();
+        completed.sort_unstable_by(|a, b| b.cmp(a));
+        let mut mismatch = None;
+        let mut arrived = Vec::new();
+        for i in completed {
+            self.requests.swap_remove(i);
+            match self.slots.swap_remove(i) {
+                Slot::Send { token, buf } => {
+                    if let Ok(buf) = Rc::try_unwrap(buf) {
+                        self.transport.parts.give([buf]);
+                    }
+                    events.push(Event::Sent(token));
+                }
+                Slot::Receive {
+                    token,
+                    source,
+                    stage,
+                    expected,
+                    payload,
+                    size,
+                    buf,
+                } => {
+                    let got: [u64; HEADER_WORDS] = buf
+                        .get(..HEADER_WORDS)
+                        .and_then(|h| h.try_into().ok())
+                        .unwrap_or_default();
+                    if size != message_bytes(payload) || got != expected {
+                        mismatch.get_or_insert_with(|| CommError::Mismatch {
+                            seq: self.op.seq,
+                            device: self.transport.device,
+                            mine: format!(
+                                "{} (expecting {payload} bytes in step {stage}, part {})",
+                                self.op.describe(),
+                                expected[1] >> 16
+                            ),
+                            other_device: source,
+                            theirs: describe_header(&got, size),
+                        });
+                    } else {
+                        arrived.push((token, Received { buf, len: payload }));
+                    }
+                }
+            }
+        }
+        events.extend(arrived.into_iter().map(|(t, r)| Event::Received(t, r)));
+        self.last_progress = Instant::now();
+        self.naps = 0;
+        match mismatch {
+            Some(err) => Err(self.fail(err)),
+            None => Ok(true),
+        }
+    }
+
+    /// Returns a received message's buffer to the part pool.
+    pub(crate) fn recycle(&mut self, received: Received) {
+        self.transport.parts.give([received.buf]);
+    }
+
+    /// Whether requests are still in flight.
+    pub(crate) fn busy(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// Called when a round of work made no progress: fails with [`CommError::Timeout`] naming
+    /// `missing()` once the transport's timeout has passed since the flight started, else
+    /// yields the core (or, after a while without progress, naps briefly).
+    pub(crate) fn idle(&mut self, missing: impl FnOnce() -> Vec<usize>) -> Result<(), CommError> {
+        let waited = self.started.elapsed();
+        if waited >= self.transport.timeout {
+            let err = CommError::Timeout {
+                kind: self.op.kind,
+                seq: self.op.seq,
+                axes: self.op.axes.clone(),
+                waited,
+                missing: missing(),
+            };
+            return Err(self.fail(err));
+        }
+        if self.last_progress.elapsed() < SPIN {
+            std::thread::yield_now();
+        } else {
+            self.naps += 1;
+            std::thread::sleep(Duration::from_micros(self.naps.min(200)).min(MAX_NAP));
+        }
+        Ok(())
+    }
+}
+
+impl<K> Drop for Flight<'_, K> {
+    fn drop(&mut self) {
+        // Requests still live (an error or timeout stopped the collective): MPI may still read
+        // or write their buffers, so they are never freed. Completed ones were removed by `poll`.
+        for slot in self.slots.drain(..) {
+            match slot {
+                Slot::Send { buf, .. } => std::mem::forget(buf),
+                Slot::Receive { buf, .. } => std::mem::forget(buf),
+            }
+        }
+        if !self.requests.is_empty() && self.transport.broken.is_none() {
+            self.transport.broken = Some(CommError::Transport {
+                kind: self.op.kind,
+                seq: self.op.seq,
+                detail: "a collective stopped with messages in flight".into(),
+            });
+        }
+    }
+}
+
 /// Bytes of a message with `payload` payload bytes (header and padding to whole words).
 fn message_bytes(payload: usize) -> usize {
     (HEADER_WORDS + payload.div_ceil(8)) * 8
@@ -544,7 +992,7 @@ pub(crate) fn error_string(code: c_int) -> String {
 }
 
 fn describe_header(h: &[u64; HEADER_WORDS], received: usize) -> String {
-    let kind = match h[1] >> 8 {
+    let kind = match (h[1] >> 8) & 0xff {
         1 => "all_reduce",
         2 => "reduce_scatter",
         3 => "all_gather",
@@ -554,9 +1002,12 @@ fn describe_header(h: &[u64; HEADER_WORDS], received: usize) -> String {
         _ => "an unknown collective",
     };
     format!(
-        "{kind} #{} (step {}, {} payload bytes; message of {received} bytes)",
+        "{kind} #{} of {} elements (step {}, part {}, {} payload bytes; message of {received} \
+         bytes)",
         h[0],
+        h[4],
         h[1] & 0xff,
+        h[1] >> 16,
         h[2]
     )
 }
