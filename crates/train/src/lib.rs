@@ -142,8 +142,10 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
     };
     // Resume (strict; `resume=fresh` moves old checkpoints aside): process 0 changes files.
     let root = config.checkpoint_root();
-    let writer = options.cluster.is_none_or(|c| c.process() == 0);
-    let resume_from = checkpoint::prepare_resume(config, &root, writer)?;
+    let resume_from = match options.cluster {
+        None => checkpoint::prepare_resume(config, &root, true)?,
+        Some(cluster) => agreed_resume(config, &root, cluster)?,
+    };
     let mesh = compute_mesh(config)?;
     let spmd = SpmdOptions::default().with_timeout_secs(config.collective_timeout_seconds)?;
     // The device program owns what it reads, so a run whose group has failed can return even
@@ -238,4 +240,36 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
         .next()
         .flatten()
         .ok_or_else(|| TrainError::Config("this process ran no device".into()))
+}
+
+/// The checkpoint every process of a job resumes from: process 0 tidies the checkpoint
+/// directory first (stale temporaries, an interrupted replacement, `resume=fresh`), the others
+/// read `latest` only after it has (a barrier), and all must resolve the same checkpoint — a
+/// file system that is not shared, or a `latest` that changed in between, stops the job here
+/// instead of resuming processes from different states. Every process takes part in both
+/// agreements even when its own resolution failed, so none waits for another that gave up.
+fn agreed_resume(
+    config: &TrainConfig,
+    root: &std::path::Path,
+    cluster: &dyn Cluster,
+) -> Result<Option<std::path::PathBuf>, TrainError> {
+    let timeout = ferrotext_comm::collective_timeout(config.collective_timeout_seconds)
+        .unwrap_or(SpmdOptions::default().collective_timeout);
+    let writer = cluster.process() == 0;
+    let tidied = writer.then(|| checkpoint::prepare_resume(config, root, true));
+    cluster.agree("the checkpoint directory's tidy-up", b"done", timeout)?;
+    let resolved = match tidied {
+        Some(result) => result,
+        None => checkpoint::prepare_resume(config, root, false),
+    };
+    let described = match &resolved {
+        Ok(dir) => format!("{dir:?}"),
+        Err(e) => format!("error: {e}"),
+    };
+    cluster.agree(
+        "the checkpoint to resume from",
+        described.as_bytes(),
+        timeout,
+    )?;
+    resolved
 }
