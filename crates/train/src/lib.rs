@@ -151,26 +151,26 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
     // The device program owns what it reads, so a run whose group has failed can return even
     // while a device thread is still busy (it is detached and named in the error).
     let config = Arc::new(config.clone());
-    let options_owned = Arc::new((
-        options.inside_spec_override.clone(),
-        options.metrics_path.clone(),
-        options.on_step.clone(),
-        options.return_params,
-        options.stop_after_steps,
-    ));
+    let run: Arc<RunOptions<'static>> = Arc::new(RunOptions {
+        on_step: options.on_step.clone(),
+        return_params: options.return_params,
+        stop_after_steps: options.stop_after_steps,
+        inside_spec_override: options.inside_spec_override.clone(),
+        metrics_path: options.metrics_path.clone(),
+        // Devices reach the cluster through their backends; the program needs no reference.
+        cluster: None,
+    });
     let results = run_spmd_detachable(
         options.cluster,
         &mesh,
         &spmd,
         move |dev| -> Result<Option<TrainReport>, TrainError> {
             let config: &TrainConfig = &config;
-            let (inside_spec_override, metrics_path, on_step, return_params, stop_after_steps) =
-                &*options_owned;
             let device = dev.index();
             let threads = dev.threads();
             let mut cx = Ctx::new(dev.comm(), threads);
             let mut trainer = Trainer::new(&mut cx, config, source.clone(), initial.as_deref())?;
-            if let Some((name, spec)) = inside_spec_override {
+            if let Some((name, spec)) = &run.inside_spec_override {
                 trainer
                     .engine_mut()
                     .override_inside_spec(name, spec.clone())?;
@@ -181,12 +181,12 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 trainer.engine_mut().restore_checkpoint(&mut cx, dir)?;
             }
             let first_step = trainer.engine().steps_taken();
-            let mut log = match metrics_path {
+            let mut log = match &run.metrics_path {
                 Some(path) if device == 0 => Some(io::MetricsLog::open(path, first_step)?),
                 _ => None,
             };
             let mut metrics = Vec::with_capacity(config.steps);
-            let limit = stop_after_steps.map_or(config.steps, |n| {
+            let limit = run.stop_after_steps.map_or(config.steps, |n| {
                 (trainer.engine().steps_taken() + n).min(config.steps)
             });
             while trainer.engine().steps_taken() < limit {
@@ -201,7 +201,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                     log.append(&m)?;
                 }
                 if device % config.local_devices == 0 {
-                    if let Some(f) = on_step {
+                    if let Some(f) = &run.on_step {
                         f(&m);
                     }
                 }
@@ -213,7 +213,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
                 }
                 metrics.push(m);
             }
-            let values = if *return_params {
+            let values = if run.return_params {
                 Some(trainer.engine().params_to_host(&mut cx)?)
             } else {
                 None
