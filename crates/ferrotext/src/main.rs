@@ -12,6 +12,7 @@ mod demo;
 mod emulate;
 mod launch;
 mod mesh_arg;
+mod plot;
 mod train_cmd;
 
 use std::process::ExitCode;
@@ -48,6 +49,8 @@ enum Command {
     /// The launch agent `emulate` gives `mpirun` (runs a command inside a host's namespace).
     #[command(hide = true)]
     EmulateAgent(emulate::AgentArgs),
+    /// Draw the loss curves of one or more runs on one chart (SVG): `ferrotext plot RUN_DIR...`.
+    Plot(plot::PlotArgs),
     /// Benchmarks that write JSON.
     Bench {
         #[command(subcommand)]
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => train_cmd::plan(&args),
         Command::Collectives(args) => demo::run(&args, &mut launch),
         Command::Conformance(args) => conformance::run(&args),
+        Command::Plot(args) => plot::run(&args),
         Command::Bench { which } => bench::run(which, &mut launch),
         Command::Emulate(_) | Command::EmulateAgent(_) => Ok(()), // handled above
     };
