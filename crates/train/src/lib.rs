@@ -28,6 +28,7 @@ mod error;
 mod gate;
 pub mod io;
 mod optim;
+pub mod sample;
 mod trainer;
 
 use std::sync::Arc;
