@@ -49,6 +49,8 @@ enum Command {
     /// The launch agent `emulate` gives `mpirun` (runs a command inside a host's namespace).
     #[command(hide = true)]
     EmulateAgent(emulate::AgentArgs),
+    /// List every `train` key with the form of its value, its default and its meaning, grouped.
+    Keys,
     /// Draw the loss curves of one or more runs on one chart (SVG): `ferrotext plot RUN_DIR...`.
     Plot(plot::PlotArgs),
     /// Benchmarks that write JSON.
@@ -88,6 +90,10 @@ fn main() -> ExitCode {
         Command::Collectives(args) => demo::run(&args, &mut launch),
         Command::Conformance(args) => conformance::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Keys => {
+            print!("{}", ferrotext_train::keys::table());
+            Ok(())
+        }
         Command::Bench { which } => bench::run(which, &mut launch),
         Command::Emulate(_) | Command::EmulateAgent(_) => Ok(()), // handled above
     };

@@ -27,6 +27,7 @@ mod engine;
 mod error;
 mod gate;
 pub mod io;
+pub mod keys;
 mod optim;
 pub mod sample;
 mod trainer;

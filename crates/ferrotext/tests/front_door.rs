@@ -1,4 +1,5 @@
-//! `ferrotext plot` through the binary: several runs on one chart, and bad run directories.
+//! The front door through the binary: `ferrotext plot` (several runs on one chart, bad run
+//! directories) and `ferrotext keys`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -69,4 +70,29 @@ fn a_directory_without_metrics_is_one_error_line_with_exit_code_2() {
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(!out_path.exists(), "nothing written");
     std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn keys_lists_every_group_with_defaults() {
+    let out = ferrotext(&["keys"]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for section in [
+        "model:",
+        "mesh:",
+        "data:",
+        "optimizer:",
+        "checkpoints:",
+        "output:",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == section),
+            "{section} in {stdout}"
+        );
+    }
+    let steps = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("steps "))
+        .expect("a steps line");
+    assert!(steps.contains("default 300"), "{steps}");
 }

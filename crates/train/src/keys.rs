@@ -1,0 +1,273 @@
+//! The front door's list of `ferrotext train` keys: each key's group, the form of its value and
+//! one line of meaning, and the nearest valid names for a key that does not exist.
+//!
+//! Invariant: [`KEYS`] names exactly the fields of [`TrainConfig`] (a test compares it with the
+//! serialized default config), so the list cannot drift from what the parser accepts. Defaults
+//! are read from `TrainConfig::default()`, never written twice.
+
+use std::fmt::Write as _;
+
+use crate::config::TrainConfig;
+
+/// The sections `ferrotext keys` prints, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Group {
+    /// The model's preset and shape.
+    Model,
+    /// Devices, processes and the mesh.
+    Mesh,
+    /// Batch shape, steps and the data.
+    Data,
+    /// The optimizer and the learning-rate schedule.
+    Optimizer,
+    /// Checkpoints, resuming and parameter files.
+    Checkpoints,
+    /// Where output goes, and the run's failure policies.
+    Output,
+}
+
+impl Group {
+    /// The section heading.
+    pub fn title(self) -> &'static str {
+        match self {
+            Group::Model => "model",
+            Group::Mesh => "mesh",
+            Group::Data => "data",
+            Group::Optimizer => "optimizer",
+            Group::Checkpoints => "checkpoints",
+            Group::Output => "output",
+        }
+    }
+}
+
+/// One key of `ferrotext train`.
+#[derive(Clone, Copy, Debug)]
+pub struct Key {
+    /// The key (MaxText's name where MaxText has one).
+    pub name: &'static str,
+    /// Its section.
+    pub group: Group,
+    /// The form of its value (`integer`, `float`, `true|false`, `adamw|sgd`, ...).
+    pub form: &'static str,
+    /// One line of meaning.
+    pub meaning: &'static str,
+}
+
+const fn key(name: &'static str, group: Group, form: &'static str, meaning: &'static str) -> Key {
+    Key {
+        name,
+        group,
+        form,
+        meaning,
+    }
+}
+
+use Group::{Checkpoints, Data, Mesh, Model, Optimizer, Output};
+
+/// Every key `ferrotext train` accepts, grouped.
+pub const KEYS: &[Key] = &[
+    key("model_name", Model, "preset name", "model preset (qwen3-tiny, qwen3-peer, qwen3-0.6b, qwen3-moe-tiny, deepseek3-tiny, deepseek3-1.3b, ...)"),
+    key("vocab_size", Model, "integer", "override of the preset's vocabulary size"),
+    key("base_emb_dim", Model, "integer", "override of the model width"),
+    key("base_num_decoder_layers", Model, "integer", "override of the layer count"),
+    key("base_num_query_heads", Model, "integer", "override of the query heads"),
+    key("base_num_kv_heads", Model, "integer", "override of the key/value heads"),
+    key("head_dim", Model, "integer", "override of the head width"),
+    key("base_mlp_dim", Model, "integer", "override of the MLP width"),
+    key("logits_via_embedding", Model, "true|false", "tie the LM head to the embedding"),
+    key("num_experts", Model, "integer", "routed experts (turns the feed-forward layers into MoE blocks)"),
+    key("num_experts_per_tok", Model, "integer", "experts per token (top-k)"),
+    key("moe_mlp_dim", Model, "integer", "hidden width of each expert"),
+    key("shared_experts", Model, "integer", "shared experts, run on every token"),
+    key("first_num_dense_layers", Model, "integer", "leading dense layers of an MoE model"),
+    key("routed_score_func", Model, "softmax|sigmoid", "router score function"),
+    key("routed_scaling_factor", Model, "float", "factor on the routed experts' output"),
+    key("norm_topk_prob", Model, "true|false", "renormalise the chosen experts' scores"),
+    key("load_balance_loss_weight", Model, "float ≥ 0", "weight of the MoE load-balance loss (0 disables)"),
+    key("moe_withhold_tags", Model, "true|false", "diagnostic: drop the expert weights' reduced tags (gradients all-reduced every micro-batch)"),
+    key("z_loss_multiplier", Model, "float ≥ 0", "weight of the z-loss (log Z)² per token (0 disables)"),
+    key("local_devices", Mesh, "integer ≥ 1", "devices (threads) in each process"),
+    key("num_processes", Mesh, "integer ≥ 1", "processes of the job (set by the launcher under mpirun)"),
+    key("ici_data_parallelism", Mesh, "integer, -1 fills", "size of the data axis"),
+    key("ici_fsdp_parallelism", Mesh, "integer, -1 fills", "size of the fsdp axis"),
+    key("ici_tensor_parallelism", Mesh, "integer, -1 fills", "size of the tensor axis"),
+    key("ici_expert_parallelism", Mesh, "integer, -1 fills", "size of the expert axis (experts and the batch split over it)"),
+    key("shard_mode", Mesh, "explicit|auto", "explicit: shardings are types and gradients may stay unreduced; auto: no tags, no deferral"),
+    key("collective_timeout_seconds", Mesh, "float > 0", "seconds a device waits in a collective before the run fails"),
+    key("grad_bucket_mb", Mesh, "float > 0", "gradient bucket size in MiB (one collective per bucket)"),
+    key("overlap_grad_reduce", Mesh, "true|false", "start each bucket's reduction during the last micro-batch's backward"),
+    key("gradient_accumulation_steps", Data, "integer ≥ 1", "micro-batches per optimizer step"),
+    key("per_device_batch_size", Data, "float > 0", "sequences per device per micro-batch (may be fractional)"),
+    key("max_target_length", Data, "integer ≥ 1", "tokens per sequence"),
+    key("steps", Data, "integer", "optimizer steps"),
+    key("dataset_type", Data, "corpus|synthetic|text|tokens", "where the data comes from"),
+    key("dataset_path", Data, "path", "the file for text and tokens data"),
+    key("token_dtype", Data, "u16|u32", "id width of a tokens file"),
+    key("tokenizer_path", Data, "path", "an HF tokenizer.json for corpus and text data (empty: byte-level tokens)"),
+    key("data_shuffle_seed", Data, "integer", "seed of the data order"),
+    key("dataset_order", Data, "random|sequential", "random windows, or contiguous sequences in file order"),
+    key("learning_rate", Optimizer, "float > 0", "peak learning rate"),
+    key("warmup_steps_fraction", Optimizer, "float in [0, 1]", "fraction of the steps in linear warmup"),
+    key("learning_rate_final_fraction", Optimizer, "float in [0, 1]", "final learning rate of the cosine decay, as a fraction of the peak"),
+    key("opt_type", Optimizer, "adamw|sgd", "the optimizer"),
+    key("adam_b1", Optimizer, "float in [0, 1)", "AdamW β1"),
+    key("adam_b2", Optimizer, "float in [0, 1)", "AdamW β2"),
+    key("adam_eps", Optimizer, "float > 0", "AdamW ε"),
+    key("adam_weight_decay", Optimizer, "float ≥ 0", "AdamW decoupled weight decay (matrices only)"),
+    key("shard_optimizer_over_data", Optimizer, "true|false", "ZeRO-1: shard the optimizer state over data"),
+    key("gradient_clipping_threshold", Optimizer, "float ≥ 0", "global-norm clipping threshold (0 disables)"),
+    key("init_weights_seed", Optimizer, "integer", "seed of the parameter initialisation"),
+    key("load_parameters_path", Checkpoints, "path", "parameters to start from"),
+    key("save_parameters_path", Checkpoints, "path", "where to save the final parameters (empty: don't)"),
+    key("enable_checkpointing", Checkpoints, "true|false", "save checkpoints and resume from the latest one"),
+    key("checkpoint_period", Checkpoints, "integer ≥ 1", "steps between checkpoints (the last step is always saved)"),
+    key("checkpoint_micro_batch_period", Checkpoints, "integer", "also checkpoint every this many micro-batches inside a step (0: off)"),
+    key("checkpoint_keep", Checkpoints, "integer", "checkpoints to keep, newest first (0 keeps all)"),
+    key("resume", Checkpoints, "auto|fresh", "continue from latest, or start over moving old checkpoints aside"),
+    key("base_output_directory", Output, "path", "directory for run outputs"),
+    key("run_name", Output, "name", "the run's name (outputs go to base_output_directory/run_name)"),
+    key("metrics_file", Output, "path", "per-step metrics as JSON lines (empty: the run directory's metrics.jsonl)"),
+    key("nan_policy", Output, "stop|skip_step", "what a non-finite loss or gradient does"),
+];
+
+/// The key named `name`, if it exists.
+pub fn find(name: &str) -> Option<&'static Key> {
+    KEYS.iter().find(|k| k.name == name)
+}
+
+/// Up to three valid keys nearest to `unknown`, nearest first: keys within a small edit
+/// distance, then keys that contain it (or that it contains) as a word part.
+pub fn nearest(unknown: &str) -> Vec<&'static str> {
+    let unknown = unknown.trim().to_ascii_lowercase();
+    let mut scored: Vec<(usize, &'static str)> = KEYS
+        .iter()
+        .filter_map(|k| {
+            let distance = strsim::damerau_levenshtein(&unknown, k.name);
+            let close = distance <= (k.name.len().max(unknown.len()) / 3).max(2);
+            let part =
+                unknown.len() >= 3 && (k.name.contains(&unknown) || unknown.contains(k.name));
+            (close || part).then_some((if close { distance } else { 100 + distance }, k.name))
+        })
+        .collect();
+    scored.sort();
+    scored.into_iter().take(3).map(|(_, name)| name).collect()
+}
+
+/// The message for an unknown key: the key and the nearest valid names, or a pointer to the
+/// list when nothing is near.
+pub fn unknown_key_message(unknown: &str) -> String {
+    let near = nearest(unknown);
+    match near.as_slice() {
+        [] => format!("unknown key `{unknown}` (`ferrotext keys` lists every key)"),
+        [one] => format!("unknown key `{unknown}`; did you mean `{one}`?"),
+        many => format!(
+            "unknown key `{unknown}`; did you mean {}?",
+            many.iter()
+                .map(|n| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(" or ")
+        ),
+    }
+}
+
+/// The default of every key as text (`-` for an unset override, `""` for an empty string).
+fn defaults() -> serde_json::Map<String, serde_json::Value> {
+    match serde_json::to_value(TrainConfig::default()) {
+        Ok(serde_json::Value::Object(map)) => map,
+        // A struct of plain fields always serializes to an object.
+        _ => serde_json::Map::new(),
+    }
+}
+
+fn shown(value: Option<&serde_json::Value>) -> String {
+    match value {
+        None | Some(serde_json::Value::Null) => "-".into(),
+        Some(serde_json::Value::String(s)) if s.is_empty() => "\"\"".into(),
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+    }
+}
+
+/// Every key with its form, default and meaning, grouped, as `ferrotext keys` prints it.
+pub fn table() -> String {
+    let defaults = defaults();
+    let mut out = String::new();
+    let mut groups: Vec<Group> = KEYS.iter().map(|k| k.group).collect();
+    groups.sort();
+    groups.dedup();
+    for group in groups {
+        let _ = writeln!(out, "{}:", group.title());
+        for k in KEYS.iter().filter(|k| k.group == group) {
+            let _ = writeln!(
+                out,
+                "  {:<30} {:<30} default {:<14} {}",
+                k.name,
+                k.form,
+                shown(defaults.get(k.name)),
+                k.meaning
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_list_names_exactly_the_config_keys() {
+        let mut listed: Vec<&str> = KEYS.iter().map(|k| k.name).collect();
+        listed.sort();
+        let before = listed.len();
+        listed.dedup();
+        assert_eq!(before, listed.len(), "a key is listed twice");
+        let mut fields: Vec<String> = defaults().keys().cloned().collect();
+        fields.sort();
+        assert_eq!(listed, fields);
+    }
+
+    #[test]
+    fn typos_get_the_nearest_names() {
+        assert_eq!(nearest("step")[0], "steps");
+        assert_eq!(nearest("stpes")[0], "steps");
+        assert_eq!(nearest("learning_rat")[0], "learning_rate");
+        assert!(nearest("bucket").contains(&"grad_bucket_mb"));
+        assert!(nearest("zzzzzzzzzz").is_empty());
+        assert_eq!(
+            unknown_key_message("stepz"),
+            "unknown key `stepz`; did you mean `steps`?"
+        );
+        assert_eq!(
+            unknown_key_message("qqqqqqqqq"),
+            "unknown key `qqqqqqqqq` (`ferrotext keys` lists every key)"
+        );
+    }
+
+    #[test]
+    fn the_table_shows_defaults_from_the_config() {
+        let table = table();
+        let line = |name: &str| {
+            table
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("{name} ")))
+                .unwrap_or_default()
+                .to_string()
+        };
+        assert!(line("steps").contains("default 300"), "{table}");
+        assert!(line("vocab_size").contains("default -"), "{table}");
+        assert!(line("opt_type").contains("default adamw"), "{table}");
+        let sections: Vec<&str> = table.lines().filter(|l| !l.starts_with(' ')).collect();
+        assert_eq!(
+            sections,
+            [
+                "model:",
+                "mesh:",
+                "data:",
+                "optimizer:",
+                "checkpoints:",
+                "output:"
+            ]
+        );
+    }
+}
