@@ -30,6 +30,8 @@ mod error;
 mod grouped;
 mod matmul;
 mod nn;
+mod parallel;
+mod peak;
 mod reduce;
 mod rope;
 mod tensor;
@@ -43,5 +45,7 @@ pub use nn::{
     rope, scatter_add, silu, silu_backward, softmax_backward_scaled, softmax_last,
     softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
 };
+pub use parallel::{kernel_threads, set_kernel_threads};
+pub use peak::{cpu_peak, CpuPeak};
 pub use rope::{rope_with, Rope, Yarn};
 pub use tensor::{strides, Tensor};
