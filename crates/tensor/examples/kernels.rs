@@ -17,10 +17,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use ferrotext_tensor::{
-    causal_softmax, cpu_peak, cross_entropy, cross_entropy_backward, dot_general,
-    grouped_matmul, grouped_matmul_backward, rms_norm, rms_norm_backward, rope,
-    set_kernel_threads, softmax_backward_scaled, swiglu, swiglu_backward, take_rows, top_k,
-    DotDims, Tensor,
+    causal_softmax, cpu_peak, cross_entropy, cross_entropy_backward, dot_general, grouped_matmul,
+    grouped_matmul_backward, rms_norm, rms_norm_backward, rope, set_kernel_threads,
+    softmax_backward_scaled, swiglu, swiglu_backward, take_rows, top_k, DotDims, Tensor,
 };
 
 fn rand(shape: &[usize], seed: u32) -> Tensor {
@@ -79,7 +78,12 @@ fn main() {
     let mut rows: Vec<Row> = Vec::new();
     let mut add = |name: String, calls: usize, flops: f64, f: &mut dyn FnMut()| {
         let secs = time(ms, f);
-        rows.push(Row { name, calls, secs, flops });
+        rows.push(Row {
+            name,
+            calls,
+            secs,
+            flops,
+        });
     };
 
     // Matrix products: per linear, the forward x·W, then dx = dy·Wᵀ and dW = xᵀ·dy.
@@ -105,15 +109,30 @@ fn main() {
         let w = rand(&[k, m_out], 2);
         let dy = rand(&[n, m_out], 3);
         let fl = 2.0 * (n * k * m_out) as f64;
-        add(format!("gemm x·W [{n},{k}]·[{k},{m_out}]"), uses, fl, &mut || {
-            black_box(dot_general(&x, &w, &DotDims::matmul(2), threads).unwrap());
-        });
-        add(format!("gemm dy·Wᵀ [{n},{m_out}]·[{k},{m_out}]ᵀ"), uses, fl, &mut || {
-            black_box(dot_general(&dy, &w, &wt, threads).unwrap());
-        });
-        add(format!("gemm xᵀ·dy [{n},{k}]ᵀ·[{n},{m_out}]"), uses, fl, &mut || {
-            black_box(dot_general(&x, &dy, &xt, threads).unwrap());
-        });
+        add(
+            format!("gemm x·W [{n},{k}]·[{k},{m_out}]"),
+            uses,
+            fl,
+            &mut || {
+                black_box(dot_general(&x, &w, &DotDims::matmul(2), threads).unwrap());
+            },
+        );
+        add(
+            format!("gemm dy·Wᵀ [{n},{m_out}]·[{k},{m_out}]ᵀ"),
+            uses,
+            fl,
+            &mut || {
+                black_box(dot_general(&dy, &w, &wt, threads).unwrap());
+            },
+        );
+        add(
+            format!("gemm xᵀ·dy [{n},{k}]ᵀ·[{n},{m_out}]"),
+            uses,
+            fl,
+            &mut || {
+                black_box(dot_general(&x, &dy, &xt, threads).unwrap());
+            },
+        );
     }
     // The tied head: logits = x·Eᵀ, dx = dlogits·E, dE = dlogitsᵀ·x.
     {
@@ -121,15 +140,30 @@ fn main() {
         let e = rand(&[vocab, d], 5);
         let dl = rand(&[n, vocab], 6);
         let fl = 2.0 * (n * d * vocab) as f64;
-        add(format!("gemm logits x·Eᵀ [{n},{d}]·[{vocab},{d}]ᵀ"), 1, fl, &mut || {
-            black_box(dot_general(&x, &e, &wt, threads).unwrap());
-        });
-        add(format!("gemm dlogits·E [{n},{vocab}]·[{vocab},{d}]"), 1, fl, &mut || {
-            black_box(dot_general(&dl, &e, &DotDims::matmul(2), threads).unwrap());
-        });
-        add(format!("gemm dlogitsᵀ·x [{n},{vocab}]ᵀ·[{n},{d}]"), 1, fl, &mut || {
-            black_box(dot_general(&dl, &x, &xt, threads).unwrap());
-        });
+        add(
+            format!("gemm logits x·Eᵀ [{n},{d}]·[{vocab},{d}]ᵀ"),
+            1,
+            fl,
+            &mut || {
+                black_box(dot_general(&x, &e, &wt, threads).unwrap());
+            },
+        );
+        add(
+            format!("gemm dlogits·E [{n},{vocab}]·[{vocab},{d}]"),
+            1,
+            fl,
+            &mut || {
+                black_box(dot_general(&dl, &e, &DotDims::matmul(2), threads).unwrap());
+            },
+        );
+        add(
+            format!("gemm dlogitsᵀ·x [{n},{vocab}]ᵀ·[{n},{d}]"),
+            1,
+            fl,
+            &mut || {
+                black_box(dot_general(&dl, &x, &xt, threads).unwrap());
+            },
+        );
     }
     // Attention, as models::nn::causal_attention issues it, and its transposes.
     {
@@ -164,12 +198,22 @@ fn main() {
             rhs_batch: vec![0, 2],
         };
         let fl = 2.0 * (b * h * t * t * hd) as f64;
-        add(format!("attn scores q·kᵀ [{b},{t},{h},{hd}]"), layers, fl, &mut || {
-            black_box(dot_general(&q, &k, &qk, threads).unwrap());
-        });
-        add(format!("attn probs·v [{b},{h},{t},{t}]"), layers, fl, &mut || {
-            black_box(dot_general(&scores, &v, &pv, threads).unwrap());
-        });
+        add(
+            format!("attn scores q·kᵀ [{b},{t},{h},{hd}]"),
+            layers,
+            fl,
+            &mut || {
+                black_box(dot_general(&q, &k, &qk, threads).unwrap());
+            },
+        );
+        add(
+            format!("attn probs·v [{b},{h},{t},{t}]"),
+            layers,
+            fl,
+            &mut || {
+                black_box(dot_general(&scores, &v, &pv, threads).unwrap());
+            },
+        );
         add("attn dq = dS·k".into(), layers, fl, &mut || {
             black_box(dot_general(&scores, &k, &dq, threads).unwrap());
         });
@@ -182,28 +226,48 @@ fn main() {
         add("attn dv = probsᵀ·dout".into(), layers, fl, &mut || {
             black_box(dot_general(&scores, &q, &dk, threads).unwrap());
         });
-        add(format!("causal_softmax [{b},{h},{t},{t}]"), layers, 0.0, &mut || {
-            black_box(causal_softmax(&scores, 0.17).unwrap());
-        });
+        add(
+            format!("causal_softmax [{b},{h},{t},{t}]"),
+            layers,
+            0.0,
+            &mut || {
+                black_box(causal_softmax(&scores, 0.17).unwrap());
+            },
+        );
         let y = causal_softmax(&scores, 0.17).unwrap();
         add("causal_softmax backward".into(), layers, 0.0, &mut || {
             black_box(softmax_backward_scaled(&y, &scores, 0.17).unwrap());
         });
         let o = rand(&[b, h, t, hd], 11);
-        add("attn out transpose [B,H,T,hd]→[B,T,H,hd]".into(), 2 * layers, 0.0, &mut || {
-            black_box(o.transpose(&[0, 2, 1, 3]).unwrap());
-        });
+        add(
+            "attn out transpose [B,H,T,hd]→[B,T,H,hd]".into(),
+            2 * layers,
+            0.0,
+            &mut || {
+                black_box(o.transpose(&[0, 2, 1, 3]).unwrap());
+            },
+        );
         let kk = rand(&[b, t, kv, hd], 12);
-        add("GQA broadcast k/v [B,T,KV,hd]→[B,T,H,hd]".into(), 2 * layers, 0.0, &mut || {
-            black_box(
-                kk.broadcast_in_dim(&[b, t, kv, h / kv, hd], &[0, 1, 2, 4])
-                    .unwrap(),
-            );
-        });
+        add(
+            "GQA broadcast k/v [B,T,KV,hd]→[B,T,H,hd]".into(),
+            2 * layers,
+            0.0,
+            &mut || {
+                black_box(
+                    kk.broadcast_in_dim(&[b, t, kv, h / kv, hd], &[0, 1, 2, 4])
+                        .unwrap(),
+                );
+            },
+        );
         let k5 = rand(&[b, t, kv, h / kv, hd], 13);
-        add("GQA unbroadcast (sum over group)".into(), 2 * layers, 0.0, &mut || {
-            black_box(k5.sum_axes(&[3]).unwrap());
-        });
+        add(
+            "GQA unbroadcast (sum over group)".into(),
+            2 * layers,
+            0.0,
+            &mut || {
+                black_box(k5.sum_axes(&[3]).unwrap());
+            },
+        );
     }
     // Norms: two RMSNorms of x per layer + the final one; QK-norm on q and k rows.
     for (name, rows_, width, uses) in [
@@ -227,12 +291,22 @@ fn main() {
         let positions: Vec<usize> = (0..t).collect();
         let q = rand(&[b, t, h, hd], 17);
         let k = rand(&[b, t, kv, hd], 18);
-        add(format!("rope q [{b},{t},{h},{hd}] (fwd+bwd)"), 2 * layers, 0.0, &mut || {
-            black_box(rope(&q, &positions, 1e6, false).unwrap());
-        });
-        add(format!("rope k [{b},{t},{kv},{hd}] (fwd+bwd)"), 2 * layers, 0.0, &mut || {
-            black_box(rope(&k, &positions, 1e6, false).unwrap());
-        });
+        add(
+            format!("rope q [{b},{t},{h},{hd}] (fwd+bwd)"),
+            2 * layers,
+            0.0,
+            &mut || {
+                black_box(rope(&q, &positions, 1e6, false).unwrap());
+            },
+        );
+        add(
+            format!("rope k [{b},{t},{kv},{hd}] (fwd+bwd)"),
+            2 * layers,
+            0.0,
+            &mut || {
+                black_box(rope(&k, &positions, 1e6, false).unwrap());
+            },
+        );
     }
     // SwiGLU and the elementwise residual adds / gradient accumulation.
     {
@@ -268,9 +342,14 @@ fn main() {
     {
         let e = rand(&[vocab, d], 24);
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * 97) % vocab as u32).collect();
-        add(format!("take_rows embedding [{vocab},{d}] × {n}"), 1, 0.0, &mut || {
-            black_box(take_rows(&e, &ids).unwrap());
-        });
+        add(
+            format!("take_rows embedding [{vocab},{d}] × {n}"),
+            1,
+            0.0,
+            &mut || {
+                black_box(take_rows(&e, &ids).unwrap());
+            },
+        );
     }
     report(&rows, &peak.to_string(), peak.flops());
 
@@ -291,9 +370,13 @@ fn main() {
             flops,
         });
     };
-    add_moe(format!("grouped_matmul [{copies},{dm}]·{experts}×[{dm},{fm}]"), fl, &mut || {
-        black_box(grouped_matmul(&x, &w, &sizes, threads).unwrap());
-    });
+    add_moe(
+        format!("grouped_matmul [{copies},{dm}]·{experts}×[{dm},{fm}]"),
+        fl,
+        &mut || {
+            black_box(grouped_matmul(&x, &w, &sizes, threads).unwrap());
+        },
+    );
     add_moe("grouped_matmul backward".into(), 2.0 * fl, &mut || {
         black_box(grouped_matmul_backward(&x, &w, &sizes, &dy, threads).unwrap());
     });
@@ -301,7 +384,9 @@ fn main() {
     add_moe(format!("top_k [{n},{experts}] k={top}"), 0.0, &mut || {
         black_box(top_k(&scores, top).unwrap());
     });
-    let order: Vec<u32> = (0..copies as u32).map(|i| (i * 7919) % copies as u32).collect();
+    let order: Vec<u32> = (0..copies as u32)
+        .map(|i| (i * 7919) % copies as u32)
+        .collect();
     add_moe(format!("take_rows sort [{copies},{dm}]"), 0.0, &mut || {
         black_box(take_rows(&x, &order).unwrap());
     });
@@ -341,7 +426,10 @@ fn report(rows: &[Row], _peak: &str, peak_flops: f64) {
         flops / 1e9,
         flops / total / 1e9,
         if peak_flops > 0.0 && flops > 0.0 {
-            format!(" = {:.1}% of the stated peak", 100.0 * flops / total / peak_flops)
+            format!(
+                " = {:.1}% of the stated peak",
+                100.0 * flops / total / peak_flops
+            )
         } else {
             String::new()
         }

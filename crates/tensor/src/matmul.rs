@@ -151,10 +151,7 @@ fn as_stack<'a>(
     cols: &[usize],
 ) -> Result<MatStack<'a>, TensorError> {
     let st = strides(t.shape());
-    if let (Some(r), Some(c)) = (
-        flatten(rows, t.shape(), &st),
-        flatten(cols, t.shape(), &st),
-    ) {
+    if let (Some(r), Some(c)) = (flatten(rows, t.shape(), &st), flatten(cols, t.shape(), &st)) {
         let batch = match flatten(batch, t.shape(), &st) {
             Some(b) => vec![b],
             None => batch
@@ -423,7 +420,10 @@ mod tests {
         };
         let st = strides(q.shape());
         let stack = as_stack(&q, &[0, 2], &[1], &[3]).unwrap();
-        assert!(matches!(stack.data, std::borrow::Cow::Borrowed(_)), "no copy");
+        assert!(
+            matches!(stack.data, std::borrow::Cow::Borrowed(_)),
+            "no copy"
+        );
         assert_eq!(stack.batch, vec![(b, st[0] as isize), (h, st[2] as isize)]);
         let y = dot_general(&q, &k, &qk, 1).unwrap();
         close(&y, &reference(&q, &k, &qk));

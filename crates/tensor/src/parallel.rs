@@ -46,9 +46,10 @@ pub(crate) fn tasks_for(elements: usize, threads: usize) -> usize {
 
 /// `f(chunk_index, chunk)` over `data` cut into chunks of `chunk` elements (the last may be
 /// shorter), on up to `threads` tasks. Each chunk sees the same call whatever `threads` is.
-pub(crate) fn for_each_chunk<F>(data: &mut [f32], chunk: usize, threads: usize, f: F)
+pub(crate) fn for_each_chunk<T, F>(data: &mut [T], chunk: usize, threads: usize, f: F)
 where
-    F: Fn(usize, &mut [f32]) + Sync,
+    T: Send,
+    F: Fn(usize, &mut [T]) + Sync,
 {
     let chunk = chunk.max(1);
     let tasks = tasks_for(data.len(), threads);
@@ -72,15 +73,17 @@ where
 
 /// Like [`for_each_chunk`] over two equally chunked buffers (`a` in chunks of `chunk_a`, `b`
 /// in chunks of `chunk_b`, the same number of chunks).
-pub(crate) fn for_each_chunk2<F>(
-    a: &mut [f32],
+pub(crate) fn for_each_chunk2<A, B, F>(
+    a: &mut [A],
     chunk_a: usize,
-    b: &mut [f32],
+    b: &mut [B],
     chunk_b: usize,
     threads: usize,
     f: F,
 ) where
-    F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
+    A: Send,
+    B: Send,
+    F: Fn(usize, &mut [A], &mut [B]) + Sync,
 {
     let (chunk_a, chunk_b) = (chunk_a.max(1), chunk_b.max(1));
     let chunks = a.len().div_ceil(chunk_a);
@@ -96,7 +99,11 @@ pub(crate) fn for_each_chunk2<F>(
         .zip(b.par_chunks_mut(per_task * chunk_b))
         .enumerate()
         .for_each(|(task, (ra, rb))| {
-            for (i, (ca, cb)) in ra.chunks_mut(chunk_a).zip(rb.chunks_mut(chunk_b)).enumerate() {
+            for (i, (ca, cb)) in ra
+                .chunks_mut(chunk_a)
+                .zip(rb.chunks_mut(chunk_b))
+                .enumerate()
+            {
                 f(task * per_task + i, ca, cb);
             }
         });
