@@ -492,6 +492,9 @@ pub fn scatter_add(
     Ok(out)
 }
 
+/// Up to this `k`, [`top_k`] keeps the best k in a sorted buffer; above, it selects then sorts.
+const TOP_K_INSERTION_MAX: usize = 16;
+
 /// The `k` largest entries of each row (last dim), descending; ties go to the lower index.
 /// Returns the values `[.., k]` and their indices.
 ///
@@ -508,14 +511,38 @@ pub fn top_k(x: &Tensor, k: usize) -> Result<(Tensor, Vec<u32>), TensorError> {
     let rows = x.len() / n;
     let mut values = Vec::with_capacity(rows * k);
     let mut indices = Vec::with_capacity(rows * k);
-    let mut order: Vec<u32> = Vec::with_capacity(n);
+    // The order is total (value by `total_cmp`, descending, then index ascending), so a partial
+    // selection gives exactly the first k of a full sort: for small k an insertion into the
+    // k best so far (O(n·k), no allocation per row), else a select-nth then a sort of k.
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    let mut order: Vec<u32> = Vec::new();
     for row in x.data().chunks(n) {
-        order.clear();
-        order.extend(0..n as u32);
-        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
-        for &i in &order[..k] {
-            values.push(row[i as usize]);
-            indices.push(i);
+        if k <= TOP_K_INSERTION_MAX {
+            best.clear();
+            for (i, &v) in row.iter().enumerate() {
+                // Later indices lose ties, so a candidate must beat strictly.
+                if best.len() == k && v.total_cmp(&best[k - 1].0).is_le() {
+                    continue;
+                }
+                let at = best.partition_point(|&(b, _)| v.total_cmp(&b).is_le());
+                best.insert(at, (v, i as u32));
+                best.truncate(k);
+            }
+            values.extend(best.iter().map(|&(v, _)| v));
+            indices.extend(best.iter().map(|&(_, i)| i));
+        } else {
+            let before =
+                |&a: &u32, &b: &u32| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b));
+            order.clear();
+            order.extend(0..n as u32);
+            if k < n {
+                order.select_nth_unstable_by(k - 1, before);
+            }
+            order[..k].sort_unstable_by(before);
+            for &i in &order[..k] {
+                values.push(row[i as usize]);
+                indices.push(i);
+            }
         }
     }
     let mut shape = x.shape().to_vec();
@@ -967,5 +994,41 @@ mod tests {
         assert_eq!(v.data(), &[2., 2., 3., 3.]);
         assert_eq!(i, vec![1, 2, 0, 3]);
         assert!(top_k(&x, 5).is_err());
+    }
+
+    /// Both selection paths against a full stable sort, on rows with many ties, NaNs, signed
+    /// zeros and infinities, for every k.
+    #[test]
+    fn top_k_matches_a_full_sort() {
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+        ];
+        for n in [1usize, 2, 7, 16, 31, 67] {
+            let x = Tensor::from_fn(&[3, n], |i| {
+                if i % 11 == 5 {
+                    specials[i % specials.len()]
+                } else {
+                    ((i * 7919) % 9) as f32 - 4.0
+                }
+            });
+            for k in 1..=n {
+                let (v, idx) = top_k(&x, k).unwrap();
+                for (r, row) in x.data().chunks(n).enumerate() {
+                    let mut order: Vec<u32> = (0..n as u32).collect();
+                    order.sort_by(|&a, &b| {
+                        row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b))
+                    });
+                    assert_eq!(&idx[r * k..(r + 1) * k], &order[..k], "n {n} k {k}");
+                    for (j, &i) in order[..k].iter().enumerate() {
+                        assert_eq!(v.data()[r * k + j].to_bits(), row[i as usize].to_bits());
+                    }
+                }
+            }
+        }
     }
 }
