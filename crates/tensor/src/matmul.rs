@@ -257,6 +257,73 @@ pub fn dot_general(
     Tensor::new(out_shape, out)
 }
 
+/// One strided matrix operand inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct MatView<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl MatView<'_> {
+    /// True when every element's offset lies inside `data`.
+    fn fits(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst = a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`, without copying
+/// the operands: the grouped (MoE) products multiply slices of their inputs in place. Uses the
+/// same gemm call, and so gives the same bits, as [`dot_general`] on copies of the views.
+///
+/// # Panics
+/// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
+pub(crate) fn gemm_views(dst: &mut [f32], a: MatView<'_>, b: MatView<'_>, threads: usize) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && dst.len() == m * n); // ok: caller's invariant
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        dst.fill(0.0);
+        return;
+    }
+    let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: `fits` checked every operand offset against its slice, `dst` is exactly m×n
+    // row-major, and `read_dst = false` so its contents are not read.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
