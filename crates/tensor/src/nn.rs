@@ -74,19 +74,23 @@ pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
     let t = x.shape()[r - 1];
     let mut y = x.clone();
     for_each_chunk(y.data_mut(), t, kernel_threads(), |k, row| {
-        let keep = k % t + 1;
-        let (live, masked) = row.split_at_mut(keep);
-        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for v in live.iter_mut() {
-            *v = ((*v - max) * scale).exp();
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
-        live.iter_mut().for_each(|v| *v *= inv);
-        masked.fill(0.0);
+        causal_softmax_row(row, k % t + 1, scale);
     });
     Ok(y)
+}
+
+/// One row of [`causal_softmax`] in place: softmax of `scale·row[..keep]`, zeros after.
+pub(crate) fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
+    let (live, masked) = row.split_at_mut(keep);
+    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in live.iter_mut() {
+        *v = ((*v - max) * scale).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    live.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
 }
 
 /// Backward of `y = softmax(x)`: `dx = y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row (with `scale` = 1; the
@@ -107,13 +111,17 @@ pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Te
     let n = last_dim(y, "softmax_backward")?;
     let mut dx = dy.clone();
     for_each_chunk(dx.data_mut(), n, kernel_threads(), |i, drow| {
-        let yrow = &y.data()[i * n..(i + 1) * n];
-        let dot: f32 = drow.iter().zip(yrow).map(|(d, y)| d * y).sum();
-        for (d, &yv) in drow.iter_mut().zip(yrow) {
-            *d = scale * yv * (*d - dot);
-        }
+        softmax_backward_row(drow, &y.data()[i * n..(i + 1) * n], scale);
     });
     Ok(dx)
+}
+
+/// One row of [`softmax_backward_scaled`]: `drow` holds dy and becomes dx.
+pub(crate) fn softmax_backward_row(drow: &mut [f32], yrow: &[f32], scale: f32) {
+    let dot: f32 = drow.iter().zip(yrow).map(|(d, y)| d * y).sum();
+    for (d, &yv) in drow.iter_mut().zip(yrow) {
+        *d = scale * yv * (*d - dot);
+    }
 }
 
 /// RMSNorm over the last dim: `y = x · rsqrt(mean(x²) + eps) · scale`. Returns `y` and each row's
