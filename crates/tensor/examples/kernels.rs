@@ -158,6 +158,17 @@ fn old_grouped(x: &Tensor, w: &Tensor, sizes: &[usize], threads: usize) -> Vec<f
     y
 }
 
+/// An attention product: name, lhs, the permutation that copies it to `[B, H, T, d]`, rhs,
+/// the strided dimension numbers and those on the copies.
+type Product<'a> = (
+    &'a str,
+    &'a Tensor,
+    &'a [usize],
+    &'a Tensor,
+    &'a DotDims,
+    &'a DotDims,
+);
+
 struct Row {
     name: String,
     calls: usize,
@@ -314,7 +325,7 @@ fn main() {
         let fl = 2.0 * (b * h * t * t * hd) as f64;
         let perm = [0, 2, 1, 3];
         let id = [0, 1, 2, 3];
-        let products: [(&str, &Tensor, &[usize], &Tensor, &DotDims, &DotDims); 6] = [
+        let products: [Product<'_>; 6] = [
             ("attn scores q·kᵀ", &q, &perm, &k, &qk, &qkc),
             ("attn dprobs = dout·vᵀ", &q, &perm, &v, &qk, &qkc),
             ("attn probs·v", &s, &id, &v, &pv, &pvc),
@@ -675,8 +686,8 @@ fn report(rows: &[Row], peak_flops: f64) {
     let mut order: Vec<&Row> = rows.iter().collect();
     order.sort_by(|a, b| (b.secs * b.calls as f64).total_cmp(&(a.secs * a.calls as f64)));
     println!(
-        "{:<48} {:>5} {:>9} {:>9} {:>6} {:>8} {:>9}",
-        "kernel", "calls", "ms/call", "ms/mb", "share", "GFLOP/s", "new/old"
+        "{:<48} {:>5} {:>9} {:>9} {:>6} {:>8} {:>9} {:>9}",
+        "kernel", "calls", "ms/call", "ms/mb", "share", "GFLOP/s", "old ms", "new/old"
     );
     for r in order {
         let per_mb = r.secs * r.calls as f64;
@@ -686,13 +697,14 @@ fn report(rows: &[Row], peak_flops: f64) {
             "-".into()
         };
         println!(
-            "{:<48} {:>5} {:>9.4} {:>9.3} {:>5.1}% {:>8} {:>9.2}",
+            "{:<48} {:>5} {:>9.4} {:>9.3} {:>5.1}% {:>8} {:>9.4} {:>9.2}",
             r.name,
             r.calls,
             r.secs * 1e3,
             per_mb * 1e3,
             100.0 * per_mb / total,
             gf,
+            r.old * 1e3,
             r.ratio
         );
     }

@@ -5,7 +5,7 @@
 //! kernel thread budget), broadcasting goes through a strided gather.
 
 use crate::error::TensorError;
-use crate::parallel::{for_each_chunk, kernel_threads};
+use crate::parallel::{for_each_chunk, kernel_threads, tasks_for};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -111,11 +111,17 @@ impl Tensor {
 
     /// Every element times `k`.
     pub fn scale(&self, k: f32) -> Tensor {
-        let mut y = self.clone();
-        for_each_chunk(y.data_mut(), BLOCK, kernel_threads(), |_, run| {
-            run.iter_mut().for_each(|x| *x *= k);
+        if tasks_for(self.len(), kernel_threads()) == 1 {
+            return self.map(|x| x * k);
+        }
+        let mut y = vec![0.0f32; self.len()];
+        for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, run| {
+            for (o, &x) in run.iter_mut().zip(&self.data()[c * BLOCK..]) {
+                *o = x * k;
+            }
         });
-        y
+        Tensor::new(self.shape().to_vec(), y).unwrap_or_else(|_| unreachable!("same element count"))
+        // ok: length preserved
     }
 
     /// [`Tensor::zip_with`] for the arithmetic ops: equal shapes run on the kernel thread
@@ -125,16 +131,18 @@ impl Tensor {
         other: &Tensor,
         f: impl Fn(f32, f32) -> f32 + Sync,
     ) -> Result<Tensor, TensorError> {
-        if self.shape() != other.shape() {
-            return self.zip_with(other, f);
+        if self.shape() != other.shape() || tasks_for(self.len(), kernel_threads()) == 1 {
+            return self.zip_with(other, f); // one pass collecting, no zeroed buffer first
         }
-        let mut y = self.clone();
-        for_each_chunk(y.data_mut(), BLOCK, kernel_threads(), |c, run| {
-            for (a, &b) in run.iter_mut().zip(&other.data()[c * BLOCK..]) {
-                *a = f(*a, b);
+        // A fresh (zeroed, so untouched-page) buffer written once: no clone pass.
+        let mut y = vec![0.0f32; self.len()];
+        for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, run| {
+            let (a, b) = (&self.data()[c * BLOCK..], &other.data()[c * BLOCK..]);
+            for ((o, &a), &b) in run.iter_mut().zip(a).zip(b) {
+                *o = f(a, b);
             }
         });
-        Ok(y)
+        Tensor::new(self.shape().to_vec(), y)
     }
 }
 
