@@ -1,13 +1,15 @@
 //! Grouped (ragged) matrix products: the rows of `x` come in consecutive groups, and group `g`
 //! multiplies expert matrix `w[g]` — the dropless mixture-of-experts product after tokens are
-//! sorted by expert. Each group is one `dot_general` on `gemm`; empty groups cost nothing. Rows
+//! sorted by expert. Each group is one gemm on views of the rows and the expert's matrix (no
+//! copies; the same gemm call, so the same bits, as `dot_general` on copies); empty groups
+//! cost nothing. Rows
 //! after the last group are padding (fixed-size exchange buffers): their output is zero.
 //!
 //! Also the row gathers that sort and unsort token copies, where [`PAD_ROW`] stands for a zero
 //! row (padding of a fixed-size buffer).
 
 use crate::error::TensorError;
-use crate::matmul::{dot_general, DotDims};
+use crate::matmul::{gemm_views, MatView};
 use crate::tensor::Tensor;
 
 /// A row index meaning "a zero row" in [`take_rows`] (and skipped by [`scatter_rows`]).
@@ -114,14 +116,24 @@ pub fn grouped_matmul(
     let mut row = 0;
     for (g, &size) in group_sizes.iter().enumerate() {
         if size > 0 {
-            let xg = x.slice_dim(0, row..row + size)?;
-            let wg = w.slice_dim(0, g..g + 1)?.reshape(&[d, f])?;
-            let yg = dot_general(&xg, &wg, &DotDims::matmul(2), threads)?;
-            y[row * f..(row + size) * f].copy_from_slice(yg.data());
+            // y_g [size, f] = x_g [size, d] · w[g] [d, f], all views into the inputs.
+            let xg = view(&x.data()[row * d..(row + size) * d], size, d, d, 1);
+            let wg = view(&w.data()[g * d * f..(g + 1) * d * f], d, f, f, 1);
+            gemm_views(&mut y[row * f..(row + size) * f], xg, wg, threads);
         }
         row += size;
     }
     Tensor::new(vec![x.shape()[0], f], y)
+}
+
+fn view(data: &[f32], rows: usize, cols: usize, rs: usize, cs: usize) -> MatView<'_> {
+    MatView {
+        data,
+        rows,
+        cols,
+        rs,
+        cs,
+    }
 }
 
 /// The cotangents of [`grouped_matmul`]: `dx` (`[rows, d]`, group `g` = `dy_g · w[g]ᵀ`) and
@@ -146,26 +158,18 @@ pub fn grouped_matmul_backward(
     }
     let mut dx = vec![0.0f32; n * d];
     let mut dw = vec![0.0f32; e * d * f];
-    let wt = DotDims {
-        lhs_contracting: vec![1],
-        rhs_contracting: vec![1],
-        ..DotDims::default()
-    };
-    let xt = DotDims {
-        lhs_contracting: vec![0],
-        rhs_contracting: vec![0],
-        ..DotDims::default()
-    };
     let mut row = 0;
     for (g, &size) in group_sizes.iter().enumerate() {
         if size > 0 {
-            let xg = x.slice_dim(0, row..row + size)?;
-            let dyg = dy.slice_dim(0, row..row + size)?;
-            let wg = w.slice_dim(0, g..g + 1)?.reshape(&[d, f])?;
-            let dxg = dot_general(&dyg, &wg, &wt, threads)?;
-            let dwg = dot_general(&xg, &dyg, &xt, threads)?;
-            dx[row * d..(row + size) * d].copy_from_slice(dxg.data());
-            dw[g * d * f..(g + 1) * d * f].copy_from_slice(dwg.data());
+            let xs = &x.data()[row * d..(row + size) * d];
+            let dys = &dy.data()[row * f..(row + size) * f];
+            let ws = &w.data()[g * d * f..(g + 1) * d * f];
+            // dx_g [size, d] = dy_g [size, f] · w[g]ᵀ ([f, d]: a transposed view)
+            let (dyg, wgt) = (view(dys, size, f, f, 1), view(ws, f, d, 1, f));
+            gemm_views(&mut dx[row * d..(row + size) * d], dyg, wgt, threads);
+            // dw[g] [d, f] = x_gᵀ ([d, size]: a transposed view) · dy_g [size, f]
+            let (xgt, dyg) = (view(xs, d, size, 1, d), view(dys, size, f, f, 1));
+            gemm_views(&mut dw[g * d * f..(g + 1) * d * f], xgt, dyg, threads);
         }
         row += size;
     }
@@ -202,6 +206,46 @@ mod tests {
         let padded = grouped_matmul(&x, &w, &[2, 0, 3], 1).unwrap();
         assert_eq!(&padded.data()[..10], &y.data()[..10]);
         assert_eq!(&padded.data()[10..], &[0.0, 0.0]);
+    }
+
+    /// The in-place views give the bits of `dot_general` on copied slices (the former code).
+    #[test]
+    fn views_match_products_of_copies_bitwise() {
+        use crate::matmul::{dot_general, DotDims};
+        let (x, w, sizes) = (t(&[41, 13], 1), t(&[3, 13, 7], 2), [17usize, 0, 19]);
+        let dy = t(&[41, 7], 3);
+        let y = grouped_matmul(&x, &w, &sizes, 1).unwrap();
+        let (dx, dw) = grouped_matmul_backward(&x, &w, &sizes, &dy, 1).unwrap();
+        let (wt, xt) = (
+            DotDims {
+                lhs_contracting: vec![1],
+                rhs_contracting: vec![1],
+                ..DotDims::default()
+            },
+            DotDims {
+                lhs_contracting: vec![0],
+                rhs_contracting: vec![0],
+                ..DotDims::default()
+            },
+        );
+        let mut row = 0;
+        for (g, &size) in sizes.iter().enumerate() {
+            let xg = x.slice_dim(0, row..row + size).unwrap();
+            let dyg = dy.slice_dim(0, row..row + size).unwrap();
+            let wg = w.slice_dim(0, g..g + 1).unwrap().reshape(&[13, 7]).unwrap();
+            let want = dot_general(&xg, &wg, &DotDims::matmul(2), 1).unwrap();
+            assert_eq!(&y.data()[row * 7..(row + size) * 7], want.data());
+            let want = dot_general(&dyg, &wg, &wt, 1).unwrap();
+            assert_eq!(&dx.data()[row * 13..(row + size) * 13], want.data());
+            let want = if size > 0 {
+                dot_general(&xg, &dyg, &xt, 1).unwrap().into_data()
+            } else {
+                vec![0.0; 13 * 7]
+            };
+            assert_eq!(&dw.data()[g * 91..(g + 1) * 91], want.as_slice());
+            row += size;
+        }
+        assert_eq!(&y.data()[36 * 7..], &[0.0; 35], "padding rows are zero");
     }
 
     #[test]

@@ -11,8 +11,18 @@ SiLU, cross-entropy, gather/scatter-add, top-k), each forward beside its backwar
 
 `gemm` takes any row and column strides, so [`dot_general`] views each operand as a strided
 matrix stack whenever its batch, free and contracting dimensions are contiguous groups — `x·W`,
-`x·Wᵀ` and `xᵀ·dy` (the weight gradient) never copy. Kernels run on the thread budget the
-caller passes (a device's share of the cores), never more.
+`x·Wᵀ` and `xᵀ·dy` (the weight gradient) never copy; batch dims keep a stride each, so
+attention's `[B, T, H, d]` operands batched over B and H do not copy either.
+
+# Threads
+
+Kernels run on a device's share of the cores, never more: [`dot_general`] and the grouped
+products take it as an argument; the row and elementwise kernels read this thread's budget,
+set once with [`set_kernel_threads`] (1 until set). Work is cut into fixed chunks and sums
+across chunks run in order, so every result has the same bits on any thread count.
+
+[`cpu_peak`] states the CPU's peak FLOP/s from its description (cores × FMA units × lanes ×
+clock), a figure that does not move with how busy the machine is.
 
 # Example
 ```
@@ -25,15 +35,19 @@ assert_eq!(y.data(), &[-2., -2.]);
 */
 #![deny(missing_docs)]
 
+mod attention;
 mod elementwise;
 mod error;
 mod grouped;
 mod matmul;
 mod nn;
+mod parallel;
+mod peak;
 mod reduce;
 mod rope;
 mod tensor;
 
+pub use attention::{causal_attention, causal_attention_backward, Attention};
 pub use elementwise::broadcast_shapes;
 pub use error::TensorError;
 pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, PAD_ROW};
@@ -43,5 +57,7 @@ pub use nn::{
     rope, scatter_add, silu, silu_backward, softmax_backward_scaled, softmax_last,
     softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
 };
+pub use parallel::{kernel_threads, set_kernel_threads};
+pub use peak::{cpu_peak, CpuPeak};
 pub use rope::{rope_with, Rope, Yarn};
 pub use tensor::{strides, Tensor};

@@ -4,7 +4,8 @@
 //! Layout: the output is `[batch..., lhs free..., rhs free...]`, row-major. Each operand is viewed
 //! as a strided `[B, M, K]` (lhs) or `[B, K, N]` (rhs) matrix stack *without copying* whenever
 //! each group of dimensions (batch, free, contracting) is contiguous in memory in the order the
-//! caller lists it — which covers `x·W`, `x·Wᵀ`, `xᵀ·dy` and the attention products. Only other
+//! caller lists it — which covers `x·W`, `x·Wᵀ`, `xᵀ·dy` and the attention products (batch
+//! dims keep one stride each, so `[B, T, H, d]` batched over B and H is a view too). Only other
 //! layouts pay a transpose copy. Time goes to gemm (85–90% of FMA peak here); the copies are
 //! O(size) next to its O(M·N·K).
 
@@ -120,14 +121,29 @@ fn flatten(dims: &[usize], shape: &[usize], st: &[usize]) -> Option<(usize, isiz
     Some((size, st[inner] as isize))
 }
 
-/// One operand as a strided matrix stack `[B, rows, cols]`: pointer data, sizes and strides.
+/// One operand as a strided matrix stack `[batch..., rows, cols]`: its data, each batch dim as
+/// (size, stride) in the caller's order, and the flattened rows and columns.
 struct MatStack<'a> {
     data: std::borrow::Cow<'a, [f32]>,
-    b: (usize, isize),
+    batch: Vec<(usize, isize)>,
     rows: (usize, isize),
     cols: (usize, isize),
 }
 
+impl MatStack<'_> {
+    /// The element offset of batch entry `i` (row-major over the batch dims).
+    fn offset(&self, mut i: usize) -> isize {
+        let mut off = 0;
+        for &(size, stride) in self.batch.iter().rev() {
+            off += (i % size) as isize * stride;
+            i /= size;
+        }
+        off
+    }
+}
+
+/// Batch dims need not nest: each keeps its own stride (attention's `[B, T, H, d]` operands
+/// batch over B and H around T), so only rows and columns must flatten to avoid a copy.
 fn as_stack<'a>(
     t: &'a Tensor,
     batch: &[usize],
@@ -135,14 +151,17 @@ fn as_stack<'a>(
     cols: &[usize],
 ) -> Result<MatStack<'a>, TensorError> {
     let st = strides(t.shape());
-    if let (Some(b), Some(r), Some(c)) = (
-        flatten(batch, t.shape(), &st),
-        flatten(rows, t.shape(), &st),
-        flatten(cols, t.shape(), &st),
-    ) {
+    if let (Some(r), Some(c)) = (flatten(rows, t.shape(), &st), flatten(cols, t.shape(), &st)) {
+        let batch = match flatten(batch, t.shape(), &st) {
+            Some(b) => vec![b],
+            None => batch
+                .iter()
+                .map(|&d| (t.shape()[d], st[d] as isize))
+                .collect(),
+        };
         return Ok(MatStack {
             data: std::borrow::Cow::Borrowed(t.data()),
-            b,
+            batch,
             rows: r,
             cols: c,
         });
@@ -154,14 +173,19 @@ fn as_stack<'a>(
     let (b, r, c) = (size(batch), size(rows), size(cols));
     Ok(MatStack {
         data: std::borrow::Cow::Owned(moved.into_data()),
-        b: (b, (r * c) as isize),
+        batch: vec![(b, (r * c) as isize)],
         rows: (r, c as isize),
         cols: (c, 1),
     })
 }
 
+/// Below this many multiply-adds a product runs on one thread inside gemm.
+const GEMM_PARALLEL_MIN: usize = 64 * 64 * 64;
+
 /// `dot_general(lhs, rhs)` with output `[batch..., lhs free..., rhs free...]`, using up to
-/// `threads` threads inside gemm.
+/// `threads` threads: inside gemm for a large product, across the batch for many small ones
+/// (attention's heads). Either way each output block is computed by the same gemm call, so the
+/// result does not depend on `threads`.
 ///
 /// # Errors
 /// [`TensorError::Shape`] when the dimension numbers do not fit the shapes.
@@ -176,23 +200,17 @@ pub fn dot_general(
     let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
     let a = as_stack(lhs, &dims.lhs_batch, &lf, &dims.lhs_contracting)?;
     let b = as_stack(rhs, &dims.rhs_batch, &dims.rhs_contracting, &rf)?;
-    let (batch, m, k, n) = (a.b.0, a.rows.0, a.cols.0, b.cols.0);
+    let batch: usize = dims.lhs_batch.iter().map(|&d| lhs.shape()[d]).product();
+    let (m, k, n) = (a.rows.0, a.cols.0, b.cols.0);
     let mut out = vec![0.0f32; batch * m * n];
     if m == 0 || n == 0 || k == 0 || batch == 0 {
         return Tensor::new(out_shape, out);
     }
-    let parallelism = if threads > 1 && m * n * k >= 64 * 64 * 64 {
-        Parallelism::Rayon(threads)
-    } else {
-        Parallelism::None
-    };
-    for i in 0..batch {
-        let a_off = i as isize * a.b.1;
-        let b_off = i as isize * b.b.1;
-        let dst = &mut out[i * m * n..(i + 1) * m * n];
-        // SAFETY: `a` spans `a_off + (m-1)·rows.1 + (k-1)·cols.1` < its length by construction of
-        // the strides from its shape (and likewise `b`); `dst` is a fresh m×n row-major block;
-        // `read_dst = false` so its initial contents are not read.
+    let block = m * n;
+    let one = |i: usize, dst: &mut [f32], parallelism: Parallelism| {
+        // SAFETY: `a`'s strides come from its shape, so batch entry `i`'s offset plus
+        // `(m-1)·rows.1 + (k-1)·cols.1` stays inside its data (likewise `b`); `dst` is one
+        // fresh m×n row-major block; `read_dst = false` so its contents are not read.
         unsafe {
             gemm::gemm(
                 m,
@@ -202,10 +220,10 @@ pub fn dot_general(
                 1,
                 n as isize,
                 false,
-                a.data.as_ptr().offset(a_off),
+                a.data.as_ptr().offset(a.offset(i)),
                 a.cols.1,
                 a.rows.1,
-                b.data.as_ptr().offset(b_off),
+                b.data.as_ptr().offset(b.offset(i)),
                 b.cols.1,
                 b.rows.1,
                 0.0,
@@ -216,8 +234,94 @@ pub fn dot_general(
                 parallelism,
             );
         }
+    };
+    if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
+        for (i, dst) in out.chunks_mut(block).enumerate() {
+            one(i, dst, Parallelism::Rayon(threads));
+        }
+    } else if threads > 1 && batch > 1 && batch * m * n * k >= GEMM_PARALLEL_MIN {
+        use rayon::prelude::*;
+        let per_task = batch.div_ceil(threads.min(batch));
+        out.par_chunks_mut(per_task * block)
+            .enumerate()
+            .for_each(|(task, run)| {
+                for (j, dst) in run.chunks_mut(block).enumerate() {
+                    one(task * per_task + j, dst, Parallelism::None);
+                }
+            });
+    } else {
+        for (i, dst) in out.chunks_mut(block).enumerate() {
+            one(i, dst, Parallelism::None);
+        }
     }
     Tensor::new(out_shape, out)
+}
+
+/// One strided matrix operand inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct MatView<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl MatView<'_> {
+    /// True when every element's offset lies inside `data`.
+    fn fits(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst = a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`, without copying
+/// the operands: the grouped (MoE) products multiply slices of their inputs in place. Uses the
+/// same gemm call, and so gives the same bits, as [`dot_general`] on copies of the views.
+///
+/// # Panics
+/// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
+pub(crate) fn gemm_views(dst: &mut [f32], a: MatView<'_>, b: MatView<'_>, threads: usize) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && dst.len() == m * n); // ok: caller's invariant
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        dst.fill(0.0);
+        return;
+    }
+    let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: `fits` checked every operand offset against its slice, `dst` is exactly m×n
+    // row-major, and `read_dst = false` so its contents are not read.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
 }
 
 #[cfg(test)]
@@ -365,6 +469,62 @@ mod tests {
             &dot_general(&a, &b, &DotDims::matmul(2), 2).unwrap(),
             &reference(&a, &b, &DotDims::matmul(2)),
         );
+    }
+
+    /// Attention's operands batched over (B, H) of `[B, T, H, d]` are strided views: the result
+    /// is the reference's, the same bits as multiplying explicitly transposed copies, and the
+    /// same bits on 1 or 3 threads (the batch runs in parallel).
+    #[test]
+    fn strided_batch_dims_need_no_copy_and_do_not_depend_on_threads() {
+        let (b, t, h, d) = (3, 17, 5, 7);
+        let q = rand(&[b, t, h, d], 11);
+        let k = rand(&[b, t, h, d], 12);
+        let qk = DotDims {
+            lhs_contracting: vec![3],
+            rhs_contracting: vec![3],
+            lhs_batch: vec![0, 2],
+            rhs_batch: vec![0, 2],
+        };
+        let st = strides(q.shape());
+        let stack = as_stack(&q, &[0, 2], &[1], &[3]).unwrap();
+        assert!(
+            matches!(stack.data, std::borrow::Cow::Borrowed(_)),
+            "no copy"
+        );
+        assert_eq!(stack.batch, vec![(b, st[0] as isize), (h, st[2] as isize)]);
+        let y = dot_general(&q, &k, &qk, 1).unwrap();
+        close(&y, &reference(&q, &k, &qk));
+        let qt = q.transpose(&[0, 2, 1, 3]).unwrap();
+        let kt = k.transpose(&[0, 2, 1, 3]).unwrap();
+        let contiguous = DotDims {
+            lhs_contracting: vec![3],
+            rhs_contracting: vec![3],
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 1],
+        };
+        assert_eq!(dot_general(&qt, &kt, &contiguous, 1).unwrap(), y);
+        // probs·v over the key index, with v strided: [B,H,T,T]·[B,T,H,d]
+        let p = rand(&[b, h, t, t], 13);
+        let pv = DotDims {
+            lhs_contracting: vec![3],
+            rhs_contracting: vec![1],
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 2],
+        };
+        let out = dot_general(&p, &k, &pv, 1).unwrap();
+        close(&out, &reference(&p, &k, &pv));
+        for threads in [2, 3, 8] {
+            assert_eq!(dot_general(&q, &k, &qk, threads).unwrap(), y);
+            assert_eq!(dot_general(&p, &k, &pv, threads).unwrap(), out);
+        }
+        // big enough that the batch loop runs in parallel
+        let q = rand(&[2, 64, 8, 32], 14);
+        let k = rand(&[2, 64, 8, 32], 15);
+        let one = dot_general(&q, &k, &qk, 1).unwrap();
+        close(&one, &reference(&q, &k, &qk));
+        for threads in [2, 5] {
+            assert_eq!(dot_general(&q, &k, &qk, threads).unwrap(), one);
+        }
     }
 
     #[test]

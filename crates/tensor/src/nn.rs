@@ -3,9 +3,13 @@
 //!
 //! Layouts are row-major; "rows" are every dimension but the last. These are memory-bound loops:
 //! one pass over the data for the forward, one or two for the backward; no allocation inside
-//! the row loops.
+//! the row loops. They run on this thread's kernel budget ([`crate::set_kernel_threads`]),
+//! rows (or fixed blocks of elements) split across tasks; every row is computed by the same
+//! code on any thread and sums across rows run in row order afterwards, so the bits do not
+//! depend on the thread count.
 
 use crate::error::TensorError;
+use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads};
 use crate::rope::{rope_with, Rope};
 use crate::tensor::Tensor;
 
@@ -36,17 +40,20 @@ fn same_shape(a: &Tensor, b: &Tensor, op: &'static str) -> Result<(), TensorErro
 pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
     let n = last_dim(x, "softmax")?;
     let mut y = x.clone();
-    for row in y.data_mut().chunks_mut(n) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for v in row.iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
-        row.iter_mut().for_each(|v| *v *= inv);
-    }
+    for_each_chunk(y.data_mut(), n, kernel_threads(), |_, row| softmax_row(row));
     Ok(y)
+}
+
+/// One row of [`softmax_last`], in place.
+fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    row.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// Causal softmax over the last dim of `scale·x` for `x: [.., T, T]`: row `i` of each `T×T`
@@ -66,20 +73,24 @@ pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
     }
     let t = x.shape()[r - 1];
     let mut y = x.clone();
-    for (k, row) in y.data_mut().chunks_mut(t).enumerate() {
-        let keep = k % t + 1;
-        let (live, masked) = row.split_at_mut(keep);
-        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for v in live.iter_mut() {
-            *v = ((*v - max) * scale).exp();
-            sum += *v;
-        }
-        let inv = 1.0 / sum;
-        live.iter_mut().for_each(|v| *v *= inv);
-        masked.fill(0.0);
-    }
+    for_each_chunk(y.data_mut(), t, kernel_threads(), |k, row| {
+        causal_softmax_row(row, k % t + 1, scale);
+    });
     Ok(y)
+}
+
+/// One row of [`causal_softmax`] in place: softmax of `scale·row[..keep]`, zeros after.
+pub(crate) fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
+    let (live, masked) = row.split_at_mut(keep);
+    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in live.iter_mut() {
+        *v = ((*v - max) * scale).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    live.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
 }
 
 /// Backward of `y = softmax(x)`: `dx = y ⊙ (dy − Σⱼ dyⱼ·yⱼ)` per row (with `scale` = 1; the
@@ -99,13 +110,18 @@ pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Te
     same_shape(y, dy, "softmax_backward")?;
     let n = last_dim(y, "softmax_backward")?;
     let mut dx = dy.clone();
-    for (drow, yrow) in dx.data_mut().chunks_mut(n).zip(y.data().chunks(n)) {
-        let dot: f32 = drow.iter().zip(yrow).map(|(d, y)| d * y).sum();
-        for (d, &yv) in drow.iter_mut().zip(yrow) {
-            *d = scale * yv * (*d - dot);
-        }
-    }
+    for_each_chunk(dx.data_mut(), n, kernel_threads(), |i, drow| {
+        softmax_backward_row(drow, &y.data()[i * n..(i + 1) * n], scale);
+    });
     Ok(dx)
+}
+
+/// One row of [`softmax_backward_scaled`]: `drow` holds dy and becomes dx.
+pub(crate) fn softmax_backward_row(drow: &mut [f32], yrow: &[f32], scale: f32) {
+    let dot: f32 = drow.iter().zip(yrow).map(|(d, y)| d * y).sum();
+    for (d, &yv) in drow.iter_mut().zip(yrow) {
+        *d = scale * yv * (*d - dot);
+    }
 }
 
 /// RMSNorm over the last dim: `y = x · rsqrt(mean(x²) + eps) · scale`. Returns `y` and each row's
@@ -122,15 +138,22 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
         ));
     }
     let mut y = x.clone();
-    let mut inv = Vec::with_capacity(x.len() / n);
-    for row in y.data_mut().chunks_mut(n) {
-        let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for (v, &s) in row.iter_mut().zip(scale.data()) {
-            *v *= r * s;
-        }
-        inv.push(r);
-    }
+    let mut inv = vec![0.0f32; x.len() / n];
+    for_each_chunk2(
+        y.data_mut(),
+        n,
+        &mut inv,
+        1,
+        kernel_threads(),
+        |_, row, r_out| {
+            let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
+            let r = 1.0 / (ms + eps).sqrt();
+            for (v, &s) in row.iter_mut().zip(scale.data()) {
+                *v *= r * s;
+            }
+            r_out[0] = r;
+        },
+    );
     Ok((y, inv))
 }
 
@@ -154,24 +177,26 @@ pub fn rms_norm_backward(
         ));
     }
     let mut dx = Tensor::zeros(x.shape());
-    let mut dscale = vec![0.0f32; n];
-    for (((xrow, dyrow), dxrow), &r) in x
-        .data()
-        .chunks(n)
-        .zip(dy.data().chunks(n))
-        .zip(dx.data_mut().chunks_mut(n))
-        .zip(inv_rms)
-    {
+    let s = scale.data();
+    // dx: rows are independent, split across the budget.
+    for_each_chunk(dx.data_mut(), n, kernel_threads(), |row, dxrow| {
+        let (xrow, dyrow) = (&x.data()[row * n..][..n], &dy.data()[row * n..][..n]);
+        let r = inv_rms[row];
         let mut mean_gn = 0.0;
         for i in 0..n {
-            let normed = xrow[i] * r;
-            dscale[i] += dyrow[i] * normed;
-            mean_gn += dyrow[i] * scale.data()[i] * normed;
+            mean_gn += dyrow[i] * s[i] * (xrow[i] * r);
         }
         mean_gn /= n as f32;
         for i in 0..n {
             let normed = xrow[i] * r;
-            dxrow[i] = r * (dyrow[i] * scale.data()[i] - normed * mean_gn);
+            dxrow[i] = r * (dyrow[i] * s[i] - normed * mean_gn);
+        }
+    });
+    // dscale sums over rows: in row order, on one thread (one multiply-add per element).
+    let mut dscale = vec![0.0f32; n];
+    for ((xrow, dyrow), &r) in x.data().chunks(n).zip(dy.data().chunks(n)).zip(inv_rms) {
+        for i in 0..n {
+            dscale[i] += dyrow[i] * (xrow[i] * r);
         }
     }
     Ok((dx, Tensor::new(vec![n], dscale)?))
@@ -196,8 +221,19 @@ pub fn rope(
 /// Shapes differ.
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
     same_shape(g, u, "swiglu")?;
-    g.zip_with(u, |a, b| a / (1.0 + (-a).exp()) * b)
+    let mut y = vec![0.0f32; g.len()];
+    for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, out| {
+        let (gs, us) = (&g.data()[c * BLOCK..], &u.data()[c * BLOCK..]);
+        for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
+            *o = a / (1.0 + (-a).exp()) * b;
+        }
+    });
+    Tensor::new(g.shape().to_vec(), y)
 }
+
+/// Elementwise kernels split their data into blocks of this many elements (a fixed size, so
+/// the split never depends on the thread count).
+const BLOCK: usize = 4096;
 
 /// Backward of [`swiglu`], one pass: `dg = dy·u·silu'(g)`, `du = dy·silu(g)`.
 ///
@@ -211,12 +247,24 @@ pub fn swiglu_backward(
     same_shape(g, u, "swiglu_backward")?;
     same_shape(g, dy, "swiglu_backward")?;
     let n = g.len();
-    let (mut dg, mut du) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    for ((&a, &b), &d) in g.data().iter().zip(u.data()).zip(dy.data()) {
-        let s = 1.0 / (1.0 + (-a).exp());
-        dg.push(d * b * s * (1.0 + a * (1.0 - s)));
-        du.push(d * a * s);
-    }
+    let (mut dg, mut du) = (vec![0.0f32; n], vec![0.0f32; n]);
+    for_each_chunk2(
+        &mut dg,
+        BLOCK,
+        &mut du,
+        BLOCK,
+        kernel_threads(),
+        |c, dgs, dus| {
+            let at = c * BLOCK;
+            let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
+            for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
+                let (a, b, d) = (gs[i], us[i], dys[i]);
+                let s = 1.0 / (1.0 + (-a).exp());
+                *dg = d * b * s * (1.0 + a * (1.0 - s));
+                *du = d * a * s;
+            }
+        },
+    );
     Ok((
         Tensor::new(g.shape().to_vec(), dg)?,
         Tensor::new(g.shape().to_vec(), du)?,
@@ -225,7 +273,11 @@ pub fn swiglu_backward(
 
 /// `silu(x) = x·σ(x)`.
 pub fn silu(x: &Tensor) -> Tensor {
-    x.map(|v| v / (1.0 + (-v).exp()))
+    let mut y = x.clone();
+    for_each_chunk(y.data_mut(), BLOCK, kernel_threads(), |_, c| {
+        c.iter_mut().for_each(|v| *v = *v / (1.0 + (-*v).exp()));
+    });
+    y
 }
 
 /// Backward of [`silu`]: `dx = dy · σ(x)·(1 + x·(1 − σ(x)))`.
@@ -233,10 +285,20 @@ pub fn silu(x: &Tensor) -> Tensor {
 /// # Errors
 /// Shapes differ.
 pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
-    x.zip_with(dy, |v, d| {
+    let f = |v: f32, d: f32| {
         let s = 1.0 / (1.0 + (-v).exp());
         d * s * (1.0 + v * (1.0 - s))
-    })
+    };
+    if x.shape() != dy.shape() {
+        return x.zip_with(dy, f); // broadcasting: the general path
+    }
+    let mut dx = dy.clone();
+    for_each_chunk(dx.data_mut(), BLOCK, kernel_threads(), |c, ds| {
+        for (d, &v) in ds.iter_mut().zip(&x.data()[c * BLOCK..]) {
+            *d = f(v, *d);
+        }
+    });
+    Ok(dx)
 }
 
 /// What [`cross_entropy`] returns: the masked loss sum (cross-entropy plus z-loss), the token
@@ -285,18 +347,38 @@ pub fn cross_entropy(
             format!("target {t} out of range for {v} classes"),
         ));
     }
-    let probs = softmax_last(logits)?;
+    // Per row, in parallel: the probabilities (f32, as softmax_last), log Z and the row's loss
+    // term (f64); the terms are then summed in row order.
+    let mut probs = logits.clone();
+    let mut stats = vec![(0.0f32, 0.0f64); n];
+    for_each_chunk2(
+        probs.data_mut(),
+        v,
+        &mut stats,
+        1,
+        kernel_threads(),
+        |i, prow, stat| {
+            let row = &logits.data()[i * v..(i + 1) * v];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+            let lz = max as f64 + sum.ln();
+            let m = mask[i];
+            let term = if m != 0.0 {
+                m as f64 * (lz - row[targets[i] as usize] as f64 + z_loss as f64 * lz * lz)
+            } else {
+                0.0
+            };
+            stat[0] = (lz as f32, term);
+            softmax_row(prow);
+        },
+    );
     let mut loss = 0.0f64;
-    let mut log_z = Vec::with_capacity(n);
-    for ((row, &t), &m) in logits.data().chunks(v).zip(targets).zip(mask) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
-        let lz = max as f64 + sum.ln();
-        log_z.push(lz as f32);
+    for (&(_, term), &m) in stats.iter().zip(mask) {
         if m != 0.0 {
-            loss += m as f64 * (lz - row[t as usize] as f64 + z_loss as f64 * lz * lz);
+            loss += term;
         }
     }
+    let log_z = stats.iter().map(|&(lz, _)| lz).collect();
     Ok(CrossEntropy {
         loss_sum: loss as f32,
         count: mask.iter().sum(),
@@ -328,19 +410,19 @@ pub fn cross_entropy_backward(
             "targets do not fit".into(),
         ));
     }
-    let mut d = probs.clone();
-    for (((row, &t), &m), &lz) in d
-        .data_mut()
-        .chunks_mut(v)
-        .zip(targets)
-        .zip(mask)
-        .zip(&ce.log_z)
-    {
-        let k = dloss * m;
-        let kp = k * (1.0 + 2.0 * z_loss * lz);
-        row.iter_mut().for_each(|x| *x *= kp);
-        row[t as usize] -= k;
+    if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
+        return Err(TensorError::shape(
+            "cross_entropy_backward",
+            format!("target {t} out of range for {v} classes"),
+        ));
     }
+    let mut d = probs.clone();
+    for_each_chunk(d.data_mut(), v, kernel_threads(), |i, row| {
+        let k = dloss * mask[i];
+        let kp = k * (1.0 + 2.0 * z_loss * ce.log_z[i]);
+        row.iter_mut().for_each(|x| *x *= kp);
+        row[targets[i] as usize] -= k;
+    });
     Ok(d)
 }
 
@@ -418,6 +500,9 @@ pub fn scatter_add(
     Ok(out)
 }
 
+/// Up to this `k`, [`top_k`] keeps the best k in a sorted buffer; above, it selects then sorts.
+const TOP_K_INSERTION_MAX: usize = 16;
+
 /// The `k` largest entries of each row (last dim), descending; ties go to the lower index.
 /// Returns the values `[.., k]` and their indices.
 ///
@@ -434,14 +519,38 @@ pub fn top_k(x: &Tensor, k: usize) -> Result<(Tensor, Vec<u32>), TensorError> {
     let rows = x.len() / n;
     let mut values = Vec::with_capacity(rows * k);
     let mut indices = Vec::with_capacity(rows * k);
-    let mut order: Vec<u32> = Vec::with_capacity(n);
+    // The order is total (value by `total_cmp`, descending, then index ascending), so a partial
+    // selection gives exactly the first k of a full sort: for small k an insertion into the
+    // k best so far (O(n·k), no allocation per row), else a select-nth then a sort of k.
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    let mut order: Vec<u32> = Vec::new();
     for row in x.data().chunks(n) {
-        order.clear();
-        order.extend(0..n as u32);
-        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
-        for &i in &order[..k] {
-            values.push(row[i as usize]);
-            indices.push(i);
+        if k <= TOP_K_INSERTION_MAX {
+            best.clear();
+            for (i, &v) in row.iter().enumerate() {
+                // Later indices lose ties, so a candidate must beat strictly.
+                if best.len() == k && v.total_cmp(&best[k - 1].0).is_le() {
+                    continue;
+                }
+                let at = best.partition_point(|&(b, _)| v.total_cmp(&b).is_le());
+                best.insert(at, (v, i as u32));
+                best.truncate(k);
+            }
+            values.extend(best.iter().map(|&(v, _)| v));
+            indices.extend(best.iter().map(|&(_, i)| i));
+        } else {
+            let before =
+                |&a: &u32, &b: &u32| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b));
+            order.clear();
+            order.extend(0..n as u32);
+            if k < n {
+                order.select_nth_unstable_by(k - 1, before);
+            }
+            order[..k].sort_unstable_by(before);
+            for &i in &order[..k] {
+                values.push(row[i as usize]);
+                indices.push(i);
+            }
         }
     }
     let mut shape = x.shape().to_vec();
@@ -673,6 +782,219 @@ mod tests {
         assert!(gather(&x, 1, &[3]).is_err());
     }
 
+    fn rand(shape: &[usize], seed: u32) -> Tensor {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        Tensor::from_fn(shape, |_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s % 4000) as f32 / 1000.0 - 2.0
+        })
+    }
+
+    /// Plain serial versions of the row kernels, written out here as the baseline.
+    mod reference {
+        use super::Tensor;
+
+        pub fn softmax(x: &Tensor, n: usize, causal: Option<f32>) -> Vec<f32> {
+            let mut y = x.data().to_vec();
+            for (k, row) in y.chunks_mut(n).enumerate() {
+                let (keep, scale) = causal.map_or((n, 1.0), |s| (k % n + 1, s));
+                let (live, masked) = row.split_at_mut(keep);
+                let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for v in live.iter_mut() {
+                    *v = if causal.is_some() {
+                        ((*v - max) * scale).exp()
+                    } else {
+                        (*v - max).exp()
+                    };
+                    sum += *v;
+                }
+                let inv = 1.0 / sum;
+                live.iter_mut().for_each(|v| *v *= inv);
+                masked.fill(0.0);
+            }
+            y
+        }
+
+        pub fn rms_norm(x: &[f32], s: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+            let n = s.len();
+            let (mut y, mut inv) = (Vec::new(), Vec::new());
+            for row in x.chunks(n) {
+                let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
+                let r = 1.0 / (ms + eps).sqrt();
+                y.extend(row.iter().zip(s).map(|(v, s)| v * (r * s)));
+                inv.push(r);
+            }
+            (y, inv)
+        }
+
+        pub fn rms_norm_backward(x: &[f32], s: &[f32], inv: &[f32], dy: &[f32]) -> Vec<f32> {
+            let n = s.len();
+            let mut dx = vec![0.0; x.len()];
+            let mut ds = vec![0.0f32; n];
+            for (row, &r) in inv.iter().enumerate() {
+                let (xr, dyr) = (&x[row * n..][..n], &dy[row * n..][..n]);
+                let mut mean_gn = 0.0;
+                for i in 0..n {
+                    let normed = xr[i] * r;
+                    ds[i] += dyr[i] * normed;
+                    mean_gn += dyr[i] * s[i] * normed;
+                }
+                mean_gn /= n as f32;
+                for i in 0..n {
+                    dx[row * n + i] = r * (dyr[i] * s[i] - xr[i] * r * mean_gn);
+                }
+            }
+            dx.extend(ds);
+            dx
+        }
+    }
+
+    /// Every threaded kernel gives the serial reference's bits on odd shapes (1, primes,
+    /// sizes that are not multiples of the chunk) and on 1, 2 or 3 threads.
+    #[test]
+    fn threaded_row_kernels_match_serial_references_bitwise() {
+        let shapes: &[(usize, usize)] = &[(1, 1), (3, 7), (37, 131), (257, 131), (1031, 64)];
+        for &(rows, n) in shapes {
+            let x = rand(&[rows, n], 1);
+            let w = rand(&[rows, n], 2);
+            let s = rand(&[n], 3);
+            let targets: Vec<u32> = (0..rows as u32).map(|i| (i * 31) % n as u32).collect();
+            let mask: Vec<f32> = (0..rows).map(|i| [1.0, 0.0, 0.5][i % 3]).collect();
+            for threads in [1, 2, 3] {
+                crate::set_kernel_threads(threads);
+                let at = format!("{rows}×{n} on {threads} threads");
+                let sm = softmax_last(&x).unwrap();
+                assert_eq!(sm.data(), reference::softmax(&x, n, None), "softmax {at}");
+                let back = softmax_backward_scaled(&sm, &w, 0.7).unwrap();
+                let want: Vec<f32> = w
+                    .data()
+                    .chunks(n)
+                    .zip(sm.data().chunks(n))
+                    .flat_map(|(d, y)| {
+                        let dot: f32 = d.iter().zip(y).map(|(d, y)| d * y).sum();
+                        d.iter().zip(y).map(move |(d, y)| 0.7 * y * (d - dot))
+                    })
+                    .collect();
+                assert_eq!(back.data(), want, "softmax backward {at}");
+                let sq = rand(&[rows, n, n], 4);
+                assert_eq!(
+                    causal_softmax(&sq, 0.3).unwrap().data(),
+                    reference::softmax(&sq, n, Some(0.3)),
+                    "causal softmax {at}"
+                );
+                let (y, inv) = rms_norm(&x, &s, 1e-6).unwrap();
+                let (wy, winv) = reference::rms_norm(x.data(), s.data(), 1e-6);
+                assert_eq!((y.data(), &inv), (wy.as_slice(), &winv), "rms_norm {at}");
+                let (dx, ds) = rms_norm_backward(&x, &s, &inv, &w).unwrap();
+                let want = reference::rms_norm_backward(x.data(), s.data(), &inv, w.data());
+                assert_eq!(dx.data(), &want[..x.len()], "rms_norm dx {at}");
+                assert_eq!(ds.data(), &want[x.len()..], "rms_norm dscale {at}");
+                let silu_want: Vec<f32> = x.data().iter().map(|v| v / (1.0 + (-v).exp())).collect();
+                assert_eq!(silu(&x).data(), silu_want, "silu {at}");
+                let sw = swiglu(&x, &w).unwrap();
+                let sw_want: Vec<f32> =
+                    silu_want.iter().zip(w.data()).map(|(a, b)| a * b).collect();
+                let sw_want2: Vec<f32> = x
+                    .data()
+                    .iter()
+                    .zip(w.data())
+                    .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
+                    .collect();
+                assert_eq!(sw.data(), sw_want2, "swiglu {at}");
+                close(sw.data(), &sw_want, 1e-6);
+                let (dg, du) = swiglu_backward(&x, &w, &sm).unwrap();
+                let silu_dx = silu_backward(&x, &w).unwrap();
+                for i in 0..x.len() {
+                    let (a, b, d) = (x.data()[i], w.data()[i], sm.data()[i]);
+                    let sg = 1.0 / (1.0 + (-a).exp());
+                    assert_eq!(dg.data()[i], d * b * sg * (1.0 + a * (1.0 - sg)), "dg {at}");
+                    assert_eq!(du.data()[i], d * a * sg, "du {at}");
+                    let want = w.data()[i] * sg * (1.0 + a * (1.0 - sg));
+                    assert_eq!(silu_dx.data()[i], want, "silu' {at}");
+                }
+                for z in [0.0, 1e-4] {
+                    let ce = cross_entropy(&x, &targets, &mask, z).unwrap();
+                    assert_eq!(
+                        ce.probs.data(),
+                        reference::softmax(&x, n, None),
+                        "ce probs {at}"
+                    );
+                    let mut loss = 0.0f64;
+                    for (i, row) in x.data().chunks(n).enumerate() {
+                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
+                        let lz = max as f64 + sum.ln();
+                        assert_eq!(ce.log_z[i], lz as f32, "log Z {at}");
+                        if mask[i] != 0.0 {
+                            let t = targets[i] as usize;
+                            loss += mask[i] as f64 * (lz - row[t] as f64 + z as f64 * lz * lz);
+                        }
+                    }
+                    assert_eq!(ce.loss_sum, loss as f32, "ce loss {at}");
+                    let d = cross_entropy_backward(&ce, &targets, &mask, z, 0.5).unwrap();
+                    for (i, row) in d.data().chunks(n).enumerate() {
+                        let k = 0.5 * mask[i];
+                        let kp = k * (1.0 + 2.0 * z * ce.log_z[i]);
+                        for (j, &g) in row.iter().enumerate() {
+                            let mut want = ce.probs.data()[i * n + j] * kp;
+                            if j == targets[i] as usize {
+                                want -= k;
+                            }
+                            assert_eq!(g, want, "ce backward {at}");
+                        }
+                    }
+                }
+            }
+        }
+        crate::set_kernel_threads(1);
+    }
+
+    /// RoPE on 1, 2 or 3 threads gives the bits of a plain loop over (batch, position, head).
+    #[test]
+    fn threaded_rope_matches_a_serial_loop_bitwise() {
+        for &(b, seq, heads, dim) in &[(1, 1, 1, 2), (3, 7, 5, 6), (2, 131, 7, 64)] {
+            let x = rand(&[b, seq, heads, dim], 9);
+            let positions: Vec<usize> = (0..seq).map(|p| p * 3 + 1).collect();
+            for interleaved in [false, true] {
+                let rope = Rope {
+                    theta: 1e4,
+                    interleaved,
+                    yarn: None,
+                };
+                let freqs = rope.frequencies(dim);
+                let half = dim / 2;
+                let mut want = x.data().to_vec();
+                for bi in 0..b {
+                    for (s, &p) in positions.iter().enumerate() {
+                        for h in 0..heads {
+                            let at = ((bi * seq + s) * heads + h) * dim;
+                            for (i, &f) in freqs.iter().enumerate() {
+                                let (sin, cos) = (p as f32 * f).sin_cos();
+                                let (j0, j1) = if interleaved {
+                                    (at + 2 * i, at + 2 * i + 1)
+                                } else {
+                                    (at + i, at + half + i)
+                                };
+                                let (x0, x1) = (x.data()[j0], x.data()[j1]);
+                                want[j0] = x0 * cos - x1 * sin;
+                                want[j1] = x1 * cos + x0 * sin;
+                            }
+                        }
+                    }
+                }
+                for threads in [1, 2, 3] {
+                    crate::set_kernel_threads(threads);
+                    let y = rope_with(&x, &positions, &rope, false).unwrap();
+                    assert_eq!(y.data(), want, "{b}×{seq}×{heads}×{dim} on {threads}");
+                }
+            }
+        }
+        crate::set_kernel_threads(1);
+    }
+
     #[test]
     fn top_k_is_descending_with_ties_to_the_lower_index() {
         let x = t(&[2, 4], &[0.5, 2., 2., -1., 3., 1., 0., 3.]);
@@ -680,5 +1002,41 @@ mod tests {
         assert_eq!(v.data(), &[2., 2., 3., 3.]);
         assert_eq!(i, vec![1, 2, 0, 3]);
         assert!(top_k(&x, 5).is_err());
+    }
+
+    /// Both selection paths against a full stable sort, on rows with many ties, NaNs, signed
+    /// zeros and infinities, for every k.
+    #[test]
+    fn top_k_matches_a_full_sort() {
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+        ];
+        for n in [1usize, 2, 7, 16, 31, 67] {
+            let x = Tensor::from_fn(&[3, n], |i| {
+                if i % 11 == 5 {
+                    specials[i % specials.len()]
+                } else {
+                    ((i * 7919) % 9) as f32 - 4.0
+                }
+            });
+            for k in 1..=n {
+                let (v, idx) = top_k(&x, k).unwrap();
+                for (r, row) in x.data().chunks(n).enumerate() {
+                    let mut order: Vec<u32> = (0..n as u32).collect();
+                    order.sort_by(|&a, &b| {
+                        row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b))
+                    });
+                    assert_eq!(&idx[r * k..(r + 1) * k], &order[..k], "n {n} k {k}");
+                    for (j, &i) in order[..k].iter().enumerate() {
+                        assert_eq!(v.data()[r * k + j].to_bits(), row[i as usize].to_bits());
+                    }
+                }
+            }
+        }
     }
 }

@@ -8,6 +8,7 @@
 //! (`mscale`) is not part of the rotation: [`Rope::attention_scale_factor`] gives it.
 
 use crate::error::TensorError;
+use crate::parallel::{for_each_chunk, kernel_threads};
 use crate::tensor::Tensor;
 
 /// YaRN context extension of a RoPE table.
@@ -119,8 +120,13 @@ pub fn rope_with(
         .flat_map(|&p| freqs.iter().map(move |&f| (sign * p as f32 * f).sin_cos()))
         .collect();
     let mut y = x.clone();
-    for chunk in y.data_mut().chunks_mut(seq * heads * dim) {
-        for (s, pos_chunk) in chunk.chunks_mut(heads * dim).enumerate() {
+    // One chunk per (batch row, position): all its heads turn by the same table row.
+    for_each_chunk(
+        y.data_mut(),
+        heads * dim,
+        kernel_threads(),
+        |c, pos_chunk| {
+            let s = c % seq;
             let rot = &table[s * half..(s + 1) * half];
             for head in pos_chunk.chunks_mut(dim) {
                 if rope.interleaved {
@@ -138,8 +144,8 @@ pub fn rope_with(
                     }
                 }
             }
-        }
-    }
+        },
+    );
     Ok(y)
 }
 

@@ -1,0 +1,435 @@
+//! Fused causal self-attention for the training shapes, forward beside backward.
+//!
+//! Layouts (row-major): `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]`, `H` a
+//! multiple of `KV` (grouped-query attention: query head `h` reads kv head `h / (H/KV)`).
+//! Output `[B, T, H, dv]`, the layout the output projection reads, and the probabilities
+//! `[B, H, T, T]` the backward needs.
+//!
+//! What the fusion saves against `dot_general` + `causal_softmax` + `dot_general` +
+//! `transpose` on k and v broadcast to H heads: the broadcast k and v (and their gradients'
+//! reduction over the group), the separate scores buffer (scores become probabilities in place),
+//! and all operand copies (q, k, v and the output gradient are read as strided views). Time
+//! goes to two T×T×d gemms per (batch, head) forward and four backward, one block per task on
+//! the thread budget.
+//!
+//! Bits: each (batch, head) block runs the same gemm calls, the same causal-softmax row code and
+//! the same softmax-backward row code as the unfused ops, and a GQA group's kv gradients are
+//! summed in f64 in head order from -0.0, as `sum_axes` does; the tests check the results are
+//! the unfused composition's, bit for bit, on any thread count.
+
+use crate::error::TensorError;
+use crate::matmul::{gemm_views, MatView};
+use crate::nn::{causal_softmax_row, softmax_backward_row};
+use crate::parallel::{for_each_chunk, for_each_chunk2};
+use crate::tensor::Tensor;
+
+/// What [`causal_attention`] returns.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    /// `softmax(scale·q·kᵀ, causal)·v`, `[B, T, H, dv]`.
+    pub out: Tensor,
+    /// The attention probabilities `[B, H, T, T]` (zero above the diagonal), for the backward.
+    pub probs: Tensor,
+}
+
+/// The sizes of one attention call, checked once.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    h: usize,
+    kv: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl Dims {
+    fn of(q: &Tensor, k: &Tensor, v: &Tensor, op: &'static str) -> Result<Dims, TensorError> {
+        let bad = || {
+            TensorError::shape(
+                op,
+                format!(
+                    "needs q [B,T,H,dk], k [B,T,KV,dk], v [B,T,KV,dv] with H a multiple of KV, got {:?}, {:?}, {:?}",
+                    q.shape(),
+                    k.shape(),
+                    v.shape()
+                ),
+            )
+        };
+        let (&[b, t, h, dk], &[kb, kt, kv, kdk], &[vb, vt, vkv, dv]) =
+            (q.shape(), k.shape(), v.shape())
+        else {
+            return Err(bad());
+        };
+        if (kb, kt, kdk) != (b, t, dk) || (vb, vt, vkv) != (b, t, kv) || kv == 0 || h % kv != 0 {
+            return Err(bad());
+        }
+        Ok(Dims {
+            b,
+            t,
+            h,
+            kv,
+            dk,
+            dv,
+        })
+    }
+
+    /// The kv head query head `h` reads.
+    fn kv_head(&self, h: usize) -> usize {
+        h / (self.h / self.kv)
+    }
+
+    /// Rows `T` of head `head` of batch row `b` in a `[B, T, heads, d]` tensor, as a view.
+    fn rows<'a>(
+        &self,
+        data: &'a [f32],
+        b: usize,
+        head: usize,
+        heads: usize,
+        d: usize,
+    ) -> MatView<'a> {
+        MatView {
+            data: &data[(b * self.t * heads + head) * d..],
+            rows: self.t,
+            cols: d,
+            rs: heads * d,
+            cs: 1,
+        }
+    }
+}
+
+/// The transpose of a view.
+fn t(m: MatView<'_>) -> MatView<'_> {
+    MatView {
+        rows: m.cols,
+        cols: m.rows,
+        rs: m.cs,
+        cs: m.rs,
+        ..m
+    }
+}
+
+/// A contiguous row-major `rows×cols` block as a view.
+fn block(data: &[f32], rows: usize, cols: usize) -> MatView<'_> {
+    MatView {
+        data,
+        rows,
+        cols,
+        rs: cols,
+        cs: 1,
+    }
+}
+
+/// Causal (grouped-query) self-attention `softmax(scale·q·kᵀ, causal)·v`, fused: see the module
+/// docs for layouts. Runs one (batch, head) block per task on up to `threads` threads; the
+/// result does not depend on `threads`.
+///
+/// # Errors
+/// Shapes that do not fit the layouts.
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    threads: usize,
+) -> Result<Attention, TensorError> {
+    let d = Dims::of(q, k, v, "causal_attention")?;
+    let (tt, heads) = (d.t * d.t, d.b * d.h);
+    let mut probs = vec![0.0f32; heads * tt];
+    let mut out = vec![0.0f32; heads * d.t * d.dv]; // [B, H, T, dv], transposed at the end
+    for_each_chunk2(
+        &mut probs,
+        tt.max(1),
+        &mut out,
+        (d.t * d.dv).max(1),
+        threads,
+        |bh, p, o| {
+            let (b, h) = (bh / d.h, bh % d.h);
+            let kvh = d.kv_head(h);
+            // scores [T, T] = q_bh · k_bhᵀ, in place of the probabilities
+            let qv = d.rows(q.data(), b, h, d.h, d.dk);
+            let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
+            gemm_views(p, qv, t(kv), 1);
+            for (i, row) in p.chunks_mut(d.t).enumerate() {
+                causal_softmax_row(row, i + 1, scale);
+            }
+            // out_bh [T, dv] = probs · v_bh
+            let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
+            gemm_views(o, block(p, d.t, d.t), vv, 1);
+        },
+    );
+    let out = Tensor::new(vec![d.b, d.h, d.t, d.dv], out)?.transpose(&[0, 2, 1, 3])?;
+    Ok(Attention {
+        out,
+        probs: Tensor::new(vec![d.b, d.h, d.t, d.t], probs)?,
+    })
+}
+
+/// The cotangents `(dq, dk, dv)` of [`causal_attention`] for an output cotangent `dout`
+/// `[B, T, H, dv]`, from the forward's `probs` `P`. Per (batch, head):
+/// `dP = dout·vᵀ`, `dS = scale·P ⊙ (dP − rowsum(dP ⊙ P))` (the softmax backward),
+/// `dq = dS·k`, `dk = dSᵀ·q`, `dv = Pᵀ·dout`; under GQA a kv head's `dk`, `dv` sum over the
+/// query heads that read it.
+///
+/// # Errors
+/// Shapes that do not fit the layouts or `probs`.
+pub fn causal_attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    probs: &Tensor,
+    dout: &Tensor,
+    scale: f32,
+    threads: usize,
+) -> Result<(Tensor, Tensor, Tensor), TensorError> {
+    let d = Dims::of(q, k, v, "causal_attention_backward")?;
+    if probs.shape() != [d.b, d.h, d.t, d.t] || dout.shape() != [d.b, d.t, d.h, d.dv] {
+        return Err(TensorError::shape(
+            "causal_attention_backward",
+            format!(
+                "probs must be [{b}, {h}, {t}, {t}] and dout [{b}, {t}, {h}, {dv}], got {:?} and {:?}",
+                probs.shape(),
+                dout.shape(),
+                b = d.b,
+                h = d.h,
+                t = d.t,
+                dv = d.dv
+            ),
+        ));
+    }
+    let (tt, heads) = (d.t * d.t, d.b * d.h);
+    // Per (batch, query head), contiguous: dq [T, dk], then [dk_h | dv_h | dS scratch].
+    let rest = d.t * d.dk + d.t * d.dv + tt;
+    let mut dq = vec![0.0f32; heads * d.t * d.dk];
+    let mut per_head = vec![0.0f32; heads * rest];
+    let chunk_q = (d.t * d.dk).max(1);
+    for_each_chunk2(
+        &mut dq,
+        chunk_q,
+        &mut per_head,
+        rest.max(1),
+        threads,
+        |bh, dqb, r| {
+            let (b, h) = (bh / d.h, bh % d.h);
+            let kvh = d.kv_head(h);
+            let (dkb, r) = r.split_at_mut(d.t * d.dk);
+            let (dvb, ds) = r.split_at_mut(d.t * d.dv);
+            let p = &probs.data()[bh * tt..(bh + 1) * tt];
+            let dov = d.rows(dout.data(), b, h, d.h, d.dv);
+            let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
+            let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
+            let qv = d.rows(q.data(), b, h, d.h, d.dk);
+            // dP = dout · vᵀ, then dS in place
+            gemm_views(ds, dov, t(vv), 1);
+            for (drow, prow) in ds.chunks_mut(d.t).zip(p.chunks(d.t)) {
+                softmax_backward_row(drow, prow, scale);
+            }
+            let dsv = block(ds, d.t, d.t);
+            gemm_views(dqb, dsv, kv, 1);
+            gemm_views(dkb, t(dsv), qv, 1);
+            gemm_views(dvb, t(block(p, d.t, d.t)), dov, 1);
+        },
+    );
+    let dq = Tensor::new(vec![d.b, d.h, d.t, d.dk], dq)?.transpose(&[0, 2, 1, 3])?;
+    let dk = group_sum(&per_head, rest, 0, d.dk, d, threads)?;
+    let dv = group_sum(&per_head, rest, d.t * d.dk, d.dv, d, threads)?;
+    Ok((dq, dk, dv))
+}
+
+/// `[B, T, KV, w]` from per-(batch, query head) blocks `[T, w]` at `offset` in chunks of
+/// `stride`: each kv head's value is the sum over its group's query heads, in head order, in
+/// f64 from -0.0 (as `sum_axes` sums the broadcast's cotangent), or the block itself when
+/// every group has one head.
+fn group_sum(
+    per_head: &[f32],
+    stride: usize,
+    offset: usize,
+    w: usize,
+    d: Dims,
+    threads: usize,
+) -> Result<Tensor, TensorError> {
+    let g = d.h / d.kv;
+    let mut out = vec![0.0f32; d.b * d.t * d.kv * w];
+    // One chunk per (batch, position): its KV heads' rows.
+    for_each_chunk(&mut out, (d.kv * w).max(1), threads, |bt, row| {
+        let (b, s) = (bt / d.t, bt % d.t);
+        for (kvh, dst) in row.chunks_mut(w.max(1)).enumerate() {
+            let src = |j: usize| {
+                let bh = b * d.h + kvh * g + j;
+                &per_head[bh * stride + offset + s * w..][..w]
+            };
+            if g == 1 {
+                dst.copy_from_slice(src(0));
+                continue;
+            }
+            for (i, o) in dst.iter_mut().enumerate() {
+                let mut acc = -0.0f64;
+                for j in 0..g {
+                    acc += f64::from(src(j)[i]);
+                }
+                *o = acc as f32;
+            }
+        }
+    });
+    Tensor::new(vec![d.b, d.t, d.kv, w], out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::matmul::{dot_general, DotDims};
+    use crate::nn::{causal_softmax, softmax_backward_scaled};
+
+    fn rand(shape: &[usize], seed: u32) -> Tensor {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        Tensor::from_fn(shape, |_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s % 2000) as f32 / 1000.0 - 1.0
+        })
+    }
+
+    fn dims(lc: usize, rc: usize, lb: [usize; 2], rb: [usize; 2]) -> DotDims {
+        DotDims {
+            lhs_contracting: vec![lc],
+            rhs_contracting: vec![rc],
+            lhs_batch: lb.to_vec(),
+            rhs_batch: rb.to_vec(),
+        }
+    }
+
+    /// The unfused composition the models run today (models::nn::attention and the
+    /// transposes autodiff takes), forward and backward.
+    fn unfused(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        dout: &Tensor,
+        scale: f32,
+    ) -> (Tensor, Tensor, Tensor, Tensor, Tensor) {
+        let (b, t, h, _) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+        let kv = k.shape()[2];
+        let g = h / kv;
+        let wide = |x: &Tensor| {
+            let w = x.shape()[3];
+            x.broadcast_in_dim(&[b, t, kv, g, w], &[0, 1, 2, 4])
+                .unwrap()
+                .reshape(&[b, t, h, w])
+                .unwrap()
+        };
+        let (kw, vw) = (wide(k), wide(v));
+        let scores = dot_general(q, &kw, &dims(3, 3, [0, 2], [0, 2]), 1).unwrap();
+        let probs = causal_softmax(&scores, scale).unwrap();
+        let out = dot_general(&probs, &vw, &dims(3, 1, [0, 1], [0, 2]), 1)
+            .unwrap()
+            .transpose(&[0, 2, 1, 3])
+            .unwrap();
+        // backward: dP = dout·vᵀ over (B, H), contracting dv
+        let dp = dot_general(dout, &vw, &dims(3, 3, [0, 2], [0, 2]), 1).unwrap();
+        let ds = softmax_backward_scaled(&probs, &dp, scale).unwrap();
+        let back = |x: Tensor| x.transpose(&[0, 2, 1, 3]).unwrap();
+        let dq = back(dot_general(&ds, &kw, &dims(3, 1, [0, 1], [0, 2]), 1).unwrap());
+        let dkw = back(dot_general(&ds, q, &dims(2, 1, [0, 1], [0, 2]), 1).unwrap());
+        let dvw = back(dot_general(&probs, dout, &dims(2, 1, [0, 1], [0, 2]), 1).unwrap());
+        let narrow = |x: Tensor| {
+            let w = x.shape()[3];
+            if g == 1 {
+                return x;
+            }
+            x.reshape(&[b, t, kv, g, w])
+                .unwrap()
+                .sum_axes(&[3])
+                .unwrap()
+        };
+        (out, probs, dq, narrow(dkw), narrow(dvw))
+    }
+
+    /// Bit for bit the unfused composition, on odd sizes, with and without GQA, on 1 to 3
+    /// threads.
+    #[test]
+    fn fused_attention_is_the_unfused_composition_bitwise() {
+        for &(b, t, h, kv, dk, dv) in &[
+            (1, 1, 1, 1, 1, 1),
+            (2, 5, 3, 3, 4, 3),
+            (3, 13, 6, 2, 7, 5),
+            (2, 64, 8, 4, 32, 32),
+        ] {
+            let q = rand(&[b, t, h, dk], 1);
+            let k = rand(&[b, t, kv, dk], 2);
+            let v = rand(&[b, t, kv, dv], 3);
+            let dout = rand(&[b, t, h, dv], 4);
+            let scale = 1.0 / (dk as f32).sqrt();
+            let (out, probs, dq, dk_, dv_) = unfused(&q, &k, &v, &dout, scale);
+            for threads in [1, 2, 3] {
+                let at = format!("{b}×{t}×{h}/{kv}×{dk}/{dv} on {threads}");
+                let a = causal_attention(&q, &k, &v, scale, threads).unwrap();
+                assert_eq!(a.out, out, "out {at}");
+                assert_eq!(a.probs, probs, "probs {at}");
+                let (gq, gk, gv) =
+                    causal_attention_backward(&q, &k, &v, &a.probs, &dout, scale, threads).unwrap();
+                assert_eq!(gq, dq, "dq {at}");
+                assert_eq!(gk, dk_, "dk {at}");
+                assert_eq!(gv, dv_, "dv {at}");
+            }
+        }
+    }
+
+    /// The backward against central differences of `Σ out ⊙ w` (f64 objective), GQA on.
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (b, t, h, kv, dk, dv) = (1, 4, 4, 2, 3, 2);
+        let q = rand(&[b, t, h, dk], 5);
+        let k = rand(&[b, t, kv, dk], 6);
+        let v = rand(&[b, t, kv, dv], 7);
+        let w = rand(&[b, t, h, dv], 8);
+        let obj = |q: &Tensor, k: &Tensor, v: &Tensor| -> f64 {
+            let a = causal_attention(q, k, v, 0.5, 1).unwrap();
+            a.out
+                .data()
+                .iter()
+                .zip(w.data())
+                .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                .sum()
+        };
+        let a = causal_attention(&q, &k, &v, 0.5, 1).unwrap();
+        let (gq, gk, gv) = causal_attention_backward(&q, &k, &v, &a.probs, &w, 0.5, 1).unwrap();
+        let h_ = 1e-2f32;
+        for (which, x, g) in [(0, &q, &gq), (1, &k, &gk), (2, &v, &gv)] {
+            for i in 0..x.len() {
+                let (mut p, mut m) = (x.clone(), x.clone());
+                p.data_mut()[i] += h_;
+                m.data_mut()[i] -= h_;
+                let f = |y: &Tensor| match which {
+                    0 => obj(y, &k, &v),
+                    1 => obj(&q, y, &v),
+                    _ => obj(&q, &k, y),
+                };
+                let fd = (f(&p) - f(&m)) / (2.0 * f64::from(h_));
+                assert!(
+                    (fd - f64::from(g.data()[i])).abs() < 1e-3,
+                    "operand {which} [{i}]"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_errors() {
+        let q = Tensor::zeros(&[1, 2, 3, 4]);
+        let k = Tensor::zeros(&[1, 2, 2, 4]); // 3 heads over 2 kv heads
+        assert!(causal_attention(&q, &k, &k, 1.0, 1).is_err());
+        let k = Tensor::zeros(&[1, 2, 1, 4]);
+        let a = causal_attention(&q, &k, &k, 1.0, 1).unwrap();
+        assert!(causal_attention_backward(
+            &q,
+            &k,
+            &k,
+            &a.probs,
+            &Tensor::zeros(&[1, 2, 3, 5]),
+            1.0,
+            1
+        )
+        .is_err());
+    }
+}

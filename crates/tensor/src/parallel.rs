@@ -1,0 +1,149 @@
+//! The kernel thread budget, set in one visible place, and the deterministic chunked parallel
+//! loop the row and elementwise kernels share.
+//!
+//! A device thread calls [`set_kernel_threads`] once with its share of the cores
+//! (`cores / local_devices`, DESIGN §3); every kernel that takes no explicit `threads` argument
+//! then runs on that many threads (1 until set, so a caller that never sets it gets today's
+//! single-threaded kernels). [`crate::dot_general`] keeps its explicit argument.
+//!
+//! Invariant: results never depend on the thread count. Work is cut into chunks of a fixed
+//! size that depends only on the shape, each chunk is computed by exactly the same code
+//! whichever thread runs it, and anything summed across chunks is summed in chunk order after
+//! the parallel part. The threads are rayon's global pool, as `gemm`'s `Parallelism::Rayon`
+//! uses: `threads` tasks, each taking a contiguous run of chunks.
+
+use std::cell::Cell;
+
+use rayon::prelude::*;
+
+thread_local! {
+    static KERNEL_THREADS: Cell<usize> = const { Cell::new(1) };
+}
+
+/// Sets this thread's kernel thread budget (at least 1) for kernels that take no explicit
+/// `threads` argument. Results do not depend on it, only speed.
+pub fn set_kernel_threads(threads: usize) {
+    KERNEL_THREADS.with(|t| t.set(threads.max(1)));
+}
+
+/// This thread's kernel thread budget (1 unless [`set_kernel_threads`] was called).
+pub fn kernel_threads() -> usize {
+    KERNEL_THREADS.with(Cell::get)
+}
+
+/// Below this many elements a kernel runs on the calling thread: waking the pool costs more
+/// than the loop (a few µs against ~1 ns per element).
+pub(crate) const PARALLEL_MIN: usize = 1 << 15;
+
+/// How many tasks to split `elements` of work into under a budget of `threads`.
+pub(crate) fn tasks_for(elements: usize, threads: usize) -> usize {
+    if threads <= 1 || elements < PARALLEL_MIN {
+        1
+    } else {
+        threads.min(elements / (PARALLEL_MIN / 2)).max(1)
+    }
+}
+
+/// `f(chunk_index, chunk)` over `data` cut into chunks of `chunk` elements (the last may be
+/// shorter), on up to `threads` tasks. Each chunk sees the same call whatever `threads` is.
+pub(crate) fn for_each_chunk<T, F>(data: &mut [T], chunk: usize, threads: usize, f: F)
+where
+    T: Send,
+    F: Fn(usize, &mut [T]) + Sync,
+{
+    let chunk = chunk.max(1);
+    let tasks = tasks_for(data.len(), threads);
+    if tasks == 1 {
+        for (i, c) in data.chunks_mut(chunk).enumerate() {
+            f(i, c);
+        }
+        return;
+    }
+    let chunks = data.len().div_ceil(chunk);
+    let per_task = chunks.div_ceil(tasks) * chunk;
+    data.par_chunks_mut(per_task)
+        .enumerate()
+        .for_each(|(task, run)| {
+            let first = task * per_task / chunk;
+            for (i, c) in run.chunks_mut(chunk).enumerate() {
+                f(first + i, c);
+            }
+        });
+}
+
+/// Like [`for_each_chunk`] over two equally chunked buffers (`a` in chunks of `chunk_a`, `b`
+/// in chunks of `chunk_b`, the same number of chunks).
+pub(crate) fn for_each_chunk2<A, B, F>(
+    a: &mut [A],
+    chunk_a: usize,
+    b: &mut [B],
+    chunk_b: usize,
+    threads: usize,
+    f: F,
+) where
+    A: Send,
+    B: Send,
+    F: Fn(usize, &mut [A], &mut [B]) + Sync,
+{
+    let (chunk_a, chunk_b) = (chunk_a.max(1), chunk_b.max(1));
+    let chunks = a.len().div_ceil(chunk_a);
+    let tasks = tasks_for(a.len() + b.len(), threads).min(chunks.max(1));
+    if tasks == 1 {
+        for (i, (ca, cb)) in a.chunks_mut(chunk_a).zip(b.chunks_mut(chunk_b)).enumerate() {
+            f(i, ca, cb);
+        }
+        return;
+    }
+    let per_task = chunks.div_ceil(tasks);
+    a.par_chunks_mut(per_task * chunk_a)
+        .zip(b.par_chunks_mut(per_task * chunk_b))
+        .enumerate()
+        .for_each(|(task, (ra, rb))| {
+            for (i, (ca, cb)) in ra
+                .chunks_mut(chunk_a)
+                .zip(rb.chunks_mut(chunk_b))
+                .enumerate()
+            {
+                f(task * per_task + i, ca, cb);
+            }
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_chunk_is_visited_once_with_its_index_whatever_the_threads() {
+        for len in [0usize, 1, 7, PARALLEL_MIN - 1, PARALLEL_MIN * 3 + 5] {
+            for chunk in [1usize, 3, 64, 1000] {
+                let want: Vec<f32> = (0..len).map(|i| (i / chunk) as f32).collect();
+                for threads in [1, 2, 3, 8] {
+                    let mut data = vec![-1.0f32; len];
+                    for_each_chunk(&mut data, chunk, threads, |i, c| c.fill(i as f32));
+                    assert_eq!(data, want, "len {len} chunk {chunk} threads {threads}");
+                    let mut b = vec![-1.0f32; len.div_ceil(chunk)];
+                    let mut a = vec![-1.0f32; len];
+                    for_each_chunk2(&mut a, chunk, &mut b, 1, threads, |i, ca, cb| {
+                        ca.fill(i as f32);
+                        cb[0] = i as f32;
+                    });
+                    assert_eq!(a, want);
+                    assert!(b.iter().enumerate().all(|(i, &v)| v == i as f32));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_budget_is_per_thread_and_at_least_one() {
+        set_kernel_threads(0);
+        assert_eq!(kernel_threads(), 1);
+        set_kernel_threads(3);
+        assert_eq!(kernel_threads(), 3);
+        std::thread::spawn(|| assert_eq!(kernel_threads(), 1))
+            .join()
+            .unwrap();
+        set_kernel_threads(1);
+    }
+}
