@@ -71,6 +71,17 @@ impl Ctx<'_> {
         Ok(Array::new(out_ty, local))
     }
 
+    /// The transpose of [`Ctx::reshard`] from `src`: `ct` resharded onto `src`'s cotangent type
+    /// (so a reduced → plain cast transposes to a reduction of the unreduced cotangent).
+    pub(crate) fn reshard_transpose(
+        &mut self,
+        src: &ArrayType,
+        ct: &Array,
+    ) -> Result<Array, SpmdError> {
+        let target = src.to_cotangent();
+        self.reshard_untracked(ct, target.sharding().spec())
+    }
+
     /// The data movement of a reshard from `src` to `dst` (types already checked).
     pub(crate) fn convert(
         &mut self,
