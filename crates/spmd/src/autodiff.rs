@@ -1,5 +1,11 @@
 //! Reverse-mode autodiff on a per-device tape, with the cotangent-type rule.
 //!
+//! Owns the tape ([`Backward`]: what each recorded op keeps for its transpose), `vjp` /
+//! `value_and_grad`, and the reverse walk. The transposes themselves live beside their forward
+//! ops (as JAX registers a primitive's transpose rule beside it): `elementwise`, `dot`,
+//! `shape_ops`, `reshard`, `structural`, `fused`, `grouped`, and `manual` for the region and its
+//! collectives. The walk only dispatches to them and adds up contributions.
+//!
 //! The rule that makes deferral work (R4.2–R4.3): the cotangent of a value has the value's type
 //! with `reduced` and `unreduced` swapped, and each transpose emits its op with that type as the
 //! output sharding. So a weight typed `{R:data}` used against activations sharded on `data` gets
@@ -12,12 +18,13 @@
 //! receive no contribution get typed zeros (R4.12).
 
 use ferrotext_sharding::{ArrayType, PartitionSpec};
-use ferrotext_tensor::{DotDims, Tensor};
+use ferrotext_tensor::DotDims;
 
 use crate::array::Array;
 use crate::ctx::Ctx;
+use crate::elementwise::UnaryOp;
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind};
-use crate::ops::UnaryOp;
+use crate::manual::{enter_region_transpose, exit_region_transpose};
 use crate::rules::BinaryOp;
 
 /// What a recorded op needs for its transpose.
@@ -376,401 +383,65 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// Cotangents of a node's inputs from the cotangent of its output.
+    /// Cotangents of a node's inputs from the cotangent of its output: each arm calls the
+    /// transpose defined beside its forward op. `needed[i]` says whether input `i` is being
+    /// differentiated (ops that can skip an input's cotangent do, so a constant operand costs no
+    /// reduction).
     fn transpose_node(
         &mut self,
         backward: &Backward,
         ct: &Array,
         needed: &[bool],
     ) -> Result<Vec<Option<Array>>, SpmdError> {
+        let need = |i: usize| needed.get(i).copied().unwrap_or(false);
+        let one = |x: Array| vec![Some(x)];
         Ok(match backward {
             Backward::Leaf => Vec::new(),
-            Backward::Unary { op, x, out } => {
-                let d = if matches!(op, UnaryOp::Neg | UnaryOp::Scale(_)) {
-                    self.unary_untracked(*op, ct)?
-                } else {
-                    // ct · f'(x): the derivative has x's type (reduced passes), so a `{U}` ct
-                    // times an `{R}` derivative stays `{U}` (R4.13).
-                    let local = match (x.local_opt(), out.local_opt()) {
-                        (Some(xv), Some(yv)) => Some(op.derivative(xv, yv)?),
-                        _ => None,
-                    };
-                    let deriv = Array::new(x.ty().clone(), local);
-                    self.binary_untracked(BinaryOp::Mul, ct, &deriv)?
-                };
-                vec![Some(d)]
-            }
-            // Only the cotangents of differentiated inputs are computed: a constant operand (a
-            // mask, a batch) must not cost a reduction.
-            Backward::Binary { op, a, b, out } => {
-                let need = |i: usize| needed.get(i).copied().unwrap_or(false);
-                let da = if !need(0) {
-                    None
-                } else {
-                    let d = match op {
-                        BinaryOp::Add | BinaryOp::Sub => ct.clone(),
-                        BinaryOp::Mul => self.binary_untracked(BinaryOp::Mul, ct, b)?,
-                        BinaryOp::Div => self.binary_untracked(BinaryOp::Div, ct, b)?,
-                        BinaryOp::Max => return Err(not_differentiable("max")),
-                    };
-                    Some(self.unbroadcast(&d, a.ty())?)
-                };
-                let db = if !need(1) {
-                    None
-                } else {
-                    let d = match op {
-                        BinaryOp::Add => ct.clone(),
-                        BinaryOp::Sub => self.unary_untracked(UnaryOp::Neg, ct)?,
-                        BinaryOp::Mul => self.binary_untracked(BinaryOp::Mul, ct, a)?,
-                        BinaryOp::Div => {
-                            let q = self.binary_untracked(BinaryOp::Div, out, b)?;
-                            let p = self.binary_untracked(BinaryOp::Mul, ct, &q)?;
-                            self.unary_untracked(UnaryOp::Neg, &p)?
-                        }
-                        BinaryOp::Max => return Err(not_differentiable("max")),
-                    };
-                    Some(self.unbroadcast(&d, b.ty())?)
-                };
-                vec![da, db]
-            }
-            Backward::Dot { lhs, rhs, dims } => {
-                let need = |i: usize| needed.get(i).copied().unwrap_or(false);
-                let nb = dims.lhs_batch.len();
-                let lf =
-                    DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting).len();
-                let rf =
-                    DotDims::free(rhs.ty().rank(), &dims.rhs_batch, &dims.rhs_contracting).len();
-                let batch: Vec<usize> = (0..nb).collect();
-                let lkept: Vec<usize> = (nb..nb + lf).collect();
-                let rkept: Vec<usize> = (nb + lf..nb + lf + rf).collect();
-                let dl = if need(0) {
-                    Some(self.dot_transpose(
-                        ct,
-                        rhs,
-                        lhs.ty(),
-                        (&dims.lhs_batch, &dims.lhs_contracting),
-                        (&dims.rhs_batch, &dims.rhs_contracting),
-                        (&batch, &rkept),
-                    )?)
-                } else {
-                    None
-                };
-                let dr = if need(1) {
-                    Some(self.dot_transpose(
-                        ct,
-                        lhs,
-                        rhs.ty(),
-                        (&dims.rhs_batch, &dims.rhs_contracting),
-                        (&dims.lhs_batch, &dims.lhs_contracting),
-                        (&batch, &lkept),
-                    )?)
-                } else {
-                    None
-                };
-                vec![dl, dr]
-            }
-            Backward::ReduceSum { x, .. } if x.is_manual() => {
-                let kept_shape: Vec<usize> = ct.shape().to_vec();
-                let dims = (0..x.rank()).filter(|d| !matches!(backward, Backward::ReduceSum { axes, .. } if axes.contains(d))).collect::<Vec<_>>();
-                let local = match ct.local_opt() {
-                    Some(t) => Some(t.broadcast_in_dim(x.shape(), &dims)?),
-                    None => None,
-                };
-                let _ = kept_shape;
-                vec![Some(Array::new(x.to_cotangent(), local))]
-            }
-            Backward::ReduceSum { x, axes } => {
-                let kept: Vec<usize> = (0..x.rank()).filter(|d| !axes.contains(d)).collect();
-                let target = x.to_cotangent();
-                vec![Some(self.broadcast_in_dim_untracked(
-                    ct,
-                    x.shape(),
-                    &kept,
-                    Some(target.sharding().spec()),
-                )?)]
-            }
-            Backward::Broadcast { x, dims } if x.is_manual() => {
-                let summed: Vec<usize> =
-                    (0..ct.ty().rank()).filter(|d| !dims.contains(d)).collect();
-                let local = match ct.local_opt() {
-                    Some(t) => Some(t.sum_axes(&summed)?.reshape(x.shape())?),
-                    None => None,
-                };
-                vec![Some(Array::new(x.to_cotangent(), local))]
-            }
-            Backward::Broadcast { x, dims } => {
-                vec![Some(self.unbroadcast_in_dim(ct, x, dims)?)]
-            }
-            Backward::Reshape { x } if x.is_manual() => {
-                let local = match ct.local_opt() {
-                    Some(t) => Some(t.clone().reshape(x.shape())?),
-                    None => None,
-                };
-                vec![Some(Array::new(x.to_cotangent(), local))]
-            }
-            Backward::Reshape { x } => {
-                let target = x.to_cotangent();
-                vec![Some(self.reshape_untracked(
-                    ct,
-                    x.shape(),
-                    Some(target.sharding().spec()),
-                )?)]
-            }
-            Backward::Transpose { perm } => {
-                let mut inverse = vec![0; perm.len()];
-                for (i, &p) in perm.iter().enumerate() {
-                    inverse[p] = i;
-                }
-                vec![Some(self.transpose_untracked(ct, &inverse)?)]
-            }
-            Backward::Reshard { src } => {
-                let target = src.to_cotangent();
-                vec![Some(self.reshard_untracked(ct, target.sharding().spec())?)]
-            }
-            // The region boundary moves no data; the cotangent crosses it with swapped tags
-            // (R6.13) and no collective (R6.14).
-            Backward::EnterRegion { outside } => {
-                vec![Some(ct.with_type(outside.to_cotangent()))]
-            }
-            Backward::ExitRegion { inside } => {
-                vec![Some(ct.with_type(inside.to_cotangent()))]
-            }
-            Backward::Manual { op } => vec![Some(self.manual_transpose(op, ct)?)],
-            // slice ↔ zero padding (zeros keep an unreduced cotangent's sum exact, R9.1)
-            Backward::Slice { x, dim, start } => {
-                let local = match ct.local_opt() {
-                    Some(c) => {
-                        let full = x.to_cotangent().shard_shape();
-                        let mut before = full.clone();
-                        before[*dim] = *start;
-                        let mut after = full.clone();
-                        after[*dim] = full[*dim] - start - c.shape()[*dim];
-                        let (z0, z1) = (Tensor::zeros(&before), Tensor::zeros(&after));
-                        Some(Tensor::concat(&[&z0, c, &z1], *dim)?)
-                    }
-                    None => None,
-                };
-                vec![Some(Array::new(x.to_cotangent(), local))]
-            }
+            Backward::Unary { op, x, out } => one(self.unary_transpose(*op, x, out, ct)?),
+            Backward::Binary { op, a, b, out } => self
+                .binary_transpose(*op, (a, b, out), ct, [need(0), need(1)])?
+                .into(),
+            Backward::Dot { lhs, rhs, dims } => self
+                .dot_general_transpose((lhs, rhs), dims, ct, [need(0), need(1)])?
+                .into(),
+            Backward::ReduceSum { x, axes } => one(self.reduce_sum_transpose(x, axes, ct)?),
+            Backward::Broadcast { x, dims } => one(self.broadcast_in_dim_transpose(ct, x, dims)?),
+            Backward::Reshape { x } => one(self.reshape_transpose(x, ct)?),
+            Backward::Transpose { perm } => one(self.transpose_transpose(perm, ct)?),
+            Backward::Reshard { src } => one(self.reshard_transpose(src, ct)?),
+            Backward::EnterRegion { outside } => one(enter_region_transpose(outside, ct)),
+            Backward::ExitRegion { inside } => one(exit_region_transpose(inside, ct)),
+            Backward::Manual { op } => one(self.manual_transpose(op, ct)?),
+            Backward::Slice { x, dim, start } => one(self.slice_transpose(x, *dim, *start, ct)?),
             Backward::Concat { types, dim, sizes } => {
-                let mut out = Vec::with_capacity(types.len());
-                let mut offset = 0;
-                for (t, &n) in types.iter().zip(sizes) {
-                    let local = ct
-                        .local_opt()
-                        .map(|c| c.slice_dim(*dim, offset..offset + n))
-                        .transpose()?;
-                    out.push(Some(Array::new(t.to_cotangent(), local)));
-                    offset += n;
-                }
-                out
+                self.concat_transpose(types, *dim, sizes, ct)?
             }
-            Backward::Take { table, ids } => vec![Some(self.take_transpose(ct, table, ids)?)],
+            Backward::Take { table, ids } => one(self.take_transpose(ct, table, ids)?),
+            Backward::Select { mask } => {
+                let [da, db] = self.select_transpose(mask, ct)?;
+                vec![Some(da), Some(db)]
+            }
             Backward::RmsNorm { x, scale, inv_rms } => {
-                let need_scale = needed.get(1).copied().unwrap_or(false);
-                let (dx, ds) = self.rms_norm_transpose(ct, x, scale, inv_rms, need_scale)?;
+                let (dx, ds) = self.rms_norm_transpose(ct, x, scale, inv_rms, need(1))?;
                 vec![Some(dx), ds]
             }
-            // rotations are orthogonal: the transpose turns the other way
-            Backward::Rope { rope, positions } => {
-                let local = ct
-                    .local_opt()
-                    .map(|c| ferrotext_tensor::rope_with(c, positions, rope, true))
-                    .transpose()?;
-                vec![Some(Array::new(ct.ty().clone(), local))]
-            }
-            Backward::Softmax { out, scale } => {
-                let local = match (out.local_opt(), ct.local_opt()) {
-                    (Some(y), Some(c)) => {
-                        Some(ferrotext_tensor::softmax_backward_scaled(y, c, *scale)?)
-                    }
-                    _ => None,
-                };
-                vec![Some(Array::new(ct.ty().clone(), local))]
+            Backward::Rope { rope, positions } => one(self.rope_transpose(rope, positions, ct)?),
+            Backward::Softmax { out, scale } => one(self.softmax_transpose(out, *scale, ct)?),
+            Backward::Swiglu { g, u } => {
+                let [dg, du] = self.swiglu_transpose(g, u, ct)?;
+                vec![Some(dg), Some(du)]
             }
             Backward::GroupedMatmul { x, w, group_sizes } => {
                 self.grouped_matmul_transpose(x, w, group_sizes, ct)?
             }
-            Backward::TakeRows { x, rows } => vec![Some(self.take_rows_transpose(x, rows, ct)?)],
-            Backward::Swiglu { g, u } => {
-                let (dg, du) = match (g.local_opt(), u.local_opt(), ct.local_opt()) {
-                    (Some(a), Some(b), Some(c)) => {
-                        let (dg, du) = ferrotext_tensor::swiglu_backward(a, b, c)?;
-                        (Some(dg), Some(du))
-                    }
-                    _ => (None, None),
-                };
-                vec![
-                    Some(Array::new(g.ty().to_cotangent(), dg)),
-                    Some(Array::new(u.ty().to_cotangent(), du)),
-                ]
-            }
+            Backward::TakeRows { x, rows } => one(self.take_rows_transpose(x, rows, ct)?),
             Backward::CrossEntropy {
                 logits,
                 targets,
                 ce,
                 z_loss,
-            } => {
-                let local = match (ce, ct.local_opt(), targets.local()) {
-                    (Some(ce), Some(c), Some(ids)) => {
-                        let mask: Vec<f32> = ids
-                            .iter()
-                            .map(|&i| if i == u32::MAX { 0.0 } else { 1.0 })
-                            .collect();
-                        let safe: Vec<u32> = ids
-                            .iter()
-                            .map(|&i| if i == u32::MAX { 0 } else { i })
-                            .collect();
-                        let d = ferrotext_tensor::cross_entropy_backward(
-                            ce,
-                            &safe,
-                            &mask,
-                            *z_loss,
-                            c.data()[0],
-                        )?;
-                        Some(d.reshape(&logits.to_cotangent().shard_shape())?)
-                    }
-                    _ => None,
-                };
-                vec![Some(Array::new(logits.to_cotangent(), local))]
-            }
-            Backward::Select { mask } => {
-                let (da, db) = match (mask.local_opt(), ct.local_opt()) {
-                    (Some(m), Some(c)) => {
-                        let zero = Tensor::zeros(c.shape());
-                        (
-                            Some(crate::structural::select_local(m, c, &zero)?),
-                            Some(crate::structural::select_local(m, &zero, c)?),
-                        )
-                    }
-                    _ => (None, None),
-                };
-                vec![
-                    Some(Array::new(ct.ty().clone(), da)),
-                    Some(Array::new(ct.ty().clone(), db)),
-                ]
-            }
+            } => one(self.cross_entropy_transpose(logits, targets, ce.as_ref(), *z_loss, ct)?),
         })
-    }
-
-    /// JAX's `_dot_general_transpose_lhs`, written for either side: the cotangent of `this`
-    /// operand from `ct` (`[batch, lhs free, rhs free]`) and the `other` operand, emitted with
-    /// `this`'s cotangent type as `out_sharding` (R4.3).
-    fn dot_transpose(
-        &mut self,
-        ct: &Array,
-        other: &Array,
-        this: &ArrayType,
-        (this_batch, this_contract): (&Vec<usize>, &Vec<usize>),
-        (other_batch, other_contract): (&Vec<usize>, &Vec<usize>),
-        (ct_batch, ct_other_kept): (&Vec<usize>, &Vec<usize>),
-    ) -> Result<Array, SpmdError> {
-        let other_kept = DotDims::free(other.ty().rank(), other_batch, other_contract);
-        let this_kept = DotDims::free(this.rank(), this_batch, this_contract);
-        let dims = DotDims {
-            lhs_contracting: ct_other_kept.clone(),
-            rhs_contracting: other_kept,
-            lhs_batch: ct_batch.clone(),
-            rhs_batch: other_batch.clone(),
-        };
-        // Result dims are [batch, this kept, other's contracting dims in ascending order]; map
-        // them to `this`'s dims.
-        let mut pairs: Vec<(usize, usize)> = this_contract
-            .iter()
-            .copied()
-            .zip(other_contract.iter().copied())
-            .collect();
-        pairs.sort_by_key(|&(_, o)| o);
-        let order: Vec<usize> = this_batch
-            .iter()
-            .copied()
-            .chain(this_kept)
-            .chain(pairs.into_iter().map(|(t, _)| t))
-            .collect();
-        let target = this.to_cotangent();
-        if target.is_manual() {
-            let r = self.manual_dot(ct, other, &dims)?;
-            let mut perm = vec![0; order.len()];
-            for (k, &d) in order.iter().enumerate() {
-                perm[d] = k;
-            }
-            return self.transpose_untracked(&r, &perm);
-        }
-        let tspec = target.sharding().spec();
-        let out_spec = PartitionSpec::tagged(
-            order.iter().map(|&d| tspec.dim(d).clone()),
-            tspec.unreduced().clone(),
-            tspec.reduced().clone(),
-        )?;
-        let r = self.dot_general_untracked(ct, other, &dims, Some(&out_spec))?;
-        let mut perm = vec![0; order.len()];
-        for (k, &d) in order.iter().enumerate() {
-            perm[d] = k;
-        }
-        self.transpose_untracked(&r, &perm)
-    }
-
-    /// The cotangent of an operand that a binary op broadcast: summed over the broadcast dims and
-    /// typed as the operand's cotangent.
-    fn unbroadcast(&mut self, ct: &Array, operand: &ArrayType) -> Result<Array, SpmdError> {
-        let target = operand.to_cotangent();
-        if ct.ty() == &target {
-            return Ok(ct.clone());
-        }
-        if target.is_manual() {
-            let lead = ct.ty().rank() - operand.rank();
-            let summed: Vec<usize> = (0..ct.ty().rank())
-                .filter(|&d| d < lead || (operand.shape()[d - lead] == 1 && ct.shape()[d] != 1))
-                .collect();
-            let local = match ct.local_opt() {
-                Some(t) => Some(t.sum_axes(&summed)?.reshape(operand.shape())?),
-                None => None,
-            };
-            return Ok(Array::new(target, local));
-        }
-        if ct.shape() == operand.shape() {
-            return self.reshard_untracked(ct, target.sharding().spec());
-        }
-        let lead = ct.ty().rank() - operand.rank();
-        let dims: Vec<usize> = (lead..ct.ty().rank()).collect();
-        self.unbroadcast_in_dim(ct, operand, &dims)
-    }
-
-    /// Transpose of `broadcast_in_dim(x → ct's shape, dims)`: `reduce_sum` over the new dims
-    /// (and the stretched size-1 dims) with the cotangent type as `out_sharding`.
-    fn unbroadcast_in_dim(
-        &mut self,
-        ct: &Array,
-        x: &ArrayType,
-        dims: &[usize],
-    ) -> Result<Array, SpmdError> {
-        let target = x.to_cotangent();
-        let tspec = target.sharding().spec();
-        let stretched: Vec<usize> = (0..x.rank())
-            .filter(|&i| x.shape()[i] == 1 && ct.shape()[dims[i]] != 1)
-            .collect();
-        let summed: Vec<usize> = (0..ct.ty().rank())
-            .filter(|d| !dims.contains(d) || stretched.iter().any(|&i| dims[i] == *d))
-            .collect();
-        if stretched.is_empty() {
-            return self.reduce_sum_untracked(ct, &summed, Some(tspec));
-        }
-        let kept_spec = PartitionSpec::tagged(
-            (0..x.rank())
-                .filter(|i| !stretched.contains(i))
-                .map(|i| tspec.dim(i).clone()),
-            tspec.unreduced().clone(),
-            tspec.reduced().clone(),
-        )?;
-        let s = self.reduce_sum_untracked(ct, &summed, Some(&kept_spec))?;
-        self.reshape_untracked(&s, x.shape(), Some(tspec))
-    }
-}
-
-fn not_differentiable(op: &str) -> SpmdError {
-    SpmdError::BadArgument {
-        op: op.into(),
-        reason: format!("`{op}` has no transpose; it cannot be differentiated"),
     }
 }
 

@@ -13,8 +13,8 @@ use serde_json::Value;
 
 use crate::array::Array;
 use crate::ctx::Ctx;
+use crate::elementwise::UnaryOp;
 use crate::error::SpmdError;
-use crate::ops::UnaryOp;
 use crate::rules::{self, BinaryOp};
 
 /// A spec as written in a case: partitions (`null`, a name, or a list of names), unreduced and

@@ -1,5 +1,7 @@
-//! Fused row-wise ops the models need, each one op on the tape with a hand-written backward
-//! from `ferrotext_tensor`: RMSNorm, RoPE, softmax over the last dim, and cross-entropy.
+//! Fused row-wise ops the models need, each one op on the tape with its hand-written transpose
+//! beside it (kernels from `ferrotext_tensor`): RMSNorm, RoPE, softmax over the last dim (and
+//! causal softmax), SwiGLU, and cross-entropy (with [`IGNORE_INDEX`], the target id of a token
+//! that does not count).
 //!
 //! Their type rules: the row dimension(s) they reduce over must not be split over devices
 //! (reshard first); activations may not be unreduced; a scale reduced on an axis the rows are
@@ -14,6 +16,10 @@ use crate::ctx::Ctx;
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
 use crate::rules::{self, BinaryOp};
 use crate::structural::Ids;
+
+/// The target id of a token that [`Ctx::cross_entropy_sum`] ignores: it adds nothing to the
+/// loss and gets a zero gradient (padding, a prompt token).
+pub const IGNORE_INDEX: u32 = u32::MAX;
 
 fn type_error(kind: K, op: &str, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
     ShardingTypeError::new(kind, op, xs, message).into()
@@ -241,7 +247,7 @@ impl Ctx<'_> {
         }
         rules::unary_type("swiglu", false, g.ty())?;
         let out_ty = if g.ty().is_manual() {
-            crate::manual::manual_binary_type(BinaryOp::Mul, g.ty(), u.ty())?
+            crate::manual::typing::manual_binary_type(BinaryOp::Mul, g.ty(), u.ty())?
         } else {
             rules::binary_type(BinaryOp::Mul, g.ty(), u.ty())?.out
         };
@@ -271,7 +277,7 @@ impl Ctx<'_> {
     }
 
     /// The *sum* of token cross-entropies of `logits: [.., vocab]` against `targets` (same
-    /// leading shape and sharding; `u32::MAX` marks a token to ignore), plus `z_loss·(log Z)²` per
+    /// leading shape and sharding; [`IGNORE_INDEX`] marks a token to ignore), plus `z_loss·(log Z)²` per
     /// token (0 disables), as a plain scalar.
     ///
     /// # Errors
@@ -314,14 +320,7 @@ impl Ctx<'_> {
                 let v = *t.shape().last().unwrap_or(&1);
                 let rows = l.len() / v;
                 let flat = l.clone().reshape(&[rows, v])?;
-                let mask: Vec<f32> = ids
-                    .iter()
-                    .map(|&i| if i == u32::MAX { 0.0 } else { 1.0 })
-                    .collect();
-                let safe: Vec<u32> = ids
-                    .iter()
-                    .map(|&i| if i == u32::MAX { 0 } else { i })
-                    .collect();
+                let (safe, mask) = split_ignored(ids);
                 let ce = ferrotext_tensor::cross_entropy(&flat, &safe, &mask, z_loss)?;
                 (
                     Some(ferrotext_tensor::Tensor::scalar(ce.loss_sum)),
@@ -343,4 +342,97 @@ impl Ctx<'_> {
             out,
         )
     }
+
+    /// The transpose of [`Ctx::rope_with`] at `positions`: rotations are orthogonal, so the
+    /// transpose turns the other way.
+    pub(crate) fn rope_transpose(
+        &mut self,
+        rope: &ferrotext_tensor::Rope,
+        positions: &[usize],
+        ct: &Array,
+    ) -> Result<Array, SpmdError> {
+        let local = ct
+            .local_opt()
+            .map(|c| ferrotext_tensor::rope_with(c, positions, rope, true))
+            .transpose()?;
+        Ok(Array::new(ct.ty().clone(), local))
+    }
+
+    /// The transpose of [`Ctx::softmax`] / [`Ctx::causal_softmax`] (of `scale·x`) from its
+    /// output `out`.
+    pub(crate) fn softmax_transpose(
+        &mut self,
+        out: &Array,
+        scale: f32,
+        ct: &Array,
+    ) -> Result<Array, SpmdError> {
+        let local = match (out.local_opt(), ct.local_opt()) {
+            (Some(y), Some(c)) => Some(ferrotext_tensor::softmax_backward_scaled(y, c, scale)?),
+            _ => None,
+        };
+        Ok(Array::new(ct.ty().clone(), local))
+    }
+
+    /// The transpose of [`Ctx::swiglu`] at `(g, u)`: the cotangents of the gate and the up
+    /// projection.
+    pub(crate) fn swiglu_transpose(
+        &mut self,
+        g: &Array,
+        u: &Array,
+        ct: &Array,
+    ) -> Result<[Array; 2], SpmdError> {
+        let (dg, du) = match (g.local_opt(), u.local_opt(), ct.local_opt()) {
+            (Some(a), Some(b), Some(c)) => {
+                let (dg, du) = ferrotext_tensor::swiglu_backward(a, b, c)?;
+                (Some(dg), Some(du))
+            }
+            _ => (None, None),
+        };
+        Ok([
+            Array::new(g.ty().to_cotangent(), dg),
+            Array::new(u.ty().to_cotangent(), du),
+        ])
+    }
+
+    /// The transpose of [`Ctx::cross_entropy_sum`] of `logits` against `targets`, from the
+    /// forward's saved probabilities `ce` (`None` in abstract mode): the logits' cotangent, no
+    /// communication (the scalar `ct` is plain, so every device scales its own rows).
+    pub(crate) fn cross_entropy_transpose(
+        &mut self,
+        logits: &ArrayType,
+        targets: &Ids,
+        ce: Option<&ferrotext_tensor::CrossEntropy>,
+        z_loss: f32,
+        ct: &Array,
+    ) -> Result<Array, SpmdError> {
+        let local = match (ce, ct.local_opt(), targets.local()) {
+            (Some(ce), Some(c), Some(ids)) => {
+                let (safe, mask) = split_ignored(ids);
+                let d = ferrotext_tensor::cross_entropy_backward(
+                    ce,
+                    &safe,
+                    &mask,
+                    z_loss,
+                    c.data()[0],
+                )?;
+                Some(d.reshape(&logits.to_cotangent().shard_shape())?)
+            }
+            _ => None,
+        };
+        Ok(Array::new(logits.to_cotangent(), local))
+    }
+}
+
+/// `ids` with [`IGNORE_INDEX`] replaced by 0 (a valid row to read), and the mask that is 0 at
+/// those tokens and 1 elsewhere.
+fn split_ignored(ids: &[u32]) -> (Vec<u32>, Vec<f32>) {
+    let safe = ids
+        .iter()
+        .map(|&i| if i == IGNORE_INDEX { 0 } else { i })
+        .collect();
+    let mask = ids
+        .iter()
+        .map(|&i| if i == IGNORE_INDEX { 0.0 } else { 1.0 })
+        .collect();
+    (safe, mask)
 }

@@ -1,5 +1,6 @@
 //! The dropless mixture-of-experts primitives inside a manual region: `take_rows` (sort token
-//! copies by expert, and back) and `grouped_matmul` (each expert's rows times its matrix).
+//! copies by expert, and back) and `grouped_matmul` (each expert's rows times its matrix), each
+//! with its transpose beside it (a local scatter-add; the grouped products of the cotangent).
 //!
 //! Rows of `x` (this device's token copies, sorted by expert) come in consecutive groups, one per
 //! expert; group `g` multiplies `w[g]`. Group sizes are data (they follow the routing), so they

@@ -12,6 +12,28 @@ context: communicator, mode, thread budget, tape), the ops on `Ctx` (elementwise
 [`Ctx::value_and_grad`] / [`Ctx::vjp`], the type rules in [`rules`], and the [`conformance`]
 runner.
 
+# Where things live
+
+Each op family is one file holding the forwards (methods on [`Ctx`]) and, beside each, its
+transpose; `autodiff` holds only the tape and the reverse walk that dispatches to them.
+
+| file | owns |
+|---|---|
+| `ctx` | [`Ctx`]: construction, arrays from host data, the mode-aware collective helpers |
+| `elementwise` | [`UnaryOp`], the binary ops, and their transposes |
+| `dot` | `dot_general`/`matmul` and their transposes (where deferral happens) |
+| `shape_ops` | `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose` and their transposes |
+| `reshard` | `reshard`, the data movement between layouts, and its transpose |
+| `structural` | [`Ids`], `slice`, `concat`, `take`, `select` and their transposes |
+| `fused` | RMSNorm, RoPE, softmax, SwiGLU, cross-entropy ([`IGNORE_INDEX`]) and their transposes |
+| `grouped` | `take_rows`, `grouped_matmul` (MoE, inside a region) and their transposes |
+| `manual/typing` | the type rules inside a `shard_map` region ([`AxisState`]) |
+| `manual/region` | `shard_map` and the boundary's transposes |
+| `manual/collectives` | `pcast`, `psum`, `psum_scatter`, `all_gather`, `all_to_all` and their transposes |
+| `bucketed` | fused reshards of many arrays ([`BucketPlan`]) |
+| `autodiff` | the tape, `vjp`/`value_and_grad`, the reverse walk |
+| [`rules`] | the type rules outside regions |
+
 # The key decision: deferral falls out of the types
 
 Every op computes its output type first (a type error stops it before any compute or
@@ -56,20 +78,23 @@ mod autodiff;
 mod bucketed;
 pub mod conformance;
 mod ctx;
+mod dot;
+mod elementwise;
 mod error;
 mod fused;
 mod grouped;
 mod manual;
-mod ops;
 mod reshard;
 pub mod rules;
+mod shape_ops;
 mod structural;
 
 pub use array::Array;
 pub use bucketed::{BucketPlan, StartedBucket};
 pub use ctx::{Ctx, Mode};
+pub use elementwise::UnaryOp;
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
+pub use fused::IGNORE_INDEX;
 pub use manual::{AxisState, GatherTo};
-pub use ops::UnaryOp;
 pub use rules::BinaryOp;
 pub use structural::Ids;

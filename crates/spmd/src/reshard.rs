@@ -1,5 +1,7 @@
 //! `reshard`: move a value between any two shardings of its shape (spec §5.2), issuing the
-//! collectives the transition needs and nothing else.
+//! collectives the transition needs and nothing else; its transpose (a reshard of the cotangent
+//! onto the source's cotangent type); and [`Ctx::convert`], the data movement every op that
+//! communicates goes through.
 //!
 //! The transition runs in four steps over the mesh axes, each axis handled once:
 //! 1. **reduce** the axes unreduced in the source but not the target: by reduce-scatter along a
@@ -69,6 +71,17 @@ impl Ctx<'_> {
         }
         let local = self.convert(x.local_cloned(), x.ty(), &out_ty)?;
         Ok(Array::new(out_ty, local))
+    }
+
+    /// The transpose of [`Ctx::reshard`] from `src`: `ct` resharded onto `src`'s cotangent type
+    /// (so a reduced → plain cast transposes to a reduction of the unreduced cotangent).
+    pub(crate) fn reshard_transpose(
+        &mut self,
+        src: &ArrayType,
+        ct: &Array,
+    ) -> Result<Array, SpmdError> {
+        let target = src.to_cotangent();
+        self.reshard_untracked(ct, target.sharding().spec())
     }
 
     /// The data movement of a reshard from `src` to `dst` (types already checked).

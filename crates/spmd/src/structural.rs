@@ -1,5 +1,7 @@
-//! Structural ops on global arrays: `slice`, `concat`, `take` (gather along the leading axis by
-//! an index array, the embedding lookup) and its transpose `scatter_add`, and `select`.
+//! Structural ops on global arrays and their transposes: `slice` ↔ zero padding, `concat` ↔
+//! slices, `take` (gather along the leading axis by an index array, the embedding lookup) ↔
+//! `scatter_add`, and `select` ↔ a select of the cotangent against zeros. Also [`Ids`], the index
+//! arrays `take` reads.
 //!
 //! All are linear in their data operands, so unreduced and reduced tags pass through (§3.5);
 //! a sliced or concatenated dimension must not be sharded (reshard first), which keeps every op
@@ -333,10 +335,79 @@ impl Ctx<'_> {
         let out = Array::new(a.ty().clone(), local);
         self.record(Backward::Select { mask: mask.clone() }, &[a, b], out)
     }
+
+    /// The transpose of [`Ctx::slice`] of `x` from `start` along `dim`: `ct` padded with zeros
+    /// (zeros keep an unreduced cotangent's sum exact, R9.1).
+    pub(crate) fn slice_transpose(
+        &mut self,
+        x: &ArrayType,
+        dim: usize,
+        start: usize,
+        ct: &Array,
+    ) -> Result<Array, SpmdError> {
+        let local = match ct.local_opt() {
+            Some(c) => {
+                let full = x.to_cotangent().shard_shape();
+                let mut before = full.clone();
+                before[dim] = start;
+                let mut after = full.clone();
+                after[dim] = full[dim] - start - c.shape()[dim];
+                let (z0, z1) = (Tensor::zeros(&before), Tensor::zeros(&after));
+                Some(Tensor::concat(&[&z0, c, &z1], dim)?)
+            }
+            None => None,
+        };
+        Ok(Array::new(x.to_cotangent(), local))
+    }
+
+    /// The transpose of [`Ctx::concat`] of operands typed `types` with `sizes` along `dim`: `ct`
+    /// sliced back into one cotangent per operand.
+    pub(crate) fn concat_transpose(
+        &mut self,
+        types: &[ArrayType],
+        dim: usize,
+        sizes: &[usize],
+        ct: &Array,
+    ) -> Result<Vec<Option<Array>>, SpmdError> {
+        let mut out = Vec::with_capacity(types.len());
+        let mut offset = 0;
+        for (t, &n) in types.iter().zip(sizes) {
+            let local = ct
+                .local_opt()
+                .map(|c| c.slice_dim(dim, offset..offset + n))
+                .transpose()?;
+            out.push(Some(Array::new(t.to_cotangent(), local)));
+            offset += n;
+        }
+        Ok(out)
+    }
+
+    /// The transpose of [`Ctx::select`] by `mask`: the cotangents of `a` (`mask ? ct : 0`) and
+    /// `b` (`mask ? 0 : ct`).
+    pub(crate) fn select_transpose(
+        &mut self,
+        mask: &Array,
+        ct: &Array,
+    ) -> Result<[Array; 2], SpmdError> {
+        let (da, db) = match (mask.local_opt(), ct.local_opt()) {
+            (Some(m), Some(c)) => {
+                let zero = Tensor::zeros(c.shape());
+                (
+                    Some(select_local(m, c, &zero)?),
+                    Some(select_local(m, &zero, c)?),
+                )
+            }
+            _ => (None, None),
+        };
+        Ok([
+            Array::new(ct.ty().clone(), da),
+            Array::new(ct.ty().clone(), db),
+        ])
+    }
 }
 
 /// `m ? x : y` on local blocks.
-pub(crate) fn select_local(m: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor, SpmdError> {
+fn select_local(m: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor, SpmdError> {
     let xm = x.zip_with(m, |v, k| if k != 0.0 { v } else { 0.0 })?;
     let ym = y.zip_with(m, |v, k| if k != 0.0 { 0.0 } else { v })?;
     Ok(xm.add(&ym)?)

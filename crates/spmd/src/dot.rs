@@ -1,0 +1,348 @@
+//! `dot_general` (and `matmul`) and its transpose.
+//!
+//! Owns: the forward — type from [`crate::rules::dot_general_type`], the operand layouts the
+//! contraction computes in ([`aligned_dot_types`]), the natural result (partial sums over the
+//! contracting axes) resharded onto the output type — and the transpose, JAX's
+//! `_dot_general_transpose_lhs/rhs`: each operand's cotangent is another `dot_general` emitted
+//! with that operand's cotangent type as `out_sharding` (R4.3). That is where deferral happens:
+//! a `{R:data}` weight's cotangent is typed `{U:data}`, so its transposed dot keeps the partial
+//! sums and communicates nothing, while a plain weight's transposed dot all-reduces them.
+//!
+//! Inside `shard_map` the dot is local ([`crate::manual::typing::manual_dot_type`]).
+
+use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
+use ferrotext_tensor::{dot_general, DotDims, Tensor};
+
+use crate::array::Array;
+use crate::autodiff::Backward;
+use crate::ctx::Ctx;
+use crate::error::SpmdError;
+use crate::manual::typing::{manual_dot_type, manual_without_out_sharding};
+use crate::rules;
+
+impl Ctx<'_> {
+    /// `dot_general(lhs, rhs)` with output `[batch, lhs free, rhs free]` typed by `out_sharding`
+    /// (or inferred, R3.10).
+    ///
+    /// # Errors
+    /// The dot_general type errors (R3.8–R3.12).
+    ///
+    /// # Collectives
+    /// None when no contracting dim is sharded or when `out_sharding` keeps the partial sums
+    /// unreduced; otherwise an all-reduce over the contracting axes (a reduce-scatter when the
+    /// output is sharded on one of them). Operands sharded in ways that cannot meet locally are
+    /// gathered first.
+    pub fn dot_general(
+        &mut self,
+        lhs: &Array,
+        rhs: &Array,
+        dims: &DotDims,
+        out_sharding: Option<&PartitionSpec>,
+    ) -> Result<Array, SpmdError> {
+        // The `out_sharding` is checked against the mesh before anything else (R1.13/R1.14).
+        if let Some(spec) = out_sharding {
+            rules::check_out_sharding("dot_general", lhs.ty().sharding().mesh(), spec)?;
+        }
+        if lhs.ty().is_manual() || rhs.ty().is_manual() {
+            let cast = self.match_varying(&[lhs, rhs])?;
+            if cast[0].ty() != lhs.ty() || cast[1].ty() != rhs.ty() {
+                return self.dot_general(&cast[0], &cast[1], dims, out_sharding);
+            }
+        }
+        let out = self.dot_general_untracked(lhs, rhs, dims, out_sharding)?;
+        self.record(
+            Backward::Dot {
+                lhs: lhs.clone(),
+                rhs: rhs.clone(),
+                dims: dims.clone(),
+            },
+            &[lhs, rhs],
+            out,
+        )
+    }
+
+    /// `x · w` contracting the last dim of `x` with the first of `w`.
+    ///
+    /// # Errors
+    /// As [`Ctx::dot_general`].
+    pub fn matmul(
+        &mut self,
+        x: &Array,
+        w: &Array,
+        out_sharding: Option<&PartitionSpec>,
+    ) -> Result<Array, SpmdError> {
+        self.dot_general(x, w, &DotDims::matmul(x.ty().rank()), out_sharding)
+    }
+
+    pub(crate) fn dot_general_untracked(
+        &mut self,
+        lhs: &Array,
+        rhs: &Array,
+        dims: &DotDims,
+        out_sharding: Option<&PartitionSpec>,
+    ) -> Result<Array, SpmdError> {
+        if lhs.ty().is_manual() || rhs.ty().is_manual() {
+            manual_without_out_sharding("dot_general", lhs, out_sharding)?;
+            return self.manual_dot(lhs, rhs, dims);
+        }
+        let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, out_sharding)?;
+        let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs.ty(), rhs.ty(), dims)?;
+        let l = self.aligned(lhs, &lhs_ty)?;
+        let r = self.aligned(rhs, &rhs_ty)?;
+        let natural_local = match (l, r) {
+            (Some(l), Some(r)) => Some(dot_general(&l, &r, dims, self.threads())?),
+            _ => None,
+        };
+        // The natural result: partial sums over the contracting axes.
+        let lf = DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting);
+        let rf = DotDims::free(rhs.ty().rank(), &dims.rhs_batch, &dims.rhs_contracting);
+        let partitions: Vec<DimSpec> = dims
+            .lhs_batch
+            .iter()
+            .chain(&lf)
+            .map(|&d| lhs_ty.sharding().spec().dim(d).clone())
+            .chain(rf.iter().map(|&d| rhs_ty.sharding().spec().dim(d).clone()))
+            .collect();
+        let natural_spec = PartitionSpec::tagged(partitions, contracted, AxisSet::new())?;
+        let natural = rules::make_type(
+            "dot_general",
+            &out_ty,
+            out_ty.shape().to_vec(),
+            Ok(natural_spec),
+        )?;
+        let local = self.convert(natural_local, &natural, &out_ty)?;
+        Ok(Array::new(out_ty, local))
+    }
+
+    /// `x`'s shard laid out as `ty`: borrowed when the layout already matches, else moved.
+    fn aligned<'a>(
+        &mut self,
+        x: &'a Array,
+        ty: &ArrayType,
+    ) -> Result<Option<std::borrow::Cow<'a, Tensor>>, SpmdError> {
+        if crate::reshard::same_layout(x.ty(), ty) {
+            return Ok(x.local_opt().map(std::borrow::Cow::Borrowed));
+        }
+        Ok(self
+            .convert(x.local_cloned(), x.ty(), ty)?
+            .map(std::borrow::Cow::Owned))
+    }
+
+    /// The dot inside a region: this device's blocks contracted locally, typed by
+    /// [`manual_dot_type`] (no collective).
+    pub(crate) fn manual_dot(
+        &mut self,
+        lhs: &Array,
+        rhs: &Array,
+        dims: &DotDims,
+    ) -> Result<Array, SpmdError> {
+        let ty = manual_dot_type(lhs.ty(), rhs.ty(), dims)?;
+        let local = match (lhs.local_opt(), rhs.local_opt()) {
+            (Some(a), Some(b)) => Some(dot_general(a, b, dims, self.threads())?),
+            _ => None,
+        };
+        Ok(Array::new(ty, local))
+    }
+
+    /// The transpose of [`Ctx::dot_general`]: the cotangents of `lhs` and `rhs` from `ct`
+    /// (`[batch, lhs free, rhs free]`); `None` where `need` says the operand is not
+    /// differentiated (a constant operand costs no reduction).
+    pub(crate) fn dot_general_transpose(
+        &mut self,
+        (lhs, rhs): (&Array, &Array),
+        dims: &DotDims,
+        ct: &Array,
+        need: [bool; 2],
+    ) -> Result<[Option<Array>; 2], SpmdError> {
+        let nb = dims.lhs_batch.len();
+        let lf = DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting).len();
+        let rf = DotDims::free(rhs.ty().rank(), &dims.rhs_batch, &dims.rhs_contracting).len();
+        let batch: Vec<usize> = (0..nb).collect();
+        let lkept: Vec<usize> = (nb..nb + lf).collect();
+        let rkept: Vec<usize> = (nb + lf..nb + lf + rf).collect();
+        let dl = if need[0] {
+            Some(self.dot_transpose(
+                ct,
+                rhs,
+                lhs.ty(),
+                (&dims.lhs_batch, &dims.lhs_contracting),
+                (&dims.rhs_batch, &dims.rhs_contracting),
+                (&batch, &rkept),
+            )?)
+        } else {
+            None
+        };
+        let dr = if need[1] {
+            Some(self.dot_transpose(
+                ct,
+                lhs,
+                rhs.ty(),
+                (&dims.rhs_batch, &dims.rhs_contracting),
+                (&dims.lhs_batch, &dims.lhs_contracting),
+                (&batch, &lkept),
+            )?)
+        } else {
+            None
+        };
+        Ok([dl, dr])
+    }
+
+    /// JAX's `_dot_general_transpose_lhs`, written for either side: the cotangent of `this`
+    /// operand from `ct` (`[batch, lhs free, rhs free]`) and the `other` operand, emitted with
+    /// `this`'s cotangent type as `out_sharding` (R4.3).
+    fn dot_transpose(
+        &mut self,
+        ct: &Array,
+        other: &Array,
+        this: &ArrayType,
+        (this_batch, this_contract): (&Vec<usize>, &Vec<usize>),
+        (other_batch, other_contract): (&Vec<usize>, &Vec<usize>),
+        (ct_batch, ct_other_kept): (&Vec<usize>, &Vec<usize>),
+    ) -> Result<Array, SpmdError> {
+        let other_kept = DotDims::free(other.ty().rank(), other_batch, other_contract);
+        let this_kept = DotDims::free(this.rank(), this_batch, this_contract);
+        let dims = DotDims {
+            lhs_contracting: ct_other_kept.clone(),
+            rhs_contracting: other_kept,
+            lhs_batch: ct_batch.clone(),
+            rhs_batch: other_batch.clone(),
+        };
+        // Result dims are [batch, this kept, other's contracting dims in ascending order]; map
+        // them to `this`'s dims.
+        let mut pairs: Vec<(usize, usize)> = this_contract
+            .iter()
+            .copied()
+            .zip(other_contract.iter().copied())
+            .collect();
+        pairs.sort_by_key(|&(_, o)| o);
+        let order: Vec<usize> = this_batch
+            .iter()
+            .copied()
+            .chain(this_kept)
+            .chain(pairs.into_iter().map(|(t, _)| t))
+            .collect();
+        let target = this.to_cotangent();
+        if target.is_manual() {
+            let r = self.manual_dot(ct, other, &dims)?;
+            let mut perm = vec![0; order.len()];
+            for (k, &d) in order.iter().enumerate() {
+                perm[d] = k;
+            }
+            return self.transpose_untracked(&r, &perm);
+        }
+        let tspec = target.sharding().spec();
+        let out_spec = PartitionSpec::tagged(
+            order.iter().map(|&d| tspec.dim(d).clone()),
+            tspec.unreduced().clone(),
+            tspec.reduced().clone(),
+        )?;
+        let r = self.dot_general_untracked(ct, other, &dims, Some(&out_spec))?;
+        let mut perm = vec![0; order.len()];
+        for (k, &d) in order.iter().enumerate() {
+            perm[d] = k;
+        }
+        self.transpose_untracked(&r, &perm)
+    }
+}
+
+/// The operand layouts a dot_general computes in locally, and the axes its contraction runs over.
+///
+/// Each contracting pair meets on one partition: the common one, or the sharded side's when the
+/// other is replicated (the replicated side is sliced, free), or the lhs's when both are sharded
+/// differently (the rhs is resharded). A free dim gives up axes the other operand or a
+/// contraction uses (gathered). The natural result is then unreduced over the contraction axes.
+fn aligned_dot_types(
+    lhs: &ArrayType,
+    rhs: &ArrayType,
+    dims: &DotDims,
+) -> Result<(ArrayType, ArrayType, AxisSet), SpmdError> {
+    let ls = lhs.sharding().spec();
+    let rs = rhs.sharding().spec();
+    let lf = DotDims::free(lhs.rank(), &dims.lhs_batch, &dims.lhs_contracting);
+    let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
+    let mut lparts: Vec<DimSpec> = (0..lhs.rank()).map(|d| ls.dim(d).clone()).collect();
+    let mut rparts: Vec<DimSpec> = (0..rhs.rank()).map(|d| rs.dim(d).clone()).collect();
+    let axes_of = |parts: &[DimSpec], skip: usize| -> AxisSet {
+        parts
+            .iter()
+            .enumerate()
+            .filter(|(d, _)| *d != skip)
+            .flat_map(|(_, p)| p.axis_names().iter().cloned())
+            .collect()
+    };
+    // Batch dims meet on the lhs's partition (the rhs's when the lhs is replicated there: the
+    // lhs is sliced for free and each device computes its batch slice). When the output type
+    // keeps the lhs's replicated batch dim (R3.9), the natural result is sharded where the
+    // output is not, and the final reshard all-gathers it.
+    for (&l, &r) in dims.lhs_batch.iter().zip(&dims.rhs_batch) {
+        let target = if !lparts[l].is_replicated() {
+            lparts[l].clone()
+        } else {
+            rparts[r].clone()
+        };
+        let clash = target
+            .axis_names()
+            .iter()
+            .any(|a| axes_of(&lparts, l).contains(a) || axes_of(&rparts, r).contains(a));
+        let target = if clash { DimSpec::Replicated } else { target };
+        lparts[l] = target.clone();
+        rparts[r] = target;
+    }
+    let mut contracted = AxisSet::new();
+    for (&l, &r) in dims.lhs_contracting.iter().zip(&dims.rhs_contracting) {
+        let target = if !lparts[l].is_replicated() {
+            lparts[l].clone()
+        } else {
+            rparts[r].clone()
+        };
+        let clash = target
+            .axis_names()
+            .iter()
+            .any(|a| axes_of(&lparts, l).contains(a) || axes_of(&rparts, r).contains(a));
+        let target = if clash { DimSpec::Replicated } else { target };
+        contracted.extend(target.axis_names().iter().cloned());
+        lparts[l] = target.clone();
+        rparts[r] = target;
+    }
+    // Free dims may not use contraction axes, and the rhs's free dims may not use the lhs's axes.
+    for &d in &lf {
+        let keep: Vec<String> = lparts[d]
+            .axis_names()
+            .iter()
+            .take_while(|a| !contracted.contains(*a))
+            .cloned()
+            .collect();
+        lparts[d] = DimSpec::axes(keep);
+    }
+    let lhs_axes = axes_of(&lparts, usize::MAX);
+    for &d in &rf {
+        let keep: Vec<String> = rparts[d]
+            .axis_names()
+            .iter()
+            .take_while(|a| !contracted.contains(*a) && !lhs_axes.contains(*a))
+            .cloned()
+            .collect();
+        rparts[d] = DimSpec::axes(keep);
+    }
+    let retag = |t: &ArrayType, parts: Vec<DimSpec>| -> Result<ArrayType, SpmdError> {
+        let used: AxisSet = parts
+            .iter()
+            .flat_map(|p| p.axis_names().iter().cloned())
+            .collect();
+        let r: AxisSet = t
+            .sharding()
+            .spec()
+            .reduced()
+            .difference(&used)
+            .cloned()
+            .collect();
+        let spec = PartitionSpec::tagged(parts, AxisSet::new(), r)?;
+        Ok(rules::make_type(
+            "dot_general",
+            t,
+            t.shape().to_vec(),
+            Ok(spec),
+        )?)
+    };
+    Ok((retag(lhs, lparts)?, retag(rhs, rparts)?, contracted))
+}

@@ -1,0 +1,393 @@
+//! Elementwise ops and their transposes: [`UnaryOp`] (`neg`, `scale`, `exp`, …) and the binary
+//! ops (`add`, `sub`, `mul`, `div`, `max`) with NumPy broadcasting.
+//!
+//! Owns: the forward of each op — output type from [`crate::rules`] (or the region's rule inside
+//! `shard_map`), this device's block, the tape record — and its transpose. An operand replicated
+//! (or reduced) on an axis the other is sharded on is sliced locally (DESIGN §4.2), so the
+//! forward never communicates; the transpose of a broadcast operand sums its cotangent back
+//! (`unbroadcast`), which may reduce over the axes the other operand was sharded on.
+//!
+//! Only the cotangents of differentiated inputs are computed: a constant operand (a mask, a
+//! batch) must not cost a reduction. `max` has no transpose.
+
+use ferrotext_sharding::{ArrayType, PartitionSpec};
+use ferrotext_tensor::Tensor;
+
+use crate::array::Array;
+use crate::autodiff::Backward;
+use crate::ctx::Ctx;
+use crate::error::SpmdError;
+use crate::rules::{self, BinaryOp};
+
+/// Elementwise unary ops.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnaryOp {
+    /// `-x` (linear: accepts unreduced, DESIGN §4.1).
+    Neg,
+    /// `k·x` for a constant `k` that is not differentiated (linear: accepts unreduced).
+    Scale(f32),
+    /// `eˣ`.
+    Exp,
+    /// `ln x`.
+    Log,
+    /// `sin x`.
+    Sin,
+    /// `cos x`.
+    Cos,
+    /// `tanh x`.
+    Tanh,
+    /// `x²`.
+    Square,
+    /// `1/√x`.
+    Rsqrt,
+    /// `x·σ(x)` (SiLU).
+    Silu,
+    /// `σ(x) = 1/(1+e⁻ˣ)` (DeepSeek's router score).
+    Sigmoid,
+}
+
+impl UnaryOp {
+    fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Scale(_) => "scale",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Square => "square",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Sigmoid => "sigmoid",
+        }
+    }
+
+    fn is_linear(self) -> bool {
+        matches!(self, UnaryOp::Neg | UnaryOp::Scale(_))
+    }
+
+    /// `op` over every element, one monomorphic loop per op.
+    fn map(self, t: &Tensor) -> Tensor {
+        match self {
+            UnaryOp::Neg => t.map(|x| -x),
+            UnaryOp::Scale(k) => t.map(|x| k * x),
+            UnaryOp::Exp => t.map(f32::exp),
+            UnaryOp::Log => t.map(f32::ln),
+            UnaryOp::Sin => t.map(f32::sin),
+            UnaryOp::Cos => t.map(f32::cos),
+            UnaryOp::Tanh => t.map(f32::tanh),
+            UnaryOp::Square => t.map(|x| x * x),
+            UnaryOp::Rsqrt => t.map(|x| 1.0 / x.sqrt()),
+            UnaryOp::Silu => t.map(|x| x / (1.0 + (-x).exp())),
+            UnaryOp::Sigmoid => t.map(|x| 1.0 / (1.0 + (-x).exp())),
+        }
+    }
+
+    /// d(op)/dx elementwise at `x` (with `y = op(x)` at hand), one monomorphic loop per op.
+    pub(crate) fn derivative(self, x: &Tensor, y: &Tensor) -> Result<Tensor, SpmdError> {
+        Ok(match self {
+            UnaryOp::Neg => x.map(|_| -1.0),
+            UnaryOp::Scale(k) => x.map(|_| k),
+            UnaryOp::Exp => y.clone(),
+            UnaryOp::Log => x.map(|v| 1.0 / v),
+            UnaryOp::Sin => x.map(f32::cos),
+            UnaryOp::Cos => x.map(|v| -v.sin()),
+            UnaryOp::Tanh => y.map(|t| 1.0 - t * t),
+            UnaryOp::Square => x.map(|v| 2.0 * v),
+            UnaryOp::Rsqrt => y.map(|r| -0.5 * r * r * r),
+            UnaryOp::Silu => x.map(|v| {
+                let s = 1.0 / (1.0 + (-v).exp());
+                s * (1.0 + v * (1.0 - s))
+            }),
+            UnaryOp::Sigmoid => y.map(|s| s * (1.0 - s)),
+        })
+    }
+}
+
+impl Ctx<'_> {
+    /// `op(x)` elementwise. Reduced passes through; unreduced only for linear ops.
+    ///
+    /// # Errors
+    /// `unreduced_operand` for a non-linear op on an unreduced value.
+    pub fn unary(&mut self, op: UnaryOp, x: &Array) -> Result<Array, SpmdError> {
+        let out = self.unary_untracked(op, x)?;
+        self.record(
+            Backward::Unary {
+                op,
+                x: x.clone(),
+                out: out.clone(),
+            },
+            &[x],
+            out,
+        )
+    }
+
+    pub(crate) fn unary_untracked(&mut self, op: UnaryOp, x: &Array) -> Result<Array, SpmdError> {
+        let ty = if x.ty().is_manual() {
+            crate::manual::typing::manual_unary_type(op.name(), op.is_linear(), x.ty())?
+        } else {
+            rules::unary_type(op.name(), op.is_linear(), x.ty())?
+        };
+        let local = x.local_opt().map(|t| op.map(t));
+        Ok(Array::new(ty, local))
+    }
+
+    /// `-x`.
+    ///
+    /// # Errors
+    /// As [`Ctx::unary`].
+    pub fn neg(&mut self, x: &Array) -> Result<Array, SpmdError> {
+        self.unary(UnaryOp::Neg, x)
+    }
+
+    /// `k·x` for a constant `k`.
+    ///
+    /// # Errors
+    /// As [`Ctx::unary`].
+    pub fn scale(&mut self, x: &Array, k: f32) -> Result<Array, SpmdError> {
+        self.unary(UnaryOp::Scale(k), x)
+    }
+
+    /// `eˣ`.
+    ///
+    /// # Errors
+    /// As [`Ctx::unary`].
+    pub fn exp(&mut self, x: &Array) -> Result<Array, SpmdError> {
+        self.unary(UnaryOp::Exp, x)
+    }
+
+    /// `a ∘ b` elementwise with NumPy broadcasting. An operand replicated (or reduced) on an axis
+    /// the other is sharded on is sliced locally (DESIGN §4.2).
+    ///
+    /// # Errors
+    /// The binary-op type errors of [`crate::rules::binary_type`].
+    pub fn binary(&mut self, op: BinaryOp, a: &Array, b: &Array) -> Result<Array, SpmdError> {
+        // R3.4: a rank-0 untagged operand next to a reduced one is cast to reduced first, as a
+        // recorded reshard (free forward; its transpose reduces the scalar's cotangent).
+        let promote = |x: &Array, other: &Array| {
+            x.ty().rank() == 0
+                && !x.ty().sharding().spec().is_tagged()
+                && !other.ty().sharding().spec().reduced().is_empty()
+        };
+        if promote(a, b) || promote(b, a) {
+            let (x, other) = if promote(a, b) { (a, b) } else { (b, a) };
+            let spec = PartitionSpec::replicated()
+                .with_reduced_set(other.ty().sharding().spec().reduced().clone())?;
+            let cast = self.reshard(x, &spec)?;
+            return if promote(a, b) {
+                self.binary(op, &cast, b)
+            } else {
+                self.binary(op, a, &cast)
+            };
+        }
+        if a.ty().is_manual() || b.ty().is_manual() {
+            // R6.10: missing varying axes are cast in first (recorded: their transposes matter).
+            let cast = self.match_varying(&[a, b])?;
+            if cast[0].ty() != a.ty() || cast[1].ty() != b.ty() {
+                return self.binary(op, &cast[0], &cast[1]);
+            }
+        }
+        let out = self.binary_untracked(op, a, b)?;
+        self.record(
+            Backward::Binary {
+                op,
+                a: a.clone(),
+                b: b.clone(),
+                out: out.clone(),
+            },
+            &[a, b],
+            out,
+        )
+    }
+
+    pub(crate) fn binary_untracked(
+        &mut self,
+        op: BinaryOp,
+        a: &Array,
+        b: &Array,
+    ) -> Result<Array, SpmdError> {
+        let out_ty = if a.ty().is_manual() || b.ty().is_manual() {
+            crate::manual::typing::manual_binary_type(op, a.ty(), b.ty())?
+        } else {
+            rules::binary_type(op, a.ty(), b.ty())?.out
+        };
+        let local = match (a.local_opt(), b.local_opt()) {
+            (Some(x), Some(y)) => {
+                let x = self.slice_to(x, a.ty(), &out_ty)?;
+                let y = self.slice_to(y, b.ty(), &out_ty)?;
+                // One monomorphic loop per op (a function pointer here would cost a call per
+                // element and stop vectorisation).
+                Some(match op {
+                    BinaryOp::Add => x.zip_with(&y, |p, q| p + q)?,
+                    BinaryOp::Sub => x.zip_with(&y, |p, q| p - q)?,
+                    BinaryOp::Mul => x.zip_with(&y, |p, q| p * q)?,
+                    BinaryOp::Div => x.zip_with(&y, |p, q| p / q)?,
+                    BinaryOp::Max => x.zip_with(&y, f32::max)?,
+                })
+            }
+            _ => None,
+        };
+        Ok(Array::new(out_ty, local))
+    }
+
+    /// The operand's local block cut down to the output's partitions (right-aligned dims;
+    /// broadcast size-1 dims stay size 1). Only slices: the type rule guarantees that every
+    /// operand dim is either partitioned like the output or replicated.
+    fn slice_to<'a>(
+        &self,
+        t: &'a Tensor,
+        ty: &ArrayType,
+        out: &ArrayType,
+    ) -> Result<std::borrow::Cow<'a, Tensor>, SpmdError> {
+        let lead = out.rank() - ty.rank();
+        let needs_slice = !out.is_manual()
+            && (0..ty.rank()).any(|i| {
+                ty.shape()[i] == out.shape()[lead + i]
+                    && ty.sharding().spec().dim(i) != out.sharding().spec().dim(lead + i)
+            });
+        if !needs_slice {
+            return Ok(std::borrow::Cow::Borrowed(t));
+        }
+        let mut t = t.clone();
+        for i in 0..ty.rank() {
+            let want = out.sharding().spec().dim(lead + i);
+            if ty.shape()[i] != out.shape()[lead + i] || ty.sharding().spec().dim(i) == want {
+                continue;
+            }
+            let (index, n) = self.rank_over(want.axis_names())?;
+            let block = t.shape()[i] / n;
+            t = t.slice_dim(i, index * block..(index + 1) * block)?;
+        }
+        Ok(std::borrow::Cow::Owned(t))
+    }
+
+    /// `a + b`.
+    ///
+    /// # Errors
+    /// As [`Ctx::binary`].
+    pub fn add(&mut self, a: &Array, b: &Array) -> Result<Array, SpmdError> {
+        self.binary(BinaryOp::Add, a, b)
+    }
+
+    /// `a - b`.
+    ///
+    /// # Errors
+    /// As [`Ctx::binary`].
+    pub fn sub(&mut self, a: &Array, b: &Array) -> Result<Array, SpmdError> {
+        self.binary(BinaryOp::Sub, a, b)
+    }
+
+    /// `a * b`.
+    ///
+    /// # Errors
+    /// As [`Ctx::binary`].
+    pub fn mul(&mut self, a: &Array, b: &Array) -> Result<Array, SpmdError> {
+        self.binary(BinaryOp::Mul, a, b)
+    }
+
+    /// `a / b`.
+    ///
+    /// # Errors
+    /// As [`Ctx::binary`].
+    pub fn div(&mut self, a: &Array, b: &Array) -> Result<Array, SpmdError> {
+        self.binary(BinaryOp::Div, a, b)
+    }
+
+    /// The transpose of [`Ctx::unary`] at `x` (with `out = op(x)` at hand): `ct · f'(x)`, or the
+    /// op itself for a linear one. The derivative has x's type (reduced passes), so a `{U}` ct
+    /// times an `{R}` derivative stays `{U}` (R4.13).
+    pub(crate) fn unary_transpose(
+        &mut self,
+        op: UnaryOp,
+        x: &Array,
+        out: &Array,
+        ct: &Array,
+    ) -> Result<Array, SpmdError> {
+        if matches!(op, UnaryOp::Neg | UnaryOp::Scale(_)) {
+            return self.unary_untracked(op, ct);
+        }
+        let local = match (x.local_opt(), out.local_opt()) {
+            (Some(xv), Some(yv)) => Some(op.derivative(xv, yv)?),
+            _ => None,
+        };
+        let deriv = Array::new(x.ty().clone(), local);
+        self.binary_untracked(BinaryOp::Mul, ct, &deriv)
+    }
+
+    /// The transpose of [`Ctx::binary`]: the cotangents of `a` and `b` (with `out = a ∘ b` at
+    /// hand), each summed back over what the op broadcast; `None` where `need` says the input is
+    /// not differentiated.
+    ///
+    /// # Errors
+    /// `max` (not differentiable); a type error of the emitted ops.
+    pub(crate) fn binary_transpose(
+        &mut self,
+        op: BinaryOp,
+        (a, b, out): (&Array, &Array, &Array),
+        ct: &Array,
+        need: [bool; 2],
+    ) -> Result<[Option<Array>; 2], SpmdError> {
+        let da = if !need[0] {
+            None
+        } else {
+            let d = match op {
+                BinaryOp::Add | BinaryOp::Sub => ct.clone(),
+                BinaryOp::Mul => self.binary_untracked(BinaryOp::Mul, ct, b)?,
+                BinaryOp::Div => self.binary_untracked(BinaryOp::Div, ct, b)?,
+                BinaryOp::Max => return Err(not_differentiable("max")),
+            };
+            Some(self.unbroadcast(&d, a.ty())?)
+        };
+        let db = if !need[1] {
+            None
+        } else {
+            let d = match op {
+                BinaryOp::Add => ct.clone(),
+                BinaryOp::Sub => self.unary_untracked(UnaryOp::Neg, ct)?,
+                BinaryOp::Mul => self.binary_untracked(BinaryOp::Mul, ct, a)?,
+                BinaryOp::Div => {
+                    let q = self.binary_untracked(BinaryOp::Div, out, b)?;
+                    let p = self.binary_untracked(BinaryOp::Mul, ct, &q)?;
+                    self.unary_untracked(UnaryOp::Neg, &p)?
+                }
+                BinaryOp::Max => return Err(not_differentiable("max")),
+            };
+            Some(self.unbroadcast(&d, b.ty())?)
+        };
+        Ok([da, db])
+    }
+
+    /// The cotangent of an operand that a binary op broadcast: summed over the broadcast dims and
+    /// typed as the operand's cotangent.
+    fn unbroadcast(&mut self, ct: &Array, operand: &ArrayType) -> Result<Array, SpmdError> {
+        let target = operand.to_cotangent();
+        if ct.ty() == &target {
+            return Ok(ct.clone());
+        }
+        if target.is_manual() {
+            let lead = ct.ty().rank() - operand.rank();
+            let summed: Vec<usize> = (0..ct.ty().rank())
+                .filter(|&d| d < lead || (operand.shape()[d - lead] == 1 && ct.shape()[d] != 1))
+                .collect();
+            let local = match ct.local_opt() {
+                Some(t) => Some(t.sum_axes(&summed)?.reshape(operand.shape())?),
+                None => None,
+            };
+            return Ok(Array::new(target, local));
+        }
+        if ct.shape() == operand.shape() {
+            return self.reshard_untracked(ct, target.sharding().spec());
+        }
+        let lead = ct.ty().rank() - operand.rank();
+        let dims: Vec<usize> = (lead..ct.ty().rank()).collect();
+        self.broadcast_in_dim_transpose(ct, operand, &dims)
+    }
+}
+
+fn not_differentiable(op: &str) -> SpmdError {
+    SpmdError::BadArgument {
+        op: op.into(),
+        reason: format!("`{op}` has no transpose; it cannot be differentiated"),
+    }
+}
