@@ -190,11 +190,16 @@ impl ParamInfo {
                 .unwrap_or_default();
             return Ok(Tensor::new(self.shape.clone(), data)?);
         }
-        let mut data = Vec::with_capacity(self.shape.iter().product());
-        for part in &parts {
-            // HF's `[cols, rows]` back to `[rows, cols]`.
-            data.extend(transpose(part.data(), cols, rows));
-        }
+        // HF's `[cols, rows]` back to `[rows, cols]`, one block per part.
+        let data = if parts.len() == 1 {
+            transpose(parts[0].data(), cols, rows)
+        } else {
+            let mut data = Vec::with_capacity(self.shape.iter().product());
+            for part in &parts {
+                data.extend(transpose(part.data(), cols, rows));
+            }
+            data
+        };
         Ok(Tensor::new(self.shape.clone(), data)?)
     }
 }

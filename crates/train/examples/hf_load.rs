@@ -57,8 +57,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     })
                 })
                 .collect();
-            // Two shards: the threshold just above half the bf16 bytes.
-            let shard = f32_bytes / 2 / 2 + (1 << 20);
+            // Two shards: the threshold at 60% of the bf16 bytes.
+            let shard = f32_bytes / 2 * 6 / 10;
             hf::save_directory(dir, model.config(), &infos, &values, SaveDtype::Bf16, shard)?;
             println!("wrote {}", dir.display());
         }

@@ -158,24 +158,60 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
             )));
         }
     }
-    // 4. convert, one parameter at a time, releasing each tensor's file pages once read
-    infos
-        .iter()
-        .zip(wanted)
-        .map(|(info, tensors)| {
-            let parts = tensors
-                .into_iter()
-                .map(|(name, shape)| {
-                    let s = located[&name];
-                    let data = to_f32(&shards[s], &name).map_err(err)?;
-                    release(&maps[s], &shards[s], &name);
-                    Tensor::new(shape, data).map_err(|e| err(e.to_string()))
+    // 4. convert, one parameter at a time per thread (parameter k on thread k mod n, so sizes
+    //    spread), releasing each tensor's file pages once read; the first error in parameter
+    //    order wins, so the message does not depend on the schedule
+    let convert = |info: &ParamInfo, tensors: Vec<(String, Vec<usize>)>| {
+        let parts = tensors
+            .into_iter()
+            .map(|(name, shape)| {
+                let s = located[&name];
+                let data = to_f32(&shards[s], &name).map_err(err)?;
+                release(&maps[s], &shards[s], &name);
+                Tensor::new(shape, data).map_err(|e| err(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        info.from_hf(parts).map_err(|e| err(e.to_string()))
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, 8);
+    let mut work: Vec<Vec<(usize, HfTensors)>> = vec![Vec::new(); threads];
+    for (k, tensors) in wanted.into_iter().enumerate() {
+        work[k % threads].push((k, tensors));
+    }
+    let mut out: Vec<Option<Result<Tensor, TrainError>>> = (0..infos.len()).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .into_iter()
+            .map(|items| {
+                let convert = &convert;
+                scope.spawn(move || {
+                    items
+                        .into_iter()
+                        .map(|(k, tensors)| (k, convert(&infos[k], tensors)))
+                        .collect::<Vec<_>>()
                 })
-                .collect::<Result<Vec<_>, _>>()?;
-            info.from_hf(parts).map_err(|e| err(e.to_string()))
-        })
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(done) => {
+                    for (k, r) in done {
+                        out[k] = Some(r);
+                    }
+                }
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(err("a parameter was not converted".into()))))
         .collect()
 }
+
+/// One parameter's HF tensors, `(name, shape)`.
+type HfTensors = Vec<(String, Vec<usize>)>;
 
 /// The shard files of `dir` in a fixed order, and the index's name → file map when sharded.
 #[allow(clippy::type_complexity)]
