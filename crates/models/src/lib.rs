@@ -1,5 +1,6 @@
 /*!
-The `models` layer of ferrotext: layers ([`nn`], the mixture-of-experts block [`moe`]) and model families ([`qwen3`]) written on the
+The `models` layer of ferrotext: layers ([`nn`], the mixture-of-experts block [`moe`]) and the
+decoder ([`decoder`]: Qwen3, Qwen3-MoE, DeepSeek-V3 with its pieces in [`deepseek`]) written on the
 `spmd` ops. It must not know about the training loop: a model declares its parameters (names,
 shapes, logical axes, initialisation) and computes a loss from parameters and a batch; the
 trainer decides how parameters are laid out and tagged.
@@ -14,10 +15,12 @@ gradients `{U:data}`) and the untagged one, and nothing here can drop a tag.
 */
 #![deny(missing_docs)]
 
-pub mod mla;
+pub mod decoder;
+pub mod deepseek;
 pub mod moe;
 pub mod nn;
 mod params;
+mod presets;
 pub mod qwen3;
 
-pub use params::{init_normal, Init, ParamInfo, Rng};
+pub use params::{init_normal, HfLayout, HfLayoutError, Init, ParamInfo, Rng};

@@ -1,6 +1,10 @@
-//! Parameter declarations and their deterministic initialisation.
+//! Parameter declarations, their Hugging Face layout and their deterministic initialisation.
+//!
+//! Every [`ParamInfo`] says how it is stored in a HF checkpoint ([`HfLayout`]), and loading,
+//! saving and checkpoints all go through [`ParamInfo::to_hf`] / [`ParamInfo::from_hf`]: the
+//! orientation of a weight is declared once, beside its shape, never guessed from its name.
 
-use ferrotext_tensor::Tensor;
+use ferrotext_tensor::{Tensor, TensorError};
 
 /// How a parameter starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -16,10 +20,62 @@ pub enum Init {
     Ones,
 }
 
-/// One parameter: its checkpoint name, shape, logical axis per dimension and initialisation.
+/// How a parameter is stored in a Hugging Face checkpoint.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HfLayout {
+    /// One HF tensor `name`. `transposed`: ferrotext stores the matrix `[in, out]` (so `x·W` needs
+    /// no transpose) and HF stores `[out, in]`; otherwise the same shape (embeddings, norm scales).
+    Tensor {
+        /// The HF tensor name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+        name: String,
+        /// Whether HF's tensor is the transpose of ferrotext's `[in, out]` matrix.
+        transposed: bool,
+    },
+    /// Routed experts stacked `[E, in, out]`; HF stores expert `e` alone as
+    /// `{prefix}.{e}.{suffix}`, `[out, in]` (e.g. `model.layers.1.mlp.experts.3.gate_proj.weight`).
+    Experts {
+        /// E.g. `model.layers.1.mlp.experts`.
+        prefix: String,
+        /// E.g. `gate_proj.weight`.
+        suffix: String,
+    },
+}
+
+/// A value that does not fit a parameter's HF layout.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HfLayoutError {
+    /// A tensor of the wrong shape.
+    #[error("`{name}` has shape {got:?}; the model needs {expected:?}")]
+    Shape {
+        /// The tensor (HF name, or the parameter's name for a ferrotext value).
+        name: String,
+        /// The shape the layout needs.
+        expected: Vec<usize>,
+        /// The shape given.
+        got: Vec<usize>,
+    },
+    /// The wrong number of HF tensors for one parameter.
+    #[error("`{param}` is stored as {expected} HF tensors, got {got}")]
+    Count {
+        /// The parameter.
+        param: String,
+        /// Tensors its layout has.
+        expected: usize,
+        /// Tensors given.
+        got: usize,
+    },
+    /// A tensor could not be built.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// One parameter: its checkpoint name, shape, logical axis per dimension, initialisation and HF
+/// layout.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamInfo {
-    /// The checkpoint name, e.g. `layers.0.self_attn.q_proj.weight`.
+    /// The checkpoint name, e.g. `model.layers.0.self_attn.q_proj.weight` or, for stacked
+    /// experts, `model.layers.1.mlp.experts.gate_proj`.
     pub name: String,
     /// Global shape.
     pub shape: Vec<usize>,
@@ -27,6 +83,150 @@ pub struct ParamInfo {
     pub logical: Vec<Option<&'static str>>,
     /// Initialisation.
     pub init: Init,
+    /// How HF stores it.
+    pub hf: HfLayout,
+}
+
+impl ParamInfo {
+    /// The HF tensors this parameter is stored as, `(name, shape)`, in order (expert 0 first).
+    pub fn hf_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        match &self.hf {
+            HfLayout::Tensor { name, transposed } => {
+                let mut shape = self.shape.clone();
+                if *transposed {
+                    shape.reverse();
+                }
+                vec![(name.clone(), shape)]
+            }
+            HfLayout::Experts { prefix, suffix } => {
+                let (e, mut shape) = match self.shape.split_first() {
+                    Some((e, rest)) => (*e, rest.to_vec()),
+                    None => (0, Vec::new()),
+                };
+                shape.reverse();
+                (0..e)
+                    .map(|i| (format!("{prefix}.{i}.{suffix}"), shape.clone()))
+                    .collect()
+            }
+        }
+    }
+
+    /// `value` (this parameter's global value) as its HF tensors, named and shaped as
+    /// [`ParamInfo::hf_tensors`] lists them.
+    ///
+    /// # Errors
+    /// [`HfLayoutError::Shape`] when `value` is not of this parameter's shape.
+    pub fn to_hf(&self, value: &Tensor) -> Result<Vec<(String, Tensor)>, HfLayoutError> {
+        if value.shape() != self.shape.as_slice() {
+            return Err(HfLayoutError::Shape {
+                name: self.name.clone(),
+                expected: self.shape.clone(),
+                got: value.shape().to_vec(),
+            });
+        }
+        let transposed = matches!(
+            self.hf,
+            HfLayout::Experts { .. }
+                | HfLayout::Tensor {
+                    transposed: true,
+                    ..
+                }
+        );
+        let (rows, cols) = matrix_dims(&self.shape, &self.hf);
+        let block = rows * cols;
+        self.hf_tensors()
+            .into_iter()
+            .enumerate()
+            .map(|(e, (name, shape))| {
+                let part = &value.data()[e * block..(e + 1) * block];
+                let data = if transposed {
+                    transpose(part, rows, cols)
+                } else {
+                    part.to_vec()
+                };
+                Ok((name, Tensor::new(shape, data)?))
+            })
+            .collect()
+    }
+
+    /// The parameter's value from its HF tensors, given in [`ParamInfo::hf_tensors`] order.
+    ///
+    /// # Errors
+    /// [`HfLayoutError::Count`] or [`HfLayoutError::Shape`] when `parts` do not match the
+    /// layout.
+    pub fn from_hf(&self, parts: Vec<Tensor>) -> Result<Tensor, HfLayoutError> {
+        let wanted = self.hf_tensors();
+        if parts.len() != wanted.len() {
+            return Err(HfLayoutError::Count {
+                param: self.name.clone(),
+                expected: wanted.len(),
+                got: parts.len(),
+            });
+        }
+        let transposed = matches!(
+            self.hf,
+            HfLayout::Experts { .. }
+                | HfLayout::Tensor {
+                    transposed: true,
+                    ..
+                }
+        );
+        let (rows, cols) = matrix_dims(&self.shape, &self.hf);
+        for (part, (name, shape)) in parts.iter().zip(&wanted) {
+            if part.shape() != shape.as_slice() {
+                return Err(HfLayoutError::Shape {
+                    name: name.clone(),
+                    expected: shape.clone(),
+                    got: part.shape().to_vec(),
+                });
+            }
+        }
+        if !transposed {
+            // One tensor of the same layout: moved, not copied (a large embedding stays one copy).
+            let data = parts
+                .into_iter()
+                .next()
+                .map(Tensor::into_data)
+                .unwrap_or_default();
+            return Ok(Tensor::new(self.shape.clone(), data)?);
+        }
+        // HF's `[cols, rows]` back to `[rows, cols]`, one block per part.
+        let data = if parts.len() == 1 {
+            transpose(parts[0].data(), cols, rows)
+        } else {
+            let mut data = Vec::with_capacity(self.shape.iter().product());
+            for part in &parts {
+                data.extend(transpose(part.data(), cols, rows));
+            }
+            data
+        };
+        Ok(Tensor::new(self.shape.clone(), data)?)
+    }
+}
+
+/// The `[rows, cols]` of one HF block: a matrix, one expert's matrix, or the whole value.
+fn matrix_dims(shape: &[usize], hf: &HfLayout) -> (usize, usize) {
+    match (hf, shape) {
+        (HfLayout::Experts { .. }, [_, r, c]) | (HfLayout::Tensor { .. }, [r, c]) => (*r, *c),
+        _ => (shape.iter().product(), 1),
+    }
+}
+
+/// The `[cols, rows]` transpose of a row-major `[rows, cols]` block, in 32×32 tiles so both
+/// sides stay in cache (a plain loop strides a whole row per element on one side).
+fn transpose(block: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const TILE: usize = 32;
+    let mut out = vec![0.0; block.len()];
+    for i0 in (0..rows).step_by(TILE) {
+        for j0 in (0..cols).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(rows) {
+                for j in j0..(j0 + TILE).min(cols) {
+                    out[j * rows + i] = block[i * cols + j];
+                }
+            }
+        }
+    }
+    out
 }
 
 /// SplitMix64: small, fast, and the same on every platform, so every device and every run

@@ -70,6 +70,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "dataset_path",
     "load_parameters_path",
     "save_parameters_path",
+    "save_parameters_dtype",
     "base_output_directory",
     "run_name",
     "metrics_file",
@@ -160,10 +161,6 @@ fn ckpt_err(path: &Path, reason: impl Into<String>) -> TrainError {
         path: path.display().to_string(),
         reason: reason.into(),
     }
-}
-
-fn hf_transposed(name: &str) -> bool {
-    name.ends_with("_proj.weight") || name == "lm_head.weight"
 }
 
 /// Writes `entries` as one safetensors file, fsynced; returns its SHA-256.
@@ -891,23 +888,14 @@ impl Engine {
                     sharding,
                 });
             };
-            let stored_params: Vec<(String, Tensor)> = self
-                .infos
-                .iter()
-                .zip(&params)
-                .map(|(info, t)| {
-                    Ok((
-                        info.name.clone(),
-                        if hf_transposed(&info.name) {
-                            t.transpose(&[1, 0])?
-                        } else {
-                            t.clone()
-                        },
-                    ))
-                })
-                .collect::<Result<_, TrainError>>()?;
-            for ((n, t), p) in stored_params.iter().zip(&self.params) {
-                entry("params.safetensors", n.clone(), t, p.ty().to_string());
+            // HF names and orientation, as each parameter declares (experts unstacked).
+            let mut stored_params: Vec<(String, Tensor)> = Vec::new();
+            for ((info, t), p) in self.infos.iter().zip(&params).zip(&self.params) {
+                let parts = info.to_hf(t).map_err(|e| ckpt_err(&tmp, e.to_string()))?;
+                for (n, part) in parts {
+                    entry("params.safetensors", n.clone(), &part, p.ty().to_string());
+                    stored_params.push((n, part));
+                }
             }
             files.insert(
                 "params.safetensors".to_string(),
@@ -1060,16 +1048,15 @@ impl Engine {
             .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
         let mut params = Vec::with_capacity(self.infos.len());
         for info in &self.infos {
-            let mut shape = info.shape.clone();
-            if hf_transposed(&info.name) {
-                shape.reverse();
-            }
-            let t = tensor(&path, &file, &info.name, &shape)?;
-            params.push(if hf_transposed(&info.name) {
-                t.transpose(&[1, 0])?
-            } else {
-                t
-            });
+            let parts = info
+                .hf_tensors()
+                .iter()
+                .map(|(name, shape)| tensor(&path, &file, name, shape))
+                .collect::<Result<Vec<_>, _>>()?;
+            params.push(
+                info.from_hf(parts)
+                    .map_err(|e| ckpt_err(&path, e.to_string()))?,
+            );
         }
         // `validate_manifest` and `check_config` made sure the file is listed when the
         // optimizer keeps state: a missing one is an error, never a silent reset.

@@ -183,10 +183,16 @@ pub struct TrainConfig {
     pub init_weights_seed: u64,
     /// Seed of the data order.
     pub data_shuffle_seed: u64,
-    /// Safetensors file to start from (HF-Qwen3-like names).
+    /// Parameters to start from: a safetensors file (HF names and orientation), or a Hugging Face
+    /// model directory (`config.json` + `model.safetensors` or shards with
+    /// `model.safetensors.index.json`; F32/BF16/F16), whose `config.json` then sets the model in
+    /// place of `model_name` (dimension keys still override it, and must then fit the tensors).
     pub load_parameters_path: String,
-    /// Where to save the final parameters (safetensors; empty: don't).
+    /// Where to save the final parameters (empty: don't): a path ending in `.safetensors` is one
+    /// F32 file; any other path a Hugging Face model directory (`save_parameters_dtype`).
     pub save_parameters_path: String,
+    /// The dtype of a saved Hugging Face directory's tensors: `f32` or `bf16`.
+    pub save_parameters_dtype: String,
     /// Directory for run outputs.
     pub base_output_directory: String,
     /// The run's name (its outputs go to `base_output_directory/run_name`).
@@ -272,6 +278,7 @@ impl Default for TrainConfig {
             data_shuffle_seed: 0,
             load_parameters_path: String::new(),
             save_parameters_path: String::new(),
+            save_parameters_dtype: "f32".into(),
             base_output_directory: "ferrotext_runs".into(),
             run_name: "default".into(),
             metrics_file: String::new(),
@@ -387,13 +394,18 @@ impl TrainConfig {
     /// # Errors
     /// An unknown preset.
     pub fn model(&self) -> Result<qwen3::Config, TrainError> {
-        let mut m = qwen3::Config::preset(&self.model_name).ok_or_else(|| {
-            TrainError::Config(format!(
-                "model_name `{}` is not a preset (one of {})",
-                self.model_name,
-                qwen3::Config::PRESETS.join(", ")
-            ))
-        })?;
+        let hf_dir = Path::new(&self.load_parameters_path);
+        let mut m = if !self.load_parameters_path.is_empty() && hf_dir.is_dir() {
+            crate::hf::read_config(hf_dir)?
+        } else {
+            qwen3::Config::preset(&self.model_name).ok_or_else(|| {
+                TrainError::Config(format!(
+                    "model_name `{}` is not a preset (one of {})",
+                    self.model_name,
+                    qwen3::Config::PRESETS.join(", ")
+                ))
+            })?
+        };
         let set = |field: &mut usize, v: Option<usize>| {
             if let Some(v) = v {
                 *field = v;
@@ -597,6 +609,12 @@ impl TrainConfig {
             }
         }
         self.check_floats()?;
+        if crate::hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
+            return bad(format!(
+                "save_parameters_dtype must be f32 or bf16, got `{}`",
+                self.save_parameters_dtype
+            ));
+        }
         let rows = self.per_device_batch_size * self.devices() as f64;
         if !(rows >= 1.0 && (rows - rows.round()).abs() < 1e-9) {
             return bad(format!(

@@ -1,9 +1,10 @@
 //! Parameter files, the metrics log, and the check that a run's outputs can be written.
 //!
-//! Parameters are safetensors with HF-Qwen3 names and HF orientation: linear weights
-//! (`*_proj.weight`, `lm_head.weight`) are stored `[out, in]` as HF stores them and transposed
-//! to ferrotext's `[in, out]` on load (and back on save); embeddings and norm scales as they are.
-//! So a checkpoint made with `transformers` for the same dims loads here, and ours load there.
+//! Parameters are safetensors with HF names and HF orientation, as each parameter's
+//! [`ParamInfo::hf`] declares: matrices are stored `[out, in]` as HF stores them and transposed
+//! to ferrotext's `[in, out]` on load (and back on save), stacked experts are one tensor per
+//! expert (`mlp.experts.{e}.gate_proj.weight`), embeddings and norm scales are as they are. So a
+//! checkpoint made with `transformers` for the same dims loads here, and ours load there.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -17,11 +18,9 @@ use safetensors::SafeTensors;
 use crate::engine::StepMetrics;
 use crate::error::TrainError;
 
-fn hf_transposed(name: &str) -> bool {
-    name.ends_with("_proj.weight") || name == "lm_head.weight"
-}
-
-/// Loads every parameter of `infos` from a safetensors file.
+/// Loads every parameter of `infos` from a safetensors file, or from a Hugging Face model
+/// directory ([`crate::hf::load_directory`]), each from the HF tensors its
+/// [`ParamInfo::hf_tensors`] names.
 ///
 /// # Errors
 /// [`TrainError::Params`] naming the file and the problem: unreadable, not safetensors, a missing
@@ -33,6 +32,9 @@ pub fn load_parameters(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, 
     };
     // Only a regular file: a FIFO or a device such as /dev/zero would block or read forever.
     let meta = std::fs::metadata(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    if meta.is_dir() {
+        return crate::hf::load_directory(path, infos);
+    }
     if !meta.is_file() {
         return Err(err("is not a regular file".into()));
     }
@@ -42,53 +44,53 @@ pub fn load_parameters(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, 
     infos
         .iter()
         .map(|info| {
-            let view = file
-                .tensor(&info.name)
-                .map_err(|_| err(format!("missing tensor `{}`", info.name)))?;
-            if view.dtype() != Dtype::F32 {
-                return Err(err(format!(
-                    "`{}` is {:?}; only F32 is supported",
-                    info.name,
-                    view.dtype()
-                )));
-            }
-            let data: Vec<f32> = view
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            let mut shape = info.shape.clone();
-            if hf_transposed(&info.name) {
-                shape.reverse();
-            }
-            if view.shape() != shape.as_slice() {
-                return Err(err(format!(
-                    "`{}` has shape {:?}, the model needs {:?}",
-                    info.name,
-                    view.shape(),
-                    shape
-                )));
-            }
-            if let Some(i) = data.iter().position(|x| !x.is_finite()) {
-                return Err(err(format!(
-                    "`{}` holds a non-finite value ({}) at flat index {i}",
-                    info.name, data[i]
-                )));
-            }
-            let t = Tensor::new(shape, data).map_err(|e| err(e.to_string()))?;
-            if hf_transposed(&info.name) {
-                t.transpose(&[1, 0]).map_err(|e| err(e.to_string()))
-            } else {
-                Ok(t)
-            }
+            let parts = info
+                .hf_tensors()
+                .into_iter()
+                .map(|(name, shape)| read_f32(&file, &name, shape).map_err(err))
+                .collect::<Result<Vec<_>, _>>()?;
+            info.from_hf(parts).map_err(|e| err(e.to_string()))
         })
         .collect()
 }
 
-/// Saves parameters to a safetensors file (written to a temporary name, then renamed).
+/// The F32 tensor `name` of `file`, checked for its shape and for finite values.
+fn read_f32(file: &SafeTensors<'_>, name: &str, shape: Vec<usize>) -> Result<Tensor, String> {
+    let view = file
+        .tensor(name)
+        .map_err(|_| format!("missing tensor `{name}`"))?;
+    if view.dtype() != Dtype::F32 {
+        return Err(format!(
+            "`{name}` is {:?}; only F32 is supported",
+            view.dtype()
+        ));
+    }
+    if view.shape() != shape.as_slice() {
+        return Err(format!(
+            "`{name}` has shape {:?}, the model needs {shape:?}",
+            view.shape()
+        ));
+    }
+    let data: Vec<f32> = view
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+        return Err(format!(
+            "`{name}` holds a non-finite value ({}) at flat index {i}",
+            data[i]
+        ));
+    }
+    Tensor::new(shape, data).map_err(|e| e.to_string())
+}
+
+/// Saves parameters to a safetensors file (written to a temporary name, then renamed), each as
+/// the HF tensors of its [`ParamInfo::to_hf`] (HF names and orientation, experts unstacked).
 ///
 /// # Errors
-/// [`TrainError::Io`] when writing fails.
+/// [`TrainError::Io`] when writing fails; [`TrainError::Params`] when a value does not have its
+/// parameter's shape.
 pub fn save_parameters(
     path: &Path,
     infos: &[ParamInfo],
@@ -98,30 +100,25 @@ pub fn save_parameters(
         path: path.display().to_string(),
         source,
     };
+    let params_err = |reason: String| TrainError::Params {
+        path: path.display().to_string(),
+        reason,
+    };
     let mut stored = Vec::with_capacity(values.len());
     for (info, v) in infos.iter().zip(values) {
-        let t = if hf_transposed(&info.name) {
-            v.transpose(&[1, 0])?
-        } else {
-            v.clone()
-        };
-        let bytes: Vec<u8> = t.data().iter().flat_map(|x| x.to_le_bytes()).collect();
-        stored.push((info.name.clone(), t.shape().to_vec(), bytes));
+        for (name, t) in info.to_hf(v).map_err(|e| params_err(e.to_string()))? {
+            let bytes: Vec<u8> = t.data().iter().flat_map(|x| x.to_le_bytes()).collect();
+            stored.push((name, t.shape().to_vec(), bytes));
+        }
     }
     let views: Vec<(String, TensorView<'_>)> = stored
         .iter()
         .map(|(n, s, b)| TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)))
         .collect::<Result<_, _>>()
-        .map_err(|e| TrainError::Params {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        .map_err(|e| params_err(e.to_string()))?;
     let meta: Option<HashMap<String, String>> =
         Some([("format".to_string(), "pt".to_string())].into());
-    let bytes = safetensors::serialize(views, &meta).map_err(|e| TrainError::Params {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
+    let bytes = safetensors::serialize(views, &meta).map_err(|e| params_err(e.to_string()))?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(io)?;
     }
@@ -130,6 +127,43 @@ pub fn save_parameters(
     f.write_all(&bytes).map_err(io)?;
     f.sync_all().map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// True when `save_parameters_path` names a Hugging Face directory rather than one file: every
+/// path that does not end in `.safetensors`.
+pub fn saves_directory(path: &Path) -> bool {
+    path.extension().is_none_or(|e| e != "safetensors")
+}
+
+/// Saves the final parameters where `config.save_parameters_path` says: a `.safetensors` path is
+/// one file (F32), any other path a Hugging Face model directory of `save_parameters_dtype`
+/// ([`crate::hf::save_directory`], sharded above [`crate::hf::DEFAULT_SHARD_BYTES`]).
+///
+/// # Errors
+/// As [`save_parameters`] and [`crate::hf::save_directory`].
+pub fn save_final_parameters(
+    config: &crate::TrainConfig,
+    infos: &[ParamInfo],
+    values: &[Tensor],
+) -> Result<(), TrainError> {
+    let path = Path::new(&config.save_parameters_path);
+    if !saves_directory(path) {
+        return save_parameters(path, infos, values);
+    }
+    let dtype = crate::hf::SaveDtype::parse(&config.save_parameters_dtype).ok_or_else(|| {
+        TrainError::Config(format!(
+            "save_parameters_dtype must be f32 or bf16, got `{}`",
+            config.save_parameters_dtype
+        ))
+    })?;
+    crate::hf::save_directory(
+        path,
+        &config.model()?,
+        infos,
+        values,
+        dtype,
+        crate::hf::DEFAULT_SHARD_BYTES,
+    )
 }
 
 /// The per-step metrics file, one JSON line per step, appended and flushed as each step ends, so
@@ -224,11 +258,17 @@ const NAME_MAX: usize = 255;
 pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError> {
     let mut outputs = vec![("metrics_file", config.metrics_path(), false)];
     if !config.save_parameters_path.is_empty() {
-        outputs.push((
-            "save_parameters_path",
-            config.save_parameters_path.clone().into(),
-            false,
-        ));
+        let path = std::path::PathBuf::from(&config.save_parameters_path);
+        let is_dir = saves_directory(&path);
+        // A model directory is replaced whole, so an existing one must be a model directory.
+        if is_dir && path.exists() && !path.join(crate::hf::CONFIG_FILE).is_file() {
+            return Err(TrainError::Config(format!(
+                "save_parameters_path: {} exists and is not a model directory (no config.json); \
+                 name a new directory, or a file ending in .safetensors",
+                path.display()
+            )));
+        }
+        outputs.push(("save_parameters_path", path, is_dir));
     }
     if config.enable_checkpointing {
         outputs.push((

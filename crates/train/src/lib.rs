@@ -26,6 +26,7 @@ pub mod data;
 mod engine;
 mod error;
 mod gate;
+pub mod hf;
 pub mod io;
 pub mod keys;
 mod optim;

@@ -1,0 +1,226 @@
+//! DeepSeek-V3's pieces of the decoder: multi-head latent attention (DeepSeek-V2/V3, MaxText
+//! `attention_type: mla`) with its weights ([`Mla`]) and settings ([`MlaSettings`]). Its YaRN
+//! RoPE is [`ferrotext_tensor::Yarn`] (chosen by [`Config::rope`]) and its sigmoid router is
+//! [`crate::moe::RouterScore::Sigmoid`].
+//!
+//! MLA: queries and keys/values go through low-rank latents with their own RMSNorms; each head's
+//! query/key is a position-free part (`qk_nope_head_dim`) and a RoPE part (`qk_rope_head_dim`)
+//! whose key half is one vector shared by every head; values have their own width
+//! (`v_head_dim`).
+
+use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_tensor::Rope;
+
+use crate::decoder::{matrix, norm_scale, Config};
+use crate::nn::{causal_attention, linear, rms_norm};
+use crate::params::ParamInfo;
+
+/// Multi-head latent attention in place of GQA (DeepSeek; MaxText's MLA keys).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaSettings {
+    /// Query latent width (`q_lora_rank`).
+    pub q_lora_rank: usize,
+    /// Key/value latent width (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Position-free query/key width per head (`qk_nope_head_dim`).
+    pub qk_nope_head_dim: usize,
+    /// RoPE query/key width per head (`qk_rope_head_dim`).
+    pub qk_rope_head_dim: usize,
+    /// Value width per head (`v_head_dim`).
+    pub v_head_dim: usize,
+}
+
+/// MLA weights (`self_attn.*`, HF DeepSeek-V3 names), matrices `[in, out]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mla<W> {
+    /// `q_a_proj.weight` `[d, q_lora]`.
+    pub q_a_proj: W,
+    /// `q_a_layernorm.weight` `[q_lora]`.
+    pub q_a_layernorm: W,
+    /// `q_b_proj.weight` `[q_lora, heads·(nope+rope)]`.
+    pub q_b_proj: W,
+    /// `kv_a_proj_with_mqa.weight` `[d, kv_lora + rope]`.
+    pub kv_a_proj_with_mqa: W,
+    /// `kv_a_layernorm.weight` `[kv_lora]`.
+    pub kv_a_layernorm: W,
+    /// `kv_b_proj.weight` `[kv_lora, heads·(nope+v)]`.
+    pub kv_b_proj: W,
+    /// `o_proj.weight` `[heads·v, d]`.
+    pub o_proj: W,
+}
+
+impl<W> Mla<W> {
+    /// This structure with every weight replaced by `f(weight)`, in field order.
+    pub(crate) fn try_map<U, E>(
+        &self,
+        f: &mut impl FnMut(&W) -> Result<U, E>,
+    ) -> Result<Mla<U>, E> {
+        Ok(Mla {
+            q_a_proj: f(&self.q_a_proj)?,
+            q_a_layernorm: f(&self.q_a_layernorm)?,
+            q_b_proj: f(&self.q_b_proj)?,
+            kv_a_proj_with_mqa: f(&self.kv_a_proj_with_mqa)?,
+            kv_a_layernorm: f(&self.kv_a_layernorm)?,
+            kv_b_proj: f(&self.kv_b_proj)?,
+            o_proj: f(&self.o_proj)?,
+        })
+    }
+}
+
+impl Mla<ParamInfo> {
+    /// The declarations under `prefix` (`model.layers.{i}.self_attn`) for width `d` and `heads`.
+    pub(crate) fn declare(prefix: &str, d: usize, heads: usize, m: &MlaSettings) -> Mla<ParamInfo> {
+        let n = |s: &str| format!("{prefix}.{s}.weight");
+        let (qk, v) = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim);
+        Mla {
+            q_a_proj: matrix(
+                n("q_a_proj"),
+                [d, m.q_lora_rank],
+                [Some("embed"), Some("q_lora")],
+            ),
+            q_a_layernorm: norm_scale(n("q_a_layernorm"), m.q_lora_rank, Some("q_lora")),
+            q_b_proj: matrix(
+                n("q_b_proj"),
+                [m.q_lora_rank, heads * qk],
+                [Some("q_lora"), Some("q_heads")],
+            ),
+            kv_a_proj_with_mqa: matrix(
+                n("kv_a_proj_with_mqa"),
+                [d, m.kv_lora_rank + m.qk_rope_head_dim],
+                [Some("embed"), Some("kv_lora")],
+            ),
+            kv_a_layernorm: norm_scale(n("kv_a_layernorm"), m.kv_lora_rank, Some("kv_lora")),
+            kv_b_proj: matrix(
+                n("kv_b_proj"),
+                [m.kv_lora_rank, heads * (m.qk_nope_head_dim + v)],
+                [Some("kv_lora"), Some("q_heads")],
+            ),
+            o_proj: matrix(
+                n("o_proj"),
+                [heads * v, d],
+                [Some("q_heads"), Some("embed")],
+            ),
+        }
+    }
+}
+
+impl Mla<&Array> {
+    /// MLA self-attention of `h: [B@batch, T, d]` under `c`'s dims (see [`mla_attention`]).
+    pub(crate) fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        h: &Array,
+        c: &Config,
+    ) -> Result<Array, SpmdError> {
+        let m = c.mla.ok_or_else(|| SpmdError::BadArgument {
+            op: "qwen3".into(),
+            reason: "MLA weights on a config without MLA settings".into(),
+        })?;
+        let w = MlaWeights {
+            wq_a: self.q_a_proj,
+            q_norm: self.q_a_layernorm,
+            wq_b: self.q_b_proj,
+            wkv_a: self.kv_a_proj_with_mqa,
+            kv_norm: self.kv_a_layernorm,
+            wkv_b: self.kv_b_proj,
+            out: self.o_proj,
+        };
+        let dims = MlaDims {
+            heads: c.base_num_query_heads,
+            q_lora_rank: m.q_lora_rank,
+            kv_lora_rank: m.kv_lora_rank,
+            qk_nope_head_dim: m.qk_nope_head_dim,
+            qk_rope_head_dim: m.qk_rope_head_dim,
+            v_head_dim: m.v_head_dim,
+            eps: c.normalization_layer_epsilon,
+            rope: c.rope(),
+        };
+        mla_attention(cx, h, &w, dims)
+    }
+}
+
+/// MLA hyper-parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaDims {
+    /// Heads.
+    pub heads: usize,
+    /// Query latent width (`q_lora_rank`).
+    pub q_lora_rank: usize,
+    /// Key/value latent width (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Position-free query/key width per head.
+    pub qk_nope_head_dim: usize,
+    /// RoPE query/key width per head.
+    pub qk_rope_head_dim: usize,
+    /// Value width per head.
+    pub v_head_dim: usize,
+    /// RMSNorm epsilon of the latent norms.
+    pub eps: f32,
+    /// The RoPE variant (DeepSeek: YaRN, interleaved).
+    pub rope: Rope,
+}
+
+/// The weights of one MLA block (`[in, out]` matrices; HF DeepSeek names in brackets).
+pub struct MlaWeights<'a> {
+    /// `[d, q_lora]` (`q_a_proj`).
+    pub wq_a: &'a Array,
+    /// `[q_lora]` (`q_a_layernorm`).
+    pub q_norm: &'a Array,
+    /// `[q_lora, heads·(nope+rope)]` (`q_b_proj`).
+    pub wq_b: &'a Array,
+    /// `[d, kv_lora + rope]` (`kv_a_proj_with_mqa`).
+    pub wkv_a: &'a Array,
+    /// `[kv_lora]` (`kv_a_layernorm`).
+    pub kv_norm: &'a Array,
+    /// `[kv_lora, heads·(nope+v)]` (`kv_b_proj`).
+    pub wkv_b: &'a Array,
+    /// `[heads·v, d]` (`o_proj`).
+    pub out: &'a Array,
+}
+
+/// Causal MLA self-attention on `x: [B, T, d]`. The softmax scale is
+/// `(nope+rope)^−½ · rope.attention_scale_factor()` (YaRN's `mscale²`).
+///
+/// # Errors
+/// Any type error of the ops.
+pub fn mla_attention(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    w: &MlaWeights<'_>,
+    dims: MlaDims,
+) -> Result<Array, SpmdError> {
+    let (b, t) = (x.ty().shape()[0], x.ty().shape()[1]);
+    let h = dims.heads;
+    let (nope, rope, vd) = (
+        dims.qk_nope_head_dim,
+        dims.qk_rope_head_dim,
+        dims.v_head_dim,
+    );
+    // 1. queries through their latent: [B, T, H, nope | rope]
+    let cq = linear(cx, x, w.wq_a)?;
+    let cq = rms_norm(cx, &cq, w.q_norm, dims.eps)?;
+    let q = linear(cx, &cq, w.wq_b)?;
+    let q = cx.reshape(&q, &[b, t, h, nope + rope], None)?;
+    let q_nope = cx.slice(&q, 3, 0, nope)?;
+    let q_rope = cx.slice(&q, 3, nope, nope + rope)?;
+    let q_rope = cx.rope_with(&q_rope, &dims.rope)?;
+    // 2. keys/values through theirs; the RoPE key is one vector for every head
+    let ckv = linear(cx, x, w.wkv_a)?;
+    let c = cx.slice(&ckv, 2, 0, dims.kv_lora_rank)?;
+    let k_rope = cx.slice(&ckv, 2, dims.kv_lora_rank, dims.kv_lora_rank + rope)?;
+    let k_rope = cx.reshape(&k_rope, &[b, t, 1, rope], None)?;
+    let k_rope = cx.rope_with(&k_rope, &dims.rope)?;
+    let k_rope = cx.reshape(&k_rope, &[b, t, rope], None)?;
+    let k_rope = cx.broadcast_in_dim(&k_rope, &[b, t, h, rope], &[0, 1, 3], None)?;
+    let c = rms_norm(cx, &c, w.kv_norm, dims.eps)?;
+    let kv = linear(cx, &c, w.wkv_b)?;
+    let kv = cx.reshape(&kv, &[b, t, h, nope + vd], None)?;
+    let k_nope = cx.slice(&kv, 3, 0, nope)?;
+    let v = cx.slice(&kv, 3, nope, nope + vd)?;
+    let q = cx.concat(&[&q_nope, &q_rope], 3)?;
+    let k = cx.concat(&[&k_nope, &k_rope], 3)?;
+    // 3. causal attention with DeepSeek's scale, then the output projection
+    let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
+    let out = causal_attention(cx, &q, &k, &v, scale)?;
+    linear(cx, &out, w.out)
+}

@@ -1,0 +1,150 @@
+//! The named model presets (`model_name=`): Qwen3 sizes, Qwen3-MoE test and bench shapes, and
+//! MaxText's DeepSeek-V3 test models. Each is a [`Config`]; nothing here is checked until
+//! [`Decoder::new`](crate::decoder::Decoder::new).
+
+use crate::decoder::{Config, MlaSettings, MoeSettings};
+use crate::moe::RouterScore;
+use ferrotext_tensor::Yarn;
+
+impl Config {
+    /// A preset by name: `qwen3-tiny` (CPU-sized, byte vocabulary), `qwen3-peer` (the JAX peer
+    /// harness's model), `qwen3-0.6b` (the real dims; abstract mode on CPU), `qwen3-moe-tiny`
+    /// (qwen3-tiny with 8 routed experts, top-2, one shared expert, the first layer dense),
+    /// `qwen3-moe-bench` (many small experts: a large gradient for its FLOPs), `deepseek3-tiny`
+    /// (MaxText's: MLA, YaRN, 16 experts top-8) or `deepseek3-1.3b` (its ~1.3B variant; abstract
+    /// mode on CPU, or train it with reduced dims).
+    pub fn preset(name: &str) -> Option<Config> {
+        let base = Config {
+            vocab_size: 256,
+            base_emb_dim: 128,
+            base_num_decoder_layers: 2,
+            base_num_query_heads: 4,
+            base_num_kv_heads: 2,
+            head_dim: 32,
+            base_mlp_dim: 384,
+            logits_via_embedding: true,
+            rope_max_timescale: 1_000_000.0,
+            normalization_layer_epsilon: 1e-6,
+            z_loss_multiplier: 0.0,
+            moe: None,
+            mla: None,
+            rope_yarn: None,
+        };
+        // MaxText's deepseek3-tiny (reference §4): MLA with YaRN, 16 experts top-8 with a
+        // sigmoid router, 1 shared expert, the first 3 of 61 layers dense, untied head.
+        let deepseek3_tiny = Config {
+            vocab_size: 129_280,
+            base_emb_dim: 64,
+            base_num_decoder_layers: 61,
+            base_num_query_heads: 4,
+            base_num_kv_heads: 4,
+            head_dim: 128,
+            base_mlp_dim: 64,
+            logits_via_embedding: false,
+            rope_max_timescale: 10_000.0,
+            normalization_layer_epsilon: 1e-6,
+            z_loss_multiplier: 0.0,
+            moe: Some(MoeSettings {
+                num_experts: 16,
+                num_experts_per_tok: 8,
+                moe_mlp_dim: 64,
+                shared_experts: 1,
+                first_num_dense_layers: 3,
+                score: RouterScore::Sigmoid,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.5,
+                load_balance_loss_weight: 0.0,
+                withhold_tags: false,
+            }),
+            mla: Some(MlaSettings {
+                q_lora_rank: 32,
+                kv_lora_rank: 16,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+            }),
+            rope_yarn: Some(Yarn {
+                factor: 40.0,
+                original_max_position: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 1.0,
+            }),
+        };
+        let moe = MoeSettings {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_mlp_dim: 96,
+            shared_experts: 1,
+            first_num_dense_layers: 1,
+            score: RouterScore::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            load_balance_loss_weight: 0.0,
+            withhold_tags: false,
+        };
+        Some(match name {
+            "qwen3-tiny" => base,
+            "qwen3-peer" => Config {
+                vocab_size: 2048,
+                base_emb_dim: 256,
+                base_num_decoder_layers: 4,
+                base_num_query_heads: 8,
+                base_num_kv_heads: 4,
+                head_dim: 32,
+                base_mlp_dim: 768,
+                ..base
+            },
+            "qwen3-moe-tiny" => Config {
+                moe: Some(moe),
+                ..base
+            },
+            "qwen3-moe-bench" => Config {
+                base_num_decoder_layers: 2,
+                moe: Some(MoeSettings {
+                    num_experts: 16,
+                    moe_mlp_dim: 64,
+                    first_num_dense_layers: 0,
+                    ..moe
+                }),
+                ..base
+            },
+            "deepseek3-tiny" => deepseek3_tiny,
+            // The ~1.3B variant of MaxText's GA integration test (reference §4).
+            "deepseek3-1.3b" => Config {
+                base_emb_dim: 1024,
+                base_mlp_dim: 2048,
+                base_num_decoder_layers: 24,
+                moe: deepseek3_tiny.moe.clone().map(|m| MoeSettings {
+                    moe_mlp_dim: 1024,
+                    first_num_dense_layers: 1,
+                    num_experts_per_tok: 2,
+                    ..m
+                }),
+                ..deepseek3_tiny.clone()
+            },
+            "qwen3-0.6b" => Config {
+                vocab_size: 151_936,
+                base_emb_dim: 1024,
+                base_num_decoder_layers: 28,
+                base_num_query_heads: 16,
+                base_num_kv_heads: 8,
+                head_dim: 128,
+                base_mlp_dim: 3072,
+                ..base
+            },
+            _ => return None,
+        })
+    }
+
+    /// The preset names.
+    pub const PRESETS: &'static [&'static str] = &[
+        "qwen3-tiny",
+        "qwen3-peer",
+        "qwen3-0.6b",
+        "qwen3-moe-tiny",
+        "qwen3-moe-bench",
+        "deepseek3-tiny",
+        "deepseek3-1.3b",
+    ];
+}

@@ -1,0 +1,446 @@
+//! `config.json` ↔ the decoder's [`Config`], for the three HF families the decoder runs.
+
+use std::path::Path;
+
+use ferrotext_models::decoder::{Config, MoeSettings};
+use ferrotext_models::deepseek::MlaSettings;
+use ferrotext_models::moe::RouterScore;
+use ferrotext_tensor::Yarn;
+use serde_json::{json, Value};
+
+use crate::error::TrainError;
+
+/// The HF `model_type`s the decoder runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelType {
+    /// `qwen3` (`Qwen3ForCausalLM`): dense, GQA with QK-norm.
+    Qwen3,
+    /// `qwen3_moe` (`Qwen3MoeForCausalLM`): softmax router, no shared experts.
+    Qwen3Moe,
+    /// `deepseek_v3` (`DeepseekV3ForCausalLM`): MLA, sigmoid router, shared experts.
+    DeepseekV3,
+}
+
+impl ModelType {
+    /// The `model_type` string.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelType::Qwen3 => "qwen3",
+            ModelType::Qwen3Moe => "qwen3_moe",
+            ModelType::DeepseekV3 => "deepseek_v3",
+        }
+    }
+
+    /// The family a decoder config belongs to in HF's terms.
+    ///
+    /// # Errors
+    /// A config no HF family expresses, naming the features.
+    pub fn of(cfg: &Config) -> Result<ModelType, String> {
+        let mut unsupported = Vec::new();
+        let kind = match (&cfg.mla, &cfg.moe) {
+            (Some(_), None) => {
+                unsupported.push("MLA without MoE layers (deepseek_v3 has MoE)".to_string());
+                ModelType::DeepseekV3
+            }
+            (Some(_), Some(m)) => {
+                if m.score != RouterScore::Sigmoid {
+                    unsupported.push("a softmax router with MLA (deepseek_v3 uses sigmoid)".into());
+                }
+                ModelType::DeepseekV3
+            }
+            (None, Some(m)) => {
+                if m.score != RouterScore::Softmax {
+                    unsupported
+                        .push("a sigmoid router without MLA (qwen3_moe uses softmax)".into());
+                }
+                if m.shared_experts > 0 {
+                    unsupported.push(format!(
+                        "shared_experts={} (qwen3_moe has none)",
+                        m.shared_experts
+                    ));
+                }
+                if m.routed_scaling_factor != 1.0 {
+                    unsupported.push(format!(
+                        "routed_scaling_factor={} (qwen3_moe has none)",
+                        m.routed_scaling_factor
+                    ));
+                }
+                ModelType::Qwen3Moe
+            }
+            (None, None) => ModelType::Qwen3,
+        };
+        if cfg.mla.is_none() && cfg.rope_yarn.is_some() {
+            unsupported.push("YaRN RoPE without MLA".into());
+        }
+        if unsupported.is_empty() {
+            Ok(kind)
+        } else {
+            Err(format!(
+                "no Hugging Face model_type fits this model: {}",
+                unsupported.join("; ")
+            ))
+        }
+    }
+}
+
+/// The decoder config of the HF directory `dir` (its `config.json`).
+///
+/// # Errors
+/// [`TrainError::Params`] naming `config.json`: unreadable, not JSON, an unknown `model_type`,
+/// a missing or mistyped key, or features the decoder does not have (all named in one error).
+pub fn read_config(dir: &Path) -> Result<Config, TrainError> {
+    let path = dir.join(super::CONFIG_FILE);
+    let err = |reason: String| TrainError::Params {
+        path: path.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let value: Value = serde_json::from_str(&text).map_err(|e| err(format!("is not JSON: {e}")))?;
+    decoder_config(&value).map_err(err)
+}
+
+/// Reads keys of one `config.json`, remembering what it cannot use.
+struct Keys<'a> {
+    v: &'a Value,
+    unsupported: Vec<String>,
+}
+
+impl<'a> Keys<'a> {
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.v.get(key).filter(|x| !x.is_null())
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, String> {
+        self.get(key)
+            .and_then(Value::as_u64)
+            .map(|x| x as usize)
+            .ok_or_else(|| format!("`{key}` is missing or not a non-negative integer"))
+    }
+
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize, String> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(_) => self.usize(key),
+        }
+    }
+
+    fn f32_or(&self, key: &str, default: f32) -> Result<f32, String> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(x) => x
+                .as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| format!("`{key}` is not a number")),
+        }
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool, String> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(x) => x
+                .as_bool()
+                .ok_or_else(|| format!("`{key}` is not a boolean")),
+        }
+    }
+
+    /// Records `key=value` as unsupported unless it is absent or equal to `allowed`.
+    fn only(&mut self, key: &str, allowed: Value) {
+        if let Some(x) = self.get(key) {
+            if *x != allowed {
+                self.unsupported.push(format!("{key}={x}"));
+            }
+        }
+    }
+}
+
+/// The decoder config of a parsed `config.json`.
+fn decoder_config(v: &Value) -> Result<Config, String> {
+    let model_type = v
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or("`model_type` is missing")?;
+    let kind = match model_type {
+        "qwen3" => ModelType::Qwen3,
+        "qwen3_moe" => ModelType::Qwen3Moe,
+        "deepseek_v3" => ModelType::DeepseekV3,
+        other => {
+            return Err(format!(
+                "model_type `{other}` is not supported (qwen3, qwen3_moe or deepseek_v3)"
+            ))
+        }
+    };
+    let mut k = Keys {
+        v,
+        unsupported: Vec::new(),
+    };
+    let heads = k.usize("num_attention_heads")?;
+    let hidden = k.usize("hidden_size")?;
+    k.only("hidden_act", json!("silu"));
+    k.only("attention_bias", json!(false));
+    k.only("mlp_bias", json!(false));
+    k.only("use_sliding_window", json!(false));
+    let mut cfg = Config {
+        vocab_size: k.usize("vocab_size")?,
+        base_emb_dim: hidden,
+        base_num_decoder_layers: k.usize("num_hidden_layers")?,
+        base_num_query_heads: heads,
+        base_num_kv_heads: k.usize_or("num_key_value_heads", heads)?,
+        head_dim: k.usize_or("head_dim", hidden / heads.max(1))?,
+        base_mlp_dim: k.usize("intermediate_size")?,
+        logits_via_embedding: k.bool_or("tie_word_embeddings", false)?,
+        rope_max_timescale: k.f32_or("rope_theta", 10_000.0)?,
+        normalization_layer_epsilon: k.f32_or("rms_norm_eps", 1e-6)?,
+        z_loss_multiplier: 0.0,
+        moe: None,
+        mla: None,
+        rope_yarn: None,
+    };
+    match kind {
+        ModelType::Qwen3 => k.only("rope_scaling", Value::Null),
+        ModelType::Qwen3Moe => {
+            k.only("rope_scaling", Value::Null);
+            k.only("decoder_sparse_step", json!(1));
+            let dense = match k.get("mlp_only_layers") {
+                None => 0,
+                Some(list) => {
+                    let layers: Vec<u64> = list
+                        .as_array()
+                        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                        .unwrap_or_default();
+                    let prefix = layers.iter().enumerate().all(|(i, &l)| l == i as u64);
+                    if !prefix || list.as_array().map_or(0, Vec::len) != layers.len() {
+                        k.unsupported.push(format!(
+                            "mlp_only_layers={list} (only a leading run 0, 1, .. of dense layers)"
+                        ));
+                    }
+                    layers.len()
+                }
+            };
+            cfg.moe = Some(MoeSettings {
+                num_experts: k.usize("num_experts")?,
+                num_experts_per_tok: k.usize("num_experts_per_tok")?,
+                moe_mlp_dim: k.usize("moe_intermediate_size")?,
+                shared_experts: 0,
+                first_num_dense_layers: dense,
+                score: RouterScore::Softmax,
+                norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
+                routed_scaling_factor: 1.0,
+                load_balance_loss_weight: 0.0,
+                withhold_tags: false,
+            });
+        }
+        ModelType::DeepseekV3 => {
+            k.only("scoring_func", json!("sigmoid"));
+            k.only("n_group", json!(1));
+            k.only("topk_group", json!(1));
+            k.only("moe_layer_freq", json!(1));
+            if k.get("q_lora_rank").is_none() {
+                k.unsupported
+                    .push("q_lora_rank=null (queries without a latent)".into());
+            }
+            let qk_rope_head_dim = k.usize("qk_rope_head_dim")?;
+            cfg.head_dim = qk_rope_head_dim;
+            cfg.mla = Some(MlaSettings {
+                q_lora_rank: k.usize_or("q_lora_rank", 0)?,
+                kv_lora_rank: k.usize("kv_lora_rank")?,
+                qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
+                qk_rope_head_dim,
+                v_head_dim: k.usize("v_head_dim")?,
+            });
+            cfg.moe = Some(MoeSettings {
+                num_experts: k.usize("n_routed_experts")?,
+                num_experts_per_tok: k.usize("num_experts_per_tok")?,
+                moe_mlp_dim: k.usize("moe_intermediate_size")?,
+                shared_experts: k.usize_or("n_shared_experts", 0)?,
+                first_num_dense_layers: k.usize_or("first_k_dense_replace", 0)?,
+                score: RouterScore::Sigmoid,
+                norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
+                routed_scaling_factor: k.f32_or("routed_scaling_factor", 1.0)?,
+                load_balance_loss_weight: 0.0,
+                withhold_tags: false,
+            });
+            if let Some(rs) = k.get("rope_scaling").cloned() {
+                let rk = Keys {
+                    v: &rs,
+                    unsupported: Vec::new(),
+                };
+                let kind = rs.get("type").or_else(|| rs.get("rope_type"));
+                if kind != Some(&json!("yarn")) {
+                    k.unsupported.push(format!("rope_scaling={rs} (only yarn)"));
+                } else {
+                    let mscale = rk.f32_or("mscale", 1.0)?;
+                    let mscale_all_dim = rk.f32_or("mscale_all_dim", mscale)?;
+                    if mscale != mscale_all_dim {
+                        k.unsupported.push(format!(
+                            "rope_scaling mscale={mscale} ≠ mscale_all_dim={mscale_all_dim}"
+                        ));
+                    }
+                    cfg.rope_yarn = Some(Yarn {
+                        factor: rk.f32_or("factor", 1.0)?,
+                        original_max_position: rk.usize("original_max_position_embeddings")?,
+                        beta_fast: rk.f32_or("beta_fast", 32.0)?,
+                        beta_slow: rk.f32_or("beta_slow", 1.0)?,
+                        mscale: mscale_all_dim,
+                    });
+                }
+            }
+        }
+    }
+    if !k.unsupported.is_empty() {
+        return Err(format!(
+            "model_type `{model_type}` with features the decoder does not have: {}",
+            k.unsupported.join(", ")
+        ));
+    }
+    Ok(cfg)
+}
+
+/// A float as JSON, written in its shortest round-tripping decimal form (`1e-6`, not
+/// `9.99999997e-7`).
+fn num(x: f32) -> Value {
+    x.to_string()
+        .parse::<f64>()
+        .map_or(Value::Null, Value::from)
+}
+
+/// The `config.json` of `cfg` (`torch_dtype` set to `dtype`, e.g. `bfloat16`).
+///
+/// # Errors
+/// A config no HF family expresses (see [`ModelType::of`]).
+pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
+    let kind = ModelType::of(cfg)?;
+    let mut v = json!({
+        "model_type": kind.name(),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.base_emb_dim,
+        "intermediate_size": cfg.base_mlp_dim,
+        "num_hidden_layers": cfg.base_num_decoder_layers,
+        "num_attention_heads": cfg.base_num_query_heads,
+        "num_key_value_heads": cfg.base_num_kv_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": num(cfg.normalization_layer_epsilon),
+        "rope_theta": num(cfg.rope_max_timescale),
+        "tie_word_embeddings": cfg.logits_via_embedding,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": true,
+        "torch_dtype": dtype,
+    });
+    let extra = match (kind, &cfg.moe, &cfg.mla) {
+        (ModelType::Qwen3, _, _) => json!({
+            "architectures": ["Qwen3ForCausalLM"],
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": 40960,
+            "rope_scaling": null,
+            "use_sliding_window": false,
+        }),
+        (ModelType::Qwen3Moe, Some(m), _) => json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": 40960,
+            "rope_scaling": null,
+            "use_sliding_window": false,
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.moe_mlp_dim,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": (0..m.first_num_dense_layers).collect::<Vec<_>>(),
+            "norm_topk_prob": m.norm_topk_prob,
+            "router_aux_loss_coef": num(m.load_balance_loss_weight),
+            "output_router_logits": false,
+        }),
+        (ModelType::DeepseekV3, Some(m), Some(a)) => {
+            let rope_scaling = match &cfg.rope_yarn {
+                None => Value::Null,
+                Some(y) => json!({
+                    "type": "yarn",
+                    "factor": num(y.factor),
+                    "original_max_position_embeddings": y.original_max_position,
+                    "beta_fast": num(y.beta_fast),
+                    "beta_slow": num(y.beta_slow),
+                    "mscale": num(y.mscale),
+                    "mscale_all_dim": num(y.mscale),
+                }),
+            };
+            let max_pos = cfg.rope_yarn.as_ref().map_or(4096, |y| {
+                (y.original_max_position as f64 * y.factor as f64) as usize
+            });
+            json!({
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "max_position_embeddings": max_pos,
+                "rope_scaling": rope_scaling,
+                "q_lora_rank": a.q_lora_rank,
+                "kv_lora_rank": a.kv_lora_rank,
+                "qk_nope_head_dim": a.qk_nope_head_dim,
+                "qk_rope_head_dim": a.qk_rope_head_dim,
+                "v_head_dim": a.v_head_dim,
+                "n_routed_experts": m.num_experts,
+                "n_shared_experts": m.shared_experts,
+                "num_experts_per_tok": m.num_experts_per_tok,
+                "moe_intermediate_size": m.moe_mlp_dim,
+                "first_k_dense_replace": m.first_num_dense_layers,
+                "moe_layer_freq": 1,
+                "norm_topk_prob": m.norm_topk_prob,
+                "routed_scaling_factor": num(m.routed_scaling_factor),
+                "scoring_func": "sigmoid",
+                "topk_method": "noaux_tc",
+                "n_group": 1,
+                "topk_group": 1,
+            })
+        }
+        _ => return Err("no Hugging Face model_type fits this model".into()),
+    };
+    if let (Some(obj), Value::Object(more)) = (v.as_object_mut(), extra) {
+        obj.extend(more);
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(name: &str) {
+        let cfg = Config::preset(name).unwrap();
+        let v = hf_config_json(&cfg, "float32").unwrap();
+        assert_eq!(decoder_config(&v).unwrap(), cfg, "{name}: {v}");
+    }
+
+    #[test]
+    fn presets_survive_config_json() {
+        roundtrip("qwen3-tiny");
+        roundtrip("qwen3-0.6b");
+        let mut moe = Config::preset("qwen3-moe-tiny").unwrap();
+        if let Some(m) = moe.moe.as_mut() {
+            m.shared_experts = 0;
+        }
+        let v = hf_config_json(&moe, "float32").unwrap();
+        assert_eq!(decoder_config(&v).unwrap(), moe);
+        let mut ds = Config::preset("deepseek3-tiny").unwrap();
+        ds.head_dim = ds.mla.unwrap().qk_rope_head_dim;
+        let v = hf_config_json(&ds, "bfloat16").unwrap();
+        assert_eq!(decoder_config(&v).unwrap(), ds);
+    }
+
+    #[test]
+    fn unknown_model_types_and_features_are_named() {
+        let err = decoder_config(&json!({"model_type": "llama"})).unwrap_err();
+        assert_eq!(
+            err,
+            "model_type `llama` is not supported (qwen3, qwen3_moe or deepseek_v3)"
+        );
+        let mut v = hf_config_json(&Config::preset("qwen3-tiny").unwrap(), "float32").unwrap();
+        v["attention_bias"] = json!(true);
+        v["use_sliding_window"] = json!(true);
+        assert_eq!(
+            decoder_config(&v).unwrap_err(),
+            "model_type `qwen3` with features the decoder does not have: attention_bias=true, \
+             use_sliding_window=true"
+        );
+        let moe = Config::preset("qwen3-moe-tiny").unwrap();
+        assert!(ModelType::of(&moe)
+            .unwrap_err()
+            .contains("shared_experts=1 (qwen3_moe has none)"));
+    }
+}

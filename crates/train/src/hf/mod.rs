@@ -1,0 +1,45 @@
+//! Hugging Face model directories in and out.
+//!
+//! A HF directory holds `config.json` (the model's `model_type` and dimensions) and its weights
+//! as one `model.safetensors`, or as shards listed by `model.safetensors.index.json`.
+//! [`read_config`] maps `config.json` to the decoder's [`Config`] (`qwen3`, `qwen3_moe`,
+//! `deepseek_v3`; anything else is refused in one error naming it), [`load_directory`] reads
+//! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
+//! the same layout back.
+//!
+//! # Invariants
+//! - Loading checks every header before converting anything: the set of tensor names (missing
+//!   and unexpected ones are listed together), each dtype (F32, BF16 or F16, converted to f32)
+//!   and each shape against `config.json`.
+//! - Shards are memory-mapped and read one tensor at a time; each tensor's pages are released
+//!   once converted, so a model loads holding its f32 values and about one tensor's file bytes.
+//! - Writing goes to a temporary directory beside the target, renamed into place when complete:
+//!   a failed save leaves nothing that looks like a model.
+//!
+//! [`Config`]: ferrotext_models::decoder::Config
+//! [`ParamInfo::hf`]: ferrotext_models::ParamInfo::hf
+
+mod config;
+mod read;
+mod write;
+
+pub use config::{hf_config_json, read_config, ModelType};
+pub use read::load_directory;
+pub use write::{save_directory, SaveDtype, DEFAULT_SHARD_BYTES};
+
+/// The config file of a HF directory.
+pub const CONFIG_FILE: &str = "config.json";
+/// The single weights file of an unsharded HF directory.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// The shard index of a sharded HF directory.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// At most `n` items of a list, then "and k more".
+fn listed(items: &[String], n: usize) -> String {
+    let shown: Vec<String> = items.iter().take(n).map(|s| format!("`{s}`")).collect();
+    if items.len() > n {
+        format!("{} and {} more", shown.join(", "), items.len() - n)
+    } else {
+        shown.join(", ")
+    }
+}

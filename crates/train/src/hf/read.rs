@@ -1,0 +1,305 @@
+//! Reading a HF directory's weights: every header checked first, then one tensor at a time from
+//! memory-mapped shards.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use ferrotext_models::ParamInfo;
+use ferrotext_tensor::Tensor;
+use memmap2::{Mmap, UncheckedAdvice};
+use safetensors::tensor::Dtype;
+use safetensors::SafeTensors;
+
+use super::{listed, INDEX_FILE, SINGLE_FILE};
+use crate::error::TrainError;
+
+/// A tensor DeepSeek-V3 checkpoints carry that the decoder does not use: the router's
+/// selection-only bias. Accepted when it is all zeros (what ferrotext writes), refused otherwise.
+const SELECTION_BIAS: &str = ".mlp.gate.e_score_correction_bias";
+
+/// Loads every parameter of `infos` from the HF directory `dir`, each from the HF tensors its
+/// [`ParamInfo::hf_tensors`] names, converted to f32.
+///
+/// # Errors
+/// [`TrainError::Params`] naming the directory and the problem: no weights file, an index that
+/// does not parse or names a shard that does not exist, a header that does not parse, missing
+/// and unexpected tensors (listed together), a dtype other than F32/BF16/F16, a shape that does
+/// not match the model, a non-finite value.
+pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, TrainError> {
+    let err = |reason: String| TrainError::Params {
+        path: dir.display().to_string(),
+        reason,
+    };
+    // 1. the shard files, and which shard holds each tensor (the index, when there is one)
+    let (files, index) = shard_files(dir).map_err(err)?;
+    let mut maps = Vec::with_capacity(files.len());
+    for file in &files {
+        let path = dir.join(file);
+        let meta = std::fs::metadata(&path).map_err(|e| {
+            err(if index.is_some() {
+                format!("shard `{file}` listed in {INDEX_FILE} cannot be read: {e}")
+            } else {
+                format!("`{file}` cannot be read: {e}")
+            })
+        })?;
+        if !meta.is_file() {
+            return Err(err(format!("`{file}` is not a regular file")));
+        }
+        let f = std::fs::File::open(&path).map_err(|e| err(format!("`{file}`: {e}")))?;
+        // SAFETY: the file is opened read-only and only read through this map. Like every
+        // memory-mapped reader (safetensors' own included) we rely on no other process
+        // truncating or rewriting a checkpoint while it loads.
+        let map = unsafe { Mmap::map(&f) }.map_err(|e| err(format!("`{file}`: {e}")))?;
+        maps.push(map);
+    }
+    let shards = maps
+        .iter()
+        .zip(&files)
+        .map(|(m, file)| {
+            SafeTensors::deserialize(m).map_err(|e| {
+                err(format!(
+                    "`{file}`: the safetensors header does not parse: {e}"
+                ))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut located: BTreeMap<String, usize> = BTreeMap::new();
+    match &index {
+        Some(weight_map) => {
+            for (name, file) in weight_map {
+                let s = files.iter().position(|f| f == file).unwrap_or(0);
+                if shards[s].tensor(name).is_err() {
+                    return Err(err(format!(
+                        "{INDEX_FILE} places `{name}` in `{file}`, which does not hold it"
+                    )));
+                }
+                located.insert(name.clone(), s);
+            }
+        }
+        None => {
+            for name in shards[0].names() {
+                located.insert(name.clone(), 0);
+            }
+        }
+    }
+    // 2. names: what the model needs against what the directory has, listed together
+    let wanted: Vec<Vec<(String, Vec<usize>)>> = infos.iter().map(ParamInfo::hf_tensors).collect();
+    let wanted_names: BTreeSet<&str> = wanted.iter().flatten().map(|(n, _)| n.as_str()).collect();
+    let missing: Vec<String> = wanted_names
+        .iter()
+        .filter(|n| !located.contains_key(**n))
+        .map(|n| n.to_string())
+        .collect();
+    let (ignored, unexpected): (Vec<String>, Vec<String>) = located
+        .keys()
+        .filter(|n| !wanted_names.contains(n.as_str()))
+        .cloned()
+        .partition(|n| n.ends_with(SELECTION_BIAS));
+    if !missing.is_empty() || !unexpected.is_empty() {
+        let mut parts = Vec::new();
+        if !missing.is_empty() {
+            let place = if index.is_some() {
+                INDEX_FILE
+            } else {
+                SINGLE_FILE
+            };
+            parts.push(format!(
+                "{} missing tensor(s) (not in {place}): {}",
+                missing.len(),
+                listed(&missing, 8)
+            ));
+        }
+        if !unexpected.is_empty() {
+            parts.push(format!(
+                "{} unexpected tensor(s): {}",
+                unexpected.len(),
+                listed(&unexpected, 8)
+            ));
+        }
+        return Err(err(format!(
+            "does not match the model of config.json: {}",
+            parts.join("; ")
+        )));
+    }
+    // 3. every dtype and shape, before anything is converted
+    let mut wrong = Vec::new();
+    for (name, shape) in wanted.iter().flatten() {
+        let view = shards[located[name]]
+            .tensor(name)
+            .map_err(|e| err(format!("`{name}`: {e}")))?;
+        if !matches!(view.dtype(), Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+            wrong.push(format!(
+                "`{name}` is {:?} (supported: F32, BF16, F16)",
+                view.dtype()
+            ));
+        } else if view.shape() != shape.as_slice() {
+            wrong.push(format!(
+                "`{name}` has shape {:?}, config.json needs {shape:?}",
+                view.shape()
+            ));
+        }
+    }
+    if !wrong.is_empty() {
+        let n = wrong.len();
+        let shown: Vec<String> = wrong.into_iter().take(8).collect();
+        let more = if n > 8 {
+            format!(" and {} more", n - 8)
+        } else {
+            String::new()
+        };
+        return Err(err(format!("{}{more}", shown.join("; "))));
+    }
+    for name in &ignored {
+        let s = located[name];
+        let values = to_f32(&shards[s], name).map_err(err)?;
+        if values.iter().any(|&x| x != 0.0) {
+            return Err(err(format!(
+                "`{name}` is not zero: the router's selection bias is not supported"
+            )));
+        }
+    }
+    // 4. convert, one parameter at a time per thread (parameter k on thread k mod n, so sizes
+    //    spread), releasing each tensor's file pages once read; the first error in parameter
+    //    order wins, so the message does not depend on the schedule
+    let convert = |info: &ParamInfo, tensors: Vec<(String, Vec<usize>)>| {
+        let parts = tensors
+            .into_iter()
+            .map(|(name, shape)| {
+                let s = located[&name];
+                let data = to_f32(&shards[s], &name).map_err(err)?;
+                release(&maps[s], &shards[s], &name);
+                Tensor::new(shape, data).map_err(|e| err(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        info.from_hf(parts).map_err(|e| err(e.to_string()))
+    };
+    let threads = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, 8);
+    let mut work: Vec<Vec<(usize, HfTensors)>> = vec![Vec::new(); threads];
+    for (k, tensors) in wanted.into_iter().enumerate() {
+        work[k % threads].push((k, tensors));
+    }
+    let mut out: Vec<Option<Result<Tensor, TrainError>>> = (0..infos.len()).map(|_| None).collect();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .into_iter()
+            .map(|items| {
+                let convert = &convert;
+                scope.spawn(move || {
+                    items
+                        .into_iter()
+                        .map(|(k, tensors)| (k, convert(&infos[k], tensors)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for h in handles {
+            match h.join() {
+                Ok(done) => {
+                    for (k, r) in done {
+                        out[k] = Some(r);
+                    }
+                }
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+    });
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(err("a parameter was not converted".into()))))
+        .collect()
+}
+
+/// One parameter's HF tensors, `(name, shape)`.
+type HfTensors = Vec<(String, Vec<usize>)>;
+
+/// The shard files of `dir` in a fixed order, and the index's name → file map when sharded.
+#[allow(clippy::type_complexity)]
+fn shard_files(dir: &Path) -> Result<(Vec<String>, Option<BTreeMap<String, String>>), String> {
+    let meta = std::fs::metadata(dir).map_err(|e| format!("cannot read: {e}"))?;
+    if !meta.is_dir() {
+        return Err("is not a directory".into());
+    }
+    let index_path = dir.join(INDEX_FILE);
+    if !index_path.exists() {
+        if !dir.join(SINGLE_FILE).exists() {
+            return Err(format!("has neither {SINGLE_FILE} nor {INDEX_FILE}"));
+        }
+        return Ok((vec![SINGLE_FILE.to_string()], None));
+    }
+    let text = std::fs::read_to_string(&index_path).map_err(|e| format!("{INDEX_FILE}: {e}"))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{INDEX_FILE} is not JSON: {e}"))?;
+    let map = value
+        .get("weight_map")
+        .and_then(serde_json::Value::as_object)
+        .ok_or_else(|| format!("{INDEX_FILE} has no `weight_map` object"))?;
+    let mut weight_map = BTreeMap::new();
+    let mut files = BTreeSet::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| format!("{INDEX_FILE}: the file of `{name}` is not a string"))?;
+        let plain = !file.is_empty()
+            && !file.contains('/')
+            && !file.contains('\\')
+            && file != "."
+            && file != "..";
+        if !plain {
+            return Err(format!(
+                "{INDEX_FILE} places `{name}` in `{file}`, outside the directory"
+            ));
+        }
+        files.insert(file.to_string());
+        weight_map.insert(name.clone(), file.to_string());
+    }
+    Ok((files.into_iter().collect(), Some(weight_map)))
+}
+
+/// Tensor `name` of `shard` as f32 values (its dtype checked already), refusing non-finite
+/// values.
+fn to_f32(shard: &SafeTensors<'_>, name: &str) -> Result<Vec<f32>, String> {
+    let view = shard.tensor(name).map_err(|e| format!("`{name}`: {e}"))?;
+    let bytes = view.data();
+    let data: Vec<f32> = match view.dtype() {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        // bf16 is the top half of an f32: widening is exact.
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        other => return Err(format!("`{name}` is {other:?} (supported: F32, BF16, F16)")),
+    };
+    if let Some(i) = data.iter().position(|x| !x.is_finite()) {
+        return Err(format!(
+            "`{name}` holds a non-finite value ({}) at flat index {i}",
+            data[i]
+        ));
+    }
+    Ok(data)
+}
+
+/// Drops tensor `name`'s pages of `map` from this process's memory: it has been converted and is
+/// not read again (a later read would fault the pages back in from the file).
+fn release(map: &Mmap, shard: &SafeTensors<'_>, name: &str) {
+    let Ok(view) = shard.tensor(name) else { return };
+    let bytes = view.data();
+    let offset = (bytes.as_ptr() as usize).wrapping_sub(map.as_ptr() as usize);
+    if offset
+        .checked_add(bytes.len())
+        .is_some_and(|end| end <= map.len())
+    {
+        // SAFETY: `map` is a read-only private file mapping. MADV_DONTNEED on it only drops
+        // pages; any later access re-reads them from the file, so the `SafeTensors` views that
+        // still borrow the map stay valid. The range lies inside the map (checked above).
+        let _ =
+            unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, offset, bytes.len()) };
+    }
+}

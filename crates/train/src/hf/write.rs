@@ -1,0 +1,235 @@
+//! Writing a HF directory: `config.json`, and every parameter as the HF tensors it declares,
+//! sharded with an index above a size threshold.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use ferrotext_models::decoder::Config;
+use ferrotext_models::ParamInfo;
+use ferrotext_tensor::Tensor;
+use safetensors::tensor::{Dtype, TensorView};
+
+use super::{hf_config_json, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+use crate::error::TrainError;
+
+/// HF's default `max_shard_size` (5 GB): above it, weights are split into shards.
+pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// The dtype of saved tensors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SaveDtype {
+    /// 32-bit floats: exact.
+    #[default]
+    F32,
+    /// bfloat16, rounded to nearest even: half the bytes, 8 bits of mantissa.
+    Bf16,
+}
+
+impl SaveDtype {
+    /// `f32` or `bf16`.
+    pub fn parse(s: &str) -> Option<SaveDtype> {
+        match s {
+            "f32" => Some(SaveDtype::F32),
+            "bf16" => Some(SaveDtype::Bf16),
+            _ => None,
+        }
+    }
+
+    /// `config.json`'s `torch_dtype`.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            SaveDtype::F32 => "float32",
+            SaveDtype::Bf16 => "bfloat16",
+        }
+    }
+
+    fn dtype(self) -> Dtype {
+        match self {
+            SaveDtype::F32 => Dtype::F32,
+            SaveDtype::Bf16 => Dtype::BF16,
+        }
+    }
+
+    fn bytes(self) -> u64 {
+        match self {
+            SaveDtype::F32 => 4,
+            SaveDtype::Bf16 => 2,
+        }
+    }
+
+    /// `values` as little-endian bytes of this dtype.
+    pub(crate) fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self {
+            SaveDtype::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            SaveDtype::Bf16 => values
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        }
+    }
+}
+
+/// Writes the HF directory `dir`: `config.json` for `cfg`'s `model_type`, and the parameters
+/// (`infos`, `values` in the same order) as HF tensors of `dtype` — one `model.safetensors`, or
+/// shards of at most `shard_bytes` each (a larger single tensor gets a shard of its own) with
+/// `model.safetensors.index.json`. Written to a temporary directory and renamed into place; an
+/// existing `dir` is replaced only if it holds a `config.json` (a model directory).
+///
+/// # Errors
+/// [`TrainError::Params`] when no HF `model_type` expresses `cfg`, `dir` exists and is not a model
+/// directory, or a value does not fit its parameter; [`TrainError::Io`] when writing fails.
+/// Nothing is left at `dir` when it fails.
+pub fn save_directory(
+    dir: &Path,
+    cfg: &Config,
+    infos: &[ParamInfo],
+    values: &[Tensor],
+    dtype: SaveDtype,
+    shard_bytes: u64,
+) -> Result<(), TrainError> {
+    let err = |reason: String| TrainError::Params {
+        path: dir.display().to_string(),
+        reason,
+    };
+    let config = hf_config_json(cfg, dtype.torch_name()).map_err(err)?;
+    if infos.len() != values.len() {
+        return Err(err(format!(
+            "{} values for {} parameters",
+            values.len(),
+            infos.len()
+        )));
+    }
+    if dir.exists() && !dir.join(CONFIG_FILE).is_file() {
+        return Err(err(
+            "exists and is not a model directory (no config.json): not replaced".into(),
+        ));
+    }
+    // 1. which shard each HF tensor goes to, from the shapes alone
+    let mut shard_of = Vec::new();
+    let (mut shard, mut filled, mut total) = (0usize, 0u64, 0u64);
+    for (_, shape) in infos.iter().flat_map(ParamInfo::hf_tensors) {
+        let size = shape.iter().product::<usize>() as u64 * dtype.bytes();
+        if filled > 0 && filled + size > shard_bytes {
+            shard += 1;
+            filled = 0;
+        }
+        filled += size;
+        total += size;
+        shard_of.push(shard);
+    }
+    let shards = shard + 1;
+    let file_name = |s: usize| {
+        if shards == 1 {
+            SINGLE_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{shards:05}.safetensors", s + 1)
+        }
+    };
+    // 2. write into a temporary sibling directory
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source: std::io::Error| TrainError::Io {
+            path: path.clone(),
+            source,
+        }
+    };
+    std::fs::create_dir_all(&parent).map_err(io(&parent))?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let written = write_into(
+        &tmp, &config, infos, values, dtype, &shard_of, &file_name, total,
+    );
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    // 3. into place: an old model directory moves aside first and goes once the new one is in
+    let aside = parent.join(format!(".{name}.old-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::rename(dir, &aside).map_err(io(dir))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(io(dir))?;
+    if aside.exists() {
+        std::fs::remove_dir_all(&aside).map_err(io(&aside))?;
+    }
+    Ok(())
+}
+
+/// Writes `config.json`, the shards and (when sharded) the index into `tmp`.
+#[allow(clippy::too_many_arguments)]
+fn write_into(
+    tmp: &Path,
+    config: &serde_json::Value,
+    infos: &[ParamInfo],
+    values: &[Tensor],
+    dtype: SaveDtype,
+    shard_of: &[usize],
+    file_name: &dyn Fn(usize) -> String,
+    total: u64,
+) -> Result<(), TrainError> {
+    let err = |reason: String| TrainError::Params {
+        path: tmp.display().to_string(),
+        reason,
+    };
+    let io = |path: PathBuf| {
+        move |source: std::io::Error| TrainError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    };
+    let json = serde_json::to_vec_pretty(config).map_err(|e| err(e.to_string()))?;
+    std::fs::write(tmp.join(CONFIG_FILE), json).map_err(io(tmp.join(CONFIG_FILE)))?;
+    let meta: Option<HashMap<String, String>> =
+        Some([("format".to_string(), "pt".to_string())].into());
+    let mut weight_map = BTreeMap::new();
+    // (name, shape, bytes) of the shard being filled
+    let mut pending: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut current = 0;
+    let mut k = 0;
+    let flush = |pending: &mut Vec<(String, Vec<usize>, Vec<u8>)>, s: usize| {
+        let path = tmp.join(file_name(s));
+        let views = pending
+            .iter()
+            .map(|(n, shape, b)| {
+                TensorView::new(dtype.dtype(), shape.clone(), b).map(|v| (n.clone(), v))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| err(e.to_string()))?;
+        safetensors::serialize_to_file(views, &meta, &path).map_err(|e| err(e.to_string()))?;
+        pending.clear();
+        Ok::<(), TrainError>(())
+    };
+    for (info, value) in infos.iter().zip(values) {
+        for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
+            let s = shard_of.get(k).copied().unwrap_or(current);
+            k += 1;
+            if s != current {
+                flush(&mut pending, current)?;
+                current = s;
+            }
+            weight_map.insert(name.clone(), file_name(s));
+            pending.push((name, t.shape().to_vec(), dtype.encode(t.data())));
+        }
+    }
+    flush(&mut pending, current)?;
+    if current > 0 {
+        let index = serde_json::json!({
+            "metadata": { "total_size": total },
+            "weight_map": weight_map,
+        });
+        let json = serde_json::to_vec_pretty(&index).map_err(|e| err(e.to_string()))?;
+        std::fs::write(tmp.join(INDEX_FILE), json).map_err(io(tmp.join(INDEX_FILE)))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,749 @@
+//! Hugging Face directories in and out (issue 15), and HF names throughout saved files (issue 13):
+//! save → load gives identical values; a reference forward written here from the HF model
+//! definitions (f64, reading only the saved files by HF names) gives ferrotext's logits; every
+//! malformed directory gets one clear error.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferrotext_comm::{run_spmd, SpmdOptions};
+use ferrotext_models::decoder::{Config, Decoder, MoeSettings};
+use ferrotext_models::deepseek::MlaSettings;
+use ferrotext_models::moe::RouterScore;
+use ferrotext_models::{ParamInfo, Rng};
+use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
+use ferrotext_spmd::{Array, Ctx};
+use ferrotext_tensor::Tensor;
+use ferrotext_train::hf::{self, SaveDtype};
+use ferrotext_train::io;
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotext-hf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn dense() -> Config {
+    Config {
+        vocab_size: 50,
+        base_emb_dim: 16,
+        base_num_decoder_layers: 2,
+        base_num_query_heads: 4,
+        base_num_kv_heads: 2,
+        head_dim: 8,
+        base_mlp_dim: 24,
+        logits_via_embedding: true,
+        rope_max_timescale: 10_000.0,
+        normalization_layer_epsilon: 1e-6,
+        z_loss_multiplier: 0.0,
+        moe: None,
+        mla: None,
+        rope_yarn: None,
+    }
+}
+
+/// Qwen3-MoE: 4 experts top-2, renormalised, the first layer dense, untied head.
+fn moe() -> Config {
+    Config {
+        base_num_decoder_layers: 3,
+        logits_via_embedding: false,
+        moe: Some(MoeSettings {
+            num_experts: 4,
+            num_experts_per_tok: 2,
+            moe_mlp_dim: 12,
+            shared_experts: 0,
+            first_num_dense_layers: 1,
+            score: RouterScore::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            load_balance_loss_weight: 0.0,
+            withhold_tags: false,
+        }),
+        ..dense()
+    }
+}
+
+/// DeepSeek-V3-shaped: MLA, sigmoid router, a shared expert.
+fn deepseek() -> Config {
+    let mut c = moe();
+    c.head_dim = 2;
+    c.mla = Some(MlaSettings {
+        q_lora_rank: 6,
+        kv_lora_rank: 4,
+        qk_nope_head_dim: 4,
+        qk_rope_head_dim: 2,
+        v_head_dim: 3,
+    });
+    if let Some(m) = c.moe.as_mut() {
+        m.score = RouterScore::Sigmoid;
+        m.shared_experts = 1;
+        m.routed_scaling_factor = 2.5;
+    }
+    c
+}
+
+/// Random values for every parameter: matrices N(0, 0.3²), norm scales 1 + N(0, 0.1²).
+fn values(infos: &[ParamInfo], seed: u64) -> Vec<Tensor> {
+    infos
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut rng = Rng::new(seed, i as u64);
+            let norm = p.shape.len() == 1;
+            Tensor::from_fn(&p.shape, |_| {
+                let z = rng.normal() as f32;
+                if norm {
+                    1.0 + 0.1 * z
+                } else {
+                    0.3 * z
+                }
+            })
+        })
+        .collect()
+}
+
+fn model(cfg: &Config) -> (Decoder, Vec<ParamInfo>, Vec<Tensor>) {
+    let d = Decoder::new(cfg.clone()).unwrap();
+    let infos = d.params();
+    let v = values(&infos, 7);
+    (d, infos, v)
+}
+
+/// Every tensor of a saved directory (or file), by name, read with `safetensors` alone.
+struct Files {
+    tensors: BTreeMap<String, (Vec<usize>, Vec<f64>)>,
+}
+
+impl Files {
+    fn read(path: &Path) -> Files {
+        let files: Vec<PathBuf> = if path.is_dir() {
+            let index = path.join("model.safetensors.index.json");
+            if index.exists() {
+                let v: Value =
+                    serde_json::from_str(&std::fs::read_to_string(index).unwrap()).unwrap();
+                let mut f: Vec<String> = v["weight_map"]
+                    .as_object()
+                    .unwrap()
+                    .values()
+                    .map(|x| x.as_str().unwrap().to_string())
+                    .collect();
+                f.sort();
+                f.dedup();
+                f.into_iter().map(|n| path.join(n)).collect()
+            } else {
+                vec![path.join("model.safetensors")]
+            }
+        } else {
+            vec![path.to_path_buf()]
+        };
+        let mut tensors = BTreeMap::new();
+        for file in files {
+            let bytes = std::fs::read(file).unwrap();
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            for (name, view) in st.tensors() {
+                let data: Vec<f64> = match view.dtype() {
+                    safetensors::Dtype::F32 => view
+                        .data()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                        .collect(),
+                    safetensors::Dtype::BF16 => view
+                        .data()
+                        .chunks_exact(2)
+                        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                        .collect(),
+                    other => panic!("{other:?}"),
+                };
+                tensors.insert(name, (view.shape().to_vec(), data));
+            }
+        }
+        Files { tensors }
+    }
+
+    fn get(&self, name: &str) -> &[f64] {
+        &self
+            .tensors
+            .get(name)
+            .unwrap_or_else(|| panic!("no tensor `{name}`"))
+            .1
+    }
+
+    fn shape(&self, name: &str) -> &[usize] {
+        &self.tensors[name].0
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 13: HF names and orientation in every saved file.
+
+#[test]
+fn a_saved_moe_mla_file_uses_hf_names_and_orientation() {
+    let dir = scratch("names");
+    let (_, infos, vals) = model(&deepseek());
+    let path = dir.join("p.safetensors");
+    io::save_parameters(&path, &infos, &vals).unwrap();
+    let files = Files::read(&path);
+    let by_name = |n: &str| {
+        let k = infos.iter().position(|p| p.name == n).unwrap();
+        &vals[k]
+    };
+    // A matrix `[in, out]` here is HF's `[out, in]`: HF[o][i] = ours[i][o].
+    for (ours, theirs) in [
+        (
+            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+            "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+        ),
+        (
+            "model.layers.2.mlp.gate.weight",
+            "model.layers.2.mlp.gate.weight",
+        ),
+        (
+            "model.layers.2.mlp.shared_expert.down_proj.weight",
+            "model.layers.2.mlp.shared_experts.down_proj.weight",
+        ),
+        ("lm_head.weight", "lm_head.weight"),
+    ] {
+        let v = by_name(ours);
+        let (r, c) = (v.shape()[0], v.shape()[1]);
+        assert_eq!(files.shape(theirs), &[c, r], "{theirs}");
+        let hf = files.get(theirs);
+        for i in 0..r {
+            for o in 0..c {
+                assert_eq!(hf[o * r + i], v.data()[i * c + o] as f64, "{theirs}");
+            }
+        }
+    }
+    // Stacked experts `[E, in, out]` are E tensors `[out, in]`.
+    let up = by_name("model.layers.1.mlp.experts.up_proj");
+    let (e, d, f) = (up.shape()[0], up.shape()[1], up.shape()[2]);
+    for x in 0..e {
+        let name = format!("model.layers.1.mlp.experts.{x}.up_proj.weight");
+        assert_eq!(files.shape(&name), &[f, d]);
+        let hf = files.get(&name);
+        for i in 0..d {
+            for o in 0..f {
+                assert_eq!(hf[o * d + i], up.data()[(x * d + i) * f + o] as f64);
+            }
+        }
+    }
+    // No name that HF does not know: nothing stacked, nothing renamed.
+    for name in files.tensors.keys() {
+        assert!(
+            !name.ends_with("_proj") && !name.contains("shared_expert."),
+            "{name}"
+        );
+    }
+    let hf_count: usize = infos.iter().map(|p| p.hf_tensors().len()).sum();
+    assert_eq!(files.tensors.len(), hf_count);
+    // And back: identical values.
+    assert_eq!(io::load_parameters(&path, &infos).unwrap(), vals);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 15: directories.
+
+fn roundtrip(
+    cfg: &Config,
+    dtype: SaveDtype,
+    shard_bytes: u64,
+) -> (PathBuf, Vec<ParamInfo>, Vec<Tensor>) {
+    let dir = scratch(&format!(
+        "rt-{}-{dtype:?}-{shard_bytes}",
+        cfg.base_num_decoder_layers
+    ));
+    let (_, infos, vals) = model(cfg);
+    let out = dir.join("model");
+    hf::save_directory(&out, cfg, &infos, &vals, dtype, shard_bytes).unwrap();
+    assert_eq!(hf::read_config(&out).unwrap(), *cfg);
+    let loaded = io::load_parameters(&out, &infos).unwrap();
+    let expect: Vec<Tensor> = match dtype {
+        SaveDtype::F32 => vals.clone(),
+        SaveDtype::Bf16 => vals
+            .iter()
+            .map(|t| {
+                let data = t
+                    .data()
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x).to_f32())
+                    .collect();
+                Tensor::new(t.shape().to_vec(), data).unwrap()
+            })
+            .collect(),
+    };
+    assert_eq!(loaded, expect);
+    (out, infos, vals)
+}
+
+#[test]
+fn save_then_load_gives_identical_values_single_and_sharded() {
+    for cfg in [dense(), moe(), deepseek()] {
+        let (out, _, _) = roundtrip(&cfg, SaveDtype::F32, hf::DEFAULT_SHARD_BYTES);
+        assert!(out.join("model.safetensors").is_file());
+        assert!(!out.join("model.safetensors.index.json").exists());
+        // Sharded: every shard at most 4 KB unless one tensor is larger.
+        let (out, _, _) = roundtrip(&cfg, SaveDtype::F32, 4096);
+        let index: Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        let shards: std::collections::BTreeSet<&str> = index["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert!(shards.len() > 2, "{shards:?}");
+        for s in shards {
+            assert!(out.join(s).is_file(), "{s}");
+        }
+        std::fs::remove_dir_all(out.parent().unwrap()).ok();
+    }
+}
+
+#[test]
+fn bf16_directories_hold_bf16_and_load_as_the_rounded_values() {
+    let (out, _, _) = roundtrip(&moe(), SaveDtype::Bf16, 8192);
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "qwen3_moe");
+    assert_eq!(config["torch_dtype"], "bfloat16");
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let first = index["weight_map"]["model.embed_tokens.weight"]
+        .as_str()
+        .unwrap();
+    let bytes = std::fs::read(out.join(first)).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(
+        st.tensor("model.embed_tokens.weight").unwrap().dtype(),
+        safetensors::Dtype::BF16
+    );
+    std::fs::remove_dir_all(out.parent().unwrap()).ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference forward, from the HF definitions (`Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`),
+// in f64, reading the saved directory by HF names only.
+
+const B: usize = 2;
+const T: usize = 6;
+
+fn tokens(vocab: usize) -> Vec<u32> {
+    (0..B * T).map(|i| ((i * 17 + 5) % vocab) as u32).collect()
+}
+
+/// `y[o] = Σ_i W[o][i] x[i]` for HF's `W: [out, in]`.
+fn linear(w: &[f64], x: &[f64], out: usize) -> Vec<f64> {
+    let inp = x.len();
+    (0..out)
+        .map(|o| (0..inp).map(|i| w[o * inp + i] * x[i]).sum())
+        .collect()
+}
+
+fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(w).map(|(v, s)| v * r * s).collect()
+}
+
+fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `rotate_half` RoPE of one head vector at position `pos`.
+fn rope(x: &mut [f64], pos: usize, theta: f64) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let freq = theta.powf(-2.0 * i as f64 / x.len() as f64);
+        let (s, c) = (pos as f64 * freq).sin_cos();
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * c - b * s;
+        x[i + half] = b * c + a * s;
+    }
+}
+
+fn swiglu(f: &Files, prefix: &str, h: &[f64], width: usize) -> Vec<f64> {
+    let g = linear(f.get(&format!("{prefix}.gate_proj.weight")), h, width);
+    let u = linear(f.get(&format!("{prefix}.up_proj.weight")), h, width);
+    let a: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+    linear(f.get(&format!("{prefix}.down_proj.weight")), &a, h.len())
+}
+
+/// Logits `[B·T][vocab]` of the HF model in `dir`.
+fn reference_logits(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
+    let c: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let f = Files::read(dir);
+    let n = |k: &str| c[k].as_u64().unwrap() as usize;
+    let (vocab, d, layers) = (n("vocab_size"), n("hidden_size"), n("num_hidden_layers"));
+    let (heads, kv, hd) = (
+        n("num_attention_heads"),
+        n("num_key_value_heads"),
+        n("head_dim"),
+    );
+    let eps = c["rms_norm_eps"].as_f64().unwrap();
+    let theta = c["rope_theta"].as_f64().unwrap();
+    let moe = c["model_type"] == "qwen3_moe";
+    let dense_layers: Vec<usize> = c["mlp_only_layers"]
+        .as_array()
+        .map(|a| a.iter().map(|x| x.as_u64().unwrap() as usize).collect())
+        .unwrap_or_default();
+    let embed = f.get("model.embed_tokens.weight");
+    let mut out = Vec::new();
+    for b in 0..B {
+        let seq = &ids[b * T..(b + 1) * T];
+        let mut x: Vec<Vec<f64>> = seq
+            .iter()
+            .map(|&t| embed[t as usize * d..(t as usize + 1) * d].to_vec())
+            .collect();
+        for l in 0..layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            // attention
+            let mut q = Vec::new();
+            let mut k = Vec::new();
+            let mut v = Vec::new();
+            for (pos, xt) in x.iter().enumerate() {
+                let h = rms_norm(xt, f.get(&p("input_layernorm.weight")), eps);
+                let mut qt = linear(f.get(&p("self_attn.q_proj.weight")), &h, heads * hd);
+                let mut kt = linear(f.get(&p("self_attn.k_proj.weight")), &h, kv * hd);
+                let vt = linear(f.get(&p("self_attn.v_proj.weight")), &h, kv * hd);
+                for head in qt.chunks_mut(hd) {
+                    let normed = rms_norm(head, f.get(&p("self_attn.q_norm.weight")), eps);
+                    head.copy_from_slice(&normed);
+                    rope(head, pos, theta);
+                }
+                for head in kt.chunks_mut(hd) {
+                    let normed = rms_norm(head, f.get(&p("self_attn.k_norm.weight")), eps);
+                    head.copy_from_slice(&normed);
+                    rope(head, pos, theta);
+                }
+                q.push(qt);
+                k.push(kt);
+                v.push(vt);
+            }
+            let group = heads / kv;
+            for t in 0..T {
+                let mut attn = vec![0.0; heads * hd];
+                for h in 0..heads {
+                    let g = h / group;
+                    let qh = &q[t][h * hd..(h + 1) * hd];
+                    let scores: Vec<f64> = (0..=t)
+                        .map(|s| {
+                            let kh = &k[s][g * hd..(g + 1) * hd];
+                            qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for (s, w) in e.iter().enumerate() {
+                        for j in 0..hd {
+                            attn[h * hd + j] += w / z * v[s][g * hd + j];
+                        }
+                    }
+                }
+                let o = linear(f.get(&p("self_attn.o_proj.weight")), &attn, d);
+                for j in 0..d {
+                    x[t][j] += o[j];
+                }
+            }
+            // feed-forward
+            for xt in x.iter_mut() {
+                let h = rms_norm(xt, f.get(&p("post_attention_layernorm.weight")), eps);
+                let y = if moe && !dense_layers.contains(&l) {
+                    let e = n("num_experts");
+                    let logits = linear(f.get(&p("mlp.gate.weight")), &h, e);
+                    let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let ex: Vec<f64> = logits.iter().map(|s| (s - m).exp()).collect();
+                    let z: f64 = ex.iter().sum();
+                    let probs: Vec<f64> = ex.iter().map(|v| v / z).collect();
+                    let mut order: Vec<usize> = (0..e).collect();
+                    order.sort_by(|a, b| probs[*b].total_cmp(&probs[*a]));
+                    let top = &order[..n("num_experts_per_tok")];
+                    let norm: f64 = if c["norm_topk_prob"].as_bool().unwrap() {
+                        top.iter().map(|&i| probs[i]).sum()
+                    } else {
+                        1.0
+                    };
+                    let mut y = vec![0.0; d];
+                    for &i in top {
+                        let yi = swiglu(
+                            &f,
+                            &p(&format!("mlp.experts.{i}")),
+                            &h,
+                            n("moe_intermediate_size"),
+                        );
+                        for j in 0..d {
+                            y[j] += probs[i] / norm * yi[j];
+                        }
+                    }
+                    y
+                } else {
+                    swiglu(&f, &p("mlp"), &h, n("intermediate_size"))
+                };
+                for j in 0..d {
+                    xt[j] += y[j];
+                }
+            }
+        }
+        let head = if c["tie_word_embeddings"].as_bool().unwrap() {
+            embed
+        } else {
+            f.get("lm_head.weight")
+        };
+        for xt in &x {
+            let h = rms_norm(xt, f.get("model.norm.weight"), eps);
+            out.push(linear(head, &h, vocab));
+        }
+    }
+    out
+}
+
+/// ferrotext's logits `[B·T][vocab]` for `values` on one device.
+fn ferrotext_logits(model: &Decoder, values: &[Tensor], ids: &[u32]) -> Vec<Vec<f64>> {
+    let mesh = Arc::new(Mesh::explicit([("data", 1)]).unwrap());
+    let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let params: Vec<Array> = values
+            .iter()
+            .map(|v| {
+                cx.from_global(
+                    v,
+                    NamedSharding::new(mesh.clone(), PartitionSpec::replicated()).unwrap(),
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        let batch = PartitionSpec::new([Some("data"), None]);
+        let ids = cx.ids_from_global(&[B, T], batch, ids)?;
+        let logits = model.logits(&mut cx, &params, &ids)?;
+        cx.to_host(&logits)
+    })
+    .unwrap();
+    let logits = out.into_iter().next().unwrap();
+    let vocab = model.config().vocab_size;
+    logits
+        .data()
+        .chunks(vocab)
+        .map(|r| r.iter().map(|&x| x as f64).collect())
+        .collect()
+}
+
+fn check_reference_forward(cfg: &Config) {
+    let dir = scratch(&format!("ref-{}", cfg.moe.is_some()));
+    let (model, infos, vals) = model(cfg);
+    let out = dir.join("model");
+    hf::save_directory(&out, cfg, &infos, &vals, SaveDtype::F32, 4096).unwrap();
+    let ids = tokens(cfg.vocab_size);
+    let want = reference_logits(&out, &ids);
+    let got = ferrotext_logits(&model, &vals, &ids);
+    let mut worst = 0.0f64;
+    for (w, g) in want.iter().zip(&got) {
+        for (a, b) in w.iter().zip(g) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    let spread = want.iter().flatten().fold(0.0f64, |m, x| m.max(x.abs()));
+    assert!(spread > 0.1, "logits too small to compare: {spread}");
+    assert!(
+        worst <= 1e-4,
+        "max |Δlogit| = {worst} (max |logit| {spread})"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn reference_forward_from_the_saved_files_matches_dense() {
+    check_reference_forward(&dense());
+}
+
+#[test]
+fn reference_forward_from_the_saved_files_matches_moe() {
+    check_reference_forward(&moe());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: one clear error each.
+
+fn load_error(dir: &Path) -> String {
+    let result = hf::read_config(dir).and_then(|cfg| {
+        let infos = Decoder::new(cfg).unwrap().params();
+        io::load_parameters(dir, &infos)
+    });
+    let msg = result.unwrap_err().to_string();
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+    msg
+}
+
+/// A fresh sharded copy of the MoE model to break.
+fn sharded(name: &str) -> PathBuf {
+    let dir = scratch(name);
+    let (_, infos, vals) = model(&moe());
+    let out = dir.join("model");
+    hf::save_directory(&out, &moe(), &infos, &vals, SaveDtype::F32, 4096).unwrap();
+    out
+}
+
+fn edit_json(path: &Path, f: impl FnOnce(&mut Value)) {
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(path, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn malformed_directories_get_one_clear_error_each() {
+    // a missing index entry
+    let out = sharded("bad-index");
+    edit_json(&out.join("model.safetensors.index.json"), |v| {
+        v["weight_map"]
+            .as_object_mut()
+            .unwrap()
+            .remove("model.layers.1.mlp.experts.2.up_proj.weight");
+    });
+    let e = load_error(&out);
+    assert!(
+        e.contains("1 missing tensor(s) (not in model.safetensors.index.json): `model.layers.1.mlp.experts.2.up_proj.weight`"),
+        "{e}"
+    );
+    // a shard that does not exist
+    let out = sharded("bad-shard");
+    edit_json(&out.join("model.safetensors.index.json"), |v| {
+        v["weight_map"]["model.norm.weight"] = "model-00099-of-00099.safetensors".into();
+    });
+    let e = load_error(&out);
+    assert!(
+        e.contains("shard `model-00099-of-00099.safetensors` listed in model.safetensors.index.json cannot be read"),
+        "{e}"
+    );
+    // a header that does not parse
+    let out = sharded("bad-header");
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shard = index["weight_map"]["model.norm.weight"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    std::fs::write(out.join(&shard), b"\xff\xff\xff\xff not a header").unwrap();
+    let e = load_error(&out);
+    assert!(
+        e.contains(&format!("`{shard}`: the safetensors header does not parse")),
+        "{e}"
+    );
+    // an unsupported dtype
+    let dir = scratch("bad-dtype");
+    let (_, infos, vals) = model(&dense());
+    let out = dir.join("model");
+    hf::save_directory(&out, &dense(), &infos, &vals, SaveDtype::F32, u64::MAX).unwrap();
+    let file = Files::read(&out);
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = file
+        .tensors
+        .iter()
+        .map(|(n, (s, d))| {
+            let bytes = d.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect();
+            (n.clone(), safetensors::Dtype::F32, s.clone(), bytes)
+        })
+        .collect();
+    for t in owned.iter_mut().filter(|t| t.0 == "model.norm.weight") {
+        t.1 = safetensors::Dtype::F64;
+        t.3 = t.3.iter().flat_map(|&b| [b, 0]).collect();
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, &out.join("model.safetensors")).unwrap();
+    let e = load_error(&out);
+    assert!(
+        e.contains("`model.norm.weight` is F64 (supported: F32, BF16, F16)"),
+        "{e}"
+    );
+    // shapes that do not match config.json
+    let out = sharded("bad-shape");
+    edit_json(&out.join("config.json"), |v| {
+        v["moe_intermediate_size"] = 10.into()
+    });
+    let e = load_error(&out);
+    assert!(
+        e.contains("`model.layers.1.mlp.experts.0.gate_proj.weight` has shape [12, 16], config.json needs [10, 16]"),
+        "{e}"
+    );
+    assert!(e.contains("more"), "{e}");
+    // an unknown model_type, and unsupported features, named
+    let out = sharded("bad-type");
+    edit_json(&out.join("config.json"), |v| {
+        v["model_type"] = "llama".into()
+    });
+    let e = load_error(&out);
+    assert!(
+        e.contains("model_type `llama` is not supported (qwen3, qwen3_moe or deepseek_v3)"),
+        "{e}"
+    );
+    edit_json(&out.join("config.json"), |v| {
+        v["model_type"] = "qwen3_moe".into();
+        v["decoder_sparse_step"] = 2.into();
+    });
+    let e = load_error(&out);
+    assert!(
+        e.contains("features the decoder does not have: decoder_sparse_step=2"),
+        "{e}"
+    );
+    // an unexpected tensor
+    let dir = scratch("bad-extra");
+    let (_, mut infos, mut vals) = model(&dense());
+    let out = dir.join("model");
+    let mut extra = infos[1].clone();
+    extra.name = "model.layers.0.mystery.weight".into();
+    extra.hf = ferrotext_models::HfLayout::Tensor {
+        name: extra.name.clone(),
+        transposed: false,
+    };
+    infos.push(extra);
+    vals.push(vals[1].clone());
+    hf::save_directory(&out, &dense(), &infos, &vals, SaveDtype::F32, u64::MAX).unwrap();
+    let e = load_error(&out);
+    assert!(
+        e.contains("1 unexpected tensor(s): `model.layers.0.mystery.weight`"),
+        "{e}"
+    );
+    for name in [
+        "bad-index",
+        "bad-shard",
+        "bad-header",
+        "bad-dtype",
+        "bad-shape",
+        "bad-type",
+        "bad-extra",
+    ] {
+        std::fs::remove_dir_all(scratch(name)).ok();
+    }
+}
+
+#[test]
+fn a_model_no_hf_family_expresses_is_refused_before_anything_is_written() {
+    let dir = scratch("refused");
+    let mut cfg = moe();
+    if let Some(m) = cfg.moe.as_mut() {
+        m.shared_experts = 1;
+    }
+    let (_, infos, vals) = model(&cfg);
+    let out = dir.join("model");
+    let e = hf::save_directory(&out, &cfg, &infos, &vals, SaveDtype::F32, u64::MAX)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shared_experts=1 (qwen3_moe has none)"), "{e}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    std::fs::remove_dir_all(&dir).ok();
+}
