@@ -39,7 +39,7 @@ fn reference_gradient(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let model = engine.model();
+    let model = engine.plan().decoder();
     let (_, grads) = cx.value_and_grad(&arrays, |cx, ps| {
         model.loss_sum(cx, ps, &inputs, &targets_ids)
     })?;
