@@ -400,11 +400,12 @@ impl TrainConfig {
         Ok(config)
     }
 
-    /// The model config: the preset with the overrides applied.
+    /// The decoder's config: the preset with the overrides applied. Only
+    /// [`TrainConfig::plan`] calls it (once); everything else reads the plan's decoder.
     ///
     /// # Errors
-    /// An unknown preset.
-    pub fn model(&self) -> Result<qwen3::Config, TrainError> {
+    /// An unknown preset, or MoE keys that do not fit the preset.
+    pub(crate) fn model(&self) -> Result<qwen3::Config, TrainError> {
         let mut m = qwen3::Config::preset(&self.model_name).ok_or_else(|| {
             TrainError::usage(
                 "model_name",
@@ -844,22 +845,6 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// [`crate::RunPlan::memory_estimate`] of this config's plan.
-    ///
-    /// # Errors
-    /// An invalid config (see [`TrainConfig::plan`]).
-    pub fn memory_estimate(&self) -> Result<MemoryEstimate, TrainError> {
-        self.plan()?.memory_estimate()
-    }
-
-    /// [`crate::RunPlan::memory_per_device`] of this config's plan.
-    ///
-    /// # Errors
-    /// An invalid config (see [`TrainConfig::plan`]).
-    pub fn memory_per_device(&self) -> Result<DeviceMemory, TrainError> {
-        self.plan()?.memory_per_device()
-    }
-
     /// [`TrainConfig::grad_bucket_mb`] in bytes (at least one).
     pub fn grad_bucket_bytes(&self) -> usize {
         ((self.grad_bucket_mb * f64::from(1u32 << 20)) as usize).max(1)
@@ -887,7 +872,7 @@ impl TrainConfig {
     }
 }
 
-/// What [`TrainConfig::memory_estimate`] counts, in bytes per process.
+/// What [`crate::RunPlan::memory_estimate`] counts, in bytes per process.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MemoryEstimate {
     /// Parameters, accumulator, reduced gradients and optimizer state of the process's
@@ -897,7 +882,7 @@ pub struct MemoryEstimate {
     pub activation_bytes: f64,
 }
 
-/// What [`TrainConfig::memory_per_device`] counts for one device, in bytes (`f32` values), with
+/// What [`crate::RunPlan::memory_per_device`] counts for one device, in bytes (`f32` values), with
 /// the element counts the optimizer's cost is computed from. `total_bytes` is the sum of the five
 /// byte fields.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]

@@ -35,7 +35,7 @@
 //! * **A step** is `Σ_micro-batches (compute + their other collectives + exposed reduction) +
 //!   the update's other collectives + the optimizer`. Collectives outside the step (set-up) are
 //!   listed but not counted.
-//! * **Memory** per device: [`TrainConfig::memory_per_device`].
+//! * **Memory** per device: [`crate::RunPlan::memory_per_device`].
 
 use std::fmt;
 use std::str::FromStr;

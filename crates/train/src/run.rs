@@ -303,7 +303,8 @@ impl DeviceRun {
             }
             // 4. log: the metrics file and the progress callback.
             log(&m)?;
-            // 5. checkpoint (every `checkpoint_period` steps and the last).
+            // 5. checkpoint, every `checkpoint_period` steps and at the last (an eval pass on
+            //    held-out data belongs here too: after the update, on the step's weights).
             let done = trainer.engine().steps_taken();
             if checkpoints && (done % config.checkpoint_period == 0 || done == config.steps) {
                 trainer.engine().save_checkpoint(cx, &self.root)?;
