@@ -324,3 +324,73 @@ impl RunPlan {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gate::ClosedReason;
+
+    #[test]
+    fn a_relative_output_directory_is_resolved_once_against_the_current_directory() {
+        let plan = TrainConfig::default().plan().unwrap();
+        let here = std::env::current_dir().unwrap();
+        assert_eq!(
+            plan.output_dir(),
+            here.join("ferrotext_runs").join("default")
+        );
+        assert_eq!(
+            plan.checkpoint_root(),
+            here.join("ferrotext_runs/default/checkpoints")
+        );
+        assert_eq!(
+            plan.metrics_path(),
+            here.join("ferrotext_runs/default/metrics.jsonl")
+        );
+        let absolute = TrainConfig {
+            base_output_directory: "/runs".into(),
+            run_name: "x".into(),
+            metrics_file: "m.jsonl".into(),
+            ..TrainConfig::default()
+        }
+        .plan()
+        .unwrap();
+        assert_eq!(absolute.output_dir(), Path::new("/runs/x"));
+        assert_eq!(absolute.metrics_path(), here.join("m.jsonl"));
+    }
+
+    /// The plan keeps the gate's whole answer, and every inside layout is the storage layout
+    /// tagged exactly as that answer says.
+    #[test]
+    fn layouts_follow_the_gates_answer() {
+        let open = TrainConfig::default().plan().unwrap();
+        assert_eq!(
+            open.deferral(),
+            &Deferral::Open {
+                axes: vec!["data".into()]
+            }
+        );
+        assert_eq!(
+            open.zero1(),
+            &Zero1::Closed(ClosedReason::Zero1NotRequested)
+        );
+        assert_eq!(open.layouts().len(), open.params().len());
+        for layout in open.layouts() {
+            assert_eq!(layout.inside, layout.plain.with_reduced(["data"]).unwrap());
+            assert_eq!(layout.target, layout.plain);
+        }
+        let auto = TrainConfig {
+            shard_mode: ShardMode::Auto,
+            ..TrainConfig::default()
+        }
+        .plan()
+        .unwrap();
+        assert_eq!(
+            auto.deferral(),
+            &Deferral::Closed(ClosedReason::ShardModeAuto)
+        );
+        assert!(auto.layouts().iter().all(|l| l.inside == l.plain));
+        // The declared mesh keeps the mode's axis types; the devices compute on Explicit axes.
+        assert!(!auto.mesh().is_all_explicit());
+        assert!(auto.compute_mesh().is_all_explicit());
+    }
+}
