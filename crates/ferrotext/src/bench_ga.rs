@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_spmd::Ctx;
-use ferrotext_train::{compute_mesh, data, ShardMode, TrainConfig, TrainError, Trainer};
+use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
 use crate::bench::median;
@@ -93,8 +93,9 @@ pub fn run(model: &str, gas: &[usize], pairs: usize, extra: &[String], out: &Pat
         let deferred = TrainConfig::load(None, &items)?;
         let mut untagged = deferred.clone();
         untagged.shard_mode = ShardMode::Auto;
-        let mesh = compute_mesh(&deferred)?;
-        let vocab = deferred.model()?.vocab_size;
+        let (deferred_plan, untagged_plan) = (deferred.plan()?, untagged.plan()?);
+        let mesh = deferred_plan.compute_mesh().clone();
+        let vocab = deferred_plan.decoder().config().vocab_size;
         let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(&deferred, vocab)?);
         let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
         let per_device = run_spmd(
@@ -103,8 +104,8 @@ pub fn run(model: &str, gas: &[usize], pairs: usize, extra: &[String], out: &Pat
             |dev| -> Result<Vec<(f64, f64, f64, f64)>, TrainError> {
                 let threads = dev.threads();
                 let mut cx = Ctx::new(dev.comm(), threads);
-                let mut a = Trainer::new(&mut cx, &deferred, source.clone(), None)?;
-                let mut b = Trainer::new(&mut cx, &untagged, source.clone(), None)?;
+                let mut a = Trainer::new(&mut cx, &deferred_plan, source.clone(), None)?;
+                let mut b = Trainer::new(&mut cx, &untagged_plan, source.clone(), None)?;
                 a.step(&mut cx)?; // warm-up
                 b.step(&mut cx)?;
                 let mut samples = Vec::new();

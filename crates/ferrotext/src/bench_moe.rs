@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_spmd::Ctx;
-use ferrotext_train::{compute_mesh, data, ShardMode, TrainConfig, TrainError, Trainer};
+use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
 use crate::bench::median;
@@ -122,9 +122,10 @@ fn time_config(items: &[String], pairs: usize) -> Result<Timed> {
     untagged.shard_mode = ShardMode::Auto;
     let mut ga1 = tagged.clone();
     ga1.gradient_accumulation_steps = 1;
-    let mesh = compute_mesh(&tagged)?;
-    let vocab = tagged.model()?.vocab_size;
-    let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(&tagged, vocab)?);
+    let (tagged, untagged, ga1) = (tagged.plan()?, untagged.plan()?, ga1.plan()?);
+    let mesh = tagged.compute_mesh().clone();
+    let vocab = tagged.decoder().config().vocab_size;
+    let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(tagged.config(), vocab)?);
     let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
     type Samples = (Vec<(f64, f64, f64, f64)>, Vec<f64>, Vec<f64>, usize);
     let per_device = run_spmd(&mesh, &opts, |dev| -> Result<Samples, TrainError> {

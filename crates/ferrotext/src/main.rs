@@ -1,6 +1,7 @@
 //! `ferrotext`: the command-line front door. Composes the library layers; no library sees a flag.
 //!
-//! Exit codes: 0 success, 1 a run that failed, 2 bad input (usage, config, mesh).
+//! Exit codes: 0 success, 1 a run that failed (a failed run, an I/O failure, a bug in
+//! ferrotext), 2 bad input (usage, config, mesh, files the user named).
 
 mod bench;
 mod bench_cluster;
@@ -114,11 +115,7 @@ fn finish(result: anyhow::Result<()>) -> ExitCode {
 /// Prints `err` (prefixed by the process under MPI) and picks the exit code; under MPI with
 /// several processes it ends the whole job instead of returning.
 fn report(err: &anyhow::Error, launch: Option<&launch::Launch>) -> ExitCode {
-    let code = if err.downcast_ref::<UsageError>().is_some() {
-        2
-    } else {
-        1
-    };
+    let code = exit_code(err);
     let message = one_line(err);
     match launch.filter(|l| l.processes() > 1) {
         Some(l) => eprintln!(
@@ -132,6 +129,21 @@ fn report(err: &anyhow::Error, launch: Option<&launch::Launch>) -> ExitCode {
         l.end_job_on_error(code);
     }
     ExitCode::from(code)
+}
+
+/// 2 for the user's input (a [`UsageError`], or a [`ferrotext_train::TrainError`] of the usage
+/// class), 1 for everything else: a bug in ferrotext, an I/O failure or a failed run is never
+/// reported as the user's mistake.
+fn exit_code(err: &anyhow::Error) -> u8 {
+    let usage = err.downcast_ref::<UsageError>().is_some()
+        || err
+            .downcast_ref::<ferrotext_train::TrainError>()
+            .is_some_and(ferrotext_train::TrainError::is_usage);
+    if usage {
+        2
+    } else {
+        1
+    }
 }
 
 /// `err` and its causes as one line: each cause joined with `: ` unless its text is already in

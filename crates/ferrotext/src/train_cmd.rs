@@ -1,6 +1,13 @@
-//! `ferrotext train [config.toml] key=value ...`: validate everything first (one clear line and
-//! exit code 2 on bad input, nothing written), train with a progress bar, then print a summary
-//! and write per-step metrics as JSON lines.
+//! `ferrotext train [config.toml] key=value ...`: plan the run first (one clear line and exit
+//! code 2 on bad input, nothing written), train with a progress bar, then print a summary and
+//! write per-step metrics as JSON lines.
+//!
+//! Errors come back as [`TrainError`]s; `main` picks the exit code from their class (2 for the
+//! user's input, 1 for everything else).
+//!
+//! `FERROTEXT_FAULT` (tests only) injects a failure into the run to check how it is reported:
+//! `device_panic:N` (device `N` panics) or `engine_misuse` (an `update` with nothing
+//! accumulated).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -8,7 +15,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use ferrotext_comm::{human_bytes, CollectiveKind, PhasePattern};
-use ferrotext_train::{io, train, RunOptions, StepMetrics, TrainConfig, TrainError};
+use ferrotext_train::{io, train_plan, Fault, RunOptions, RunPlan, StepMetrics, TrainConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::bench::median;
@@ -22,12 +29,23 @@ pub struct TrainArgs {
     args: Vec<String>,
 }
 
-fn usage(err: TrainError) -> anyhow::Error {
-    match err {
-        TrainError::Config(_) | TrainError::Data(_) | TrainError::Params { .. } => {
-            UsageError(err.to_string()).into()
-        }
-        other => other.into(),
+/// The failure `FERROTEXT_FAULT` asks to inject (see the module docs).
+fn injected_fault() -> Result<Option<Fault>> {
+    let Ok(text) = std::env::var("FERROTEXT_FAULT") else {
+        return Ok(None);
+    };
+    match text.split_once(':') {
+        None if text == "engine_misuse" => Ok(Some(Fault::EngineMisuse)),
+        Some(("device_panic", n)) => match n.parse() {
+            Ok(device) => Ok(Some(Fault::DevicePanic { device })),
+            Err(_) => {
+                Err(UsageError(format!("FERROTEXT_FAULT `{text}`: `{n}` is not a device")).into())
+            }
+        },
+        _ => Err(UsageError(format!(
+            "FERROTEXT_FAULT `{text}` is not `device_panic:N` or `engine_misuse`"
+        ))
+        .into()),
     }
 }
 
@@ -46,14 +64,15 @@ fn gemm_peak_gflops() -> f64 {
     2.0 * (n * n * n) as f64 / best / 1e9
 }
 
-fn load(args: &TrainArgs) -> Result<TrainConfig> {
+/// The run the arguments describe, planned (every key checked once).
+fn load(args: &TrainArgs) -> Result<RunPlan> {
     let (file, overrides): (Option<PathBuf>, Vec<String>) = match args.args.first() {
         Some(first) if !first.contains('=') => {
             (Some(PathBuf::from(first)), args.args[1..].to_vec())
         }
         _ => (None, args.args.clone()),
     };
-    TrainConfig::load(file.as_deref(), &overrides).map_err(usage)
+    Ok(TrainConfig::parse(file.as_deref(), &overrides)?.plan()?)
 }
 
 /// Arguments of `ferrotext plan`.
@@ -83,19 +102,18 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     if args.json || args.device_gflops.is_some() {
         return Err(UsageError("--json and --device-gflops need --cluster".into()).into());
     }
-    let config = load(&args.train)?;
-    let model = config.model().map_err(usage)?;
-    let mesh = config.mesh().map_err(usage)?;
+    let plan = load(&args.train)?;
+    let config = plan.config();
     let source: std::sync::Arc<dyn ferrotext_train::data::TokenSource> = std::sync::Arc::from(
-        ferrotext_train::data::source_for(&config, model.vocab_size).map_err(usage)?,
+        ferrotext_train::data::source_for(config, plan.decoder().config().vocab_size)?,
     );
     let started = Instant::now();
-    let (gate, trace) = ferrotext_train::plan_step(&config, source)?;
-    let qwen = ferrotext_models::qwen3::Qwen3::new(model).map_err(|e| UsageError(e.to_string()))?;
+    let (gate, trace) = ferrotext_train::plan_step(&plan, source)?;
     println!(
-        "planned one step of {} ({} parameters) on {mesh} in {:.2} s: every sharding rule checked",
+        "planned one step of {} ({} parameters) on {} in {:.2} s: every sharding rule checked",
         config.model_name,
-        qwen.param_count(),
+        plan.decoder().param_count(),
+        plan.mesh(),
         started.elapsed().as_secs_f64()
     );
     println!("deferral: {}", gate.describe());
@@ -152,7 +170,7 @@ fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
         format!("local_devices={}", cluster.devices_per_host),
         format!("num_processes={}", cluster.hosts),
     ]);
-    let config = load(&on_cluster)?;
+    let config = load(&on_cluster)?.config().clone();
     let devices = cluster.devices();
     let (gflops, source) = match &args.device_gflops {
         Some(g) => match g.trim().parse::<f64>() {
@@ -182,7 +200,7 @@ fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
             )
         }
     };
-    let p = cost::predict(&config, &cluster, gflops).map_err(usage)?;
+    let p = cost::predict(&config, &cluster, gflops)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
         return Ok(());
@@ -351,7 +369,7 @@ fn peak_rss_mb() -> Option<f64> {
 }
 
 /// The config of one process of the job: the user's, with `num_processes` from the launcher.
-fn load_for(args: &TrainArgs, launch: &Launch) -> Result<TrainConfig> {
+fn load_for(args: &TrainArgs, launch: &Launch) -> Result<RunPlan> {
     let processes = launch.processes();
     if processes == 1 {
         return load(args);
@@ -378,14 +396,15 @@ fn load_for(args: &TrainArgs, launch: &Launch) -> Result<TrainConfig> {
 
 /// Runs the command (under MPI: this process's share; process 0 prints and writes).
 pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
-    let config = load_for(args, launch)?;
+    let plan = load_for(args, launch)?;
+    let config = plan.config();
     let leader = launch.is_leader();
-    let model = config.model().map_err(usage)?;
-    let mesh = config.mesh().map_err(usage)?;
+    let model = plan.decoder().config();
+    let fault = injected_fault()?;
     let tokens_per_step =
         config.micro_batch_rows() * config.gradient_accumulation_steps * config.max_target_length;
     // Every output is checked before anything runs: a bad path is bad input, found now.
-    io::check_output_paths(&config).map_err(usage)?;
+    io::check_output_paths(config)?;
     // Under `ferrotext emulate`: each process logs its link's counters at every step boundary.
     let wire = std::sync::Arc::new(crate::emulate::probe::WireProbe::from_env(launch));
     let probe = wire.clone();
@@ -400,9 +419,10 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
             on_step,
             cluster: launch.cluster(),
             return_params: !config.save_parameters_path.is_empty(),
+            fault,
             ..Default::default()
         };
-        train(&config, &options).map_err(usage)?;
+        train_plan(&plan, &options)?;
         return Ok(());
     }
     if let Some(cluster) = launch.cluster() {
@@ -413,15 +433,17 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         );
     }
     println!(
-        "{} ({} layers, d {}, vocab {}) on {mesh}; GA {}, {} tokens per step, {} steps",
+        "{} ({} layers, d {}, vocab {}) on {}; GA {}, {} tokens per step, {} steps",
         config.model_name,
         model.base_num_decoder_layers,
         model.base_emb_dim,
         model.vocab_size,
+        plan.mesh(),
         config.gradient_accumulation_steps,
         tokens_per_step,
         config.steps
     );
+    println!("outputs: {}", plan.output_dir().display());
     let bar = ProgressBar::new(config.steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} step  {msg}")
@@ -459,16 +481,17 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
             });
         }
     };
-    let metrics_path = config.metrics_path();
+    let metrics_path = plan.metrics_path().to_path_buf();
     let options = RunOptions {
         on_step: Some(std::sync::Arc::new(on_step)),
         return_params: !config.save_parameters_path.is_empty(),
         cluster: launch.cluster(),
         metrics_path: Some(metrics_path.clone()),
+        fault,
         ..Default::default()
     };
     let started = Instant::now();
-    let report = train(&config, &options).map_err(usage)?;
+    let report = train_plan(&plan, &options)?;
     bar.finish_and_clear();
     let wall = started.elapsed().as_secs_f64();
 
@@ -478,7 +501,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
             "nothing to do: run `{}` already finished its {} steps (checkpoints in {}); raise `steps` to train further, or set `resume=fresh` to start over",
             config.run_name,
             config.steps,
-            config.checkpoint_root().display()
+            plan.checkpoint_root().display()
         );
         return Ok(());
     }
@@ -486,7 +509,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         println!(
             "resumed at step {} from {}",
             report.first_step,
-            config.checkpoint_root().display()
+            plan.checkpoint_root().display()
         );
     }
     let first = m.first().map_or(0.0, |x| x.loss);

@@ -437,3 +437,100 @@ fn a_diverging_run_stops_naming_the_step() {
     assert_eq!(metrics.lines().count(), 1, "step 0 was logged as it ended");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// The four classes of failure reach the user with their own exit code (issue 13): the user's
+/// input exits 2 with the whole message on one line; engine misuse, an I/O failure and a device
+/// panic exit 1, each named — a bug in ferrotext is never reported as the user's mistake.
+#[test]
+fn a_usage_error_exits_2_with_the_whole_message() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-usage-{}", std::process::id()));
+    let res = ferrotext(&[
+        "train",
+        &format!("base_output_directory={}", dir.display()),
+        "moe_mlp_dim=64",
+    ]);
+    assert_eq!(res.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&res.stderr),
+        "error: MoE keys need an MoE model: set num_experts or pick an MoE preset (model_name \
+         `qwen3-tiny` is dense)\n"
+    );
+    assert!(!dir.exists(), "bad input wrote {}", dir.display());
+}
+
+/// A run with a fault injected through `FERROTEXT_FAULT` (see `train_cmd`).
+fn faulty_train(fault: &str, dir: &std::path::Path) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotext"))
+        .args([
+            "train",
+            &format!("base_output_directory={}", dir.display()),
+            "steps=2",
+            "max_target_length=16",
+            "collective_timeout_seconds=30",
+        ])
+        .env("FERROTEXT_FAULT", fault)
+        .output()
+        .expect("the ferrotext binary runs");
+    std::fs::remove_dir_all(dir).ok();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn engine_misuse_exits_1_naming_the_call() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-misuse-{}", std::process::id()));
+    let (code, stderr) = faulty_train("engine_misuse", &dir);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(
+        stderr,
+        "error: Engine::update: update called with no fwd_bwd since the last update\n"
+    );
+}
+
+#[test]
+fn a_device_panic_exits_1_naming_the_device_and_the_message() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-panic-{}", std::process::id()));
+    let (code, stderr) = faulty_train("device_panic:1", &dir);
+    assert_eq!(code, Some(1), "{stderr}");
+    // The panic hook prints its own lines first; ferrotext's report is the last line.
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: device 1 failed (a bug in ferrotext")
+            && last.contains("injected fault: device 1 panics before its first step"),
+        "{stderr}"
+    );
+}
+
+/// A write the file system refuses mid-run (the file-size limit, `ulimit -f`, with SIGXFSZ
+/// ignored so the write fails instead of killing the process) is an I/O failure: exit 1, the
+/// file named — not bad input, since every output path was checked before the run.
+#[test]
+fn an_io_failure_mid_run_exits_1_naming_the_file() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-io-{}", std::process::id()));
+    let params = dir.join("final.safetensors");
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 4; exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_ferrotext"))
+        .args([
+            "train",
+            &format!("base_output_directory={}", dir.display()),
+            "steps=2",
+            "max_target_length=16",
+            &format!("save_parameters_path={}", params.display()),
+        ])
+        .output()
+        .expect("sh runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("error: ")
+            && stderr.contains(&params.display().to_string())
+            && stderr.contains("large"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    std::fs::remove_dir_all(dir).ok();
+}

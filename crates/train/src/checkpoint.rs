@@ -36,7 +36,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use ferrotext_sharding::NamedSharding;
 use ferrotext_spmd::Ctx;
@@ -47,7 +46,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::{DatasetOrder, OptType, ResumeMode, TrainConfig};
-use crate::engine::{Engine, PartialGradients, Pending};
+use crate::engine::{Engine, EngineState, Restored, RestoredPending};
 use crate::error::TrainError;
 
 /// The manifest format this build writes and the only one it reads (2: the manifest is sealed by
@@ -776,17 +775,23 @@ fn check_config(dir: &Path, saved: &TrainConfig, now: &TrainConfig) -> Result<()
     Ok(())
 }
 
+/// The mesh a state's accumulator lives on, as the manifest records it.
+fn mesh_description(state: &EngineState<'_>) -> String {
+    state
+        .promised
+        .first()
+        .map_or_else(String::new, |t| t.mesh().to_string())
+}
+
+/// The devices of a state's mesh.
+fn device_count(state: &EngineState<'_>) -> usize {
+    state
+        .promised
+        .first()
+        .map_or(1, |t| t.mesh().device_count())
+}
+
 impl Engine {
-    fn mesh_description(&self) -> String {
-        self.promised
-            .first()
-            .map_or_else(String::new, |t| t.mesh().to_string())
-    }
-
-    fn device_count(&self) -> usize {
-        self.promised.first().map_or(1, |t| t.mesh().device_count())
-    }
-
     /// Saves the whole state under `root` (see the module docs) and returns the checkpoint's
     /// directory. Every device takes part (gathers); device 0 writes.
     ///
@@ -825,17 +830,20 @@ impl Engine {
         root: &Path,
         after_file: &dyn Fn(&str) -> std::io::Result<()>,
     ) -> Result<PathBuf, TrainError> {
+        let state = self.state();
+        let config = state.plan.config();
+        let infos = state.plan.params();
         // 1. gather everything (every device)
-        let params: Vec<Tensor> = self
+        let params: Vec<Tensor> = state
             .params
             .iter()
             .map(|p| cx.to_host(p))
             .collect::<Result<_, _>>()?;
-        let moments = match self.opt.moments() {
+        let moments = match state.moments {
             Some((m, v, t)) => {
                 let mut gm = Vec::with_capacity(m.len());
                 let mut gv = Vec::with_capacity(v.len());
-                for (ty, (mi, vi)) in self.moment_types.iter().zip(m.iter().zip(v)) {
+                for (ty, (mi, vi)) in state.moment_types.iter().zip(m.iter().zip(v)) {
                     gm.push(cx.to_host(&cx.from_local(ty.clone(), mi.clone())?)?);
                     gv.push(cx.to_host(&cx.from_local(ty.clone(), vi.clone())?)?);
                 }
@@ -844,19 +852,19 @@ impl Engine {
             None => None,
         };
         let all_axes: Vec<String> = cx.mesh().axis_names().map(str::to_string).collect();
-        let pending = match &self.pending {
+        let pending = match &state.pending {
             Some(p) => {
                 // The reduction `update` would have done, on a copy: the live accumulator stays
                 // partial.
-                let mut totals = Vec::with_capacity(p.acc.grads.len());
-                for (g, spec) in p.acc.grads.iter().zip(&self.plain) {
-                    let reduced = cx.reshard(g, spec)?;
+                let mut totals = Vec::with_capacity(p.grads.len());
+                for (g, layout) in p.grads.iter().zip(state.plan.layouts()) {
+                    let reduced = cx.reshard(g, &layout.plain)?;
                     totals.push(cx.to_host(&reduced)?);
                 }
                 // Every device's own partial block too, so a restore onto the same mesh and gate
                 // continues bit for bit (the sum's association is kept).
-                let mut partials = Vec::with_capacity(p.acc.grads.len());
-                for g in &p.acc.grads {
+                let mut partials = Vec::with_capacity(p.grads.len());
+                for g in p.grads {
                     let local = g.local()?;
                     let n = cx.mesh().device_count();
                     let mut all = vec![0.0f32; local.len() * n];
@@ -869,7 +877,7 @@ impl Engine {
         };
         // 2. device 0 writes: temporary directory, fsync, rename, then `latest`
         let micro = pending.as_ref().map_or(0, |p| p.1);
-        let name = checkpoint_name(self.step, micro);
+        let name = checkpoint_name(state.step, micro);
         let final_dir = root.join(&name);
         if cx.device() == 0 {
             std::fs::create_dir_all(root).map_err(io_err(root))?;
@@ -890,7 +898,7 @@ impl Engine {
             };
             // HF names and orientation, as each parameter declares (experts unstacked).
             let mut stored_params: Vec<(String, Tensor)> = Vec::new();
-            for ((info, t), p) in self.infos.iter().zip(&params).zip(&self.params) {
+            for ((info, t), p) in infos.iter().zip(&params).zip(state.params) {
                 let parts = info.to_hf(t).map_err(|e| ckpt_err(&tmp, e.to_string()))?;
                 for (n, part) in parts {
                     entry("params.safetensors", n.clone(), &part, p.ty().to_string());
@@ -906,7 +914,7 @@ impl Engine {
             if let Some((m, v, t)) = &moments {
                 optimizer_steps = *t;
                 let mut stored = Vec::new();
-                for (info, (mi, vi)) in self.infos.iter().zip(m.iter().zip(v)) {
+                for (info, (mi, vi)) in infos.iter().zip(m.iter().zip(v)) {
                     stored.push((format!("m/{}", info.name), mi.clone()));
                     stored.push((format!("v/{}", info.name), vi.clone()));
                 }
@@ -923,14 +931,13 @@ impl Engine {
             if let Some((totals, _, tokens, loss, partials)) = &pending {
                 token_denominator = *tokens;
                 pending_loss_sum = *loss;
-                let mut stored: Vec<(String, Tensor)> = self
-                    .infos
+                let mut stored: Vec<(String, Tensor)> = infos
                     .iter()
                     .zip(totals)
                     .map(|(i, t)| (format!("acc/{}", i.name), t.clone()))
                     .collect();
                 let devices = cx.mesh().device_count();
-                for (info, (shape, all)) in self.infos.iter().zip(partials) {
+                for (info, (shape, all)) in infos.iter().zip(partials) {
                     let block = all.len() / devices.max(1);
                     for d in 0..devices {
                         let t =
@@ -954,22 +961,22 @@ impl Engine {
             }
             let manifest = Manifest {
                 format_version: FORMAT_VERSION,
-                config: self.config.clone(),
-                step: self.step,
+                config: config.clone(),
+                step: state.step,
                 micro_steps: micro,
                 token_denominator,
                 pending_loss_sum,
                 pending_loss_sum_bits: pending_loss_sum.to_bits(),
                 optimizer_steps,
-                dataset_order: self.config.dataset_order,
-                sequences_consumed: sequences_consumed(&self.config, self.step, micro),
-                mesh: self.mesh_description(),
-                accumulator_types: self
+                dataset_order: config.dataset_order,
+                sequences_consumed: sequences_consumed(config, state.step, micro),
+                mesh: mesh_description(&state),
+                accumulator_types: state
                     .pending
                     .as_ref()
-                    .map(|p| p.acc.grads.iter().map(|g| g.ty().to_string()).collect())
+                    .map(|p| p.grads.iter().map(|g| g.ty().to_string()).collect())
                     .unwrap_or_default(),
-                deferral: self.gate.describe(),
+                deferral: state.plan.deferral().describe(),
                 tensors,
                 files,
             };
@@ -1008,7 +1015,7 @@ impl Engine {
                 std::fs::remove_dir_all(&aside).map_err(io_err(&aside))?;
                 sync_dir(root)?;
             }
-            prune(root, self.config.checkpoint_keep, &name)?;
+            prune(root, config.checkpoint_keep, &name)?;
         }
         // Nobody reads or overwrites the checkpoint before it is complete.
         let all_axes: Vec<String> = cx.mesh().axis_names().map(str::to_string).collect();
@@ -1017,21 +1024,24 @@ impl Engine {
     }
 
     fn load(&self, dir: &Path) -> Result<Loaded, TrainError> {
+        let state = self.state();
+        let config = state.plan.config();
+        let infos = state.plan.params();
         let manifest = read_manifest(dir)?;
         validate_manifest(dir, &manifest)?;
-        check_config(dir, &manifest.config, &self.config)?;
+        check_config(dir, &manifest.config, config)?;
         // The data position the current config implies for this step and micro-step.
         let manifest_path = dir.join("manifest.json");
-        if manifest.dataset_order != self.config.dataset_order {
+        if manifest.dataset_order != config.dataset_order {
             return Err(ckpt_err(
                 &manifest_path,
                 format!(
                     "dataset_order was {:?} when saved, now {:?}",
-                    manifest.dataset_order, self.config.dataset_order
+                    manifest.dataset_order, config.dataset_order
                 ),
             ));
         }
-        let expected = sequences_consumed(&self.config, manifest.step, manifest.micro_steps);
+        let expected = sequences_consumed(config, manifest.step, manifest.micro_steps);
         if manifest.sequences_consumed != expected {
             return Err(ckpt_err(
                 &manifest_path,
@@ -1046,8 +1056,8 @@ impl Engine {
         let path = dir.join("params.safetensors");
         let file = SafeTensors::deserialize(&bytes)
             .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
-        let mut params = Vec::with_capacity(self.infos.len());
-        for info in &self.infos {
+        let mut params = Vec::with_capacity(infos.len());
+        for info in infos {
             let parts = info
                 .hf_tensors()
                 .iter()
@@ -1060,14 +1070,14 @@ impl Engine {
         }
         // `validate_manifest` and `check_config` made sure the file is listed when the
         // optimizer keeps state: a missing one is an error, never a silent reset.
-        let moments = if self.opt.moments().is_some() {
+        let moments = if state.moments.is_some() {
             let bytes = read_verified(dir, &manifest, "optimizer.safetensors")?;
             let path = dir.join("optimizer.safetensors");
             let file = SafeTensors::deserialize(&bytes)
                 .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
             let mut m = Vec::new();
             let mut v = Vec::new();
-            for info in &self.infos {
+            for info in infos {
                 m.push(tensor(
                     &path,
                     &file,
@@ -1090,25 +1100,24 @@ impl Engine {
             let path = dir.join("accumulator.safetensors");
             let file = SafeTensors::deserialize(&bytes)
                 .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
-            let totals = self
-                .infos
+            let totals = infos
                 .iter()
                 .map(|i| tensor(&path, &file, &format!("acc/{}", i.name), &i.shape))
                 .collect::<Result<Vec<_>, _>>()?;
             // Partial blocks are only usable on the mesh and layout they came from.
-            let same_layout = manifest.mesh == self.mesh_description()
+            let same_layout = manifest.mesh == mesh_description(&state)
                 && manifest.accumulator_types
-                    == self
+                    == state
                         .promised
                         .iter()
                         .map(|t| t.to_string())
                         .collect::<Vec<_>>();
             let partials = if same_layout {
-                let devices = self.device_count();
+                let devices = device_count(&state);
                 let mut per_device = Vec::with_capacity(devices);
                 for d in 0..devices {
-                    let mut blocks = Vec::with_capacity(self.infos.len());
-                    for (info, t) in self.infos.iter().zip(&self.promised) {
+                    let mut blocks = Vec::with_capacity(infos.len());
+                    for (info, t) in infos.iter().zip(state.promised) {
                         blocks.push(tensor(
                             &path,
                             &file,
@@ -1152,11 +1161,13 @@ impl Engine {
     ) -> Result<usize, TrainError> {
         let dir = resolve(path)?;
         let loaded = self.load(&dir)?;
+        let state = self.state();
+        let layouts = state.plan.layouts();
         // Build the new state completely, then swap it in.
         let mut params = Vec::with_capacity(loaded.params.len());
-        for (value, spec) in loaded.params.iter().zip(&self.plain) {
-            params
-                .push(cx.from_global(value, NamedSharding::new(cx.mesh().clone(), spec.clone())?)?);
+        for (value, layout) in loaded.params.iter().zip(layouts) {
+            let named = NamedSharding::new(cx.mesh().clone(), layout.plain.clone())?;
+            params.push(cx.from_global(value, named)?);
         }
         let moments = match &loaded.moments {
             Some((m, v)) => {
@@ -1168,11 +1179,11 @@ impl Engine {
                 };
                 let mut lm = Vec::new();
                 let mut lv = Vec::new();
-                for ((mi, vi), ty) in m.iter().zip(v).zip(&self.moment_types) {
+                for ((mi, vi), ty) in m.iter().zip(v).zip(state.moment_types) {
                     lm.push(shard(cx, mi, ty)?);
                     lv.push(shard(cx, vi, ty)?);
                 }
-                Some((lm, lv))
+                Some((lm, lv, loaded.manifest.optimizer_steps))
             }
             None => None,
         };
@@ -1185,54 +1196,42 @@ impl Engine {
                 match &loaded.partials {
                     // Same mesh and layout: every device takes back its own partial block.
                     Some(per_device) => {
-                        for (block, promised) in per_device[cx.device()].iter().zip(&self.promised)
+                        for (block, promised) in per_device[cx.device()].iter().zip(state.promised)
                         {
                             grads.push(cx.from_local(promised.clone(), block.clone())?);
                         }
                     }
                     None => {
-                        for ((t, spec), promised) in
-                            totals.iter().zip(&self.plain).zip(&self.promised)
+                        for ((t, layout), promised) in
+                            totals.iter().zip(layouts).zip(state.promised)
                         {
                             let plain = cx.from_global(
                                 t,
-                                NamedSharding::new(cx.mesh().clone(), spec.clone())?,
+                                NamedSharding::new(cx.mesh().clone(), layout.plain.clone())?,
                             )?;
                             grads.push(cx.reshard(&plain, promised.sharding().spec())?);
                         }
                     }
                 }
-                let mut used = Vec::with_capacity(params.len());
-                for (p, spec) in params.iter().zip(&self.inside) {
-                    used.push(if p.ty().sharding().spec() == spec {
-                        p.clone()
-                    } else {
-                        cx.reshard(p, spec)?
-                    });
-                }
-                Some(Pending {
-                    used,
-                    acc: PartialGradients {
-                        grads,
-                        plan: self.reduce_plan.clone(),
-                        started: Vec::new(),
-                    },
+                Some(RestoredPending {
+                    grads,
                     loss_sum: f64::from_bits(loaded.manifest.pending_loss_sum_bits),
                     tokens: loaded.manifest.token_denominator,
                     micro_steps: loaded.manifest.micro_steps,
-                    started: Instant::now(),
-                    closed: false,
                 })
             }
             None => None,
         };
-        if let Some((m, v)) = moments {
-            self.opt
-                .set_moments(m, v, loaded.manifest.optimizer_steps)?;
-        }
-        self.params = params;
-        self.pending = pending;
-        self.step = loaded.manifest.step;
-        Ok(self.step)
+        let step = loaded.manifest.step;
+        self.install(
+            cx,
+            Restored {
+                params,
+                moments,
+                pending,
+                step,
+            },
+        )?;
+        Ok(step)
     }
 }

@@ -193,7 +193,9 @@ pub struct TrainConfig {
     pub save_parameters_path: String,
     /// The dtype of a saved Hugging Face directory's tensors: `f32` or `bf16`.
     pub save_parameters_dtype: String,
-    /// Directory for run outputs.
+    /// Directory for run outputs (checkpoints, metrics). A relative path is relative to the
+    /// current directory of the command, resolved once when the run is planned and printed
+    /// absolute ([`crate::RunPlan::output_dir`]).
     pub base_output_directory: String,
     /// The run's name (its outputs go to `base_output_directory/run_name`).
     pub run_name: String,
@@ -311,21 +313,21 @@ fn parse_value(text: &str) -> toml::Value {
     }
 }
 
-/// `err`'s message, naming the key whose value failed to deserialize (serde's message names the
-/// expected type but not the field): each key is tried alone to find it.
-fn name_the_key(table: &toml::Table, err: &toml::de::Error) -> String {
+/// The key whose value failed to deserialize and `err`'s message naming it (serde's message
+/// names the expected type but not the field): each key is tried alone to find it.
+fn name_the_key(table: &toml::Table, err: &toml::de::Error) -> (String, String) {
     let message = err.message().replace('\n', " ");
     for (key, value) in table {
         let alone: toml::Table = [(key.clone(), value.clone())].into_iter().collect();
         if let Err(e) = toml::Value::Table(alone).try_into::<TrainConfig>() {
             let first = e.message().lines().next().unwrap_or_default().to_string();
             if first.starts_with("unknown field") {
-                return first;
+                return (key.clone(), first);
             }
-            return format!("{key} = {value}: {first}");
+            return (key.clone(), format!("{key} = {value}: {first}"));
         }
     }
-    message
+    (String::new(), message)
 }
 
 /// The largest value accepted for each model dimension, for `local_devices` and for the layer
@@ -350,9 +352,10 @@ fn check_float(key: &str, v: f64, lo: f64, lo_open: bool, hi: f64) -> Result<(),
     } else {
         "∞)".into()
     };
-    Err(TrainError::Config(format!(
-        "{key} must be a finite number in {low}{lo}, {high}, got {v}"
-    )))
+    Err(TrainError::usage(
+        key,
+        format!("{key} must be a finite number in {low}{lo}, {high}, got {v}"),
+    ))
 }
 
 impl TrainConfig {
@@ -363,6 +366,18 @@ impl TrainConfig {
     /// [`TrainError::Config`] with one line naming the key: an unknown key, a value of the wrong
     /// type, an unreadable file, or any [`TrainConfig::validate`] failure.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
+        let config = TrainConfig::parse(file, overrides)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The config from an optional TOML file and `key=value` overrides (later ones win), each
+    /// value of the right type but not yet checked together: [`TrainConfig::plan`] does that.
+    ///
+    /// # Errors
+    /// [`TrainError::Usage`] naming the key (an unknown key, a value of the wrong type);
+    /// [`TrainError::Config`] for an unreadable file or an argument that is not `key=value`.
+    pub fn parse(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
         let mut table = match file {
             Some(path) => {
                 let bytes = crate::data::read_regular_file(path)
@@ -382,28 +397,36 @@ impl TrainConfig {
                 .ok_or_else(|| TrainError::Config(format!("`{item}` is not `key=value`")))?;
             table.insert(key.trim().to_string(), parse_value(value.trim()));
         }
-        let config: TrainConfig = toml::Value::Table(table.clone())
-            .try_into()
-            .map_err(|e: toml::de::Error| TrainError::Config(name_the_key(&table, &e)))?;
-        config.validate()?;
+        let config: TrainConfig =
+            toml::Value::Table(table.clone())
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    let (key, reason) = name_the_key(&table, &e);
+                    TrainError::usage(key, reason)
+                })?;
         Ok(config)
     }
 
-    /// The model config: the preset with the overrides applied.
+    /// The decoder's config: the preset with the overrides applied. Only
+    /// [`TrainConfig::plan`] calls it (once); everything else reads the plan's decoder.
     ///
     /// # Errors
-    /// An unknown preset.
-    pub fn model(&self) -> Result<qwen3::Config, TrainError> {
+    /// An unknown preset, MoE keys that do not fit the preset, or a Hugging Face directory
+    /// whose `config.json` is not usable.
+    pub(crate) fn model(&self) -> Result<qwen3::Config, TrainError> {
         let hf_dir = Path::new(&self.load_parameters_path);
         let mut m = if !self.load_parameters_path.is_empty() && hf_dir.is_dir() {
             crate::hf::read_config(hf_dir)?
         } else {
             qwen3::Config::preset(&self.model_name).ok_or_else(|| {
-                TrainError::Config(format!(
-                    "model_name `{}` is not a preset (one of {})",
-                    self.model_name,
-                    qwen3::Config::PRESETS.join(", ")
-                ))
+                TrainError::usage(
+                    "model_name",
+                    format!(
+                        "model_name `{}` is not a preset (one of {})",
+                        self.model_name,
+                        qwen3::Config::PRESETS.join(", ")
+                    ),
+                )
             })?
         };
         let set = |field: &mut usize, v: Option<usize>| {
@@ -440,10 +463,14 @@ impl TrainConfig {
             || self.moe_withhold_tags;
         if m.moe.is_none() && self.num_experts.is_none() {
             if any_key {
-                return Err(TrainError::Config(format!(
-                    "MoE keys need an MoE model: set num_experts or pick an MoE preset (model_name                      `{}` is dense)",
-                    self.model_name
-                )));
+                return Err(TrainError::usage(
+                    "num_experts",
+                    format!(
+                        "MoE keys need an MoE model: set num_experts or pick an MoE preset \
+                         (model_name `{}` is dense)",
+                        self.model_name
+                    ),
+                ));
             }
             return Ok(());
         }
@@ -474,9 +501,10 @@ impl TrainConfig {
                 "softmax" => ferrotext_models::moe::RouterScore::Softmax,
                 "sigmoid" => ferrotext_models::moe::RouterScore::Sigmoid,
                 other => {
-                    return Err(TrainError::Config(format!(
-                        "routed_score_func must be `softmax` or `sigmoid`, got `{other}`"
-                    )))
+                    return Err(TrainError::usage(
+                        "routed_score_func",
+                        format!("routed_score_func must be `softmax` or `sigmoid`, got `{other}`"),
+                    ))
                 }
             };
         }
@@ -488,9 +516,10 @@ impl TrainConfig {
         }
         if let Some(w) = self.load_balance_loss_weight {
             if !(w >= 0.0 && w.is_finite()) {
-                return Err(TrainError::Config(format!(
-                    "load_balance_loss_weight must be ≥ 0, got {w}"
-                )));
+                return Err(TrainError::usage(
+                    "load_balance_loss_weight",
+                    format!("load_balance_loss_weight must be ≥ 0, got {w}"),
+                ));
             }
             moe.load_balance_loss_weight = w as f32;
         }
@@ -518,14 +547,16 @@ impl TrainConfig {
             ("expert", self.ici_expert_parallelism),
         ];
         if named.iter().any(|&(_, s)| s == 0 || s < -1) {
-            return Err(TrainError::Config(
-                "ici_*_parallelism values must be positive or -1 (fill)".into(),
+            return Err(TrainError::usage(
+                "ici_*_parallelism",
+                "ici_*_parallelism values must be positive or -1 (fill)",
             ));
         }
         let fills = named.iter().filter(|&&(_, s)| s == -1).count();
         if fills > 1 {
-            return Err(TrainError::Config(
-                "at most one ici_*_parallelism may be -1".into(),
+            return Err(TrainError::usage(
+                "ici_*_parallelism",
+                "at most one ici_*_parallelism may be -1",
             ));
         }
         let known = named
@@ -534,14 +565,17 @@ impl TrainConfig {
             .try_fold(1i64, |acc, &(_, s)| acc.checked_mul(s))
             .filter(|&k| k <= self.devices() as i64)
             .ok_or_else(|| {
-                TrainError::Config(format!(
-                    "mesh data×fsdp×tensor×expert = {}×{}×{}×{} is larger than the {} devices",
-                    named[0].1,
-                    named[1].1,
-                    named[2].1,
-                    named[3].1,
-                    self.devices()
-                ))
+                TrainError::usage(
+                    "ici_*_parallelism",
+                    format!(
+                        "mesh data×fsdp×tensor×expert = {}×{}×{}×{} is larger than the {} devices",
+                        named[0].1,
+                        named[1].1,
+                        named[2].1,
+                        named[3].1,
+                        self.devices()
+                    ),
+                )
             })?;
         let devices = self.devices() as i64;
         let sizes: Vec<(String, usize)> = named
@@ -564,10 +598,13 @@ impl TrainConfig {
             } else {
                 String::new()
             };
-            return Err(TrainError::Config(format!(
-                "mesh data×fsdp×tensor×expert = {}×{}×{}×{} = {product} does not match local_devices = {}{processes}",
-                sizes[0].1, sizes[1].1, sizes[2].1, sizes[3].1, self.local_devices
-            )));
+            return Err(TrainError::usage(
+                "ici_*_parallelism",
+                format!(
+                    "mesh data×fsdp×tensor×expert = {}×{}×{}×{} = {product} does not match local_devices = {}{processes}",
+                    sizes[0].1, sizes[1].1, sizes[2].1, sizes[3].1, self.local_devices
+                ),
+            ));
         }
         let axis_type = match self.shard_mode {
             ShardMode::Explicit => AxisType::Explicit,
@@ -583,16 +620,16 @@ impl TrainConfig {
         (self.per_device_batch_size * self.devices() as f64).round() as usize
     }
 
-    /// Checks every value and combination once.
+    /// Checks every value and combination once: [`TrainConfig::plan`], keeping only the verdict.
     ///
     /// # Errors
-    /// [`TrainError::Config`] naming the key.
+    /// As [`TrainConfig::plan`]: [`TrainError::Usage`] naming the key.
     pub fn validate(&self) -> Result<(), TrainError> {
-        let bad = |m: String| Err(TrainError::Config(m));
-        self.check_sizes()?;
-        let model = self.model()?;
-        ferrotext_models::qwen3::Qwen3::new(model.clone())
-            .map_err(|e| TrainError::Config(e.to_string()))?;
+        self.plan().map(drop)
+    }
+
+    /// Counts that must be positive, the floats, and a whole micro-batch.
+    pub(crate) fn check_scalars(&self) -> Result<(), TrainError> {
         for (key, v) in [
             ("local_devices", self.local_devices),
             ("num_processes", self.num_processes),
@@ -605,44 +642,70 @@ impl TrainConfig {
             ("checkpoint_period", self.checkpoint_period),
         ] {
             if v == 0 {
-                return bad(format!("{key} must be at least 1"));
+                return Err(TrainError::usage(key, format!("{key} must be at least 1")));
             }
         }
         self.check_floats()?;
         if crate::hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
-            return bad(format!(
-                "save_parameters_dtype must be f32 or bf16, got `{}`",
-                self.save_parameters_dtype
+            return Err(TrainError::usage(
+                "save_parameters_dtype",
+                format!(
+                    "save_parameters_dtype must be f32 or bf16, got `{}`",
+                    self.save_parameters_dtype
+                ),
             ));
         }
         let rows = self.per_device_batch_size * self.devices() as f64;
         if !(rows >= 1.0 && (rows - rows.round()).abs() < 1e-9) {
-            return bad(format!(
-                "per_device_batch_size × devices = {rows} must be a whole number of sequences ≥ 1"
+            return Err(TrainError::usage(
+                "per_device_batch_size",
+                format!(
+                    "per_device_batch_size × devices = {rows} must be a whole number of sequences ≥ 1"
+                ),
             ));
         }
-        let mesh = self.mesh()?;
+        Ok(())
+    }
+
+    /// The combinations that need the model and the mesh: ZeRO-1 and expert parallelism, the
+    /// batch over its axes, heads over `tensor`, the data source.
+    pub(crate) fn check_combinations(
+        &self,
+        model: &qwen3::Config,
+        mesh: &Mesh,
+    ) -> Result<(), TrainError> {
+        let bad = |key: &str, m: String| Err(TrainError::usage(key, m));
         if self.shard_optimizer_over_data && mesh.axis_size("expert")? > 1 {
             return bad(
+                "shard_optimizer_over_data",
                 "`shard_optimizer_over_data` (ZeRO-1) cannot be combined with expert parallelism yet"
                     .into(),
             );
         }
         if mesh.axis_size("expert")? > 1 && model.moe.is_none() {
-            return bad(format!(
-                "ici_expert_parallelism > 1 needs an MoE model; `{}` is dense",
-                self.model_name
-            ));
+            return bad(
+                "ici_expert_parallelism",
+                format!(
+                    "ici_expert_parallelism > 1 needs an MoE model; `{}` is dense",
+                    self.model_name
+                ),
+            );
         }
         if self.shard_optimizer_over_data && mesh.axis_size("fsdp")? > 1 {
-            return bad("`shard_optimizer_over_data` (ZeRO-1) cannot be combined with FSDP".into());
+            return bad(
+                "shard_optimizer_over_data",
+                "`shard_optimizer_over_data` (ZeRO-1) cannot be combined with FSDP".into(),
+            );
         }
         let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])?;
         if self.micro_batch_rows() % batch_parts != 0 {
-            return bad(format!(
-                "the micro-batch of {} sequences (per_device_batch_size × devices) is not divisible by data×fsdp×expert = {batch_parts}",
-                self.micro_batch_rows()
-            ));
+            return bad(
+                "per_device_batch_size",
+                format!(
+                    "the micro-batch of {} sequences (per_device_batch_size × devices) is not divisible by data×fsdp×expert = {batch_parts}",
+                    self.micro_batch_rows()
+                ),
+            );
         }
         let tensor = mesh.axis_size("tensor")?;
         for (what, n) in [
@@ -651,23 +714,25 @@ impl TrainConfig {
             ("base_mlp_dim", model.base_mlp_dim),
         ] {
             if n % tensor != 0 {
-                return bad(format!(
-                    "{what} = {n} is not divisible by ici_tensor_parallelism = {tensor}"
-                ));
+                return bad(
+                    what,
+                    format!("{what} = {n} is not divisible by ici_tensor_parallelism = {tensor}"),
+                );
             }
         }
         match self.dataset_type {
             DatasetType::Text | DatasetType::Tokens if self.dataset_path.is_empty() => {
                 return bad(
+                    "dataset_path",
                     format!("dataset_type={:?} needs dataset_path", self.dataset_type)
                         .to_lowercase(),
                 );
             }
             DatasetType::Tokens if self.token_dtype != "u16" && self.token_dtype != "u32" => {
-                return bad(format!(
-                    "token_dtype must be u16 or u32, got `{}`",
-                    self.token_dtype
-                ));
+                return bad(
+                    "token_dtype",
+                    format!("token_dtype must be u16 or u32, got `{}`", self.token_dtype),
+                );
             }
             _ => {}
         }
@@ -675,24 +740,28 @@ impl TrainConfig {
             && self.tokenizer_path.is_empty()
             && model.vocab_size < 256
         {
-            return bad(format!(
-                "byte-level data needs vocab_size ≥ 256, got {}",
-                model.vocab_size
-            ));
+            return bad(
+                "vocab_size",
+                format!(
+                    "byte-level data needs vocab_size ≥ 256, got {}",
+                    model.vocab_size
+                ),
+            );
         }
         Ok(())
     }
 
-    /// Every float key: finite, and within the range where it means something (NaN fails every
-    /// comparison, so each check is written as "inside", never as "not outside").
     fn check_floats(&self) -> Result<(), TrainError> {
         const INF: f64 = f64::INFINITY;
         check_float("learning_rate", self.learning_rate, 0.0, true, INF)?;
         if !(0.0..1.0).contains(&self.warmup_steps_fraction) {
-            return Err(TrainError::Config(format!(
-                "warmup_steps_fraction must be in [0, 1), got {}",
-                self.warmup_steps_fraction
-            )));
+            return Err(TrainError::usage(
+                "warmup_steps_fraction",
+                format!(
+                    "warmup_steps_fraction must be in [0, 1), got {}",
+                    self.warmup_steps_fraction
+                ),
+            ));
         }
         check_float(
             "learning_rate_final_fraction",
@@ -710,9 +779,10 @@ impl TrainConfig {
         )?;
         for (key, v) in [("adam_b1", self.adam_b1), ("adam_b2", self.adam_b2)] {
             if !(0.0..1.0).contains(&v) {
-                return Err(TrainError::Config(format!(
-                    "{key} must be in [0, 1), got {v}"
-                )));
+                return Err(TrainError::usage(
+                    key,
+                    format!("{key} must be in [0, 1), got {v}"),
+                ));
             }
         }
         check_float("adam_eps", self.adam_eps, 0.0, true, INF)?;
@@ -743,12 +813,13 @@ impl TrainConfig {
 
     /// Every count and size within the bounds that keep the size products exact, before any of
     /// them is multiplied (the model, the mesh and the batch are built from these).
-    fn check_sizes(&self) -> Result<(), TrainError> {
+    pub(crate) fn check_sizes(&self) -> Result<(), TrainError> {
         let over = |key: &str, v: usize, max: usize| -> Result<(), TrainError> {
             if v > max {
-                return Err(TrainError::Config(format!(
-                    "{key} = {v} is larger than the largest supported value, {max}"
-                )));
+                return Err(TrainError::usage(
+                    key,
+                    format!("{key} = {v} is larger than the largest supported value, {max}"),
+                ));
             }
             Ok(())
         };
@@ -787,109 +858,11 @@ impl TrainConfig {
             ("ici_expert_parallelism", self.ici_expert_parallelism),
         ] {
             if v > (MAX_LOCAL_DEVICES * MAX_PROCESSES) as i64 {
-                return Err(TrainError::Config(format!(
-                    "{key} = {v} is larger than the largest supported mesh"
-                )));
+                return Err(TrainError::usage(
+                    key,
+                    format!("{key} = {v} is larger than the largest supported mesh"),
+                ));
             }
-        }
-        Ok(())
-    }
-
-    /// The memory one process of this run needs, estimated: [`TrainConfig::memory_per_device`]
-    /// times the devices of the process, plus the host copies of the parameters. A lower bound
-    /// in spirit: it counts what must exist, not allocator slack.
-    ///
-    /// # Errors
-    /// An invalid config (see [`TrainConfig::validate`]).
-    pub fn memory_estimate(&self) -> Result<MemoryEstimate, TrainError> {
-        let device = self.memory_per_device()?;
-        let local = self.local_devices as f64;
-        Ok(MemoryEstimate {
-            parameter_and_optimizer_bytes: (device.total_bytes - device.activation_bytes) * local
-                + device.parameter_elements * 4.0,
-            activation_bytes: device.activation_bytes * local,
-        })
-    }
-
-    /// The peak memory of one device, estimated: its parameters, the gradient accumulator, the
-    /// reduced gradients, the optimizer state (÷ `data` under ZeRO-1, as are the reduced
-    /// gradients, which ZeRO-1 reduce-scatters) and one micro-batch's activations, all `f32`.
-    /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
-    ///
-    /// # Errors
-    /// An invalid config (see [`TrainConfig::validate`]).
-    pub fn memory_per_device(&self) -> Result<DeviceMemory, TrainError> {
-        let model = ferrotext_models::qwen3::Qwen3::new(self.model()?)
-            .map_err(|e| TrainError::Config(e.to_string()))?;
-        let mesh = self.mesh()?;
-        let m = model.config();
-        let params: f64 = model
-            .params()
-            .iter()
-            .map(|p| p.shape.iter().map(|&d| d as f64).product::<f64>())
-            .sum();
-        let split = mesh.axes_size(&["fsdp", "tensor"])? as f64;
-        let data = mesh.axis_size("data")? as f64;
-        let local = params / split;
-        let zero1 = if self.shard_optimizer_over_data {
-            data
-        } else {
-            1.0
-        };
-        let moments = match self.opt_type {
-            OptType::Sgd => 0.0,
-            OptType::Adamw => 2.0,
-        };
-        let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
-        let rows = (self.micro_batch_rows() as f64 / batch_parts).max(1.0);
-        let len = self.max_target_length as f64;
-        let tokens = rows * len;
-        let (d, f) = (m.base_emb_dim as f64, m.base_mlp_dim as f64);
-        let heads = m.base_num_query_heads as f64;
-        let layers = m.base_num_decoder_layers as f64;
-        // Kept for the backward pass per layer: ~16 d-wide and 4 f-wide values per token, and
-        // the attention probabilities; then the logits, their softmax and gradient.
-        let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
-        let activation_bytes = (layers * per_layer + 3.0 * tokens * m.vocab_size as f64) * 4.0;
-        let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
-        let gradient_bytes = local / zero1 * 4.0;
-        let optimizer_bytes = local * moments / zero1 * 4.0;
-        Ok(DeviceMemory {
-            parameter_elements: params,
-            local_parameter_elements: local,
-            optimizer_stepped_elements: local / zero1,
-            parameter_bytes,
-            accumulator_bytes,
-            gradient_bytes,
-            optimizer_bytes,
-            activation_bytes,
-            total_bytes: parameter_bytes
-                + accumulator_bytes
-                + gradient_bytes
-                + optimizer_bytes
-                + activation_bytes,
-        })
-    }
-
-    /// Refuses a run whose [`TrainConfig::memory_estimate`] exceeds this machine's memory
-    /// (`MemTotal` of `/proc/meminfo`; no check where that cannot be read), before anything is
-    /// allocated.
-    ///
-    /// # Errors
-    /// [`TrainError::Config`] with the estimate and the machine's memory.
-    pub fn check_fits_in_memory(&self) -> Result<(), TrainError> {
-        let Some(total) = machine_memory_bytes() else {
-            return Ok(());
-        };
-        let estimate = self.memory_estimate()?;
-        if estimate.total() > total {
-            return Err(TrainError::Config(format!(
-                "this run needs about {} per process ({} of parameters and optimizer state, {} of activations for one micro-batch), more than this machine's {}; reduce per_device_batch_size, max_target_length or the model",
-                gib(estimate.total()),
-                gib(estimate.parameter_and_optimizer_bytes),
-                gib(estimate.activation_bytes),
-                gib(total)
-            )));
         }
         Ok(())
     }
@@ -899,14 +872,17 @@ impl TrainConfig {
         ((self.grad_bucket_mb * f64::from(1u32 << 20)) as usize).max(1)
     }
 
-    /// Where this run's checkpoints live: `base_output_directory/run_name/checkpoints`.
+    /// Where this run's checkpoints live: `base_output_directory/run_name/checkpoints`, as given
+    /// (relative to the current directory when relative; [`crate::RunPlan::checkpoint_root`] is
+    /// the run's absolute one).
     pub fn checkpoint_root(&self) -> std::path::PathBuf {
         Path::new(&self.base_output_directory)
             .join(&self.run_name)
             .join("checkpoints")
     }
 
-    /// Where per-step metrics go.
+    /// Where per-step metrics go, as given (see [`TrainConfig::checkpoint_root`];
+    /// [`crate::RunPlan::metrics_path`] is the run's absolute one).
     pub fn metrics_path(&self) -> std::path::PathBuf {
         if self.metrics_file.is_empty() {
             Path::new(&self.base_output_directory)
@@ -918,7 +894,7 @@ impl TrainConfig {
     }
 }
 
-/// What [`TrainConfig::memory_estimate`] counts, in bytes per process.
+/// What [`crate::RunPlan::memory_estimate`] counts, in bytes per process.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MemoryEstimate {
     /// Parameters, accumulator, reduced gradients and optimizer state of the process's
@@ -928,7 +904,7 @@ pub struct MemoryEstimate {
     pub activation_bytes: f64,
 }
 
-/// What [`TrainConfig::memory_per_device`] counts for one device, in bytes (`f32` values), with
+/// What [`crate::RunPlan::memory_per_device`] counts for one device, in bytes (`f32` values), with
 /// the element counts the optimizer's cost is computed from. `total_bytes` is the sum of the five
 /// byte fields.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -960,12 +936,12 @@ impl MemoryEstimate {
     }
 }
 
-fn gib(bytes: f64) -> String {
+pub(crate) fn gib(bytes: f64) -> String {
     format!("{:.1} GiB", bytes / f64::from(1u32 << 30))
 }
 
 /// `MemTotal` from `/proc/meminfo`, in bytes.
-fn machine_memory_bytes() -> Option<f64> {
+pub(crate) fn machine_memory_bytes() -> Option<f64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: f64 = info
         .lines()
@@ -1030,6 +1006,40 @@ mod tests {
         assert!(msg(&["dataset_type=text"]).contains("needs dataset_path"));
         for m in [msg(&["steps=abc"]), msg(&["no_such_key=1"])] {
             assert_eq!(m.lines().count(), 1, "{m}");
+        }
+    }
+
+    /// The message once had a run of stray spaces from a line continuation inside the string.
+    #[test]
+    fn moe_keys_on_a_dense_model_name_the_remedy_in_one_sentence() {
+        let err = load(&["moe_mlp_dim=64"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "MoE keys need an MoE model: set num_experts or pick an MoE preset (model_name \
+             `qwen3-tiny` is dense)"
+        );
+        assert!(matches!(&err, TrainError::Usage { key, .. } if key == "num_experts"));
+    }
+
+    /// Every bad value is the usage class and names its key.
+    #[test]
+    fn bad_values_are_usage_errors_naming_the_key() {
+        for (items, key) in [
+            (&["steps=0"][..], "steps"),
+            (&["learning_rate=-1"], "learning_rate"),
+            (&["steps=abc"], "steps"),
+            (&["no_such_key=1"], "no_such_key"),
+            (
+                &["ici_tensor_parallelism=2", "base_num_kv_heads=1"],
+                "base_num_kv_heads",
+            ),
+        ] {
+            let err = load(items).unwrap_err();
+            assert!(err.is_usage(), "{items:?}: {err}");
+            assert!(
+                matches!(&err, TrainError::Usage { key: k, .. } if k == key),
+                "{items:?}: {err:?}"
+            );
         }
     }
 }

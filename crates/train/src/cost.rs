@@ -35,7 +35,7 @@
 //! * **A step** is `Σ_micro-batches (compute + their other collectives + exposed reduction) +
 //!   the update's other collectives + the optimizer`. Collectives outside the step (set-up) are
 //!   listed but not counted.
-//! * **Memory** per device: [`TrainConfig::memory_per_device`].
+//! * **Memory** per device: [`crate::RunPlan::memory_per_device`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -803,14 +803,13 @@ pub fn predict(
     let config = config_on(config, cluster)?;
     let mut closed = config.clone();
     closed.shard_mode = ShardMode::Auto;
-    let model_cfg = config.model()?;
-    let model = ferrotext_models::qwen3::Qwen3::new(model_cfg.clone())
-        .map_err(|e| TrainError::Config(e.to_string()))?;
+    let (plan, closed_plan) = (config.plan()?, closed.plan()?);
+    let model = plan.decoder();
     let source: Arc<dyn crate::data::TokenSource> =
-        Arc::from(crate::data::source_for(&config, model_cfg.vocab_size)?);
-    let mesh = config.mesh()?;
-    let (gate, trace) = plan_step(&config, source.clone())?;
-    let (closed_gate, closed_trace) = plan_step(&closed, source)?;
+        Arc::from(crate::data::source_for(&config, model.config().vocab_size)?);
+    let mesh = plan.mesh().clone();
+    let (gate, trace) = plan_step(&plan, source.clone())?;
+    let (closed_gate, closed_trace) = plan_step(&closed_plan, source)?;
 
     let ga = config.gradient_accumulation_steps;
     let flops_per_token = model.flops_per_token(config.max_target_length);
@@ -818,7 +817,7 @@ pub fn predict(
         (config.micro_batch_rows() * config.max_target_length) as f64 / config.devices() as f64;
     let compute_ms = flops_per_token * tokens / (device_gflops * 1e9) * 1e3;
 
-    let memory = config.memory_per_device()?;
+    let memory = plan.memory_per_device()?;
     let optimizer_ms = (memory.optimizer_stepped_elements
         * optimizer_bytes_per_element(config.opt_type)
         + memory.local_parameter_elements * SCALE_AND_CLIP_BYTES_PER_ELEMENT)
@@ -1075,7 +1074,7 @@ mod tests {
         let vocab = on.model().expect("model").vocab_size;
         let source: Arc<dyn crate::data::TokenSource> =
             Arc::from(crate::data::source_for(&on, vocab).expect("corpus"));
-        let (_, trace) = plan_step(&on, source.clone()).expect("plans");
+        let (_, trace) = plan_step(&on.plan().unwrap(), source.clone()).expect("plans");
         let total: usize = trace.events().iter().map(|e| e.bytes).sum();
         assert_eq!(p.collectives.iter().map(|r| r.bytes).sum::<usize>(), total);
         let update = PhasePattern::new("update*");
@@ -1090,7 +1089,7 @@ mod tests {
         }
         let mut closed = on.clone();
         closed.shard_mode = ShardMode::Auto;
-        let (_, closed_trace) = plan_step(&closed, source).expect("plans");
+        let (_, closed_trace) = plan_step(&closed.plan().unwrap(), source).expect("plans");
         let total: usize = closed_trace.events().iter().map(|e| e.bytes).sum();
         assert_eq!(
             p.per_micro_batch_collectives
@@ -1178,7 +1177,7 @@ mod tests {
         let vocab = on.model().expect("model").vocab_size;
         let source: Arc<dyn crate::data::TokenSource> =
             Arc::from(crate::data::source_for(&on, vocab).expect("corpus"));
-        let (_, trace) = plan_step(&on, source).expect("plans");
+        let (_, trace) = plan_step(&on.plan().unwrap(), source).expect("plans");
         let rows = price_trace(&trace, &mesh, &c).expect("prices");
         let a: f64 = rows
             .iter()

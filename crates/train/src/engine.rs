@@ -1,5 +1,5 @@
 //! The engine: the training core as two calls, for callers that drive gradient accumulation
-//! themselves (post-training and RL loops) and for the [`crate::Trainer`]'s own loop.
+//! themselves (post-training and RL loops) and for the training loop ([`crate::train`]).
 //!
 //! * [`Engine::fwd_bwd`] runs forward and backward on one micro-batch and adds its gradients to
 //!   the pending accumulator — typed `{U:data}` when the deferral gate is open, so nothing is
@@ -9,26 +9,26 @@
 //!
 //! The accumulator is a [`PartialGradients`]: an opaque value whose only way out is
 //! [`PartialGradients::reduce`], so partial sums can never reach the optimizer (or a reader)
-//! unreduced.
+//! unreduced. Every layout comes from the [`RunPlan`]; the engine decides nothing about it.
+//! Checkpoints see the engine through [`EngineState`] (a read-only snapshot) and change it only
+//! through [`Engine::install`], which swaps a whole restored state in.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferrotext_models::qwen3::Qwen3;
-use ferrotext_models::{init_normal, ParamInfo};
-use ferrotext_sharding::{
-    ArrayType, AxisType, LogicalAxisRules, Mesh, NamedSharding, PartitionSpec,
-};
-use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode, StartedBucket};
+use ferrotext_models::init_normal;
+use ferrotext_models::ParamInfo;
+use ferrotext_sharding::{ArrayType, NamedSharding, PartitionSpec};
+use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
-use crate::config::{NanPolicy, ShardMode, TrainConfig};
+use crate::config::NanPolicy;
 use crate::error::TrainError;
-use crate::gate::{
-    deferral_axes, deferral_gate, deferred_spec, zero1_gate, zero1_spec, Deferral, Zero1,
-};
+use crate::gate::{Deferral, Zero1};
+use crate::gradients::{Gradients, PartialGradients};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
+use crate::plan::{engine_rules, RunPlan};
 
 /// What one step reports.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -72,377 +72,180 @@ pub struct FwdBwd {
     pub tokens: u64,
 }
 
-/// Gradients summed over micro-batches, possibly still per-device partial sums (`{U:data}`).
-///
-/// Opaque on purpose: it has no accessor, and the optimizer takes only [`Gradients`], so the one
-/// way to use it is [`PartialGradients::reduce`] — the step's reduction.
-///
-/// The legitimate path compiles — reduce, then apply:
-///
-/// ```no_run
-/// # fn ok(
-/// #     cx: &mut ferrotext_spmd::Ctx<'_>,
-/// #     opt: &mut ferrotext_train::Optimizer,
-/// #     params: &mut [ferrotext_spmd::Array],
-/// #     partial: ferrotext_train::PartialGradients,
-/// # ) -> Result<(), ferrotext_train::TrainError> {
-/// let reduced = partial.reduce(cx)?;
-/// opt.apply(0.1, 1.0, params, &reduced, &[])?;
-/// # Ok(())
-/// # }
-/// ```
-///
-/// ```compile_fail
-/// # fn misuse(partial: ferrotext_train::PartialGradients) {
-/// // Partial sums cannot be read...
-/// let first = &partial.grads[0];
-/// # }
-/// ```
-///
-/// ```compile_fail
-/// # fn misuse(opt: &mut ferrotext_train::Optimizer, params: &mut [ferrotext_spmd::Array],
-/// #           partial: &ferrotext_train::PartialGradients) {
-/// // ...nor handed to the optimizer without the reduction.
-/// opt.apply(0.1, 1.0, params, partial, &[]).unwrap();
-/// # }
-/// ```
-pub struct PartialGradients {
-    pub(crate) grads: Vec<Array>,
-    /// How the reduction runs: gradients in buckets, filled from the last parameter back (the
-    /// order a backward pass finishes them).
-    pub(crate) plan: Arc<BucketPlan>,
-    /// Buckets whose reduction already started (overlap), in start order.
-    pub(crate) started: Vec<StartedBucket>,
-}
-
-impl PartialGradients {
-    /// The reduction: every gradient resharded to its target layout — the parameter's own (an
-    /// all-reduce of each unreduced gradient) or, under ZeRO-1, its `data` shard (a
-    /// reduce-scatter) — in buckets of the configured size (`grad_bucket_mb`); nothing moves for
-    /// gradients already reduced but a local slice. Bitwise equal to one reshard per gradient.
-    ///
-    /// # Errors
-    /// A collective failure.
-    ///
-    /// # Collectives
-    /// One all-reduce (ZeRO-1: reduce-scatter) over `data` per bucket of `{U:data}` gradients,
-    /// in parameter order; none when they are already reduced.
-    pub fn reduce(self, cx: &mut Ctx<'_>) -> Result<Gradients, TrainError> {
-        let PartialGradients {
-            grads,
-            plan,
-            started,
-        } = self;
-        if started.is_empty() {
-            return Ok(Gradients {
-                grads: cx.reshard_planned(&plan, &grads)?,
-            });
-        }
-        // Overlapped: finish what the backward started, then run any bucket it did not.
-        let mut out: Vec<Option<Array>> = vec![None; grads.len()];
-        cx.move_outside_buckets(&plan, &grads, &mut out)?;
-        let mut done = vec![false; grads.len()];
-        for bucket in started {
-            for (i, a) in cx.finish_planned_bucket(bucket)? {
-                done[i] = true;
-                out[i] = Some(a);
-            }
-        }
-        let remaining: Vec<usize> = plan
-            .buckets()
-            .enumerate()
-            .filter(|(_, members)| members.iter().any(|&m| !done[m]))
-            .map(|(b, _)| b)
-            .collect();
-        for b in remaining {
-            for (i, a) in cx.move_planned_bucket(&plan, b, &grads)? {
-                out[i] = Some(a);
-            }
-        }
-        let grads = out
-            .into_iter()
-            .map(|a| a.ok_or_else(|| TrainError::Config("a gradient was not reduced".into())))
-            .collect::<Result<_, _>>()?;
-        Ok(Gradients { grads })
-    }
-}
-
-/// Reduced gradients in the parameters' layout: what the optimizer takes.
-pub struct Gradients {
-    grads: Vec<Array>,
-}
-
-impl Gradients {
-    /// The gradients, in parameter order.
-    pub fn arrays(&self) -> &[Array] {
-        &self.grads
-    }
-}
-
 /// The accumulation in progress between updates.
-pub(crate) struct Pending {
+struct Pending {
     /// Parameters as they enter micro-batches (`{R:data}` when deferred), cast once.
-    pub(crate) used: Vec<Array>,
-    pub(crate) acc: PartialGradients,
-    pub(crate) loss_sum: f64,
-    pub(crate) tokens: u64,
-    pub(crate) micro_steps: usize,
-    pub(crate) started: Instant,
+    used: Vec<Array>,
+    acc: PartialGradients,
+    loss_sum: f64,
+    tokens: u64,
+    micro_steps: usize,
+    started: Instant,
     /// The step's last micro-batch has run (`fwd_bwd_final`): only `update` may follow.
-    pub(crate) closed: bool,
+    closed: bool,
 }
 
 /// The per-device training engine. See the module docs.
 pub struct Engine {
-    pub(crate) config: TrainConfig,
-    pub(crate) model: Qwen3,
-    pub(crate) infos: Vec<ParamInfo>,
-    pub(crate) gate: Deferral,
-    /// Storage layout of each parameter (from the logical rules, untagged).
-    pub(crate) plain: Vec<PartitionSpec>,
-    /// Layout inside micro-batches (tagged `{R:data}` when the gate is open).
-    pub(crate) inside: Vec<PartitionSpec>,
+    plan: RunPlan,
+    /// Layout inside micro-batches, per parameter: the plan's, unless a diagnostic overrode it
+    /// ([`Engine::override_inside_spec`]).
+    inside: Vec<PartitionSpec>,
     /// The accumulator type the gate promised for each gradient.
-    pub(crate) promised: Vec<ArrayType>,
-    /// ZeRO-1's decision.
-    pub(crate) zero1: Zero1,
-    /// Where each reduced gradient and each optimizer-state tensor lives: the parameter's layout,
-    /// or its ZeRO-1 `data` shard.
-    pub(crate) targets: Vec<PartitionSpec>,
-    /// The optimizer state's types (`targets` on the parameters' shapes).
-    pub(crate) moment_types: Vec<ArrayType>,
-    pub(crate) params: Vec<Array>,
-    pub(crate) opt: Optimizer,
-    pub(crate) decay: Vec<bool>,
-    pub(crate) step: usize,
-    pub(crate) batch_spec: PartitionSpec,
-    pub(crate) pending: Option<Pending>,
+    promised: Vec<ArrayType>,
+    /// The optimizer state's types (the plan's targets on the parameters' shapes).
+    moment_types: Vec<ArrayType>,
+    params: Vec<Array>,
+    opt: Optimizer,
+    decay: Vec<bool>,
+    step: usize,
+    pending: Option<Pending>,
     /// The step's reduction in buckets (see [`PartialGradients::reduce`]).
-    pub(crate) reduce_plan: Arc<BucketPlan>,
+    reduce_plan: Arc<BucketPlan>,
     /// ZeRO-1: the parameters' all-gather after the step, in buckets.
-    pub(crate) gather_plan: Option<BucketPlan>,
+    gather_plan: Option<BucketPlan>,
 }
 
-/// Σ of the squares of every reduced gradient, in f64 and the same whatever the layout (so
-/// ZeRO-1, FSDP and replicated runs clip by the same factor): each device sums its own shard of
-/// each gradient in f64; shards of the gradients split over the same mesh axes are combined in
-/// one exact exchange over those axes; replicated gradients need none.
-///
-/// The exchange is an all-reduce of a zero buffer with one `(hi, lo)` f32 slot per member, each
-/// member writing its f64 partial into its own slot: every sum in it adds zeros to one value, so
-/// every member receives every partial exactly (to 48 bits) and adds them in rank order.
-///
-/// # Collectives
-/// One all-reduce of `2 × group` elements per distinct set of axes the gradients are split over
-/// (none when nothing is split).
-fn squared_norm(cx: &mut Ctx<'_>, grads: &Gradients) -> Result<f64, TrainError> {
-    let mut by_axes: std::collections::BTreeMap<Vec<String>, f64> = Default::default();
-    for g in grads.arrays() {
-        let axes: Vec<String> = g
-            .ty()
-            .sharding()
-            .spec()
-            .partition_axes()
-            .map(str::to_string)
-            .collect();
-        let local = if g.is_abstract() {
-            0.0
-        } else {
-            g.local()?
-                .data()
-                .iter()
-                .map(|&x| f64::from(x) * f64::from(x))
-                .sum()
-        };
-        *by_axes.entry(axes).or_default() += local;
-    }
-    let mut total = 0.0;
-    for (axes, partial) in by_axes {
-        let group = cx.comm().group(&axes)?;
-        if group.len() == 1 {
-            total += partial;
-            continue;
-        }
-        if cx.mode() == Mode::Abstract {
-            cx.comm().record_abstract(
-                ferrotext_comm::CollectiveKind::AllReduce,
-                &axes,
-                2 * group.len(),
-                ferrotext_sharding::DType::F32,
-            )?;
-            continue;
-        }
-        let rank = group
-            .iter()
-            .position(|&d| d == cx.comm().device())
-            .ok_or_else(|| TrainError::Config("device outside its own group".into()))?;
-        let mut slots = vec![0.0f32; 2 * group.len()];
-        let hi = partial as f32;
-        slots[2 * rank] = hi;
-        slots[2 * rank + 1] = (partial - f64::from(hi)) as f32;
-        cx.comm().all_reduce(&axes, &mut slots)?;
-        total += slots
-            .chunks_exact(2)
-            .map(|p| f64::from(p[0]) + f64::from(p[1]))
-            .sum::<f64>();
-    }
-    Ok(total)
+/// A read-only view of an engine's state between two calls: what a checkpoint saves.
+pub(crate) struct EngineState<'a> {
+    /// The plan (config, parameter declarations, layouts, gates).
+    pub plan: &'a RunPlan,
+    /// The parameters, in their storage layouts.
+    pub params: &'a [Array],
+    /// AdamW's moment shards and step count (`None` for SGD).
+    pub moments: Option<(&'a [Tensor], &'a [Tensor], u64)>,
+    /// The optimizer state's types.
+    pub moment_types: &'a [ArrayType],
+    /// The accumulator type of each gradient.
+    pub promised: &'a [ArrayType],
+    /// The accumulation in progress, if a step is under way.
+    pub pending: Option<PendingState<'a>>,
+    /// Optimizer steps taken.
+    pub step: usize,
 }
 
-/// MaxText's logical rules, with `embed` kept off the `expert` axis: under expert parallelism
-/// that axis splits the batch and the experts, and dense weights stay whole over it (MaxText
-/// would shard them over it like FSDP, which closes deferral).
-fn engine_rules() -> LogicalAxisRules {
-    LogicalAxisRules::maxtext().without_axis("embed", "expert")
+/// The accumulation part of an [`EngineState`].
+pub(crate) struct PendingState<'a> {
+    /// The accumulated (possibly partial) gradients.
+    pub grads: &'a [Array],
+    /// Micro-batches accumulated.
+    pub micro_steps: usize,
+    /// Their target tokens.
+    pub tokens: u64,
+    /// Their Σ token losses.
+    pub loss_sum: f64,
 }
 
-/// The mesh the engine computes on: the config's, with every axis Explicit (ferrotext has no
-/// automatic partitioner; under `shard_mode=auto` the axes keep their layouts but the gate keeps
-/// tags off).
-pub fn compute_mesh(config: &TrainConfig) -> Result<Arc<Mesh>, TrainError> {
-    Ok(Arc::new(
-        config.mesh()?.with_all_axis_types(AxisType::Explicit),
-    ))
+/// A whole state to install ([`Engine::install`]), built and checked before the engine changes.
+pub(crate) struct Restored {
+    /// Parameters in their storage layouts.
+    pub params: Vec<Array>,
+    /// AdamW's moment shards and step count.
+    pub moments: Option<(Vec<Tensor>, Vec<Tensor>, u64)>,
+    /// The accumulation to continue, if the state was saved mid-step.
+    pub pending: Option<RestoredPending>,
+    /// Optimizer steps taken.
+    pub step: usize,
+}
+
+/// The accumulation part of a [`Restored`] state.
+pub(crate) struct RestoredPending {
+    /// Accumulated gradients, typed as the engine promises.
+    pub grads: Vec<Array>,
+    /// Σ token losses.
+    pub loss_sum: f64,
+    /// Target tokens.
+    pub tokens: u64,
+    /// Micro-batches accumulated.
+    pub micro_steps: usize,
 }
 
 impl Engine {
-    /// Places the parameters (from `initial` global values, or initialised from the seed) and
-    /// decides deferral.
+    /// Places the parameters (from `initial` global values, or initialised from the seed) in
+    /// the layouts `plan` decided.
     ///
     /// # Errors
-    /// A parameter shape that does not match the model, or a layout the mesh cannot hold.
+    /// [`TrainError::Misuse`] for `initial` values that do not fit the model; a layout the
+    /// device's mesh cannot hold.
     pub fn new(
         cx: &mut Ctx<'_>,
-        config: &TrainConfig,
+        plan: &RunPlan,
         initial: Option<&[Tensor]>,
     ) -> Result<Engine, TrainError> {
-        let model = Qwen3::new(config.model()?).map_err(|e| TrainError::Config(e.to_string()))?;
-        let infos = model.params();
-        let rules = engine_rules();
-        let declared = config.mesh()?;
+        let config = plan.config();
         let mesh = cx.mesh().clone();
-        let explicit = config.shard_mode == ShardMode::Explicit;
-        let gate = deferral_gate(explicit, &declared, &rules);
-        let batch_axes = if gate.is_open() {
-            deferral_axes(&declared, &rules)?
-        } else {
-            Vec::new()
-        };
-        let mut zero1 = zero1_gate(config.shard_optimizer_over_data, explicit, &declared);
-        let mut targets = Vec::new();
         let mut moment_types = Vec::new();
-        let mut plain = Vec::new();
         let mut inside = Vec::new();
         let mut promised = Vec::new();
         let mut params = Vec::new();
         let mut decay = Vec::new();
-        for (i, info) in infos.iter().enumerate() {
-            let spec = rules.resolve(&info.logical, &info.shape, &mesh)?;
-            let tagged = deferred_spec(&spec, &gate, &batch_axes)?;
-            let target = match &mut zero1 {
-                Zero1::Active { replicated } => match zero1_spec(&spec, &info.shape, &mesh)? {
-                    Some(z) => z,
-                    None => {
-                        replicated.push(info.name.clone());
-                        spec.clone()
-                    }
-                },
-                Zero1::Off(_) => spec.clone(),
-            };
-            moment_types.push(cx.array_type(&info.shape, target.clone())?);
-            targets.push(target);
-            let named = NamedSharding::new(mesh.clone(), spec.clone())?;
-            if cx.mode() == Mode::Abstract {
+        let mut plain = Vec::new();
+        for (i, (info, layout)) in plan.params().iter().zip(plan.layouts()).enumerate() {
+            moment_types.push(cx.array_type(&info.shape, layout.target.clone())?);
+            promised.push(
+                cx.array_type(&info.shape, layout.inside.clone())?
+                    .to_cotangent(),
+            );
+            let named = NamedSharding::new(mesh.clone(), layout.plain.clone())?;
+            params.push(if cx.mode() == Mode::Abstract {
                 // Planning: types and collectives only; no 2-GB initialisation for a 0.6B model.
                 let ty = ArrayType::new(ferrotext_sharding::DType::F32, info.shape.clone(), named)?;
-                promised.push(cx.array_type(&info.shape, tagged.clone())?.to_cotangent());
-                params.push(cx.abstract_array(ty));
-                plain.push(spec);
-                inside.push(tagged);
-                decay.push(info.shape.len() >= 2);
-                continue;
-            }
-            let value = match initial {
-                Some(values) => {
-                    let v = values.get(i).ok_or_else(|| {
-                        TrainError::Config(format!("no initial value for `{}`", info.name))
-                    })?;
-                    if v.shape() != info.shape.as_slice() {
-                        return Err(TrainError::Config(format!(
-                            "`{}` has shape {:?}, the model needs {:?}",
-                            info.name,
-                            v.shape(),
-                            info.shape
-                        )));
-                    }
-                    v.clone()
-                }
-                None => init_normal(info, config.init_weights_seed, i),
-            };
-            let array = cx.from_global(&value, named)?;
-            promised.push(cx.array_type(&info.shape, tagged.clone())?.to_cotangent());
-            plain.push(spec);
-            inside.push(tagged);
-            params.push(array);
+                cx.abstract_array(ty)
+            } else {
+                cx.from_global(
+                    &initial_value(info, i, initial, config.init_weights_seed)?,
+                    named,
+                )?
+            });
+            plain.push(layout.plain.clone());
+            inside.push(layout.inside.clone());
             decay.push(info.shape.len() >= 2);
         }
         let shapes: Vec<Vec<usize>> = moment_types.iter().map(ArrayType::shard_shape).collect();
         // Buckets filled from the last parameter back: the backward pass finishes the last
         // layers' gradients first.
         let bucket_bytes = config.grad_bucket_bytes();
-        let backwards: Vec<usize> = (0..infos.len()).rev().collect();
+        let backwards: Vec<usize> = (0..plan.params().len()).rev().collect();
+        let targets: Vec<PartitionSpec> = plan.layouts().iter().map(|l| l.target.clone()).collect();
         let reduce_plan =
             Arc::new(cx.plan_buckets(&promised, &targets, bucket_bytes, &backwards)?);
-        let gather_plan = if zero1.is_active() {
+        let gather_plan = if plan.zero1().is_open() {
             Some(cx.plan_buckets(&moment_types, &plain, bucket_bytes, &backwards)?)
         } else {
             None
         };
-        let rows = config.micro_batch_rows();
-        let batch_spec = rules.resolve(
-            &[Some("activation_batch"), None],
-            &[rows, config.max_target_length],
-            &mesh,
-        )?;
         Ok(Engine {
-            config: config.clone(),
-            model,
+            plan: plan.clone(),
             opt: if cx.mode() == Mode::Abstract {
                 Optimizer::Sgd
             } else {
                 Optimizer::new(config, &shapes)
             },
-            infos,
-            gate,
-            zero1,
-            targets,
-            moment_types,
-            plain,
             inside,
             promised,
+            moment_types,
             params,
             decay,
             step: 0,
-            batch_spec,
             pending: None,
             reduce_plan,
             gather_plan,
         })
     }
 
+    /// The plan the engine runs.
+    pub fn plan(&self) -> &RunPlan {
+        &self.plan
+    }
+
     /// The gate's decision.
     pub fn gate(&self) -> &Deferral {
-        &self.gate
+        self.plan.deferral()
     }
 
     /// The parameters' declarations, in order.
     pub fn param_infos(&self) -> &[ParamInfo] {
-        &self.infos
-    }
-
-    /// The model.
-    pub fn model(&self) -> &Qwen3 {
-        &self.model
+        self.plan.params()
     }
 
     /// Uses `spec` for parameter `name` inside micro-batches instead of the gate's layout. A
@@ -450,24 +253,27 @@ impl Engine {
     /// dropped the reduced tag, which the accumulator check must catch.
     ///
     /// # Errors
-    /// An unknown parameter name.
+    /// [`TrainError::Misuse`] for an unknown parameter name.
     pub fn override_inside_spec(
         &mut self,
         name: &str,
         spec: PartitionSpec,
     ) -> Result<(), TrainError> {
         let i = self
-            .infos
+            .param_infos()
             .iter()
             .position(|p| p.name == name)
-            .ok_or_else(|| TrainError::Config(format!("no parameter `{name}`")))?;
+            .ok_or_else(|| TrainError::Misuse {
+                call: "Engine::override_inside_spec",
+                reason: format!("no parameter `{name}`"),
+            })?;
         self.inside[i] = spec;
         Ok(())
     }
 
     /// ZeRO-1's decision.
     pub fn zero1(&self) -> &Zero1 {
-        &self.zero1
+        self.plan.zero1()
     }
 
     /// This device's optimizer-state shards (AdamW `m` and `v`; `None` for SGD).
@@ -477,7 +283,7 @@ impl Engine {
 
     /// The layout of a micro-batch's `[rows, len]` token arrays.
     pub fn batch_spec(&self) -> &PartitionSpec {
-        &self.batch_spec
+        self.plan.batch_spec()
     }
 
     /// Optimizer steps taken.
@@ -488,6 +294,72 @@ impl Engine {
     /// Micro-batches accumulated since the last update.
     pub fn pending_micro_steps(&self) -> usize {
         self.pending.as_ref().map_or(0, |p| p.micro_steps)
+    }
+
+    /// The state a checkpoint saves, read-only.
+    pub(crate) fn state(&self) -> EngineState<'_> {
+        EngineState {
+            plan: &self.plan,
+            params: &self.params,
+            moments: self.opt.moments(),
+            moment_types: &self.moment_types,
+            promised: &self.promised,
+            pending: self.pending.as_ref().map(|p| PendingState {
+                grads: &p.acc.grads,
+                micro_steps: p.micro_steps,
+                tokens: p.tokens,
+                loss_sum: p.loss_sum,
+            }),
+            step: self.step,
+        }
+    }
+
+    /// Swaps a whole restored state in (a checkpoint's): the parameters, the optimizer's
+    /// moments, the step, and the accumulation to continue — whose parameters re-enter the
+    /// micro-batches in their inside layouts (a free cast). Nothing changes on an error.
+    ///
+    /// # Errors
+    /// Moments that do not fit the optimizer; a layout error.
+    pub(crate) fn install(&mut self, cx: &mut Ctx<'_>, state: Restored) -> Result<(), TrainError> {
+        let pending = match state.pending {
+            Some(p) => Some(Pending {
+                used: self.enter_micro_batches(cx, &state.params)?,
+                acc: PartialGradients::from_arrays(p.grads, self.reduce_plan.clone()),
+                loss_sum: p.loss_sum,
+                tokens: p.tokens,
+                micro_steps: p.micro_steps,
+                started: Instant::now(),
+                closed: false,
+            }),
+            None => None,
+        };
+        if let Some((m, v, t)) = state.moments {
+            self.opt.set_moments(m, v, t)?;
+        }
+        self.params = state.params;
+        self.pending = pending;
+        self.step = state.step;
+        Ok(())
+    }
+
+    /// The parameters as they enter micro-batches: each cast to its inside layout. Under
+    /// deferral the cast (plain → `{R:data}`) is free and sits outside the differentiated
+    /// function (R4.8) — inside it, its transpose would put the all-reduce back into every
+    /// micro-batch.
+    fn enter_micro_batches(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+    ) -> Result<Vec<Array>, TrainError> {
+        let mut used = Vec::with_capacity(params.len());
+        for (p, spec) in params.iter().zip(&self.inside) {
+            used.push(if p.ty().sharding().spec() == spec {
+                p.clone()
+            } else {
+                cx.reshard(p, spec)?
+            });
+        }
+        Ok(used)
     }
 
     /// A micro-batch from its global rows (each `len + 1` tokens: inputs then shifted targets;
@@ -506,8 +378,8 @@ impl Engine {
         let targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();
         let tokens = targets.iter().filter(|&&t| t != u32::MAX).count() as u64;
         let shape = [rows.len(), len];
-        let spec = if rows.len() == self.config.micro_batch_rows() {
-            self.batch_spec.clone()
+        let spec = if rows.len() == self.plan.config().micro_batch_rows() {
+            self.plan.batch_spec().clone()
         } else {
             engine_rules().resolve(&[Some("activation_batch"), None], &shape, cx.mesh())?
         };
@@ -546,7 +418,7 @@ impl Engine {
     /// As [`Engine::fwd_bwd`], plus (overlap, gate open) the step's bucketed reduction on the
     /// background channel.
     pub fn fwd_bwd_final(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
-        let overlap = self.config.overlap_grad_reduce;
+        let overlap = self.plan.config().overlap_grad_reduce;
         let out = self.micro_batch(cx, batch, overlap)?;
         if let Some(pending) = &mut self.pending {
             pending.closed = true;
@@ -562,25 +434,11 @@ impl Engine {
         overlap: bool,
     ) -> Result<FwdBwd, TrainError> {
         if self.pending.is_none() {
-            // Deferral: the parameters enter every micro-batch `{R:data}`. The cast is free and
-            // sits outside the differentiated function (R4.8) — inside it, its transpose would
-            // put the all-reduce back into every micro-batch.
-            let mut used = Vec::with_capacity(self.params.len());
-            for (p, spec) in self.params.iter().zip(&self.inside) {
-                used.push(if p.ty().sharding().spec() == spec {
-                    p.clone()
-                } else {
-                    cx.reshard(p, spec)?
-                });
-            }
-            let grads = self.promised.iter().map(|t| cx.zeros(t.clone())).collect();
+            // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
+            let used = self.enter_micro_batches(cx, &self.params)?;
             self.pending = Some(Pending {
                 used,
-                acc: PartialGradients {
-                    grads,
-                    plan: self.reduce_plan.clone(),
-                    started: Vec::new(),
-                },
+                acc: PartialGradients::zeros(cx, &self.promised, self.reduce_plan.clone()),
                 loss_sum: 0.0,
                 tokens: 0,
                 micro_steps: 0,
@@ -591,14 +449,15 @@ impl Engine {
         let pending = self
             .pending
             .as_mut()
-            .ok_or_else(|| TrainError::Config("no pending accumulation".into()))?;
+            .ok_or_else(|| TrainError::Internal("no pending accumulation".into()))?;
         if pending.closed {
-            return Err(TrainError::Config(
-                "fwd_bwd after fwd_bwd_final: the step is closed, call update".into(),
-            ));
+            return Err(TrainError::Misuse {
+                call: "Engine::fwd_bwd",
+                reason: "fwd_bwd after fwd_bwd_final: the step is closed, call update".into(),
+            });
         }
-        let model = &self.model;
-        let infos = &self.infos;
+        let model = self.plan.decoder();
+        let infos = self.plan.params();
         let acc = &mut pending.acc;
         let buckets: Vec<Vec<usize>> = acc.plan.buckets().map(<[usize]>::to_vec).collect();
         let mut finished = vec![false; acc.grads.len()];
@@ -652,17 +511,32 @@ impl Engine {
     /// division by their total token count, global-norm clipping, the optimizer; then the
     /// accumulator is reset.
     ///
+    /// The learning rate is the schedule's for this step ([`learning_rate`]).
+    ///
     /// # Errors
-    /// No micro-batch since the last update; a collective failure.
+    /// [`TrainError::Misuse`] when no micro-batch ran since the last update; a collective
+    /// failure.
     ///
     /// # Collectives
     /// Gate open: one all-reduce per parameter (the deferred reduction), plus one-element norm
     /// reductions for parameters split over devices. Gate closed: only those.
     pub fn update(&mut self, cx: &mut Ctx<'_>) -> Result<StepMetrics, TrainError> {
-        let pending = self.pending.take().ok_or_else(|| {
-            TrainError::Config("update called with no fwd_bwd since the last update".into())
+        let lr = learning_rate(self.plan.config(), self.step);
+        self.update_with_lr(cx, lr)
+    }
+
+    /// [`Engine::update`] at learning rate `lr`.
+    ///
+    /// # Errors
+    /// As [`Engine::update`].
+    ///
+    /// # Collectives
+    /// As [`Engine::update`].
+    pub fn update_with_lr(&mut self, cx: &mut Ctx<'_>, lr: f64) -> Result<StepMetrics, TrainError> {
+        let pending = self.pending.take().ok_or_else(|| TrainError::Misuse {
+            call: "Engine::update",
+            reason: "update called with no fwd_bwd since the last update".into(),
         })?;
-        let lr = learning_rate(&self.config, self.step);
         let Pending {
             used,
             acc,
@@ -674,20 +548,20 @@ impl Engine {
         drop(used);
         let grads = acc.reduce(cx)?;
         let inv_tokens = 1.0 / tokens.max(1) as f64;
-        let grad_norm = squared_norm(cx, &grads)?.sqrt() * inv_tokens;
+        let grad_norm = grads.squared_norm(cx)?.sqrt() * inv_tokens;
         let loss = loss_sum * inv_tokens;
         // Every device holds the same reduced loss and norm, so every device takes the same
         // branch here and the collectives below stay matched.
         let skipped = cx.mode() == Mode::Real && !(loss.is_finite() && grad_norm.is_finite());
-        if skipped && self.config.nan_policy == NanPolicy::Stop {
+        let config = self.plan.config();
+        if skipped && config.nan_policy == NanPolicy::Stop {
             return Err(TrainError::NonFinite {
                 step: self.step,
                 loss,
                 grad_norm,
             });
         }
-        let scale =
-            (inv_tokens * clip_scale(grad_norm, self.config.gradient_clipping_threshold)) as f32;
+        let scale = (inv_tokens * clip_scale(grad_norm, config.gradient_clipping_threshold)) as f32;
         // nan_policy=skip_step: a skipped update leaves parameters and moments as they were.
         if !skipped {
             self.apply_update(cx, lr, scale, &grads)?;
@@ -716,9 +590,10 @@ impl Engine {
         scale: f32,
         grads: &Gradients,
     ) -> Result<(), TrainError> {
-        if self.zero1.is_active() {
+        if self.plan.zero1().is_open() {
             let mut slices = Vec::with_capacity(self.params.len());
-            for (p, t) in self.params.iter().zip(&self.targets) {
+            for (p, layout) in self.params.iter().zip(self.plan.layouts()) {
+                let t = &layout.target;
                 slices.push(if p.ty().sharding().spec() == t {
                     p.clone()
                 } else {
@@ -731,7 +606,13 @@ impl Engine {
             self.params = match &self.gather_plan {
                 Some(plan) => cx.reshard_planned(plan, &slices)?,
                 None => {
-                    cx.reshard_bucketed(&slices, &self.plain, self.config.grad_bucket_bytes())?
+                    let plain: Vec<PartitionSpec> = self
+                        .plan
+                        .layouts()
+                        .iter()
+                        .map(|l| l.plain.clone())
+                        .collect();
+                    cx.reshard_bucketed(&slices, &plain, self.plan.config().grad_bucket_bytes())?
                 }
             };
         } else if cx.mode() == Mode::Real {
@@ -748,7 +629,8 @@ impl Engine {
     /// An op or collective failure.
     pub fn eval_step(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
         let loss = self
-            .model
+            .plan
+            .decoder()
             .loss_sum(cx, &self.params, &batch.inputs, &batch.targets)?;
         let loss_sum = if loss.is_abstract() {
             0.0
@@ -788,4 +670,33 @@ fn accumulator_type_error(param: &str, acc: &Array, grad: &Array) -> TrainError 
             .cloned()
             .collect(),
     }
+}
+
+/// Parameter `i`'s starting value: `initial[i]` checked against its declaration, or drawn from
+/// the seed.
+fn initial_value(
+    info: &ParamInfo,
+    i: usize,
+    initial: Option<&[Tensor]>,
+    seed: u64,
+) -> Result<Tensor, TrainError> {
+    let Some(values) = initial else {
+        return Ok(init_normal(info, seed, i));
+    };
+    let misuse = |reason: String| TrainError::Misuse {
+        call: "Engine::new",
+        reason,
+    };
+    let v = values
+        .get(i)
+        .ok_or_else(|| misuse(format!("no initial value for `{}`", info.name)))?;
+    if v.shape() != info.shape.as_slice() {
+        return Err(misuse(format!(
+            "`{}` has shape {:?}, the model needs {:?}",
+            info.name,
+            v.shape(),
+            info.shape
+        )));
+    }
+    Ok(v.clone())
 }

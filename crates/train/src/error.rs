@@ -1,20 +1,44 @@
-//! The one error type of the `train` layer.
+//! The one error type of the `train` layer, in four classes a caller can act on
+//! ([`TrainError::class`]):
+//!
+//! * **usage** — the user's input is wrong (a key, a value, a combination, a file the user
+//!   named): fix the input and run again. `ferrotext` exits with code 2.
+//! * **misuse** — a caller of the engine API broke its contract (`update` with nothing
+//!   accumulated, `fwd_bwd` after the step was closed, initial values that do not fit): a bug
+//!   in that caller.
+//! * **io** — the machine refused a read or write that was valid when the run started.
+//! * **failure** — the run failed: a device panicked (a bug in ferrotext), an op or collective
+//!   failed, a checkpoint cannot be used, a step diverged, an internal invariant broke.
+//!
+//! Every class but usage exits with code 1: a bug in ferrotext is never reported as the user's
+//! mistake.
 
 use ferrotext_comm::SpmdError as RunError;
 use ferrotext_sharding::ShardingError;
 use ferrotext_spmd::SpmdError;
 
-/// Everything training can fail with.
+/// Everything training can fail with. See the module docs for the four classes.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TrainError {
-    /// A bad config value or combination (caught before anything runs).
+    /// A bad value or combination of config keys (caught before anything runs). The message is
+    /// the whole sentence; it names the key.
+    #[error("{reason}")]
+    Usage {
+        /// The key at fault (the first one, for a combination).
+        key: String,
+        /// What is wrong, as one sentence naming the key and the value.
+        reason: String,
+    },
+    /// Bad user input that no single key names (an argument that is not `key=value`, an output
+    /// path that cannot be written, a cluster layout): the usage class, like
+    /// [`TrainError::Usage`].
     #[error("{0}")]
     Config(String),
-    /// A data file that cannot be used.
+    /// A data file that cannot be used (usage class: the user named it).
     #[error("data: {0}")]
     Data(String),
-    /// A parameter file that cannot be used.
+    /// A parameter file that cannot be used (usage class: the user named it).
     #[error("parameters {path}: {reason}")]
     Params {
         /// The file.
@@ -22,6 +46,17 @@ pub enum TrainError {
         /// What is wrong.
         reason: String,
     },
+    /// A caller of the engine API broke its contract: a bug in the caller, not bad input.
+    #[error("{call}: {reason}")]
+    Misuse {
+        /// The call that was misused (`Engine::update`).
+        call: &'static str,
+        /// What the contract requires.
+        reason: String,
+    },
+    /// An internal invariant of ferrotext broke: a bug in ferrotext.
+    #[error("internal error (a bug in ferrotext): {0}")]
+    Internal(String),
     /// A checkpoint that cannot be used (missing file, bad checksum, wrong shape, newer format,
     /// a name outside its directory).
     #[error("checkpoint {path}: {reason}")]
@@ -89,7 +124,7 @@ pub enum TrainError {
     /// A mesh or spec error.
     #[error(transparent)]
     Sharding(#[from] ShardingError),
-    /// Writing outputs failed.
+    /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {
         /// The file.
@@ -99,12 +134,64 @@ pub enum TrainError {
     },
 }
 
+/// The class of a [`TrainError`]: what the caller can do about it (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// The user's input is wrong.
+    Usage,
+    /// A caller broke the engine API's contract.
+    Misuse,
+    /// A read or write failed.
+    Io,
+    /// The run failed (a device panic, an op, a checkpoint, divergence, an internal bug).
+    Failure,
+}
+
+impl TrainError {
+    /// A [`TrainError::Usage`] for `key`.
+    pub fn usage(key: impl Into<String>, reason: impl Into<String>) -> TrainError {
+        TrainError::Usage {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// What kind of failure this is (a run left behind is classed by its first failure).
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            TrainError::Usage { .. }
+            | TrainError::Config(_)
+            | TrainError::Data(_)
+            | TrainError::Params { .. } => ErrorClass::Usage,
+            TrainError::Misuse { .. } => ErrorClass::Misuse,
+            TrainError::Io { .. } => ErrorClass::Io,
+            TrainError::LeftRunning { .. }
+            | TrainError::Internal(_)
+            | TrainError::Checkpoint { .. }
+            | TrainError::AccumulatorType { .. }
+            | TrainError::NonFinite { .. }
+            | TrainError::DeviceFailed { .. }
+            | TrainError::Spmd(_)
+            | TrainError::Sharding(_) => ErrorClass::Failure,
+        }
+    }
+
+    /// True for bad user input (the usage class): `ferrotext` exits with code 2.
+    pub fn is_usage(&self) -> bool {
+        self.class() == ErrorClass::Usage
+    }
+}
+
 impl From<RunError<TrainError>> for TrainError {
     fn from(err: RunError<TrainError>) -> TrainError {
         match err {
             RunError::Device { error, .. } => error,
             RunError::Panicked { device, message } => TrainError::DeviceFailed { device, message },
-            placement @ RunError::Placement { .. } => TrainError::Config(placement.to_string()),
+            // The mesh the user asked for cannot be split over the processes started.
+            placement @ RunError::Placement { .. } => {
+                TrainError::usage("num_processes", placement.to_string())
+            }
         }
     }
 }
@@ -131,5 +218,43 @@ impl From<ferrotext_comm::CommError> for TrainError {
 impl From<ferrotext_tensor::TensorError> for TrainError {
     fn from(err: ferrotext_tensor::TensorError) -> TrainError {
         TrainError::Spmd(err.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_decide_the_exit_code() {
+        assert!(TrainError::usage("steps", "steps must be at least 1").is_usage());
+        assert_eq!(
+            TrainError::usage("steps", "steps must be at least 1").to_string(),
+            "steps must be at least 1"
+        );
+        let misuse = TrainError::Misuse {
+            call: "Engine::update",
+            reason: "no fwd_bwd since the last update".into(),
+        };
+        assert_eq!(misuse.class(), ErrorClass::Misuse);
+        assert_eq!(
+            misuse.to_string(),
+            "Engine::update: no fwd_bwd since the last update"
+        );
+        let panic = TrainError::DeviceFailed {
+            device: 3,
+            message: "boom".into(),
+        };
+        assert_eq!(panic.class(), ErrorClass::Failure);
+        let left = TrainError::LeftRunning {
+            error: Box::new(panic),
+            devices: vec![1],
+        };
+        assert!(!left.is_usage());
+        let io = TrainError::Io {
+            path: "x".into(),
+            source: std::io::Error::other("full"),
+        };
+        assert_eq!(io.class(), ErrorClass::Io);
     }
 }

@@ -143,7 +143,7 @@ impl Optimizer {
     /// Replaces the AdamW moments and step count (shards of the parameters' shapes).
     ///
     /// # Errors
-    /// SGD (no state to set) or moments of the wrong shapes.
+    /// [`crate::TrainError::Misuse`]: SGD (no state to set) or moments of the wrong shapes.
     pub fn set_moments(
         &mut self,
         new_m: Vec<Tensor>,
@@ -156,18 +156,20 @@ impl Optimizer {
                     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.shape() == y.shape())
                 };
                 if !fits(m, &new_m) || !fits(v, &new_v) {
-                    return Err(crate::TrainError::Config(
-                        "optimizer moments do not fit the parameters".into(),
-                    ));
+                    return Err(crate::TrainError::Misuse {
+                        call: "Optimizer::set_moments",
+                        reason: "optimizer moments do not fit the parameters".into(),
+                    });
                 }
                 *m = new_m;
                 *v = new_v;
                 *t = new_t;
                 Ok(())
             }
-            Optimizer::Sgd => Err(crate::TrainError::Config(
-                "SGD keeps no moments to restore".into(),
-            )),
+            Optimizer::Sgd => Err(crate::TrainError::Misuse {
+                call: "Optimizer::set_moments",
+                reason: "SGD keeps no moments to restore".into(),
+            }),
         }
     }
 
@@ -182,7 +184,7 @@ impl Optimizer {
         lr: f64,
         grad_scale: f32,
         params: &mut [ferrotext_spmd::Array],
-        grads: &crate::engine::Gradients,
+        grads: &crate::gradients::Gradients,
         decay: &[bool],
     ) -> Result<(), crate::TrainError> {
         let grad_locals: Vec<&Tensor> = grads

@@ -13,7 +13,7 @@ use ferrotext_train::data::{source_for, TokenSource};
 mod common;
 
 use common::{feed, small_config};
-use ferrotext_train::{compute_mesh, train, Engine, RunOptions, TrainConfig, TrainError};
+use ferrotext_train::{train, Engine, RunOptions, TrainConfig, TrainError};
 
 fn config(extra: &[&str]) -> TrainConfig {
     let mut all = vec![
@@ -35,7 +35,8 @@ fn scratch(name: &str) -> PathBuf {
 fn mid_step_round_trip(extra: &[&str]) {
     let cfg = config(extra);
     let root = scratch(&format!("mid-{}", extra.join("-")));
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     let results = run_spmd(
         &mesh,
@@ -43,7 +44,7 @@ fn mid_step_round_trip(extra: &[&str]) {
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
             // Uninterrupted.
-            let mut a = Engine::new(&mut cx, &cfg, None)?;
+            let mut a = Engine::new(&mut cx, &plan, None)?;
             let mut a_losses = Vec::new();
             for step in 0..3u64 {
                 for micro in 0..2 {
@@ -52,7 +53,7 @@ fn mid_step_round_trip(extra: &[&str]) {
                 a_losses.push(a.update(&mut cx)?.loss.to_bits());
             }
             // Interrupted in the middle of step 1.
-            let mut b = Engine::new(&mut cx, &cfg, None)?;
+            let mut b = Engine::new(&mut cx, &plan, None)?;
             for micro in 0..2 {
                 feed(&mut cx, &mut b, source.as_ref(), &cfg, 0, micro)?;
             }
@@ -65,7 +66,7 @@ fn mid_step_round_trip(extra: &[&str]) {
                 .trace()
                 .count(CollectiveKind::AllReduce, &PhasePattern::new("checkpoint"));
             drop(b);
-            let mut c = Engine::new(&mut cx, &cfg, None)?;
+            let mut c = Engine::new(&mut cx, &plan, None)?;
             c.restore_checkpoint(&mut cx, &root)?;
             assert_eq!(c.pending_micro_steps(), 1);
             feed(&mut cx, &mut c, source.as_ref(), &cfg, 1, 1)?;
@@ -119,13 +120,14 @@ fn mid_step_checkpoint_moves_to_another_mesh() {
     let one = config(&["local_devices=1", "per_device_batch_size=4", "opt_type=sgd"]);
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&four, 256).unwrap());
     let finish = |cfg: &TrainConfig, restore: bool| -> Vec<Tensor> {
-        let mesh = compute_mesh(cfg).unwrap();
+        let plan = cfg.plan().unwrap();
+        let mesh = plan.compute_mesh().clone();
         run_spmd(
             &mesh,
             &SpmdOptions::default(),
             |dev| -> Result<_, TrainError> {
                 let mut cx = Ctx::new(dev.comm(), 1);
-                let mut e = Engine::new(&mut cx, cfg, None)?;
+                let mut e = Engine::new(&mut cx, &plan, None)?;
                 if restore {
                     e.restore_checkpoint(&mut cx, &root)?;
                 } else {
@@ -202,7 +204,8 @@ fn trainer_resumes_at_a_step_boundary_with_a_bitwise_equal_loss_curve() {
 #[test]
 fn a_failure_after_any_file_of_a_save_leaves_the_previous_checkpoint() {
     let cfg = config(&[]);
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     for fail_at in [
         "params.safetensors",
@@ -216,7 +219,7 @@ fn a_failure_after_any_file_of_a_save_leaves_the_previous_checkpoint() {
             &SpmdOptions::default(),
             |dev| -> Result<_, TrainError> {
                 let mut cx = Ctx::new(dev.comm(), 1);
-                let mut e = Engine::new(&mut cx, &cfg, None)?;
+                let mut e = Engine::new(&mut cx, &plan, None)?;
                 for micro in 0..2 {
                     feed(&mut cx, &mut e, source.as_ref(), &cfg, 0, micro)?;
                 }
@@ -254,7 +257,7 @@ fn a_failure_after_any_file_of_a_save_leaves_the_previous_checkpoint() {
             &SpmdOptions::default(),
             |dev| -> Result<_, TrainError> {
                 let mut cx = Ctx::new(dev.comm(), 1);
-                let mut e = Engine::new(&mut cx, &cfg, None)?;
+                let mut e = Engine::new(&mut cx, &plan, None)?;
                 e.restore_checkpoint(&mut cx, &root)
             },
         )
@@ -266,14 +269,15 @@ fn a_failure_after_any_file_of_a_save_leaves_the_previous_checkpoint() {
 
 fn saved_checkpoint(root: &Path) -> PathBuf {
     let cfg = config(&[]);
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut e = Engine::new(&mut cx, &cfg, None)?;
+            let mut e = Engine::new(&mut cx, &plan, None)?;
             feed(&mut cx, &mut e, source.as_ref(), &cfg, 0, 0)?;
             e.save_checkpoint(&mut cx, root)
         },
@@ -283,13 +287,14 @@ fn saved_checkpoint(root: &Path) -> PathBuf {
 }
 
 fn restore_error(cfg: &TrainConfig, path: &Path) -> String {
-    let mesh = compute_mesh(cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let out = run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut e = Engine::new(&mut cx, cfg, None)?;
+            let mut e = Engine::new(&mut cx, &plan, None)?;
             let before = e.params_to_host(&mut cx)?;
             let err = e
                 .restore_checkpoint(&mut cx, path)
@@ -588,14 +593,15 @@ fn resume_fresh_starts_over_and_moves_the_old_checkpoints_aside() {
 /// A mid-step checkpoint at step 1, micro-step 1 (AdamW, so all four files).
 fn mid_step_checkpoint(root: &Path) -> PathBuf {
     let cfg = config(&[]);
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut e = Engine::new(&mut cx, &cfg, None)?;
+            let mut e = Engine::new(&mut cx, &plan, None)?;
             for micro in 0..2 {
                 feed(&mut cx, &mut e, source.as_ref(), &cfg, 0, micro)?;
             }
@@ -749,13 +755,14 @@ fn a_changed_config_on_resume_is_an_error_naming_the_key() {
         "checkpoint_keep=3",
         "collective_timeout_seconds=60",
     ]);
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let restored = run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut e = Engine::new(&mut cx, &cfg, None)?;
+            let mut e = Engine::new(&mut cx, &plan, None)?;
             e.restore_checkpoint(&mut cx, &root)?;
             Ok((e.steps_taken(), e.pending_micro_steps()))
         },
@@ -818,7 +825,8 @@ fn checkpoint_keep_leaves_exactly_the_two_newest() {
 #[test]
 fn re_saving_the_same_name_keeps_a_loadable_checkpoint_at_every_point() {
     let cfg = config(&[]);
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     let name = "step_00000001_micro_000";
     for fail_at in [
@@ -836,7 +844,7 @@ fn re_saving_the_same_name_keeps_a_loadable_checkpoint_at_every_point() {
             &SpmdOptions::default(),
             |dev| -> Result<_, TrainError> {
                 let mut cx = Ctx::new(dev.comm(), 1);
-                let mut e = Engine::new(&mut cx, &cfg, None)?;
+                let mut e = Engine::new(&mut cx, &plan, None)?;
                 for micro in 0..2 {
                     feed(&mut cx, &mut e, source.as_ref(), &cfg, 0, micro)?;
                 }
@@ -884,7 +892,7 @@ fn re_saving_the_same_name_keeps_a_loadable_checkpoint_at_every_point() {
             &SpmdOptions::default(),
             |dev| -> Result<_, TrainError> {
                 let mut cx = Ctx::new(dev.comm(), 1);
-                let mut e = Engine::new(&mut cx, &cfg, None)?;
+                let mut e = Engine::new(&mut cx, &plan, None)?;
                 e.restore_checkpoint(&mut cx, &dir)?;
                 Ok((e.steps_taken(), e.params_to_host(&mut cx)?))
             },

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions};
 use ferrotext_spmd::Ctx;
 use ferrotext_train::data::{micro_batch, source_for, TokenSource};
-use ferrotext_train::{compute_mesh, Engine, TrainConfig, TrainError, Trainer};
+use ferrotext_train::{Engine, TrainConfig, TrainError, Trainer};
 
 fn config() -> TrainConfig {
     let items: Vec<String> = [
@@ -28,15 +28,16 @@ fn config() -> TrainConfig {
 #[test]
 fn engine_driven_by_hand_equals_the_trainer() {
     let cfg = config();
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     let results = run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut trainer = Trainer::new(&mut cx, &cfg, source.clone(), None)?;
-            let mut engine = Engine::new(&mut cx, &cfg, None)?;
+            let mut trainer = Trainer::new(&mut cx, &plan, source.clone(), None)?;
+            let mut engine = Engine::new(&mut cx, &plan, None)?;
             let (mut t_losses, mut e_losses) = (Vec::new(), Vec::new());
             for step in 0..2u64 {
                 t_losses.push(trainer.step(&mut cx)?.loss);
@@ -79,14 +80,15 @@ fn engine_driven_by_hand_equals_the_trainer() {
 #[test]
 fn update_without_micro_batches_is_an_error_and_eval_changes_nothing() {
     let cfg = config();
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     let results = run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut engine = Engine::new(&mut cx, &cfg, None)?;
+            let mut engine = Engine::new(&mut cx, &plan, None)?;
             let err = engine.update(&mut cx).err().map(|e| e.to_string());
             let rows = micro_batch(
                 source.as_ref(),
@@ -124,14 +126,15 @@ fn update_without_micro_batches_is_an_error_and_eval_changes_nothing() {
 #[test]
 fn a_micro_batch_after_the_final_one_is_an_error_until_update() {
     let cfg = config();
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     let results = run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut engine = Engine::new(&mut cx, &cfg, None)?;
+            let mut engine = Engine::new(&mut cx, &plan, None)?;
             let rows = micro_batch(source.as_ref(), 0, 0, 1, cfg.micro_batch_rows(), 16);
             let batch = engine.batch(&cx, &rows)?;
             engine.fwd_bwd_final(&mut cx, &batch)?;

@@ -178,7 +178,7 @@ fn test_deepseek_zero1_reduces_gradients_once_per_step() {
     let tagged = run(false);
     assert!(tagged.gate.is_open());
     assert!(
-        matches!(tagged.zero1, ferrotext_train::Zero1::Active { .. }),
+        matches!(tagged.zero1, ferrotext_train::Zero1::Open { .. }),
         "{:?}",
         tagged.zero1
     );

@@ -12,7 +12,7 @@ use ferrotext_sharding::{NamedSharding, PartitionSpec};
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 use ferrotext_train::data::{micro_batch, source_for, TokenSource};
-use ferrotext_train::{compute_mesh, learning_rate, Engine, TrainConfig, TrainError};
+use ferrotext_train::{learning_rate, Engine, TrainConfig, TrainError};
 
 mod common;
 
@@ -39,7 +39,7 @@ fn reference_gradient(
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let model = engine.model();
+    let model = engine.plan().decoder();
     let (_, grads) = cx.value_and_grad(&arrays, |cx, ps| {
         model.loss_sum(cx, ps, &inputs, &targets_ids)
     })?;
@@ -130,14 +130,15 @@ fn compare(extra: &[&str]) -> Vec<(f64, f64)> {
     ];
     items.extend_from_slice(extra);
     let cfg = common::small_config(&items);
-    let mesh = compute_mesh(&cfg).unwrap();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
     let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
     let results = run_spmd(
         &mesh,
         &SpmdOptions::default(),
         |dev| -> Result<_, TrainError> {
             let mut cx = Ctx::new(dev.comm(), 1);
-            let mut engine = Engine::new(&mut cx, &cfg, None)?;
+            let mut engine = Engine::new(&mut cx, &plan, None)?;
             let sizes: Vec<usize> = engine
                 .param_infos()
                 .iter()

@@ -52,11 +52,12 @@ pub fn per_host_per_step(trace: &Trace, mesh: &Mesh, local: usize) -> f64 {
 /// # Errors
 /// The config or the plan fails (a type error).
 pub fn plan(config: &TrainConfig) -> Result<Prediction> {
-    let model = config.model()?;
-    let mesh = config.mesh()?;
-    let source: Arc<dyn ferrotext_train::data::TokenSource> =
-        Arc::from(ferrotext_train::data::source_for(config, model.vocab_size)?);
-    let (gate, trace) = ferrotext_train::plan_step(config, source)?;
+    let plan = config.plan()?;
+    let mesh = plan.mesh().clone();
+    let source: Arc<dyn ferrotext_train::data::TokenSource> = Arc::from(
+        ferrotext_train::data::source_for(config, plan.decoder().config().vocab_size)?,
+    );
+    let (gate, trace) = ferrotext_train::plan_step(&plan, source)?;
     let collectives = trace.events().len();
     Ok(Prediction {
         bytes_per_host_per_step: per_host_per_step(&trace, &mesh, config.local_devices),

@@ -1,0 +1,208 @@
+//! Gradients between the backward pass and the optimizer, in two types so that partial sums can
+//! never reach the optimizer (or a reader) unreduced:
+//!
+//! * [`PartialGradients`] — the accumulator: summed over micro-batches, possibly still
+//!   per-device partial sums (`{U:data}` when deferral is open). Its only way out is
+//!   [`PartialGradients::reduce`], the step's reduction.
+//! * [`Gradients`] — reduced, in each parameter's target layout: what
+//!   [`crate::Optimizer::apply`] takes.
+//!
+//! This module sits below both the engine and the optimizer, so neither imports the other.
+
+use std::sync::Arc;
+
+use ferrotext_sharding::ArrayType;
+use ferrotext_spmd::{Array, BucketPlan, Ctx, Mode, StartedBucket};
+
+use crate::error::TrainError;
+
+/// Gradients summed over micro-batches, possibly still per-device partial sums (`{U:data}`).
+///
+/// Opaque on purpose: it has no accessor, and the optimizer takes only [`Gradients`], so the one
+/// way to use it is [`PartialGradients::reduce`] — the step's reduction.
+///
+/// The legitimate path compiles — reduce, then apply:
+///
+/// ```no_run
+/// # fn ok(
+/// #     cx: &mut ferrotext_spmd::Ctx<'_>,
+/// #     opt: &mut ferrotext_train::Optimizer,
+/// #     params: &mut [ferrotext_spmd::Array],
+/// #     partial: ferrotext_train::PartialGradients,
+/// # ) -> Result<(), ferrotext_train::TrainError> {
+/// let reduced = partial.reduce(cx)?;
+/// opt.apply(0.1, 1.0, params, &reduced, &[])?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// ```compile_fail
+/// # fn misuse(partial: ferrotext_train::PartialGradients) {
+/// // Partial sums cannot be read...
+/// let first = &partial.grads[0];
+/// # }
+/// ```
+///
+/// ```compile_fail
+/// # fn misuse(opt: &mut ferrotext_train::Optimizer, params: &mut [ferrotext_spmd::Array],
+/// #           partial: &ferrotext_train::PartialGradients) {
+/// // ...nor handed to the optimizer without the reduction.
+/// opt.apply(0.1, 1.0, params, partial, &[]).unwrap();
+/// # }
+/// ```
+pub struct PartialGradients {
+    pub(crate) grads: Vec<Array>,
+    /// How the reduction runs: gradients in buckets, filled from the last parameter back (the
+    /// order a backward pass finishes them).
+    pub(crate) plan: Arc<BucketPlan>,
+    /// Buckets whose reduction already started (overlap), in start order.
+    pub(crate) started: Vec<StartedBucket>,
+}
+
+impl PartialGradients {
+    /// Zeros of the promised accumulator types, to be reduced by `plan`.
+    pub(crate) fn zeros(cx: &Ctx<'_>, promised: &[ArrayType], plan: Arc<BucketPlan>) -> Self {
+        PartialGradients::from_arrays(promised.iter().map(|t| cx.zeros(t.clone())).collect(), plan)
+    }
+
+    /// Accumulated values (a restored checkpoint's), to be reduced by `plan`.
+    pub(crate) fn from_arrays(grads: Vec<Array>, plan: Arc<BucketPlan>) -> Self {
+        PartialGradients {
+            grads,
+            plan,
+            started: Vec::new(),
+        }
+    }
+
+    /// The reduction: every gradient resharded to its target layout — the parameter's own (an
+    /// all-reduce of each unreduced gradient) or, under ZeRO-1, its `data` shard (a
+    /// reduce-scatter) — in buckets of the configured size (`grad_bucket_mb`); nothing moves for
+    /// gradients already reduced but a local slice. Bitwise equal to one reshard per gradient.
+    ///
+    /// # Errors
+    /// A collective failure.
+    ///
+    /// # Collectives
+    /// One all-reduce (ZeRO-1: reduce-scatter) over `data` per bucket of `{U:data}` gradients,
+    /// in parameter order; none when they are already reduced.
+    pub fn reduce(self, cx: &mut Ctx<'_>) -> Result<Gradients, TrainError> {
+        let PartialGradients {
+            grads,
+            plan,
+            started,
+        } = self;
+        if started.is_empty() {
+            return Ok(Gradients {
+                grads: cx.reshard_planned(&plan, &grads)?,
+            });
+        }
+        // Overlapped: finish what the backward started, then run any bucket it did not.
+        let mut out: Vec<Option<Array>> = vec![None; grads.len()];
+        cx.move_outside_buckets(&plan, &grads, &mut out)?;
+        let mut done = vec![false; grads.len()];
+        for bucket in started {
+            for (i, a) in cx.finish_planned_bucket(bucket)? {
+                done[i] = true;
+                out[i] = Some(a);
+            }
+        }
+        let remaining: Vec<usize> = plan
+            .buckets()
+            .enumerate()
+            .filter(|(_, members)| members.iter().any(|&m| !done[m]))
+            .map(|(b, _)| b)
+            .collect();
+        for b in remaining {
+            for (i, a) in cx.move_planned_bucket(&plan, b, &grads)? {
+                out[i] = Some(a);
+            }
+        }
+        let grads = out
+            .into_iter()
+            .map(|a| a.ok_or_else(|| TrainError::Internal("a gradient was not reduced".into())))
+            .collect::<Result<_, _>>()?;
+        Ok(Gradients { grads })
+    }
+}
+
+/// Reduced gradients in the parameters' layout: what the optimizer takes.
+pub struct Gradients {
+    grads: Vec<Array>,
+}
+
+impl Gradients {
+    /// The gradients, in parameter order.
+    pub fn arrays(&self) -> &[Array] {
+        &self.grads
+    }
+
+    /// Σ of the squares of every gradient, in f64 and the same whatever the layout (so ZeRO-1,
+    /// FSDP and replicated runs clip by the same factor): each device sums its own shard of
+    /// each gradient in f64; shards of the gradients split over the same mesh axes are combined
+    /// in one exact exchange over those axes; replicated gradients need none.
+    ///
+    /// The exchange is an all-reduce of a zero buffer with one `(hi, lo)` f32 slot per member,
+    /// each member writing its f64 partial into its own slot: every sum in it adds zeros to one
+    /// value, so every member receives every partial exactly (to 48 bits) and adds them in rank
+    /// order.
+    ///
+    /// # Errors
+    /// A collective failure.
+    ///
+    /// # Collectives
+    /// One all-reduce of `2 × group` elements per distinct set of axes the gradients are split
+    /// over (none when nothing is split).
+    pub fn squared_norm(&self, cx: &mut Ctx<'_>) -> Result<f64, TrainError> {
+        let mut by_axes: std::collections::BTreeMap<Vec<String>, f64> = Default::default();
+        for g in self.arrays() {
+            let axes: Vec<String> = g
+                .ty()
+                .sharding()
+                .spec()
+                .partition_axes()
+                .map(str::to_string)
+                .collect();
+            let local = if g.is_abstract() {
+                0.0
+            } else {
+                g.local()?
+                    .data()
+                    .iter()
+                    .map(|&x| f64::from(x) * f64::from(x))
+                    .sum()
+            };
+            *by_axes.entry(axes).or_default() += local;
+        }
+        let mut total = 0.0;
+        for (axes, partial) in by_axes {
+            let group = cx.comm().group(&axes)?;
+            if group.len() == 1 {
+                total += partial;
+                continue;
+            }
+            if cx.mode() == Mode::Abstract {
+                cx.comm().record_abstract(
+                    ferrotext_comm::CollectiveKind::AllReduce,
+                    &axes,
+                    2 * group.len(),
+                    ferrotext_sharding::DType::F32,
+                )?;
+                continue;
+            }
+            let rank = group
+                .iter()
+                .position(|&d| d == cx.comm().device())
+                .ok_or_else(|| TrainError::Internal("device outside its own group".into()))?;
+            let mut slots = vec![0.0f32; 2 * group.len()];
+            let hi = partial as f32;
+            slots[2 * rank] = hi;
+            slots[2 * rank + 1] = (partial - f64::from(hi)) as f32;
+            cx.comm().all_reduce(&axes, &mut slots)?;
+            total += slots
+                .chunks_exact(2)
+                .map(|p| f64::from(p[0]) + f64::from(p[1]))
+                .sum::<f64>();
+        }
+        Ok(total)
+    }
+}

@@ -1,0 +1,396 @@
+//! The run plan: a [`TrainConfig`] checked once and turned into every decision a run needs — the
+//! decoder, the mesh, the two gates, and each parameter's layouts. Everything downstream (the
+//! engine, the trainer, the loop, the cost model, the CLI) takes a [`RunPlan`]; nothing rebuilds
+//! the model or the mesh, and nothing asks a gate twice.
+//!
+//! Invariants of a `RunPlan` (checked by [`TrainConfig::plan`], the only constructor):
+//! 1. every config value is in range and every combination is supported (ZeRO-1 without FSDP or
+//!    expert parallelism, heads divisible by `tensor`, a micro-batch the batch axes divide, …);
+//! 2. the decoder accepts its config (`Decoder::new` succeeded);
+//! 3. the mesh's axes multiply to the device count;
+//! 4. `layouts[i]` belongs to `params()[i]`, and its `inside` layout is its `plain` one tagged
+//!    exactly as [`RunPlan::deferral`] says.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferrotext_models::qwen3::Qwen3 as Decoder;
+use ferrotext_models::ParamInfo;
+use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh, PartitionSpec};
+
+use crate::config::{
+    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, OptType, ShardMode, TrainConfig,
+};
+use crate::error::TrainError;
+use crate::gate::{deferral_gate, zero1_gate, zero1_spec, Deferral, Zero1};
+
+/// The decoder type a plan holds (one name to change when the model types are renamed).
+pub type PlanDecoder = Decoder;
+
+/// Where one parameter lives, decided by the plan.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamLayout {
+    /// Storage layout (from the logical rules, untagged).
+    pub plain: PartitionSpec,
+    /// Layout inside micro-batches: `plain` tagged `{R:…}` when deferral is open.
+    pub inside: PartitionSpec,
+    /// Where the reduced gradient and the optimizer state live: `plain`, or its ZeRO-1 `data`
+    /// shard.
+    pub target: PartitionSpec,
+}
+
+/// A validated run: see the module docs. Cheap to clone (shared).
+#[derive(Clone, Debug)]
+pub struct RunPlan {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: TrainConfig,
+    decoder: Decoder,
+    params: Vec<ParamInfo>,
+    mesh: Arc<Mesh>,
+    compute_mesh: Arc<Mesh>,
+    deferral: Deferral,
+    zero1: Zero1,
+    layouts: Vec<ParamLayout>,
+    batch_spec: PartitionSpec,
+    output_dir: PathBuf,
+    metrics_path: PathBuf,
+}
+
+/// MaxText's logical rules, with `embed` kept off the `expert` axis: under expert parallelism
+/// that axis splits the batch and the experts, and dense weights stay whole over it (MaxText
+/// would shard them over it like FSDP, which closes deferral).
+pub(crate) fn engine_rules() -> LogicalAxisRules {
+    LogicalAxisRules::maxtext().without_axis("embed", "expert")
+}
+
+impl TrainConfig {
+    /// Checks every value and combination once and plans the run: the decoder, the mesh, the
+    /// deferral and ZeRO-1 gates, and every parameter's layouts.
+    ///
+    /// # Errors
+    /// [`TrainError::Usage`] naming the key for a bad value or combination; a layout the mesh
+    /// cannot hold.
+    pub fn plan(&self) -> Result<RunPlan, TrainError> {
+        self.check_sizes()?;
+        let decoder = Decoder::new(self.model()?)
+            .map_err(|e| TrainError::usage("model_name", e.to_string()))?;
+        self.check_scalars()?;
+        let mesh = self.mesh()?;
+        self.check_combinations(decoder.config(), &mesh)?;
+        let output_dir =
+            std::path::absolute(Path::new(&self.base_output_directory).join(&self.run_name))
+                .map_err(|e| {
+                    TrainError::usage(
+                        "base_output_directory",
+                        format!(
+                            "base_output_directory `{}` cannot be made absolute: {e}",
+                            self.base_output_directory
+                        ),
+                    )
+                })?;
+        let metrics_path = if self.metrics_file.is_empty() {
+            output_dir.join("metrics.jsonl")
+        } else {
+            std::path::absolute(&self.metrics_file).map_err(|e| {
+                TrainError::usage(
+                    "metrics_file",
+                    format!(
+                        "metrics_file `{}` cannot be made absolute: {e}",
+                        self.metrics_file
+                    ),
+                )
+            })?
+        };
+        // ferrotext has no automatic partitioner: the engine computes on every axis Explicit;
+        // under `shard_mode=auto` the axes keep their layouts but the gate keeps tags off.
+        let compute_mesh = Arc::new(mesh.with_all_axis_types(AxisType::Explicit));
+        let rules = engine_rules();
+        let explicit = self.shard_mode == ShardMode::Explicit;
+        let deferral = deferral_gate(explicit, &mesh, &rules);
+        let mut zero1 = zero1_gate(self.shard_optimizer_over_data, explicit, &mesh);
+        let params = decoder.params();
+        let mut layouts = Vec::with_capacity(params.len());
+        for info in &params {
+            let plain = rules.resolve(&info.logical, &info.shape, &compute_mesh)?;
+            let inside = deferral.inside_spec(&plain)?;
+            let target = match &mut zero1 {
+                Zero1::Open { replicated } => {
+                    match zero1_spec(&plain, &info.shape, &compute_mesh)? {
+                        Some(z) => z,
+                        None => {
+                            replicated.push(info.name.clone());
+                            plain.clone()
+                        }
+                    }
+                }
+                Zero1::Closed(_) => plain.clone(),
+            };
+            layouts.push(ParamLayout {
+                plain,
+                inside,
+                target,
+            });
+        }
+        let batch_spec = rules.resolve(
+            &[Some("activation_batch"), None],
+            &[self.micro_batch_rows(), self.max_target_length],
+            &compute_mesh,
+        )?;
+        Ok(RunPlan {
+            inner: Arc::new(Inner {
+                config: self.clone(),
+                decoder,
+                params,
+                mesh,
+                compute_mesh,
+                deferral,
+                zero1,
+                layouts,
+                batch_spec,
+                output_dir,
+                metrics_path,
+            }),
+        })
+    }
+}
+
+impl RunPlan {
+    /// The config the plan was made from.
+    pub fn config(&self) -> &TrainConfig {
+        &self.inner.config
+    }
+
+    /// The decoder (its config checked).
+    pub fn decoder(&self) -> &PlanDecoder {
+        &self.inner.decoder
+    }
+
+    /// The decoder's parameter declarations, in order.
+    pub fn params(&self) -> &[ParamInfo] {
+        &self.inner.params
+    }
+
+    /// The mesh as declared: axis types from `shard_mode`.
+    pub fn mesh(&self) -> &Arc<Mesh> {
+        &self.inner.mesh
+    }
+
+    /// The mesh the devices compute on: the declared one with every axis Explicit.
+    pub fn compute_mesh(&self) -> &Arc<Mesh> {
+        &self.inner.compute_mesh
+    }
+
+    /// The deferral gate's answer.
+    pub fn deferral(&self) -> &Deferral {
+        &self.inner.deferral
+    }
+
+    /// The ZeRO-1 gate's answer (with the tensors whose state stays replicated).
+    pub fn zero1(&self) -> &Zero1 {
+        &self.inner.zero1
+    }
+
+    /// Each parameter's layouts, in [`RunPlan::params`] order.
+    pub fn layouts(&self) -> &[ParamLayout] {
+        &self.inner.layouts
+    }
+
+    /// The layout of a micro-batch's `[rows, len]` token arrays.
+    pub fn batch_spec(&self) -> &PartitionSpec {
+        &self.inner.batch_spec
+    }
+
+    /// The run's output directory, `base_output_directory/run_name`, absolute. A relative
+    /// `base_output_directory` (the default, `ferrotext_runs`) is relative to the current
+    /// directory when the run was planned: resolved once, so every output of a run lands in one
+    /// place even if the process changes directory, and printed absolute so the user sees where.
+    pub fn output_dir(&self) -> &Path {
+        &self.inner.output_dir
+    }
+
+    /// Where this run's checkpoints live: [`RunPlan::output_dir`]`/checkpoints`.
+    pub fn checkpoint_root(&self) -> PathBuf {
+        self.inner.output_dir.join("checkpoints")
+    }
+
+    /// Where per-step metrics go, absolute: `metrics_file`, or
+    /// [`RunPlan::output_dir`]`/metrics.jsonl`.
+    pub fn metrics_path(&self) -> &Path {
+        &self.inner.metrics_path
+    }
+
+    /// Refuses a run whose [`RunPlan::memory_estimate`] exceeds this machine's memory
+    /// (`MemTotal` of `/proc/meminfo`; no check where that cannot be read), before anything is
+    /// allocated.
+    ///
+    /// # Errors
+    /// [`TrainError::Usage`] with the estimate and the machine's memory.
+    pub fn check_fits_in_memory(&self) -> Result<(), TrainError> {
+        let Some(total) = machine_memory_bytes() else {
+            return Ok(());
+        };
+        let estimate = self.memory_estimate()?;
+        if estimate.total() > total {
+            return Err(TrainError::usage(
+                "per_device_batch_size",
+                format!(
+                    "this run needs about {} per process ({} of parameters and optimizer state, {} of activations for one micro-batch), more than this machine's {}; reduce per_device_batch_size, max_target_length or the model",
+                    gib(estimate.total()),
+                    gib(estimate.parameter_and_optimizer_bytes),
+                    gib(estimate.activation_bytes),
+                    gib(total)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The peak memory of one device, estimated: its parameters, the gradient accumulator, the
+    /// reduced gradients, the optimizer state (÷ `data` under ZeRO-1, as are the reduced
+    /// gradients, which ZeRO-1 reduce-scatters) and one micro-batch's activations, all `f32`.
+    /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
+    ///
+    /// # Errors
+    /// None for a plan's mesh; typed for safety.
+    pub fn memory_per_device(&self) -> Result<DeviceMemory, TrainError> {
+        let config = self.config();
+        let mesh = self.mesh();
+        let m = self.decoder().config();
+        let params: f64 = self
+            .params()
+            .iter()
+            .map(|p| p.shape.iter().map(|&d| d as f64).product::<f64>())
+            .sum();
+        let split = mesh.axes_size(&["fsdp", "tensor"])? as f64;
+        let data = mesh.axis_size("data")? as f64;
+        let local = params / split;
+        let zero1 = if config.shard_optimizer_over_data {
+            data
+        } else {
+            1.0
+        };
+        let moments = match config.opt_type {
+            OptType::Sgd => 0.0,
+            OptType::Adamw => 2.0,
+        };
+        let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
+        let rows = (config.micro_batch_rows() as f64 / batch_parts).max(1.0);
+        let len = config.max_target_length as f64;
+        let tokens = rows * len;
+        let (d, f) = (m.base_emb_dim as f64, m.base_mlp_dim as f64);
+        let heads = m.base_num_query_heads as f64;
+        let layers = m.base_num_decoder_layers as f64;
+        // Kept for the backward pass per layer: ~16 d-wide and 4 f-wide values per token, and
+        // the attention probabilities; then the logits, their softmax and gradient.
+        let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
+        let activation_bytes = (layers * per_layer + 3.0 * tokens * m.vocab_size as f64) * 4.0;
+        let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
+        let gradient_bytes = local / zero1 * 4.0;
+        let optimizer_bytes = local * moments / zero1 * 4.0;
+        Ok(DeviceMemory {
+            parameter_elements: params,
+            local_parameter_elements: local,
+            optimizer_stepped_elements: local / zero1,
+            parameter_bytes,
+            accumulator_bytes,
+            gradient_bytes,
+            optimizer_bytes,
+            activation_bytes,
+            total_bytes: parameter_bytes
+                + accumulator_bytes
+                + gradient_bytes
+                + optimizer_bytes
+                + activation_bytes,
+        })
+    }
+
+    /// The memory one process of this run needs, estimated: [`RunPlan::memory_per_device`]
+    /// times the devices of the process, plus the host copies of the parameters. A lower bound
+    /// in spirit: it counts what must exist, not allocator slack.
+    ///
+    /// # Errors
+    /// As [`RunPlan::memory_per_device`].
+    pub fn memory_estimate(&self) -> Result<MemoryEstimate, TrainError> {
+        let device = self.memory_per_device()?;
+        let local = self.config().local_devices as f64;
+        Ok(MemoryEstimate {
+            parameter_and_optimizer_bytes: (device.total_bytes - device.activation_bytes) * local
+                + device.parameter_elements * 4.0,
+            activation_bytes: device.activation_bytes * local,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gate::ClosedReason;
+
+    #[test]
+    fn a_relative_output_directory_is_resolved_once_against_the_current_directory() {
+        let plan = TrainConfig::default().plan().unwrap();
+        let here = std::env::current_dir().unwrap();
+        assert_eq!(
+            plan.output_dir(),
+            here.join("ferrotext_runs").join("default")
+        );
+        assert_eq!(
+            plan.checkpoint_root(),
+            here.join("ferrotext_runs/default/checkpoints")
+        );
+        assert_eq!(
+            plan.metrics_path(),
+            here.join("ferrotext_runs/default/metrics.jsonl")
+        );
+        let absolute = TrainConfig {
+            base_output_directory: "/runs".into(),
+            run_name: "x".into(),
+            metrics_file: "m.jsonl".into(),
+            ..TrainConfig::default()
+        }
+        .plan()
+        .unwrap();
+        assert_eq!(absolute.output_dir(), Path::new("/runs/x"));
+        assert_eq!(absolute.metrics_path(), here.join("m.jsonl"));
+    }
+
+    /// The plan keeps the gate's whole answer, and every inside layout is the storage layout
+    /// tagged exactly as that answer says.
+    #[test]
+    fn layouts_follow_the_gates_answer() {
+        let open = TrainConfig::default().plan().unwrap();
+        assert_eq!(
+            open.deferral(),
+            &Deferral::Open {
+                axes: vec!["data".into()]
+            }
+        );
+        assert_eq!(
+            open.zero1(),
+            &Zero1::Closed(ClosedReason::Zero1NotRequested)
+        );
+        assert_eq!(open.layouts().len(), open.params().len());
+        for layout in open.layouts() {
+            assert_eq!(layout.inside, layout.plain.with_reduced(["data"]).unwrap());
+            assert_eq!(layout.target, layout.plain);
+        }
+        let auto = TrainConfig {
+            shard_mode: ShardMode::Auto,
+            ..TrainConfig::default()
+        }
+        .plan()
+        .unwrap();
+        assert_eq!(
+            auto.deferral(),
+            &Deferral::Closed(ClosedReason::ShardModeAuto)
+        );
+        assert!(auto.layouts().iter().all(|l| l.inside == l.plain));
+        // The declared mesh keeps the mode's axis types; the devices compute on Explicit axes.
+        assert!(!auto.mesh().is_all_explicit());
+        assert!(auto.compute_mesh().is_all_explicit());
+    }
+}
