@@ -52,8 +52,9 @@ impl OpInfo {
     }
 }
 
-/// A transport that moves the bytes: the in-process [`crate::LocalBackend`] today, MPI and NCCL
-/// later. Called only for groups of two or more devices, with buffers already checked.
+/// A transport that moves the bytes: the in-process [`crate::LocalBackend`] and the MPI backend
+/// (both through [`TypedBackend`]), NCCL later. Called only for groups of two or more devices,
+/// with buffers already checked.
 ///
 /// Every method must either complete on every member of the group or return an error on every
 /// member within the backend's timeout.
@@ -103,6 +104,129 @@ pub trait Backend: Send {
     /// # Errors
     /// As the trait docs.
     fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError>;
+}
+
+/// A [`Backend`] written once, generically over the element type: a transport implements these
+/// and gets [`Backend`] from the blanket impl below, which is the one place a [`Buf`]/[`BufMut`]
+/// is matched to its typed slice (and a mixed-type call refused). The contract is
+/// [`Backend`]'s, method for method.
+pub trait TypedBackend: Send {
+    /// [`Backend::all_reduce`] on a typed buffer.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn all_reduce_typed<T: Element>(&mut self, op: &OpInfo, buf: &mut [T])
+        -> Result<(), CommError>;
+    /// [`Backend::reduce_scatter`] on typed buffers.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn reduce_scatter_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError>;
+    /// [`Backend::all_gather`] on typed buffers.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn all_gather_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError>;
+    /// [`Backend::all_to_all`] on typed buffers.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn all_to_all_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError>;
+    /// [`Backend::broadcast`] on a typed buffer.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn broadcast_typed<T: Element>(&mut self, op: &OpInfo, buf: &mut [T]) -> Result<(), CommError>;
+    /// [`Backend::barrier`] (no elements; named apart so it never shadows it).
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn group_barrier(&mut self, op: &OpInfo) -> Result<(), CommError>;
+}
+
+/// Input and output of one call have different element types.
+fn mixed_types(op: &OpInfo) -> CommError {
+    CommError::BadBuffer {
+        kind: op.kind,
+        axes: op.axes.clone(),
+        group_size: op.group.len(),
+        reason: "input and output have different element types".into(),
+    }
+}
+
+/// The dtype dispatch, once for every [`TypedBackend`].
+impl<B: TypedBackend> Backend for B {
+    fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
+        match buf {
+            BufMut::F32(b) => self.all_reduce_typed(op, b),
+            BufMut::BF16(b) => self.all_reduce_typed(op, b),
+        }
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        match (input, output) {
+            (Buf::F32(i), BufMut::F32(o)) => self.reduce_scatter_typed(op, i, o),
+            (Buf::BF16(i), BufMut::BF16(o)) => self.reduce_scatter_typed(op, i, o),
+            _ => Err(mixed_types(op)),
+        }
+    }
+
+    fn all_gather(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        match (input, output) {
+            (Buf::F32(i), BufMut::F32(o)) => self.all_gather_typed(op, i, o),
+            (Buf::BF16(i), BufMut::BF16(o)) => self.all_gather_typed(op, i, o),
+            _ => Err(mixed_types(op)),
+        }
+    }
+
+    fn all_to_all(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        match (input, output) {
+            (Buf::F32(i), BufMut::F32(o)) => self.all_to_all_typed(op, i, o),
+            (Buf::BF16(i), BufMut::BF16(o)) => self.all_to_all_typed(op, i, o),
+            _ => Err(mixed_types(op)),
+        }
+    }
+
+    fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
+        match buf {
+            BufMut::F32(b) => self.broadcast_typed(op, b),
+            BufMut::BF16(b) => self.broadcast_typed(op, b),
+        }
+    }
+
+    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
+        self.group_barrier(op)
+    }
 }
 
 /// One device's collectives over groups of mesh axes, with its trace and phase labels.

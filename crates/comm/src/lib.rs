@@ -53,7 +53,7 @@ pub mod stream;
 mod trace;
 
 pub use cluster::Cluster;
-pub use communicator::{Backend, Communicator, NoTransport, OpInfo};
+pub use communicator::{Backend, Communicator, NoTransport, OpInfo, TypedBackend};
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;
 pub use local::LocalBackend;

@@ -112,11 +112,6 @@ impl Device {
         &self.coords
     }
 
-    /// Its coordinate along `axis`, if the mesh has that axis.
-    pub fn coord(&self, axis: &str) -> Option<usize> {
-        self.comm.mesh().axis_index(axis).map(|p| self.coords[p])
-    }
-
     /// The mesh.
     pub fn mesh(&self) -> &Arc<Mesh> {
         self.comm.mesh()
@@ -130,11 +125,6 @@ impl Device {
     /// Its communicator.
     pub fn comm(&mut self) -> &mut Communicator {
         &mut self.comm
-    }
-
-    /// Its communicator, read-only (trace, phase).
-    pub fn comm_ref(&self) -> &Communicator {
-        &self.comm
     }
 }
 

@@ -15,8 +15,8 @@
 //!   process by process (still a fixed order: deterministic run to run, but not bitwise the
 //!   flat order). All-to-all, broadcast and barrier always run flat.
 
-use crate::communicator::{Backend, OpInfo};
-use crate::element::{dispatch_mut, dispatch_pair, Buf, BufMut, Element};
+use crate::communicator::{OpInfo, TypedBackend};
+use crate::element::Element;
 use crate::error::CommError;
 use crate::local::{chunk, LocalBackend};
 use crate::trace::CollectiveKind;
@@ -116,18 +116,32 @@ impl MpiBackend {
         }
     }
 
-    /// The devices of the cross-process stage of member position `j`.
-    fn cross(op: &OpInfo, members: &[Vec<usize>], j: usize) -> Vec<usize> {
-        members.iter().map(|l| op.group[l[j]]).collect()
+    /// The op of the cross-process stage of member position `j` in process position `p`: the
+    /// `j`-th member of every process, rank `p`, `elements` long.
+    fn cross_stage(
+        op: &OpInfo,
+        members: &[Vec<usize>],
+        j: usize,
+        p: usize,
+        elements: usize,
+    ) -> OpInfo {
+        OpInfo {
+            group: members.iter().map(|l| op.group[l[j]]).collect(),
+            rank: p,
+            elements,
+            ..op.clone()
+        }
     }
+}
 
+impl TypedBackend for MpiBackend {
     fn all_reduce_typed<T: Element>(
         &mut self,
         op: &OpInfo,
         buf: &mut [T],
     ) -> Result<(), CommError> {
         match self.layout(op) {
-            Layout::Local => self.local.all_reduce(op, T::buf_mut(buf)),
+            Layout::Local => self.local.all_reduce_typed(op, buf),
             Layout::Flat => flat_all_reduce(&mut self.transport, op, 0, &op.group, op.rank, buf),
             Layout::Hierarchical {
                 local,
@@ -146,19 +160,11 @@ impl MpiBackend {
                 let mut mine = vec![T::default(); part];
                 let rs = Self::local_stage(op, CollectiveKind::ReduceScatter, &local, j, part * m);
                 let whole: &mut [T] = if padded.is_empty() { buf } else { &mut padded };
-                self.local
-                    .reduce_scatter(&rs, T::buf(whole), T::buf_mut(&mut mine))?;
-                let cross = Self::cross(op, &members, j);
-                let cross_op = OpInfo {
-                    group: cross.clone(),
-                    rank: p,
-                    elements: part,
-                    ..op.clone()
-                };
-                flat_all_reduce(&mut self.transport, &cross_op, 0, &cross, p, &mut mine)?;
+                self.local.reduce_scatter_typed(&rs, whole, &mut mine)?;
+                let cross = Self::cross_stage(op, &members, j, p, part);
+                flat_all_reduce(&mut self.transport, &cross, 0, &cross.group, p, &mut mine)?;
                 let ag = Self::local_stage(op, CollectiveKind::AllGather, &local, j, part * m);
-                self.local
-                    .all_gather(&ag, T::buf(&mine), T::buf_mut(whole))?;
+                self.local.all_gather_typed(&ag, &mine, whole)?;
                 if !padded.is_empty() {
                     let len = buf.len();
                     buf.copy_from_slice(&padded[..len]);
@@ -175,9 +181,7 @@ impl MpiBackend {
         output: &mut [T],
     ) -> Result<(), CommError> {
         match self.layout(op) {
-            Layout::Local => self
-                .local
-                .reduce_scatter(op, T::buf(input), T::buf_mut(output)),
+            Layout::Local => self.local.reduce_scatter_typed(op, input, output),
             Layout::Flat => {
                 flat_reduce_scatter(&mut self.transport, op, &op.group, op.rank, input, output)
             }
@@ -206,15 +210,9 @@ impl MpiBackend {
                     m * procs * size,
                 );
                 self.local
-                    .reduce_scatter(&stage, T::buf(&packed), T::buf_mut(&mut mine))?;
-                let cross = Self::cross(op, &members, j);
-                let cross_op = OpInfo {
-                    group: cross.clone(),
-                    rank: p,
-                    elements: procs * size,
-                    ..op.clone()
-                };
-                flat_reduce_scatter(&mut self.transport, &cross_op, &cross, p, &mine, output)
+                    .reduce_scatter_typed(&stage, &packed, &mut mine)?;
+                let cross = Self::cross_stage(op, &members, j, p, procs * size);
+                flat_reduce_scatter(&mut self.transport, &cross, &cross.group, p, &mine, output)
             }
         }
     }
@@ -226,7 +224,7 @@ impl MpiBackend {
         output: &mut [T],
     ) -> Result<(), CommError> {
         match self.layout(op) {
-            Layout::Local => self.local.all_gather(op, T::buf(input), T::buf_mut(output)),
+            Layout::Local => self.local.all_gather_typed(op, input, output),
             Layout::Flat => {
                 flat_all_gather(&mut self.transport, op, &op.group, op.rank, input, output)
             }
@@ -237,18 +235,12 @@ impl MpiBackend {
                 j,
             } => {
                 let (m, procs, size) = (local.len(), members.len(), input.len());
-                let cross = Self::cross(op, &members, j);
-                let cross_op = OpInfo {
-                    group: cross.clone(),
-                    rank: p,
-                    elements: procs * size,
-                    ..op.clone()
-                };
+                let cross = Self::cross_stage(op, &members, j, p, procs * size);
                 let mut across = vec![T::default(); procs * size];
                 flat_all_gather(
                     &mut self.transport,
-                    &cross_op,
                     &cross,
+                    &cross.group,
                     p,
                     input,
                     &mut across,
@@ -256,8 +248,7 @@ impl MpiBackend {
                 let mut packed = vec![T::default(); m * procs * size];
                 let stage =
                     Self::local_stage(op, CollectiveKind::AllGather, &local, j, m * procs * size);
-                self.local
-                    .all_gather(&stage, T::buf(&across), T::buf_mut(&mut packed))?;
+                self.local.all_gather_typed(&stage, &across, &mut packed)?;
                 for (q, list) in members.iter().enumerate() {
                     for (i, &g) in list.iter().enumerate() {
                         let from = (i * procs + q) * size;
@@ -277,7 +268,7 @@ impl MpiBackend {
         output: &mut [T],
     ) -> Result<(), CommError> {
         if let Layout::Local = self.layout(op) {
-            return self.local.all_to_all(op, T::buf(input), T::buf_mut(output));
+            return self.local.all_to_all_typed(op, input, output);
         }
         let n = op.group.len();
         let size = input.len() / n;
@@ -307,7 +298,7 @@ impl MpiBackend {
 
     fn broadcast_typed<T: Element>(&mut self, op: &OpInfo, buf: &mut [T]) -> Result<(), CommError> {
         if let Layout::Local = self.layout(op) {
-            return self.local.broadcast(op, T::buf_mut(buf));
+            return self.local.broadcast_typed(op, buf);
         }
         let me = self.device;
         let bytes = std::mem::size_of_val(buf);
@@ -331,6 +322,22 @@ impl MpiBackend {
             self.transport.recycle(received);
         }
         Ok(())
+    }
+
+    fn group_barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
+        if let Layout::Local = self.layout(op) {
+            return self.local.group_barrier(op);
+        }
+        let mut outbox = self.transport.outbox();
+        let b = outbox.stage(header(op, 0, 0, self.device), &[]);
+        for (k, &d) in op.group.iter().enumerate() {
+            if k != op.rank {
+                outbox.send(d, b);
+            }
+        }
+        self.transport
+            .exchange(op, 0, outbox, &peers(op, 0))
+            .map(|_| ())
     }
 }
 
@@ -375,6 +382,12 @@ fn flat_all_reduce<T: Element>(
     )
 }
 
+/// `n` consecutive blocks of `size` elements: member `k`'s part of a reduce-scatter's input or
+/// an all-gather's output.
+fn equal_blocks(n: usize, size: usize) -> Vec<std::ops::Range<usize>> {
+    (0..n).map(|k| k * size..(k + 1) * size).collect()
+}
+
 /// Flat reduce-scatter: `output` = block `r` of the rank-order sum of every member's `input`.
 fn flat_reduce_scatter<T: Element>(
     transport: &mut Transport,
@@ -384,19 +397,9 @@ fn flat_reduce_scatter<T: Element>(
     input: &[T],
     output: &mut [T],
 ) -> Result<(), CommError> {
-    let size = output.len();
-    let blocks: Vec<_> = (0..members.len())
-        .map(|k| k * size..(k + 1) * size)
-        .collect();
-    pipelined(
-        transport,
-        op,
-        0,
-        members,
-        r,
-        &blocks,
-        Data::ReduceScatter { input, output },
-    )
+    let blocks = equal_blocks(members.len(), output.len());
+    let data = Data::ReduceScatter { input, output };
+    pipelined(transport, op, 0, members, r, &blocks, data)
 }
 
 /// Flat all-gather: block `k` of `output` = member `k`'s `input`.
@@ -408,70 +411,7 @@ fn flat_all_gather<T: Element>(
     input: &[T],
     output: &mut [T],
 ) -> Result<(), CommError> {
-    let size = input.len();
-    let blocks: Vec<_> = (0..members.len())
-        .map(|k| k * size..(k + 1) * size)
-        .collect();
-    pipelined(
-        transport,
-        op,
-        0,
-        members,
-        r,
-        &blocks,
-        Data::AllGather { input, output },
-    )
-}
-
-impl Backend for MpiBackend {
-    fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        dispatch_mut!(buf, b => self.all_reduce_typed(op, b))
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
-    }
-
-    fn all_gather(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.all_gather_typed(op, i, o), op)
-    }
-
-    fn all_to_all(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
-    }
-
-    fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        dispatch_mut!(buf, b => self.broadcast_typed(op, b))
-    }
-
-    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
-        if let Layout::Local = self.layout(op) {
-            return self.local.barrier(op);
-        }
-        let mut outbox = self.transport.outbox();
-        let b = outbox.stage(header(op, 0, 0, self.device), &[]);
-        for (k, &d) in op.group.iter().enumerate() {
-            if k != op.rank {
-                outbox.send(d, b);
-            }
-        }
-        self.transport
-            .exchange(op, 0, outbox, &peers(op, 0))
-            .map(|_| ())
-    }
+    let blocks = equal_blocks(members.len(), input.len());
+    let data = Data::AllGather { input, output };
+    pipelined(transport, op, 0, members, r, &blocks, data)
 }
