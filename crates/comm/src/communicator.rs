@@ -12,7 +12,7 @@ use ferrotext_sharding::{DType, Mesh};
 
 use crate::element::{Buf, BufMut, Element};
 use crate::error::CommError;
-use crate::stream::{Pending, Stream, Work};
+use crate::stream::{run_work, Pending, Stream, Work};
 use crate::trace::{CollectiveKind, Trace, TraceEvent};
 
 /// What a backend is told about one collective (already validated by the front end).
@@ -353,25 +353,7 @@ impl Communicator {
         if let Some(stream) = &mut self.stream {
             return stream.submit(op, work);
         }
-        let result = match work {
-            Work::AllReduce(mut buf) => self
-                .backend
-                .all_reduce(&op, f32::buf_mut(&mut buf))
-                .map(|()| buf),
-            Work::ReduceScatter { input, output_len } => {
-                let mut out = vec![0.0; output_len];
-                self.backend
-                    .reduce_scatter(&op, f32::buf(&input), f32::buf_mut(&mut out))
-                    .map(|()| out)
-            }
-            Work::AllGather { input, output_len } => {
-                let mut out = vec![0.0; output_len];
-                self.backend
-                    .all_gather(&op, f32::buf(&input), f32::buf_mut(&mut out))
-                    .map(|()| out)
-            }
-        };
-        Pending::done(result)
+        Pending::done(run_work(self.backend.as_mut(), &op, work))
     }
 
     /// [`Communicator::begin_op`] for the background channel: its own sequence numbers (the
@@ -481,12 +463,7 @@ impl Communicator {
             "input",
             "group × output",
         )?;
-        if op.group.len() == 1 {
-            output.copy_from_slice(input);
-            return Ok(());
-        }
-        self.backend
-            .reduce_scatter(&op, T::buf(input), T::buf_mut(output))
+        self.exchange(&op, input, output, |b, op, i, o| b.reduce_scatter(op, i, o))
     }
 
     /// Concatenation over the group: `output` (len group×M) receives every member's `input`
@@ -509,12 +486,7 @@ impl Communicator {
             "output",
             "group × input",
         )?;
-        if op.group.len() == 1 {
-            output.copy_from_slice(input);
-            return Ok(());
-        }
-        self.backend
-            .all_gather(&op, T::buf(input), T::buf_mut(output))
+        self.exchange(&op, input, output, |b, op, i, o| b.all_gather(op, i, o))
     }
 
     /// Personalised exchange: both buffers hold group×M elements; chunk `k` of `output` receives
@@ -540,12 +512,7 @@ impl Communicator {
             "input",
             "a multiple of the group size",
         )?;
-        if n == 1 {
-            output.copy_from_slice(input);
-            return Ok(());
-        }
-        self.backend
-            .all_to_all(&op, T::buf(input), T::buf_mut(output))
+        self.exchange(&op, input, output, |b, op, i, o| b.all_to_all(op, i, o))
     }
 
     /// Copies the buffer of group rank `root` to every member.
@@ -596,6 +563,22 @@ impl Communicator {
         let op = self.begin_op(kind, axes, elements, dtype, 0)?;
         drop(op);
         Ok(())
+    }
+
+    /// The end of a two-buffer collective whose lengths are checked: a group of one copies
+    /// `input` to `output` (equal lengths then), a larger one hands both to the backend.
+    fn exchange<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+        call: impl FnOnce(&mut dyn Backend, &OpInfo, Buf<'_>, BufMut<'_>) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        if op.group.len() == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        call(self.backend.as_mut(), op, T::buf(input), T::buf_mut(output))
     }
 
     /// Resolves the group, records the event and advances the sequence number.

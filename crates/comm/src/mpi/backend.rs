@@ -31,16 +31,58 @@ enum Layout {
     /// Members talk to each other directly through MPI.
     Flat,
     /// `m` members in each of `P` processes.
-    Hierarchical {
-        /// This process's members (devices), in group order.
-        local: Vec<usize>,
-        /// Group positions: `members[p][j]` is member `j` of the `p`-th process (in order of
-        /// first appearance in the group).
-        members: Vec<Vec<usize>>,
-        /// This device's process position `p` and local position `j`.
-        p: usize,
-        j: usize,
-    },
+    Hierarchical(Hierarchy),
+}
+
+/// A group of `m` members in each of `P` processes, from one member's point of view.
+struct Hierarchy {
+    /// This process's members (devices), in group order.
+    local: Vec<usize>,
+    /// Group positions: `members[p][j]` is member `j` of the `p`-th process (in order of first
+    /// appearance in the group).
+    members: Vec<Vec<usize>>,
+    /// This device's process position `p` and local position `j`.
+    p: usize,
+    j: usize,
+}
+
+impl Hierarchy {
+    /// The op a stage inside this process runs as (same sequence number, its own group).
+    fn local_stage(&self, op: &OpInfo, kind: CollectiveKind, elements: usize) -> OpInfo {
+        OpInfo {
+            kind,
+            seq: op.seq,
+            axes: op.axes.clone(),
+            group: self.local.clone(),
+            rank: self.j,
+            elements,
+            dtype: op.dtype,
+            root: 0,
+        }
+    }
+
+    /// The op of the cross-process stage: the `j`-th member of every process, this device at
+    /// rank `p`.
+    fn cross_stage(&self, op: &OpInfo, elements: usize) -> OpInfo {
+        OpInfo {
+            group: self.members.iter().map(|l| op.group[l[self.j]]).collect(),
+            rank: self.p,
+            elements,
+            ..op.clone()
+        }
+    }
+
+    /// `(group position, packed block)` of every member: blocks in [local position][process]
+    /// order, so a local stage over the packed buffer hands member `j` the blocks of every
+    /// process's member `j`.
+    fn packed_blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let procs = self.members.len();
+        self.members.iter().enumerate().flat_map(move |(q, list)| {
+            list.iter()
+                .enumerate()
+                .map(move |(i, &g)| (g, i * procs + q))
+        })
+    }
 }
 
 /// One device's MPI backend (see the module docs).
@@ -88,49 +130,12 @@ impl MpiBackend {
         let mine = self.device / self.per_process;
         let p = procs.iter().position(|(q, _)| *q == mine).unwrap_or(0);
         let j = procs[p].1.iter().position(|&g| g == op.rank).unwrap_or(0);
-        Layout::Hierarchical {
+        Layout::Hierarchical(Hierarchy {
             local: procs[p].1.iter().map(|&g| op.group[g]).collect(),
             members: procs.into_iter().map(|(_, l)| l).collect(),
             p,
             j,
-        }
-    }
-
-    /// The op a stage inside this process runs as (same sequence number, its own group).
-    fn local_stage(
-        op: &OpInfo,
-        kind: CollectiveKind,
-        local: &[usize],
-        j: usize,
-        elements: usize,
-    ) -> OpInfo {
-        OpInfo {
-            kind,
-            seq: op.seq,
-            axes: op.axes.clone(),
-            group: local.to_vec(),
-            rank: j,
-            elements,
-            dtype: op.dtype,
-            root: 0,
-        }
-    }
-
-    /// The op of the cross-process stage of member position `j` in process position `p`: the
-    /// `j`-th member of every process, rank `p`, `elements` long.
-    fn cross_stage(
-        op: &OpInfo,
-        members: &[Vec<usize>],
-        j: usize,
-        p: usize,
-        elements: usize,
-    ) -> OpInfo {
-        OpInfo {
-            group: members.iter().map(|l| op.group[l[j]]).collect(),
-            rank: p,
-            elements,
-            ..op.clone()
-        }
+        })
     }
 }
 
@@ -142,14 +147,9 @@ impl TypedBackend for MpiBackend {
     ) -> Result<(), CommError> {
         match self.layout(op) {
             Layout::Local => self.local.all_reduce_typed(op, buf),
-            Layout::Flat => flat_all_reduce(&mut self.transport, op, 0, &op.group, op.rank, buf),
-            Layout::Hierarchical {
-                local,
-                members,
-                p,
-                j,
-            } => {
-                let m = local.len();
+            Layout::Flat => flat_all_reduce(&mut self.transport, op, buf),
+            Layout::Hierarchical(h) => {
+                let m = h.local.len();
                 let part = buf.len().div_ceil(m);
                 // Pad only when the buffer does not split evenly over the local members.
                 let mut padded = Vec::new();
@@ -158,12 +158,11 @@ impl TypedBackend for MpiBackend {
                     padded[..buf.len()].copy_from_slice(buf);
                 }
                 let mut mine = vec![T::default(); part];
-                let rs = Self::local_stage(op, CollectiveKind::ReduceScatter, &local, j, part * m);
+                let rs = h.local_stage(op, CollectiveKind::ReduceScatter, part * m);
                 let whole: &mut [T] = if padded.is_empty() { buf } else { &mut padded };
                 self.local.reduce_scatter_typed(&rs, whole, &mut mine)?;
-                let cross = Self::cross_stage(op, &members, j, p, part);
-                flat_all_reduce(&mut self.transport, &cross, 0, &cross.group, p, &mut mine)?;
-                let ag = Self::local_stage(op, CollectiveKind::AllGather, &local, j, part * m);
+                flat_all_reduce(&mut self.transport, &h.cross_stage(op, part), &mut mine)?;
+                let ag = h.local_stage(op, CollectiveKind::AllGather, part * m);
                 self.local.all_gather_typed(&ag, &mine, whole)?;
                 if !padded.is_empty() {
                     let len = buf.len();
@@ -182,37 +181,20 @@ impl TypedBackend for MpiBackend {
     ) -> Result<(), CommError> {
         match self.layout(op) {
             Layout::Local => self.local.reduce_scatter_typed(op, input, output),
-            Layout::Flat => {
-                flat_reduce_scatter(&mut self.transport, op, &op.group, op.rank, input, output)
-            }
-            Layout::Hierarchical {
-                local,
-                members,
-                p,
-                j,
-            } => {
-                let (m, procs, size) = (local.len(), members.len(), output.len());
-                // Blocks in [local position][process] order, so the local stage hands member `j`
-                // the blocks of every process's member `j`.
+            Layout::Flat => flat_reduce_scatter(&mut self.transport, op, input, output),
+            Layout::Hierarchical(h) => {
+                let (m, procs, size) = (h.local.len(), h.members.len(), output.len());
                 let mut packed = vec![T::default(); input.len()];
-                for (q, list) in members.iter().enumerate() {
-                    for (i, &g) in list.iter().enumerate() {
-                        let to = (i * procs + q) * size;
-                        packed[to..to + size].copy_from_slice(&input[g * size..(g + 1) * size]);
-                    }
+                for (g, at) in h.packed_blocks() {
+                    packed[at * size..(at + 1) * size]
+                        .copy_from_slice(&input[g * size..(g + 1) * size]);
                 }
                 let mut mine = vec![T::default(); procs * size];
-                let stage = Self::local_stage(
-                    op,
-                    CollectiveKind::ReduceScatter,
-                    &local,
-                    j,
-                    m * procs * size,
-                );
+                let stage = h.local_stage(op, CollectiveKind::ReduceScatter, m * procs * size);
                 self.local
                     .reduce_scatter_typed(&stage, &packed, &mut mine)?;
-                let cross = Self::cross_stage(op, &members, j, p, procs * size);
-                flat_reduce_scatter(&mut self.transport, &cross, &cross.group, p, &mine, output)
+                let cross = h.cross_stage(op, procs * size);
+                flat_reduce_scatter(&mut self.transport, &cross, &mine, output)
             }
         }
     }
@@ -225,36 +207,18 @@ impl TypedBackend for MpiBackend {
     ) -> Result<(), CommError> {
         match self.layout(op) {
             Layout::Local => self.local.all_gather_typed(op, input, output),
-            Layout::Flat => {
-                flat_all_gather(&mut self.transport, op, &op.group, op.rank, input, output)
-            }
-            Layout::Hierarchical {
-                local,
-                members,
-                p,
-                j,
-            } => {
-                let (m, procs, size) = (local.len(), members.len(), input.len());
-                let cross = Self::cross_stage(op, &members, j, p, procs * size);
+            Layout::Flat => flat_all_gather(&mut self.transport, op, input, output),
+            Layout::Hierarchical(h) => {
+                let (m, procs, size) = (h.local.len(), h.members.len(), input.len());
+                let cross = h.cross_stage(op, procs * size);
                 let mut across = vec![T::default(); procs * size];
-                flat_all_gather(
-                    &mut self.transport,
-                    &cross,
-                    &cross.group,
-                    p,
-                    input,
-                    &mut across,
-                )?;
+                flat_all_gather(&mut self.transport, &cross, input, &mut across)?;
                 let mut packed = vec![T::default(); m * procs * size];
-                let stage =
-                    Self::local_stage(op, CollectiveKind::AllGather, &local, j, m * procs * size);
+                let stage = h.local_stage(op, CollectiveKind::AllGather, m * procs * size);
                 self.local.all_gather_typed(&stage, &across, &mut packed)?;
-                for (q, list) in members.iter().enumerate() {
-                    for (i, &g) in list.iter().enumerate() {
-                        let from = (i * procs + q) * size;
-                        output[g * size..(g + 1) * size]
-                            .copy_from_slice(&packed[from..from + size]);
-                    }
+                for (g, at) in h.packed_blocks() {
+                    output[g * size..(g + 1) * size]
+                        .copy_from_slice(&packed[at * size..(at + 1) * size]);
                 }
                 Ok(())
             }
@@ -359,27 +323,17 @@ fn peers(op: &OpInfo, bytes: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Flat all-reduce over `members` (this device is `members[r]`), steps `stage` and `stage + 1`:
-/// member `k` owns chunk `k` (the in-process backend's chunks), see [`pipelined`].
+/// Flat all-reduce over `op.group` (this device at `op.rank`), steps 0 and 1: member `k` owns
+/// chunk `k` (the in-process backend's chunks), see [`pipelined`].
 fn flat_all_reduce<T: Element>(
     transport: &mut Transport,
     op: &OpInfo,
-    stage: u8,
-    members: &[usize],
-    r: usize,
     buf: &mut [T],
 ) -> Result<(), CommError> {
-    let n = members.len();
+    let n = op.group.len();
     let blocks: Vec<_> = (0..n).map(|k| chunk(buf.len(), n, k)).collect();
-    pipelined(
-        transport,
-        op,
-        stage,
-        members,
-        r,
-        &blocks,
-        Data::AllReduce(buf),
-    )
+    let data = Data::AllReduce(buf);
+    pipelined(transport, op, 0, &op.group, op.rank, &blocks, data)
 }
 
 /// `n` consecutive blocks of `size` elements: member `k`'s part of a reduce-scatter's input or
@@ -388,30 +342,27 @@ fn equal_blocks(n: usize, size: usize) -> Vec<std::ops::Range<usize>> {
     (0..n).map(|k| k * size..(k + 1) * size).collect()
 }
 
-/// Flat reduce-scatter: `output` = block `r` of the rank-order sum of every member's `input`.
+/// Flat reduce-scatter over `op.group`: `output` = block `op.rank` of the rank-order sum of every
+/// member's `input`.
 fn flat_reduce_scatter<T: Element>(
     transport: &mut Transport,
     op: &OpInfo,
-    members: &[usize],
-    r: usize,
     input: &[T],
     output: &mut [T],
 ) -> Result<(), CommError> {
-    let blocks = equal_blocks(members.len(), output.len());
+    let blocks = equal_blocks(op.group.len(), output.len());
     let data = Data::ReduceScatter { input, output };
-    pipelined(transport, op, 0, members, r, &blocks, data)
+    pipelined(transport, op, 0, &op.group, op.rank, &blocks, data)
 }
 
-/// Flat all-gather: block `k` of `output` = member `k`'s `input`.
+/// Flat all-gather over `op.group`: block `k` of `output` = member `k`'s `input`.
 fn flat_all_gather<T: Element>(
     transport: &mut Transport,
     op: &OpInfo,
-    members: &[usize],
-    r: usize,
     input: &[T],
     output: &mut [T],
 ) -> Result<(), CommError> {
-    let blocks = equal_blocks(members.len(), input.len());
+    let blocks = equal_blocks(op.group.len(), input.len());
     let data = Data::AllGather { input, output };
-    pipelined(transport, op, 0, members, r, &blocks, data)
+    pipelined(transport, op, 0, &op.group, op.rank, &blocks, data)
 }
