@@ -1,6 +1,6 @@
 //! The one error type of the `train` layer.
 
-use ferrotext_comm::SpmdError as RunError;
+use ferrotext_comm::RunError;
 use ferrotext_sharding::ShardingError;
 use ferrotext_spmd::SpmdError;
 
