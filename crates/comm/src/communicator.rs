@@ -12,7 +12,7 @@ use ferrotext_sharding::{DType, Mesh};
 
 use crate::element::{Buf, BufMut, Element};
 use crate::error::CommError;
-use crate::stream::{Pending, Stream, Work};
+use crate::stream::{run_work, Pending, Stream, Work};
 use crate::trace::{CollectiveKind, Trace, TraceEvent};
 
 /// What a backend is told about one collective (already validated by the front end).
@@ -52,8 +52,9 @@ impl OpInfo {
     }
 }
 
-/// A transport that moves the bytes: the in-process [`crate::LocalBackend`] today, MPI and NCCL
-/// later. Called only for groups of two or more devices, with buffers already checked.
+/// A transport that moves the bytes: the in-process [`crate::LocalBackend`] and the MPI backend
+/// (both through [`TypedBackend`]), NCCL later. Called only for groups of two or more devices,
+/// with buffers already checked.
 ///
 /// Every method must either complete on every member of the group or return an error on every
 /// member within the backend's timeout.
@@ -103,6 +104,129 @@ pub trait Backend: Send {
     /// # Errors
     /// As the trait docs.
     fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError>;
+}
+
+/// A [`Backend`] written once, generically over the element type: a transport implements these
+/// and gets [`Backend`] from the blanket impl below, which is the one place a [`Buf`]/[`BufMut`]
+/// is matched to its typed slice (and a mixed-type call refused). The contract is
+/// [`Backend`]'s, method for method.
+pub trait TypedBackend: Send {
+    /// [`Backend::all_reduce`] on a typed buffer.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn all_reduce_typed<T: Element>(&mut self, op: &OpInfo, buf: &mut [T])
+        -> Result<(), CommError>;
+    /// [`Backend::reduce_scatter`] on typed buffers.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn reduce_scatter_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError>;
+    /// [`Backend::all_gather`] on typed buffers.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn all_gather_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError>;
+    /// [`Backend::all_to_all`] on typed buffers.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn all_to_all_typed<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError>;
+    /// [`Backend::broadcast`] on a typed buffer.
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn broadcast_typed<T: Element>(&mut self, op: &OpInfo, buf: &mut [T]) -> Result<(), CommError>;
+    /// [`Backend::barrier`] (no elements; named apart so it never shadows it).
+    ///
+    /// # Errors
+    /// As [`Backend`]'s docs.
+    fn group_barrier(&mut self, op: &OpInfo) -> Result<(), CommError>;
+}
+
+/// Input and output of one call have different element types.
+fn mixed_types(op: &OpInfo) -> CommError {
+    CommError::BadBuffer {
+        kind: op.kind,
+        axes: op.axes.clone(),
+        group_size: op.group.len(),
+        reason: "input and output have different element types".into(),
+    }
+}
+
+/// The dtype dispatch, once for every [`TypedBackend`].
+impl<B: TypedBackend> Backend for B {
+    fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
+        match buf {
+            BufMut::F32(b) => self.all_reduce_typed(op, b),
+            BufMut::BF16(b) => self.all_reduce_typed(op, b),
+        }
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        match (input, output) {
+            (Buf::F32(i), BufMut::F32(o)) => self.reduce_scatter_typed(op, i, o),
+            (Buf::BF16(i), BufMut::BF16(o)) => self.reduce_scatter_typed(op, i, o),
+            _ => Err(mixed_types(op)),
+        }
+    }
+
+    fn all_gather(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        match (input, output) {
+            (Buf::F32(i), BufMut::F32(o)) => self.all_gather_typed(op, i, o),
+            (Buf::BF16(i), BufMut::BF16(o)) => self.all_gather_typed(op, i, o),
+            _ => Err(mixed_types(op)),
+        }
+    }
+
+    fn all_to_all(
+        &mut self,
+        op: &OpInfo,
+        input: Buf<'_>,
+        output: BufMut<'_>,
+    ) -> Result<(), CommError> {
+        match (input, output) {
+            (Buf::F32(i), BufMut::F32(o)) => self.all_to_all_typed(op, i, o),
+            (Buf::BF16(i), BufMut::BF16(o)) => self.all_to_all_typed(op, i, o),
+            _ => Err(mixed_types(op)),
+        }
+    }
+
+    fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
+        match buf {
+            BufMut::F32(b) => self.broadcast_typed(op, b),
+            BufMut::BF16(b) => self.broadcast_typed(op, b),
+        }
+    }
+
+    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
+        self.group_barrier(op)
+    }
 }
 
 /// One device's collectives over groups of mesh axes, with its trace and phase labels.
@@ -229,25 +353,7 @@ impl Communicator {
         if let Some(stream) = &mut self.stream {
             return stream.submit(op, work);
         }
-        let result = match work {
-            Work::AllReduce(mut buf) => self
-                .backend
-                .all_reduce(&op, f32::buf_mut(&mut buf))
-                .map(|()| buf),
-            Work::ReduceScatter { input, output_len } => {
-                let mut out = vec![0.0; output_len];
-                self.backend
-                    .reduce_scatter(&op, f32::buf(&input), f32::buf_mut(&mut out))
-                    .map(|()| out)
-            }
-            Work::AllGather { input, output_len } => {
-                let mut out = vec![0.0; output_len];
-                self.backend
-                    .all_gather(&op, f32::buf(&input), f32::buf_mut(&mut out))
-                    .map(|()| out)
-            }
-        };
-        Pending::done(result)
+        Pending::done(run_work(self.backend.as_mut(), &op, work))
     }
 
     /// [`Communicator::begin_op`] for the background channel: its own sequence numbers (the
@@ -357,12 +463,7 @@ impl Communicator {
             "input",
             "group × output",
         )?;
-        if op.group.len() == 1 {
-            output.copy_from_slice(input);
-            return Ok(());
-        }
-        self.backend
-            .reduce_scatter(&op, T::buf(input), T::buf_mut(output))
+        self.exchange(&op, input, output, |b, op, i, o| b.reduce_scatter(op, i, o))
     }
 
     /// Concatenation over the group: `output` (len group×M) receives every member's `input`
@@ -385,12 +486,7 @@ impl Communicator {
             "output",
             "group × input",
         )?;
-        if op.group.len() == 1 {
-            output.copy_from_slice(input);
-            return Ok(());
-        }
-        self.backend
-            .all_gather(&op, T::buf(input), T::buf_mut(output))
+        self.exchange(&op, input, output, |b, op, i, o| b.all_gather(op, i, o))
     }
 
     /// Personalised exchange: both buffers hold group×M elements; chunk `k` of `output` receives
@@ -416,12 +512,7 @@ impl Communicator {
             "input",
             "a multiple of the group size",
         )?;
-        if n == 1 {
-            output.copy_from_slice(input);
-            return Ok(());
-        }
-        self.backend
-            .all_to_all(&op, T::buf(input), T::buf_mut(output))
+        self.exchange(&op, input, output, |b, op, i, o| b.all_to_all(op, i, o))
     }
 
     /// Copies the buffer of group rank `root` to every member.
@@ -472,6 +563,22 @@ impl Communicator {
         let op = self.begin_op(kind, axes, elements, dtype, 0)?;
         drop(op);
         Ok(())
+    }
+
+    /// The end of a two-buffer collective whose lengths are checked: a group of one copies
+    /// `input` to `output` (equal lengths then), a larger one hands both to the backend.
+    fn exchange<T: Element>(
+        &mut self,
+        op: &OpInfo,
+        input: &[T],
+        output: &mut [T],
+        call: impl FnOnce(&mut dyn Backend, &OpInfo, Buf<'_>, BufMut<'_>) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        if op.group.len() == 1 {
+            output.copy_from_slice(input);
+            return Ok(());
+        }
+        call(self.backend.as_mut(), op, T::buf(input), T::buf_mut(output))
     }
 
     /// Resolves the group, records the event and advances the sequence number.

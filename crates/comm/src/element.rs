@@ -109,33 +109,3 @@ impl Element for bf16 {
         BufMut::BF16(s)
     }
 }
-
-/// `dispatch_mut!(buf, b => body)`: runs `body` with `b` bound to the typed slice of a
-/// [`BufMut`] (one monomorphic body per element type).
-macro_rules! dispatch_mut {
-    ($buf:expr, $b:ident => $body:expr) => {
-        match $buf {
-            $crate::element::BufMut::F32($b) => $body,
-            $crate::element::BufMut::BF16($b) => $body,
-        }
-    };
-}
-
-/// `dispatch_pair!(input, output, i, o => body, op)`: the same for an input [`Buf`] and an output
-/// [`BufMut`] of one element type; mixed types are a `BadBuffer` error for `op`.
-macro_rules! dispatch_pair {
-    ($input:expr, $output:expr, $i:ident, $o:ident => $body:expr, $op:expr) => {
-        match ($input, $output) {
-            ($crate::element::Buf::F32($i), $crate::element::BufMut::F32($o)) => $body,
-            ($crate::element::Buf::BF16($i), $crate::element::BufMut::BF16($o)) => $body,
-            _ => Err($crate::error::CommError::BadBuffer {
-                kind: $op.kind,
-                axes: $op.axes.clone(),
-                group_size: $op.group.len(),
-                reason: "input and output have different element types".into(),
-            }),
-        }
-    };
-}
-
-pub(crate) use {dispatch_mut, dispatch_pair};

@@ -48,18 +48,18 @@ mod error;
 mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
-mod spmd;
+mod runner;
 pub mod stream;
 mod trace;
 
 pub use cluster::Cluster;
-pub use communicator::{Backend, Communicator, NoTransport, OpInfo};
+pub use communicator::{Backend, Communicator, NoTransport, OpInfo, TypedBackend};
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;
 pub use local::LocalBackend;
-pub use spmd::{
+pub use runner::{
     collective_timeout, default_threads_per_device, run_spmd, run_spmd_detachable, run_spmd_in,
-    Device, RunFailure, SpmdError, SpmdOptions, MAX_COLLECTIVE_TIMEOUT,
+    Device, RunError, RunFailure, SpmdOptions, MAX_COLLECTIVE_TIMEOUT,
 };
 pub use stream::{Pending, Stream};
 pub use trace::{human_bytes, CollectiveKind, PhaseKindTotal, PhasePattern, Trace, TraceEvent};

@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use ferrotext_sharding::Mesh;
 
-use crate::communicator::{Backend, OpInfo};
-use crate::element::{dispatch_mut, dispatch_pair, Buf, BufMut, Element};
+use crate::communicator::{OpInfo, TypedBackend};
+use crate::element::Element;
 use crate::error::CommError;
 
 /// Elements summed per block: 16 KiB of f32 accumulators stay in L1.
@@ -387,7 +387,7 @@ fn ptrs<T>(slots: &[Slot], pick: impl Fn(&Slot) -> usize) -> Vec<*mut T> {
     slots.iter().map(|s| pick(s) as *mut T).collect()
 }
 
-impl LocalBackend {
+impl TypedBackend for LocalBackend {
     fn all_reduce_typed<T: Element>(
         &mut self,
         op: &OpInfo,
@@ -469,45 +469,8 @@ impl LocalBackend {
             }
         })
     }
-}
 
-impl Backend for LocalBackend {
-    fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        dispatch_mut!(buf, b => self.all_reduce_typed(op, b))
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
-    }
-
-    fn all_gather(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.all_gather_typed(op, i, o), op)
-    }
-
-    fn all_to_all(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
-    }
-
-    fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        dispatch_mut!(buf, b => self.broadcast_typed(op, b))
-    }
-
-    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
+    fn group_barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
         let group = self.world.group(&op.group);
         self.enter(&group, op, 0, 0).map(|_| ())
     }

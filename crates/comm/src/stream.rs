@@ -65,7 +65,7 @@ impl Stream {
             .name(format!("ferrotext-stream-{device}"))
             .spawn(move || {
                 for job in inbox {
-                    let result = run(backend.as_mut(), &job.op, job.work);
+                    let result = run_work(backend.as_mut(), &job.op, job.work);
                     // The waiter may have given up (its device failed): nothing to tell.
                     let _ = job.done.send(result);
                 }
@@ -108,7 +108,13 @@ impl Drop for Stream {
     }
 }
 
-fn run(backend: &mut dyn Backend, op: &OpInfo, work: Work) -> Result<Vec<f32>, CommError> {
+/// Runs `work` on `backend` now and hands back its output buffer (the stream thread's loop, and
+/// a communicator without a stream).
+pub(crate) fn run_work(
+    backend: &mut dyn Backend,
+    op: &OpInfo,
+    work: Work,
+) -> Result<Vec<f32>, CommError> {
     match work {
         Work::AllReduce(mut buf) => {
             backend.all_reduce(op, f32::buf_mut(&mut buf))?;

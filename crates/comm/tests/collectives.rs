@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferrotext_comm::{
-    run_spmd, CollectiveKind, CommError, PhasePattern, SpmdError, SpmdOptions, TraceEvent,
+    run_spmd, CollectiveKind, CommError, PhasePattern, RunError, SpmdOptions, TraceEvent,
 };
 use ferrotext_sharding::{DType, Mesh};
 use half::bf16;
@@ -281,7 +281,7 @@ fn a_panicking_device_becomes_an_error_not_a_hang() {
     })
     .unwrap_err();
     match err {
-        SpmdError::Panicked { device: 3, message } => assert!(message.contains("kernel bug")),
+        RunError::Panicked { device: 3, message } => assert!(message.contains("kernel bug")),
         other => panic!("expected the panic of device 3, got {other}"),
     }
     assert!(start.elapsed() < Duration::from_secs(10));
@@ -338,7 +338,7 @@ fn different_axes_are_detected_without_waiting_for_the_timeout() {
     })
     .unwrap_err();
     match err {
-        SpmdError::Device {
+        RunError::Device {
             error: CommError::Mismatch { mine, theirs, .. },
             ..
         } => {
@@ -592,7 +592,7 @@ fn a_stalled_device_is_left_behind_and_named() {
     let elapsed = start.elapsed();
     assert_eq!(err.left_running, vec![1], "{err}");
     match &err.error {
-        SpmdError::Device {
+        RunError::Device {
             device: 0,
             error: CommError::Timeout { missing, .. },
         } => assert_eq!(missing, &vec![1]),

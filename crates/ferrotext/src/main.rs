@@ -4,12 +4,8 @@
 //! ferrotext), 2 bad input (usage, config, mesh, files the user named).
 
 mod bench;
-mod bench_cluster;
-mod bench_ga;
-mod bench_kernels;
-mod bench_moe;
+mod collectives;
 mod conformance;
-mod demo;
 mod emulate;
 mod launch;
 mod mesh_arg;
@@ -39,7 +35,7 @@ enum Command {
     Plan(train_cmd::PlanArgs),
     /// Run a known schedule of collectives on an in-process mesh, check every result against a
     /// serial reference, and print the collective trace.
-    Collectives(demo::CollectivesArgs),
+    Collectives(collectives::CollectivesArgs),
     /// Check the sharding type rules against conformance case files (JSON lines, abstract mode).
     Conformance(conformance::ConformanceArgs),
     /// Run a command under `mpirun` on emulated hosts (network namespaces on a bridge, links
@@ -88,7 +84,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(&args, &launch),
         Command::Plan(args) => train_cmd::plan(&args),
-        Command::Collectives(args) => demo::run(&args, &mut launch),
+        Command::Collectives(args) => collectives::run(&args, &mut launch),
         Command::Conformance(args) => conformance::run(&args),
         Command::Plot(args) => plot::run(&args),
         Command::Keys => {

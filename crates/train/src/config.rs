@@ -41,7 +41,8 @@ pub enum DatasetType {
     Synthetic,
     /// A text file (`dataset_path`), byte-level tokens.
     Text,
-    /// A pre-tokenized binary file of little-endian `u16` or `u32` ids (`token_dtype`), mapped.
+    /// A pre-tokenized binary file of little-endian `u16` or `u32` ids (`token_dtype`), read whole
+    /// into memory when the run opens it (not mapped; see the `data` module docs).
     Tokens,
 }
 

@@ -13,7 +13,7 @@
 //! Every class but usage exits with code 1: a bug in ferrotext is never reported as the user's
 //! mistake.
 
-use ferrotext_comm::SpmdError as RunError;
+use ferrotext_comm::RunError;
 use ferrotext_sharding::ShardingError;
 use ferrotext_spmd::SpmdError;
 

@@ -15,8 +15,8 @@
 //!   process by process (still a fixed order: deterministic run to run, but not bitwise the
 //!   flat order). All-to-all, broadcast and barrier always run flat.
 
-use crate::communicator::{Backend, OpInfo};
-use crate::element::{dispatch_mut, dispatch_pair, Buf, BufMut, Element};
+use crate::communicator::{OpInfo, TypedBackend};
+use crate::element::Element;
 use crate::error::CommError;
 use crate::local::{chunk, LocalBackend};
 use crate::trace::CollectiveKind;
@@ -31,16 +31,58 @@ enum Layout {
     /// Members talk to each other directly through MPI.
     Flat,
     /// `m` members in each of `P` processes.
-    Hierarchical {
-        /// This process's members (devices), in group order.
-        local: Vec<usize>,
-        /// Group positions: `members[p][j]` is member `j` of the `p`-th process (in order of
-        /// first appearance in the group).
-        members: Vec<Vec<usize>>,
-        /// This device's process position `p` and local position `j`.
-        p: usize,
-        j: usize,
-    },
+    Hierarchical(Hierarchy),
+}
+
+/// A group of `m` members in each of `P` processes, from one member's point of view.
+struct Hierarchy {
+    /// This process's members (devices), in group order.
+    local: Vec<usize>,
+    /// Group positions: `members[p][j]` is member `j` of the `p`-th process (in order of first
+    /// appearance in the group).
+    members: Vec<Vec<usize>>,
+    /// This device's process position `p` and local position `j`.
+    p: usize,
+    j: usize,
+}
+
+impl Hierarchy {
+    /// The op a stage inside this process runs as (same sequence number, its own group).
+    fn local_stage(&self, op: &OpInfo, kind: CollectiveKind, elements: usize) -> OpInfo {
+        OpInfo {
+            kind,
+            seq: op.seq,
+            axes: op.axes.clone(),
+            group: self.local.clone(),
+            rank: self.j,
+            elements,
+            dtype: op.dtype,
+            root: 0,
+        }
+    }
+
+    /// The op of the cross-process stage: the `j`-th member of every process, this device at
+    /// rank `p`.
+    fn cross_stage(&self, op: &OpInfo, elements: usize) -> OpInfo {
+        OpInfo {
+            group: self.members.iter().map(|l| op.group[l[self.j]]).collect(),
+            rank: self.p,
+            elements,
+            ..op.clone()
+        }
+    }
+
+    /// `(group position, packed block)` of every member: blocks in [local position][process]
+    /// order, so a local stage over the packed buffer hands member `j` the blocks of every
+    /// process's member `j`.
+    fn packed_blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let procs = self.members.len();
+        self.members.iter().enumerate().flat_map(move |(q, list)| {
+            list.iter()
+                .enumerate()
+                .map(move |(i, &g)| (g, i * procs + q))
+        })
+    }
 }
 
 /// One device's MPI backend (see the module docs).
@@ -88,54 +130,26 @@ impl MpiBackend {
         let mine = self.device / self.per_process;
         let p = procs.iter().position(|(q, _)| *q == mine).unwrap_or(0);
         let j = procs[p].1.iter().position(|&g| g == op.rank).unwrap_or(0);
-        Layout::Hierarchical {
+        Layout::Hierarchical(Hierarchy {
             local: procs[p].1.iter().map(|&g| op.group[g]).collect(),
             members: procs.into_iter().map(|(_, l)| l).collect(),
             p,
             j,
-        }
+        })
     }
+}
 
-    /// The op a stage inside this process runs as (same sequence number, its own group).
-    fn local_stage(
-        op: &OpInfo,
-        kind: CollectiveKind,
-        local: &[usize],
-        j: usize,
-        elements: usize,
-    ) -> OpInfo {
-        OpInfo {
-            kind,
-            seq: op.seq,
-            axes: op.axes.clone(),
-            group: local.to_vec(),
-            rank: j,
-            elements,
-            dtype: op.dtype,
-            root: 0,
-        }
-    }
-
-    /// The devices of the cross-process stage of member position `j`.
-    fn cross(op: &OpInfo, members: &[Vec<usize>], j: usize) -> Vec<usize> {
-        members.iter().map(|l| op.group[l[j]]).collect()
-    }
-
+impl TypedBackend for MpiBackend {
     fn all_reduce_typed<T: Element>(
         &mut self,
         op: &OpInfo,
         buf: &mut [T],
     ) -> Result<(), CommError> {
         match self.layout(op) {
-            Layout::Local => self.local.all_reduce(op, T::buf_mut(buf)),
-            Layout::Flat => flat_all_reduce(&mut self.transport, op, 0, &op.group, op.rank, buf),
-            Layout::Hierarchical {
-                local,
-                members,
-                p,
-                j,
-            } => {
-                let m = local.len();
+            Layout::Local => self.local.all_reduce_typed(op, buf),
+            Layout::Flat => flat_all_reduce(&mut self.transport, op, buf),
+            Layout::Hierarchical(h) => {
+                let m = h.local.len();
                 let part = buf.len().div_ceil(m);
                 // Pad only when the buffer does not split evenly over the local members.
                 let mut padded = Vec::new();
@@ -144,21 +158,12 @@ impl MpiBackend {
                     padded[..buf.len()].copy_from_slice(buf);
                 }
                 let mut mine = vec![T::default(); part];
-                let rs = Self::local_stage(op, CollectiveKind::ReduceScatter, &local, j, part * m);
+                let rs = h.local_stage(op, CollectiveKind::ReduceScatter, part * m);
                 let whole: &mut [T] = if padded.is_empty() { buf } else { &mut padded };
-                self.local
-                    .reduce_scatter(&rs, T::buf(whole), T::buf_mut(&mut mine))?;
-                let cross = Self::cross(op, &members, j);
-                let cross_op = OpInfo {
-                    group: cross.clone(),
-                    rank: p,
-                    elements: part,
-                    ..op.clone()
-                };
-                flat_all_reduce(&mut self.transport, &cross_op, 0, &cross, p, &mut mine)?;
-                let ag = Self::local_stage(op, CollectiveKind::AllGather, &local, j, part * m);
-                self.local
-                    .all_gather(&ag, T::buf(&mine), T::buf_mut(whole))?;
+                self.local.reduce_scatter_typed(&rs, whole, &mut mine)?;
+                flat_all_reduce(&mut self.transport, &h.cross_stage(op, part), &mut mine)?;
+                let ag = h.local_stage(op, CollectiveKind::AllGather, part * m);
+                self.local.all_gather_typed(&ag, &mine, whole)?;
                 if !padded.is_empty() {
                     let len = buf.len();
                     buf.copy_from_slice(&padded[..len]);
@@ -175,46 +180,21 @@ impl MpiBackend {
         output: &mut [T],
     ) -> Result<(), CommError> {
         match self.layout(op) {
-            Layout::Local => self
-                .local
-                .reduce_scatter(op, T::buf(input), T::buf_mut(output)),
-            Layout::Flat => {
-                flat_reduce_scatter(&mut self.transport, op, &op.group, op.rank, input, output)
-            }
-            Layout::Hierarchical {
-                local,
-                members,
-                p,
-                j,
-            } => {
-                let (m, procs, size) = (local.len(), members.len(), output.len());
-                // Blocks in [local position][process] order, so the local stage hands member `j`
-                // the blocks of every process's member `j`.
+            Layout::Local => self.local.reduce_scatter_typed(op, input, output),
+            Layout::Flat => flat_reduce_scatter(&mut self.transport, op, input, output),
+            Layout::Hierarchical(h) => {
+                let (m, procs, size) = (h.local.len(), h.members.len(), output.len());
                 let mut packed = vec![T::default(); input.len()];
-                for (q, list) in members.iter().enumerate() {
-                    for (i, &g) in list.iter().enumerate() {
-                        let to = (i * procs + q) * size;
-                        packed[to..to + size].copy_from_slice(&input[g * size..(g + 1) * size]);
-                    }
+                for (g, at) in h.packed_blocks() {
+                    packed[at * size..(at + 1) * size]
+                        .copy_from_slice(&input[g * size..(g + 1) * size]);
                 }
                 let mut mine = vec![T::default(); procs * size];
-                let stage = Self::local_stage(
-                    op,
-                    CollectiveKind::ReduceScatter,
-                    &local,
-                    j,
-                    m * procs * size,
-                );
+                let stage = h.local_stage(op, CollectiveKind::ReduceScatter, m * procs * size);
                 self.local
-                    .reduce_scatter(&stage, T::buf(&packed), T::buf_mut(&mut mine))?;
-                let cross = Self::cross(op, &members, j);
-                let cross_op = OpInfo {
-                    group: cross.clone(),
-                    rank: p,
-                    elements: procs * size,
-                    ..op.clone()
-                };
-                flat_reduce_scatter(&mut self.transport, &cross_op, &cross, p, &mine, output)
+                    .reduce_scatter_typed(&stage, &packed, &mut mine)?;
+                let cross = h.cross_stage(op, procs * size);
+                flat_reduce_scatter(&mut self.transport, &cross, &mine, output)
             }
         }
     }
@@ -226,44 +206,19 @@ impl MpiBackend {
         output: &mut [T],
     ) -> Result<(), CommError> {
         match self.layout(op) {
-            Layout::Local => self.local.all_gather(op, T::buf(input), T::buf_mut(output)),
-            Layout::Flat => {
-                flat_all_gather(&mut self.transport, op, &op.group, op.rank, input, output)
-            }
-            Layout::Hierarchical {
-                local,
-                members,
-                p,
-                j,
-            } => {
-                let (m, procs, size) = (local.len(), members.len(), input.len());
-                let cross = Self::cross(op, &members, j);
-                let cross_op = OpInfo {
-                    group: cross.clone(),
-                    rank: p,
-                    elements: procs * size,
-                    ..op.clone()
-                };
+            Layout::Local => self.local.all_gather_typed(op, input, output),
+            Layout::Flat => flat_all_gather(&mut self.transport, op, input, output),
+            Layout::Hierarchical(h) => {
+                let (m, procs, size) = (h.local.len(), h.members.len(), input.len());
+                let cross = h.cross_stage(op, procs * size);
                 let mut across = vec![T::default(); procs * size];
-                flat_all_gather(
-                    &mut self.transport,
-                    &cross_op,
-                    &cross,
-                    p,
-                    input,
-                    &mut across,
-                )?;
+                flat_all_gather(&mut self.transport, &cross, input, &mut across)?;
                 let mut packed = vec![T::default(); m * procs * size];
-                let stage =
-                    Self::local_stage(op, CollectiveKind::AllGather, &local, j, m * procs * size);
-                self.local
-                    .all_gather(&stage, T::buf(&across), T::buf_mut(&mut packed))?;
-                for (q, list) in members.iter().enumerate() {
-                    for (i, &g) in list.iter().enumerate() {
-                        let from = (i * procs + q) * size;
-                        output[g * size..(g + 1) * size]
-                            .copy_from_slice(&packed[from..from + size]);
-                    }
+                let stage = h.local_stage(op, CollectiveKind::AllGather, m * procs * size);
+                self.local.all_gather_typed(&stage, &across, &mut packed)?;
+                for (g, at) in h.packed_blocks() {
+                    output[g * size..(g + 1) * size]
+                        .copy_from_slice(&packed[at * size..(at + 1) * size]);
                 }
                 Ok(())
             }
@@ -277,7 +232,7 @@ impl MpiBackend {
         output: &mut [T],
     ) -> Result<(), CommError> {
         if let Layout::Local = self.layout(op) {
-            return self.local.all_to_all(op, T::buf(input), T::buf_mut(output));
+            return self.local.all_to_all_typed(op, input, output);
         }
         let n = op.group.len();
         let size = input.len() / n;
@@ -307,7 +262,7 @@ impl MpiBackend {
 
     fn broadcast_typed<T: Element>(&mut self, op: &OpInfo, buf: &mut [T]) -> Result<(), CommError> {
         if let Layout::Local = self.layout(op) {
-            return self.local.broadcast(op, T::buf_mut(buf));
+            return self.local.broadcast_typed(op, buf);
         }
         let me = self.device;
         let bytes = std::mem::size_of_val(buf);
@@ -332,6 +287,22 @@ impl MpiBackend {
         }
         Ok(())
     }
+
+    fn group_barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
+        if let Layout::Local = self.layout(op) {
+            return self.local.group_barrier(op);
+        }
+        let mut outbox = self.transport.outbox();
+        let b = outbox.stage(header(op, 0, 0, self.device), &[]);
+        for (k, &d) in op.group.iter().enumerate() {
+            if k != op.rank {
+                outbox.send(d, b);
+            }
+        }
+        self.transport
+            .exchange(op, 0, outbox, &peers(op, 0))
+            .map(|_| ())
+    }
 }
 
 fn bytes_of<T: Element>(s: &[T]) -> &[u8] {
@@ -352,126 +323,46 @@ fn peers(op: &OpInfo, bytes: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Flat all-reduce over `members` (this device is `members[r]`), steps `stage` and `stage + 1`:
-/// member `k` owns chunk `k` (the in-process backend's chunks), see [`pipelined`].
+/// Flat all-reduce over `op.group` (this device at `op.rank`), steps 0 and 1: member `k` owns
+/// chunk `k` (the in-process backend's chunks), see [`pipelined`].
 fn flat_all_reduce<T: Element>(
     transport: &mut Transport,
     op: &OpInfo,
-    stage: u8,
-    members: &[usize],
-    r: usize,
     buf: &mut [T],
 ) -> Result<(), CommError> {
-    let n = members.len();
+    let n = op.group.len();
     let blocks: Vec<_> = (0..n).map(|k| chunk(buf.len(), n, k)).collect();
-    pipelined(
-        transport,
-        op,
-        stage,
-        members,
-        r,
-        &blocks,
-        Data::AllReduce(buf),
-    )
+    let data = Data::AllReduce(buf);
+    pipelined(transport, op, 0, &op.group, op.rank, &blocks, data)
 }
 
-/// Flat reduce-scatter: `output` = block `r` of the rank-order sum of every member's `input`.
+/// `n` consecutive blocks of `size` elements: member `k`'s part of a reduce-scatter's input or
+/// an all-gather's output.
+fn equal_blocks(n: usize, size: usize) -> Vec<std::ops::Range<usize>> {
+    (0..n).map(|k| k * size..(k + 1) * size).collect()
+}
+
+/// Flat reduce-scatter over `op.group`: `output` = block `op.rank` of the rank-order sum of every
+/// member's `input`.
 fn flat_reduce_scatter<T: Element>(
     transport: &mut Transport,
     op: &OpInfo,
-    members: &[usize],
-    r: usize,
     input: &[T],
     output: &mut [T],
 ) -> Result<(), CommError> {
-    let size = output.len();
-    let blocks: Vec<_> = (0..members.len())
-        .map(|k| k * size..(k + 1) * size)
-        .collect();
-    pipelined(
-        transport,
-        op,
-        0,
-        members,
-        r,
-        &blocks,
-        Data::ReduceScatter { input, output },
-    )
+    let blocks = equal_blocks(op.group.len(), output.len());
+    let data = Data::ReduceScatter { input, output };
+    pipelined(transport, op, 0, &op.group, op.rank, &blocks, data)
 }
 
-/// Flat all-gather: block `k` of `output` = member `k`'s `input`.
+/// Flat all-gather over `op.group`: block `k` of `output` = member `k`'s `input`.
 fn flat_all_gather<T: Element>(
     transport: &mut Transport,
     op: &OpInfo,
-    members: &[usize],
-    r: usize,
     input: &[T],
     output: &mut [T],
 ) -> Result<(), CommError> {
-    let size = input.len();
-    let blocks: Vec<_> = (0..members.len())
-        .map(|k| k * size..(k + 1) * size)
-        .collect();
-    pipelined(
-        transport,
-        op,
-        0,
-        members,
-        r,
-        &blocks,
-        Data::AllGather { input, output },
-    )
-}
-
-impl Backend for MpiBackend {
-    fn all_reduce(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        dispatch_mut!(buf, b => self.all_reduce_typed(op, b))
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.reduce_scatter_typed(op, i, o), op)
-    }
-
-    fn all_gather(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.all_gather_typed(op, i, o), op)
-    }
-
-    fn all_to_all(
-        &mut self,
-        op: &OpInfo,
-        input: Buf<'_>,
-        output: BufMut<'_>,
-    ) -> Result<(), CommError> {
-        dispatch_pair!(input, output, i, o => self.all_to_all_typed(op, i, o), op)
-    }
-
-    fn broadcast(&mut self, op: &OpInfo, buf: BufMut<'_>) -> Result<(), CommError> {
-        dispatch_mut!(buf, b => self.broadcast_typed(op, b))
-    }
-
-    fn barrier(&mut self, op: &OpInfo) -> Result<(), CommError> {
-        if let Layout::Local = self.layout(op) {
-            return self.local.barrier(op);
-        }
-        let mut outbox = self.transport.outbox();
-        let b = outbox.stage(header(op, 0, 0, self.device), &[]);
-        for (k, &d) in op.group.iter().enumerate() {
-            if k != op.rank {
-                outbox.send(d, b);
-            }
-        }
-        self.transport
-            .exchange(op, 0, outbox, &peers(op, 0))
-            .map(|_| ())
-    }
+    let blocks = equal_blocks(op.group.len(), input.len());
+    let data = Data::AllGather { input, output };
+    pipelined(transport, op, 0, &op.group, op.rank, &blocks, data)
 }

@@ -112,11 +112,6 @@ impl Device {
         &self.coords
     }
 
-    /// Its coordinate along `axis`, if the mesh has that axis.
-    pub fn coord(&self, axis: &str) -> Option<usize> {
-        self.comm.mesh().axis_index(axis).map(|p| self.coords[p])
-    }
-
     /// The mesh.
     pub fn mesh(&self) -> &Arc<Mesh> {
         self.comm.mesh()
@@ -131,17 +126,12 @@ impl Device {
     pub fn comm(&mut self) -> &mut Communicator {
         &mut self.comm
     }
-
-    /// Its communicator, read-only (trace, phase).
-    pub fn comm_ref(&self) -> &Communicator {
-        &self.comm
-    }
 }
 
 /// Why a run failed: the *first* device to fail, with its error (later failures are usually
 /// consequences, e.g. peers seeing it depart).
 #[derive(Debug)]
-pub enum SpmdError<E> {
+pub enum RunError<E> {
     /// The device's closure returned an error.
     Device {
         /// Which device.
@@ -166,24 +156,24 @@ pub enum SpmdError<E> {
     },
 }
 
-impl<E> SpmdError<E> {
+impl<E> RunError<E> {
     /// The device that failed first.
     pub fn device(&self) -> usize {
         match self {
-            SpmdError::Device { device, .. } | SpmdError::Panicked { device, .. } => *device,
-            SpmdError::Placement { .. } => 0,
+            RunError::Device { device, .. } | RunError::Panicked { device, .. } => *device,
+            RunError::Placement { .. } => 0,
         }
     }
 }
 
-impl<E: fmt::Display> fmt::Display for SpmdError<E> {
+impl<E: fmt::Display> fmt::Display for RunError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SpmdError::Device { device, error } => write!(f, "device {device}: {error}"),
-            SpmdError::Panicked { device, message } => {
+            RunError::Device { device, error } => write!(f, "device {device}: {error}"),
+            RunError::Panicked { device, message } => {
                 write!(f, "device {device} panicked: {message}")
             }
-            SpmdError::Placement { devices, processes } => write!(
+            RunError::Placement { devices, processes } => write!(
                 f,
                 "a mesh of {devices} devices cannot be split evenly over {processes} processes"
             ),
@@ -191,13 +181,13 @@ impl<E: fmt::Display> fmt::Display for SpmdError<E> {
     }
 }
 
-impl<E: std::error::Error + 'static> std::error::Error for SpmdError<E> {
+impl<E: std::error::Error + 'static> std::error::Error for RunError<E> {
     /// The device error's own source: the error itself is already part of the message, so an
     /// error chain (`{:#}`) prints it once.
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            SpmdError::Device { error, .. } => error.source(),
-            SpmdError::Panicked { .. } | SpmdError::Placement { .. } => None,
+            RunError::Device { error, .. } => error.source(),
+            RunError::Panicked { .. } | RunError::Placement { .. } => None,
         }
     }
 }
@@ -206,7 +196,7 @@ impl<E: std::error::Error + 'static> std::error::Error for SpmdError<E> {
 /// the results in device order.
 ///
 /// # Errors
-/// The first device to fail, in time order ([`SpmdError`]). A panic on a device is caught and
+/// The first device to fail, in time order ([`RunError`]). A panic on a device is caught and
 /// returned, and never leaves peers hanging: they fail their pending collective at once.
 ///
 /// # Examples
@@ -228,7 +218,7 @@ pub fn run_spmd<T, E, F>(
     mesh: &Arc<Mesh>,
     options: &SpmdOptions,
     program: F,
-) -> Result<Vec<T>, SpmdError<E>>
+) -> Result<Vec<T>, RunError<E>>
 where
     T: Send,
     E: Send,
@@ -246,8 +236,8 @@ where
 /// after its peers have failed; [`run_spmd_detachable`] returns instead.
 ///
 /// # Errors
-/// [`SpmdError::Placement`] when the mesh does not split evenly over the processes; a device
-/// whose thread the operating system refused to start ([`SpmdError::Panicked`] naming it; its
+/// [`RunError::Placement`] when the mesh does not split evenly over the processes; a device
+/// whose thread the operating system refused to start ([`RunError::Panicked`] naming it; its
 /// peers fail at once); else as [`run_spmd`] (failures of devices in other processes reach this
 /// one as collective errors).
 pub fn run_spmd_in<T, E, F>(
@@ -255,7 +245,7 @@ pub fn run_spmd_in<T, E, F>(
     mesh: &Arc<Mesh>,
     options: &SpmdOptions,
     program: F,
-) -> Result<Vec<T>, SpmdError<E>>
+) -> Result<Vec<T>, RunError<E>>
 where
     T: Send,
     E: Send,
@@ -264,7 +254,7 @@ where
     let plan = Plan::new(cluster, mesh, options)?;
     // Devices in the order they failed: the first is the root cause.
     let failures: Mutex<Vec<usize>> = Mutex::new(Vec::new());
-    let mut outcomes: Vec<Option<Result<T, SpmdError<E>>>> =
+    let mut outcomes: Vec<Option<Result<T, RunError<E>>>> =
         plan.mine.clone().map(|_| None).collect();
     let mut not_started = None;
 
@@ -288,7 +278,7 @@ where
         }
         for (index, handle) in handles {
             outcomes[index - plan.mine.start] = Some(handle.join().unwrap_or_else(|payload| {
-                Err(SpmdError::Panicked {
+                Err(RunError::Panicked {
                     device: index,
                     message: panic_message(payload.as_ref()),
                 })
@@ -306,7 +296,7 @@ where
 #[derive(Debug)]
 pub struct RunFailure<E> {
     /// The first device to fail (as [`run_spmd_in`] reports it).
-    pub error: SpmdError<E>,
+    pub error: RunError<E>,
     /// This process's devices whose threads were still running a collective timeout after the
     /// failure: they were detached (left running) and the call returned without them.
     pub left_running: Vec<usize>,
@@ -328,7 +318,7 @@ impl<E: fmt::Display> fmt::Display for RunFailure<E> {
 }
 
 impl<E: std::error::Error + 'static> std::error::Error for RunFailure<E> {
-    /// As [`SpmdError`]'s: the device error's own source.
+    /// As [`RunError`]'s: the device error's own source.
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         std::error::Error::source(&self.error)
     }
@@ -361,7 +351,7 @@ where
     })?;
     let program = Arc::new(program);
     let failures: Arc<Mutex<Vec<usize>>> = Arc::new(Mutex::new(Vec::new()));
-    let (sender, outcomes_rx) = mpsc::channel::<(usize, Result<T, SpmdError<E>>)>();
+    let (sender, outcomes_rx) = mpsc::channel::<(usize, Result<T, RunError<E>>)>();
     let mut handles = Vec::new();
     let mut not_started = None;
     for index in plan.mine.clone() {
@@ -390,7 +380,7 @@ where
         .collective_timeout
         .saturating_add(options.collective_timeout / 4);
     let mut failed_at = not_started.is_some().then(Instant::now);
-    let mut outcomes: Vec<Option<Result<T, SpmdError<E>>>> =
+    let mut outcomes: Vec<Option<Result<T, RunError<E>>>> =
         plan.mine.clone().map(|_| None).collect();
     let mut pending = handles.len();
     while pending > 0 {
@@ -415,7 +405,7 @@ where
         if slot.is_some() || handle.is_finished() {
             // Done (or about to be, having sent its outcome): joining does not wait.
             if let Err(payload) = handle.join() {
-                slot.get_or_insert(Err(SpmdError::Panicked {
+                slot.get_or_insert(Err(RunError::Panicked {
                     device: index,
                     message: panic_message(payload.as_ref()),
                 }));
@@ -469,11 +459,11 @@ impl Plan {
         cluster: Option<&dyn Cluster>,
         mesh: &Arc<Mesh>,
         options: &SpmdOptions,
-    ) -> Result<Plan, SpmdError<E>> {
+    ) -> Result<Plan, RunError<E>> {
         let n = mesh.device_count();
         let (process, processes) = cluster.map_or((0, 1), |c| (c.process(), c.processes()));
         if processes == 0 || n % processes != 0 {
-            return Err(SpmdError::Placement {
+            return Err(RunError::Placement {
                 devices: n,
                 processes,
             });
@@ -538,8 +528,8 @@ fn device_thread(index: usize, options: &SpmdOptions) -> thread::Builder {
         .stack_size(options.stack_size)
 }
 
-fn spawn_failure<E>(device: usize, err: &std::io::Error) -> SpmdError<E> {
-    SpmdError::Panicked {
+fn spawn_failure<E>(device: usize, err: &std::io::Error) -> RunError<E> {
+    RunError::Panicked {
         device,
         message: format!(
             "its thread could not be started ({err}): more device threads than this machine \
@@ -558,7 +548,7 @@ fn run_device<T, E, F>(
     world: &Worlds,
     program: &F,
     failures: &Mutex<Vec<usize>>,
-) -> Result<T, SpmdError<E>>
+) -> Result<T, RunError<E>>
 where
     F: Fn(&mut Device) -> Result<T, E>,
 {
@@ -571,11 +561,11 @@ where
     };
     let outcome = match catch_unwind(AssertUnwindSafe(|| program(&mut device))) {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(SpmdError::Device {
+        Ok(Err(error)) => Err(RunError::Device {
             device: index,
             error,
         }),
-        Err(payload) => Err(SpmdError::Panicked {
+        Err(payload) => Err(RunError::Panicked {
             device: index,
             message: panic_message(payload.as_ref()),
         }),
@@ -593,9 +583,9 @@ where
 /// The first device to fail (in time order) if any, else every result in device order.
 fn first_failure_or_results<T, E>(
     failures: &Mutex<Vec<usize>>,
-    mut outcomes: Vec<Option<Result<T, SpmdError<E>>>>,
+    mut outcomes: Vec<Option<Result<T, RunError<E>>>>,
     mine: Range<usize>,
-) -> Result<Vec<T>, SpmdError<E>> {
+) -> Result<Vec<T>, RunError<E>> {
     let order: Vec<usize> = failures.lock().unwrap_or_else(|p| p.into_inner()).clone();
     for device in order {
         if let Some(slot) = outcomes.get_mut(device - mine.start) {
@@ -609,7 +599,7 @@ fn first_failure_or_results<T, E>(
         .zip(mine)
         .map(|(o, device)| {
             o.unwrap_or_else(|| {
-                Err(SpmdError::Panicked {
+                Err(RunError::Panicked {
                     device,
                     message: "device thread produced no result".into(),
                 })

@@ -7,13 +7,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_spmd::Ctx;
 use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
-use crate::bench::median;
+use super::{abba_pair, write_json, Paired, Side, StepPair};
 
 #[derive(Serialize)]
 struct Row {
@@ -98,40 +98,31 @@ pub fn run(model: &str, gas: &[usize], pairs: usize, extra: &[String], out: &Pat
         let vocab = deferred_plan.decoder().config().vocab_size;
         let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(&deferred, vocab)?);
         let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
-        let per_device = run_spmd(
-            &mesh,
-            &opts,
-            |dev| -> Result<Vec<(f64, f64, f64, f64)>, TrainError> {
-                let threads = dev.threads();
-                let mut cx = Ctx::new(dev.comm(), threads);
-                let mut a = Trainer::new(&mut cx, &deferred_plan, source.clone(), None)?;
-                let mut b = Trainer::new(&mut cx, &untagged_plan, source.clone(), None)?;
-                a.step(&mut cx)?; // warm-up
-                b.step(&mut cx)?;
-                let mut samples = Vec::new();
-                for i in 0..pairs {
-                    // ABBA: even pairs run deferred first, odd pairs untagged first
-                    let (ma, mb) = if i % 2 == 0 {
-                        let ma = a.step(&mut cx)?;
-                        (ma, b.step(&mut cx)?)
-                    } else {
-                        let mb = b.step(&mut cx)?;
-                        (a.step(&mut cx)?, mb)
-                    };
-                    samples.push((ma.seconds, mb.seconds, ma.loss, mb.loss));
-                }
-                Ok(samples)
-            },
-        )
+        let per_device = run_spmd(&mesh, &opts, |dev| -> Result<Vec<StepPair>, TrainError> {
+            let threads = dev.threads();
+            let mut cx = Ctx::new(dev.comm(), threads);
+            let mut a = Trainer::new(&mut cx, &deferred_plan, source.clone(), None)?;
+            let mut b = Trainer::new(&mut cx, &untagged_plan, source.clone(), None)?;
+            a.step(&mut cx)?; // warm-up
+            b.step(&mut cx)?;
+            // A: deferred, B: untagged.
+            (0..pairs)
+                .map(|i| {
+                    let (ma, mb) = abba_pair(i, |side| match side {
+                        Side::A => a.step(&mut cx),
+                        Side::B => b.step(&mut cx),
+                    })?;
+                    Ok(StepPair::of(&ma, &mb))
+                })
+                .collect()
+        })
         .map_err(TrainError::from)?;
-        let samples = &per_device[0];
-        let d = median(samples.iter().map(|s| s.0).collect());
-        let u = median(samples.iter().map(|s| s.1).collect());
-        let paired = median(samples.iter().map(|s| s.1 / s.0).collect());
-        let loss_diff = samples
-            .iter()
-            .map(|s| (s.2 - s.3).abs())
-            .fold(0.0, f64::max);
+        let Paired {
+            a_seconds: d,
+            b_seconds: u,
+            b_over_a: paired,
+            max_abs_loss_diff: loss_diff,
+        } = Paired::of(&per_device[0]);
         let tokens = (deferred.micro_batch_rows() * ga * deferred.max_target_length) as f64;
         points.push((ga, d, u));
         raw.push((ga, d, u, paired, tokens / d, tokens / u, loss_diff));
@@ -180,12 +171,8 @@ pub fn run(model: &str, gas: &[usize], pairs: usize, extra: &[String], out: &Pat
         c * 1e3,
         a * 1e3
     );
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
     let json = serde_json::json!({ "benchmark": "ga", "model": model, "fit_seconds": { "o": o, "c": c, "a": a }, "rows": rows });
-    std::fs::write(out, serde_json::to_string_pretty(&json)?)
-        .with_context(|| format!("writing {}", out.display()))?;
+    write_json(out, &json)?;
     println!("wrote {}", out.display());
     Ok(())
 }

@@ -5,12 +5,12 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use ferrotext_tensor::{dot_general, DotDims, Tensor};
 use gemm::Parallelism;
 use serde::Serialize;
 
-use crate::bench::median;
+use super::{median, write_json};
 
 #[derive(Serialize)]
 struct Row {
@@ -187,14 +187,10 @@ pub fn run(d_models: &[usize], tokens: usize, threads: &[usize], out: &Path) -> 
             }
         }
     }
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(
+    write_json(
         out,
-        serde_json::to_string_pretty(&serde_json::json!({ "benchmark": "kernels", "rows": rows }))?,
-    )
-    .with_context(|| format!("writing {}", out.display()))?;
+        &serde_json::json!({ "benchmark": "kernels", "rows": rows }),
+    )?;
     println!("wrote {}", out.display());
     Ok(())
 }

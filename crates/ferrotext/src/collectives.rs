@@ -157,7 +157,7 @@ struct Job {
     stall: Duration,
 }
 
-/// Runs the demo.
+/// Runs `ferrotext collectives`.
 pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
     let options = SpmdOptions::default()
         .with_timeout_secs(args.timeout_seconds)

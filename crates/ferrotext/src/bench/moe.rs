@@ -21,7 +21,7 @@ use ferrotext_spmd::Ctx;
 use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
-use crate::bench::median;
+use super::{abba_pair, median, write_file, write_json, Paired, Side, StepPair};
 
 /// One factor of the sweep and its values (as `key=value` overrides).
 struct Sweep {
@@ -30,52 +30,43 @@ struct Sweep {
     points: Vec<(String, Vec<String>)>,
 }
 
+impl Sweep {
+    /// The sweep `name` over `values`: each point labelled `label(v)`, with the one override
+    /// `item(v)`.
+    fn over(
+        name: &'static str,
+        values: [usize; 3],
+        label: impl Fn(usize) -> String,
+        item: impl Fn(usize) -> String,
+    ) -> Sweep {
+        Sweep {
+            name,
+            points: values.iter().map(|&v| (label(v), vec![item(v)])).collect(),
+        }
+    }
+}
+
 fn sweeps(base_len: usize, base_layers: usize) -> Vec<Sweep> {
-    let point = |label: String, items: Vec<String>| (label, items);
+    let times = |m: usize| format!("x{m}");
     vec![
-        Sweep {
-            name: "ga",
-            points: [2, 4, 8]
-                .iter()
-                .map(|g| {
-                    point(
-                        g.to_string(),
-                        vec![format!("gradient_accumulation_steps={g}")],
-                    )
-                })
-                .collect(),
-        },
-        Sweep {
-            name: "tokens",
-            points: [1, 2, 4]
-                .iter()
-                .map(|m| {
-                    point(
-                        format!("x{m}"),
-                        vec![format!("max_target_length={}", base_len * m)],
-                    )
-                })
-                .collect(),
-        },
-        Sweep {
-            name: "experts",
-            points: [8, 16, 32]
-                .iter()
-                .map(|e| point(e.to_string(), vec![format!("num_experts={e}")]))
-                .collect(),
-        },
-        Sweep {
-            name: "depth",
-            points: [1, 2, 3]
-                .iter()
-                .map(|m| {
-                    point(
-                        format!("x{m}"),
-                        vec![format!("base_num_decoder_layers={}", base_layers * m)],
-                    )
-                })
-                .collect(),
-        },
+        Sweep::over(
+            "ga",
+            [2, 4, 8],
+            |g| g.to_string(),
+            |g| format!("gradient_accumulation_steps={g}"),
+        ),
+        Sweep::over("tokens", [1, 2, 4], times, |m| {
+            format!("max_target_length={}", base_len * m)
+        }),
+        Sweep::over(
+            "experts",
+            [8, 16, 32],
+            |e| e.to_string(),
+            |e| format!("num_experts={e}"),
+        ),
+        Sweep::over("depth", [1, 2, 3], times, |m| {
+            format!("base_num_decoder_layers={}", base_layers * m)
+        }),
     ]
 }
 
@@ -127,7 +118,7 @@ fn time_config(items: &[String], pairs: usize) -> Result<Timed> {
     let vocab = tagged.decoder().config().vocab_size;
     let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(tagged.config(), vocab)?);
     let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
-    type Samples = (Vec<(f64, f64, f64, f64)>, Vec<f64>, Vec<f64>, usize);
+    type Samples = (Vec<StepPair>, Vec<f64>, Vec<f64>, usize);
     let per_device = run_spmd(&mesh, &opts, |dev| -> Result<Samples, TrainError> {
         let threads = dev.threads();
         let mut cx = Ctx::new(dev.comm(), threads);
@@ -140,14 +131,12 @@ fn time_config(items: &[String], pairs: usize) -> Result<Timed> {
         let mut pairs_out = Vec::new();
         let mut ga1_times = Vec::new();
         for i in 0..pairs {
-            let (ma, mb) = if i % 2 == 0 {
-                let ma = a.step(&mut cx)?;
-                (ma, b.step(&mut cx)?)
-            } else {
-                let mb = b.step(&mut cx)?;
-                (a.step(&mut cx)?, mb)
-            };
-            pairs_out.push((ma.seconds, mb.seconds, ma.loss, mb.loss));
+            // A: tagged, B: untagged; the GA-1 step after each pair.
+            let (ma, mb) = abba_pair(i, |side| match side {
+                Side::A => a.step(&mut cx),
+                Side::B => b.step(&mut cx),
+            })?;
+            pairs_out.push(StepPair::of(&ma, &mb));
             ga1_times.push(c.step(&mut cx)?.seconds);
         }
         // `a`: every parameter's gradient all-reduced over the batch axes, one call each.
@@ -170,16 +159,14 @@ fn time_config(items: &[String], pairs: usize) -> Result<Timed> {
     })
     .map_err(TrainError::from)?;
     let (samples, ga1_times, reduce_times, parameters) = &per_device[0];
+    let paired = Paired::of(samples);
     Ok(Timed {
-        tagged: median(samples.iter().map(|s| s.0).collect()),
-        untagged: median(samples.iter().map(|s| s.1).collect()),
-        paired: median(samples.iter().map(|s| s.1 / s.0).collect()),
+        tagged: paired.a_seconds,
+        untagged: paired.b_seconds,
+        paired: paired.b_over_a,
         ga1: median(ga1_times.clone()),
         a: median(reduce_times.clone()),
-        loss_diff: samples
-            .iter()
-            .map(|s| (s.2 - s.3).abs())
-            .fold(0.0, f64::max),
+        loss_diff: paired.max_abs_loss_diff,
         parameters: *parameters,
     })
 }
@@ -292,9 +279,6 @@ pub fn run(model: &str, pairs: usize, extra: &[String], out: &Path, svg: &Path) 
          {untagged_mb:.1} MB, ratio {:.3}",
         tagged_mb / untagged_mb
     );
-    if let Some(dir) = out.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
     let json = serde_json::json!({
         "benchmark": "moe",
         "model": model,
@@ -302,12 +286,8 @@ pub fn run(model: &str, pairs: usize, extra: &[String], out: &Path, svg: &Path) 
         "rows": rows,
         "peak_rss_mb": { "tagged": tagged_mb, "untagged": untagged_mb },
     });
-    std::fs::write(out, serde_json::to_string_pretty(&json)?)
-        .with_context(|| format!("writing {}", out.display()))?;
-    if let Some(dir) = svg.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    std::fs::write(svg, plot(&rows)).with_context(|| format!("writing {}", svg.display()))?;
+    write_json(out, &json)?;
+    write_file(svg, plot(&rows))?;
     println!("wrote {} and {}", out.display(), svg.display());
     Ok(())
 }

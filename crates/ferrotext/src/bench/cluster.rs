@@ -15,7 +15,7 @@ use clap::Args;
 use ferrotext_comm::human_bytes;
 use serde::Serialize;
 
-use crate::bench::median;
+use super::{abba_pair, cores, median, write_json, Side};
 use crate::emulate::{self, net::Network, JobRun, Plan};
 
 /// Arguments of `ferrotext bench cluster`.
@@ -275,16 +275,13 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
         benchmark: "cluster",
         steps: args.steps,
         pairs: args.pairs,
-        cores: std::thread::available_parallelism().map_or(1, |c| c.get()),
+        cores: cores(),
         cells,
     };
-    for path in [&args.out, &args.svg] {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        }
+    write_json(&args.out, &report)?;
+    if let Some(dir) = args.svg.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&report)?)
-        .with_context(|| format!("writing {}", args.out.display()))?;
     plot(&report.cells, &args.svg)?;
     println!("wrote {} and {}", args.out.display(), args.svg.display());
     Ok(())
@@ -302,14 +299,12 @@ fn run_cell(
     let mut deferred = Vec::new();
     let mut speedups = Vec::new();
     for pair in 0..args.pairs {
-        // ABBA: per-micro-batch first in even pairs, deferred first in odd ones.
-        let order = if pair % 2 == 0 {
-            [Mode::PerMicroBatch, Mode::Deferred]
-        } else {
-            [Mode::Deferred, Mode::PerMicroBatch]
-        };
-        let mut ms = [0.0f64; 2];
-        for mode in order {
+        // A: per-micro-batch, B: deferred.
+        let (pmb, def) = abba_pair(pair, |side| {
+            let mode = match side {
+                Side::A => Mode::PerMicroBatch,
+                Side::B => Mode::Deferred,
+            };
             let job = job_args(spec, mode, args.steps, &args.set, scratch);
             let mut job = Plan::new(spec.hosts, spec.devices_per_host, &spec.link, &job)?.job;
             job.push("resume=fresh".into());
@@ -323,14 +318,11 @@ fn run_cell(
                     run.exit_code
                 );
             }
-            let slot = usize::from(mode == Mode::Deferred);
-            ms[slot] = run.median_step_ms();
-            match mode {
-                Mode::PerMicroBatch => per_mb.push(run),
-                Mode::Deferred => deferred.push(run),
-            }
-        }
-        speedups.push(ms[0] / ms[1].max(1e-9));
+            Ok(run)
+        })?;
+        speedups.push(pmb.median_step_ms() / def.median_step_ms().max(1e-9));
+        per_mb.push(pmb);
+        deferred.push(def);
     }
     let (per_micro_batch, deferred) = (summarize(&per_mb), summarize(&deferred));
     let wire_ratio = deferred.wire_bytes_per_step / per_micro_batch.wire_bytes_per_step.max(1.0);

@@ -1,0 +1,274 @@
+//! `ferrotext bench ...`: benchmarks that write JSON and print a table, one submodule each, and
+//! what they share: the median, the ABBA pairing of two configurations, and writing the results.
+//!
+//! Times are medians over repetitions within one process; compare the ratios, not the absolute
+//! numbers (the machine is shared and noisy). Two configurations are compared in ABBA-ordered
+//! pairs ([`abba_pair`]), so a drift of the machine during the run falls on both alike.
+
+mod cluster;
+mod collectives;
+mod ga;
+mod kernels;
+mod moe;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Subcommand;
+use ferrotext_train::StepMetrics;
+
+use crate::launch::Launch;
+
+use cluster::ClusterArgs;
+use collectives::{Backend, Plan};
+
+/// The benchmarks.
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// All-reduce bandwidth from 4 KiB to 64 MiB next to memcpy of the same buffer. With
+    /// `--backend mpi`, run under `mpirun -n P`: one `data` mesh of P × `--local-devices`.
+    Collectives {
+        /// Device counts to run (a one-axis `data` mesh each; local backend).
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        devices: Vec<usize>,
+        /// Smallest buffer in bytes (sizes grow ×4).
+        #[arg(long, default_value_t = 4 << 10)]
+        min_bytes: usize,
+        /// Largest buffer in bytes.
+        #[arg(long, default_value_t = 64 << 20)]
+        max_bytes: usize,
+        /// Which transport.
+        #[arg(long, value_enum, default_value_t = Backend::Local)]
+        backend: Backend,
+        /// Device threads per process (`--backend mpi`).
+        #[arg(long, default_value_t = 1)]
+        local_devices: usize,
+        /// Run collectives across processes flat, not hierarchically (`--backend mpi`).
+        #[arg(long)]
+        flat: bool,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/collectives.json")]
+        out: PathBuf,
+    },
+    /// Step time with the gradient reduction deferred vs per micro-batch, GA ∈ {1,2,4,8}, data=4,
+    /// in one process, ABBA-paired; JSON plus the fit of o, c, a.
+    Ga {
+        /// Model preset.
+        #[arg(long, default_value = "qwen3-peer")]
+        model: String,
+        /// GA values.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+        ga: Vec<usize>,
+        /// Timed (deferred, untagged) step pairs per GA.
+        #[arg(long, default_value_t = 4)]
+        pairs: usize,
+        /// Extra `key=value` train overrides.
+        #[arg(long = "set")]
+        set: Vec<String>,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/ga.json")]
+        out: PathBuf,
+    },
+    /// The MoE sweeps (GA, tokens per micro-batch, experts, depth): deferred vs per-micro-batch
+    /// reduction, ABBA-paired in one process, with predicted speedups and peak memory; JSON and
+    /// an SVG plot.
+    Moe {
+        /// MoE model preset.
+        #[arg(long, default_value = "qwen3-moe-bench")]
+        model: String,
+        /// Timed (tagged, untagged) step pairs per point.
+        #[arg(long, default_value_t = 3)]
+        pairs: usize,
+        /// Extra `key=value` train overrides.
+        #[arg(long = "set")]
+        set: Vec<String>,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/moe.json")]
+        out: PathBuf,
+        /// Where to write the plot.
+        #[arg(long, default_value = "target/bench/moe.svg")]
+        svg: PathBuf,
+    },
+    /// Deferred vs per-micro-batch gradient reduction on emulated clusters (hosts × links × GA,
+    /// ABBA-paired `mpirun` jobs through `ferrotext emulate`'s network): step time, bytes on the
+    /// links; JSON and an SVG plot. Needs what `emulate` needs (root, `ip`, `tc`, `mpirun`).
+    Cluster(ClusterArgs),
+    /// GFLOP/s of the matmul shapes of a transformer layer (forward and both backward products)
+    /// through `dot_general`, next to the `gemm` crate called directly on the same layout.
+    Kernels {
+        /// Model widths to run.
+        #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+        d_model: Vec<usize>,
+        /// Tokens per matmul (rows of the activations).
+        #[arg(long, default_value_t = 1024)]
+        tokens: usize,
+        /// Thread counts to run.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        threads: Vec<usize>,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/kernels.json")]
+        out: PathBuf,
+    },
+}
+
+/// Runs one benchmark.
+pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
+    match which {
+        BenchCommand::Collectives {
+            devices,
+            min_bytes,
+            max_bytes,
+            backend,
+            local_devices,
+            flat,
+            out,
+        } => {
+            let plan = match backend {
+                Backend::Local => Plan::Local { devices },
+                Backend::Mpi => Plan::Mpi {
+                    local_devices,
+                    flat,
+                },
+            };
+            collectives::run(launch, &plan, min_bytes, max_bytes, &out)
+        }
+        BenchCommand::Ga {
+            model,
+            ga,
+            pairs,
+            set,
+            out,
+        } => ga::run(&model, &ga, pairs, &set, &out),
+        BenchCommand::Moe {
+            model,
+            pairs,
+            set,
+            out,
+            svg,
+        } => moe::run(&model, pairs, &set, &out, &svg),
+        BenchCommand::Cluster(args) => {
+            let predict = cluster::cost_model(args.set(), args.steps());
+            cluster::run(&args, Some(&predict))
+        }
+        BenchCommand::Kernels {
+            d_model,
+            tokens,
+            threads,
+            out,
+        } => kernels::run(&d_model, tokens, &threads, &out),
+    }
+}
+
+/// The median of timings (0 for none; the upper middle one of an even count).
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// The cores of this machine (recorded in the reports).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |c| c.get())
+}
+
+/// One of the two configurations a paired benchmark compares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// The first: run first in even pairs.
+    A,
+    /// The second: run first in odd pairs.
+    B,
+}
+
+/// Pair `i` of an ABBA-ordered comparison: `run(A)` then `run(B)` when `i` is even, `run(B)` then
+/// `run(A)` when it is odd, so a machine that drifts (warms up, gets busier) slows both sides
+/// alike over every two pairs. Returns `(A's result, B's result)`.
+///
+/// # Errors
+/// The first error of `run`; the pair stops there.
+pub(crate) fn abba_pair<T, E>(
+    i: usize,
+    mut run: impl FnMut(Side) -> Result<T, E>,
+) -> Result<(T, T), E> {
+    if i % 2 == 0 {
+        let a = run(Side::A)?;
+        Ok((a, run(Side::B)?))
+    } else {
+        let b = run(Side::B)?;
+        Ok((run(Side::A)?, b))
+    }
+}
+
+/// One ABBA pair of training steps: each side's step time and loss.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepPair {
+    /// A's step time, seconds.
+    pub a_seconds: f64,
+    /// B's step time, seconds.
+    pub b_seconds: f64,
+    /// A's loss.
+    pub a_loss: f64,
+    /// B's loss.
+    pub b_loss: f64,
+}
+
+impl StepPair {
+    /// The pair of A's step `a` and B's step `b`.
+    pub fn of(a: &StepMetrics, b: &StepMetrics) -> StepPair {
+        StepPair {
+            a_seconds: a.seconds,
+            b_seconds: b.seconds,
+            a_loss: a.loss,
+            b_loss: b.loss,
+        }
+    }
+}
+
+/// The statistics of a run of [`StepPair`]s.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Paired {
+    /// Median of A's step times, seconds.
+    pub a_seconds: f64,
+    /// Median of B's step times, seconds.
+    pub b_seconds: f64,
+    /// Median over pairs of B's time / A's time (the speedup of A over B, paired).
+    pub b_over_a: f64,
+    /// Largest `|A's loss − B's loss|` over the pairs (both sides compute the same steps).
+    pub max_abs_loss_diff: f64,
+}
+
+impl Paired {
+    /// The statistics of `pairs` (all zero for none).
+    pub fn of(pairs: &[StepPair]) -> Paired {
+        Paired {
+            a_seconds: median(pairs.iter().map(|p| p.a_seconds).collect()),
+            b_seconds: median(pairs.iter().map(|p| p.b_seconds).collect()),
+            b_over_a: median(pairs.iter().map(|p| p.b_seconds / p.a_seconds).collect()),
+            max_abs_loss_diff: pairs
+                .iter()
+                .map(|p| (p.a_loss - p.b_loss).abs())
+                .fold(0.0, f64::max),
+        }
+    }
+}
+
+/// Writes `contents` to `path`, creating its folder first.
+///
+/// # Errors
+/// The folder or the file cannot be written (the message names the path).
+fn write_file(path: &Path, contents: impl AsRef<[u8]>) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Writes `report` to `path` as pretty-printed JSON (see [`write_file`]).
+///
+/// # Errors
+/// As [`write_file`].
+fn write_json(path: &Path, report: &impl serde::Serialize) -> Result<()> {
+    write_file(path, serde_json::to_string_pretty(report)?)
+}
