@@ -578,7 +578,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     }
     if let Some(values) = &report.values {
         let path = PathBuf::from(&config.save_parameters_path);
-        io::save_final_parameters(&config, &report.params, values)?;
+        io::save_final_parameters(config, &report.params, values)?;
         println!("parameters: {}", path.display());
     }
     Ok(())

@@ -113,8 +113,10 @@ fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
     let dir = std::env::temp_dir().join(format!("ferrotext-bad-{}", std::process::id()));
     let out = format!("base_output_directory={}", dir.display());
     let cases: &[(&[&str], &str)] = &[
-        (&["no_such_key=1"], "unknown field `no_such_key`"),
+        (&["no_such_key=1"], "unknown key `no_such_key`"),
+        (&["step=10"], "unknown key `step`; did you mean `steps`?"),
         (&["steps=many"], "invalid type"),
+        (&["steps=many"], "(`steps` takes integer)"),
         (
             &["learning_rate=-1"],
             "learning_rate must be a finite number in (0, ∞)",

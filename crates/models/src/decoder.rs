@@ -613,7 +613,7 @@ impl Decoder {
         6.0 * matmul_weights as f64 + attention
     }
 
-    /// The cross-entropy *sum* over the target tokens of a batch (`u32::MAX` targets are
+    /// The cross-entropy *sum* over the target tokens of a batch ([`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are
     /// ignored), as a plain scalar. `params` are in [`Decoder::params`] order, laid out and
     /// tagged by the caller; `inputs` and `targets` are `[B, T]`.
     ///

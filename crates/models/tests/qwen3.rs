@@ -46,7 +46,7 @@ fn tokens() -> (Vec<u32>, Vec<u32>) {
     let mut targets: Vec<u32> = (0..B)
         .flat_map(|b| seq[b * (T + 1) + 1..(b + 1) * (T + 1)].to_vec())
         .collect();
-    targets[3] = u32::MAX; // one ignored token
+    targets[3] = ferrotext_spmd::IGNORE_INDEX; // one ignored token
     (inputs, targets)
 }
 

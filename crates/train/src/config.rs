@@ -323,9 +323,12 @@ fn name_the_key(table: &toml::Table, err: &toml::de::Error) -> (String, String) 
         if let Err(e) = toml::Value::Table(alone).try_into::<TrainConfig>() {
             let first = e.message().lines().next().unwrap_or_default().to_string();
             if first.starts_with("unknown field") {
-                return (key.clone(), first);
+                // serde lists every field; the user wants the one they meant.
+                return (key.clone(), crate::keys::unknown_key_message(key));
             }
-            return (key.clone(), format!("{key} = {value}: {first}"));
+            let form = crate::keys::find(key)
+                .map_or(String::new(), |k| format!(" (`{key}` takes {})", k.form));
+            return (key.clone(), format!("{key} = {value}: {first}{form}"));
         }
     }
     (String::new(), message)
@@ -994,7 +997,8 @@ mod tests {
     #[test]
     fn bad_input_is_one_clear_line() {
         let msg = |items: &[&str]| load(items).unwrap_err().to_string();
-        assert!(msg(&["no_such_key=1"]).contains("unknown field `no_such_key`"));
+        assert!(msg(&["no_such_key=1"]).contains("unknown key `no_such_key`"));
+        assert!(msg(&["stepz=1"]).contains("unknown key `stepz`; did you mean `steps`?"));
         assert!(msg(&["steps=abc"]).contains("invalid type"));
         assert!(msg(&["ici_data_parallelism=3"]).contains("does not match local_devices = 4"));
         assert!(msg(&["shard_mode=manual"]).contains("unknown variant `manual`"));

@@ -363,7 +363,7 @@ impl Engine {
     }
 
     /// A micro-batch from its global rows (each `len + 1` tokens: inputs then shifted targets;
-    /// `u32::MAX` targets are ignored). Every device passes the same rows and keeps its block.
+    /// [`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are ignored). Every device passes the same rows and keeps its block.
     ///
     /// # Errors
     /// Rows of unequal length, or a count the batch axes do not divide.
@@ -376,7 +376,10 @@ impl Engine {
         }
         let inputs: Vec<u32> = rows.iter().flat_map(|s| s[..len].iter().copied()).collect();
         let targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();
-        let tokens = targets.iter().filter(|&&t| t != u32::MAX).count() as u64;
+        let tokens = targets
+            .iter()
+            .filter(|&&t| t != ferrotext_spmd::IGNORE_INDEX)
+            .count() as u64;
         let shape = [rows.len(), len];
         let spec = if rows.len() == self.plan.config().micro_batch_rows() {
             self.plan.batch_spec().clone()
