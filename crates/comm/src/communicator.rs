@@ -37,6 +37,15 @@ pub struct OpInfo {
     pub root: usize,
 }
 
+/// A profiler span for a foreground collective (the time includes waiting for the group);
+/// `None` unless the profiler records this thread.
+fn profile_span(op: &OpInfo) -> Option<ferrotext_profile::Span> {
+    ferrotext_profile::span_in(op.kind.name(), ferrotext_profile::Phase::Collective).map(|s| {
+        s.bytes((op.elements * op.dtype.size_bytes()) as f64)
+            .shapes(|| format!("{}[{}] over {}", op.dtype, op.elements, op.axes.join(",")))
+    })
+}
+
 impl OpInfo {
     /// A short description for error messages: `all_reduce over [data] of 1024 f32`.
     pub fn describe(&self) -> String {
@@ -437,6 +446,7 @@ impl Communicator {
         buf: &mut [T],
     ) -> Result<(), CommError> {
         let op = self.begin::<T, S>(CollectiveKind::AllReduce, axes, buf.len(), 0)?;
+        let _span = profile_span(&op);
         if op.group.len() == 1 {
             return Ok(());
         }
@@ -456,6 +466,7 @@ impl Communicator {
         output: &mut [T],
     ) -> Result<(), CommError> {
         let op = self.begin::<T, S>(CollectiveKind::ReduceScatter, axes, input.len(), 0)?;
+        let _span = profile_span(&op);
         self.check_len(
             &op,
             input.len(),
@@ -479,6 +490,7 @@ impl Communicator {
         output: &mut [T],
     ) -> Result<(), CommError> {
         let op = self.begin::<T, S>(CollectiveKind::AllGather, axes, output.len(), 0)?;
+        let _span = profile_span(&op);
         self.check_len(
             &op,
             output.len(),
@@ -502,6 +514,7 @@ impl Communicator {
         output: &mut [T],
     ) -> Result<(), CommError> {
         let op = self.begin::<T, S>(CollectiveKind::AllToAll, axes, input.len(), 0)?;
+        let _span = profile_span(&op);
         self.check_len(&op, output.len(), input.len(), "output", "input")?;
         let n = op.group.len();
         let rounded = input.len() / n * n;
@@ -527,6 +540,7 @@ impl Communicator {
         buf: &mut [T],
     ) -> Result<(), CommError> {
         let op = self.begin::<T, S>(CollectiveKind::Broadcast, axes, buf.len(), root)?;
+        let _span = profile_span(&op);
         if root >= op.group.len() {
             return Err(self.bad(&op, format!("root rank {root} is not in the group")));
         }
@@ -542,6 +556,7 @@ impl Communicator {
     /// As [`Communicator::all_reduce`].
     pub fn barrier<S: AsRef<str>>(&mut self, axes: &[S]) -> Result<(), CommError> {
         let op = self.begin::<f32, S>(CollectiveKind::Barrier, axes, 0, 0)?;
+        let _span = profile_span(&op);
         if op.group.len() == 1 {
             return Ok(());
         }

@@ -191,6 +191,7 @@ impl Pending {
     /// The collective's own error (mismatch, departed peer, timeout), or a stream thread that
     /// stopped.
     pub fn wait(self) -> Result<Vec<f32>, CommError> {
+        let _span = ferrotext_profile::span_in("stream_wait", ferrotext_profile::Phase::Collective);
         let lost = self.lost();
         match self.state {
             State::Done(result) => result,

@@ -96,3 +96,78 @@ fn keys_lists_every_group_with_defaults() {
         .expect("a steps line");
     assert!(steps.contains("default 300"), "{steps}");
 }
+
+#[test]
+fn profile_accounts_for_the_profiled_steps_and_writes_a_chrome_trace() {
+    let root = std::env::temp_dir().join(format!("ferrotext-profile-{}", std::process::id()));
+    let out = ferrotext(&[
+        "train",
+        &format!("base_output_directory={}", root.display()),
+        "run_name=profiled",
+        "steps=3",
+        "base_emb_dim=32",
+        "base_mlp_dim=64",
+        "head_dim=8",
+        "max_target_length=16",
+        "profile=true",
+        "profile_steps=1:3",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Two steps on four devices; the backward's matmuls, the step's one all-reduce phase and
+    // the optimizer all appear.
+    assert!(
+        stdout.contains("profile: 2 step(s) × 4 device(s)"),
+        "{stdout}"
+    );
+    for row in ["dot_general", "all_reduce", "optimizer"] {
+        assert!(
+            stdout.lines().any(|l| l.trim_start().starts_with(row)),
+            "{row}: {stdout}"
+        );
+    }
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.contains("dot_general") && l.contains("backward")),
+        "{stdout}"
+    );
+    let run = root.join("profiled");
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.join("profile-trace.json")).expect("the trace"))
+            .expect("JSON");
+    let events = trace["traceEvents"].as_array().expect("events");
+    let tracks: std::collections::BTreeSet<_> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| e["tid"].as_u64())
+        .collect();
+    assert_eq!(tracks.len(), 4, "one track per device");
+    let steps: Vec<_> = events.iter().filter(|e| e["name"] == "step").collect();
+    assert_eq!(steps.len(), 2 * 4, "two profiled steps per device");
+    assert!(std::fs::read_to_string(run.join("profile.txt"))
+        .expect("table")
+        .contains("phases:"));
+    std::fs::remove_dir_all(&root).ok();
+}
+
+#[test]
+fn bad_profile_steps_are_a_usage_error() {
+    for steps in ["3", "2:1", "x:4", "9:12"] {
+        let out = ferrotext(&[
+            "train",
+            "steps=5",
+            "profile=true",
+            &format!("profile_steps={steps}"),
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{steps}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // "3" is not even a string to TOML; the others parse and fail the range check.
+        assert!(stderr.contains("profile_steps") && stderr.contains("a:b"), "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    }
+}

@@ -19,11 +19,11 @@ mod report;
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 pub use chrome::chrome_trace;
-pub use report::{Report, Row, Totals};
+pub use report::{Report, Row, Totals, STEP_KIND};
 
 /// What part of a step an op belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -150,6 +150,25 @@ pub fn end_thread() -> Vec<Event> {
             .map(|rec| rec.events)
             .unwrap_or_default()
     })
+}
+
+static COLLECTED: Mutex<Vec<Event>> = Mutex::new(Vec::new());
+
+/// Stops recording on this thread and adds its events to the process's collection, for
+/// [`take_collected`] (device threads end before the caller reads the profile).
+pub fn finish_thread() {
+    let events = end_thread();
+    if !events.is_empty() {
+        // A poisoned lock only means another thread panicked while pushing; keep its events.
+        let mut all = COLLECTED.lock().unwrap_or_else(|e| e.into_inner());
+        all.extend(events);
+    }
+}
+
+/// Takes every event that [`finish_thread`] collected in this process.
+pub fn take_collected() -> Vec<Event> {
+    let mut all = COLLECTED.lock().unwrap_or_else(|e| e.into_inner());
+    std::mem::take(&mut *all)
 }
 
 /// Marks the step the thread is in (`Some`) and records from now on, or pauses recording

@@ -284,6 +284,8 @@ impl Ctx<'_> {
         leaves: &[Array],
         on_final: &mut dyn FnMut(&mut Ctx<'_>, usize, &Array) -> Result<(), SpmdError>,
     ) -> Result<Vec<Array>, SpmdError> {
+        // Ops recorded by the profiler during the walk count as backward.
+        let _phase = ferrotext_profile::phase_scope(ferrotext_profile::Phase::Backward);
         let n = tape.nodes.len();
         let mut cts: Vec<Option<Array>> = (0..n).map(|_| None).collect();
         if let Some(v) = out.var {

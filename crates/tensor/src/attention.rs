@@ -133,6 +133,7 @@ pub fn causal_attention(
     scale: f32,
     threads: usize,
 ) -> Result<Attention, TensorError> {
+    let _span = ferrotext_profile::span("causal_attention");
     let d = Dims::of(q, k, v, "causal_attention")?;
     let (tt, heads) = (d.t * d.t, d.b * d.h);
     let mut probs = vec![0.0f32; heads * tt];
@@ -182,6 +183,7 @@ pub fn causal_attention_backward(
     scale: f32,
     threads: usize,
 ) -> Result<(Tensor, Tensor, Tensor), TensorError> {
+    let _span = ferrotext_profile::span("causal_attention_backward");
     let d = Dims::of(q, k, v, "causal_attention_backward")?;
     if probs.shape() != [d.b, d.h, d.t, d.t] || dout.shape() != [d.b, d.t, d.h, d.dv] {
         return Err(TensorError::shape(

@@ -11,6 +11,7 @@ use crate::tensor::Tensor;
 impl Tensor {
     /// `f` applied to every element.
     pub fn map(&self, f: impl Fn(f32) -> f32) -> Tensor {
+        let _span = ferrotext_profile::span("elementwise");
         Tensor::new(
             self.shape().to_vec(),
             self.data().iter().map(|&x| f(x)).collect(),
@@ -28,6 +29,7 @@ impl Tensor {
         other: &Tensor,
         f: impl Fn(f32, f32) -> f32,
     ) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("elementwise");
         if self.shape() == other.shape() {
             let data = self
                 .data()
@@ -48,6 +50,7 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when it does not broadcast.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("broadcast");
         if self.rank() > shape.len() {
             return Err(TensorError::shape(
                 "broadcast_to",
@@ -95,6 +98,7 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when the shapes differ.
     pub fn add_assign(&mut self, other: &Tensor) -> Result<(), TensorError> {
+        let _span = ferrotext_profile::span("elementwise");
         if self.shape() != other.shape() {
             return Err(TensorError::shape(
                 "add_assign",
@@ -111,6 +115,7 @@ impl Tensor {
 
     /// Every element times `k`.
     pub fn scale(&self, k: f32) -> Tensor {
+        let _span = ferrotext_profile::span("elementwise");
         if tasks_for(self.len(), kernel_threads()) == 1 {
             return self.map(|x| x * k);
         }
@@ -131,6 +136,7 @@ impl Tensor {
         other: &Tensor,
         f: impl Fn(f32, f32) -> f32 + Sync,
     ) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("elementwise");
         if self.shape() != other.shape() || tasks_for(self.len(), kernel_threads()) == 1 {
             return self.zip_with(other, f); // one pass collecting, no zeroed buffer first
         }

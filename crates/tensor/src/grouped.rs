@@ -20,6 +20,7 @@ pub const PAD_ROW: u32 = u32::MAX;
 /// # Errors
 /// A rank-0 `x` or an index past its rows.
 pub fn take_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("take_rows");
     let (&n, rest) = x
         .shape()
         .split_first()
@@ -46,6 +47,7 @@ pub fn take_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor, TensorError> {
 /// # Errors
 /// `src` not `[rows.len(), shape[1..]]`, or an index past `shape[0]`.
 pub fn scatter_rows(shape: &[usize], rows: &[u32], src: &Tensor) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("scatter_rows");
     let n = shape.first().copied().unwrap_or(0);
     let width: usize = shape.iter().skip(1).product();
     if src.len() != rows.len() * width || rows.iter().any(|&r| r != PAD_ROW && r as usize >= n) {
@@ -111,6 +113,7 @@ pub fn grouped_matmul(
     group_sizes: &[usize],
     threads: usize,
 ) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("grouped_matmul");
     let (d, f, _) = check("grouped_matmul", x, w, group_sizes)?;
     let mut y = vec![0.0f32; x.shape()[0] * f];
     let mut row = 0;
@@ -148,6 +151,7 @@ pub fn grouped_matmul_backward(
     dy: &Tensor,
     threads: usize,
 ) -> Result<(Tensor, Tensor), TensorError> {
+    let _span = ferrotext_profile::span("grouped_matmul_backward");
     let (d, f, e) = check("grouped_matmul_backward", x, w, group_sizes)?;
     let n = x.shape()[0];
     if dy.shape() != [n, f] {

@@ -202,6 +202,11 @@ pub fn dot_general(
     let b = as_stack(rhs, &dims.rhs_batch, &dims.rhs_contracting, &rf)?;
     let batch: usize = dims.lhs_batch.iter().map(|&d| lhs.shape()[d]).product();
     let (m, k, n) = (a.rows.0, a.cols.0, b.cols.0);
+    let _span = ferrotext_profile::span("dot_general").map(|s| {
+        s.flops(2.0 * (batch * m * n) as f64 * k as f64)
+            .bytes(4.0 * (batch * (m * k + k * n + m * n)) as f64)
+            .shapes(|| format!("{:?} x {:?}", lhs.shape(), rhs.shape()))
+    });
     let mut out = vec![0.0f32; batch * m * n];
     if m == 0 || n == 0 || k == 0 || batch == 0 {
         return Tensor::new(out_shape, out);

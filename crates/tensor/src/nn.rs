@@ -38,6 +38,7 @@ fn same_shape(a: &Tensor, b: &Tensor, op: &'static str) -> Result<(), TensorErro
 /// # Errors
 /// An empty last dimension.
 pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("softmax_last");
     let n = last_dim(x, "softmax")?;
     let mut y = x.clone();
     for_each_chunk(y.data_mut(), n, kernel_threads(), |_, row| softmax_row(row));
@@ -64,6 +65,7 @@ fn softmax_row(row: &mut [f32]) {
 /// # Errors
 /// The last two dims are not square.
 pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("causal_softmax");
     let r = x.rank();
     if r < 2 || x.shape()[r - 1] != x.shape()[r - 2] {
         return Err(TensorError::shape(
@@ -99,6 +101,7 @@ pub(crate) fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
 /// # Errors
 /// Shapes differ.
 pub fn softmax_last_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("softmax_last_backward");
     softmax_backward_scaled(y, dy, 1.0)
 }
 
@@ -107,6 +110,7 @@ pub fn softmax_last_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor, TensorEr
 /// # Errors
 /// Shapes differ.
 pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("softmax_backward_scaled");
     same_shape(y, dy, "softmax_backward")?;
     let n = last_dim(y, "softmax_backward")?;
     let mut dx = dy.clone();
@@ -130,6 +134,7 @@ pub(crate) fn softmax_backward_row(drow: &mut [f32], yrow: &[f32], scale: f32) {
 /// # Errors
 /// `scale` is not the last dim's length.
 pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32>), TensorError> {
+    let _span = ferrotext_profile::span("rms_norm");
     let n = last_dim(x, "rms_norm")?;
     if scale.shape() != [n] {
         return Err(TensorError::shape(
@@ -168,6 +173,7 @@ pub fn rms_norm_backward(
     inv_rms: &[f32],
     dy: &Tensor,
 ) -> Result<(Tensor, Tensor), TensorError> {
+    let _span = ferrotext_profile::span("rms_norm_backward");
     same_shape(x, dy, "rms_norm_backward")?;
     let n = last_dim(x, "rms_norm_backward")?;
     if inv_rms.len() * n != x.len() || scale.shape() != [n] {
@@ -220,6 +226,7 @@ pub fn rope(
 /// # Errors
 /// Shapes differ.
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("swiglu");
     same_shape(g, u, "swiglu")?;
     let mut y = vec![0.0f32; g.len()];
     for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, out| {
@@ -244,6 +251,7 @@ pub fn swiglu_backward(
     u: &Tensor,
     dy: &Tensor,
 ) -> Result<(Tensor, Tensor), TensorError> {
+    let _span = ferrotext_profile::span("swiglu_backward");
     same_shape(g, u, "swiglu_backward")?;
     same_shape(g, dy, "swiglu_backward")?;
     let n = g.len();
@@ -273,6 +281,7 @@ pub fn swiglu_backward(
 
 /// `silu(x) = x·σ(x)`.
 pub fn silu(x: &Tensor) -> Tensor {
+    let _span = ferrotext_profile::span("silu");
     let mut y = x.clone();
     for_each_chunk(y.data_mut(), BLOCK, kernel_threads(), |_, c| {
         c.iter_mut().for_each(|v| *v = *v / (1.0 + (-*v).exp()));
@@ -285,6 +294,7 @@ pub fn silu(x: &Tensor) -> Tensor {
 /// # Errors
 /// Shapes differ.
 pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("silu_backward");
     let f = |v: f32, d: f32| {
         let s = 1.0 / (1.0 + (-v).exp());
         d * s * (1.0 + v * (1.0 - s))
@@ -328,6 +338,7 @@ pub fn cross_entropy(
     mask: &[f32],
     z_loss: f32,
 ) -> Result<CrossEntropy, TensorError> {
+    let _span = ferrotext_profile::span("cross_entropy");
     let v = last_dim(logits, "cross_entropy")?;
     let n = logits.len() / v;
     if logits.rank() != 2 || targets.len() != n || mask.len() != n {
@@ -399,6 +410,7 @@ pub fn cross_entropy_backward(
     z_loss: f32,
     dloss: f32,
 ) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("cross_entropy_backward");
     let probs = &ce.probs;
     let v = last_dim(probs, "cross_entropy_backward")?;
     if targets.len() * v != probs.len()
@@ -432,6 +444,7 @@ pub fn cross_entropy_backward(
 /// # Errors
 /// `axis` out of range or an index out of bounds.
 pub fn gather(x: &Tensor, axis: usize, indices: &[u32]) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("gather");
     let extent = *x
         .shape()
         .get(axis)
@@ -467,6 +480,7 @@ pub fn scatter_add(
     indices: &[u32],
     src: &Tensor,
 ) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("scatter_add");
     let extent = *shape
         .get(axis)
         .ok_or_else(|| TensorError::shape("scatter_add", format!("no axis {axis}")))?;
@@ -509,6 +523,7 @@ const TOP_K_INSERTION_MAX: usize = 16;
 /// # Errors
 /// `k` is 0 or larger than the row.
 pub fn top_k(x: &Tensor, k: usize) -> Result<(Tensor, Vec<u32>), TensorError> {
+    let _span = ferrotext_profile::span("top_k");
     let n = last_dim(x, "top_k")?;
     if k == 0 || k > n {
         return Err(TensorError::shape(

@@ -99,6 +99,7 @@ pub fn rope_with(
     rope: &Rope,
     inverse: bool,
 ) -> Result<Tensor, TensorError> {
+    let _span = ferrotext_profile::span("rope_with");
     let r = x.rank();
     if r < 3 || x.shape()[r - 1] % 2 != 0 || positions.len() != x.shape()[r - 3] {
         return Err(TensorError::shape(

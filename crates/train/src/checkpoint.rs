@@ -49,9 +49,11 @@ use crate::config::{DatasetOrder, OptType, ResumeMode, TrainConfig};
 use crate::engine::{Engine, EngineState, Restored, RestoredPending};
 use crate::error::TrainError;
 
-/// The manifest format this build writes and the only one it reads (2: the manifest is sealed by
-/// `manifest.sha256` and records the data position; 1 had no seal and is refused).
-pub const FORMAT_VERSION: u32 = 2;
+/// The manifest format this build writes and the only one it reads (3: every parameter is stored
+/// under its Hugging Face names and orientation, MoE experts unstacked; 2 stored the router and
+/// `kv_a_proj_with_mqa` in ferrotext's own orientation and stacked experts, which a square matrix
+/// would load silently transposed; 1 had no manifest seal). Older formats are refused.
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The manifest's seal: `<sha256 hex>  manifest.json`, as `sha256sum` writes it.
 pub const MANIFEST_SEAL: &str = "manifest.sha256";
@@ -82,6 +84,8 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "nan_policy",
     "grad_bucket_mb",
     "overlap_grad_reduce",
+    "profile",
+    "profile_steps",
 ];
 
 /// The layout keys: a checkpoint restores onto another mesh or mode as long as the global
@@ -568,13 +572,16 @@ fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
         ));
     }
     if version < u64::from(FORMAT_VERSION) {
+        let why = if version < 2 {
+            "has no manifest seal and cannot be verified"
+        } else {
+            "stores MoE and MLA weights in an orientation this ferrotext no longer reads"
+        };
         return Err(ckpt_err(
             &manifest_path,
             format!(
-                "format version {version} has no manifest seal and cannot be verified (this \
-                 ferrotext reads {FORMAT_VERSION}); its parameters load with \
-                 load_parameters_path={}",
-                dir.join("params.safetensors").display()
+                "format version {version} {why} (this ferrotext reads {FORMAT_VERSION}); start \
+                 the run over with resume=fresh"
             ),
         ));
     }

@@ -227,6 +227,13 @@ pub struct TrainConfig {
     /// as soon as every gradient in it is final, on a background stream; the update waits for
     /// them (bitwise the same weights).
     pub overlap_grad_reduce: bool,
+    /// Record every op of the steps in `profile_steps` on every device thread, and print a
+    /// table and write a Chrome trace at the end (`profile.txt`, `profile-trace.json`).
+    pub profile: bool,
+    /// The steps `profile` records, `a:b` (from step `a` up to, not including, `b`; `b` past
+    /// the last step stops there). Empty: steps 1 to 3 (step 0 pays for warm-up), or step 0 of
+    /// a one-step run.
+    pub profile_steps: String,
 }
 
 impl Default for TrainConfig {
@@ -295,6 +302,8 @@ impl Default for TrainConfig {
             collective_timeout_seconds: 300.0,
             grad_bucket_mb: 25.0,
             overlap_grad_reduce: false,
+            profile: false,
+            profile_steps: String::new(),
         }
     }
 }
@@ -632,6 +641,35 @@ impl TrainConfig {
         self.plan().map(drop)
     }
 
+    /// The steps `profile` records (`profile_steps`, validated by [`TrainConfig::validate`]).
+    pub fn profile_step_range(&self) -> std::ops::Range<usize> {
+        self.parse_profile_steps().unwrap_or(0..0)
+    }
+
+    fn parse_profile_steps(&self) -> Result<std::ops::Range<usize>, TrainError> {
+        let text = self.profile_steps.trim();
+        if text.is_empty() {
+            let first = usize::from(self.steps > 1);
+            return Ok(first..(first + 3).min(self.steps));
+        }
+        let bad = || {
+            TrainError::usage(
+                "profile_steps",
+                format!(
+                    "profile_steps must be `a:b` with a < b and a < steps ({}), got `{text}`",
+                    self.steps
+                ),
+            )
+        };
+        let (a, b) = text.split_once(':').ok_or_else(bad)?;
+        let a: usize = a.trim().parse().map_err(|_| bad())?;
+        let b: usize = b.trim().parse().map_err(|_| bad())?;
+        if a >= b || a >= self.steps {
+            return Err(bad());
+        }
+        Ok(a..b.min(self.steps))
+    }
+
     /// Counts that must be positive, the floats, and a whole micro-batch.
     pub(crate) fn check_scalars(&self) -> Result<(), TrainError> {
         for (key, v) in [
@@ -650,6 +688,7 @@ impl TrainConfig {
             }
         }
         self.check_floats()?;
+        self.parse_profile_steps()?;
         if crate::hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
             return Err(TrainError::usage(
                 "save_parameters_dtype",

@@ -19,6 +19,9 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `optim.rs` | [`Optimizer`], [`learning_rate`], [`clip_scale`] |
 | `checkpoint.rs` | checkpoints of an engine's state, mid-step too |
 | `data.rs`, `io.rs` | token sources; parameter files and the metrics log |
+| `hf/` | Hugging Face model directories in and out (`config.json`, sharded safetensors, bf16/f16) |
+| `keys.rs` | every key's group, form and meaning for `ferrotext keys`; nearest names for typos |
+| `sample.rs` | greedy / temperature / top-k / top-p token choice (for generation) |
 | `cost.rs` | the cost model behind `plan --cluster` |
 | `error.rs` | [`TrainError`] in four classes ([`ErrorClass`]) |
 

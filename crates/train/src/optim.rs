@@ -187,6 +187,7 @@ impl Optimizer {
         grads: &crate::gradients::Gradients,
         decay: &[bool],
     ) -> Result<(), crate::TrainError> {
+        let _span = ferrotext_profile::span_in("optimizer", ferrotext_profile::Phase::Optimizer);
         let grad_locals: Vec<&Tensor> = grads
             .arrays()
             .iter()

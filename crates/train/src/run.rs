@@ -2,6 +2,7 @@
 //! of this process, or this process's share under a [`Cluster`]), and each device runs the
 //! training loop in [`device_loop`] — the one place where a step's parts are put in order.
 
+use ferrotext_profile::{Phase, STEP_KIND};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -120,6 +121,9 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
 /// cluster, also processes started with different configs.
 pub fn train_plan(plan: &RunPlan, options: &RunOptions<'_>) -> Result<TrainReport, TrainError> {
     let config = plan.config();
+    if config.profile {
+        ferrotext_profile::enable();
+    }
     if let Some(cluster) = options.cluster {
         let described = format!("{config:?}");
         cluster.agree(
@@ -280,8 +284,20 @@ impl DeviceRun {
             .map_or(config.steps, |n| (start + n).min(config.steps));
         let checkpoints = config.enable_checkpointing;
         let mut metrics = Vec::with_capacity(end.saturating_sub(start));
+        let profiled = config.profile.then(|| config.profile_step_range());
+        if profiled.is_some() {
+            ferrotext_profile::begin_thread(cx.device());
+        }
         while trainer.engine().steps_taken() < end {
             let step = trainer.engine().steps_taken();
+            // 0. profiler: record this step if it is in `profile_steps` (a no-op when off).
+            ferrotext_profile::set_step(
+                profiled
+                    .as_ref()
+                    .filter(|r| r.contains(&step))
+                    .map(|_| step),
+            );
+            let step_span = ferrotext_profile::span_in(STEP_KIND, Phase::Other);
             // 1. learning rate: linear warmup, then cosine decay to the floor.
             let lr = learning_rate(config, step);
             // 2. micro-batches: forward, backward, accumulate. Deferral happens here: with the
@@ -298,6 +314,7 @@ impl DeviceRun {
             }
             // 3. update: the one reduction, ÷ tokens, clip, optimizer step.
             let m = trainer.update(cx, lr)?;
+            drop(step_span);
             if self.fault == Some(Fault::EngineMisuse) {
                 trainer.engine_mut().update(cx)?;
             }
@@ -311,6 +328,7 @@ impl DeviceRun {
             }
             metrics.push(m);
         }
+        ferrotext_profile::finish_thread();
         Ok(metrics)
     }
 }

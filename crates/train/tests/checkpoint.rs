@@ -350,10 +350,20 @@ fn corrupt_checkpoints_are_clear_errors() {
     let m = dir.join("manifest.json");
     let text = std::fs::read_to_string(&m)
         .unwrap()
-        .replace("\"format_version\": 2", "\"format_version\": 99");
+        .replace("\"format_version\": 3", "\"format_version\": 99");
     std::fs::write(&m, text).unwrap();
     assert!(restore_error(&cfg, &root)
-        .contains("format version 99 is newer than this ferrotext reads (2)"));
+        .contains("format version 99 is newer than this ferrotext reads (3)"));
+    // a manifest of format 2 (MoE/MLA weights in the old orientation): refused, named
+    let (root, dir) = fresh("older");
+    let m = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&m)
+        .unwrap()
+        .replace("\"format_version\": 3", "\"format_version\": 2");
+    std::fs::write(&m, text).unwrap();
+    assert!(restore_error(&cfg, &root).contains(
+        "format version 2 stores MoE and MLA weights in an orientation this ferrotext no longer reads"
+    ));
     // a manifest pointing outside its directory
     let (root, dir) = fresh("outside");
     let m = dir.join("manifest.json");
@@ -374,6 +384,7 @@ fn corrupt_checkpoints_are_clear_errors() {
         "shape",
         "missing",
         "newer",
+        "older",
         "outside",
         "latest",
     ] {
