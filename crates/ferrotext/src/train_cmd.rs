@@ -559,17 +559,18 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         report_profile(&metrics_path, launch.process(), step_time)?;
     }
     println!("metrics: {}", metrics_path.display());
-    // Process 0 wrote the metrics; the chart is a convenience, so failing to draw it only warns.
+    if let Some(values) = &report.values {
+        let path = PathBuf::from(&config.save_parameters_path);
+        io::save_final_parameters(config, &report.params, values)?;
+        println!("parameters: {}", path.display());
+    }
+    // Process 0 wrote the metrics; the chart is a convenience, so failing to draw it only warns; it comes
+    // last, so a failure before it is the run's one error line.
     if let (0, Some(run_dir)) = (launch.process(), metrics_path.parent()) {
         match crate::plot::plot_run(run_dir) {
             Ok(chart) => println!("loss curve: {}", chart.display()),
             Err(err) => eprintln!("warning: no loss curve: {err:#}"),
         }
-    }
-    if let Some(values) = &report.values {
-        let path = PathBuf::from(&config.save_parameters_path);
-        io::save_final_parameters(config, &report.params, values)?;
-        println!("parameters: {}", path.display());
     }
     Ok(())
 }

@@ -167,7 +167,10 @@ fn bad_profile_steps_are_a_usage_error() {
         assert_eq!(out.status.code(), Some(2), "{steps}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         // "3" is not even a string to TOML; the others parse and fail the range check.
-        assert!(stderr.contains("profile_steps") && stderr.contains("a:b"), "{stderr}");
+        assert!(
+            stderr.contains("profile_steps") && stderr.contains("a:b"),
+            "{stderr}"
+        );
         assert_eq!(stderr.lines().count(), 1, "{stderr}");
     }
 }

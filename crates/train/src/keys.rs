@@ -138,22 +138,33 @@ pub fn find(name: &str) -> Option<&'static Key> {
     KEYS.iter().find(|k| k.name == name)
 }
 
-/// Up to three valid keys nearest to `unknown`, nearest first: keys within a small edit
-/// distance, then keys that contain it (or that it contains) as a word part.
+/// Up to three valid keys nearest to `unknown`, nearest first: the keys within a small edit
+/// distance of it, or, when none is, the keys that contain it (or that it contains).
 pub fn nearest(unknown: &str) -> Vec<&'static str> {
     let unknown = unknown.trim().to_ascii_lowercase();
-    let mut scored: Vec<(usize, &'static str)> = KEYS
+    let mut close: Vec<(usize, &'static str)> = KEYS
         .iter()
-        .filter_map(|k| {
-            let distance = strsim::damerau_levenshtein(&unknown, k.name);
-            let close = distance <= (k.name.len().max(unknown.len()) / 3).max(2);
-            let part =
-                unknown.len() >= 3 && (k.name.contains(&unknown) || unknown.contains(k.name));
-            (close || part).then_some((if close { distance } else { 100 + distance }, k.name))
-        })
+        .map(|k| (strsim::damerau_levenshtein(&unknown, k.name), k.name))
+        .filter(|(d, name)| *d <= (name.len().max(unknown.len()) / 3).max(2))
         .collect();
-    scored.sort();
-    scored.into_iter().take(3).map(|(_, name)| name).collect()
+    close.sort();
+    if let Some(&(best, _)) = close.first() {
+        // Only the nearest (and any as near, give or take one edit).
+        return close
+            .into_iter()
+            .take_while(|(d, _)| *d <= best + 1)
+            .take(3)
+            .map(|(_, name)| name)
+            .collect();
+    }
+    if unknown.len() < 3 {
+        return Vec::new();
+    }
+    KEYS.iter()
+        .filter(|k| k.name.contains(&unknown) || unknown.contains(k.name))
+        .take(3)
+        .map(|k| k.name)
+        .collect()
 }
 
 /// The message for an unknown key: the key and the nearest valid names, or a pointer to the
