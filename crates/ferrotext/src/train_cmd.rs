@@ -447,16 +447,23 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
             m.loss,
             m.tokens as f64 / m.seconds
         ));
-        if m.step % (steps / 10).max(1) == 0 || m.step + 1 == steps || m.skipped {
+        if m.step % (steps / 10).max(1) == 0
+            || m.step + 1 == steps
+            || m.skipped
+            || m.eval_loss.is_some()
+        {
             let skipped = if m.skipped {
                 "  skipped: not finite"
             } else {
                 ""
             };
             let epoch = m.epoch.map_or(String::new(), |e| format!("  epoch {e}"));
+            let eval = m.eval_loss.map_or(String::new(), |l| {
+                format!("  eval_loss {l:.4} (ppl {:.2})", l.exp())
+            });
             bar.suspend(|| {
                 println!(
-                    "step {:>4}  loss {:.4}  grad_norm {:.3}  lr {:.2e}  {:.0} ms{epoch}{skipped}",
+                    "step {:>4}  loss {:.4}  grad_norm {:.3}  lr {:.2e}  {:.0} ms{epoch}{eval}{skipped}",
                     m.step,
                     m.loss,
                     m.grad_norm,
@@ -510,6 +517,16 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let mfu = report.flops_per_token * tok_s / peak.flops();
     println!("\nsummary");
     println!("  loss             {first:.4} -> {last:.4}");
+    if let Some((step, eval)) = m
+        .iter()
+        .rev()
+        .find_map(|x| x.eval_loss.map(|l| (x.step, l)))
+    {
+        println!(
+            "  eval loss        {eval:.4} (perplexity {:.2}) after step {step}",
+            eval.exp()
+        );
+    }
     if skipped > 0 {
         println!(
             "  skipped steps    {skipped} (loss or gradient not finite; nan_policy=skip_step)"

@@ -86,6 +86,9 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "overlap_grad_reduce",
     "profile",
     "profile_steps",
+    "eval_interval",
+    "eval_steps",
+    "eval_dataset_path",
 ];
 
 /// The layout keys: a checkpoint restores onto another mesh or mode as long as the global

@@ -227,9 +227,59 @@ pub struct TrainConfig {
     /// as soon as every gradient in it is final, on a background stream; the update waits for
     /// them (bitwise the same weights).
     pub overlap_grad_reduce: bool,
-    /// Record every op of the steps in `profile_steps` on every device thread, and print a
+    /// Steps between evaluations on held-out data (0: never); the last step always evaluates
+    /// when this is set. Needs held-out data: `eval_dataset_path`, `eval_split`, or synthetic
+    /// data (whose eval sequences come from their own stream).
+    pub eval_interval: usize,
+    /// Batches of `per_device_batch_size × devices` sequences per evaluation (the same batches
+    /// every time, so evaluations compare).
+    pub eval_steps: usize,
+    /// A file of held-out data, read like `dataset_path` (same `dataset_type` and `token_dtype`;
+    /// for `corpus` data, a text file).
+    pub eval_dataset_path: String,
+    /// The fraction of the data file (or the bundled corpus) held out for evaluation: training
+    /// reads only the first `1 − eval_split` of it, evaluation only the rest (0: none).
+    pub eval_split: f64,
+        /// Record every op of the steps in `profile_steps` on every device thread, and print a
     /// table and write a Chrome trace at the end (`profile.txt`, `profile-trace.json`).
     pub profile: bool,
+    /// The eval keys: a split in [0, 0.5], at least one eval batch, and held-out data when
+    /// evaluation is on.
+    fn check_eval(&self) -> Result<(), TrainError> {
+        if !(self.eval_split.is_finite() && (0.0..=0.5).contains(&self.eval_split)) {
+            return Err(TrainError::usage(
+                "eval_split",
+                format!(
+                    "eval_split must be a fraction in [0, 0.5], got {}",
+                    self.eval_split
+                ),
+            ));
+        }
+        if self.eval_steps == 0 {
+            return Err(TrainError::usage(
+                "eval_steps",
+                "eval_steps must be at least 1".into(),
+            ));
+        }
+        let held_out = !self.eval_dataset_path.is_empty()
+            || self.eval_split > 0.0
+            || self.dataset_type == DatasetType::Synthetic;
+        if self.eval_interval > 0 && !held_out {
+            return Err(TrainError::usage(
+                "eval_interval",
+                "eval_interval needs held-out data: set eval_split (e.g. 0.1) or eval_dataset_path"
+                    .into(),
+            ));
+        }
+        if self.eval_split > 0.0 && self.dataset_type == DatasetType::Synthetic {
+            return Err(TrainError::usage(
+                "eval_split",
+                "eval_split splits a data file; synthetic data has none (its eval sequences come from their own stream)".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The steps `profile` records, `a:b` (from step `a` up to, not including, `b`; `b` past
     /// the last step stops there). Empty: steps 1 to 3 (step 0 pays for warm-up), or step 0 of
     /// a one-step run.
@@ -302,6 +352,10 @@ impl Default for TrainConfig {
             collective_timeout_seconds: 300.0,
             grad_bucket_mb: 25.0,
             overlap_grad_reduce: false,
+            eval_interval: 0,
+            eval_steps: 1,
+            eval_dataset_path: String::new(),
+            eval_split: 0.0,
             profile: false,
             profile_steps: String::new(),
         }
@@ -689,6 +743,7 @@ impl TrainConfig {
         }
         self.check_floats()?;
         self.parse_profile_steps()?;
+        self.check_eval()?;
         if crate::hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
             return Err(TrainError::usage(
                 "save_parameters_dtype",

@@ -194,6 +194,92 @@ pub fn bundled_corpus() -> String {
 /// [`TrainError::Data`] for a missing, empty or too-short file, a token file whose length is not
 /// a whole number of tokens, or token ids beyond the model's vocabulary.
 pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSource>, TrainError> {
+    Ok(match build(config, vocab)? {
+        Built::Synthetic(s) => Box::new(s),
+        Built::Windows(w) if config.eval_split > 0.0 => Box::new(w.held_out(config, Part::Train)?),
+        Built::Windows(w) => Box::new(w),
+    })
+}
+
+/// The held-out source evaluation reads (`None` when `eval_interval` is 0): the
+/// `eval_dataset_path` file, else the last `eval_split` of the training data, else (synthetic
+/// data) a stream of its own. Held-out files and splits are read in order, window after window.
+///
+/// # Errors
+/// As [`source_for`], and a split that leaves either part shorter than one sequence.
+pub fn eval_source_for(
+    config: &TrainConfig,
+    vocab: usize,
+) -> Result<Option<Box<dyn TokenSource>>, TrainError> {
+    if config.eval_interval == 0 {
+        return Ok(None);
+    }
+    if !config.eval_dataset_path.is_empty() {
+        let mut eval = config.clone();
+        eval.dataset_path = config.eval_dataset_path.clone();
+        if eval.dataset_type == DatasetType::Corpus {
+            eval.dataset_type = DatasetType::Text;
+        }
+        eval.eval_split = 0.0;
+        eval.dataset_order = DatasetOrder::Sequential;
+        return source_for(&eval, vocab).map(Some);
+    }
+    Ok(Some(match build(config, vocab)? {
+        Built::Synthetic(s) => Box::new(Synthetic {
+            seed: s.seed ^ EVAL_STREAM,
+            vocab,
+        }),
+        Built::Windows(w) => Box::new(w.held_out(config, Part::Eval)?),
+    }))
+}
+
+/// The seed offset of synthetic data's evaluation stream.
+const EVAL_STREAM: u64 = 0xE7A1_0000_0000_0001;
+
+/// A source before any split.
+enum Built {
+    Synthetic(Synthetic),
+    Windows(Windows),
+}
+
+/// Which side of `eval_split` a source reads.
+#[derive(Clone, Copy, PartialEq)]
+enum Part {
+    Train,
+    Eval,
+}
+
+impl Windows {
+    /// The first `1 − eval_split` of the tokens (training) or the rest (evaluation, read in
+    /// order); the cut is at a token boundary.
+    fn held_out(mut self, config: &TrainConfig, part: Part) -> Result<Windows, TrainError> {
+        let need = config.max_target_length + 1;
+        let total = self.len();
+        let cut = ((total as f64) * (1.0 - config.eval_split)).floor() as usize;
+        let (kept, what) = match part {
+            Part::Train => (cut, "training"),
+            Part::Eval => (total - cut, "evaluation"),
+        };
+        if kept < need {
+            return Err(TrainError::Data(format!(
+                "eval_split = {} leaves {kept} tokens for {what}; a sequence needs {need}",
+                config.eval_split
+            )));
+        }
+        let bytes = cut * self.width;
+        self.data = match part {
+            Part::Train => self.data[..bytes].to_vec(),
+            Part::Eval => self.data[bytes..].to_vec(),
+        };
+        if part == Part::Eval {
+            self.order = DatasetOrder::Sequential;
+        }
+        Ok(self)
+    }
+}
+
+/// The source before any split: the one place that reads the data a config names.
+fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
     let seed = config.data_shuffle_seed;
     let order = config.dataset_order;
     let need = config.max_target_length + 1;
@@ -223,7 +309,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
         let ids = tokenize(&config.tokenizer_path, &text, vocab)?;
         check_len(ids.len(), "the tokenized text")?;
         let data: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-        return Ok(Box::new(Windows {
+        return Ok(Built::Windows(Windows {
             seed,
             data,
             width: 4,
@@ -232,11 +318,11 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
         }));
     }
     Ok(match config.dataset_type {
-        DatasetType::Synthetic => Box::new(Synthetic { seed, vocab }),
+        DatasetType::Synthetic => Built::Synthetic(Synthetic { seed, vocab }),
         DatasetType::Corpus => {
             let bytes = bundled_corpus().into_bytes();
             check_len(bytes.len(), "the bundled corpus")?;
-            Box::new(Windows {
+            Built::Windows(Windows {
                 seed,
                 data: bytes,
                 width: 1,
@@ -247,7 +333,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
         DatasetType::Text => {
             let map = open(&config.dataset_path)?;
             check_len(map.len(), &config.dataset_path)?;
-            Box::new(Windows {
+            Built::Windows(Windows {
                 seed,
                 data: map,
                 width: 1,
@@ -283,7 +369,7 @@ pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSou
                     config.dataset_path
                 )));
             }
-            Box::new(w)
+            Built::Windows(w)
         }
     })
 }

@@ -52,6 +52,13 @@ pub struct StepMetrics {
     /// The data epoch the step's last sequence came from (`dataset_order=sequential` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub epoch: Option<u64>,
+    /// Mean token loss on the held-out data after this step's update, on steps that evaluate
+    /// (`eval_interval`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    /// `exp(eval_loss)`, on steps that evaluate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_perplexity: Option<f64>,
 }
 
 /// One micro-batch: this device's blocks of the inputs and targets (`[rows, len]`, split over the
@@ -578,6 +585,8 @@ impl Engine {
             seconds: started.elapsed().as_secs_f64(),
             skipped,
             epoch: None,
+            eval_loss: None,
+            eval_perplexity: None,
         };
         self.step += 1;
         Ok(metrics)

@@ -147,6 +147,8 @@ pub fn train_plan(plan: &RunPlan, options: &RunOptions<'_>) -> Result<TrainRepor
         config,
         plan.decoder().config().vocab_size,
     )?);
+    let eval_source: Option<Arc<dyn TokenSource>> =
+        data::eval_source_for(config, plan.decoder().config().vocab_size)?.map(Arc::from);
     let initial = if config.load_parameters_path.is_empty() {
         None
     } else {
@@ -167,6 +169,7 @@ pub fn train_plan(plan: &RunPlan, options: &RunOptions<'_>) -> Result<TrainRepor
     let device_run = Arc::new(DeviceRun {
         plan: plan.clone(),
         source,
+        eval_source,
         initial,
         resume_from,
         root,
@@ -199,6 +202,7 @@ pub fn train_plan(plan: &RunPlan, options: &RunOptions<'_>) -> Result<TrainRepor
 struct DeviceRun {
     plan: RunPlan,
     source: Arc<dyn TokenSource>,
+    eval_source: Option<Arc<dyn TokenSource>>,
     initial: Option<Vec<Tensor>>,
     resume_from: Option<PathBuf>,
     root: PathBuf,
@@ -313,16 +317,25 @@ impl DeviceRun {
                 }
             }
             // 3. update: the one reduction, ÷ tokens, clip, optimizer step.
-            let m = trainer.update(cx, lr)?;
+            let mut m = trainer.update(cx, lr)?;
             drop(step_span);
             if self.fault == Some(Fault::EngineMisuse) {
                 trainer.engine_mut().update(cx)?;
             }
-            // 4. log: the metrics file and the progress callback.
-            log(&m)?;
-            // 5. checkpoint, every `checkpoint_period` steps and at the last (an eval pass on
-            //    held-out data belongs here too: after the update, on the step's weights).
+            // 4. eval, every `eval_interval` steps and at the last: the held-out loss on the
+            //    step's weights (forward only, trace phase `eval`, no gradient collective).
             let done = trainer.engine().steps_taken();
+            let interval = config.eval_interval;
+            if let Some(source) = self.eval_source.as_deref() {
+                if interval > 0 && (done % interval == 0 || done == config.steps) {
+                    let loss = trainer.evaluate(cx, source)?;
+                    m.eval_loss = Some(loss);
+                    m.eval_perplexity = Some(loss.exp());
+                }
+            }
+            // 5. log: the metrics file and the progress callback.
+            log(&m)?;
+            // 6. checkpoint, every `checkpoint_period` steps and at the last.
             if checkpoints && (done % config.checkpoint_period == 0 || done == config.steps) {
                 trainer.engine().save_checkpoint(cx, &self.root)?;
             }

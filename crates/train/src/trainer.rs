@@ -117,6 +117,32 @@ impl Trainer {
         Ok(out)
     }
 
+    /// The mean token loss of `source`'s first `eval_steps` batches (the same batches at every
+    /// call, so evaluations compare), forward only, in trace phase `eval`: no gradient and no
+    /// gradient collective, parameters and optimizer state untouched.
+    ///
+    /// # Errors
+    /// As [`Engine::eval_step`].
+    pub fn evaluate(&mut self, cx: &mut Ctx<'_>, source: &dyn TokenSource) -> Result<f64, TrainError> {
+        let config = self.engine.plan().config();
+        let (batches, rows, len) = (
+            config.eval_steps,
+            config.micro_batch_rows(),
+            config.max_target_length,
+        );
+        cx.comm().push_phase("eval");
+        let (mut loss_sum, mut tokens) = (0.0, 0u64);
+        for b in 0..batches {
+            let seqs = micro_batch(source, 0, b, batches, rows, len);
+            let batch = self.engine.batch(cx, &seqs)?;
+            let out = self.engine.eval_step(cx, &batch)?;
+            loss_sum += out.loss_sum;
+            tokens += out.tokens;
+        }
+        cx.comm().pop_phase();
+        Ok(loss_sum / tokens.max(1) as f64)
+    }
+
     /// The step's update at learning rate `lr`, in trace phase `update`: the one reduction,
     /// ÷ tokens, clipping, the optimizer. The metrics carry the data epoch of the step's last
     /// sequence.

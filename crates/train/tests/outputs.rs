@@ -21,6 +21,8 @@ fn step(step: usize) -> StepMetrics {
         seconds: 0.1,
         skipped: false,
         epoch: None,
+        eval_loss: None,
+        eval_perplexity: None,
     }
 }
 
