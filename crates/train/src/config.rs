@@ -240,46 +240,9 @@ pub struct TrainConfig {
     /// The fraction of the data file (or the bundled corpus) held out for evaluation: training
     /// reads only the first `1 − eval_split` of it, evaluation only the rest (0: none).
     pub eval_split: f64,
-        /// Record every op of the steps in `profile_steps` on every device thread, and print a
+    /// Record every op of the steps in `profile_steps` on every device thread, and print a
     /// table and write a Chrome trace at the end (`profile.txt`, `profile-trace.json`).
     pub profile: bool,
-    /// The eval keys: a split in [0, 0.5], at least one eval batch, and held-out data when
-    /// evaluation is on.
-    fn check_eval(&self) -> Result<(), TrainError> {
-        if !(self.eval_split.is_finite() && (0.0..=0.5).contains(&self.eval_split)) {
-            return Err(TrainError::usage(
-                "eval_split",
-                format!(
-                    "eval_split must be a fraction in [0, 0.5], got {}",
-                    self.eval_split
-                ),
-            ));
-        }
-        if self.eval_steps == 0 {
-            return Err(TrainError::usage(
-                "eval_steps",
-                "eval_steps must be at least 1".into(),
-            ));
-        }
-        let held_out = !self.eval_dataset_path.is_empty()
-            || self.eval_split > 0.0
-            || self.dataset_type == DatasetType::Synthetic;
-        if self.eval_interval > 0 && !held_out {
-            return Err(TrainError::usage(
-                "eval_interval",
-                "eval_interval needs held-out data: set eval_split (e.g. 0.1) or eval_dataset_path"
-                    .into(),
-            ));
-        }
-        if self.eval_split > 0.0 && self.dataset_type == DatasetType::Synthetic {
-            return Err(TrainError::usage(
-                "eval_split",
-                "eval_split splits a data file; synthetic data has none (its eval sequences come from their own stream)".into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// The steps `profile` records, `a:b` (from step `a` up to, not including, `b`; `b` past
     /// the last step stops there). Empty: steps 1 to 3 (step 0 pays for warm-up), or step 0 of
     /// a one-step run.
@@ -693,6 +656,43 @@ impl TrainConfig {
     /// As [`TrainConfig::plan`]: [`TrainError::Usage`] naming the key.
     pub fn validate(&self) -> Result<(), TrainError> {
         self.plan().map(drop)
+    }
+
+    /// The eval keys: a split in [0, 0.5], at least one eval batch, and held-out data when
+    /// evaluation is on.
+    fn check_eval(&self) -> Result<(), TrainError> {
+        if !(self.eval_split.is_finite() && (0.0..=0.5).contains(&self.eval_split)) {
+            return Err(TrainError::usage(
+                "eval_split",
+                format!(
+                    "eval_split must be a fraction in [0, 0.5], got {}",
+                    self.eval_split
+                ),
+            ));
+        }
+        if self.eval_steps == 0 {
+            return Err(TrainError::usage(
+                "eval_steps",
+                "eval_steps must be at least 1".to_string(),
+            ));
+        }
+        let held_out = !self.eval_dataset_path.is_empty()
+            || self.eval_split > 0.0
+            || self.dataset_type == DatasetType::Synthetic;
+        if self.eval_interval > 0 && !held_out {
+            return Err(TrainError::usage(
+                "eval_interval",
+                "eval_interval needs held-out data: set eval_split (e.g. 0.1) or eval_dataset_path"
+                    .to_string(),
+            ));
+        }
+        if self.eval_split > 0.0 && self.dataset_type == DatasetType::Synthetic {
+            return Err(TrainError::usage(
+                "eval_split",
+                "eval_split splits a data file; synthetic data has none (its eval sequences come from their own stream)".to_string(),
+            ));
+        }
+        Ok(())
     }
 
     /// The steps `profile` records (`profile_steps`, validated by [`TrainConfig::validate`]).

@@ -123,7 +123,11 @@ impl Trainer {
     ///
     /// # Errors
     /// As [`Engine::eval_step`].
-    pub fn evaluate(&mut self, cx: &mut Ctx<'_>, source: &dyn TokenSource) -> Result<f64, TrainError> {
+    pub fn evaluate(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        source: &dyn TokenSource,
+    ) -> Result<f64, TrainError> {
         let config = self.engine.plan().config();
         let (batches, rows, len) = (
             config.eval_steps,

@@ -29,14 +29,22 @@ fn eval_runs_every_interval_and_at_the_last_step_and_changes_nothing() {
     let losses = |r: &ferrotext_train::TrainReport| -> Vec<f64> {
         r.metrics.iter().map(|m| m.loss).collect()
     };
-    assert_eq!(losses(&with), losses(&without), "training losses bitwise equal");
+    assert_eq!(
+        losses(&with),
+        losses(&without),
+        "training losses bitwise equal"
+    );
     assert_eq!(with.values, without.values, "weights bitwise equal");
 }
 
 #[test]
 fn eval_issues_no_gradient_collective_even_when_the_micro_batches_do() {
     for extra in [&[][..], &["shard_mode=auto"][..]] {
-        let mut args = vec!["steps=2", "eval_interval=1", "gradient_accumulation_steps=2"];
+        let mut args = vec![
+            "steps=2",
+            "eval_interval=1",
+            "gradient_accumulation_steps=2",
+        ];
         args.extend_from_slice(extra);
         let r = run(&args);
         let eval = PhasePattern::new("eval");
@@ -46,12 +54,18 @@ fn eval_issues_no_gradient_collective_even_when_the_micro_batches_do() {
             .iter()
             .filter(|e| e.phase == "eval")
             .collect();
-        assert!(!eval_events.is_empty(), "the eval loss is summed over the batch");
+        assert!(
+            !eval_events.is_empty(),
+            "the eval loss is summed over the batch"
+        );
         assert!(
             r.trace.all_reduces_larger_than(8, &eval).is_empty(),
             "{extra:?}: {eval_events:?}"
         );
-        assert!(eval_events.iter().all(|e| e.elements <= 8), "{eval_events:?}");
+        assert!(
+            eval_events.iter().all(|e| e.elements <= 8),
+            "{eval_events:?}"
+        );
         if extra.is_empty() {
             // Mirror 1: the deferred step still reduces its gradients, in `update`.
             let update = PhasePattern::new("update");
@@ -104,8 +118,14 @@ fn a_split_keeps_training_and_evaluation_apart() {
         .expect("eval source")
         .expect("eval is on");
     for i in 0..500 {
-        assert!(train.sequence(i, 17).iter().all(|&t| t == u32::from(b'a')), "train {i}");
-        assert!(eval.sequence(i, 17).iter().all(|&t| t == u32::from(b'b')), "eval {i}");
+        assert!(
+            train.sequence(i, 17).iter().all(|&t| t == u32::from(b'a')),
+            "train {i}"
+        );
+        assert!(
+            eval.sequence(i, 17).iter().all(|&t| t == u32::from(b'b')),
+            "eval {i}"
+        );
     }
     std::fs::remove_file(&path).ok();
 }
@@ -114,7 +134,9 @@ fn a_split_keeps_training_and_evaluation_apart() {
 fn eval_without_held_out_data_and_bad_eval_keys_name_the_key() {
     let err = |args: &[&str]| {
         let all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        TrainConfig::load(None, &all).expect_err("refused").to_string()
+        TrainConfig::load(None, &all)
+            .expect_err("refused")
+            .to_string()
     };
     assert!(err(&["eval_interval=5"]).contains("eval_interval needs held-out data"));
     assert!(err(&["eval_split=0.9"]).contains("eval_split must be a fraction in [0, 0.5]"));
