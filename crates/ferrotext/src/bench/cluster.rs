@@ -17,6 +17,7 @@ use serde::Serialize;
 
 use super::{abba_pair, cores, median, write_json, Side};
 use crate::emulate::{self, net::Network, JobRun, Plan};
+use crate::plot::{line_chart, Series};
 
 /// Arguments of `ferrotext bench cluster`.
 #[derive(Args)]
@@ -339,35 +340,9 @@ fn run_cell(
     })
 }
 
-/// Paired speedup against GA, one line per hosts × link (× overlap).
+/// Paired speedup against GA, one line per hosts × link (× overlap), and the break-even line.
 fn plot(cells: &[Cell], path: &Path) -> Result<()> {
-    use plotters::prelude::*;
-    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("plotting {}: {e}", path.display());
-    let max_ga = cells.iter().map(|c| c.spec.ga).max().unwrap_or(1) as f64;
-    let max_speedup = cells
-        .iter()
-        .map(|c| c.paired_speedup)
-        .fold(1.0f64, f64::max)
-        * 1.15;
-    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "deferred vs per-micro-batch gradient reduction on emulated hosts",
-            ("sans-serif", 20),
-        )
-        .margin(16)
-        .x_label_area_size(40)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0.0..max_ga + 1.0, 0.0..max_speedup)
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_mesh()
-        .x_desc("gradient accumulation steps")
-        .y_desc("speedup (per-micro-batch ms / deferred ms)")
-        .draw()
-        .map_err(|e| err(&e))?;
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    let mut series: Vec<Series> = Vec::new();
     for c in cells {
         let name = format!(
             "{} hosts, {}{}",
@@ -378,34 +353,31 @@ fn plot(cells: &[Cell], path: &Path) -> Result<()> {
                 .map_or(String::new(), |o| format!(", overlap={o}"))
         );
         let point = (c.spec.ga as f64, c.paired_speedup);
-        match series.iter_mut().find(|(n, _)| *n == name) {
-            Some((_, points)) => points.push(point),
-            None => series.push((name, vec![point])),
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push(point),
+            None => series.push(Series {
+                name,
+                points: vec![point],
+                dashed: false,
+            }),
         }
     }
-    for (i, (name, mut points)) in series.into_iter().enumerate() {
-        points.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(points, color.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+    for s in &mut series {
+        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
     }
-    chart
-        .draw_series(LineSeries::new(
-            vec![(0.0, 1.0), (max_ga + 1.0, 1.0)],
-            BLACK.mix(0.3),
-        ))
-        .map_err(|e| err(&e))?;
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+    let max_ga = cells.iter().map(|c| c.spec.ga).max().unwrap_or(1) as f64;
+    series.push(Series {
+        name: "break-even".into(),
+        points: vec![(0.0, 1.0), (max_ga + 1.0, 1.0)],
+        dashed: true,
+    });
+    line_chart(
+        path,
+        "deferred vs per-micro-batch gradient reduction on emulated hosts",
+        "gradient accumulation steps",
+        "speedup (per-micro-batch ms / deferred ms)",
+        &series,
+    )
 }
 
 /// The cost model (`ferrotext_train::cost::predict`) as the grid's prediction function: the
