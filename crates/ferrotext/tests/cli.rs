@@ -2,12 +2,8 @@
 
 use std::process::Command;
 
-fn ferrotext(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotext"))
-        .args(args)
-        .output()
-        .expect("the ferrotext binary runs")
-}
+mod common;
+use common::ferrotext;
 
 #[test]
 fn collectives_demo_checks_its_results_and_prints_the_trace() {

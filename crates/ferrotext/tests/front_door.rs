@@ -2,14 +2,9 @@
 //! directories) and `ferrotext keys`.
 
 use std::path::PathBuf;
-use std::process::Command;
 
-fn ferrotext(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotext"))
-        .args(args)
-        .output()
-        .expect("the ferrotext binary runs")
-}
+mod common;
+use common::ferrotext;
 
 fn run_dir(root: &std::path::Path, name: &str, metrics: &str) -> PathBuf {
     let dir = root.join(name);

@@ -1,13 +1,7 @@
 //! `ferrotext plan --cluster`: the predicted step, its JSON, and bad input (exit code 2).
 
-use std::process::Command;
-
-fn ferrotext(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotext"))
-        .args(args)
-        .output()
-        .expect("the ferrotext binary runs")
-}
+mod common;
+use common::ferrotext;
 
 #[test]
 fn plan_cluster_prints_the_predicted_step() {

@@ -224,6 +224,14 @@ fn main() {
             .unwrap_or(default)
     };
     let (data, threads, ms) = (arg("data", 1), arg("threads", 1), arg("ms", 200) as f64);
+    // The shapes below are built from these three alone; checked here, every kernel call on them
+    // is valid, so the benchmark's `unwrap`s cannot fail (ok: a developer benchmark, no files).
+    if ![1, 2, 4, 8].contains(&data) || threads == 0 || ms <= 0.0 {
+        eprintln!(
+            "error: data must be 1, 2, 4 or 8 (8 sequences split over it), threads and ms ≥ 1"
+        );
+        std::process::exit(2);
+    }
     set_kernel_threads(threads);
     let peak = cpu_peak();
     println!("stated peak: {peak}");

@@ -218,6 +218,7 @@ impl DeviceRun {
     /// One device's run: set up its trainer (resuming if asked), run the loop, report.
     fn run(&self, cx: &mut Ctx<'_>, device: usize) -> Result<TrainReport, TrainError> {
         if self.fault == Some(Fault::DevicePanic { device }) {
+            // ok: the tests-only fault a caller asks for (RunOptions::fault), never user input.
             panic!("injected fault: device {device} panics before its first step");
         }
         let plan = &self.plan;
