@@ -7,6 +7,7 @@ mod bench;
 mod collectives;
 mod conformance;
 mod emulate;
+mod generate_cmd;
 mod launch;
 mod mesh_arg;
 mod plot;
@@ -46,6 +47,9 @@ enum Command {
     /// The launch agent `emulate` gives `mpirun` (runs a command inside a host's namespace).
     #[command(hide = true)]
     EmulateAgent(emulate::AgentArgs),
+    /// Generate text from a checkpoint or a Hugging Face directory, streamed as it is sampled:
+    /// `ferrotext generate --checkpoint ferrotext_runs/default --prompt "the cat"`.
+    Generate(generate_cmd::GenerateArgs),
     /// List every `train` key with the form of its value, its default and its meaning, grouped.
     Keys,
     /// Draw the loss curves of one or more runs on one chart (SVG): `ferrotext plot RUN_DIR...`.
@@ -87,6 +91,7 @@ fn main() -> ExitCode {
         Command::Collectives(args) => collectives::run(&args, &mut launch),
         Command::Conformance(args) => conformance::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Generate(args) => generate_cmd::run(&args),
         Command::Keys => {
             print!("{}", ferrotext_train::keys::table());
             Ok(())

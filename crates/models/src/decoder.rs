@@ -26,6 +26,7 @@ use ferrotext_tensor::{DotDims, Rope, Yarn};
 
 use crate::deepseek::Mla;
 pub use crate::deepseek::MlaSettings;
+use crate::kv_cache::{KvCache, KvSlot};
 use crate::moe::RouterScore;
 use crate::moe::{self, MoeConfig, MoeOptions, MoeWeights};
 use crate::nn::{self, ActivationLayout, AttentionDims, AttentionWeights};
@@ -626,7 +627,7 @@ impl Decoder {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<Array, SpmdError> {
-        let (logits, aux) = self.forward(cx, params, inputs)?;
+        let (logits, aux) = self.forward(cx, params, inputs, None)?;
         let ce = cx.cross_entropy_sum(&logits, targets, self.cfg.z_loss_multiplier)?;
         match aux {
             // The trainer divides the sum by the step's tokens: an auxiliary loss joins as
@@ -650,7 +651,39 @@ impl Decoder {
         params: &[Array],
         inputs: &Ids,
     ) -> Result<Array, SpmdError> {
-        Ok(self.forward(cx, params, inputs)?.0)
+        Ok(self.forward(cx, params, inputs, None)?.0)
+    }
+
+    /// Incremental decoding: the logits `[B, T, vocab]` of `inputs` (`[B, T]`, the tokens that
+    /// follow the ones already in `cache`, at positions `cache.len()..`), computed from their
+    /// own queries, keys and values and the cached ones; `inputs` then join the cache. Equal to
+    /// the last `T` positions of [`Decoder::logits`] over the whole sequence.
+    ///
+    /// # Errors
+    /// A cache made for another depth; as [`Decoder::logits`].
+    pub fn decode(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        cache: &mut KvCache,
+    ) -> Result<Array, SpmdError> {
+        if cache.layers() != self.weights.layers.len() {
+            return Err(SpmdError::BadArgument {
+                op: "decode".into(),
+                reason: format!(
+                    "the cache has {} layers, the decoder {}",
+                    cache.layers(),
+                    self.weights.layers.len()
+                ),
+            });
+        }
+        Ok(self.forward(cx, params, inputs, Some(cache))?.0)
+    }
+
+    /// An empty key/value cache for [`Decoder::decode`].
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.weights.layers.len())
     }
 
     /// `params` (flat, in [`Decoder::params`] order) bound to the weight map.
@@ -671,6 +704,7 @@ impl Decoder {
         cx: &mut Ctx<'_>,
         params: &[Array],
         inputs: &Ids,
+        mut cache: Option<&mut KvCache>,
     ) -> Result<(Array, Option<Array>), SpmdError> {
         let (c, w) = (&self.cfg, self.bind(params)?);
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
@@ -681,8 +715,9 @@ impl Decoder {
         let mut x = cx.take(&table, inputs)?;
         // 2. the layers: x [B@batch, T, d] each
         let mut aux: Option<Array> = None;
-        for layer in &w.layers {
-            x = layer.forward(cx, &x, c, &mut aux)?;
+        for (i, layer) in w.layers.iter().enumerate() {
+            let slot = cache.as_deref_mut().and_then(|k| k.slot(i));
+            x = layer.forward(cx, &x, c, &mut aux, slot)?;
         }
         // 3. final norm and LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
         let x = nn::rms_norm(cx, &x, w.norm, c.normalization_layer_epsilon)?;
@@ -717,14 +752,15 @@ impl DecoderLayer<&Array> {
         x: &Array,
         c: &Config,
         aux: &mut Option<Array>,
+        cache: Option<&mut KvSlot>,
     ) -> Result<Array, SpmdError> {
         let eps = c.normalization_layer_epsilon;
         // 1. h = input_layernorm(x): [B@batch, T, d]
         let h = nn::rms_norm(cx, x, self.input_layernorm, eps)?;
         // 2. x = x + self_attn(h): heads split over `tensor` inside, [B@batch, T, d] out
         let a = match &self.self_attn {
-            Attention::Gqa(g) => g.forward(cx, &h, c)?,
-            Attention::Mla(m) => m.forward(cx, &h, c)?,
+            Attention::Gqa(g) => g.forward(cx, &h, c, cache)?,
+            Attention::Mla(m) => m.forward(cx, &h, c, cache)?,
         };
         let x = cx.add(x, &a)?;
         // 3. h = post_attention_layernorm(x)
@@ -739,7 +775,13 @@ impl DecoderLayer<&Array> {
 }
 
 impl Gqa<&Array> {
-    fn forward(&self, cx: &mut Ctx<'_>, h: &Array, c: &Config) -> Result<Array, SpmdError> {
+    fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        h: &Array,
+        c: &Config,
+        cache: Option<&mut KvSlot>,
+    ) -> Result<Array, SpmdError> {
         let w = AttentionWeights {
             q_proj: self.q_proj,
             k_proj: self.k_proj,
@@ -755,7 +797,7 @@ impl Gqa<&Array> {
             rope_theta: c.rope_max_timescale,
             eps: c.normalization_layer_epsilon,
         };
-        nn::attention(cx, h, &w, dims)
+        nn::attention(cx, h, &w, dims, cache)
     }
 }
 

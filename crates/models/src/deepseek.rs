@@ -12,6 +12,7 @@ use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::Rope;
 
 use crate::decoder::{matrix, norm_scale, Config};
+use crate::kv_cache::KvSlot;
 use crate::nn::{causal_attention, linear, rms_norm};
 use crate::params::ParamInfo;
 
@@ -111,6 +112,7 @@ impl Mla<&Array> {
         cx: &mut Ctx<'_>,
         h: &Array,
         c: &Config,
+        cache: Option<&mut KvSlot>,
     ) -> Result<Array, SpmdError> {
         let m = c.mla.ok_or_else(|| SpmdError::BadArgument {
             op: "qwen3".into(),
@@ -135,7 +137,7 @@ impl Mla<&Array> {
             eps: c.normalization_layer_epsilon,
             rope: c.rope(),
         };
-        mla_attention(cx, h, &w, dims)
+        mla_attention(cx, h, &w, dims, cache)
     }
 }
 
@@ -179,7 +181,10 @@ pub struct MlaWeights<'a> {
 }
 
 /// Causal MLA self-attention on `x: [B, T, d]`. The softmax scale is
-/// `(nope+rope)^−½ · rope.attention_scale_factor()` (YaRN's `mscale²`).
+/// `(nope+rope)^−½ · rope.attention_scale_factor()` (YaRN's `mscale²`). With a `cache`, `x`
+/// holds the positions after the cached ones (see [`crate::nn::attention`]); the cache keeps the
+/// per-head keys and values, not the latent (simple, and exact; more memory than DeepSeek's
+/// absorbed form).
 ///
 /// # Errors
 /// Any type error of the ops.
@@ -188,6 +193,7 @@ pub fn mla_attention(
     x: &Array,
     w: &MlaWeights<'_>,
     dims: MlaDims,
+    cache: Option<&mut KvSlot>,
 ) -> Result<Array, SpmdError> {
     let (b, t) = (x.ty().shape()[0], x.ty().shape()[1]);
     let h = dims.heads;
@@ -203,13 +209,14 @@ pub fn mla_attention(
     let q = cx.reshape(&q, &[b, t, h, nope + rope], None)?;
     let q_nope = cx.slice(&q, 3, 0, nope)?;
     let q_rope = cx.slice(&q, 3, nope, nope + rope)?;
-    let q_rope = cx.rope_with(&q_rope, &dims.rope)?;
+    let start = cache.as_ref().map_or(0, |c| c.len());
+    let q_rope = cx.rope_from(&q_rope, &dims.rope, start)?;
     // 2. keys/values through theirs; the RoPE key is one vector for every head
     let ckv = linear(cx, x, w.wkv_a)?;
     let c = cx.slice(&ckv, 2, 0, dims.kv_lora_rank)?;
     let k_rope = cx.slice(&ckv, 2, dims.kv_lora_rank, dims.kv_lora_rank + rope)?;
     let k_rope = cx.reshape(&k_rope, &[b, t, 1, rope], None)?;
-    let k_rope = cx.rope_with(&k_rope, &dims.rope)?;
+    let k_rope = cx.rope_from(&k_rope, &dims.rope, start)?;
     let k_rope = cx.reshape(&k_rope, &[b, t, rope], None)?;
     let k_rope = cx.broadcast_in_dim(&k_rope, &[b, t, h, rope], &[0, 1, 3], None)?;
     let c = rms_norm(cx, &c, w.kv_norm, dims.eps)?;
@@ -219,6 +226,10 @@ pub fn mla_attention(
     let v = cx.slice(&kv, 3, nope, nope + vd)?;
     let q = cx.concat(&[&q_nope, &q_rope], 3)?;
     let k = cx.concat(&[&k_nope, &k_rope], 3)?;
+    let (k, v) = match cache {
+        Some(slot) => slot.extend(cx, &k, &v)?,
+        None => (k, v),
+    };
     // 3. causal attention with DeepSeek's scale, then the output projection
     let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
     let out = causal_attention(cx, &q, &k, &v, scale)?;

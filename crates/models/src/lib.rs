@@ -17,10 +17,12 @@ gradients `{U:data}`) and the untagged one, and nothing here can drop a tag.
 
 pub mod decoder;
 pub mod deepseek;
+pub mod kv_cache;
 pub mod moe;
 pub mod nn;
 mod params;
 mod presets;
 pub mod qwen3;
 
+pub use kv_cache::{KvCache, KvSlot};
 pub use params::{init_normal, HfLayout, HfLayoutError, Init, ParamInfo, Rng};

@@ -4,7 +4,9 @@
 
 use ferrotext_sharding::{DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
-use ferrotext_tensor::DotDims;
+use ferrotext_tensor::{DotDims, Rope};
+
+use crate::kv_cache::KvSlot;
 
 /// How activations are laid out: the mesh axes the batch dim is split over.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -98,6 +100,8 @@ pub struct AttentionWeights<'a> {
 }
 
 /// Causal GQA self-attention with QK-norm (per-head RMSNorm before RoPE) on `x: [B, T, d]`.
+/// With a `cache`, `x` holds the `T` positions after the cached ones: they attend to the cached
+/// keys and values too, and join the cache.
 ///
 /// # Errors
 /// Any type error of the ops (e.g. heads not divisible by the tensor axis).
@@ -106,6 +110,7 @@ pub fn attention(
     x: &Array,
     w: &AttentionWeights<'_>,
     dims: AttentionDims,
+    cache: Option<&mut KvSlot>,
 ) -> Result<Array, SpmdError> {
     let (b, t) = (x.shape()[0], x.shape()[1]);
     let (h, kv, hd) = (dims.heads, dims.kv_heads, dims.head_dim);
@@ -119,28 +124,37 @@ pub fn attention(
     // 2. QK-norm, then RoPE (rotate-half)
     let q = rms_norm(cx, &q, w.q_norm, dims.eps)?;
     let k = rms_norm(cx, &k, w.k_norm, dims.eps)?;
-    let q = cx.rope(&q, dims.rope_theta)?;
-    let k = cx.rope(&k, dims.rope_theta)?;
-    // 3. GQA: each kv head serves heads/kv query heads
+    let start = cache.as_ref().map_or(0, |c| c.len());
+    let rope = Rope::standard(dims.rope_theta);
+    let q = cx.rope_from(&q, &rope, start)?;
+    let k = cx.rope_from(&k, &rope, start)?;
+    // 3. the cached positions' keys and values before these (when decoding): [B, S, KV, hd]
+    let (k, v) = match cache {
+        Some(slot) => slot.extend(cx, &k, &v)?,
+        None => (k, v),
+    };
+    let s = k.shape()[1];
+    // 4. GQA: each kv head serves heads/kv query heads
     let (k, v) = if kv == h {
         (k, v)
     } else {
         let g = h / kv;
-        let k5 = cx.broadcast_in_dim(&k, &[b, t, kv, g, hd], &[0, 1, 2, 4], None)?;
-        let v5 = cx.broadcast_in_dim(&v, &[b, t, kv, g, hd], &[0, 1, 2, 4], None)?;
+        let k5 = cx.broadcast_in_dim(&k, &[b, s, kv, g, hd], &[0, 1, 2, 4], None)?;
+        let v5 = cx.broadcast_in_dim(&v, &[b, s, kv, g, hd], &[0, 1, 2, 4], None)?;
         (
-            cx.reshape(&k5, &[b, t, h, hd], None)?,
-            cx.reshape(&v5, &[b, t, h, hd], None)?,
+            cx.reshape(&k5, &[b, s, h, hd], None)?,
+            cx.reshape(&v5, &[b, s, h, hd], None)?,
         )
     };
-    // 4. causal attention with the usual 1/√hd scale, then o_proj
+    // 5. causal attention with the usual 1/√hd scale, then o_proj
     let out = causal_attention(cx, &q, &k, &v, 1.0 / (hd as f32).sqrt())?;
     linear(cx, &out, w.o_proj)
 }
 
-/// The heads' causal attention: `q`, `k` `[B, T, H, qk]` and `v` `[B, T, H, vd]` give
-/// `softmax(scale · q·kᵀ, causal) · v` as `[B, T, H·vd]` (heads concatenated, ready for the
-/// output projection).
+/// The heads' causal attention: `q` `[B, T, H, qk]`, `k` `[B, S, H, qk]` and `v`
+/// `[B, S, H, vd]` give `softmax(scale · q·kᵀ, causal) · v` as `[B, T, H·vd]` (heads
+/// concatenated, ready for the output projection). The queries are the last `T` of the `S ≥ T`
+/// key positions (`S = T` in training; more under a key/value cache).
 ///
 /// # Errors
 /// Any type error of the ops.
@@ -151,8 +165,8 @@ pub fn causal_attention(
     v: &Array,
     scale: f32,
 ) -> Result<Array, SpmdError> {
-    let (b, t, h, vd) = (v.shape()[0], v.shape()[1], v.shape()[2], v.shape()[3]);
-    // scores [B, H, T, T]
+    let (b, t, h, vd) = (q.shape()[0], q.shape()[1], v.shape()[2], v.shape()[3]);
+    // scores [B, H, T, S]
     let qk = DotDims {
         lhs_contracting: vec![3],
         rhs_contracting: vec![3],

@@ -158,6 +158,20 @@ impl Ctx<'_> {
         x: &Array,
         rope: &ferrotext_tensor::Rope,
     ) -> Result<Array, SpmdError> {
+        self.rope_from(x, rope, 0)
+    }
+
+    /// [`Ctx::rope_with`] at positions `start..start + seq`: the new tokens of a sequence whose
+    /// first `start` positions are already in a key/value cache.
+    ///
+    /// # Errors
+    /// As [`Ctx::rope_with`].
+    pub fn rope_from(
+        &mut self,
+        x: &Array,
+        rope: &ferrotext_tensor::Rope,
+        start: usize,
+    ) -> Result<Array, SpmdError> {
         const OP: &str = "rope";
         let t = x.ty();
         if t.rank() < 3 || t.shape()[t.rank() - 1] % 2 != 0 {
@@ -178,7 +192,7 @@ impl Ctx<'_> {
                 ));
             }
         }
-        let positions: Vec<usize> = (0..t.shape()[t.rank() - 3]).collect();
+        let positions: Vec<usize> = (start..start + t.shape()[t.rank() - 3]).collect();
         let local = x
             .local_opt()
             .map(|v| ferrotext_tensor::rope_with(v, &positions, rope, false))
@@ -216,11 +230,13 @@ impl Ctx<'_> {
         )
     }
 
-    /// Causal softmax of `scale·x` over the last two dims `[.., T, T]` (query × key): keys after
-    /// the query get probability 0 (attention's mask and `1/√d` scale, fused).
+    /// Causal softmax of `scale·x` over the last two dims `[.., Tq, Tk]` (query × key, the
+    /// queries being the last `Tq` of `Tk ≥ Tq` positions): keys after the query get
+    /// probability 0 (attention's mask and `1/√d` scale, fused). `Tq = Tk` in training; a
+    /// decoder step over a key/value cache has `Tq < Tk`.
     ///
     /// # Errors
-    /// A sharded query or key dim; an unreduced operand; non-square last dims.
+    /// A sharded query or key dim; an unreduced operand; fewer keys than queries.
     pub fn causal_softmax(&mut self, x: &Array, scale: f32) -> Result<Array, SpmdError> {
         check_rowwise("causal_softmax", x.ty(), 2)?;
         let local = x

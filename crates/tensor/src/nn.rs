@@ -57,26 +57,28 @@ fn softmax_row(row: &mut [f32]) {
     row.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// Causal softmax over the last dim of `scale·x` for `x: [.., T, T]`: row `i` of each `T×T`
-/// block attends to columns `0..=i` (the rest become exact zeros), as attention masks future
-/// keys. Fusing the mask and the `1/√d` scale saves two passes over the scores and a `-∞` bias
-/// the size of the scores.
+/// Causal softmax over the last dim of `scale·x` for `x: [.., Tq, Tk]` with `Tk ≥ Tq`: the
+/// queries are the last `Tq` of the `Tk` key positions (bottom-right aligned), so row `i` of
+/// each block attends to columns `0..=Tk−Tq+i` and the rest become exact zeros. Square blocks
+/// are training's mask; `Tq < Tk` is a decoder step over a key/value cache. Fusing the mask and
+/// the `1/√d` scale saves two passes over the scores and a `-∞` bias the size of the scores.
 ///
 /// # Errors
-/// The last two dims are not square.
+/// Rank below 2, or fewer keys than queries.
 pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
     let _span = ferrotext_profile::span("causal_softmax");
     let r = x.rank();
-    if r < 2 || x.shape()[r - 1] != x.shape()[r - 2] {
+    if r < 2 || x.shape()[r - 1] < x.shape()[r - 2] {
         return Err(TensorError::shape(
             "causal_softmax",
-            format!("needs [.., T, T], got {:?}", x.shape()),
+            format!("needs [.., Tq, Tk] with Tk ≥ Tq, got {:?}", x.shape()),
         ));
     }
-    let t = x.shape()[r - 1];
+    let (tq, tk) = (x.shape()[r - 2], x.shape()[r - 1]);
+    let past = tk - tq;
     let mut y = x.clone();
-    for_each_chunk(y.data_mut(), t, kernel_threads(), |k, row| {
-        causal_softmax_row(row, k % t + 1, scale);
+    for_each_chunk(y.data_mut(), tk, kernel_threads(), |k, row| {
+        causal_softmax_row(row, past + k % tq + 1, scale);
     });
     Ok(y)
 }
@@ -1053,5 +1055,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn causal_softmax_over_a_cache_is_the_last_rows_of_the_square_mask() {
+        // 7 keys; the last 3 are the new queries: their rows must equal the square mask's
+        // last rows, and a single query sees every key.
+        let (tk, tq) = (7, 3);
+        let square = rand(&[2, tk, tk], 9);
+        let full = causal_softmax(&square, 0.4).unwrap();
+        let tail = square.slice(&[0..2, tk - tq..tk, 0..tk]).unwrap();
+        let step = causal_softmax(&tail, 0.4).unwrap();
+        let want = full.slice(&[0..2, tk - tq..tk, 0..tk]).unwrap();
+        assert_eq!(step.data(), want.data());
+        let one = causal_softmax(&square.slice(&[0..1, tk - 1..tk, 0..tk]).unwrap(), 0.4).unwrap();
+        assert!(one.data().iter().all(|&p| p > 0.0), "{:?}", one.data());
+        let err = causal_softmax(&rand(&[3, 4], 1), 1.0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("Tk ≥ Tq"), "{err}");
     }
 }

@@ -37,6 +37,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use ferrotext_models::ParamInfo;
 use ferrotext_sharding::NamedSharding;
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
@@ -543,6 +544,48 @@ fn tensor(
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
     Ok(Tensor::new(shape.to_vec(), data)?)
+}
+
+/// `params.safetensors` of checkpoint `dir` (checksum verified) as the parameters `infos`
+/// declare, in their order.
+fn read_params(
+    dir: &Path,
+    manifest: &Manifest,
+    infos: &[ParamInfo],
+) -> Result<Vec<Tensor>, TrainError> {
+    let bytes = read_verified(dir, manifest, "params.safetensors")?;
+    let path = dir.join("params.safetensors");
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
+    let mut params = Vec::with_capacity(infos.len());
+    for info in infos {
+        let parts = info
+            .hf_tensors()
+            .iter()
+            .map(|(name, shape)| tensor(&path, &file, name, shape))
+            .collect::<Result<Vec<_>, _>>()?;
+        params.push(
+            info.from_hf(parts)
+                .map_err(|e| ckpt_err(&path, e.to_string()))?,
+        );
+    }
+    Ok(params)
+}
+
+/// The parameters of the checkpoint at `path` (a checkpoint directory, or a root whose `latest`
+/// names one) with the config of the run that saved them: every file's checksum and the
+/// manifest checked as a resume checks them. The checkpoint is only read.
+///
+/// # Errors
+/// As a resume: not a checkpoint, a manifest or file that fails its checks, a config that no
+/// longer plans.
+pub fn read_parameters(path: &Path) -> Result<(TrainConfig, Vec<Tensor>), TrainError> {
+    let dir = resolve(path)?;
+    let manifest = read_manifest(&dir)?;
+    validate_manifest(&dir, &manifest)?;
+    let plan = manifest.config.plan()?;
+    let params = read_params(&dir, &manifest, plan.params())?;
+    Ok((manifest.config, params))
 }
 
 /// Sequences the data layer has handed out at `step`, `micro`: the index of the next one.
@@ -1062,22 +1105,7 @@ impl Engine {
                 ),
             ));
         }
-        let bytes = read_verified(dir, &manifest, "params.safetensors")?;
-        let path = dir.join("params.safetensors");
-        let file = SafeTensors::deserialize(&bytes)
-            .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
-        let mut params = Vec::with_capacity(infos.len());
-        for info in infos {
-            let parts = info
-                .hf_tensors()
-                .iter()
-                .map(|(name, shape)| tensor(&path, &file, name, shape))
-                .collect::<Result<Vec<_>, _>>()?;
-            params.push(
-                info.from_hf(parts)
-                    .map_err(|e| ckpt_err(&path, e.to_string()))?,
-            );
-        }
+        let params = read_params(dir, &manifest, infos)?;
         // `validate_manifest` and `check_config` made sure the file is listed when the
         // optimizer keeps state: a missing one is an error, never a silent reset.
         let moments = if state.moments.is_some() {

@@ -22,6 +22,8 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `hf/` | Hugging Face model directories in and out (`config.json`, sharded safetensors, bf16/f16) |
 | `keys.rs` | every key's group, form and meaning for `ferrotext keys`; nearest names for typos |
 | `sample.rs` | greedy / temperature / top-k / top-p token choice (for generation) |
+| `generate.rs` | generation: prefill, then sample → stream → feed through the key/value cache |
+| `text.rs` | text ↔ ids for generation (a `tokenizer.json`, or bytes) and streaming decoding |
 | `cost.rs` | the cost model behind `plan --cluster` |
 | `error.rs` | [`TrainError`] in four classes ([`ErrorClass`]) |
 
@@ -43,6 +45,7 @@ pub mod data;
 mod engine;
 mod error;
 mod gate;
+pub mod generate;
 mod gradients;
 pub mod hf;
 pub mod io;
@@ -51,6 +54,7 @@ mod optim;
 mod plan;
 mod run;
 pub mod sample;
+pub mod text;
 mod trainer;
 
 pub use config::{

@@ -8,6 +8,7 @@
 mod cluster;
 mod collectives;
 mod ga;
+mod generate;
 mod kernels;
 mod moe;
 
@@ -93,6 +94,25 @@ pub enum BenchCommand {
     /// ABBA-paired `mpirun` jobs through `ferrotext emulate`'s network): step time, bytes on the
     /// links; JSON and an SVG plot. Needs what `emulate` needs (root, `ip`, `tc`, `mpirun`).
     Cluster(ClusterArgs),
+    /// Time per generated token with the key/value cache against recomputing the whole context,
+    /// at `--context` positions, ABBA-paired; JSON.
+    Generate {
+        /// Model preset (initial weights).
+        #[arg(long, default_value = "qwen3-peer")]
+        model: String,
+        /// Positions at the last token (prompt + new tokens).
+        #[arg(long, default_value_t = 256)]
+        context: usize,
+        /// Tokens generated per run (the per-token time is their median after the first).
+        #[arg(long, default_value_t = 8)]
+        new_tokens: usize,
+        /// ABBA pairs.
+        #[arg(long, default_value_t = 4)]
+        pairs: usize,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/generate.json")]
+        out: PathBuf,
+    },
     /// GFLOP/s of the matmul shapes of a transformer layer (forward and both backward products)
     /// through `dot_general`, next to the `gemm` crate called directly on the same layout.
     Kernels {
@@ -150,6 +170,13 @@ pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
             let predict = cluster::cost_model(args.set(), args.steps());
             cluster::run(&args, Some(&predict))
         }
+        BenchCommand::Generate {
+            model,
+            context,
+            new_tokens,
+            pairs,
+            out,
+        } => generate::run(&model, context, new_tokens, pairs, &out),
         BenchCommand::Kernels {
             d_model,
             tokens,

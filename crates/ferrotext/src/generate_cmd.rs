@@ -1,0 +1,243 @@
+//! `ferrotext generate`: text from a ferrotext checkpoint or a Hugging Face directory, streamed to
+//! stdout as it is sampled (the library's `generate` and `text` modules do the work).
+//!
+//! Where the model comes from: `--checkpoint` (a run directory, its `checkpoints/` root, or one
+//! checkpoint; the config saved with it names the model), else the `train` keys (`model_name`,
+//! `load_parameters_path` = a safetensors file or a HF directory, ...). Where the tokenizer comes
+//! from: `--tokenizer`, else `tokenizer_path`, else the HF directory's `tokenizer.json`, else
+//! bytes (what a model trained on the bundled corpus reads).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use anyhow::Result;
+use clap::Args;
+use ferrotext_train::generate::{self, GenerateOptions, Stop};
+use ferrotext_train::sample::SamplingParams;
+use ferrotext_train::text::{StreamDecoder, TextCodec};
+use ferrotext_train::{TrainConfig, TrainError};
+
+use crate::UsageError;
+
+/// Arguments of `ferrotext generate`.
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// The text to continue.
+    #[arg(long)]
+    prompt: String,
+    /// A ferrotext checkpoint: a run directory, its `checkpoints/` directory (the latest
+    /// checkpoint) or one checkpoint directory.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    temperature: f64,
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Keep the most likely tokens up to this total probability, in (0, 1].
+    #[arg(long, default_value_t = 1.0, allow_hyphen_values = true)]
+    top_p: f64,
+    /// Seed of the draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Token ids that end the generation, comma-separated (added to a HF config's
+    /// `eos_token_id`).
+    #[arg(long, value_delimiter = ',')]
+    eos: Vec<u32>,
+    /// A `tokenizer.json` (overrides the model's own).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Recompute the whole context for every token instead of using the key/value cache (the
+    /// slow reference).
+    #[arg(long)]
+    no_cache: bool,
+    /// Without `--checkpoint`: an optional TOML config, then `key=value` (the `train` keys that
+    /// name the model, e.g. `load_parameters_path=DIR`).
+    args: Vec<String>,
+}
+
+/// The model, its parameters and where its tokenizer and end-of-sequence ids come from.
+struct Source {
+    config: TrainConfig,
+    params: Vec<ferrotext_tensor::Tensor>,
+    hf_dir: Option<PathBuf>,
+}
+
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+/// The checkpoint or parameters the arguments name.
+fn source(args: &GenerateArgs) -> Result<Source> {
+    if let Some(path) = &args.checkpoint {
+        if !args.args.is_empty() {
+            return Err(usage(
+                "with --checkpoint the model is the one the checkpoint saved: give no config keys",
+            ));
+        }
+        let root = path.join("checkpoints");
+        let path = if root.is_dir() { root } else { path.clone() };
+        // The user named it: a path that is not a readable checkpoint is their input.
+        let (config, params) =
+            ferrotext_train::checkpoint::read_parameters(&path).map_err(|e| {
+                TrainError::Params {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                }
+            })?;
+        return Ok(Source {
+            config,
+            params,
+            hf_dir: None,
+        });
+    }
+    let (file, overrides): (Option<PathBuf>, Vec<String>) = match args.args.first() {
+        Some(first) if !first.contains('=') => {
+            (Some(PathBuf::from(first)), args.args[1..].to_vec())
+        }
+        _ => (None, args.args.clone()),
+    };
+    let config = TrainConfig::parse(file.as_deref(), &overrides)?;
+    if config.load_parameters_path.is_empty() {
+        return Err(usage(
+            "nothing to generate from: give --checkpoint RUN_DIR or load_parameters_path=PATH \
+             (a safetensors file or a Hugging Face directory)",
+        ));
+    }
+    let plan = config.plan()?;
+    let path = Path::new(&config.load_parameters_path);
+    let params = ferrotext_train::io::load_parameters(path, plan.params())?;
+    Ok(Source {
+        hf_dir: path.is_dir().then(|| path.to_path_buf()),
+        config,
+        params,
+    })
+}
+
+/// The tokenizer: `--tokenizer`, `tokenizer_path`, the HF directory's, or bytes.
+fn codec(args: &GenerateArgs, source: &Source, vocab: usize) -> Result<TextCodec> {
+    let named = args
+        .tokenizer
+        .clone()
+        .or_else(|| {
+            (!source.config.tokenizer_path.is_empty())
+                .then(|| source.config.tokenizer_path.clone().into())
+        })
+        .or_else(|| {
+            let t = source.hf_dir.as_ref()?.join("tokenizer.json");
+            t.is_file().then_some(t)
+        });
+    match named {
+        Some(path) => Ok(TextCodec::from_file(&path)?),
+        None if vocab >= 256 => Ok(TextCodec::Bytes),
+        None => Err(usage(format!(
+            "the model's vocabulary ({vocab}) is not bytes and it names no tokenizer: give \
+             --tokenizer tokenizer.json"
+        ))),
+    }
+}
+
+/// `eos_token_id` of a HF `config.json` (a number or a list), when there is one.
+fn hf_eos(dir: &Path) -> Vec<u32> {
+    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+        return Vec::new();
+    };
+    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Vec::new();
+    };
+    match json.get("eos_token_id") {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+        Some(serde_json::Value::Array(xs)) => xs
+            .iter()
+            .filter_map(|x| x.as_u64().map(|n| n as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// `ferrotext generate`.
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    // Check what needs no model first: bad flags fail before anything is read.
+    sampling.validate().map_err(|e| usage(format!("{e}")))?;
+    if args.max_new_tokens == 0 {
+        return Err(usage("--max-new-tokens must be at least 1"));
+    }
+    let source = source(args)?;
+    let plan = source.config.plan()?;
+    let decoder = plan.decoder();
+    let vocab = decoder.config().vocab_size;
+    let codec = codec(args, &source, vocab)?;
+    let prompt = codec.encode(&args.prompt)?;
+    let mut stop_tokens = args.eos.clone();
+    if let Some(dir) = &source.hf_dir {
+        stop_tokens.extend(hf_eos(dir));
+    }
+    let options = GenerateOptions {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        stop_tokens,
+        context: source.config.max_target_length,
+        use_cache: !args.no_cache,
+    };
+    options.check(&prompt, vocab)?;
+    let stream = Mutex::new(StreamDecoder::new(&codec));
+    let stdout = std::io::stdout();
+    print!("{}", args.prompt);
+    stdout.lock().flush()?;
+    let line_open = AtomicBool::new(!args.prompt.ends_with('\n'));
+    let emit = |token: u32| -> Result<(), TrainError> {
+        let text = stream
+            .lock()
+            .map_err(|_| TrainError::Internal("the output stream's lock was poisoned".into()))?
+            .push(token);
+        if !text.is_empty() {
+            line_open.store(!text.ends_with('\n'), Ordering::Relaxed);
+        }
+        let mut out = std::io::stdout().lock();
+        out.write_all(text.as_bytes())
+            .and_then(|()| out.flush())
+            .map_err(|source| TrainError::Io {
+                path: "stdout".into(),
+                source,
+            })
+    };
+    let generated = generate::generate(decoder, &source.params, &prompt, &options, &emit)?;
+    let rest = stream
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("the output stream's lock was poisoned"))?
+        .finish();
+    if rest.is_empty() && !line_open.load(Ordering::Relaxed) {
+        std::io::stdout().flush()?;
+    } else {
+        println!("{rest}");
+    }
+    let stop = match generated.stop {
+        Stop::MaxNewTokens => "max new tokens".to_string(),
+        Stop::StopToken(t) => format!("stop token {t}"),
+        Stop::ContextFull => format!("context full ({} positions)", options.context),
+    };
+    let per_token = generated.median_token_seconds().map_or(String::new(), |s| {
+        format!(", then {:.2} ms/token (median)", s * 1e3)
+    });
+    eprintln!(
+        "generated {} tokens after a {}-token prompt ({stop}); first token {:.1} ms{per_token}; \
+         key/value cache {}",
+        generated.tokens.len(),
+        prompt.len(),
+        generated.first_token_seconds * 1e3,
+        if options.use_cache { "on" } else { "off" },
+    );
+    Ok(())
+}

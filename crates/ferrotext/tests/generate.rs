@@ -1,0 +1,150 @@
+//! `ferrotext generate` end to end: the default model, trained briefly on the bundled corpus,
+//! continues a corpus line with corpus words (the mirror: the same model after one step does
+//! not), and every bad input is one `error:` line with exit code 2 and nothing on stdout.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::ferrotext;
+
+/// Trains the default model (GA 1) for `steps` steps with checkpoints into `dir/name`.
+fn train(dir: &Path, name: &str, steps: usize) -> PathBuf {
+    let out = ferrotext(&[
+        "train",
+        &format!("steps={steps}"),
+        "gradient_accumulation_steps=1",
+        "enable_checkpointing=true",
+        &format!("base_output_directory={}", dir.display()),
+        &format!("run_name={name}"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir.join(name)
+}
+
+fn generate(run: &Path, extra: &[&str]) -> Output {
+    let run = run.display().to_string();
+    let mut args = vec!["generate", "--checkpoint", &run];
+    args.extend_from_slice(extra);
+    ferrotext(&args)
+}
+
+/// `(words of `text` that the bundled corpus uses, all words)`.
+fn corpus_words(text: &str) -> (usize, usize) {
+    let split = |t: &str| -> Vec<String> {
+        t.split(|c: char| !c.is_ascii_alphabetic())
+            .filter(|w| !w.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let vocabulary: BTreeSet<String> = split(&ferrotext_train::data::bundled_corpus())
+        .into_iter()
+        .collect();
+    let words = split(text);
+    let known = words.iter().filter(|w| vocabulary.contains(*w)).count();
+    (known, words.len())
+}
+
+/// Whether `text` reads as corpus text: at least 6 words, 80% of them the corpus's.
+fn recognisable(text: &str) -> bool {
+    let (known, all) = corpus_words(text);
+    known >= 6 && known * 5 >= all * 4
+}
+
+fn continuation(out: &Output, prompt: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.starts_with(prompt),
+        "the prompt is printed first: {text:?}"
+    );
+    text[prompt.len()..].to_string()
+}
+
+#[test]
+fn the_trained_default_model_continues_a_corpus_line() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-generate-{}", std::process::id()));
+    let trained = train(&dir, "trained", 150);
+    let untrained = train(&dir, "untrained", 1);
+    let prompt = "the cat sees";
+    let args = [
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "60",
+        "--temperature",
+        "0",
+    ];
+    let text = continuation(&generate(&trained, &args), prompt);
+    assert!(
+        recognisable(&text),
+        "trained: {text:?} {:?}",
+        corpus_words(&text)
+    );
+    let noise = continuation(&generate(&untrained, &args), prompt);
+    assert!(
+        !recognisable(&noise),
+        "one step already reads as corpus text: {noise:?}"
+    );
+    // the recomputing reference prints the same greedy text
+    let mut slow = args.to_vec();
+    slow.push("--no-cache");
+    assert_eq!(continuation(&generate(&trained, &slow), prompt), text);
+    // a stop token: the newline ends the line
+    let line = continuation(
+        &generate(&trained, &["--prompt", prompt, "--eos", "10"]),
+        prompt,
+    );
+    assert_eq!(line.matches('\n').count(), 1, "{line:?}");
+    assert!(line.trim_end().ends_with('.'), "{line:?}");
+
+    // bad input: one error line, exit 2, nothing on stdout
+    let long = "x".repeat(200);
+    for (args, says) in [
+        (vec!["--prompt", long.as_str()], "context"),
+        (vec!["--prompt", "a", "--temperature", "-1"], "temperature"),
+        (vec!["--prompt", "a", "--top-p", "1.5"], "top_p"),
+        (vec!["--prompt", "a", "--top-p", "0"], "top_p"),
+        (
+            vec!["--prompt", "a", "--max-new-tokens", "0"],
+            "max-new-tokens",
+        ),
+        (vec!["--prompt", "a", "--eos", "999"], "stop token 999"),
+        (vec!["--prompt", "a", "steps=3"], "no config keys"),
+        (vec!["--prompt", ""], "empty"),
+    ] {
+        let out = generate(&trained, &args);
+        refused(&out, says, &format!("{args:?}"));
+    }
+    let out = ferrotext(&["generate", "--prompt", "a"]);
+    refused(&out, "nothing to generate from", "no model");
+    let missing = dir.join("missing");
+    let out = generate(&missing, &["--prompt", "a"]);
+    refused(&out, "missing", "a checkpoint that does not exist");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn refused(out: &Output, says: &str, case: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{case}: {stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{case}: stdout {:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(stderr.lines().count(), 1, "{case}: {stderr}");
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains(says),
+        "{case}: {stderr}"
+    );
+}

@@ -1,0 +1,152 @@
+//! Text ↔ token ids for generation: a Hugging Face `tokenizer.json` (the `tokenizers` crate), or
+//! bytes (what a model trained on the bundled corpus or a text file without a tokenizer reads),
+//! and a streaming decoder that prints each token's text as soon as it is whole.
+//!
+//! Invariant: the concatenation of everything [`StreamDecoder::push`] and
+//! [`StreamDecoder::finish`] return is the decoding of all the ids pushed.
+
+use std::path::Path;
+
+use crate::error::TrainError;
+
+/// How text becomes ids and back.
+pub enum TextCodec {
+    /// One id per byte (ids 0..256).
+    Bytes,
+    /// A Hugging Face tokenizer (boxed: it is large).
+    Tokenizer(Box<tokenizers::Tokenizer>),
+}
+
+impl TextCodec {
+    /// The tokenizer at `path` (a `tokenizer.json`).
+    ///
+    /// # Errors
+    /// [`TrainError::Usage`] (key `tokenizer_path`) for a file that cannot be read or is not a
+    /// tokenizer.
+    pub fn from_file(path: &Path) -> Result<TextCodec, TrainError> {
+        let bytes = crate::data::read_regular_file(path)
+            .map_err(|e| TrainError::usage("tokenizer_path", format!("tokenizer_path: {e}")))?;
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+            TrainError::usage(
+                "tokenizer_path",
+                format!("{} is not a tokenizer: {e}", path.display()),
+            )
+        })?;
+        Ok(TextCodec::Tokenizer(Box::new(tokenizer)))
+    }
+
+    /// `text`'s ids.
+    ///
+    /// # Errors
+    /// [`TrainError::Usage`] (key `prompt`) when the tokenizer fails on it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+        match self {
+            TextCodec::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            TextCodec::Tokenizer(t) => {
+                t.encode(text, false)
+                    .map(|e| e.get_ids().to_vec())
+                    .map_err(|e| {
+                        TrainError::usage("prompt", format!("cannot tokenize the prompt: {e}"))
+                    })
+            }
+        }
+    }
+
+    /// The text of `ids` (invalid UTF-8 and unknown ids become U+FFFD).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            TextCodec::Bytes => {
+                let bytes: Vec<u8> = ids
+                    .iter()
+                    .map(|&i| u8::try_from(i).unwrap_or(b'?'))
+                    .collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            TextCodec::Tokenizer(t) => t.decode(ids, false).unwrap_or_else(|_| "\u{FFFD}".into()),
+        }
+    }
+
+    /// How many ids the codec knows (256 for bytes; the tokenizer's size with added tokens).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            TextCodec::Bytes => 256,
+            TextCodec::Tokenizer(t) => t.get_vocab_size(true),
+        }
+    }
+}
+
+/// Turns ids into text as they come, holding back a token whose text is not yet whole (a UTF-8
+/// sequence split across byte tokens, or a tokenizer's partial character).
+pub struct StreamDecoder<'c> {
+    codec: &'c TextCodec,
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl<'c> StreamDecoder<'c> {
+    /// A decoder with nothing pushed.
+    pub fn new(codec: &'c TextCodec) -> StreamDecoder<'c> {
+        StreamDecoder {
+            codec,
+            ids: Vec::new(),
+            emitted: 0,
+        }
+    }
+
+    /// The new text `id` completes (empty while a character is still partial).
+    pub fn push(&mut self, id: u32) -> String {
+        self.ids.push(id);
+        let text = self.codec.decode(&self.ids);
+        if text.ends_with('\u{FFFD}') {
+            return String::new();
+        }
+        self.take_new(&text)
+    }
+
+    /// Whatever is still held back (a partial character at the end, as U+FFFD).
+    pub fn finish(&mut self) -> String {
+        let text = self.codec.decode(&self.ids);
+        self.take_new(&text)
+    }
+
+    fn take_new(&mut self, text: &str) -> String {
+        // A tokenizer may rewrite earlier text (e.g. a space merged away); then emit nothing
+        // until the text again extends what was printed.
+        match text.get(self.emitted..) {
+            Some(new) => {
+                self.emitted = text.len();
+                new.to_string()
+            }
+            None => String::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_round_trip_and_stream_whole_characters() {
+        let codec = TextCodec::Bytes;
+        let text = "a é ☃ z";
+        let ids = codec.encode(text).unwrap();
+        assert_eq!(ids.len(), text.len());
+        assert_eq!(codec.decode(&ids), text);
+        let mut stream = StreamDecoder::new(&codec);
+        let mut pieces: Vec<String> = ids.iter().map(|&i| stream.push(i)).collect();
+        pieces.push(stream.finish());
+        assert_eq!(pieces.concat(), text);
+        // the snowman's three bytes come out at once, at its last byte
+        assert!(pieces.iter().any(|p| p == "☃"), "{pieces:?}");
+    }
+
+    #[test]
+    fn a_partial_character_at_the_end_comes_out_as_a_replacement() {
+        let codec = TextCodec::Bytes;
+        let mut stream = StreamDecoder::new(&codec);
+        assert_eq!(stream.push(u32::from(b'x')), "x");
+        assert_eq!(stream.push(0xE2), "");
+        assert_eq!(stream.finish(), "\u{FFFD}");
+    }
+}
