@@ -1,9 +1,10 @@
-//! `ferrotext plot RUN_DIR...`: the loss curves of one or more runs on one chart (SVG, drawn
-//! with `plotters`), read from each run's `metrics.jsonl`; `train` draws its own run's chart the
-//! same way at the end. Lines that carry an `eval_loss` draw a second, dashed series per run.
+//! `ferrotext plot RUN_DIR...`: the loss curves of one or more runs on one chart (PNG or SVG,
+//! drawn with `plotters`), read from each run's `metrics.jsonl`; `train` draws its own run's chart
+//! the same way at the end (`loss.png` and `loss.svg`). Lines that carry an `eval_loss` draw a
+//! second, dashed series per run.
 //!
-//! SVG rather than PNG: plotters' SVG backend needs no image or font crates, and the file opens
-//! in any browser.
+//! Text is set in DejaVu Sans, embedded in the binary (the `dejavu` crate) and registered with
+//! plotters once: a PNG renders the same on a machine without fonts.
 
 use std::path::{Path, PathBuf};
 
@@ -18,8 +19,8 @@ pub struct PlotArgs {
     /// Run directories (each holds the `metrics.jsonl` that `train` writes).
     #[arg(required = true)]
     runs: Vec<PathBuf>,
-    /// Where to write the chart (SVG); default `loss.svg` inside the run directory for one run,
-    /// `loss.svg` in the current directory for several.
+    /// Where to write the chart: `.svg` for SVG, anything else PNG; default `loss.png` inside the
+    /// run directory for one run, `loss.png` in the current directory for several.
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -47,8 +48,8 @@ pub struct Curves {
 pub fn run(args: &PlotArgs) -> Result<()> {
     let out = match (&args.out, args.runs.as_slice()) {
         (Some(out), _) => out.clone(),
-        (None, [one]) => one.join("loss.svg"),
-        (None, _) => PathBuf::from("loss.svg"),
+        (None, [one]) => one.join("loss.png"),
+        (None, _) => PathBuf::from("loss.png"),
     };
     let mut series = Vec::new();
     for dir in &args.runs {
@@ -66,19 +67,21 @@ pub fn run(args: &PlotArgs) -> Result<()> {
     Ok(())
 }
 
-/// Draws `dir`'s loss curve into `dir/loss.svg` (the end of `train`); returns the file written.
+/// Draws `dir`'s loss curve into `dir/loss.png` and `dir/loss.svg` (the end of `train`);
+/// returns the PNG's path.
 pub fn plot_run(dir: &Path) -> Result<PathBuf> {
     let curves = read_curves(dir)?;
-    let out = dir.join("loss.svg");
     let series = run_series(&run_label(dir), curves);
-    line_chart(
-        &out,
-        "training loss",
-        "step",
-        "loss (mean per token)",
-        &series,
-    )?;
-    Ok(out)
+    for name in ["loss.svg", "loss.png"] {
+        line_chart(
+            &dir.join(name),
+            "training loss",
+            "step",
+            "loss (mean per token)",
+            &series,
+        )?;
+    }
+    Ok(dir.join("loss.png"))
 }
 
 fn run_label(dir: &Path) -> String {
@@ -141,8 +144,25 @@ pub fn read_curves(dir: &Path) -> Result<Curves> {
     Ok(curves)
 }
 
-/// Draws `series` as lines on one chart with a legend into the SVG file `path`; the axes span
-/// the points (y from the smallest value, with a margin).
+/// Registers the embedded DejaVu Sans as plotters' `sans-serif` (once per process).
+fn register_font() -> Result<()> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(
+            "sans-serif",
+            plotters::style::FontStyle::Normal,
+            dejavu::sans::regular(),
+        )
+        .is_ok()
+    });
+    if !ok {
+        bail!("the embedded DejaVu Sans font did not load");
+    }
+    Ok(())
+}
+
+/// Draws `series` as lines on one chart with a legend into `path`: SVG when it ends in `.svg`,
+/// else PNG (900×560). The axes span the points (y from the smallest value, with a margin).
 pub fn line_chart(
     path: &Path,
     title: &str,
@@ -151,7 +171,33 @@ pub fn line_chart(
     series: &[Series],
 ) -> Result<()> {
     use plotters::prelude::*;
+    register_font()?;
+    if series.iter().all(|s| s.points.is_empty()) {
+        bail!("nothing to plot into {}", path.display());
+    }
     let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("plotting {}: {e}", path.display());
+    let size = (900, 560);
+    let svg = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
+    if svg {
+        let root = SVGBackend::new(path, size).into_drawing_area();
+        draw(root, title, x_desc, y_desc, series).map_err(|e| err(&e))
+    } else {
+        let root = BitMapBackend::new(path, size).into_drawing_area();
+        draw(root, title, x_desc, y_desc, series).map_err(|e| err(&e))
+    }
+}
+
+/// The chart of [`line_chart`] on any plotters backend.
+fn draw<DB: plotters::prelude::DrawingBackend>(
+    root: plotters::drawing::DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    series: &[Series],
+) -> std::result::Result<(), plotters::drawing::DrawingAreaErrorKind<DB::ErrorType>> {
+    use plotters::prelude::*;
     let points = || series.iter().flat_map(|s| s.points.iter());
     let (x_min, x_max) = points().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
         (lo.min(p.0), hi.max(p.0))
@@ -159,28 +205,22 @@ pub fn line_chart(
     let (y_min, y_max) = points().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
         (lo.min(p.1), hi.max(p.1))
     });
-    if !x_min.is_finite() {
-        bail!("nothing to plot into {}", path.display());
-    }
     let x_range = x_min..x_max.max(x_min + 1.0);
     let pad = ((y_max - y_min) * 0.05).max(1e-3);
     let y_range = (y_min - pad).max(0.0f64.min(y_min))..y_max + pad;
 
-    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
+    root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(64)
-        .build_cartesian_2d(x_range, y_range)
-        .map_err(|e| err(&e))?;
+        .build_cartesian_2d(x_range, y_range)?;
     chart
         .configure_mesh()
         .x_desc(x_desc)
         .y_desc(y_desc)
-        .draw()
-        .map_err(|e| err(&e))?;
+        .draw()?;
     for (i, s) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         let style = color.stroke_width(2);
@@ -189,8 +229,7 @@ pub fn line_chart(
         } else {
             chart.draw_series(LineSeries::new(s.points.iter().copied(), style))
         };
-        drawn
-            .map_err(|e| err(&e))?
+        drawn?
             .label(s.name.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
     }
@@ -198,10 +237,8 @@ pub fn line_chart(
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
+        .draw()?;
+    root.present()
 }
 
 #[cfg(test)]
@@ -227,7 +264,13 @@ mod tests {
         assert_eq!(curves.loss, [(0.0, 5.5), (2.0, 4.0)]);
         assert_eq!(curves.eval_loss, [(2.0, 4.5)]);
         let out = plot_run(&dir).expect("plot");
-        let svg = std::fs::read_to_string(&out).expect("svg");
+        let png = std::fs::read(&out).expect("png");
+        assert!(
+            png.starts_with(b"\x89PNG\r\n\x1a\n"),
+            "not a PNG: {:?}",
+            &png[..8]
+        );
+        let svg = std::fs::read_to_string(dir.join("loss.svg")).expect("svg");
         assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
         assert!(svg.contains("eval loss"));
         std::fs::remove_dir_all(&dir).ok();

@@ -44,6 +44,23 @@ fn two_runs_go_on_one_chart_with_their_names() {
         svg.contains("alpha loss") && svg.contains("beta loss"),
         "{svg}"
     );
+    // one run, no --out: a 900×560 PNG in the run directory
+    let out = ferrotext(&["plot", a.to_str().expect("utf-8")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let png = std::fs::read(a.join("loss.png")).expect("loss.png");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "not a PNG");
+    let (w, h) = (&png[16..20], &png[20..24]); // IHDR width and height, big-endian
+    assert_eq!(
+        (
+            u32::from_be_bytes(w.try_into().unwrap()),
+            u32::from_be_bytes(h.try_into().unwrap())
+        ),
+        (900, 560)
+    );
     std::fs::remove_dir_all(&root).ok();
 }
 
