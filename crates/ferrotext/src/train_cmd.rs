@@ -60,6 +60,17 @@ fn load(args: &TrainArgs) -> Result<RunPlan> {
     Ok(TrainConfig::parse(file.as_deref(), &overrides)?.plan()?)
 }
 
+/// What the run header calls the model: the HF directory it comes from (whose `config.json`
+/// shapes it), else the preset.
+fn model_label(config: &TrainConfig) -> String {
+    let dir = Path::new(&config.load_parameters_path);
+    if !config.load_parameters_path.is_empty() && dir.is_dir() {
+        format!("the Hugging Face model in {}", dir.display())
+    } else {
+        config.model_name.clone()
+    }
+}
+
 /// Arguments of `ferrotext plan`.
 #[derive(Args)]
 pub struct PlanArgs {
@@ -96,7 +107,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     let (gate, trace) = ferrotext_train::plan_step(&plan, source)?;
     println!(
         "planned one step of {} ({} parameters) on {} in {:.2} s: every sharding rule checked",
-        config.model_name,
+        model_label(config),
         plan.decoder().param_count(),
         plan.mesh(),
         started.elapsed().as_secs_f64()
@@ -419,7 +430,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     }
     println!(
         "{} ({} layers, d {}, vocab {}) on {}; GA {}, {} tokens per step, {} steps",
-        config.model_name,
+        model_label(config),
         model.base_num_decoder_layers,
         model.base_emb_dim,
         model.vocab_size,

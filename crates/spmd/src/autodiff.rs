@@ -107,6 +107,13 @@ pub(crate) enum Backward {
         g: Array,
         u: Array,
     },
+    CausalAttention {
+        q: Array,
+        k: Array,
+        v: Array,
+        probs: Option<ferrotext_tensor::Tensor>,
+        scale: f32,
+    },
     GroupedMatmul {
         x: Array,
         w: Array,
@@ -432,6 +439,17 @@ impl Ctx<'_> {
             Backward::Swiglu { g, u } => {
                 let [dg, du] = self.swiglu_transpose(g, u, ct)?;
                 vec![Some(dg), Some(du)]
+            }
+            Backward::CausalAttention {
+                q,
+                k,
+                v,
+                probs,
+                scale,
+            } => {
+                let [dq, dk, dv] =
+                    self.causal_attention_transpose(q, k, v, probs.as_ref(), *scale, ct)?;
+                vec![Some(dq), Some(dk), Some(dv)]
             }
             Backward::GroupedMatmul { x, w, group_sizes } => {
                 self.grouped_matmul_transpose(x, w, group_sizes, ct)?

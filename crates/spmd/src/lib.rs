@@ -74,6 +74,7 @@ assert_eq!(grads[0], ("f32[3,2]{U:data}".to_string(), 1));
 #![deny(missing_docs)]
 
 mod array;
+mod attention;
 mod autodiff;
 mod bucketed;
 pub mod conformance;

@@ -1,0 +1,161 @@
+//! Fused causal self-attention as one op on the tape, its transpose beside it (kernels:
+//! `ferrotext_tensor::causal_attention` and its backward).
+//!
+//! Type rule: `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]` (grouped-query: `H` a
+//! multiple of `KV`, query head `h` reads kv head `h / (H/KV)`), out `[B, T, H, dv]` laid out like
+//! `q`. The batch and head dims may be split (alike in all three; a split of the heads keeps
+//! every group on one device, since both head counts split into the same number of contiguous
+//! blocks); the sequence and width dims must be whole; no operand may be unreduced, and the
+//! three carry the same `reduced` tags. No collective: what the unfused composition
+//! (`dot_general`, `causal_softmax`, `dot_general`, with k and v broadcast to `H` heads) would
+//! compute, bit for bit (the kernel's tests), with no broadcast copies and no scores buffer
+//! beside the probabilities.
+
+use ferrotext_sharding::ArrayType;
+
+use crate::array::Array;
+use crate::autodiff::Backward;
+use crate::ctx::Ctx;
+use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::rules;
+
+const OP: &str = "causal_attention";
+
+fn type_error(kind: K, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
+    ShardingTypeError::new(kind, OP, xs, message).into()
+}
+
+/// The output type of [`Ctx::causal_attention`], or why the operands do not fit.
+fn attention_type(q: &ArrayType, k: &ArrayType, v: &ArrayType) -> Result<ArrayType, SpmdError> {
+    let all = [q, k, v];
+    let shapes_fit = match (q.shape(), k.shape(), v.shape()) {
+        (&[b, t, h, dk], &[kb, kt, kv, kdk], &[vb, vt, vkv, _]) => {
+            (b, t, dk) == (kb, kt, kdk) && (b, t, kv) == (vb, vt, vkv) && kv > 0 && h % kv == 0
+        }
+        _ => false,
+    };
+    if !shapes_fit {
+        return Err(type_error(
+            K::ShapeError,
+            &all,
+            "needs q [B,T,H,dk], k [B,T,KV,dk], v [B,T,KV,dv] with H a multiple of KV",
+        ));
+    }
+    if all.iter().any(|t| t.is_manual()) {
+        return Err(type_error(
+            K::ShardingMismatch,
+            &all,
+            "is not defined inside a manual region; use the unfused ops there",
+        ));
+    }
+    for t in all {
+        if !t.sharding().spec().unreduced().is_empty() {
+            return Err(type_error(
+                K::UnreducedOperand,
+                &all,
+                "cannot take an unreduced operand",
+            ));
+        }
+        for d in [1, 3] {
+            if t.sharding().dim_parts(d)? > 1 {
+                return Err(type_error(
+                    K::ShardingMismatch,
+                    &all,
+                    format!("dimension {d} is sharded; the sequence and widths must be whole"),
+                ));
+            }
+        }
+    }
+    let spec = |t: &ArrayType, d: usize| t.sharding().spec().dim(d).clone();
+    for t in [k, v] {
+        if spec(t, 0) != spec(q, 0) || spec(t, 2) != spec(q, 2) {
+            return Err(type_error(
+                K::ShardingMismatch,
+                &all,
+                "q, k and v must split the batch and the heads alike",
+            ));
+        }
+        if t.sharding().spec().reduced() != q.sharding().spec().reduced() {
+            return Err(type_error(
+                K::ShardingMismatch,
+                &all,
+                "q, k and v must carry the same reduced tags",
+            ));
+        }
+    }
+    let mut shape = q.shape().to_vec();
+    shape[3] = v.shape()[3];
+    rules::make_type(OP, q, shape, Ok(q.sharding().spec().clone())).map_err(Into::into)
+}
+
+impl Ctx<'_> {
+    /// Causal grouped-query self-attention `softmax(scale·q·kᵀ, causal)·v`, fused, on
+    /// `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]`; out `[B, T, H, dv]`. See the
+    /// module docs for the type rule.
+    ///
+    /// # Errors
+    /// Shapes that do not fit; a split sequence or width dim; batch or heads split differently;
+    /// an unreduced operand; operands inside a manual region.
+    pub fn causal_attention(
+        &mut self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        scale: f32,
+    ) -> Result<Array, SpmdError> {
+        let out_ty = attention_type(q.ty(), k.ty(), v.ty())?;
+        let threads = self.threads();
+        let (local, probs) = match (q.local_opt(), k.local_opt(), v.local_opt()) {
+            (Some(a), Some(b), Some(c)) => {
+                let fused = ferrotext_tensor::causal_attention(a, b, c, scale, threads)?;
+                (Some(fused.out), Some(fused.probs))
+            }
+            _ => (None, None),
+        };
+        let out = Array::new(out_ty, local);
+        self.record(
+            Backward::CausalAttention {
+                q: q.clone(),
+                k: k.clone(),
+                v: v.clone(),
+                probs,
+                scale,
+            },
+            &[q, k, v],
+            out,
+        )
+    }
+
+    /// The transpose of [`Ctx::causal_attention`]: the cotangents of `q`, `k` and `v` from the
+    /// forward's probabilities (`None` in abstract mode).
+    pub(crate) fn causal_attention_transpose(
+        &mut self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        probs: Option<&ferrotext_tensor::Tensor>,
+        scale: f32,
+        ct: &Array,
+    ) -> Result<[Array; 3], SpmdError> {
+        let threads = self.threads();
+        let (dq, dk, dv) = match (
+            q.local_opt(),
+            k.local_opt(),
+            v.local_opt(),
+            probs,
+            ct.local_opt(),
+        ) {
+            (Some(a), Some(b), Some(c), Some(p), Some(d)) => {
+                let (dq, dk, dv) =
+                    ferrotext_tensor::causal_attention_backward(a, b, c, p, d, scale, threads)?;
+                (Some(dq), Some(dk), Some(dv))
+            }
+            _ => (None, None, None),
+        };
+        Ok([
+            Array::new(q.ty().to_cotangent(), dq),
+            Array::new(k.ty().to_cotangent(), dk),
+            Array::new(v.ty().to_cotangent(), dv),
+        ])
+    }
+}
