@@ -11,8 +11,10 @@
 //! - Loading checks every header before converting anything: the set of tensor names (missing
 //!   and unexpected ones are listed together), each dtype (F32, BF16 or F16, converted to f32)
 //!   and each shape against `config.json`.
-//! - Shards are memory-mapped and read one tensor at a time; each tensor's pages are released
-//!   once converted, so a model loads holding its f32 values and about one tensor's file bytes.
+//! - Shards are memory-mapped; each stored tensor is converted in one pass straight into its
+//!   parameter's f32 buffer (widened, and transposed in tiles for `[out, in]` matrices) and its
+//!   file pages are released once converted, so a model loads holding its f32 values and about
+//!   one tensor's file bytes per thread.
 //! - Writing goes to a temporary directory beside the target, renamed into place when complete:
 //!   a failed save leaves nothing that looks like a model.
 //!
@@ -20,6 +22,7 @@
 //! [`ParamInfo::hf`]: ferrotext_models::ParamInfo::hf
 
 mod config;
+mod convert;
 mod read;
 mod write;
 
