@@ -15,6 +15,8 @@
 //!   parameter's f32 buffer (widened, and transposed in tiles for `[out, in]` matrices) and its
 //!   file pages are released once converted, so a model loads holding its f32 values and about
 //!   one tensor's file bytes per thread.
+//! - `deepseek_v3` directories carry each router's `mlp.gate.e_score_correction_bias`: written as
+//!   zeros (ferrotext's router has no selection bias), and refused on load unless zero.
 //! - Writing goes to a temporary directory beside the target, renamed into place when complete:
 //!   a failed save leaves nothing that looks like a model.
 //!
@@ -36,6 +38,12 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// The shard index of a sharded HF directory.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The suffix of a MoE layer's router weight, `model.layers.N.mlp.gate.weight` (`[experts, d]`).
+const ROUTER: &str = "mlp.gate.weight";
+/// The suffix of DeepSeek-V3's router selection bias, `model.layers.N.mlp.gate.e_score_correction_bias`
+/// (`[experts]`): written as zeros, accepted on load only when zero (ferrotext's router has none).
+const SELECTION_BIAS: &str = "mlp.gate.e_score_correction_bias";
 
 /// At most `n` items of a list, then "and k more".
 fn listed(items: &[String], n: usize) -> String {

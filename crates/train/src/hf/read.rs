@@ -13,12 +13,8 @@ use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 
 use super::convert::{self, NonFinite, Stored};
-use super::{listed, INDEX_FILE, SINGLE_FILE};
+use super::{listed, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE};
 use crate::error::TrainError;
-
-/// A tensor DeepSeek-V3 checkpoints carry that the decoder does not use: the router's
-/// selection-only bias. Accepted when it is all zeros (what ferrotext writes), refused otherwise.
-const SELECTION_BIAS: &str = ".mlp.gate.e_score_correction_bias";
 
 /// Loads every parameter of `infos` from the HF directory `dir`, each from the HF tensors its
 /// [`ParamInfo::hf_tensors`] names, converted to f32.
@@ -27,7 +23,8 @@ const SELECTION_BIAS: &str = ".mlp.gate.e_score_correction_bias";
 /// [`TrainError::Params`] naming the directory and the problem: no weights file, an index that
 /// does not parse or names a shard that does not exist, a header that does not parse, missing
 /// and unexpected tensors (listed together), a dtype other than F32/BF16/F16, a shape that does
-/// not match the model, a non-finite value.
+/// not match the model, a non-finite value, a router selection bias
+/// (`mlp.gate.e_score_correction_bias`) that is not all zeros or has no router to go with.
 ///
 /// # Performance
 /// One pass over the file bytes: each stored tensor is widened and (for `[out, in]` matrices)
@@ -99,11 +96,26 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
         .filter(|n| !located.contains_key(**n))
         .map(|n| n.to_string())
         .collect();
-    let (ignored, unexpected): (Vec<String>, Vec<String>) = located
+    // A router's selection bias (DeepSeek-V3) goes with a router the model has, `[experts]`.
+    let routers: BTreeMap<&str, usize> = wanted
+        .iter()
+        .flatten()
+        .filter_map(|(n, shape)| Some((n.strip_suffix(ROUTER)?, *shape.first()?)))
+        .collect();
+    let mut biases: Vec<(String, Vec<usize>)> = Vec::new();
+    let mut unexpected = Vec::new();
+    for name in located
         .keys()
         .filter(|n| !wanted_names.contains(n.as_str()))
-        .cloned()
-        .partition(|n| n.ends_with(SELECTION_BIAS));
+    {
+        match name
+            .strip_suffix(SELECTION_BIAS)
+            .and_then(|layer| routers.get(layer))
+        {
+            Some(&experts) => biases.push((name.clone(), vec![experts])),
+            None => unexpected.push(name.clone()),
+        }
+    }
     if !missing.is_empty() || !unexpected.is_empty() {
         let mut parts = Vec::new();
         if !missing.is_empty() {
@@ -132,7 +144,7 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
     }
     // 3. every dtype and shape, before anything is converted
     let mut wrong = Vec::new();
-    for (name, shape) in wanted.iter().flatten() {
+    for (name, shape) in wanted.iter().flatten().chain(&biases) {
         let view = shards[located[name]]
             .tensor(name)
             .map_err(|e| err(format!("`{name}`: {e}")))?;
@@ -158,12 +170,15 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
         };
         return Err(err(format!("{}{more}", shown.join("; "))));
     }
-    for name in &ignored {
+    for (name, _) in &biases {
         let s = located[name];
         let values = to_f32(&shards[s], name).map_err(err)?;
-        if values.iter().any(|&x| x != 0.0) {
+        if let Some(i) = values.iter().position(|&x| x != 0.0) {
             return Err(err(format!(
-                "`{name}` is not zero: the router's selection bias is not supported"
+                "`{name}` is not zero ({} at index {i}): ferrotext's router has no selection \
+                 bias, so it would pick other experts than this checkpoint's model; only an \
+                 all-zero e_score_correction_bias is supported",
+                values[i]
             )));
         }
     }
