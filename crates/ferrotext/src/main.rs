@@ -7,6 +7,7 @@ mod bench;
 mod collectives;
 mod conformance;
 mod emulate;
+mod export_cmd;
 mod launch;
 mod mesh_arg;
 mod plot;
@@ -50,6 +51,9 @@ enum Command {
     Keys,
     /// Draw the loss curves of one or more runs on one chart (SVG): `ferrotext plot RUN_DIR...`.
     Plot(plot::PlotArgs),
+    /// Write a checkpoint's parameters as a Hugging Face model directory:
+    /// `ferrotext export RUN_DIR OUT_DIR [--dtype bf16] [--step N]`.
+    Export(export_cmd::ExportArgs),
     /// Benchmarks that write JSON.
     Bench {
         #[command(subcommand)]
@@ -87,6 +91,7 @@ fn main() -> ExitCode {
         Command::Collectives(args) => collectives::run(&args, &mut launch),
         Command::Conformance(args) => conformance::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Export(args) => export_cmd::run(&args),
         Command::Keys => {
             print!("{}", ferrotext_train::keys::table());
             Ok(())

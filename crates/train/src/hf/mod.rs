@@ -5,7 +5,7 @@
 //! [`read_config`] maps `config.json` to the decoder's [`Config`] (`qwen3`, `qwen3_moe`,
 //! `deepseek_v3`; anything else is refused in one error naming it), [`load_directory`] reads
 //! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
-//! the same layout back.
+//! the same layout back. [`export_checkpoint`] writes a checkpoint's parameters that way.
 //!
 //! # Invariants
 //! - Loading checks every header before converting anything: the set of tensor names (missing
@@ -25,10 +25,12 @@
 
 mod config;
 mod convert;
+mod export;
 mod read;
 mod write;
 
 pub use config::{hf_config_json, read_config, ModelType};
+pub use export::{export_checkpoint, find_checkpoint, Exported};
 pub use read::load_directory;
 pub use write::{save_directory, SaveDtype, DEFAULT_SHARD_BYTES};
 
