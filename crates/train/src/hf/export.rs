@@ -82,21 +82,24 @@ pub fn find_checkpoint(path: &Path, step: Option<usize>) -> Result<PathBuf, Trai
     if dir.join("manifest.json").is_file() {
         return Ok(dir);
     }
-    let mut steps: Vec<String> = std::fs::read_dir(&root)
+    let mut found: Vec<(usize, usize)> = std::fs::read_dir(&root)
         .map(|entries| {
             entries
                 .filter_map(|e| e.ok()?.file_name().to_str().and_then(parse_checkpoint_name))
-                .map(|(s, m)| {
-                    if m == 0 {
-                        s.to_string()
-                    } else {
-                        format!("{s} (micro-step {m})")
-                    }
-                })
                 .collect()
         })
         .unwrap_or_default();
-    steps.sort();
+    found.sort();
+    let steps: Vec<String> = found
+        .iter()
+        .map(|&(s, m)| {
+            if m == 0 {
+                s.to_string()
+            } else {
+                format!("{s} (micro-step {m})")
+            }
+        })
+        .collect();
     let have = if steps.is_empty() {
         "none".to_string()
     } else {
