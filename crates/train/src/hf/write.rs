@@ -74,8 +74,10 @@ impl SaveDtype {
 /// Writes the HF directory `dir`: `config.json` for `cfg`'s `model_type`, and the parameters
 /// (`infos`, `values` in the same order) as HF tensors of `dtype` — one `model.safetensors`, or
 /// shards of at most `shard_bytes` each (a larger single tensor gets a shard of its own) with
-/// `model.safetensors.index.json`. Written to a temporary directory and renamed into place; an
-/// existing `dir` is replaced only if it holds a `config.json` (a model directory).
+/// `model.safetensors.index.json`. A `deepseek_v3` directory also gets each router's zero
+/// `mlp.gate.e_score_correction_bias`, which HF's model expects. Written to a temporary
+/// directory and renamed into place; an existing `dir` is replaced only if it holds a
+/// `config.json` (a model directory).
 ///
 /// # Errors
 /// [`TrainError::Params`] when no HF `model_type` expresses `cfg`, `dir` exists and is not a model
