@@ -8,6 +8,7 @@ mod collectives;
 mod conformance;
 mod emulate;
 mod generate_cmd;
+mod export_cmd;
 mod launch;
 mod mesh_arg;
 mod plot;
@@ -54,6 +55,9 @@ enum Command {
     Keys,
     /// Draw the loss curves of one or more runs on one chart (SVG): `ferrotext plot RUN_DIR...`.
     Plot(plot::PlotArgs),
+    /// Write a checkpoint's parameters as a Hugging Face model directory:
+    /// `ferrotext export RUN_DIR OUT_DIR [--dtype bf16] [--step N]`.
+    Export(export_cmd::ExportArgs),
     /// Benchmarks that write JSON.
     Bench {
         #[command(subcommand)]
@@ -92,6 +96,7 @@ fn main() -> ExitCode {
         Command::Conformance(args) => conformance::run(&args),
         Command::Plot(args) => plot::run(&args),
         Command::Generate(args) => generate_cmd::run(&args),
+        Command::Export(args) => export_cmd::run(&args),
         Command::Keys => {
             print!("{}", ferrotext_train::keys::table());
             Ok(())

@@ -7,7 +7,10 @@
 //! cargo run --release -p ferrotext-train --example hf_load -- load DIR    # measures (own process)
 //! ```
 //! `load` first reads every file's bytes (8 MiB at a time, so the read adds nothing to the peak
-//! RSS), then loads; both see the same page cache. Not a test: it needs ~1.2 GB of disk and
+//! RSS), then loads; both see the same page cache. Last it times the first writes to as much
+//! fresh memory as the f32 values take: the floor under any loader, since each value lands on a
+//! page that was never touched (on a VM whose host backs guest memory lazily this alone can be
+//! many times the read). Not a test: it needs ~1.2 GB of disk and
 //! ~2.5 GB of memory.
 
 use std::io::Read;
@@ -87,16 +90,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let values = ferrotext_train::io::load_parameters(dir, &infos)?;
             let load = t.elapsed().as_secs_f64();
             let rss = peak_rss();
+            // The floor under any loader: first writes to as much fresh memory as the f32 values
+            // take (the kernel zeroes every new page; in a VM the host may fault it in too).
+            // Measured while the values are alive, so no page of theirs is reused.
+            let t = Instant::now();
+            let mut fresh = vec![0u8; f32_bytes as usize];
+            fresh.fill(1);
+            let touch = t.elapsed().as_secs_f64();
+            drop(fresh);
             println!(
                 "{} files, {:.3} GB: read {read:.3} s, load {load:.3} s ({:.2}× read); peak RSS \
-                 {:.3} GB = {:.3}× the f32 parameters ({:.3} GB); {} tensors",
+                 {:.3} GB = {:.3}× the f32 parameters ({:.3} GB); {} tensors; first touch of \
+                 {:.3} GB fresh memory {touch:.3} s ({:.2}× read, load = {:.2}× it)",
                 files.len(),
                 bytes as f64 / 1e9,
                 load / read,
                 rss as f64 / 1e9,
                 rss as f64 / f32_bytes as f64,
                 f32_bytes as f64 / 1e9,
-                values.len()
+                values.len(),
+                f32_bytes as f64 / 1e9,
+                touch / read,
+                load / touch,
             );
         }
         _ => return Err("usage: hf_load write|load DIR".into()),

@@ -492,7 +492,11 @@ struct Loaded {
     partials: Option<Vec<Vec<Tensor>>>,
 }
 
-fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>, TrainError> {
+pub(crate) fn read_verified(
+    dir: &Path,
+    manifest: &Manifest,
+    file: &str,
+) -> Result<Vec<u8>, TrainError> {
     if !is_plain_name(file) {
         return Err(ckpt_err(
             &dir.join("manifest.json"),
@@ -514,7 +518,7 @@ fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>,
     Ok(bytes)
 }
 
-fn tensor(
+pub(crate) fn tensor(
     path: &Path,
     file: &SafeTensors<'_>,
     name: &str,
@@ -599,7 +603,7 @@ fn sequences_consumed(config: &TrainConfig, step: usize, micro: usize) -> u64 {
 }
 
 /// `manifest.json` of `dir`: its format version, then its seal, then its fields.
-fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
+pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
     let manifest_path = dir.join("manifest.json");
     let text = std::fs::read(&manifest_path)
         .map_err(|e| ckpt_err(&manifest_path, format!("cannot read: {e}")))?;
@@ -659,7 +663,7 @@ fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
 
 /// Every number of the manifest against the files it lists, the config it carries and the
 /// directory's name.
-fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainError> {
+pub(crate) fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainError> {
     let path = dir.join("manifest.json");
     let bad = |reason: String| Err(ckpt_err(&path, reason));
     for file in m.files.keys().chain(m.tensors.iter().map(|t| &t.file)) {

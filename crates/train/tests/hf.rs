@@ -747,3 +747,120 @@ fn a_model_no_hf_family_expresses_is_refused_before_anything_is_written() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+// ---------------------------------------------------------------------------------------------
+// DeepSeek-V3's router selection bias.
+
+/// Rewrites the file of directory `out` that holds `name` (by the index), with `f` applied to the
+/// list of `(name, dtype, shape, bytes)` of that file.
+#[allow(clippy::type_complexity)]
+fn rewrite_file_of(
+    out: &Path,
+    name: &str,
+    f: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let file = out.join(index["weight_map"][name].as_str().unwrap());
+    let bytes = std::fs::read(&file).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    f(&mut owned);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, &None, &file).unwrap();
+}
+
+#[test]
+fn deepseek_v3_directories_carry_a_zero_selection_bias_and_refuse_a_nonzero_one() {
+    // Written: `[n_routed_experts]` zeros for every MoE layer (layer 0 is dense), in the index,
+    // in the directory's dtype; and the directory still loads as the values saved.
+    let (out, _, _) = roundtrip(&deepseek(), SaveDtype::Bf16, 4096);
+    let files = Files::read(&out);
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let bias = |l: usize| format!("model.layers.{l}.mlp.gate.e_score_correction_bias");
+    assert!(!files.tensors.contains_key(&bias(0)));
+    assert!(index["weight_map"].get(bias(0)).is_none());
+    for l in [1, 2] {
+        assert_eq!(files.shape(&bias(l)), [4], "{}", bias(l));
+        assert!(files.get(&bias(l)).iter().all(|&x| x == 0.0));
+        assert!(index["weight_map"][bias(l)].is_string());
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "deepseek_v3");
+    assert_eq!(config["topk_method"], "noaux_tc");
+    assert_eq!(config["scoring_func"], "sigmoid");
+    // qwen3_moe's router has no such bias.
+    let (qwen, _, _) = roundtrip(&moe(), SaveDtype::F32, u64::MAX);
+    assert!(!Files::read(&qwen)
+        .tensors
+        .keys()
+        .any(|n| n.ends_with("e_score_correction_bias")));
+    // A nonzero bias is refused, naming the tensor and why.
+    rewrite_file_of(&out, &bias(2), |tensors| {
+        for t in tensors.iter_mut().filter(|t| t.0 == bias(2)) {
+            t.3[4..6].copy_from_slice(&half::bf16::from_f32(0.5).to_le_bytes());
+        }
+    });
+    let e = load_error(&out);
+    assert!(
+        e.contains(&format!(
+            "`{}` is not zero (0.5 at index 2): ferrotext's router has no selection bias",
+            bias(2)
+        )),
+        "{e}"
+    );
+    // A bias of the wrong shape, and one for a layer without a router, are refused too.
+    rewrite_file_of(&out, &bias(2), |tensors| {
+        for t in tensors.iter_mut().filter(|t| t.0 == bias(2)) {
+            t.2 = vec![3];
+            t.3 = vec![0; 6];
+        }
+    });
+    let e = load_error(&out);
+    assert!(
+        e.contains(&format!(
+            "`{}` has shape [3], config.json needs [4]",
+            bias(2)
+        )),
+        "{e}"
+    );
+    rewrite_file_of(&out, &bias(2), |tensors| {
+        for t in tensors.iter_mut().filter(|t| t.0 == bias(2)) {
+            t.2 = vec![4];
+            t.3 = vec![0; 8];
+        }
+        tensors.push((bias(0), safetensors::Dtype::BF16, vec![4], vec![0; 8]));
+    });
+    let mut index = index;
+    index["weight_map"][bias(0)] = index["weight_map"][bias(2)].clone();
+    std::fs::write(
+        out.join("model.safetensors.index.json"),
+        serde_json::to_vec(&index).unwrap(),
+    )
+    .unwrap();
+    let e = load_error(&out);
+    assert!(
+        e.contains(&format!("1 unexpected tensor(s): `{}`", bias(0))),
+        "{e}"
+    );
+    std::fs::remove_dir_all(out.parent().unwrap()).ok();
+    std::fs::remove_dir_all(qwen.parent().unwrap()).ok();
+}

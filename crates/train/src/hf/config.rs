@@ -124,13 +124,32 @@ impl<'a> Keys<'a> {
         }
     }
 
+    /// A finite number (as f32), `default` when absent.
     fn f32_or(&self, key: &str, default: f32) -> Result<f32, String> {
         match self.get(key) {
             None => Ok(default),
-            Some(x) => x
-                .as_f64()
-                .map(|x| x as f32)
-                .ok_or_else(|| format!("`{key}` is not a number")),
+            Some(x) => {
+                let v = x
+                    .as_f64()
+                    .map(|x| x as f32)
+                    .ok_or_else(|| format!("`{key}` is not a number"))?;
+                if v.is_finite() {
+                    Ok(v)
+                } else {
+                    Err(format!("`{key}` = {x} is not a finite 32-bit float"))
+                }
+            }
+        }
+    }
+
+    /// A positive finite number, `default` when absent: the scales and rates a model divides by
+    /// or raises to a power (a zero or negative one trains on NaN, not an error).
+    fn positive_or(&self, key: &str, default: f32) -> Result<f32, String> {
+        let v = self.f32_or(key, default)?;
+        if v > 0.0 {
+            Ok(v)
+        } else {
+            Err(format!("`{key}` must be a positive number, got {v}"))
         }
     }
 
@@ -188,8 +207,8 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
         head_dim: k.usize_or("head_dim", hidden / heads.max(1))?,
         base_mlp_dim: k.usize("intermediate_size")?,
         logits_via_embedding: k.bool_or("tie_word_embeddings", false)?,
-        rope_max_timescale: k.f32_or("rope_theta", 10_000.0)?,
-        normalization_layer_epsilon: k.f32_or("rms_norm_eps", 1e-6)?,
+        rope_max_timescale: k.positive_or("rope_theta", 10_000.0)?,
+        normalization_layer_epsilon: k.positive_or("rms_norm_eps", 1e-6)?,
         z_loss_multiplier: 0.0,
         moe: None,
         mla: None,
@@ -255,7 +274,7 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
                 first_num_dense_layers: k.usize_or("first_k_dense_replace", 0)?,
                 score: RouterScore::Sigmoid,
                 norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
-                routed_scaling_factor: k.f32_or("routed_scaling_factor", 1.0)?,
+                routed_scaling_factor: k.positive_or("routed_scaling_factor", 1.0)?,
                 load_balance_loss_weight: 0.0,
                 withhold_tags: false,
             });
@@ -268,18 +287,18 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
                 if kind != Some(&json!("yarn")) {
                     k.unsupported.push(format!("rope_scaling={rs} (only yarn)"));
                 } else {
-                    let mscale = rk.f32_or("mscale", 1.0)?;
-                    let mscale_all_dim = rk.f32_or("mscale_all_dim", mscale)?;
+                    let mscale = rk.positive_or("mscale", 1.0)?;
+                    let mscale_all_dim = rk.positive_or("mscale_all_dim", mscale)?;
                     if mscale != mscale_all_dim {
                         k.unsupported.push(format!(
                             "rope_scaling mscale={mscale} ≠ mscale_all_dim={mscale_all_dim}"
                         ));
                     }
                     cfg.rope_yarn = Some(Yarn {
-                        factor: rk.f32_or("factor", 1.0)?,
+                        factor: rk.positive_or("factor", 1.0)?,
                         original_max_position: rk.usize("original_max_position_embeddings")?,
-                        beta_fast: rk.f32_or("beta_fast", 32.0)?,
-                        beta_slow: rk.f32_or("beta_slow", 1.0)?,
+                        beta_fast: rk.positive_or("beta_fast", 32.0)?,
+                        beta_slow: rk.positive_or("beta_slow", 1.0)?,
                         mscale: mscale_all_dim,
                     });
                 }
@@ -437,6 +456,17 @@ mod tests {
             decoder_config(&v).unwrap_err(),
             "model_type `qwen3` with features the decoder does not have: attention_bias=true, \
              use_sliding_window=true"
+        );
+        let mut v = hf_config_json(&Config::preset("qwen3-tiny").unwrap(), "float32").unwrap();
+        v["rope_theta"] = json!(-1.0);
+        assert_eq!(
+            decoder_config(&v).unwrap_err(),
+            "`rope_theta` must be a positive number, got -1"
+        );
+        v["rope_theta"] = json!(1e300);
+        assert_eq!(
+            decoder_config(&v).unwrap_err(),
+            "`rope_theta` = 1e+300 is not a finite 32-bit float"
         );
         let moe = Config::preset("qwen3-moe-tiny").unwrap();
         assert!(ModelType::of(&moe)

@@ -5,14 +5,18 @@
 //! [`read_config`] maps `config.json` to the decoder's [`Config`] (`qwen3`, `qwen3_moe`,
 //! `deepseek_v3`; anything else is refused in one error naming it), [`load_directory`] reads
 //! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
-//! the same layout back.
+//! the same layout back. [`export_checkpoint`] writes a checkpoint's parameters that way.
 //!
 //! # Invariants
 //! - Loading checks every header before converting anything: the set of tensor names (missing
 //!   and unexpected ones are listed together), each dtype (F32, BF16 or F16, converted to f32)
 //!   and each shape against `config.json`.
-//! - Shards are memory-mapped and read one tensor at a time; each tensor's pages are released
-//!   once converted, so a model loads holding its f32 values and about one tensor's file bytes.
+//! - Shards are memory-mapped; each stored tensor is converted in one pass straight into its
+//!   parameter's f32 buffer (widened, and transposed in tiles for `[out, in]` matrices) and its
+//!   file pages are released once converted, so a model loads holding its f32 values and about
+//!   one tensor's file bytes per thread.
+//! - `deepseek_v3` directories carry each router's `mlp.gate.e_score_correction_bias`: written as
+//!   zeros (ferrotext's router has no selection bias), and refused on load unless zero.
 //! - Writing goes to a temporary directory beside the target, renamed into place when complete:
 //!   a failed save leaves nothing that looks like a model.
 //!
@@ -20,10 +24,13 @@
 //! [`ParamInfo::hf`]: ferrotext_models::ParamInfo::hf
 
 mod config;
+mod convert;
+mod export;
 mod read;
 mod write;
 
 pub use config::{hf_config_json, read_config, ModelType};
+pub use export::{export_checkpoint, find_checkpoint, Exported};
 pub use read::load_directory;
 pub use write::{save_directory, SaveDtype, DEFAULT_SHARD_BYTES};
 
@@ -33,6 +40,12 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// The shard index of a sharded HF directory.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The suffix of a MoE layer's router weight, `model.layers.N.mlp.gate.weight` (`[experts, d]`).
+const ROUTER: &str = "mlp.gate.weight";
+/// The suffix of DeepSeek-V3's router selection bias, `model.layers.N.mlp.gate.e_score_correction_bias`
+/// (`[experts]`): written as zeros, accepted on load only when zero (ferrotext's router has none).
+const SELECTION_BIAS: &str = "mlp.gate.e_score_correction_bias";
 
 /// At most `n` items of a list, then "and k more".
 fn listed(items: &[String], n: usize) -> String {

@@ -3,19 +3,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
-use ferrotext_models::ParamInfo;
+use ferrotext_models::{HfLayout, ParamInfo};
 use ferrotext_tensor::Tensor;
 use memmap2::{Mmap, UncheckedAdvice};
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 
-use super::{listed, INDEX_FILE, SINGLE_FILE};
+use super::convert::{self, NonFinite, Stored};
+use super::{listed, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE};
 use crate::error::TrainError;
-
-/// A tensor DeepSeek-V3 checkpoints carry that the decoder does not use: the router's
-/// selection-only bias. Accepted when it is all zeros (what ferrotext writes), refused otherwise.
-const SELECTION_BIAS: &str = ".mlp.gate.e_score_correction_bias";
 
 /// Loads every parameter of `infos` from the HF directory `dir`, each from the HF tensors its
 /// [`ParamInfo::hf_tensors`] names, converted to f32.
@@ -24,7 +23,14 @@ const SELECTION_BIAS: &str = ".mlp.gate.e_score_correction_bias";
 /// [`TrainError::Params`] naming the directory and the problem: no weights file, an index that
 /// does not parse or names a shard that does not exist, a header that does not parse, missing
 /// and unexpected tensors (listed together), a dtype other than F32/BF16/F16, a shape that does
-/// not match the model, a non-finite value.
+/// not match the model, a non-finite value, a router selection bias
+/// (`mlp.gate.e_score_correction_bias`) that is not all zeros or has no router to go with.
+///
+/// # Performance
+/// One pass over the file bytes: each stored tensor is widened and (for `[out, in]` matrices)
+/// transposed in tiles straight into its parameter's buffer, on up to 8 threads, and its file
+/// pages are released once converted. What remains is mostly the kernel handing out the f32
+/// buffers' fresh pages.
 pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, TrainError> {
     let err = |reason: String| TrainError::Params {
         path: dir.display().to_string(),
@@ -90,11 +96,26 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
         .filter(|n| !located.contains_key(**n))
         .map(|n| n.to_string())
         .collect();
-    let (ignored, unexpected): (Vec<String>, Vec<String>) = located
+    // A router's selection bias (DeepSeek-V3) goes with a router the model has, `[experts]`.
+    let routers: BTreeMap<&str, usize> = wanted
+        .iter()
+        .flatten()
+        .filter_map(|(n, shape)| Some((n.strip_suffix(ROUTER)?, *shape.first()?)))
+        .collect();
+    let mut biases: Vec<(String, Vec<usize>)> = Vec::new();
+    let mut unexpected = Vec::new();
+    for name in located
         .keys()
         .filter(|n| !wanted_names.contains(n.as_str()))
-        .cloned()
-        .partition(|n| n.ends_with(SELECTION_BIAS));
+    {
+        match name
+            .strip_suffix(SELECTION_BIAS)
+            .and_then(|layer| routers.get(layer))
+        {
+            Some(&experts) => biases.push((name.clone(), vec![experts])),
+            None => unexpected.push(name.clone()),
+        }
+    }
     if !missing.is_empty() || !unexpected.is_empty() {
         let mut parts = Vec::new();
         if !missing.is_empty() {
@@ -123,7 +144,7 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
     }
     // 3. every dtype and shape, before anything is converted
     let mut wrong = Vec::new();
-    for (name, shape) in wanted.iter().flatten() {
+    for (name, shape) in wanted.iter().flatten().chain(&biases) {
         let view = shards[located[name]]
             .tensor(name)
             .map_err(|e| err(format!("`{name}`: {e}")))?;
@@ -149,69 +170,186 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
         };
         return Err(err(format!("{}{more}", shown.join("; "))));
     }
-    for name in &ignored {
+    for (name, _) in &biases {
         let s = located[name];
         let values = to_f32(&shards[s], name).map_err(err)?;
-        if values.iter().any(|&x| x != 0.0) {
+        if let Some(i) = values.iter().position(|&x| x != 0.0) {
             return Err(err(format!(
-                "`{name}` is not zero: the router's selection bias is not supported"
+                "`{name}` is not zero ({} at index {i}): ferrotext's router has no selection \
+                 bias, so it would pick other experts than this checkpoint's model; only an \
+                 all-zero e_score_correction_bias is supported",
+                values[i]
             )));
         }
     }
-    // 4. convert, one parameter at a time per thread (parameter k on thread k mod n, so sizes
-    //    spread), releasing each tensor's file pages once read; the first error in parameter
-    //    order wins, so the message does not depend on the schedule
-    let convert = |info: &ParamInfo, tensors: Vec<(String, Vec<usize>)>| {
-        let parts = tensors
-            .into_iter()
-            .map(|(name, shape)| {
-                let s = located[&name];
-                let data = to_f32(&shards[s], &name).map_err(err)?;
-                release(&maps[s], &shards[s], &name);
-                Tensor::new(shape, data).map_err(|e| err(e.to_string()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        info.from_hf(parts).map_err(|e| err(e.to_string()))
-    };
+    // 4. convert: every stored tensor cut into runs of whole output rows, written straight into
+    //    its parameter's f32 buffer by whichever thread takes the run next
+    let mut values: Vec<Vec<f32>> = infos
+        .iter()
+        .map(|i| vec![0.0; i.shape.iter().product()])
+        .collect();
+    let mut parts = Vec::new();
+    let mut runs = Vec::new();
+    for (k, ((info, tensors), out)) in infos.iter().zip(&wanted).zip(&mut values).enumerate() {
+        let transposed = matches!(
+            info.hf,
+            HfLayout::Experts { .. }
+                | HfLayout::Tensor {
+                    transposed: true,
+                    ..
+                }
+        );
+        let block = out.len() / tensors.len().max(1);
+        // As `ParamInfo::from_hf`: a transposed part is the `[rows, cols]` matrix of the last
+        // two dimensions (one expert's, for stacked experts); anything else is a plain copy.
+        let (rows, cols) = match info.shape.as_slice() {
+            [.., r, c] if transposed && r * c == block => (*r, *c),
+            _ => (block, 1),
+        };
+        let per = if cols == 1 {
+            RUN_ELEMENTS
+        } else {
+            (RUN_ELEMENTS / cols).max(convert::TILE) * cols
+        };
+        let mut rest: &mut [f32] = out;
+        for (name, _) in tensors {
+            let take = block.min(rest.len());
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(take);
+            rest = tail;
+            let s = located[name];
+            let view = shards[s]
+                .tensor(name)
+                .map_err(|e| err(format!("`{name}`: {e}")))?;
+            let kind = match view.dtype() {
+                Dtype::F32 => Stored::F32,
+                Dtype::BF16 => Stored::Bf16,
+                Dtype::F16 => Stored::F16,
+                other => {
+                    return Err(err(format!(
+                        "`{name}` is {other:?} (supported: F32, BF16, F16)"
+                    )))
+                }
+            };
+            if view.data().len() != block * kind.size() {
+                return Err(err(format!(
+                    "`{name}` holds {} bytes, its shape needs {}",
+                    view.data().len(),
+                    block * kind.size()
+                )));
+            }
+            let count = mine.chunks(per.max(1)).count();
+            for (i, run) in mine.chunks_mut(per.max(1)).enumerate() {
+                runs.push(Run {
+                    param: k,
+                    part: parts.len(),
+                    first: i * per / cols,
+                    out: run,
+                });
+            }
+            parts.push(Part {
+                name: name.clone(),
+                shard: s,
+                data: view.data(),
+                kind,
+                rows,
+                cols,
+                left: AtomicUsize::new(count),
+            });
+        }
+    }
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
-        .clamp(1, 8);
-    let mut work: Vec<Vec<(usize, HfTensors)>> = vec![Vec::new(); threads];
-    for (k, tensors) in wanted.into_iter().enumerate() {
-        work[k % threads].push((k, tensors));
-    }
-    let mut out: Vec<Option<Result<Tensor, TrainError>>> = (0..infos.len()).map(|_| None).collect();
+        .clamp(1, 8)
+        .min(runs.len().max(1));
+    let queue = Mutex::new(runs.into_iter());
+    // The first non-finite value in parameter order wins, so the message does not depend on
+    // the schedule.
+    let mut first_bad: Option<(usize, usize, NonFinite)> = None;
     std::thread::scope(|scope| {
-        let handles: Vec<_> = work
-            .into_iter()
-            .map(|items| {
-                let convert = &convert;
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (queue, parts, maps, shards) = (&queue, &parts, &maps, &shards);
                 scope.spawn(move || {
-                    items
-                        .into_iter()
-                        .map(|(k, tensors)| (k, convert(&infos[k], tensors)))
-                        .collect::<Vec<_>>()
+                    let mut bad: Option<(usize, usize, NonFinite)> = None;
+                    loop {
+                        let next = match queue.lock() {
+                            Ok(mut q) => q.next(),
+                            Err(_) => None, // another thread panicked: its join reports it
+                        };
+                        let Some(run) = next else { break };
+                        let part = &parts[run.part];
+                        let done = if part.cols == 1 {
+                            convert::plain(part.data, part.kind, run.first, run.out)
+                        } else {
+                            convert::transposed(
+                                part.data, part.kind, part.rows, part.cols, run.first, run.out,
+                            )
+                        };
+                        if let Err(found) = done {
+                            let key = (run.param, run.part, found);
+                            if bad.is_none_or(|b| (b.0, b.1, b.2 .0) > (key.0, key.1, key.2 .0)) {
+                                bad = Some(key);
+                            }
+                        }
+                        if part.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                            release(&maps[part.shard], &shards[part.shard], &part.name);
+                        }
+                    }
+                    bad
                 })
             })
             .collect();
         for h in handles {
             match h.join() {
-                Ok(done) => {
-                    for (k, r) in done {
-                        out[k] = Some(r);
+                Ok(Some(b)) => {
+                    if first_bad.is_none_or(|f| (f.0, f.1, f.2 .0) > (b.0, b.1, b.2 .0)) {
+                        first_bad = Some(b);
                     }
                 }
+                Ok(None) => {}
                 Err(panic) => std::panic::resume_unwind(panic),
             }
         }
     });
-    out.into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(err("a parameter was not converted".into()))))
+    if let Some((_, part, (i, x))) = first_bad {
+        let name = &parts[part].name;
+        return Err(err(format!(
+            "`{name}` holds a non-finite value ({x}) at flat index {i}"
+        )));
+    }
+    drop(parts);
+    infos
+        .iter()
+        .zip(values)
+        .map(|(info, data)| Tensor::new(info.shape.clone(), data).map_err(|e| err(e.to_string())))
         .collect()
 }
 
-/// One parameter's HF tensors, `(name, shape)`.
-type HfTensors = Vec<(String, Vec<usize>)>;
+/// Output elements per unit of work (16 MiB of f32): large enough that taking one costs nothing,
+/// small enough that the embedding spreads over the threads.
+const RUN_ELEMENTS: usize = 4 << 20;
+
+/// One stored tensor being converted.
+struct Part<'a> {
+    name: String,
+    shard: usize,
+    data: &'a [u8],
+    kind: Stored,
+    /// `[rows, cols]` of its output block; `cols == 1` for a plain copy.
+    rows: usize,
+    cols: usize,
+    /// Runs not finished yet: the thread that finishes the last releases the file pages.
+    left: AtomicUsize,
+}
+
+/// A run of whole output rows of one stored tensor: the unit of work of a load.
+struct Run<'a> {
+    param: usize,
+    part: usize,
+    /// Its first output row (a plain part's rows are single elements).
+    first: usize,
+    out: &'a mut [f32],
+}
 
 /// The shard files of `dir` in a fixed order, and the index's name → file map when sharded.
 #[allow(clippy::type_complexity)]

@@ -9,7 +9,9 @@ use ferrotext_models::ParamInfo;
 use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::{hf_config_json, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+use super::{
+    hf_config_json, ModelType, CONFIG_FILE, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE,
+};
 use crate::error::TrainError;
 
 /// HF's default `max_shard_size` (5 GB): above it, weights are split into shards.
@@ -72,8 +74,10 @@ impl SaveDtype {
 /// Writes the HF directory `dir`: `config.json` for `cfg`'s `model_type`, and the parameters
 /// (`infos`, `values` in the same order) as HF tensors of `dtype` — one `model.safetensors`, or
 /// shards of at most `shard_bytes` each (a larger single tensor gets a shard of its own) with
-/// `model.safetensors.index.json`. Written to a temporary directory and renamed into place; an
-/// existing `dir` is replaced only if it holds a `config.json` (a model directory).
+/// `model.safetensors.index.json`. A `deepseek_v3` directory also gets each router's zero
+/// `mlp.gate.e_score_correction_bias`, which HF's model expects. Written to a temporary
+/// directory and renamed into place; an existing `dir` is replaced only if it holds a
+/// `config.json` (a model directory).
 ///
 /// # Errors
 /// [`TrainError::Params`] when no HF `model_type` expresses `cfg`, `dir` exists and is not a model
@@ -104,10 +108,16 @@ pub fn save_directory(
             "exists and is not a model directory (no config.json): not replaced".into(),
         ));
     }
+    let kind = ModelType::of(cfg).map_err(err)?;
     // 1. which shard each HF tensor goes to, from the shapes alone
     let mut shard_of = Vec::new();
     let (mut shard, mut filled, mut total) = (0usize, 0u64, 0u64);
-    for (_, shape) in infos.iter().flat_map(ParamInfo::hf_tensors) {
+    let stored = infos.iter().flat_map(|info| {
+        info.hf_tensors()
+            .into_iter()
+            .chain(selection_bias(kind, info))
+    });
+    for (_, shape) in stored {
         let size = shape.iter().product::<usize>() as u64 * dtype.bytes();
         if filled > 0 && filled + size > shard_bytes {
             shard += 1;
@@ -148,7 +158,7 @@ pub fn save_directory(
     }
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let written = write_into(
-        &tmp, &config, infos, values, dtype, &shard_of, &file_name, total,
+        &tmp, &config, kind, infos, values, dtype, &shard_of, &file_name, total,
     );
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -171,6 +181,7 @@ pub fn save_directory(
 fn write_into(
     tmp: &Path,
     config: &serde_json::Value,
+    kind: ModelType,
     infos: &[ParamInfo],
     values: &[Tensor],
     dtype: SaveDtype,
@@ -211,7 +222,15 @@ fn write_into(
         Ok::<(), TrainError>(())
     };
     for (info, value) in infos.iter().zip(values) {
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
+            tensors.push((name, t.shape().to_vec(), dtype.encode(t.data())));
+        }
+        if let Some((name, shape)) = selection_bias(kind, info) {
+            let zeros = vec![0.0; shape.iter().product()];
+            tensors.push((name, shape, dtype.encode(&zeros)));
+        }
+        for (name, shape, bytes) in tensors {
             let s = shard_of.get(k).copied().unwrap_or(current);
             k += 1;
             if s != current {
@@ -219,7 +238,7 @@ fn write_into(
                 current = s;
             }
             weight_map.insert(name.clone(), file_name(s));
-            pending.push((name, t.shape().to_vec(), dtype.encode(t.data())));
+            pending.push((name, shape, bytes));
         }
     }
     flush(&mut pending, current)?;
@@ -232,4 +251,19 @@ fn write_into(
         std::fs::write(tmp.join(INDEX_FILE), json).map_err(io(tmp.join(INDEX_FILE)))?;
     }
     Ok(())
+}
+
+/// The tensor HF stores after `info` that no ferrotext parameter holds: for `deepseek_v3`, each
+/// router's selection bias `mlp.gate.e_score_correction_bias` (`[n_routed_experts]`), which
+/// `DeepseekV3TopkRouter` adds to the sigmoid scores to pick the top-k experts (`noaux_tc`) and
+/// its checkpoints carry. ferrotext's router has no such bias; written as zeros, under which
+/// both routers pick the same experts.
+pub(super) fn selection_bias(kind: ModelType, info: &ParamInfo) -> Option<(String, Vec<usize>)> {
+    if kind != ModelType::DeepseekV3 {
+        return None;
+    }
+    let (name, shape) = info.hf_tensors().into_iter().next()?;
+    let layer = name.strip_suffix(ROUTER)?;
+    let experts = *shape.first()?;
+    Some((format!("{layer}{SELECTION_BIAS}"), vec![experts]))
 }

@@ -1,0 +1,69 @@
+//! `ferrotext export CHECKPOINT OUT_DIR`: a checkpoint's parameters as a Hugging Face model
+//! directory ([`ferrotext_train::hf::export_checkpoint`]). The checkpoint is only read; `OUT_DIR`
+//! appears complete or not at all.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use ferrotext_train::hf::{self, SaveDtype};
+use ferrotext_train::TrainError;
+
+use crate::UsageError;
+
+/// `ferrotext export CHECKPOINT OUT_DIR [--dtype f32|bf16] [--step N] [--max-shard-bytes B]`.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// A checkpoint directory (`step_SSSSSSSS_micro_MMM`), a checkpoint root (the one `latest`
+    /// names is exported), or a run directory (`base_output_directory/run_name`: its
+    /// `checkpoints/`).
+    checkpoint: PathBuf,
+    /// The Hugging Face directory to write. An existing one is replaced only if it is a model
+    /// directory (holds `config.json`).
+    out: PathBuf,
+    /// The dtype of the written tensors: `f32` (exact) or `bf16` (rounded to nearest even).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Export the step-boundary checkpoint of this step instead of the latest.
+    #[arg(long)]
+    step: Option<usize>,
+    /// Shard the weights into files of at most this many bytes (HF's `max_shard_size`).
+    #[arg(long, default_value_t = hf::DEFAULT_SHARD_BYTES)]
+    max_shard_bytes: u64,
+}
+
+/// Runs `ferrotext export`.
+pub fn run(args: &ExportArgs) -> Result<()> {
+    let dtype = SaveDtype::parse(&args.dtype)
+        .ok_or_else(|| UsageError(format!("--dtype must be f32 or bf16, got `{}`", args.dtype)))?;
+    let done = hf::export_checkpoint(
+        &args.checkpoint,
+        args.step,
+        &args.out,
+        dtype,
+        args.max_shard_bytes.max(1),
+    )
+    .map_err(|e| -> anyhow::Error {
+        // A checkpoint the user named that cannot be used is their input, as a bad
+        // `load_parameters_path` is: exit 2, not a failed run.
+        match e {
+            TrainError::Checkpoint { .. } => UsageError(e.to_string()).into(),
+            other => other.into(),
+        }
+    })?;
+    let micro = if done.micro_steps > 0 {
+        format!(" micro-step {}", done.micro_steps)
+    } else {
+        String::new()
+    };
+    println!(
+        "exported step {}{micro} of {} to {}: {} ({}), {} tensors",
+        done.step,
+        done.checkpoint.display(),
+        args.out.display(),
+        done.model_type.name(),
+        dtype.torch_name(),
+        done.tensors
+    );
+    Ok(())
+}

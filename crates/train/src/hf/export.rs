@@ -1,0 +1,226 @@
+//! A ferrotext checkpoint's parameters as a Hugging Face directory (`ferrotext export`).
+//!
+//! The checkpoint is read and verified exactly as a restore reads it (format version, manifest
+//! seal, the manifest's numbers, the checksum of `params.safetensors`, dtypes and shapes) and is
+//! never written to; the directory is then written by [`save_directory`], which builds it beside
+//! the target and renames it into place.
+
+use std::path::{Path, PathBuf};
+
+use ferrotext_models::decoder::Decoder;
+use ferrotext_tensor::Tensor;
+use safetensors::SafeTensors;
+
+use super::write::selection_bias;
+use super::{save_directory, ModelType, SaveDtype};
+use crate::checkpoint::{
+    checkpoint_name, latest, parse_checkpoint_name, read_manifest, read_verified, tensor,
+    validate_manifest,
+};
+use crate::error::TrainError;
+
+/// What [`export_checkpoint`] wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Exported {
+    /// The checkpoint directory read.
+    pub checkpoint: PathBuf,
+    /// Its optimizer steps completed.
+    pub step: usize,
+    /// Its micro-step (0 at a step boundary; a mid-step checkpoint holds the parameters of
+    /// `step`, before the pending update).
+    pub micro_steps: usize,
+    /// The `model_type` of the written `config.json`.
+    pub model_type: ModelType,
+    /// HF tensors written (every parameter's, plus any zero router selection bias).
+    pub tensors: usize,
+}
+
+fn ckpt_err(path: &Path, reason: impl Into<String>) -> TrainError {
+    TrainError::Checkpoint {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// The checkpoint directory `path` names: a checkpoint itself (it holds `manifest.json`), or a
+/// checkpoint root (`base_output_directory/run_name/checkpoints`), or a run directory whose
+/// `checkpoints/` is the root. In a root, `step` picks the step-boundary checkpoint of that
+/// step; without it, the one `latest` names (read strictly, see [`latest`]).
+///
+/// # Errors
+/// [`TrainError::Checkpoint`]: no checkpoint there, no checkpoint of `step` (the steps there
+/// are listed), a `step` that disagrees with the checkpoint named, or a `latest` that cannot
+/// be used.
+pub fn find_checkpoint(path: &Path, step: Option<usize>) -> Result<PathBuf, TrainError> {
+    if !path.is_dir() {
+        return Err(ckpt_err(path, "is not a directory"));
+    }
+    if path.join("manifest.json").is_file() {
+        let named = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(parse_checkpoint_name);
+        return match (step, named) {
+            (Some(s), Some((at, _))) if s != at => Err(ckpt_err(
+                path,
+                format!("is the checkpoint of step {at}, not of --step {s}"),
+            )),
+            _ => Ok(path.to_path_buf()),
+        };
+    }
+    let nested = path.join("checkpoints");
+    let root = if nested.is_dir() { nested } else { path.into() };
+    let Some(step) = step else {
+        return latest(&root)?.ok_or_else(|| {
+            ckpt_err(
+                path,
+                "holds no checkpoint (neither manifest.json, nor `latest`, nor checkpoints/)",
+            )
+        });
+    };
+    let dir = root.join(checkpoint_name(step, 0));
+    if dir.join("manifest.json").is_file() {
+        return Ok(dir);
+    }
+    let mut found: Vec<(usize, usize)> = std::fs::read_dir(&root)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().to_str().and_then(parse_checkpoint_name))
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    let steps: Vec<String> = found
+        .iter()
+        .map(|&(s, m)| {
+            if m == 0 {
+                s.to_string()
+            } else {
+                format!("{s} (micro-step {m})")
+            }
+        })
+        .collect();
+    let have = if steps.is_empty() {
+        "none".to_string()
+    } else {
+        steps.join(", ")
+    };
+    Err(ckpt_err(
+        &root,
+        format!("has no checkpoint of step {step} at a step boundary (steps here: {have})"),
+    ))
+}
+
+/// Writes the parameters of the checkpoint `path` names ([`find_checkpoint`]) as the HF
+/// directory `out`: `config.json` of the model's `model_type`, every tensor under its HF name
+/// and orientation in `dtype`, sharded above `shard_bytes` ([`save_directory`]).
+///
+/// The checkpoint is only read. Everything is checked before anything is written, and `out`
+/// appears complete or not at all; an existing `out` is replaced only when it is a model
+/// directory (it holds `config.json`).
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] for a checkpoint that cannot be found or used (as a restore would
+/// refuse it); [`TrainError::Params`] for a model no HF `model_type` expresses, or an `out` that
+/// lies inside the checkpoint or exists and is not a model directory; [`TrainError::Io`] when
+/// writing fails.
+pub fn export_checkpoint(
+    path: &Path,
+    step: Option<usize>,
+    out: &Path,
+    dtype: SaveDtype,
+    shard_bytes: u64,
+) -> Result<Exported, TrainError> {
+    let dir = find_checkpoint(path, step)?;
+    let out_err = |reason: String| TrainError::Params {
+        path: out.display().to_string(),
+        reason,
+    };
+    // The checkpoints are never written: not even a temporary directory beside this one.
+    let ckpt = dir
+        .canonicalize()
+        .map_err(|e| ckpt_err(&dir, format!("cannot read: {e}")))?;
+    let root = ckpt.parent().unwrap_or(&ckpt);
+    if resolved(out).starts_with(root) {
+        return Err(out_err(format!(
+            "lies inside the checkpoint directory {}, which export does not write to: choose a \
+             directory outside it",
+            root.display()
+        )));
+    }
+    // 1. the manifest and the parameters, verified as a restore verifies them
+    let manifest = read_manifest(&dir)?;
+    validate_manifest(&dir, &manifest)?;
+    let config = &manifest.config;
+    let from = Path::new(&config.load_parameters_path);
+    if !config.load_parameters_path.is_empty()
+        && from.extension().is_none_or(|e| e != "safetensors")
+        && !from.is_dir()
+    {
+        return Err(ckpt_err(
+            &dir.join("manifest.json"),
+            format!(
+                "the run took its model's shape from the Hugging Face directory `{}` \
+                 (load_parameters_path), which is no longer there",
+                config.load_parameters_path
+            ),
+        ));
+    }
+    let decoder = Decoder::new(config.model()?)
+        .map_err(|e| ckpt_err(&dir.join("manifest.json"), e.to_string()))?;
+    let infos = decoder.params();
+    let bytes = read_verified(&dir, &manifest, "params.safetensors")?;
+    let file_path = dir.join("params.safetensors");
+    let file = SafeTensors::deserialize(&bytes)
+        .map_err(|e| ckpt_err(&file_path, format!("not a safetensors file: {e}")))?;
+    let mut values: Vec<Tensor> = Vec::with_capacity(infos.len());
+    for info in &infos {
+        let parts = info
+            .hf_tensors()
+            .iter()
+            .map(|(name, shape)| tensor(&file_path, &file, name, shape))
+            .collect::<Result<Vec<_>, _>>()?;
+        values.push(
+            info.from_hf(parts)
+                .map_err(|e| ckpt_err(&file_path, e.to_string()))?,
+        );
+    }
+    drop(file);
+    drop(bytes);
+    // 2. the directory
+    let model_type = ModelType::of(decoder.config()).map_err(out_err)?;
+    let tensors = infos
+        .iter()
+        .map(|i| i.hf_tensors().len() + usize::from(selection_bias(model_type, i).is_some()))
+        .sum();
+    save_directory(out, decoder.config(), &infos, &values, dtype, shard_bytes)?;
+    Ok(Exported {
+        checkpoint: dir,
+        step: manifest.step,
+        micro_steps: manifest.micro_steps,
+        model_type,
+        tensors,
+    })
+}
+
+/// `path` made absolute with its longest existing ancestor's symlinks and `..` resolved (the
+/// rest may not exist yet).
+fn resolved(path: &Path) -> PathBuf {
+    let Ok(abs) = std::path::absolute(path) else {
+        return path.to_path_buf();
+    };
+    let mut rest = Vec::new();
+    let mut at = abs.as_path();
+    loop {
+        if let Ok(real) = at.canonicalize() {
+            return rest.iter().rev().fold(real, |p, c| p.join(c));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                at = parent;
+            }
+            _ => return abs,
+        }
+    }
+}
