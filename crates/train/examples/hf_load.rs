@@ -5,6 +5,7 @@
 //! ```text
 //! cargo run --release -p ferrotext-train --example hf_load -- write DIR   # makes the directory
 //! cargo run --release -p ferrotext-train --example hf_load -- load DIR    # measures (own process)
+//! cargo run --release -p ferrotext-train --example hf_load -- load DIR --cold  # from disk (root)
 //! ```
 //! `load` first reads every file's bytes (8 MiB at a time, so the read adds nothing to the peak
 //! RSS), then loads; both see the same page cache. Last it times the first writes to as much
@@ -38,9 +39,21 @@ fn peak_rss() -> u64 {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let (mode, dir) = match args.as_slice() {
-        [_, mode, dir] => (mode.as_str(), Path::new(dir)),
-        _ => return Err("usage: hf_load write|load DIR".into()),
+    let (mode, dir, cold) = match args.as_slice() {
+        [_, mode, dir] => (mode.as_str(), Path::new(dir), false),
+        [_, mode, dir, flag] if flag == "--cold" => (mode.as_str(), Path::new(dir), true),
+        _ => return Err("usage: hf_load write|load DIR [--cold]".into()),
+    };
+    // `--cold` (root): the page cache is dropped before the read and again before the load, so
+    // both come from the disk, the read's timing is "the time it takes to read its bytes from
+    // disk" and the load pays the same I/O.
+    let drop_caches = || -> Result<(), Box<dyn std::error::Error>> {
+        if cold {
+            std::process::Command::new("sync").status()?;
+            std::fs::write("/proc/sys/vm/drop_caches", "3")
+                .map_err(|e| format!("--cold needs root to drop the page cache: {e}"))?;
+        }
+        Ok(())
     };
     let model = model();
     let infos = model.params();
@@ -71,6 +84,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
                 .collect();
             files.sort();
+            drop_caches()?;
             let t = Instant::now();
             let mut buf = vec![0u8; 8 << 20];
             let mut bytes = 0u64;
@@ -86,6 +100,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let read = t.elapsed().as_secs_f64();
             drop(buf);
+            drop_caches()?;
             let t = Instant::now();
             let values = ferrotext_train::io::load_parameters(dir, &infos)?;
             let load = t.elapsed().as_secs_f64();
@@ -114,7 +129,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 load / touch,
             );
         }
-        _ => return Err("usage: hf_load write|load DIR".into()),
+        _ => return Err("usage: hf_load write|load DIR [--cold]".into()),
     }
     Ok(())
 }
