@@ -71,9 +71,9 @@ pub struct PlanArgs {
     #[arg(long)]
     cluster: Option<String>,
     /// A device's throughput for `--cluster`: GFLOP/s, `measured` (the default: a forward +
-    /// backward micro-batch of this model timed on one device here, on the threads one of the
-    /// cluster's devices would get on this machine) or `gemm` (a 512³ matmul on those threads: a
-    /// kernel's peak, optimistic for a whole micro-batch).
+    /// backward micro-batch of this model timed here on the threads one of the cluster's devices
+    /// would get on this machine, with as many devices side by side as fill its cores) or `gemm`
+    /// (a 512³ matmul on those threads alone: a kernel's peak, optimistic for a micro-batch).
     #[arg(long = "device-gflops", allow_hyphen_values = true)]
     device_gflops: Option<String>,
     /// With `--cluster`: print the prediction as JSON.
@@ -170,7 +170,8 @@ fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
     // One device's thread budget if the cluster's devices shared this machine (DESIGN §3);
     // when they outnumber the cores, each gets cores/devices of its thread.
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let (threads, share) = cost::device_thread_budget(cores, devices);
+    let budget = cost::device_thread_budget(cores, devices);
+    let (threads, share) = (budget.threads, budget.share);
     let gemm = |instead_of_micro_batch: Option<String>| -> Result<(f64, Throughput)> {
         let run = cost::measure_matmul_gflops(512, threads)?;
         let measured = Throughput::Measured {
@@ -180,13 +181,15 @@ fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
             per_thread_run: run,
             instead_of_micro_batch,
         };
-        Ok((run * share, measured))
+        // A matmul on one thread alone: scaled by the devices sharing a thread, as before.
+        let gemm_share = (cores as f64 / (devices * threads) as f64).min(1.0);
+        Ok((run * gemm_share, measured))
     };
     let (gflops, source) = match args.device_gflops.as_deref().map(str::trim) {
-        None | Some("measured") => match cost::too_big_to_measure(&config)? {
+        None | Some("measured") => match cost::too_big_to_measure(&config, budget.concurrent)? {
             Some(why) => gemm(Some(why))?,
             None => {
-                let run = cost::measure_micro_batch(&config, threads, 1, 3)?;
+                let run = cost::measure_micro_batch(&config, threads, budget.concurrent, 1, 3)?;
                 let gflops = run.gflops * share;
                 let measured = Throughput::MicroBatch {
                     cores,
@@ -272,16 +275,17 @@ fn print_prediction(p: &ferrotext_train::cost::Prediction, source: &Throughput) 
             share,
             run,
         } => println!(
-            "  device throughput    {:.1} GFLOP/s measured here from a micro-batch (forward + backward of this model on one device, {} tokens on {} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores: median of {} after {} warm-up, {:.1} ms = {:.1} GFLOP/s{}); emulated hosts share these {cores} cores",
+            "  device throughput    {:.1} GFLOP/s measured here from a micro-batch (forward + backward of this model, {} tokens per device on {} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores, {} device(s) side by side: median of {} after {} warm-up, {:.1} ms = {:.1} GFLOP/s{}); emulated hosts share these {cores} cores",
             p.device_gflops,
             run.tokens,
             run.threads,
+            run.concurrent,
             run.timed,
             run.warmup,
             run.seconds * 1e3,
             run.gflops,
             if *share < 1.0 {
-                format!(", × {share:.3} as the devices outnumber the cores")
+                format!(", × {share:.3} as only {} of the {devices} devices run at once", run.concurrent)
             } else {
                 String::new()
             }

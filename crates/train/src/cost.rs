@@ -900,15 +900,30 @@ pub fn measure_matmul_gflops(n: usize, threads: usize) -> Result<f64, TrainError
     Ok(2.0 * (n as f64).powi(3) / best.max(1e-9) / 1e9)
 }
 
-/// The thread budget of one of `devices` devices sharing this machine's `cores` (DESIGN §3:
-/// `cores / devices`, at least 1), and the share of a thread each gets when the devices
-/// outnumber the cores (`cores / (devices × threads)`, at most 1): the factor a throughput
-/// measured on that many threads alone is scaled by.
-pub fn device_thread_budget(cores: usize, devices: usize) -> (usize, f64) {
+/// How `devices` devices would share this machine's cores (DESIGN §3).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ThreadBudget {
+    /// Kernel threads of one device: `cores / devices`, at least 1.
+    pub threads: usize,
+    /// Devices that run at once when the cores are full: all of them, or `cores / threads`
+    /// when they outnumber the cores. A measurement runs this many side by side, so it sees
+    /// what the cores do when they are all busy (shared execution units, memory bandwidth).
+    pub concurrent: usize,
+    /// The share of its threads each device gets: `concurrent / devices`, at most 1: the factor
+    /// a throughput measured with `concurrent` devices is scaled by.
+    pub share: f64,
+}
+
+/// The [`ThreadBudget`] of one of `devices` devices sharing `cores` cores.
+pub fn device_thread_budget(cores: usize, devices: usize) -> ThreadBudget {
     let (cores, devices) = (cores.max(1), devices.max(1));
     let threads = (cores / devices).max(1);
-    let share = (cores as f64 / (devices * threads) as f64).min(1.0);
-    (threads, share)
+    let concurrent = devices.min((cores / threads).max(1));
+    ThreadBudget {
+        threads,
+        concurrent,
+        share: (concurrent as f64 / devices as f64).min(1.0),
+    }
 }
 
 /// The effective throughput, in GFLOP/s, of a micro-batch of `tokens` tokens at
@@ -931,21 +946,24 @@ pub fn effective_gflops(
     }
 }
 
-/// A measured forward + backward micro-batch of a config's model on one device of this machine:
-/// the calibration `plan --cluster` prices compute with by default.
+/// A measured forward + backward micro-batch of a config's model on one device of this machine,
+/// with as many devices running side by side as would share its cores: the calibration
+/// `plan --cluster` prices compute with by default.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct MicroBatchMeasurement {
-    /// Threads the device ran its kernels on.
+    /// Threads each device ran its kernels on.
     pub threads: usize,
-    /// Tokens of the measured micro-batch (the config's per-device batch × sequence length).
+    /// Devices measured side by side, each on its own micro-batches.
+    pub concurrent: usize,
+    /// Tokens of one device's micro-batch (the config's per-device batch × sequence length).
     pub tokens: usize,
     /// Training FLOPs per token of the model.
     pub flops_per_token: f64,
-    /// Micro-batches run before timing (first-touch allocations, caches).
+    /// Micro-batches each device ran before timing (first-touch allocations, caches).
     pub warmup: usize,
-    /// Micro-batches timed.
+    /// Micro-batches each device timed.
     pub timed: usize,
-    /// The median time of one timed micro-batch, seconds.
+    /// The median time of one timed micro-batch over all devices, seconds.
     pub seconds: f64,
     /// `flops_per_token × tokens ÷ seconds`, GFLOP/s ([`effective_gflops`]).
     pub gflops: f64,
@@ -973,16 +991,19 @@ pub fn one_device_config(config: &TrainConfig) -> Result<TrainConfig, TrainError
     Ok(one)
 }
 
-/// Runs `warmup + timed` forward + backward micro-batches of `config`'s model on one in-process
-/// device ([`one_device_config`]) with `threads` kernel threads, and times the `timed` ones
-/// (median). Nothing is reduced or stepped: a micro-batch is the engine's `fwd_bwd` (forward,
-/// loss, backward, accumulation), the `c` of the step model (DESIGN §9).
+/// Runs `warmup + timed` forward + backward micro-batches of `config`'s model on each of
+/// `concurrent` independent one-device engines ([`one_device_config`]) side by side, each on
+/// `threads` kernel threads, starting each micro-batch together (as a mesh's devices do), and
+/// times the `timed` ones (median over all). Nothing is reduced or stepped: a micro-batch is
+/// the engine's `fwd_bwd` (forward, loss, backward, accumulation), the `c` of the step model
+/// (DESIGN §9).
 ///
 /// # Errors
 /// As [`one_device_config`]; an engine error; `timed == 0`.
 pub fn measure_micro_batch(
     config: &TrainConfig,
     threads: usize,
+    concurrent: usize,
     warmup: usize,
     timed: usize,
 ) -> Result<MicroBatchMeasurement, TrainError> {
@@ -998,36 +1019,68 @@ pub fn measure_micro_batch(
         &one,
         plan.decoder().config().vocab_size,
     )?);
+    let (threads, concurrent) = (threads.max(1), concurrent.max(1));
     let rows = one.micro_batch_rows();
-    let threads = threads.max(1);
-    let mut comm = ferrotext_comm::Communicator::new(
-        0,
-        plan.compute_mesh().clone(),
-        Box::new(ferrotext_comm::NoTransport),
-    );
-    let mut cx = ferrotext_spmd::Ctx::new(&mut comm, threads);
-    let mut engine = crate::engine::Engine::new(&mut cx, &plan, None)?;
-    let mut times = Vec::with_capacity(timed);
-    for micro in 0..warmup + timed {
-        let ids = crate::data::micro_batch(
-            source.as_ref(),
+    let together = std::sync::Barrier::new(concurrent);
+    let device = |index: usize| -> Result<Vec<f64>, TrainError> {
+        let mut comm = ferrotext_comm::Communicator::new(
             0,
-            micro,
-            warmup + timed,
-            rows,
-            one.max_target_length,
+            plan.compute_mesh().clone(),
+            Box::new(ferrotext_comm::NoTransport),
         );
-        let started = std::time::Instant::now();
-        let batch = engine.batch(&cx, &ids)?;
-        engine.fwd_bwd(&mut cx, &batch)?;
-        if micro >= warmup {
-            times.push(started.elapsed().as_secs_f64());
+        let mut cx = ferrotext_spmd::Ctx::new(&mut comm, threads);
+        let mut engine = crate::engine::Engine::new(&mut cx, &plan, None);
+        let mut times = Vec::with_capacity(timed);
+        for micro in 0..warmup + timed {
+            let ids = crate::data::micro_batch(
+                source.as_ref(),
+                index as u64,
+                micro,
+                warmup + timed,
+                rows,
+                one.max_target_length,
+            );
+            // Every device reaches every barrier, even after a failure, so none waits forever.
+            together.wait();
+            let Ok(e) = engine.as_mut() else {
+                continue;
+            };
+            let started = std::time::Instant::now();
+            match e.batch(&cx, &ids).and_then(|b| e.fwd_bwd(&mut cx, &b)) {
+                Ok(_) if micro >= warmup => times.push(started.elapsed().as_secs_f64()),
+                Ok(_) => {}
+                Err(err) => engine = Err(err),
+            }
         }
+        engine.map(|_| times)
+    };
+    let runs: Vec<Result<Vec<f64>, TrainError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..concurrent)
+            .map(|i| {
+                let device = &device;
+                scope.spawn(move || device(i))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(TrainError::Config(
+                        "a device measuring a micro-batch panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut times = Vec::with_capacity(concurrent * timed);
+    for run in runs {
+        times.extend(run?);
     }
     let seconds = median(&mut times);
     let tokens = rows * one.max_target_length;
     Ok(MicroBatchMeasurement {
         threads,
+        concurrent,
         tokens,
         flops_per_token,
         warmup,
@@ -1037,20 +1090,25 @@ pub fn measure_micro_batch(
     })
 }
 
-/// Why a one-device micro-batch of `config` ([`one_device_config`]) should not be run here: its
-/// estimated memory ([`crate::RunPlan::memory_per_device`]) is more than half of this machine's.
-/// `None` when it fits, or when the machine's memory is unknown.
+/// Why `concurrent` one-device micro-batches of `config` ([`one_device_config`]) should not be
+/// run here: their estimated memory ([`crate::RunPlan::memory_per_device`], times `concurrent`)
+/// is more than half of this machine's. `None` when it fits, or when the machine's memory is
+/// unknown.
 ///
 /// # Errors
 /// As [`one_device_config`].
-pub fn too_big_to_measure(config: &TrainConfig) -> Result<Option<String>, TrainError> {
+pub fn too_big_to_measure(
+    config: &TrainConfig,
+    concurrent: usize,
+) -> Result<Option<String>, TrainError> {
     let one = one_device_config(config)?;
-    let need = one.plan()?.memory_per_device()?.total_bytes;
+    let need = one.plan()?.memory_per_device()?.total_bytes * concurrent.max(1) as f64;
     Ok(crate::config::machine_memory_bytes()
         .filter(|&have| need > have / 2.0)
         .map(|have| {
             format!(
-                "one device would need {} of this machine's {}",
+                "{} device(s) side by side would need {} of this machine's {}",
+                concurrent.max(1),
                 crate::config::gib(need),
                 crate::config::gib(have)
             )
@@ -1389,13 +1447,19 @@ mod tests {
 
     #[test]
     fn thread_budget_by_hand() {
-        // 16 cores, 4 devices: 4 threads each, whole. 2 cores, 4 devices: 1 thread each, half
-        // of it. 3 cores, 2 devices: 1 thread each, whole (the spare core is not shared out).
-        assert_eq!(device_thread_budget(16, 4), (4, 1.0));
-        assert_eq!(device_thread_budget(2, 4), (1, 0.5));
-        assert_eq!(device_thread_budget(3, 2), (1, 1.0));
-        assert_eq!(device_thread_budget(8, 3), (2, 1.0));
-        assert_eq!(device_thread_budget(0, 0), (1, 1.0));
+        // 16 cores, 4 devices: 4 threads each, all 4 at once. 2 cores, 4 devices: 1 thread
+        // each, 2 at once, so half of a thread each. 3 cores, 2 devices: 1 thread each, both at
+        // once (the spare core is not shared out).
+        let budget = |cores, devices| {
+            let b = device_thread_budget(cores, devices);
+            (b.threads, b.concurrent, b.share)
+        };
+        assert_eq!(budget(16, 4), (4, 4, 1.0));
+        assert_eq!(budget(2, 4), (1, 2, 0.5));
+        assert_eq!(budget(3, 2), (1, 2, 1.0));
+        assert_eq!(budget(8, 3), (2, 3, 1.0));
+        assert_eq!(budget(2, 64), (1, 2, 1.0 / 32.0));
+        assert_eq!(budget(0, 0), (1, 1, 1.0));
     }
 
     #[test]
@@ -1461,6 +1525,6 @@ mod tests {
         ]);
         assert_eq!(one_device_config(&half).expect("one").micro_batch_rows(), 1);
         // The tiny model fits in any machine this runs on.
-        assert_eq!(too_big_to_measure(&cfg).expect("plans"), None);
+        assert_eq!(too_big_to_measure(&cfg, 4).expect("plans"), None);
     }
 }

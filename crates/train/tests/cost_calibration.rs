@@ -11,9 +11,12 @@ use common::small_config;
 #[test]
 fn a_measured_micro_batch_predicts_its_own_time() {
     let cfg = small_config(&["ici_data_parallelism=4", "gradient_accumulation_steps=2"]);
-    let m = measure_micro_batch(&cfg, 1, 1, 3).expect("measures");
-    // small_config: one 16-token sequence per device per micro-batch.
-    assert_eq!((m.tokens, m.threads, m.warmup, m.timed), (16, 1, 1, 3));
+    let m = measure_micro_batch(&cfg, 1, 2, 1, 3).expect("measures");
+    // small_config: one 16-token sequence per device per micro-batch; two devices side by side.
+    assert_eq!(
+        (m.tokens, m.threads, m.concurrent, m.warmup, m.timed),
+        (16, 1, 2, 1, 3)
+    );
     assert!(m.seconds > 0.0);
     let plan = cfg.plan().expect("plans");
     assert_eq!(m.flops_per_token, plan.decoder().flops_per_token(16));
@@ -34,6 +37,6 @@ fn a_measured_micro_batch_predicts_its_own_time() {
 #[test]
 fn no_timed_micro_batch_is_an_error() {
     let cfg: TrainConfig = small_config(&[]);
-    let err = measure_micro_batch(&cfg, 1, 1, 0).expect_err("nothing timed");
+    let err = measure_micro_batch(&cfg, 1, 1, 1, 0).expect_err("nothing timed");
     assert!(matches!(err, TrainError::Config(_)), "{err}");
 }

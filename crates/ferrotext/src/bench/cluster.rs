@@ -382,25 +382,29 @@ fn plot(cells: &[Cell], path: &Path) -> Result<()> {
 
 /// The cost model (`ferrotext_train::cost::predict`) as the grid's prediction function: the
 /// cell's config on `hosts × devices_per_host` with its link, device throughput measured here
-/// once per model and device count from a forward + backward micro-batch of the cell's model on
-/// one device (`cost::measure_micro_batch`; a gemm matmul when that would not fit in memory),
+/// once per model and device count from forward + backward micro-batches of the cell's model,
 /// with the thread budget one of the cell's devices gets when every emulated device shares this
-/// machine's cores (the emulated hosts do). `None` for a cell the model cannot price.
+/// machine's cores (the emulated hosts do) and as many devices side by side as fill them
+/// (`cost::measure_micro_batch`; a gemm matmul when that would not fit in memory). `None` for a cell the model cannot price.
 pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> Option<f64> + '_ {
     use ferrotext_train::cost;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let gflops = move |config: &ferrotext_train::TrainConfig, devices: usize| -> Option<f64> {
-        let (threads, share) = cost::device_thread_budget(cores, devices);
-        let rate = match cost::too_big_to_measure(config).ok()? {
-            None => {
-                cost::measure_micro_batch(config, threads, 1, 3)
+        let b = cost::device_thread_budget(cores, devices);
+        match cost::too_big_to_measure(config, b.concurrent).ok()? {
+            // `concurrent` devices side by side; more devices than that: each gets a share.
+            None => Some(
+                cost::measure_micro_batch(config, b.threads, b.concurrent, 1, 3)
                     .ok()?
                     .gflops
-            }
-            Some(_) => cost::measure_matmul_gflops(512, threads).ok()?,
-        };
-        // More devices than cores: each gets a share of one.
-        Some(rate * share)
+                    * b.share,
+            ),
+            // A matmul on one thread alone: more devices than cores each get a share of one.
+            Some(_) => Some(
+                cost::measure_matmul_gflops(512, b.threads).ok()?
+                    * (cores as f64 / (devices * b.threads) as f64).min(1.0),
+            ),
+        }
     };
     let cache = std::sync::Mutex::new(std::collections::BTreeMap::<(usize, String), f64>::new());
     move |spec: &CellSpec, mode: Mode| {
