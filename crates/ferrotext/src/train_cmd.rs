@@ -81,8 +81,10 @@ pub struct PlanArgs {
     /// (`link` is a host's link, shared by its devices, unless `link_per=device`).
     #[arg(long)]
     cluster: Option<String>,
-    /// A device's matmul throughput in GFLOP/s for `--cluster` (default: measured here with
-    /// gemm on the threads one of the cluster's devices would get on this machine).
+    /// A device's throughput for `--cluster`: GFLOP/s, `measured` (the default: a forward +
+    /// backward micro-batch of this model timed here on the threads one of the cluster's devices
+    /// would get on this machine, with as many devices side by side as fill its cores) or `gemm`
+    /// (a 512³ matmul on those threads alone: a kernel's peak, optimistic for a micro-batch).
     #[arg(long = "device-gflops", allow_hyphen_values = true)]
     device_gflops: Option<String>,
     /// With `--cluster`: print the prediction as JSON.
@@ -131,6 +133,14 @@ enum Throughput {
         cores: usize,
         devices: usize,
         per_thread_run: f64,
+        /// Why the default micro-batch measurement was not taken (`None`: `gemm` was asked for).
+        instead_of_micro_batch: Option<String>,
+    },
+    MicroBatch {
+        cores: usize,
+        devices: usize,
+        share: f64,
+        run: ferrotext_train::cost::MicroBatchMeasurement,
     },
 }
 
@@ -168,35 +178,57 @@ fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
     ]);
     let config = load(&on_cluster)?.config().clone();
     let devices = cluster.devices();
-    let (gflops, source) = match &args.device_gflops {
-        Some(g) => match g.trim().parse::<f64>() {
+    // One device's thread budget if the cluster's devices shared this machine (DESIGN §3);
+    // when they outnumber the cores, each gets cores/devices of its thread.
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let budget = cost::device_thread_budget(cores, devices);
+    let (threads, share) = (budget.threads, budget.share);
+    let gemm = |instead_of_micro_batch: Option<String>| -> Result<(f64, Throughput)> {
+        let run = cost::measure_matmul_gflops(512, threads)?;
+        let measured = Throughput::Measured {
+            threads,
+            cores,
+            devices,
+            per_thread_run: run,
+            instead_of_micro_batch,
+        };
+        // A matmul on one thread alone: scaled by the devices sharing a thread, as before.
+        let gemm_share = (cores as f64 / (devices * threads) as f64).min(1.0);
+        Ok((run * gemm_share, measured))
+    };
+    let (gflops, source) = match args.device_gflops.as_deref().map(str::trim) {
+        None | Some("measured") => match cost::too_big_to_measure(&config, budget.concurrent)? {
+            Some(why) => gemm(Some(why))?,
+            None => {
+                let run = cost::measure_micro_batch(&config, threads, budget.concurrent, 1, 3)?;
+                let gflops = run.gflops * share;
+                let measured = Throughput::MicroBatch {
+                    cores,
+                    devices,
+                    share,
+                    run,
+                };
+                (gflops, measured)
+            }
+        },
+        Some("gemm") => gemm(None)?,
+        Some(g) => match g.parse::<f64>() {
             Ok(v) if v.is_finite() && v > 0.0 => (v, Throughput::Given),
             _ => {
                 return Err(UsageError(format!(
-                    "--device-gflops `{g}` must be a positive number (GFLOP/s)"
-                ))
+                "--device-gflops `{g}` must be a positive number (GFLOP/s), `measured` or `gemm`"
+            ))
                 .into())
             }
         },
-        None => {
-            // One device's thread budget if the cluster's devices shared this machine (DESIGN
-            // §3); when they outnumber the cores, each gets cores/devices of its thread.
-            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-            let threads = (cores / devices.max(1)).max(1);
-            let run = cost::measure_matmul_gflops(512, threads)?;
-            let share = (cores as f64 / (devices * threads) as f64).min(1.0);
-            (
-                run * share,
-                Throughput::Measured {
-                    threads,
-                    cores,
-                    devices,
-                    per_thread_run: run,
-                },
-            )
-        }
     };
-    let p = cost::predict(&config, &cluster, gflops)?;
+    let mut p = cost::predict(&config, &cluster, gflops)?;
+    p.device_gflops_source = match &source {
+        Throughput::Given => "given",
+        Throughput::Measured { .. } => "gemm",
+        Throughput::MicroBatch { .. } => "micro_batch",
+    }
+    .into();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
         return Ok(());
@@ -234,11 +266,37 @@ fn print_prediction(p: &ferrotext_train::cost::Prediction, source: &Throughput) 
             cores,
             devices,
             per_thread_run,
+            instead_of_micro_batch,
         } => println!(
-            "  device throughput    {:.1} GFLOP/s measured here with gemm (512³ f32 matmul on {threads} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores: {per_thread_run:.1} GFLOP/s{}); emulated hosts share these {cores} cores",
+            "  device throughput    {:.1} GFLOP/s measured here with gemm (512³ f32 matmul on {threads} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores: {per_thread_run:.1} GFLOP/s{}); a kernel's peak, optimistic for a whole micro-batch{}; emulated hosts share these {cores} cores",
             p.device_gflops,
             if (devices * threads) > *cores {
                 format!(", × {cores}/{} as the devices outnumber the cores", devices * threads)
+            } else {
+                String::new()
+            },
+            match instead_of_micro_batch {
+                Some(why) => format!(" (not a measured micro-batch: {why})"),
+                None => String::new(),
+            }
+        ),
+        Throughput::MicroBatch {
+            cores,
+            devices,
+            share,
+            run,
+        } => println!(
+            "  device throughput    {:.1} GFLOP/s measured here from a micro-batch (forward + backward of this model, {} tokens per device on {} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores, {} device(s) side by side: median of {} after {} warm-up, {:.1} ms = {:.1} GFLOP/s{}); emulated hosts share these {cores} cores",
+            p.device_gflops,
+            run.tokens,
+            run.threads,
+            run.concurrent,
+            run.timed,
+            run.warmup,
+            run.seconds * 1e3,
+            run.gflops,
+            if *share < 1.0 {
+                format!(", × {share:.3} as only {} of the {devices} devices run at once", run.concurrent)
             } else {
                 String::new()
             }

@@ -111,3 +111,38 @@ fn bad_cluster_input_is_one_error_line_and_exit_code_2() {
         assert!(out.stdout.is_empty(), "{args:?}");
     }
 }
+
+#[test]
+fn plan_cluster_says_where_the_device_throughput_comes_from() {
+    // Default (no --device-gflops) and `measured`: a timed micro-batch of the model; `gemm`: a
+    // matmul; a number: given. Text and JSON both say which.
+    let cluster = ["--cluster", "hosts=2,devices_per_host=2,link=1gbit,10us"];
+    for (gflops, text, json) in [
+        (None, "measured here from a micro-batch", "micro_batch"),
+        (
+            Some("measured"),
+            "measured here from a micro-batch",
+            "micro_batch",
+        ),
+        (Some("gemm"), "measured here with gemm", "gemm"),
+        (Some("50"), "given by --device-gflops", "given"),
+    ] {
+        let mut args = vec!["plan", "ici_data_parallelism=4", "max_target_length=32"];
+        args.extend(cluster);
+        if let Some(g) = gflops {
+            args.extend(["--device-gflops", g]);
+        }
+        let out = ferrotext(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{gflops:?}: {stdout}");
+        assert!(
+            stdout.contains(text),
+            "{gflops:?} should say {text}:\n{stdout}"
+        );
+        args.push("--json");
+        let out = ferrotext(&args);
+        let p: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        assert_eq!(p["device_gflops_source"], json, "{gflops:?}");
+        assert!(p["device_gflops"].as_f64().is_some_and(|g| g > 0.0), "{p}");
+    }
+}

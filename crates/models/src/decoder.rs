@@ -712,6 +712,10 @@ impl Decoder {
         // 1. embedding lookup: x [B@batch, T, d] (the table is gathered first if it is split,
         //    keeping its tags)
         let table = unsplit(cx, w.embed_tokens)?;
+        let table = match w.lm_head {
+            None => reduced_over(cx, &table, &layout.batch)?,
+            Some(_) => table,
+        };
         let mut x = cx.take(&table, inputs)?;
         // 2. the layers: x [B@batch, T, d] each
         let mut aux: Option<Array> = None;
@@ -846,6 +850,37 @@ pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
     }
     let target = PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?;
     cx.reshard(w, &target)
+}
+
+/// `table` cast to reduced over those of `axes` it is replicated on and not yet reduced on
+/// (free: reduced is physically replicated), or `table` itself when there are none.
+///
+/// The tied embedding is used twice, by the lookup and by the LM head, each contracting the
+/// batch. A plain table would get one all-reduce of its gradient per use; reduced, each use
+/// leaves its cotangent unreduced over the batch, the two are summed locally, and the cast's
+/// transpose all-reduces the sum once (plain → reduced cast ↔ all-reduce, `DESIGN.md` §5).
+/// A table the deferral gate already tagged is left as it is, so its gradient stays unreduced
+/// until the update. Only `Explicit` axes can carry the tag (R1.13), so the others are skipped.
+///
+/// # Collectives
+/// None forward; backward, one all-reduce over the axes added (none when nothing was added).
+fn reduced_over(cx: &mut Ctx<'_>, table: &Array, axes: &[String]) -> Result<Array, SpmdError> {
+    let (sharding, spec) = (table.ty().sharding(), table.ty().sharding().spec());
+    let partitioned: Vec<&str> = spec.partition_axes().collect();
+    let add: Vec<&String> = axes
+        .iter()
+        .filter(|a| {
+            sharding.mesh().axis(a).is_some_and(|m| {
+                m.axis_type() == ferrotext_sharding::AxisType::Explicit && m.size() > 1
+            })
+        })
+        .filter(|a| !spec.reduced().contains(*a) && !partitioned.contains(&a.as_str()))
+        .collect();
+    if add.is_empty() {
+        return Ok(table.clone());
+    }
+    let target = spec.with_reduced(add.into_iter().cloned())?;
+    cx.reshard(table, &target)
 }
 
 #[cfg(test)]

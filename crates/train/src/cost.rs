@@ -4,7 +4,11 @@
 //! One step of the config is planned twice in abstract mode — as given (the deferral gate
 //! decides) and with `shard_mode=auto` (the gate closed: gradients all-reduced in every
 //! micro-batch) — and each recorded collective is priced; compute comes from the model's FLOPs
-//! and a device throughput the caller gives.
+//! and a device throughput the caller gives: a number, or one measured here, either from a
+//! forward + backward micro-batch of the planned model on one device ([`measure_micro_batch`],
+//! the calibrated default of `plan --cluster`) or from a square matmul
+//! ([`measure_matmul_gflops`], a kernel's peak, which the model's other work makes 1.3–3×
+//! optimistic).
 //!
 //! # The model
 //! * **Compute** per micro-batch: `flops_per_token × micro-batch tokens ÷ devices` (each device's
@@ -577,6 +581,10 @@ pub struct Prediction {
     pub overlap_grad_reduce: bool,
     /// The device throughput the compute was priced at, GFLOP/s.
     pub device_gflops: f64,
+    /// Where `device_gflops` came from: `given` ([`predict`]'s argument, its value here),
+    /// `micro_batch` ([`measure_micro_batch`]) or `gemm` ([`measure_matmul_gflops`]); the
+    /// caller that measured says which.
+    pub device_gflops_source: String,
     /// Training FLOPs per token.
     pub flops_per_token: f64,
     /// Tokens of one micro-batch per device (the micro-batch's tokens ÷ devices).
@@ -854,6 +862,7 @@ pub fn predict(
         gradient_accumulation_steps: ga,
         overlap_grad_reduce: overlap,
         device_gflops,
+        device_gflops_source: "given".into(),
         flops_per_token,
         tokens_per_device_per_micro_batch: tokens,
         compute_ms_per_micro_batch: compute_ms,
@@ -889,6 +898,231 @@ pub fn measure_matmul_gflops(n: usize, threads: usize) -> Result<f64, TrainError
         drop(out);
     }
     Ok(2.0 * (n as f64).powi(3) / best.max(1e-9) / 1e9)
+}
+
+/// How `devices` devices would share this machine's cores (DESIGN §3).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ThreadBudget {
+    /// Kernel threads of one device: `cores / devices`, at least 1.
+    pub threads: usize,
+    /// Devices that run at once when the cores are full: all of them, or `cores / threads`
+    /// when they outnumber the cores. A measurement runs this many side by side, so it sees
+    /// what the cores do when they are all busy (shared execution units, memory bandwidth).
+    pub concurrent: usize,
+    /// The share of its threads each device gets: `concurrent / devices`, at most 1: the factor
+    /// a throughput measured with `concurrent` devices is scaled by.
+    pub share: f64,
+}
+
+/// The [`ThreadBudget`] of one of `devices` devices sharing `cores` cores.
+pub fn device_thread_budget(cores: usize, devices: usize) -> ThreadBudget {
+    let (cores, devices) = (cores.max(1), devices.max(1));
+    let threads = (cores / devices).max(1);
+    let concurrent = devices.min((cores / threads).max(1));
+    ThreadBudget {
+        threads,
+        concurrent,
+        share: (concurrent as f64 / devices as f64).min(1.0),
+    }
+}
+
+/// The effective throughput, in GFLOP/s, of a micro-batch of `tokens` tokens at
+/// `flops_per_token` training FLOPs each that took `seconds`.
+///
+/// # Errors
+/// [`TrainError::Config`] when the result is not positive and finite (no tokens, no time).
+pub fn effective_gflops(
+    flops_per_token: f64,
+    tokens: f64,
+    seconds: f64,
+) -> Result<f64, TrainError> {
+    let gflops = flops_per_token * tokens / seconds / 1e9;
+    if gflops.is_finite() && gflops > 0.0 {
+        Ok(gflops)
+    } else {
+        Err(TrainError::Config(format!(
+            "no effective throughput from {tokens} tokens × {flops_per_token} FLOP in {seconds} s"
+        )))
+    }
+}
+
+/// A measured forward + backward micro-batch of a config's model on one device of this machine,
+/// with as many devices running side by side as would share its cores: the calibration
+/// `plan --cluster` prices compute with by default.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MicroBatchMeasurement {
+    /// Threads each device ran its kernels on.
+    pub threads: usize,
+    /// Devices measured side by side, each on its own micro-batches.
+    pub concurrent: usize,
+    /// Tokens of one device's micro-batch (the config's per-device batch × sequence length).
+    pub tokens: usize,
+    /// Training FLOPs per token of the model.
+    pub flops_per_token: f64,
+    /// Micro-batches each device ran before timing (first-touch allocations, caches).
+    pub warmup: usize,
+    /// Micro-batches each device timed.
+    pub timed: usize,
+    /// The median time of one timed micro-batch over all devices, seconds.
+    pub seconds: f64,
+    /// `flops_per_token × tokens ÷ seconds`, GFLOP/s ([`effective_gflops`]).
+    pub gflops: f64,
+}
+
+/// `config` on one device of one process: every mesh axis 1, no ZeRO-1, synthetic tokens, and
+/// the per-device batch rounded to whole sequences (at least one). The model and sequence length
+/// are the config's, so a micro-batch costs what one device's share costs on the cluster when
+/// the batch is split over `data`.
+///
+/// # Errors
+/// [`TrainError::Config`] / [`TrainError::Usage`] when the result does not validate.
+pub fn one_device_config(config: &TrainConfig) -> Result<TrainConfig, TrainError> {
+    let mut one = config.clone();
+    one.local_devices = 1;
+    one.num_processes = 1;
+    one.ici_data_parallelism = 1;
+    one.ici_fsdp_parallelism = 1;
+    one.ici_tensor_parallelism = 1;
+    one.ici_expert_parallelism = 1;
+    one.shard_optimizer_over_data = false;
+    one.dataset_type = crate::config::DatasetType::Synthetic;
+    one.per_device_batch_size = config.per_device_batch_size.round().max(1.0);
+    one.validate()?;
+    Ok(one)
+}
+
+/// Runs `warmup + timed` forward + backward micro-batches of `config`'s model on each of
+/// `concurrent` independent one-device engines ([`one_device_config`]) side by side, each on
+/// `threads` kernel threads, starting each micro-batch together (as a mesh's devices do), and
+/// times the `timed` ones (median over all). Nothing is reduced or stepped: a micro-batch is
+/// the engine's `fwd_bwd` (forward, loss, backward, accumulation), the `c` of the step model
+/// (DESIGN §9).
+///
+/// # Errors
+/// As [`one_device_config`]; an engine error; `timed == 0`.
+pub fn measure_micro_batch(
+    config: &TrainConfig,
+    threads: usize,
+    concurrent: usize,
+    warmup: usize,
+    timed: usize,
+) -> Result<MicroBatchMeasurement, TrainError> {
+    if timed == 0 {
+        return Err(TrainError::Config(
+            "measuring a micro-batch needs at least one timed run".into(),
+        ));
+    }
+    let one = one_device_config(config)?;
+    let plan = one.plan()?;
+    let flops_per_token = plan.decoder().flops_per_token(one.max_target_length);
+    let source: Arc<dyn crate::data::TokenSource> = Arc::from(crate::data::source_for(
+        &one,
+        plan.decoder().config().vocab_size,
+    )?);
+    let (threads, concurrent) = (threads.max(1), concurrent.max(1));
+    let rows = one.micro_batch_rows();
+    let together = std::sync::Barrier::new(concurrent);
+    let device = |index: usize| -> Result<Vec<f64>, TrainError> {
+        let mut comm = ferrotext_comm::Communicator::new(
+            0,
+            plan.compute_mesh().clone(),
+            Box::new(ferrotext_comm::NoTransport),
+        );
+        let mut cx = ferrotext_spmd::Ctx::new(&mut comm, threads);
+        let mut engine = crate::engine::Engine::new(&mut cx, &plan, None);
+        let mut times = Vec::with_capacity(timed);
+        for micro in 0..warmup + timed {
+            let ids = crate::data::micro_batch(
+                source.as_ref(),
+                index as u64,
+                micro,
+                warmup + timed,
+                rows,
+                one.max_target_length,
+            );
+            // Every device reaches every barrier, even after a failure, so none waits forever.
+            together.wait();
+            let Ok(e) = engine.as_mut() else {
+                continue;
+            };
+            let started = std::time::Instant::now();
+            match e.batch(&cx, &ids).and_then(|b| e.fwd_bwd(&mut cx, &b)) {
+                Ok(_) if micro >= warmup => times.push(started.elapsed().as_secs_f64()),
+                Ok(_) => {}
+                Err(err) => engine = Err(err),
+            }
+        }
+        engine.map(|_| times)
+    };
+    let runs: Vec<Result<Vec<f64>, TrainError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..concurrent)
+            .map(|i| {
+                let device = &device;
+                scope.spawn(move || device(i))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(TrainError::Config(
+                        "a device measuring a micro-batch panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut times = Vec::with_capacity(concurrent * timed);
+    for run in runs {
+        times.extend(run?);
+    }
+    let seconds = median(&mut times);
+    let tokens = rows * one.max_target_length;
+    Ok(MicroBatchMeasurement {
+        threads,
+        concurrent,
+        tokens,
+        flops_per_token,
+        warmup,
+        timed,
+        seconds,
+        gflops: effective_gflops(flops_per_token, tokens as f64, seconds)?,
+    })
+}
+
+/// Why `concurrent` one-device micro-batches of `config` ([`one_device_config`]) should not be
+/// run here: their estimated memory ([`crate::RunPlan::memory_per_device`], times `concurrent`)
+/// is more than half of this machine's. `None` when it fits, or when the machine's memory is
+/// unknown.
+///
+/// # Errors
+/// As [`one_device_config`].
+pub fn too_big_to_measure(
+    config: &TrainConfig,
+    concurrent: usize,
+) -> Result<Option<String>, TrainError> {
+    let one = one_device_config(config)?;
+    let need = one.plan()?.memory_per_device()?.total_bytes * concurrent.max(1) as f64;
+    Ok(crate::config::machine_memory_bytes()
+        .filter(|&have| need > have / 2.0)
+        .map(|have| {
+            format!(
+                "{} device(s) side by side would need {} of this machine's {}",
+                concurrent.max(1),
+                crate::config::gib(need),
+                crate::config::gib(have)
+            )
+        }))
+}
+
+/// The median of `values` (the mean of the middle two for an even count); 0 for none.
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 #[cfg(test)]
@@ -1140,8 +1374,7 @@ mod tests {
         assert!(close(p.ratio * p.speedup, 1.0));
         let ga1 = config(&["ici_data_parallelism=4", "gradient_accumulation_steps=1"]);
         let p = predict(&ga1, &slow, 50.0).expect("predicts");
-        // The same reductions, once, in the update or in the only micro-batch (the closed gate
-        // reduces the tied embedding once per use, a little more).
+        // The same reductions, once, in the update or in the only micro-batch.
         assert!((p.ratio - 1.0).abs() < 0.2, "ratio {}", p.ratio);
         assert!(p.ratio <= 1.0 + 1e-9, "ratio {}", p.ratio);
     }
@@ -1210,5 +1443,88 @@ mod tests {
             predict(&cfg, &ok, f64::NAN),
             Err(TrainError::Config(_))
         ));
+    }
+
+    #[test]
+    fn thread_budget_by_hand() {
+        // 16 cores, 4 devices: 4 threads each, all 4 at once. 2 cores, 4 devices: 1 thread
+        // each, 2 at once, so half of a thread each. 3 cores, 2 devices: 1 thread each, both at
+        // once (the spare core is not shared out).
+        let budget = |cores, devices| {
+            let b = device_thread_budget(cores, devices);
+            (b.threads, b.concurrent, b.share)
+        };
+        assert_eq!(budget(16, 4), (4, 4, 1.0));
+        assert_eq!(budget(2, 4), (1, 2, 0.5));
+        assert_eq!(budget(3, 2), (1, 2, 1.0));
+        assert_eq!(budget(8, 3), (2, 3, 1.0));
+        assert_eq!(budget(2, 64), (1, 2, 1.0 / 32.0));
+        assert_eq!(budget(0, 0), (1, 1, 1.0));
+    }
+
+    #[test]
+    fn effective_throughput_by_hand() {
+        // 6 MFLOP/token × 512 tokens in 0.1 s = 30.72 GFLOP/s.
+        let g = effective_gflops(6e6, 512.0, 0.1).expect("positive");
+        assert!(close(g, 30.72), "{g}");
+        for (tokens, seconds) in [(0.0, 0.1), (512.0, 0.0), (512.0, -1.0), (512.0, f64::NAN)] {
+            assert!(
+                matches!(
+                    effective_gflops(6e6, tokens, seconds),
+                    Err(TrainError::Config(_))
+                ),
+                "{tokens} tokens in {seconds} s"
+            );
+        }
+        let mut odd = [3.0, 1.0, 2.0];
+        assert_eq!(median(&mut odd), 2.0);
+        let mut even = [4.0, 1.0, 3.0, 2.0];
+        assert_eq!(median(&mut even), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
+
+    #[test]
+    fn a_measured_throughput_prices_the_micro_batch_it_came_from() {
+        // A micro-batch of the cluster's per-device tokens measured at 0.25 s: the predicted
+        // compute per micro-batch is those 0.25 s, whatever the FLOPs.
+        let cfg = config(&["ici_data_parallelism=4", "gradient_accumulation_steps=2"]);
+        let c = cluster("hosts=2,devices_per_host=2,link=1gbit,10us");
+        let one = one_device_config(&cfg).expect("one device");
+        let plan = one.plan().expect("plans");
+        let fpt = plan.decoder().flops_per_token(one.max_target_length);
+        let tokens = one.micro_batch_rows() * one.max_target_length;
+        let g = effective_gflops(fpt, tokens as f64, 0.25).expect("positive");
+        let p = predict(&cfg, &c, g).expect("predicts");
+        assert_eq!(p.tokens_per_device_per_micro_batch, tokens as f64);
+        assert!(close(p.compute_ms_per_micro_batch, 250.0), "{p:?}");
+        assert!(close(p.deferred.compute_ms, 500.0));
+        assert_eq!(p.device_gflops_source, "given");
+    }
+
+    #[test]
+    fn one_device_config_keeps_the_model_and_the_per_device_batch() {
+        let cfg = config(&[
+            "ici_data_parallelism=4",
+            "per_device_batch_size=3",
+            "shard_optimizer_over_data=true",
+            "max_target_length=64",
+        ]);
+        let fsdp = config(&["ici_data_parallelism=2", "ici_fsdp_parallelism=2"]);
+        assert_eq!(one_device_config(&fsdp).expect("one").devices(), 1);
+        let one = one_device_config(&cfg).expect("one device");
+        assert_eq!(one.devices(), 1);
+        assert_eq!(one.micro_batch_rows(), 3);
+        assert_eq!(one.max_target_length, 64);
+        assert_eq!(one.model_name, cfg.model_name);
+        assert!(!one.shard_optimizer_over_data);
+        // A fractional per-device batch becomes whole sequences, at least one.
+        let half = config(&[
+            "per_device_batch_size=0.5",
+            "ici_data_parallelism=2",
+            "ici_tensor_parallelism=2",
+        ]);
+        assert_eq!(one_device_config(&half).expect("one").micro_batch_rows(), 1);
+        // The tiny model fits in any machine this runs on.
+        assert_eq!(too_big_to_measure(&cfg, 4).expect("plans"), None);
     }
 }

@@ -382,30 +382,33 @@ fn plot(cells: &[Cell], path: &Path) -> Result<()> {
 
 /// The cost model (`ferrotext_train::cost::predict`) as the grid's prediction function: the
 /// cell's config on `hosts × devices_per_host` with its link, device throughput measured here
-/// once with the thread budget one of the cell's devices gets when every emulated device shares
-/// this machine's cores (the emulated hosts do). `None` for a cell the model cannot price.
+/// once per model and device count from forward + backward micro-batches of the cell's model,
+/// with the thread budget one of the cell's devices gets when every emulated device shares this
+/// machine's cores (the emulated hosts do) and as many devices side by side as fill them
+/// (`cost::measure_micro_batch`; a gemm matmul when that would not fit in memory). `None` for a cell the model cannot price.
 pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> Option<f64> + '_ {
+    use ferrotext_train::cost;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let gflops = move |devices: usize| -> Option<f64> {
-        let threads = (cores / devices.max(1)).max(1);
-        let rate = ferrotext_train::cost::measure_matmul_gflops(512, threads).ok()?;
-        // More devices than cores: each gets a share of one.
-        Some(rate * (cores as f64 / (devices * threads) as f64).min(1.0))
+    let gflops = move |config: &ferrotext_train::TrainConfig, devices: usize| -> Option<f64> {
+        let b = cost::device_thread_budget(cores, devices);
+        match cost::too_big_to_measure(config, b.concurrent).ok()? {
+            // `concurrent` devices side by side; more devices than that: each gets a share.
+            None => Some(
+                cost::measure_micro_batch(config, b.threads, b.concurrent, 1, 3)
+                    .ok()?
+                    .gflops
+                    * b.share,
+            ),
+            // A matmul on one thread alone: more devices than cores each get a share of one.
+            Some(_) => Some(
+                cost::measure_matmul_gflops(512, b.threads).ok()?
+                    * (cores as f64 / (devices * b.threads) as f64).min(1.0),
+            ),
+        }
     };
-    let cache = std::sync::Mutex::new(std::collections::HashMap::<usize, f64>::new());
+    let cache = std::sync::Mutex::new(std::collections::BTreeMap::<(usize, String), f64>::new());
     move |spec: &CellSpec, mode: Mode| {
         let devices = spec.hosts * spec.devices_per_host;
-        let rate = {
-            let mut cache = cache.lock().ok()?;
-            match cache.get(&devices) {
-                Some(&r) => r,
-                None => {
-                    let r = gflops(devices)?;
-                    cache.insert(devices, r);
-                    r
-                }
-            }
-        };
         let mut items = vec![
             format!("model_name={}", spec.model),
             format!("gradient_accumulation_steps={}", spec.ga),
@@ -416,6 +419,18 @@ pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> O
         }
         items.extend(set.iter().cloned());
         let config = ferrotext_train::TrainConfig::load(None, &items).ok()?;
+        let rate = {
+            let mut cache = cache.lock().ok()?;
+            let key = (devices, spec.model.clone());
+            match cache.get(&key) {
+                Some(&r) => r,
+                None => {
+                    let r = gflops(&config, devices)?;
+                    cache.insert(key, r);
+                    r
+                }
+            }
+        };
         let cluster: ferrotext_train::cost::ClusterSpec = format!(
             "hosts={},devices_per_host={},link={}bit,{}us",
             spec.hosts,
