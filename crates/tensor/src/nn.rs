@@ -645,7 +645,7 @@ mod tests {
             )
             .unwrap();
         close(y.data(), softmax_last(&masked).unwrap().data(), 1e-6);
-        assert!(causal_softmax(&Tensor::zeros(&[2, 3]), 1.0).is_err());
+        assert!(causal_softmax(&Tensor::zeros(&[3, 2]), 1.0).is_err());
         // the scale is folded in, and its backward matches finite differences
         let w = Tensor::from_fn(&[2, 3, 3], |i| (i % 4) as f32 - 1.5);
         let ys = causal_softmax(&x, 0.5).unwrap();
@@ -1070,7 +1070,7 @@ mod tests {
         assert_eq!(step.data(), want.data());
         let one = causal_softmax(&square.slice(&[0..1, tk - 1..tk, 0..tk]).unwrap(), 0.4).unwrap();
         assert!(one.data().iter().all(|&p| p > 0.0), "{:?}", one.data());
-        let err = causal_softmax(&rand(&[3, 4], 1), 1.0)
+        let err = causal_softmax(&rand(&[4, 3], 1), 1.0)
             .unwrap_err()
             .to_string();
         assert!(err.contains("Tk ≥ Tq"), "{err}");
