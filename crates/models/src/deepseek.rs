@@ -226,18 +226,12 @@ pub fn mla_attention(
     let v = cx.slice(&kv, 3, nope, nope + vd)?;
     let q = cx.concat(&[&q_nope, &q_rope], 3)?;
     let k = cx.concat(&[&k_nope, &k_rope], 3)?;
-    // 3. causal attention with DeepSeek's scale (fused in training; over the cache when
-    //    decoding), then the output projection
-    let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
-    let out = match cache {
-        None => {
-            let out = cx.causal_attention(&q, &k, &v, scale)?;
-            cx.reshape(&out, &[b, t, h * vd], None)?
-        }
-        Some(slot) => {
-            let (k, v) = slot.extend(cx, &k, &v)?;
-            causal_attention(cx, &q, &k, &v, scale)?
-        }
+    let (k, v) = match cache {
+        Some(slot) => slot.extend(cx, &k, &v)?,
+        None => (k, v),
     };
+    // 3. causal attention with DeepSeek's scale, then the output projection
+    let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
+    let out = causal_attention(cx, &q, &k, &v, scale)?;
     linear(cx, &out, w.out)
 }

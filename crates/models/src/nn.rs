@@ -128,15 +128,11 @@ pub fn attention(
     let rope = Rope::standard(dims.rope_theta);
     let q = cx.rope_from(&q, &rope, start)?;
     let k = cx.rope_from(&k, &rope, start)?;
-    let scale = 1.0 / (hd as f32).sqrt();
-    // 3. training (no cache): the fused kernel reads each kv head for its whole group
-    let Some(slot) = cache else {
-        let out = cx.causal_attention(&q, &k, &v, scale)?;
-        let out = cx.reshape(&out, &[b, t, h * hd], None)?;
-        return linear(cx, &out, w.o_proj);
+    // 3. the cached positions' keys and values before these (when decoding): [B, S, KV, hd]
+    let (k, v) = match cache {
+        Some(slot) => slot.extend(cx, &k, &v)?,
+        None => (k, v),
     };
-    // 3'. decoding: the cached positions' keys and values before these, [B, S, KV, hd]
-    let (k, v) = slot.extend(cx, &k, &v)?;
     let s = k.shape()[1];
     // 4. GQA: each kv head serves heads/kv query heads
     let (k, v) = if kv == h {
@@ -151,7 +147,7 @@ pub fn attention(
         )
     };
     // 5. causal attention with the usual 1/√hd scale, then o_proj
-    let out = causal_attention(cx, &q, &k, &v, scale)?;
+    let out = causal_attention(cx, &q, &k, &v, 1.0 / (hd as f32).sqrt())?;
     linear(cx, &out, w.o_proj)
 }
 
