@@ -17,7 +17,7 @@ use clap::Args;
 use ferrotext_train::generate::{self, GenerateOptions, Stop};
 use ferrotext_train::sample::SamplingParams;
 use ferrotext_train::text::{StreamDecoder, TextCodec};
-use ferrotext_train::{TrainConfig, TrainError};
+use ferrotext_train::{DatasetType, TrainConfig, TrainError};
 
 use crate::UsageError;
 
@@ -103,7 +103,10 @@ fn source(args: &GenerateArgs) -> Result<Source> {
         }
         _ => (None, args.args.clone()),
     };
-    let config = TrainConfig::parse(file.as_deref(), &overrides)?;
+    let mut config = TrainConfig::parse(file.as_deref(), &overrides)?;
+    // Generation reads no training data: the data keys' checks (e.g. byte-level data needing a
+    // vocabulary of 256) do not apply to it.
+    config.dataset_type = DatasetType::Synthetic;
     if config.load_parameters_path.is_empty() {
         return Err(usage(
             "nothing to generate from: give --checkpoint RUN_DIR or load_parameters_path=PATH \
@@ -192,7 +195,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         use_cache: !args.no_cache,
     };
     options.check(&prompt, vocab)?;
-    let stream = Mutex::new(StreamDecoder::new(&codec));
+    let stream = Mutex::new(StreamDecoder::after(&codec, &prompt));
     let stdout = std::io::stdout();
     print!("{}", args.prompt);
     stdout.lock().flush()?;

@@ -134,6 +134,61 @@ fn the_trained_default_model_continues_a_corpus_line() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A WordLevel `tokenizer.json` (whitespace pre-tokenizer; decoding joins words with spaces).
+const TOKENIZER: &str = r#"{
+  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+  "normalizer": {"type": "Lowercase"}, "pre_tokenizer": {"type": "Whitespace"},
+  "post_processor": null, "decoder": null,
+  "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, "on": 4, "mat": 5, ".": 6}, "unk_token": "[UNK]"}
+}"#;
+
+#[test]
+fn a_hugging_face_directory_generates_with_its_own_tokenizer() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-generate-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (text, tok, hf) = (
+        dir.join("cat.txt"),
+        dir.join("tokenizer.json"),
+        dir.join("hf"),
+    );
+    std::fs::write(&text, "the cat sat on the mat . ".repeat(200)).unwrap();
+    std::fs::write(&tok, TOKENIZER).unwrap();
+    let out = ferrotext(&[
+        "train",
+        "steps=40",
+        "gradient_accumulation_steps=1",
+        "vocab_size=64",
+        "dataset_type=text",
+        &format!("dataset_path={}", text.display()),
+        &format!("tokenizer_path={}", tok.display()),
+        &format!("save_parameters_path={}", hf.display()),
+        &format!("base_output_directory={}", dir.display()),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // the directory a HF user would hand over: weights, config.json and its tokenizer
+    std::fs::copy(&tok, hf.join("tokenizer.json")).unwrap();
+    let out = ferrotext(&[
+        "generate",
+        &format!("load_parameters_path={}", hf.display()),
+        "--prompt",
+        "the cat",
+        "--max-new-tokens",
+        "5",
+    ]);
+    let text = continuation(&out, "the cat");
+    assert!(
+        text.starts_with(" sat"),
+        "the first new word follows a space: {text:?}"
+    );
+    let words: Vec<&str> = text.split_whitespace().collect();
+    assert_eq!(words, ["sat", "on", "the", "mat", "."], "{text:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn refused(out: &Output, says: &str, case: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{case}: {stderr}");

@@ -3,7 +3,8 @@
 //! and a streaming decoder that prints each token's text as soon as it is whole.
 //!
 //! Invariant: the concatenation of everything [`StreamDecoder::push`] and
-//! [`StreamDecoder::finish`] return is the decoding of all the ids pushed.
+//! [`StreamDecoder::finish`] return is the decoding of all the ids pushed (after the prompt's
+//! text, for [`StreamDecoder::after`]).
 
 use std::path::Path;
 
@@ -93,6 +94,16 @@ impl<'c> StreamDecoder<'c> {
         }
     }
 
+    /// A decoder continuing `prompt`: what it returns is the text the new ids add to the
+    /// prompt's (so a tokenizer that joins words with spaces puts one before the first new word).
+    pub fn after(codec: &'c TextCodec, prompt: &[u32]) -> StreamDecoder<'c> {
+        StreamDecoder {
+            codec,
+            ids: prompt.to_vec(),
+            emitted: codec.decode(prompt).len(),
+        }
+    }
+
     /// The new text `id` completes (empty while a character is still partial).
     pub fn push(&mut self, id: u32) -> String {
         self.ids.push(id);
@@ -139,6 +150,10 @@ mod tests {
         assert_eq!(pieces.concat(), text);
         // the snowman's three bytes come out at once, at its last byte
         assert!(pieces.iter().any(|p| p == "☃"), "{pieces:?}");
+        // after a prompt: only what the new ids add
+        let mut stream = StreamDecoder::after(&codec, &ids[..2]);
+        let rest: String = ids[2..].iter().map(|&i| stream.push(i)).collect();
+        assert_eq!(rest + &stream.finish(), &text[2..]);
     }
 
     #[test]
