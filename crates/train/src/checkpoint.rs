@@ -76,6 +76,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "base_output_directory",
     "run_name",
     "metrics_file",
+    "tensorboard",
     "enable_checkpointing",
     "checkpoint_period",
     "checkpoint_micro_batch_period",

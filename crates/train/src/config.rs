@@ -209,6 +209,9 @@ pub struct TrainConfig {
     pub checkpoint_micro_batch_period: usize,
     /// Per-step metrics as JSON lines (empty: `base_output_directory/run_name/metrics.jsonl`).
     pub metrics_file: String,
+    /// Also write the per-step scalars as TensorBoard event files into the run directory's
+    /// `tensorboard/`.
+    pub tensorboard: bool,
     /// Checkpoints to keep (the newest ones; 0 keeps all).
     pub checkpoint_keep: usize,
     /// `auto` (continue from `latest`) or `fresh` (start over, moving old checkpoints aside).
@@ -305,6 +308,7 @@ impl Default for TrainConfig {
             base_output_directory: "ferrotext_runs".into(),
             run_name: "default".into(),
             metrics_file: String::new(),
+            tensorboard: false,
             enable_checkpointing: false,
             checkpoint_period: 100,
             checkpoint_micro_batch_period: 0,

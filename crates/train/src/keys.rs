@@ -131,6 +131,7 @@ pub const KEYS: &[Key] = &[
     key("resume", Checkpoints, "auto|fresh", "continue from latest, or start over moving old checkpoints aside"),
     key("base_output_directory", Output, "path", "directory for run outputs"),
     key("run_name", Output, "name", "the run's name (outputs go to base_output_directory/run_name)"),
+    key("tensorboard", Output, "bool", "also write each step's scalars as TensorBoard event files into the run directory's tensorboard/"),
     key("metrics_file", Output, "path", "per-step metrics as JSON lines (empty: the run directory's metrics.jsonl)"),
     key("profile", Output, "true|false", "record every op of the profiled steps: a table and a Chrome trace in the run directory"),
     key("profile_steps", Output, "a:b", "the steps profile records, a up to b (empty: steps 1 to 3)"),

@@ -238,10 +238,19 @@ impl DeviceRun {
             Some(path) if device == 0 => Some(io::MetricsLog::open(path, first_step)?),
             _ => None,
         };
+        let mut events = match &self.metrics_path {
+            Some(_) if device == 0 && plan.config().tensorboard => Some(
+                crate::tensorboard::EventWriter::create(&plan.output_dir().join("tensorboard"))?,
+            ),
+            _ => None,
+        };
         let reports_progress = device % plan.config().local_devices == 0;
         let metrics = self.device_loop(cx, &mut trainer, &mut |m| {
             if let Some(log) = &mut log {
                 log.append(m)?;
+            }
+            if let Some(events) = &mut events {
+                events.step(m)?;
             }
             if reports_progress {
                 if let Some(f) = &self.on_step {
