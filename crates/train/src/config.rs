@@ -228,7 +228,8 @@ pub struct TrainConfig {
     pub grad_bucket_mb: f64,
     /// Start each bucket's reduction during the backward pass of the step's last micro-batch,
     /// as soon as every gradient in it is final, on a background stream; the update waits for
-    /// them (bitwise the same weights).
+    /// them (bitwise the same weights). Its buckets are at most 1/8 of the gradient bytes (at
+    /// least 1 MiB), so a small model still has several to overlap.
     pub overlap_grad_reduce: bool,
     /// Steps between evaluations on held-out data (0: never); the last step always evaluates
     /// when this is set. Needs held-out data: `eval_dataset_path`, `eval_split`, or synthetic

@@ -167,6 +167,19 @@ pub(crate) struct RestoredPending {
     pub micro_steps: usize,
 }
 
+/// The fewest buckets an overlapped reduction is split into: with one bucket (a model whose
+/// gradients fit in `grad_bucket_mb`) nothing can start before the backward ends.
+const OVERLAP_MIN_BUCKETS: usize = 8;
+
+/// An overlapped reduction's bucket size: `configured`, but at most 1/[`OVERLAP_MIN_BUCKETS`]
+/// of the `gradient_bytes` (and at least 1 MiB, so a bucket still amortises a collective's
+/// latency), so the last micro-batch's backward has buckets to overlap. Measured on 2 emulated
+/// hosts at 1 Gbit/s (qwen3-peer, 14 MiB of gradients, GA 4): one 25 MiB bucket 529 ms a step,
+/// 2 MiB buckets 469 ms.
+fn overlap_bucket_bytes(configured: usize, gradient_bytes: usize) -> usize {
+    configured.min((gradient_bytes / OVERLAP_MIN_BUCKETS).max(1 << 20))
+}
+
 impl Engine {
     /// Places the parameters (from `initial` global values, or initialised from the seed) in
     /// the layouts `plan` decided.
@@ -214,8 +227,17 @@ impl Engine {
         let bucket_bytes = config.grad_bucket_bytes();
         let backwards: Vec<usize> = (0..plan.params().len()).rev().collect();
         let targets: Vec<PartitionSpec> = plan.layouts().iter().map(|l| l.target.clone()).collect();
+        let gradient_bytes: usize = promised
+            .iter()
+            .map(|t| t.shard_shape().iter().product::<usize>() * 4)
+            .sum();
+        let reduce_bucket_bytes = if config.overlap_grad_reduce {
+            overlap_bucket_bytes(bucket_bytes, gradient_bytes)
+        } else {
+            bucket_bytes
+        };
         let reduce_plan =
-            Arc::new(cx.plan_buckets(&promised, &targets, bucket_bytes, &backwards)?);
+            Arc::new(cx.plan_buckets(&promised, &targets, reduce_bucket_bytes, &backwards)?);
         let gather_plan = if plan.zero1().is_open() {
             Some(cx.plan_buckets(&moment_types, &plain, bucket_bytes, &backwards)?)
         } else {
@@ -711,4 +733,22 @@ fn initial_value(
         )));
     }
     Ok(v.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlapped_buckets_split_a_small_model_and_leave_a_large_one_alone() {
+        const MIB: usize = 1 << 20;
+        // qwen3-peer's 14 MiB of gradients under 25 MiB buckets: 8 buckets of 1.75 MiB
+        assert_eq!(overlap_bucket_bytes(25 * MIB, 14 * MIB), 14 * MIB / 8);
+        // a tiny model: never below 1 MiB
+        assert_eq!(overlap_bucket_bytes(25 * MIB, MIB), MIB);
+        // a configured size below the floor is kept (tests use tiny buckets)
+        assert_eq!(overlap_bucket_bytes(10_000, 14 * MIB), 10_000);
+        // qwen3-0.6b's 2.2 GiB: the configured 25 MiB
+        assert_eq!(overlap_bucket_bytes(25 * MIB, 2253 * MIB), 25 * MIB);
+    }
 }
