@@ -13,18 +13,18 @@ use std::path::Path;
 use ferrotext_models::ParamInfo;
 use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
-use safetensors::SafeTensors;
 
 use crate::engine::StepMetrics;
 use crate::error::TrainError;
 
-/// Loads every parameter of `infos` from a safetensors file, or from a Hugging Face model
-/// directory ([`crate::hf::load_directory`]), each from the HF tensors its
-/// [`ParamInfo::hf_tensors`] names.
+/// Loads every parameter of `infos` from a safetensors file ([`crate::hf::load_file`]) or from
+/// a Hugging Face model directory ([`crate::hf::load_directory`]), each from the HF tensors its
+/// [`ParamInfo::hf_tensors`] names: F32, BF16 or F16, converted to f32 in one pass.
 ///
 /// # Errors
-/// [`TrainError::Params`] naming the file and the problem: unreadable, not safetensors, a missing
-/// tensor, a dtype other than F32, or a shape that does not fit the model.
+/// [`TrainError::Params`] naming the file and the problem: unreadable, not a regular file, not
+/// safetensors, missing or unexpected tensors, an unsupported dtype, a shape that does not fit
+/// the model, a non-finite value.
 pub fn load_parameters(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, TrainError> {
     let err = |reason: String| TrainError::Params {
         path: path.display().to_string(),
@@ -38,51 +38,7 @@ pub fn load_parameters(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, 
     if !meta.is_file() {
         return Err(err("is not a regular file".into()));
     }
-    let bytes = std::fs::read(path).map_err(|e| err(format!("cannot read: {e}")))?;
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| err(format!("not a safetensors file: {e}")))?;
-    infos
-        .iter()
-        .map(|info| {
-            let parts = info
-                .hf_tensors()
-                .into_iter()
-                .map(|(name, shape)| read_f32(&file, &name, shape).map_err(err))
-                .collect::<Result<Vec<_>, _>>()?;
-            info.from_hf(parts).map_err(|e| err(e.to_string()))
-        })
-        .collect()
-}
-
-/// The F32 tensor `name` of `file`, checked for its shape and for finite values.
-fn read_f32(file: &SafeTensors<'_>, name: &str, shape: Vec<usize>) -> Result<Tensor, String> {
-    let view = file
-        .tensor(name)
-        .map_err(|_| format!("missing tensor `{name}`"))?;
-    if view.dtype() != Dtype::F32 {
-        return Err(format!(
-            "`{name}` is {:?}; only F32 is supported",
-            view.dtype()
-        ));
-    }
-    if view.shape() != shape.as_slice() {
-        return Err(format!(
-            "`{name}` has shape {:?}, the model needs {shape:?}",
-            view.shape()
-        ));
-    }
-    let data: Vec<f32> = view
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    if let Some(i) = data.iter().position(|x| !x.is_finite()) {
-        return Err(format!(
-            "`{name}` holds a non-finite value ({}) at flat index {i}",
-            data[i]
-        ));
-    }
-    Tensor::new(shape, data).map_err(|e| e.to_string())
+    crate::hf::load_file(path, infos)
 }
 
 /// Saves parameters to a safetensors file (written to a temporary name, then renamed), each as

@@ -328,6 +328,59 @@ fn bf16_directories_hold_bf16_and_load_as_the_rounded_values() {
     std::fs::remove_dir_all(out.parent().unwrap()).ok();
 }
 
+#[test]
+fn a_single_bf16_or_f16_file_loads_as_a_parameter_file() {
+    // A lone `model.safetensors` named as a file (not its directory): the same values as the
+    // directory gives (bf16 rounding included), through the file path of `load_parameters`.
+    for cfg in [dense(), deepseek()] {
+        let (out, infos, _) = roundtrip(&cfg, SaveDtype::Bf16, hf::DEFAULT_SHARD_BYTES);
+        let from_dir = io::load_parameters(&out, &infos).unwrap();
+        let file = out.join("model.safetensors");
+        assert_eq!(io::load_parameters(&file, &infos).unwrap(), from_dir);
+        // F16 too: the file rewritten with every tensor in half precision
+        let bytes = std::fs::read(&file).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let halves: Vec<(String, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let data = view
+                    .data()
+                    .chunks_exact(2)
+                    .flat_map(|c| {
+                        let x = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                        half::f16::from_f32(x).to_le_bytes()
+                    })
+                    .collect();
+                (name, view.shape().to_vec(), data)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = halves
+            .iter()
+            .map(|(n, shape, d)| {
+                let v =
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F16, shape.clone(), d)
+                        .unwrap();
+                (n.clone(), v)
+            })
+            .collect();
+        let f16_file = out.parent().unwrap().join("params-f16.safetensors");
+        std::fs::write(&f16_file, safetensors::serialize(views, &None).unwrap()).unwrap();
+        let from_f16 = io::load_parameters(&f16_file, &infos).unwrap();
+        for (a, b) in from_f16.iter().zip(&from_dir) {
+            for (x, y) in a.data().iter().zip(b.data()) {
+                assert_eq!(*x, half::f16::from_f32(*y).to_f32());
+            }
+        }
+        // A tensor the model does not have is refused, by name.
+        let err = io::load_parameters(&file, &infos[..infos.len() - 1])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unexpected tensor"), "{err}");
+        std::fs::remove_dir_all(out.parent().unwrap()).ok();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The reference forward, from the HF definitions (`Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`),
 // in f64, reading the saved directory by HF names only.

@@ -6,36 +6,24 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod common;
+
+use common::small_config;
 use ferrotext_train::tensorboard::masked_crc32c;
-use ferrotext_train::{train, RunOptions, TrainConfig};
+use ferrotext_train::{train, RunOptions};
 
 fn run(dir: &Path, tensorboard: bool) -> Vec<ferrotext_train::StepMetrics> {
-    let args: Vec<String> = [
-        "vocab_size=256",
-        "base_emb_dim=32",
-        "base_num_decoder_layers=2",
-        "base_num_query_heads=4",
-        "base_num_kv_heads=2",
-        "head_dim=8",
-        "base_mlp_dim=64",
-        "max_target_length=16",
-        "per_device_batch_size=1",
-        "steps=4",
-        "eval_interval=2",
-        "eval_steps=1",
-        "dataset_type=synthetic",
-        "run_name=tb",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([
+    let extra = [
+        "steps=4".to_string(),
+        "eval_interval=2".into(),
+        "eval_steps=1".into(),
+        "run_name=tb".into(),
         format!("base_output_directory={}", dir.display()),
         format!("tensorboard={tensorboard}"),
-    ])
-    .collect();
-    let config = TrainConfig::load(None, &args).unwrap();
+    ];
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let report = train(
-        &config,
+        &small_config(&extra),
         &RunOptions {
             metrics_path: Some(dir.join("tb").join("metrics.jsonl")),
             ..Default::default()

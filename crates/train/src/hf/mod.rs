@@ -31,7 +31,7 @@ mod write;
 
 pub use config::{hf_config_json, read_config, ModelType};
 pub use export::{export_checkpoint, find_checkpoint, Exported};
-pub use read::load_directory;
+pub use read::{load_directory, load_file};
 pub use write::{save_directory, SaveDtype, DEFAULT_SHARD_BYTES};
 
 /// The config file of a HF directory.

@@ -32,14 +32,51 @@ use crate::error::TrainError;
 /// pages are released once converted. What remains is mostly the kernel handing out the f32
 /// buffers' fresh pages.
 pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, TrainError> {
-    let err = |reason: String| TrainError::Params {
+    // 1. the shard files, and which shard holds each tensor (the index, when there is one)
+    let (files, index) = shard_files(dir).map_err(|reason| TrainError::Params {
         path: dir.display().to_string(),
         reason,
+    })?;
+    load_files(dir, dir, &files, index, "config.json", infos)
+}
+
+/// Loads every parameter of `infos` from one safetensors file (a ferrotext parameter file, or
+/// a lone HF `model.safetensors`), as [`load_directory`] does: F32, BF16 or F16, converted in
+/// one pass, every name, dtype and shape checked first.
+///
+/// # Errors
+/// As [`load_directory`], naming the file.
+pub fn load_file(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, TrainError> {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| TrainError::Params {
+            path: path.display().to_string(),
+            reason: "is not a file name".into(),
+        })?;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    load_files(path, dir, &[name], None, "the model", infos)
+}
+
+/// The load itself: `files` of `dir` (with the index's name → file map when sharded); errors
+/// name `origin`; `model` names where the expected shapes come from.
+fn load_files(
+    origin: &Path,
+    dir: &Path,
+    files: &[String],
+    index: Option<BTreeMap<String, String>>,
+    model: &str,
+    infos: &[ParamInfo],
+) -> Result<Vec<Tensor>, TrainError> {
+    let err = |reason: String| TrainError::Params {
+        path: origin.display().to_string(),
+        reason,
     };
-    // 1. the shard files, and which shard holds each tensor (the index, when there is one)
-    let (files, index) = shard_files(dir).map_err(err)?;
     let mut maps = Vec::with_capacity(files.len());
-    for file in &files {
+    for file in files {
         let path = dir.join(file);
         let meta = std::fs::metadata(&path).map_err(|e| {
             err(if index.is_some() {
@@ -60,7 +97,7 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
     }
     let shards = maps
         .iter()
-        .zip(&files)
+        .zip(files)
         .map(|(m, file)| {
             SafeTensors::deserialize(m).map_err(|e| {
                 err(format!(
@@ -119,10 +156,10 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
     if !missing.is_empty() || !unexpected.is_empty() {
         let mut parts = Vec::new();
         if !missing.is_empty() {
-            let place = if index.is_some() {
-                INDEX_FILE
-            } else {
-                SINGLE_FILE
+            let place = match (&index, files.first()) {
+                (Some(_), _) => INDEX_FILE,
+                (None, Some(file)) => file.as_str(),
+                (None, None) => SINGLE_FILE,
             };
             parts.push(format!(
                 "{} missing tensor(s) (not in {place}): {}",
@@ -138,7 +175,7 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
             ));
         }
         return Err(err(format!(
-            "does not match the model of config.json: {}",
+            "does not match the model of {model}: {}",
             parts.join("; ")
         )));
     }
@@ -155,7 +192,7 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
             ));
         } else if view.shape() != shape.as_slice() {
             wrong.push(format!(
-                "`{name}` has shape {:?}, config.json needs {shape:?}",
+                "`{name}` has shape {:?}, {model} needs {shape:?}",
                 view.shape()
             ));
         }
