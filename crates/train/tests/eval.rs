@@ -59,7 +59,7 @@ fn eval_issues_no_gradient_collective_even_when_the_micro_batches_do() {
             "the eval loss is summed over the batch"
         );
         assert!(
-            r.trace.all_reduces_larger_than(8, &eval).is_empty(),
+            r.trace.all_reduces_larger_than(1, &eval).is_empty(),
             "{extra:?}: {eval_events:?}"
         );
         assert!(
@@ -69,11 +69,11 @@ fn eval_issues_no_gradient_collective_even_when_the_micro_batches_do() {
         if extra.is_empty() {
             // Mirror 1: the deferred step still reduces its gradients, in `update`.
             let update = PhasePattern::new("update");
-            assert!(!r.trace.all_reduces_larger_than(8, &update).is_empty());
+            assert!(!r.trace.all_reduces_larger_than(1, &update).is_empty());
         } else {
             // Mirror 2: with the gate closed the micro-batches reduce gradients; eval does not.
             let mb = PhasePattern::new("micro_batch*");
-            assert!(!r.trace.all_reduces_larger_than(8, &mb).is_empty());
+            assert!(!r.trace.all_reduces_larger_than(1, &mb).is_empty());
             assert!(r.trace.bytes(CollectiveKind::AllReduce, &mb) > 1000);
         }
     }

@@ -48,7 +48,7 @@ fn moe_gradients_are_reduced_once_per_step_with_and_without_zero1() {
             "the model has expert kernels"
         );
         let mb = PhasePattern::new("micro_batch*");
-        let big = r.trace.all_reduces_larger_than(8, &mb);
+        let big = r.trace.all_reduces_larger_than(1, &mb);
         assert!(
             big.is_empty(),
             "{zero1}: all-reduces inside micro-batches: {big:?}"
@@ -77,13 +77,13 @@ fn mirror_tags_withheld_in_the_region_reduce_experts_in_every_micro_batch() {
         let phase = PhasePattern::new(format!("micro_batch {micro}"));
         let experts = withheld
             .trace
-            .all_reduces_larger_than(8, &phase)
+            .all_reduces_larger_than(1, &phase)
             .into_iter()
             .filter(|e| e.elements == EXPERT_KERNEL)
             .count();
         // gate_proj, up_proj, down_proj of the one MoE layer, in each of the 3 steps.
         assert_eq!(experts, 3 * 3, "micro-batch {micro}");
-        assert!(tagged.trace.all_reduces_larger_than(8, &phase).is_empty());
+        assert!(tagged.trace.all_reduces_larger_than(1, &phase).is_empty());
     }
     // Silent: the numbers do not change, only where the reduction happens.
     let d = max_rel_diff(&tagged, &withheld);
@@ -183,7 +183,7 @@ fn test_deepseek_zero1_reduces_gradients_once_per_step() {
         tagged.zero1
     );
     let mb = PhasePattern::new("micro_batch*");
-    let big = tagged.trace.all_reduces_larger_than(8, &mb);
+    let big = tagged.trace.all_reduces_larger_than(1, &mb);
     assert!(big.is_empty(), "all-reduces inside micro-batches: {big:?}");
     let update = PhasePattern::new("update*");
     assert_eq!(
@@ -196,7 +196,7 @@ fn test_deepseek_zero1_reduces_gradients_once_per_step() {
     let expert_kernel = 16 * 64 * 64;
     let in_micro_batches = withheld
         .trace
-        .all_reduces_larger_than(8, &mb)
+        .all_reduces_larger_than(1, &mb)
         .into_iter()
         .filter(|e| e.elements == expert_kernel)
         .count();
@@ -233,7 +233,7 @@ fn expert_parallel_training_equals_data_parallel() {
     assert!(d <= 1e-5, "max relative weight difference {d}");
     for micro in 0..4 {
         let phase = PhasePattern::new(format!("micro_batch {micro}"));
-        assert!(ep.trace.all_reduces_larger_than(8, &phase).is_empty());
+        assert!(ep.trace.all_reduces_larger_than(1, &phase).is_empty());
         assert!(
             ep.trace.count(CollectiveKind::AllToAll, &phase) >= 5 * 3,
             "micro-batch {micro}"
@@ -242,7 +242,7 @@ fn expert_parallel_training_equals_data_parallel() {
     let update = PhasePattern::new("update");
     let halves = ep
         .trace
-        .all_reduces_larger_than(8, &update)
+        .all_reduces_larger_than(1, &update)
         .into_iter()
         .filter(|e| e.elements == EXPERT_KERNEL / 2 && e.axes == ["data"])
         .count();

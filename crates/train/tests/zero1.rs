@@ -122,12 +122,13 @@ fn zero1_collectives(items: &[&str], buckets: Option<usize>) {
         per_step,
         "one all-gather per bucket of parameters"
     );
+    // (the gradient norm's all-reduce of per-member slots has one element per device)
     assert!(
         trace.all_reduces_larger_than(8, &update).is_empty(),
         "no full all-reduce in update"
     );
     assert!(trace
-        .all_reduces_larger_than(8, &PhasePattern::new("micro_batch*"))
+        .all_reduces_larger_than(1, &PhasePattern::new("micro_batch*"))
         .is_empty());
 }
 
