@@ -493,11 +493,7 @@ struct Loaded {
     partials: Option<Vec<Vec<Tensor>>>,
 }
 
-pub(crate) fn read_verified(
-    dir: &Path,
-    manifest: &Manifest,
-    file: &str,
-) -> Result<Vec<u8>, TrainError> {
+fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>, TrainError> {
     if !is_plain_name(file) {
         return Err(ckpt_err(
             &dir.join("manifest.json"),
@@ -519,7 +515,7 @@ pub(crate) fn read_verified(
     Ok(bytes)
 }
 
-pub(crate) fn tensor(
+fn tensor(
     path: &Path,
     file: &SafeTensors<'_>,
     name: &str,
@@ -553,7 +549,7 @@ pub(crate) fn tensor(
 
 /// `params.safetensors` of checkpoint `dir` (checksum verified) as the parameters `infos`
 /// declare, in their order.
-fn read_params(
+pub(crate) fn read_params(
     dir: &Path,
     manifest: &Manifest,
     infos: &[ParamInfo],

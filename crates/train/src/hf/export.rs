@@ -8,14 +8,11 @@
 use std::path::{Path, PathBuf};
 
 use ferrotext_models::decoder::Decoder;
-use ferrotext_tensor::Tensor;
-use safetensors::SafeTensors;
 
 use super::write::selection_bias;
 use super::{save_directory, ModelType, SaveDtype};
 use crate::checkpoint::{
-    checkpoint_name, latest, parse_checkpoint_name, read_manifest, read_verified, tensor,
-    validate_manifest,
+    checkpoint_name, latest, parse_checkpoint_name, read_manifest, read_params, validate_manifest,
 };
 use crate::error::TrainError;
 
@@ -169,24 +166,7 @@ pub fn export_checkpoint(
     let decoder = Decoder::new(config.model()?)
         .map_err(|e| ckpt_err(&dir.join("manifest.json"), e.to_string()))?;
     let infos = decoder.params();
-    let bytes = read_verified(&dir, &manifest, "params.safetensors")?;
-    let file_path = dir.join("params.safetensors");
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| ckpt_err(&file_path, format!("not a safetensors file: {e}")))?;
-    let mut values: Vec<Tensor> = Vec::with_capacity(infos.len());
-    for info in &infos {
-        let parts = info
-            .hf_tensors()
-            .iter()
-            .map(|(name, shape)| tensor(&file_path, &file, name, shape))
-            .collect::<Result<Vec<_>, _>>()?;
-        values.push(
-            info.from_hf(parts)
-                .map_err(|e| ckpt_err(&file_path, e.to_string()))?,
-        );
-    }
-    drop(file);
-    drop(bytes);
+    let values = read_params(&dir, &manifest, &infos)?;
     // 2. the directory
     let model_type = ModelType::of(decoder.config()).map_err(out_err)?;
     let tensors = infos
