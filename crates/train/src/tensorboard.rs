@@ -1,11 +1,12 @@
 //! TensorBoard event files (`tensorboard=true`): each logged step's scalars, in the format
 //! TensorBoard's reader expects, so `tensorboard --logdir RUN_DIR` charts a run as it trains.
 //!
-//! The format, written here directly (the one maintained Rust crate for it is unmaintained and
-//! pulls protobuf code generation): a file is a sequence of records — `u64` length, its masked
-//! CRC-32C, the bytes, their masked CRC-32C (little-endian) — each holding one `Event` protobuf:
-//! the first a `file_version` event (`brain.Event:2`), then one per step with `wall_time`,
-//! `step` and a `Summary` of `simple_value`s.
+//! The format is written here directly: `tensorboard-rs`, the crate for it, was last released
+//! in 2022, is marked not active by its author and brings ~14 MB of dependencies. A file is a
+//! sequence of records — `u64` length, its masked CRC-32C, the bytes, their masked CRC-32C
+//! (little-endian) — each holding one `Event` protobuf: the first a `file_version` event
+//! (`brain.Event:2`), then one per step with `wall_time`, `step` and a `Summary` of
+//! `simple_value`s.
 //!
 //! Invariant: every record is flushed to the OS when its step is logged, so a killed run keeps
 //! every step it logged (TensorBoard ignores a torn last record).
