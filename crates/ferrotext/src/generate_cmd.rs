@@ -97,13 +97,7 @@ fn source(args: &GenerateArgs) -> Result<Source> {
             hf_dir: None,
         });
     }
-    let (file, overrides): (Option<PathBuf>, Vec<String>) = match args.args.first() {
-        Some(first) if !first.contains('=') => {
-            (Some(PathBuf::from(first)), args.args[1..].to_vec())
-        }
-        _ => (None, args.args.clone()),
-    };
-    let mut config = TrainConfig::parse(file.as_deref(), &overrides)?;
+    let mut config = crate::train_cmd::parse_config(&args.args)?;
     // Generation reads no training data: the data keys' checks (e.g. byte-level data needing a
     // vocabulary of 256) do not apply to it.
     config.dataset_type = DatasetType::Synthetic;

@@ -51,13 +51,16 @@ fn injected_fault() -> Result<Option<Fault>> {
 
 /// The run the arguments describe, planned (every key checked once).
 fn load(args: &TrainArgs) -> Result<RunPlan> {
-    let (file, overrides): (Option<PathBuf>, Vec<String>) = match args.args.first() {
-        Some(first) if !first.contains('=') => {
-            (Some(PathBuf::from(first)), args.args[1..].to_vec())
-        }
-        _ => (None, args.args.clone()),
+    Ok(parse_config(&args.args)?.plan()?)
+}
+
+/// The config of `[config.toml] key=value ...`: a first argument without `=` is the file.
+pub fn parse_config(args: &[String]) -> Result<TrainConfig> {
+    let (file, overrides): (Option<PathBuf>, &[String]) = match args.first() {
+        Some(first) if !first.contains('=') => (Some(PathBuf::from(first)), &args[1..]),
+        _ => (None, args),
     };
-    Ok(TrainConfig::parse(file.as_deref(), &overrides)?.plan()?)
+    Ok(TrainConfig::parse(file.as_deref(), overrides)?)
 }
 
 /// What the run header calls the model: the HF directory it comes from (whose `config.json`

@@ -91,6 +91,8 @@ struct Run {
     out: Vec<f32>,
     grads: Vec<Vec<f32>>,
     forward_collectives: usize,
+    /// The same count around a reshard of `q` to replicated (the probe's mirror).
+    mirror_collectives: usize,
     grad_types: Vec<String>,
     operand_types: Vec<String>,
 }
@@ -108,6 +110,10 @@ fn loss_grads(cx: &mut Ctx<'_>, specs: [PartitionSpec; 4], fused: bool) -> Resul
         unfused(cx, &q, &k, &v)?
     };
     let forward_collectives = cx.comm().trace().events().len() - before;
+    // The probe's mirror: a gather of the (split) queries to every device is seen by it.
+    let before = cx.comm().trace().events().len();
+    cx.reshard(&q, &p(&["", "", "", ""], &[], &[]))?;
+    let mirror_collectives = cx.comm().trace().events().len() - before;
     let out_host = cx.to_host(&out)?.data().to_vec();
     let operand_types = [&q, &k, &v].iter().map(|a| a.ty().to_string()).collect();
     let (_, grads) = cx.value_and_grad(&[q, k, v], |cx, p| {
@@ -128,6 +134,7 @@ fn loss_grads(cx: &mut Ctx<'_>, specs: [PartitionSpec; 4], fused: bool) -> Resul
         out: out_host,
         grads,
         forward_collectives,
+        mirror_collectives,
         grad_types,
         operand_types,
     })
@@ -175,6 +182,10 @@ fn fused_attention_on_a_split_batch_and_split_heads_matches_the_reference_and_th
         assert_eq!(
             run.forward_collectives, 0,
             "device {device}: the op communicates"
+        );
+        assert!(
+            run.mirror_collectives > 0,
+            "device {device}: the probe misses a gather"
         );
         // each gradient laid out like its operand: nothing reduced, nothing left partial
         assert_eq!(run.grad_types, run.operand_types, "device {device}");
