@@ -118,6 +118,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     println!("deferral: {}", gate.describe());
+    println!("overlap: {}", plan.overlap().describe());
     let mb = PhasePattern::new("micro_batch*");
     println!(
         "all-reduces larger than 8 elements in micro-batches: {}; in update: {}",
@@ -617,6 +618,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         println!("  peak RSS         {mb:.1} MB");
     }
     println!("  deferral         {}", report.gate.describe());
+    println!("  overlap          {}", plan.overlap().describe());
     println!("  ZeRO-1           {}", report.zero1.describe());
     let grad_bytes: usize = report
         .params

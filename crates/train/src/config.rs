@@ -226,10 +226,12 @@ pub struct TrainConfig {
     /// the parameters) one bucket per collective instead of one collective per parameter
     /// (PyTorch DDP's default is 25).
     pub grad_bucket_mb: f64,
-    /// Start each bucket's reduction during the backward pass of the step's last micro-batch,
-    /// as soon as every gradient in it is final, on a background stream; the update waits for
-    /// them (bitwise the same weights). Its buckets are at most 1/8 of the gradient bytes (at
-    /// least 1 MiB), so a small model still has several to overlap.
+    /// Start each bucket's reduction during a backward pass, as soon as every gradient in it is
+    /// final, on a background stream: with deferral, the step's reduction during the last
+    /// micro-batch's backward (the update waits for it); with the gate closed by
+    /// `shard_mode=auto`, each micro-batch's reduction during its own backward (PyTorch DDP's
+    /// schedule). Bitwise the same weights either way. Its buckets are at most 1/8 of the
+    /// gradient bytes (at least 1 MiB), so a small model still has several to overlap.
     pub overlap_grad_reduce: bool,
     /// Steps between evaluations on held-out data (0: never); the last step always evaluates
     /// when this is set. Needs held-out data: `eval_dataset_path`, `eval_split`, or synthetic

@@ -7,6 +7,11 @@
 //! * [`Engine::update`] performs the step's one reduction, divides once by the tokens of every
 //!   micro-batch since the last update, clips, and steps the optimizer.
 //!
+//! With the gate closed and [`Overlap::EveryMicroBatch`] (`shard_mode=auto` with
+//! `overlap_grad_reduce=true`), the parameters still enter micro-batches tagged, each
+//! micro-batch's gradients are reduced bucket by bucket while its backward runs (PyTorch DDP's
+//! schedule), and the accumulator holds reduced gradients, so `update` reduces nothing.
+//!
 //! The accumulator is a [`PartialGradients`]: an opaque value whose only way out is
 //! [`PartialGradients::reduce`], so partial sums can never reach the optimizer (or a reader)
 //! unreduced. Every layout comes from the [`RunPlan`]; the engine decides nothing about it.
@@ -25,7 +30,7 @@ use serde::Serialize;
 
 use crate::config::NanPolicy;
 use crate::error::TrainError;
-use crate::gate::{Deferral, Zero1};
+use crate::gate::{Deferral, Overlap, Zero1};
 use crate::gradients::{Gradients, PartialGradients};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
 use crate::plan::{engine_rules, RunPlan};
@@ -98,8 +103,11 @@ pub struct Engine {
     /// Layout inside micro-batches, per parameter: the plan's, unless a diagnostic overrode it
     /// ([`Engine::override_inside_spec`]).
     inside: Vec<PartitionSpec>,
-    /// The accumulator type the gate promised for each gradient.
+    /// The type each gradient leaves the backward pass with (the gate's promise).
     promised: Vec<ArrayType>,
+    /// The accumulator's type per gradient: `promised`, or under
+    /// [`Overlap::EveryMicroBatch`] the reduced gradient's (the target layout).
+    acc_types: Vec<ArrayType>,
     /// The optimizer state's types (the plan's targets on the parameters' shapes).
     moment_types: Vec<ArrayType>,
     params: Vec<Array>,
@@ -107,8 +115,12 @@ pub struct Engine {
     decay: Vec<bool>,
     step: usize,
     pending: Option<Pending>,
-    /// The step's reduction in buckets (see [`PartialGradients::reduce`]).
+    /// The reduction of `promised` gradients in buckets (see [`PartialGradients::reduce`]):
+    /// the step's, or each micro-batch's under [`Overlap::EveryMicroBatch`].
     reduce_plan: Arc<BucketPlan>,
+    /// The accumulator's reduction in `update`: `reduce_plan`, or a plan that moves nothing
+    /// when every micro-batch reduced its own gradients.
+    acc_plan: Arc<BucketPlan>,
     /// ZeRO-1: the parameters' all-gather after the step, in buckets.
     gather_plan: Option<BucketPlan>,
 }
@@ -231,13 +243,21 @@ impl Engine {
             .iter()
             .map(|t| t.shard_shape().iter().product::<usize>() * 4)
             .sum();
-        let reduce_bucket_bytes = if config.overlap_grad_reduce {
-            overlap_bucket_bytes(bucket_bytes, gradient_bytes)
-        } else {
+        let overlap = plan.overlap();
+        let reduce_bucket_bytes = if matches!(overlap, Overlap::Off(_)) {
             bucket_bytes
+        } else {
+            overlap_bucket_bytes(bucket_bytes, gradient_bytes)
         };
         let reduce_plan =
             Arc::new(cx.plan_buckets(&promised, &targets, reduce_bucket_bytes, &backwards)?);
+        let (acc_types, acc_plan) = if overlap.every_micro_batch() {
+            let reduced = moment_types.clone();
+            let nothing = cx.plan_buckets(&reduced, &targets, bucket_bytes, &backwards)?;
+            (reduced, Arc::new(nothing))
+        } else {
+            (promised.clone(), reduce_plan.clone())
+        };
         let gather_plan = if plan.zero1().is_open() {
             Some(cx.plan_buckets(&moment_types, &plain, bucket_bytes, &backwards)?)
         } else {
@@ -252,12 +272,14 @@ impl Engine {
             },
             inside,
             promised,
+            acc_types,
             moment_types,
             params,
             decay,
             step: 0,
             pending: None,
             reduce_plan,
+            acc_plan,
             gather_plan,
         })
     }
@@ -332,7 +354,7 @@ impl Engine {
             params: &self.params,
             moments: self.opt.moments(),
             moment_types: &self.moment_types,
-            promised: &self.promised,
+            promised: &self.acc_types,
             pending: self.pending.as_ref().map(|p| PendingState {
                 grads: &p.acc.grads,
                 micro_steps: p.micro_steps,
@@ -353,7 +375,7 @@ impl Engine {
         let pending = match state.pending {
             Some(p) => Some(Pending {
                 used: self.enter_micro_batches(cx, &state.params)?,
-                acc: PartialGradients::from_arrays(p.grads, self.reduce_plan.clone()),
+                acc: PartialGradients::from_arrays(p.grads, self.acc_plan.clone()),
                 loss_sum: p.loss_sum,
                 tokens: p.tokens,
                 micro_steps: p.micro_steps,
@@ -431,9 +453,11 @@ impl Engine {
     ///
     /// # Collectives
     /// Gate open: only the one-element loss all-reduce. Gate closed: each gradient's
-    /// all-reduce, inside the backward pass.
+    /// all-reduce, inside the backward pass — under [`Overlap::EveryMicroBatch`] one per bucket,
+    /// started on the background channel as the bucket's gradients are finished.
     pub fn fwd_bwd(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
-        self.micro_batch(cx, batch, false)
+        let overlap = self.plan.overlap().every_micro_batch();
+        self.micro_batch(cx, batch, overlap)
     }
 
     /// [`Engine::fwd_bwd`] for the step's last micro-batch. With `overlap_grad_reduce`, each
@@ -450,7 +474,7 @@ impl Engine {
     /// As [`Engine::fwd_bwd`], plus (overlap, gate open) the step's bucketed reduction on the
     /// background channel.
     pub fn fwd_bwd_final(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
-        let overlap = self.plan.config().overlap_grad_reduce;
+        let overlap = !matches!(self.plan.overlap(), Overlap::Off(_));
         let out = self.micro_batch(cx, batch, overlap)?;
         if let Some(pending) = &mut self.pending {
             pending.closed = true;
@@ -458,7 +482,9 @@ impl Engine {
         Ok(out)
     }
 
-    /// One micro-batch; `overlap`: start each finished bucket's reduction during the backward.
+    /// One micro-batch; `overlap`: start each finished bucket's reduction during the backward
+    /// (of the step's reduction, or under [`Overlap::EveryMicroBatch`] of this micro-batch's,
+    /// which is then finished and added to the reduced accumulator).
     fn micro_batch(
         &mut self,
         cx: &mut Ctx<'_>,
@@ -470,7 +496,7 @@ impl Engine {
             let used = self.enter_micro_batches(cx, &self.params)?;
             self.pending = Some(Pending {
                 used,
-                acc: PartialGradients::zeros(cx, &self.promised, self.reduce_plan.clone()),
+                acc: PartialGradients::zeros(cx, &self.acc_types, self.acc_plan.clone()),
                 loss_sum: 0.0,
                 tokens: 0,
                 micro_steps: 0,
@@ -490,7 +516,16 @@ impl Engine {
         }
         let model = self.plan.decoder();
         let infos = self.plan.params();
-        let acc = &mut pending.acc;
+        // DDP: this micro-batch's own partial gradients, reduced before they join the step's.
+        let mut own = self
+            .plan
+            .overlap()
+            .every_micro_batch()
+            .then(|| PartialGradients::zeros(cx, &self.promised, self.reduce_plan.clone()));
+        let acc = match &mut own {
+            Some(own) => own,
+            None => &mut pending.acc,
+        };
         let buckets: Vec<Vec<usize>> = acc.plan.buckets().map(<[usize]>::to_vec).collect();
         let mut finished = vec![false; acc.grads.len()];
         let mut in_flight = vec![false; buckets.len()];
@@ -525,6 +560,12 @@ impl Engine {
                 },
             )
             .map_err(|e| wrong_type.take().unwrap_or(TrainError::from(e)))?;
+        if let Some(own) = own {
+            let reduced = own.reduce(cx)?;
+            for (slot, g) in pending.acc.grads.iter_mut().zip(reduced.arrays()) {
+                *slot = cx.add(slot, g)?;
+            }
+        }
         let loss_sum = if loss.is_abstract() {
             0.0
         } else {

@@ -132,6 +132,87 @@ impl Deferral {
     }
 }
 
+/// Where the gradient reduction overlaps the backward pass (`overlap_grad_reduce`), decided
+/// with the deferral gate. Overlap needs the gradients to leave the backward unreduced, so the
+/// parameters enter micro-batches tagged `{R:…}` in both overlapped forms.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Overlap {
+    /// Deferral open: the step's one reduction starts bucket by bucket during the last
+    /// micro-batch's backward.
+    LastMicroBatch,
+    /// Deferral closed (`shard_mode=auto`, or an `Auto` axis), but the compute mesh could carry
+    /// the tags: parameters enter micro-batches tagged reduced over `axes`, and every
+    /// micro-batch's reduction starts bucket by bucket during its own backward and is added to
+    /// a reduced accumulator — PyTorch DDP's schedule, with the per-micro-batch traffic of the
+    /// untagged run.
+    EveryMicroBatch {
+        /// The batch axes the tags cover, in mesh order.
+        axes: Vec<String>,
+    },
+    /// No overlap, and why: the sentence the run reports after "off: ".
+    Off(String),
+}
+
+impl Overlap {
+    /// Decides overlap from the flag, the deferral gate, and what that gate would answer on the
+    /// `compute` mesh (every axis Explicit) under explicit sharding.
+    pub fn decide(
+        requested: bool,
+        deferral: &Deferral,
+        compute: &Mesh,
+        rules: &LogicalAxisRules,
+    ) -> Overlap {
+        if !requested {
+            return Overlap::Off("overlap_grad_reduce is false".into());
+        }
+        if deferral.is_open() {
+            return Overlap::LastMicroBatch;
+        }
+        match deferral_gate(true, compute, rules) {
+            Deferral::Open { axes } => Overlap::EveryMicroBatch { axes },
+            Deferral::Closed(why) => Overlap::Off(why.to_string()),
+        }
+    }
+
+    /// The layout a parameter stored as `spec` enters micro-batches with when the deferral gate
+    /// gave `inside`: under [`Overlap::EveryMicroBatch`] it is tagged as an open gate over the
+    /// same axes would tag it; otherwise `inside` unchanged.
+    ///
+    /// # Errors
+    /// Never for a valid spec; typed for safety.
+    pub fn inside_spec(
+        &self,
+        spec: &PartitionSpec,
+        inside: PartitionSpec,
+    ) -> Result<PartitionSpec, ShardingError> {
+        match self {
+            Overlap::EveryMicroBatch { axes } => {
+                Deferral::Open { axes: axes.clone() }.inside_spec(spec)
+            }
+            _ => Ok(inside),
+        }
+    }
+
+    /// True when each micro-batch reduces its own gradients ([`Overlap::EveryMicroBatch`]).
+    pub fn every_micro_batch(&self) -> bool {
+        matches!(self, Overlap::EveryMicroBatch { .. })
+    }
+
+    /// "on: …" with where the reduction overlaps, or "off: " followed by the reason.
+    pub fn describe(&self) -> String {
+        match self {
+            Overlap::LastMicroBatch => {
+                "on: the step's reduction starts bucket by bucket in the last micro-batch's backward"
+                    .into()
+            }
+            Overlap::EveryMicroBatch { .. } => "on: each micro-batch's reduction starts bucket by \
+                 bucket in its own backward (deferral is off)"
+                .into(),
+            Overlap::Off(why) => format!("off: {why}"),
+        }
+    }
+}
+
 /// The ZeRO-1 gate's answer. It only reshards, so unlike deferral it opens on meshes with other
 /// axes (data2×tensor2: deferral closed, ZeRO-1 open).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -9,7 +9,8 @@
 //! 2. the decoder accepts its config (`Decoder::new` succeeded);
 //! 3. the mesh's axes multiply to the device count;
 //! 4. `layouts[i]` belongs to `params()[i]`, and its `inside` layout is its `plain` one tagged
-//!    exactly as [`RunPlan::deferral`] says.
+//!    exactly as [`RunPlan::deferral`] says — or, when the gate is closed and
+//!    [`RunPlan::overlap`] is [`Overlap::EveryMicroBatch`], as that overlap says.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use crate::config::{
     gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, OptType, ShardMode, TrainConfig,
 };
 use crate::error::TrainError;
-use crate::gate::{deferral_gate, zero1_gate, zero1_spec, Deferral, Zero1};
+use crate::gate::{deferral_gate, zero1_gate, zero1_spec, Deferral, Overlap, Zero1};
 
 /// The decoder type a plan holds (one name to change when the model types are renamed).
 pub type PlanDecoder = Decoder;
@@ -32,7 +33,8 @@ pub type PlanDecoder = Decoder;
 pub struct ParamLayout {
     /// Storage layout (from the logical rules, untagged).
     pub plain: PartitionSpec,
-    /// Layout inside micro-batches: `plain` tagged `{R:…}` when deferral is open.
+    /// Layout inside micro-batches: `plain` tagged `{R:…}` when deferral is open (or when
+    /// overlap reduces every micro-batch).
     pub inside: PartitionSpec,
     /// Where the reduced gradient and the optimizer state live: `plain`, or its ZeRO-1 `data`
     /// shard.
@@ -53,6 +55,7 @@ struct Inner {
     mesh: Arc<Mesh>,
     compute_mesh: Arc<Mesh>,
     deferral: Deferral,
+    overlap: Overlap,
     zero1: Zero1,
     layouts: Vec<ParamLayout>,
     batch_spec: PartitionSpec,
@@ -111,12 +114,13 @@ impl TrainConfig {
         let rules = engine_rules();
         let explicit = self.shard_mode == ShardMode::Explicit;
         let deferral = deferral_gate(explicit, &mesh, &rules);
+        let overlap = Overlap::decide(self.overlap_grad_reduce, &deferral, &compute_mesh, &rules);
         let mut zero1 = zero1_gate(self.shard_optimizer_over_data, explicit, &mesh);
         let params = decoder.params();
         let mut layouts = Vec::with_capacity(params.len());
         for info in &params {
             let plain = rules.resolve(&info.logical, &info.shape, &compute_mesh)?;
-            let inside = deferral.inside_spec(&plain)?;
+            let inside = overlap.inside_spec(&plain, deferral.inside_spec(&plain)?)?;
             let target = match &mut zero1 {
                 Zero1::Open { replicated } => {
                     match zero1_spec(&plain, &info.shape, &compute_mesh)? {
@@ -148,6 +152,7 @@ impl TrainConfig {
                 mesh,
                 compute_mesh,
                 deferral,
+                overlap,
                 zero1,
                 layouts,
                 batch_spec,
@@ -187,6 +192,11 @@ impl RunPlan {
     /// The deferral gate's answer.
     pub fn deferral(&self) -> &Deferral {
         &self.inner.deferral
+    }
+
+    /// Where the gradient reduction overlaps the backward pass.
+    pub fn overlap(&self) -> &Overlap {
+        &self.inner.overlap
     }
 
     /// The ZeRO-1 gate's answer (with the tensors whose state stays replicated).
@@ -392,5 +402,41 @@ mod tests {
         // The declared mesh keeps the mode's axis types; the devices compute on Explicit axes.
         assert!(!auto.mesh().is_all_explicit());
         assert!(auto.compute_mesh().is_all_explicit());
+        assert_eq!(
+            auto.overlap(),
+            &Overlap::Off("overlap_grad_reduce is false".into())
+        );
+    }
+
+    /// Overlap with the gate closed by `shard_mode=auto` tags the inside layouts as an open gate
+    /// would; with deferral open it changes no layout; where tags are illegal it stays off.
+    #[test]
+    fn overlap_tags_the_inside_layouts_only_when_every_micro_batch_reduces() {
+        let with = |items: &[&str]| {
+            let mut all = vec!["overlap_grad_reduce=true".to_string()];
+            all.extend(items.iter().map(|s| s.to_string()));
+            TrainConfig::load(None, &all).unwrap().plan().unwrap()
+        };
+        let deferred = with(&[]);
+        assert_eq!(deferred.overlap(), &Overlap::LastMicroBatch);
+        let open = TrainConfig::default().plan().unwrap();
+        assert_eq!(deferred.layouts(), open.layouts());
+        let ddp = with(&["shard_mode=auto"]);
+        assert!(!ddp.deferral().is_open());
+        assert_eq!(
+            ddp.overlap(),
+            &Overlap::EveryMicroBatch {
+                axes: vec!["data".into()]
+            }
+        );
+        assert_eq!(ddp.layouts(), open.layouts());
+        let fsdp = with(&["ici_data_parallelism=2", "ici_fsdp_parallelism=2"]);
+        match fsdp.overlap() {
+            Overlap::Off(why) => assert!(why.contains("`fsdp` has size 2"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(fsdp.layouts().iter().all(|l| l.inside == l.plain));
+        let one = with(&["ici_data_parallelism=1", "local_devices=1"]);
+        assert!(matches!(one.overlap(), Overlap::Off(why) if why.contains("size 1")));
     }
 }

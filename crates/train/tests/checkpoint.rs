@@ -108,6 +108,13 @@ fn mid_step_round_trip_without_deferral_is_bitwise_equal() {
     mid_step_round_trip(&["shard_mode=auto"]);
 }
 
+/// Gate closed with overlap: the accumulator holds reduced gradients (each micro-batch reduced
+/// its own), and they come back as they were.
+#[test]
+fn mid_step_round_trip_with_per_micro_batch_overlap_is_bitwise_equal() {
+    mid_step_round_trip(&["shard_mode=auto", "overlap_grad_reduce=true"]);
+}
+
 /// A checkpoint from a deferred data=4 run restored onto data=1: the total is re-split onto the
 /// new layout and the step finishes with the same gradient (to float tolerance).
 #[test]

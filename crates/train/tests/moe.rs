@@ -269,3 +269,36 @@ fn expert_parallelism_needs_an_moe_model_and_no_zero1() {
     ]);
     assert!(err.contains("expert parallelism"), "{err}");
 }
+
+/// Overlap with the gate closed (`shard_mode=auto`) on data2×expert2: each micro-batch reduces
+/// its own gradients through the bucketed path, the expert kernels over `data` only (tagged
+/// `{R:data}`, split over `expert`), and the weights are the untagged run's.
+#[test]
+fn per_micro_batch_overlap_keeps_expert_parallel_weights() {
+    let ep = [
+        "opt_type=sgd",
+        "learning_rate=0.5",
+        "gradient_clipping_threshold=0",
+        "ici_data_parallelism=2",
+        "ici_expert_parallelism=2",
+        "shard_mode=auto",
+    ];
+    let untagged = moe_run(&ep);
+    let ddp = moe_run(&[&ep[..], &["overlap_grad_reduce=true"]].concat());
+    assert!(!ddp.gate.is_open());
+    let d = max_rel_diff(&ddp, &untagged);
+    assert!(d <= 1e-6, "max relative weight difference {d}");
+    for micro in 0..4 {
+        let phase = PhasePattern::new(format!("micro_batch {micro}"));
+        let halves = |r: &ferrotext_train::TrainReport| {
+            r.trace
+                .all_reduces_larger_than(1, &phase)
+                .into_iter()
+                .filter(|e| e.elements == EXPERT_KERNEL / 2 && e.axes == ["data"])
+                .count()
+        };
+        // One bucket per gradient (`grad_bucket_mb=1e-9`): three expert kernels, three steps.
+        assert_eq!(halves(&untagged), 3 * 3, "micro-batch {micro}");
+        assert_eq!(halves(&ddp), 3 * 3, "micro-batch {micro}");
+    }
+}

@@ -279,3 +279,50 @@ fn overlapped_reduction_gives_bitwise_the_same_weights_and_starts_in_the_last_mi
         }
     }
 }
+
+#[test]
+fn with_the_gate_closed_overlap_reduces_each_micro_batch_in_buckets_during_its_backward() {
+    // `shard_mode=auto` closes the gate; with overlap the engine still tags the parameters and
+    // reduces each micro-batch's gradients bucket by bucket as its backward finishes them (DDP).
+    // The baseline is the untagged run, whose transposed dots all-reduce every gradient alone.
+    let common = [
+        "gradient_accumulation_steps=4",
+        "shard_mode=auto",
+        "grad_bucket_mb=0.01",
+    ];
+    let untagged = run(&common);
+    let ddp = run(&[&common[..], &["overlap_grad_reduce=true"]].concat());
+    assert!(matches!(&ddp.gate, Deferral::Closed(_)));
+    assert_eq!(untagged.values, ddp.values, "bitwise weights");
+    let losses = |r: &ferrotext_train::TrainReport| -> Vec<u64> {
+        r.metrics.iter().map(|m| m.loss.to_bits()).collect()
+    };
+    assert_eq!(losses(&untagged), losses(&ddp));
+    let all: usize = ddp
+        .params
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>())
+        .sum();
+    for micro in 0..4 {
+        let phase = PhasePattern::new(format!("micro_batch {micro}"));
+        let (per_param, buckets) = (
+            untagged.trace.all_reduces_larger_than(1, &phase),
+            ddp.trace.all_reduces_larger_than(1, &phase),
+        );
+        // The same bytes in every micro-batch (3 steps), in fewer, larger collectives.
+        let elements =
+            |v: &[&ferrotext_comm::TraceEvent]| v.iter().map(|e| e.elements).sum::<usize>();
+        assert_eq!(elements(&per_param), all * 3);
+        assert_eq!(elements(&buckets), all * 3);
+        assert_eq!(per_param.len(), untagged.params.len() * 3);
+        assert!(
+            buckets.len() > 3 && buckets.len() < per_param.len(),
+            "micro-batch {micro}: {} buckets against {} gradients",
+            buckets.len(),
+            per_param.len()
+        );
+    }
+    // The update reduces nothing more.
+    let update = PhasePattern::new("update");
+    assert!(ddp.trace.all_reduces_larger_than(8, &update).is_empty());
+}
