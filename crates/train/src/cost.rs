@@ -31,7 +31,12 @@
 //!   micro-batch's gradient reductions (all-reduces and reduce-scatters of more than 8 elements
 //!   over a batch axis: `data`, `fsdp` or `expert`) hide behind its backward, taken as
 //!   [`BACKWARD_SHARE`] of its compute; the step's update reduction hides behind the last
-//!   micro-batch's backward. Exposed = `max(0, a − b)`. Without overlap everything is exposed.
+//!   micro-batch's backward. The reductions run one after another in the trace's order, each
+//!   starting once the backward has finished its share of their bytes (gradients are finished
+//!   at a steady rate, bucket by bucket, the last bucket — the embedding's — at the backward's
+//!   end) and its predecessor is done; exposed is what runs past the backward
+//!   ([`exposed_after_backward`]: `max(0, a − b)` for many small buckets, all of `a` for one).
+//!   Without overlap everything is exposed.
 //! * **The optimizer** streams the device's parameters, gradients and optimizer state once
 //!   through memory: [`optimizer_bytes_per_element`] bytes per element of the slice it steps
 //!   (plus the scale-and-clip pass over the whole local gradient) over
@@ -720,9 +725,50 @@ pub fn price_trace(
     Ok(rows)
 }
 
-/// One mode's step from its priced collectives (module docs: overlap, optimizer).
+/// The part of gradient reductions `(bytes, ms)`, in issue order, that runs past a backward of
+/// `window` ms they overlap: each starts once the backward has finished its share of their bytes
+/// (at a steady rate, so the last one at the window's end) and after the one before it. With no
+/// window, all of them.
+pub fn exposed_after_backward(reductions: &[(f64, f64)], window: f64) -> f64 {
+    let total: f64 = reductions.iter().map(|r| r.0).sum();
+    let (mut finished, mut bytes) = (0.0f64, 0.0);
+    for &(b, ms) in reductions {
+        bytes += b;
+        let ready = if total > 0.0 {
+            window * bytes / total
+        } else {
+            window
+        };
+        finished = finished.max(ready) + ms;
+    }
+    (finished - window).max(0.0)
+}
+
+/// Every gradient reduction of `trace` priced on `cluster`: `(phase, bytes, ms)` in issue order.
+///
+/// # Errors
+/// An axis the mesh does not have.
+fn priced_reductions(
+    trace: &Trace,
+    mesh: &Mesh,
+    cluster: &ClusterSpec,
+) -> Result<Vec<(String, f64, f64)>, TrainError> {
+    let mut out = Vec::new();
+    for e in trace.events().iter().filter(|e| is_gradient_reduction(e)) {
+        let group = mesh.group_of(0, &e.axes)?;
+        let span = GroupSpan::of(&group, cluster.devices_per_host);
+        let cost = collective_cost(e.kind, e.bytes as f64, &span, cluster);
+        out.push((e.phase.clone(), e.bytes as f64, cost.seconds() * 1e3));
+    }
+    Ok(out)
+}
+
+/// One mode's step from its priced collectives (module docs: overlap, optimizer);
+/// `reductions` are [`priced_reductions`] of `trace`.
+#[allow(clippy::too_many_arguments)]
 fn step_breakdown(
     rows: &[CollectiveCost],
+    reductions: &[(String, f64, f64)],
     trace: &Trace,
     ga: usize,
     compute_ms: f64,
@@ -745,6 +791,11 @@ fn step_breakdown(
         .iter()
         .filter(|r| update.matches(&r.phase) && !r.gradient_reduction)
         .fold(0.0, |t, r| t + r.ms);
+    let in_update: Vec<(f64, f64)> = reductions
+        .iter()
+        .filter(|r| update.matches(&r.0))
+        .map(|r| (r.1, r.2))
+        .collect();
     let (mut other, mut reduction, mut exposed) = (0.0, update_reduction, 0.0);
     let mut counts = Vec::with_capacity(ga);
     for i in 0..ga {
@@ -766,8 +817,15 @@ fn step_breakdown(
         other += o;
         reduction += g;
         // The last backward also hides the update's reduction.
-        let hide = if i + 1 == ga { g + update_reduction } else { g };
-        exposed += (hide - window).max(0.0);
+        let mut overlapped: Vec<(f64, f64)> = reductions
+            .iter()
+            .filter(|r| in_phase(&r.0))
+            .map(|r| (r.1, r.2))
+            .collect();
+        if i + 1 == ga {
+            overlapped.extend(in_update.iter().copied());
+        }
+        exposed += exposed_after_backward(&overlapped, window);
         counts.push(
             trace
                 .all_reduces_larger_than(SCALAR_ELEMENTS, &PhasePattern::any())
@@ -837,6 +895,7 @@ pub fn predict(
     let closed_rows = price_trace(&closed_trace, &mesh, cluster)?;
     let deferred = step_breakdown(
         &rows,
+        &priced_reductions(&trace, &mesh, cluster)?,
         &trace,
         ga,
         compute_ms,
@@ -846,6 +905,7 @@ pub fn predict(
     );
     let per_micro_batch = step_breakdown(
         &closed_rows,
+        &priced_reductions(&closed_trace, &mesh, cluster)?,
         &closed_trace,
         ga,
         compute_ms,
@@ -1402,8 +1462,28 @@ mod tests {
     }
 
     #[test]
+    fn exposed_reduction_by_hand() {
+        // Bytes 1, 1, 2 over a backward of 40 ms: ready at 10, 20, 40; finished at 20, 30, 60.
+        let three = [(1.0, 10.0), (1.0, 10.0), (2.0, 20.0)];
+        assert_eq!(exposed_after_backward(&three, 40.0), 20.0);
+        assert_eq!(exposed_after_backward(&three, 0.0), 40.0);
+        // One bucket is ready only when the backward ends: all of it is exposed.
+        assert_eq!(exposed_after_backward(&[(4.0, 40.0)], 100.0), 40.0);
+        // Link-bound: 4 × 30 ms behind 40 ms, the first starting at 10: 130 − 40.
+        assert_eq!(exposed_after_backward(&[(1.0, 30.0); 4], 40.0), 90.0);
+        // Many small buckets behind a long backward: only the last one's 1 ms.
+        assert_eq!(exposed_after_backward(&[(1.0, 1.0); 100], 200.0), 1.0);
+        assert_eq!(exposed_after_backward(&[], 10.0), 0.0);
+    }
+
+    #[test]
     fn overlap_hides_the_reduction_behind_the_backward() {
-        let cfg = config(&["ici_data_parallelism=4", "gradient_accumulation_steps=4"]);
+        // Overlapped: the reduction runs in the last micro-batch, in buckets.
+        let cfg = config(&[
+            "ici_data_parallelism=4",
+            "gradient_accumulation_steps=4",
+            "overlap_grad_reduce=true",
+        ]);
         let c = cluster("hosts=2,devices_per_host=2,link=1gbit,10us");
         let on = config_on(&cfg, &c).expect("fits");
         let mesh = on.mesh().expect("mesh");
@@ -1412,19 +1492,41 @@ mod tests {
             Arc::from(crate::data::source_for(&on, vocab).expect("corpus"));
         let (_, trace) = plan_step(&on.plan().unwrap(), source).expect("plans");
         let rows = price_trace(&trace, &mesh, &c).expect("prices");
-        let a: f64 = rows
+        let reductions = priced_reductions(&trace, &mesh, &c).expect("prices");
+        let last: Vec<&(String, f64, f64)> = reductions
             .iter()
-            .filter(|r| r.phase == "update" && r.gradient_reduction)
-            .map(|r| r.ms)
-            .sum();
-        let plain = step_breakdown(&rows, &trace, 4, 3.0 * a, false, 0.0, String::new());
-        assert!(close(plain.exposed_reduction_ms, a));
-        // A backward of 2a hides all of a; one of a/2 hides half.
-        let hidden = step_breakdown(&rows, &trace, 4, 3.0 * a, true, 0.0, String::new());
-        assert_eq!(hidden.exposed_reduction_ms, 0.0);
-        let half = step_breakdown(&rows, &trace, 4, 0.75 * a, true, 0.0, String::new());
-        assert!(close(half.exposed_reduction_ms, a / 2.0), "{half:?}");
-        assert!(!overlap_grad_reduce(&on));
+            .filter(|r| r.0 == "micro_batch 3")
+            .collect();
+        assert!(last.len() > 1, "buckets: {last:?}");
+        assert_eq!(
+            last.len(),
+            reductions.len(),
+            "nothing outside the last micro-batch"
+        );
+        let a: f64 = last.iter().map(|r| r.2).sum();
+        let breakdown = |compute: f64, overlap: bool| {
+            step_breakdown(
+                &rows,
+                &reductions,
+                &trace,
+                4,
+                compute,
+                overlap,
+                0.0,
+                String::new(),
+            )
+        };
+        assert!(close(breakdown(3.0 * a, false).exposed_reduction_ms, a));
+        // A long backward hides all but the last bucket, which is ready only at its end.
+        let long = breakdown(30.0 * a, true).exposed_reduction_ms;
+        assert!(close(long, last[last.len() - 1].2), "{long}");
+        // A short one hides less, and never more than its own length.
+        let short = breakdown(0.75 * a, true).exposed_reduction_ms;
+        assert!(
+            short > long && short >= a - 0.5 * a - 1e-9 && short < a,
+            "{short}"
+        );
+        assert!(overlap_grad_reduce(&on));
     }
 
     #[test]

@@ -4,9 +4,19 @@
 //!
 //! Each job is a separate `mpirun` of `ferrotext train` on the same emulated network (one network
 //! per hosts × link); per-micro-batch is `shard_mode=auto`, which closes the deferral gate so the
-//! gradients are all-reduced in every micro-batch. Step times are the medians of each job's steps
-//! after the first; the speedup of a pair is per-micro-batch ms / deferred ms, and a cell's is the
-//! median over its pairs.
+//! gradients are all-reduced in every micro-batch (with `overlap_grad_reduce=true`, bucket by
+//! bucket during each micro-batch's backward, as PyTorch DDP does). Step times are the medians of
+//! each job's steps after the first; the speedup of a pair is per-micro-batch ms / deferred ms,
+//! and a cell's is the median over its pairs.
+//!
+//! Each network is also calibrated on itself, since its hosts share this machine's cores: `a`,
+//! one all-reduce of the model's gradient bytes, is measured by a `bench collectives` job on the
+//! network, and `c`, the compute of a micro-batch, is the slope of the deferred steps without
+//! overlap against GA (least squares; needs two GA values), whose intercept is `o + a` (`o`: the
+//! optimizer and everything else paid once a step). Each cell without overlap then carries the
+//! speedup `(N·(c + a) + o) / (N·c + a + o)` predicts (`(c + a) / (c + a/N)` for `o` = 0), and
+//! every cell the cost model's step fed
+//! with that `c` next to its step from the throughput measured outside the emulation.
 
 use std::path::{Path, PathBuf};
 
@@ -101,9 +111,10 @@ pub struct CellSpec {
     pub overlap: Option<bool>,
 }
 
-/// A step-time prediction (ms) for a cell and mode; `None` when it has none. The cost model
-/// plugs in here.
-pub type Predictor<'a> = &'a dyn Fn(&CellSpec, Mode) -> Option<f64>;
+/// A step-time prediction (ms) for a cell and mode, given the compute of one micro-batch fit on
+/// the emulated setup (ms; `None`: the predictor measures the throughput itself); `None` when it
+/// has none. The cost model plugs in here.
+pub type Predictor<'a> = &'a dyn Fn(&CellSpec, Mode, Option<f64>) -> Option<f64>;
 
 /// Predicted step times of a cell.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -145,6 +156,29 @@ pub struct Cell {
     pub wire_ratio: f64,
     /// From the prediction function, when one was given.
     pub predicted_step_ms: PredictedMs,
+    /// From the prediction function fed the network's fitted `c` (see the module docs).
+    pub predicted_with_fitted_compute_ms: PredictedMs,
+    /// `(N·(c + a) + o) / (N·c + a + o)` from the network's fit (`(c + a) / (c + a/N)` when
+    /// `o` is 0), for cells without overlap.
+    pub formula_speedup: Option<f64>,
+}
+
+/// One network's calibration on itself (see the module docs).
+#[derive(Clone, Debug, Serialize)]
+pub struct NetworkFit {
+    /// Emulated hosts.
+    pub hosts: usize,
+    /// Link spec as given.
+    pub link: String,
+    /// The model's gradient bytes (f32).
+    pub gradient_bytes: usize,
+    /// `a`: one all-reduce of `gradient_bytes` on the network (median of a `bench collectives`
+    /// job), ms.
+    pub all_reduce_ms: f64,
+    /// `c`: slope of the deferred steps without overlap against GA, ms per micro-batch.
+    pub compute_ms: Option<f64>,
+    /// The same fit's intercept: the per-step cost (`o + a`), ms.
+    pub intercept_ms: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -153,6 +187,7 @@ struct Report {
     steps: usize,
     pairs: usize,
     cores: usize,
+    networks: Vec<NetworkFit>,
     cells: Vec<Cell>,
 }
 
@@ -247,11 +282,25 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
     emulate::net::remove_leftovers();
 
     let mut cells = Vec::new();
+    let mut networks = Vec::new();
+    let gradient_bytes = gradient_bytes(&args.model, &args.set)?;
     for &hosts in &args.hosts {
         for link in &args.links {
             let spec_link = emulate::net::LinkSpec::parse(link)?;
             let network = Network::create(hosts, &spec_link)?;
             println!("{hosts} hosts, link {link}, subnet {}", network.cidr());
+            let all_reduce_ms = measure_all_reduce_ms(
+                &network,
+                args.devices_per_host,
+                gradient_bytes,
+                &scratch,
+                &stop,
+            )?;
+            println!(
+                "  a = {all_reduce_ms:.1} ms: one all-reduce of the {} of gradients",
+                human_bytes(gradient_bytes)
+            );
+            let first = cells.len();
             for spec in grid.iter().filter(|s| s.hosts == hosts && &s.link == link) {
                 let cell = run_cell(&network, spec, args, &scratch, &stop, predict)?;
                 println!(
@@ -269,6 +318,33 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
                 cells.push(cell);
             }
             drop(network);
+            let fit = calibrate(
+                hosts,
+                link,
+                gradient_bytes,
+                all_reduce_ms,
+                &mut cells[first..],
+                predict,
+            );
+            if let (Some(c), Some(i)) = (fit.compute_ms, fit.intercept_ms) {
+                println!("  fit: c = {c:.1} ms per micro-batch, o + a = {i:.1} ms per step");
+                for cell in &cells[first..] {
+                    print_fitted(cell);
+                }
+            }
+            networks.push(fit);
+            // Written after every network, so an interrupted grid keeps what it measured.
+            write_json(
+                &args.out,
+                &Report {
+                    benchmark: "cluster",
+                    steps: args.steps,
+                    pairs: args.pairs,
+                    cores: cores(),
+                    networks: networks.clone(),
+                    cells: cells.clone(),
+                },
+            )?;
         }
     }
     let _ = std::fs::remove_dir_all(&scratch);
@@ -277,6 +353,7 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
         steps: args.steps,
         pairs: args.pairs,
         cores: cores(),
+        networks,
         cells,
     };
     write_json(&args.out, &report)?;
@@ -309,7 +386,7 @@ fn run_cell(
             let job = job_args(spec, mode, args.steps, &args.set, scratch);
             let mut job = Plan::new(spec.hosts, spec.devices_per_host, &spec.link, &job)?.job;
             job.push("resume=fresh".into());
-            let run = emulate::run_job(network, spec.devices_per_host, &job, stop, true)?;
+            let run = run_job(network, spec.devices_per_host, &job, stop)?;
             if run.exit_code != Some(0) {
                 bail!(
                     "a job of cell hosts={} link={} GA {} ({mode:?}) failed (exit {:?})",
@@ -334,10 +411,175 @@ fn run_cell(
         per_micro_batch,
         deferred,
         predicted_step_ms: PredictedMs {
-            per_micro_batch: predict.and_then(|p| p(spec, Mode::PerMicroBatch)),
-            deferred: predict.and_then(|p| p(spec, Mode::Deferred)),
+            per_micro_batch: predict.and_then(|p| p(spec, Mode::PerMicroBatch, None)),
+            deferred: predict.and_then(|p| p(spec, Mode::Deferred, None)),
         },
+        predicted_with_fitted_compute_ms: PredictedMs::default(),
+        formula_speedup: None,
     })
+}
+
+/// How long one job of the grid may take before it is taken for a lost launch: the slowest
+/// (4 hosts at 1 Gbit/s, GA 8, 5 steps) takes under a minute.
+const JOB_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// How many times a job is launched when Open MPI keeps losing a daemon and the job hangs.
+const JOB_ATTEMPTS: usize = 3;
+
+/// [`emulate::run_job`] quietly, started again when it runs past [`JOB_LIMIT`] (a launch whose
+/// daemon never reported), at most [`JOB_ATTEMPTS`] times.
+fn run_job(
+    network: &Network,
+    devices_per_host: usize,
+    job: &[String],
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<JobRun> {
+    for attempt in 1..=JOB_ATTEMPTS {
+        let run = emulate::run_job(network, devices_per_host, job, stop, true, Some(JOB_LIMIT))?;
+        if !run.timed_out {
+            return Ok(run);
+        }
+        eprintln!(
+            "warning: a job ran past {} s and was stopped (attempt {attempt} of {JOB_ATTEMPTS}): {}",
+            JOB_LIMIT.as_secs(),
+            job.join(" ")
+        );
+    }
+    bail!(
+        "a job ran past {} s {JOB_ATTEMPTS} times: {}",
+        JOB_LIMIT.as_secs(),
+        job.join(" ")
+    )
+}
+
+/// The gradient bytes (f32) of `model` under the `set` overrides.
+fn gradient_bytes(model: &str, set: &[String]) -> Result<usize> {
+    let mut items = vec![format!("model_name={model}")];
+    items.extend(set.iter().cloned());
+    let plan = ferrotext_train::TrainConfig::load(None, &items)?.plan()?;
+    Ok(plan
+        .params()
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>() * 4)
+        .sum())
+}
+
+/// `a`: the median all-reduce time (ms) of `bytes` on `network`, from a `bench collectives` job.
+fn measure_all_reduce_ms(
+    network: &Network,
+    devices_per_host: usize,
+    bytes: usize,
+    scratch: &Path,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<f64> {
+    std::fs::create_dir_all(scratch).with_context(|| format!("creating {}", scratch.display()))?;
+    let out = scratch.join(format!("all-reduce-{}.json", network.hosts()));
+    let bytes = (bytes / 4).max(1) * 4;
+    let job: Vec<String> = [
+        "bench",
+        "collectives",
+        "--backend",
+        "mpi",
+        "--local-devices",
+        &devices_per_host.to_string(),
+        "--min-bytes",
+        &bytes.to_string(),
+        "--max-bytes",
+        &bytes.to_string(),
+        "--out",
+        &out.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let run = run_job(network, devices_per_host, &job, stop)?;
+    if run.exit_code != Some(0) {
+        bail!("the all-reduce job failed (exit {:?})", run.exit_code);
+    }
+    let text =
+        std::fs::read_to_string(&out).with_context(|| format!("reading {}", out.display()))?;
+    let report: serde_json::Value = serde_json::from_str(&text)?;
+    report["rows"][0]["all_reduce_median_s"]
+        .as_f64()
+        .map(|s| s * 1e3)
+        .with_context(|| format!("no all-reduce time in {}", out.display()))
+}
+
+/// Least squares `y = intercept + slope · x`; `None` with fewer than two distinct `x`.
+fn line_fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    let (sx, sy) = points
+        .iter()
+        .fold((0.0, 0.0), |(a, b), &(x, y)| (a + x, b + y));
+    let (mx, my) = (sx / n, sy / n);
+    let sxx: f64 = points.iter().map(|&(x, _)| (x - mx) * (x - mx)).sum();
+    if points.len() < 2 || sxx <= 0.0 {
+        return None;
+    }
+    let sxy: f64 = points.iter().map(|&(x, y)| (x - mx) * (y - my)).sum();
+    let slope = sxy / sxx;
+    Some((my - slope * mx, slope))
+}
+
+/// Fits `c` on one network's cells (see the module docs) and fills each cell's formula speedup
+/// and its prediction with that `c`.
+fn calibrate(
+    hosts: usize,
+    link: &str,
+    gradient_bytes: usize,
+    a: f64,
+    cells: &mut [Cell],
+    predict: Option<Predictor<'_>>,
+) -> NetworkFit {
+    let points: Vec<(f64, f64)> = cells
+        .iter()
+        .filter(|c| c.spec.overlap != Some(true))
+        .map(|c| (c.spec.ga as f64, c.deferred.median_step_ms))
+        .collect();
+    let fit = line_fit(&points);
+    if let Some((intercept, c)) = fit.filter(|&(_, c)| c > 0.0) {
+        // `o`: what a step costs besides its micro-batches and the one reduction.
+        let o = (intercept - a).max(0.0);
+        for cell in cells.iter_mut() {
+            let n = cell.spec.ga as f64;
+            if cell.spec.overlap != Some(true) {
+                cell.formula_speedup = Some((n * (c + a) + o) / (n * c + a + o));
+            }
+            cell.predicted_with_fitted_compute_ms = PredictedMs {
+                per_micro_batch: predict.and_then(|p| p(&cell.spec, Mode::PerMicroBatch, Some(c))),
+                deferred: predict.and_then(|p| p(&cell.spec, Mode::Deferred, Some(c))),
+            };
+        }
+    }
+    NetworkFit {
+        hosts,
+        link: link.to_string(),
+        gradient_bytes,
+        all_reduce_ms: a,
+        compute_ms: fit.map(|f| f.1),
+        intercept_ms: fit.map(|f| f.0),
+    }
+}
+
+/// One line per cell: measured against the formula and the fitted cost model.
+fn print_fitted(cell: &Cell) {
+    let ratio = |measured: f64, predicted: Option<f64>| {
+        predicted.map_or("-".to_string(), |p| format!("{:.2}", measured / p))
+    };
+    let p = &cell.predicted_with_fitted_compute_ms;
+    println!(
+        "  GA {:>2}{}: speedup {:.3} vs formula {}; measured / plan (fitted c): per-micro-batch \
+         {}, deferred {}",
+        cell.spec.ga,
+        cell.spec
+            .overlap
+            .map_or(String::new(), |o| format!(" overlap={o}")),
+        cell.paired_speedup,
+        cell.formula_speedup
+            .map_or("-".to_string(), |f| format!("{f:.3}")),
+        ratio(cell.per_micro_batch.median_step_ms, p.per_micro_batch),
+        ratio(cell.deferred.median_step_ms, p.deferred),
+    );
 }
 
 /// Paired speedup against GA, one line per hosts × link (× overlap), and the break-even line.
@@ -385,8 +627,13 @@ fn plot(cells: &[Cell], path: &Path) -> Result<()> {
 /// once per model and device count from forward + backward micro-batches of the cell's model,
 /// with the thread budget one of the cell's devices gets when every emulated device shares this
 /// machine's cores (the emulated hosts do) and as many devices side by side as fill them
-/// (`cost::measure_micro_batch`; a gemm matmul when that would not fit in memory). `None` for a cell the model cannot price.
-pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> Option<f64> + '_ {
+/// (`cost::measure_micro_batch`; a gemm matmul when that would not fit in memory) — or, given the
+/// compute of a micro-batch fit on the emulated setup, the throughput that takes that long.
+/// `None` for a cell the model cannot price.
+pub fn cost_model(
+    set: &[String],
+    steps: usize,
+) -> impl Fn(&CellSpec, Mode, Option<f64>) -> Option<f64> + '_ {
     use ferrotext_train::cost;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let gflops = move |config: &ferrotext_train::TrainConfig, devices: usize| -> Option<f64> {
@@ -407,7 +654,7 @@ pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> O
         }
     };
     let cache = std::sync::Mutex::new(std::collections::BTreeMap::<(usize, String), f64>::new());
-    move |spec: &CellSpec, mode: Mode| {
+    move |spec: &CellSpec, mode: Mode, fitted_compute_ms: Option<f64>| {
         let devices = spec.hosts * spec.devices_per_host;
         let mut items = vec![
             format!("model_name={}", spec.model),
@@ -419,7 +666,21 @@ pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> O
         }
         items.extend(set.iter().cloned());
         let config = ferrotext_train::TrainConfig::load(None, &items).ok()?;
-        let rate = {
+        let cluster: ferrotext_train::cost::ClusterSpec = format!(
+            "hosts={},devices_per_host={},link={}bit,{}us",
+            spec.hosts,
+            spec.devices_per_host,
+            spec.link_bps,
+            spec.link_delay_s * 1e6
+        )
+        .parse()
+        .ok()?;
+        let rate = if let Some(c) = fitted_compute_ms {
+            // The device throughput that makes a micro-batch take `c` ms: the model's compute
+            // time is FLOPs ÷ throughput, so price it once at 1 GFLOP/s and scale.
+            let at_one = ferrotext_train::cost::predict(&config, &cluster, 1.0).ok()?;
+            at_one.compute_ms_per_micro_batch / c
+        } else {
             let mut cache = cache.lock().ok()?;
             let key = (devices, spec.model.clone());
             match cache.get(&key) {
@@ -431,19 +692,89 @@ pub fn cost_model(set: &[String], steps: usize) -> impl Fn(&CellSpec, Mode) -> O
                 }
             }
         };
-        let cluster: ferrotext_train::cost::ClusterSpec = format!(
-            "hosts={},devices_per_host={},link={}bit,{}us",
-            spec.hosts,
-            spec.devices_per_host,
-            spec.link_bps,
-            spec.link_delay_s * 1e6
-        )
-        .parse()
-        .ok()?;
         let p = ferrotext_train::cost::predict(&config, &cluster, rate).ok()?;
         Some(match mode {
             Mode::PerMicroBatch => p.per_micro_batch_step_ms,
             Mode::Deferred => p.deferred_step_ms,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(ga: usize, overlap: Option<bool>, deferred_ms: f64) -> Cell {
+        Cell {
+            spec: CellSpec {
+                model: "m".into(),
+                hosts: 2,
+                devices_per_host: 1,
+                link: "1gbit".into(),
+                link_bps: 1_000_000_000,
+                link_delay_s: 0.0,
+                ga,
+                overlap,
+            },
+            per_micro_batch: ModeResult::default(),
+            deferred: ModeResult {
+                median_step_ms: deferred_ms,
+                ..ModeResult::default()
+            },
+            paired_speedup: 1.0,
+            wire_ratio: 1.0,
+            predicted_step_ms: PredictedMs::default(),
+            predicted_with_fitted_compute_ms: PredictedMs::default(),
+            formula_speedup: None,
+        }
+    }
+
+    #[test]
+    fn the_line_fit_recovers_a_line_and_needs_two_distinct_points() {
+        let (i, s) = line_fit(&[(1.0, 130.0), (2.0, 230.0), (4.0, 430.0)]).unwrap();
+        assert!(
+            (i - 30.0).abs() < 1e-9 && (s - 100.0).abs() < 1e-9,
+            "{i} {s}"
+        );
+        assert!(line_fit(&[(4.0, 1.0)]).is_none());
+        assert!(line_fit(&[(4.0, 1.0), (4.0, 2.0)]).is_none());
+    }
+
+    /// `c` comes from the deferred cells without overlap only; the formula is filled for those
+    /// cells and matches the hand-computed speedup; the predictor receives the fitted `c`.
+    #[test]
+    fn calibration_fits_c_on_deferred_cells_without_overlap() {
+        // c = 100 ms, o + a = 150 ms (a = 120, o = 30); the overlapped cells lie off the line.
+        let mut cells = vec![
+            cell(1, Some(false), 250.0),
+            cell(1, Some(true), 10.0),
+            cell(4, Some(false), 550.0),
+            cell(4, Some(true), 10.0),
+        ];
+        let seen = std::sync::Mutex::new(Vec::new());
+        let predict = |_: &CellSpec, _: Mode, c: Option<f64>| {
+            seen.lock().unwrap().push(c);
+            Some(1.0)
+        };
+        let fit = calibrate(2, "1gbit", 8, 120.0, &mut cells, Some(&predict));
+        assert!((fit.compute_ms.unwrap() - 100.0).abs() < 1e-9);
+        assert!((fit.intercept_ms.unwrap() - 150.0).abs() < 1e-9);
+        // GA 4: (4·220 + 30) / (400 + 150) = 910 / 550.
+        let f = cells[2].formula_speedup.unwrap();
+        assert!((f - 910.0 / 550.0).abs() < 1e-12, "{f}");
+        assert!((cells[0].formula_speedup.unwrap() - 1.0).abs() < 1e-12);
+        assert!(cells[1].formula_speedup.is_none() && cells[3].formula_speedup.is_none());
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len(), 8);
+        assert!(seen
+            .iter()
+            .all(|c| c.is_some_and(|c| (c - 100.0).abs() < 1e-9)));
+    }
+
+    #[test]
+    fn a_single_ga_fits_nothing() {
+        let mut cells = vec![cell(4, Some(false), 550.0)];
+        let fit = calibrate(2, "1gbit", 8, 120.0, &mut cells, None);
+        assert!(fit.compute_ms.is_none() && cells[0].formula_speedup.is_none());
     }
 }

@@ -238,6 +238,8 @@ pub struct JobRun {
     pub step_seconds: Vec<f64>,
     /// Process 0's losses, every step.
     pub losses: Vec<f64>,
+    /// The job ran past its time limit and was stopped (`exit_code` is then meaningless).
+    pub timed_out: bool,
 }
 
 impl JobRun {
@@ -300,7 +302,8 @@ fn signal(pid: u32, signal: &str) {
 }
 
 /// Runs `job` (ferrotext arguments) on `net` with `local` devices per host under `mpirun`;
-/// stops it on `stop`.
+/// stops it on `stop`, and after `limit` (then [`JobRun::timed_out`] is set: Open MPI now and
+/// then loses a daemon at launch and waits for it forever).
 ///
 /// # Errors
 /// `mpirun` could not start, or `stop` was raised (the job is stopped first).
@@ -310,7 +313,9 @@ pub fn run_job(
     job: &[String],
     stop: &AtomicBool,
     quiet: bool,
+    limit: Option<Duration>,
 ) -> Result<JobRun> {
+    let started = Instant::now();
     let exe = std::env::current_exe().context("finding this executable")?;
     let exe = exe
         .to_str()
@@ -364,9 +369,24 @@ pub fn run_job(
     let mut child = cmd.spawn().context("starting mpirun")?;
     // For the clean-up of a later start, should this process be killed.
     let _ = std::fs::write(dir.join(net::MPIRUN_PID_FILE), child.id().to_string());
+    let mut timed_out = false;
     let status: ExitStatus = loop {
         if let Some(status) = child.try_wait().context("waiting for mpirun")? {
             break status;
+        }
+        let late = limit.is_some_and(|l| started.elapsed() > l);
+        if late {
+            timed_out = true;
+            signal(child.id(), "-TERM");
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if child.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            break child.wait().context("waiting for mpirun")?;
         }
         if stop.load(Ordering::Relaxed) {
             signal(child.id(), "-TERM");
@@ -400,6 +420,7 @@ pub fn run_job(
         hosts,
         step_seconds: lead.iter().map(|s| s.seconds).collect(),
         losses: lead.iter().map(|s| s.loss).collect(),
+        timed_out,
     })
 }
 
@@ -484,7 +505,7 @@ pub fn run(args: &EmulateArgs) -> Result<()> {
         network.cidr(),
         network.namespace(0)
     );
-    let run = run_job(&network, plan.local, &plan.job, &stop, false);
+    let run = run_job(&network, plan.local, &plan.job, &stop, false, None);
     network.teardown();
     let run = run?;
     if plan.config.is_some() {
