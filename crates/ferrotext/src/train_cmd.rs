@@ -502,6 +502,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
         config.steps
     );
     println!("outputs: {}", plan.output_dir().display());
+    println!("matmul: {}", ferrotext_tensor::matmul_kernel());
     let bar = ProgressBar::new(config.steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} step  {msg}")

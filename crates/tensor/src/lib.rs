@@ -3,14 +3,16 @@ The `tensor` layer of ferrotext: one device's dense `f32` tensors and the kernel
 need. It must not know about meshes or collectives: a [`Tensor`] is just this device's block.
 
 Main items: [`Tensor`] (row-major, contiguous; structural ops copy, reshape does not),
-elementwise maps with NumPy broadcasting, reductions, [`dot_general`] on the `gemm` crate
-with arbitrary batch and contracting dimensions, and the model kernels (softmax, RMSNorm, RoPE,
+elementwise maps with NumPy broadcasting, reductions, [`dot_general`] (on the system's OpenBLAS
+when there is one, else the `gemm` crate: [`matmul_kernel`] says which) with arbitrary batch and
+contracting dimensions, and the model kernels (softmax, RMSNorm, RoPE,
 SiLU, cross-entropy, gather/scatter-add, top-k), each forward beside its backward.
 
 # The key decision: strided views instead of copies for matrix products
 
-`gemm` takes any row and column strides, so [`dot_general`] views each operand as a strided
-matrix stack whenever its batch, free and contracting dimensions are contiguous groups — `x·W`,
+Both kernels take a leading dimension (`gemm` any strides), so [`dot_general`] views each
+operand as a strided matrix stack whenever its batch, free and contracting dimensions are
+contiguous groups — `x·W`,
 `x·Wᵀ` and `xᵀ·dy` (the weight gradient) never copy; batch dims keep a stride each, so
 attention's `[B, T, H, d]` operands batched over B and H do not copy either.
 
@@ -36,6 +38,7 @@ assert_eq!(y.data(), &[-2., -2.]);
 #![deny(missing_docs)]
 
 mod attention;
+mod blas;
 mod elementwise;
 mod error;
 mod grouped;
@@ -48,6 +51,7 @@ mod rope;
 mod tensor;
 
 pub use attention::{causal_attention, causal_attention_backward, Attention};
+pub use blas::matmul_kernel;
 pub use elementwise::broadcast_shapes;
 pub use error::TensorError;
 pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, PAD_ROW};

@@ -1,5 +1,5 @@
-//! `dot_general`: batched matrix products over arbitrary batch and contracting dimensions, on the
-//! `gemm` crate.
+//! `dot_general`: batched matrix products over arbitrary batch and contracting dimensions, on
+//! OpenBLAS when the machine has it and the `gemm` crate otherwise ([`crate::blas`]).
 //!
 //! Layout: the output is `[batch..., lhs free..., rhs free...]`, row-major. Each operand is viewed
 //! as a strided `[B, M, K]` (lhs) or `[B, K, N]` (rhs) matrix stack *without copying* whenever
@@ -10,6 +10,8 @@
 //! O(size) next to its O(M·N·K).
 
 use gemm::Parallelism;
+
+use crate::blas::Operand;
 
 use crate::error::TensorError;
 use crate::tensor::{strides, Tensor};
@@ -215,27 +217,23 @@ pub fn dot_general(
     let one = |i: usize, dst: &mut [f32], parallelism: Parallelism| {
         // SAFETY: `a`'s strides come from its shape, so batch entry `i`'s offset plus
         // `(m-1)·rows.1 + (k-1)·cols.1` stays inside its data (likewise `b`); `dst` is one
-        // fresh m×n row-major block; `read_dst = false` so its contents are not read.
+        // fresh m×n row-major block.
         unsafe {
-            gemm::gemm(
+            crate::blas::sgemm(
                 m,
                 n,
                 k,
                 dst.as_mut_ptr(),
-                1,
-                n as isize,
-                false,
-                a.data.as_ptr().offset(a.offset(i)),
-                a.cols.1,
-                a.rows.1,
-                b.data.as_ptr().offset(b.offset(i)),
-                b.cols.1,
-                b.rows.1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
+                Operand {
+                    ptr: a.data.as_ptr().offset(a.offset(i)),
+                    rs: a.rows.1,
+                    cs: a.cols.1,
+                },
+                Operand {
+                    ptr: b.data.as_ptr().offset(b.offset(i)),
+                    rs: b.rows.1,
+                    cs: b.cols.1,
+                },
                 parallelism,
             );
         }
@@ -283,7 +281,7 @@ impl MatView<'_> {
 
 /// `dst = a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`, without copying
 /// the operands: the grouped (MoE) products multiply slices of their inputs in place. Uses the
-/// same gemm call, and so gives the same bits, as [`dot_general`] on copies of the views.
+/// same kernel call, and so gives the same bits, as [`dot_general`] on copies of the views.
 ///
 /// # Panics
 /// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
@@ -302,28 +300,24 @@ pub(crate) fn gemm_views(dst: &mut [f32], a: MatView<'_>, b: MatView<'_>, thread
     } else {
         Parallelism::None
     };
-    // SAFETY: `fits` checked every operand offset against its slice, `dst` is exactly m×n
-    // row-major, and `read_dst = false` so its contents are not read.
+    // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly m×n
+    // row-major.
     unsafe {
-        gemm::gemm(
+        crate::blas::sgemm(
             m,
             n,
             k,
             dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.data.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
+            Operand {
+                ptr: a.data.as_ptr(),
+                rs: a.rs as isize,
+                cs: a.cs as isize,
+            },
+            Operand {
+                ptr: b.data.as_ptr(),
+                rs: b.rs as isize,
+                cs: b.cs as isize,
+            },
             parallelism,
         );
     }

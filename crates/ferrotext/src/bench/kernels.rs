@@ -1,6 +1,7 @@
 //! `ferrotext bench kernels`: GFLOP/s of a transformer layer's matmuls through
-//! `ferrotext_tensor::dot_general`, next to the `gemm` crate called directly on the same strided
-//! layout (its own figure), so the ratio shows what our wrapper costs.
+//! `ferrotext_tensor::dot_general` (on this process's kernel: OpenBLAS when the machine has it,
+//! see `ferrotext_tensor::matmul_kernel`), next to the `gemm` crate called directly on the same
+//! strided layout (its own figure), so the ratio shows what the kernel and wrapper gain or cost.
 
 use std::path::Path;
 use std::time::Instant;
@@ -123,6 +124,7 @@ fn measure(p: &Product, threads: usize) -> Result<(f64, f64)> {
 /// Runs the kernel benchmark and writes JSON to `out`.
 pub fn run(d_models: &[usize], tokens: usize, threads: &[usize], out: &Path) -> Result<()> {
     let mut rows = Vec::new();
+    println!("ours: {}", ferrotext_tensor::matmul_kernel());
     println!(
         "{:>6}  {:<10} {:<14} {:>5} {:>5} {:>5} {:>3}  {:>9} {:>9} {:>6}",
         "d", "matmul", "product", "m", "n", "k", "thr", "ours GF/s", "gemm GF/s", "ratio"

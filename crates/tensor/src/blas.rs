@@ -1,0 +1,426 @@
+//! The matrix-product kernel behind [`crate::dot_general`] and the grouped products: the system's
+//! OpenBLAS when this machine has one, else the `gemm` crate.
+//!
+//! OpenBLAS is opened at run time (`dlopen` of `libopenblas.so.0`, Debian's
+//! `libopenblas0-pthread`), not linked: the build needs nothing outside the Rust registry, and a
+//! machine without the library runs the same binary on `gemm`. Measured here (one thread,
+//! qwen3-peer's products, 512 × 256…1024): OpenBLAS 0.3.21's SkylakeX kernel 161–182 GFLOP/s,
+//! `gemm` 0.19 94–114 GFLOP/s (`ferrotext bench kernels`).
+//!
+//! Invariants:
+//! * OpenBLAS runs with one thread (`openblas_set_num_threads(1)` at load): every call computes
+//!   in its caller's thread, so a device never uses more cores than its budget, and many device
+//!   threads may call at once. A build that says `SINGLE_THREADED` (Debian's
+//!   `libopenblas0-serial`) is not used: it is not made for concurrent callers.
+//! * The choice is made once per process and never changes, so one process's results have the
+//!   same bits run after run. `FERROTEXT_MATMUL=gemm` forces the `gemm` crate (comparisons,
+//!   bitwise checks against other machines).
+//! * Operands OpenBLAS cannot take (a stride other than 1 on both axes, or a negative one) go to
+//!   `gemm`, which takes any strides.
+
+use std::ffi::{c_char, c_float, c_int, CStr};
+use std::sync::OnceLock;
+
+/// `cblas_sgemm`'s signature (CBLAS: order, transA, transB, M, N, K, alpha, A, lda, B, ldb,
+/// beta, C, ldc).
+type Sgemm = unsafe extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_float,
+    *const c_float,
+    c_int,
+    *const c_float,
+    c_int,
+    c_float,
+    *mut c_float,
+    c_int,
+);
+
+const CBLAS_ROW_MAJOR: c_int = 101;
+const CBLAS_NO_TRANS: c_int = 111;
+const CBLAS_TRANS: c_int = 112;
+
+/// The rows (or, for a product with fewer rows, columns) of one OpenBLAS call: a larger product
+/// is cut into blocks of this size, always, so its bits do not depend on how many threads
+/// share the blocks. 512 rows run at the whole product's rate here; 256 lost 5–10%.
+const BLOCK: usize = 512;
+
+/// The library names tried, in order.
+const LIBRARIES: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
+
+/// An opened OpenBLAS.
+struct OpenBlas {
+    sgemm: Sgemm,
+    /// `openblas_get_config()`, e.g. `OpenBLAS 0.3.21 DYNAMIC_ARCH … SkylakeX MAX_THREADS=64`.
+    config: String,
+    /// `openblas_get_corename()`, e.g. `SkylakeX`.
+    core: String,
+    /// Keeps the library mapped while `sgemm` may be called.
+    _library: libloading::Library,
+}
+
+static KERNEL: OnceLock<Option<OpenBlas>> = OnceLock::new();
+
+fn open() -> Option<OpenBlas> {
+    if std::env::var("FERROTEXT_MATMUL").is_ok_and(|v| v == "gemm") {
+        return None;
+    }
+    LIBRARIES.iter().find_map(|name| {
+        // SAFETY: loading OpenBLAS runs its initialisers, which only set up its own state.
+        let library = unsafe { libloading::Library::new(name) }.ok()?;
+        // SAFETY: the symbols are OpenBLAS's, with the C signatures written here; the strings
+        // they return are static and NUL-terminated.
+        unsafe {
+            let sgemm = *library.get::<Sgemm>(b"cblas_sgemm\0").ok()?;
+            let threads = *library
+                .get::<unsafe extern "C" fn(c_int)>(b"openblas_set_num_threads\0")
+                .ok()?;
+            let text = |symbol: &[u8]| -> Option<String> {
+                let f = *library
+                    .get::<unsafe extern "C" fn() -> *const c_char>(symbol)
+                    .ok()?;
+                let p = f();
+                (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().trim().to_string())
+            };
+            let config = text(b"openblas_get_config\0")?;
+            let core = text(b"openblas_get_corename\0").unwrap_or_default();
+            if config.contains("SINGLE_THREADED") {
+                return None;
+            }
+            threads(1);
+            Some(OpenBlas {
+                sgemm,
+                config,
+                core,
+                _library: library,
+            })
+        }
+    })
+}
+
+fn kernel() -> Option<&'static OpenBlas> {
+    KERNEL.get_or_init(open).as_ref()
+}
+
+/// What computes matrix products in this process, for run headers and benchmarks: `OpenBLAS
+/// 0.3.21 (SkylakeX, one thread per call)` or `the gemm crate`.
+pub fn matmul_kernel() -> String {
+    match kernel() {
+        Some(k) => {
+            let version = k
+                .config
+                .split_whitespace()
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" ");
+            format!("{version} ({}, one thread per call)", k.core)
+        }
+        None => "the gemm crate".into(),
+    }
+}
+
+/// An operand's layout for CBLAS (row-major): the transpose flag and leading dimension, when
+/// its `rows × cols` elements at strides `(rs, cs)` are a row-major or column-major matrix.
+fn cblas_layout(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<(c_int, c_int)> {
+    let fits = |v: usize| c_int::try_from(v).ok();
+    if cs == 1 && (rows == 1 || rs >= cols.max(1) as isize) {
+        let ld = if rows == 1 { cols.max(1) } else { rs as usize };
+        return Some((CBLAS_NO_TRANS, fits(ld)?));
+    }
+    if rs == 1 && (cols == 1 || cs >= rows.max(1) as isize) {
+        let ld = if cols == 1 { rows.max(1) } else { cs as usize };
+        return Some((CBLAS_TRANS, fits(ld)?));
+    }
+    None
+}
+
+/// One strided operand: element `(i, j)` at `ptr + i·rs + j·cs`.
+#[derive(Clone, Copy)]
+pub(crate) struct Operand {
+    pub ptr: *const f32,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+/// `dst = a · b` for `a` m×k and `b` k×n, `dst` row-major m×n (its contents are not read), on
+/// this process's kernel. With `parallelism = Rayon(t)`, `gemm` splits the product itself;
+/// OpenBLAS runs one call per block of [`BLOCK`] rows or columns, on the rayon pool (every output
+/// element is computed by one call over the whole of `k`). Either way the bits do not depend on
+/// `parallelism`.
+///
+/// # Safety
+/// Every element `(i, j)` of `a` (i < m, j < k) and `b` (i < k, j < n) is readable at its
+/// offset, and `dst` points to `m·n` writable elements that alias neither.
+pub(crate) unsafe fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    a: Operand,
+    b: Operand,
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { sgemm_on(kernel(), m, n, k, dst, n, a, b, parallelism) }
+}
+
+/// [`sgemm`] on `blas`, or on `gemm` for `None`, into `dst` with row stride `ldc ≥ n`.
+///
+/// # Safety
+/// As [`sgemm`], with `dst`'s rows `ldc` elements apart.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_on(
+    blas: Option<&OpenBlas>,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand,
+    b: Operand,
+    parallelism: gemm::Parallelism,
+) {
+    // OpenBLAS's bits depend on the product's shape, so a large product is always cut the same
+    // way, into blocks of `BLOCK` rows (or, for a short one, columns), whatever the thread
+    // count; the blocks run on the rayon pool when there are threads to spare.
+    let rows = m > BLOCK;
+    if blas.is_some() && (rows || n > BLOCK) {
+        let extent = if rows { m } else { n };
+        let starts: Vec<usize> = (0..extent).step_by(BLOCK).collect();
+        // Pointers cross threads as addresses: each block reads its rows of `a` (or its
+        // columns of `b`) and writes its own part of `dst`.
+        let (a_at, b_at, dst_at) = (a.ptr as usize, b.ptr as usize, dst as usize);
+        let (ars, acs, brs, bcs) = (a.rs, a.cs, b.rs, b.cs);
+        let block = move |start: usize| {
+            let len = BLOCK.min(extent - start);
+            let mut a = Operand {
+                ptr: a_at as *const f32,
+                rs: ars,
+                cs: acs,
+            };
+            let mut b = Operand {
+                ptr: b_at as *const f32,
+                rs: brs,
+                cs: bcs,
+            };
+            let (bm, bn, at) = if rows {
+                a.ptr = a.ptr.wrapping_offset(start as isize * a.rs);
+                (len, n, start * ldc)
+            } else {
+                b.ptr = b.ptr.wrapping_offset(start as isize * b.cs);
+                (m, len, start)
+            };
+            let dst = (dst_at as *mut f32).wrapping_add(at);
+            // SAFETY: a block of the caller's operands and of `dst`; the blocks of `dst` are
+            // disjoint.
+            unsafe { sgemm_on(blas, bm, bn, k, dst, ldc, a, b, gemm::Parallelism::None) };
+        };
+        match parallelism {
+            gemm::Parallelism::Rayon(t) if t > 1 => {
+                use rayon::prelude::*;
+                starts.into_par_iter().with_max_len(1).for_each(block);
+            }
+            _ => starts.into_iter().for_each(block),
+        }
+        return;
+    }
+    if let Some(blas) = blas {
+        let dims = (
+            c_int::try_from(m),
+            c_int::try_from(n),
+            c_int::try_from(k),
+            c_int::try_from(ldc.max(1)),
+        );
+        if let (Some((ta, lda)), Some((tb, ldb)), (Ok(mi), Ok(ni), Ok(ki), Ok(ldc))) = (
+            cblas_layout(m, k, a.rs, a.cs),
+            cblas_layout(k, n, b.rs, b.cs),
+            dims,
+        ) {
+            // SAFETY: the caller's contract; the layouts describe exactly the elements it
+            // guarantees readable, and `ldc` is `dst`'s row stride.
+            unsafe {
+                (blas.sgemm)(
+                    CBLAS_ROW_MAJOR,
+                    ta,
+                    tb,
+                    mi,
+                    ni,
+                    ki,
+                    1.0,
+                    a.ptr,
+                    lda,
+                    b.ptr,
+                    ldb,
+                    0.0,
+                    dst,
+                    ldc,
+                );
+            }
+            return;
+        }
+    }
+    // SAFETY: the caller's contract; `read_dst = false`, so `dst`'s contents are not read.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            ldc as isize,
+            false,
+            a.ptr,
+            a.cs,
+            a.rs,
+            b.ptr,
+            b.cs,
+            b.rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `a · b` in f64 from strided operands.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        (ars, acs): (usize, usize),
+        b: &[f32],
+        (brs, bcs): (usize, usize),
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|l| f64::from(a[i * ars + l * acs]) * f64::from(b[l * brs + j * bcs]))
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        blas: Option<&OpenBlas>,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        sa: (usize, usize),
+        b: &[f32],
+        sb: (usize, usize),
+        threads: usize,
+    ) -> Vec<f32> {
+        let mut dst = vec![f32::NAN; m * n];
+        let op = |data: &[f32], (rs, cs): (usize, usize)| Operand {
+            ptr: data.as_ptr(),
+            rs: rs as isize,
+            cs: cs as isize,
+        };
+        let parallelism = if threads > 1 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        // SAFETY: the strides below address only elements inside `a` and `b`; `dst` is m×n.
+        unsafe {
+            sgemm_on(
+                blas,
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                n,
+                op(a, sa),
+                op(b, sb),
+                parallelism,
+            )
+        };
+        dst
+    }
+
+    /// Both kernels against an f64 loop, on every layout `dot_general` hands them (row-major,
+    /// transposed, padded rows, a layout only `gemm` takes), in one call and in blocks, on 1, 2
+    /// and 3 threads with the same bits. Without OpenBLAS on this machine only `gemm`
+    /// runs (the kernel line of the run header says which).
+    #[test]
+    fn both_kernels_match_an_f64_product_on_every_layout() {
+        // One call; row blocks (3 of `BLOCK` rows, the last short); column blocks.
+        for (m, n, k) in [
+            (300, 70, 130),
+            (2 * BLOCK + 76, 70, 130),
+            (100, 2 * BLOCK + 76, 130),
+        ] {
+            let data = |len: usize, seed: u32| -> Vec<f32> {
+                (0..len)
+                    .map(|i| {
+                        ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9) as f32
+                            / 8_388_608.0
+                            - 0.5
+                    })
+                    .collect()
+            };
+            let a = data(2 * m * (k + 3), 1);
+            let b = data(k * (n + 5), 2);
+            // (a strides, b strides): row-major, a transposed, b transposed, padded rows, and a
+            // with element stride 2 (only `gemm` takes it).
+            let layouts = [
+                ((k, 1), (n, 1)),
+                ((1, m), (n, 1)),
+                ((k + 3, 1), (1, k)),
+                ((k + 3, 1), (n + 5, 1)),
+                ((2 * k + 3, 2), (n, 1)),
+            ];
+            let kernels: Vec<Option<&OpenBlas>> =
+                std::iter::once(None).chain(kernel().map(Some)).collect();
+            for blas in kernels {
+                for &(sa, sb) in &layouts {
+                    let want = reference(m, n, k, &a, sa, &b, sb);
+                    let one = product(blas, m, n, k, &a, sa, &b, sb, 1);
+                    for (x, y) in one.iter().zip(&want) {
+                        assert!(
+                            (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                            "{x} vs {y}"
+                        );
+                    }
+                    for threads in [2, 3] {
+                        assert_eq!(
+                            product(blas, m, n, k, &a, sa, &b, sb, threads),
+                            one,
+                            "threads {threads}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn layouts_cblas_accepts_and_refuses() {
+        // Row-major 3×4 with padding, column-major 3×4, and a single row or column.
+        assert_eq!(cblas_layout(3, 4, 5, 1), Some((CBLAS_NO_TRANS, 5)));
+        assert_eq!(cblas_layout(3, 4, 1, 3), Some((CBLAS_TRANS, 3)));
+        assert_eq!(cblas_layout(1, 4, 0, 1), Some((CBLAS_NO_TRANS, 4)));
+        assert_eq!(cblas_layout(3, 1, 1, 0), Some((CBLAS_TRANS, 3)));
+        // Overlapping rows, strides on both axes, negative strides: `gemm`'s.
+        assert_eq!(cblas_layout(3, 4, 2, 1), None);
+        assert_eq!(cblas_layout(3, 4, 8, 2), None);
+        assert_eq!(cblas_layout(3, 4, -4, 1), None);
+    }
+}
