@@ -41,6 +41,7 @@ mod attention;
 mod blas;
 mod elementwise;
 mod error;
+mod fastmath;
 mod grouped;
 mod matmul;
 mod nn;
