@@ -27,7 +27,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     let p = p * r + 8.333_452e-3;
     let p = p * r + 4.166_579_6e-2;
     let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 5.000_000_1e-1;
+    let p = p * r + 0.5;
     let e_r = p * r * r + r + 1.0;
     // 2^n as 2^h · 2^(n−h), h = ⌊n/2⌋: both halves stay normal for n in [−126, 128].
     let n = n as i32;
