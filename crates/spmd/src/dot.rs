@@ -201,29 +201,57 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let other_kept = DotDims::free(other.ty().rank(), other_batch, other_contract);
         let this_kept = DotDims::free(this.rank(), this_batch, this_contract);
-        let dims = DotDims {
-            lhs_contracting: ct_other_kept.clone(),
-            rhs_contracting: other_kept,
-            lhs_batch: ct_batch.clone(),
-            rhs_batch: other_batch.clone(),
-        };
-        // Result dims are [batch, this kept, other's contracting dims in ascending order]; map
-        // them to `this`'s dims.
+        // `this`'s contracting dims in the order of the `other` dims they pair with.
         let mut pairs: Vec<(usize, usize)> = this_contract
             .iter()
             .copied()
             .zip(other_contract.iter().copied())
             .collect();
         pairs.sort_by_key(|&(_, o)| o);
-        let order: Vec<usize> = this_batch
+        let paired: Vec<usize> = pairs.into_iter().map(|(t, _)| t).collect();
+        // `ct · other` gives [batch, this kept, this contracting]; `other · ct` gives [batch,
+        // this contracting, this kept]. Either is the cotangent up to a transpose of its dims:
+        // take the one that needs none when there is one (a weight's `xᵀ·dy` is `other · ct`),
+        // so no copy follows the product.
+        let ct_first: Vec<usize> = this_batch
             .iter()
+            .chain(&this_kept)
+            .chain(&paired)
             .copied()
-            .chain(this_kept)
-            .chain(pairs.into_iter().map(|(t, _)| t))
             .collect();
+        let other_first: Vec<usize> = this_batch
+            .iter()
+            .chain(&paired)
+            .chain(&this_kept)
+            .copied()
+            .collect();
+        let in_order = |o: &[usize]| o.iter().enumerate().all(|(k, &d)| k == d);
+        let swap = !in_order(&ct_first) && in_order(&other_first);
+        let (dims, order) = if swap {
+            (
+                DotDims {
+                    lhs_contracting: other_kept,
+                    rhs_contracting: ct_other_kept.clone(),
+                    lhs_batch: other_batch.clone(),
+                    rhs_batch: ct_batch.clone(),
+                },
+                other_first,
+            )
+        } else {
+            (
+                DotDims {
+                    lhs_contracting: ct_other_kept.clone(),
+                    rhs_contracting: other_kept,
+                    lhs_batch: ct_batch.clone(),
+                    rhs_batch: other_batch.clone(),
+                },
+                ct_first,
+            )
+        };
+        let (lhs, rhs) = if swap { (other, ct) } else { (ct, other) };
         let target = this.to_cotangent();
         if target.is_manual() {
-            let r = self.manual_dot(ct, other, &dims)?;
+            let r = self.manual_dot(lhs, rhs, &dims)?;
             let mut perm = vec![0; order.len()];
             for (k, &d) in order.iter().enumerate() {
                 perm[d] = k;
@@ -236,7 +264,10 @@ impl Ctx<'_> {
             tspec.unreduced().clone(),
             tspec.reduced().clone(),
         )?;
-        let r = self.dot_general_untracked(ct, other, &dims, Some(&out_spec))?;
+        let r = self.dot_general_untracked(lhs, rhs, &dims, Some(&out_spec))?;
+        if in_order(&order) {
+            return Ok(r);
+        }
         let mut perm = vec![0; order.len()];
         for (k, &d) in order.iter().enumerate() {
             perm[d] = k;
