@@ -209,21 +209,22 @@ pub fn dot_general(
             .bytes(4.0 * (batch * (m * k + k * n + m * n)) as f64)
             .shapes(|| format!("{:?} x {:?}", lhs.shape(), rhs.shape()))
     });
-    let mut out = vec![0.0f32; batch * m * n];
     if m == 0 || n == 0 || k == 0 || batch == 0 {
-        return Tensor::new(out_shape, out);
+        return Tensor::new(out_shape, vec![0.0f32; batch * m * n]);
     }
+    // The kernel writes every element of every block, so the output is not zeroed first.
+    let mut out: Vec<f32> = Vec::with_capacity(batch * m * n);
     let block = m * n;
-    let one = |i: usize, dst: &mut [f32], parallelism: Parallelism| {
+    let one = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>], parallelism: Parallelism| {
         // SAFETY: `a`'s strides come from its shape, so batch entry `i`'s offset plus
         // `(m-1)·rows.1 + (k-1)·cols.1` stays inside its data (likewise `b`); `dst` is one
-        // fresh m×n row-major block.
+        // m×n row-major block of the output, which the kernel only writes.
         unsafe {
             crate::blas::sgemm(
                 m,
                 n,
                 k,
-                dst.as_mut_ptr(),
+                dst.as_mut_ptr().cast::<f32>(),
                 Operand {
                     ptr: a.data.as_ptr().offset(a.offset(i)),
                     rs: a.rows.1,
@@ -238,14 +239,16 @@ pub fn dot_general(
             );
         }
     };
+    let spare = &mut out.spare_capacity_mut()[..batch * block];
     if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
-        for (i, dst) in out.chunks_mut(block).enumerate() {
+        for (i, dst) in spare.chunks_mut(block).enumerate() {
             one(i, dst, Parallelism::Rayon(threads));
         }
     } else if threads > 1 && batch > 1 && batch * m * n * k >= GEMM_PARALLEL_MIN {
         use rayon::prelude::*;
         let per_task = batch.div_ceil(threads.min(batch));
-        out.par_chunks_mut(per_task * block)
+        spare
+            .par_chunks_mut(per_task * block)
             .enumerate()
             .for_each(|(task, run)| {
                 for (j, dst) in run.chunks_mut(block).enumerate() {
@@ -253,10 +256,13 @@ pub fn dot_general(
                 }
             });
     } else {
-        for (i, dst) in out.chunks_mut(block).enumerate() {
+        for (i, dst) in spare.chunks_mut(block).enumerate() {
             one(i, dst, Parallelism::None);
         }
     }
+    // SAFETY: the loops above ran the kernel on every block of the `batch · m · n` elements,
+    // and it wrote each one.
+    unsafe { out.set_len(batch * block) };
     Tensor::new(out_shape, out)
 }
 
