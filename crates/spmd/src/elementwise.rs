@@ -262,6 +262,31 @@ impl Ctx<'_> {
         Ok(std::borrow::Cow::Owned(t))
     }
 
+    /// `acc += x` in place, for two arrays of one type outside autodiff (a gradient
+    /// accumulator): bitwise [`Ctx::add`]'s result, without a new buffer (the shard is copied
+    /// first only if another array shares it).
+    ///
+    /// # Errors
+    /// [`SpmdError::BadArgument`] when the types differ or either array is on an autodiff tape.
+    pub fn accumulate(&mut self, acc: &mut Array, x: &Array) -> Result<(), SpmdError> {
+        if acc.ty() != x.ty() || acc.var.is_some() || x.var.is_some() {
+            return Err(SpmdError::BadArgument {
+                op: "accumulate".into(),
+                reason: format!(
+                    "`{}` += `{}`: needs one type on both sides and neither on a tape",
+                    acc.ty(),
+                    x.ty()
+                ),
+            });
+        }
+        if let Some(src) = x.local_opt() {
+            if !acc.is_abstract() {
+                acc.local_mut()?.add_assign(src)?;
+            }
+        }
+        Ok(())
+    }
+
     /// `a + b`.
     ///
     /// # Errors

@@ -77,3 +77,48 @@ fn a_hook_error_stops_the_walk() {
         assert_eq!(calls, 1);
     }
 }
+
+/// `accumulate` (the engine's gradient accumulator): bitwise `add`, in place; a shard another
+/// array shares is copied first, so the other keeps its value; mismatched types and arrays on a
+/// tape are refused by name.
+#[test]
+fn accumulate_adds_in_place_like_add() {
+    let m = mesh(&[("data", 2)]);
+    let out = on_devices(&m, |cx| {
+        let a = place(
+            cx,
+            &Tensor::from_fn(&[4, 8], |i| 0.1 * i as f32),
+            PartitionSpec::new([Some("data"), None]),
+        );
+        let b = place(
+            cx,
+            &Tensor::from_fn(&[4, 8], |i| 1.0 / (1 + i) as f32),
+            PartitionSpec::new([Some("data"), None]),
+        );
+        let want = cx.add(&a, &b)?;
+        let shared = a.clone();
+        let mut acc = a;
+        cx.accumulate(&mut acc, &b)?;
+        let other = place(cx, &Tensor::full(&[4, 8], 1.0), PartitionSpec::replicated());
+        let mismatch = cx
+            .accumulate(&mut acc.clone(), &other)
+            .unwrap_err()
+            .to_string();
+        let (_, taped) = cx.value_and_grad(&[b.clone()], |cx, ps| {
+            let mut inside = ps[0].clone();
+            let refused = cx.accumulate(&mut inside, &ps[0]).is_err();
+            assert!(refused, "an array on the tape is refused");
+            cx.reduce_sum(&ps[0], &[0, 1], None)
+        })?;
+        drop(taped);
+        Ok((local(&acc), local(&want), local(&shared), mismatch))
+    });
+    for ((acc, want, shared, mismatch), _) in out {
+        assert_eq!(acc, want);
+        assert_ne!(shared, acc, "the shared shard kept its value");
+        assert!(
+            mismatch.contains("accumulate") && mismatch.contains("f32["),
+            "{mismatch}"
+        );
+    }
+}

@@ -545,7 +545,7 @@ impl Engine {
                             reason: "a gradient's type differs from its accumulator's".into(),
                         });
                     }
-                    *slot = cx.add(slot, grad)?;
+                    cx.accumulate(slot, grad)?;
                     finished[i] = true;
                     if overlap {
                         for (b, members) in buckets.iter().enumerate() {
@@ -563,7 +563,7 @@ impl Engine {
         if let Some(own) = own {
             let reduced = own.reduce(cx)?;
             for (slot, g) in pending.acc.grads.iter_mut().zip(reduced.arrays()) {
-                *slot = cx.add(slot, g)?;
+                cx.accumulate(slot, g)?;
             }
         }
         let loss_sum = if loss.is_abstract() {
