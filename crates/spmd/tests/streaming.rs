@@ -104,7 +104,7 @@ fn accumulate_adds_in_place_like_add() {
             .accumulate(&mut acc.clone(), &other)
             .unwrap_err()
             .to_string();
-        let (_, taped) = cx.value_and_grad(&[b.clone()], |cx, ps| {
+        let (_, taped) = cx.value_and_grad(std::slice::from_ref(&b), |cx, ps| {
             let mut inside = ps[0].clone();
             let refused = cx.accumulate(&mut inside, &ps[0]).is_err();
             assert!(refused, "an array on the tape is refused");
