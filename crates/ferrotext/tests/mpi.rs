@@ -433,6 +433,73 @@ fn mpi_training_equals_the_local_run_and_repeats_bitwise() {
     assert_eq!(schedule(&hybrid), local_schedule);
 }
 
+/// With the gate closed (`shard_mode=auto`) and `overlap_grad_reduce=true`, each micro-batch's
+/// reduction runs bucket by bucket on the background stream's MPI communicator during its
+/// backward (DDP): the losses are the untagged in-process run's, over flat and hierarchical
+/// processes, and every micro-batch all-reduces the gradients in buckets, not one per gradient.
+#[test]
+fn per_micro_batch_overlap_across_processes_equals_the_untagged_local_run() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("ddp");
+    let out_dir = format!("base_output_directory={}", dir.display());
+    let args = |extra: &[&str], run: &str| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "train",
+            "steps=3",
+            "gradient_accumulation_steps=2",
+            "shard_mode=auto",
+            "grad_bucket_mb=0.1",
+            &out_dir,
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+        v.push(format!("run_name={run}"));
+        v
+    };
+    let ddp = succeeded(&mpirun(
+        4,
+        &refs(&args(
+            &["local_devices=1", "overlap_grad_reduce=true"],
+            "ddp",
+        )),
+    ));
+    let _ = succeeded(&mpirun(
+        2,
+        &refs(&args(
+            &["local_devices=2", "overlap_grad_reduce=true"],
+            "ddp_hybrid",
+        )),
+    ));
+    let untagged = succeeded(&local(&refs(&args(&["local_devices=4"], "untagged"))));
+    assert!(
+        ddp.contains("overlap          on: each micro-batch"),
+        "{ddp}"
+    );
+    let reference = metrics(&dir, "untagged");
+    assert_close(&metrics(&dir, "ddp"), &reference, "DDP over 4 processes");
+    assert_close(&metrics(&dir, "ddp_hybrid"), &reference, "DDP over 2 × 2");
+    // A row per micro-batch: (count, bytes); the same bytes, in fewer collectives.
+    let row = |table: &str, phase: &str| -> (usize, String) {
+        let line = table
+            .lines()
+            .find(|l| l.starts_with(phase) && l.contains("all_reduce"))
+            .unwrap_or_else(|| panic!("no {phase} row in {table}"));
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        (cols[3].parse().expect("count"), cols[4..].join(" "))
+    };
+    for phase in ["micro_batch 0", "micro_batch 1"] {
+        let (buckets, bytes) = row(&schedule(&ddp), phase);
+        let (per_gradient, local_bytes) = row(&schedule(&untagged), phase);
+        assert_eq!(bytes, local_bytes, "{phase}");
+        assert!(
+            buckets < per_gradient,
+            "{phase}: {buckets} vs {per_gradient}"
+        );
+    }
+}
+
 /// Copies checkpoint `name` of run `from` into a fresh run `to`, as its latest.
 fn adopt_checkpoint(dir: &Path, from: &str, name: &str, to: &str) {
     let src = dir.join(from).join("checkpoints").join(name);

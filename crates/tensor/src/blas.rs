@@ -44,10 +44,13 @@ const CBLAS_ROW_MAJOR: c_int = 101;
 const CBLAS_NO_TRANS: c_int = 111;
 const CBLAS_TRANS: c_int = 112;
 
-/// The rows (or, for a product with fewer rows, columns) of one OpenBLAS call: a larger product
-/// is cut into blocks of this size, always, so its bits do not depend on how many threads
-/// share the blocks. 512 rows run at the whole product's rate here; 256 lost 5–10%.
-const BLOCK: usize = 512;
+/// The fewest rows of a block when a product is split over threads.
+const MIN_BLOCK_ROWS: usize = 64;
+
+/// Multiply-adds (rows × n × k) every block of a split product has at least: far above the
+/// size below which OpenBLAS switches to its small-matrix kernels (whose sums are ordered
+/// differently), so a block is computed exactly as its rows of the whole product are.
+const REGULAR_KERNEL_MIN: usize = 1 << 22;
 
 /// The library names tried, in order.
 const LIBRARIES: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
@@ -148,9 +151,8 @@ pub(crate) struct Operand {
 
 /// `dst = a · b` for `a` m×k and `b` k×n, `dst` row-major m×n (its contents are not read), on
 /// this process's kernel. With `parallelism = Rayon(t)`, `gemm` splits the product itself;
-/// OpenBLAS runs one call per block of [`BLOCK`] rows or columns, on the rayon pool (every output
-/// element is computed by one call over the whole of `k`). Either way the bits do not depend on
-/// `parallelism`.
+/// OpenBLAS gets up to `t` row blocks of a product large enough (see [`REGULAR_KERNEL_MIN`]),
+/// one call each on the rayon pool. Either way the bits do not depend on `parallelism`.
 ///
 /// # Safety
 /// Every element `(i, j)` of `a` (i < m, j < k) and `b` (i < k, j < n) is readable at its
@@ -184,48 +186,47 @@ unsafe fn sgemm_on(
     b: Operand,
     parallelism: gemm::Parallelism,
 ) {
-    // OpenBLAS's bits depend on the product's shape, so a large product is always cut the same
-    // way, into blocks of `BLOCK` rows (or, for a short one, columns), whatever the thread
-    // count; the blocks run on the rayon pool when there are threads to spare.
-    let rows = m > BLOCK;
-    if blas.is_some() && (rows || n > BLOCK) {
-        let extent = if rows { m } else { n };
-        let starts: Vec<usize> = (0..extent).step_by(BLOCK).collect();
-        // Pointers cross threads as addresses: each block reads its rows of `a` (or its
-        // columns of `b`) and writes its own part of `dst`.
+    // With threads to spare, OpenBLAS gets one call per thread on its own rows — only when
+    // every block is far above OpenBLAS's small-matrix kernel, so the blocks take the same
+    // kernel as the whole product, and its rows of a block are bitwise its rows of the whole
+    // (the kernel test checks this on 1, 2 and 3 threads).
+    let blocks = match parallelism {
+        gemm::Parallelism::Rayon(t) if blas.is_some() => {
+            let t = t.min(m / MIN_BLOCK_ROWS);
+            let rows = m.div_ceil(t.max(1));
+            if t > 1 && rows.saturating_sub(1) * n * k >= REGULAR_KERNEL_MIN {
+                Some(rows)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    };
+    if let Some(rows_per) = blocks {
+        let starts: Vec<usize> = (0..m).step_by(rows_per).collect();
+        // Pointers cross threads as addresses: each block reads its rows of `a` (and all of
+        // `b`) and writes its own rows of `dst`.
         let (a_at, b_at, dst_at) = (a.ptr as usize, b.ptr as usize, dst as usize);
         let (ars, acs, brs, bcs) = (a.rs, a.cs, b.rs, b.cs);
         let block = move |start: usize| {
-            let len = BLOCK.min(extent - start);
-            let mut a = Operand {
-                ptr: a_at as *const f32,
+            let rows = rows_per.min(m - start);
+            let a = Operand {
+                ptr: (a_at as *const f32).wrapping_offset(start as isize * ars),
                 rs: ars,
                 cs: acs,
             };
-            let mut b = Operand {
+            let b = Operand {
                 ptr: b_at as *const f32,
                 rs: brs,
                 cs: bcs,
             };
-            let (bm, bn, at) = if rows {
-                a.ptr = a.ptr.wrapping_offset(start as isize * a.rs);
-                (len, n, start * ldc)
-            } else {
-                b.ptr = b.ptr.wrapping_offset(start as isize * b.cs);
-                (m, len, start)
-            };
-            let dst = (dst_at as *mut f32).wrapping_add(at);
-            // SAFETY: a block of the caller's operands and of `dst`; the blocks of `dst` are
-            // disjoint.
-            unsafe { sgemm_on(blas, bm, bn, k, dst, ldc, a, b, gemm::Parallelism::None) };
+            let dst = (dst_at as *mut f32).wrapping_add(start * ldc);
+            // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
+            // blocks of `dst` are disjoint.
+            unsafe { sgemm_on(blas, rows, n, k, dst, ldc, a, b, gemm::Parallelism::None) };
         };
-        match parallelism {
-            gemm::Parallelism::Rayon(t) if t > 1 => {
-                use rayon::prelude::*;
-                starts.into_par_iter().with_max_len(1).for_each(block);
-            }
-            _ => starts.into_iter().for_each(block),
-        }
+        use rayon::prelude::*;
+        starts.into_par_iter().with_max_len(1).for_each(block);
         return;
     }
     if let Some(blas) = blas {
@@ -361,12 +362,8 @@ mod tests {
     /// runs (the kernel line of the run header says which).
     #[test]
     fn both_kernels_match_an_f64_product_on_every_layout() {
-        // One call; row blocks (3 of `BLOCK` rows, the last short); column blocks.
-        for (m, n, k) in [
-            (300, 70, 130),
-            (2 * BLOCK + 76, 70, 130),
-            (100, 2 * BLOCK + 76, 130),
-        ] {
+        // Too small to split; split over 2 or 3 threads (uneven blocks), and a wide product.
+        for (m, n, k) in [(300, 70, 130), (601, 170, 130), (130, 1100, 150)] {
             let data = |len: usize, seed: u32| -> Vec<f32> {
                 (0..len)
                     .map(|i| {
