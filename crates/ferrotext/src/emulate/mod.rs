@@ -301,6 +301,20 @@ fn signal(pid: u32, signal: &str) {
         .status();
 }
 
+/// Ends `mpirun`: SIGTERM (it stops its job), up to 5 s to exit, then SIGKILL; its status.
+fn stop_child(child: &mut std::process::Child) -> Result<ExitStatus> {
+    signal(child.id(), "-TERM");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if child.try_wait().ok().flatten().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    child.wait().context("waiting for mpirun")
+}
+
 /// Runs `job` (ferrotext arguments) on `net` with `local` devices per host under `mpirun`;
 /// stops it on `stop`, and after `limit` (then [`JobRun::timed_out`] is set: Open MPI now and
 /// then loses a daemon at launch and waits for it forever).
@@ -374,31 +388,12 @@ pub fn run_job(
         if let Some(status) = child.try_wait().context("waiting for mpirun")? {
             break status;
         }
-        let late = limit.is_some_and(|l| started.elapsed() > l);
-        if late {
+        if limit.is_some_and(|l| started.elapsed() > l) {
             timed_out = true;
-            signal(child.id(), "-TERM");
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                if child.try_wait().ok().flatten().is_some() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            break child.wait().context("waiting for mpirun")?;
+            break stop_child(&mut child)?;
         }
         if stop.load(Ordering::Relaxed) {
-            signal(child.id(), "-TERM");
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                if child.try_wait().ok().flatten().is_some() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+            let _ = stop_child(&mut child);
             return Err(anyhow!(
                 "interrupted by a signal: the job was stopped and the emulated network removed"
             ));
