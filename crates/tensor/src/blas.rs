@@ -193,12 +193,10 @@ unsafe fn sgemm_on(
     let blocks = match parallelism {
         gemm::Parallelism::Rayon(t) if blas.is_some() => {
             let t = t.min(m / MIN_BLOCK_ROWS);
+            // `t > 1` means m ≥ 128 rows, so `rows` ≥ 64; the last block is the smallest.
             let rows = m.div_ceil(t.max(1));
-            if t > 1 && rows.saturating_sub(1) * n * k >= REGULAR_KERNEL_MIN {
-                Some(rows)
-            } else {
-                None
-            }
+            let smallest = |rows: usize| m - (m.div_ceil(rows) - 1) * rows;
+            (t > 1 && smallest(rows) * n * k >= REGULAR_KERNEL_MIN).then_some(rows)
         }
         _ => None,
     };
