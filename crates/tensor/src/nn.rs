@@ -9,7 +9,7 @@
 //! depend on the thread count.
 
 use crate::error::TensorError;
-use crate::fastmath::{exp, sigmoid};
+use crate::fastmath::{exp, sigmoid, vectorized};
 use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads};
 use crate::rope::{rope_with, Rope};
 use crate::tensor::Tensor;
@@ -50,7 +50,7 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
 fn softmax_row(row: &mut [f32]) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // The exponentials in one vectorised pass, then their sum in order.
-    row.iter_mut().for_each(|v| *v = exp(*v - max));
+    vectorized(|| row.iter_mut().for_each(|v| *v = exp(*v - max)));
     let sum = row.iter().fold(0.0f32, |s, &v| s + v);
     let inv = 1.0 / sum;
     row.iter_mut().for_each(|v| *v *= inv);
@@ -86,7 +86,7 @@ pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
 pub(crate) fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
     let (live, masked) = row.split_at_mut(keep);
     let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    live.iter_mut().for_each(|v| *v = exp((*v - max) * scale));
+    vectorized(|| live.iter_mut().for_each(|v| *v = exp((*v - max) * scale)));
     let sum = live.iter().fold(0.0f32, |s, &v| s + v);
     let inv = 1.0 / sum;
     live.iter_mut().for_each(|v| *v *= inv);
@@ -229,9 +229,11 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
     let mut y = vec![0.0f32; g.len()];
     for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, out| {
         let (gs, us) = (&g.data()[c * BLOCK..], &u.data()[c * BLOCK..]);
-        for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
-            *o = a * sigmoid(a) * b;
-        }
+        vectorized(|| {
+            for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
+                *o = a * sigmoid(a) * b;
+            }
+        });
     });
     Tensor::new(g.shape().to_vec(), y)
 }
@@ -263,12 +265,14 @@ pub fn swiglu_backward(
         |c, dgs, dus| {
             let at = c * BLOCK;
             let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
-            for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
-                let (a, b, d) = (gs[i], us[i], dys[i]);
-                let s = sigmoid(a);
-                *dg = d * b * s * (1.0 + a * (1.0 - s));
-                *du = d * a * s;
-            }
+            vectorized(|| {
+                for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
+                    let (a, b, d) = (gs[i], us[i], dys[i]);
+                    let s = sigmoid(a);
+                    *dg = d * b * s * (1.0 + a * (1.0 - s));
+                    *du = d * a * s;
+                }
+            });
         },
     );
     Ok((
@@ -371,7 +375,7 @@ pub fn cross_entropy(
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             // One vectorised pass of exponentials, summed in f64 for log Z and normalised into
             // the probabilities.
-            prow.iter_mut().for_each(|x| *x = exp(*x - max));
+            vectorized(|| prow.iter_mut().for_each(|x| *x = exp(*x - max)));
             let sum: f64 = prow.iter().map(|&e| f64::from(e)).sum();
             let lz = max as f64 + sum.ln();
             let m = mask[i];
