@@ -6,8 +6,7 @@
 //! each group of dimensions (batch, free, contracting) is contiguous in memory in the order the
 //! caller lists it — which covers `x·W`, `x·Wᵀ`, `xᵀ·dy` and the attention products (batch
 //! dims keep one stride each, so `[B, T, H, d]` batched over B and H is a view too). Only other
-//! layouts pay a transpose copy. Time goes to gemm (85–90% of FMA peak here); the copies are
-//! O(size) next to its O(M·N·K).
+//! layouts pay a transpose copy, which is O(size) next to the product's O(M·N·K).
 
 use gemm::Parallelism;
 
