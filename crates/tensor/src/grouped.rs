@@ -2,7 +2,8 @@
 //! multiplies expert matrix `w[g]` — the dropless mixture-of-experts product after tokens are
 //! sorted by expert. Each group is one matrix product on views of the rows and the expert's
 //! matrix (no copies; the same kernel call, so the same bits, as `dot_general` on copies);
-//! empty groups cost nothing. Rows after the last group are padding (fixed-size exchange buffers): their output is zero.
+//! empty groups cost nothing. Rows after the last group are padding (fixed-size exchange
+//! buffers): their output is zero.
 //!
 //! Also the row gathers that sort and unsort token copies, where [`PAD_ROW`] stands for a zero
 //! row (padding of a fixed-size buffer).
