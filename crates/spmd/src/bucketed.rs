@@ -31,7 +31,7 @@ use crate::rules;
 
 /// What one value's move needs, when it can join a bucket.
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Fused {
+pub(crate) enum Fused {
     /// All-reduce over the axes.
     AllReduce(Vec<String>),
     /// Reduce-scatter over the axes, scattering along a dimension.
@@ -41,7 +41,23 @@ enum Fused {
 }
 
 impl Fused {
-    /// Values join one bucket when their collectives are the same kind over the same axes.
+    /// The axes the collective runs over.
+    pub(crate) fn axes(&self) -> &[String] {
+        match self {
+            Fused::AllReduce(a) | Fused::ReduceScatter(a, _) | Fused::AllGather(a, _) => a,
+        }
+    }
+
+    /// The dimension a reduce-scatter scatters or an all-gather gathers (0 for an all-reduce).
+    fn dim(&self) -> usize {
+        match self {
+            Fused::AllReduce(_) => 0,
+            Fused::ReduceScatter(_, d) | Fused::AllGather(_, d) => *d,
+        }
+    }
+
+    /// Values join one bucket when their collectives are the same kind over the same axes
+    /// (whatever dimension each scatters or gathers).
     fn bucket_key(&self) -> (u8, &[String]) {
         match self {
             Fused::AllReduce(a) => (0, a),
@@ -101,14 +117,17 @@ fn classify(src: &ArrayType, dst: &ArrayType) -> Option<Fused> {
 /// plan from the same types.
 #[derive(Clone, Debug)]
 pub struct BucketPlan {
-    sources: Vec<ArrayType>,
-    out_types: Vec<ArrayType>,
-    targets: Vec<PartitionSpec>,
+    pub(crate) sources: Vec<ArrayType>,
+    pub(crate) out_types: Vec<ArrayType>,
+    pub(crate) targets: Vec<PartitionSpec>,
     /// Values whose layout does not change (only their type's tags do).
-    unchanged: Vec<usize>,
+    pub(crate) unchanged: Vec<usize>,
     /// Values no single collective moves: resharded alone.
-    alone: Vec<usize>,
-    buckets: Vec<(Fused, Vec<usize>)>,
+    pub(crate) alone: Vec<usize>,
+    /// Per value, the dimension its collective scatters or gathers (0 for an all-reduce):
+    /// values that scatter different dimensions share a bucket, each cut along its own.
+    pub(crate) dims: Vec<usize>,
+    pub(crate) buckets: Vec<(Fused, Vec<usize>)>,
 }
 
 impl BucketPlan {
@@ -168,6 +187,7 @@ impl Ctx<'_> {
             targets: targets.to_vec(),
             unchanged: Vec::new(),
             alone: Vec::new(),
+            dims: vec![0; sources.len()],
             buckets: Vec::new(),
         };
         // (the fused collective, the value indices, the bucket's bytes)
@@ -182,6 +202,7 @@ impl Ctx<'_> {
                 plan.alone.push(i);
                 continue;
             };
+            plan.dims[i] = fused.dim();
             let bytes = src.shard_shape().iter().product::<usize>() * 4;
             let slot = open
                 .iter()
@@ -294,7 +315,7 @@ impl Ctx<'_> {
             op: "move_planned_bucket".into(),
             reason: format!("no bucket {b}"),
         })?;
-        let moved = self.move_bucket(fused, xs, &plan.out_types, members)?;
+        let moved = self.move_bucket(fused, xs, plan, members)?;
         Ok(members.iter().copied().zip(moved).collect())
     }
 
@@ -303,10 +324,10 @@ impl Ctx<'_> {
         &mut self,
         fused: &Fused,
         xs: &[Array],
-        out_types: &[ArrayType],
+        plan: &BucketPlan,
         members: &[usize],
     ) -> Result<Vec<Array>, SpmdError> {
-        let started = self.start_bucket(fused, xs, out_types, members, false)?;
+        let started = self.start_bucket(fused, xs, plan, members, false)?;
         self.finish_bucket(started)
     }
 
@@ -330,7 +351,7 @@ impl Ctx<'_> {
             op: "start_planned_bucket".into(),
             reason: format!("no bucket {b}"),
         })?;
-        self.start_bucket(fused, xs, &plan.out_types, members, true)
+        self.start_bucket(fused, xs, plan, members, true)
     }
 
     /// The values of a bucket started with [`Ctx::start_planned_bucket`], with their indices
@@ -353,8 +374,36 @@ impl Ctx<'_> {
         &mut self,
         fused: &Fused,
         xs: &[Array],
-        out_types: &[ArrayType],
+        plan: &BucketPlan,
         members: &[usize],
+        background: bool,
+    ) -> Result<StartedBucket, SpmdError> {
+        let shapes: Vec<Vec<usize>> = members.iter().map(|&i| xs[i].ty().shard_shape()).collect();
+        let dims: Vec<usize> = members.iter().map(|&i| plan.dims[i]).collect();
+        let packed = if members.iter().any(|&i| xs[i].is_abstract()) {
+            None
+        } else {
+            let (_, n) = self.rank_over(fused.axes())?;
+            let total = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+            let locals: Vec<&Tensor> = members
+                .iter()
+                .map(|&i| xs[i].local())
+                .collect::<Result<_, _>>()?;
+            Some(pack(fused, &locals, &dims, n, total)?)
+        };
+        self.issue_bucket(fused, members, plan, shapes, packed, background)
+    }
+
+    /// Issues a bucket's collective on its `packed` input (the members' blocks in the
+    /// collective's layout; `None` in abstract mode, which records it), blocking or on the
+    /// background stream. `shapes` are the members' local blocks before the move.
+    pub(crate) fn issue_bucket(
+        &mut self,
+        fused: &Fused,
+        members: &[usize],
+        plan: &BucketPlan,
+        shapes: Vec<Vec<usize>>,
+        packed: Option<Vec<f32>>,
         background: bool,
     ) -> Result<StartedBucket, SpmdError> {
         let (kind, axes) = match fused {
@@ -363,17 +412,17 @@ impl Ctx<'_> {
             Fused::AllGather(a, _) => (CollectiveKind::AllGather, a),
         };
         let (_, n) = self.rank_over(axes)?;
-        let shapes: Vec<Vec<usize>> = members.iter().map(|&i| xs[i].ty().shard_shape()).collect();
         let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
         let mut started = StartedBucket {
             fused: fused.clone(),
             members: members.to_vec(),
-            out_types: members.iter().map(|&i| out_types[i].clone()).collect(),
+            out_types: members.iter().map(|&i| plan.out_types[i].clone()).collect(),
+            dims: members.iter().map(|&i| plan.dims[i]).collect(),
             shapes,
             n,
             flight: Flight::Abstract,
         };
-        if members.iter().any(|&i| xs[i].is_abstract()) {
+        let Some(packed) = packed else {
             let elements = if kind == CollectiveKind::AllGather {
                 total * n
             } else {
@@ -382,12 +431,13 @@ impl Ctx<'_> {
             self.comm()
                 .record_abstract(kind, axes, elements, DType::F32)?;
             return Ok(started);
+        };
+        if packed.len() != total {
+            return Err(SpmdError::BadArgument {
+                op: "issue_bucket".into(),
+                reason: format!("{} packed elements for a bucket of {total}", packed.len()),
+            });
         }
-        let locals: Vec<&Tensor> = members
-            .iter()
-            .map(|&i| xs[i].local())
-            .collect::<Result<_, _>>()?;
-        let packed = pack(fused, &locals, n, total)?;
         started.flight = if background {
             Flight::Background(match fused {
                 Fused::AllReduce(axes) => self.comm().start_all_reduce(axes, packed)?,
@@ -417,10 +467,14 @@ impl Ctx<'_> {
     }
 
     /// The bucket's values from its collective's output.
-    fn finish_bucket(&mut self, started: StartedBucket) -> Result<Vec<Array>, SpmdError> {
+    pub(crate) fn finish_bucket(
+        &mut self,
+        started: StartedBucket,
+    ) -> Result<Vec<Array>, SpmdError> {
         let StartedBucket {
             fused,
             out_types,
+            dims,
             shapes,
             n,
             flight,
@@ -436,7 +490,7 @@ impl Ctx<'_> {
             Flight::Done(flat) => flat,
             Flight::Background(pending) => pending.wait()?,
         };
-        let tensors = unpack(&fused, &flat, &shapes, n)?;
+        let tensors = unpack(&fused, &flat, &shapes, &dims, n)?;
         Ok(out_types
             .into_iter()
             .zip(tensors)
@@ -460,6 +514,8 @@ pub struct StartedBucket {
     fused: Fused,
     members: Vec<usize>,
     out_types: Vec<ArrayType>,
+    /// The members' scattered or gathered dimensions.
+    dims: Vec<usize>,
     /// The members' local block shapes before the move.
     shapes: Vec<Vec<usize>>,
     /// The group's size.
@@ -477,7 +533,13 @@ impl StartedBucket {
 /// The members' local blocks as the bucket's one collective takes them: back to back (all-reduce,
 /// all-gather), or chunk `k` of every block for `k = 0..n` (reduce-scatter: member `r` receives
 /// chunk `r` of every value).
-fn pack(fused: &Fused, locals: &[&Tensor], n: usize, total: usize) -> Result<Vec<f32>, SpmdError> {
+fn pack(
+    fused: &Fused,
+    locals: &[&Tensor],
+    dims: &[usize],
+    n: usize,
+    total: usize,
+) -> Result<Vec<f32>, SpmdError> {
     let mut flat = Vec::with_capacity(total);
     match fused {
         Fused::AllReduce(_) | Fused::AllGather(..) => {
@@ -485,10 +547,11 @@ fn pack(fused: &Fused, locals: &[&Tensor], n: usize, total: usize) -> Result<Vec
                 flat.extend_from_slice(t.data());
             }
         }
-        Fused::ReduceScatter(_, dim) => {
+        Fused::ReduceScatter(..) => {
             let split: Vec<(Vec<usize>, Vec<f32>)> = locals
                 .iter()
-                .map(|t| chunk_major(t, *dim, n))
+                .zip(dims)
+                .map(|(t, &dim)| chunk_major(t, dim, n))
                 .collect::<Result<_, _>>()?;
             for k in 0..n {
                 for (_, data) in &split {
@@ -506,6 +569,7 @@ fn unpack(
     fused: &Fused,
     flat: &[f32],
     shapes: &[Vec<usize>],
+    dims: &[usize],
     n: usize,
 ) -> Result<Vec<Tensor>, SpmdError> {
     let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
@@ -520,19 +584,19 @@ fn unpack(
                 rest = tail;
             }
         }
-        Fused::ReduceScatter(_, dim) => {
+        Fused::ReduceScatter(..) => {
             let mut rest = flat;
-            for (shape, &size) in shapes.iter().zip(&sizes) {
+            for ((shape, &size), &dim) in shapes.iter().zip(&sizes).zip(dims) {
                 let (part, tail) = rest.split_at(size / n);
                 let mut part_shape = shape.clone();
-                part_shape[*dim] /= n;
+                part_shape[dim] /= n;
                 out.push(Tensor::new(part_shape, part.to_vec())?);
                 rest = tail;
             }
         }
-        Fused::AllGather(_, dim) => {
+        Fused::AllGather(..) => {
             let mut offset = 0;
-            for (shape, &size) in shapes.iter().zip(&sizes) {
+            for ((shape, &size), &dim) in shapes.iter().zip(&sizes).zip(dims) {
                 let blocks: Vec<Tensor> = (0..n)
                     .map(|k| {
                         let start = k * total + offset;
@@ -541,7 +605,7 @@ fn unpack(
                     .collect::<Result<_, _>>()?;
                 offset += size;
                 let refs: Vec<&Tensor> = blocks.iter().collect();
-                out.push(Tensor::concat(&refs, *dim)?);
+                out.push(Tensor::concat(&refs, dim)?);
             }
         }
     }

@@ -31,6 +31,7 @@ transpose; `autodiff` holds only the tape and the reverse walk that dispatches t
 | `manual/region` | `shard_map` and the boundary's transposes |
 | `manual/collectives` | `pcast`, `psum`, `psum_scatter`, `all_gather`, `all_to_all` and their transposes |
 | `bucketed` | fused reshards of many arrays ([`BucketPlan`]) |
+| `flat` | values held in their buckets' flat buffers, accumulated and moved in place ([`BucketBuffers`]) |
 | `autodiff` | the tape, `vjp`/`value_and_grad`, the reverse walk |
 | [`rules`] | the type rules outside regions |
 
@@ -82,6 +83,7 @@ mod ctx;
 mod dot;
 mod elementwise;
 mod error;
+mod flat;
 mod fused;
 mod grouped;
 mod manual;
@@ -95,6 +97,7 @@ pub use bucketed::{BucketPlan, StartedBucket};
 pub use ctx::{Ctx, Mode};
 pub use elementwise::UnaryOp;
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
+pub use flat::BucketBuffers;
 pub use fused::IGNORE_INDEX;
 pub use manual::{AxisState, GatherTo};
 pub use rules::BinaryOp;

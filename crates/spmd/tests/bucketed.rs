@@ -139,6 +139,51 @@ fn reduce_scatter_and_all_gather_buckets_match_the_zero1_path() {
 }
 
 #[test]
+fn values_scattering_different_dimensions_share_a_bucket_each_cut_along_its_own() {
+    // ZeRO-1 shards whichever dimension the group divides: dim 0 of some values, dim 1 of
+    // others. One bucket holds them all; each must be cut (and gathered back) along its own
+    // dimension, as one reshard per value does.
+    let shapes = [vec![4, 6], vec![3, 8], vec![8], vec![6, 4]];
+    let dim_of = |shape: &[usize]| usize::from(shape[0] % 4 != 0);
+    let scatter = |cx: &Ctx<'_>| -> Vec<(Array, PartitionSpec)> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| {
+                let u = per_device(cx, shape, p(&vec![""; shape.len()], &["data"], &[]), i);
+                let mut parts = vec![""; shape.len()];
+                parts[dim_of(shape)] = "data";
+                (u, p(&parts, &[], &[]))
+            })
+            .collect()
+    };
+    for (single, fused, t1, t2) in both_ways(&[("data", 4)], scatter, 1 << 20) {
+        assert_eq!(single, fused);
+        assert_eq!(count(&t1, CollectiveKind::ReduceScatter), 4);
+        assert_eq!(count(&t2, CollectiveKind::ReduceScatter), 1);
+    }
+    let gather = |cx: &Ctx<'_>| -> Vec<(Array, PartitionSpec)> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, shape)| {
+                let mut parts = vec![""; shape.len()];
+                parts[dim_of(shape)] = "data";
+                (
+                    per_device(cx, shape, p(&parts, &[], &[]), i),
+                    PartitionSpec::replicated(),
+                )
+            })
+            .collect()
+    };
+    for (single, fused, t1, t2) in both_ways(&[("data", 4)], gather, 1 << 20) {
+        assert_eq!(single, fused);
+        assert_eq!(count(&t1, CollectiveKind::AllGather), 4);
+        assert_eq!(count(&t2, CollectiveKind::AllGather), 1);
+    }
+}
+
+#[test]
 fn values_split_over_another_axis_reduce_over_data_only_and_others_fall_back() {
     // data=2 × tensor=2: a `{U:data}` value sharded over tensor keeps its tensor split (an
     // all-reduce over data, bucketed with the others); a transition no single collective makes

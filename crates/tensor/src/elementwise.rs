@@ -98,18 +98,13 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when the shapes differ.
     pub fn add_assign(&mut self, other: &Tensor) -> Result<(), TensorError> {
-        let _span = ferrotext_profile::span("elementwise");
         if self.shape() != other.shape() {
             return Err(TensorError::shape(
                 "add_assign",
                 format!("{:?} += {:?}", self.shape(), other.shape()),
             ));
         }
-        for_each_chunk(self.data_mut(), BLOCK, kernel_threads(), |c, run| {
-            for (a, &b) in run.iter_mut().zip(&other.data()[c * BLOCK..]) {
-                *a += b;
-            }
-        });
+        add_assign_slice(self.data_mut(), other.data());
         Ok(())
     }
 
@@ -173,6 +168,18 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, TensorEr
             )),
         })
         .collect()
+}
+
+/// `dst[i] += src[i]` for `i < dst.len()` (`src` at least as long), in place, on the kernel
+/// budget's threads: the accumulation kernel of [`Tensor::add_assign`], for buffers that are not
+/// tensors (a gradient bucket's flat buffer).
+pub fn add_assign_slice(dst: &mut [f32], src: &[f32]) {
+    let _span = ferrotext_profile::span("elementwise");
+    for_each_chunk(dst, BLOCK, kernel_threads(), |c, run| {
+        for (a, &b) in run.iter_mut().zip(&src[c * BLOCK..]) {
+            *a += b;
+        }
+    });
 }
 
 #[cfg(test)]

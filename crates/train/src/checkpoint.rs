@@ -884,7 +884,7 @@ impl Engine {
         root: &Path,
         after_file: &dyn Fn(&str) -> std::io::Result<()>,
     ) -> Result<PathBuf, TrainError> {
-        let state = self.state();
+        let state = self.state()?;
         let config = state.plan.config();
         let infos = state.plan.params();
         // 1. gather everything (every device)
@@ -918,7 +918,7 @@ impl Engine {
                 // Every device's own partial block too, so a restore onto the same mesh and gate
                 // continues bit for bit (the sum's association is kept).
                 let mut partials = Vec::with_capacity(p.grads.len());
-                for g in p.grads {
+                for g in &p.grads {
                     let local = g.local()?;
                     let n = cx.mesh().device_count();
                     let mut all = vec![0.0f32; local.len() * n];
@@ -1078,7 +1078,7 @@ impl Engine {
     }
 
     fn load(&self, dir: &Path) -> Result<Loaded, TrainError> {
-        let state = self.state();
+        let state = self.state()?;
         let config = state.plan.config();
         let infos = state.plan.params();
         let manifest = read_manifest(dir)?;
@@ -1200,7 +1200,7 @@ impl Engine {
     ) -> Result<usize, TrainError> {
         let dir = resolve(path)?;
         let loaded = self.load(&dir)?;
-        let state = self.state();
+        let state = self.state()?;
         let layouts = state.plan.layouts();
         // Build the new state completely, then swap it in.
         let mut params = Vec::with_capacity(loaded.params.len());

@@ -103,10 +103,9 @@ pub struct Engine {
     /// Layout inside micro-batches, per parameter: the plan's, unless a diagnostic overrode it
     /// ([`Engine::override_inside_spec`]).
     inside: Vec<PartitionSpec>,
-    /// The type each gradient leaves the backward pass with (the gate's promise).
-    promised: Vec<ArrayType>,
-    /// The accumulator's type per gradient: `promised`, or under
-    /// [`Overlap::EveryMicroBatch`] the reduced gradient's (the target layout).
+    /// The accumulator's type per gradient: the type it leaves the backward pass with (the
+    /// gate's promise), or under [`Overlap::EveryMicroBatch`] the reduced gradient's (the
+    /// target layout).
     acc_types: Vec<ArrayType>,
     /// The optimizer state's types (the plan's targets on the parameters' shapes).
     moment_types: Vec<ArrayType>,
@@ -115,8 +114,9 @@ pub struct Engine {
     decay: Vec<bool>,
     step: usize,
     pending: Option<Pending>,
-    /// The reduction of `promised` gradients in buckets (see [`PartialGradients::reduce`]):
-    /// the step's, or each micro-batch's under [`Overlap::EveryMicroBatch`].
+    /// The reduction of the backward's gradients in buckets (see [`PartialGradients::reduce`]):
+    /// the step's, or each micro-batch's under [`Overlap::EveryMicroBatch`]. Its sources are
+    /// the promised types.
     reduce_plan: Arc<BucketPlan>,
     /// The accumulator's reduction in `update`: `reduce_plan`, or a plan that moves nothing
     /// when every micro-batch reduced its own gradients.
@@ -138,15 +138,15 @@ pub(crate) struct EngineState<'a> {
     /// The accumulator type of each gradient.
     pub promised: &'a [ArrayType],
     /// The accumulation in progress, if a step is under way.
-    pub pending: Option<PendingState<'a>>,
+    pub pending: Option<PendingState>,
     /// Optimizer steps taken.
     pub step: usize,
 }
 
 /// The accumulation part of an [`EngineState`].
-pub(crate) struct PendingState<'a> {
-    /// The accumulated (possibly partial) gradients.
-    pub grads: &'a [Array],
+pub(crate) struct PendingState {
+    /// The accumulated (possibly partial) gradients (copies of the accumulator's buffers).
+    pub grads: Vec<Array>,
     /// Micro-batches accumulated.
     pub micro_steps: usize,
     /// Their target tokens.
@@ -271,7 +271,6 @@ impl Engine {
                 Optimizer::new(config, &shapes)
             },
             inside,
-            promised,
             acc_types,
             moment_types,
             params,
@@ -348,21 +347,29 @@ impl Engine {
     }
 
     /// The state a checkpoint saves, read-only.
-    pub(crate) fn state(&self) -> EngineState<'_> {
-        EngineState {
+    ///
+    /// # Errors
+    /// A step whose reduction has started (after [`Engine::fwd_bwd_final`] with overlap): its
+    /// accumulator is no longer readable.
+    pub(crate) fn state(&self) -> Result<EngineState<'_>, TrainError> {
+        let pending = match &self.pending {
+            Some(p) => Some(PendingState {
+                grads: p.acc.grads.to_arrays()?,
+                micro_steps: p.micro_steps,
+                tokens: p.tokens,
+                loss_sum: p.loss_sum,
+            }),
+            None => None,
+        };
+        Ok(EngineState {
             plan: &self.plan,
             params: &self.params,
             moments: self.opt.moments(),
             moment_types: &self.moment_types,
             promised: &self.acc_types,
-            pending: self.pending.as_ref().map(|p| PendingState {
-                grads: &p.acc.grads,
-                micro_steps: p.micro_steps,
-                tokens: p.tokens,
-                loss_sum: p.loss_sum,
-            }),
+            pending,
             step: self.step,
-        }
+        })
     }
 
     /// Swaps a whole restored state in (a checkpoint's): the parameters, the optimizer's
@@ -375,7 +382,7 @@ impl Engine {
         let pending = match state.pending {
             Some(p) => Some(Pending {
                 used: self.enter_micro_batches(cx, &state.params)?,
-                acc: PartialGradients::from_arrays(p.grads, self.acc_plan.clone()),
+                acc: PartialGradients::from_arrays(cx, &p.grads, self.acc_plan.clone())?,
                 loss_sum: p.loss_sum,
                 tokens: p.tokens,
                 micro_steps: p.micro_steps,
@@ -496,7 +503,7 @@ impl Engine {
             let used = self.enter_micro_batches(cx, &self.params)?;
             self.pending = Some(Pending {
                 used,
-                acc: PartialGradients::zeros(cx, &self.acc_types, self.acc_plan.clone()),
+                acc: PartialGradients::zeros(cx, self.acc_plan.clone())?,
                 loss_sum: 0.0,
                 tokens: 0,
                 micro_steps: 0,
@@ -517,11 +524,11 @@ impl Engine {
         let model = self.plan.decoder();
         let infos = self.plan.params();
         // DDP: this micro-batch's own partial gradients, reduced before they join the step's.
-        let mut own = self
-            .plan
-            .overlap()
-            .every_micro_batch()
-            .then(|| PartialGradients::zeros(cx, &self.promised, self.reduce_plan.clone()));
+        let mut own = if self.plan.overlap().every_micro_batch() {
+            Some(PartialGradients::zeros(cx, self.reduce_plan.clone())?)
+        } else {
+            None
+        };
         let acc = match &mut own {
             Some(own) => own,
             None => &mut pending.acc,
@@ -537,20 +544,21 @@ impl Engine {
                 &pending.used,
                 |cx, ps| model.loss_sum(cx, ps, &batch.inputs, &batch.targets),
                 &mut |cx, i, grad| {
-                    let slot = &mut acc.grads[i];
-                    if grad.ty() != slot.ty() {
+                    let slot = acc.grads.ty(i);
+                    if grad.ty() != slot {
                         wrong_type = Some(accumulator_type_error(&infos[i].name, slot, grad));
                         return Err(ferrotext_spmd::SpmdError::BadArgument {
                             op: "fwd_bwd".into(),
                             reason: "a gradient's type differs from its accumulator's".into(),
                         });
                     }
-                    cx.accumulate(slot, grad)?;
+                    cx.accumulate_into(&mut acc.grads, i, grad)?;
                     finished[i] = true;
                     if overlap {
                         for (b, members) in buckets.iter().enumerate() {
                             if !in_flight[b] && members.iter().all(|&m| finished[m]) {
-                                let started = cx.start_planned_bucket(&acc.plan, b, &acc.grads)?;
+                                let started =
+                                    cx.start_buffered_bucket(&acc.plan, b, &mut acc.grads)?;
                                 acc.started.push(started);
                                 in_flight[b] = true;
                             }
@@ -562,8 +570,8 @@ impl Engine {
             .map_err(|e| wrong_type.take().unwrap_or(TrainError::from(e)))?;
         if let Some(own) = own {
             let reduced = own.reduce(cx)?;
-            for (slot, g) in pending.acc.grads.iter_mut().zip(reduced.arrays()) {
-                cx.accumulate(slot, g)?;
+            for (i, g) in reduced.arrays().iter().enumerate() {
+                cx.accumulate_into(&mut pending.acc.grads, i, g)?;
             }
         }
         let loss_sum = if loss.is_abstract() {
@@ -731,19 +739,12 @@ impl Engine {
 }
 
 /// The error for a gradient that arrived typed differently from its accumulator.
-fn accumulator_type_error(param: &str, acc: &Array, grad: &Array) -> TrainError {
+fn accumulator_type_error(param: &str, acc: &ArrayType, grad: &Array) -> TrainError {
     TrainError::AccumulatorType {
         param: param.to_string(),
-        expected: acc.ty().to_string(),
+        expected: acc.to_string(),
         got: grad.ty().to_string(),
-        expected_unreduced: acc
-            .ty()
-            .sharding()
-            .spec()
-            .unreduced()
-            .iter()
-            .cloned()
-            .collect(),
+        expected_unreduced: acc.sharding().spec().unreduced().iter().cloned().collect(),
     }
 }
 

@@ -11,8 +11,7 @@
 
 use std::sync::Arc;
 
-use ferrotext_sharding::ArrayType;
-use ferrotext_spmd::{Array, BucketPlan, Ctx, Mode, StartedBucket};
+use ferrotext_spmd::{Array, BucketBuffers, BucketPlan, Ctx, Mode, StartedBucket};
 
 use crate::error::TrainError;
 
@@ -51,7 +50,9 @@ use crate::error::TrainError;
 /// # }
 /// ```
 pub struct PartialGradients {
-    pub(crate) grads: Vec<Array>,
+    /// The accumulated values, in their buckets' flat buffers (the reduction's input as it
+    /// stands: a bucket starts without packing).
+    pub(crate) grads: BucketBuffers,
     /// How the reduction runs: gradients in buckets, filled from the last parameter back (the
     /// order a backward pass finishes them).
     pub(crate) plan: Arc<BucketPlan>,
@@ -60,24 +61,40 @@ pub struct PartialGradients {
 }
 
 impl PartialGradients {
-    /// Zeros of the promised accumulator types, to be reduced by `plan`.
-    pub(crate) fn zeros(cx: &Ctx<'_>, promised: &[ArrayType], plan: Arc<BucketPlan>) -> Self {
-        PartialGradients::from_arrays(promised.iter().map(|t| cx.zeros(t.clone())).collect(), plan)
+    /// Zeros of the plan's source types (the accumulator's), to be reduced by `plan`.
+    ///
+    /// # Errors
+    /// A plan whose buckets the device's mesh cannot hold.
+    pub(crate) fn zeros(cx: &Ctx<'_>, plan: Arc<BucketPlan>) -> Result<Self, TrainError> {
+        Ok(PartialGradients {
+            grads: cx.bucket_buffers(&plan)?,
+            plan,
+            started: Vec::new(),
+        })
     }
 
     /// Accumulated values (a restored checkpoint's), to be reduced by `plan`.
-    pub(crate) fn from_arrays(grads: Vec<Array>, plan: Arc<BucketPlan>) -> Self {
-        PartialGradients {
-            grads,
+    ///
+    /// # Errors
+    /// Values not typed as the plan's sources.
+    pub(crate) fn from_arrays(
+        cx: &mut Ctx<'_>,
+        grads: &[Array],
+        plan: Arc<BucketPlan>,
+    ) -> Result<Self, TrainError> {
+        Ok(PartialGradients {
+            grads: cx.bucket_buffers_of(&plan, grads)?,
             plan,
             started: Vec::new(),
-        }
+        })
     }
 
     /// The reduction: every gradient resharded to its target layout — the parameter's own (an
     /// all-reduce of each unreduced gradient) or, under ZeRO-1, its `data` shard (a
-    /// reduce-scatter) — in buckets of the configured size (`grad_bucket_mb`); nothing moves for
-    /// gradients already reduced but a local slice. Bitwise equal to one reshard per gradient.
+    /// reduce-scatter) — in buckets of the configured size (`grad_bucket_mb`), each collective
+    /// run on its bucket's buffer in place; buckets the backward already started are waited
+    /// for; nothing moves for gradients already reduced but a local slice. Bitwise equal to one
+    /// reshard per gradient.
     ///
     /// # Errors
     /// A collective failure.
@@ -91,37 +108,9 @@ impl PartialGradients {
             plan,
             started,
         } = self;
-        if started.is_empty() {
-            return Ok(Gradients {
-                grads: cx.reshard_planned(&plan, &grads)?,
-            });
-        }
-        // Overlapped: finish what the backward started, then run any bucket it did not.
-        let mut out: Vec<Option<Array>> = vec![None; grads.len()];
-        cx.move_outside_buckets(&plan, &grads, &mut out)?;
-        let mut done = vec![false; grads.len()];
-        for bucket in started {
-            for (i, a) in cx.finish_planned_bucket(bucket)? {
-                done[i] = true;
-                out[i] = Some(a);
-            }
-        }
-        let remaining: Vec<usize> = plan
-            .buckets()
-            .enumerate()
-            .filter(|(_, members)| members.iter().any(|&m| !done[m]))
-            .map(|(b, _)| b)
-            .collect();
-        for b in remaining {
-            for (i, a) in cx.move_planned_bucket(&plan, b, &grads)? {
-                out[i] = Some(a);
-            }
-        }
-        let grads = out
-            .into_iter()
-            .map(|a| a.ok_or_else(|| TrainError::Internal("a gradient was not reduced".into())))
-            .collect::<Result<_, _>>()?;
-        Ok(Gradients { grads })
+        Ok(Gradients {
+            grads: cx.reshard_buffers(&plan, grads, started)?,
+        })
     }
 }
 
