@@ -6,10 +6,13 @@
 //! Needs root (CI runs as root), `ip`/`tc` (iproute2) and Open MPI.
 #![cfg(feature = "mpi")]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+mod scratch;
+use scratch::scratch;
 
 /// One emulated cluster at a time: they share the machine's cores.
 static JOBS: Mutex<()> = Mutex::new(());
@@ -27,13 +30,6 @@ fn text(out: &Output) -> (String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferrotext-emu-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
 }
 
 fn ip(args: &[&str]) -> String {
@@ -164,7 +160,7 @@ fn within(a: f64, b: f64, tolerance: f64) -> bool {
 #[test]
 fn deferred_sends_a_quarter_of_per_micro_batch_bytes_on_the_links() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = scratch("bytes");
+    let dir = scratch("emu-bytes");
     let deferred = emulated(&dir, "deferred", &[]);
     let per_mb = emulated(&dir, "per_mb", &["shard_mode=auto"]);
     let local = Command::new(EXE)
@@ -373,7 +369,7 @@ fn wait_gone(pids: &[u32], what: &str) {
 #[test]
 fn nothing_is_left_after_failure_signals_and_a_killed_run() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = scratch("cleanup");
+    let dir = scratch("emu-cleanup");
 
     // A job that fails after launch (a device diverges: collective mismatch).
     let (out, pid) = run(emulate(&[

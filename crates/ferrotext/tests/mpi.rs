@@ -3,10 +3,13 @@
 //! in-process run — losses, schedule and checkpoints.
 #![cfg(feature = "mpi")]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+mod scratch;
+use scratch::scratch;
 
 /// One MPI job at a time: they share the machine's cores.
 static JOBS: Mutex<()> = Mutex::new(());
@@ -50,12 +53,6 @@ fn succeeded(out: &Output) -> String {
 
 fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferrotext-mpi-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
 }
 
 #[test]
@@ -310,7 +307,7 @@ fn a_stalled_process_ends_the_job_with_a_timeout_error_within_the_timeout() {
 #[test]
 fn killing_one_process_ends_the_job_with_a_clear_error() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = scratch("kill");
+    let dir = scratch("mpi-kill");
     let out_dir = format!("base_output_directory={}", dir.display());
     let child = mpirun_command(2, &["train", "local_devices=2", "steps=100000", &out_dir])
         .stdout(Stdio::null())
@@ -388,7 +385,7 @@ fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], what: &str) {
 #[test]
 fn mpi_training_equals_the_local_run_and_repeats_bitwise() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = scratch("train");
+    let dir = scratch("mpi-train");
     let out_dir = format!("base_output_directory={}", dir.display());
     let common = [
         "train",
@@ -440,7 +437,7 @@ fn mpi_training_equals_the_local_run_and_repeats_bitwise() {
 #[test]
 fn per_micro_batch_overlap_across_processes_equals_the_untagged_local_run() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = scratch("ddp");
+    let dir = scratch("mpi-ddp");
     let out_dir = format!("base_output_directory={}", dir.display());
     let args = |extra: &[&str], run: &str| -> Vec<String> {
         let mut v: Vec<String> = [
@@ -515,7 +512,7 @@ fn adopt_checkpoint(dir: &Path, from: &str, name: &str, to: &str) {
 #[test]
 fn mid_step_checkpoints_move_between_mpi_and_local_runs() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = scratch("ckpt");
+    let dir = scratch("mpi-ckpt");
     let out_dir = format!("base_output_directory={}", dir.display());
     let args = |run: &str, devices: &str| -> Vec<String> {
         [

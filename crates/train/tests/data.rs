@@ -10,7 +10,9 @@ fn cfg(items: &[String]) -> TrainConfig {
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferrotext-data-{}", std::process::id()));
+    // Under cargo's per-target temporary directory, not the system's: nothing is left in /tmp.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("ferrotext-data-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }
