@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 a run that failed (a failed run, an I/O failure, a bug in
 //! ferrotext), 2 bad input (usage, config, mesh, files the user named).
 
+mod allocator;
 mod bench;
 mod collectives;
 mod conformance;
@@ -78,6 +79,7 @@ impl std::fmt::Display for UsageError {
 impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
+    allocator::keep_freed_memory();
     let cli = Cli::parse();
     // Neither runs as an MPI process: the agent starts daemons for mpirun, emulate starts mpirun.
     match &cli.command {

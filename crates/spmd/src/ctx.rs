@@ -131,7 +131,7 @@ impl<'c> Ctx<'c> {
 
     /// Zeros of type `ty` (any type, unreduced included: zeros are a valid partial-sum split).
     pub fn zeros(&self, ty: ArrayType) -> Array {
-        let local = (self.mode == Mode::Real).then(|| Tensor::zeros(&ty.shard_shape()));
+        let local = (self.mode == Mode::Real).then(|| Tensor::accumulator_zeros(&ty.shard_shape()));
         Array::new(ty, local)
     }
 

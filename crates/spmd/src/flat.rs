@@ -16,7 +16,7 @@
 //!   so moving the buffers is bitwise [`Ctx::reshard_planned`] of the same accumulated arrays.
 
 use ferrotext_sharding::ArrayType;
-use ferrotext_tensor::{add_assign_slice, Tensor};
+use ferrotext_tensor::{add_assign_slice, written_zeros, Tensor};
 
 use crate::array::Array;
 use crate::bucketed::{BucketPlan, Fused, StartedBucket};
@@ -178,7 +178,7 @@ impl Ctx<'_> {
                 Buffer::Abstract
             } else {
                 Buffer::Ready {
-                    data: vec![0.0; offset * segments],
+                    data: written_zeros(offset * segments),
                     segments,
                 }
             });

@@ -65,4 +65,4 @@ pub use nn::{
 pub use parallel::{kernel_threads, set_kernel_threads};
 pub use peak::{cpu_peak, CpuPeak};
 pub use rope::{rope_with, Rope, Yarn};
-pub use tensor::{strides, Tensor};
+pub use tensor::{strides, written_zeros, Tensor};

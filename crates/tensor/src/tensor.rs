@@ -23,6 +23,17 @@ pub fn strides(shape: &[usize]) -> Vec<usize> {
     s
 }
 
+/// `len` zeros, written. `vec![0.0; len]` leaves fresh pages unmapped; a read maps them to the
+/// kernel's shared zero page, and the write after it takes a copy-on-write fault that flushes the
+/// TLB on every core running the process (`do_wp_page`, an inter-processor interrupt per 4 KiB —
+/// costly in a VM). An accumulator reads each element before writing it, so it is zeroed here
+/// with writes: one plain fault per page.
+pub fn written_zeros(len: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(len);
+    v.resize(len, 0.0);
+    v
+}
+
 impl Tensor {
     /// A tensor of `shape` holding `data` in row-major order.
     ///
@@ -42,6 +53,15 @@ impl Tensor {
     /// All zeros.
     pub fn zeros(shape: &[usize]) -> Tensor {
         Tensor::full(shape, 0.0)
+    }
+
+    /// All zeros, written to memory: for a buffer that is read before it is written (an
+    /// accumulator, an optimizer moment). See [`written_zeros`].
+    pub fn accumulator_zeros(shape: &[usize]) -> Tensor {
+        Tensor {
+            shape: shape.to_vec(),
+            data: written_zeros(shape.iter().product()),
+        }
     }
 
     /// Every element `value`.

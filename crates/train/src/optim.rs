@@ -62,8 +62,14 @@ impl Optimizer {
                 b2: config.adam_b2,
                 eps: config.adam_eps,
                 weight_decay: config.adam_weight_decay,
-                m: shapes.iter().map(|s| Tensor::zeros(s)).collect(),
-                v: shapes.iter().map(|s| Tensor::zeros(s)).collect(),
+                m: shapes
+                    .iter()
+                    .map(|s| Tensor::accumulator_zeros(s))
+                    .collect(),
+                v: shapes
+                    .iter()
+                    .map(|s| Tensor::accumulator_zeros(s))
+                    .collect(),
                 t: 0,
             },
         }
