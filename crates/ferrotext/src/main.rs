@@ -91,6 +91,7 @@ fn main() -> ExitCode {
         Ok(launch) => launch,
         Err(err) => return report(&err, None),
     };
+    emulate::probe::mark_started(&launch);
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(&args, &launch),
         Command::Plan(args) => train_cmd::plan(&args),

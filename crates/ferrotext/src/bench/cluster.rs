@@ -426,8 +426,8 @@ const JOB_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 /// How many times a job is launched when Open MPI keeps losing a daemon and the job hangs.
 const JOB_ATTEMPTS: usize = 3;
 
-/// [`emulate::run_job`] quietly, started again when it runs past [`JOB_LIMIT`] (a launch whose
-/// daemon never reported), at most [`JOB_ATTEMPTS`] times.
+/// [`emulate::run_job`] quietly, started again when a host's process never started (a launch
+/// whose daemon Open MPI lost) or it runs past [`JOB_LIMIT`], at most [`JOB_ATTEMPTS`] times.
 fn run_job(
     network: &Network,
     devices_per_host: usize,
@@ -436,17 +436,24 @@ fn run_job(
 ) -> Result<JobRun> {
     for attempt in 1..=JOB_ATTEMPTS {
         let run = emulate::run_job(network, devices_per_host, job, stop, true, Some(JOB_LIMIT))?;
-        if !run.timed_out {
+        let why = if !run.never_started.is_empty() {
+            format!(
+                "never started on host(s) {:?} within {} s",
+                run.never_started,
+                emulate::LAUNCH_DEADLINE.as_secs()
+            )
+        } else if run.timed_out {
+            format!("ran past {} s", JOB_LIMIT.as_secs())
+        } else {
             return Ok(run);
-        }
+        };
         eprintln!(
-            "warning: a job ran past {} s and was stopped (attempt {attempt} of {JOB_ATTEMPTS}): {}",
-            JOB_LIMIT.as_secs(),
+            "warning: a job {why} and was stopped (attempt {attempt} of {JOB_ATTEMPTS}): {}",
             job.join(" ")
         );
     }
     bail!(
-        "a job ran past {} s {JOB_ATTEMPTS} times: {}",
+        "a job was stopped {JOB_ATTEMPTS} times (lost launches or past {} s): {}",
         JOB_LIMIT.as_secs(),
         job.join(" ")
     )

@@ -240,7 +240,17 @@ pub struct JobRun {
     pub losses: Vec<f64>,
     /// The job ran past its time limit and was stopped (`exit_code` is then meaningless).
     pub timed_out: bool,
+    /// Hosts whose process had not started [`LAUNCH_DEADLINE`] after `mpirun` did: Open MPI lost
+    /// their daemon at launch and would have waited for it forever, so the job was stopped
+    /// (`exit_code` is then meaningless). Empty for a job that started.
+    pub never_started: Vec<usize>,
 }
+
+/// How long every process of a job has to start (MPI's start-up included) before the launch is
+/// taken as lost. Open MPI now and then loses one emulated host's daemon (`orted` daemonizes,
+/// so its death reaches nobody), and `mpirun` then waits for it forever; a healthy launch of 4
+/// hosts starts every process within a few seconds on this 2-core machine.
+pub const LAUNCH_DEADLINE: Duration = Duration::from_secs(60);
 
 impl JobRun {
     /// Median step time in ms, the first (warm-up) step left out when there are others.
@@ -316,8 +326,9 @@ fn stop_child(child: &mut std::process::Child) -> Result<ExitStatus> {
 }
 
 /// Runs `job` (ferrotext arguments) on `net` with `local` devices per host under `mpirun`;
-/// stops it on `stop`, and after `limit` (then [`JobRun::timed_out`] is set: Open MPI now and
-/// then loses a daemon at launch and waits for it forever).
+/// stops it on `stop`, after `limit` (then [`JobRun::timed_out`] is set), and when a host's
+/// process has not started within [`LAUNCH_DEADLINE`] (then [`JobRun::never_started`] names
+/// it).
 ///
 /// # Errors
 /// `mpirun` could not start, or `stop` was raised (the job is stopped first).
@@ -339,6 +350,7 @@ pub fn run_job(
     let dir = net.run_dir();
     for host in 0..net.hosts() {
         let _ = std::fs::remove_file(probe::file_for(&dir, host));
+        let _ = std::fs::remove_file(probe::started_file(&dir, host));
     }
     let hosts: Vec<String> = (0..net.hosts())
         .map(|h| format!("{}:{local}", net.address(h)))
@@ -384,6 +396,8 @@ pub fn run_job(
     // For the clean-up of a later start, should this process be killed.
     let _ = std::fs::write(dir.join(net::MPIRUN_PID_FILE), child.id().to_string());
     let mut timed_out = false;
+    let mut never_started = Vec::new();
+    let mut launched = false;
     let status: ExitStatus = loop {
         if let Some(status) = child.try_wait().context("waiting for mpirun")? {
             break status;
@@ -391,6 +405,13 @@ pub fn run_job(
         if limit.is_some_and(|l| started.elapsed() > l) {
             timed_out = true;
             break stop_child(&mut child)?;
+        }
+        if !launched && started.elapsed() > LAUNCH_DEADLINE {
+            never_started = probe::not_started(&dir, net.hosts());
+            launched = never_started.is_empty();
+            if !launched {
+                break stop_child(&mut child)?;
+            }
         }
         if stop.load(Ordering::Relaxed) {
             let _ = stop_child(&mut child);
@@ -416,6 +437,7 @@ pub fn run_job(
         step_seconds: lead.iter().map(|s| s.seconds).collect(),
         losses: lead.iter().map(|s| s.loss).collect(),
         timed_out,
+        never_started,
     })
 }
 
@@ -503,6 +525,14 @@ pub fn run(args: &EmulateArgs) -> Result<()> {
     let run = run_job(&network, plan.local, &plan.job, &stop, false, None);
     network.teardown();
     let run = run?;
+    if !run.never_started.is_empty() {
+        return Err(anyhow!(
+            "the job never started on host(s) {:?} within {} s: Open MPI lost their daemon at \
+             launch, so the job was stopped and the emulated network removed; run it again",
+            run.never_started,
+            LAUNCH_DEADLINE.as_secs()
+        ));
+    }
     if plan.config.is_some() {
         print_table(&run, prediction.as_ref());
     }

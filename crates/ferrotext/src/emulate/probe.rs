@@ -47,6 +47,27 @@ pub fn file_for(dir: &Path, process: usize) -> PathBuf {
     dir.join(format!("wire-{process}.jsonl"))
 }
 
+/// The file process `p` creates in `dir` once it runs (past MPI's start-up): how `run_job`
+/// tells a launch that lost a daemon from a slow one.
+pub fn started_file(dir: &Path, process: usize) -> PathBuf {
+    dir.join(format!("started-{process}"))
+}
+
+/// Marks this process as started, when it runs under `emulate` (any job, not only `train`;
+/// best effort: a marker never fails a run).
+pub fn mark_started(launch: &Launch) {
+    if let Some(dir) = std::env::var_os(ENV_DIR) {
+        let _ = std::fs::write(started_file(Path::new(&dir), launch.process()), b"");
+    }
+}
+
+/// The hosts of `hosts` whose process has not marked itself started in `dir`.
+pub fn not_started(dir: &Path, hosts: usize) -> Vec<usize> {
+    (0..hosts)
+        .filter(|&h| !started_file(dir, h).exists())
+        .collect()
+}
+
 /// `(rx_bytes, rx_packets, tx_bytes, tx_packets)` of `iface` from `/proc/self/net/dev`.
 fn interface_counters(iface: &str) -> Option<(u64, u64, u64, u64)> {
     let text = std::fs::read_to_string("/proc/self/net/dev").ok()?;
@@ -148,4 +169,25 @@ pub fn read_samples(dir: &Path, process: usize) -> Vec<Sample> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_without_a_start_marker_are_the_ones_not_started() {
+        let dir = std::env::temp_dir().join(format!("ferrotext-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        for h in 0..3 {
+            let _ = std::fs::remove_file(started_file(&dir, h));
+        }
+        assert_eq!(not_started(&dir, 3), vec![0, 1, 2]);
+        std::fs::write(started_file(&dir, 0), b"").expect("marker");
+        std::fs::write(started_file(&dir, 2), b"").expect("marker");
+        assert_eq!(not_started(&dir, 3), vec![1]);
+        std::fs::write(started_file(&dir, 1), b"").expect("marker");
+        assert!(not_started(&dir, 3).is_empty());
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
 }
