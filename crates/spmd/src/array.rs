@@ -81,11 +81,12 @@ impl Array {
         self.local.as_deref()
     }
 
-    /// The shard, owned (copied only if shared).
+    /// The shard as a tensor of its own (sharing its storage until either is written).
     pub(crate) fn local_owned(&self) -> Result<Tensor, SpmdError> {
         self.local().cloned()
     }
 
+    /// This device's block, sharing its storage (a tensor clone copies nothing until written).
     pub(crate) fn local_cloned(&self) -> Option<Tensor> {
         self.local.as_deref().cloned()
     }

@@ -2,8 +2,13 @@
 //!
 //! Invariant: `data.len() == shape.iter().product()` (a rank-0 tensor holds one element).
 //! Structural ops (transpose, slice, concat, split, broadcast) copy; reshape does not.
+//!
+//! Storage is shared and copied on write: cloning a tensor (as a reshape of a borrowed value, or
+//! a tape keeping an input, does) shares its elements, and the first [`Tensor::data_mut`] of a
+//! shared tensor copies them, so a clone never sees another's writes.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::error::TensorError;
 
@@ -11,7 +16,7 @@ use crate::error::TensorError;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
     shape: Vec<usize>,
-    data: Vec<f32>,
+    data: Arc<Vec<f32>>,
 }
 
 /// Row-major strides of `shape` (in elements).
@@ -47,7 +52,10 @@ impl Tensor {
                 format!("shape {shape:?} needs {n} elements, got {}", data.len()),
             ));
         }
-        Ok(Tensor { shape, data })
+        Ok(Tensor {
+            shape,
+            data: Arc::new(data),
+        })
     }
 
     /// All zeros.
@@ -60,7 +68,7 @@ impl Tensor {
     pub fn accumulator_zeros(shape: &[usize]) -> Tensor {
         Tensor {
             shape: shape.to_vec(),
-            data: written_zeros(shape.iter().product()),
+            data: Arc::new(written_zeros(shape.iter().product())),
         }
     }
 
@@ -68,7 +76,7 @@ impl Tensor {
     pub fn full(shape: &[usize], value: f32) -> Tensor {
         Tensor {
             shape: shape.to_vec(),
-            data: vec![value; shape.iter().product()],
+            data: Arc::new(vec![value; shape.iter().product()]),
         }
     }
 
@@ -76,7 +84,7 @@ impl Tensor {
     pub fn scalar(value: f32) -> Tensor {
         Tensor {
             shape: Vec::new(),
-            data: vec![value],
+            data: Arc::new(vec![value]),
         }
     }
 
@@ -85,7 +93,7 @@ impl Tensor {
         let n = shape.iter().product();
         Tensor {
             shape: shape.to_vec(),
-            data: (0..n).map(f).collect(),
+            data: Arc::new((0..n).map(f).collect()),
         }
     }
 
@@ -114,14 +122,14 @@ impl Tensor {
         &self.data
     }
 
-    /// The elements, row-major, mutable.
+    /// The elements, row-major, mutable (copied first when another tensor shares them).
     pub fn data_mut(&mut self) -> &mut [f32] {
-        &mut self.data
+        Arc::make_mut(&mut self.data).as_mut_slice()
     }
 
-    /// Takes the elements.
+    /// Takes the elements (copied when another tensor shares them).
     pub fn into_data(self) -> Vec<f32> {
-        self.data
+        Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
     }
 
     /// The same elements under another shape with the same element count (no copy).
@@ -159,7 +167,7 @@ impl Tensor {
         gather_strided(&self.data, 0, &out_shape, &src_strides, &mut data);
         Ok(Tensor {
             shape: out_shape,
-            data,
+            data: Arc::new(data),
         })
     }
 
@@ -186,7 +194,7 @@ impl Tensor {
         gather_strided(&self.data, offset, &out_shape, &st, &mut data);
         Ok(Tensor {
             shape: out_shape,
-            data,
+            data: Arc::new(data),
         })
     }
 
@@ -241,7 +249,10 @@ impl Tensor {
                 data.extend_from_slice(&p.data[o * run..(o + 1) * run]);
             }
         }
-        Ok(Tensor { shape, data })
+        Ok(Tensor {
+            shape,
+            data: Arc::new(data),
+        })
     }
 
     /// `n` equal parts along `dim`.
@@ -301,7 +312,7 @@ impl Tensor {
         gather_strided(&self.data, 0, shape, &src_strides, &mut data);
         Ok(Tensor {
             shape: shape.to_vec(),
-            data,
+            data: Arc::new(data),
         })
     }
 }
@@ -366,6 +377,35 @@ pub(crate) fn gather_strided(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clones_share_storage_until_one_is_written() {
+        let a = Tensor::from_fn(&[2, 3], |i| i as f32);
+        let mut b = a.clone();
+        assert_eq!(
+            a.data().as_ptr(),
+            b.data().as_ptr(),
+            "a clone copies nothing"
+        );
+        let r = a.clone().reshape(&[3, 2]).expect("same count");
+        assert_eq!(r.data().as_ptr(), a.data().as_ptr(), "nor does a reshape");
+        b.data_mut()[0] = 9.0;
+        assert_ne!(
+            a.data().as_ptr(),
+            b.data().as_ptr(),
+            "a write to a shared tensor copies"
+        );
+        assert_eq!((a.data()[0], b.data()[0], r.data()[0]), (0.0, 9.0, 0.0));
+        let sole = b.data().as_ptr();
+        b.data_mut()[1] = 8.0;
+        assert_eq!(
+            b.data().as_ptr(),
+            sole,
+            "a tensor that shares nothing is written in place"
+        );
+        assert_eq!(r.into_data(), vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(a.data(), &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    }
 
     fn iota(shape: &[usize]) -> Tensor {
         Tensor::from_fn(shape, |i| i as f32)
