@@ -490,7 +490,7 @@ impl Ctx<'_> {
             Flight::Done(flat) => flat,
             Flight::Background(pending) => pending.wait()?,
         };
-        let tensors = unpack(&fused, &flat, &shapes, &dims, n)?;
+        let tensors = unpack(&fused, flat, &shapes, &dims, n)?;
         Ok(out_types
             .into_iter()
             .zip(tensors)
@@ -564,10 +564,12 @@ fn pack(
     Ok(flat)
 }
 
-/// Each member's new local block from the collective's output (`shapes`: the blocks before).
+/// Each member's new local block from the collective's output (`shapes`: the blocks before):
+/// views of the output after an all-reduce or a reduce-scatter (no copy), gathered blocks
+/// concatenated after an all-gather.
 fn unpack(
     fused: &Fused,
-    flat: &[f32],
+    flat: Vec<f32>,
     shapes: &[Vec<usize>],
     dims: &[usize],
     n: usize,
@@ -577,21 +579,21 @@ fn unpack(
     let mut out = Vec::with_capacity(shapes.len());
     match fused {
         Fused::AllReduce(_) => {
-            let mut rest = flat;
+            let flat = std::sync::Arc::new(flat);
+            let mut offset = 0;
             for (shape, &size) in shapes.iter().zip(&sizes) {
-                let (mine, tail) = rest.split_at(size);
-                out.push(Tensor::new(shape.clone(), mine.to_vec())?);
-                rest = tail;
+                out.push(Tensor::view(flat.clone(), offset, shape.clone())?);
+                offset += size;
             }
         }
         Fused::ReduceScatter(..) => {
-            let mut rest = flat;
+            let flat = std::sync::Arc::new(flat);
+            let mut offset = 0;
             for ((shape, &size), &dim) in shapes.iter().zip(&sizes).zip(dims) {
-                let (part, tail) = rest.split_at(size / n);
                 let mut part_shape = shape.clone();
                 part_shape[dim] /= n;
-                out.push(Tensor::new(part_shape, part.to_vec())?);
-                rest = tail;
+                out.push(Tensor::view(flat.clone(), offset, part_shape)?);
+                offset += size / n;
             }
         }
         Fused::AllGather(..) => {

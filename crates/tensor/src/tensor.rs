@@ -1,11 +1,14 @@
 //! `Tensor`: a dense, row-major, contiguous `f32` array on one device, and its structural ops.
 //!
-//! Invariant: `data.len() == shape.iter().product()` (a rank-0 tensor holds one element).
-//! Structural ops (transpose, slice, concat, split, broadcast) copy; reshape does not.
+//! Invariant: a tensor's elements are the `shape.iter().product()` consecutive elements of its
+//! storage from its offset (a rank-0 tensor holds one element). Structural ops (transpose,
+//! concat, broadcast, a slice that is not one run of memory) copy; reshape, a contiguous slice
+//! (e.g. rows, or a split along the first dimension) and [`Tensor::view`] do not.
 //!
 //! Storage is shared and copied on write: cloning a tensor (as a reshape of a borrowed value, or
 //! a tape keeping an input, does) shares its elements, and the first [`Tensor::data_mut`] of a
-//! shared tensor copies them, so a clone never sees another's writes.
+//! tensor whose storage is shared copies its own elements out, so a tensor never sees another's
+//! writes.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -13,10 +16,30 @@ use std::sync::Arc;
 use crate::error::TensorError;
 
 /// A dense row-major `f32` tensor. See the module docs for the invariant.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone)]
 pub struct Tensor {
     shape: Vec<usize>,
-    data: Arc<Vec<f32>>,
+    storage: Arc<Vec<f32>>,
+    /// Where the elements start in `storage`.
+    offset: usize,
+    /// The element count (the product of `shape`).
+    len: usize,
+}
+
+impl PartialEq for Tensor {
+    /// Same shape and elements (wherever they are stored).
+    fn eq(&self, other: &Tensor) -> bool {
+        self.shape == other.shape && self.data() == other.data()
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tensor")
+            .field("shape", &self.shape)
+            .field("data", &self.data())
+            .finish()
+    }
 }
 
 /// Row-major strides of `shape` (in elements).
@@ -40,6 +63,48 @@ pub fn written_zeros(len: usize) -> Vec<f32> {
 }
 
 impl Tensor {
+    /// `data` (of `shape`'s element count) as a tensor of its own.
+    fn owned(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
+        Tensor {
+            len: data.len(),
+            shape,
+            storage: Arc::new(data),
+            offset: 0,
+        }
+    }
+
+    /// The elements `offset..offset + n` of `storage` (`n` the product of `shape`) as a tensor,
+    /// sharing them: how a buffer that holds many values (a gradient bucket) hands each out
+    /// without copying.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when they run past the end of `storage`.
+    pub fn view(
+        storage: Arc<Vec<f32>>,
+        offset: usize,
+        shape: Vec<usize>,
+    ) -> Result<Tensor, TensorError> {
+        let len: usize = shape.iter().product();
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > storage.len())
+        {
+            return Err(TensorError::shape(
+                "view",
+                format!(
+                    "{len} elements from {offset} of a storage of {}",
+                    storage.len()
+                ),
+            ));
+        }
+        Ok(Tensor {
+            shape,
+            storage,
+            offset,
+            len,
+        })
+    }
+
     /// A tensor of `shape` holding `data` in row-major order.
     ///
     /// # Errors
@@ -52,10 +117,7 @@ impl Tensor {
                 format!("shape {shape:?} needs {n} elements, got {}", data.len()),
             ));
         }
-        Ok(Tensor {
-            shape,
-            data: Arc::new(data),
-        })
+        Ok(Tensor::owned(shape, data))
     }
 
     /// All zeros.
@@ -66,35 +128,23 @@ impl Tensor {
     /// All zeros, written to memory: for a buffer that is read before it is written (an
     /// accumulator, an optimizer moment). See [`written_zeros`].
     pub fn accumulator_zeros(shape: &[usize]) -> Tensor {
-        Tensor {
-            shape: shape.to_vec(),
-            data: Arc::new(written_zeros(shape.iter().product())),
-        }
+        Tensor::owned(shape.to_vec(), written_zeros(shape.iter().product()))
     }
 
     /// Every element `value`.
     pub fn full(shape: &[usize], value: f32) -> Tensor {
-        Tensor {
-            shape: shape.to_vec(),
-            data: Arc::new(vec![value; shape.iter().product()]),
-        }
+        Tensor::owned(shape.to_vec(), vec![value; shape.iter().product()])
     }
 
     /// A rank-0 tensor.
     pub fn scalar(value: f32) -> Tensor {
-        Tensor {
-            shape: Vec::new(),
-            data: Arc::new(vec![value]),
-        }
+        Tensor::owned(Vec::new(), vec![value])
     }
 
     /// Element `i` (row-major) is `f(i)`.
     pub fn from_fn(shape: &[usize], f: impl FnMut(usize) -> f32) -> Tensor {
         let n = shape.iter().product();
-        Tensor {
-            shape: shape.to_vec(),
-            data: Arc::new((0..n).map(f).collect()),
-        }
+        Tensor::owned(shape.to_vec(), (0..n).map(f).collect())
     }
 
     /// The shape.
@@ -109,27 +159,39 @@ impl Tensor {
 
     /// Number of elements.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.len
     }
 
     /// True when the tensor has no elements.
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.len == 0
     }
 
     /// The elements, row-major.
     pub fn data(&self) -> &[f32] {
-        &self.data
+        &self.storage[self.offset..self.offset + self.len]
     }
 
-    /// The elements, row-major, mutable (copied first when another tensor shares them).
+    /// The elements, row-major, mutable (copied out first when the storage is shared).
     pub fn data_mut(&mut self) -> &mut [f32] {
-        Arc::make_mut(&mut self.data).as_mut_slice()
+        let range = self.offset..self.offset + self.len;
+        if Arc::get_mut(&mut self.storage).is_none() {
+            self.storage = Arc::new(self.storage[range.clone()].to_vec());
+            self.offset = 0;
+            return &mut Arc::make_mut(&mut self.storage)[..];
+        }
+        &mut Arc::make_mut(&mut self.storage)[range]
     }
 
-    /// Takes the elements (copied when another tensor shares them).
+    /// Takes the elements (copied when the storage is shared or holds more).
     pub fn into_data(self) -> Vec<f32> {
-        Arc::try_unwrap(self.data).unwrap_or_else(|shared| (*shared).clone())
+        let whole = self.offset == 0 && self.len == self.storage.len();
+        let range = self.offset..self.offset + self.len;
+        match Arc::try_unwrap(self.storage) {
+            Ok(v) if whole => v,
+            Ok(v) => v[range].to_vec(),
+            Err(shared) => shared[range].to_vec(),
+        }
     }
 
     /// The same elements under another shape with the same element count (no copy).
@@ -138,7 +200,7 @@ impl Tensor {
     /// [`TensorError::Shape`] when the counts differ.
     pub fn reshape(self, shape: &[usize]) -> Result<Tensor, TensorError> {
         let n: usize = shape.iter().product();
-        if n != self.data.len() {
+        if n != self.len {
             return Err(TensorError::shape(
                 "reshape",
                 format!("cannot reshape {:?} to {shape:?}", self.shape),
@@ -146,7 +208,7 @@ impl Tensor {
         }
         Ok(Tensor {
             shape: shape.to_vec(),
-            data: self.data,
+            ..self
         })
     }
 
@@ -163,12 +225,9 @@ impl Tensor {
         let in_strides = strides(&self.shape);
         let out_shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
         let src_strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
-        let mut data = Vec::with_capacity(self.data.len());
-        gather_strided(&self.data, 0, &out_shape, &src_strides, &mut data);
-        Ok(Tensor {
-            shape: out_shape,
-            data: Arc::new(data),
-        })
+        let mut data = Vec::with_capacity(self.len);
+        gather_strided(self.data(), 0, &out_shape, &src_strides, &mut data);
+        Ok(Tensor::owned(out_shape, data))
     }
 
     /// The sub-tensor `ranges[d]` along each dimension.
@@ -190,12 +249,23 @@ impl Tensor {
         let st = strides(&self.shape);
         let offset: usize = ranges.iter().zip(&st).map(|(r, s)| r.start * s).sum();
         let out_shape: Vec<usize> = ranges.iter().map(|r| r.end - r.start).collect();
+        // One run of memory (single indices on the leading dimensions, then one range, then
+        // whole dimensions): a view.
+        let first_range = ranges
+            .iter()
+            .position(|r| r.len() != 1)
+            .unwrap_or(ranges.len());
+        let contiguous = ranges[first_range.min(ranges.len())..]
+            .iter()
+            .zip(&self.shape[first_range.min(ranges.len())..])
+            .skip(1)
+            .all(|(r, &n)| r.start == 0 && r.end == n);
+        if contiguous {
+            return Tensor::view(self.storage.clone(), self.offset + offset, out_shape);
+        }
         let mut data = Vec::with_capacity(out_shape.iter().product());
-        gather_strided(&self.data, offset, &out_shape, &st, &mut data);
-        Ok(Tensor {
-            shape: out_shape,
-            data: Arc::new(data),
-        })
+        gather_strided(self.data(), offset, &out_shape, &st, &mut data);
+        Ok(Tensor::owned(out_shape, data))
     }
 
     /// `range` along dimension `dim`, everything along the others.
@@ -246,13 +316,10 @@ impl Tensor {
         for o in 0..outer {
             for p in parts {
                 let run = p.shape[dim] * inner;
-                data.extend_from_slice(&p.data[o * run..(o + 1) * run]);
+                data.extend_from_slice(&p.data()[o * run..(o + 1) * run]);
             }
         }
-        Ok(Tensor {
-            shape,
-            data: Arc::new(data),
-        })
+        Ok(Tensor::owned(shape, data))
     }
 
     /// `n` equal parts along `dim`.
@@ -309,11 +376,8 @@ impl Tensor {
             }
         }
         let mut data = Vec::with_capacity(shape.iter().product());
-        gather_strided(&self.data, 0, shape, &src_strides, &mut data);
-        Ok(Tensor {
-            shape: shape.to_vec(),
-            data: Arc::new(data),
-        })
+        gather_strided(self.data(), 0, shape, &src_strides, &mut data);
+        Ok(Tensor::owned(shape.to_vec(), data))
     }
 }
 
@@ -377,6 +441,46 @@ pub(crate) fn gather_strided(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contiguous_slices_are_views_and_writes_to_them_copy_only_their_elements() {
+        let a = Tensor::from_fn(&[4, 3], |i| i as f32);
+        let rows = a.slice_dim(0, 1..3).expect("rows");
+        assert_eq!(
+            rows.data().as_ptr(),
+            a.data()[3..].as_ptr(),
+            "rows are a view"
+        );
+        assert_eq!(
+            rows,
+            Tensor::new(vec![2, 3], (3..9).map(|i| i as f32).collect()).unwrap()
+        );
+        let one = a.slice(&[2..3, 1..3]).expect("part of one row");
+        assert_eq!(
+            one.data().as_ptr(),
+            a.data()[7..].as_ptr(),
+            "one row's run is a view"
+        );
+        let cols = a.slice_dim(1, 0..2).expect("columns");
+        assert_eq!(
+            cols.data(),
+            &[0.0, 1.0, 3.0, 4.0, 6.0, 7.0, 9.0, 10.0],
+            "columns copy"
+        );
+        let mut written = rows.clone();
+        written.data_mut()[0] = -1.0;
+        assert_eq!(written.data(), &[-1.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+        assert_eq!(
+            a.data()[3],
+            3.0,
+            "the storage's other holders are untouched"
+        );
+        assert_eq!(rows.into_data(), vec![3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+        let storage = std::sync::Arc::new((0..10).map(|i| i as f32).collect::<Vec<f32>>());
+        let v = Tensor::view(storage.clone(), 4, vec![2, 2]).expect("fits");
+        assert_eq!(v.data(), &[4.0, 5.0, 6.0, 7.0]);
+        assert!(Tensor::view(storage, 8, vec![3]).is_err(), "past the end");
+    }
 
     #[test]
     fn clones_share_storage_until_one_is_written() {
