@@ -23,9 +23,10 @@
 //! Per member `2(n−1)/n` of the buffer leave (and arrive) in an all-reduce, the bandwidth optimum
 //! of a ring, but without forwarding: on a switched network each link carries the same bytes as a
 //! ring's, and the sums keep rank order. Every part carries a [`part_header`] (40 bytes per
-//! part of up to 64 KiB: 0.06 %).
+//! part of up to 256 KiB: 0.02 %).
 
 use std::ops::Range;
+use std::sync::OnceLock;
 
 use crate::communicator::OpInfo;
 use crate::element::Element;
@@ -33,18 +34,46 @@ use crate::error::CommError;
 
 use super::transport::{part_header, Event, Received, Transport, HEADER_BYTES};
 
-/// The largest message of one part, header included: under Open MPI's TCP transport
-/// (`btl_tcp_eager_limit`, 64 KiB with the PML's own header) a message this small is sent
-/// eagerly. A larger one waits for a rendezvous handshake whose reply, on a link whose queue is
-/// full of the other direction's data, waits behind that data: 1 MiB parts reached 56 % of an
-/// emulated 1 Gbit/s link, eager parts 95 %.
-const PART_MESSAGE_BYTES: usize = (64 << 10) - 256;
-/// Parts sent ahead to each member (and summed parts being gathered) before their sends
-/// complete: 2 MiB per member. On 2 emulated hosts at 10 Gbit/s a window of 4 parts (256 KiB,
-/// 200 µs of the link) drained whenever a process lost its core for longer than that, and the
-/// all-reduce reached 74–78 % of the link at 4 MiB; 32 parts reach 82–85 % (`bench collectives`
-/// under `emulate`), the same at 1 Gbit/s.
-const WINDOW: usize = 32;
+/// The TCP transport's eager limit ferrotext asks Open MPI for (`btl_tcp_eager_limit`, set by
+/// [`super::MpiCluster::init`] unless the environment already sets it), and so its parts' size.
+pub(crate) const EAGER_LIMIT_BYTES: usize = 256 << 10;
+
+/// The environment variable Open MPI reads `btl_tcp_eager_limit` from.
+pub(crate) const EAGER_LIMIT_ENV: &str = "OMPI_MCA_btl_tcp_eager_limit";
+
+/// Bytes of the PML's own header that an eager message must leave room for.
+const PML_HEADER_ALLOWANCE: usize = 256;
+
+/// The largest message of one part, header included: just under the eager limit in force (the
+/// environment's `btl_tcp_eager_limit`, between 4 KiB and 4 MiB; [`EAGER_LIMIT_BYTES`] when it
+/// does not say), so every part is sent eagerly. A larger one waits for a rendezvous handshake
+/// whose reply, on a link whose queue is full of the other direction's data, waits behind that
+/// data: 1 MiB parts reached 56 % of an emulated 1 Gbit/s link, eager parts 95 %. Open MPI's
+/// default limit is 64 KiB; 256 KiB parts take 2 emulated hosts at 10 Gbit/s from 75–78 % to 86 %
+/// of the link at 16 MiB (`bench collectives` under `emulate`), with fewer messages to match,
+/// stage and sum. Every process reads the same environment (`mpirun` passes it on), so all agree
+/// on the parts.
+fn part_message_bytes() -> usize {
+    static BYTES: OnceLock<usize> = OnceLock::new();
+    *BYTES.get_or_init(|| {
+        let limit = std::env::var(EAGER_LIMIT_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(EAGER_LIMIT_BYTES);
+        limit.clamp(4 << 10, 4 << 20) - PML_HEADER_ALLOWANCE
+    })
+}
+
+/// Bytes sent ahead to each member (and of summed parts being gathered) before their sends
+/// complete. On 2 emulated hosts at 10 Gbit/s a window of 256 KiB (200 µs of the link) drained
+/// whenever a process lost its core for longer than that: the all-reduce reached 74–78 % of the
+/// link at 4 MiB, against 82–85 % with 2 MiB (64 KiB parts), the same at 1 Gbit/s.
+const WINDOW_BYTES: usize = 2 << 20;
+
+/// Parts in flight per member: [`WINDOW_BYTES`] of them, at least 4.
+fn window() -> usize {
+    (WINDOW_BYTES / part_message_bytes()).max(4)
+}
 
 /// What a pipelined collective reads and writes (ranges are in the layout of `blocks`).
 pub(crate) enum Data<'a, T> {
@@ -106,7 +135,7 @@ enum Token {
 
 /// Elements of `elem` bytes per part.
 fn part_elements(elem: usize) -> usize {
-    ((PART_MESSAGE_BYTES - HEADER_BYTES) / elem.max(1)).max(1)
+    ((part_message_bytes() - HEADER_BYTES) / elem.max(1)).max(1)
 }
 
 /// Parts of a block of `len` elements (at least one, so an empty block still sends a header).
@@ -145,6 +174,7 @@ pub(crate) fn pipelined<T: Element>(
     let (gather_lane, gather_stage) = if reduce { (1, stage + 1) } else { (0, stage) };
     let elem = std::mem::size_of::<T>();
     let per_part = part_elements(elem);
+    let window = window();
     let nparts: Vec<usize> = blocks.iter().map(|b| parts(b.len(), per_part)).collect();
     let own = blocks[r].clone();
     let own_parts = nparts[r];
@@ -226,7 +256,7 @@ pub(crate) fn pipelined<T: Element>(
             progressed = true;
         }
         // Gather sends of ready parts, a window ahead.
-        while gather && spread < ready && open_gather < WINDOW * (n - 1) {
+        while gather && spread < ready && open_gather < window * (n - 1) {
             let range = part(&own, per_part, spread);
             let payload: &[u8] = bytemuck::cast_slice(data.contribution(range, own.start));
             let header = part_header(op, gather_stage, spread, payload.len(), me);
@@ -242,7 +272,7 @@ pub(crate) fn pipelined<T: Element>(
         // Reduce sends, a window ahead per member.
         if reduce {
             for &k in &others {
-                while sent[k] < nparts[k] && open_reduce[k] < WINDOW {
+                while sent[k] < nparts[k] && open_reduce[k] < window {
                     let range = part(&blocks[k], per_part, sent[k]);
                     let payload: &[u8] = bytemuck::cast_slice(data.contribution(range, own.start));
                     let header = part_header(op, stage, sent[k], payload.len(), me);
@@ -369,7 +399,7 @@ mod tests {
                     let blocks: Vec<Range<usize>> =
                         (0..n).map(|k| crate::local::chunk(len, n, k)).collect();
                     let p = part_elements(elem);
-                    assert!(HEADER_BYTES + p * elem <= PART_MESSAGE_BYTES);
+                    assert!(HEADER_BYTES + p * elem <= part_message_bytes());
                     for b in &blocks {
                         let mut at = b.start;
                         for s in 0..parts(b.len(), p) {

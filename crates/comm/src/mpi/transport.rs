@@ -79,9 +79,9 @@ struct Pool {
 
 /// Buffers the pool of whole messages keeps at most.
 const POOL_BUFFERS: usize = 16;
-/// Buffers the pool of pipeline parts keeps at most: parts are under 64 KiB, and a pipelined
-/// collective has a few windows of them in flight per peer.
-const PART_BUFFERS: usize = 96;
+/// Buffers the pool of pipeline parts keeps at most: parts are under 256 KiB (6 MiB kept), and a
+/// pipelined collective has about 2 MiB of them in flight per peer and lane.
+const PART_BUFFERS: usize = 24;
 
 impl Default for Pool {
     fn default() -> Pool {
