@@ -118,15 +118,6 @@ impl MpiCluster {
             seq: 0,
             detail,
         };
-        // Parts of pipelined collectives are sent eagerly only under the TCP transport's eager
-        // limit (see `pipeline::part_message_bytes`); ask for ours unless the user set one. This
-        // runs before MPI or any other thread of this process starts, as `set_var` requires.
-        if std::env::var_os(pipeline::EAGER_LIMIT_ENV).is_none() {
-            std::env::set_var(
-                pipeline::EAGER_LIMIT_ENV,
-                pipeline::EAGER_LIMIT_BYTES.to_string(),
-            );
-        }
         let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| fail("MPI is already initialised in this process".into()))?;
         if threading != Threading::Multiple {

@@ -23,7 +23,7 @@
 //! Per member `2(n−1)/n` of the buffer leave (and arrive) in an all-reduce, the bandwidth optimum
 //! of a ring, but without forwarding: on a switched network each link carries the same bytes as a
 //! ring's, and the sums keep rank order. Every part carries a [`part_header`] (40 bytes per
-//! part of up to 256 KiB: 0.02 %).
+//! part of up to 64 KiB: 0.06 %, under the default eager limit).
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -34,32 +34,35 @@ use crate::error::CommError;
 
 use super::transport::{part_header, Event, Received, Transport, HEADER_BYTES};
 
-/// The TCP transport's eager limit ferrotext asks Open MPI for (`btl_tcp_eager_limit`, set by
-/// [`super::MpiCluster::init`] unless the environment already sets it), and so its parts' size.
-pub(crate) const EAGER_LIMIT_BYTES: usize = 256 << 10;
+/// Open MPI's default TCP eager limit (`btl_tcp_eager_limit`): the parts' size unless the
+/// environment raises it.
+const DEFAULT_EAGER_LIMIT_BYTES: usize = 64 << 10;
 
 /// The environment variable Open MPI reads `btl_tcp_eager_limit` from.
-pub(crate) const EAGER_LIMIT_ENV: &str = "OMPI_MCA_btl_tcp_eager_limit";
+const EAGER_LIMIT_ENV: &str = "OMPI_MCA_btl_tcp_eager_limit";
 
 /// Bytes of the PML's own header that an eager message must leave room for.
 const PML_HEADER_ALLOWANCE: usize = 256;
 
 /// The largest message of one part, header included: just under the eager limit in force (the
-/// environment's `btl_tcp_eager_limit`, between 4 KiB and 4 MiB; [`EAGER_LIMIT_BYTES`] when it
-/// does not say), so every part is sent eagerly. A larger one waits for a rendezvous handshake
-/// whose reply, on a link whose queue is full of the other direction's data, waits behind that
-/// data: 1 MiB parts reached 56 % of an emulated 1 Gbit/s link, eager parts 95 %. Open MPI's
-/// default limit is 64 KiB; 256 KiB parts take 2 emulated hosts at 10 Gbit/s from 75–78 % to 86 %
-/// of the link at 16 MiB (`bench collectives` under `emulate`), with fewer messages to match,
-/// stage and sum. Every process reads the same environment (`mpirun` passes it on), so all agree
-/// on the parts.
+/// environment's `btl_tcp_eager_limit`, between 4 KiB and 4 MiB; Open MPI's 64 KiB when it does
+/// not say), so every part is sent eagerly. A larger one waits for a rendezvous handshake whose
+/// reply, on a link whose queue is full of the other direction's data, waits behind that data:
+/// 1 MiB parts reached 56 % of an emulated 1 Gbit/s link, eager parts 95 %. Every process reads
+/// the same environment (`mpirun` passes it on), so all agree on the parts.
+///
+/// Raising the limit is a trade, measured on 2 emulated hosts at 10 Gbit/s: with
+/// `OMPI_MCA_btl_tcp_eager_limit=262144` the all-reduce reaches 91–95 % of the link at 4 and
+/// 16 MiB instead of 89–90 % and 76–80 % (`bench collectives`), but qwen3-peer's per-micro-batch
+/// step — 46 per-parameter all-reduces per micro-batch — is 10–18 % slower (386/355 → 426/418 ms
+/// at GA 4) and its deferred step no faster (`bench cluster`), so it is left to the user.
 fn part_message_bytes() -> usize {
     static BYTES: OnceLock<usize> = OnceLock::new();
     *BYTES.get_or_init(|| {
         let limit = std::env::var(EAGER_LIMIT_ENV)
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(EAGER_LIMIT_BYTES);
+            .unwrap_or(DEFAULT_EAGER_LIMIT_BYTES);
         limit.clamp(4 << 10, 4 << 20) - PML_HEADER_ALLOWANCE
     })
 }
@@ -133,9 +136,28 @@ enum Token {
     GatherIn { k: usize, part: usize },
 }
 
-/// Elements of `elem` bytes per part.
-fn part_elements(elem: usize) -> usize {
-    ((part_message_bytes() - HEADER_BYTES) / elem.max(1)).max(1)
+/// The smallest part a block is cut into (Open MPI's default eager limit, less the PML's header):
+/// smaller parts only add messages.
+const MIN_PART_MESSAGE_BYTES: usize = (64 << 10) - PML_HEADER_ALLOWANCE;
+
+/// Parts a block is cut into at least, while they stay above [`MIN_PART_MESSAGE_BYTES`]: with
+/// fewer, the gather of a block's first part waits for too much of its reduction (under a raised
+/// eager limit; at the default one every part is already that small).
+const MIN_PARTS_PER_BLOCK: usize = 8;
+
+/// Elements of `elem` bytes per part for blocks of at most `largest` elements: an eighth of the
+/// block, between [`MIN_PART_MESSAGE_BYTES`] and [`part_message_bytes`] (every member computes
+/// it from the same layout, so all agree).
+fn part_elements(elem: usize, largest: usize) -> usize {
+    part_elements_within(part_message_bytes(), elem, largest)
+}
+
+/// [`part_elements`] for parts of at most `message_bytes`.
+fn part_elements_within(message_bytes: usize, elem: usize, largest: usize) -> usize {
+    let elem = elem.max(1);
+    let most = ((message_bytes - HEADER_BYTES) / elem).max(1);
+    let least = ((MIN_PART_MESSAGE_BYTES - HEADER_BYTES) / elem).clamp(1, most);
+    largest.div_ceil(MIN_PARTS_PER_BLOCK).clamp(least, most)
 }
 
 /// Parts of a block of `len` elements (at least one, so an empty block still sends a header).
@@ -173,7 +195,8 @@ pub(crate) fn pipelined<T: Element>(
     };
     let (gather_lane, gather_stage) = if reduce { (1, stage + 1) } else { (0, stage) };
     let elem = std::mem::size_of::<T>();
-    let per_part = part_elements(elem);
+    let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
+    let per_part = part_elements(elem, largest);
     let window = window();
     let nparts: Vec<usize> = blocks.iter().map(|b| parts(b.len(), per_part)).collect();
     let own = blocks[r].clone();
@@ -392,14 +415,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn large_blocks_take_eager_sized_parts_and_small_ones_stay_pipelined() {
+        // Under a raised limit (256 KiB messages): an 8 MiB block of f32 takes parts at the
+        // limit; a 400 KB block (a parameter's all-reduce between 2 hosts) stays in 64 KiB parts,
+        // 7 of them; a 1.6 MB block is cut in 8.
+        let raised = (256 << 10) - PML_HEADER_ALLOWANCE;
+        assert_eq!(
+            part_elements_within(raised, 4, 2 << 20),
+            (raised - HEADER_BYTES) / 4
+        );
+        let p = part_elements_within(raised, 4, 100_000);
+        assert!(HEADER_BYTES + p * 4 <= MIN_PART_MESSAGE_BYTES);
+        assert_eq!(100_000usize.div_ceil(p), 7);
+        assert_eq!(
+            400_000usize.div_ceil(part_elements_within(raised, 4, 400_000)),
+            8
+        );
+        // Under the default limit every part is one eager message; never an empty part.
+        assert!(HEADER_BYTES + part_elements(4, 2 << 20) * 4 <= part_message_bytes());
+        assert!(part_elements(4, 3) >= 1);
+        assert!(part_elements(2, 0) >= 1);
+    }
+
+    #[test]
     fn parts_cover_every_block_once_in_order() {
         for elem in [2, 4] {
             for len in [0, 1, 15, 4096, 100_000, 3_000_000] {
                 for n in 1..6 {
                     let blocks: Vec<Range<usize>> =
                         (0..n).map(|k| crate::local::chunk(len, n, k)).collect();
-                    let p = part_elements(elem);
+                    let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
+                    let p = part_elements(elem, largest);
                     assert!(HEADER_BYTES + p * elem <= part_message_bytes());
+
                     for b in &blocks {
                         let mut at = b.start;
                         for s in 0..parts(b.len(), p) {
