@@ -278,10 +278,7 @@ impl Ctx<'_> {
     }
 
     /// The values of `plan` that are in no bucket, moved (tag-only changes and lone reshards).
-    ///
-    /// # Errors
-    /// As [`Ctx::reshard`].
-    pub fn move_outside_buckets(
+    fn move_outside_buckets(
         &mut self,
         plan: &BucketPlan,
         xs: &[Array],
@@ -297,14 +294,9 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// Bucket `b` of `plan` moved: its members' new values, with their indices.
-    ///
-    /// # Errors
-    /// Values whose types are not those the plan was made for; a failed collective.
-    ///
-    /// # Collectives
-    /// The bucket's one collective.
-    pub fn move_planned_bucket(
+    /// Bucket `b` of `plan` moved: the members' local blocks packed, one blocking collective,
+    /// unpacked; the members' new values with their indices.
+    fn move_planned_bucket(
         &mut self,
         plan: &BucketPlan,
         b: usize,
@@ -315,69 +307,6 @@ impl Ctx<'_> {
             op: "move_planned_bucket".into(),
             reason: format!("no bucket {b}"),
         })?;
-        let moved = self.move_bucket(fused, xs, plan, members)?;
-        Ok(members.iter().copied().zip(moved).collect())
-    }
-
-    /// One bucket: pack the members' local blocks, one collective, unpack.
-    fn move_bucket(
-        &mut self,
-        fused: &Fused,
-        xs: &[Array],
-        plan: &BucketPlan,
-        members: &[usize],
-    ) -> Result<Vec<Array>, SpmdError> {
-        let started = self.start_bucket(fused, xs, plan, members, false)?;
-        self.finish_bucket(started)
-    }
-
-    /// Starts bucket `b` of `plan` on the device's background stream (see
-    /// `ferrotext_comm::stream`) and returns at once; [`Ctx::finish_planned_bucket`] gives its
-    /// values. Buckets started this way run in start order, on every device the same.
-    ///
-    /// # Errors
-    /// Values whose types are not those the plan was made for; no bucket `b`.
-    ///
-    /// # Collectives
-    /// The bucket's one collective, on the background channel.
-    pub fn start_planned_bucket(
-        &mut self,
-        plan: &BucketPlan,
-        b: usize,
-        xs: &[Array],
-    ) -> Result<StartedBucket, SpmdError> {
-        check_plan_fits(plan, xs)?;
-        let (fused, members) = plan.buckets.get(b).ok_or_else(|| SpmdError::BadArgument {
-            op: "start_planned_bucket".into(),
-            reason: format!("no bucket {b}"),
-        })?;
-        self.start_bucket(fused, xs, plan, members, true)
-    }
-
-    /// The values of a bucket started with [`Ctx::start_planned_bucket`], with their indices
-    /// (waits for its collective).
-    ///
-    /// # Errors
-    /// The collective's failure.
-    pub fn finish_planned_bucket(
-        &mut self,
-        started: StartedBucket,
-    ) -> Result<Vec<(usize, Array)>, SpmdError> {
-        let members = started.members.clone();
-        let moved = self.finish_bucket(started)?;
-        Ok(members.into_iter().zip(moved).collect())
-    }
-
-    /// Packs the members' local blocks and issues the bucket's collective, blocking or on the
-    /// background stream.
-    fn start_bucket(
-        &mut self,
-        fused: &Fused,
-        xs: &[Array],
-        plan: &BucketPlan,
-        members: &[usize],
-        background: bool,
-    ) -> Result<StartedBucket, SpmdError> {
         let shapes: Vec<Vec<usize>> = members.iter().map(|&i| xs[i].ty().shard_shape()).collect();
         let dims: Vec<usize> = members.iter().map(|&i| plan.dims[i]).collect();
         let packed = if members.iter().any(|&i| xs[i].is_abstract()) {
@@ -391,7 +320,9 @@ impl Ctx<'_> {
                 .collect::<Result<_, _>>()?;
             Some(pack(fused, &locals, &dims, n, total)?)
         };
-        self.issue_bucket(fused, members, plan, shapes, packed, background)
+        let started = self.issue_bucket(fused, members, plan, shapes, packed, false)?;
+        let moved = self.finish_bucket(started)?;
+        Ok(members.iter().copied().zip(moved).collect())
     }
 
     /// Issues a bucket's collective on its `packed` input (the members' blocks in the
@@ -509,7 +440,7 @@ enum Flight {
     Background(ferrotext_comm::Pending),
 }
 
-/// A bucket whose collective has been issued (see [`Ctx::start_planned_bucket`]).
+/// A bucket whose collective has been issued (see [`Ctx::start_buffered_bucket`]).
 pub struct StartedBucket {
     fused: Fused,
     members: Vec<usize>,

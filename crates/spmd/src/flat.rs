@@ -270,9 +270,10 @@ impl Ctx<'_> {
         }
     }
 
-    /// Starts bucket `b` of `plan` from `buffers` on the device's background stream, as
-    /// [`Ctx::start_planned_bucket`] does from arrays, but on the buffer itself (no packing);
-    /// the buffer belongs to the collective until [`Ctx::reshard_buffers`].
+    /// Starts bucket `b` of `plan` on the device's background stream (see
+    /// `ferrotext_comm::stream`) on its buffer itself (no packing) and returns at once; the buffer
+    /// belongs to the collective until [`Ctx::reshard_buffers`] finishes it. Buckets started this
+    /// way run in start order, on every device the same.
     ///
     /// # Errors
     /// No bucket `b`; a bucket already started; a collective that cannot start.
