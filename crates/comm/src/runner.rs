@@ -98,6 +98,7 @@ pub struct Device {
     index: usize,
     coords: Vec<usize>,
     threads: usize,
+    stack_size: usize,
     comm: Communicator,
 }
 
@@ -120,6 +121,12 @@ impl Device {
     /// Threads its kernels may use.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// The stack size of its thread, in bytes ([`SpmdOptions::stack_size`]): what any thread
+    /// running this device's program on its behalf needs too.
+    pub fn stack_size(&self) -> usize {
+        self.stack_size
     }
 
     /// Its communicator.
@@ -263,9 +270,17 @@ where
         for index in plan.mine.clone() {
             let backend = plan.backend(cluster, index, options);
             let (world, program, failures) = (&plan.world, &program, &failures);
-            let (mesh, threads) = (mesh.clone(), plan.threads);
+            let (mesh, threads, stack) = (mesh.clone(), plan.threads, options.stack_size);
             let spawned = device_thread(index, options).spawn_scoped(scope, move || {
-                run_device(index, mesh, threads, backend, world, program, failures)
+                run_device(
+                    index,
+                    mesh,
+                    (threads, stack),
+                    backend,
+                    world,
+                    program,
+                    failures,
+                )
             });
             match spawned {
                 Ok(handle) => handles.push((index, handle)),
@@ -357,9 +372,22 @@ where
     for index in plan.mine.clone() {
         let backend = plan.backend(cluster, index, options);
         let (world, program, failures) = (plan.world.clone(), program.clone(), failures.clone());
-        let (mesh, threads, sender) = (mesh.clone(), plan.threads, sender.clone());
+        let (mesh, threads, stack, sender) = (
+            mesh.clone(),
+            plan.threads,
+            options.stack_size,
+            sender.clone(),
+        );
         let spawned = device_thread(index, options).spawn(move || {
-            let outcome = run_device(index, mesh, threads, backend, &world, &*program, &failures);
+            let outcome = run_device(
+                index,
+                mesh,
+                (threads, stack),
+                backend,
+                &world,
+                &*program,
+                &failures,
+            );
             // No receiver when the run already returned without this device: nobody to tell.
             let _ = sender.send((index, outcome));
         });
@@ -543,7 +571,7 @@ fn spawn_failure<E>(device: usize, err: &std::io::Error) -> RunError<E> {
 fn run_device<T, E, F>(
     index: usize,
     mesh: Arc<Mesh>,
-    threads: usize,
+    (threads, stack_size): (usize, usize),
     backend: Backends,
     world: &Worlds,
     program: &F,
@@ -557,6 +585,7 @@ where
         index,
         coords,
         threads,
+        stack_size,
         comm: with_stream(Communicator::new(index, mesh, backend.0), index, backend.1),
     };
     let outcome = match catch_unwind(AssertUnwindSafe(|| program(&mut device))) {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use ferrotext_comm::{CollectiveKind, Communicator};
+use ferrotext_comm::{CollectiveKind, Communicator, Device};
 use ferrotext_sharding::{ArrayType, DType, Mesh, NamedSharding, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
@@ -22,6 +22,24 @@ pub enum Mode {
     Abstract,
 }
 
+/// Runs `program` on a real context for `dev`, with the device's kernels on its thread budget:
+/// with more than one thread, `program` runs on a kernel pool of the device's own (see
+/// [`ferrotext_tensor::with_kernel_pool`]), so the thread running the device is one of those
+/// its kernels split over. Results do not depend on the budget. This is how a device program
+/// should make its context; [`Ctx::new`] alone leaves parallel kernels on the global pool.
+pub fn on_device<R, F>(dev: &mut Device, program: F) -> R
+where
+    R: Send,
+    F: FnOnce(&mut Ctx<'_>) -> R + Send,
+{
+    let (threads, stack) = (dev.threads(), dev.stack_size());
+    let name = format!("ferrotext-device-{}", dev.index());
+    ferrotext_tensor::with_kernel_pool(threads, &name, stack, || {
+        let mut cx = Ctx::new(dev.comm(), threads);
+        program(&mut cx)
+    })
+}
+
 /// One device's context for SPMD ops. See the module docs.
 pub struct Ctx<'c> {
     comm: &'c mut Communicator,
@@ -31,8 +49,12 @@ pub struct Ctx<'c> {
 }
 
 impl<'c> Ctx<'c> {
-    /// A real context on `comm`, running kernels on `threads` threads.
+    /// A real context on `comm`, running kernels on `threads` threads: the products it calls
+    /// take `threads` explicitly, and this sets the calling thread's budget for the row and
+    /// elementwise kernels ([`ferrotext_tensor::set_kernel_threads`]), so a context is used on
+    /// the thread that made it (a device thread).
     pub fn new(comm: &'c mut Communicator, threads: usize) -> Ctx<'c> {
+        ferrotext_tensor::set_kernel_threads(threads);
         Ctx {
             comm,
             mode: Mode::Real,

@@ -94,7 +94,7 @@ mod structural;
 
 pub use array::Array;
 pub use bucketed::{BucketPlan, StartedBucket};
-pub use ctx::{Ctx, Mode};
+pub use ctx::{on_device, Ctx, Mode};
 pub use elementwise::UnaryOp;
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
 pub use flat::BucketBuffers;

@@ -20,7 +20,8 @@ attention's `[B, T, H, d]` operands batched over B and H do not copy either.
 
 Kernels run on a device's share of the cores, never more: [`dot_general`] and the grouped
 products take it as an argument; the row and elementwise kernels read this thread's budget,
-set once with [`set_kernel_threads`] (1 until set). Work is cut into fixed chunks and sums
+set once with [`set_kernel_threads`] (1 until set). A device runs under [`with_kernel_pool`], so
+its thread is one of the workers its kernels split over. Work is cut into fixed chunks and sums
 across chunks run in order, so every result has the same bits on any thread count.
 
 [`cpu_peak`] states the CPU's peak FLOP/s from its description (cores × FMA units × lanes ×
@@ -62,7 +63,7 @@ pub use nn::{
     rope, scatter_add, silu, silu_backward, softmax_backward_scaled, softmax_last,
     softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
 };
-pub use parallel::{kernel_threads, set_kernel_threads};
+pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};
 pub use peak::{cpu_peak, CpuPeak};
 pub use rope::{rope_with, Rope, Yarn};
 pub use tensor::{strides, written_zeros, Tensor};

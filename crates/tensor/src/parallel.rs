@@ -1,16 +1,18 @@
 //! The kernel thread budget, set in one visible place, and the deterministic chunked parallel
 //! loop the row and elementwise kernels share.
 //!
-//! A device thread calls [`set_kernel_threads`] once with its share of the cores
-//! (`cores / local_devices`, DESIGN §3); every kernel that takes no explicit `threads` argument
-//! then runs on that many threads (1 until set, so a caller that never sets it gets today's
-//! single-threaded kernels). [`crate::dot_general`] keeps its explicit argument.
+//! A device runs under [`with_kernel_pool`] with its share of the cores (`cores /
+//! local_devices`, DESIGN §3), which sets its thread's budget ([`set_kernel_threads`]); every
+//! kernel that takes no explicit `threads` argument then runs on that many threads (1 until
+//! set, so a caller that never sets it gets single-threaded kernels). [`crate::dot_general`] keeps its explicit argument.
 //!
 //! Invariant: results never depend on the thread count. Work is cut into chunks of a fixed
 //! size that depends only on the shape, each chunk is computed by exactly the same code
 //! whichever thread runs it, and anything summed across chunks is summed in chunk order after
-//! the parallel part. The threads are rayon's global pool, as `gemm`'s `Parallelism::Rayon`
-//! uses: `threads` tasks, each taking a contiguous run of chunks.
+//! the parallel part. The threads are the rayon pool the caller runs on, as those of `gemm`'s
+//! `Parallelism::Rayon` are: the device's own pool, of its budget's size, under
+//! [`with_kernel_pool`] (its thread is then one of the workers), else rayon's global pool.
+//! A kernel uses `threads` tasks, each taking a contiguous run of chunks.
 
 use std::cell::Cell;
 
@@ -29,6 +31,39 @@ pub fn set_kernel_threads(threads: usize) {
 /// This thread's kernel thread budget (1 unless [`set_kernel_threads`] was called).
 pub fn kernel_threads() -> usize {
     KERNEL_THREADS.with(Cell::get)
+}
+
+/// Runs `f` under a kernel budget of `threads` (at least 1), and returns what it returns.
+///
+/// With more than one thread, `f` runs on a rayon pool of its own with `threads` workers
+/// (named `{name}-{i}`, each with a `stack_bytes` stack), so the thread running `f` is one of
+/// the workers its kernels split over: a parallel kernel runs one part on that thread and
+/// hands the rest to the pool's other workers, instead of handing every part to the global
+/// pool and sleeping until they finish. The calling thread waits meanwhile. When the pool
+/// cannot be made (no threads left), `f` runs here on the global pool, with the same results:
+/// results never depend on the pool.
+pub fn with_kernel_pool<R, F>(threads: usize, name: &str, stack_bytes: usize, f: F) -> R
+where
+    R: Send,
+    F: FnOnce() -> R + Send,
+{
+    let threads = threads.max(1);
+    if threads > 1 {
+        let prefix = name.to_string();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("{prefix}-{i}"))
+            .stack_size(stack_bytes)
+            .build();
+        if let Ok(pool) = pool {
+            return pool.install(|| {
+                set_kernel_threads(threads);
+                f()
+            });
+        }
+    }
+    set_kernel_threads(threads);
+    f()
 }
 
 /// Below this many elements a kernel runs on the calling thread: waking the pool costs more
@@ -133,6 +168,35 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_kernel_pool_runs_the_program_on_one_of_its_own_workers_under_the_budget() {
+        let inside = with_kernel_pool(3, "test-kernel-pool", 1 << 20, || {
+            (
+                rayon::current_thread_index().is_some(),
+                rayon::current_num_threads(),
+                kernel_threads(),
+                std::thread::current().name().map(str::to_owned),
+            )
+        });
+        assert!(inside.0, "the program runs on a worker of the pool");
+        assert_eq!((inside.1, inside.2), (3, 3));
+        assert!(inside.3.is_some_and(|n| n.starts_with("test-kernel-pool-")));
+        // A budget of one needs no pool: the program runs right here.
+        let here = std::thread::current().id();
+        let one = with_kernel_pool(1, "unused", 1 << 20, || {
+            (std::thread::current().id(), kernel_threads())
+        });
+        assert_eq!(one, (here, 1));
+        // The same chunks, whichever pool runs them.
+        let mut a = vec![0.0f32; PARALLEL_MIN * 4 + 3];
+        let mut b = a.clone();
+        with_kernel_pool(2, "test-kernel-pool", 1 << 20, || {
+            for_each_chunk(&mut a, 1000, kernel_threads(), |i, c| c.fill(i as f32))
+        });
+        for_each_chunk(&mut b, 1000, 1, |i, c| c.fill(i as f32));
+        assert_eq!(a, b);
     }
 
     #[test]

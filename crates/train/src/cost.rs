@@ -1118,7 +1118,11 @@ pub fn measure_micro_batch(
         let handles: Vec<_> = (0..concurrent)
             .map(|i| {
                 let device = &device;
-                scope.spawn(move || device(i))
+                // Each on its own kernel pool, as a training run's devices are.
+                let name = format!("ferrotext-measure-{i}");
+                scope.spawn(move || {
+                    ferrotext_tensor::with_kernel_pool(threads, &name, 16 << 20, || device(i))
+                })
             })
             .collect();
         handles

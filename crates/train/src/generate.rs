@@ -17,7 +17,7 @@ use std::time::Instant;
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_models::decoder::Decoder;
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
-use ferrotext_spmd::{Array, Ctx};
+use ferrotext_spmd::{on_device, Array, Ctx};
 use ferrotext_tensor::Tensor;
 
 use crate::error::TrainError;
@@ -143,14 +143,14 @@ pub fn generate(
     }
     let mesh = Arc::new(Mesh::explicit([("data", 1)])?);
     let results = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
-        let threads = dev.threads();
-        let mut cx = Ctx::new(dev.comm(), threads);
-        let replicated = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
-        let weights: Vec<Array> = params
-            .iter()
-            .map(|p| cx.from_global(p, replicated.clone()))
-            .collect::<Result<_, _>>()?;
-        run_loop(&mut cx, decoder, &weights, prompt, options, on_token)
+        on_device(dev, |cx| {
+            let replicated = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
+            let weights: Vec<Array> = params
+                .iter()
+                .map(|p| cx.from_global(p, replicated.clone()))
+                .collect::<Result<_, _>>()?;
+            run_loop(cx, decoder, &weights, prompt, options, on_token)
+        })
     })?;
     results
         .into_iter()

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ferrotext_comm::{run_spmd_detachable, Cluster, SpmdOptions, Trace};
 use ferrotext_models::ParamInfo;
 use ferrotext_sharding::PartitionSpec;
-use ferrotext_spmd::Ctx;
+use ferrotext_spmd::{on_device, Ctx};
 use ferrotext_tensor::Tensor;
 
 use crate::checkpoint;
@@ -185,9 +185,8 @@ pub fn train_plan(plan: &RunPlan, options: &RunOptions<'_>) -> Result<TrainRepor
         plan.compute_mesh(),
         &spmd,
         move |dev| -> Result<Option<TrainReport>, TrainError> {
-            let (device, threads) = (dev.index(), dev.threads());
-            let mut cx = Ctx::new(dev.comm(), threads);
-            device_run.run(&mut cx, device).map(Some)
+            let device = dev.index();
+            on_device(dev, |cx| device_run.run(cx, device).map(Some))
         },
     )
     .map_err(TrainError::from)?;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_spmd::Ctx;
+use ferrotext_spmd::on_device;
 use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
@@ -99,22 +99,22 @@ pub fn run(model: &str, gas: &[usize], pairs: usize, extra: &[String], out: &Pat
         let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(&deferred, vocab)?);
         let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
         let per_device = run_spmd(&mesh, &opts, |dev| -> Result<Vec<StepPair>, TrainError> {
-            let threads = dev.threads();
-            let mut cx = Ctx::new(dev.comm(), threads);
-            let mut a = Trainer::new(&mut cx, &deferred_plan, source.clone(), None)?;
-            let mut b = Trainer::new(&mut cx, &untagged_plan, source.clone(), None)?;
-            a.step(&mut cx)?; // warm-up
-            b.step(&mut cx)?;
-            // A: deferred, B: untagged.
-            (0..pairs)
-                .map(|i| {
-                    let (ma, mb) = abba_pair(i, |side| match side {
-                        Side::A => a.step(&mut cx),
-                        Side::B => b.step(&mut cx),
-                    })?;
-                    Ok(StepPair::of(&ma, &mb))
-                })
-                .collect()
+            on_device(dev, |cx| {
+                let mut a = Trainer::new(cx, &deferred_plan, source.clone(), None)?;
+                let mut b = Trainer::new(cx, &untagged_plan, source.clone(), None)?;
+                a.step(cx)?; // warm-up
+                b.step(cx)?;
+                // A: deferred, B: untagged.
+                (0..pairs)
+                    .map(|i| {
+                        let (ma, mb) = abba_pair(i, |side| match side {
+                            Side::A => a.step(cx),
+                            Side::B => b.step(cx),
+                        })?;
+                        Ok(StepPair::of(&ma, &mb))
+                    })
+                    .collect()
+            })
         })
         .map_err(TrainError::from)?;
         let Paired {

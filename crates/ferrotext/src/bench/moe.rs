@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_spmd::Ctx;
+use ferrotext_spmd::on_device;
 use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
@@ -120,42 +120,42 @@ fn time_config(items: &[String], pairs: usize) -> Result<Timed> {
     let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
     type Samples = (Vec<StepPair>, Vec<f64>, Vec<f64>, usize);
     let per_device = run_spmd(&mesh, &opts, |dev| -> Result<Samples, TrainError> {
-        let threads = dev.threads();
-        let mut cx = Ctx::new(dev.comm(), threads);
-        let mut a = Trainer::new(&mut cx, &tagged, source.clone(), None)?;
-        let mut b = Trainer::new(&mut cx, &untagged, source.clone(), None)?;
-        let mut c = Trainer::new(&mut cx, &ga1, source.clone(), None)?;
-        a.step(&mut cx)?; // warm-up
-        b.step(&mut cx)?;
-        c.step(&mut cx)?;
-        let mut pairs_out = Vec::new();
-        let mut ga1_times = Vec::new();
-        for i in 0..pairs {
-            // A: tagged, B: untagged; the GA-1 step after each pair.
-            let (ma, mb) = abba_pair(i, |side| match side {
-                Side::A => a.step(&mut cx),
-                Side::B => b.step(&mut cx),
-            })?;
-            pairs_out.push(StepPair::of(&ma, &mb));
-            ga1_times.push(c.step(&mut cx)?.seconds);
-        }
-        // `a`: every parameter's gradient all-reduced over the batch axes, one call each.
-        let sizes: Vec<usize> = a
-            .engine()
-            .param_infos()
-            .iter()
-            .map(|p| p.shape.iter().product())
-            .collect();
-        let mut buffers: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1.0; n]).collect();
-        let mut reduce_times = Vec::new();
-        for _ in 0..pairs.max(3) {
-            let t = Instant::now();
-            for buf in &mut buffers {
-                cx.comm().all_reduce(&["data"], buf)?;
+        on_device(dev, |cx| {
+            let mut a = Trainer::new(cx, &tagged, source.clone(), None)?;
+            let mut b = Trainer::new(cx, &untagged, source.clone(), None)?;
+            let mut c = Trainer::new(cx, &ga1, source.clone(), None)?;
+            a.step(cx)?; // warm-up
+            b.step(cx)?;
+            c.step(cx)?;
+            let mut pairs_out = Vec::new();
+            let mut ga1_times = Vec::new();
+            for i in 0..pairs {
+                // A: tagged, B: untagged; the GA-1 step after each pair.
+                let (ma, mb) = abba_pair(i, |side| match side {
+                    Side::A => a.step(cx),
+                    Side::B => b.step(cx),
+                })?;
+                pairs_out.push(StepPair::of(&ma, &mb));
+                ga1_times.push(c.step(cx)?.seconds);
             }
-            reduce_times.push(t.elapsed().as_secs_f64());
-        }
-        Ok((pairs_out, ga1_times, reduce_times, sizes.iter().sum()))
+            // `a`: every parameter's gradient all-reduced over the batch axes, one call each.
+            let sizes: Vec<usize> = a
+                .engine()
+                .param_infos()
+                .iter()
+                .map(|p| p.shape.iter().product())
+                .collect();
+            let mut buffers: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![1.0; n]).collect();
+            let mut reduce_times = Vec::new();
+            for _ in 0..pairs.max(3) {
+                let t = Instant::now();
+                for buf in &mut buffers {
+                    cx.comm().all_reduce(&["data"], buf)?;
+                }
+                reduce_times.push(t.elapsed().as_secs_f64());
+            }
+            Ok((pairs_out, ga1_times, reduce_times, sizes.iter().sum()))
+        })
     })
     .map_err(TrainError::from)?;
     let (samples, ga1_times, reduce_times, parameters) = &per_device[0];
