@@ -1,21 +1,26 @@
-//! The matrix-product kernel behind [`crate::dot_general`] and the grouped products: the system's
-//! OpenBLAS when this machine has one, else the `gemm` crate.
+//! The matrix-product kernel behind [`crate::dot_general`] and the grouped products: Intel MKL
+//! or OpenBLAS when this machine has one, else the `gemm` crate.
 //!
-//! OpenBLAS is opened at run time (`dlopen` of `libopenblas.so.0`, Debian's
-//! `libopenblas0-pthread`), not linked: the build needs nothing outside the Rust registry, and a
-//! machine without the library runs the same binary on `gemm`. Measured here (one thread,
-//! qwen3-peer's products, 512 × 256…1024): OpenBLAS 0.3.21's SkylakeX kernel 161–182 GFLOP/s,
-//! `gemm` 0.19 94–114 GFLOP/s (`ferrotext bench kernels`).
+//! The BLAS is opened at run time (`dlopen`), not linked: the build needs nothing outside the
+//! Rust registry, and a machine without one runs the same binary on `gemm`. MKL's single
+//! runtime library (`libmkl_rt.so.3`, PyPI's `mkl` wheel; `.ci/install-mkl` puts it where the
+//! loader finds it) is tried first, then OpenBLAS (`libopenblas.so.0`, Debian's
+//! `libopenblas0-pthread`). Measured here, one thread, hot operands, qwen3-peer's products at
+//! 128 rows (a device's micro-batch at data=4): MKL 2026.2 172–203 GFLOP/s, OpenBLAS 0.3.21's
+//! SkylakeX kernel 139–169, `gemm` 0.19 102–111 (`ferrotext bench kernels`, and the same
+//! shapes through each library's `cblas_sgemm`); whole qwen3-peer steps (GA 4), MKL vs
+//! OpenBLAS: data=4 307–319 → 267–284 ms, data=1 293–317 → 274–286 ms, alternated runs.
 //!
 //! Invariants:
-//! * OpenBLAS runs with one thread (`openblas_set_num_threads(1)` at load): every call computes
-//!   in its caller's thread, so a device never uses more cores than its budget, and many device
-//!   threads may call at once. A build that says `SINGLE_THREADED` (Debian's
-//!   `libopenblas0-serial`) is not used: it is not made for concurrent callers.
+//! * The BLAS computes on its caller's thread only: MKL's sequential threading layer (chosen
+//!   before any other MKL call), OpenBLAS with `openblas_set_num_threads(1)`. So a device
+//!   never uses more cores than its budget, and many device threads may call at once. An
+//!   OpenBLAS build that says `SINGLE_THREADED` (Debian's `libopenblas0-serial`) is not used: it
+//!   is not made for concurrent callers.
 //! * The choice is made once per process and never changes, so one process's results have the
-//!   same bits run after run. `FERROTEXT_MATMUL=gemm` forces the `gemm` crate (comparisons,
+//!   same bits run after run. `FERROTEXT_MATMUL=mkl|openblas|gemm` forces one (comparisons,
 //!   bitwise checks against other machines).
-//! * Operands OpenBLAS cannot take (a stride other than 1 on both axes, or a negative one) go to
+//! * Operands a BLAS cannot take (a stride other than 1 on both axes, or a negative one) go to
 //!   `gemm`, which takes any strides.
 
 use std::ffi::{c_char, c_float, c_int, CStr};
@@ -48,31 +53,58 @@ const CBLAS_TRANS: c_int = 112;
 const MIN_BLOCK_ROWS: usize = 64;
 
 /// Multiply-adds (rows × n × k) every block of a split product has at least: far above the
-/// size below which OpenBLAS switches to its small-matrix kernels (whose sums are ordered
+/// size below which a BLAS switches to its small-matrix kernels (whose sums are ordered
 /// differently), so a block is computed exactly as its rows of the whole product are.
 const REGULAR_KERNEL_MIN: usize = 1 << 22;
 
-/// The library names tried, in order.
-const LIBRARIES: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
+/// OpenBLAS's names, in the order tried.
+const OPENBLAS: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
 
-/// An opened OpenBLAS.
-struct OpenBlas {
+/// Intel MKL's single dynamic library (`libmkl_rt`), newest interface first.
+const MKL: [&str; 3] = ["libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"];
+
+/// `MKL_THREADING_SEQUENTIAL` for `MKL_Set_Threading_Layer`.
+const MKL_THREADING_SEQUENTIAL: c_int = 1;
+
+/// An opened BLAS: its `cblas_sgemm`, set to compute on its caller's thread only.
+struct Blas {
     sgemm: Sgemm,
-    /// `openblas_get_config()`, e.g. `OpenBLAS 0.3.21 DYNAMIC_ARCH … SkylakeX MAX_THREADS=64`.
-    config: String,
-    /// `openblas_get_corename()`, e.g. `SkylakeX`.
-    core: String,
+    /// What it is, for run headers: `OpenBLAS 0.3.21 (SkylakeX, one thread per call)`.
+    description: String,
     /// Keeps the library mapped while `sgemm` may be called.
     _library: libloading::Library,
 }
 
-static KERNEL: OnceLock<Option<OpenBlas>> = OnceLock::new();
+static KERNEL: OnceLock<Option<Blas>> = OnceLock::new();
 
-fn open() -> Option<OpenBlas> {
-    if std::env::var("FERROTEXT_MATMUL").is_ok_and(|v| v == "gemm") {
+/// The library `FERROTEXT_MATMUL` asks for (`mkl`, `openblas` or `gemm`), else the first found
+/// of MKL and OpenBLAS; `None` means the `gemm` crate.
+fn open() -> Option<Blas> {
+    match std::env::var("FERROTEXT_MATMUL").as_deref() {
+        Ok("gemm") => None,
+        Ok("openblas") => open_openblas(),
+        Ok("mkl") => open_mkl(),
+        _ => open_mkl().or_else(open_openblas),
+    }
+}
+
+/// Reads a static NUL-terminated string a library function returns.
+///
+/// # Safety
+/// `f` must return null or a pointer to a NUL-terminated string that stays valid.
+unsafe fn text(f: unsafe extern "C" fn() -> *const c_char) -> Option<String> {
+    // SAFETY: the caller's contract.
+    let p = unsafe { f() };
+    if p.is_null() {
         return None;
     }
-    LIBRARIES.iter().find_map(|name| {
+    // SAFETY: non-null, NUL-terminated and valid, by the caller's contract.
+    let s = unsafe { CStr::from_ptr(p) };
+    Some(s.to_string_lossy().trim().to_string())
+}
+
+fn open_openblas() -> Option<Blas> {
+    OPENBLAS.iter().find_map(|name| {
         // SAFETY: loading OpenBLAS runs its initialisers, which only set up its own state.
         let library = unsafe { libloading::Library::new(name) }.ok()?;
         // SAFETY: the symbols are OpenBLAS's, with the C signatures written here; the strings
@@ -82,46 +114,84 @@ fn open() -> Option<OpenBlas> {
             let threads = *library
                 .get::<unsafe extern "C" fn(c_int)>(b"openblas_set_num_threads\0")
                 .ok()?;
-            let text = |symbol: &[u8]| -> Option<String> {
-                let f = *library
-                    .get::<unsafe extern "C" fn() -> *const c_char>(symbol)
-                    .ok()?;
-                let p = f();
-                (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().trim().to_string())
+            type Text = unsafe extern "C" fn() -> *const c_char;
+            let config = text(*library.get::<Text>(b"openblas_get_config\0").ok()?)?;
+            let core = match library.get::<Text>(b"openblas_get_corename\0") {
+                Ok(f) => text(*f).unwrap_or_default(),
+                Err(_) => String::new(),
             };
-            let config = text(b"openblas_get_config\0")?;
-            let core = text(b"openblas_get_corename\0").unwrap_or_default();
             if config.contains("SINGLE_THREADED") {
                 return None;
             }
             threads(1);
-            Some(OpenBlas {
+            let version = config
+                .split_whitespace()
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" ");
+            Some(Blas {
                 sgemm,
-                config,
-                core,
+                description: format!("{version} ({core}, one thread per call)"),
                 _library: library,
             })
         }
     })
 }
 
-fn kernel() -> Option<&'static OpenBlas> {
+fn open_mkl() -> Option<Blas> {
+    MKL.iter().find_map(|name| {
+        // SAFETY: loading MKL runs its initialisers, which only set up its own state.
+        let library = unsafe { libloading::Library::new(name) }.ok()?;
+        // SAFETY: the symbols are MKL's, with the C signatures written here. The threading
+        // layer is chosen before any other MKL call, as MKL requires.
+        unsafe {
+            let layer = *library
+                .get::<unsafe extern "C" fn(c_int) -> c_int>(b"MKL_Set_Threading_Layer\0")
+                .ok()?;
+            if layer(MKL_THREADING_SEQUENTIAL) != MKL_THREADING_SEQUENTIAL {
+                return None;
+            }
+            let sgemm = *library.get::<Sgemm>(b"cblas_sgemm\0").ok()?;
+            let mut buf = [0 as c_char; 198];
+            let version = match library
+                .get::<unsafe extern "C" fn(*mut c_char, c_int)>(b"MKL_Get_Version_String\0")
+            {
+                Ok(f) => {
+                    f(buf.as_mut_ptr(), buf.len() as c_int - 1);
+                    mkl_version(&CStr::from_ptr(buf.as_ptr()).to_string_lossy())
+                }
+                Err(_) => "Intel MKL".to_string(),
+            };
+            Some(Blas {
+                sgemm,
+                description: format!("{version} (sequential, one thread per call)"),
+                _library: library,
+            })
+        }
+    })
+}
+
+/// "Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build …" → "Intel MKL 2026.2".
+fn mkl_version(full: &str) -> String {
+    match full.split_once("Version ") {
+        Some((_, rest)) => {
+            let v = rest.split(|c: char| c == '-' || c.is_whitespace()).next();
+            format!("Intel MKL {}", v.unwrap_or_default())
+        }
+        None => "Intel MKL".to_string(),
+    }
+}
+
+fn kernel() -> Option<&'static Blas> {
     KERNEL.get_or_init(open).as_ref()
 }
 
 /// What computes matrix products in this process, for run headers and benchmarks: `OpenBLAS
-/// 0.3.21 (SkylakeX, one thread per call)` or `the gemm crate`.
+/// 0.3.21 (SkylakeX, one thread per call)`, `Intel(R) oneAPI Math Kernel Library … (sequential,
+/// one thread per call)` or `the gemm crate`.
 pub fn matmul_kernel() -> String {
     match kernel() {
-        Some(k) => {
-            let version = k
-                .config
-                .split_whitespace()
-                .take(2)
-                .collect::<Vec<_>>()
-                .join(" ");
-            format!("{version} ({}, one thread per call)", k.core)
-        }
+        Some(k) => k.description.clone(),
         None => "the gemm crate".into(),
     }
 }
@@ -151,7 +221,7 @@ pub(crate) struct Operand {
 
 /// `dst = a · b` for `a` m×k and `b` k×n, `dst` row-major m×n (its contents are not read), on
 /// this process's kernel. With `parallelism = Rayon(t)`, `gemm` splits the product itself;
-/// OpenBLAS gets up to `t` row blocks of a product large enough (see [`REGULAR_KERNEL_MIN`]),
+/// a BLAS gets up to `t` row blocks of a product large enough (see [`REGULAR_KERNEL_MIN`]),
 /// one call each on the rayon pool. Either way the bits do not depend on `parallelism`.
 ///
 /// # Safety
@@ -176,7 +246,7 @@ pub(crate) unsafe fn sgemm(
 /// As [`sgemm`], with `dst`'s rows `ldc` elements apart.
 #[allow(clippy::too_many_arguments)]
 unsafe fn sgemm_on(
-    blas: Option<&OpenBlas>,
+    blas: Option<&Blas>,
     m: usize,
     n: usize,
     k: usize,
@@ -186,10 +256,10 @@ unsafe fn sgemm_on(
     b: Operand,
     parallelism: gemm::Parallelism,
 ) {
-    // With threads to spare, OpenBLAS gets one call per thread on its own rows — only when
-    // every block is far above OpenBLAS's small-matrix kernel, so the blocks take the same
-    // kernel as the whole product, and its rows of a block are bitwise its rows of the whole
-    // (the kernel test checks this on 1, 2 and 3 threads).
+    // With threads to spare, the BLAS gets one call per thread on its own rows — only when
+    // every block is far above its small-matrix kernels, so the blocks take the same kernel
+    // as the whole product, and its rows of a block are bitwise its rows of the whole (the
+    // kernel test checks this for each library on 1, 2 and 3 threads).
     let blocks = match parallelism {
         gemm::Parallelism::Rayon(t) if blas.is_some() => {
             let t = t.min(m / MIN_BLOCK_ROWS);
@@ -316,7 +386,7 @@ mod tests {
 
     #[allow(clippy::too_many_arguments)]
     fn product(
-        blas: Option<&OpenBlas>,
+        blas: Option<&Blas>,
         m: usize,
         n: usize,
         k: usize,
@@ -354,12 +424,21 @@ mod tests {
         dst
     }
 
-    /// Both kernels against an f64 loop, on every layout `dot_general` hands them (row-major,
-    /// transposed, padded rows, a layout only `gemm` takes), in one call and in blocks, on 1, 2
-    /// and 3 threads with the same bits. Without OpenBLAS on this machine only `gemm`
-    /// runs (the kernel line of the run header says which).
+    /// Every kernel this machine has (`gemm`, MKL, OpenBLAS) against an f64 loop, on every
+    /// layout `dot_general` hands them (row-major, transposed, padded rows, a layout only `gemm`
+    /// takes), in one call and in blocks, on 1, 2 and 3 threads with the same bits. Without
+    /// a BLAS on this machine only `gemm` runs.
     #[test]
-    fn both_kernels_match_an_f64_product_on_every_layout() {
+    fn every_kernel_matches_an_f64_product_on_every_layout() {
+        // `gemm`, and each BLAS this machine has (opened here, whichever the process uses).
+        let libraries: Vec<Option<Blas>> = std::iter::once(None)
+            .chain(
+                [open_mkl(), open_openblas()]
+                    .into_iter()
+                    .flatten()
+                    .map(Some),
+            )
+            .collect();
         // Too small to split; split over 2 or 3 threads (uneven blocks), and a wide product.
         for (m, n, k) in [(300, 70, 130), (601, 170, 130), (130, 1100, 150)] {
             let data = |len: usize, seed: u32| -> Vec<f32> {
@@ -382,9 +461,8 @@ mod tests {
                 ((k + 3, 1), (n + 5, 1)),
                 ((2 * k + 3, 2), (n, 1)),
             ];
-            let kernels: Vec<Option<&OpenBlas>> =
-                std::iter::once(None).chain(kernel().map(Some)).collect();
-            for blas in kernels {
+            for blas in &libraries {
+                let blas = blas.as_ref();
                 for &(sa, sb) in &layouts {
                     let want = reference(m, n, k, &a, sa, &b, sb);
                     let one = product(blas, m, n, k, &a, sa, &b, sb, 1);
@@ -404,6 +482,15 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn mkl_versions_are_shortened() {
+        assert_eq!(
+            mkl_version("Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build 20260915 for Intel(R) 64 architecture applications"),
+            "Intel MKL 2026.2"
+        );
+        assert_eq!(mkl_version("something else"), "Intel MKL");
     }
 
     #[test]

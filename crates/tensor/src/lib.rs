@@ -3,8 +3,8 @@ The `tensor` layer of ferrotext: one device's dense `f32` tensors and the kernel
 need. It must not know about meshes or collectives: a [`Tensor`] is just this device's block.
 
 Main items: [`Tensor`] (row-major, contiguous; structural ops copy, reshape does not),
-elementwise maps with NumPy broadcasting, reductions, [`dot_general`] (on the system's OpenBLAS
-when there is one, else the `gemm` crate: [`matmul_kernel`] says which) with arbitrary batch and
+elementwise maps with NumPy broadcasting, reductions, [`dot_general`] (on Intel MKL or OpenBLAS
+when the machine has one, else the `gemm` crate: [`matmul_kernel`] says which) with arbitrary batch and
 contracting dimensions, and the model kernels (softmax, RMSNorm, RoPE,
 SiLU, cross-entropy, gather/scatter-add, top-k), each forward beside its backward.
 

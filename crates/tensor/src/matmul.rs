@@ -1,5 +1,5 @@
 //! `dot_general`: batched matrix products over arbitrary batch and contracting dimensions, on
-//! OpenBLAS when the machine has it and the `gemm` crate otherwise ([`crate::blas`]).
+//! MKL or OpenBLAS when the machine has one and the `gemm` crate otherwise ([`crate::blas`]).
 //!
 //! Layout: the output is `[batch..., lhs free..., rhs free...]`, row-major. Each operand is viewed
 //! as a strided `[B, M, K]` (lhs) or `[B, K, N]` (rhs) matrix stack *without copying* whenever
