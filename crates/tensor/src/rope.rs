@@ -7,6 +7,8 @@
 //! `beta_slow` rotations of the original context. The attention's softmax scale correction
 //! (`mscale`) is not part of the rotation: [`Rope::attention_scale_factor`] gives it.
 
+use std::sync::Arc;
+
 use crate::error::TensorError;
 use crate::parallel::{for_each_chunk, kernel_threads};
 use crate::tensor::Tensor;
@@ -113,13 +115,7 @@ pub fn rope_with(
     }
     let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
     let half = dim / 2;
-    let freqs = rope.frequencies(dim);
-    // One (sin, cos) table per call: position × pair, shared by every head and batch row.
-    let sign = if inverse { -1.0 } else { 1.0 };
-    let table: Vec<(f32, f32)> = positions
-        .iter()
-        .flat_map(|&p| freqs.iter().map(move |&f| (sign * p as f32 * f).sin_cos()))
-        .collect();
+    let table = rotation_table(rope, dim, positions, inverse);
     let mut y = x.clone();
     // One chunk per (batch row, position): all its heads turn by the same table row.
     for_each_chunk(
@@ -148,6 +144,64 @@ pub fn rope_with(
         },
     );
     Ok(y)
+}
+
+/// What a rotation table is computed from.
+#[derive(PartialEq)]
+struct TableKey {
+    rope: Rope,
+    dim: usize,
+    inverse: bool,
+    positions: Vec<usize>,
+}
+
+/// Tables this thread computed last, newest first: a step rotates the same positions forward
+/// and back dozens of times (every layer, queries and keys), so it computes each table once.
+const CACHED_TABLES: usize = 4;
+
+/// A table of `(sin, cos)` per position × pair.
+type Table = Arc<[(f32, f32)]>;
+
+thread_local! {
+    static TABLES: std::cell::RefCell<Vec<(TableKey, Table)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The `(sin, cos)` of every position × pair (`positions.len() × dim/2`, row-major), shared by
+/// every head and batch row; from this thread's cache when it computed the same table lately.
+/// A cached table has the same bits as a fresh one: it is the same computation.
+fn rotation_table(rope: &Rope, dim: usize, positions: &[usize], inverse: bool) -> Table {
+    let hit = TABLES.with(|t| {
+        let mut t = t.borrow_mut();
+        let at = t.iter().position(|(k, _)| {
+            k.rope == *rope && k.dim == dim && k.inverse == inverse && k.positions == positions
+        })?;
+        let entry = t.remove(at);
+        let table = entry.1.clone();
+        t.insert(0, entry);
+        Some(table)
+    });
+    if let Some(table) = hit {
+        return table;
+    }
+    let freqs = rope.frequencies(dim);
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let table: Table = positions
+        .iter()
+        .flat_map(|&p| freqs.iter().map(move |&f| (sign * p as f32 * f).sin_cos()))
+        .collect();
+    TABLES.with(|t| {
+        let mut t = t.borrow_mut();
+        t.truncate(CACHED_TABLES - 1);
+        let key = TableKey {
+            rope: *rope,
+            dim,
+            inverse,
+            positions: positions.to_vec(),
+        };
+        t.insert(0, (key, table.clone()));
+    });
+    table
 }
 
 #[cfg(test)]
@@ -189,6 +243,35 @@ mod tests {
         assert!((yarn[mid] - want).abs() <= 1e-6 * want);
         let m = 0.1 * 40f32.ln() + 1.0;
         assert!((deepseek().attention_scale_factor() - m * m).abs() < 1e-6);
+    }
+
+    /// More keys than the cache keeps, twice over, each against the same rotation computed on
+    /// a fresh thread (an empty cache): a cached table has the bits of a fresh one, and a
+    /// different position list, direction, variant or width never gets another's table.
+    #[test]
+    fn cached_tables_give_the_bits_of_fresh_ones_and_only_for_their_own_key() {
+        let x = Tensor::from_fn(&[3, 2, 8], |i| (i as f32 * 0.37).sin());
+        let wide = Tensor::from_fn(&[3, 1, 16], |i| (i as f32 * 0.21).cos());
+        let keys: Vec<(Tensor, Vec<usize>, Rope, bool)> = vec![
+            (x.clone(), vec![0, 5, 9], deepseek(), false),
+            (x.clone(), vec![0, 5, 9], deepseek(), true),
+            (x.clone(), vec![0, 5, 8], deepseek(), false),
+            (x.clone(), vec![0, 5, 9], Rope::standard(10_000.0), false),
+            (x.clone(), vec![0, 5, 9], Rope::standard(500.0), false),
+            (wide.clone(), vec![0, 5, 9], Rope::standard(10_000.0), false),
+        ];
+        assert!(keys.len() > CACHED_TABLES);
+        for _round in 0..2 {
+            for (x, positions, rope, inverse) in &keys {
+                let here = rope_with(x, positions, rope, *inverse).unwrap();
+                let (x, positions, rope, inverse) = (x.clone(), positions.clone(), *rope, *inverse);
+                let fresh = std::thread::spawn(move || rope_with(&x, &positions, &rope, inverse))
+                    .join()
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(here, fresh);
+            }
+        }
     }
 
     /// Interleaved pairs rotate (2i, 2i+1); the inverse undoes it; norms are kept.
