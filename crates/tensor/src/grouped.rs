@@ -113,8 +113,13 @@ pub fn grouped_matmul(
     group_sizes: &[usize],
     threads: usize,
 ) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("grouped_matmul");
     let (d, f, _) = check("grouped_matmul", x, w, group_sizes)?;
+    let rows: usize = group_sizes.iter().sum();
+    let _span = ferrotext_profile::span("grouped_matmul").map(|s| {
+        s.flops(2.0 * (rows * d * f) as f64)
+            .bytes(4.0 * (rows * (d + f) + w.len()) as f64)
+            .shapes(|| format!("{:?} x {:?}", x.shape(), w.shape()))
+    });
     let mut y = vec![0.0f32; x.shape()[0] * f];
     let mut row = 0;
     for (g, &size) in group_sizes.iter().enumerate() {
@@ -151,8 +156,14 @@ pub fn grouped_matmul_backward(
     dy: &Tensor,
     threads: usize,
 ) -> Result<(Tensor, Tensor), TensorError> {
-    let _span = ferrotext_profile::span("grouped_matmul_backward");
     let (d, f, e) = check("grouped_matmul_backward", x, w, group_sizes)?;
+    let rows: usize = group_sizes.iter().sum();
+    // dx = dy·wᵀ and dw = xᵀ·dy: twice the forward's products.
+    let _span = ferrotext_profile::span("grouped_matmul_backward").map(|s| {
+        s.flops(4.0 * (rows * d * f) as f64)
+            .bytes(4.0 * (2 * rows * (d + f) + 2 * w.len()) as f64)
+            .shapes(|| format!("{:?} x {:?}", x.shape(), w.shape()))
+    });
     let n = x.shape()[0];
     if dy.shape() != [n, f] {
         return Err(TensorError::shape(
