@@ -15,8 +15,11 @@
 //! overlap against GA (least squares; needs two GA values), whose intercept is `o + a` (`o`: the
 //! optimizer and everything else paid once a step). Each cell without overlap then carries the
 //! speedup `(N·(c + a) + o) / (N·c + a + o)` predicts (`(c + a) / (c + a/N)` for `o` = 0), and
-//! every cell the cost model's step fed
-//! with that `c` next to its step from the throughput measured outside the emulation.
+//! every cell the cost model's step fed with that `c` next to its step from the throughput
+//! measured outside the emulation. The fitted prediction also takes the network's latency as
+//! measured: a [`LATENCY_PROBE_BYTES`] all-reduce's time over its `2(n−1)` ring steps, which
+//! the per-micro-batch mode pays for each of its per-parameter all-reduces (software and
+//! scheduling on the shared cores cost far more than a wire's delay here).
 
 use std::path::{Path, PathBuf};
 
@@ -175,6 +178,13 @@ pub struct NetworkFit {
     /// `a`: one all-reduce of `gradient_bytes` on the network (median of a `bench collectives`
     /// job), ms.
     pub all_reduce_ms: f64,
+    /// One all-reduce of [`LATENCY_PROBE_BYTES`] on the network, ms: what a collective costs
+    /// besides its bytes here (software and scheduling on shared cores, plus any link delay).
+    pub small_all_reduce_ms: f64,
+    /// The link latency `α` that makes the cost model's all-reduce of [`LATENCY_PROBE_BYTES`]
+    /// take `small_all_reduce_ms` (`2(n−1)` latencies a ring), µs; the fitted predictions use
+    /// it in place of the link's delay when it is larger.
+    pub fitted_latency_us: f64,
     /// `c`: slope of the deferred steps without overlap against GA, ms per micro-batch.
     pub compute_ms: Option<f64>,
     /// The same fit's intercept: the per-step cost (`o + a`), ms.
@@ -296,9 +306,24 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
                 &scratch,
                 &stop,
             )?;
+            let small_all_reduce_ms = measure_all_reduce_ms(
+                &network,
+                args.devices_per_host,
+                LATENCY_PROBE_BYTES,
+                &scratch,
+                &stop,
+            )?;
+            let latency_s = fitted_latency_s(
+                small_all_reduce_ms,
+                hosts * args.devices_per_host,
+                spec_link.rate_bps,
+            );
             println!(
-                "  a = {all_reduce_ms:.1} ms: one all-reduce of the {} of gradients",
-                human_bytes(gradient_bytes)
+                "  a = {all_reduce_ms:.1} ms: one all-reduce of the {} of gradients; one of {} \
+                 takes {small_all_reduce_ms:.2} ms, a latency of {:.0} µs a ring step",
+                human_bytes(gradient_bytes),
+                human_bytes(LATENCY_PROBE_BYTES),
+                latency_s * 1e6
             );
             let first = cells.len();
             for spec in grid.iter().filter(|s| s.hosts == hosts && &s.link == link) {
@@ -319,10 +344,16 @@ pub fn run(args: &ClusterArgs, predict: Option<Predictor<'_>>) -> Result<()> {
             }
             drop(network);
             let fit = calibrate(
-                hosts,
-                link,
-                gradient_bytes,
-                all_reduce_ms,
+                NetworkFit {
+                    hosts,
+                    link: link.clone(),
+                    gradient_bytes,
+                    all_reduce_ms,
+                    small_all_reduce_ms,
+                    fitted_latency_us: latency_s * 1e6,
+                    compute_ms: None,
+                    intercept_ms: None,
+                },
                 &mut cells[first..],
                 predict,
             );
@@ -471,6 +502,20 @@ fn gradient_bytes(model: &str, set: &[String]) -> Result<usize> {
         .sum())
 }
 
+/// The all-reduce whose time calibrates the network's per-collective latency: small enough
+/// that its bytes cost nothing on any link of the grid (4 KiB is 33 µs at 1 Gbit/s).
+pub const LATENCY_PROBE_BYTES: usize = 4096;
+
+/// `α` (seconds) from a small all-reduce's time on `ranks` ranks: a ring all-reduce pays
+/// `2(ranks − 1)` latencies, and its bytes at the link rate are taken off first.
+fn fitted_latency_s(small_all_reduce_ms: f64, ranks: usize, link_bps: u64) -> f64 {
+    let steps = 2.0 * (ranks.max(2) - 1) as f64;
+    let wire = 2.0 * (ranks.max(2) - 1) as f64 / ranks.max(2) as f64
+        * (LATENCY_PROBE_BYTES * 8) as f64
+        / link_bps.max(1) as f64;
+    ((small_all_reduce_ms * 1e-3 - wire) / steps).max(0.0)
+}
+
 /// `a`: the median all-reduce time (ms) of `bytes` on `network`, from a `bench collectives` job.
 fn measure_all_reduce_ms(
     network: &Network,
@@ -480,7 +525,7 @@ fn measure_all_reduce_ms(
     stop: &std::sync::atomic::AtomicBool,
 ) -> Result<f64> {
     std::fs::create_dir_all(scratch).with_context(|| format!("creating {}", scratch.display()))?;
-    let out = scratch.join(format!("all-reduce-{}.json", network.hosts()));
+    let out = scratch.join(format!("all-reduce-{}-{bytes}.json", network.hosts()));
     let bytes = (bytes / 4).max(1) * 4;
     let job: Vec<String> = [
         "bench",
@@ -529,15 +574,14 @@ fn line_fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
 }
 
 /// Fits `c` on one network's cells (see the module docs) and fills each cell's formula speedup
-/// and its prediction with that `c`.
+/// and its prediction with that `c` and the network's fitted latency; returns `network` with
+/// the fit.
 fn calibrate(
-    hosts: usize,
-    link: &str,
-    gradient_bytes: usize,
-    a: f64,
+    network: NetworkFit,
     cells: &mut [Cell],
     predict: Option<Predictor<'_>>,
 ) -> NetworkFit {
+    let a = network.all_reduce_ms;
     let points: Vec<(f64, f64)> = cells
         .iter()
         .filter(|c| c.spec.overlap != Some(true))
@@ -552,19 +596,19 @@ fn calibrate(
             if cell.spec.overlap != Some(true) {
                 cell.formula_speedup = Some((n * (c + a) + o) / (n * c + a + o));
             }
+            // The network's measured per-collective latency, where it exceeds the link's delay.
+            let mut spec = cell.spec.clone();
+            spec.link_delay_s = spec.link_delay_s.max(network.fitted_latency_us * 1e-6);
             cell.predicted_with_fitted_compute_ms = PredictedMs {
-                per_micro_batch: predict.and_then(|p| p(&cell.spec, Mode::PerMicroBatch, Some(c))),
-                deferred: predict.and_then(|p| p(&cell.spec, Mode::Deferred, Some(c))),
+                per_micro_batch: predict.and_then(|p| p(&spec, Mode::PerMicroBatch, Some(c))),
+                deferred: predict.and_then(|p| p(&spec, Mode::Deferred, Some(c))),
             };
         }
     }
     NetworkFit {
-        hosts,
-        link: link.to_string(),
-        gradient_bytes,
-        all_reduce_ms: a,
         compute_ms: fit.map(|f| f.1),
         intercept_ms: fit.map(|f| f.0),
+        ..network
     }
 }
 
@@ -736,6 +780,34 @@ mod tests {
         }
     }
 
+    /// A network measured with `a` = 120 ms and a fitted latency of `latency_us`.
+    fn network(latency_us: f64) -> NetworkFit {
+        NetworkFit {
+            hosts: 2,
+            link: "1gbit".into(),
+            gradient_bytes: 8,
+            all_reduce_ms: 120.0,
+            small_all_reduce_ms: 0.0,
+            fitted_latency_us: latency_us,
+            compute_ms: None,
+            intercept_ms: None,
+        }
+    }
+
+    /// Hand-computed: 2 ranks, 4 KiB at 1 Gbit/s is 32.8 µs on the wire; 1.0328 ms in all
+    /// leaves 1000 µs over 2 ring steps. More ranks pay more steps; the latency is never
+    /// negative.
+    #[test]
+    fn the_latency_is_a_small_all_reduce_less_its_bytes_over_its_ring_steps() {
+        let wire_2 = (4096.0 * 8.0) / 1e9; // 2(n−1)/n = 1 for n = 2
+        let l = fitted_latency_s(1.0 + wire_2 * 1e3, 2, 1_000_000_000);
+        assert!((l - 500e-6).abs() < 1e-12, "{l}");
+        let wire_4 = 1.5 * (4096.0 * 8.0) / 1e9;
+        let l = fitted_latency_s(1.2 + wire_4 * 1e3, 4, 1_000_000_000);
+        assert!((l - 200e-6).abs() < 1e-12, "{l}");
+        assert_eq!(fitted_latency_s(0.0, 2, 1_000_000_000), 0.0);
+    }
+
     #[test]
     fn the_line_fit_recovers_a_line_and_needs_two_distinct_points() {
         let (i, s) = line_fit(&[(1.0, 130.0), (2.0, 230.0), (4.0, 430.0)]).unwrap();
@@ -759,11 +831,11 @@ mod tests {
             cell(4, Some(true), 10.0),
         ];
         let seen = std::sync::Mutex::new(Vec::new());
-        let predict = |_: &CellSpec, _: Mode, c: Option<f64>| {
-            seen.lock().unwrap().push(c);
+        let predict = |spec: &CellSpec, _: Mode, c: Option<f64>| {
+            seen.lock().unwrap().push((c, spec.link_delay_s));
             Some(1.0)
         };
-        let fit = calibrate(2, "1gbit", 8, 120.0, &mut cells, Some(&predict));
+        let fit = calibrate(network(250.0), &mut cells, Some(&predict));
         assert!((fit.compute_ms.unwrap() - 100.0).abs() < 1e-9);
         assert!((fit.intercept_ms.unwrap() - 150.0).abs() < 1e-9);
         // GA 4: (4·220 + 30) / (400 + 150) = 910 / 550.
@@ -773,15 +845,16 @@ mod tests {
         assert!(cells[1].formula_speedup.is_none() && cells[3].formula_speedup.is_none());
         let seen = seen.into_inner().unwrap();
         assert_eq!(seen.len(), 8);
-        assert!(seen
-            .iter()
-            .all(|c| c.is_some_and(|c| (c - 100.0).abs() < 1e-9)));
+        // Every prediction gets the fitted `c`, and the fitted latency in place of the delay.
+        assert!(seen.iter().all(|(c, delay)| {
+            c.is_some_and(|c| (c - 100.0).abs() < 1e-9) && (delay - 250e-6).abs() < 1e-15
+        }));
     }
 
     #[test]
     fn a_single_ga_fits_nothing() {
         let mut cells = vec![cell(4, Some(false), 550.0)];
-        let fit = calibrate(2, "1gbit", 8, 120.0, &mut cells, None);
+        let fit = calibrate(network(0.0), &mut cells, None);
         assert!(fit.compute_ms.is_none() && cells[0].formula_speedup.is_none());
     }
 }
