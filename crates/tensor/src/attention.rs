@@ -20,7 +20,7 @@
 use crate::error::TensorError;
 use crate::matmul::{gemm_views, MatView};
 use crate::nn::{causal_softmax_row, softmax_backward_row};
-use crate::parallel::{for_each_chunk, for_each_chunk2};
+use crate::parallel::{for_each_chunk, for_each_chunk2, Work};
 use crate::tensor::Tensor;
 
 /// What [`causal_attention`] returns.
@@ -144,6 +144,7 @@ pub fn causal_attention(
         &mut out,
         (d.t * d.dv).max(1),
         threads,
+        Work::Heavy,
         |bh, p, o| {
             let (b, h) = (bh / d.h, bh % d.h);
             let kvh = d.kv_head(h);
@@ -211,6 +212,7 @@ pub fn causal_attention_backward(
         &mut per_head,
         rest.max(1),
         threads,
+        Work::Heavy,
         |bh, dqb, r| {
             let (b, h) = (bh / d.h, bh % d.h);
             let kvh = d.kv_head(h);
@@ -253,26 +255,32 @@ fn group_sum(
     let g = d.h / d.kv;
     let mut out = vec![0.0f32; d.b * d.t * d.kv * w];
     // One chunk per (batch, position): its KV heads' rows.
-    for_each_chunk(&mut out, (d.kv * w).max(1), threads, |bt, row| {
-        let (b, s) = (bt / d.t, bt % d.t);
-        for (kvh, dst) in row.chunks_mut(w.max(1)).enumerate() {
-            let src = |j: usize| {
-                let bh = b * d.h + kvh * g + j;
-                &per_head[bh * stride + offset + s * w..][..w]
-            };
-            if g == 1 {
-                dst.copy_from_slice(src(0));
-                continue;
-            }
-            for (i, o) in dst.iter_mut().enumerate() {
-                let mut acc = -0.0f64;
-                for j in 0..g {
-                    acc += f64::from(src(j)[i]);
+    for_each_chunk(
+        &mut out,
+        (d.kv * w).max(1),
+        threads,
+        Work::Light,
+        |bt, row| {
+            let (b, s) = (bt / d.t, bt % d.t);
+            for (kvh, dst) in row.chunks_mut(w.max(1)).enumerate() {
+                let src = |j: usize| {
+                    let bh = b * d.h + kvh * g + j;
+                    &per_head[bh * stride + offset + s * w..][..w]
+                };
+                if g == 1 {
+                    dst.copy_from_slice(src(0));
+                    continue;
                 }
-                *o = acc as f32;
+                for (i, o) in dst.iter_mut().enumerate() {
+                    let mut acc = -0.0f64;
+                    for j in 0..g {
+                        acc += f64::from(src(j)[i]);
+                    }
+                    *o = acc as f32;
+                }
             }
-        }
-    });
+        },
+    );
     Tensor::new(vec![d.b, d.t, d.kv, w], out)
 }
 

@@ -5,7 +5,7 @@
 //! kernel thread budget), broadcasting goes through a strided gather.
 
 use crate::error::TensorError;
-use crate::parallel::{for_each_chunk, kernel_threads, tasks_for};
+use crate::parallel::{filled, for_each_chunk, kernel_threads, tasks_for, Work};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -111,15 +111,20 @@ impl Tensor {
     /// Every element times `k`.
     pub fn scale(&self, k: f32) -> Tensor {
         let _span = ferrotext_profile::span("elementwise");
-        if tasks_for(self.len(), kernel_threads()) == 1 {
+        if tasks_for(self.len(), kernel_threads(), Work::Light) == 1 {
             return self.map(|x| x * k);
         }
-        let mut y = vec![0.0f32; self.len()];
-        for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, run| {
-            for (o, &x) in run.iter_mut().zip(&self.data()[c * BLOCK..]) {
-                *o = x * k;
-            }
-        });
+        // SAFETY: every block is visited and `self` is as long as the output, so each block
+        // writes all its elements.
+        let y = unsafe {
+            filled(self.len(), |y| {
+                for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
+                    for (o, &x) in run.iter_mut().zip(&self.data()[c * BLOCK..]) {
+                        o.write(x * k);
+                    }
+                })
+            })
+        };
         Tensor::new(self.shape().to_vec(), y).unwrap_or_else(|_| unreachable!("same element count"))
         // ok: length preserved
     }
@@ -132,17 +137,24 @@ impl Tensor {
         f: impl Fn(f32, f32) -> f32 + Sync,
     ) -> Result<Tensor, TensorError> {
         let _span = ferrotext_profile::span("elementwise");
-        if self.shape() != other.shape() || tasks_for(self.len(), kernel_threads()) == 1 {
+        if self.shape() != other.shape()
+            || tasks_for(self.len(), kernel_threads(), Work::Light) == 1
+        {
             return self.zip_with(other, f); // one pass collecting, no zeroed buffer first
         }
-        // A fresh (zeroed, so untouched-page) buffer written once: no clone pass.
-        let mut y = vec![0.0f32; self.len()];
-        for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, run| {
-            let (a, b) = (&self.data()[c * BLOCK..], &other.data()[c * BLOCK..]);
-            for ((o, &a), &b) in run.iter_mut().zip(a).zip(b) {
-                *o = f(a, b);
-            }
-        });
+        // The output written once, uninitialised before: no clone or zeroing pass.
+        // SAFETY: every block is visited and both inputs are as long as the output (equal
+        // shapes), so each block writes all its elements.
+        let y = unsafe {
+            filled(self.len(), |y| {
+                for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
+                    let (a, b) = (&self.data()[c * BLOCK..], &other.data()[c * BLOCK..]);
+                    for ((o, &a), &b) in run.iter_mut().zip(a).zip(b) {
+                        o.write(f(a, b));
+                    }
+                })
+            })
+        };
         Tensor::new(self.shape().to_vec(), y)
     }
 }
@@ -175,7 +187,7 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, TensorEr
 /// tensors (a gradient bucket's flat buffer).
 pub fn add_assign_slice(dst: &mut [f32], src: &[f32]) {
     let _span = ferrotext_profile::span("elementwise");
-    for_each_chunk(dst, BLOCK, kernel_threads(), |c, run| {
+    for_each_chunk(dst, BLOCK, kernel_threads(), Work::Light, |c, run| {
         for (a, &b) in run.iter_mut().zip(&src[c * BLOCK..]) {
             *a += b;
         }

@@ -68,6 +68,117 @@ unsafe fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Partial sums of a lane reduction: one AVX-512 register of `f32`.
+const LANES: usize = 16;
+
+/// The 16 partial sums in a fixed tree (lane `j` with `j + 8`, then `+ 4`, `+ 2`, `+ 1`).
+#[inline(always)]
+fn fold_lanes(mut acc: [f32; LANES]) -> f32 {
+    let mut width = LANES / 2;
+    while width > 0 {
+        for j in 0..width {
+            acc[j] += acc[j + width];
+        }
+        width /= 2;
+    }
+    acc[0]
+}
+
+/// `Σᵢ f(aᵢ, bᵢ)` over two equally long slices, in 16 interleaved partial sums (element `i`
+/// goes to sum `i mod 16`) folded in a fixed tree: a sequential `f32` sum is a chain of
+/// dependent adds the compiler may not reorder, so it runs at one add per 4 cycles, while the
+/// lanes are one vector add per element group. The order depends only on the length, so the
+/// bits are the same on every thread count and with or without AVX-512.
+#[inline(always)]
+pub(crate) fn lane_sum2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (at, bt) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for j in 0..LANES {
+            acc[j] += f(x[j], y[j]);
+        }
+    }
+    for (j, (&x, &y)) in at.iter().zip(bt).enumerate() {
+        acc[j] += f(x, y);
+    }
+    fold_lanes(acc)
+}
+
+/// `Σᵢ f(aᵢ, bᵢ, cᵢ)` over three equally long slices, in lanes (see [`lane_sum2`]).
+#[inline(always)]
+pub(crate) fn lane_sum3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32) -> f32 {
+    let n = a.len().min(b.len()).min(c.len());
+    let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
+    let mut acc = [0.0f32; LANES];
+    let (ac, bc, cc) = (
+        a.chunks_exact(LANES),
+        b.chunks_exact(LANES),
+        c.chunks_exact(LANES),
+    );
+    let (at, bt, ct) = (ac.remainder(), bc.remainder(), cc.remainder());
+    for ((x, y), z) in ac.zip(bc).zip(cc) {
+        for j in 0..LANES {
+            acc[j] += f(x[j], y[j], z[j]);
+        }
+    }
+    for (j, ((&x, &y), &z)) in at.iter().zip(bt).zip(ct).enumerate() {
+        acc[j] += f(x, y, z);
+    }
+    fold_lanes(acc)
+}
+
+/// `Σᵢ xᵢ` in lanes (see [`lane_sum2`]).
+#[inline(always)]
+pub(crate) fn lane_sum(xs: &[f32]) -> f32 {
+    lane_sum2(xs, xs, |x, _| x)
+}
+
+/// `Σᵢ xᵢ` in `f64`, in 8 interleaved partial sums folded in a fixed tree (as [`lane_sum2`]).
+#[inline(always)]
+pub(crate) fn lane_sum_f64(xs: &[f32]) -> f64 {
+    const W: usize = 8;
+    let mut acc = [0.0f64; W];
+    let chunks = xs.chunks_exact(W);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for j in 0..W {
+            acc[j] += f64::from(c[j]);
+        }
+    }
+    for (j, &x) in tail.iter().enumerate() {
+        acc[j] += f64::from(x);
+    }
+    let mut width = W / 2;
+    while width > 0 {
+        for j in 0..width {
+            acc[j] += acc[j + width];
+        }
+        width /= 2;
+    }
+    acc[0]
+}
+
+/// The largest of `xs` (NaN ignored, as `f32::max` does; `−∞` for none), in lanes. A maximum
+/// does not depend on the order it is taken in, so this equals the sequential fold.
+#[inline(always)]
+pub(crate) fn lane_max(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for j in 0..LANES {
+            acc[j] = acc[j].max(c[j]);
+        }
+    }
+    for (j, &x) in tail.iter().enumerate() {
+        acc[j] = acc[j].max(x);
+    }
+    acc.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
 /// `1 / (1 + e^{−x})`, on [`exp`].
 #[inline(always)]
 pub(crate) fn sigmoid(x: f32) -> f32 {
@@ -97,6 +208,32 @@ mod tests {
         }
         assert!(checked > 1_000_000, "{checked}");
         assert!(worst <= 2, "worst {worst} ulp");
+    }
+
+    /// Lane sums against an f64 loop on every length up to a few lanes (tails of every size),
+    /// the same bits whichever of `lane_sum` / `lane_sum2` computes them, and the max equal to
+    /// the sequential fold, NaN ignored.
+    #[test]
+    fn lane_reductions_match_plain_loops() {
+        for n in 0..70usize {
+            let xs: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+            let want: f64 = xs.iter().map(|&x| f64::from(x)).sum();
+            assert!((f64::from(lane_sum(&xs)) - want).abs() < 1e-5, "n {n}");
+            assert!((lane_sum_f64(&xs) - want).abs() < 1e-12, "n {n}");
+            let dot = lane_sum2(&xs, &xs, |a, b| a * b);
+            let want_dot: f64 = xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+            assert!((f64::from(dot) - want_dot).abs() < 1e-4, "n {n}");
+            assert_eq!(
+                lane_sum(&xs).to_bits(),
+                lane_sum2(&xs, &xs, |a, _| a).to_bits()
+            );
+            let seq = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(lane_max(&xs).to_bits(), seq.to_bits(), "n {n}");
+        }
+        assert_eq!(lane_max(&[1.0, f32::NAN, 3.0, -2.0]), 3.0);
+        assert_eq!(lane_max(&[]), f32::NEG_INFINITY);
+        // Exact where the order cannot matter: 1000 ones.
+        assert_eq!(lane_sum(&[1.0; 1000]), 1000.0);
     }
 
     #[test]

@@ -9,8 +9,10 @@
 //! depend on the thread count.
 
 use crate::error::TensorError;
-use crate::fastmath::{exp, sigmoid, vectorized};
-use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads};
+use crate::fastmath::{
+    exp, lane_max, lane_sum, lane_sum2, lane_sum3, lane_sum_f64, sigmoid, vectorized,
+};
+use crate::parallel::{filled, for_each_chunk, for_each_chunk2, kernel_threads, Work};
 use crate::rope::{rope_with, Rope};
 use crate::tensor::Tensor;
 
@@ -42,18 +44,21 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
     let _span = ferrotext_profile::span("softmax_last");
     let n = last_dim(x, "softmax")?;
     let mut y = x.clone();
-    for_each_chunk(y.data_mut(), n, kernel_threads(), |_, row| softmax_row(row));
+    for_each_chunk(y.data_mut(), n, kernel_threads(), Work::Heavy, |_, row| {
+        softmax_row(row)
+    });
     Ok(y)
 }
 
 /// One row of [`softmax_last`], in place.
 fn softmax_row(row: &mut [f32]) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // The exponentials in one vectorised pass, then their sum in order.
-    vectorized(|| row.iter_mut().for_each(|v| *v = exp(*v - max)));
-    let sum = row.iter().fold(0.0f32, |s, &v| s + v);
-    let inv = 1.0 / sum;
-    row.iter_mut().for_each(|v| *v *= inv);
+    // The max, the exponentials and their sum (in lanes), then the scaling: vector passes.
+    vectorized(|| {
+        let max = lane_max(row);
+        row.iter_mut().for_each(|v| *v = exp(*v - max));
+        let inv = 1.0 / lane_sum(row);
+        row.iter_mut().for_each(|v| *v *= inv);
+    });
 }
 
 /// Causal softmax over the last dim of `scale·x` for `x: [.., Tq, Tk]` with `Tk ≥ Tq`: the
@@ -76,7 +81,7 @@ pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
     let (tq, tk) = (x.shape()[r - 2], x.shape()[r - 1]);
     let past = tk - tq;
     let mut y = x.clone();
-    for_each_chunk(y.data_mut(), tk, kernel_threads(), |k, row| {
+    for_each_chunk(y.data_mut(), tk, kernel_threads(), Work::Heavy, |k, row| {
         causal_softmax_row(row, past + k % tq + 1, scale);
     });
     Ok(y)
@@ -85,11 +90,12 @@ pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
 /// One row of [`causal_softmax`] in place: softmax of `scale·row[..keep]`, zeros after.
 pub(crate) fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
     let (live, masked) = row.split_at_mut(keep);
-    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    vectorized(|| live.iter_mut().for_each(|v| *v = exp((*v - max) * scale)));
-    let sum = live.iter().fold(0.0f32, |s, &v| s + v);
-    let inv = 1.0 / sum;
-    live.iter_mut().for_each(|v| *v *= inv);
+    vectorized(|| {
+        let max = lane_max(live);
+        live.iter_mut().for_each(|v| *v = exp((*v - max) * scale));
+        let inv = 1.0 / lane_sum(live);
+        live.iter_mut().for_each(|v| *v *= inv);
+    });
     masked.fill(0.0);
 }
 
@@ -112,18 +118,26 @@ pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Te
     same_shape(y, dy, "softmax_backward")?;
     let n = last_dim(y, "softmax_backward")?;
     let mut dx = dy.clone();
-    for_each_chunk(dx.data_mut(), n, kernel_threads(), |i, drow| {
-        softmax_backward_row(drow, &y.data()[i * n..(i + 1) * n], scale);
-    });
+    for_each_chunk(
+        dx.data_mut(),
+        n,
+        kernel_threads(),
+        Work::Light,
+        |i, drow| {
+            softmax_backward_row(drow, &y.data()[i * n..(i + 1) * n], scale);
+        },
+    );
     Ok(dx)
 }
 
 /// One row of [`softmax_backward_scaled`]: `drow` holds dy and becomes dx.
 pub(crate) fn softmax_backward_row(drow: &mut [f32], yrow: &[f32], scale: f32) {
-    let dot: f32 = drow.iter().zip(yrow).map(|(d, y)| d * y).sum();
-    for (d, &yv) in drow.iter_mut().zip(yrow) {
-        *d = scale * yv * (*d - dot);
-    }
+    vectorized(|| {
+        let dot = lane_sum2(drow, yrow, |d, y| d * y);
+        for (d, &yv) in drow.iter_mut().zip(yrow) {
+            *d = scale * yv * (*d - dot);
+        }
+    });
 }
 
 /// RMSNorm over the last dim: `y = x · rsqrt(mean(x²) + eps) · scale`. Returns `y` and each row's
@@ -140,24 +154,33 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
             format!("scale {:?} for rows of {n}", scale.shape()),
         ));
     }
-    let mut y = x.clone();
     let mut inv = vec![0.0f32; x.len() / n];
-    for_each_chunk2(
-        y.data_mut(),
-        n,
-        &mut inv,
-        1,
-        kernel_threads(),
-        |_, row, r_out| {
-            let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
-            let r = 1.0 / (ms + eps).sqrt();
-            for (v, &s) in row.iter_mut().zip(scale.data()) {
-                *v *= r * s;
-            }
-            r_out[0] = r;
-        },
-    );
-    Ok((y, inv))
+    // One pass: each row read from `x`, written into the output (no copy of `x` first).
+    // SAFETY: every chunk is visited, and each writes all `n` elements of its row.
+    let y = unsafe {
+        filled(x.len(), |y| {
+            for_each_chunk2(
+                y,
+                n,
+                &mut inv,
+                1,
+                kernel_threads(),
+                Work::Light,
+                |i, out, r_out| {
+                    let row = &x.data()[i * n..(i + 1) * n];
+                    vectorized(|| {
+                        let ms = lane_sum2(row, row, |a, b| a * b) / n as f32;
+                        let r = 1.0 / (ms + eps).sqrt();
+                        for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
+                            o.write(v * (r * s));
+                        }
+                        r_out[0] = r;
+                    });
+                },
+            )
+        })
+    };
+    Ok((Tensor::new(x.shape().to_vec(), y)?, inv))
 }
 
 /// Backward of [`rms_norm`]. With `n = x·r` (r the row's inverse RMS):
@@ -180,29 +203,35 @@ pub fn rms_norm_backward(
             "row statistics do not fit".into(),
         ));
     }
-    let mut dx = Tensor::zeros(x.shape());
     let s = scale.data();
     // dx: rows are independent, split across the budget.
-    for_each_chunk(dx.data_mut(), n, kernel_threads(), |row, dxrow| {
-        let (xrow, dyrow) = (&x.data()[row * n..][..n], &dy.data()[row * n..][..n]);
-        let r = inv_rms[row];
-        let mut mean_gn = 0.0;
-        for i in 0..n {
-            mean_gn += dyrow[i] * s[i] * (xrow[i] * r);
-        }
-        mean_gn /= n as f32;
-        for i in 0..n {
-            let normed = xrow[i] * r;
-            dxrow[i] = r * (dyrow[i] * s[i] - normed * mean_gn);
+    // SAFETY: every chunk is visited, and each writes all `n` elements of its row.
+    let dx = unsafe {
+        filled(x.len(), |dx| {
+            for_each_chunk(dx, n, kernel_threads(), Work::Light, |row, dxrow| {
+                let (xrow, dyrow) = (&x.data()[row * n..][..n], &dy.data()[row * n..][..n]);
+                let r = inv_rms[row];
+                vectorized(|| {
+                    let mean_gn =
+                        lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r)) / n as f32;
+                    for (((dx, &d), &sc), &xv) in dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow) {
+                        dx.write(r * (d * sc - xv * r * mean_gn));
+                    }
+                });
+            })
+        })
+    };
+    let dx = Tensor::new(x.shape().to_vec(), dx)?;
+    // dscale sums over rows: in row order, on one thread (one multiply-add per element, a
+    // vector of them per row).
+    let mut dscale = vec![0.0f32; n];
+    vectorized(|| {
+        for ((xrow, dyrow), &r) in x.data().chunks(n).zip(dy.data().chunks(n)).zip(inv_rms) {
+            for ((ds, &d), &xv) in dscale.iter_mut().zip(dyrow).zip(xrow) {
+                *ds += d * (xv * r);
+            }
         }
     });
-    // dscale sums over rows: in row order, on one thread (one multiply-add per element).
-    let mut dscale = vec![0.0f32; n];
-    for ((xrow, dyrow), &r) in x.data().chunks(n).zip(dy.data().chunks(n)).zip(inv_rms) {
-        for i in 0..n {
-            dscale[i] += dyrow[i] * (xrow[i] * r);
-        }
-    }
     Ok((dx, Tensor::new(vec![n], dscale)?))
 }
 
@@ -226,15 +255,20 @@ pub fn rope(
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
     let _span = ferrotext_profile::span("swiglu");
     same_shape(g, u, "swiglu")?;
-    let mut y = vec![0.0f32; g.len()];
-    for_each_chunk(&mut y, BLOCK, kernel_threads(), |c, out| {
-        let (gs, us) = (&g.data()[c * BLOCK..], &u.data()[c * BLOCK..]);
-        vectorized(|| {
-            for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
-                *o = a * sigmoid(a) * b;
-            }
-        });
-    });
+    // SAFETY: every block is visited, and `g` and `u` are as long as the output, so each
+    // writes all its elements.
+    let y = unsafe {
+        filled(g.len(), |y| {
+            for_each_chunk(y, BLOCK, kernel_threads(), Work::Heavy, |c, out| {
+                let (gs, us) = (&g.data()[c * BLOCK..], &u.data()[c * BLOCK..]);
+                vectorized(|| {
+                    for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
+                        o.write(a * sigmoid(a) * b);
+                    }
+                });
+            })
+        })
+    };
     Tensor::new(g.shape().to_vec(), y)
 }
 
@@ -255,26 +289,36 @@ pub fn swiglu_backward(
     same_shape(g, u, "swiglu_backward")?;
     same_shape(g, dy, "swiglu_backward")?;
     let n = g.len();
-    let (mut dg, mut du) = (vec![0.0f32; n], vec![0.0f32; n]);
-    for_each_chunk2(
-        &mut dg,
-        BLOCK,
-        &mut du,
-        BLOCK,
-        kernel_threads(),
-        |c, dgs, dus| {
-            let at = c * BLOCK;
-            let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
-            vectorized(|| {
-                for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
-                    let (a, b, d) = (gs[i], us[i], dys[i]);
-                    let s = sigmoid(a);
-                    *dg = d * b * s * (1.0 + a * (1.0 - s));
-                    *du = d * a * s;
-                }
-            });
-        },
-    );
+    let mut du: Vec<f32> = Vec::with_capacity(n);
+    // SAFETY: every block of both outputs is visited, and `g`, `u` and `dy` are as long as
+    // they are, so each block writes all its elements of `dg` and of `du` (whose length is set
+    // only after).
+    let dg = unsafe {
+        filled(n, |dg| {
+            for_each_chunk2(
+                dg,
+                BLOCK,
+                &mut du.spare_capacity_mut()[..n],
+                BLOCK,
+                kernel_threads(),
+                Work::Heavy,
+                |c, dgs, dus| {
+                    let at = c * BLOCK;
+                    let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
+                    vectorized(|| {
+                        for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
+                            let (a, b, d) = (gs[i], us[i], dys[i]);
+                            let s = sigmoid(a);
+                            dg.write(d * b * s * (1.0 + a * (1.0 - s)));
+                            du.write(d * a * s);
+                        }
+                    });
+                },
+            )
+        })
+    };
+    // SAFETY: as above, every element of `du` was written.
+    unsafe { du.set_len(n) };
     Ok((
         Tensor::new(g.shape().to_vec(), dg)?,
         Tensor::new(g.shape().to_vec(), du)?,
@@ -285,9 +329,15 @@ pub fn swiglu_backward(
 pub fn silu(x: &Tensor) -> Tensor {
     let _span = ferrotext_profile::span("silu");
     let mut y = x.clone();
-    for_each_chunk(y.data_mut(), BLOCK, kernel_threads(), |_, c| {
-        c.iter_mut().for_each(|v| *v *= sigmoid(*v));
-    });
+    for_each_chunk(
+        y.data_mut(),
+        BLOCK,
+        kernel_threads(),
+        Work::Heavy,
+        |_, c| {
+            c.iter_mut().for_each(|v| *v *= sigmoid(*v));
+        },
+    );
     y
 }
 
@@ -305,11 +355,17 @@ pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
         return x.zip_with(dy, f); // broadcasting: the general path
     }
     let mut dx = dy.clone();
-    for_each_chunk(dx.data_mut(), BLOCK, kernel_threads(), |c, ds| {
-        for (d, &v) in ds.iter_mut().zip(&x.data()[c * BLOCK..]) {
-            *d = f(v, *d);
-        }
-    });
+    for_each_chunk(
+        dx.data_mut(),
+        BLOCK,
+        kernel_threads(),
+        Work::Heavy,
+        |c, ds| {
+            for (d, &v) in ds.iter_mut().zip(&x.data()[c * BLOCK..]) {
+                *d = f(v, *d);
+            }
+        },
+    );
     Ok(dx)
 }
 
@@ -370,13 +426,16 @@ pub fn cross_entropy(
         &mut stats,
         1,
         kernel_threads(),
+        Work::Heavy,
         |i, prow, stat| {
             let row = &logits.data()[i * v..(i + 1) * v];
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            // One vectorised pass of exponentials, summed in f64 for log Z and normalised into
-            // the probabilities.
-            vectorized(|| prow.iter_mut().for_each(|x| *x = exp(*x - max)));
-            let sum: f64 = prow.iter().map(|&e| f64::from(e)).sum();
+            // One vectorised pass of exponentials, summed in f64 (in lanes) for log Z and
+            // normalised into the probabilities.
+            let (max, sum) = vectorized(|| {
+                let max = lane_max(row);
+                prow.iter_mut().for_each(|x| *x = exp(*x - max));
+                (max, lane_sum_f64(prow))
+            });
             let lz = max as f64 + sum.ln();
             let m = mask[i];
             let term = if m != 0.0 {
@@ -386,7 +445,7 @@ pub fn cross_entropy(
             };
             stat[0] = (lz as f32, term);
             let inv = (1.0 / sum) as f32;
-            prow.iter_mut().for_each(|p| *p *= inv);
+            vectorized(|| prow.iter_mut().for_each(|p| *p *= inv));
         },
     );
     let mut loss = 0.0f64;
@@ -435,7 +494,7 @@ pub fn cross_entropy_backward(
         ));
     }
     let mut d = probs.clone();
-    for_each_chunk(d.data_mut(), v, kernel_threads(), |i, row| {
+    for_each_chunk(d.data_mut(), v, kernel_threads(), Work::Light, |i, row| {
         let k = dloss * mask[i];
         let kp = k * (1.0 + 2.0 * z_loss * ce.log_z[i]);
         row.iter_mut().for_each(|x| *x *= kp);
@@ -818,22 +877,49 @@ mod tests {
         use super::Tensor;
         use crate::fastmath::exp;
 
+        /// The order the kernels sum a row in, written out: term `i` into partial `i mod 16`,
+        /// the partials folded `j + 8`, `+ 4`, `+ 2`, `+ 1`.
+        pub fn lanes(terms: impl Iterator<Item = f32>) -> f32 {
+            let mut p = [0.0f32; 16];
+            for (i, t) in terms.enumerate() {
+                p[i % 16] += t;
+            }
+            for w in [8, 4, 2, 1] {
+                for j in 0..w {
+                    p[j] += p[j + w];
+                }
+            }
+            p[0]
+        }
+
+        /// As [`lanes`], in `f64` with 8 partials.
+        pub fn lanes_f64(terms: impl Iterator<Item = f32>) -> f64 {
+            let mut p = [0.0f64; 8];
+            for (i, t) in terms.enumerate() {
+                p[i % 8] += f64::from(t);
+            }
+            for w in [4, 2, 1] {
+                for j in 0..w {
+                    p[j] += p[j + w];
+                }
+            }
+            p[0]
+        }
+
         pub fn softmax(x: &Tensor, n: usize, causal: Option<f32>) -> Vec<f32> {
             let mut y = x.data().to_vec();
             for (k, row) in y.chunks_mut(n).enumerate() {
                 let (keep, scale) = causal.map_or((n, 1.0), |s| (k % n + 1, s));
                 let (live, masked) = row.split_at_mut(keep);
                 let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
                 for v in live.iter_mut() {
                     *v = if causal.is_some() {
                         exp((*v - max) * scale)
                     } else {
                         exp(*v - max)
                     };
-                    sum += *v;
                 }
-                let inv = 1.0 / sum;
+                let inv = 1.0 / lanes(live.iter().copied());
                 live.iter_mut().for_each(|v| *v *= inv);
                 masked.fill(0.0);
             }
@@ -844,7 +930,7 @@ mod tests {
             let n = s.len();
             let (mut y, mut inv) = (Vec::new(), Vec::new());
             for row in x.chunks(n) {
-                let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
+                let ms = lanes(row.iter().map(|v| v * v)) / n as f32;
                 let r = 1.0 / (ms + eps).sqrt();
                 y.extend(row.iter().zip(s).map(|(v, s)| v * (r * s)));
                 inv.push(r);
@@ -858,13 +944,10 @@ mod tests {
             let mut ds = vec![0.0f32; n];
             for (row, &r) in inv.iter().enumerate() {
                 let (xr, dyr) = (&x[row * n..][..n], &dy[row * n..][..n]);
-                let mut mean_gn = 0.0;
                 for i in 0..n {
-                    let normed = xr[i] * r;
-                    ds[i] += dyr[i] * normed;
-                    mean_gn += dyr[i] * s[i] * normed;
+                    ds[i] += dyr[i] * (xr[i] * r);
                 }
-                mean_gn /= n as f32;
+                let mean_gn = lanes((0..n).map(|i| dyr[i] * s[i] * (xr[i] * r))) / n as f32;
                 for i in 0..n {
                     dx[row * n + i] = r * (dyr[i] * s[i] - xr[i] * r * mean_gn);
                 }
@@ -896,7 +979,7 @@ mod tests {
                     .chunks(n)
                     .zip(sm.data().chunks(n))
                     .flat_map(|(d, y)| {
-                        let dot: f32 = d.iter().zip(y).map(|(d, y)| d * y).sum();
+                        let dot = reference::lanes(d.iter().zip(y).map(|(d, y)| d * y));
                         d.iter().zip(y).map(move |(d, y)| 0.7 * y * (d - dot))
                     })
                     .collect();
@@ -943,7 +1026,7 @@ mod tests {
                     for (i, row) in x.data().chunks(n).enumerate() {
                         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                         let e: Vec<f32> = row.iter().map(|&v| exp(v - max)).collect();
-                        let sum: f64 = e.iter().map(|&v| v as f64).sum();
+                        let sum = reference::lanes_f64(e.iter().copied());
                         let probs: Vec<f32> = e.iter().map(|&v| v * (1.0 / sum) as f32).collect();
                         assert_eq!(&ce.probs.data()[i * n..][..n], probs, "ce probs {at}");
                         let lz = max as f64 + sum.ln();

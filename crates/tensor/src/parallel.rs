@@ -15,6 +15,7 @@
 //! A kernel uses `threads` tasks, each taking a contiguous run of chunks.
 
 use std::cell::Cell;
+use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
@@ -66,28 +67,67 @@ where
     f()
 }
 
-/// Below this many elements a kernel runs on the calling thread: waking the pool costs more
-/// than the loop (a few µs against ~1 ns per element).
-pub(crate) const PARALLEL_MIN: usize = 1 << 15;
+/// How much a kernel computes per element, which sets how large a part must be before it is
+/// worth handing to another thread: waking a worker and joining it costs tens of µs on a busy
+/// machine, so a part must take longer than that. Measured here (`cargo run --release -p
+/// ferrotext-tensor --example kernels -- threads=2`, qwen3-peer's data=1 shapes): split in two
+/// at the old threshold (32 Ki elements), a residual add of 128 Ki elements took 3–5× as long
+/// as on one thread and an RMSNorm 2–4×, while a softmax of 256 Ki elements took 0.62×.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Work {
+    /// A few arithmetic operations per element (adds, scales, norms, rotations): bound by
+    /// memory, ~0.1–0.3 ns an element.
+    Light,
+    /// An exponential (or a small product) per element (softmax, SiLU, cross-entropy,
+    /// attention rows): several ns an element.
+    Heavy,
+}
 
-/// How many tasks to split `elements` of work into under a budget of `threads`.
-pub(crate) fn tasks_for(elements: usize, threads: usize) -> usize {
-    if threads <= 1 || elements < PARALLEL_MIN {
+impl Work {
+    /// The fewest elements a part of this kind of kernel gets.
+    const fn min_per_task(self) -> usize {
+        match self {
+            Work::Light => 1 << 18,
+            Work::Heavy => 1 << 16,
+        }
+    }
+}
+
+/// How many tasks to split `elements` of `work` into under a budget of `threads`: as many as
+/// the budget allows with each at least [`Work::min_per_task`], and 1 below two such parts.
+pub(crate) fn tasks_for(elements: usize, threads: usize, work: Work) -> usize {
+    let min = work.min_per_task();
+    if threads <= 1 || elements < 2 * min {
         1
     } else {
-        threads.min(elements / (PARALLEL_MIN / 2)).max(1)
+        threads.min(elements / min).max(1)
     }
+}
+
+/// A vector of `len` elements that `fill` writes, handed to it uninitialised: a kernel's output
+/// that every element of is computed needs no zeroing pass first (a freed block the allocator
+/// hands back is not zero, so `vec![0.0; len]` is a `memset`: one more write of the whole
+/// output, on kernels bound by memory).
+///
+/// # Safety
+/// `fill` must write every one of the `len` elements.
+pub(crate) unsafe fn filled(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut v: Vec<f32> = Vec::with_capacity(len);
+    fill(&mut v.spare_capacity_mut()[..len]);
+    // SAFETY: the caller's contract: all `len` elements are written.
+    unsafe { v.set_len(len) };
+    v
 }
 
 /// `f(chunk_index, chunk)` over `data` cut into chunks of `chunk` elements (the last may be
 /// shorter), on up to `threads` tasks. Each chunk sees the same call whatever `threads` is.
-pub(crate) fn for_each_chunk<T, F>(data: &mut [T], chunk: usize, threads: usize, f: F)
+pub(crate) fn for_each_chunk<T, F>(data: &mut [T], chunk: usize, threads: usize, work: Work, f: F)
 where
     T: Send,
     F: Fn(usize, &mut [T]) + Sync,
 {
     let chunk = chunk.max(1);
-    let tasks = tasks_for(data.len(), threads);
+    let tasks = tasks_for(data.len(), threads, work);
     if tasks == 1 {
         for (i, c) in data.chunks_mut(chunk).enumerate() {
             f(i, c);
@@ -114,6 +154,7 @@ pub(crate) fn for_each_chunk2<A, B, F>(
     b: &mut [B],
     chunk_b: usize,
     threads: usize,
+    work: Work,
     f: F,
 ) where
     A: Send,
@@ -122,7 +163,7 @@ pub(crate) fn for_each_chunk2<A, B, F>(
 {
     let (chunk_a, chunk_b) = (chunk_a.max(1), chunk_b.max(1));
     let chunks = a.len().div_ceil(chunk_a);
-    let tasks = tasks_for(a.len() + b.len(), threads).min(chunks.max(1));
+    let tasks = tasks_for(a.len() + b.len(), threads, work).min(chunks.max(1));
     if tasks == 1 {
         for (i, (ca, cb)) in a.chunks_mut(chunk_a).zip(b.chunks_mut(chunk_b)).enumerate() {
             f(i, ca, cb);
@@ -150,19 +191,29 @@ mod tests {
 
     #[test]
     fn every_chunk_is_visited_once_with_its_index_whatever_the_threads() {
-        for len in [0usize, 1, 7, PARALLEL_MIN - 1, PARALLEL_MIN * 3 + 5] {
+        for len in [0usize, 1, 7, (1 << 16) - 1, (1 << 17) * 3 + 5] {
             for chunk in [1usize, 3, 64, 1000] {
                 let want: Vec<f32> = (0..len).map(|i| (i / chunk) as f32).collect();
                 for threads in [1, 2, 3, 8] {
                     let mut data = vec![-1.0f32; len];
-                    for_each_chunk(&mut data, chunk, threads, |i, c| c.fill(i as f32));
+                    for_each_chunk(&mut data, chunk, threads, Work::Heavy, |i, c| {
+                        c.fill(i as f32)
+                    });
                     assert_eq!(data, want, "len {len} chunk {chunk} threads {threads}");
                     let mut b = vec![-1.0f32; len.div_ceil(chunk)];
                     let mut a = vec![-1.0f32; len];
-                    for_each_chunk2(&mut a, chunk, &mut b, 1, threads, |i, ca, cb| {
-                        ca.fill(i as f32);
-                        cb[0] = i as f32;
-                    });
+                    for_each_chunk2(
+                        &mut a,
+                        chunk,
+                        &mut b,
+                        1,
+                        threads,
+                        Work::Heavy,
+                        |i, ca, cb| {
+                            ca.fill(i as f32);
+                            cb[0] = i as f32;
+                        },
+                    );
                     assert_eq!(a, want);
                     assert!(b.iter().enumerate().all(|(i, &v)| v == i as f32));
                 }
@@ -190,12 +241,14 @@ mod tests {
         });
         assert_eq!(one, (here, 1));
         // The same chunks, whichever pool runs them.
-        let mut a = vec![0.0f32; PARALLEL_MIN * 4 + 3];
+        let mut a = vec![0.0f32; (1 << 18) * 4 + 3];
         let mut b = a.clone();
         with_kernel_pool(2, "test-kernel-pool", 1 << 20, || {
-            for_each_chunk(&mut a, 1000, kernel_threads(), |i, c| c.fill(i as f32))
+            for_each_chunk(&mut a, 1000, kernel_threads(), Work::Light, |i, c| {
+                c.fill(i as f32)
+            })
         });
-        for_each_chunk(&mut b, 1000, 1, |i, c| c.fill(i as f32));
+        for_each_chunk(&mut b, 1000, 1, Work::Light, |i, c| c.fill(i as f32));
         assert_eq!(a, b);
     }
 

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use crate::error::TensorError;
-use crate::parallel::{for_each_chunk, kernel_threads};
+use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;
 
 /// YaRN context extension of a RoPE table.
@@ -122,6 +122,7 @@ pub fn rope_with(
         y.data_mut(),
         heads * dim,
         kernel_threads(),
+        Work::Light,
         |c, pos_chunk| {
             let s = c % seq;
             let rot = &table[s * half..(s + 1) * half];
