@@ -118,6 +118,11 @@ impl MpiCluster {
             seq: 0,
             detail,
         };
+        // Parts of pipelined collectives are sent eagerly only under the TCP transport's eager
+        // limit (see `pipeline::part_message_bytes`); ask for ours unless the user set one. This
+        // runs before MPI starts and, in the binary, before any other thread does (`main`
+        // detects the launch first), as changing the environment requires.
+        pipeline::default_eager_limit();
         let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| fail("MPI is already initialised in this process".into()))?;
         if threading != Threading::Multiple {

@@ -23,7 +23,7 @@
 //! Per member `2(n−1)/n` of the buffer leave (and arrive) in an all-reduce, the bandwidth optimum
 //! of a ring, but without forwarding: on a switched network each link carries the same bytes as a
 //! ring's, and the sums keep rank order. Every part carries a [`part_header`] (40 bytes per
-//! part of up to 64 KiB: 0.06 %, under the default eager limit).
+//! part of 64–256 KiB: 0.06–0.02 %).
 
 use std::ops::Range;
 use std::sync::OnceLock;
@@ -34,9 +34,10 @@ use crate::error::CommError;
 
 use super::transport::{part_header, Event, Received, Transport, HEADER_BYTES};
 
-/// Open MPI's default TCP eager limit (`btl_tcp_eager_limit`): the parts' size unless the
-/// environment raises it.
-const DEFAULT_EAGER_LIMIT_BYTES: usize = 64 << 10;
+/// The TCP transport's eager limit ferrotext asks Open MPI for (`btl_tcp_eager_limit`, set
+/// before `MPI_Init` unless the environment already sets one), and so its parts' largest size.
+/// Open MPI's own default is 64 KiB.
+const DEFAULT_EAGER_LIMIT_BYTES: usize = 256 << 10;
 
 /// The environment variable Open MPI reads `btl_tcp_eager_limit` from.
 const EAGER_LIMIT_ENV: &str = "OMPI_MCA_btl_tcp_eager_limit";
@@ -44,18 +45,28 @@ const EAGER_LIMIT_ENV: &str = "OMPI_MCA_btl_tcp_eager_limit";
 /// Bytes of the PML's own header that an eager message must leave room for.
 const PML_HEADER_ALLOWANCE: usize = 256;
 
+/// Sets `btl_tcp_eager_limit` to [`DEFAULT_EAGER_LIMIT_BYTES`] in this process's environment
+/// unless it is already set. Call before `MPI_Init` and before any other thread starts.
+pub(crate) fn default_eager_limit() {
+    if std::env::var_os(EAGER_LIMIT_ENV).is_none() {
+        std::env::set_var(EAGER_LIMIT_ENV, DEFAULT_EAGER_LIMIT_BYTES.to_string());
+    }
+}
+
 /// The largest message of one part, header included: just under the eager limit in force (the
-/// environment's `btl_tcp_eager_limit`, between 4 KiB and 4 MiB; Open MPI's 64 KiB when it does
-/// not say), so every part is sent eagerly. A larger one waits for a rendezvous handshake whose
-/// reply, on a link whose queue is full of the other direction's data, waits behind that data:
-/// 1 MiB parts reached 56 % of an emulated 1 Gbit/s link, eager parts 95 %. Every process reads
-/// the same environment (`mpirun` passes it on), so all agree on the parts.
+/// environment's `btl_tcp_eager_limit`, between 4 KiB and 4 MiB; [`DEFAULT_EAGER_LIMIT_BYTES`]
+/// when it does not say), so every part is sent eagerly. A larger one waits for a rendezvous
+/// handshake whose reply, on a link whose queue is full of the other direction's data, waits
+/// behind that data: 1 MiB parts reached 56 % of an emulated 1 Gbit/s link, eager parts 95 %.
+/// Every process reads the same environment (`mpirun` passes it on), so all agree on the parts.
 ///
-/// Raising the limit is a trade, measured on 2 emulated hosts at 10 Gbit/s: with
-/// `OMPI_MCA_btl_tcp_eager_limit=262144` the all-reduce reaches 91–95 % of the link at 4 and
-/// 16 MiB instead of 89–90 % and 76–80 % (`bench collectives`), but qwen3-peer's per-micro-batch
-/// step — 46 per-parameter all-reduces per micro-batch — is 10–18 % slower (386/355 → 426/418 ms
-/// at GA 4) and its deferred step no faster (`bench cluster`), so it is left to the user.
+/// Why 256 KiB and not Open MPI's 64 KiB, measured on 2 emulated hosts at 10 Gbit/s (`bench
+/// collectives`, bus bandwidth / link rate): 4 MiB 88 → 96 %, 16 MiB 76 → 89 %; at 1 Gbit/s
+/// unchanged (95–96 %). Whole qwen3-peer steps at GA 4 (`bench cluster --hosts 2 --links
+/// 10gbit`, four runs each, alternated): the gradient all-reduce 13.4–16.2 → 12.7–13.3 ms, the
+/// deferred step 239–270 vs 259–266 ms and the per-micro-batch step 303–344 vs 319–345 ms, both
+/// within this machine's run-to-run noise (an earlier pair of runs that showed the per-micro-
+/// batch step 10–18 % slower did not replicate).
 fn part_message_bytes() -> usize {
     static BYTES: OnceLock<usize> = OnceLock::new();
     *BYTES.get_or_init(|| {
@@ -416,10 +427,10 @@ mod tests {
 
     #[test]
     fn large_blocks_take_eager_sized_parts_and_small_ones_stay_pipelined() {
-        // Under a raised limit (256 KiB messages): an 8 MiB block of f32 takes parts at the
+        // Under the default limit (256 KiB messages): an 8 MiB block of f32 takes parts at the
         // limit; a 400 KB block (a parameter's all-reduce between 2 hosts) stays in 64 KiB parts,
         // 7 of them; a 1.6 MB block is cut in 8.
-        let raised = (256 << 10) - PML_HEADER_ALLOWANCE;
+        let raised = DEFAULT_EAGER_LIMIT_BYTES - PML_HEADER_ALLOWANCE;
         assert_eq!(
             part_elements_within(raised, 4, 2 << 20),
             (raised - HEADER_BYTES) / 4
@@ -431,7 +442,7 @@ mod tests {
             400_000usize.div_ceil(part_elements_within(raised, 4, 400_000)),
             8
         );
-        // Under the default limit every part is one eager message; never an empty part.
+        // Under the limit in force every part is one eager message; never an empty part.
         assert!(HEADER_BYTES + part_elements(4, 2 << 20) * 4 <= part_message_bytes());
         assert!(part_elements(4, 3) >= 1);
         assert!(part_elements(2, 0) >= 1);

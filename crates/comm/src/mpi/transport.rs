@@ -79,9 +79,8 @@ struct Pool {
 
 /// Buffers the pool of whole messages keeps at most.
 const POOL_BUFFERS: usize = 16;
-/// Buffers the pool of pipeline parts keeps at most: parts are under 64 KiB unless the eager
-/// limit is raised, and a pipelined collective has about 2 MiB of them in flight per peer and
-/// lane.
+/// Buffers the pool of pipeline parts keeps at most: parts are 64–256 KiB under the default
+/// eager limit, and a pipelined collective has about 2 MiB of them in flight per peer and lane.
 const PART_BUFFERS: usize = 96;
 
 impl Default for Pool {
