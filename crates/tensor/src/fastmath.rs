@@ -71,13 +71,14 @@ unsafe fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
 /// Partial sums of a lane reduction: one AVX-512 register of `f32`.
 const LANES: usize = 16;
 
-/// The 16 partial sums in a fixed tree (lane `j` with `j + 8`, then `+ 4`, `+ 2`, `+ 1`).
+/// Partial sums folded in a fixed tree: lane `j` with `j + W/2`, then `+ W/4`, …, `+ 1`.
 #[inline(always)]
-fn fold_lanes(mut acc: [f32; LANES]) -> f32 {
-    let mut width = LANES / 2;
+fn fold_lanes<T: Copy + std::ops::AddAssign, const W: usize>(mut acc: [T; W]) -> T {
+    let mut width = W / 2;
     while width > 0 {
         for j in 0..width {
-            acc[j] += acc[j + width];
+            let right = acc[j + width];
+            acc[j] += right;
         }
         width /= 2;
     }
@@ -91,23 +92,11 @@ fn fold_lanes(mut acc: [f32; LANES]) -> f32 {
 /// bits are the same on every thread count and with or without AVX-512.
 #[inline(always)]
 pub(crate) fn lane_sum2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0.0f32; LANES];
-    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (at, bt) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for j in 0..LANES {
-            acc[j] += f(x[j], y[j]);
-        }
-    }
-    for (j, (&x, &y)) in at.iter().zip(bt).enumerate() {
-        acc[j] += f(x, y);
-    }
-    fold_lanes(acc)
+    lane_sum3(a, b, b, |x, y, _| f(x, y))
 }
 
-/// `Σᵢ f(aᵢ, bᵢ, cᵢ)` over three equally long slices, in lanes (see [`lane_sum2`]).
+/// `Σᵢ f(aᵢ, bᵢ, cᵢ)` over three equally long slices, in lanes (see [`lane_sum2`]): 16 partial
+/// sums of `f32`, element `i` into sum `i mod 16`, folded by [`fold_lanes`].
 #[inline(always)]
 pub(crate) fn lane_sum3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32) -> f32 {
     let n = a.len().min(b.len()).min(c.len());
@@ -151,14 +140,7 @@ pub(crate) fn lane_sum_f64(xs: &[f32]) -> f64 {
     for (j, &x) in tail.iter().enumerate() {
         acc[j] += f64::from(x);
     }
-    let mut width = W / 2;
-    while width > 0 {
-        for j in 0..width {
-            acc[j] += acc[j + width];
-        }
-        width /= 2;
-    }
-    acc[0]
+    fold_lanes(acc)
 }
 
 /// The largest of `xs` (NaN ignored, as `f32::max` does; `−∞` for none), in lanes. A maximum
