@@ -232,6 +232,12 @@ pub fn mla_attention(
     };
     // 3. causal attention with DeepSeek's scale, then the output projection
     let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
-    let out = causal_attention(cx, &q, &k, &v, scale)?;
+    // Training (no cached positions): the fused op, the same bits as the composition.
+    let out = if k.shape()[1] == t && cx.causal_attention_fits(&q, &k, &v) {
+        let out = cx.causal_attention(&q, &k, &v, scale)?;
+        cx.reshape(&out, &[b, t, h * vd], None)?
+    } else {
+        causal_attention(cx, &q, &k, &v, scale)?
+    };
     linear(cx, &out, w.out)
 }

@@ -134,6 +134,14 @@ pub fn attention(
         None => (k, v),
     };
     let s = k.shape()[1];
+    let scale = 1.0 / (hd as f32).sqrt();
+    // 4–5. Training (no cached positions): the fused op reads each kv head for its group of
+    // query heads in place; the same bits as the composition below.
+    if s == t && cx.causal_attention_fits(&q, &k, &v) {
+        let out = cx.causal_attention(&q, &k, &v, scale)?;
+        let out = cx.reshape(&out, &[b, t, h * hd], None)?;
+        return linear(cx, &out, w.o_proj);
+    }
     // 4. GQA: each kv head serves heads/kv query heads
     let (k, v) = if kv == h {
         (k, v)
@@ -147,7 +155,7 @@ pub fn attention(
         )
     };
     // 5. causal attention with the usual 1/√hd scale, then o_proj
-    let out = causal_attention(cx, &q, &k, &v, 1.0 / (hd as f32).sqrt())?;
+    let out = causal_attention(cx, &q, &k, &v, scale)?;
     linear(cx, &out, w.o_proj)
 }
 
