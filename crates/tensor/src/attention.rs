@@ -44,6 +44,12 @@ struct Dims {
 }
 
 impl Dims {
+    /// FLOPs of products `[T, T]` by `[T, w]` (or the transposes) for every (batch, query
+    /// head), with `widths` the sum of their `w`.
+    fn product_flops(&self, widths: usize) -> f64 {
+        2.0 * (self.b * self.h * self.t * self.t) as f64 * widths as f64
+    }
+
     fn of(q: &Tensor, k: &Tensor, v: &Tensor, op: &'static str) -> Result<Dims, TensorError> {
         let bad = || {
             TensorError::shape(
@@ -133,8 +139,10 @@ pub fn causal_attention(
     scale: f32,
     threads: usize,
 ) -> Result<Attention, TensorError> {
-    let _span = ferrotext_profile::span("causal_attention");
     let d = Dims::of(q, k, v, "causal_attention")?;
+    // Two products per (batch, head), over the whole T × T block (the mask is applied after).
+    let _span =
+        ferrotext_profile::span("causal_attention").map(|s| s.flops(d.product_flops(d.dk + d.dv)));
     let (tt, heads) = (d.t * d.t, d.b * d.h);
     let mut probs = vec![0.0f32; heads * tt];
     let mut out = vec![0.0f32; heads * d.t * d.dv]; // [B, H, T, dv], transposed at the end
@@ -184,8 +192,10 @@ pub fn causal_attention_backward(
     scale: f32,
     threads: usize,
 ) -> Result<(Tensor, Tensor, Tensor), TensorError> {
-    let _span = ferrotext_profile::span("causal_attention_backward");
     let d = Dims::of(q, k, v, "causal_attention_backward")?;
+    // dP, dq, dk and dv: four products per (batch, head) over the whole T × T block.
+    let _span = ferrotext_profile::span("causal_attention_backward")
+        .map(|s| s.flops(d.product_flops(2 * (d.dk + d.dv))));
     if probs.shape() != [d.b, d.h, d.t, d.t] || dout.shape() != [d.b, d.t, d.h, d.dv] {
         return Err(TensorError::shape(
             "causal_attention_backward",
