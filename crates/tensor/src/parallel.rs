@@ -252,6 +252,19 @@ mod tests {
         assert_eq!(a, b);
     }
 
+    /// Hand-computed from the per-part minimums (256 Ki light, 64 Ki heavy elements): a
+    /// residual add of 128 Ki elements stays on one thread, a softmax of 256 Ki splits, and no
+    /// kernel gets more parts than its budget or any part below its minimum.
+    #[test]
+    fn the_split_follows_the_kind_of_work() {
+        assert_eq!(tasks_for(1 << 17, 2, Work::Light), 1);
+        assert_eq!(tasks_for(1 << 19, 2, Work::Light), 2);
+        assert_eq!(tasks_for(1 << 18, 2, Work::Heavy), 2);
+        assert_eq!(tasks_for((1 << 17) - 1, 2, Work::Heavy), 1);
+        assert_eq!(tasks_for(3 << 16, 8, Work::Heavy), 3);
+        assert_eq!(tasks_for(1 << 30, 1, Work::Heavy), 1);
+    }
+
     #[test]
     fn the_budget_is_per_thread_and_at_least_one() {
         set_kernel_threads(0);
