@@ -206,9 +206,15 @@ impl Ctx<'_> {
         if seed.ty() != &expected {
             return Err(ct_error("vjp", &expected, seed.ty()).into());
         }
-        let grads = self.backward(tape, &out, seed, &leaves, &mut |_, _, _| Ok(()))?;
+        let grads = self.backward(
+            tape,
+            &out,
+            seed,
+            &leaves,
+            &mut Handed(&mut |_, _, _| Ok(())),
+        )?;
         out.var = None;
-        Ok((out, grads))
+        Ok((out, all_handed(grads)?))
     }
 
     /// [`Ctx::value_and_grad`], calling `on_final(cx, i, grad)` with the gradient of `params[i]`
@@ -237,9 +243,42 @@ impl Ctx<'_> {
         self.tape = outer;
         let mut out = result?;
         let seed = self.scalar_seed(&out)?;
-        let grads = self.backward(tape, &out, seed, &leaves, on_final)?;
+        let grads = self.backward(tape, &out, seed, &leaves, &mut Handed(on_final))?;
         out.var = None;
-        Ok((out, grads))
+        Ok((out, all_handed(grads)?))
+    }
+
+    /// `f`'s value, its gradient with respect to `params` going to `sink` as in
+    /// [`Ctx::value_and_grad_streaming`] — each parameter's once, as soon as the backward has
+    /// finished it — except that a parameter whose whole gradient is one product (a weight
+    /// used once, by a `dot_general` whose transpose needs no collective and no copy) and
+    /// for which `sink` offers a buffer is added into that buffer by the product's kernel
+    /// ([`GradientSink::buffer`]), and `sink` is only told it is done: a gradient accumulator
+    /// takes it without it being stored and read back. The sums are the streamed ones' to
+    /// within the kernel's rounding.
+    ///
+    /// # Errors
+    /// As [`Ctx::value_and_grad`], or the sink's error (the walk stops there).
+    pub fn value_and_grad_into<F>(
+        &mut self,
+        params: &[Array],
+        f: F,
+        sink: &mut dyn GradientSink,
+    ) -> Result<Array, SpmdError>
+    where
+        F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
+    {
+        let outer = self.tape.take();
+        self.tape = Some(Tape::default());
+        let leaves: Vec<Array> = params.iter().map(|x| self.leaf(x)).collect();
+        let result = f(self, &leaves);
+        let tape = self.tape.take().unwrap_or_default();
+        self.tape = outer;
+        let mut out = result?;
+        let seed = self.scalar_seed(&out)?;
+        self.backward(tape, &out, seed, &leaves, sink)?;
+        out.var = None;
+        Ok(out)
     }
 
     /// 1 of a scalar output's cotangent type (R4.5).
@@ -281,16 +320,17 @@ impl Ctx<'_> {
         self.vjp(params, f, |cx, out| cx.scalar_seed(out))
     }
 
-    /// The reverse walk. `on_final(cx, k, ct)` gets leaf `k`'s cotangent once no later (in walk
-    /// order) node can add to it.
+    /// The reverse walk. `sink` gets leaf `k`'s cotangent once no later (in walk order) node can
+    /// add to it, or is told it was added into its buffer. Returns each leaf's cotangent, `None`
+    /// for those added into the sink's buffers.
     fn backward(
         &mut self,
         tape: Tape,
         out: &Array,
         seed: Array,
         leaves: &[Array],
-        on_final: &mut dyn FnMut(&mut Ctx<'_>, usize, &Array) -> Result<(), SpmdError>,
-    ) -> Result<Vec<Array>, SpmdError> {
+        sink: &mut dyn GradientSink,
+    ) -> Result<Vec<Option<Array>>, SpmdError> {
         // Ops recorded by the profiler during the walk count as backward.
         let _phase = ferrotext_profile::phase_scope(ferrotext_profile::Phase::Backward);
         let n = tape.nodes.len();
@@ -320,44 +360,86 @@ impl Ctx<'_> {
             }
         }
         let mut handed = vec![false; leaves.len()];
+        let mut sunk = vec![false; n];
         let mut leaf_cts: Vec<Option<Array>> = (0..n).map(|_| None).collect();
         for i in (0..n).rev() {
             let walked = cts[i].take();
             if let Some(ct) = walked {
-                self.backward_node(&tape, i, ct, &mut cts, &mut leaf_cts)?;
+                // Leaves whose whole cotangent is this node's product, offered to the sink.
+                let into: Vec<(usize, usize)> = tape.nodes[i]
+                    .inputs
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(side, v)| {
+                        let v = (*v)?;
+                        let k = *leaf_of.get(&v)?;
+                        let alone = first_use[v] == Some(i)
+                            && cts[v].is_none()
+                            && tape.nodes[i]
+                                .inputs
+                                .iter()
+                                .flatten()
+                                .filter(|&&u| u == v)
+                                .count()
+                                == 1;
+                        alone.then_some((side, k))
+                    })
+                    .collect();
+                self.backward_node(
+                    &tape,
+                    i,
+                    ct,
+                    &mut cts,
+                    &mut leaf_cts,
+                    sink,
+                    &into,
+                    &mut sunk,
+                )?;
             }
             for &v in &finished_at[i] {
                 // Leaves' cotangents sit in `cts` until the walk reaches them; move them now.
                 if let Some(ct) = cts[v].take() {
                     leaf_cts[v] = Some(ct);
                 }
-                if let (Some(ct), Some(&k)) = (&leaf_cts[v], leaf_of.get(&v)) {
-                    on_final(self, k, ct)?;
+                let Some(&k) = leaf_of.get(&v) else {
+                    continue;
+                };
+                if sunk[v] {
+                    sink.finished(self, k, None)?;
+                    handed[k] = true;
+                } else if let Some(ct) = &leaf_cts[v] {
+                    sink.finished(self, k, Some(ct))?;
                     handed[k] = true;
                 }
             }
         }
-        let grads: Vec<Array> = leaves
+        let grads: Vec<Option<Array>> = leaves
             .iter()
             .map(|leaf| {
                 let v = leaf.var.unwrap_or(usize::MAX);
-                match leaf_cts.get_mut(v).and_then(Option::take) {
+                if sunk.get(v).copied().unwrap_or(false) {
+                    return None;
+                }
+                Some(match leaf_cts.get_mut(v).and_then(Option::take) {
                     Some(ct) => ct,
                     // R4.12: zero cotangents are typed too.
                     None => self.zeros(leaf.ty().to_cotangent()),
-                }
+                })
             })
             .collect();
         for (k, grad) in grads.iter().enumerate() {
             if !handed[k] {
-                on_final(self, k, grad)?;
+                sink.finished(self, k, grad.as_ref())?;
             }
         }
         Ok(grads)
     }
 
     /// Walks node `i` with its cotangent `ct`: a leaf keeps it, any other node passes its
-    /// inputs' cotangents on.
+    /// inputs' cotangents on. `into` lists `(input side, leaf)` pairs whose cotangent is this
+    /// node's alone: for a `dot_general`, each is first offered to `sink`'s buffer (marked in
+    /// `sunk` when the product went there).
+    #[allow(clippy::too_many_arguments)]
     fn backward_node(
         &mut self,
         tape: &Tape,
@@ -365,29 +447,45 @@ impl Ctx<'_> {
         ct: Array,
         cts: &mut [Option<Array>],
         leaf_cts: &mut [Option<Array>],
+        sink: &mut dyn GradientSink,
+        into: &[(usize, usize)],
+        sunk: &mut [bool],
     ) -> Result<(), SpmdError> {
-        {
-            let node = &tape.nodes[i];
-            if let Backward::Leaf = node.backward {
-                leaf_cts[i] = Some(ct);
-                return Ok(());
-            }
-            let needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
-            let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
-            for (input, ict) in node.inputs.iter().zip(input_cts) {
-                let (Some(v), Some(ict)) = (input, ict) else {
+        let node = &tape.nodes[i];
+        if let Backward::Leaf = node.backward {
+            leaf_cts[i] = Some(ct);
+            return Ok(());
+        }
+        let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
+        if let Backward::Dot { lhs, rhs, dims } = &node.backward {
+            for &(side, k) in into {
+                let Some(v) = node.inputs[side] else {
                     continue;
                 };
-                let expected = tape.nodes[*v].ty.to_cotangent();
-                if ict.ty() != &expected {
-                    return Err(ct_error("backward", &expected, ict.ty()).into());
+                let expected = tape.nodes[v].ty.to_cotangent();
+                let Some(dest) = sink.buffer(k, &expected) else {
+                    continue;
+                };
+                if self.dot_general_transpose_into((lhs, rhs), dims, &ct, side, dest)? {
+                    sunk[v] = true;
+                    needed[side] = false;
                 }
-                cts[*v] = Some(match cts[*v].take() {
-                    None => ict,
-                    // R4.4: contributions of equal type add without communication.
-                    Some(acc) => self.binary_untracked(BinaryOp::Add, &acc, &ict)?,
-                });
             }
+        }
+        let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
+        for ((input, ict), &need) in node.inputs.iter().zip(input_cts).zip(&needed) {
+            let (Some(v), Some(ict), true) = (input, ict, need) else {
+                continue;
+            };
+            let expected = tape.nodes[*v].ty.to_cotangent();
+            if ict.ty() != &expected {
+                return Err(ct_error("backward", &expected, ict.ty()).into());
+            }
+            cts[*v] = Some(match cts[*v].take() {
+                None => ict,
+                // R4.4: contributions of equal type add without communication.
+                Some(acc) => self.binary_untracked(BinaryOp::Add, &acc, &ict)?,
+            });
         }
         Ok(())
     }
@@ -463,6 +561,64 @@ impl Ctx<'_> {
             } => one(self.cross_entropy_transpose(logits, targets, ce.as_ref(), *z_loss, ct)?),
         })
     }
+}
+
+/// Where [`Ctx::value_and_grad_into`] delivers each parameter's gradient: a gradient
+/// accumulator, which may offer buffers for the backward's kernels to add into in place.
+pub trait GradientSink {
+    /// A buffer holding parameter `k`'s running sum as a row-major local block of `ty` (the
+    /// gradient's type), that the backward may add `k`'s whole gradient into; `None` to be
+    /// handed the gradient instead. Must return `None` for a type other than the buffer's.
+    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<&mut [f32]>;
+
+    /// Parameter `k`'s gradient is final: `Some(grad)` when it is handed over, `None` when it
+    /// was added into [`GradientSink::buffer`]`(k)`. Called once per parameter.
+    ///
+    /// # Errors
+    /// The sink's own (the walk stops there).
+    fn finished(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        k: usize,
+        grad: Option<&Array>,
+    ) -> Result<(), SpmdError>;
+}
+
+/// A sink without buffers that hands every gradient to a callback.
+struct Handed<'f>(&'f mut dyn FnMut(&mut Ctx<'_>, usize, &Array) -> Result<(), SpmdError>);
+
+impl GradientSink for Handed<'_> {
+    fn buffer(&mut self, _: usize, _: &ArrayType) -> Option<&mut [f32]> {
+        None
+    }
+
+    fn finished(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        k: usize,
+        grad: Option<&Array>,
+    ) -> Result<(), SpmdError> {
+        match grad {
+            Some(g) => (self.0)(cx, k, g),
+            None => Err(SpmdError::BadArgument {
+                op: "value_and_grad".into(),
+                reason: "a gradient went into a buffer the sink did not offer".into(),
+            }),
+        }
+    }
+}
+
+/// The gradients of a walk whose sink had no buffers: every one was handed over.
+fn all_handed(grads: Vec<Option<Array>>) -> Result<Vec<Array>, SpmdError> {
+    grads
+        .into_iter()
+        .map(|g| {
+            g.ok_or_else(|| SpmdError::BadArgument {
+                op: "value_and_grad".into(),
+                reason: "a gradient missing from a walk without buffers".into(),
+            })
+        })
+        .collect()
 }
 
 /// R4.3's check, typed by what differs.

@@ -11,13 +11,14 @@
 //! Inside `shard_map` the dot is local ([`crate::manual::typing::manual_dot_type`]).
 
 use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
-use ferrotext_tensor::{dot_general, DotDims, Tensor};
+use ferrotext_tensor::{dot_general, dot_general_accumulate, DotDims, Tensor};
 
 use crate::array::Array;
 use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
 use crate::manual::typing::{manual_dot_type, manual_without_out_sharding};
+use crate::reshard::same_layout;
 use crate::rules;
 
 impl Ctx<'_> {
@@ -93,25 +94,46 @@ impl Ctx<'_> {
             (Some(l), Some(r)) => Some(dot_general(&l, &r, dims, self.threads())?),
             _ => None,
         };
-        // The natural result: partial sums over the contracting axes.
-        let lf = DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting);
-        let rf = DotDims::free(rhs.ty().rank(), &dims.rhs_batch, &dims.rhs_contracting);
-        let partitions: Vec<DimSpec> = dims
-            .lhs_batch
-            .iter()
-            .chain(&lf)
-            .map(|&d| lhs_ty.sharding().spec().dim(d).clone())
-            .chain(rf.iter().map(|&d| rhs_ty.sharding().spec().dim(d).clone()))
-            .collect();
-        let natural_spec = PartitionSpec::tagged(partitions, contracted, AxisSet::new())?;
-        let natural = rules::make_type(
-            "dot_general",
-            &out_ty,
-            out_ty.shape().to_vec(),
-            Ok(natural_spec),
-        )?;
+        let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), dims, contracted)?;
         let local = self.convert(natural_local, &natural, &out_ty)?;
         Ok(Array::new(out_ty, local))
+    }
+
+    /// `dest += ` this device's block of `dot_general(lhs, rhs)` typed by `out_sharding`, when
+    /// that block is the contraction's natural result on the operands as they stand — no
+    /// operand moves, no collective, nothing to convert after — so the product can be added
+    /// into `dest` (a gradient accumulator) by the kernel itself. Returns whether it was;
+    /// `false` leaves `dest` untouched and the caller takes the ordinary path.
+    ///
+    /// # Errors
+    /// The dot_general type errors; `dest` not the size of the local block.
+    ///
+    /// # Collectives
+    /// None.
+    pub(crate) fn dot_general_accumulate_untracked(
+        &mut self,
+        lhs: &Array,
+        rhs: &Array,
+        dims: &DotDims,
+        out_sharding: &PartitionSpec,
+        dest: &mut [f32],
+    ) -> Result<bool, SpmdError> {
+        if lhs.ty().is_manual() || rhs.ty().is_manual() {
+            return Ok(false);
+        }
+        let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, Some(out_sharding))?;
+        let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs.ty(), rhs.ty(), dims)?;
+        if !same_layout(lhs.ty(), &lhs_ty) || !same_layout(rhs.ty(), &rhs_ty) {
+            return Ok(false);
+        }
+        let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), dims, contracted)?;
+        if !same_layout(&natural, &out_ty) {
+            return Ok(false);
+        }
+        if let (Some(l), Some(r)) = (lhs.local_opt(), rhs.local_opt()) {
+            dot_general_accumulate(l, r, dims, self.threads(), dest)?;
+        }
+        Ok(true)
     }
 
     /// `x`'s shard laid out as `ty`: borrowed when the layout already matches, else moved.
@@ -120,7 +142,7 @@ impl Ctx<'_> {
         x: &'a Array,
         ty: &ArrayType,
     ) -> Result<Option<std::borrow::Cow<'a, Tensor>>, SpmdError> {
-        if crate::reshard::same_layout(x.ty(), ty) {
+        if same_layout(x.ty(), ty) {
             return Ok(x.local_opt().map(std::borrow::Cow::Borrowed));
         }
         Ok(self
@@ -154,51 +176,120 @@ impl Ctx<'_> {
         ct: &Array,
         need: [bool; 2],
     ) -> Result<[Option<Array>; 2], SpmdError> {
-        let nb = dims.lhs_batch.len();
-        let lf = DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting).len();
-        let rf = DotDims::free(rhs.ty().rank(), &dims.rhs_batch, &dims.rhs_contracting).len();
-        let batch: Vec<usize> = (0..nb).collect();
-        let lkept: Vec<usize> = (nb..nb + lf).collect();
-        let rkept: Vec<usize> = (nb + lf..nb + lf + rf).collect();
         let dl = if need[0] {
-            Some(self.dot_transpose(
-                ct,
-                rhs,
-                lhs.ty(),
-                (&dims.lhs_batch, &dims.lhs_contracting),
-                (&dims.rhs_batch, &dims.rhs_contracting),
-                (&batch, &rkept),
-            )?)
+            Some(self.dot_transpose((lhs, rhs), dims, ct, 0)?)
         } else {
             None
         };
         let dr = if need[1] {
-            Some(self.dot_transpose(
-                ct,
-                lhs,
-                rhs.ty(),
-                (&dims.rhs_batch, &dims.rhs_contracting),
-                (&dims.lhs_batch, &dims.lhs_contracting),
-                (&batch, &lkept),
-            )?)
+            Some(self.dot_transpose((lhs, rhs), dims, ct, 1)?)
         } else {
             None
         };
         Ok([dl, dr])
     }
 
-    /// JAX's `_dot_general_transpose_lhs`, written for either side: the cotangent of `this`
-    /// operand from `ct` (`[batch, lhs free, rhs free]`) and the `other` operand, emitted with
-    /// `this`'s cotangent type as `out_sharding` (R4.3).
+    /// [`Ctx::dot_general_transpose`] for one operand (`side` 0: lhs, 1: rhs), its cotangent
+    /// added into `dest` — a buffer laid out as its local block — by the product's kernel, when
+    /// that product is the whole cotangent (no collective, no transpose after it; see
+    /// [`Ctx::dot_general_accumulate_untracked`]). Returns whether it was; on `false` nothing
+    /// was touched and the caller takes the ordinary transpose.
+    ///
+    /// # Errors
+    /// As [`Ctx::dot_general_transpose`].
+    pub(crate) fn dot_general_transpose_into(
+        &mut self,
+        (lhs, rhs): (&Array, &Array),
+        dims: &DotDims,
+        ct: &Array,
+        side: usize,
+        dest: &mut [f32],
+    ) -> Result<bool, SpmdError> {
+        let t = TransposedDot::of((lhs, rhs), dims, ct, side);
+        let target = t.this.to_cotangent();
+        if target.is_manual() || !t.in_order() {
+            return Ok(false);
+        }
+        let out_spec = t.out_spec(&target)?;
+        self.dot_general_accumulate_untracked(t.lhs, t.rhs, &t.dims, &out_spec, dest)
+    }
+
+    /// JAX's `_dot_general_transpose_lhs`, written for either side (see [`TransposedDot`]):
+    /// the cotangent of operand `side`, emitted with its cotangent type as `out_sharding`
+    /// (R4.3).
     fn dot_transpose(
         &mut self,
+        (lhs, rhs): (&Array, &Array),
+        dims: &DotDims,
         ct: &Array,
-        other: &Array,
-        this: &ArrayType,
-        (this_batch, this_contract): (&Vec<usize>, &Vec<usize>),
-        (other_batch, other_contract): (&Vec<usize>, &Vec<usize>),
-        (ct_batch, ct_other_kept): (&Vec<usize>, &Vec<usize>),
+        side: usize,
     ) -> Result<Array, SpmdError> {
+        let t = TransposedDot::of((lhs, rhs), dims, ct, side);
+        let target = t.this.to_cotangent();
+        let mut perm = vec![0; t.order.len()];
+        for (k, &d) in t.order.iter().enumerate() {
+            perm[d] = k;
+        }
+        if target.is_manual() {
+            let r = self.manual_dot(t.lhs, t.rhs, &t.dims)?;
+            return self.transpose_untracked(&r, &perm);
+        }
+        let r = self.dot_general_untracked(t.lhs, t.rhs, &t.dims, Some(&t.out_spec(&target)?))?;
+        if t.in_order() {
+            return Ok(r);
+        }
+        self.transpose_untracked(&r, &perm)
+    }
+}
+
+/// The product that gives one operand's cotangent: `ct · other` (`[batch, this kept, this
+/// contracting]`) or `other · ct` (`[batch, this contracting, this kept]`), either the
+/// cotangent up to a transpose of its dims (`order`: the result's dims in `this`'s order).
+/// The one that needs no transpose is taken when there is one (a weight's `xᵀ·dy` is
+/// `other · ct`), so no copy follows the product.
+struct TransposedDot<'a> {
+    lhs: &'a Array,
+    rhs: &'a Array,
+    dims: DotDims,
+    order: Vec<usize>,
+    this: &'a ArrayType,
+}
+
+impl<'a> TransposedDot<'a> {
+    fn of(
+        (lhs, rhs): (&'a Array, &'a Array),
+        dims: &DotDims,
+        ct: &'a Array,
+        side: usize,
+    ) -> TransposedDot<'a> {
+        let nb = dims.lhs_batch.len();
+        let lf = DotDims::free(lhs.ty().rank(), &dims.lhs_batch, &dims.lhs_contracting).len();
+        let rf = DotDims::free(rhs.ty().rank(), &dims.rhs_batch, &dims.rhs_contracting).len();
+        let ct_batch: Vec<usize> = (0..nb).collect();
+        // `this` is the operand differentiated; `ct_other_kept` are the ct dims of `other`'s
+        // free dims.
+        let (this, other, this_batch, this_contract, other_batch, other_contract, ct_other_kept) =
+            if side == 0 {
+                (
+                    lhs.ty(),
+                    rhs,
+                    &dims.lhs_batch,
+                    &dims.lhs_contracting,
+                    &dims.rhs_batch,
+                    &dims.rhs_contracting,
+                    (nb + lf..nb + lf + rf).collect::<Vec<usize>>(),
+                )
+            } else {
+                (
+                    rhs.ty(),
+                    lhs,
+                    &dims.rhs_batch,
+                    &dims.rhs_contracting,
+                    &dims.lhs_batch,
+                    &dims.lhs_contracting,
+                    (nb..nb + lf).collect::<Vec<usize>>(),
+                )
+            };
         let other_kept = DotDims::free(other.ty().rank(), other_batch, other_contract);
         let this_kept = DotDims::free(this.rank(), this_batch, this_contract);
         // `this`'s contracting dims in the order of the `other` dims they pair with.
@@ -209,10 +300,6 @@ impl Ctx<'_> {
             .collect();
         pairs.sort_by_key(|&(_, o)| o);
         let paired: Vec<usize> = pairs.into_iter().map(|(t, _)| t).collect();
-        // `ct · other` gives [batch, this kept, this contracting]; `other · ct` gives [batch,
-        // this contracting, this kept]. Either is the cotangent up to a transpose of its dims:
-        // take the one that needs none when there is one (a weight's `xᵀ·dy` is `other · ct`),
-        // so no copy follows the product.
         let ct_first: Vec<usize> = this_batch
             .iter()
             .chain(&this_kept)
@@ -225,55 +312,82 @@ impl Ctx<'_> {
             .chain(&this_kept)
             .copied()
             .collect();
-        let in_order = |o: &[usize]| o.iter().enumerate().all(|(k, &d)| k == d);
-        let swap = !in_order(&ct_first) && in_order(&other_first);
-        let (dims, order) = if swap {
-            (
-                DotDims {
+        let swap = !is_identity(&ct_first) && is_identity(&other_first);
+        if swap {
+            TransposedDot {
+                lhs: other,
+                rhs: ct,
+                dims: DotDims {
                     lhs_contracting: other_kept,
-                    rhs_contracting: ct_other_kept.clone(),
+                    rhs_contracting: ct_other_kept,
                     lhs_batch: other_batch.clone(),
-                    rhs_batch: ct_batch.clone(),
+                    rhs_batch: ct_batch,
                 },
-                other_first,
-            )
+                order: other_first,
+                this,
+            }
         } else {
-            (
-                DotDims {
-                    lhs_contracting: ct_other_kept.clone(),
+            TransposedDot {
+                lhs: ct,
+                rhs: other,
+                dims: DotDims {
+                    lhs_contracting: ct_other_kept,
                     rhs_contracting: other_kept,
-                    lhs_batch: ct_batch.clone(),
+                    lhs_batch: ct_batch,
                     rhs_batch: other_batch.clone(),
                 },
-                ct_first,
-            )
-        };
-        let (lhs, rhs) = if swap { (other, ct) } else { (ct, other) };
-        let target = this.to_cotangent();
-        if target.is_manual() {
-            let r = self.manual_dot(lhs, rhs, &dims)?;
-            let mut perm = vec![0; order.len()];
-            for (k, &d) in order.iter().enumerate() {
-                perm[d] = k;
+                order: ct_first,
+                this,
             }
-            return self.transpose_untracked(&r, &perm);
         }
+    }
+
+    /// The product's result is the cotangent as it stands (no transpose after).
+    fn in_order(&self) -> bool {
+        is_identity(&self.order)
+    }
+
+    /// The product's out sharding: the cotangent type's, its dims in the product's order.
+    fn out_spec(&self, target: &ArrayType) -> Result<PartitionSpec, SpmdError> {
         let tspec = target.sharding().spec();
-        let out_spec = PartitionSpec::tagged(
-            order.iter().map(|&d| tspec.dim(d).clone()),
+        Ok(PartitionSpec::tagged(
+            self.order.iter().map(|&d| tspec.dim(d).clone()),
             tspec.unreduced().clone(),
             tspec.reduced().clone(),
-        )?;
-        let r = self.dot_general_untracked(lhs, rhs, &dims, Some(&out_spec))?;
-        if in_order(&order) {
-            return Ok(r);
-        }
-        let mut perm = vec![0; order.len()];
-        for (k, &d) in order.iter().enumerate() {
-            perm[d] = k;
-        }
-        self.transpose_untracked(&r, &perm)
+        )?)
     }
+}
+
+/// `order` is `0, 1, 2, …`.
+fn is_identity(order: &[usize]) -> bool {
+    order.iter().enumerate().all(|(k, &d)| k == d)
+}
+
+/// The type of a contraction's natural result on operands laid out as `lhs_ty` and `rhs_ty`
+/// (see [`aligned_dot_types`]): each output dim keeps its operand dim's partition, and the
+/// result is partial sums (unreduced) over the `contracted` axes.
+fn natural_dot_type(
+    out_ty: &ArrayType,
+    (lhs_ty, rhs_ty): (&ArrayType, &ArrayType),
+    dims: &DotDims,
+    contracted: AxisSet,
+) -> Result<ArrayType, SpmdError> {
+    let lf = DotDims::free(lhs_ty.rank(), &dims.lhs_batch, &dims.lhs_contracting);
+    let rf = DotDims::free(rhs_ty.rank(), &dims.rhs_batch, &dims.rhs_contracting);
+    let partitions: Vec<DimSpec> = dims
+        .lhs_batch
+        .iter()
+        .chain(&lf)
+        .map(|&d| lhs_ty.sharding().spec().dim(d).clone())
+        .chain(rf.iter().map(|&d| rhs_ty.sharding().spec().dim(d).clone()))
+        .collect();
+    let natural_spec = PartitionSpec::tagged(partitions, contracted, AxisSet::new())?;
+    Ok(rules::make_type(
+        "dot_general",
+        out_ty,
+        out_ty.shape().to_vec(),
+        Ok(natural_spec),
+    )?)
 }
 
 /// The operand layouts a dot_general computes in locally, and the axes its contraction runs over.

@@ -76,6 +76,29 @@ impl BucketBuffers {
         &self.types[i]
     }
 
+    /// Value `i`'s elements in place — its local block, row-major — when they are one run of
+    /// its buffer (or it is in no bucket) and `ty` is its type: for a kernel to add into (see
+    /// `Ctx::value_and_grad_into`). `None` for a value cut into runs (a reduce-scatter bucket),
+    /// in a bucket being reduced, abstract, or of another type.
+    pub fn value_mut(&mut self, i: usize, ty: &ArrayType) -> Option<&mut [f32]> {
+        if self.types.get(i)? != ty {
+            return None;
+        }
+        let Some(slot) = self.slots[i] else {
+            let acc = self.loose[i].as_mut()?;
+            if acc.is_abstract() {
+                return None;
+            }
+            return acc.local_mut().ok().map(Tensor::data_mut);
+        };
+        match &mut self.buffers[slot.bucket] {
+            Buffer::Ready { data, segments } if slot.runs == 1 && *segments == 1 => {
+                data.get_mut(slot.offset..slot.offset + slot.run)
+            }
+            _ => None,
+        }
+    }
+
     /// Every value as an [`Array`] (copies of the buffers' blocks; the buffers stay).
     ///
     /// # Errors

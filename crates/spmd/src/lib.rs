@@ -93,6 +93,7 @@ mod shape_ops;
 mod structural;
 
 pub use array::Array;
+pub use autodiff::GradientSink;
 pub use bucketed::{BucketPlan, StartedBucket};
 pub use ctx::{on_device, Ctx, Mode};
 pub use elementwise::UnaryOp;

@@ -219,14 +219,27 @@ pub(crate) struct Operand {
     pub cs: isize,
 }
 
-/// `dst = a · b` for `a` m×k and `b` k×n, `dst` row-major m×n (its contents are not read), on
-/// this process's kernel. With `parallelism = Rayon(t)`, `gemm` splits the product itself;
+/// What a product does with its destination: overwrite it (`dst = a · b`, its contents not
+/// read) or add into it (`dst += a · b`, a BLAS's `beta = 1`: the kernel adds each tile of the
+/// product as it finishes it, so the sum costs no separate pass over `dst`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Store {
+    /// `dst = a · b`.
+    Overwrite,
+    /// `dst += a · b`.
+    Accumulate,
+}
+
+/// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n, `dst` row-major m×n, on this
+/// process's kernel. With `parallelism = Rayon(t)`, `gemm` splits the product itself;
 /// a BLAS gets up to `t` row blocks of a product large enough (see [`REGULAR_KERNEL_MIN`]),
 /// one call each on the rayon pool. Either way the bits do not depend on `parallelism`.
 ///
 /// # Safety
 /// Every element `(i, j)` of `a` (i < m, j < k) and `b` (i < k, j < n) is readable at its
-/// offset, and `dst` points to `m·n` writable elements that alias neither.
+/// offset, and `dst` points to `m·n` writable elements (initialised under
+/// [`Store::Accumulate`]) that alias neither.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm(
     m: usize,
     n: usize,
@@ -235,9 +248,10 @@ pub(crate) unsafe fn sgemm(
     a: Operand,
     b: Operand,
     parallelism: gemm::Parallelism,
+    store: Store,
 ) {
     // SAFETY: the caller's contract.
-    unsafe { sgemm_on(kernel(), m, n, k, dst, n, a, b, parallelism) }
+    unsafe { sgemm_on(kernel(), m, n, k, dst, n, a, b, parallelism, store) }
 }
 
 /// [`sgemm`] on `blas`, or on `gemm` for `None`, into `dst` with row stride `ldc ≥ n`.
@@ -255,6 +269,7 @@ unsafe fn sgemm_on(
     a: Operand,
     b: Operand,
     parallelism: gemm::Parallelism,
+    store: Store,
 ) {
     // With threads to spare, the BLAS gets one call per thread on its own rows — only when
     // every block is far above its small-matrix kernels, so the blocks take the same kernel
@@ -291,7 +306,20 @@ unsafe fn sgemm_on(
             let dst = (dst_at as *mut f32).wrapping_add(start * ldc);
             // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
             // blocks of `dst` are disjoint.
-            unsafe { sgemm_on(blas, rows, n, k, dst, ldc, a, b, gemm::Parallelism::None) };
+            unsafe {
+                sgemm_on(
+                    blas,
+                    rows,
+                    n,
+                    k,
+                    dst,
+                    ldc,
+                    a,
+                    b,
+                    gemm::Parallelism::None,
+                    store,
+                )
+            };
         };
         use rayon::prelude::*;
         starts.into_par_iter().with_max_len(1).for_each(block);
@@ -324,7 +352,7 @@ unsafe fn sgemm_on(
                     lda,
                     b.ptr,
                     ldb,
-                    0.0,
+                    if store == Store::Accumulate { 1.0 } else { 0.0 },
                     dst,
                     ldc,
                 );
@@ -332,7 +360,8 @@ unsafe fn sgemm_on(
             return;
         }
     }
-    // SAFETY: the caller's contract; `read_dst = false`, so `dst`'s contents are not read.
+    // SAFETY: the caller's contract; `dst` is read only under `Store::Accumulate`, when the
+    // caller has initialised it (`gemm` then computes `1·dst + 1·a·b`).
     unsafe {
         gemm::gemm(
             m,
@@ -341,14 +370,14 @@ unsafe fn sgemm_on(
             dst,
             1,
             ldc as isize,
-            false,
+            store == Store::Accumulate,
             a.ptr,
             a.cs,
             a.rs,
             b.ptr,
             b.cs,
             b.rs,
-            0.0,
+            if store == Store::Accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,
@@ -395,8 +424,13 @@ mod tests {
         b: &[f32],
         sb: (usize, usize),
         threads: usize,
+        start: Option<&[f32]>,
     ) -> Vec<f32> {
-        let mut dst = vec![f32::NAN; m * n];
+        // Overwrite a destination of NaNs (a read of it would show), or add into `start`.
+        let (mut dst, store) = match start {
+            Some(c) => (c.to_vec(), Store::Accumulate),
+            None => (vec![f32::NAN; m * n], Store::Overwrite),
+        };
         let op = |data: &[f32], (rs, cs): (usize, usize)| Operand {
             ptr: data.as_ptr(),
             rs: rs as isize,
@@ -419,6 +453,7 @@ mod tests {
                 op(a, sa),
                 op(b, sb),
                 parallelism,
+                store,
             )
         };
         dst
@@ -426,8 +461,9 @@ mod tests {
 
     /// Every kernel this machine has (`gemm`, MKL, OpenBLAS) against an f64 loop, on every
     /// layout `dot_general` hands them (row-major, transposed, padded rows, a layout only `gemm`
-    /// takes), in one call and in blocks, on 1, 2 and 3 threads with the same bits. Without
-    /// a BLAS on this machine only `gemm` runs.
+    /// takes), in one call and in blocks, on 1, 2 and 3 threads with the same bits; and the
+    /// same for a product added into a destination (`Store::Accumulate`), against the f64 sum
+    /// of the destination and the product. Without a BLAS on this machine only `gemm` runs.
     #[test]
     fn every_kernel_matches_an_f64_product_on_every_layout() {
         // `gemm`, and each BLAS this machine has (opened here, whichever the process uses).
@@ -465,19 +501,29 @@ mod tests {
                 let blas = blas.as_ref();
                 for &(sa, sb) in &layouts {
                     let want = reference(m, n, k, &a, sa, &b, sb);
-                    let one = product(blas, m, n, k, &a, sa, &b, sb, 1);
-                    for (x, y) in one.iter().zip(&want) {
-                        assert!(
-                            (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
-                            "{x} vs {y}"
-                        );
-                    }
-                    for threads in [2, 3] {
-                        assert_eq!(
-                            product(blas, m, n, k, &a, sa, &b, sb, threads),
-                            one,
-                            "threads {threads}"
-                        );
+                    let start = data(m * n, 3);
+                    let added: Vec<f64> = want
+                        .iter()
+                        .zip(&start)
+                        .map(|(w, c)| w + f64::from(*c))
+                        .collect();
+                    for (c, want) in [(None, &want), (Some(start.as_slice()), &added)] {
+                        let one = product(blas, m, n, k, &a, sa, &b, sb, 1, c);
+                        for (x, y) in one.iter().zip(want) {
+                            assert!(
+                                (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                                "{x} vs {y} (accumulate: {})",
+                                c.is_some()
+                            );
+                        }
+                        for threads in [2, 3] {
+                            assert_eq!(
+                                product(blas, m, n, k, &a, sa, &b, sb, threads, c),
+                                one,
+                                "threads {threads} (accumulate: {})",
+                                c.is_some()
+                            );
+                        }
                     }
                 }
             }

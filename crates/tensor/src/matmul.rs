@@ -10,7 +10,7 @@
 
 use gemm::Parallelism;
 
-use crate::blas::Operand;
+use crate::blas::{Operand, Store};
 
 use crate::error::TensorError;
 use crate::tensor::{strides, Tensor};
@@ -197,27 +197,112 @@ pub fn dot_general(
     threads: usize,
 ) -> Result<Tensor, TensorError> {
     let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
-    let lf = DotDims::free(lhs.rank(), &dims.lhs_batch, &dims.lhs_contracting);
-    let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
-    let a = as_stack(lhs, &dims.lhs_batch, &lf, &dims.lhs_contracting)?;
-    let b = as_stack(rhs, &dims.rhs_batch, &dims.rhs_contracting, &rf)?;
-    let batch: usize = dims.lhs_batch.iter().map(|&d| lhs.shape()[d]).product();
+    let len: usize = out_shape.iter().product();
+    let stacks = Stacks::of(lhs, rhs, dims)?;
+    // SAFETY: `products` runs the kernel on every block of the output, and the kernel writes
+    // every element of its block (or the whole output is zero-filled for an empty
+    // contraction).
+    let out = unsafe {
+        crate::parallel::filled(len, |dst| {
+            products(&stacks, (lhs, rhs), threads, dst, Store::Overwrite);
+        })
+    };
+    Tensor::new(out_shape, out)
+}
+
+/// `out += dot_general(lhs, rhs)`, with `out` the row-major result (`[batch..., lhs free...,
+/// rhs free...]`): the kernel adds each tile of the product into `out` as it computes it
+/// (BLAS `beta = 1`), so a gradient accumulator takes a weight's gradient without the product
+/// being stored and read back. The sum is the product's to within the kernel's rounding (the
+/// tile sums are added to `out` as they finish rather than once at the end); the result does
+/// not depend on `threads`.
+///
+/// # Errors
+/// [`TensorError::Shape`] when the dimension numbers do not fit the shapes or `out` is not the
+/// result's size.
+pub fn dot_general_accumulate(
+    lhs: &Tensor,
+    rhs: &Tensor,
+    dims: &DotDims,
+    threads: usize,
+    out: &mut [f32],
+) -> Result<(), TensorError> {
+    let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
+    if out.len() != out_shape.iter().product::<usize>() {
+        return Err(TensorError::shape(
+            "dot_general_accumulate",
+            format!(
+                "an output of {} elements for a result {out_shape:?}",
+                out.len()
+            ),
+        ));
+    }
+    let stacks = Stacks::of(lhs, rhs, dims)?;
+    // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have one layout; under `Store::Accumulate` the
+    // kernel reads each element before it writes it, and every element is initialised.
+    let dst = unsafe {
+        std::slice::from_raw_parts_mut(
+            out.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(),
+            out.len(),
+        )
+    };
+    products(&stacks, (lhs, rhs), threads, dst, Store::Accumulate);
+    Ok(())
+}
+
+/// Both operands of a product as matrix stacks (views when their layouts allow), and the
+/// batch size.
+struct Stacks<'a> {
+    a: MatStack<'a>,
+    b: MatStack<'a>,
+    batch: usize,
+}
+
+impl<'a> Stacks<'a> {
+    fn of(lhs: &'a Tensor, rhs: &'a Tensor, dims: &DotDims) -> Result<Stacks<'a>, TensorError> {
+        let lf = DotDims::free(lhs.rank(), &dims.lhs_batch, &dims.lhs_contracting);
+        let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
+        Ok(Stacks {
+            a: as_stack(lhs, &dims.lhs_batch, &lf, &dims.lhs_contracting)?,
+            b: as_stack(rhs, &dims.rhs_batch, &dims.rhs_contracting, &rf)?,
+            batch: dims.lhs_batch.iter().map(|&d| lhs.shape()[d]).product(),
+        })
+    }
+}
+
+/// The products of [`dot_general`] into `dst` (the whole row-major output, `batch·m·n`
+/// elements, checked by the caller against the shapes), stored per `store`.
+fn products(
+    stacks: &Stacks<'_>,
+    (lhs, rhs): (&Tensor, &Tensor),
+    threads: usize,
+    dst: &mut [std::mem::MaybeUninit<f32>],
+    store: Store,
+) {
+    let Stacks { a, b, batch } = stacks;
+    let batch = *batch;
     let (m, k, n) = (a.rows.0, a.cols.0, b.cols.0);
     let _span = ferrotext_profile::span("dot_general").map(|s| {
         s.flops(2.0 * (batch * m * n) as f64 * k as f64)
             .bytes(4.0 * (batch * (m * k + k * n + m * n)) as f64)
             .shapes(|| format!("{:?} x {:?}", lhs.shape(), rhs.shape()))
     });
-    if m == 0 || n == 0 || k == 0 || batch == 0 {
-        return Tensor::new(out_shape, vec![0.0f32; batch * m * n]);
+    if m == 0 || n == 0 || batch == 0 {
+        return;
     }
-    // The kernel writes every element of every block, so the output is not zeroed first.
-    let mut out: Vec<f32> = Vec::with_capacity(batch * m * n);
+    if k == 0 {
+        // An empty contraction: the product is zero.
+        if store == Store::Overwrite {
+            dst.fill(std::mem::MaybeUninit::new(0.0));
+        }
+        return;
+    }
     let block = m * n;
     let one = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>], parallelism: Parallelism| {
         // SAFETY: `a`'s strides come from its shape, so batch entry `i`'s offset plus
         // `(m-1)·rows.1 + (k-1)·cols.1` stays inside its data (likewise `b`); `dst` is one
-        // m×n row-major block of the output, which the kernel only writes.
+        // m×n row-major block of the output, which the kernel only writes (`Overwrite`) or
+        // reads initialised and writes (`Accumulate`).
         unsafe {
             crate::blas::sgemm(
                 m,
@@ -235,19 +320,19 @@ pub fn dot_general(
                     cs: b.cols.1,
                 },
                 parallelism,
+                store,
             );
         }
     };
-    let spare = &mut out.spare_capacity_mut()[..batch * block];
+    let dst = &mut dst[..batch * block];
     if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
-        for (i, dst) in spare.chunks_mut(block).enumerate() {
+        for (i, dst) in dst.chunks_mut(block).enumerate() {
             one(i, dst, Parallelism::Rayon(threads));
         }
     } else if threads > 1 && batch > 1 && batch * m * n * k >= GEMM_PARALLEL_MIN {
         use rayon::prelude::*;
         let per_task = batch.div_ceil(threads.min(batch));
-        spare
-            .par_chunks_mut(per_task * block)
+        dst.par_chunks_mut(per_task * block)
             .enumerate()
             .for_each(|(task, run)| {
                 for (j, dst) in run.chunks_mut(block).enumerate() {
@@ -255,14 +340,10 @@ pub fn dot_general(
                 }
             });
     } else {
-        for (i, dst) in spare.chunks_mut(block).enumerate() {
+        for (i, dst) in dst.chunks_mut(block).enumerate() {
             one(i, dst, Parallelism::None);
         }
     }
-    // SAFETY: the loops above ran the kernel on every block of the `batch · m · n` elements,
-    // and it wrote each one.
-    unsafe { out.set_len(batch * block) };
-    Tensor::new(out_shape, out)
 }
 
 /// One strided matrix operand inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
@@ -324,6 +405,7 @@ pub(crate) fn gemm_views(dst: &mut [f32], a: MatView<'_>, b: MatView<'_>, thread
                 cs: b.cs as isize,
             },
             parallelism,
+            Store::Overwrite,
         );
     }
 }
@@ -473,6 +555,62 @@ mod tests {
             &dot_general(&a, &b, &DotDims::matmul(2), 2).unwrap(),
             &reference(&a, &b, &DotDims::matmul(2)),
         );
+    }
+
+    /// `dot_general_accumulate` adds the product into what the output held: against
+    /// `start + reference` on a weight gradient's layout (large enough to split over threads),
+    /// a batched one and an empty contraction, the same bits on 1, 2 and 3 threads; and a
+    /// wrongly sized output is an error that leaves it untouched.
+    #[test]
+    fn accumulating_adds_the_product_into_the_output() {
+        let wgrad = DotDims {
+            lhs_contracting: vec![0, 1],
+            rhs_contracting: vec![0, 1],
+            ..Default::default()
+        };
+        let batched = DotDims {
+            lhs_contracting: vec![3],
+            rhs_contracting: vec![3],
+            lhs_batch: vec![0, 1],
+            rhs_batch: vec![0, 1],
+        };
+        let cases = [
+            (vec![4, 64, 96], vec![4, 64, 80], wgrad),
+            (vec![2, 3, 40, 24], vec![2, 3, 36, 24], batched),
+            (vec![3, 0], vec![0, 2], DotDims::matmul(2)),
+        ];
+        for (i, (ls, rs, dims)) in cases.into_iter().enumerate() {
+            let a = rand(&ls, 10 + i as u32);
+            let b = rand(&rs, 20 + i as u32);
+            let want = reference(&a, &b, &dims);
+            let start = rand(want.shape(), 30 + i as u32);
+            let sum = Tensor::new(
+                want.shape().to_vec(),
+                want.data()
+                    .iter()
+                    .zip(start.data())
+                    .map(|(w, c)| w + c)
+                    .collect(),
+            )
+            .unwrap();
+            let mut first: Option<Vec<f32>> = None;
+            for threads in [1, 2, 3] {
+                let mut out = start.data().to_vec();
+                dot_general_accumulate(&a, &b, &dims, threads, &mut out).unwrap();
+                close(
+                    &Tensor::new(want.shape().to_vec(), out.clone()).unwrap(),
+                    &sum,
+                );
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert_eq!(&out, f, "threads {threads}"),
+                }
+            }
+        }
+        let (a, b) = (rand(&[5, 7], 1), rand(&[7, 3], 2));
+        let mut short = vec![1.0f32; 14];
+        assert!(dot_general_accumulate(&a, &b, &DotDims::matmul(2), 1, &mut short).is_err());
+        assert!(short.iter().all(|&x| x == 1.0));
     }
 
     /// Attention's operands batched over (B, H) of `[B, T, H, d]` are strided views: the result

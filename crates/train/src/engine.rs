@@ -24,7 +24,7 @@ use std::time::Instant;
 use ferrotext_models::init_normal;
 use ferrotext_models::ParamInfo;
 use ferrotext_sharding::{ArrayType, NamedSharding, PartitionSpec};
-use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
+use ferrotext_spmd::{Array, BucketPlan, Ctx, GradientSink, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
@@ -533,41 +533,25 @@ impl Engine {
             Some(own) => own,
             None => &mut pending.acc,
         };
-        let buckets: Vec<Vec<usize>> = acc.plan.buckets().map(<[usize]>::to_vec).collect();
-        let mut finished = vec![false; acc.grads.len()];
-        let mut in_flight = vec![false; buckets.len()];
-        let mut wrong_type: Option<TrainError> = None;
-        // Each gradient joins its accumulator as soon as the backward has finished it; with
+        // Each gradient joins its accumulator as soon as the backward has finished it — a
+        // weight's added into the accumulator by its product's kernel where it can be; with
         // `overlap`, a bucket whose gradients are all in starts reducing at once.
-        let (loss, _) = cx
-            .value_and_grad_streaming(
+        let mut sink = AccumulatorSink {
+            buckets: acc.plan.buckets().map(<[usize]>::to_vec).collect(),
+            finished: vec![false; acc.grads.len()],
+            in_flight: vec![false; acc.plan.buckets().count()],
+            acc,
+            overlap,
+            infos,
+            wrong_type: None,
+        };
+        let loss = cx
+            .value_and_grad_into(
                 &pending.used,
                 |cx, ps| model.loss_sum(cx, ps, &batch.inputs, &batch.targets),
-                &mut |cx, i, grad| {
-                    let slot = acc.grads.ty(i);
-                    if grad.ty() != slot {
-                        wrong_type = Some(accumulator_type_error(&infos[i].name, slot, grad));
-                        return Err(ferrotext_spmd::SpmdError::BadArgument {
-                            op: "fwd_bwd".into(),
-                            reason: "a gradient's type differs from its accumulator's".into(),
-                        });
-                    }
-                    cx.accumulate_into(&mut acc.grads, i, grad)?;
-                    finished[i] = true;
-                    if overlap {
-                        for (b, members) in buckets.iter().enumerate() {
-                            if !in_flight[b] && members.iter().all(|&m| finished[m]) {
-                                let started =
-                                    cx.start_buffered_bucket(&acc.plan, b, &mut acc.grads)?;
-                                acc.started.push(started);
-                                in_flight[b] = true;
-                            }
-                        }
-                    }
-                    Ok(())
-                },
+                &mut sink,
             )
-            .map_err(|e| wrong_type.take().unwrap_or(TrainError::from(e)))?;
+            .map_err(|e| sink.wrong_type.take().unwrap_or(TrainError::from(e)))?;
         if let Some(own) = own {
             let reduced = own.reduce(cx)?;
             for (i, g) in reduced.arrays().iter().enumerate() {
@@ -739,6 +723,59 @@ impl Engine {
 }
 
 /// The error for a gradient that arrived typed differently from its accumulator.
+/// The backward's gradients into a micro-batch's accumulator (see [`Engine::fwd_bwd`]):
+/// offered in place to the kernels, checked against the accumulator's types, and (with
+/// `overlap`) each bucket started as soon as all its gradients are in.
+struct AccumulatorSink<'a> {
+    acc: &'a mut PartialGradients,
+    buckets: Vec<Vec<usize>>,
+    /// Per gradient: in the accumulator.
+    finished: Vec<bool>,
+    /// Per bucket: its reduction started.
+    in_flight: Vec<bool>,
+    overlap: bool,
+    infos: &'a [ParamInfo],
+    /// The typed error behind a refused gradient (the walk only carries an `SpmdError`).
+    wrong_type: Option<TrainError>,
+}
+
+impl GradientSink for AccumulatorSink<'_> {
+    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<&mut [f32]> {
+        self.acc.grads.value_mut(k, ty)
+    }
+
+    fn finished(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        k: usize,
+        grad: Option<&Array>,
+    ) -> Result<(), ferrotext_spmd::SpmdError> {
+        if let Some(grad) = grad {
+            let slot = self.acc.grads.ty(k);
+            if grad.ty() != slot {
+                self.wrong_type = Some(accumulator_type_error(&self.infos[k].name, slot, grad));
+                return Err(ferrotext_spmd::SpmdError::BadArgument {
+                    op: "fwd_bwd".into(),
+                    reason: "a gradient's type differs from its accumulator's".into(),
+                });
+            }
+            cx.accumulate_into(&mut self.acc.grads, k, grad)?;
+        }
+        self.finished[k] = true;
+        if self.overlap {
+            for (b, members) in self.buckets.iter().enumerate() {
+                if !self.in_flight[b] && members.iter().all(|&m| self.finished[m]) {
+                    let started =
+                        cx.start_buffered_bucket(&self.acc.plan, b, &mut self.acc.grads)?;
+                    self.acc.started.push(started);
+                    self.in_flight[b] = true;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 fn accumulator_type_error(param: &str, acc: &ArrayType, grad: &Array) -> TrainError {
     TrainError::AccumulatorType {
         param: param.to_string(),
