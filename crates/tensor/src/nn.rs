@@ -417,37 +417,49 @@ pub fn cross_entropy(
         ));
     }
     // Per row, in parallel: the probabilities (f32, as softmax_last), log Z and the row's loss
-    // term (f64); the terms are then summed in row order.
-    let mut probs = logits.clone();
+    // term (f64); the terms are then summed in row order. Each row's exponentials are written
+    // straight from the logits into the output (no copy of the logits first).
     let mut stats = vec![(0.0f32, 0.0f64); n];
-    for_each_chunk2(
-        probs.data_mut(),
-        v,
-        &mut stats,
-        1,
-        kernel_threads(),
-        Work::Heavy,
-        |i, prow, stat| {
-            let row = &logits.data()[i * v..(i + 1) * v];
-            // One vectorised pass of exponentials, summed in f64 (in lanes) for log Z and
-            // normalised into the probabilities.
-            let (max, sum) = vectorized(|| {
-                let max = lane_max(row);
-                prow.iter_mut().for_each(|x| *x = exp(*x - max));
-                (max, lane_sum_f64(prow))
-            });
-            let lz = max as f64 + sum.ln();
-            let m = mask[i];
-            let term = if m != 0.0 {
-                m as f64 * (lz - row[targets[i] as usize] as f64 + z_loss as f64 * lz * lz)
-            } else {
-                0.0
-            };
-            stat[0] = (lz as f32, term);
-            let inv = (1.0 / sum) as f32;
-            vectorized(|| prow.iter_mut().for_each(|p| *p *= inv));
-        },
-    );
+    // SAFETY: every chunk is visited, and each writes all `v` elements of its row first.
+    let probs = unsafe {
+        filled(logits.len(), |probs| {
+            for_each_chunk2(
+                probs,
+                v,
+                &mut stats,
+                1,
+                kernel_threads(),
+                Work::Heavy,
+                |i, prow, stat| {
+                    let row = &logits.data()[i * v..(i + 1) * v];
+                    // One vectorised pass of exponentials, summed in f64 (in lanes) for log Z
+                    // and normalised into the probabilities.
+                    let (max, sum, prow) = vectorized(|| {
+                        let max = lane_max(row);
+                        for (p, &x) in prow.iter_mut().zip(row) {
+                            p.write(exp(x - max));
+                        }
+                        // SAFETY (inside `filled`'s block): the loop above wrote every element
+                        // of the row.
+                        let prow =
+                            std::slice::from_raw_parts_mut(prow.as_mut_ptr().cast::<f32>(), v);
+                        (max, lane_sum_f64(prow), prow)
+                    });
+                    let lz = max as f64 + sum.ln();
+                    let m = mask[i];
+                    let term = if m != 0.0 {
+                        m as f64 * (lz - row[targets[i] as usize] as f64 + z_loss as f64 * lz * lz)
+                    } else {
+                        0.0
+                    };
+                    stat[0] = (lz as f32, term);
+                    let inv = (1.0 / sum) as f32;
+                    vectorized(|| prow.iter_mut().for_each(|p| *p *= inv));
+                },
+            )
+        })
+    };
+    let probs = Tensor::new(logits.shape().to_vec(), probs)?;
     let mut loss = 0.0f64;
     for (&(_, term), &m) in stats.iter().zip(mask) {
         if m != 0.0 {
@@ -493,14 +505,26 @@ pub fn cross_entropy_backward(
             format!("target {t} out of range for {v} classes"),
         ));
     }
-    let mut d = probs.clone();
-    for_each_chunk(d.data_mut(), v, kernel_threads(), Work::Light, |i, row| {
-        let k = dloss * mask[i];
-        let kp = k * (1.0 + 2.0 * z_loss * ce.log_z[i]);
-        row.iter_mut().for_each(|x| *x *= kp);
-        row[targets[i] as usize] -= k;
-    });
-    Ok(d)
+    // Each row written from the probabilities (no copy of them first).
+    // SAFETY: every chunk is visited, and each writes all `v` elements of its row before it
+    // reads one back.
+    let d = unsafe {
+        filled(probs.len(), |d| {
+            for_each_chunk(d, v, kernel_threads(), Work::Light, |i, row| {
+                let k = dloss * mask[i];
+                let kp = k * (1.0 + 2.0 * z_loss * ce.log_z[i]);
+                let prow = &probs.data()[i * v..(i + 1) * v];
+                vectorized(|| {
+                    for (x, &p) in row.iter_mut().zip(prow) {
+                        x.write(p * kp);
+                    }
+                });
+                let t = targets[i] as usize;
+                row[t].write(prow[t] * kp - k);
+            })
+        })
+    };
+    Tensor::new(probs.shape().to_vec(), d)
 }
 
 /// `out = x` indexed by `indices` along `axis` (XLA's gather of whole slices): the result has
