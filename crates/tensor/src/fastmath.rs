@@ -20,7 +20,14 @@ pub(crate) fn exp(x: f32) -> f32 {
     // Round to nearest by adding and removing 1.5·2²³ (exact for |t| < 2²²), not `round()`,
     // which is a libm call on baseline x86-64 and would stop the loop from vectorising.
     const ROUNDER: f32 = 12_582_912.0;
-    let n = (clamped * LOG2E + ROUNDER) - ROUNDER;
+    let shifted = clamped * LOG2E + ROUNDER;
+    let n = shifted - ROUNDER;
+    // `n` as an integer, read off the shifted value's low mantissa bits (`bits(1.5·2²³ + n) =
+    // bits(1.5·2²³) + n`): a bit cast and an integer subtract per lane. `n as i32` is
+    // Rust's saturating conversion, which the compiler lowered here to one scalar convert and
+    // insert per lane (an exponential cost several times its polynomial). Wrapping: a NaN
+    // gives a meaningless `n`, whose result the NaN check below discards.
+    let n_int = (shifted.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
     let r = clamped - n * LN2_HI - n * LN2_LO;
     let p = 1.987_569_1e-4_f32;
     let p = p * r + 1.398_199_9e-3;
@@ -30,10 +37,9 @@ pub(crate) fn exp(x: f32) -> f32 {
     let p = p * r + 0.5;
     let e_r = p * r * r + r + 1.0;
     // 2^n as 2^h · 2^(n−h), h = ⌊n/2⌋: both halves stay normal for n in [−126, 128].
-    let n = n as i32;
-    let h = n >> 1;
-    let two_to = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
-    let y = e_r * two_to(h) * two_to(n - h);
+    let h = n_int >> 1;
+    let two_to = |e: i32| f32::from_bits((e.wrapping_add(127) as u32) << 23);
+    let y = e_r * two_to(h) * two_to(n_int.wrapping_sub(h));
     let y = if x > HI { f32::INFINITY } else { y };
     let y = if x < LO { 0.0 } else { y };
     if x.is_nan() {
@@ -173,6 +179,40 @@ mod tests {
 
     fn ulps(a: f32, b: f32) -> u32 {
         (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
+    }
+
+    /// The integer part read off the shifted value's bits is `n as i32` wherever the result
+    /// depends on it: the same bits as the exponential computed with the conversion, at every
+    /// 97th f32 bit pattern (NaN, infinities and the clamped ranges included).
+    #[test]
+    fn exp_reads_its_integer_part_off_the_bits_exactly() {
+        fn with_conversion(x: f32) -> f32 {
+            let clamped = x.clamp(-87.336_55, 88.722_83);
+            let n = (clamped * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let r = clamped - n * 0.693_359_4 - n * -2.121_944_4e-4;
+            let p = 1.987_569_1e-4_f32;
+            let p = p * r + 1.398_199_9e-3;
+            let p = p * r + 8.333_452e-3;
+            let p = p * r + 4.166_579_6e-2;
+            let p = p * r + 1.666_666_5e-1;
+            let p = p * r + 0.5;
+            let e_r = p * r * r + r + 1.0;
+            let n = n as i32;
+            let h = n >> 1;
+            let two_to = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
+            let y = e_r * two_to(h) * two_to(n - h);
+            let y = if x > 88.722_83 { f32::INFINITY } else { y };
+            let y = if x < -87.336_55 { 0.0 } else { y };
+            if x.is_nan() {
+                x
+            } else {
+                y
+            }
+        }
+        for bits in (0..=u32::MAX).step_by(97) {
+            let x = f32::from_bits(bits);
+            assert_eq!(exp(x).to_bits(), with_conversion(x).to_bits(), "{x}");
+        }
     }
 
     #[test]
