@@ -372,42 +372,63 @@ impl MatView<'_> {
 /// # Panics
 /// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
 pub(crate) fn gemm_views(dst: &mut [f32], a: MatView<'_>, b: MatView<'_>, threads: usize) {
+    // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have one layout, and every `f32` is a valid
+    // `MaybeUninit<f32>`; the kernel only writes it.
+    let dst = unsafe {
+        std::slice::from_raw_parts_mut(
+            dst.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(),
+            dst.len(),
+        )
+    };
+    gemm_views_uninit(dst, a, b, threads);
+}
+
+/// [`gemm_views`] into an uninitialised `dst`, which it writes whole (an output block needs no
+/// zeroing first); returns it initialised.
+///
+/// # Panics
+/// As [`gemm_views`].
+pub(crate) fn gemm_views_uninit<'d>(
+    dst: &'d mut [std::mem::MaybeUninit<f32>],
+    a: MatView<'_>,
+    b: MatView<'_>,
+    threads: usize,
+) -> &'d mut [f32] {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert!(a.fits() && b.fits() && b.rows == k && dst.len() == m * n); // ok: caller's invariant
-    if m == 0 || n == 0 {
-        return;
-    }
     if k == 0 {
-        dst.fill(0.0);
-        return;
+        dst.fill(std::mem::MaybeUninit::new(0.0));
+    } else if m > 0 && n > 0 {
+        let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
+            Parallelism::Rayon(threads)
+        } else {
+            Parallelism::None
+        };
+        // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly
+        // m×n row-major; the kernel writes every element of it.
+        unsafe {
+            crate::blas::sgemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr().cast::<f32>(),
+                Operand {
+                    ptr: a.data.as_ptr(),
+                    rs: a.rs as isize,
+                    cs: a.cs as isize,
+                },
+                Operand {
+                    ptr: b.data.as_ptr(),
+                    rs: b.rs as isize,
+                    cs: b.cs as isize,
+                },
+                parallelism,
+                Store::Overwrite,
+            );
+        }
     }
-    let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
-        Parallelism::Rayon(threads)
-    } else {
-        Parallelism::None
-    };
-    // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly m×n
-    // row-major.
-    unsafe {
-        crate::blas::sgemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            Operand {
-                ptr: a.data.as_ptr(),
-                rs: a.rs as isize,
-                cs: a.cs as isize,
-            },
-            Operand {
-                ptr: b.data.as_ptr(),
-                rs: b.rs as isize,
-                cs: b.cs as isize,
-            },
-            parallelism,
-            Store::Overwrite,
-        );
-    }
+    // SAFETY: every element was written above (or `dst` is empty).
+    unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f32>(), dst.len()) }
 }
 
 #[cfg(test)]
