@@ -250,12 +250,13 @@ impl Ctx<'_> {
 
     /// `f`'s value, its gradient with respect to `params` going to `sink` as in
     /// [`Ctx::value_and_grad_streaming`] — each parameter's once, as soon as the backward has
-    /// finished it — except that a parameter whose whole gradient is one product (a weight
-    /// used once, by a `dot_general` whose transpose needs no collective and no copy) and
-    /// for which `sink` offers a buffer is added into that buffer by the product's kernel
-    /// ([`GradientSink::buffer`]), and `sink` is only told it is done: a gradient accumulator
-    /// takes it without it being stored and read back. The sums are the streamed ones' to
-    /// within the kernel's rounding.
+    /// finished it — except that where `sink` offers a parameter a buffer
+    /// ([`GradientSink::buffer`]), each contribution that a `dot_general` (its transposed
+    /// product, when that needs no collective and no copy) or a `take` (its rows, likewise)
+    /// makes to the parameter's gradient is added into the buffer by the kernel itself, and
+    /// `sink` is handed only the rest (or told there is none): a gradient accumulator takes a
+    /// weight's gradient without it being stored and read back. The sums are the streamed
+    /// ones' to within rounding (the contributions are added into the buffer one by one).
     ///
     /// # Errors
     /// As [`Ctx::value_and_grad`], or the sink's error (the walk stops there).
@@ -365,7 +366,7 @@ impl Ctx<'_> {
         for i in (0..n).rev() {
             let walked = cts[i].take();
             if let Some(ct) = walked {
-                // Leaves whose whole cotangent is this node's product, offered to the sink.
+                // Leaves this node uses once: their contribution may go into the sink's buffer.
                 let into: Vec<(usize, usize)> = tape.nodes[i]
                     .inputs
                     .iter()
@@ -373,16 +374,8 @@ impl Ctx<'_> {
                     .filter_map(|(side, v)| {
                         let v = (*v)?;
                         let k = *leaf_of.get(&v)?;
-                        let alone = first_use[v] == Some(i)
-                            && cts[v].is_none()
-                            && tape.nodes[i]
-                                .inputs
-                                .iter()
-                                .flatten()
-                                .filter(|&&u| u == v)
-                                .count()
-                                == 1;
-                        alone.then_some((side, k))
+                        let uses = tape.nodes[i].inputs.iter().flatten().filter(|&&u| u == v);
+                        (uses.count() == 1).then_some((side, k))
                     })
                     .collect();
                 self.backward_node(
@@ -404,11 +397,12 @@ impl Ctx<'_> {
                 let Some(&k) = leaf_of.get(&v) else {
                     continue;
                 };
-                if sunk[v] {
-                    sink.finished(self, k, None)?;
-                    handed[k] = true;
-                } else if let Some(ct) = &leaf_cts[v] {
+                // What did not go into the buffer, or word that everything did.
+                if let Some(ct) = &leaf_cts[v] {
                     sink.finished(self, k, Some(ct))?;
+                    handed[k] = true;
+                } else if sunk[v] {
+                    sink.finished(self, k, None)?;
                     handed[k] = true;
                 }
             }
@@ -436,9 +430,9 @@ impl Ctx<'_> {
     }
 
     /// Walks node `i` with its cotangent `ct`: a leaf keeps it, any other node passes its
-    /// inputs' cotangents on. `into` lists `(input side, leaf)` pairs whose cotangent is this
-    /// node's alone: for a `dot_general`, each is first offered to `sink`'s buffer (marked in
-    /// `sunk` when the product went there).
+    /// inputs' cotangents on. `into` lists `(input side, leaf)` pairs of leaves the node uses
+    /// once: a `dot_general` or a `take` first offers its contribution to `sink`'s buffer (the
+    /// leaf is marked in `sunk` when it went there).
     #[allow(clippy::too_many_arguments)]
     fn backward_node(
         &mut self,
@@ -457,7 +451,7 @@ impl Ctx<'_> {
             return Ok(());
         }
         let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
-        if let Backward::Dot { lhs, rhs, dims } = &node.backward {
+        if matches!(node.backward, Backward::Dot { .. } | Backward::Take { .. }) {
             for &(side, k) in into {
                 let Some(v) = node.inputs[side] else {
                     continue;
@@ -466,10 +460,22 @@ impl Ctx<'_> {
                 let Some(dest) = sink.buffer(k, &expected) else {
                     continue;
                 };
-                if self.dot_general_transpose_into((lhs, rhs), dims, &ct, side, dest)? {
+                let added = match &node.backward {
+                    Backward::Dot { lhs, rhs, dims } => {
+                        self.dot_general_transpose_into((lhs, rhs), dims, &ct, side, dest)?
+                    }
+                    Backward::Take { table, ids } => {
+                        self.take_transpose_into(&ct, table, ids, dest)?
+                    }
+                    _ => false,
+                };
+                if added {
                     sunk[v] = true;
                     needed[side] = false;
                 }
+            }
+            if !needed.iter().any(|&n| n) {
+                return Ok(());
             }
         }
         let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
@@ -567,12 +573,14 @@ impl Ctx<'_> {
 /// accumulator, which may offer buffers for the backward's kernels to add into in place.
 pub trait GradientSink {
     /// A buffer holding parameter `k`'s running sum as a row-major local block of `ty` (the
-    /// gradient's type), that the backward may add `k`'s whole gradient into; `None` to be
-    /// handed the gradient instead. Must return `None` for a type other than the buffer's.
+    /// gradient's type), that the backward may add contributions to `k`'s gradient into;
+    /// `None` to be handed the gradient instead. Must return `None` for a type other than the
+    /// buffer's.
     fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<&mut [f32]>;
 
-    /// Parameter `k`'s gradient is final: `Some(grad)` when it is handed over, `None` when it
-    /// was added into [`GradientSink::buffer`]`(k)`. Called once per parameter.
+    /// Parameter `k`'s gradient is final: `Some(grad)` with the part of it not already added
+    /// into [`GradientSink::buffer`]`(k)` (all of it when nothing was), `None` when all of it
+    /// was. Called once per parameter.
     ///
     /// # Errors
     /// The sink's own (the walk stops there).

@@ -272,6 +272,21 @@ impl Ctx<'_> {
         )
     }
 
+    /// The type of [`Ctx::take_transpose`]'s natural result: each device adds its own rows,
+    /// partial over the ids' axes.
+    fn take_transpose_type(&self, table: &ArrayType, ids: &Ids) -> Result<ArrayType, SpmdError> {
+        let ids_axes = rules::sharded_axes(&ids.ty);
+        let mut partitions = vec![DimSpec::Replicated];
+        partitions.extend((1..table.rank()).map(|d| table.sharding().spec().dim(d).clone()));
+        let spec = PartitionSpec::tagged(partitions, ids_axes, AxisSet::new())?;
+        Ok(rules::make_type(
+            "take",
+            table,
+            table.shape().to_vec(),
+            Ok(spec),
+        )?)
+    }
+
     /// The transpose of [`Ctx::take`]: `ct` rows added into a zero table of type `table`'s
     /// cotangent.
     pub(crate) fn take_transpose(
@@ -282,12 +297,7 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let target = table.to_cotangent();
         let rows = table.shape()[0];
-        let ids_axes = rules::sharded_axes(&ids.ty);
-        // The natural result: each device adds its own rows, partial over the ids' axes.
-        let mut partitions = vec![DimSpec::Replicated];
-        partitions.extend((1..table.rank()).map(|d| table.sharding().spec().dim(d).clone()));
-        let spec = PartitionSpec::tagged(partitions, ids_axes, AxisSet::new())?;
-        let natural = rules::make_type("take", table, table.shape().to_vec(), Ok(spec))?;
+        let natural = self.take_transpose_type(table, ids)?;
         let local = match (ct.local_opt(), ids.local()) {
             (Some(c), Some(ix)) => {
                 let local_shape = natural.shard_shape();
@@ -300,6 +310,31 @@ impl Ctx<'_> {
         };
         let local = self.convert(local, &natural, &target)?;
         Ok(Array::new(target, local))
+    }
+
+    /// [`Ctx::take_transpose`] added into `dest` (a buffer laid out as the table cotangent's
+    /// local block) instead of into a zero table, when the rows' natural type is the
+    /// cotangent's (no collective after). Returns whether it was; on `false` nothing was
+    /// touched.
+    ///
+    /// # Errors
+    /// As [`Ctx::take_transpose`]; `dest` not the size of the local block.
+    pub(crate) fn take_transpose_into(
+        &mut self,
+        ct: &Array,
+        table: &ArrayType,
+        ids: &Ids,
+        dest: &mut [f32],
+    ) -> Result<bool, SpmdError> {
+        let natural = self.take_transpose_type(table, ids)?;
+        if !crate::reshard::same_layout(&natural, &table.to_cotangent()) {
+            return Ok(false);
+        }
+        if let (Some(c), Some(ix)) = (ct.local_opt(), ids.local()) {
+            let width: usize = natural.shard_shape()[1..].iter().product();
+            ferrotext_tensor::scatter_add_into(dest, width, ix, c.data())?;
+        }
+        Ok(true)
     }
 
     /// `mask ? a : b` elementwise, where `mask` holds 0 or 1 and every operand has the same type

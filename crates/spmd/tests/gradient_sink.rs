@@ -1,7 +1,7 @@
-//! `value_and_grad_into`: a weight whose whole gradient is one product that needs no
-//! collective (a `{R:x}` weight used once, its gradient kept `{U:x}`) is added into the sink's
-//! buffer by the product's kernel; every other gradient is handed over. Either way the sink ends
-//! with its buffers plus `value_and_grad`'s gradients, the same collectives run, and each
+//! `value_and_grad_into`: what a product that needs no collective (a `{R:x}` weight's
+//! transposed dot, its gradient kept `{U:x}`) or a `take` contributes to a parameter's gradient
+//! is added into the sink's buffer by the kernel; the rest is handed over. Either way the sink
+//! ends with its buffers plus `value_and_grad`'s gradients, the same collectives run, and each
 //! parameter is finished once, in the streamed order.
 
 mod common;
@@ -9,11 +9,11 @@ mod common;
 use common::*;
 use ferrotext_comm::{CollectiveKind, Trace};
 use ferrotext_sharding::{ArrayType, PartitionSpec};
-use ferrotext_spmd::{Array, Ctx, GradientSink, SpmdError};
-use ferrotext_tensor::Tensor;
+use ferrotext_spmd::{Array, Ctx, GradientSink, Ids, SpmdError};
+use ferrotext_tensor::{DotDims, Tensor};
 
 /// `Σ (x·w0·w1 + x·w2·w2ᵀ·w0)²`, a per-device partial sum over the batch axis `x`: `w1` is
-/// used once (by a product), `w0` and `w2` twice (`w2` once through a transpose).
+/// used by one product, `w0` by two, `w2` by a product and a transpose.
 fn model(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdError> {
     let h = cx.matmul(x, &ws[0], None)?;
     let y = cx.matmul(&h, &ws[1], None)?;
@@ -33,14 +33,28 @@ fn single(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdError>
     cx.reduce_sum(&y2, &[0, 1], Some(&p(&[], &["x"], &[])))
 }
 
+/// `Σ (take(t, ids) · tᵀ)²`: a tied table, used by a `take` and by a product (contracting its
+/// second dim, as a tied output head does).
+fn tied(cx: &mut Ctx<'_>, ts: &[Array], ids: &Ids) -> Result<Array, SpmdError> {
+    let rows = cx.take(&ts[0], ids)?;
+    let head = DotDims {
+        lhs_contracting: vec![2],
+        rhs_contracting: vec![1],
+        ..DotDims::default()
+    };
+    let logits = cx.dot_general(&rows, &ts[0], &head, None)?;
+    let l2 = cx.mul(&logits, &logits)?;
+    cx.reduce_sum(&l2, &[0, 1, 2], Some(&p(&[], &["x"], &[])))
+}
+
 /// Buffers that start at `start`, offered where `offer` says; handed gradients are added in
 /// here too, so both paths end in the same sums.
 struct Recorder {
     bufs: Vec<Vec<f32>>,
     types: Vec<ArrayType>,
     offer: bool,
-    /// (parameter, went into the buffer), in finishing order.
-    events: Vec<(usize, bool)>,
+    /// (parameter, what was handed over), in finishing order.
+    events: Vec<(usize, Option<Vec<f32>>)>,
 }
 
 impl GradientSink for Recorder {
@@ -59,14 +73,22 @@ impl GradientSink for Recorder {
                 *b += v;
             }
         }
-        self.events.push((k, grad.is_none()));
+        self.events.push((k, grad.map(local)));
         Ok(())
     }
 }
 
-/// Per device: (sink buffers, sink events, `value_and_grad`'s gradients plus the start), and
-/// the traces of the sink run and of a streamed run.
-type Run = ((Vec<Vec<f32>>, Vec<(usize, bool)>, Vec<Vec<f32>>), Trace);
+/// Per device: (sink buffers, sink events, `value_and_grad`'s gradients, those plus the
+/// start), and the trace of the sink run.
+type Run = (
+    (
+        Vec<Vec<f32>>,
+        Vec<(usize, Option<Vec<f32>>)>,
+        Vec<Vec<f32>>,
+        Vec<Vec<f32>>,
+    ),
+    Trace,
+);
 
 fn run(
     weights_reduced: bool,
@@ -114,12 +136,13 @@ fn run(
             events: Vec::new(),
         };
         cx.value_and_grad_into(&ws, |cx, ps| f(cx, ps, &x), &mut sink)?;
+        let grads: Vec<Vec<f32>> = grads.iter().map(local).collect();
         let want = start
             .iter()
             .zip(&grads)
-            .map(|(s, g)| s.iter().zip(local(g)).map(|(a, b)| a + b).collect())
+            .map(|(s, g)| s.iter().zip(g).map(|(a, b)| a + b).collect())
             .collect();
-        Ok((sink.bufs, sink.events, want))
+        Ok((sink.bufs, sink.events, grads, want))
     });
     let streamed = on_devices(&m, |cx| {
         let (ws, x) = setup(cx);
@@ -137,19 +160,36 @@ fn kinds(t: &Trace) -> Vec<(CollectiveKind, usize)> {
 }
 
 fn check_sums(out: &[Run]) {
-    for ((bufs, _, want), _) in out {
+    for ((bufs, _, _, want), _) in out {
         for (k, (b, w)) in bufs.iter().zip(want).enumerate() {
             assert_close(b, w, 1e-5, &format!("parameter {k}"));
         }
     }
 }
 
+/// (parameter, handed nothing, handed all of its gradient) per event.
+fn shares(events: &[(usize, Option<Vec<f32>>)], grads: &[Vec<f32>]) -> Vec<(usize, bool, bool)> {
+    events
+        .iter()
+        .map(|(k, handed)| match handed {
+            None => (*k, true, false),
+            Some(h) => {
+                let all = h
+                    .iter()
+                    .zip(&grads[*k])
+                    .all(|(a, b)| (a - b).abs() <= 1e-6 * (1.0 + b.abs()));
+                (*k, false, all)
+            }
+        })
+        .collect()
+}
+
 #[test]
 fn a_weight_used_once_by_a_product_goes_into_the_buffer() {
     let (out, streamed) = run(true, true, single, 1);
     check_sums(&out);
-    for (((_, events, _), trace), plain) in out.iter().zip(&streamed) {
-        assert_eq!(events, &[(0, true)]);
+    for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
+        assert_eq!(shares(events, grads), [(0, true, false)]);
         // Deferred: no collective in the backward either way.
         assert_eq!(kinds(trace), kinds(plain));
         assert!(kinds(trace).is_empty());
@@ -157,14 +197,49 @@ fn a_weight_used_once_by_a_product_goes_into_the_buffer() {
 }
 
 #[test]
-fn only_single_product_gradients_go_into_buffers_and_the_order_is_the_streamed_one() {
+fn products_add_their_shares_into_the_buffer_the_rest_is_handed_over_in_streamed_order() {
     let (out, streamed) = run(true, true, model, 3);
     check_sums(&out);
-    for (((_, events, _), trace), plain) in out.iter().zip(&streamed) {
-        // w1 (used once, by a product) goes in; w0 and w2 (used twice) are handed. Each is
-        // finished at its first use, walked last: w2's, then w1's, then w0's.
-        assert_eq!(events, &[(2, false), (1, true), (0, false)]);
+    for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
+        // Each is finished at its first use, walked last: w2's, then w1's, then w0's. w1 and w0
+        // go wholly into their buffers; w2's product share does, its transpose's is handed.
+        assert_eq!(
+            shares(events, grads),
+            [(2, false, false), (1, true, false), (0, true, false)]
+        );
         assert_eq!(kinds(trace), kinds(plain));
+    }
+}
+
+/// A tied table: the `take`'s rows and the product's share both go into the buffer.
+#[test]
+fn a_tied_tables_take_and_product_both_go_into_the_buffer() {
+    let m = mesh(&[("x", 2)]);
+    let out = on_devices(&m, |cx| {
+        let table = place(
+            cx,
+            &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32 - 0.4),
+            p(&["", ""], &[], &["x"]),
+        );
+        let ids =
+            cx.ids_from_global(&[2, 4], p(&["x", ""], &[], &[]), &[4, 0, 4, 2, 1, 1, 3, 0])?;
+        let ws = [table];
+        let (_, g) = cx.value_and_grad(&ws, |cx, ts| tied(cx, ts, &ids))?;
+        let ty = ws[0].ty().to_cotangent();
+        let start: Vec<f32> = (0..15).map(|i| i as f32 * 0.5).collect();
+        let mut sink = Recorder {
+            bufs: vec![start.clone()],
+            types: vec![ty],
+            offer: true,
+            events: Vec::new(),
+        };
+        cx.value_and_grad_into(&ws, |cx, ts| tied(cx, ts, &ids), &mut sink)?;
+        let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
+        Ok((sink.bufs, sink.events, want))
+    });
+    for ((bufs, events, want), _) in out {
+        assert_close(&bufs[0], &want, 1e-5, "table");
+        assert_eq!(events, [(0, None)]);
     }
 }
 
@@ -174,8 +249,8 @@ fn only_single_product_gradients_go_into_buffers_and_the_order_is_the_streamed_o
 fn a_gradient_that_needs_a_collective_or_has_no_buffer_is_handed_over() {
     let (out, streamed) = run(false, true, single, 1);
     check_sums(&out);
-    for (((_, events, _), trace), plain) in out.iter().zip(&streamed) {
-        assert_eq!(events, &[(0, false)]);
+    for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
+        assert_eq!(shares(events, grads), [(0, false, true)]);
         assert_eq!(kinds(trace), kinds(plain));
         assert!(kinds(trace)
             .iter()
@@ -183,7 +258,10 @@ fn a_gradient_that_needs_a_collective_or_has_no_buffer_is_handed_over() {
     }
     let (out, _) = run(true, false, model, 3);
     check_sums(&out);
-    for ((_, events, _), _) in &out {
-        assert_eq!(events, &[(2, false), (1, false), (0, false)]);
+    for ((_, events, grads, _), _) in &out {
+        assert_eq!(
+            shares(events, grads),
+            [(2, false, true), (1, false, true), (0, false, true)]
+        );
     }
 }

@@ -60,8 +60,8 @@ pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_ro
 pub use matmul::{dot_general, dot_general_accumulate, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,
-    rope, scatter_add, silu, silu_backward, softmax_backward_scaled, softmax_last,
-    softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
+    rope, scatter_add, scatter_add_into, silu, silu_backward, softmax_backward_scaled,
+    softmax_last, softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
 };
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};
 pub use peak::{cpu_peak, CpuPeak};

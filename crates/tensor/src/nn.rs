@@ -603,6 +603,48 @@ pub fn scatter_add(
     Ok(out)
 }
 
+/// `dest += ` [`scatter_add`] along axis 0: row `k` of `src` (`indices.len()` rows of `width`)
+/// added into row `indices[k]` of `dest`, in order; for a gradient accumulator that takes an
+/// embedding table's gradient without a zero table first.
+///
+/// # Errors
+/// `dest` or `src` not a whole number of rows of `width`, a length mismatch, or an index out of
+/// bounds (then nothing is added).
+pub fn scatter_add_into(
+    dest: &mut [f32],
+    width: usize,
+    indices: &[u32],
+    src: &[f32],
+) -> Result<(), TensorError> {
+    let _span = ferrotext_profile::span("scatter_add");
+    if width == 0 && dest.is_empty() && src.is_empty() {
+        return Ok(());
+    }
+    let rows = dest.len().checked_div(width).unwrap_or(0);
+    if width == 0
+        || dest.len() != rows * width
+        || src.len() != indices.len() * width
+        || indices.iter().any(|&i| i as usize >= rows)
+    {
+        return Err(TensorError::shape(
+            "scatter_add_into",
+            format!(
+                "{} source elements at {} indices into {} elements in rows of {width}",
+                src.len(),
+                indices.len(),
+                dest.len()
+            ),
+        ));
+    }
+    for (row, &i) in src.chunks_exact(width).zip(indices) {
+        let at = i as usize * width;
+        for (d, &v) in dest[at..at + width].iter_mut().zip(row) {
+            *d += v;
+        }
+    }
+    Ok(())
+}
+
 /// Up to this `k`, [`top_k`] keeps the best k in a sorted buffer; above, it selects then sorts.
 const TOP_K_INSERTION_MAX: usize = 16;
 
@@ -884,6 +926,22 @@ mod tests {
         let rhs = weighted_sum(&x, &scatter_add(&[2, 3, 2], 1, &[2, 0, 2], &y).unwrap());
         assert!((lhs - rhs).abs() < 1e-5);
         assert!(gather(&x, 1, &[3]).is_err());
+    }
+
+    /// `scatter_add_into` adds rows into what `dest` holds, repeated indices in order (hand
+    /// values); a bad index or size is an error that adds nothing.
+    #[test]
+    fn scatter_add_into_adds_rows_into_the_destination() {
+        let mut dest = vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0];
+        let src = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        scatter_add_into(&mut dest, 2, &[2, 0, 2], &src).unwrap();
+        assert_eq!(dest, [13.0, 24.0, 30.0, 40.0, 56.0, 68.0]);
+        let before = dest.clone();
+        assert!(scatter_add_into(&mut dest, 2, &[3, 0, 1], &src).is_err());
+        assert!(scatter_add_into(&mut dest, 2, &[0, 1], &src).is_err());
+        assert!(scatter_add_into(&mut dest, 4, &[0], &src[..4]).is_err());
+        assert_eq!(dest, before);
+        assert!(scatter_add_into(&mut [], 0, &[], &[]).is_ok());
     }
 
     fn rand(shape: &[usize], seed: u32) -> Tensor {
