@@ -250,13 +250,15 @@ impl Ctx<'_> {
 
     /// `f`'s value, its gradient with respect to `params` going to `sink` as in
     /// [`Ctx::value_and_grad_streaming`] — each parameter's once, as soon as the backward has
-    /// finished it — except that where `sink` offers a parameter a buffer
-    /// ([`GradientSink::buffer`]), each contribution that a `dot_general` (its transposed
-    /// product, when that needs no collective and no copy) or a `take` (its rows, likewise)
-    /// makes to the parameter's gradient is added into the buffer by the kernel itself, and
-    /// `sink` is handed only the rest (or told there is none): a gradient accumulator takes a
-    /// weight's gradient without it being stored and read back. The sums are the streamed
-    /// ones' to within rounding (the contributions are added into the buffer one by one).
+    /// finished it — except that a parameter whose whole gradient comes from one op, a
+    /// `dot_general` (its transposed product, when that needs no collective and no copy) or a
+    /// `take` (its rows, likewise), and for which `sink` offers a buffer
+    /// ([`GradientSink::buffer`]), is added into that buffer by the kernel itself, and `sink`
+    /// is only told it is done: a gradient accumulator takes a weight's gradient without it
+    /// being stored and read back. A parameter with several contributions is handed their sum,
+    /// as before, so the buffer's sum is the handed path's: a take's rows are summed per table
+    /// row before they are added, and a product adds its tiles as the kernel finishes them
+    /// (the same bits as adding the product after it unless the kernel splits the contraction).
     ///
     /// # Errors
     /// As [`Ctx::value_and_grad`], or the sink's error (the walk stops there).
@@ -366,7 +368,10 @@ impl Ctx<'_> {
         for i in (0..n).rev() {
             let walked = cts[i].take();
             if let Some(ct) = walked {
-                // Leaves this node uses once: their contribution may go into the sink's buffer.
+                // Leaves whose whole cotangent is this node's contribution (it uses them once,
+                // and no other node does): offered to the sink's buffer. A leaf with several
+                // contributions is handed their sum, so that what the buffer ends with is the
+                // sum the handed path adds, in its order.
                 let into: Vec<(usize, usize)> = tape.nodes[i]
                     .inputs
                     .iter()
@@ -375,7 +380,9 @@ impl Ctx<'_> {
                         let v = (*v)?;
                         let k = *leaf_of.get(&v)?;
                         let uses = tape.nodes[i].inputs.iter().flatten().filter(|&&u| u == v);
-                        (uses.count() == 1).then_some((side, k))
+                        let alone =
+                            first_use[v] == Some(i) && cts[v].is_none() && uses.count() == 1;
+                        alone.then_some((side, k))
                     })
                     .collect();
                 self.backward_node(
@@ -397,12 +404,11 @@ impl Ctx<'_> {
                 let Some(&k) = leaf_of.get(&v) else {
                     continue;
                 };
-                // What did not go into the buffer, or word that everything did.
-                if let Some(ct) = &leaf_cts[v] {
-                    sink.finished(self, k, Some(ct))?;
-                    handed[k] = true;
-                } else if sunk[v] {
+                if sunk[v] {
                     sink.finished(self, k, None)?;
+                    handed[k] = true;
+                } else if let Some(ct) = &leaf_cts[v] {
+                    sink.finished(self, k, Some(ct))?;
                     handed[k] = true;
                 }
             }
@@ -430,9 +436,9 @@ impl Ctx<'_> {
     }
 
     /// Walks node `i` with its cotangent `ct`: a leaf keeps it, any other node passes its
-    /// inputs' cotangents on. `into` lists `(input side, leaf)` pairs of leaves the node uses
-    /// once: a `dot_general` or a `take` first offers its contribution to `sink`'s buffer (the
-    /// leaf is marked in `sunk` when it went there).
+    /// inputs' cotangents on. `into` lists `(input side, leaf)` pairs of leaves whose whole
+    /// cotangent this node gives: a `dot_general` or a `take` first offers it to `sink`'s buffer
+    /// (the leaf is marked in `sunk` when it went there).
     #[allow(clippy::too_many_arguments)]
     fn backward_node(
         &mut self,
@@ -573,14 +579,12 @@ impl Ctx<'_> {
 /// accumulator, which may offer buffers for the backward's kernels to add into in place.
 pub trait GradientSink {
     /// A buffer holding parameter `k`'s running sum as a row-major local block of `ty` (the
-    /// gradient's type), that the backward may add contributions to `k`'s gradient into;
-    /// `None` to be handed the gradient instead. Must return `None` for a type other than the
-    /// buffer's.
+    /// gradient's type), that the backward may add `k`'s whole gradient into; `None` to be
+    /// handed the gradient instead. Must return `None` for a type other than the buffer's.
     fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<&mut [f32]>;
 
-    /// Parameter `k`'s gradient is final: `Some(grad)` with the part of it not already added
-    /// into [`GradientSink::buffer`]`(k)` (all of it when nothing was), `None` when all of it
-    /// was. Called once per parameter.
+    /// Parameter `k`'s gradient is final: `Some(grad)` when it is handed over, `None` when it
+    /// was added into [`GradientSink::buffer`]`(k)`. Called once per parameter.
     ///
     /// # Errors
     /// The sink's own (the walk stops there).

@@ -1,8 +1,9 @@
-//! `value_and_grad_into`: what a product that needs no collective (a `{R:x}` weight's
-//! transposed dot, its gradient kept `{U:x}`) or a `take` contributes to a parameter's gradient
-//! is added into the sink's buffer by the kernel; the rest is handed over. Either way the sink
-//! ends with its buffers plus `value_and_grad`'s gradients, the same collectives run, and each
-//! parameter is finished once, in the streamed order.
+//! `value_and_grad_into`: a parameter whose whole gradient is one product that needs no
+//! collective (a `{R:x}` weight's transposed dot, its gradient kept `{U:x}`) or one `take` is
+//! added into the sink's buffer by the kernel; every other gradient (several contributions, a
+//! collective) is handed over. Either way the sink ends with its buffers plus
+//! `value_and_grad`'s gradients, the same collectives run, and each parameter is finished once,
+//! in the streamed order.
 
 mod common;
 
@@ -25,6 +26,9 @@ fn model(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdError> 
     let z2 = cx.mul(&z, &z)?;
     cx.reduce_sum(&z2, &[0, 1], Some(&p(&[], &["x"], &[])))
 }
+
+/// A loss of the parameters.
+type LossFn<'a> = dyn Fn(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError> + 'a;
 
 /// A model whose only weight `w` is used once, by one product.
 fn single(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdError> {
@@ -197,23 +201,25 @@ fn a_weight_used_once_by_a_product_goes_into_the_buffer() {
 }
 
 #[test]
-fn products_add_their_shares_into_the_buffer_the_rest_is_handed_over_in_streamed_order() {
+fn only_sole_contributions_go_into_buffers_and_the_order_is_the_streamed_one() {
     let (out, streamed) = run(true, true, model, 3);
     check_sums(&out);
     for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
-        // Each is finished at its first use, walked last: w2's, then w1's, then w0's. w1 and w0
-        // go wholly into their buffers; w2's product share does, its transpose's is handed.
+        // Each is finished at its first use, walked last: w2's, then w1's, then w0's. w1 (one
+        // product) goes into its buffer; w0 (two products) and w2 (a product and a transpose)
+        // are handed the sums of their contributions.
         assert_eq!(
             shares(events, grads),
-            [(2, false, false), (1, true, false), (0, true, false)]
+            [(2, false, true), (1, true, false), (0, false, true)]
         );
         assert_eq!(kinds(trace), kinds(plain));
     }
 }
 
-/// A tied table: the `take`'s rows and the product's share both go into the buffer.
+/// A table only a `take` reads (ids repeat) goes into the buffer with the bits of the handed
+/// path; a tied one (a `take` and a product) is handed the sum.
 #[test]
-fn a_tied_tables_take_and_product_both_go_into_the_buffer() {
+fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
     let m = mesh(&[("x", 2)]);
     let out = on_devices(&m, |cx| {
         let table = place(
@@ -224,22 +230,40 @@ fn a_tied_tables_take_and_product_both_go_into_the_buffer() {
         let ids =
             cx.ids_from_global(&[2, 4], p(&["x", ""], &[], &[]), &[4, 0, 4, 2, 1, 1, 3, 0])?;
         let ws = [table];
-        let (_, g) = cx.value_and_grad(&ws, |cx, ts| tied(cx, ts, &ids))?;
-        let ty = ws[0].ty().to_cotangent();
-        let start: Vec<f32> = (0..15).map(|i| i as f32 * 0.5).collect();
-        let mut sink = Recorder {
-            bufs: vec![start.clone()],
-            types: vec![ty],
-            offer: true,
-            events: Vec::new(),
+        let lookup = |cx: &mut Ctx<'_>, ts: &[Array]| -> Result<Array, SpmdError> {
+            let rows = cx.take(&ts[0], &ids)?;
+            let r3 = cx.mul(&rows, &rows)?;
+            let r3 = cx.mul(&r3, &rows)?;
+            cx.reduce_sum(&r3, &[0, 1, 2], Some(&p(&[], &["x"], &[])))
         };
-        cx.value_and_grad_into(&ws, |cx, ts| tied(cx, ts, &ids), &mut sink)?;
-        let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
-        Ok((sink.bufs, sink.events, want))
+        let tied_head = |cx: &mut Ctx<'_>, ts: &[Array]| tied(cx, ts, &ids);
+        let start: Vec<f32> = (0..15).map(|i| i as f32 * 0.37 + 0.01).collect();
+        let mut results = Vec::new();
+        let models: [&LossFn<'_>; 2] = [&lookup, &tied_head];
+        for f in models {
+            let (_, g) = cx.value_and_grad(&ws, f)?;
+            let mut sink = Recorder {
+                bufs: vec![start.clone()],
+                types: vec![ws[0].ty().to_cotangent()],
+                offer: true,
+                events: Vec::new(),
+            };
+            cx.value_and_grad_into(&ws, f, &mut sink)?;
+            let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
+            let sunk: Vec<(usize, bool)> =
+                sink.events.iter().map(|(k, h)| (*k, h.is_none())).collect();
+            results.push((sink.bufs.remove(0), want, sunk));
+        }
+        Ok(results)
     });
-    for ((bufs, events, want), _) in out {
-        assert_close(&bufs[0], &want, 1e-5, "table");
-        assert_eq!(events, [(0, None)]);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (results, _) in out {
+        let (bufs, want, sunk) = &results[0];
+        assert_eq!(sunk, &[(0, true)]);
+        assert_eq!(bits(bufs), bits(want), "the handed path's bits");
+        let (bufs, want, sunk) = &results[1];
+        assert_eq!(sunk, &[(0, false)]);
+        assert_close(bufs, want, 1e-5, "tied table");
     }
 }
 

@@ -603,9 +603,11 @@ pub fn scatter_add(
     Ok(out)
 }
 
-/// `dest += ` [`scatter_add`] along axis 0: row `k` of `src` (`indices.len()` rows of `width`)
-/// added into row `indices[k]` of `dest`, in order; for a gradient accumulator that takes an
-/// embedding table's gradient without a zero table first.
+/// `dest += scatter_add(src)` along axis 0, bit for bit: the source rows bound for each table
+/// row (`indices[k]` for row `k` of `src`, `indices.len()` rows of `width`) are summed first,
+/// in order from `0.0`, as [`scatter_add`] sums them into a zero table, and that sum is added
+/// into the row of `dest`; for a gradient accumulator that takes an embedding table's gradient
+/// without a zero table.
 ///
 /// # Errors
 /// `dest` or `src` not a whole number of rows of `width`, a length mismatch, or an index out of
@@ -636,10 +638,20 @@ pub fn scatter_add_into(
             ),
         ));
     }
-    for (row, &i) in src.chunks_exact(width).zip(indices) {
-        let at = i as usize * width;
-        for (d, &v) in dest[at..at + width].iter_mut().zip(row) {
-            *d += v;
+    // Source rows grouped by table row, each group in source order (a stable sort).
+    let mut order: Vec<usize> = (0..indices.len()).collect();
+    order.sort_by_key(|&k| indices[k]);
+    let mut sum = vec![0.0f32; width];
+    for group in order.chunk_by(|&a, &b| indices[a] == indices[b]) {
+        sum.fill(0.0);
+        for &k in group {
+            for (s, &v) in sum.iter_mut().zip(&src[k * width..(k + 1) * width]) {
+                *s += v;
+            }
+        }
+        let at = indices[group[0]] as usize * width;
+        for (d, &s) in dest[at..at + width].iter_mut().zip(&sum) {
+            *d += s;
         }
     }
     Ok(())
@@ -928,14 +940,28 @@ mod tests {
         assert!(gather(&x, 1, &[3]).is_err());
     }
 
-    /// `scatter_add_into` adds rows into what `dest` holds, repeated indices in order (hand
-    /// values); a bad index or size is an error that adds nothing.
+    /// `scatter_add_into` adds rows into what `dest` holds (hand values), with the bits of
+    /// `dest + scatter_add(src)` where repeated rows round differently summed one by one into
+    /// `dest`; a bad index or size is an error that adds nothing.
     #[test]
     fn scatter_add_into_adds_rows_into_the_destination() {
         let mut dest = vec![10.0, 20.0, 30.0, 40.0, 50.0, 60.0];
         let src = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
         scatter_add_into(&mut dest, 2, &[2, 0, 2], &src).unwrap();
         assert_eq!(dest, [13.0, 24.0, 30.0, 40.0, 56.0, 68.0]);
+        // 1 + 2⁻²⁴ + 2⁻²⁴: one by one the halves of an ulp round away; summed first they count.
+        let tiny = f32::EPSILON / 2.0;
+        let mut one = vec![1.0f32];
+        scatter_add_into(&mut one, 1, &[0, 0], &[tiny, tiny]).unwrap();
+        let table = scatter_add(
+            &[1, 1],
+            0,
+            &[0, 0],
+            &Tensor::new(vec![2, 1], vec![tiny, tiny]).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(one[0], 1.0 + table.data()[0]);
+        assert_ne!(one[0], 1.0 + tiny + tiny);
         let before = dest.clone();
         assert!(scatter_add_into(&mut dest, 2, &[3, 0, 1], &src).is_err());
         assert!(scatter_add_into(&mut dest, 2, &[0, 1], &src).is_err());
