@@ -484,6 +484,24 @@ impl Ctx<'_> {
                 return Ok(());
             }
         }
+        // A take whose table already has a contribution (a tied embedding's head) adds its rows
+        // into it in place: R4.4's sum without a zero table (the same values; a `-0.0` the rows
+        // miss stays `-0.0`, where adding a zero table would make it `+0.0`).
+        if let (Backward::Take { table, ids }, Some(Some(v)), true) = (
+            &node.backward,
+            node.inputs.first(),
+            needed.first().copied().unwrap_or(false),
+        ) {
+            let expected = tape.nodes[*v].ty.to_cotangent();
+            if let Some(existing) = cts[*v].as_mut() {
+                if existing.ty() == &expected && !existing.is_abstract() {
+                    let dest = existing.local_mut()?.data_mut();
+                    if self.take_transpose_into(&ct, table, ids, dest)? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
         let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
         for ((input, ict), &need) in node.inputs.iter().zip(input_cts).zip(&needed) {
             let (Some(v), Some(ict), true) = (input, ict, need) else {

@@ -6,7 +6,7 @@ use common::*;
 use ferrotext_comm::{CollectiveKind, PhasePattern};
 use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, SpmdError, TypeErrorKind};
-use ferrotext_tensor::Tensor;
+use ferrotext_tensor::{DotDims, Tensor};
 
 fn sum_sq(cx: &mut Ctx<'_>, y: &Array) -> Result<Array, SpmdError> {
     let y2 = cx.mul(y, y)?;
@@ -99,6 +99,58 @@ fn host_lookup_grad() -> Vec<f32> {
         }
     }
     g
+}
+
+/// A table used by a `take` and by a product (a tied embedding and its output head): the take's
+/// rows are added into the product's contribution in place; the gradient is the host's,
+/// `{U:data}` for a reduced table and all-reduced for a plain one.
+#[test]
+fn a_take_adds_its_rows_into_the_tables_other_contribution() {
+    let ids_global = [4u32, 0, 4, 2, 1, 1, 3, 0];
+    let x = Tensor::from_fn(&[2, 4, 3], |i| 0.01 * i as f32 - 0.1);
+    for table_reduced in [true, false] {
+        let m = mesh(&[("data", 2)]);
+        let out = on_devices(&m, |cx| {
+            let spec = if table_reduced {
+                p(&["", ""], &[], &["data"])
+            } else {
+                p(&["", ""], &[], &[])
+            };
+            let table = place(cx, &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32), spec);
+            let ids = cx.ids_from_global(&[2, 4], p(&["data", ""], &[], &[]), &ids_global)?;
+            let xs = place(cx, &x, p(&["data", "", ""], &[], &[]));
+            let head = DotDims {
+                lhs_contracting: vec![2],
+                rhs_contracting: vec![1],
+                ..DotDims::default()
+            };
+            let (_, g) = cx.value_and_grad(&[table], |cx, ts| {
+                // The take is recorded first, so the walk reaches it last, after the product.
+                let rows = cx.take(&ts[0], &ids)?;
+                let looked = sum_sq(cx, &rows)?;
+                let logits = cx.dot_general(&xs, &ts[0], &head, None)?;
+                let linear = cx.reduce_sum(&logits, &[0, 1, 2], None)?;
+                cx.add(&looked, &linear)
+            })?;
+            let ty = g[0].ty().to_string();
+            let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
+            Ok((local(&full), ty))
+        });
+        // d/dt Σ x·tᵀ: every row gets the column sums of x.
+        let colsum: Vec<f32> = (0..3)
+            .map(|j| (0..8).map(|r| x.data()[r * 3 + j]).sum())
+            .collect();
+        let want: Vec<f32> = host_lookup_grad()
+            .iter()
+            .enumerate()
+            .map(|(i, l)| l + colsum[i % 3])
+            .collect();
+        for ((g, ty), _) in out {
+            let tagged = if table_reduced { "{U:data}" } else { "" };
+            assert_eq!(ty, format!("f32[5,3]{tagged}"));
+            assert_close(&g, &want, 1e-6, "tied table grad");
+        }
+    }
 }
 
 #[test]
