@@ -11,7 +11,9 @@
 //! * Values in no bucket (a tag-only change, or a move no single collective makes) are kept as
 //!   [`Array`]s and moved alone, as [`Ctx::reshard_planned`] moves them.
 //! * Every value is typed as the plan's source: [`Ctx::accumulate_into`] refuses any other type,
-//!   exactly as [`Ctx::accumulate`] does.
+//!   exactly as [`Ctx::accumulate`] does, and [`BucketBuffers::value_mut`] (a value's elements
+//!   for a kernel to add into: `Ctx::value_and_grad_into`) gives them only for that type and
+//!   only for a value that is one contiguous run of a buffer not being reduced.
 //! * Sums are the element-wise `f32` additions of one accumulator per value, in the same order,
 //!   so moving the buffers is bitwise [`Ctx::reshard_planned`] of the same accumulated arrays.
 

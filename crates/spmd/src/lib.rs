@@ -32,7 +32,7 @@ transpose; `autodiff` holds only the tape and the reverse walk that dispatches t
 | `manual/collectives` | `pcast`, `psum`, `psum_scatter`, `all_gather`, `all_to_all` and their transposes |
 | `bucketed` | fused reshards of many arrays ([`BucketPlan`]) |
 | `flat` | values held in their buckets' flat buffers, accumulated and moved in place ([`BucketBuffers`]) |
-| `autodiff` | the tape, `vjp`/`value_and_grad`, the reverse walk |
+| `autodiff` | the tape, `vjp`/`value_and_grad`, the reverse walk, gradients streamed to a [`GradientSink`] |
 | [`rules`] | the type rules outside regions |
 
 # The key decision: deferral falls out of the types

@@ -14,7 +14,9 @@ Both kernels take a leading dimension (`gemm` any strides), so [`dot_general`] v
 operand as a strided matrix stack whenever its batch, free and contracting dimensions are
 contiguous groups — `x·W`,
 `x·Wᵀ` and `xᵀ·dy` (the weight gradient) never copy; batch dims keep a stride each, so
-attention's `[B, T, H, d]` operands batched over B and H do not copy either.
+attention's `[B, T, H, d]` operands batched over B and H do not copy either. A product can also
+be added into an existing buffer by the kernel itself ([`dot_general_accumulate`], BLAS
+`beta = 1`): a gradient accumulator takes a weight's gradient without it being stored first.
 
 # Threads
 
