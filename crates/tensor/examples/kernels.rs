@@ -9,7 +9,8 @@
 //! the former copy / sort / transpose written out below), in alternating ~1 ms groups in one
 //! process, so the median paired ratio holds on a busy machine even when absolute times do not. The attention block (unfused
 //! with copies, unfused with strided views, fused) and the MoE kernels (deepseek3-tiny shapes)
-//! are timed apart, outside the total.
+//! are timed apart, outside the total. The kernels run as a device runs them: on a pool of
+//! `threads` workers that this thread is one of (`with_kernel_pool`).
 //!
 //! ```text
 //! cargo run --release -p ferrotext-tensor --example kernels -- [data=1] [threads=1] [ms=200]
@@ -22,7 +23,7 @@ use ferrotext_tensor::{
     causal_attention, causal_attention_backward, causal_softmax, cpu_peak, cross_entropy,
     cross_entropy_backward, dot_general, grouped_matmul, grouped_matmul_backward, kernel_threads,
     rms_norm, rms_norm_backward, rope, set_kernel_threads, softmax_backward_scaled, softmax_last,
-    swiglu, swiglu_backward, take_rows, top_k, DotDims, Tensor,
+    swiglu, swiglu_backward, take_rows, top_k, with_kernel_pool, DotDims, Tensor,
 };
 
 fn rand(shape: &[usize], seed: u32) -> Tensor {
@@ -232,7 +233,11 @@ fn main() {
         );
         std::process::exit(2);
     }
-    set_kernel_threads(threads);
+    with_kernel_pool(threads, "kernels", 64 << 20, || measure(data, threads, ms));
+}
+
+/// The measurements of `main`, on the device pool.
+fn measure(data: usize, threads: usize, ms: f64) {
     let peak = cpu_peak();
     println!("stated peak: {peak}");
     let (b, t, d, h, kv, hd, mlp, vocab, layers) = (8 / data, 64, 256, 8, 4, 32, 768, 2048, 4);

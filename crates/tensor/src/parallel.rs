@@ -40,9 +40,10 @@ pub fn kernel_threads() -> usize {
 /// (named `{name}-{i}`, each with a `stack_bytes` stack), so the thread running `f` is one of
 /// the workers its kernels split over: a parallel kernel runs one part on that thread and
 /// hands the rest to the pool's other workers, instead of handing every part to the global
-/// pool and sleeping until they finish. The calling thread waits meanwhile. When the pool
-/// cannot be made (no threads left), `f` runs here on the global pool, with the same results:
-/// results never depend on the pool.
+/// pool and sleeping until they finish. While `f` runs, the other workers stay awake
+/// ([`KeepAwake`]). The calling thread waits meanwhile. When the pool cannot be made (no
+/// threads left), `f` runs here on the global pool, with the same results: results never
+/// depend on the pool.
 pub fn with_kernel_pool<R, F>(threads: usize, name: &str, stack_bytes: usize, f: F) -> R
 where
     R: Send,
@@ -59,6 +60,7 @@ where
         if let Ok(pool) = pool {
             return pool.install(|| {
                 set_kernel_threads(threads);
+                let _awake = KeepAwake::start(threads - 1);
                 f()
             });
         }
@@ -67,12 +69,54 @@ where
     f()
 }
 
+/// Keeps a device pool's other workers awake while the device program runs: each loops taking
+/// whatever part of a kernel is pending in the pool (`rayon::yield_now`), and yields its core
+/// when there is none, instead of going to sleep. A device's pool has cores of its own (its
+/// budget is its share), and the program hands it parts back to back (every split product,
+/// attention, row kernel), so a sleeping worker was woken hundreds of times a micro-batch —
+/// a futex wake and an interprocessor interrupt each, tens of µs on a virtual machine — and the
+/// part often ran late or went back to the program's thread. Measured (qwen3-peer, data=1,
+/// GA 4, 7 alternated pairs): 214–240 → 189–217 ms a step. Yielding the core when idle lets any
+/// other thread on it (a communication stream) run. Dropping it (also on a panic) releases the
+/// workers.
+struct KeepAwake {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl KeepAwake {
+    /// Occupies `workers` of the current pool's workers (called on one of them).
+    fn start(workers: usize) -> KeepAwake {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        for _ in 0..workers {
+            let stop = stop.clone();
+            rayon::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::thread::yield_now();
+                    }
+                }
+            });
+        }
+        KeepAwake { stop }
+    }
+}
+
+impl Drop for KeepAwake {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// How much a kernel computes per element, which sets how large a part must be before it is
-/// worth handing to another thread: waking a worker and joining it costs tens of µs on a busy
-/// machine, so a part must take longer than that. Measured here (`cargo run --release -p
-/// ferrotext-tensor --example kernels -- threads=2`, qwen3-peer's data=1 shapes): split in two
-/// at the old threshold (32 Ki elements), a residual add of 128 Ki elements took 3–5× as long
-/// as on one thread and an RMSNorm 2–4×, while a softmax of 256 Ki elements took 0.62×.
+/// worth handing to another thread. A device's workers are kept awake ([`KeepAwake`]), so
+/// handing a part over costs a queue push and a steal, not a wake-up (which cost tens of µs:
+/// with sleeping workers, a residual add of 128 Ki elements split in two took 3–5× its
+/// one-thread time, and the minimum part was 256 Ki elements). Measured with the workers awake
+/// (`cargo run --release -p ferrotext-tensor --example kernels -- threads=2`, qwen3-peer's
+/// data=1 shapes, 256 Ki → 32 Ki elements a light part, 64 Ki → 16 Ki a heavy one): add
+/// [512,256] 0.016 → 0.0075 ms, RMSNorm 0.028 → 0.015 ms, its backward 0.058 → 0.039 ms,
+/// QK-norm 0.052 → 0.033 ms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Work {
     /// A few arithmetic operations per element (adds, scales, norms, rotations): bound by
@@ -87,8 +131,8 @@ impl Work {
     /// The fewest elements a part of this kind of kernel gets.
     const fn min_per_task(self) -> usize {
         match self {
-            Work::Light => 1 << 18,
-            Work::Heavy => 1 << 16,
+            Work::Light => 1 << 15,
+            Work::Heavy => 1 << 14,
         }
     }
 }
@@ -257,11 +301,11 @@ mod tests {
     /// kernel gets more parts than its budget or any part below its minimum.
     #[test]
     fn the_split_follows_the_kind_of_work() {
-        assert_eq!(tasks_for(1 << 17, 2, Work::Light), 1);
-        assert_eq!(tasks_for(1 << 19, 2, Work::Light), 2);
-        assert_eq!(tasks_for(1 << 18, 2, Work::Heavy), 2);
-        assert_eq!(tasks_for((1 << 17) - 1, 2, Work::Heavy), 1);
-        assert_eq!(tasks_for(3 << 16, 8, Work::Heavy), 3);
+        assert_eq!(tasks_for((1 << 16) - 1, 2, Work::Light), 1);
+        assert_eq!(tasks_for(1 << 17, 2, Work::Light), 2);
+        assert_eq!(tasks_for(1 << 15, 2, Work::Heavy), 2);
+        assert_eq!(tasks_for((1 << 15) - 1, 2, Work::Heavy), 1);
+        assert_eq!(tasks_for(3 << 14, 8, Work::Heavy), 3);
         assert_eq!(tasks_for(1 << 30, 1, Work::Heavy), 1);
     }
 

@@ -116,34 +116,50 @@ pub fn rope_with(
     let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
     let half = dim / 2;
     let table = rotation_table(rope, dim, positions, inverse);
-    let mut y = x.clone();
-    // One chunk per (batch row, position): all its heads turn by the same table row.
-    for_each_chunk(
-        y.data_mut(),
-        heads * dim,
-        kernel_threads(),
-        Work::Light,
-        |c, pos_chunk| {
-            let s = c % seq;
-            let rot = &table[s * half..(s + 1) * half];
-            for head in pos_chunk.chunks_mut(dim) {
-                if rope.interleaved {
-                    for (pair, &(sin, cos)) in head.chunks_exact_mut(2).zip(rot) {
-                        let (x0, x1) = (pair[0], pair[1]);
-                        pair[0] = x0 * cos - x1 * sin;
-                        pair[1] = x1 * cos + x0 * sin;
+    let chunk = heads * dim;
+    // One chunk per (batch row, position): all its heads turn by the same table row, each
+    // written from `x` into the output (no copy of `x` first).
+    // SAFETY: every chunk is visited, and each writes all of its elements (every pair of every
+    // head).
+    let y = unsafe {
+        crate::parallel::filled(x.len(), |y| {
+            for_each_chunk(
+                y,
+                chunk.max(1),
+                kernel_threads(),
+                Work::Light,
+                |c, pos_chunk| {
+                    let s = c % seq;
+                    let rot = &table[s * half..(s + 1) * half];
+                    let src = &x.data()[c * chunk..(c + 1) * chunk];
+                    for (head, xs) in pos_chunk.chunks_mut(dim).zip(src.chunks(dim)) {
+                        if rope.interleaved {
+                            for ((pair, xp), &(sin, cos)) in
+                                head.chunks_exact_mut(2).zip(xs.chunks_exact(2)).zip(rot)
+                            {
+                                let (x0, x1) = (xp[0], xp[1]);
+                                pair[0].write(x0 * cos - x1 * sin);
+                                pair[1].write(x1 * cos + x0 * sin);
+                            }
+                        } else {
+                            let (lo, hi) = head.split_at_mut(half);
+                            let (xlo, xhi) = xs.split_at(half);
+                            for (((a, b), (&x0, &x1)), &(sin, cos)) in lo
+                                .iter_mut()
+                                .zip(hi.iter_mut())
+                                .zip(xlo.iter().zip(xhi))
+                                .zip(rot)
+                            {
+                                a.write(x0 * cos - x1 * sin);
+                                b.write(x1 * cos + x0 * sin);
+                            }
+                        }
                     }
-                } else {
-                    let (lo, hi) = head.split_at_mut(half);
-                    for ((a, b), &(sin, cos)) in lo.iter_mut().zip(hi.iter_mut()).zip(rot) {
-                        let (x0, x1) = (*a, *b);
-                        *a = x0 * cos - x1 * sin;
-                        *b = x1 * cos + x0 * sin;
-                    }
-                }
-            }
-        },
-    );
+                },
+            )
+        })
+    };
+    let y = Tensor::new(x.shape().to_vec(), y)?;
     Ok(y)
 }
 
