@@ -235,16 +235,7 @@ impl Ctx<'_> {
     where
         F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
     {
-        let outer = self.tape.take();
-        self.tape = Some(Tape::default());
-        let leaves: Vec<Array> = params.iter().map(|x| self.leaf(x)).collect();
-        let result = f(self, &leaves);
-        let tape = self.tape.take().unwrap_or_default();
-        self.tape = outer;
-        let mut out = result?;
-        let seed = self.scalar_seed(&out)?;
-        let grads = self.backward(tape, &out, seed, &leaves, &mut Handed(on_final))?;
-        out.var = None;
+        let (out, grads) = self.scalar_walk(params, f, &mut Handed(on_final))?;
         Ok((out, all_handed(grads)?))
     }
 
@@ -271,6 +262,20 @@ impl Ctx<'_> {
     where
         F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
     {
+        Ok(self.scalar_walk(params, f, sink)?.0)
+    }
+
+    /// Records scalar `f` on `params` as leaves and walks back from the seed 1 into `sink`:
+    /// the value and each leaf's cotangent (`None` for those added into the sink's buffers).
+    fn scalar_walk<F>(
+        &mut self,
+        params: &[Array],
+        f: F,
+        sink: &mut dyn GradientSink,
+    ) -> Result<(Array, Vec<Option<Array>>), SpmdError>
+    where
+        F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Array, SpmdError>,
+    {
         let outer = self.tape.take();
         self.tape = Some(Tape::default());
         let leaves: Vec<Array> = params.iter().map(|x| self.leaf(x)).collect();
@@ -279,9 +284,9 @@ impl Ctx<'_> {
         self.tape = outer;
         let mut out = result?;
         let seed = self.scalar_seed(&out)?;
-        self.backward(tape, &out, seed, &leaves, sink)?;
+        let grads = self.backward(tape, &out, seed, &leaves, sink)?;
         out.var = None;
-        Ok(out)
+        Ok((out, grads))
     }
 
     /// 1 of a scalar output's cotangent type (R4.5).
