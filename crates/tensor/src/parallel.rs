@@ -296,9 +296,45 @@ mod tests {
         assert_eq!(a, b);
     }
 
-    /// Hand-computed from the per-part minimums (256 Ki light, 64 Ki heavy elements): a
-    /// residual add of 128 Ki elements stays on one thread, a softmax of 256 Ki splits, and no
-    /// kernel gets more parts than its budget or any part below its minimum.
+    /// The workers a device pool keeps awake are released when the program ends, and when it
+    /// panics: no thread of the pool is left after it (they would spin forever otherwise).
+    #[test]
+    fn the_workers_kept_awake_are_released_on_return_and_on_panic() {
+        let alive = |prefix: &str| -> usize {
+            std::fs::read_dir("/proc/self/task")
+                .map(|tasks| {
+                    tasks
+                        .filter_map(Result::ok)
+                        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+                        .filter(|name| name.starts_with(prefix))
+                        .count()
+                })
+                .unwrap_or(0)
+        };
+        let gone_soon = |prefix: &str| {
+            let start = std::time::Instant::now();
+            while alive(prefix) > 0 && start.elapsed() < std::time::Duration::from_secs(10) {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            alive(prefix)
+        };
+        // The pool's threads are seen while it runs (at least the program's own).
+        let during = with_kernel_pool(3, "awake-ok", 1 << 20, || alive("awake-ok"));
+        assert!(during >= 1, "{during}");
+        assert_eq!(gone_soon("awake-ok"), 0);
+        let panicked = std::panic::catch_unwind(|| {
+            with_kernel_pool(3, "awake-panic", 1 << 20, || -> () {
+                panic!("the program failed")
+            })
+        });
+        assert!(panicked.is_err());
+        assert_eq!(gone_soon("awake-panic"), 0);
+    }
+
+    /// Hand-computed from the per-part minimums (32 Ki light, 16 Ki heavy elements): a light
+    /// kernel of just under 64 Ki elements stays on one thread and one of 128 Ki splits, a heavy
+    /// one splits from 32 Ki, and no kernel gets more parts than its budget or any part below
+    /// its minimum.
     #[test]
     fn the_split_follows_the_kind_of_work() {
         assert_eq!(tasks_for((1 << 16) - 1, 2, Work::Light), 1);
