@@ -462,7 +462,8 @@ impl Ctx<'_> {
             return Ok(());
         }
         let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
-        if matches!(node.backward, Backward::Dot { .. } | Backward::Take { .. }) {
+        if adds_in_place(&node.backward) {
+            // A leaf's whole cotangent, into the sink's buffer.
             for &(side, k) in into {
                 let Some(v) = node.inputs[side] else {
                     continue;
@@ -471,40 +472,30 @@ impl Ctx<'_> {
                 let Some(dest) = sink.buffer(k, &expected) else {
                     continue;
                 };
-                let added = match &node.backward {
-                    Backward::Dot { lhs, rhs, dims } => {
-                        self.dot_general_transpose_into((lhs, rhs), dims, &ct, side, dest)?
-                    }
-                    Backward::Take { table, ids } => {
-                        self.take_transpose_into(&ct, table, ids, dest)?
-                    }
-                    _ => false,
-                };
-                if added {
+                if self.add_contribution_into(&node.backward, &ct, side, dest)? {
                     sunk[v] = true;
                     needed[side] = false;
                 }
             }
-            if !needed.iter().any(|&n| n) {
-                return Ok(());
-            }
-        }
-        // A take whose table already has a contribution (a tied embedding's head) adds its rows
-        // into it in place: R4.4's sum without a zero table (the same values; a `-0.0` the rows
-        // miss stays `-0.0`, where adding a zero table would make it `+0.0`).
-        if let (Backward::Take { table, ids }, Some(Some(v)), true) = (
-            &node.backward,
-            node.inputs.first(),
-            needed.first().copied().unwrap_or(false),
-        ) {
-            let expected = tape.nodes[*v].ty.to_cotangent();
-            if let Some(existing) = cts[*v].as_mut() {
-                if existing.ty() == &expected && !existing.is_abstract() {
-                    let dest = existing.local_mut()?.data_mut();
-                    if self.take_transpose_into(&ct, table, ids, dest)? {
-                        return Ok(());
+            // A take's rows into the contribution its table already has (a tied embedding's
+            // head): R4.4's sum without a zero table (the same values; a `-0.0` the rows miss
+            // stays `-0.0`, where adding a zero table would make it `+0.0`). Only a take: its
+            // rows are summed per table row first, so the sum is R4.4's to the bit.
+            if let (Backward::Take { .. }, Some(Some(v)), true) =
+                (&node.backward, node.inputs.first(), needed[0])
+            {
+                let expected = tape.nodes[*v].ty.to_cotangent();
+                if let Some(existing) = cts[*v].as_mut() {
+                    if existing.ty() == &expected && !existing.is_abstract() {
+                        let dest = existing.local_mut()?.data_mut();
+                        if self.add_contribution_into(&node.backward, &ct, 0, dest)? {
+                            needed[0] = false;
+                        }
                     }
                 }
+            }
+            if !needed.iter().any(|&n| n) {
+                return Ok(());
             }
         }
         let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
@@ -523,6 +514,26 @@ impl Ctx<'_> {
             });
         }
         Ok(())
+    }
+
+    /// Adds the node's contribution to input `side`'s cotangent into `dest` (laid out as that
+    /// input's local block), where the op can do so itself — a `dot_general`'s transposed
+    /// product, a `take`'s rows — and it needs no collective; returns whether it did (`false`:
+    /// `dest` untouched).
+    fn add_contribution_into(
+        &mut self,
+        backward: &Backward,
+        ct: &Array,
+        side: usize,
+        dest: &mut [f32],
+    ) -> Result<bool, SpmdError> {
+        match backward {
+            Backward::Dot { lhs, rhs, dims } => {
+                self.dot_general_transpose_into((lhs, rhs), dims, ct, side, dest)
+            }
+            Backward::Take { table, ids } => self.take_transpose_into(ct, table, ids, dest),
+            _ => Ok(false),
+        }
     }
 
     /// Cotangents of a node's inputs from the cotangent of its output: each arm calls the
@@ -654,6 +665,12 @@ fn all_handed(grads: Vec<Option<Array>>) -> Result<Vec<Array>, SpmdError> {
             })
         })
         .collect()
+}
+
+/// Ops whose transpose can add a contribution into a buffer in place
+/// ([`Ctx::add_contribution_into`]).
+fn adds_in_place(backward: &Backward) -> bool {
+    matches!(backward, Backward::Dot { .. } | Backward::Take { .. })
 }
 
 /// R4.3's check, typed by what differs.
