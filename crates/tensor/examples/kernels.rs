@@ -19,6 +19,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use ferrotext_tensor::{adamw_update, sgd_update, sum_of_squares, AdamW};
 use ferrotext_tensor::{
     causal_attention, causal_attention_backward, causal_softmax, cpu_peak, cross_entropy,
     cross_entropy_backward, dot_general, grouped_matmul, grouped_matmul_backward, kernel_threads,
@@ -633,6 +634,8 @@ fn measure(data: usize, threads: usize, ms: f64) {
     println!("\nattention block, forward + backward, one layer ({b}×{t}, {h}/{kv} heads of {hd}); not in the total above:");
     report(&att.rows, 0.0);
 
+    optimizer(ms);
+
     // MoE kernels on deepseek3-tiny shapes (not part of qwen3-peer).
     let mut moe = Bench {
         ms,
@@ -691,6 +694,79 @@ fn measure(data: usize, threads: usize, ms: f64) {
     );
     println!("\nMoE kernels (deepseek3-tiny shapes, {n} tokens; not in the total above):");
     report(&moe.rows, 0.0);
+}
+
+/// The optimizer's kernels over a replicated qwen3-peer (3,672,576 parameters as one buffer):
+/// each beside the serial loop it replaced, with the bytes each moves.
+fn optimizer(ms: f64) {
+    let n = 3_672_576;
+    let (mut w, g) = (
+        rand(&[n], 11).data().to_vec(),
+        rand(&[n], 12).data().to_vec(),
+    );
+    let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let mut opt = Bench {
+        ms,
+        rows: Vec::new(),
+    };
+    let k = 1e-9f32;
+    let (mut w_old, mut m_old, mut v_old) = (w.clone(), m.clone(), v.clone());
+    opt.add(
+        format!("sgd_update [{n}] (12 B an element)"),
+        1,
+        0.0,
+        Some(&mut || {
+            for (w, &d) in w_old.iter_mut().zip(&g) {
+                *w -= k * d;
+            }
+        }),
+        &mut || sgd_update(&mut w, &g, k),
+    );
+    let c = AdamW {
+        b1: 0.9,
+        b2: 0.95,
+        step: 1e-9,
+        c2_sqrt: 0.2,
+        eps: 1e-8,
+        decay: 0.0,
+        grad_scale: 1.0,
+    };
+    opt.add(
+        format!("adamw_update [{n}] (20 B an element)"),
+        1,
+        0.0,
+        Some(&mut || {
+            for (((w, &raw), mm), vv) in w_old.iter_mut().zip(&g).zip(&mut m_old).zip(&mut v_old) {
+                let d = raw * c.grad_scale;
+                *mm = c.b1 * *mm + (1.0 - c.b1) * d;
+                *vv = c.b2 * *vv + (1.0 - c.b2) * d * d;
+                *w -= c.step * *mm / (vv.sqrt() / c.c2_sqrt + c.eps) + c.decay * *w;
+            }
+        }),
+        &mut || adamw_update(&mut w, &g, &mut m, &mut v, c),
+    );
+    opt.add(
+        format!("sum_of_squares [{n}] (4 B an element)"),
+        1,
+        0.0,
+        Some(&mut || {
+            // The former grad-norm loop: 8 f64 lanes, baseline x86-64.
+            let mut lanes = [0f64; 8];
+            for chunk in g.chunks_exact(8) {
+                for (lane, &x) in lanes.iter_mut().zip(chunk) {
+                    *lane += f64::from(x) * f64::from(x);
+                }
+            }
+            black_box(lanes.iter().sum::<f64>());
+        }),
+        &mut || {
+            black_box(sum_of_squares(&g));
+        },
+    );
+    println!(
+        "\noptimizer kernels (qwen3-peer's parameters as one buffer; not in the total above):"
+    );
+    report(&opt.rows, 0.0);
 }
 
 fn report(rows: &[Row], peak_flops: f64) {

@@ -79,7 +79,7 @@ const LANES: usize = 16;
 
 /// Partial sums folded in a fixed tree: lane `j` with `j + W/2`, then `+ W/4`, …, `+ 1`.
 #[inline(always)]
-fn fold_lanes<T: Copy + std::ops::AddAssign, const W: usize>(mut acc: [T; W]) -> T {
+pub(crate) fn fold_lanes<T: Copy + std::ops::AddAssign, const W: usize>(mut acc: [T; W]) -> T {
     let mut width = W / 2;
     while width > 0 {
         for j in 0..width {

@@ -48,6 +48,7 @@ mod fastmath;
 mod grouped;
 mod matmul;
 mod nn;
+mod optim;
 mod parallel;
 mod peak;
 mod reduce;
@@ -65,6 +66,7 @@ pub use nn::{
     rope, scatter_add, scatter_add_into, silu, silu_backward, softmax_backward_scaled,
     softmax_last, softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
 };
+pub use optim::{adamw_update, sgd_update, sum_of_squares, AdamW};
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};
 pub use peak::{cpu_peak, CpuPeak};
 pub use rope::{rope_with, Rope, Yarn};

@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use ferrotext_spmd::{Array, BucketBuffers, BucketPlan, Ctx, Mode, StartedBucket};
+use ferrotext_tensor::sum_of_squares;
 
 use crate::error::TrainError;
 
@@ -189,48 +190,5 @@ impl Gradients {
                 .sum::<f64>();
         }
         Ok(total)
-    }
-}
-
-/// Lanes of [`sum_of_squares`]: independent f64 sums, so the loop vectorises instead of waiting
-/// on one add's latency per element.
-const LANES: usize = 8;
-
-/// Σ x² in f64: element `i` goes to lane `i mod 8` (the tail to the total after the lanes), the
-/// lanes are added in order. A fixed order, so every run and layout of the same shard gives the
-/// same bits.
-fn sum_of_squares(xs: &[f32]) -> f64 {
-    let mut lanes = [0f64; LANES];
-    let chunks = xs.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (lane, &x) in lanes.iter_mut().zip(chunk) {
-            *lane += f64::from(x) * f64::from(x);
-        }
-    }
-    let mut total: f64 = lanes.iter().sum();
-    for &x in tail {
-        total += f64::from(x) * f64::from(x);
-    }
-    total
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sum_of_squares_matches_the_serial_sum_at_every_length() {
-        for len in [0, 1, 7, 8, 9, 16, 1001] {
-            let xs: Vec<f32> = (0..len)
-                .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.25)
-                .collect();
-            let serial: f64 = xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-            // Quarter-integers: every square and partial sum is exact in f64, in any order.
-            assert_eq!(sum_of_squares(&xs), serial, "len {len}");
-        }
-        let xs: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
-        let serial: f64 = xs.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-        assert!((sum_of_squares(&xs) - serial).abs() <= 1e-12 * serial);
     }
 }

@@ -1,7 +1,7 @@
 //! Optimizers on f32 master weights (this device's shards), the learning-rate schedule, and
 //! global-norm clipping.
 
-use ferrotext_tensor::Tensor;
+use ferrotext_tensor::{adamw_update, sgd_update, AdamW, Tensor};
 
 use crate::config::{OptType, TrainConfig};
 
@@ -90,9 +90,7 @@ impl Optimizer {
             Optimizer::Sgd => {
                 let k = lr as f32 * grad_scale;
                 for (p, g) in params.iter_mut().zip(grads) {
-                    for (w, &d) in p.data_mut().iter_mut().zip(g.data()) {
-                        *w -= k * d;
-                    }
+                    sgd_update(p.data_mut(), g.data(), k);
                 }
             }
             Optimizer::AdamW {
@@ -106,31 +104,31 @@ impl Optimizer {
             } => {
                 *t += 1;
                 let (c1, c2) = (1.0 - b1.powi(*t as i32), 1.0 - b2.powi(*t as i32));
-                let (b1, b2) = (*b1 as f32, *b2 as f32);
-                let step = (lr / c1) as f32;
-                let c2_sqrt = c2.sqrt() as f32;
+                let constants = |decay: f32| AdamW {
+                    b1: *b1 as f32,
+                    b2: *b2 as f32,
+                    step: (lr / c1) as f32,
+                    c2_sqrt: c2.sqrt() as f32,
+                    eps: *eps as f32,
+                    decay,
+                    grad_scale,
+                };
                 for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
                     let wd = if decay[i] {
                         (lr * *weight_decay) as f32
                     } else {
                         0.0
                     };
-                    let (mi, vi) = (m[i].data_mut(), v[i].data_mut());
-                    for (((w, &raw), mm), vv) in p
-                        .data_mut()
-                        .iter_mut()
-                        .zip(g.data())
-                        .zip(mi.iter_mut())
-                        .zip(vi.iter_mut())
-                    {
-                        // The moments see the gradient the step is defined on: divided by the
-                        // step's tokens and clipped (Adam is not invariant to that scale once
-                        // ε and the clip factor's step-to-step changes count).
-                        let d = raw * grad_scale;
-                        *mm = b1 * *mm + (1.0 - b1) * d;
-                        *vv = b2 * *vv + (1.0 - b2) * d * d;
-                        *w -= step * *mm / (vv.sqrt() / c2_sqrt + *eps as f32) + wd * *w;
-                    }
+                    // The moments see the gradient the step is defined on: divided by the step's
+                    // tokens and clipped (Adam is not invariant to that scale once ε and the
+                    // clip factor's step-to-step changes count).
+                    adamw_update(
+                        p.data_mut(),
+                        g.data(),
+                        m[i].data_mut(),
+                        v[i].data_mut(),
+                        constants(wd),
+                    );
                 }
             }
         }
