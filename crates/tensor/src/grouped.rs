@@ -9,7 +9,10 @@
 //! row (padding of a fixed-size buffer).
 
 use crate::error::TensorError;
-use crate::matmul::{gemm_views, MatView};
+use std::mem::MaybeUninit;
+
+use crate::matmul::{gemm_views_uninit, MatView};
+use crate::parallel::filled;
 use crate::tensor::Tensor;
 
 /// A row index meaning "a zero row" in [`take_rows`] (and skipped by [`scatter_rows`]).
@@ -120,17 +123,24 @@ pub fn grouped_matmul(
             .bytes(4.0 * (rows * (d + f) + w.len()) as f64)
             .shapes(|| format!("{:?} x {:?}", x.shape(), w.shape()))
     });
-    let mut y = vec![0.0f32; x.shape()[0] * f];
-    let mut row = 0;
-    for (g, &size) in group_sizes.iter().enumerate() {
-        if size > 0 {
-            // y_g [size, f] = x_g [size, d] · w[g] [d, f], all views into the inputs.
-            let xg = view(&x.data()[row * d..(row + size) * d], size, d, d, 1);
-            let wg = view(&w.data()[g * d * f..(g + 1) * d * f], d, f, f, 1);
-            gemm_views(&mut y[row * f..(row + size) * f], xg, wg, threads);
-        }
-        row += size;
-    }
+    let n = x.shape()[0];
+    // SAFETY: each group's rows are written whole by its product, and the padding rows after
+    // the groups (`rows..n`) are zero-filled: every element is written.
+    let y = unsafe {
+        filled(n * f, |y| {
+            let mut row = 0;
+            for (g, &size) in group_sizes.iter().enumerate() {
+                if size > 0 {
+                    // y_g [size, f] = x_g [size, d] · w[g] [d, f], all views into the inputs.
+                    let xg = view(&x.data()[row * d..(row + size) * d], size, d, d, 1);
+                    let wg = view(&w.data()[g * d * f..(g + 1) * d * f], d, f, f, 1);
+                    gemm_views_uninit(&mut y[row * f..(row + size) * f], xg, wg, threads);
+                }
+                row += size;
+            }
+            y[rows * f..].fill(MaybeUninit::new(0.0));
+        })
+    };
     Tensor::new(vec![x.shape()[0], f], y)
 }
 
@@ -171,22 +181,35 @@ pub fn grouped_matmul_backward(
             format!("dy must be [{n}, {f}], got {:?}", dy.shape()),
         ));
     }
-    let mut dx = vec![0.0f32; n * d];
-    let mut dw = vec![0.0f32; e * d * f];
+    let (mut dx, mut dw) = (Vec::with_capacity(n * d), Vec::with_capacity(e * d * f));
+    let (dx_out, dw_out) = (
+        &mut dx.spare_capacity_mut()[..n * d],
+        &mut dw.spare_capacity_mut()[..e * d * f],
+    );
     let mut row = 0;
     for (g, &size) in group_sizes.iter().enumerate() {
-        if size > 0 {
-            let xs = &x.data()[row * d..(row + size) * d];
-            let dys = &dy.data()[row * f..(row + size) * f];
-            let ws = &w.data()[g * d * f..(g + 1) * d * f];
-            // dx_g [size, d] = dy_g [size, f] · w[g]ᵀ ([f, d]: a transposed view)
-            let (dyg, wgt) = (view(dys, size, f, f, 1), view(ws, f, d, 1, f));
-            gemm_views(&mut dx[row * d..(row + size) * d], dyg, wgt, threads);
-            // dw[g] [d, f] = x_gᵀ ([d, size]: a transposed view) · dy_g [size, f]
-            let (xgt, dyg) = (view(xs, d, size, 1, d), view(dys, size, f, f, 1));
-            gemm_views(&mut dw[g * d * f..(g + 1) * d * f], xgt, dyg, threads);
+        let dw_g = &mut dw_out[g * d * f..(g + 1) * d * f];
+        if size == 0 {
+            dw_g.fill(MaybeUninit::new(0.0));
+            continue;
         }
+        let xs = &x.data()[row * d..(row + size) * d];
+        let dys = &dy.data()[row * f..(row + size) * f];
+        let ws = &w.data()[g * d * f..(g + 1) * d * f];
+        // dx_g [size, d] = dy_g [size, f] · w[g]ᵀ ([f, d]: a transposed view)
+        let (dyg, wgt) = (view(dys, size, f, f, 1), view(ws, f, d, 1, f));
+        gemm_views_uninit(&mut dx_out[row * d..(row + size) * d], dyg, wgt, threads);
+        // dw[g] [d, f] = x_gᵀ ([d, size]: a transposed view) · dy_g [size, f]
+        let (xgt, dyg) = (view(xs, d, size, 1, d), view(dys, size, f, f, 1));
+        gemm_views_uninit(dw_g, xgt, dyg, threads);
         row += size;
+    }
+    dx_out[rows * d..].fill(MaybeUninit::new(0.0));
+    // SAFETY: every group's rows of `dx` and block of `dw` were written by its products, an
+    // empty group's block and the padding rows zero-filled: all elements are initialised.
+    unsafe {
+        dx.set_len(n * d);
+        dw.set_len(e * d * f);
     }
     Ok((
         Tensor::new(vec![n, d], dx)?,

@@ -365,29 +365,14 @@ impl MatView<'_> {
     }
 }
 
-/// `dst = a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`, without copying
-/// the operands: the grouped (MoE) products multiply slices of their inputs in place. Uses the
-/// same kernel call, and so gives the same bits, as [`dot_general`] on copies of the views.
+/// `dst = a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`, uninitialised
+/// before and written whole (an output block needs no zeroing first), without copying the
+/// operands: the grouped (MoE) products and fused attention multiply slices of their inputs in
+/// place. Uses the same kernel call, and so gives the same bits, as [`dot_general`] on copies of
+/// the views. Returns `dst` initialised.
 ///
 /// # Panics
 /// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
-pub(crate) fn gemm_views(dst: &mut [f32], a: MatView<'_>, b: MatView<'_>, threads: usize) {
-    // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have one layout, and every `f32` is a valid
-    // `MaybeUninit<f32>`; the kernel only writes it.
-    let dst = unsafe {
-        std::slice::from_raw_parts_mut(
-            dst.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(),
-            dst.len(),
-        )
-    };
-    gemm_views_uninit(dst, a, b, threads);
-}
-
-/// [`gemm_views`] into an uninitialised `dst`, which it writes whole (an output block needs no
-/// zeroing first); returns it initialised.
-///
-/// # Panics
-/// As [`gemm_views`].
 pub(crate) fn gemm_views_uninit<'d>(
     dst: &'d mut [std::mem::MaybeUninit<f32>],
     a: MatView<'_>,
