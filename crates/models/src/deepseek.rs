@@ -207,10 +207,10 @@ pub fn mla_attention(
     let cq = rms_norm(cx, &cq, w.q_norm, dims.eps)?;
     let q = linear(cx, &cq, w.wq_b)?;
     let q = cx.reshape(&q, &[b, t, h, nope + rope], None)?;
-    let q_nope = cx.slice(&q, 3, 0, nope)?;
-    let q_rope = cx.slice(&q, 3, nope, nope + rope)?;
     let start = cache.as_ref().map_or(0, |c| c.len());
-    let q_rope = cx.rope_from(&q_rope, &dims.rope, start)?;
+    // RoPE on each head's tail only: the bits of slicing `rope` off, rotating it and
+    // concatenating it back, in one pass.
+    let q = cx.rope_tail_from(&q, &dims.rope, start, nope)?;
     // 2. keys/values through theirs; the RoPE key is one vector for every head
     let ckv = linear(cx, x, w.wkv_a)?;
     let c = cx.slice(&ckv, 2, 0, dims.kv_lora_rank)?;
@@ -224,7 +224,6 @@ pub fn mla_attention(
     let kv = cx.reshape(&kv, &[b, t, h, nope + vd], None)?;
     let k_nope = cx.slice(&kv, 3, 0, nope)?;
     let v = cx.slice(&kv, 3, nope, nope + vd)?;
-    let q = cx.concat(&[&q_nope, &q_rope], 3)?;
     let k = cx.concat(&[&k_nope, &k_rope], 3)?;
     let (k, v) = match cache {
         Some(slot) => slot.extend(cx, &k, &v)?,

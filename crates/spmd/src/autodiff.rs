@@ -98,6 +98,8 @@ pub(crate) enum Backward {
     Rope {
         rope: ferrotext_tensor::Rope,
         positions: Vec<usize>,
+        /// Leading elements of each head passed through unrotated.
+        pass: usize,
     },
     Softmax {
         out: Array,
@@ -578,7 +580,11 @@ impl Ctx<'_> {
                 let (dx, ds) = self.rms_norm_transpose(ct, x, scale, inv_rms, need(1))?;
                 vec![Some(dx), ds]
             }
-            Backward::Rope { rope, positions } => one(self.rope_transpose(rope, positions, ct)?),
+            Backward::Rope {
+                rope,
+                positions,
+                pass,
+            } => one(self.rope_transpose(rope, positions, *pass, ct)?),
             Backward::Softmax { out, scale } => one(self.softmax_transpose(out, *scale, ct)?),
             Backward::Swiglu { g, u } => {
                 let [dg, du] = self.swiglu_transpose(g, u, ct)?;

@@ -172,14 +172,37 @@ impl Ctx<'_> {
         rope: &ferrotext_tensor::Rope,
         start: usize,
     ) -> Result<Array, SpmdError> {
+        self.rope_tail_from(x, rope, start, 0)
+    }
+
+    /// [`Ctx::rope_from`] on the last `head_dim − pass` elements of each head, the first `pass`
+    /// passed through unchanged (DeepSeek's `[nope | rope]` query heads): the bits of slicing
+    /// the tail off, rotating it and concatenating it back, in one pass over `x`.
+    ///
+    /// # Errors
+    /// As [`Ctx::rope_with`], or `pass` above head_dim or an odd `head_dim − pass`.
+    pub fn rope_tail_from(
+        &mut self,
+        x: &Array,
+        rope: &ferrotext_tensor::Rope,
+        start: usize,
+        pass: usize,
+    ) -> Result<Array, SpmdError> {
         const OP: &str = "rope";
         let t = x.ty();
-        if t.rank() < 3 || t.shape()[t.rank() - 1] % 2 != 0 {
+        let head_dim = t.shape().last().copied().unwrap_or(0);
+        if t.rank() < 3 || pass > head_dim || (head_dim - pass) % 2 != 0 {
             return Err(type_error(
                 K::ShapeError,
                 OP,
                 &[t],
-                "needs [.., seq, heads, even head_dim]",
+                if pass == 0 {
+                    "needs [.., seq, heads, even head_dim]".to_string()
+                } else {
+                    format!(
+                        "needs [.., seq, heads, head_dim ≥ {pass}] with an even head_dim − {pass}"
+                    )
+                },
             ));
         }
         for d in [t.rank() - 3, t.rank() - 1] {
@@ -195,13 +218,14 @@ impl Ctx<'_> {
         let positions: Vec<usize> = (start..start + t.shape()[t.rank() - 3]).collect();
         let local = x
             .local_opt()
-            .map(|v| ferrotext_tensor::rope_with(v, &positions, rope, false))
+            .map(|v| ferrotext_tensor::rope_tail(v, &positions, rope, false, pass))
             .transpose()?;
         let out = Array::new(t.clone(), local);
         self.record(
             Backward::Rope {
                 rope: *rope,
                 positions,
+                pass,
             },
             &[x],
             out,
@@ -359,17 +383,18 @@ impl Ctx<'_> {
         )
     }
 
-    /// The transpose of [`Ctx::rope_with`] at `positions`: rotations are orthogonal, so the
-    /// transpose turns the other way.
+    /// The transpose of [`Ctx::rope_tail_from`] at `positions`: rotations are orthogonal, so
+    /// the transpose turns the other way (and passes the same elements through).
     pub(crate) fn rope_transpose(
         &mut self,
         rope: &ferrotext_tensor::Rope,
         positions: &[usize],
+        pass: usize,
         ct: &Array,
     ) -> Result<Array, SpmdError> {
         let local = ct
             .local_opt()
-            .map(|c| ferrotext_tensor::rope_with(c, positions, rope, true))
+            .map(|c| ferrotext_tensor::rope_tail(c, positions, rope, true, pass))
             .transpose()?;
         Ok(Array::new(ct.ty().clone(), local))
     }

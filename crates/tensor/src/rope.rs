@@ -101,26 +101,48 @@ pub fn rope_with(
     rope: &Rope,
     inverse: bool,
 ) -> Result<Tensor, TensorError> {
+    rope_tail(x, positions, rope, inverse, 0)
+}
+
+/// [`rope_with`] on the last `head_dim − pass` elements of each head only, the first `pass`
+/// passed through unchanged: DeepSeek's query heads are `[nope | rope]`, and rotating the tail
+/// in place of slicing it off, rotating it and concatenating it back moves the head once instead
+/// of four times. The rotated elements have the bits of [`rope_with`] on the tail alone.
+///
+/// # Errors
+/// Rank below 3, `pass` above head_dim or an odd `head_dim − pass`, or `positions` of the wrong
+/// length.
+pub fn rope_tail(
+    x: &Tensor,
+    positions: &[usize],
+    rope: &Rope,
+    inverse: bool,
+    pass: usize,
+) -> Result<Tensor, TensorError> {
     let _span = ferrotext_profile::span("rope_with");
     let r = x.rank();
-    if r < 3 || x.shape()[r - 1] % 2 != 0 || positions.len() != x.shape()[r - 3] {
+    let head_dim = if r < 3 { 0 } else { x.shape()[r - 1] };
+    if r < 3 || pass > head_dim || (head_dim - pass) % 2 != 0 || positions.len() != x.shape()[r - 3]
+    {
         return Err(TensorError::shape(
             "rope",
             format!(
-                "x {:?} with {} positions (need [.., seq, heads, even head_dim])",
+                "x {:?} with {} positions, the first {pass} of each head passed through (need \
+                 [.., seq, heads, head_dim] with an even head_dim − {pass})",
                 x.shape(),
                 positions.len()
             ),
         ));
     }
-    let (seq, heads, dim) = (x.shape()[r - 3], x.shape()[r - 2], x.shape()[r - 1]);
+    let (seq, heads) = (x.shape()[r - 3], x.shape()[r - 2]);
+    let dim = head_dim - pass;
     let half = dim / 2;
     let table = rotation_table(rope, dim, positions, inverse);
-    let chunk = heads * dim;
+    let chunk = heads * head_dim;
     // One chunk per (batch row, position): all its heads turn by the same table row, each
     // written from `x` into the output (no copy of `x` first).
-    // SAFETY: every chunk is visited, and each writes all of its elements (every pair of every
-    // head).
+    // SAFETY: every chunk is visited, and each writes all of its elements (the passed-through
+    // head of every head and every pair of its tail).
     let y = unsafe {
         crate::parallel::filled(x.len(), |y| {
             for_each_chunk(
@@ -132,7 +154,12 @@ pub fn rope_with(
                     let s = c % seq;
                     let rot = &table[s * half..(s + 1) * half];
                     let src = &x.data()[c * chunk..(c + 1) * chunk];
-                    for (head, xs) in pos_chunk.chunks_mut(dim).zip(src.chunks(dim)) {
+                    for (head, xs) in pos_chunk.chunks_mut(head_dim).zip(src.chunks(head_dim)) {
+                        let (kept, head) = head.split_at_mut(pass);
+                        let (xkept, xs) = xs.split_at(pass);
+                        for (k, &x) in kept.iter_mut().zip(xkept) {
+                            k.write(x);
+                        }
                         if rope.interleaved {
                             for ((pair, xp), &(sin, cos)) in
                                 head.chunks_exact_mut(2).zip(xs.chunks_exact(2)).zip(rot)
@@ -307,5 +334,42 @@ mod tests {
         let (x0, x1) = (x.data()[16 + 2], x.data()[16 + 3]);
         assert!((y.data()[16 + 2] - (x0 * cos - x1 * sin)).abs() < 1e-6);
         assert!((y.data()[16 + 3] - (x1 * cos + x0 * sin)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_rotated_tail_has_the_bits_of_the_tail_rotated_alone_and_the_head_passes_through() {
+        let (b, t, h, pass, tail) = (2, 5, 3, 6, 4);
+        let dim = pass + tail;
+        let x = Tensor::from_fn(&[b, t, h, dim], |i| (i as f32 * 0.37).sin());
+        let positions: Vec<usize> = (3..3 + t).collect();
+        for rope in [deepseek(), Rope::standard(10_000.0)] {
+            for inverse in [false, true] {
+                let y = rope_tail(&x, &positions, &rope, inverse, pass).unwrap();
+                // The reference: the tail copied out, rotated by `rope_with`, put back.
+                let tail_of = |v: &Tensor| {
+                    Tensor::from_fn(&[b, t, h, tail], |i| {
+                        v.data()[i / tail * dim + pass + i % tail]
+                    })
+                };
+                let want = rope_with(&tail_of(&x), &positions, &rope, inverse).unwrap();
+                assert_eq!(tail_of(&y), want, "{rope:?} inverse {inverse}");
+                for (row, (yr, xr)) in y.data().chunks(dim).zip(x.data().chunks(dim)).enumerate() {
+                    assert_eq!(yr[..pass], xr[..pass], "head {row} passes through");
+                }
+            }
+        }
+        let whole = rope_tail(&x, &positions, &deepseek(), false, 0).unwrap();
+        assert_eq!(
+            whole,
+            rope_with(&x, &positions, &deepseek(), false).unwrap()
+        );
+        assert!(
+            rope_tail(&x, &positions, &deepseek(), false, 5).is_err(),
+            "odd tail"
+        );
+        assert!(
+            rope_tail(&x, &positions, &deepseek(), false, dim + 2).is_err(),
+            "past the head"
+        );
     }
 }
