@@ -18,9 +18,9 @@
 //! the unfused composition's, bit for bit, on any thread count.
 
 use crate::error::TensorError;
-use crate::matmul::{gemm_views_uninit, MatView};
+use crate::matmul::{gemm_views_into_rows, gemm_views_uninit, MatView};
 use crate::nn::{causal_softmax_row, softmax_backward_row};
-use crate::parallel::{filled, for_each_chunk, for_each_chunk2, Work};
+use crate::parallel::{filled, for_each_chunk, Work};
 use crate::tensor::Tensor;
 
 /// What [`causal_attention`] returns.
@@ -78,6 +78,12 @@ impl Dims {
             dk,
             dv,
         })
+    }
+
+    /// Where head `h`'s first row (position 0) of batch row `b` starts in a `[B, T, H, d]`
+    /// tensor; its rows are `H·d` apart.
+    fn row_start(&self, b: usize, h: usize, d: usize) -> usize {
+        (b * self.t * self.h + h) * d
     }
 
     /// The kv head query head `h` reads.
@@ -144,39 +150,37 @@ pub fn causal_attention(
     let _span =
         ferrotext_profile::span("causal_attention").map(|s| s.flops(d.product_flops(d.dk + d.dv)));
     let (tt, heads) = (d.t * d.t, d.b * d.h);
-    // Both outputs are written whole by the products (no zeroing first).
-    let mut out: Vec<f32> = Vec::with_capacity(heads * d.t * d.dv); // [B, H, T, dv]
-                                                                    // SAFETY: every (batch, head) chunk is visited, and its products write all of its
-                                                                    // probabilities and output rows.
-    let probs = unsafe {
-        filled(heads * tt, |probs| {
-            for_each_chunk2(
-                probs,
-                tt.max(1),
-                &mut out.spare_capacity_mut()[..heads * d.t * d.dv],
-                (d.t * d.dv).max(1),
-                threads,
-                Work::Heavy,
-                |bh, p, o| {
-                    let (b, h) = (bh / d.h, bh % d.h);
-                    let kvh = d.kv_head(h);
-                    // scores [T, T] = q_bh · k_bhᵀ, in place of the probabilities
-                    let qv = d.rows(q.data(), b, h, d.h, d.dk);
-                    let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
-                    let p = gemm_views_uninit(p, qv, t(kv), 1);
-                    for (i, row) in p.chunks_mut(d.t).enumerate() {
-                        causal_softmax_row(row, i + 1, scale);
-                    }
-                    // out_bh [T, dv] = probs · v_bh
-                    let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
-                    gemm_views_uninit(o, block(p, d.t, d.t), vv, 1);
-                },
-            );
-        })
+    // Both outputs are written whole by the products (no zeroing first); each head's output
+    // rows go straight into their places in `[B, T, H, dv]` (no transpose after).
+    let mut out: Vec<f32> = Vec::with_capacity(heads * d.t * d.dv);
+    let out_at = out.as_mut_ptr() as usize;
+    let heads_into = |probs: &mut [std::mem::MaybeUninit<f32>]| {
+        for_each_chunk(probs, tt.max(1), threads, Work::Heavy, |bh, p| {
+            let (b, h) = (bh / d.h, bh % d.h);
+            let kvh = d.kv_head(h);
+            // scores [T, T] = q_bh · k_bhᵀ, in place of the probabilities
+            let qv = d.rows(q.data(), b, h, d.h, d.dk);
+            let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
+            let p = gemm_views_uninit(p, qv, t(kv), 1);
+            for (i, row) in p.chunks_mut(d.t).enumerate() {
+                causal_softmax_row(row, i + 1, scale);
+            }
+            // out[b, :, h, :] [T, dv] = probs · v_bh
+            let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
+            // SAFETY: `out` holds `B·T·H·dv` elements; rows `(b, s, h)` for every `s`
+            // belong to this (batch, head) alone.
+            unsafe {
+                let o = (out_at as *mut f32).add(d.row_start(b, h, d.dv));
+                gemm_views_into_rows(o, d.h * d.dv, block(p, d.t, d.t), vv);
+            }
+        });
     };
-    // SAFETY: the chunks above wrote all `heads · T · dv` output elements.
+    // SAFETY: every (batch, head) chunk is visited, and its products write all of its
+    // probabilities.
+    let probs = unsafe { filled(heads * tt, heads_into) };
+    // SAFETY: the chunks above wrote every (batch, position, head) row of the output.
     unsafe { out.set_len(heads * d.t * d.dv) };
-    let out = Tensor::new(vec![d.b, d.h, d.t, d.dv], out)?.transpose(&[0, 2, 1, 3])?;
+    let out = Tensor::new(vec![d.b, d.t, d.h, d.dv], out)?;
     Ok(Attention {
         out,
         probs: Tensor::new(vec![d.b, d.h, d.t, d.t], probs)?,
@@ -219,48 +223,44 @@ pub fn causal_attention_backward(
         ));
     }
     let (tt, heads) = (d.t * d.t, d.b * d.h);
-    // Per (batch, query head), contiguous: dq [T, dk], then [dk_h | dv_h | dS scratch].
+    // Per (batch, query head), contiguous: [dk_h | dv_h | dS scratch]; its dq rows go straight
+    // into their places in `[B, T, H, dk]`.
     let rest = d.t * d.dk + d.t * d.dv + tt;
-    // Both buffers are written whole by the products (no zeroing first).
-    let mut per_head: Vec<f32> = Vec::with_capacity(heads * rest);
-    let chunk_q = (d.t * d.dk).max(1);
-    // SAFETY: every (batch, head) chunk is visited, and its products write all of its dq,
-    // dk, dv and dS elements.
-    let dq = unsafe {
-        filled(heads * d.t * d.dk, |dq| {
-            for_each_chunk2(
-                dq,
-                chunk_q,
-                &mut per_head.spare_capacity_mut()[..heads * rest],
-                rest.max(1),
-                threads,
-                Work::Heavy,
-                |bh, dqb, r| {
-                    let (b, h) = (bh / d.h, bh % d.h);
-                    let kvh = d.kv_head(h);
-                    let (dkb, r) = r.split_at_mut(d.t * d.dk);
-                    let (dvb, ds) = r.split_at_mut(d.t * d.dv);
-                    let p = &probs.data()[bh * tt..(bh + 1) * tt];
-                    let dov = d.rows(dout.data(), b, h, d.h, d.dv);
-                    let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
-                    let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
-                    let qv = d.rows(q.data(), b, h, d.h, d.dk);
-                    // dP = dout · vᵀ, then dS in place
-                    let ds = gemm_views_uninit(ds, dov, t(vv), 1);
-                    for (drow, prow) in ds.chunks_mut(d.t).zip(p.chunks(d.t)) {
-                        softmax_backward_row(drow, prow, scale);
-                    }
-                    let dsv = block(ds, d.t, d.t);
-                    gemm_views_uninit(dqb, dsv, kv, 1);
-                    gemm_views_uninit(dkb, t(dsv), qv, 1);
-                    gemm_views_uninit(dvb, t(block(p, d.t, d.t)), dov, 1);
-                },
-            );
-        })
+    let mut dq: Vec<f32> = Vec::with_capacity(heads * d.t * d.dk);
+    let dq_at = dq.as_mut_ptr() as usize;
+    let heads_into = |per_head: &mut [std::mem::MaybeUninit<f32>]| {
+        for_each_chunk(per_head, rest.max(1), threads, Work::Heavy, |bh, r| {
+            let (b, h) = (bh / d.h, bh % d.h);
+            let kvh = d.kv_head(h);
+            let (dkb, r) = r.split_at_mut(d.t * d.dk);
+            let (dvb, ds) = r.split_at_mut(d.t * d.dv);
+            let p = &probs.data()[bh * tt..(bh + 1) * tt];
+            let dov = d.rows(dout.data(), b, h, d.h, d.dv);
+            let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
+            let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
+            let qv = d.rows(q.data(), b, h, d.h, d.dk);
+            // dP = dout · vᵀ, then dS in place
+            let ds = gemm_views_uninit(ds, dov, t(vv), 1);
+            for (drow, prow) in ds.chunks_mut(d.t).zip(p.chunks(d.t)) {
+                softmax_backward_row(drow, prow, scale);
+            }
+            let dsv = block(ds, d.t, d.t);
+            // SAFETY: `dq` holds `B·T·H·dk` elements; rows `(b, s, h)` for every `s`
+            // belong to this (batch, head) alone.
+            unsafe {
+                let dqb = (dq_at as *mut f32).add(d.row_start(b, h, d.dk));
+                gemm_views_into_rows(dqb, d.h * d.dk, dsv, kv);
+            }
+            gemm_views_uninit(dkb, t(dsv), qv, 1);
+            gemm_views_uninit(dvb, t(block(p, d.t, d.t)), dov, 1);
+        });
     };
-    // SAFETY: the chunks above wrote all `heads · rest` elements.
-    unsafe { per_head.set_len(heads * rest) };
-    let dq = Tensor::new(vec![d.b, d.h, d.t, d.dk], dq)?.transpose(&[0, 2, 1, 3])?;
+    // SAFETY: every (batch, head) chunk is visited, and its products write all of its dk, dv
+    // and dS elements.
+    let per_head = unsafe { filled(heads * rest, heads_into) };
+    // SAFETY: the chunks above wrote every (batch, position, head) row of dq.
+    unsafe { dq.set_len(heads * d.t * d.dk) };
+    let dq = Tensor::new(vec![d.b, d.t, d.h, d.dk], dq)?;
     let dk = group_sum(&per_head, rest, 0, d.dk, d, threads)?;
     let dv = group_sum(&per_head, rest, d.t * d.dk, d.dv, d, threads)?;
     Ok((dq, dk, dv))

@@ -254,6 +254,37 @@ pub(crate) unsafe fn sgemm(
     unsafe { sgemm_on(kernel(), m, n, k, dst, n, a, b, parallelism, store) }
 }
 
+/// [`sgemm`] (overwriting, on the caller's thread) into `dst` with its rows `ldc ≥ n` elements
+/// apart: a block of a larger row-major output (attention's heads, interleaved per position).
+///
+/// # Safety
+/// As [`sgemm`], with `dst`'s `m` rows of `n` elements `ldc` apart writable.
+pub(crate) unsafe fn sgemm_rows(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand,
+    b: Operand,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        sgemm_on(
+            kernel(),
+            m,
+            n,
+            k,
+            dst,
+            ldc,
+            a,
+            b,
+            gemm::Parallelism::None,
+            Store::Overwrite,
+        )
+    }
+}
+
 /// [`sgemm`] on `blas`, or on `gemm` for `None`, into `dst` with row stride `ldc ≥ n`.
 ///
 /// # Safety

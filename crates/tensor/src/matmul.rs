@@ -416,6 +416,64 @@ pub(crate) fn gemm_views_uninit<'d>(
     unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f32>(), dst.len()) }
 }
 
+/// `dst = a · b` for views `a` (m×k) and `b` (k×n) into `m` rows of `n` elements `ldc` apart
+/// from `dst`, on the caller's thread: a block of a larger output whose rows interleave with
+/// other blocks' (attention writes each head's rows straight into `[B, T, H, d]`). The same
+/// kernel call as [`gemm_views_uninit`] with another row stride, so the same bits.
+///
+/// # Safety
+/// `dst` must be valid for writes of `(m − 1)·ldc + n` elements, `ldc ≥ n`, and no one else may
+/// access the `m` rows written meanwhile.
+///
+/// # Panics
+/// When the views do not fit their slices (a bug in the caller).
+pub(crate) unsafe fn gemm_views_into_rows(
+    dst: *mut f32,
+    ldc: usize,
+    a: MatView<'_>,
+    b: MatView<'_>,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && ldc >= n); // ok: caller's invariant
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for i in 0..m {
+            // SAFETY: row `i` of the caller's rows (written, not read: uninitialised is fine).
+            let row = unsafe {
+                std::slice::from_raw_parts_mut(
+                    dst.add(i * ldc).cast::<std::mem::MaybeUninit<f32>>(),
+                    n,
+                )
+            };
+            row.fill(std::mem::MaybeUninit::new(0.0));
+        }
+        return;
+    }
+    // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
+    // destination rows.
+    unsafe {
+        crate::blas::sgemm_rows(
+            m,
+            n,
+            k,
+            dst,
+            ldc,
+            Operand {
+                ptr: a.data.as_ptr(),
+                rs: a.rs as isize,
+                cs: a.cs as isize,
+            },
+            Operand {
+                ptr: b.data.as_ptr(),
+                rs: b.rs as isize,
+                cs: b.cs as isize,
+            },
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
