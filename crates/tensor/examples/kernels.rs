@@ -8,8 +8,9 @@
 //! beside the code it replaced ("old": the serial loop, i.e. the same kernel on one thread, or
 //! the former copy / sort / transpose written out below), in alternating ~1 ms groups in one
 //! process, so the median paired ratio holds on a busy machine even when absolute times do not. The attention block (unfused
-//! with copies, unfused with strided views, fused) and the MoE kernels (deepseek3-tiny shapes)
-//! are timed apart, outside the total. The kernels run as a device runs them: on a pool of
+//! with copies, unfused with strided views, fused), the optimizer's kernels (SGD, AdamW and the
+//! grad norm's sum of squares over qwen3-peer's 3.67 M parameters) and the MoE kernels
+//! (deepseek3-tiny shapes) are timed apart, outside the total. The kernels run as a device runs them: on a pool of
 //! `threads` workers that this thread is one of (`with_kernel_pool`).
 //!
 //! ```text
