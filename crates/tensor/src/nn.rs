@@ -155,26 +155,33 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
         ));
     }
     let mut inv = vec![0.0f32; x.len() / n];
-    // One pass: each row read from `x`, written into the output (no copy of `x` first).
-    // SAFETY: every chunk is visited, and each writes all `n` elements of its row.
+    // One pass: each row read from `x`, written into the output (no copy of `x` first); rows in
+    // groups of about `BLOCK` elements, one vector-compiled call per group (a QK-norm row is
+    // only `head_dim` long).
+    let rows = rows_per_chunk(n);
+    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
     let y = unsafe {
         filled(x.len(), |y| {
             for_each_chunk2(
                 y,
-                n,
+                rows * n,
                 &mut inv,
-                1,
+                rows,
                 kernel_threads(),
                 Work::Light,
-                |i, out, r_out| {
-                    let row = &x.data()[i * n..(i + 1) * n];
+                |c, out, r_out| {
+                    let x = &x.data()[c * rows * n..];
                     vectorized(|| {
-                        let ms = lane_sum2(row, row, |a, b| a * b) / n as f32;
-                        let r = 1.0 / (ms + eps).sqrt();
-                        for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
-                            o.write(v * (r * s));
+                        for ((out, row), r_out) in
+                            out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
+                        {
+                            let ms = lane_sum2(row, row, |a, b| a * b) / n as f32;
+                            let r = 1.0 / (ms + eps).sqrt();
+                            for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
+                                o.write(v * (r * s));
+                            }
+                            *r_out = r;
                         }
-                        r_out[0] = r;
                     });
                 },
             )
@@ -204,18 +211,28 @@ pub fn rms_norm_backward(
         ));
     }
     let s = scale.data();
-    // dx: rows are independent, split across the budget.
-    // SAFETY: every chunk is visited, and each writes all `n` elements of its row.
+    // dx: rows are independent, split across the budget in groups (as in `rms_norm`).
+    let rows = rows_per_chunk(n);
+    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
     let dx = unsafe {
         filled(x.len(), |dx| {
-            for_each_chunk(dx, n, kernel_threads(), Work::Light, |row, dxrow| {
-                let (xrow, dyrow) = (&x.data()[row * n..][..n], &dy.data()[row * n..][..n]);
-                let r = inv_rms[row];
+            for_each_chunk(dx, rows * n, kernel_threads(), Work::Light, |c, dxrows| {
+                let first = c * rows;
+                let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
                 vectorized(|| {
-                    let mean_gn =
-                        lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r)) / n as f32;
-                    for (((dx, &d), &sc), &xv) in dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow) {
-                        dx.write(r * (d * sc - xv * r * mean_gn));
+                    for (((dxrow, xrow), dyrow), &r) in dxrows
+                        .chunks_mut(n)
+                        .zip(x.chunks(n))
+                        .zip(dy.chunks(n))
+                        .zip(&inv_rms[first..])
+                    {
+                        let mean_gn =
+                            lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r)) / n as f32;
+                        for (((dx, &d), &sc), &xv) in
+                            dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow)
+                        {
+                            dx.write(r * (d * sc - xv * r * mean_gn));
+                        }
                     }
                 });
             })
@@ -275,6 +292,12 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
 /// Elementwise kernels split their data into blocks of this many elements (a fixed size, so
 /// the split never depends on the thread count).
 const BLOCK: usize = 4096;
+
+/// Rows of `n` elements a row kernel takes per chunk: about [`BLOCK`] elements, at least one
+/// row, so short rows (QK-norm's `head_dim`) share one call instead of paying one each.
+fn rows_per_chunk(n: usize) -> usize {
+    (BLOCK / n.max(1)).max(1)
+}
 
 /// Backward of [`swiglu`], one pass: `dg = dy·u·silu'(g)`, `du = dy·silu(g)`.
 ///
