@@ -143,6 +143,8 @@ impl Gradients {
     /// One all-reduce of `2 × group` elements per distinct set of axes the gradients are split
     /// over (none when nothing is split).
     pub fn squared_norm(&self, cx: &mut Ctx<'_>) -> Result<f64, TrainError> {
+        // Part of the update: the profiler counts it with the optimizer.
+        let _span = ferrotext_profile::span_in("grad_norm", ferrotext_profile::Phase::Optimizer);
         let mut by_axes: std::collections::BTreeMap<Vec<String>, f64> = Default::default();
         for g in self.arrays() {
             let axes: Vec<String> = g
