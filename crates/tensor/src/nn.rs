@@ -228,9 +228,7 @@ pub fn rms_norm_backward(
                     {
                         let mean_gn =
                             lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r)) / n as f32;
-                        for (((dx, &d), &sc), &xv) in
-                            dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow)
-                        {
+                        for (((dx, &d), &sc), &xv) in dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow) {
                             dx.write(r * (d * sc - xv * r * mean_gn));
                         }
                     }
