@@ -8,14 +8,20 @@
 //! What the fusion saves against `dot_general` + `causal_softmax` + `dot_general` +
 //! `transpose` on k and v broadcast to H heads: the broadcast k and v (and their gradients'
 //! reduction over the group), the separate scores buffer (scores become probabilities in place),
-//! and all operand copies (q, k, v and the output gradient are read as strided views). Time
-//! goes to two T×T×d gemms per (batch, head) forward and four backward, one block per task on
-//! the thread budget.
+//! all operand copies (q, k, v and the output gradient are read as strided views, the output and
+//! dq written in place), and the masked half of the products: the scores are computed in row
+//! blocks of [`ROW_BLOCK`] rows over only the columns their rows can see, and the backward's
+//! `dk`/`dv` in column blocks over only the rows below them (what is skipped is exactly zero in
+//! the probabilities and in `dS`). Time goes to two gemms per (batch, head) and row block forward
+//! and four backward, one (batch, head) per task on the thread budget.
 //!
-//! Bits: each (batch, head) block runs the same gemm calls, the same causal-softmax row code and
-//! the same softmax-backward row code as the unfused ops, and a GQA group's kv gradients are
-//! summed in f64 in head order from -0.0, as `sum_axes` does; the tests check the results are
-//! the unfused composition's, bit for bit, on any thread count.
+//! Bits: each row of every product adds the same nonzero terms as the unfused op's, the
+//! causal-softmax and softmax-backward rows are the same row code, and a GQA group's kv
+//! gradients are summed in f64 in head order from -0.0, as `sum_axes` does. The tests check the
+//! results are the unfused composition's, bit for bit, on any thread count and on every matrix
+//! library this crate opens, at sequences of one block and of several. (A library whose
+//! kernels grouped a shorter contraction differently could round the blocked products
+//! differently; up to `ROW_BLOCK` rows there is one block and the products are the full ones.)
 
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
@@ -33,6 +39,18 @@ pub struct Attention {
     pub probs: Tensor,
 }
 
+/// Rows of the scores computed together: a row block's products cover only the columns its
+/// rows can see, so a sequence of `T` rows computes about `(T/ROW_BLOCK + 1) / (2·T/ROW_BLOCK)`
+/// of the full `T × T` block (62.5% at 256, 53% at 1024). A sequence of at most this many rows is
+/// one block: the full products.
+const ROW_BLOCK: usize = 64;
+
+/// One row block of the scores: its rows and the columns they see (`0..live`).
+struct RowBlock {
+    rows: std::ops::Range<usize>,
+    live: usize,
+}
+
 /// The sizes of one attention call, checked once.
 #[derive(Clone, Copy)]
 struct Dims {
@@ -45,10 +63,25 @@ struct Dims {
 }
 
 impl Dims {
-    /// FLOPs of products `[T, T]` by `[T, w]` (or the transposes) for every (batch, query
-    /// head), with `widths` the sum of their `w`.
+    /// FLOPs of products over the computed cells of `[T, T]` (the row blocks' live columns, see
+    /// [`Dims::blocks`]) by `[T, w]` (or the transposes) for every (batch, query head), with
+    /// `widths` the sum of their `w`.
     fn product_flops(&self, widths: usize) -> f64 {
-        2.0 * (self.b * self.h * self.t * self.t) as f64 * widths as f64
+        let cells: usize = self.blocks().map(|b| b.rows.len() * b.live).sum();
+        2.0 * (self.b * self.h * cells) as f64 * widths as f64
+    }
+
+    /// The row blocks of a `[T, T]` score matrix, `ROW_BLOCK` rows each, with the columns a
+    /// causal row in them can see (`live`: up to the block's last row).
+    fn blocks(&self) -> impl Iterator<Item = RowBlock> {
+        let t = self.t;
+        (0..t).step_by(ROW_BLOCK).map(move |r0| {
+            let r1 = (r0 + ROW_BLOCK).min(t);
+            RowBlock {
+                rows: r0..r1,
+                live: r1,
+            }
+        })
     }
 
     fn of(q: &Tensor, k: &Tensor, v: &Tensor, op: &'static str) -> Result<Dims, TensorError> {
@@ -111,6 +144,31 @@ impl Dims {
     }
 }
 
+/// Rows `range` of a view.
+fn rows_of(m: MatView<'_>, range: std::ops::Range<usize>) -> MatView<'_> {
+    MatView {
+        data: &m.data[range.start * m.rs..],
+        rows: range.len(),
+        ..m
+    }
+}
+
+/// Rows `rows` and columns `0..cols` of a row-major matrix whose rows are `stride` apart.
+fn sub_block(
+    data: &[f32],
+    rows: std::ops::Range<usize>,
+    cols: usize,
+    stride: usize,
+) -> MatView<'_> {
+    MatView {
+        data: &data[rows.start * stride..],
+        rows: rows.len(),
+        cols,
+        rs: stride,
+        cs: 1,
+    }
+}
+
 /// The transpose of a view.
 fn t(m: MatView<'_>) -> MatView<'_> {
     MatView {
@@ -119,17 +177,6 @@ fn t(m: MatView<'_>) -> MatView<'_> {
         rs: m.cs,
         cs: m.rs,
         ..m
-    }
-}
-
-/// A contiguous row-major `rows×cols` block as a view.
-fn block(data: &[f32], rows: usize, cols: usize) -> MatView<'_> {
-    MatView {
-        data,
-        rows,
-        cols,
-        rs: cols,
-        cs: 1,
     }
 }
 
@@ -147,7 +194,7 @@ pub fn causal_attention(
     threads: usize,
 ) -> Result<Attention, TensorError> {
     let d = Dims::of(q, k, v, "causal_attention")?;
-    // Two products per (batch, head), over the whole T × T block (the mask is applied after).
+    // Two products per (batch, head), over each row block's live columns (see `ROW_BLOCK`).
     let _span =
         ferrotext_profile::span("causal_attention").map(|s| s.flops(d.product_flops(d.dk + d.dv)));
     let (tt, heads) = (d.t * d.t, d.b * d.h);
@@ -159,20 +206,42 @@ pub fn causal_attention(
         for_each_chunk(probs, tt.max(1), threads, Work::Heavy, |bh, p| {
             let (b, h) = (bh / d.h, bh % d.h);
             let kvh = d.kv_head(h);
-            // scores [T, T] = q_bh · k_bhᵀ, in place of the probabilities
             let qv = d.rows(q.data(), b, h, d.h, d.dk);
             let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
-            let p = gemm_views_uninit(p, qv, t(kv), 1);
-            for (i, row) in p.chunks_mut(d.t).enumerate() {
-                causal_softmax_row(row, i + 1, scale);
-            }
-            // out[b, :, h, :] [T, dv] = probs · v_bh
             let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
-            // SAFETY: `out` holds `B·T·H·dv` elements; rows `(b, s, h)` for every `s`
-            // belong to this (batch, head) alone.
-            unsafe {
-                let o = (out_at as *mut f32).add(d.row_start(b, h, d.dv));
-                gemm_views_into_rows(o, d.h * d.dv, block(p, d.t, d.t), vv);
+            for RowBlock { rows, live } in d.blocks() {
+                let block = &mut p[rows.start * d.t..rows.end * d.t];
+                // scores [rows, live] = q_rows · k_liveᵀ, in place of the probabilities
+                // SAFETY: `block` holds these rows of `T` elements each.
+                unsafe {
+                    gemm_views_into_rows(
+                        block.as_mut_ptr().cast::<f32>(),
+                        d.t,
+                        rows_of(qv, rows.clone()),
+                        t(rows_of(kv, 0..live)),
+                    );
+                }
+                for row in block.chunks_mut(d.t) {
+                    row[live..].fill(std::mem::MaybeUninit::new(0.0));
+                }
+                // SAFETY: every element of the block was written just above.
+                let block = unsafe { &mut *(block as *mut [_] as *mut [f32]) };
+                for (i, row) in block.chunks_mut(d.t).enumerate() {
+                    causal_softmax_row(row, rows.start + i + 1, scale);
+                }
+                // out[b, rows, h, :] = probs[rows, live] · v_live
+                // SAFETY: `out` holds `B·T·H·dv` elements; rows `(b, s, h)` for every `s`
+                // belong to this (batch, head) alone.
+                unsafe {
+                    let o =
+                        (out_at as *mut f32).add(d.row_start(b, h, d.dv) + rows.start * d.h * d.dv);
+                    gemm_views_into_rows(
+                        o,
+                        d.h * d.dv,
+                        sub_block(block, 0..rows.len(), live, d.t),
+                        rows_of(vv, 0..live),
+                    );
+                }
             }
         });
     };
@@ -206,7 +275,7 @@ pub fn causal_attention_backward(
     threads: usize,
 ) -> Result<(Tensor, Tensor, Tensor), TensorError> {
     let d = Dims::of(q, k, v, "causal_attention_backward")?;
-    // dP, dq, dk and dv: four products per (batch, head) over the whole T × T block.
+    // dP, dq, dk and dv: four products per (batch, head) over the row blocks' live columns.
     let _span = ferrotext_profile::span("causal_attention_backward")
         .map(|s| s.flops(d.product_flops(2 * (d.dk + d.dv))));
     if probs.shape() != [d.b, d.h, d.t, d.t] || dout.shape() != [d.b, d.t, d.h, d.dv] {
@@ -240,20 +309,60 @@ pub fn causal_attention_backward(
             let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
             let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
             let qv = d.rows(q.data(), b, h, d.h, d.dk);
-            // dP = dout · vᵀ, then dS in place
-            let ds = gemm_views_uninit(ds, dov, t(vv), 1);
-            for (drow, prow) in ds.chunks_mut(d.t).zip(p.chunks(d.t)) {
-                softmax_backward_row(drow, prow, scale);
+            // Per row block: dP[rows, live] = dout_rows · v_liveᵀ, dS in place over the live
+            // columns (beyond them P is 0, and so is dS), dq[rows] = dS[rows, live] · k_live.
+            for RowBlock { rows, live } in d.blocks() {
+                let block = &mut ds[rows.start * d.t..rows.end * d.t];
+                // SAFETY: `block` holds these rows of `T` elements each.
+                unsafe {
+                    gemm_views_into_rows(
+                        block.as_mut_ptr().cast::<f32>(),
+                        d.t,
+                        rows_of(dov, rows.clone()),
+                        t(rows_of(vv, 0..live)),
+                    );
+                }
+                for row in block.chunks_mut(d.t) {
+                    row[live..].fill(std::mem::MaybeUninit::new(0.0));
+                }
+                // SAFETY: every element of the block was written just above.
+                let block = unsafe { &mut *(block as *mut [_] as *mut [f32]) };
+                let p_rows = &p[rows.start * d.t..rows.end * d.t];
+                for (drow, prow) in block.chunks_mut(d.t).zip(p_rows.chunks(d.t)) {
+                    softmax_backward_row(&mut drow[..live], &prow[..live], scale);
+                }
+                // SAFETY: `dq` holds `B·T·H·dk` elements; rows `(b, s, h)` for every `s`
+                // belong to this (batch, head) alone.
+                unsafe {
+                    let dqb =
+                        (dq_at as *mut f32).add(d.row_start(b, h, d.dk) + rows.start * d.h * d.dk);
+                    gemm_views_into_rows(
+                        dqb,
+                        d.h * d.dk,
+                        sub_block(block, 0..rows.len(), live, d.t),
+                        rows_of(kv, 0..live),
+                    );
+                }
             }
-            let dsv = block(ds, d.t, d.t);
-            // SAFETY: `dq` holds `B·T·H·dk` elements; rows `(b, s, h)` for every `s`
-            // belong to this (batch, head) alone.
-            unsafe {
-                let dqb = (dq_at as *mut f32).add(d.row_start(b, h, d.dk));
-                gemm_views_into_rows(dqb, d.h * d.dk, dsv, kv);
+            // SAFETY: the row blocks above wrote every element of dS.
+            let ds = unsafe { &*(ds as *const [_] as *const [f32]) };
+            // Per column block: dS and P are zero in it above its first row, so
+            // dk[cols] = dS[below, cols]ᵀ · q_below and dv[cols] = P[below, cols]ᵀ · dout_below.
+            for RowBlock { rows: cols, .. } in d.blocks() {
+                let below = cols.start..d.t;
+                gemm_views_uninit(
+                    &mut dkb[cols.start * d.dk..cols.end * d.dk],
+                    t(sub_block(&ds[cols.start..], below.clone(), cols.len(), d.t)),
+                    rows_of(qv, below.clone()),
+                    1,
+                );
+                gemm_views_uninit(
+                    &mut dvb[cols.start * d.dv..cols.end * d.dv],
+                    t(sub_block(&p[cols.start..], below.clone(), cols.len(), d.t)),
+                    rows_of(dov, below.clone()),
+                    1,
+                );
             }
-            gemm_views_uninit(dkb, t(dsv), qv, 1);
-            gemm_views_uninit(dvb, t(block(p, d.t, d.t)), dov, 1);
         });
     };
     // SAFETY: every (batch, head) chunk is visited, and its products write all of its dk, dv
@@ -403,6 +512,8 @@ mod tests {
             (2, 5, 3, 3, 4, 3),
             (3, 13, 6, 2, 7, 5),
             (2, 64, 8, 4, 32, 32),
+            (2, 150, 4, 2, 24, 16),
+            (1, 256, 2, 2, 32, 32),
         ] {
             let q = rand(&[b, t, h, dk], 1);
             let k = rand(&[b, t, kv, dk], 2);

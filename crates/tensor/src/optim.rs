@@ -26,7 +26,11 @@ const NORM_LANES: usize = 32;
 
 /// SGD in place: `w[i] -= k · g[i]` (`k` = learning rate × gradient scale), over
 /// `w.len()` elements (`g` at least as long).
+///
+/// # Panics
+/// When `g` is shorter than `w` (a bug in the caller).
 pub fn sgd_update(w: &mut [f32], g: &[f32], k: f32) {
+    // ok: a caller's bug (the optimizer pairs each parameter with its own gradient).
     assert!(
         g.len() >= w.len(),
         "sgd_update: a gradient shorter than its parameter"
@@ -63,8 +67,12 @@ pub struct AdamW {
 /// AdamW in place over `w` and its moments `m`, `v` (all of `w.len()` elements; `g` at least as
 /// long): with `d = g·grad_scale`, `m ← β₁m + (1−β₁)d`, `v ← β₂v + (1−β₂)d²`,
 /// `w ← w − (step·m / (√v / c2_sqrt + ε) + decay·w)`.
+///
+/// # Panics
+/// When `g` is shorter than `w` or a moment is not as long (a bug in the caller).
 pub fn adamw_update(w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamW) {
     let n = w.len();
+    // ok: a caller's bug (the optimizer pairs each parameter with its own gradient and moments).
     assert!(
         g.len() >= n && m.len() == n && v.len() == n,
         "adamw_update: a gradient or moment that does not fit its parameter"

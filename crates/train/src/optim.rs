@@ -104,13 +104,13 @@ impl Optimizer {
             } => {
                 *t += 1;
                 let (c1, c2) = (1.0 - b1.powi(*t as i32), 1.0 - b2.powi(*t as i32));
-                let constants = |decay: f32| AdamW {
+                let constants = |weight_decay_step: f32| AdamW {
                     b1: *b1 as f32,
                     b2: *b2 as f32,
                     step: (lr / c1) as f32,
                     c2_sqrt: c2.sqrt() as f32,
                     eps: *eps as f32,
-                    decay,
+                    decay: weight_decay_step,
                     grad_scale,
                 };
                 for (i, (p, g)) in params.iter_mut().zip(grads).enumerate() {
