@@ -144,6 +144,28 @@ impl Dims {
     }
 }
 
+/// `block` (rows of `width` elements) with its first `live` columns set to `a · b` and the rest
+/// to zero, returned initialised: a row block of scores (or of `dP`) over the columns its rows
+/// can see.
+fn live_product<'a>(
+    block: &'a mut [std::mem::MaybeUninit<f32>],
+    width: usize,
+    live: usize,
+    a: MatView<'_>,
+    b: MatView<'_>,
+) -> &'a mut [f32] {
+    assert!(a.rows * width == block.len() && b.cols == live && live <= width); // ok: caller's invariant
+                                                                               // SAFETY: `block` holds `a.rows` rows of `width ≥ live` elements, and nothing else touches
+                                                                               // it meanwhile.
+    unsafe { gemm_views_into_rows(block.as_mut_ptr().cast::<f32>(), width, a, b) };
+    for row in block.chunks_mut(width.max(1)) {
+        row[live..].fill(std::mem::MaybeUninit::new(0.0));
+    }
+    // SAFETY: every element was written just above (`[MaybeUninit<f32>]` and `[f32]` share a
+    // layout).
+    unsafe { &mut *(block as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) }
+}
+
 /// Rows `range` of a view.
 fn rows_of(m: MatView<'_>, range: std::ops::Range<usize>) -> MatView<'_> {
     MatView {
@@ -210,22 +232,14 @@ pub fn causal_attention(
             let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
             let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
             for RowBlock { rows, live } in d.blocks() {
-                let block = &mut p[rows.start * d.t..rows.end * d.t];
                 // scores [rows, live] = q_rows · k_liveᵀ, in place of the probabilities
-                // SAFETY: `block` holds these rows of `T` elements each.
-                unsafe {
-                    gemm_views_into_rows(
-                        block.as_mut_ptr().cast::<f32>(),
-                        d.t,
-                        rows_of(qv, rows.clone()),
-                        t(rows_of(kv, 0..live)),
-                    );
-                }
-                for row in block.chunks_mut(d.t) {
-                    row[live..].fill(std::mem::MaybeUninit::new(0.0));
-                }
-                // SAFETY: every element of the block was written just above.
-                let block = unsafe { &mut *(block as *mut [_] as *mut [f32]) };
+                let block = live_product(
+                    &mut p[rows.start * d.t..rows.end * d.t],
+                    d.t,
+                    live,
+                    rows_of(qv, rows.clone()),
+                    t(rows_of(kv, 0..live)),
+                );
                 for (i, row) in block.chunks_mut(d.t).enumerate() {
                     causal_softmax_row(row, rows.start + i + 1, scale);
                 }
@@ -312,21 +326,13 @@ pub fn causal_attention_backward(
             // Per row block: dP[rows, live] = dout_rows · v_liveᵀ, dS in place over the live
             // columns (beyond them P is 0, and so is dS), dq[rows] = dS[rows, live] · k_live.
             for RowBlock { rows, live } in d.blocks() {
-                let block = &mut ds[rows.start * d.t..rows.end * d.t];
-                // SAFETY: `block` holds these rows of `T` elements each.
-                unsafe {
-                    gemm_views_into_rows(
-                        block.as_mut_ptr().cast::<f32>(),
-                        d.t,
-                        rows_of(dov, rows.clone()),
-                        t(rows_of(vv, 0..live)),
-                    );
-                }
-                for row in block.chunks_mut(d.t) {
-                    row[live..].fill(std::mem::MaybeUninit::new(0.0));
-                }
-                // SAFETY: every element of the block was written just above.
-                let block = unsafe { &mut *(block as *mut [_] as *mut [f32]) };
+                let block = live_product(
+                    &mut ds[rows.start * d.t..rows.end * d.t],
+                    d.t,
+                    live,
+                    rows_of(dov, rows.clone()),
+                    t(rows_of(vv, 0..live)),
+                );
                 let p_rows = &p[rows.start * d.t..rows.end * d.t];
                 for (drow, prow) in block.chunks_mut(d.t).zip(p_rows.chunks(d.t)) {
                     softmax_backward_row(&mut drow[..live], &prow[..live], scale);

@@ -357,6 +357,15 @@ pub(crate) struct MatView<'a> {
 }
 
 impl MatView<'_> {
+    /// The view as a kernel operand (its first element and strides).
+    fn operand(&self) -> Operand {
+        Operand {
+            ptr: self.data.as_ptr(),
+            rs: self.rs as isize,
+            cs: self.cs as isize,
+        }
+    }
+
     /// True when every element's offset lies inside `data`.
     fn fits(&self) -> bool {
         self.rows == 0
@@ -397,16 +406,8 @@ pub(crate) fn gemm_views_uninit<'d>(
                 n,
                 k,
                 dst.as_mut_ptr().cast::<f32>(),
-                Operand {
-                    ptr: a.data.as_ptr(),
-                    rs: a.rs as isize,
-                    cs: a.cs as isize,
-                },
-                Operand {
-                    ptr: b.data.as_ptr(),
-                    rs: b.rs as isize,
-                    cs: b.cs as isize,
-                },
+                a.operand(),
+                b.operand(),
                 parallelism,
                 Store::Overwrite,
             );
@@ -454,23 +455,7 @@ pub(crate) unsafe fn gemm_views_into_rows(
     // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
     // destination rows.
     unsafe {
-        crate::blas::sgemm_rows(
-            m,
-            n,
-            k,
-            dst,
-            ldc,
-            Operand {
-                ptr: a.data.as_ptr(),
-                rs: a.rs as isize,
-                cs: a.cs as isize,
-            },
-            Operand {
-                ptr: b.data.as_ptr(),
-                rs: b.rs as isize,
-                cs: b.cs as isize,
-            },
-        );
+        crate::blas::sgemm_rows(m, n, k, dst, ldc, a.operand(), b.operand());
     }
 }
 
