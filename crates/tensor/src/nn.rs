@@ -53,12 +53,15 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
 /// One row of [`softmax_last`], in place.
 fn softmax_row(row: &mut [f32]) {
     // The max, the exponentials and their sum (in lanes), then the scaling: vector passes.
-    vectorized(|| {
-        let max = lane_max(row);
-        row.iter_mut().for_each(|v| *v = exp(*v - max));
-        let inv = 1.0 / lane_sum(row);
-        row.iter_mut().for_each(|v| *v *= inv);
-    });
+    vectorized(
+        #[inline(always)]
+        || {
+            let max = lane_max(row);
+            row.iter_mut().for_each(|v| *v = exp(*v - max));
+            let inv = 1.0 / lane_sum(row);
+            row.iter_mut().for_each(|v| *v *= inv);
+        },
+    );
 }
 
 /// Causal softmax over the last dim of `scale·x` for `x: [.., Tq, Tk]` with `Tk ≥ Tq`: the
@@ -90,12 +93,15 @@ pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
 /// One row of [`causal_softmax`] in place: softmax of `scale·row[..keep]`, zeros after.
 pub(crate) fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
     let (live, masked) = row.split_at_mut(keep);
-    vectorized(|| {
-        let max = lane_max(live);
-        live.iter_mut().for_each(|v| *v = exp((*v - max) * scale));
-        let inv = 1.0 / lane_sum(live);
-        live.iter_mut().for_each(|v| *v *= inv);
-    });
+    vectorized(
+        #[inline(always)]
+        || {
+            let max = lane_max(live);
+            live.iter_mut().for_each(|v| *v = exp((*v - max) * scale));
+            let inv = 1.0 / lane_sum(live);
+            live.iter_mut().for_each(|v| *v *= inv);
+        },
+    );
     masked.fill(0.0);
 }
 
@@ -132,12 +138,15 @@ pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Te
 
 /// One row of [`softmax_backward_scaled`]: `drow` holds dy and becomes dx.
 pub(crate) fn softmax_backward_row(drow: &mut [f32], yrow: &[f32], scale: f32) {
-    vectorized(|| {
-        let dot = lane_sum2(drow, yrow, |d, y| d * y);
-        for (d, &yv) in drow.iter_mut().zip(yrow) {
-            *d = scale * yv * (*d - dot);
-        }
-    });
+    vectorized(
+        #[inline(always)]
+        || {
+            let dot = lane_sum2(drow, yrow, |d, y| d * y);
+            for (d, &yv) in drow.iter_mut().zip(yrow) {
+                *d = scale * yv * (*d - dot);
+            }
+        },
+    );
 }
 
 /// RMSNorm over the last dim: `y = x · rsqrt(mean(x²) + eps) · scale`. Returns `y` and each row's
@@ -171,18 +180,21 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
                 Work::Light,
                 |c, out, r_out| {
                     let x = &x.data()[c * rows * n..];
-                    vectorized(|| {
-                        for ((out, row), r_out) in
-                            out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
-                        {
-                            let ms = lane_sum2(row, row, |a, b| a * b) / n as f32;
-                            let r = 1.0 / (ms + eps).sqrt();
-                            for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
-                                o.write(v * (r * s));
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((out, row), r_out) in
+                                out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
+                            {
+                                let ms = lane_sum2(row, row, |a, b| a * b) / n as f32;
+                                let r = 1.0 / (ms + eps).sqrt();
+                                for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
+                                    o.write(v * (r * s));
+                                }
+                                *r_out = r;
                             }
-                            *r_out = r;
-                        }
-                    });
+                        },
+                    );
                 },
             )
         })
@@ -219,20 +231,25 @@ pub fn rms_norm_backward(
             for_each_chunk(dx, rows * n, kernel_threads(), Work::Light, |c, dxrows| {
                 let first = c * rows;
                 let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
-                vectorized(|| {
-                    for (((dxrow, xrow), dyrow), &r) in dxrows
-                        .chunks_mut(n)
-                        .zip(x.chunks(n))
-                        .zip(dy.chunks(n))
-                        .zip(&inv_rms[first..])
-                    {
-                        let mean_gn =
-                            lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r)) / n as f32;
-                        for (((dx, &d), &sc), &xv) in dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow) {
-                            dx.write(r * (d * sc - xv * r * mean_gn));
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (((dxrow, xrow), dyrow), &r) in dxrows
+                            .chunks_mut(n)
+                            .zip(x.chunks(n))
+                            .zip(dy.chunks(n))
+                            .zip(&inv_rms[first..])
+                        {
+                            let mean_gn =
+                                lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r)) / n as f32;
+                            for (((dx, &d), &sc), &xv) in
+                                dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow)
+                            {
+                                dx.write(r * (d * sc - xv * r * mean_gn));
+                            }
                         }
-                    }
-                });
+                    },
+                );
             })
         })
     };
@@ -240,13 +257,16 @@ pub fn rms_norm_backward(
     // dscale sums over rows: in row order, on one thread (one multiply-add per element, a
     // vector of them per row).
     let mut dscale = vec![0.0f32; n];
-    vectorized(|| {
-        for ((xrow, dyrow), &r) in x.data().chunks(n).zip(dy.data().chunks(n)).zip(inv_rms) {
-            for ((ds, &d), &xv) in dscale.iter_mut().zip(dyrow).zip(xrow) {
-                *ds += d * (xv * r);
+    vectorized(
+        #[inline(always)]
+        || {
+            for ((xrow, dyrow), &r) in x.data().chunks(n).zip(dy.data().chunks(n)).zip(inv_rms) {
+                for ((ds, &d), &xv) in dscale.iter_mut().zip(dyrow).zip(xrow) {
+                    *ds += d * (xv * r);
+                }
             }
-        }
-    });
+        },
+    );
     Ok((dx, Tensor::new(vec![n], dscale)?))
 }
 
@@ -276,11 +296,14 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
         filled(g.len(), |y| {
             for_each_chunk(y, BLOCK, kernel_threads(), Work::Heavy, |c, out| {
                 let (gs, us) = (&g.data()[c * BLOCK..], &u.data()[c * BLOCK..]);
-                vectorized(|| {
-                    for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
-                        o.write(a * sigmoid(a) * b);
-                    }
-                });
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
+                            o.write(a * sigmoid(a) * b);
+                        }
+                    },
+                );
             })
         })
     };
@@ -326,14 +349,17 @@ pub fn swiglu_backward(
                 |c, dgs, dus| {
                     let at = c * BLOCK;
                     let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
-                    vectorized(|| {
-                        for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
-                            let (a, b, d) = (gs[i], us[i], dys[i]);
-                            let s = sigmoid(a);
-                            dg.write(d * b * s * (1.0 + a * (1.0 - s)));
-                            du.write(d * a * s);
-                        }
-                    });
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
+                                let (a, b, d) = (gs[i], us[i], dys[i]);
+                                let s = sigmoid(a);
+                                dg.write(d * b * s * (1.0 + a * (1.0 - s)));
+                                du.write(d * a * s);
+                            }
+                        },
+                    );
                 },
             )
         })
@@ -455,17 +481,20 @@ pub fn cross_entropy(
                     let row = &logits.data()[i * v..(i + 1) * v];
                     // One vectorised pass of exponentials, summed in f64 (in lanes) for log Z
                     // and normalised into the probabilities.
-                    let (max, sum, prow) = vectorized(|| {
-                        let max = lane_max(row);
-                        for (p, &x) in prow.iter_mut().zip(row) {
-                            p.write(exp(x - max));
-                        }
-                        // SAFETY (inside `filled`'s block): the loop above wrote every element
-                        // of the row.
-                        let prow =
-                            std::slice::from_raw_parts_mut(prow.as_mut_ptr().cast::<f32>(), v);
-                        (max, lane_sum_f64(prow), prow)
-                    });
+                    let (max, sum, prow) = vectorized(
+                        #[inline(always)]
+                        || {
+                            let max = lane_max(row);
+                            for (p, &x) in prow.iter_mut().zip(row) {
+                                p.write(exp(x - max));
+                            }
+                            // SAFETY (inside `filled`'s block): the loop above wrote every element
+                            // of the row.
+                            let prow =
+                                std::slice::from_raw_parts_mut(prow.as_mut_ptr().cast::<f32>(), v);
+                            (max, lane_sum_f64(prow), prow)
+                        },
+                    );
                     let lz = max as f64 + sum.ln();
                     let m = mask[i];
                     let term = if m != 0.0 {
@@ -475,7 +504,10 @@ pub fn cross_entropy(
                     };
                     stat[0] = (lz as f32, term);
                     let inv = (1.0 / sum) as f32;
-                    vectorized(|| prow.iter_mut().for_each(|p| *p *= inv));
+                    vectorized(
+                        #[inline(always)]
+                        || prow.iter_mut().for_each(|p| *p *= inv),
+                    );
                 },
             )
         })
@@ -535,11 +567,14 @@ pub fn cross_entropy_backward(
                 let k = dloss * mask[i];
                 let kp = k * (1.0 + 2.0 * z_loss * ce.log_z[i]);
                 let prow = &probs.data()[i * v..(i + 1) * v];
-                vectorized(|| {
-                    for (x, &p) in row.iter_mut().zip(prow) {
-                        x.write(p * kp);
-                    }
-                });
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (x, &p) in row.iter_mut().zip(prow) {
+                            x.write(p * kp);
+                        }
+                    },
+                );
                 let t = targets[i] as usize;
                 row[t].write(prow[t] * kp - k);
             })

@@ -37,11 +37,14 @@ pub fn sgd_update(w: &mut [f32], g: &[f32], k: f32) {
     );
     for_each_chunk(w, UPDATE_BLOCK, kernel_threads(), Work::Light, |c, run| {
         let g = &g[c * UPDATE_BLOCK..];
-        vectorized(|| {
-            for (w, &d) in run.iter_mut().zip(g) {
-                *w -= k * d;
-            }
-        });
+        vectorized(
+            #[inline(always)]
+            || {
+                for (w, &d) in run.iter_mut().zip(g) {
+                    *w -= k * d;
+                }
+            },
+        );
     });
 }
 
@@ -78,14 +81,18 @@ pub fn adamw_update(w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: A
         "adamw_update: a gradient or moment that does not fit its parameter"
     );
     let update = |w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
-        vectorized(|| {
-            for (((w, &raw), mm), vv) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let d = raw * c.grad_scale;
-                *mm = c.b1 * *mm + (1.0 - c.b1) * d;
-                *vv = c.b2 * *vv + (1.0 - c.b2) * d * d;
-                *w -= c.step * *mm / (vv.sqrt() / c.c2_sqrt + c.eps) + c.decay * *w;
-            }
-        });
+        vectorized(
+            #[inline(always)]
+            || {
+                for (((w, &raw), mm), vv) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
+                {
+                    let d = raw * c.grad_scale;
+                    *mm = c.b1 * *mm + (1.0 - c.b1) * d;
+                    *vv = c.b2 * *vv + (1.0 - c.b2) * d * d;
+                    *w -= c.step * *mm / (vv.sqrt() / c.c2_sqrt + c.eps) + c.decay * *w;
+                }
+            },
+        );
     };
     let tasks = tasks_for(3 * n, kernel_threads(), Work::Light);
     if tasks == 1 {

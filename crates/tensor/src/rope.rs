@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use crate::error::TensorError;
+use crate::fastmath::vectorized;
 use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;
 
@@ -154,34 +155,41 @@ pub fn rope_tail(
                     let s = c % seq;
                     let rot = &table[s * half..(s + 1) * half];
                     let src = &x.data()[c * chunk..(c + 1) * chunk];
-                    for (head, xs) in pos_chunk.chunks_mut(head_dim).zip(src.chunks(head_dim)) {
-                        let (kept, head) = head.split_at_mut(pass);
-                        let (xkept, xs) = xs.split_at(pass);
-                        for (k, &x) in kept.iter_mut().zip(xkept) {
-                            k.write(x);
-                        }
-                        if rope.interleaved {
-                            for ((pair, xp), &(sin, cos)) in
-                                head.chunks_exact_mut(2).zip(xs.chunks_exact(2)).zip(rot)
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (head, xs) in
+                                pos_chunk.chunks_mut(head_dim).zip(src.chunks(head_dim))
                             {
-                                let (x0, x1) = (xp[0], xp[1]);
-                                pair[0].write(x0 * cos - x1 * sin);
-                                pair[1].write(x1 * cos + x0 * sin);
+                                let (kept, head) = head.split_at_mut(pass);
+                                let (xkept, xs) = xs.split_at(pass);
+                                for (k, &x) in kept.iter_mut().zip(xkept) {
+                                    k.write(x);
+                                }
+                                if rope.interleaved {
+                                    for ((pair, xp), &(sin, cos)) in
+                                        head.chunks_exact_mut(2).zip(xs.chunks_exact(2)).zip(rot)
+                                    {
+                                        let (x0, x1) = (xp[0], xp[1]);
+                                        pair[0].write(x0 * cos - x1 * sin);
+                                        pair[1].write(x1 * cos + x0 * sin);
+                                    }
+                                } else {
+                                    let (lo, hi) = head.split_at_mut(half);
+                                    let (xlo, xhi) = xs.split_at(half);
+                                    for (((a, b), (&x0, &x1)), &(sin, cos)) in lo
+                                        .iter_mut()
+                                        .zip(hi.iter_mut())
+                                        .zip(xlo.iter().zip(xhi))
+                                        .zip(rot)
+                                    {
+                                        a.write(x0 * cos - x1 * sin);
+                                        b.write(x1 * cos + x0 * sin);
+                                    }
+                                }
                             }
-                        } else {
-                            let (lo, hi) = head.split_at_mut(half);
-                            let (xlo, xhi) = xs.split_at(half);
-                            for (((a, b), (&x0, &x1)), &(sin, cos)) in lo
-                                .iter_mut()
-                                .zip(hi.iter_mut())
-                                .zip(xlo.iter().zip(xhi))
-                                .zip(rot)
-                            {
-                                a.write(x0 * cos - x1 * sin);
-                                b.write(x1 * cos + x0 * sin);
-                            }
-                        }
-                    }
+                        },
+                    );
                 },
             )
         })
