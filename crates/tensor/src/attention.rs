@@ -25,7 +25,7 @@
 
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
-use crate::matmul::{gemm_views_into_rows, gemm_views_uninit, MatView};
+use crate::matmul::{gemm_views_into_rows, MatView};
 use crate::nn::{causal_softmax_row, softmax_backward_row};
 use crate::parallel::{filled, for_each_chunk, Work};
 use crate::tensor::Tensor;
@@ -307,17 +307,44 @@ pub fn causal_attention_backward(
         ));
     }
     let (tt, heads) = (d.t * d.t, d.b * d.h);
-    // Per (batch, query head), contiguous: [dk_h | dv_h | dS scratch]; its dq rows go straight
-    // into their places in `[B, T, H, dk]`.
-    let rest = d.t * d.dk + d.t * d.dv + tt;
+    // Per (batch, query head), contiguous: [dk_h | dv_h | dS scratch] under GQA (its group's
+    // heads are summed after), only dS otherwise; its dq rows, and without GQA its dk and dv
+    // rows, go straight into their places in `[B, T, heads, w]`.
+    let grouped = d.h != d.kv;
+    let rest = if grouped {
+        d.t * d.dk + d.t * d.dv + tt
+    } else {
+        tt
+    };
     let mut dq: Vec<f32> = Vec::with_capacity(heads * d.t * d.dk);
     let dq_at = dq.as_mut_ptr() as usize;
+    let direct = |w: usize| Vec::<f32>::with_capacity(if grouped { 0 } else { heads * d.t * w });
+    let (mut dk_direct, mut dv_direct) = (direct(d.dk), direct(d.dv));
+    let (dk_at, dv_at) = (
+        dk_direct.as_mut_ptr() as usize,
+        dv_direct.as_mut_ptr() as usize,
+    );
     let heads_into = |per_head: &mut [std::mem::MaybeUninit<f32>]| {
         for_each_chunk(per_head, rest.max(1), threads, Work::Heavy, |bh, r| {
             let (b, h) = (bh / d.h, bh % d.h);
             let kvh = d.kv_head(h);
-            let (dkb, r) = r.split_at_mut(d.t * d.dk);
-            let (dvb, ds) = r.split_at_mut(d.t * d.dv);
+            // Where this head's dk and dv rows go, and how far apart.
+            let (dk_rows, dv_rows, ds) = if grouped {
+                let (dkb, r) = r.split_at_mut(d.t * d.dk);
+                let (dvb, ds) = r.split_at_mut(d.t * d.dv);
+                let at = |b: &mut [std::mem::MaybeUninit<f32>]| b.as_mut_ptr().cast::<f32>();
+                ((at(dkb), d.dk), (at(dvb), d.dv), ds)
+            } else {
+                let at = |base: usize, w: usize| {
+                    // SAFETY: `base` is a `[B, T, H, w]` buffer; head `h`'s rows start here.
+                    unsafe { (base as *mut f32).add(d.row_start(b, h, w)) }
+                };
+                (
+                    (at(dk_at, d.dk), d.h * d.dk),
+                    (at(dv_at, d.dv), d.h * d.dv),
+                    r,
+                )
+            };
             let p = &probs.data()[bh * tt..(bh + 1) * tt];
             let dov = d.rows(dout.data(), b, h, d.h, d.dv);
             let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
@@ -356,27 +383,44 @@ pub fn causal_attention_backward(
             // dk[cols] = dS[below, cols]ᵀ · q_below and dv[cols] = P[below, cols]ᵀ · dout_below.
             for RowBlock { rows: cols, .. } in d.blocks() {
                 let below = cols.start..d.t;
-                gemm_views_uninit(
-                    &mut dkb[cols.start * d.dk..cols.end * d.dk],
-                    t(sub_block(&ds[cols.start..], below.clone(), cols.len(), d.t)),
-                    rows_of(qv, below.clone()),
-                    1,
-                );
-                gemm_views_uninit(
-                    &mut dvb[cols.start * d.dv..cols.end * d.dv],
-                    t(sub_block(&p[cols.start..], below.clone(), cols.len(), d.t)),
-                    rows_of(dov, below.clone()),
-                    1,
-                );
+                // SAFETY: rows `cols` of this head's dk and dv (in its own block under GQA, else
+                // in the `[B, T, H, w]` outputs), which no other (batch, head) writes.
+                unsafe {
+                    gemm_views_into_rows(
+                        dk_rows.0.add(cols.start * dk_rows.1),
+                        dk_rows.1,
+                        t(sub_block(&ds[cols.start..], below.clone(), cols.len(), d.t)),
+                        rows_of(qv, below.clone()),
+                    );
+                    gemm_views_into_rows(
+                        dv_rows.0.add(cols.start * dv_rows.1),
+                        dv_rows.1,
+                        t(sub_block(&p[cols.start..], below.clone(), cols.len(), d.t)),
+                        rows_of(dov, below.clone()),
+                    );
+                }
             }
         });
     };
-    // SAFETY: every (batch, head) chunk is visited, and its products write all of its dk, dv
-    // and dS elements.
+    // SAFETY: every (batch, head) chunk is visited, and its products write all of its dS (and
+    // under GQA its dk and dv) elements.
     let per_head = unsafe { filled(heads * rest, heads_into) };
     // SAFETY: the chunks above wrote every (batch, position, head) row of dq.
     unsafe { dq.set_len(heads * d.t * d.dk) };
     let dq = Tensor::new(vec![d.b, d.t, d.h, d.dk], dq)?;
+    if !grouped {
+        // SAFETY: without GQA the chunks above wrote every (batch, position, head) row of dk
+        // and dv.
+        unsafe {
+            dk_direct.set_len(heads * d.t * d.dk);
+            dv_direct.set_len(heads * d.t * d.dv);
+        }
+        return Ok((
+            dq,
+            Tensor::new(vec![d.b, d.t, d.kv, d.dk], dk_direct)?,
+            Tensor::new(vec![d.b, d.t, d.kv, d.dv], dv_direct)?,
+        ));
+    }
     let dk = group_sum(&per_head, rest, 0, d.dk, d, threads)?;
     let dv = group_sum(&per_head, rest, d.t * d.dk, d.dv, d, threads)?;
     Ok((dq, dk, dv))
@@ -418,17 +462,20 @@ fn group_sum(
                 // sums as one element at a time, in vector registers.
                 for (lane, dst) in dst.chunks_mut(GROUP_LANES).enumerate() {
                     let at = lane * GROUP_LANES;
-                    vectorized(|| {
-                        let mut acc = [-0.0f64; GROUP_LANES];
-                        for j in 0..g {
-                            for (a, &x) in acc.iter_mut().zip(&src(j)[at..at + dst.len()]) {
-                                *a += f64::from(x);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            let mut acc = [-0.0f64; GROUP_LANES];
+                            for j in 0..g {
+                                for (a, &x) in acc.iter_mut().zip(&src(j)[at..at + dst.len()]) {
+                                    *a += f64::from(x);
+                                }
                             }
-                        }
-                        for (o, &a) in dst.iter_mut().zip(&acc) {
-                            o.write(a as f32);
-                        }
-                    });
+                            for (o, &a) in dst.iter_mut().zip(&acc) {
+                                o.write(a as f32);
+                            }
+                        },
+                    );
                 }
             }
         });
