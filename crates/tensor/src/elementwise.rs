@@ -1,11 +1,13 @@
 //! Elementwise kernels: unary maps and binary ops with NumPy broadcasting.
 //!
 //! Layout: any shape, row-major. Time goes to memory traffic; equal-shape binary ops take a
-//! straight zip loop the compiler vectorises (the arithmetic ops and `scale`/`add_assign` on the
-//! kernel thread budget), broadcasting goes through a strided gather.
+//! straight zip loop the compiler vectorises, for AVX-512 where the CPU has it (the arithmetic
+//! ops and `scale`/`add_assign`, in blocks on the kernel thread budget), broadcasting goes
+//! through a strided gather.
 
 use crate::error::TensorError;
-use crate::parallel::{filled, for_each_chunk, kernel_threads, tasks_for, Work};
+use crate::fastmath::vectorized;
+use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -111,17 +113,20 @@ impl Tensor {
     /// Every element times `k`.
     pub fn scale(&self, k: f32) -> Tensor {
         let _span = ferrotext_profile::span("elementwise");
-        if tasks_for(self.len(), kernel_threads(), Work::Light) == 1 {
-            return self.map(|x| x * k);
-        }
         // SAFETY: every block is visited and `self` is as long as the output, so each block
         // writes all its elements.
         let y = unsafe {
             filled(self.len(), |y| {
                 for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
-                    for (o, &x) in run.iter_mut().zip(&self.data()[c * BLOCK..]) {
-                        o.write(x * k);
-                    }
+                    let x = &self.data()[c * BLOCK..];
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (o, &x) in run.iter_mut().zip(x) {
+                                o.write(x * k);
+                            }
+                        },
+                    );
                 })
             })
         };
@@ -137,10 +142,8 @@ impl Tensor {
         f: impl Fn(f32, f32) -> f32 + Sync,
     ) -> Result<Tensor, TensorError> {
         let _span = ferrotext_profile::span("elementwise");
-        if self.shape() != other.shape()
-            || tasks_for(self.len(), kernel_threads(), Work::Light) == 1
-        {
-            return self.zip_with(other, f); // one pass collecting, no zeroed buffer first
+        if self.shape() != other.shape() {
+            return self.zip_with(other, f); // broadcasting
         }
         // The output written once, uninitialised before: no clone or zeroing pass.
         // SAFETY: every block is visited and both inputs are as long as the output (equal
@@ -149,9 +152,14 @@ impl Tensor {
             filled(self.len(), |y| {
                 for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
                     let (a, b) = (&self.data()[c * BLOCK..], &other.data()[c * BLOCK..]);
-                    for ((o, &a), &b) in run.iter_mut().zip(a).zip(b) {
-                        o.write(f(a, b));
-                    }
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((o, &a), &b) in run.iter_mut().zip(a).zip(b) {
+                                o.write(f(a, b));
+                            }
+                        },
+                    );
                 })
             })
         };
@@ -188,9 +196,15 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, TensorEr
 pub fn add_assign_slice(dst: &mut [f32], src: &[f32]) {
     let _span = ferrotext_profile::span("elementwise");
     for_each_chunk(dst, BLOCK, kernel_threads(), Work::Light, |c, run| {
-        for (a, &b) in run.iter_mut().zip(&src[c * BLOCK..]) {
-            *a += b;
-        }
+        let src = &src[c * BLOCK..];
+        vectorized(
+            #[inline(always)]
+            || {
+                for (a, &b) in run.iter_mut().zip(src) {
+                    *a += b;
+                }
+            },
+        );
     });
 }
 
