@@ -133,6 +133,7 @@ impl Tensor {
 
     /// Every element `value`.
     pub fn full(shape: &[usize], value: f32) -> Tensor {
+        let _span = ferrotext_profile::span("fill");
         Tensor::owned(shape.to_vec(), vec![value; shape.iter().product()])
     }
 
@@ -218,6 +219,7 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when `perm` is not a permutation of the dimensions.
     pub fn transpose(&self, perm: &[usize]) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("transpose").map(|s| s.bytes(8.0 * self.len as f64));
         check_perm(perm, self.rank())?;
         if perm.iter().enumerate().all(|(i, &p)| i == p) {
             return Ok(self.clone());
@@ -235,6 +237,7 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] for a wrong number of ranges or a range out of bounds.
     pub fn slice(&self, ranges: &[Range<usize>]) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("slice");
         if ranges.len() != self.rank()
             || ranges
                 .iter()
@@ -286,6 +289,8 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when there are no parts or their shapes disagree.
     pub fn concat(parts: &[&Tensor], dim: usize) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("concat")
+            .map(|s| s.bytes(8.0 * parts.iter().map(|p| p.len).sum::<usize>() as f64));
         let first = parts
             .first()
             .ok_or_else(|| TensorError::shape("concat", "no parts".into()))?;
@@ -353,6 +358,7 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when `dims` does not map `self` into `shape`.
     pub fn broadcast_in_dim(&self, shape: &[usize], dims: &[usize]) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("broadcast");
         let bad = dims.len() != self.rank()
             || dims.windows(2).any(|w| w[0] >= w[1])
             || dims
