@@ -464,6 +464,23 @@ impl Ctx<'_> {
             return Ok(());
         }
         let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
+        // A slice's cotangent into the contribution its input already has (a value cut into
+        // parts, as MLA's projections are): R4.4's sum without padding the slice with zeros.
+        if let (Backward::Slice { x, dim, start }, Some(Some(v))) =
+            (&node.backward, node.inputs.first())
+        {
+            let expected = tape.nodes[*v].ty.to_cotangent();
+            if let Some(existing) = cts[*v].as_mut() {
+                if existing.ty() == &expected
+                    && x.to_cotangent() == expected
+                    && !existing.is_abstract()
+                {
+                    let dest = existing.local_mut()?.data_mut();
+                    self.slice_transpose_into(x, *dim, *start, &ct, dest)?;
+                    return Ok(());
+                }
+            }
+        }
         if adds_in_place(&node.backward) {
             // A leaf's whole cotangent, into the sink's buffer.
             for &(side, k) in into {

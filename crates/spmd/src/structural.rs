@@ -395,6 +395,39 @@ impl Ctx<'_> {
         Ok(Array::new(x.to_cotangent(), local))
     }
 
+    /// [`Ctx::slice_transpose`] added into `dest`, the local block of a cotangent `x` already
+    /// has: `ct` goes into its slice of `dest`, and nothing else is touched (where the padded
+    /// transpose added zeros). The same values as adding the padded transpose (R4.4), without
+    /// the zero-padded copy and the full-size add; a `-0.0` outside the slice stays `-0.0`.
+    pub(crate) fn slice_transpose_into(
+        &mut self,
+        x: &ArrayType,
+        dim: usize,
+        start: usize,
+        ct: &Array,
+        dest: &mut [f32],
+    ) -> Result<(), SpmdError> {
+        let Some(c) = ct.local_opt() else {
+            return Ok(());
+        };
+        let full = x.to_cotangent().shard_shape();
+        let (outer, inner): (usize, usize) = (
+            full[..dim].iter().product(),
+            full[dim + 1..].iter().product(),
+        );
+        let (n, whole) = (c.shape()[dim] * inner, full[dim] * inner);
+        if dest.len() != outer * whole || c.len() != outer * n || start * inner + n > whole {
+            return Err(SpmdError::BadArgument {
+                op: "slice".into(),
+                reason: "a cotangent that does not fit the sliced value".into(),
+            });
+        }
+        for (row, part) in dest.chunks_mut(whole.max(1)).zip(c.data().chunks(n.max(1))) {
+            ferrotext_tensor::add_assign_slice(&mut row[start * inner..start * inner + n], part);
+        }
+        Ok(())
+    }
+
     /// The transpose of [`Ctx::concat`] of operands typed `types` with `sizes` along `dim`: `ct`
     /// sliced back into one cotangent per operand.
     pub(crate) fn concat_transpose(
