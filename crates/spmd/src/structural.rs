@@ -422,9 +422,7 @@ impl Ctx<'_> {
                 reason: "a cotangent that does not fit the sliced value".into(),
             });
         }
-        for (row, part) in dest.chunks_mut(whole.max(1)).zip(c.data().chunks(n.max(1))) {
-            ferrotext_tensor::add_assign_slice(&mut row[start * inner..start * inner + n], part);
-        }
+        ferrotext_tensor::add_assign_rows(dest, whole, start * inner, c.data(), n);
         Ok(())
     }
 

@@ -208,6 +208,43 @@ pub fn add_assign_slice(dst: &mut [f32], src: &[f32]) {
     });
 }
 
+/// `dst[r][offset..offset + w] += src[r]` for every row `r`, with `dst` in rows of `dst_row`
+/// elements and `src` in rows of `w`: a slice's cotangent added into the value it was cut from,
+/// in one pass (rows grouped into blocks of about `BLOCK` elements on the kernel budget).
+///
+/// # Panics
+/// When the rows do not fit (`offset + w > dst_row`, or `src` has another number of rows): a
+/// bug in the caller.
+pub fn add_assign_rows(dst: &mut [f32], dst_row: usize, offset: usize, src: &[f32], w: usize) {
+    let _span = ferrotext_profile::span("elementwise");
+    let rows = dst.len().checked_div(dst_row).unwrap_or(0);
+    // ok: a caller's bug (the shapes are checked where the slice was typed).
+    assert!(offset + w <= dst_row && src.len() == rows * w && dst.len() == rows * dst_row);
+    if w == 0 {
+        return;
+    }
+    let per_chunk = (BLOCK / dst_row).max(1);
+    for_each_chunk(
+        dst,
+        per_chunk * dst_row,
+        kernel_threads(),
+        Work::Light,
+        |c, block| {
+            let src = &src[c * per_chunk * w..];
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (row, part) in block.chunks_mut(dst_row).zip(src.chunks(w)) {
+                        for (a, &b) in row[offset..offset + w].iter_mut().zip(part) {
+                            *a += b;
+                        }
+                    }
+                },
+            );
+        },
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,5 +299,28 @@ mod tests {
             .unwrap();
         assert_eq!(a.data(), &[2., -1.]);
         assert_eq!(a.scale(2.).data(), &[4., -2.]);
+    }
+
+    #[test]
+    fn add_assign_rows_adds_each_row_into_its_window_only() {
+        for (rows, dst_row, offset, w) in
+            [(3, 5, 1, 2), (1000, 40, 8, 32), (7, 4, 0, 4), (2, 3, 3, 0)]
+        {
+            let dst0: Vec<f32> = (0..rows * dst_row).map(|i| i as f32 * 0.5).collect();
+            let src: Vec<f32> = (0..rows * w).map(|i| 100.0 + i as f32).collect();
+            let mut want = dst0.clone();
+            for r in 0..rows {
+                for j in 0..w {
+                    want[r * dst_row + offset + j] += src[r * w + j];
+                }
+            }
+            for threads in [1, 2] {
+                let mut dst = dst0.clone();
+                crate::parallel::with_kernel_pool(threads, "t", 1 << 20, || {
+                    add_assign_rows(&mut dst, dst_row, offset, &src, w)
+                });
+                assert_eq!(dst, want, "{rows}×{dst_row} at {offset}+{w} on {threads}");
+            }
+        }
     }
 }

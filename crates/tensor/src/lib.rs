@@ -57,7 +57,7 @@ mod tensor;
 
 pub use attention::{causal_attention, causal_attention_backward, Attention};
 pub use blas::matmul_kernel;
-pub use elementwise::{add_assign_slice, broadcast_shapes};
+pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
 pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, PAD_ROW};
 pub use matmul::{dot_general, dot_general_accumulate, DotDims};
