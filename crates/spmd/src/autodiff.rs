@@ -464,23 +464,6 @@ impl Ctx<'_> {
             return Ok(());
         }
         let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
-        // A slice's cotangent into the contribution its input already has (a value cut into
-        // parts, as MLA's projections are): R4.4's sum without padding the slice with zeros.
-        if let (Backward::Slice { x, dim, start }, Some(Some(v))) =
-            (&node.backward, node.inputs.first())
-        {
-            let expected = tape.nodes[*v].ty.to_cotangent();
-            if let Some(existing) = cts[*v].as_mut() {
-                if existing.ty() == &expected
-                    && x.to_cotangent() == expected
-                    && !existing.is_abstract()
-                {
-                    let dest = existing.local_mut()?.data_mut();
-                    self.slice_transpose_into(x, *dim, *start, &ct, dest)?;
-                    return Ok(());
-                }
-            }
-        }
         if adds_in_place(&node.backward) {
             // A leaf's whole cotangent, into the sink's buffer.
             for &(side, k) in into {
@@ -496,26 +479,32 @@ impl Ctx<'_> {
                     needed[side] = false;
                 }
             }
-            // A take's rows into the contribution its table already has (a tied embedding's
-            // head): R4.4's sum without a zero table (the same values; a `-0.0` the rows miss
-            // stays `-0.0`, where adding a zero table would make it `+0.0`). Only a take: its
-            // rows are summed per table row first, so the sum is R4.4's to the bit.
-            if let (Backward::Take { .. }, Some(Some(v)), true) =
-                (&node.backward, node.inputs.first(), needed[0])
-            {
-                let expected = tape.nodes[*v].ty.to_cotangent();
-                if let Some(existing) = cts[*v].as_mut() {
-                    if existing.ty() == &expected && !existing.is_abstract() {
-                        let dest = existing.local_mut()?.data_mut();
-                        if self.add_contribution_into(&node.backward, &ct, 0, dest)? {
-                            needed[0] = false;
-                        }
+        }
+        // A take's rows, or a slice, into the contribution its input already has (a tied
+        // embedding's head; a value cut into parts, as MLA's projections are): R4.4's sum
+        // without a zero table or a zero-padded copy (the same values; a `-0.0` the rows or the
+        // slice miss stays `-0.0`, where adding zeros would make it `+0.0`). Only these two:
+        // each element of the contribution gets one addend (a take's rows are summed per table
+        // row first), so the sum is R4.4's to the bit.
+        let into_existing = matches!(
+            node.backward,
+            Backward::Take { .. } | Backward::Slice { .. }
+        );
+        if let (true, Some(Some(v)), Some(true)) =
+            (into_existing, node.inputs.first(), needed.first().copied())
+        {
+            let expected = tape.nodes[*v].ty.to_cotangent();
+            if let Some(existing) = cts[*v].as_mut() {
+                if existing.ty() == &expected && !existing.is_abstract() {
+                    let dest = existing.local_mut()?.data_mut();
+                    if self.add_contribution_into(&node.backward, &ct, 0, dest)? {
+                        needed[0] = false;
                     }
                 }
             }
-            if !needed.iter().any(|&n| n) {
-                return Ok(());
-            }
+        }
+        if (into_existing || adds_in_place(&node.backward)) && !needed.iter().any(|&n| n) {
+            return Ok(());
         }
         let input_cts = self.transpose_node(&node.backward, &ct, &needed)?;
         for ((input, ict), &need) in node.inputs.iter().zip(input_cts).zip(&needed) {
@@ -537,8 +526,9 @@ impl Ctx<'_> {
 
     /// Adds the node's contribution to input `side`'s cotangent into `dest` (laid out as that
     /// input's local block), where the op can do so itself — a `dot_general`'s transposed
-    /// product, a `take`'s rows — and it needs no collective; returns whether it did (`false`:
-    /// `dest` untouched).
+    /// product, a `take`'s rows, a slice into its window — and it needs no collective; returns
+    /// whether it did (`false`: `dest` untouched). Only the first two go into a sink's buffer
+    /// ([`adds_in_place`]).
     fn add_contribution_into(
         &mut self,
         backward: &Backward,
@@ -551,6 +541,10 @@ impl Ctx<'_> {
                 self.dot_general_transpose_into((lhs, rhs), dims, ct, side, dest)
             }
             Backward::Take { table, ids } => self.take_transpose_into(ct, table, ids, dest),
+            Backward::Slice { x, dim, start } => {
+                self.slice_transpose_into(x, *dim, *start, ct, dest)?;
+                Ok(true)
+            }
             _ => Ok(false),
         }
     }

@@ -230,36 +230,19 @@ pub(crate) enum Store {
     Accumulate,
 }
 
-/// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n, `dst` row-major m×n, on this
-/// process's kernel. With `parallelism = Rayon(t)`, `gemm` splits the product itself;
-/// a BLAS gets up to `t` row blocks of a product large enough (see [`REGULAR_KERNEL_MIN`]),
-/// one call each on the rayon pool. Either way the bits do not depend on `parallelism`.
+/// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n into `dst`'s `m` rows of `n`
+/// elements, `ldc ≥ n` apart (`ldc = n`: a row-major m×n output; more: a block of a larger
+/// output, as attention's heads interleaved per position), on this process's kernel. With
+/// `parallelism = Rayon(t)`, `gemm` splits the product itself; a BLAS gets up to `t` row blocks
+/// of a product large enough (see [`REGULAR_KERNEL_MIN`]), one call each on the rayon pool.
+/// Either way the bits do not depend on `parallelism` or `ldc`.
 ///
 /// # Safety
 /// Every element `(i, j)` of `a` (i < m, j < k) and `b` (i < k, j < n) is readable at its
-/// offset, and `dst` points to `m·n` writable elements (initialised under
-/// [`Store::Accumulate`]) that alias neither.
+/// offset, and `dst`'s `m` rows of `n` elements `ldc` apart are writable (initialised under
+/// [`Store::Accumulate`]), alias neither, and are touched by no one else meanwhile.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    a: Operand,
-    b: Operand,
-    parallelism: gemm::Parallelism,
-    store: Store,
-) {
-    // SAFETY: the caller's contract.
-    unsafe { sgemm_on(kernel(), m, n, k, dst, n, a, b, parallelism, store) }
-}
-
-/// [`sgemm`] (overwriting, on the caller's thread) into `dst` with its rows `ldc ≥ n` elements
-/// apart: a block of a larger row-major output (attention's heads, interleaved per position).
-///
-/// # Safety
-/// As [`sgemm`], with `dst`'s `m` rows of `n` elements `ldc` apart writable.
-pub(crate) unsafe fn sgemm_rows(
     m: usize,
     n: usize,
     k: usize,
@@ -267,22 +250,11 @@ pub(crate) unsafe fn sgemm_rows(
     ldc: usize,
     a: Operand,
     b: Operand,
+    parallelism: gemm::Parallelism,
+    store: Store,
 ) {
     // SAFETY: the caller's contract.
-    unsafe {
-        sgemm_on(
-            kernel(),
-            m,
-            n,
-            k,
-            dst,
-            ldc,
-            a,
-            b,
-            gemm::Parallelism::None,
-            Store::Overwrite,
-        )
-    }
+    unsafe { sgemm_on(kernel(), m, n, k, dst, ldc, a, b, parallelism, store) }
 }
 
 /// [`sgemm`] on `blas`, or on `gemm` for `None`, into `dst` with row stride `ldc ≥ n`.

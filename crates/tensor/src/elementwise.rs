@@ -218,8 +218,9 @@ pub fn add_assign_slice(dst: &mut [f32], src: &[f32]) {
 pub fn add_assign_rows(dst: &mut [f32], dst_row: usize, offset: usize, src: &[f32], w: usize) {
     let _span = ferrotext_profile::span("elementwise");
     let rows = dst.len().checked_div(dst_row).unwrap_or(0);
-    // ok: a caller's bug (the shapes are checked where the slice was typed).
-    assert!(offset + w <= dst_row && src.len() == rows * w && dst.len() == rows * dst_row);
+    // A caller's bug otherwise: the shapes are checked where the slice was typed.
+    let fits = offset + w <= dst_row && src.len() == rows * w && dst.len() == rows * dst_row;
+    assert!(fits, "add_assign_rows: rows that do not fit"); // ok: caller's invariant
     if w == 0 {
         return;
     }

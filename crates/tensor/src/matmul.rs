@@ -309,6 +309,7 @@ fn products(
                 n,
                 k,
                 dst.as_mut_ptr().cast::<f32>(),
+                n,
                 Operand {
                     ptr: a.data.as_ptr().offset(a.offset(i)),
                     rs: a.rows.1,
@@ -406,6 +407,7 @@ pub(crate) fn gemm_views_uninit<'d>(
                 n,
                 k,
                 dst.as_mut_ptr().cast::<f32>(),
+                n,
                 a.operand(),
                 b.operand(),
                 parallelism,
@@ -455,7 +457,17 @@ pub(crate) unsafe fn gemm_views_into_rows(
     // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
     // destination rows.
     unsafe {
-        crate::blas::sgemm_rows(m, n, k, dst, ldc, a.operand(), b.operand());
+        crate::blas::sgemm(
+            m,
+            n,
+            k,
+            dst,
+            ldc,
+            a.operand(),
+            b.operand(),
+            Parallelism::None,
+            Store::Overwrite,
+        );
     }
 }
 

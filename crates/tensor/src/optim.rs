@@ -30,11 +30,9 @@ const NORM_LANES: usize = 32;
 /// # Panics
 /// When `g` is shorter than `w` (a bug in the caller).
 pub fn sgd_update(w: &mut [f32], g: &[f32], k: f32) {
-    // ok: a caller's bug (the optimizer pairs each parameter with its own gradient).
-    assert!(
-        g.len() >= w.len(),
-        "sgd_update: a gradient shorter than its parameter"
-    );
+    // A caller's bug otherwise: the optimizer pairs each parameter with its own gradient.
+    let fits = g.len() >= w.len();
+    assert!(fits, "sgd_update: a gradient shorter than its parameter"); // ok: caller's invariant
     for_each_chunk(w, UPDATE_BLOCK, kernel_threads(), Work::Light, |c, run| {
         let g = &g[c * UPDATE_BLOCK..];
         vectorized(
@@ -75,11 +73,9 @@ pub struct AdamW {
 /// When `g` is shorter than `w` or a moment is not as long (a bug in the caller).
 pub fn adamw_update(w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamW) {
     let n = w.len();
-    // ok: a caller's bug (the optimizer pairs each parameter with its own gradient and moments).
-    assert!(
-        g.len() >= n && m.len() == n && v.len() == n,
-        "adamw_update: a gradient or moment that does not fit its parameter"
-    );
+    // A caller's bug otherwise: the optimizer pairs each parameter with its gradient and moments.
+    let fits = g.len() >= n && m.len() == n && v.len() == n;
+    assert!(fits, "adamw_update: a gradient or moment too short"); // ok: caller's invariant
     let update = |w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]| {
         vectorized(
             #[inline(always)]
