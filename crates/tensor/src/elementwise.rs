@@ -1,9 +1,8 @@
 //! Elementwise kernels: unary maps and binary ops with NumPy broadcasting.
 //!
-//! Layout: any shape, row-major. Time goes to memory traffic; equal-shape binary ops take a
-//! straight zip loop the compiler vectorises, for AVX-512 where the CPU has it (the arithmetic
-//! ops and `scale`/`add_assign`, in blocks on the kernel thread budget), broadcasting goes
-//! through a strided gather.
+//! Layout: any shape, row-major. Time goes to memory traffic: maps, equal-shape binary ops and
+//! `add_assign` are straight loops the compiler vectorises, for AVX-512 where the CPU has it,
+//! in fixed blocks on the kernel thread budget; broadcasting goes through a strided gather first.
 
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
@@ -11,40 +10,68 @@ use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;
 
 impl Tensor {
-    /// `f` applied to every element.
-    pub fn map(&self, f: impl Fn(f32) -> f32) -> Tensor {
+    /// `f` applied to every element, in fixed blocks on the kernel thread budget (each element
+    /// computed alike, so the bits do not depend on it).
+    pub fn map(&self, f: impl Fn(f32) -> f32 + Sync) -> Tensor {
         let _span = ferrotext_profile::span("elementwise");
-        Tensor::new(
-            self.shape().to_vec(),
-            self.data().iter().map(|&x| f(x)).collect(),
-        )
-        .unwrap_or_else(|_| unreachable!("same element count")) // ok: length preserved
+        // SAFETY: every block is visited and `self` is as long as the output, so each block
+        // writes all its elements.
+        let y = unsafe {
+            filled(self.len(), |y| {
+                for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
+                    let x = &self.data()[c * BLOCK..];
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (o, &x) in run.iter_mut().zip(x) {
+                                o.write(f(x));
+                            }
+                        },
+                    );
+                })
+            })
+        };
+        Tensor::new(self.shape().to_vec(), y).unwrap_or_else(|_| unreachable!("same element count"))
+        // ok: length preserved
     }
 
     /// `f(a, b)` elementwise with NumPy broadcasting (shapes aligned at the right; size-1
-    /// dimensions stretch).
+    /// dimensions stretch). Equal shapes run on the kernel thread budget in fixed blocks, the
+    /// output written once (each element computed alike, so the bits do not depend on the
+    /// budget); other shapes are broadcast to the common shape first.
     ///
     /// # Errors
     /// [`TensorError::Shape`] when the shapes do not broadcast.
     pub fn zip_with(
         &self,
         other: &Tensor,
-        f: impl Fn(f32, f32) -> f32,
+        f: impl Fn(f32, f32) -> f32 + Sync,
     ) -> Result<Tensor, TensorError> {
         let _span = ferrotext_profile::span("elementwise");
-        if self.shape() == other.shape() {
-            let data = self
-                .data()
-                .iter()
-                .zip(other.data())
-                .map(|(&a, &b)| f(a, b))
-                .collect();
-            return Tensor::new(self.shape().to_vec(), data);
+        if self.shape() != other.shape() {
+            let shape = broadcast_shapes(self.shape(), other.shape())?;
+            let a = self.broadcast_to(&shape)?;
+            let b = other.broadcast_to(&shape)?;
+            return a.zip_with(&b, f);
         }
-        let shape = broadcast_shapes(self.shape(), other.shape())?;
-        let a = self.broadcast_to(&shape)?;
-        let b = other.broadcast_to(&shape)?;
-        a.zip_with(&b, f)
+        // SAFETY: every block is visited and both inputs are as long as the output (equal
+        // shapes), so each block writes all its elements.
+        let y = unsafe {
+            filled(self.len(), |y| {
+                for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
+                    let (a, b) = (&self.data()[c * BLOCK..], &other.data()[c * BLOCK..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((o, &a), &b) in run.iter_mut().zip(a).zip(b) {
+                                o.write(f(a, b));
+                            }
+                        },
+                    );
+                })
+            })
+        };
+        Tensor::new(self.shape().to_vec(), y)
     }
 
     /// This tensor broadcast (NumPy rules) to `shape`.
@@ -68,7 +95,7 @@ impl Tensor {
     /// # Errors
     /// As [`Tensor::zip_with`].
     pub fn add(&self, other: &Tensor) -> Result<Tensor, TensorError> {
-        self.zip_par(other, |a, b| a + b)
+        self.zip_with(other, |a, b| a + b)
     }
 
     /// `self - other` (broadcasting).
@@ -76,7 +103,7 @@ impl Tensor {
     /// # Errors
     /// As [`Tensor::zip_with`].
     pub fn sub(&self, other: &Tensor) -> Result<Tensor, TensorError> {
-        self.zip_par(other, |a, b| a - b)
+        self.zip_with(other, |a, b| a - b)
     }
 
     /// `self * other` (broadcasting).
@@ -84,7 +111,7 @@ impl Tensor {
     /// # Errors
     /// As [`Tensor::zip_with`].
     pub fn mul(&self, other: &Tensor) -> Result<Tensor, TensorError> {
-        self.zip_par(other, |a, b| a * b)
+        self.zip_with(other, |a, b| a * b)
     }
 
     /// `self / other` (broadcasting).
@@ -92,7 +119,7 @@ impl Tensor {
     /// # Errors
     /// As [`Tensor::zip_with`].
     pub fn div(&self, other: &Tensor) -> Result<Tensor, TensorError> {
-        self.zip_par(other, |a, b| a / b)
+        self.zip_with(other, |a, b| a / b)
     }
 
     /// `self += other` for equal shapes, in place (gradient accumulation).
@@ -112,58 +139,7 @@ impl Tensor {
 
     /// Every element times `k`.
     pub fn scale(&self, k: f32) -> Tensor {
-        let _span = ferrotext_profile::span("elementwise");
-        // SAFETY: every block is visited and `self` is as long as the output, so each block
-        // writes all its elements.
-        let y = unsafe {
-            filled(self.len(), |y| {
-                for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
-                    let x = &self.data()[c * BLOCK..];
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            for (o, &x) in run.iter_mut().zip(x) {
-                                o.write(x * k);
-                            }
-                        },
-                    );
-                })
-            })
-        };
-        Tensor::new(self.shape().to_vec(), y).unwrap_or_else(|_| unreachable!("same element count"))
-        // ok: length preserved
-    }
-
-    /// [`Tensor::zip_with`] for the arithmetic ops: equal shapes run on the kernel thread
-    /// budget in fixed blocks (each element computed alike, so the bits do not depend on it).
-    fn zip_par(
-        &self,
-        other: &Tensor,
-        f: impl Fn(f32, f32) -> f32 + Sync,
-    ) -> Result<Tensor, TensorError> {
-        let _span = ferrotext_profile::span("elementwise");
-        if self.shape() != other.shape() {
-            return self.zip_with(other, f); // broadcasting
-        }
-        // The output written once, uninitialised before: no clone or zeroing pass.
-        // SAFETY: every block is visited and both inputs are as long as the output (equal
-        // shapes), so each block writes all its elements.
-        let y = unsafe {
-            filled(self.len(), |y| {
-                for_each_chunk(y, BLOCK, kernel_threads(), Work::Light, |c, run| {
-                    let (a, b) = (&self.data()[c * BLOCK..], &other.data()[c * BLOCK..]);
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            for ((o, &a), &b) in run.iter_mut().zip(a).zip(b) {
-                                o.write(f(a, b));
-                            }
-                        },
-                    );
-                })
-            })
-        };
-        Tensor::new(self.shape().to_vec(), y)
+        self.map(|x| x * k)
     }
 }
 
@@ -264,7 +240,7 @@ mod tests {
         assert!(a.add(&Tensor::zeros(&[2])).is_err());
     }
 
-    /// The threaded arithmetic gives the bits of a plain loop, on 1 to 3 threads.
+    /// The threaded maps and arithmetic give the bits of a plain loop, on 1 to 3 threads.
     #[test]
     fn threaded_arithmetic_matches_a_plain_loop() {
         for len in [1usize, 7, 4099, 40_009] {
@@ -284,6 +260,12 @@ mod tests {
                 assert_eq!(a.mul(&b).unwrap().data(), plain(|x, y| x * y));
                 assert_eq!(a.div(&b).unwrap().data(), plain(|x, y| x / y));
                 assert_eq!(a.scale(0.3).data(), plain(|x, _| x * 0.3));
+                assert_eq!(a.zip_with(&b, f32::max).unwrap().data(), plain(f32::max));
+                assert_eq!(a.map(f32::exp).data(), plain(|x, _| x.exp()));
+                assert_eq!(
+                    a.map(|x| 1.0 / (1.0 + x * x).sqrt()).data(),
+                    plain(|x, _| 1.0 / (1.0 + x * x).sqrt())
+                );
                 let mut c = a.clone();
                 c.add_assign(&b).unwrap();
                 assert_eq!(c.data(), plain(|x, y| x + y));
