@@ -77,6 +77,12 @@ impl Array {
             .ok_or_else(|| SpmdError::NoData { ty: ty.to_string() })
     }
 
+    /// This device's shard, mutable, when no other array shares it (`None` when shared or
+    /// abstract): for writing into a value in place only where that costs no copy.
+    pub(crate) fn local_if_unique(&mut self) -> Option<&mut Tensor> {
+        self.local.as_mut().and_then(Arc::get_mut)
+    }
+
     pub(crate) fn local_opt(&self) -> Option<&Tensor> {
         self.local.as_deref()
     }

@@ -518,10 +518,27 @@ impl Ctx<'_> {
             cts[*v] = Some(match cts[*v].take() {
                 None => ict,
                 // R4.4: contributions of equal type add without communication.
-                Some(acc) => self.binary_untracked(BinaryOp::Add, &acc, &ict)?,
+                Some(acc) => self.add_contributions(acc, ict)?,
             });
         }
         Ok(())
+    }
+
+    /// `acc + ict` for two contributions of the same type (R4.4): added into whichever of the
+    /// two no other array shares, in place (no new buffer; IEEE addition is commutative, so
+    /// the bits are those of `acc + ict`), else into a new one.
+    fn add_contributions(&mut self, mut acc: Array, mut ict: Array) -> Result<Array, SpmdError> {
+        if acc.ty() == ict.ty() {
+            if let (Some(a), Some(b)) = (acc.local_if_unique(), ict.local_opt()) {
+                a.add_assign(b)?;
+                return Ok(acc);
+            }
+            if let (Some(b), Some(a)) = (ict.local_if_unique(), acc.local_opt()) {
+                b.add_assign(a)?;
+                return Ok(ict);
+            }
+        }
+        self.binary_untracked(BinaryOp::Add, &acc, &ict)
     }
 
     /// Adds the node's contribution to input `side`'s cotangent into `dest` (laid out as that

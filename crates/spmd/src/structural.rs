@@ -383,12 +383,8 @@ impl Ctx<'_> {
         let local = match ct.local_opt() {
             Some(c) => {
                 let full = x.to_cotangent().shard_shape();
-                let mut before = full.clone();
-                before[dim] = start;
-                let mut after = full.clone();
-                after[dim] = full[dim] - start - c.shape()[dim];
-                let (z0, z1) = (Tensor::zeros(&before), Tensor::zeros(&after));
-                Some(Tensor::concat(&[&z0, c, &z1], dim)?)
+                let after = full[dim] - start - c.shape()[dim];
+                Some(c.pad_dim(dim, start, after)?)
             }
             None => None,
         };

@@ -11,9 +11,13 @@
 use crate::error::TensorError;
 use std::mem::MaybeUninit;
 
+use crate::fastmath::vectorized;
 use crate::matmul::{gemm_views_uninit, MatView};
-use crate::parallel::filled;
+use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;
+
+/// Elements [`take_rows`] copies per block (rows grouped up to about this many).
+const COPY_BLOCK: usize = 4096;
 
 /// A row index meaning "a zero row" in [`take_rows`] (and skipped by [`scatter_rows`]).
 pub const PAD_ROW: u32 = u32::MAX;
@@ -32,13 +36,35 @@ pub fn take_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor, TensorError> {
         return Err(TensorError::shape("take_rows", format!("row {bad} of {n}")));
     }
     let width: usize = rest.iter().product();
-    let mut data = vec![0.0f32; rows.len() * width];
-    for (out, &r) in data.chunks_exact_mut(width.max(1)).zip(rows) {
-        if r != PAD_ROW {
-            let start = r as usize * width;
-            out.copy_from_slice(&x.data()[start..start + width]);
-        }
-    }
+    // Rows in blocks of about `COPY_BLOCK` elements on the kernel budget, each written once.
+    let per_chunk = (COPY_BLOCK / width.max(1)).max(1);
+    // SAFETY: every chunk is visited, and each of its `width`-long rows is written whole (a
+    // copy of a row of `x`, or zeros).
+    let data = unsafe {
+        filled(rows.len() * width, |data| {
+            for_each_chunk(
+                data,
+                per_chunk * width,
+                kernel_threads(),
+                Work::Light,
+                |c, block| {
+                    let ids = &rows[c * per_chunk..];
+                    for (out, &r) in block.chunks_exact_mut(width.max(1)).zip(ids) {
+                        if r == PAD_ROW {
+                            out.iter_mut().for_each(|o| {
+                                o.write(0.0);
+                            });
+                        } else {
+                            let start = r as usize * width;
+                            for (o, &v) in out.iter_mut().zip(&x.data()[start..start + width]) {
+                                o.write(v);
+                            }
+                        }
+                    }
+                },
+            )
+        })
+    };
     let mut shape = x.shape().to_vec();
     shape[0] = rows.len();
     Tensor::new(shape, data)
@@ -64,14 +90,21 @@ pub fn scatter_rows(shape: &[usize], rows: &[u32], src: &Tensor) -> Result<Tenso
         ));
     }
     let mut out = Tensor::zeros(shape);
-    for (i, &r) in rows.iter().enumerate() {
-        if r != PAD_ROW {
-            let dst = &mut out.data_mut()[r as usize * width..(r as usize + 1) * width];
-            for (d, &v) in dst.iter_mut().zip(&src.data()[i * width..(i + 1) * width]) {
-                *d += v;
+    // In index order (a row may be a target more than once); each row's add is one vector loop.
+    let data = out.data_mut();
+    vectorized(
+        #[inline(always)]
+        || {
+            for (i, &r) in rows.iter().enumerate() {
+                if r != PAD_ROW {
+                    let dst = &mut data[r as usize * width..(r as usize + 1) * width];
+                    for (d, &v) in dst.iter_mut().zip(&src.data()[i * width..(i + 1) * width]) {
+                        *d += v;
+                    }
+                }
             }
-        }
-    }
+        },
+    );
     Ok(out)
 }
 
@@ -300,6 +333,30 @@ mod tests {
         let rhs: f32 = x.data().iter().zip(back.data()).map(|(a, b)| a * b).sum();
         assert!((lhs - rhs).abs() < 1e-5);
         assert!(take_rows(&x, &[3]).is_err());
+    }
+
+    /// A gather big enough to be split gives the rows it names (zeros for padding), on 1 to 3
+    /// kernel threads.
+    #[test]
+    fn take_rows_gives_the_named_rows_on_any_budget() {
+        let x = t(&[300, 64], 9);
+        let rows: Vec<u32> = (0..1600u32)
+            .map(|i| if i % 7 == 3 { PAD_ROW } else { (i * 37) % 300 })
+            .collect();
+        let want: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| match r {
+                PAD_ROW => vec![0.0; 64],
+                r => x.data()[r as usize * 64..][..64].to_vec(),
+            })
+            .collect();
+        for threads in [1, 2, 3] {
+            let y = crate::parallel::with_kernel_pool(threads, "t", 1 << 20, || {
+                take_rows(&x, &rows).unwrap()
+            });
+            assert_eq!(y.shape(), &[1600, 64]);
+            assert_eq!(y.data(), want.as_slice(), "{threads} threads");
+        }
     }
 
     /// The backward against finite differences of `sum(y ⊙ dy)`, in f64.

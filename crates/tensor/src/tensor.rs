@@ -2,8 +2,10 @@
 //!
 //! Invariant: a tensor's elements are the `shape.iter().product()` consecutive elements of its
 //! storage from its offset (a rank-0 tensor holds one element). Structural ops (transpose,
-//! concat, broadcast, a slice that is not one run of memory) copy; reshape, a contiguous slice
-//! (e.g. rows, or a split along the first dimension) and [`Tensor::view`] do not.
+//! concat, broadcast, a slice that is not one run of memory) copy, in rows grouped into blocks
+//! on the kernel thread budget (a copy has the source's bits whatever the budget); reshape, a
+//! contiguous slice (e.g. rows, or a split along the first dimension) and [`Tensor::view`] do
+//! not.
 //!
 //! Storage is shared and copied on write: cloning a tensor (as a reshape of a borrowed value, or
 //! a tape keeping an input, does) shares its elements, and the first [`Tensor::data_mut`] of a
@@ -13,7 +15,10 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use std::mem::MaybeUninit;
+
 use crate::error::TensorError;
+use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 
 /// A dense row-major `f32` tensor. See the module docs for the invariant.
 #[derive(Clone)]
@@ -227,8 +232,7 @@ impl Tensor {
         let in_strides = strides(&self.shape);
         let out_shape: Vec<usize> = perm.iter().map(|&p| self.shape[p]).collect();
         let src_strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
-        let mut data = Vec::with_capacity(self.len);
-        gather_strided(self.data(), 0, &out_shape, &src_strides, &mut data);
+        let data = strided_copy(self.data(), 0, &out_shape, &src_strides);
         Ok(Tensor::owned(out_shape, data))
     }
 
@@ -266,8 +270,7 @@ impl Tensor {
         if contiguous {
             return Tensor::view(self.storage.clone(), self.offset + offset, out_shape);
         }
-        let mut data = Vec::with_capacity(out_shape.iter().product());
-        gather_strided(self.data(), offset, &out_shape, &st, &mut data);
+        let data = strided_copy(self.data(), offset, &out_shape, &st);
         Ok(Tensor::owned(out_shape, data))
     }
 
@@ -317,13 +320,82 @@ impl Tensor {
         let inner: usize = first.shape[dim + 1..].iter().product();
         let mut shape = first.shape.clone();
         shape[dim] = parts.iter().map(|p| p.shape[dim]).sum();
-        let mut data = Vec::with_capacity(shape.iter().product());
-        for o in 0..outer {
-            for p in parts {
-                let run = p.shape[dim] * inner;
-                data.extend_from_slice(&p.data()[o * run..(o + 1) * run]);
-            }
-        }
+        // An output row (one index of the dimensions before `dim`) is each part's run in turn.
+        let row = shape[dim] * inner;
+        let rows = (COPY_BLOCK / row.max(1)).max(1);
+        // SAFETY: every chunk is visited, and each of its `row`-long output rows is written
+        // whole: the parts' runs along `dim` add up to `row`.
+        let data = unsafe {
+            filled(outer * row, |out| {
+                for_each_chunk(
+                    out,
+                    rows * row,
+                    kernel_threads(),
+                    Work::Light,
+                    |c, block| {
+                        for (k, out_row) in block.chunks_mut(row).enumerate() {
+                            let o = c * rows + k;
+                            let mut at = 0;
+                            for p in parts {
+                                let run = p.shape[dim] * inner;
+                                write_copy(&mut out_row[at..at + run], &p.data()[o * run..][..run]);
+                                at += run;
+                            }
+                        }
+                    },
+                )
+            })
+        };
+        Ok(Tensor::owned(shape, data))
+    }
+
+    /// This tensor with `before` zeros ahead of it and `after` zeros behind it along `dim`
+    /// (a slice's transpose): the values of concatenating zero tensors around it, written in
+    /// one pass.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `dim` is not a dimension.
+    pub fn pad_dim(&self, dim: usize, before: usize, after: usize) -> Result<Tensor, TensorError> {
+        let _span = ferrotext_profile::span("pad");
+        let Some(&n) = self.shape.get(dim) else {
+            return Err(TensorError::shape(
+                "pad_dim",
+                format!("no dimension {dim} in {:?}", self.shape),
+            ));
+        };
+        let inner: usize = self.shape[dim + 1..].iter().product();
+        let outer: usize = self.shape[..dim].iter().product();
+        let mut shape = self.shape.clone();
+        shape[dim] = before + n + after;
+        let (run, row) = (n * inner, shape[dim] * inner);
+        let rows = (COPY_BLOCK / row.max(1)).max(1);
+        let zero = |part: &mut [MaybeUninit<f32>]| {
+            part.iter_mut().for_each(|o| {
+                o.write(0.0);
+            })
+        };
+        // SAFETY: every chunk is visited, and each of its `row`-long rows is written whole:
+        // zeros, the source's run, zeros.
+        let data = unsafe {
+            filled(outer * row, |out| {
+                for_each_chunk(
+                    out,
+                    rows * row,
+                    kernel_threads(),
+                    Work::Light,
+                    |c, block| {
+                        for (k, out_row) in block.chunks_mut(row).enumerate() {
+                            let o = c * rows + k;
+                            let (head, rest) = out_row.split_at_mut(before * inner);
+                            let (mid, tail) = rest.split_at_mut(run);
+                            zero(head);
+                            write_copy(mid, &self.data()[o * run..][..run]);
+                            zero(tail);
+                        }
+                    },
+                )
+            })
+        };
         Ok(Tensor::owned(shape, data))
     }
 
@@ -381,8 +453,7 @@ impl Tensor {
                 src_strides[d] = in_strides[i];
             }
         }
-        let mut data = Vec::with_capacity(shape.iter().product());
-        gather_strided(self.data(), 0, shape, &src_strides, &mut data);
+        let data = strided_copy(self.data(), 0, shape, &src_strides);
         Ok(Tensor::owned(shape.to_vec(), data))
     }
 }
@@ -403,44 +474,78 @@ fn check_perm(perm: &[usize], rank: usize) -> Result<(), TensorError> {
     }
 }
 
-/// Appends `src[offset + Σ i_d·strides[d]]` for every index of `shape`, row-major. The innermost
-/// dimension runs as a tight loop (a memcpy when its stride is 1).
-pub(crate) fn gather_strided(
+/// Elements a structural copy moves per block (rows grouped up to about this many).
+const COPY_BLOCK: usize = 4096;
+
+/// `src[offset + Σ i_d·strides[d]]` for every index of `shape`, row-major, as a new vector: rows
+/// of the innermost dimension (a straight copy when its stride is 1, one value repeated when it
+/// is 0) in blocks of about [`COPY_BLOCK`] elements on the kernel thread budget.
+pub(crate) fn strided_copy(
     src: &[f32],
     offset: usize,
     shape: &[usize],
     strides: &[usize],
-    out: &mut Vec<f32>,
-) {
-    if shape.contains(&0) {
-        return;
-    }
-    let Some((&inner, outer_shape)) = shape.split_last() else {
-        out.push(src[offset]);
-        return;
+) -> Vec<f32> {
+    let len: usize = shape.iter().product();
+    let Some((&inner, outer)) = shape.split_last() else {
+        return vec![src[offset]];
     };
-    let inner_stride = strides[shape.len() - 1];
-    let mut index = vec![0usize; outer_shape.len()];
-    loop {
-        let base = offset + index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>();
-        if inner_stride == 1 {
-            out.extend_from_slice(&src[base..base + inner]);
-        } else {
-            out.extend((0..inner).map(|j| src[base + j * inner_stride]));
-        }
-        // advance the outer index, row-major
-        let mut d = outer_shape.len();
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            index[d] += 1;
-            if index[d] < outer_shape[d] {
-                break;
-            }
-            index[d] = 0;
-        }
+    if len == 0 {
+        return Vec::new();
+    }
+    let inner_stride = strides[outer.len()];
+    let rows = (COPY_BLOCK / inner).max(1);
+    // SAFETY: every chunk is visited, and each writes all `inner` elements of each of its rows.
+    unsafe {
+        filled(len, |out| {
+            for_each_chunk(
+                out,
+                rows * inner,
+                kernel_threads(),
+                Work::Light,
+                |c, block| {
+                    // The chunk's first row as an index into the outer dimensions, then stepped.
+                    let mut index = vec![0usize; outer.len()];
+                    let mut first = c * rows;
+                    for (i, &n) in index.iter_mut().zip(outer).rev() {
+                        *i = first % n;
+                        first /= n;
+                    }
+                    let mut base =
+                        offset + index.iter().zip(strides).map(|(i, s)| i * s).sum::<usize>();
+                    for out_row in block.chunks_mut(inner) {
+                        match inner_stride {
+                            1 => write_copy(out_row, &src[base..base + inner]),
+                            0 => out_row.iter_mut().for_each(|o| {
+                                o.write(src[base]);
+                            }),
+                            step => {
+                                for (j, o) in out_row.iter_mut().enumerate() {
+                                    o.write(src[base + j * step]);
+                                }
+                            }
+                        }
+                        // The next row: an odometer over the outer dimensions.
+                        for ((i, &n), &stride) in index.iter_mut().zip(outer).zip(strides).rev() {
+                            *i += 1;
+                            base += stride;
+                            if *i < n {
+                                break;
+                            }
+                            base -= stride * n;
+                            *i = 0;
+                        }
+                    }
+                },
+            )
+        })
+    }
+}
+
+/// `dst[i] = src[i]`, every element of `dst` written (`src` as long).
+fn write_copy(dst: &mut [MaybeUninit<f32>], src: &[f32]) {
+    for (d, &v) in dst.iter_mut().zip(src) {
+        d.write(v);
     }
 }
 
@@ -569,6 +674,76 @@ mod tests {
             &[7., 7.]
         );
         assert!(b.broadcast_in_dim(&[3, 2], &[1]).is_err());
+    }
+
+    /// Every element of `shape`, row-major, from its index.
+    fn by_index(shape: &[usize], f: impl Fn(&[usize]) -> f32) -> Vec<f32> {
+        let mut out = Vec::new();
+        let mut index = vec![0; shape.len()];
+        for _ in 0..shape.iter().product::<usize>() {
+            out.push(f(&index));
+            for d in (0..shape.len()).rev() {
+                index[d] += 1;
+                if index[d] < shape[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+        out
+    }
+
+    /// Transposes, strided slices, broadcasts, concatenations and paddings big enough to be cut
+    /// into many blocks give the elements index arithmetic names (a padding: the concatenation
+    /// with zero tensors), on 1 to 3 kernel threads.
+    #[test]
+    fn structural_copies_match_index_arithmetic_on_any_budget() {
+        // 100 800 elements: split into 3 parts on 3 threads.
+        let shape = [6, 70, 5, 48];
+        let t = iota(&shape);
+        let at = |i: &[usize]| t.data()[((i[0] * 70 + i[1]) * 5 + i[2]) * 48 + i[3]];
+        let want_t = by_index(&[6, 5, 70, 48], |i| at(&[i[0], i[2], i[1], i[3]]));
+        let want_t2 = by_index(&[48, 70, 6, 5], |i| at(&[i[2], i[1], i[3], i[0]]));
+        let want_slice = by_index(&[4, 60, 5, 32], |i| {
+            at(&[i[0] + 1, i[1] + 5, i[2], i[3] + 8])
+        });
+        let row = Tensor::from_fn(&[70, 1, 48], |i| -(i as f32));
+        let want_b = by_index(&shape, |i| row.data()[i[1] * 48 + i[3]]);
+        let col = Tensor::from_fn(&[6, 70, 5, 1], |i| i as f32 + 0.5);
+        let want_col = by_index(&shape, |i| col.data()[(i[0] * 70 + i[1]) * 5 + i[2]]);
+        let (a, b) = (
+            t.slice_dim(3, 0..24).unwrap(),
+            t.slice_dim(3, 24..48).unwrap(),
+        );
+        for threads in [1, 2, 3] {
+            crate::parallel::with_kernel_pool(threads, "t", 1 << 20, || {
+                assert_eq!(t.transpose(&[0, 2, 1, 3]).unwrap().data(), want_t);
+                assert_eq!(t.transpose(&[3, 1, 0, 2]).unwrap().data(), want_t2);
+                let sliced = t.slice(&[1..5, 5..65, 0..5, 8..40]).unwrap();
+                assert_eq!(sliced.data(), want_slice);
+                assert_eq!(
+                    row.broadcast_in_dim(&shape, &[1, 2, 3]).unwrap().data(),
+                    want_b
+                );
+                assert_eq!(
+                    col.broadcast_in_dim(&shape, &[0, 1, 2, 3]).unwrap().data(),
+                    want_col
+                );
+                assert_eq!(Tensor::concat(&[&a, &b], 3).unwrap(), t);
+                let (c, d) = (t.slice_dim(2, 0..2).unwrap(), t.slice_dim(2, 2..5).unwrap());
+                assert_eq!(Tensor::concat(&[&c, &d], 2).unwrap(), t);
+                let (z0, z1) = (
+                    Tensor::zeros(&[6, 70, 2, 48]),
+                    Tensor::zeros(&[6, 70, 1, 48]),
+                );
+                let padded = Tensor::concat(&[&z0, &d, &z1], 2).unwrap();
+                assert_eq!(d.pad_dim(2, 2, 1).unwrap(), padded);
+                let (z0, z1) = (Tensor::zeros(&[6, 70, 5, 5]), Tensor::zeros(&[6, 70, 5, 0]));
+                let padded = Tensor::concat(&[&z0, &b, &z1], 3).unwrap();
+                assert_eq!(b.pad_dim(3, 5, 0).unwrap(), padded);
+                assert!(b.pad_dim(4, 1, 1).is_err());
+            });
+        }
     }
 
     #[test]
