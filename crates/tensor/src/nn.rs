@@ -203,7 +203,9 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
 }
 
 /// Backward of [`rms_norm`]. With `n = x·r` (r the row's inverse RMS):
-/// `dscale = Σ_rows dy ⊙ n`, `dx = r · (g − n · mean(g ⊙ n))` where `g = dy ⊙ scale`.
+/// `dscale = Σ_rows dy ⊙ n`, `dx = r · (g − n · mean(g ⊙ n))` where `g = dy ⊙ scale`. `dscale`
+/// sums each group of rows (as many as make about `BLOCK` elements) in row order, then the
+/// groups in order: the same bits on any thread budget.
 ///
 /// # Errors
 /// Shapes disagree.
@@ -223,46 +225,63 @@ pub fn rms_norm_backward(
         ));
     }
     let s = scale.data();
-    // dx: rows are independent, split across the budget in groups (as in `rms_norm`).
+    // One pass: rows in groups (as in `rms_norm`) split across the budget; each group writes its
+    // rows of dx and sums its rows' `dy ⊙ n` into a partial dscale of its own (in row order).
     let rows = rows_per_chunk(n);
+    let groups = inv_rms.len().div_ceil(rows);
+    let mut partial = vec![0.0f32; groups * n];
     // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
     let dx = unsafe {
         filled(x.len(), |dx| {
-            for_each_chunk(dx, rows * n, kernel_threads(), Work::Light, |c, dxrows| {
-                let first = c * rows;
-                let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for (((dxrow, xrow), dyrow), &r) in dxrows
-                            .chunks_mut(n)
-                            .zip(x.chunks(n))
-                            .zip(dy.chunks(n))
-                            .zip(&inv_rms[first..])
-                        {
-                            let mean_gn =
-                                lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r)) / n as f32;
-                            for (((dx, &d), &sc), &xv) in
-                                dxrow.iter_mut().zip(dyrow).zip(s).zip(xrow)
+            for_each_chunk2(
+                dx,
+                rows * n,
+                &mut partial,
+                n,
+                kernel_threads(),
+                Work::Light,
+                |c, dxrows, ds| {
+                    let first = c * rows;
+                    let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (((dxrow, xrow), dyrow), &r) in dxrows
+                                .chunks_mut(n)
+                                .zip(x.chunks(n))
+                                .zip(dy.chunks(n))
+                                .zip(&inv_rms[first..])
                             {
-                                dx.write(r * (d * sc - xv * r * mean_gn));
+                                let mean_gn =
+                                    lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r))
+                                        / n as f32;
+                                for ((((dx, ds), &d), &sc), &xv) in dxrow
+                                    .iter_mut()
+                                    .zip(ds.iter_mut())
+                                    .zip(dyrow)
+                                    .zip(s)
+                                    .zip(xrow)
+                                {
+                                    dx.write(r * (d * sc - xv * r * mean_gn));
+                                    *ds += d * (xv * r);
+                                }
                             }
-                        }
-                    },
-                );
-            })
+                        },
+                    );
+                },
+            )
         })
     };
     let dx = Tensor::new(x.shape().to_vec(), dx)?;
-    // dscale sums over rows: in row order, on one thread (one multiply-add per element, a
-    // vector of them per row).
+    // dscale: the groups' partial sums added in group order (a fixed order: the groups depend
+    // only on the shape).
     let mut dscale = vec![0.0f32; n];
     vectorized(
         #[inline(always)]
         || {
-            for ((xrow, dyrow), &r) in x.data().chunks(n).zip(dy.data().chunks(n)).zip(inv_rms) {
-                for ((ds, &d), &xv) in dscale.iter_mut().zip(dyrow).zip(xrow) {
-                    *ds += d * (xv * r);
+            for group in partial.chunks(n) {
+                for (d, &p) in dscale.iter_mut().zip(group) {
+                    *d += p;
                 }
             }
         },
@@ -1102,14 +1121,24 @@ mod tests {
             (y, inv)
         }
 
+        /// dscale's order written out: each group of `4096 / n` rows (at least one) summed in
+        /// row order from zero, then the groups' sums added in group order.
         pub fn rms_norm_backward(x: &[f32], s: &[f32], inv: &[f32], dy: &[f32]) -> Vec<f32> {
             let n = s.len();
+            let group = (4096 / n).max(1);
             let mut dx = vec![0.0; x.len()];
             let mut ds = vec![0.0f32; n];
+            let mut part = vec![0.0f32; n];
             for (row, &r) in inv.iter().enumerate() {
                 let (xr, dyr) = (&x[row * n..][..n], &dy[row * n..][..n]);
                 for i in 0..n {
-                    ds[i] += dyr[i] * (xr[i] * r);
+                    part[i] += dyr[i] * (xr[i] * r);
+                }
+                if row % group == group - 1 || row == inv.len() - 1 {
+                    for i in 0..n {
+                        ds[i] += part[i];
+                    }
+                    part.fill(0.0);
                 }
                 let mean_gn = lanes((0..n).map(|i| dyr[i] * s[i] * (xr[i] * r))) / n as f32;
                 for i in 0..n {
