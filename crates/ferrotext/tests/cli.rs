@@ -69,6 +69,171 @@ fn collectives_bench_writes_json() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// Stand-in peers for `bench peers`: `train.py` scripts (run by `/bin/sh`) that log their
+/// arguments (after the script's name) to `PEERS/calls.txt` and print `jax_line` /
+/// `torch_line` as their figure.
+fn fake_peers(dir: &std::path::Path, jax_line: &str, torch_line: &str) -> std::path::PathBuf {
+    let peers = dir.join("peers");
+    for (name, line) in [("jax", jax_line), ("torch", torch_line)] {
+        std::fs::create_dir_all(peers.join(name)).unwrap();
+        let script = format!("echo \"{name} $*\" >> ../calls.txt\necho '{line}'\n");
+        std::fs::write(peers.join(name).join("train.py"), script).unwrap();
+    }
+    peers
+}
+
+/// `bench peers` runs each engine once per round, in ABBA order, gives each the point's devices,
+/// GA and clipping, and pairs each round's figures: the peers here are stand-in scripts with
+/// fixed figures, ferrotext a real (tiny) run.
+#[test]
+fn peers_bench_alternates_the_engines_and_pairs_each_rounds_figures() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-peers-{}", std::process::id()));
+    let peers = fake_peers(
+        &dir,
+        "defer: median step 50.0 ms over 1 steps | 1 tokens/s",
+        r#"{"peer": "torch", "mode": "no_sync", "median_ms": 80.0}"#,
+    );
+    let (runs, out_path) = (dir.join("runs"), dir.join("peers.json"));
+    let out = ferrotext(&[
+        "bench",
+        "peers",
+        "--peers",
+        peers.to_str().unwrap(),
+        "--jax-python",
+        "/bin/sh",
+        "--torch-python",
+        "/bin/sh",
+        "--points",
+        "2x1",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--set",
+        "base_num_decoder_layers=1",
+        "--set",
+        "base_emb_dim=32",
+        "--set",
+        "head_dim=8",
+        "--set",
+        "base_mlp_dim=32",
+        "--set",
+        "vocab_size=64",
+        "--set",
+        "max_target_length=16",
+        "--runs",
+        runs.to_str().unwrap(),
+        "--out",
+        out_path.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let calls = std::fs::read_to_string(peers.join("calls.txt")).unwrap();
+    let calls: Vec<&str> = calls.lines().collect();
+    assert_eq!(calls.len(), 4, "{calls:?}");
+    // Round 1: ferrotext, JAX, PyTorch; round 2: PyTorch, JAX, ferrotext.
+    assert!(
+        calls[0].starts_with("jax --dp 2 --defer --ga 1 --opt sgd"),
+        "{calls:?}"
+    );
+    assert!(
+        calls[1].starts_with("torch --nproc 2 --mode no_sync --ga 1"),
+        "{calls:?}"
+    );
+    assert!(
+        calls[2].starts_with("torch ") && calls[3].starts_with("jax "),
+        "{calls:?}"
+    );
+    assert!(
+        calls
+            .iter()
+            .all(|c| c.ends_with("--warmup 1 --steps 1 --clip 1")),
+        "{calls:?}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out_path).unwrap()).unwrap();
+    let order: Vec<&str> = json["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["engine"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        order,
+        ["ferrotext", "jax", "torch", "torch", "jax", "ferrotext"]
+    );
+    let row = &json["rows"][0];
+    assert_eq!(row["jax_ms"], serde_json::json!([50.0, 50.0]));
+    assert_eq!(row["torch_ms"], serde_json::json!([80.0, 80.0]));
+    for round in 0..2 {
+        let ft = row["ferrotext_ms"][round].as_f64().unwrap();
+        assert!(ft > 0.0);
+        let ratio = |key: &str| row[key][round].as_f64().unwrap();
+        assert!((ratio("ferrotext_over_jax") - ft / 50.0).abs() < 1e-12 * ft);
+        assert!((ratio("ferrotext_over_torch") - ft / 80.0).abs() < 1e-12 * ft);
+    }
+    // ferrotext's own run wrote its metrics where the benchmark read them.
+    assert!(runs.join("data2-ga1-round1/metrics.jsonl").is_file());
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A peer that prints no figure, or a Python that is not there, fails `bench peers` with one
+/// error naming the engine; nothing runs for a missing Python.
+#[test]
+fn peers_bench_names_the_peer_it_cannot_read_or_start() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-peers-bad-{}", std::process::id()));
+    let peers = fake_peers(&dir, "no figure here", "Traceback: boom");
+    let peers = peers.to_str().unwrap();
+    let out_path = dir.join("peers.json");
+    let bench = |extra: &[&str]| {
+        let mut args = vec![
+            "bench", "peers", "--peers", peers, "--points", "4x1", "--rounds", "1",
+        ];
+        args.extend_from_slice(&["--out", out_path.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        ferrotext(&args)
+    };
+    let out = bench(&["--engines", "torch", "--torch-python", "/bin/sh"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("PyTorch at data=4 GA 1"), "{stderr}");
+    assert!(
+        stderr.contains("Traceback: boom"),
+        "the peer's own words: {stderr}"
+    );
+    let out = bench(&["--engines", "jax", "--jax-python", "/bin/sh"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("JAX at data=4 GA 1"),
+        "{stderr}"
+    );
+    let calls = || std::fs::read_to_string(dir.join("peers/calls.txt")).unwrap();
+    assert_eq!(calls().lines().count(), 2, "one call of each peer so far");
+    let missing = dir.join("no-python");
+    let out = bench(&[
+        "--engines",
+        "torch,jax",
+        "--torch-python",
+        "/bin/sh",
+        "--jax-python",
+        missing.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("no-python"),
+        "{stderr}"
+    );
+    assert_eq!(calls().lines().count(), 2, "nothing ran: {}", calls());
+    assert!(!out_path.exists(), "no report from a failed benchmark");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn conformance_command_passes_the_public_cases_and_reports_failures() {
     let public = concat!(

@@ -11,6 +11,7 @@ mod ga;
 mod generate;
 mod kernels;
 mod moe;
+mod peers;
 
 use std::path::{Path, PathBuf};
 
@@ -22,6 +23,7 @@ use crate::launch::Launch;
 
 use cluster::ClusterArgs;
 use collectives::{Backend, Plan};
+use peers::PeersArgs;
 
 /// The benchmarks.
 #[derive(Subcommand)]
@@ -113,6 +115,10 @@ pub enum BenchCommand {
         #[arg(long, default_value = "target/bench/generate.json")]
         out: PathBuf,
     },
+    /// ferrotext's step time beside the JAX and PyTorch peers' (`shared/peers`) on the same
+    /// model, tokens, optimizer and clipping, at several (data, GA) points; each run a fresh
+    /// process, engines alternated ABBA round by round; JSON and a markdown table.
+    Peers(PeersArgs),
     /// GFLOP/s of the matmul shapes of a transformer layer (forward and both backward products)
     /// through `dot_general`, next to the `gemm` crate called directly on the same layout.
     Kernels {
@@ -177,6 +183,7 @@ pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
             pairs,
             out,
         } => generate::run(&model, context, new_tokens, pairs, &out),
+        BenchCommand::Peers(args) => peers::run(&args),
         BenchCommand::Kernels {
             d_model,
             tokens,
