@@ -13,11 +13,8 @@ use std::mem::MaybeUninit;
 
 use crate::fastmath::vectorized;
 use crate::matmul::{gemm_views_uninit, MatView};
-use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
-use crate::tensor::Tensor;
-
-/// Elements [`take_rows`] copies per block (rows grouped up to about this many).
-const COPY_BLOCK: usize = 4096;
+use crate::parallel::filled;
+use crate::tensor::{rows_filled, Tensor};
 
 /// A row index meaning "a zero row" in [`take_rows`] (and skipped by [`scatter_rows`]).
 pub const PAD_ROW: u32 = u32::MAX;
@@ -36,33 +33,18 @@ pub fn take_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor, TensorError> {
         return Err(TensorError::shape("take_rows", format!("row {bad} of {n}")));
     }
     let width: usize = rest.iter().product();
-    // Rows in blocks of about `COPY_BLOCK` elements on the kernel budget, each written once.
-    let per_chunk = (COPY_BLOCK / width.max(1)).max(1);
-    // SAFETY: every chunk is visited, and each of its `width`-long rows is written whole (a
-    // copy of a row of `x`, or zeros).
+    // SAFETY: each row is written whole: a copy of a row of `x`, or zeros.
     let data = unsafe {
-        filled(rows.len() * width, |data| {
-            for_each_chunk(
-                data,
-                per_chunk * width,
-                kernel_threads(),
-                Work::Light,
-                |c, block| {
-                    let ids = &rows[c * per_chunk..];
-                    for (out, &r) in block.chunks_exact_mut(width.max(1)).zip(ids) {
-                        if r == PAD_ROW {
-                            out.iter_mut().for_each(|o| {
-                                o.write(0.0);
-                            });
-                        } else {
-                            let start = r as usize * width;
-                            for (o, &v) in out.iter_mut().zip(&x.data()[start..start + width]) {
-                                o.write(v);
-                            }
-                        }
-                    }
-                },
-            )
+        rows_filled(rows.len(), width, |i, out| match rows[i] {
+            PAD_ROW => out.iter_mut().for_each(|o| {
+                o.write(0.0);
+            }),
+            r => {
+                let start = r as usize * width;
+                for (o, &v) in out.iter_mut().zip(&x.data()[start..start + width]) {
+                    o.write(v);
+                }
+            }
         })
     };
     let mut shape = x.shape().to_vec();

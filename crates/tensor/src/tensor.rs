@@ -322,28 +322,15 @@ impl Tensor {
         shape[dim] = parts.iter().map(|p| p.shape[dim]).sum();
         // An output row (one index of the dimensions before `dim`) is each part's run in turn.
         let row = shape[dim] * inner;
-        let rows = (COPY_BLOCK / row.max(1)).max(1);
-        // SAFETY: every chunk is visited, and each of its `row`-long output rows is written
-        // whole: the parts' runs along `dim` add up to `row`.
+        // SAFETY: each output row is written whole: the parts' runs along `dim` add up to `row`.
         let data = unsafe {
-            filled(outer * row, |out| {
-                for_each_chunk(
-                    out,
-                    rows * row,
-                    kernel_threads(),
-                    Work::Light,
-                    |c, block| {
-                        for (k, out_row) in block.chunks_mut(row).enumerate() {
-                            let o = c * rows + k;
-                            let mut at = 0;
-                            for p in parts {
-                                let run = p.shape[dim] * inner;
-                                write_copy(&mut out_row[at..at + run], &p.data()[o * run..][..run]);
-                                at += run;
-                            }
-                        }
-                    },
-                )
+            rows_filled(outer, row, |o, out_row| {
+                let mut at = 0;
+                for p in parts {
+                    let run = p.shape[dim] * inner;
+                    write_copy(&mut out_row[at..at + run], &p.data()[o * run..][..run]);
+                    at += run;
+                }
             })
         };
         Ok(Tensor::owned(shape, data))
@@ -368,32 +355,19 @@ impl Tensor {
         let mut shape = self.shape.clone();
         shape[dim] = before + n + after;
         let (run, row) = (n * inner, shape[dim] * inner);
-        let rows = (COPY_BLOCK / row.max(1)).max(1);
         let zero = |part: &mut [MaybeUninit<f32>]| {
             part.iter_mut().for_each(|o| {
                 o.write(0.0);
             })
         };
-        // SAFETY: every chunk is visited, and each of its `row`-long rows is written whole:
-        // zeros, the source's run, zeros.
+        // SAFETY: each row is written whole: zeros, the source's run, zeros.
         let data = unsafe {
-            filled(outer * row, |out| {
-                for_each_chunk(
-                    out,
-                    rows * row,
-                    kernel_threads(),
-                    Work::Light,
-                    |c, block| {
-                        for (k, out_row) in block.chunks_mut(row).enumerate() {
-                            let o = c * rows + k;
-                            let (head, rest) = out_row.split_at_mut(before * inner);
-                            let (mid, tail) = rest.split_at_mut(run);
-                            zero(head);
-                            write_copy(mid, &self.data()[o * run..][..run]);
-                            zero(tail);
-                        }
-                    },
-                )
+            rows_filled(outer, row, |o, out_row| {
+                let (head, rest) = out_row.split_at_mut(before * inner);
+                let (mid, tail) = rest.split_at_mut(run);
+                zero(head);
+                write_copy(mid, &self.data()[o * run..][..run]);
+                zero(tail);
             })
         };
         Ok(Tensor::owned(shape, data))
@@ -535,6 +509,36 @@ pub(crate) fn strided_copy(
                             base -= stride * n;
                             *i = 0;
                         }
+                    }
+                },
+            )
+        })
+    }
+}
+
+/// `outer` rows of `row` elements, row `o` written by `fill(o, row)`, in blocks of about
+/// [`COPY_BLOCK`] elements on the kernel thread budget.
+///
+/// # Safety
+/// `fill` must write every element of the row it is given.
+pub(crate) unsafe fn rows_filled(
+    outer: usize,
+    row: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let rows = (COPY_BLOCK / row.max(1)).max(1);
+    // SAFETY: every chunk is visited and each of its rows goes to `fill`, which writes it whole
+    // (the caller's contract).
+    unsafe {
+        filled(outer * row, |out| {
+            for_each_chunk(
+                out,
+                rows * row,
+                kernel_threads(),
+                Work::Light,
+                |c, block| {
+                    for (k, out_row) in block.chunks_mut(row.max(1)).enumerate() {
+                        fill(c * rows + k, out_row);
                     }
                 },
             )
