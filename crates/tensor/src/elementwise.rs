@@ -31,8 +31,8 @@ impl Tensor {
                 })
             })
         };
-        Tensor::new(self.shape().to_vec(), y).unwrap_or_else(|_| unreachable!("same element count"))
-        // ok: length preserved
+        let shape = self.shape().to_vec();
+        Tensor::new(shape, y).unwrap_or_else(|_| unreachable!("same count")) // ok: length kept
     }
 
     /// `f(a, b)` elementwise with NumPy broadcasting (shapes aligned at the right; size-1
