@@ -471,10 +471,10 @@ impl Ctx<'_> {
                     continue;
                 };
                 let expected = tape.nodes[v].ty.to_cotangent();
-                let Some(dest) = sink.buffer(k, &expected) else {
+                let Some(mut dest) = sink.buffer(k, &expected) else {
                     continue;
                 };
-                if self.add_contribution_into(&node.backward, &ct, side, dest)? {
+                if self.add_contribution_into(&node.backward, &ct, side, &mut dest)? {
                     sunk[v] = true;
                     needed[side] = false;
                 }
@@ -497,7 +497,7 @@ impl Ctx<'_> {
             if let Some(existing) = cts[*v].as_mut() {
                 if existing.ty() == &expected && !existing.is_abstract() {
                     let dest = existing.local_mut()?.data_mut();
-                    if self.add_contribution_into(&node.backward, &ct, 0, dest)? {
+                    if self.add_contribution_into(&node.backward, &ct, 0, &mut [dest])? {
                         needed[0] = false;
                     }
                 }
@@ -541,25 +541,28 @@ impl Ctx<'_> {
         self.binary_untracked(BinaryOp::Add, &acc, &ict)
     }
 
-    /// Adds the node's contribution to input `side`'s cotangent into `dest` (laid out as that
-    /// input's local block), where the op can do so itself — a `dot_general`'s transposed
-    /// product, a `take`'s rows, a slice into its window — and it needs no collective; returns
-    /// whether it did (`false`: `dest` untouched). Only the first two go into a sink's buffer
-    /// ([`adds_in_place`]).
+    /// Adds the node's contribution to input `side`'s cotangent into `dest` (that input's local
+    /// block, row-major, in consecutive parts of equal length; see [`GradientSink::buffer`]),
+    /// where the op can do so itself — a `dot_general`'s transposed product (part by part when
+    /// each holds whole rows of it), a `take`'s rows or a slice into its window (one part) —
+    /// and it needs no collective; returns whether it did (`false`: `dest` untouched). Only the
+    /// first two go into a sink's buffer ([`adds_in_place`]).
     fn add_contribution_into(
         &mut self,
         backward: &Backward,
         ct: &Array,
         side: usize,
-        dest: &mut [f32],
+        dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
-        match backward {
-            Backward::Dot { lhs, rhs, dims } => {
+        match (backward, dest) {
+            (Backward::Dot { lhs, rhs, dims }, dest) => {
                 self.dot_general_transpose_into((lhs, rhs), dims, ct, side, dest)
             }
-            Backward::Take { table, ids } => self.take_transpose_into(ct, table, ids, dest),
-            Backward::Slice { x, dim, start } => {
-                self.slice_transpose_into(x, *dim, *start, ct, dest)?;
+            (Backward::Take { table, ids }, [whole]) => {
+                self.take_transpose_into(ct, table, ids, whole)
+            }
+            (Backward::Slice { x, dim, start }, [whole]) => {
+                self.slice_transpose_into(x, *dim, *start, ct, whole)?;
                 Ok(true)
             }
             _ => Ok(false),
@@ -647,9 +650,12 @@ impl Ctx<'_> {
 /// accumulator, which may offer buffers for the backward's kernels to add into in place.
 pub trait GradientSink {
     /// A buffer holding parameter `k`'s running sum as a row-major local block of `ty` (the
-    /// gradient's type), that the backward may add `k`'s whole gradient into; `None` to be
-    /// handed the gradient instead. Must return `None` for a type other than the buffer's.
-    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<&mut [f32]>;
+    /// gradient's type), that the backward may add `k`'s whole gradient into, given as
+    /// consecutive parts of equal length — part `j` of `p` holds elements `j·len/p ..
+    /// (j+1)·len/p` of the block: one part for a contiguous buffer, one per segment where the
+    /// buffer keeps the block in segments (a reduce-scatter bucket's); `None` to be handed the
+    /// gradient instead. Must return `None` for a type other than the buffer's.
+    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<Vec<&mut [f32]>>;
 
     /// Parameter `k`'s gradient is final: `Some(grad)` when it is handed over, `None` when it
     /// was added into [`GradientSink::buffer`]`(k)`. Called once per parameter.
@@ -668,7 +674,7 @@ pub trait GradientSink {
 struct Handed<'f>(&'f mut dyn FnMut(&mut Ctx<'_>, usize, &Array) -> Result<(), SpmdError>);
 
 impl GradientSink for Handed<'_> {
-    fn buffer(&mut self, _: usize, _: &ArrayType) -> Option<&mut [f32]> {
+    fn buffer(&mut self, _: usize, _: &ArrayType) -> Option<Vec<&mut [f32]>> {
         None
     }
 

@@ -11,7 +11,7 @@
 //! Inside `shard_map` the dot is local ([`crate::manual::typing::manual_dot_type`]).
 
 use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
-use ferrotext_tensor::{dot_general, dot_general_accumulate, DotDims, Tensor};
+use ferrotext_tensor::{dot_general, dot_general_accumulate_parts, DotDims, Tensor};
 
 use crate::array::Array;
 use crate::autodiff::Backward;
@@ -101,9 +101,11 @@ impl Ctx<'_> {
 
     /// `dest += ` this device's block of `dot_general(lhs, rhs)` typed by `out_sharding`, when
     /// that block is the contraction's natural result on the operands as they stand — no
-    /// operand moves, no collective, nothing to convert after — so the product can be added
-    /// into `dest` (a gradient accumulator) by the kernel itself. Returns whether it was;
-    /// `false` leaves `dest` untouched and the caller takes the ordinary path.
+    /// operand moves, no collective, nothing to convert after — and each of `dest`'s parts
+    /// (the block's consecutive equal parts, see [`crate::GradientSink::buffer`]) holds whole
+    /// rows of the product, so the product can be added into `dest` (a gradient accumulator)
+    /// by the kernel itself. Returns whether it was; `false` leaves `dest` untouched and the
+    /// caller takes the ordinary path.
     ///
     /// # Errors
     /// The dot_general type errors; `dest` not the size of the local block.
@@ -116,7 +118,7 @@ impl Ctx<'_> {
         rhs: &Array,
         dims: &DotDims,
         out_sharding: &PartitionSpec,
-        dest: &mut [f32],
+        dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
         if lhs.ty().is_manual() || rhs.ty().is_manual() {
             return Ok(false);
@@ -130,10 +132,16 @@ impl Ctx<'_> {
         if !same_layout(&natural, &out_ty) {
             return Ok(false);
         }
-        if let (Some(l), Some(r)) = (lhs.local_opt(), rhs.local_opt()) {
-            dot_general_accumulate(l, r, dims, self.threads(), dest)?;
+        match (lhs.local_opt(), rhs.local_opt()) {
+            (Some(l), Some(r)) => Ok(dot_general_accumulate_parts(
+                l,
+                r,
+                dims,
+                self.threads(),
+                dest,
+            )?),
+            _ => Ok(true),
         }
-        Ok(true)
     }
 
     /// `x`'s shard laid out as `ty`: borrowed when the layout already matches, else moved.
@@ -190,9 +198,9 @@ impl Ctx<'_> {
     }
 
     /// [`Ctx::dot_general_transpose`] for one operand (`side` 0: lhs, 1: rhs), its cotangent
-    /// added into `dest` — a buffer laid out as its local block — by the product's kernel, when
-    /// that product is the whole cotangent (no collective, no transpose after it; see
-    /// [`Ctx::dot_general_accumulate_untracked`]). Returns whether it was; on `false` nothing
+    /// added into `dest` — a buffer laid out as its local block, in parts — by the product's
+    /// kernel, when that product is the whole cotangent (no collective, no transpose after it;
+    /// see [`Ctx::dot_general_accumulate_untracked`]). Returns whether it was; on `false` nothing
     /// was touched and the caller takes the ordinary transpose.
     ///
     /// # Errors
@@ -203,7 +211,7 @@ impl Ctx<'_> {
         dims: &DotDims,
         ct: &Array,
         side: usize,
-        dest: &mut [f32],
+        dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
         let t = TransposedDot::of((lhs, rhs), dims, ct, side);
         let target = t.this.to_cotangent();

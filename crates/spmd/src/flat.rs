@@ -13,7 +13,8 @@
 //! * Every value is typed as the plan's source: [`Ctx::accumulate_into`] refuses any other type,
 //!   exactly as [`Ctx::accumulate`] does, and [`BucketBuffers::value_mut`] (a value's elements
 //!   for a kernel to add into: `Ctx::value_and_grad_into`) gives them only for that type and
-//!   only for a value that is one contiguous run of a buffer not being reduced.
+//!   only for a value that is one contiguous run in each segment of a buffer not being
+//!   reduced.
 //! * Sums are the element-wise `f32` additions of one accumulator per value, in the same order,
 //!   so moving the buffers is bitwise [`Ctx::reshard_planned`] of the same accumulated arrays.
 
@@ -78,11 +79,15 @@ impl BucketBuffers {
         &self.types[i]
     }
 
-    /// Value `i`'s elements in place — its local block, row-major — when they are one run of
-    /// its buffer (or it is in no bucket) and `ty` is its type: for a kernel to add into (see
-    /// `Ctx::value_and_grad_into`). `None` for a value cut into runs (a reduce-scatter bucket),
-    /// in a bucket being reduced, abstract, or of another type.
-    pub fn value_mut(&mut self, i: usize, ty: &ArrayType) -> Option<&mut [f32]> {
+    /// Value `i`'s elements in place — its local block, row-major, as consecutive parts of
+    /// equal length, one per segment of its buffer (one for a value in no bucket) — when its
+    /// chunk in each segment is one run (every value of an all-reduce bucket; a value of a
+    /// reduce-scatter bucket cut along its leading dimension, or one after only dims of size 1)
+    /// and `ty`
+    /// is its type: for a kernel to add into (see `Ctx::value_and_grad_into`). `None` for a
+    /// value cut into several runs per segment, in a bucket being reduced, abstract, or of
+    /// another type.
+    pub fn value_mut(&mut self, i: usize, ty: &ArrayType) -> Option<Vec<&mut [f32]>> {
         if self.types.get(i)? != ty {
             return None;
         }
@@ -91,11 +96,15 @@ impl BucketBuffers {
             if acc.is_abstract() {
                 return None;
             }
-            return acc.local_mut().ok().map(Tensor::data_mut);
+            return acc.local_mut().ok().map(|t| vec![t.data_mut()]);
         };
         match &mut self.buffers[slot.bucket] {
-            Buffer::Ready { data, segments } if slot.runs == 1 && *segments == 1 => {
-                data.get_mut(slot.offset..slot.offset + slot.run)
+            Buffer::Ready { data, segments } if slot.runs == 1 => {
+                // Chunk `k` of the value is its run in segment `k`.
+                let segment = (data.len() / *segments).max(1);
+                data.chunks_mut(segment)
+                    .map(|s| s.get_mut(slot.offset..slot.offset + slot.run))
+                    .collect()
             }
             _ => None,
         }

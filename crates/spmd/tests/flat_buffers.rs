@@ -270,3 +270,46 @@ fn abstract_buffers_record_each_collective_once_whether_started_early_or_not() {
     assert_eq!(plain.len(), 4, "{plain:?}");
     assert_eq!(plain, early);
 }
+
+/// A reduce-scatter bucket keeps a value cut along dim 0 as one run per segment: `value_mut`
+/// offers those runs as the value's consecutive parts (chunk `k` in part `k`), so adding the
+/// value's block part by part is `accumulate_into`, to the bit. A value cut along dim 1 has
+/// several runs per segment and is not offered (the mirror); nor is one of another type.
+#[test]
+fn value_mut_offers_a_reduce_scatter_values_chunks_as_its_parts() {
+    let m = mesh(&[("data", 4)]);
+    let out = on_devices(&m, |cx| {
+        let u = p(&["", ""], &["data"], &[]);
+        let ty = cx.array_type(&[8, 4], u.clone())?;
+        let plan = cx.plan_buckets(
+            &[ty.clone(), ty.clone()],
+            &[p(&["data", ""], &[], &[]), p(&["", "data"], &[], &[])],
+            1 << 20,
+            &[1, 0],
+        )?;
+        let x = per_device(cx, &[8, 4], &u, 3);
+        let (mut by_parts, mut by_add) = (cx.bucket_buffers(&plan)?, cx.bucket_buffers(&plan)?);
+        let block = local(&x);
+        let parts = by_parts.value_mut(0, &ty).map(|mut parts| {
+            let sizes: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+            for (part, chunk) in parts.iter_mut().zip(block.chunks(block.len() / 4)) {
+                for (a, b) in part.iter_mut().zip(chunk) {
+                    *a += b;
+                }
+            }
+            sizes
+        });
+        cx.accumulate_into(&mut by_add, 0, &x)?;
+        let dim1 = by_parts.value_mut(1, &ty).is_some();
+        let plain = cx.array_type(&[8, 4], p(&["", ""], &[], &[]))?;
+        let other_type = by_parts.value_mut(0, &plain).is_some();
+        let same = local(&by_parts.to_arrays()?[0]) == local(&by_add.to_arrays()?[0]);
+        Ok((parts, dim1, other_type, same))
+    });
+    for ((parts, dim1, other_type, same), _) in out {
+        assert_eq!(parts, Some(vec![8; 4]), "4 parts of 2 rows");
+        assert!(same, "bitwise accumulate_into");
+        assert!(!dim1, "chunks of dim 1 are strided in the value");
+        assert!(!other_type);
+    }
+}

@@ -56,14 +56,16 @@ fn tied(cx: &mut Ctx<'_>, ts: &[Array], ids: &Ids) -> Result<Array, SpmdError> {
 struct Recorder {
     bufs: Vec<Vec<f32>>,
     types: Vec<ArrayType>,
-    offer: bool,
+    /// The parts each buffer is offered in (consecutive, equal); 0: none offered.
+    offer: usize,
     /// (parameter, what was handed over), in finishing order.
     events: Vec<(usize, Option<Vec<f32>>)>,
 }
 
 impl GradientSink for Recorder {
-    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<&mut [f32]> {
-        (self.offer && &self.types[k] == ty).then(|| self.bufs[k].as_mut_slice())
+    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<Vec<&mut [f32]>> {
+        let part = self.bufs[k].len() / self.offer.max(1);
+        (self.offer > 0 && &self.types[k] == ty).then(|| self.bufs[k].chunks_mut(part).collect())
     }
 
     fn finished(
@@ -96,7 +98,7 @@ type Run = (
 
 fn run(
     weights_reduced: bool,
-    offer: bool,
+    offer: usize,
     f: fn(&mut Ctx<'_>, &[Array], &Array) -> Result<Array, SpmdError>,
     count: usize,
 ) -> (Vec<Run>, Vec<Trace>) {
@@ -190,7 +192,7 @@ fn shares(events: &[(usize, Option<Vec<f32>>)], grads: &[Vec<f32>]) -> Vec<(usiz
 
 #[test]
 fn a_weight_used_once_by_a_product_goes_into_the_buffer() {
-    let (out, streamed) = run(true, true, single, 1);
+    let (out, streamed) = run(true, 1, single, 1);
     check_sums(&out);
     for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
         assert_eq!(shares(events, grads), [(0, true, false)]);
@@ -200,9 +202,25 @@ fn a_weight_used_once_by_a_product_goes_into_the_buffer() {
     }
 }
 
+/// A buffer offered in parts (a reduce-scatter bucket keeps a value in segments) takes the
+/// product part by part when each part holds whole rows of the 6×6 gradient (2 parts of 3 rows,
+/// 3 of 2); the mirror: in 4 parts of 9 elements a part would cut a row, and the gradient is
+/// handed over instead. Either way the sums are `value_and_grad`'s.
+#[test]
+fn a_buffer_in_parts_of_whole_rows_takes_the_product_and_one_that_cuts_a_row_is_handed() {
+    for (parts, into) in [(2, true), (3, true), (4, false)] {
+        let (out, streamed) = run(true, parts, single, 1);
+        check_sums(&out);
+        for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
+            assert_eq!(shares(events, grads), [(0, into, !into)], "{parts} parts");
+            assert_eq!(kinds(trace), kinds(plain));
+        }
+    }
+}
+
 #[test]
 fn only_sole_contributions_go_into_buffers_and_the_order_is_the_streamed_one() {
-    let (out, streamed) = run(true, true, model, 3);
+    let (out, streamed) = run(true, 1, model, 3);
     check_sums(&out);
     for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
         // Each is finished at its first use, walked last: w2's, then w1's, then w0's. w1 (one
@@ -245,7 +263,7 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
             let mut sink = Recorder {
                 bufs: vec![start.clone()],
                 types: vec![ws[0].ty().to_cotangent()],
-                offer: true,
+                offer: 1,
                 events: Vec::new(),
             };
             cx.value_and_grad_into(&ws, f, &mut sink)?;
@@ -271,7 +289,7 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
 /// over even with a buffer on offer; and a sink that offers none is handed everything.
 #[test]
 fn a_gradient_that_needs_a_collective_or_has_no_buffer_is_handed_over() {
-    let (out, streamed) = run(false, true, single, 1);
+    let (out, streamed) = run(false, 1, single, 1);
     check_sums(&out);
     for (((_, events, grads, _), trace), plain) in out.iter().zip(&streamed) {
         assert_eq!(shares(events, grads), [(0, false, true)]);
@@ -280,7 +298,7 @@ fn a_gradient_that_needs_a_collective_or_has_no_buffer_is_handed_over() {
             .iter()
             .any(|(k, _)| *k == CollectiveKind::AllReduce));
     }
-    let (out, _) = run(true, false, model, 3);
+    let (out, _) = run(true, 0, model, 3);
     check_sums(&out);
     for ((_, events, grads, _), _) in &out {
         assert_eq!(

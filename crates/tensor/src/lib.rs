@@ -60,7 +60,7 @@ pub use blas::matmul_kernel;
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
 pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, PAD_ROW};
-pub use matmul::{dot_general, dot_general_accumulate, DotDims};
+pub use matmul::{dot_general, dot_general_accumulate, dot_general_accumulate_parts, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,
     rope, scatter_add, scatter_add_into, silu, silu_backward, softmax_backward_scaled,

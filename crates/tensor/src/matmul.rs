@@ -199,12 +199,13 @@ pub fn dot_general(
     let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
     let len: usize = out_shape.iter().product();
     let stacks = Stacks::of(lhs, rhs, dims)?;
+    let _span = stacks.span((lhs, rhs));
     // SAFETY: `products` runs the kernel on every block of the output, and the kernel writes
     // every element of its block (or the whole output is zero-filled for an empty
     // contraction).
     let out = unsafe {
         crate::parallel::filled(len, |dst| {
-            products(&stacks, (lhs, rhs), threads, dst, Store::Overwrite);
+            products(&stacks, threads, stacks.all_rows(), dst, Store::Overwrite);
         })
     };
     Tensor::new(out_shape, out)
@@ -227,27 +228,65 @@ pub fn dot_general_accumulate(
     threads: usize,
     out: &mut [f32],
 ) -> Result<(), TensorError> {
+    // One part holds whole rows, so the product always goes in.
+    dot_general_accumulate_parts(lhs, rhs, dims, threads, &mut [out]).map(|_| ())
+}
+
+/// [`dot_general_accumulate`] into a result held in `parts` of equal length, in order: part
+/// `k` holds elements `k·len/p .. (k+1)·len/p` of the row-major result (as a reduce-scatter
+/// bucket keeps chunk `k` of a value in its segment `k`). Each part takes its rows of the
+/// product from its own kernel calls, so nothing is copied into or out of the parts. Returns
+/// `false`, having touched nothing, when a part does not hold whole rows of the product (rows
+/// of `[batch · lhs free, rhs free]`); the caller then adds the product itself.
+///
+/// A part's rows are computed by the kernel on those rows of the lhs alone, which may round
+/// differently from the same rows of one call over all of them (a smaller product may take
+/// another kernel); the result does not depend on `threads`.
+///
+/// # Errors
+/// [`TensorError::Shape`] when the dimension numbers do not fit the shapes or the parts do not
+/// add up to the result's size.
+pub fn dot_general_accumulate_parts(
+    lhs: &Tensor,
+    rhs: &Tensor,
+    dims: &DotDims,
+    threads: usize,
+    parts: &mut [&mut [f32]],
+) -> Result<bool, TensorError> {
     let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
-    if out.len() != out_shape.iter().product::<usize>() {
+    let len: usize = out_shape.iter().product();
+    let held: usize = parts.iter().map(|p| p.len()).sum();
+    if held != len {
         return Err(TensorError::shape(
             "dot_general_accumulate",
-            format!(
-                "an output of {} elements for a result {out_shape:?}",
-                out.len()
-            ),
+            format!("an output of {held} elements for a result {out_shape:?}"),
         ));
     }
     let stacks = Stacks::of(lhs, rhs, dims)?;
-    // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have one layout; under `Store::Accumulate` the
-    // kernel reads each element before it writes it, and every element is initialised.
-    let dst = unsafe {
-        std::slice::from_raw_parts_mut(
-            out.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(),
-            out.len(),
-        )
-    };
-    products(&stacks, (lhs, rhs), threads, dst, Store::Accumulate);
-    Ok(())
+    let row = stacks.b.cols.0;
+    let part = parts.first().map_or(0, |p| p.len());
+    if row == 0 || part == 0 {
+        // No elements (every part is empty, since they add up to the result).
+        return Ok(true);
+    }
+    if part % row != 0 || parts.iter().any(|p| p.len() != part) {
+        return Ok(false);
+    }
+    let _span = stacks.span((lhs, rhs));
+    let rows_per_part = part / row;
+    for (k, out) in parts.iter_mut().enumerate() {
+        // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have one layout; under `Store::Accumulate`
+        // the kernel reads each element before it writes it, and every element is initialised.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                out.as_mut_ptr().cast::<std::mem::MaybeUninit<f32>>(),
+                out.len(),
+            )
+        };
+        let rows = k * rows_per_part..(k + 1) * rows_per_part;
+        products(&stacks, threads, rows, dst, Store::Accumulate);
+    }
+    Ok(true)
 }
 
 /// Both operands of a product as matrix stacks (views when their layouts allow), and the
@@ -268,28 +307,43 @@ impl<'a> Stacks<'a> {
             batch: dims.lhs_batch.iter().map(|&d| lhs.shape()[d]).product(),
         })
     }
+
+    /// Every row of the result seen as `[batch · m, n]`.
+    fn all_rows(&self) -> std::ops::Range<usize> {
+        0..self.batch * self.a.rows.0
+    }
+
+    /// The profiler's span for the whole product of `lhs` and `rhs`.
+    fn span(&self, (lhs, rhs): (&Tensor, &Tensor)) -> Option<ferrotext_profile::Span> {
+        let (m, k, n) = (self.a.rows.0, self.a.cols.0, self.b.cols.0);
+        let batch = self.batch;
+        ferrotext_profile::span("dot_general").map(|s| {
+            s.flops(2.0 * (batch * m * n) as f64 * k as f64)
+                .bytes(4.0 * (batch * (m * k + k * n + m * n)) as f64)
+                .shapes(|| format!("{:?} x {:?}", lhs.shape(), rhs.shape()))
+        })
+    }
 }
 
-/// The products of [`dot_general`] into `dst` (the whole row-major output, `batch·m·n`
-/// elements, checked by the caller against the shapes), stored per `store`.
+/// Rows `rows` of the products of [`dot_general`] — the result seen as `[batch · m, n]` —
+/// into `dst` (those rows, row-major: `rows.len() · n` elements, checked by the caller against
+/// the shapes), stored per `store`. All rows take one kernel call per batch entry (or the
+/// entries spread over the threads); a band of rows takes one call per entry it crosses, on
+/// those rows of the lhs.
 fn products(
     stacks: &Stacks<'_>,
-    (lhs, rhs): (&Tensor, &Tensor),
     threads: usize,
+    rows: std::ops::Range<usize>,
     dst: &mut [std::mem::MaybeUninit<f32>],
     store: Store,
 ) {
     let Stacks { a, b, batch } = stacks;
     let batch = *batch;
     let (m, k, n) = (a.rows.0, a.cols.0, b.cols.0);
-    let _span = ferrotext_profile::span("dot_general").map(|s| {
-        s.flops(2.0 * (batch * m * n) as f64 * k as f64)
-            .bytes(4.0 * (batch * (m * k + k * n + m * n)) as f64)
-            .shapes(|| format!("{:?} x {:?}", lhs.shape(), rhs.shape()))
-    });
-    if m == 0 || n == 0 || batch == 0 {
+    if m == 0 || n == 0 || batch == 0 || rows.is_empty() {
         return;
     }
+    let dst = &mut dst[..rows.len() * n];
     if k == 0 {
         // An empty contraction: the product is zero.
         if store == Store::Overwrite {
@@ -297,21 +351,28 @@ fn products(
         }
         return;
     }
-    let block = m * n;
-    let one = |i: usize, dst: &mut [std::mem::MaybeUninit<f32>], parallelism: Parallelism| {
+    // Rows `entry_rows` of batch entry `i` into `dst` (those rows of its m×n block).
+    let one = |i: usize,
+               entry_rows: std::ops::Range<usize>,
+               dst: &mut [std::mem::MaybeUninit<f32>],
+               parallelism: Parallelism| {
         // SAFETY: `a`'s strides come from its shape, so batch entry `i`'s offset plus
-        // `(m-1)·rows.1 + (k-1)·cols.1` stays inside its data (likewise `b`); `dst` is one
-        // m×n row-major block of the output, which the kernel only writes (`Overwrite`) or
-        // reads initialised and writes (`Accumulate`).
+        // `(m-1)·rows.1 + (k-1)·cols.1` stays inside its data (likewise `b`), and its rows
+        // `entry_rows` lie within its `m`; `dst` holds those rows of the entry's m×n row-major
+        // block of the output, which the kernel only writes (`Overwrite`) or reads initialised
+        // and writes (`Accumulate`).
         unsafe {
             crate::blas::sgemm(
-                m,
+                entry_rows.len(),
                 n,
                 k,
                 dst.as_mut_ptr().cast::<f32>(),
                 n,
                 Operand {
-                    ptr: a.data.as_ptr().offset(a.offset(i)),
+                    ptr: a
+                        .data
+                        .as_ptr()
+                        .offset(a.offset(i) + entry_rows.start as isize * a.rows.1),
                     rs: a.rows.1,
                     cs: a.cols.1,
                 },
@@ -325,10 +386,29 @@ fn products(
             );
         }
     };
-    let dst = &mut dst[..batch * block];
-    if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
+    let inside = |r: usize| {
+        if threads > 1 && r * n * k >= GEMM_PARALLEL_MIN {
+            Parallelism::Rayon(threads)
+        } else {
+            Parallelism::None
+        }
+    };
+    let block = m * n;
+    if rows != stacks.all_rows() {
+        // A band: entry by entry, each piece on its rows of the lhs.
+        let mut at = rows.start;
+        let mut dst = dst;
+        while at < rows.end {
+            let (i, r0) = (at / m, at % m);
+            let r1 = m.min(r0 + rows.end - at);
+            let (here, rest) = dst.split_at_mut((r1 - r0) * n);
+            one(i, r0..r1, here, inside(r1 - r0));
+            dst = rest;
+            at += r1 - r0;
+        }
+    } else if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
         for (i, dst) in dst.chunks_mut(block).enumerate() {
-            one(i, dst, Parallelism::Rayon(threads));
+            one(i, 0..m, dst, Parallelism::Rayon(threads));
         }
     } else if threads > 1 && batch > 1 && batch * m * n * k >= GEMM_PARALLEL_MIN {
         use rayon::prelude::*;
@@ -337,12 +417,12 @@ fn products(
             .enumerate()
             .for_each(|(task, run)| {
                 for (j, dst) in run.chunks_mut(block).enumerate() {
-                    one(task * per_task + j, dst, Parallelism::None);
+                    one(task * per_task + j, 0..m, dst, Parallelism::None);
                 }
             });
     } else {
         for (i, dst) in dst.chunks_mut(block).enumerate() {
-            one(i, dst, Parallelism::None);
+            one(i, 0..m, dst, Parallelism::None);
         }
     }
 }
@@ -672,6 +752,64 @@ mod tests {
         let mut short = vec![1.0f32; 14];
         assert!(dot_general_accumulate(&a, &b, &DotDims::matmul(2), 1, &mut short).is_err());
         assert!(short.iter().all(|&x| x == 1.0));
+    }
+
+    /// A result held in equal parts (a reduce-scatter bucket's segments) takes the product part
+    /// by part when every part holds whole rows — rows of a plain product, and bands that
+    /// cross batch entries — and is left untouched (`false`) when a part would cut a row.
+    #[test]
+    fn accumulating_into_parts_adds_each_part_its_rows_or_touches_nothing() {
+        let wgrad = DotDims {
+            lhs_contracting: vec![0, 1],
+            rhs_contracting: vec![0, 1],
+            ..Default::default()
+        };
+        let batched = DotDims {
+            lhs_contracting: vec![2],
+            rhs_contracting: vec![1],
+            lhs_batch: vec![0],
+            rhs_batch: vec![0],
+        };
+        // (lhs, rhs, dims, parts): the weight gradient [96, 80] in 4 parts of 24 rows; a batch
+        // of 3 entries of 6 rows in 2 parts of 9 rows (each crossing an entry's end).
+        let cases = [
+            (vec![4, 64, 96], vec![4, 64, 80], wgrad.clone(), 4),
+            (vec![3, 6, 70], vec![3, 70, 40], batched, 2),
+            (vec![4, 64, 96], vec![4, 64, 80], wgrad.clone(), 1),
+        ];
+        for (i, (ls, rs, dims, p)) in cases.into_iter().enumerate() {
+            let a = rand(&ls, 40 + i as u32);
+            let b = rand(&rs, 50 + i as u32);
+            let want = reference(&a, &b, &dims);
+            let start = rand(want.shape(), 60 + i as u32);
+            let mut first: Option<Vec<f32>> = None;
+            for threads in [1, 2, 3] {
+                let mut out = start.data().to_vec();
+                let part = out.len() / p;
+                let mut parts: Vec<&mut [f32]> = out.chunks_mut(part).collect();
+                assert!(dot_general_accumulate_parts(&a, &b, &dims, threads, &mut parts).unwrap());
+                for ((o, w), s) in out.iter().zip(want.data()).zip(start.data()) {
+                    assert!((o - (w + s)).abs() <= 1e-4 * (1.0 + w.abs()), "case {i}");
+                }
+                match &first {
+                    None => first = Some(out),
+                    Some(f) => assert_eq!(&out, f, "case {i}, threads {threads}"),
+                }
+            }
+        }
+        // 96·80 elements in 3 parts of 2560: 32 rows of 80 each, whole rows; in 5 parts of 1536
+        // (19.2 rows) a part would cut a row.
+        let (a, b) = (rand(&[4, 64, 96], 1), rand(&[4, 64, 80], 2));
+        let mut out = vec![1.0f32; 96 * 80];
+        let mut parts: Vec<&mut [f32]> = out.chunks_mut(2560).collect();
+        assert!(dot_general_accumulate_parts(&a, &b, &wgrad, 1, &mut parts).unwrap());
+        let mut out = vec![1.0f32; 96 * 80];
+        let mut parts: Vec<&mut [f32]> = out.chunks_mut(1536).collect();
+        assert!(!dot_general_accumulate_parts(&a, &b, &wgrad, 1, &mut parts).unwrap());
+        assert!(out.iter().all(|&x| x == 1.0), "nothing touched");
+        // Parts that do not add up to the result are an error.
+        let mut short = vec![1.0f32; 80];
+        assert!(dot_general_accumulate_parts(&a, &b, &wgrad, 1, &mut [&mut short]).is_err());
     }
 
     /// Attention's operands batched over (B, H) of `[B, T, H, d]` are strided views: the result

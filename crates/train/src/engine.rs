@@ -740,7 +740,7 @@ struct AccumulatorSink<'a> {
 }
 
 impl GradientSink for AccumulatorSink<'_> {
-    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<&mut [f32]> {
+    fn buffer(&mut self, k: usize, ty: &ArrayType) -> Option<Vec<&mut [f32]>> {
         self.acc.grads.value_mut(k, ty)
     }
 
