@@ -24,7 +24,7 @@ use ferrotext_sharding::{ArrayType, DType, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
-use crate::ctx::{chunk_major, Ctx};
+use crate::ctx::{chunk_major, from_chunk_major, Ctx};
 use crate::error::SpmdError;
 use crate::reshard::same_layout;
 use crate::rules;
@@ -479,7 +479,7 @@ fn pack(
             }
         }
         Fused::ReduceScatter(..) => {
-            let split: Vec<(Vec<usize>, Vec<f32>)> = locals
+            let split: Vec<(Vec<usize>, std::borrow::Cow<'_, [f32]>)> = locals
                 .iter()
                 .zip(dims)
                 .map(|(t, &dim)| chunk_major(t, dim, n))
@@ -530,15 +530,14 @@ fn unpack(
         Fused::AllGather(..) => {
             let mut offset = 0;
             for ((shape, &size), &dim) in shapes.iter().zip(&sizes).zip(dims) {
-                let blocks: Vec<Tensor> = (0..n)
-                    .map(|k| {
-                        let start = k * total + offset;
-                        Tensor::new(shape.clone(), flat[start..start + size].to_vec())
-                    })
-                    .collect::<Result<_, _>>()?;
+                // Member k's block of this value, block after block, then along `dim`.
+                let mut blocks = Vec::with_capacity(n * size);
+                for k in 0..n {
+                    let start = k * total + offset;
+                    blocks.extend_from_slice(&flat[start..start + size]);
+                }
                 offset += size;
-                let refs: Vec<&Tensor> = blocks.iter().collect();
-                out.push(Tensor::concat(&refs, dim)?);
+                out.push(from_chunk_major(blocks, shape, dim, n)?);
             }
         }
     }

@@ -285,35 +285,135 @@ impl<'c> Ctx<'c> {
         };
         let mut out = vec![0.0; elements];
         self.comm.all_gather(axes, t.data(), &mut out)?;
-        if t.is_empty() {
-            let mut shape = t.shape().to_vec();
-            shape[dim] *= n;
-            return Ok(Some(Tensor::zeros(&shape)));
-        }
-        let blocks: Vec<Tensor> = out
-            .chunks(t.len())
-            .map(|c| Tensor::new(t.shape().to_vec(), c.to_vec()))
-            .collect::<Result<_, _>>()?;
-        let refs: Vec<&Tensor> = blocks.iter().collect();
-        Ok(Some(Tensor::concat(&refs, dim)?))
+        Ok(Some(from_chunk_major(out, t.shape(), dim, n)?))
     }
 }
 
 /// `t` split into `n` equal blocks along `dim`, laid out block after block (what a collective's
-/// rank-ordered chunks expect), with the block shape.
+/// rank-ordered chunks expect), with the block shape: `t`'s own elements when `dim` is
+/// leading (every dimension before it of size 1: the blocks already lie in order), else one
+/// strided copy.
+///
+/// # Errors
+/// `dim` out of range, or `n` zero or not dividing it.
 pub(crate) fn chunk_major(
     t: &Tensor,
     dim: usize,
     n: usize,
-) -> Result<(Vec<usize>, Vec<f32>), SpmdError> {
-    let parts = t.split(dim, n)?;
-    let part_shape = parts
-        .first()
-        .map(|p| p.shape().to_vec())
-        .unwrap_or_default();
-    let mut flat = Vec::with_capacity(t.len());
-    for p in &parts {
-        flat.extend_from_slice(p.data());
+) -> Result<(Vec<usize>, std::borrow::Cow<'_, [f32]>), SpmdError> {
+    let (outer, part_shape) = blocks_of(t.shape(), dim, n, false)?;
+    if outer == 1 {
+        return Ok((part_shape, std::borrow::Cow::Borrowed(t.data())));
     }
-    Ok((part_shape, flat))
+    // [outer, n, inner] → [n, outer, inner]: block k is every outer index's k-th run.
+    let inner: usize = part_shape[dim..].iter().product();
+    let moved = t
+        .clone()
+        .reshape(&[outer, n, inner])?
+        .transpose(&[1, 0, 2])?;
+    Ok((part_shape, std::borrow::Cow::Owned(moved.into_data())))
+}
+
+/// The inverse of [`chunk_major`]: `n` blocks of `part_shape` laid out block after block in
+/// `flat`, concatenated along `dim` — `flat` itself when `dim` is leading, else one strided
+/// copy.
+///
+/// # Errors
+/// `dim` out of range, or `flat` not `n` blocks of `part_shape`.
+pub(crate) fn from_chunk_major(
+    flat: Vec<f32>,
+    part_shape: &[usize],
+    dim: usize,
+    n: usize,
+) -> Result<Tensor, SpmdError> {
+    let (outer, shape) = blocks_of(part_shape, dim, n, true)?;
+    if outer == 1 {
+        return Ok(Tensor::new(shape, flat)?);
+    }
+    let inner: usize = part_shape[dim..].iter().product();
+    Ok(Tensor::new(vec![n, outer, inner], flat)?
+        .transpose(&[1, 0, 2])?
+        .reshape(&shape)?)
+}
+
+/// For `n` blocks along `dim`: the product of the dimensions before `dim`, and the block shape
+/// of `shape` (`gather`: the whole shape of blocks of `shape`).
+fn blocks_of(
+    shape: &[usize],
+    dim: usize,
+    n: usize,
+    gather: bool,
+) -> Result<(usize, Vec<usize>), SpmdError> {
+    let bad = |reason: String| SpmdError::BadArgument {
+        op: "chunk_major".into(),
+        reason,
+    };
+    let extent = *shape
+        .get(dim)
+        .ok_or_else(|| bad(format!("no dimension {dim} in {shape:?}")))?;
+    let mut out = shape.to_vec();
+    if gather {
+        out[dim] = extent * n;
+    } else if n == 0 || extent % n != 0 {
+        return Err(bad(format!(
+            "{n} parts do not divide dimension {dim} of {shape:?}"
+        )));
+    } else {
+        out[dim] = extent / n;
+    }
+    Ok((shape[..dim].iter().product(), out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `t`'s blocks along `dim` by `Tensor::split`, laid out block after block: the reference.
+    fn split_reference(t: &Tensor, dim: usize, n: usize) -> Vec<f32> {
+        let parts = t.split(dim, n).expect("divides");
+        parts.iter().flat_map(|p| p.data().to_vec()).collect()
+    }
+
+    /// Blocks along a leading dimension (every one before it of size 1) are the tensor's own
+    /// elements, borrowed; along any other dimension one copy; either way `split`'s blocks in
+    /// order, and `from_chunk_major` gives the tensor back (`concat`'s result).
+    #[test]
+    fn chunk_major_and_back_match_split_and_concat() {
+        let t = Tensor::from_fn(&[3, 4, 6], |i| i as f32 * 0.5 - 7.0);
+        let ones = Tensor::from_fn(&[1, 1, 6, 4], |i| i as f32);
+        for (t, dim, n, leading) in [
+            (&t, 0, 3, true),
+            (&t, 1, 2, false),
+            (&t, 2, 3, false),
+            (&ones, 2, 2, true),
+            (&ones, 3, 4, false),
+        ] {
+            let (part_shape, flat) = chunk_major(t, dim, n).expect("divides");
+            assert_eq!(
+                flat.as_ref(),
+                split_reference(t, dim, n).as_slice(),
+                "dim {dim}"
+            );
+            assert_eq!(
+                matches!(flat, std::borrow::Cow::Borrowed(_)),
+                leading,
+                "dim {dim}"
+            );
+            let blocks: Vec<Tensor> = flat
+                .chunks(flat.len() / n)
+                .map(|c| Tensor::new(part_shape.clone(), c.to_vec()).expect("block"))
+                .collect();
+            let refs: Vec<&Tensor> = blocks.iter().collect();
+            let want = Tensor::concat(&refs, dim).expect("concat");
+            let back = from_chunk_major(flat.into_owned(), &part_shape, dim, n).expect("back");
+            assert_eq!(back, want, "dim {dim}");
+            assert_eq!(&back, t, "dim {dim}");
+        }
+        assert!(chunk_major(&t, 1, 3).is_err(), "3 parts of 4");
+        assert!(chunk_major(&t, 3, 1).is_err(), "no dimension 3");
+        assert!(
+            from_chunk_major(vec![0.0; 5], &[2, 3], 1, 2).is_err(),
+            "not 2 blocks"
+        );
+    }
 }

@@ -460,16 +460,11 @@ impl Ctx<'_> {
         let (part_shape, send) = crate::ctx::chunk_major(&t, split, n)?;
         let mut recv = vec![0.0; elements];
         self.comm().all_to_all(axes, &send, &mut recv)?;
-        let chunk = elements / n;
-        let blocks: Vec<Tensor> = (0..n)
-            .map(|k| {
-                Tensor::new(
-                    part_shape.clone(),
-                    recv[k * chunk..(k + 1) * chunk].to_vec(),
-                )
-            })
-            .collect::<Result<_, _>>()?;
-        let refs: Vec<&Tensor> = blocks.iter().collect();
-        Ok(Some(Tensor::concat(&refs, concat)?))
+        Ok(Some(crate::ctx::from_chunk_major(
+            recv,
+            &part_shape,
+            concat,
+            n,
+        )?))
     }
 }
