@@ -543,8 +543,8 @@ impl Ctx<'_> {
 
     /// Adds the node's contribution to input `side`'s cotangent into `dest` (that input's local
     /// block, row-major, in consecutive parts of equal length; see [`GradientSink::buffer`]),
-    /// where the op can do so itself — a `dot_general`'s transposed product (part by part when
-    /// each holds whole rows of it), a `take`'s rows or a slice into its window (one part) —
+    /// where the op can do so itself — a `dot_general`'s transposed product or a `take`'s rows
+    /// (part by part when each holds whole rows), a slice into its window (one part) —
     /// and it needs no collective; returns whether it did (`false`: `dest` untouched). Only the
     /// first two go into a sink's buffer ([`adds_in_place`]).
     fn add_contribution_into(
@@ -558,9 +558,7 @@ impl Ctx<'_> {
             (Backward::Dot { lhs, rhs, dims }, dest) => {
                 self.dot_general_transpose_into((lhs, rhs), dims, ct, side, dest)
             }
-            (Backward::Take { table, ids }, [whole]) => {
-                self.take_transpose_into(ct, table, ids, whole)
-            }
+            (Backward::Take { table, ids }, dest) => self.take_transpose_into(ct, table, ids, dest),
             (Backward::Slice { x, dim, start }, [whole]) => {
                 self.slice_transpose_into(x, *dim, *start, ct, whole)?;
                 Ok(true)

@@ -312,10 +312,10 @@ impl Ctx<'_> {
         Ok(Array::new(target, local))
     }
 
-    /// [`Ctx::take_transpose`] added into `dest` (a buffer laid out as the table cotangent's
-    /// local block) instead of into a zero table, when the rows' natural type is the
-    /// cotangent's (no collective after). Returns whether it was; on `false` nothing was
-    /// touched.
+    /// [`Ctx::take_transpose`] added into `dest` (the table cotangent's local block, in
+    /// consecutive equal parts; see [`crate::GradientSink::buffer`]) instead of into a zero
+    /// table, when the rows' natural type is the cotangent's (no collective after) and each part
+    /// holds whole rows. Returns whether it was; on `false` nothing was touched.
     ///
     /// # Errors
     /// As [`Ctx::take_transpose`]; `dest` not the size of the local block.
@@ -324,17 +324,24 @@ impl Ctx<'_> {
         ct: &Array,
         table: &ArrayType,
         ids: &Ids,
-        dest: &mut [f32],
+        dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
         let natural = self.take_transpose_type(table, ids)?;
         if !crate::reshard::same_layout(&natural, &table.to_cotangent()) {
             return Ok(false);
         }
-        if let (Some(c), Some(ix)) = (ct.local_opt(), ids.local()) {
-            let width: usize = natural.shard_shape()[1..].iter().product();
-            ferrotext_tensor::scatter_add_into(dest, width, ix, c.data())?;
+        match (ct.local_opt(), ids.local()) {
+            (Some(c), Some(ix)) => {
+                let width: usize = natural.shard_shape()[1..].iter().product();
+                Ok(ferrotext_tensor::scatter_add_into_parts(
+                    dest,
+                    width,
+                    ix,
+                    c.data(),
+                )?)
+            }
+            _ => Ok(true),
         }
-        Ok(true)
     }
 
     /// `mask ? a : b` elementwise, where `mask` holds 0 or 1 and every operand has the same type

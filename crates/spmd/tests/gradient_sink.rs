@@ -235,7 +235,8 @@ fn only_sole_contributions_go_into_buffers_and_the_order_is_the_streamed_one() {
 }
 
 /// A table only a `take` reads (ids repeat) goes into the buffer with the bits of the handed
-/// path; a tied one (a `take` and a product) is handed the sum.
+/// path, whole or in parts of whole rows (5 parts of one row); in parts that cut a row (3 of
+/// 5 elements) it is handed; a tied one (a `take` and a product) is handed the sum.
 #[test]
 fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
     let m = mesh(&[("x", 2)]);
@@ -257,13 +258,14 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
         let tied_head = |cx: &mut Ctx<'_>, ts: &[Array]| tied(cx, ts, &ids);
         let start: Vec<f32> = (0..15).map(|i| i as f32 * 0.37 + 0.01).collect();
         let mut results = Vec::new();
-        let models: [&LossFn<'_>; 2] = [&lookup, &tied_head];
-        for f in models {
+        let models: [(&LossFn<'_>, usize); 4] =
+            [(&lookup, 1), (&tied_head, 1), (&lookup, 5), (&lookup, 3)];
+        for (f, offer) in models {
             let (_, g) = cx.value_and_grad(&ws, f)?;
             let mut sink = Recorder {
                 bufs: vec![start.clone()],
                 types: vec![ws[0].ty().to_cotangent()],
-                offer: 1,
+                offer,
                 events: Vec::new(),
             };
             cx.value_and_grad_into(&ws, f, &mut sink)?;
@@ -282,6 +284,12 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
         let (bufs, want, sunk) = &results[1];
         assert_eq!(sunk, &[(0, false)]);
         assert_close(bufs, want, 1e-5, "tied table");
+        let (bufs, want, sunk) = &results[2];
+        assert_eq!(sunk, &[(0, true)], "5 parts of one row");
+        assert_eq!(bits(bufs), bits(want), "in parts, the handed path's bits");
+        let (bufs, want, sunk) = &results[3];
+        assert_eq!(sunk, &[(0, false)], "3 parts cut rows");
+        assert_eq!(bits(bufs), bits(want));
     }
 }
 

@@ -63,8 +63,9 @@ pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_ro
 pub use matmul::{dot_general, dot_general_accumulate, dot_general_accumulate_parts, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,
-    rope, scatter_add, scatter_add_into, silu, silu_backward, softmax_backward_scaled,
-    softmax_last, softmax_last_backward, swiglu, swiglu_backward, top_k, CrossEntropy,
+    rope, scatter_add, scatter_add_into, scatter_add_into_parts, silu, silu_backward,
+    softmax_backward_scaled, softmax_last, softmax_last_backward, swiglu, swiglu_backward, top_k,
+    CrossEntropy,
 };
 pub use optim::{adamw_update, sgd_update, sum_of_squares, AdamW};
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};

@@ -693,26 +693,53 @@ pub fn scatter_add_into(
     indices: &[u32],
     src: &[f32],
 ) -> Result<(), TensorError> {
+    // One part holds whole rows whenever `dest` does (checked inside).
+    scatter_add_into_parts(&mut [dest], width, indices, src).map(|_| ())
+}
+
+/// [`scatter_add_into`] into a table held in `parts` of equal length, in order (part `j` holds
+/// elements `j·len/p .. (j+1)·len/p`, as a reduce-scatter bucket keeps a value's chunk `j` in
+/// its segment `j`): each row's sum goes into the part holding that row, with the same bits.
+/// Returns `false`, having touched nothing, when the parts are unequal or a part does not hold
+/// whole rows.
+///
+/// # Errors
+/// As [`scatter_add_into`], for the table the parts make up.
+pub fn scatter_add_into_parts(
+    parts: &mut [&mut [f32]],
+    width: usize,
+    indices: &[u32],
+    src: &[f32],
+) -> Result<bool, TensorError> {
     let _span = ferrotext_profile::span("scatter_add");
-    if width == 0 && dest.is_empty() && src.is_empty() {
-        return Ok(());
+    let part = parts.first().map_or(0, |p| p.len());
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    if width == 0 && len == 0 && src.is_empty() {
+        return Ok(true);
     }
-    let rows = dest.len().checked_div(width).unwrap_or(0);
+    let rows = len.checked_div(width).unwrap_or(0);
     if width == 0
-        || dest.len() != rows * width
+        || len != rows * width
         || src.len() != indices.len() * width
         || indices.iter().any(|&i| i as usize >= rows)
     {
         return Err(TensorError::shape(
             "scatter_add_into",
             format!(
-                "{} source elements at {} indices into {} elements in rows of {width}",
+                "{} source elements at {} indices into {len} elements in rows of {width}",
                 src.len(),
                 indices.len(),
-                dest.len()
             ),
         ));
     }
+    if indices.is_empty() {
+        return Ok(true);
+    }
+    if part % width != 0 || parts.iter().any(|p| p.len() != part) {
+        return Ok(false);
+    }
+    // Every index is below `rows` ≥ 1, so the parts hold at least one row each.
+    let rows_per_part = part / width;
     // Source rows grouped by table row, each group in source order (a stable sort).
     let mut order: Vec<usize> = (0..indices.len()).collect();
     order.sort_by_key(|&k| indices[k]);
@@ -724,12 +751,14 @@ pub fn scatter_add_into(
                 *s += v;
             }
         }
-        let at = indices[group[0]] as usize * width;
-        for (d, &s) in dest[at..at + width].iter_mut().zip(&sum) {
+        let row = indices[group[0]] as usize;
+        let at = (row % rows_per_part) * width;
+        let dest = &mut parts[row / rows_per_part][at..at + width];
+        for (d, &s) in dest.iter_mut().zip(&sum) {
             *d += s;
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Up to this `k`, [`top_k`] keeps the best k in a sorted buffer; above, it selects then sorts.
@@ -1043,6 +1072,38 @@ mod tests {
         assert!(scatter_add_into(&mut dest, 4, &[0], &src[..4]).is_err());
         assert_eq!(dest, before);
         assert!(scatter_add_into(&mut [], 0, &[], &[]).is_ok());
+    }
+
+    /// A table in parts of whole rows (a reduce-scatter bucket's segments) takes each row's sum
+    /// in the part holding it, with the bits of the whole table; parts that would cut a row
+    /// (the mirror) or are unequal are left untouched (`false`); a bad index is an error.
+    #[test]
+    fn scatter_add_into_parts_adds_each_row_into_the_part_holding_it() {
+        let (width, rows) = (3, 6);
+        let start: Vec<f32> = (0..rows * width).map(|i| i as f32 * 0.31 - 2.0).collect();
+        let indices = [5, 0, 2, 5, 3, 0, 5];
+        let src: Vec<f32> = (0..indices.len() * width)
+            .map(|i| (i as f32 * 0.77).sin())
+            .collect();
+        let mut whole = start.clone();
+        scatter_add_into(&mut whole, width, &indices, &src).unwrap();
+        for p in [1, 2, 3, 6] {
+            let mut table = start.clone();
+            let mut parts: Vec<&mut [f32]> = table.chunks_mut(rows * width / p).collect();
+            assert!(scatter_add_into_parts(&mut parts, width, &indices, &src).unwrap());
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&table), bits(&whole), "{p} parts");
+        }
+        // Unequal parts (4 rows and 2), and rows of 2 in two parts of 9 elements (4.5 rows).
+        let mut table = start.clone();
+        let (a, b) = table.split_at_mut(width * 4);
+        let mut unequal: Vec<&mut [f32]> = vec![a, b];
+        assert!(!scatter_add_into_parts(&mut unequal, width, &indices, &src).unwrap());
+        let mut halves: Vec<&mut [f32]> = table.chunks_mut(9).collect();
+        assert!(!scatter_add_into_parts(&mut halves, 2, &[0], &[1.0, 2.0]).unwrap());
+        assert_eq!(table, start, "untouched");
+        let mut parts: Vec<&mut [f32]> = table.chunks_mut(9).collect();
+        assert!(scatter_add_into_parts(&mut parts, width, &[6], &src[..3]).is_err());
     }
 
     fn rand(shape: &[usize], seed: u32) -> Tensor {
