@@ -357,8 +357,11 @@ impl Ctx<'_> {
             .collect();
         let mut finished_at: Vec<Vec<usize>> = vec![Vec::new(); n];
         let mut first_use: Vec<Option<usize>> = vec![None; n];
+        // How many times each value is an input, over the whole tape.
+        let mut uses = vec![0usize; n];
         for (i, node) in tape.nodes.iter().enumerate() {
             for v in node.inputs.iter().flatten() {
+                uses[*v] += 1;
                 if leaf_of.contains_key(v) && first_use[*v].is_none() {
                     first_use[*v] = Some(i);
                 }
@@ -376,20 +379,28 @@ impl Ctx<'_> {
             let walked = cts[i].take();
             if let Some(ct) = walked {
                 // Leaves whose whole cotangent is this node's contribution (it uses them once,
-                // and no other node does): offered to the sink's buffer. A leaf with several
+                // and no other node does — directly, or through ops that only retype, each
+                // value on the way used once): offered to the sink's buffer. A leaf with several
                 // contributions is handed their sum, so that what the buffer ends with is the
                 // sum the handed path adds, in its order.
-                let into: Vec<(usize, usize)> = tape.nodes[i]
+                let into: Vec<Into> = tape.nodes[i]
                     .inputs
                     .iter()
                     .enumerate()
                     .filter_map(|(side, v)| {
                         let v = (*v)?;
-                        let k = *leaf_of.get(&v)?;
-                        let uses = tape.nodes[i].inputs.iter().flatten().filter(|&&u| u == v);
-                        let alone =
-                            first_use[v] == Some(i) && cts[v].is_none() && uses.count() == 1;
-                        alone.then_some((side, k))
+                        if let Some(&k) = leaf_of.get(&v) {
+                            let here = tape.nodes[i].inputs.iter().flatten().filter(|&&u| u == v);
+                            let alone =
+                                first_use[v] == Some(i) && cts[v].is_none() && here.count() == 1;
+                            return alone.then_some(Into { side, k, leaf: v });
+                        }
+                        if !adds_in_place(&tape.nodes[i].backward) {
+                            return None;
+                        }
+                        let leaf = leaf_through_retypes(&tape, &uses, v)?;
+                        let k = *leaf_of.get(&leaf)?;
+                        cts[leaf].is_none().then_some(Into { side, k, leaf })
                     })
                     .collect();
                 self.backward_node(
@@ -443,9 +454,9 @@ impl Ctx<'_> {
     }
 
     /// Walks node `i` with its cotangent `ct`: a leaf keeps it, any other node passes its
-    /// inputs' cotangents on. `into` lists `(input side, leaf)` pairs of leaves whose whole
-    /// cotangent this node gives: a `dot_general` or a `take` first offers it to `sink`'s buffer
-    /// (the leaf is marked in `sunk` when it went there).
+    /// inputs' cotangents on. `into` lists the leaves whose whole cotangent this node gives
+    /// through an input: a `dot_general`, a `take` or a grouped product first offers it to
+    /// `sink`'s buffer (the leaf is marked in `sunk` when it went there).
     #[allow(clippy::too_many_arguments)]
     fn backward_node(
         &mut self,
@@ -455,7 +466,7 @@ impl Ctx<'_> {
         cts: &mut [Option<Array>],
         leaf_cts: &mut [Option<Array>],
         sink: &mut dyn GradientSink,
-        into: &[(usize, usize)],
+        into: &[Into],
         sunk: &mut [bool],
     ) -> Result<(), SpmdError> {
         let node = &tape.nodes[i];
@@ -466,16 +477,13 @@ impl Ctx<'_> {
         let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
         if adds_in_place(&node.backward) {
             // A leaf's whole cotangent, into the sink's buffer.
-            for &(side, k) in into {
-                let Some(v) = node.inputs[side] else {
-                    continue;
-                };
-                let expected = tape.nodes[v].ty.to_cotangent();
+            for &Into { side, k, leaf } in into {
+                let expected = tape.nodes[leaf].ty.to_cotangent();
                 let Some(mut dest) = sink.buffer(k, &expected) else {
                     continue;
                 };
                 if self.add_contribution_into(&node.backward, &ct, side, &mut dest)? {
-                    sunk[v] = true;
+                    sunk[leaf] = true;
                     needed[side] = false;
                 }
             }
@@ -559,6 +567,9 @@ impl Ctx<'_> {
                 self.dot_general_transpose_into((lhs, rhs), dims, ct, side, dest)
             }
             (Backward::Take { table, ids }, dest) => self.take_transpose_into(ct, table, ids, dest),
+            (Backward::GroupedMatmul { x, w, group_sizes }, dest) if side == 1 => {
+                self.grouped_matmul_transpose_into(x, w, group_sizes, ct, dest)
+            }
             (Backward::Slice { x, dim, start }, [whole]) => {
                 self.slice_transpose_into(x, *dim, *start, ct, whole)?;
                 Ok(true)
@@ -631,7 +642,7 @@ impl Ctx<'_> {
                 vec![Some(dq), Some(dk), Some(dv)]
             }
             Backward::GroupedMatmul { x, w, group_sizes } => {
-                self.grouped_matmul_transpose(x, w, group_sizes, ct)?
+                self.grouped_matmul_transpose(x, w, group_sizes, ct, [need(0), need(1)])?
             }
             Backward::TakeRows { x, rows } => one(self.take_rows_transpose(x, rows, ct)?),
             Backward::CrossEntropy {
@@ -708,7 +719,57 @@ fn all_handed(grads: Vec<Option<Array>>) -> Result<Vec<Array>, SpmdError> {
 /// Ops whose transpose can add a contribution into a buffer in place
 /// ([`Ctx::add_contribution_into`]).
 fn adds_in_place(backward: &Backward) -> bool {
-    matches!(backward, Backward::Dot { .. } | Backward::Take { .. })
+    matches!(
+        backward,
+        Backward::Dot { .. } | Backward::Take { .. } | Backward::GroupedMatmul { .. }
+    )
+}
+
+/// A leaf whose whole cotangent a node gives through its input `side` (sink parameter `k`,
+/// tape value `leaf`).
+#[derive(Clone, Copy)]
+struct Into {
+    side: usize,
+    k: usize,
+    leaf: usize,
+}
+
+/// The leaf behind value `v` through a chain of ops that only retype ([`retypes_only`]), when
+/// every value on the way, `v` and the leaf included, is used exactly once on the tape: the
+/// leaf's cotangent is then `v`'s, retyped, with the same local block.
+fn leaf_through_retypes(tape: &Tape, uses: &[usize], v: usize) -> Option<usize> {
+    let mut at = v;
+    loop {
+        let node = &tape.nodes[at];
+        if uses[at] != 1 {
+            return None;
+        }
+        if matches!(node.backward, Backward::Leaf) {
+            return (at != v).then_some(at);
+        }
+        if !retypes_only(&node.backward) {
+            return None;
+        }
+        let [Some(input)] = node.inputs[..] else {
+            return None;
+        };
+        at = input;
+    }
+}
+
+/// Ops whose transpose only retypes the cotangent, its local block unchanged: entering and
+/// leaving a region, and the pcasts between reduced, varying and unreduced. A leaf seen
+/// through a chain of them (each value used once) still has its whole cotangent from the op
+/// at the end of the chain, so that op may add it into the leaf's buffer.
+fn retypes_only(backward: &Backward) -> bool {
+    use crate::manual::AxisState::{Reduced, Unreduced, Varying};
+    match backward {
+        Backward::EnterRegion { .. } | Backward::ExitRegion { .. } => true,
+        Backward::Manual {
+            op: crate::manual::ManualOp::Pcast { from, to, .. },
+        } => matches!((from, to), (Reduced, Varying) | (Varying, Unreduced)),
+        _ => false,
+    }
 }
 
 /// R4.3's check, typed by what differs.

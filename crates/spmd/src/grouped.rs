@@ -14,7 +14,8 @@
 
 use ferrotext_sharding::{ArrayType, AxisSet, ManualTags};
 use ferrotext_tensor::{
-    grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, Tensor, PAD_ROW,
+    grouped_matmul, grouped_matmul_backward, grouped_matmul_backward_dw_into,
+    grouped_matmul_backward_dx, scatter_rows, take_rows, Tensor, PAD_ROW,
 };
 
 use crate::array::Array;
@@ -177,24 +178,65 @@ impl Ctx<'_> {
         )
     }
 
-    /// The cotangents of a recorded `grouped_matmul` (`[dx, dw]`).
+    /// The cotangents of a recorded `grouped_matmul` (`[dx, dw]`), each only where `need` asks
+    /// for it.
     pub(crate) fn grouped_matmul_transpose(
         &mut self,
         x: &Array,
         w: &Array,
         group_sizes: &[usize],
         ct: &Array,
+        need: [bool; 2],
     ) -> Result<Vec<Option<Array>>, SpmdError> {
+        let threads = self.threads();
         let (dx, dw) = match (x.local_opt(), w.local_opt(), ct.local_opt()) {
-            (Some(a), Some(b), Some(c)) => {
-                let (dx, dw) = grouped_matmul_backward(a, b, group_sizes, c, self.threads())?;
-                (Some(dx), Some(dw))
-            }
+            (Some(a), Some(b), Some(c)) => match need {
+                [true, true] => {
+                    let (dx, dw) = grouped_matmul_backward(a, b, group_sizes, c, threads)?;
+                    (Some(dx), Some(dw))
+                }
+                [true, false] => (
+                    Some(grouped_matmul_backward_dx(a, b, group_sizes, c, threads)?),
+                    None,
+                ),
+                [false, true] => (
+                    None,
+                    Some(grouped_matmul_backward(a, b, group_sizes, c, threads)?.1),
+                ),
+                [false, false] => (None, None),
+            },
             _ => (None, None),
         };
-        Ok(vec![
-            Some(Array::new(x.ty().to_cotangent(), dx)),
-            Some(Array::new(w.ty().to_cotangent(), dw)),
-        ])
+        let cotangent =
+            |need: bool, of: &Array, local| need.then(|| Array::new(of.ty().to_cotangent(), local));
+        Ok(vec![cotangent(need[0], x, dx), cotangent(need[1], w, dw)])
+    }
+
+    /// The `dw` cotangent of a recorded `grouped_matmul` added into `dest` (the expert weights'
+    /// local block, in consecutive equal parts; see [`crate::GradientSink::buffer`]) by the
+    /// kernels, when each part holds whole groups. Returns whether it was; on `false` nothing
+    /// was touched. No collective either way: the cotangent is the local product.
+    ///
+    /// # Errors
+    /// The kernel's shape errors.
+    pub(crate) fn grouped_matmul_transpose_into(
+        &mut self,
+        x: &Array,
+        w: &Array,
+        group_sizes: &[usize],
+        ct: &Array,
+        dest: &mut [&mut [f32]],
+    ) -> Result<bool, SpmdError> {
+        match (x.local_opt(), w.local_opt(), ct.local_opt()) {
+            (Some(a), Some(b), Some(c)) => Ok(grouped_matmul_backward_dw_into(
+                a,
+                b,
+                group_sizes,
+                c,
+                self.threads(),
+                dest,
+            )?),
+            _ => Ok(true),
+        }
     }
 }

@@ -10,7 +10,7 @@ mod common;
 use common::*;
 use ferrotext_comm::{CollectiveKind, Trace};
 use ferrotext_sharding::{ArrayType, PartitionSpec};
-use ferrotext_spmd::{Array, Ctx, GradientSink, Ids, SpmdError};
+use ferrotext_spmd::{Array, AxisState, Ctx, GradientSink, Ids, SpmdError};
 use ferrotext_tensor::{DotDims, Tensor};
 
 /// `Σ (x·w0·w1 + x·w2·w2ᵀ·w0)²`, a per-device partial sum over the batch axis `x`: `w1` is
@@ -290,6 +290,71 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
         let (bufs, want, sunk) = &results[3];
         assert_eq!(sunk, &[(0, false)], "3 parts cut rows");
         assert_eq!(bits(bufs), bits(want));
+    }
+}
+
+/// Expert weights enter a region and are cast `reduced → varying` before a grouped product: ops
+/// that only retype, so the weight's whole gradient is still the product's and goes into the
+/// buffer — whole, or in 2 parts of one expert each — with the sums of `value_and_grad`. The
+/// mirror: a weight the region uses twice (two products) is handed the sum.
+#[test]
+fn an_expert_weight_behind_a_region_and_a_cast_goes_into_the_buffer() {
+    let m = mesh(&[("x", 2)]);
+    let out = on_devices(&m, |cx| {
+        let w = Tensor::from_fn(&[2, 4, 3], |i| ((i * 5) % 11) as f32 * 0.1 - 0.5);
+        let w = place(cx, &w, p(&["", "", ""], &[], &["x"]));
+        let xs = Tensor::from_fn(&[8, 4], |i| ((i * 7) % 13) as f32 * 0.1 - 0.6);
+        let x = place(cx, &xs, p(&["x", ""], &[], &[]));
+        let ws = [w];
+        let experts = |twice: bool| {
+            let x = x.clone();
+            move |cx: &mut Ctx<'_>, ws: &[Array]| -> Result<Array, SpmdError> {
+                let specs = [
+                    x.ty().sharding().spec().clone(),
+                    ws[0].ty().sharding().spec().clone(),
+                ];
+                let out = cx.shard_map(
+                    &[x.clone(), ws[0].clone()],
+                    &specs,
+                    &[p(&[], &["x"], &[])],
+                    |cx, xs| {
+                        let mut y = cx.grouped_matmul(&xs[0], &xs[1], &[1, 3])?;
+                        if twice {
+                            let again = cx.grouped_matmul(&xs[0], &xs[1], &[3, 1])?;
+                            y = cx.add(&y, &again)?;
+                        }
+                        let y2 = cx.mul(&y, &y)?;
+                        let s = cx.reduce_sum(&y2, &[0, 1], None)?;
+                        Ok(vec![cx.pcast(&s, &["x"], AxisState::Unreduced)?])
+                    },
+                )?;
+                Ok(out[0].clone())
+            }
+        };
+        let start: Vec<f32> = (0..24).map(|i| i as f32 * 0.05 - 0.4).collect();
+        let mut results = Vec::new();
+        for (twice, offer) in [(false, 1), (false, 2), (true, 1)] {
+            let f = experts(twice);
+            let (_, g) = cx.value_and_grad(&ws, &f)?;
+            let mut sink = Recorder {
+                bufs: vec![start.clone()],
+                types: vec![ws[0].ty().to_cotangent()],
+                offer,
+                events: Vec::new(),
+            };
+            cx.value_and_grad_into(&ws, &f, &mut sink)?;
+            let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
+            let sunk: Vec<(usize, bool)> =
+                sink.events.iter().map(|(k, h)| (*k, h.is_none())).collect();
+            results.push((sink.bufs.remove(0), want, sunk));
+        }
+        Ok(results)
+    });
+    for (results, _) in out {
+        for ((bufs, want, sunk), into) in results.iter().zip([true, true, false]) {
+            assert_eq!(sunk, &[(0, into)]);
+            assert_close(bufs, want, 1e-5, "expert weight");
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use crate::error::TensorError;
 use std::mem::MaybeUninit;
 
 use crate::fastmath::vectorized;
-use crate::matmul::{gemm_views_uninit, MatView};
+use crate::matmul::{gemm_views_accumulate, gemm_views_uninit, MatView};
 use crate::parallel::filled;
 use crate::tensor::{rows_filled, Tensor};
 
@@ -181,26 +181,12 @@ pub fn grouped_matmul_backward(
     dy: &Tensor,
     threads: usize,
 ) -> Result<(Tensor, Tensor), TensorError> {
-    let (d, f, e) = check("grouped_matmul_backward", x, w, group_sizes)?;
-    let rows: usize = group_sizes.iter().sum();
-    // dx = dy·wᵀ and dw = xᵀ·dy: twice the forward's products.
-    let _span = ferrotext_profile::span("grouped_matmul_backward").map(|s| {
-        s.flops(4.0 * (rows * d * f) as f64)
-            .bytes(4.0 * (2 * rows * (d + f) + 2 * w.len()) as f64)
-            .shapes(|| format!("{:?} x {:?}", x.shape(), w.shape()))
-    });
-    let n = x.shape()[0];
-    if dy.shape() != [n, f] {
-        return Err(TensorError::shape(
-            "grouped_matmul_backward",
-            format!("dy must be [{n}, {f}], got {:?}", dy.shape()),
-        ));
-    }
-    let (mut dx, mut dw) = (Vec::with_capacity(n * d), Vec::with_capacity(e * d * f));
-    let (dx_out, dw_out) = (
-        &mut dx.spare_capacity_mut()[..n * d],
-        &mut dw.spare_capacity_mut()[..e * d * f],
-    );
+    let dims = backward_dims("grouped_matmul_backward", x, w, group_sizes, dy)?;
+    let _span = backward_span(x, w, group_sizes, dims, 2);
+    let dx = dx_of(w, group_sizes, dy, dims, threads)?;
+    let (_, d, f, e) = dims;
+    let mut dw: Vec<f32> = Vec::with_capacity(e * d * f);
+    let dw_out = &mut dw.spare_capacity_mut()[..e * d * f];
     let mut row = 0;
     for (g, &size) in group_sizes.iter().enumerate() {
         let dw_g = &mut dw_out[g * d * f..(g + 1) * d * f];
@@ -208,28 +194,163 @@ pub fn grouped_matmul_backward(
             dw_g.fill(MaybeUninit::new(0.0));
             continue;
         }
-        let xs = &x.data()[row * d..(row + size) * d];
+        let (xgt, dyg) = dw_operands(x, dy, row, size, d, f);
+        gemm_views_uninit(dw_g, xgt, dyg, threads);
+        row += size;
+    }
+    // SAFETY: every group's block of `dw` was written by its product, an empty group's block
+    // zero-filled: all elements are initialised.
+    unsafe { dw.set_len(e * d * f) };
+    Ok((dx, Tensor::new(vec![e, d, f], dw)?))
+}
+
+/// The `dx` cotangent of [`grouped_matmul`] alone (see [`grouped_matmul_backward`]), for a
+/// backward whose `dw` goes elsewhere ([`grouped_matmul_backward_dw_into`]) or is not needed.
+///
+/// # Errors
+/// As [`grouped_matmul_backward`].
+pub fn grouped_matmul_backward_dx(
+    x: &Tensor,
+    w: &Tensor,
+    group_sizes: &[usize],
+    dy: &Tensor,
+    threads: usize,
+) -> Result<Tensor, TensorError> {
+    let dims = backward_dims("grouped_matmul_backward", x, w, group_sizes, dy)?;
+    let _span = backward_span(x, w, group_sizes, dims, 1);
+    dx_of(w, group_sizes, dy, dims, threads)
+}
+
+/// `dw += ` the `dw` cotangent of [`grouped_matmul`] (`[groups, d, f]`, see
+/// [`grouped_matmul_backward`]), with `dw` held in `parts` of equal length, in order (a
+/// reduce-scatter bucket keeps chunk `j` of a value in its segment `j`): each group's product
+/// is added into its block by the kernel (BLAS `beta = 1`), so an accumulator takes expert
+/// gradients without them being stored first; an empty group adds nothing. Returns `false`,
+/// having touched nothing, when the parts are unequal or a part does not hold whole groups.
+///
+/// # Errors
+/// As [`grouped_matmul_backward`], or parts that do not add up to `dw`'s size.
+pub fn grouped_matmul_backward_dw_into(
+    x: &Tensor,
+    w: &Tensor,
+    group_sizes: &[usize],
+    dy: &Tensor,
+    threads: usize,
+    parts: &mut [&mut [f32]],
+) -> Result<bool, TensorError> {
+    let dims = backward_dims("grouped_matmul_backward", x, w, group_sizes, dy)?;
+    let (_, d, f, e) = dims;
+    let held: usize = parts.iter().map(|p| p.len()).sum();
+    if held != e * d * f {
+        return Err(TensorError::shape(
+            "grouped_matmul_backward",
+            format!("dw of {held} elements for [{e}, {d}, {f}]"),
+        ));
+    }
+    let block = d * f;
+    let part = parts.first().map_or(0, |p| p.len());
+    if block == 0 || part == 0 {
+        // Nothing to add (no elements in dw).
+        return Ok(true);
+    }
+    if part % block != 0 || parts.iter().any(|p| p.len() != part) {
+        return Ok(false);
+    }
+    let _span = backward_span(x, w, group_sizes, dims, 1);
+    let per_part = part / block;
+    let mut row = 0;
+    for (g, &size) in group_sizes.iter().enumerate() {
+        if size == 0 {
+            continue;
+        }
+        let at = (g % per_part) * block;
+        let dw_g = &mut parts[g / per_part][at..at + block];
+        let (xgt, dyg) = dw_operands(x, dy, row, size, d, f);
+        gemm_views_accumulate(dw_g, xgt, dyg, threads);
+        row += size;
+    }
+    Ok(true)
+}
+
+/// `(n, d, f, groups)` of a grouped product's backward, checked (`dy` must be `[n, f]`).
+fn backward_dims(
+    op: &'static str,
+    x: &Tensor,
+    w: &Tensor,
+    group_sizes: &[usize],
+    dy: &Tensor,
+) -> Result<(usize, usize, usize, usize), TensorError> {
+    let (d, f, e) = check(op, x, w, group_sizes)?;
+    let n = x.shape()[0];
+    if dy.shape() != [n, f] {
+        return Err(TensorError::shape(
+            op,
+            format!("dy must be [{n}, {f}], got {:?}", dy.shape()),
+        ));
+    }
+    Ok((n, d, f, e))
+}
+
+/// The profiler's span for `products` of the backward's two (dx = dy·wᵀ, dw = xᵀ·dy) over the
+/// groups' rows.
+fn backward_span(
+    x: &Tensor,
+    w: &Tensor,
+    group_sizes: &[usize],
+    (_, d, f, _): (usize, usize, usize, usize),
+    products: usize,
+) -> Option<ferrotext_profile::Span> {
+    let rows: usize = group_sizes.iter().sum();
+    ferrotext_profile::span("grouped_matmul_backward").map(|s| {
+        s.flops(2.0 * products as f64 * (rows * d * f) as f64)
+            .bytes(4.0 * (2 * rows * (d + f) + 2 * w.len()) as f64)
+            .shapes(|| format!("{:?} x {:?}", x.shape(), w.shape()))
+    })
+}
+
+/// `dx` (`[n, d]`): group `g`'s rows are `dy_g · w[g]ᵀ`, the padding rows zero.
+fn dx_of(
+    w: &Tensor,
+    group_sizes: &[usize],
+    dy: &Tensor,
+    (n, d, f, _): (usize, usize, usize, usize),
+    threads: usize,
+) -> Result<Tensor, TensorError> {
+    let rows: usize = group_sizes.iter().sum();
+    let mut dx: Vec<f32> = Vec::with_capacity(n * d);
+    let dx_out = &mut dx.spare_capacity_mut()[..n * d];
+    let mut row = 0;
+    for (g, &size) in group_sizes.iter().enumerate() {
+        if size == 0 {
+            continue;
+        }
         let dys = &dy.data()[row * f..(row + size) * f];
         let ws = &w.data()[g * d * f..(g + 1) * d * f];
         // dx_g [size, d] = dy_g [size, f] · w[g]ᵀ ([f, d]: a transposed view)
         let (dyg, wgt) = (view(dys, size, f, f, 1), view(ws, f, d, 1, f));
         gemm_views_uninit(&mut dx_out[row * d..(row + size) * d], dyg, wgt, threads);
-        // dw[g] [d, f] = x_gᵀ ([d, size]: a transposed view) · dy_g [size, f]
-        let (xgt, dyg) = (view(xs, d, size, 1, d), view(dys, size, f, f, 1));
-        gemm_views_uninit(dw_g, xgt, dyg, threads);
         row += size;
     }
     dx_out[rows * d..].fill(MaybeUninit::new(0.0));
-    // SAFETY: every group's rows of `dx` and block of `dw` were written by its products, an
-    // empty group's block and the padding rows zero-filled: all elements are initialised.
-    unsafe {
-        dx.set_len(n * d);
-        dw.set_len(e * d * f);
-    }
-    Ok((
-        Tensor::new(vec![n, d], dx)?,
-        Tensor::new(vec![e, d, f], dw)?,
-    ))
+    // SAFETY: every group's rows of `dx` were written by its product and the padding rows
+    // zero-filled: all elements are initialised.
+    unsafe { dx.set_len(n * d) };
+    Tensor::new(vec![n, d], dx)
+}
+
+/// Group `g`'s operands of `dw[g] = x_gᵀ · dy_g` (`size` rows from `row`): `x_gᵀ` (`[d, size]`,
+/// a transposed view) and `dy_g` (`[size, f]`).
+fn dw_operands<'a>(
+    x: &'a Tensor,
+    dy: &'a Tensor,
+    row: usize,
+    size: usize,
+    d: usize,
+    f: usize,
+) -> (MatView<'a>, MatView<'a>) {
+    let xs = &x.data()[row * d..(row + size) * d];
+    let dys = &dy.data()[row * f..(row + size) * f];
+    (view(xs, d, size, 1, d), view(dys, size, f, f, 1))
 }
 
 #[cfg(test)]
@@ -370,5 +491,51 @@ mod tests {
             let fd = (objective(&x, &wp) - objective(&x, &wm)) / (2.0 * f64::from(h));
             assert!((fd - f64::from(dw.data()[i])).abs() < 1e-3, "dw[{i}]");
         }
+    }
+
+    /// `dx` alone is the backward's `dx` to the bit; `dw` added into an accumulator — whole, or
+    /// in parts of whole groups — is the start plus the backward's `dw` (an empty group adds
+    /// nothing); parts that cut a group or are unequal are left untouched (`false`).
+    #[test]
+    fn dx_alone_and_dw_into_parts_match_the_backward() {
+        let (x, w, sizes) = (t(&[40, 24], 6), t(&[4, 24, 16], 7), [9usize, 0, 20, 7]);
+        let dy = t(&[40, 16], 8);
+        let (dx, dw) = grouped_matmul_backward(&x, &w, &sizes, &dy, 1).unwrap();
+        let alone = grouped_matmul_backward_dx(&x, &w, &sizes, &dy, 1).unwrap();
+        assert_eq!(alone, dx, "dx alone");
+        let start: Vec<f32> = (0..dw.len()).map(|i| (i as f32 * 0.13).cos()).collect();
+        for p in [1, 2, 4] {
+            for threads in [1, 2] {
+                let mut acc = start.clone();
+                let mut parts: Vec<&mut [f32]> = acc.chunks_mut(dw.len() / p).collect();
+                assert!(
+                    grouped_matmul_backward_dw_into(&x, &w, &sizes, &dy, threads, &mut parts)
+                        .unwrap()
+                );
+                for (i, ((a, s), g)) in acc.iter().zip(&start).zip(dw.data()).enumerate() {
+                    assert!(
+                        (a - (s + g)).abs() <= 1e-5 * (1.0 + g.abs()),
+                        "{p} parts, [{i}]"
+                    );
+                }
+                let empty = 24 * 16..2 * 24 * 16;
+                assert_eq!(
+                    &acc[empty.clone()],
+                    &start[empty],
+                    "an empty group adds nothing"
+                );
+            }
+        }
+        // 3 parts of 512 elements cut the groups of 384; unequal parts likewise.
+        let mut acc = start.clone();
+        let mut cut: Vec<&mut [f32]> = acc.chunks_mut(512).collect();
+        assert!(!grouped_matmul_backward_dw_into(&x, &w, &sizes, &dy, 1, &mut cut).unwrap());
+        let (a, b) = acc.split_at_mut(384);
+        assert!(!grouped_matmul_backward_dw_into(&x, &w, &sizes, &dy, 1, &mut [a, b]).unwrap());
+        assert_eq!(acc, start, "untouched");
+        let mut short = vec![0.0f32; 10];
+        assert!(
+            grouped_matmul_backward_dw_into(&x, &w, &sizes, &dy, 1, &mut [&mut short]).is_err()
+        );
     }
 }

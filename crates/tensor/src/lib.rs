@@ -59,7 +59,10 @@ pub use attention::{causal_attention, causal_attention_backward, Attention};
 pub use blas::matmul_kernel;
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
-pub use grouped::{grouped_matmul, grouped_matmul_backward, scatter_rows, take_rows, PAD_ROW};
+pub use grouped::{
+    grouped_matmul, grouped_matmul_backward, grouped_matmul_backward_dw_into,
+    grouped_matmul_backward_dx, scatter_rows, take_rows, PAD_ROW,
+};
 pub use matmul::{dot_general, dot_general_accumulate, dot_general_accumulate_parts, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,

@@ -499,6 +499,47 @@ pub(crate) fn gemm_views_uninit<'d>(
     unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f32>(), dst.len()) }
 }
 
+/// `dst += a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`: the kernel adds
+/// each tile of the product into `dst` as it computes it (BLAS `beta = 1`), as
+/// [`dot_general_accumulate`] does, so an accumulator takes a product (an expert's weight
+/// gradient) without it being stored first.
+///
+/// # Panics
+/// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
+pub(crate) fn gemm_views_accumulate(
+    dst: &mut [f32],
+    a: MatView<'_>,
+    b: MatView<'_>,
+    threads: usize,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && dst.len() == m * n); // ok: caller's invariant
+    if m == 0 || n == 0 || k == 0 {
+        // An empty product adds nothing.
+        return;
+    }
+    let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly m×n
+    // row-major and initialised; the kernel reads and writes only its elements.
+    unsafe {
+        crate::blas::sgemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            n,
+            a.operand(),
+            b.operand(),
+            parallelism,
+            Store::Accumulate,
+        );
+    }
+}
+
 /// `dst = a · b` for views `a` (m×k) and `b` (k×n) into `m` rows of `n` elements `ldc` apart
 /// from `dst`, on the caller's thread: a block of a larger output whose rows interleave with
 /// other blocks' (attention writes each head's rows straight into `[B, T, H, d]`). The same
