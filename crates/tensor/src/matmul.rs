@@ -474,26 +474,17 @@ pub(crate) fn gemm_views_uninit<'d>(
     if k == 0 {
         dst.fill(std::mem::MaybeUninit::new(0.0));
     } else if m > 0 && n > 0 {
-        let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
-            Parallelism::Rayon(threads)
-        } else {
-            Parallelism::None
-        };
         // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly
         // m×n row-major; the kernel writes every element of it.
         unsafe {
-            crate::blas::sgemm(
-                m,
-                n,
-                k,
+            gemm_views_store(
                 dst.as_mut_ptr().cast::<f32>(),
-                n,
-                a.operand(),
-                b.operand(),
-                parallelism,
+                a,
+                b,
+                threads,
                 Store::Overwrite,
-            );
-        }
+            )
+        };
     }
     // SAFETY: every element was written above (or `dst` is empty).
     unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f32>(), dst.len()) }
@@ -518,24 +509,42 @@ pub(crate) fn gemm_views_accumulate(
         // An empty product adds nothing.
         return;
     }
+    // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly m×n
+    // row-major and initialised; the kernel reads and writes only its elements.
+    unsafe { gemm_views_store(dst.as_mut_ptr(), a, b, threads, Store::Accumulate) };
+}
+
+/// `a · b` (m×k by k×n, all three nonzero) stored into the row-major m×n block at `dst` per
+/// `store`, inside the kernel over `threads` when the product is large enough.
+///
+/// # Safety
+/// The views fit their slices, `dst` is valid for m×n elements (initialised under
+/// [`Store::Accumulate`]) and touched by no one else meanwhile.
+unsafe fn gemm_views_store(
+    dst: *mut f32,
+    a: MatView<'_>,
+    b: MatView<'_>,
+    threads: usize,
+    store: Store,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
     let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
         Parallelism::Rayon(threads)
     } else {
         Parallelism::None
     };
-    // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly m×n
-    // row-major and initialised; the kernel reads and writes only its elements.
+    // SAFETY: the caller's contract.
     unsafe {
         crate::blas::sgemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             n,
             a.operand(),
             b.operand(),
             parallelism,
-            Store::Accumulate,
+            store,
         );
     }
 }
@@ -739,17 +748,22 @@ mod tests {
         );
     }
 
+    /// A weight gradient's dimension numbers: `xᵀ·dy` contracting batch and sequence.
+    fn weight_gradient() -> DotDims {
+        DotDims {
+            lhs_contracting: vec![0, 1],
+            rhs_contracting: vec![0, 1],
+            ..Default::default()
+        }
+    }
+
     /// `dot_general_accumulate` adds the product into what the output held: against
     /// `start + reference` on a weight gradient's layout (large enough to split over threads),
     /// a batched one and an empty contraction, the same bits on 1, 2 and 3 threads; and a
     /// wrongly sized output is an error that leaves it untouched.
     #[test]
     fn accumulating_adds_the_product_into_the_output() {
-        let wgrad = DotDims {
-            lhs_contracting: vec![0, 1],
-            rhs_contracting: vec![0, 1],
-            ..Default::default()
-        };
+        let wgrad = weight_gradient();
         let batched = DotDims {
             lhs_contracting: vec![3],
             rhs_contracting: vec![3],
@@ -800,11 +814,7 @@ mod tests {
     /// cross batch entries — and is left untouched (`false`) when a part would cut a row.
     #[test]
     fn accumulating_into_parts_adds_each_part_its_rows_or_touches_nothing() {
-        let wgrad = DotDims {
-            lhs_contracting: vec![0, 1],
-            rhs_contracting: vec![0, 1],
-            ..Default::default()
-        };
+        let wgrad = weight_gradient();
         let batched = DotDims {
             lhs_contracting: vec![2],
             rhs_contracting: vec![1],
