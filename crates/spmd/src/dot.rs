@@ -200,8 +200,9 @@ impl Ctx<'_> {
     /// [`Ctx::dot_general_transpose`] for one operand (`side` 0: lhs, 1: rhs), its cotangent
     /// added into `dest` — a buffer laid out as its local block, in parts — by the product's
     /// kernel, when that product is the whole cotangent (no collective, no transpose after it;
-    /// see [`Ctx::dot_general_accumulate_untracked`]). Returns whether it was; on `false` nothing
-    /// was touched and the caller takes the ordinary transpose.
+    /// see [`Ctx::dot_general_accumulate_untracked`]; inside a region, the local product typed
+    /// as the cotangent). Returns whether it was; on `false` nothing was touched and the caller
+    /// takes the ordinary transpose.
     ///
     /// # Errors
     /// As [`Ctx::dot_general_transpose`].
@@ -215,8 +216,24 @@ impl Ctx<'_> {
     ) -> Result<bool, SpmdError> {
         let t = TransposedDot::of((lhs, rhs), dims, ct, side);
         let target = t.this.to_cotangent();
-        if target.is_manual() || !t.in_order() {
+        if !t.in_order() {
             return Ok(false);
+        }
+        if target.is_manual() {
+            // Inside a region the transpose is the local product (`manual_dot`), no collective.
+            if manual_dot_type(t.lhs.ty(), t.rhs.ty(), &t.dims)? != target {
+                return Ok(false);
+            }
+            return match (t.lhs.local_opt(), t.rhs.local_opt()) {
+                (Some(l), Some(r)) => Ok(dot_general_accumulate_parts(
+                    l,
+                    r,
+                    &t.dims,
+                    self.threads(),
+                    dest,
+                )?),
+                _ => Ok(true),
+            };
         }
         let out_spec = t.out_spec(&target)?;
         self.dot_general_accumulate_untracked(t.lhs, t.rhs, &t.dims, &out_spec, dest)

@@ -358,6 +358,53 @@ fn an_expert_weight_behind_a_region_and_a_cast_goes_into_the_buffer() {
     }
 }
 
+/// Inside a region a weight's transposed product is the local product: a `{R:x}` weight cast
+/// varying and used by one matmul there goes into the buffer, with `value_and_grad`'s sums.
+#[test]
+fn a_dense_weight_inside_a_region_goes_into_the_buffer() {
+    let m = mesh(&[("x", 2)]);
+    let out = on_devices(&m, |cx| {
+        let w = Tensor::from_fn(&[4, 3], |i| ((i * 5) % 11) as f32 * 0.1 - 0.5);
+        let w = place(cx, &w, p(&["", ""], &[], &["x"]));
+        let xs = Tensor::from_fn(&[8, 4], |i| ((i * 7) % 13) as f32 * 0.1 - 0.6);
+        let x = place(cx, &xs, p(&["x", ""], &[], &[]));
+        let ws = [w];
+        let f = |cx: &mut Ctx<'_>, ws: &[Array]| -> Result<Array, SpmdError> {
+            let specs = [
+                x.ty().sharding().spec().clone(),
+                ws[0].ty().sharding().spec().clone(),
+            ];
+            let out = cx.shard_map(
+                &[x.clone(), ws[0].clone()],
+                &specs,
+                &[p(&[], &["x"], &[])],
+                |cx, xs| {
+                    let y = cx.matmul(&xs[0], &xs[1], None)?;
+                    let y2 = cx.mul(&y, &y)?;
+                    let s = cx.reduce_sum(&y2, &[0, 1], None)?;
+                    Ok(vec![cx.pcast(&s, &["x"], AxisState::Unreduced)?])
+                },
+            )?;
+            Ok(out[0].clone())
+        };
+        let (_, g) = cx.value_and_grad(&ws, f)?;
+        let start: Vec<f32> = (0..12).map(|i| i as f32 * 0.05 - 0.3).collect();
+        let mut sink = Recorder {
+            bufs: vec![start.clone()],
+            types: vec![ws[0].ty().to_cotangent()],
+            offer: 1,
+            events: Vec::new(),
+        };
+        cx.value_and_grad_into(&ws, f, &mut sink)?;
+        let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
+        Ok((sink.bufs.remove(0), want, sink.events[0].1.is_none()))
+    });
+    for ((bufs, want, into), _) in out {
+        assert!(into, "into the buffer");
+        assert_close(&bufs, &want, 1e-5, "dense weight in a region");
+    }
+}
+
 /// The mirrors: a plain weight's transposed product all-reduces, so its gradient is handed
 /// over even with a buffer on offer; and a sink that offers none is handed everything.
 #[test]
