@@ -293,6 +293,32 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
     }
 }
 
+/// `Σ y²` for `y = body(x, w)` computed inside a `shard_map` region that takes `x` and `w` with
+/// the specs they carry (so a `{R:x}` weight is cast varying before use), out `{U:x}`.
+fn squares_in_region(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    w: &Array,
+    body: impl FnOnce(&mut Ctx<'_>, &Array, &Array) -> Result<Array, SpmdError>,
+) -> Result<Array, SpmdError> {
+    let specs = [
+        x.ty().sharding().spec().clone(),
+        w.ty().sharding().spec().clone(),
+    ];
+    let out = cx.shard_map(
+        &[x.clone(), w.clone()],
+        &specs,
+        &[p(&[], &["x"], &[])],
+        |cx, xs| {
+            let y = body(cx, &xs[0], &xs[1])?;
+            let y2 = cx.mul(&y, &y)?;
+            let s = cx.reduce_sum(&y2, &[0, 1], None)?;
+            Ok(vec![cx.pcast(&s, &["x"], AxisState::Unreduced)?])
+        },
+    )?;
+    Ok(out[0].clone())
+}
+
 /// Expert weights enter a region and are cast `reduced → varying` before a grouped product: ops
 /// that only retype, so the weight's whole gradient is still the product's and goes into the
 /// buffer — whole, or in 2 parts of one expert each — with the sums of `value_and_grad`. The
@@ -309,26 +335,14 @@ fn an_expert_weight_behind_a_region_and_a_cast_goes_into_the_buffer() {
         let experts = |twice: bool| {
             let x = x.clone();
             move |cx: &mut Ctx<'_>, ws: &[Array]| -> Result<Array, SpmdError> {
-                let specs = [
-                    x.ty().sharding().spec().clone(),
-                    ws[0].ty().sharding().spec().clone(),
-                ];
-                let out = cx.shard_map(
-                    &[x.clone(), ws[0].clone()],
-                    &specs,
-                    &[p(&[], &["x"], &[])],
-                    |cx, xs| {
-                        let mut y = cx.grouped_matmul(&xs[0], &xs[1], &[1, 3])?;
-                        if twice {
-                            let again = cx.grouped_matmul(&xs[0], &xs[1], &[3, 1])?;
-                            y = cx.add(&y, &again)?;
-                        }
-                        let y2 = cx.mul(&y, &y)?;
-                        let s = cx.reduce_sum(&y2, &[0, 1], None)?;
-                        Ok(vec![cx.pcast(&s, &["x"], AxisState::Unreduced)?])
-                    },
-                )?;
-                Ok(out[0].clone())
+                squares_in_region(cx, &x, &ws[0], |cx, x, w| {
+                    let y = cx.grouped_matmul(x, w, &[1, 3])?;
+                    if !twice {
+                        return Ok(y);
+                    }
+                    let again = cx.grouped_matmul(x, w, &[3, 1])?;
+                    cx.add(&y, &again)
+                })
             }
         };
         let start: Vec<f32> = (0..24).map(|i| i as f32 * 0.05 - 0.4).collect();
@@ -370,22 +384,7 @@ fn a_dense_weight_inside_a_region_goes_into_the_buffer() {
         let x = place(cx, &xs, p(&["x", ""], &[], &[]));
         let ws = [w];
         let f = |cx: &mut Ctx<'_>, ws: &[Array]| -> Result<Array, SpmdError> {
-            let specs = [
-                x.ty().sharding().spec().clone(),
-                ws[0].ty().sharding().spec().clone(),
-            ];
-            let out = cx.shard_map(
-                &[x.clone(), ws[0].clone()],
-                &specs,
-                &[p(&[], &["x"], &[])],
-                |cx, xs| {
-                    let y = cx.matmul(&xs[0], &xs[1], None)?;
-                    let y2 = cx.mul(&y, &y)?;
-                    let s = cx.reduce_sum(&y2, &[0, 1], None)?;
-                    Ok(vec![cx.pcast(&s, &["x"], AxisState::Unreduced)?])
-                },
-            )?;
-            Ok(out[0].clone())
+            squares_in_region(cx, &x, &ws[0], |cx, x, w| cx.matmul(x, w, None))
         };
         let (_, g) = cx.value_and_grad(&ws, f)?;
         let start: Vec<f32> = (0..12).map(|i| i as f32 * 0.05 - 0.3).collect();
