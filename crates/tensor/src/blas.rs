@@ -1,5 +1,6 @@
 //! The matrix-product kernel behind [`crate::dot_general`] and the grouped products: Intel MKL
-//! or OpenBLAS when this machine has one, else the `gemm` crate.
+//! or OpenBLAS when this machine has one, else the `gemm` crate; or ferrotext's own portable
+//! kernel (`crate::portable`) when asked for (`deterministic=true`, `FERROTEXT_MATMUL=portable`).
 //!
 //! The BLAS is opened at run time (`dlopen`), not linked: the build needs nothing outside the
 //! Rust registry, and a machine without one runs the same binary on `gemm`. MKL's single
@@ -18,13 +19,21 @@
 //!   OpenBLAS build that says `SINGLE_THREADED` (Debian's `libopenblas0-serial`) is not used: it
 //!   is not made for concurrent callers.
 //! * The choice is made once per process and never changes, so one process's results have the
-//!   same bits run after run. `FERROTEXT_MATMUL=mkl|openblas|gemm` forces one (comparisons,
-//!   bitwise checks against other machines).
+//!   same bits run after run. `FERROTEXT_MATMUL=mkl|openblas|gemm|portable` forces one.
+//! * Only the portable kernel fixes each element's order of addition by its own code
+//!   ([`matmul_order_is_fixed`]): its bits are the same on any processor, in any row block, on
+//!   any thread count. A BLAS chooses its kernel (and so its order) by processor and shape: on
+//!   one machine its results repeat, but a block of rows, a zero-padded contraction or another
+//!   processor may give other bits (MKL on an AMD EPYC and on a Xeon do; OpenBLAS's Haswell and
+//!   SkylakeX kernels do). Claims of equal bits across routes are made for the portable kernel
+//!   and checked within a tolerance on the others.
 //! * Operands a BLAS cannot take (a stride other than 1 on both axes, or a negative one) go to
 //!   `gemm`, which takes any strides.
 
 use std::ffi::{c_char, c_float, c_int, CStr};
 use std::sync::OnceLock;
+
+use crate::portable::{self, Isa};
 
 /// `cblas_sgemm`'s signature (CBLAS: order, transA, transB, M, N, K, alpha, A, lda, B, ldb,
 /// beta, C, ldc).
@@ -66,6 +75,16 @@ const MKL: [&str; 3] = ["libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"];
 /// `MKL_THREADING_SEQUENTIAL` for `MKL_Set_Threading_Layer`.
 const MKL_THREADING_SEQUENTIAL: c_int = 1;
 
+/// What computes this process's matrix products.
+enum Kernel {
+    /// An opened BLAS (MKL or OpenBLAS).
+    Blas(Blas),
+    /// ferrotext's own fixed-order kernel, on the instruction set it runs on.
+    Portable(Isa),
+    /// The `gemm` crate.
+    Gemm,
+}
+
 /// An opened BLAS: its `cblas_sgemm`, set to compute on its caller's thread only.
 struct Blas {
     sgemm: Sgemm,
@@ -75,17 +94,19 @@ struct Blas {
     _library: libloading::Library,
 }
 
-static KERNEL: OnceLock<Option<Blas>> = OnceLock::new();
+static KERNEL: OnceLock<Kernel> = OnceLock::new();
 
-/// The library `FERROTEXT_MATMUL` asks for (`mkl`, `openblas` or `gemm`), else the first found
-/// of MKL and OpenBLAS; `None` means the `gemm` crate.
-fn open() -> Option<Blas> {
-    match std::env::var("FERROTEXT_MATMUL").as_deref() {
+/// The kernel `FERROTEXT_MATMUL` asks for (`mkl`, `openblas`, `gemm` or `portable`), else the
+/// first found of MKL and OpenBLAS, else `gemm`.
+fn open() -> Kernel {
+    let blas = match std::env::var("FERROTEXT_MATMUL").as_deref() {
         Ok("gemm") => None,
+        Ok("portable") => return Kernel::Portable(Isa::detect()),
         Ok("openblas") => open_openblas(),
         Ok("mkl") => open_mkl(),
         _ => open_mkl().or_else(open_openblas),
-    }
+    };
+    blas.map_or(Kernel::Gemm, Kernel::Blas)
 }
 
 /// Reads a static NUL-terminated string a library function returns.
@@ -182,17 +203,50 @@ fn mkl_version(full: &str) -> String {
     }
 }
 
-fn kernel() -> Option<&'static Blas> {
-    KERNEL.get_or_init(open).as_ref()
+fn kernel() -> &'static Kernel {
+    KERNEL.get_or_init(open)
+}
+
+impl Kernel {
+    fn describe(&self) -> String {
+        match self {
+            Kernel::Blas(blas) => blas.description.clone(),
+            Kernel::Portable(isa) => format!("the portable kernel ({}, fixed order)", isa.name()),
+            Kernel::Gemm => "the gemm crate".into(),
+        }
+    }
 }
 
 /// What computes matrix products in this process, for run headers and benchmarks: `OpenBLAS
-/// 0.3.21 (SkylakeX, one thread per call)`, `Intel(R) oneAPI Math Kernel Library … (sequential,
-/// one thread per call)` or `the gemm crate`.
+/// 0.3.21 (SkylakeX, one thread per call)`, `Intel MKL 2026.2 (sequential, one thread per
+/// call)`, `the portable kernel (AVX-512, fixed order)` or `the gemm crate`.
 pub fn matmul_kernel() -> String {
-    match kernel() {
-        Some(k) => k.description.clone(),
-        None => "the gemm crate".into(),
+    kernel().describe()
+}
+
+/// True when this process's products add each element's terms in an order fixed by
+/// ferrotext's own code (the portable kernel): then a product's bits do not depend on the
+/// processor, the row block or the thread count, and a contraction padded with zero terms has
+/// the unpadded bits. False on a BLAS or `gemm`, whose order follows the processor and shape.
+pub fn matmul_order_is_fixed() -> bool {
+    matches!(kernel(), Kernel::Portable(_))
+}
+
+/// Makes the portable kernel this process's matrix-product kernel, before any product runs
+/// (what `deterministic=true` asks for). Calling it again is harmless.
+///
+/// # Errors
+/// The process already computes its products on another kernel (a product ran first, or
+/// `FERROTEXT_MATMUL` named another library): its description.
+pub fn use_portable_matmul() -> Result<(), String> {
+    let chosen = KERNEL.get_or_init(|| match std::env::var("FERROTEXT_MATMUL") {
+        // The user named a kernel: it is theirs, and the caller is told it is not this one.
+        Ok(named) if !named.is_empty() && named != "portable" => open(),
+        _ => Kernel::Portable(Isa::detect()),
+    });
+    match chosen {
+        Kernel::Portable(_) => Ok(()),
+        other => Err(other.describe()),
     }
 }
 
@@ -257,13 +311,13 @@ pub(crate) unsafe fn sgemm(
     unsafe { sgemm_on(kernel(), m, n, k, dst, ldc, a, b, parallelism, store) }
 }
 
-/// [`sgemm`] on `blas`, or on `gemm` for `None`, into `dst` with row stride `ldc ≥ n`.
+/// [`sgemm`] on `kernel`, into `dst` with row stride `ldc ≥ n`.
 ///
 /// # Safety
 /// As [`sgemm`], with `dst`'s rows `ldc` elements apart.
 #[allow(clippy::too_many_arguments)]
 unsafe fn sgemm_on(
-    blas: Option<&Blas>,
+    kernel: &Kernel,
     m: usize,
     n: usize,
     k: usize,
@@ -274,17 +328,21 @@ unsafe fn sgemm_on(
     parallelism: gemm::Parallelism,
     store: Store,
 ) {
-    // With threads to spare, the BLAS gets one call per thread on its own rows — only when
-    // every block is far above its small-matrix kernels, so the blocks take the same kernel
-    // as the whole product, and its rows of a block are bitwise its rows of the whole (the
-    // kernel test checks this for each library on 1, 2 and 3 threads).
-    let blocks = match parallelism {
-        gemm::Parallelism::Rayon(t) if blas.is_some() => {
+    // With threads to spare, a BLAS or the portable kernel gets one call per thread on its
+    // own rows. The portable kernel's rows of a block are its rows of the whole by
+    // construction. A BLAS's blocks are kept far above its small-matrix kernels, so they
+    // take the kernel the whole product takes; that its rows then have the whole product's
+    // bits is what the libraries here do (the kernel test checks it within a tolerance on
+    // every library, bitwise on the portable kernel), not a promise they make.
+    let blocks = match (parallelism, kernel) {
+        (gemm::Parallelism::Rayon(t), Kernel::Blas(_) | Kernel::Portable(_)) => {
             let t = t.min(m / MIN_BLOCK_ROWS);
             // `t > 1` means m ≥ 128 rows, so `rows` ≥ 64; the last block is the smallest.
             let rows = m.div_ceil(t.max(1));
             let smallest = |rows: usize| m - (m.div_ceil(rows) - 1) * rows;
-            (t > 1 && smallest(rows) * n * k >= REGULAR_KERNEL_MIN).then_some(rows)
+            let big_enough = matches!(kernel, Kernel::Portable(_))
+                || smallest(rows) * n * k >= REGULAR_KERNEL_MIN;
+            (t > 1 && big_enough).then_some(rows)
         }
         _ => None,
     };
@@ -311,7 +369,7 @@ unsafe fn sgemm_on(
             // blocks of `dst` are disjoint.
             unsafe {
                 sgemm_on(
-                    blas,
+                    kernel,
                     rows,
                     n,
                     k,
@@ -328,7 +386,12 @@ unsafe fn sgemm_on(
         starts.into_par_iter().with_max_len(1).for_each(block);
         return;
     }
-    if let Some(blas) = blas {
+    if let Kernel::Portable(isa) = kernel {
+        // SAFETY: the caller's contract, which is the portable kernel's.
+        unsafe { portable::sgemm(*isa, m, n, k, dst, ldc, a, b, store) };
+        return;
+    }
+    if let Kernel::Blas(blas) = kernel {
         let dims = (
             c_int::try_from(m),
             c_int::try_from(n),
@@ -418,7 +481,7 @@ mod tests {
 
     #[allow(clippy::too_many_arguments)]
     fn product(
-        blas: Option<&Blas>,
+        kernel: &Kernel,
         m: usize,
         n: usize,
         k: usize,
@@ -447,7 +510,7 @@ mod tests {
         // SAFETY: the strides below address only elements inside `a` and `b`; `dst` is m×n.
         unsafe {
             sgemm_on(
-                blas,
+                kernel,
                 m,
                 n,
                 k,
@@ -462,20 +525,25 @@ mod tests {
         dst
     }
 
-    /// Every kernel this machine has (`gemm`, MKL, OpenBLAS) against an f64 loop, on every
-    /// layout `dot_general` hands them (row-major, transposed, padded rows, a layout only `gemm`
-    /// takes), in one call and in blocks, on 1, 2 and 3 threads with the same bits; and the
+    /// Every kernel this machine has (`gemm`, MKL, OpenBLAS, the portable kernel) against an
+    /// f64 loop, on every layout `dot_general` hands them (row-major, transposed, padded rows,
+    /// a layout only `gemm` takes), in one call and in row blocks on 2 and 3 threads; and the
     /// same for a product added into a destination (`Store::Accumulate`), against the f64 sum
-    /// of the destination and the product. Without a BLAS on this machine only `gemm` runs.
+    /// of the destination and the product. The portable kernel gives the same bits in blocks
+    /// (its invariant); a BLAS or `gemm` is held to the tolerance only, since which kernel —
+    /// and so which order of addition — it runs on a block depends on the processor (OpenBLAS's
+    /// Haswell kernel computes a block's rows otherwise than the whole product's).
     #[test]
     fn every_kernel_matches_an_f64_product_on_every_layout() {
-        // `gemm`, and each BLAS this machine has (opened here, whichever the process uses).
-        let libraries: Vec<Option<Blas>> = std::iter::once(None)
+        // `gemm`, the portable kernel and each BLAS this machine has (opened here, whichever
+        // the process uses).
+        let libraries: Vec<Kernel> = [Kernel::Gemm, Kernel::Portable(Isa::detect())]
+            .into_iter()
             .chain(
                 [open_mkl(), open_openblas()]
                     .into_iter()
                     .flatten()
-                    .map(Some),
+                    .map(Kernel::Blas),
             )
             .collect();
         // Too small to split; split over 2 or 3 threads (uneven blocks), and a wide product.
@@ -500,8 +568,8 @@ mod tests {
                 ((k + 3, 1), (n + 5, 1)),
                 ((2 * k + 3, 2), (n, 1)),
             ];
-            for blas in &libraries {
-                let blas = blas.as_ref();
+            for kernel in &libraries {
+                let fixed = matches!(kernel, Kernel::Portable(_));
                 for &(sa, sb) in &layouts {
                     let want = reference(m, n, k, &a, sa, &b, sb);
                     let start = data(m * n, 3);
@@ -511,21 +579,25 @@ mod tests {
                         .map(|(w, c)| w + f64::from(*c))
                         .collect();
                     for (c, want) in [(None, &want), (Some(start.as_slice()), &added)] {
-                        let one = product(blas, m, n, k, &a, sa, &b, sb, 1, c);
-                        for (x, y) in one.iter().zip(want) {
-                            assert!(
-                                (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
-                                "{x} vs {y} (accumulate: {})",
-                                c.is_some()
-                            );
-                        }
-                        for threads in [2, 3] {
-                            assert_eq!(
-                                product(blas, m, n, k, &a, sa, &b, sb, threads, c),
-                                one,
-                                "threads {threads} (accumulate: {})",
-                                c.is_some()
-                            );
+                        let one = product(kernel, m, n, k, &a, sa, &b, sb, 1, c);
+                        for threads in [1, 2, 3] {
+                            let got = product(kernel, m, n, k, &a, sa, &b, sb, threads, c);
+                            for (x, y) in got.iter().zip(want) {
+                                assert!(
+                                    (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                                    "{}: {x} vs {y} on {threads} (accumulate: {})",
+                                    kernel.describe(),
+                                    c.is_some()
+                                );
+                            }
+                            if fixed {
+                                assert_eq!(
+                                    got,
+                                    one,
+                                    "threads {threads} (accumulate: {})",
+                                    c.is_some()
+                                );
+                            }
                         }
                     }
                 }

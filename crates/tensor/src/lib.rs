@@ -51,12 +51,13 @@ mod nn;
 mod optim;
 mod parallel;
 mod peak;
+mod portable;
 mod reduce;
 mod rope;
 mod tensor;
 
 pub use attention::{causal_attention, causal_attention_backward, Attention};
-pub use blas::matmul_kernel;
+pub use blas::{matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
 pub use grouped::{

@@ -1,0 +1,404 @@
+//! The portable matrix product: ferrotext's own kernel, whose bits depend only on the operands'
+//! values, never on the processor, the shapes around them, or the thread count.
+//!
+//! A BLAS picks its kernel — and so the order in which it adds each element's products — by
+//! processor, cache sizes and matrix shape: MKL takes another path on an AMD EPYC than on a
+//! Xeon, OpenBLAS another on Haswell than on SkylakeX, and a product cut into row blocks or
+//! padded with zero columns need not give the whole product's bits. Here every element is
+//! computed one way.
+//!
+//! Invariants (what `deterministic=true` and the bitwise tests rest on):
+//! * Element `(i, j)` is one chain of fused multiply-adds over the contraction in index order,
+//!   started from `+0`: `acc = fma(a[i,l], b[l,j], acc)` for `l = 0..k`. Overwriting stores
+//!   `acc`; accumulating stores `dst + acc` (one rounding, so adding into a buffer has the bits
+//!   of computing the product and adding it after).
+//! * So the bits of `(i, j)` depend only on row `i` of `a` and column `j` of `b`: not on `m` or
+//!   `n`, the strides, which row block or thread computed it, or the instruction set. A fused
+//!   multiply-add is exactly rounded, so the AVX-512, AVX2 and scalar (`f32::mul_add`) paths
+//!   give the same bits; the lanes of a vector are different elements, never parts of one sum.
+//! * Zero terms at either end of the contraction change nothing: a chain from `+0` stays `+0`
+//!   through leading zero products, and `acc + (±0) = acc` after it (up to the sign of a zero
+//!   result). So a product over the columns a causal row can see equals the full product with
+//!   the masked probabilities (exact zeros) included.
+//!
+//! Where the time goes: `b` is packed [`NR`] columns at a time (`k × NR`, contiguous, zero past
+//! `n`), then every [`MR`]-row tile of `a` runs over that panel with `MR × NR` accumulators in
+//! registers (12 AVX-512 registers). No blocking of the contraction: that would split the chain.
+//! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
+
+use crate::blas::{Operand, Store};
+
+/// Rows of `a` a register tile covers.
+const MR: usize = 6;
+/// Columns of `b` a packed panel (and a register tile) covers: two AVX-512 registers.
+const NR: usize = 32;
+
+/// The instruction set the portable kernel runs on. Every one gives the same bits; forcing one
+/// (`FERROTEXT_PORTABLE_ISA=avx512|avx2|scalar`) is how a test shows it on one machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512F with FMA.
+    Avx512,
+    /// AVX2 with FMA.
+    Avx2,
+    /// Plain Rust: `f32::mul_add` (a hardware FMA where the target has one, else libm's).
+    Scalar,
+}
+
+impl Isa {
+    /// The widest this CPU has, or the one `FERROTEXT_PORTABLE_ISA` asks for when the CPU has it.
+    pub(crate) fn detect() -> Isa {
+        let best = Isa::best();
+        match std::env::var("FERROTEXT_PORTABLE_ISA").as_deref() {
+            Ok("scalar") => Isa::Scalar,
+            Ok("avx2") if best != Isa::Scalar => Isa::Avx2,
+            _ => best,
+        }
+    }
+
+    fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// For run headers: `AVX-512`, `AVX2` or `scalar`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "AVX-512",
+            Isa::Avx2 => "AVX2",
+            Isa::Scalar => "scalar",
+        }
+    }
+}
+
+/// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n into `dst`'s `m` rows of `n`
+/// elements `ldc` apart, on this thread, on `isa`. The bits are this module's invariants'.
+///
+/// # Safety
+/// As [`crate::blas::sgemm`]; `isa` must be one this CPU has ([`Isa::detect`] gives one).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand,
+    b: Operand,
+    store: Store,
+) {
+    let job = Job {
+        m,
+        n,
+        k,
+        dst,
+        ldc,
+        a,
+        b,
+        store,
+    };
+    // SAFETY: the caller's contract; each path needs only the features `isa` names.
+    unsafe {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => run_avx512(&job),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => run_avx2(&job),
+            _ => job.run(),
+        }
+    }
+}
+
+/// One product's operands and destination.
+struct Job {
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand,
+    b: Operand,
+    store: Store,
+}
+
+/// [`Job::run`] compiled for AVX-512F and FMA.
+///
+/// # Safety
+/// The CPU has both; the job's operands are valid as [`sgemm`] requires.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn run_avx512(job: &Job) {
+    // SAFETY: the caller's contract.
+    unsafe { job.run() }
+}
+
+/// [`Job::run`] compiled for AVX2 and FMA.
+///
+/// # Safety
+/// The CPU has both; the job's operands are valid as [`sgemm`] requires.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2(job: &Job) {
+    // SAFETY: the caller's contract.
+    unsafe { job.run() }
+}
+
+impl Job {
+    /// Panel by panel of `b`, tile by tile of `a`. Inlined into each instruction set's caller,
+    /// so the tile loops compile to that set's fused multiply-adds.
+    ///
+    /// # Safety
+    /// As [`sgemm`].
+    #[inline(always)]
+    unsafe fn run(&self) {
+        if self.m == 0 || self.n == 0 {
+            return;
+        }
+        let mut panel = vec![0.0f32; self.k * NR];
+        for j0 in (0..self.n).step_by(NR) {
+            let cols = NR.min(self.n - j0);
+            // SAFETY: columns j0..j0+cols of `b`, rows 0..k: inside the caller's operand.
+            unsafe { self.pack_panel(j0, cols, &mut panel) };
+            let mut i0 = 0;
+            while i0 < self.m {
+                let rows = MR.min(self.m - i0);
+                // SAFETY: rows i0..i0+rows of `a` and of `dst`, columns j0..j0+cols of `dst`.
+                unsafe {
+                    match rows {
+                        6 => self.tile::<6>(i0, j0, cols, &panel),
+                        5 => self.tile::<5>(i0, j0, cols, &panel),
+                        4 => self.tile::<4>(i0, j0, cols, &panel),
+                        3 => self.tile::<3>(i0, j0, cols, &panel),
+                        2 => self.tile::<2>(i0, j0, cols, &panel),
+                        _ => self.tile::<1>(i0, j0, cols, &panel),
+                    }
+                }
+                i0 += rows;
+            }
+        }
+    }
+
+    /// `panel[l·NR + c] = b[l, j0 + c]` for `c < cols`, zero for the columns past `n`.
+    ///
+    /// # Safety
+    /// Columns `j0..j0 + cols` of `b` are readable for rows `0..k`.
+    #[inline(always)]
+    unsafe fn pack_panel(&self, j0: usize, cols: usize, panel: &mut [f32]) {
+        let Operand { ptr, rs, cs } = self.b;
+        for (l, row) in panel.chunks_exact_mut(NR).enumerate() {
+            for (c, slot) in row.iter_mut().enumerate() {
+                *slot = if c < cols {
+                    // SAFETY: (l, j0 + c) is inside `b`, by the caller's contract.
+                    unsafe { *ptr.offset(l as isize * rs + (j0 + c) as isize * cs) }
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+
+    /// Rows `i0..i0 + R` × columns `j0..j0 + cols` of the product: `R × NR` chains over `k`.
+    ///
+    /// # Safety
+    /// Those rows of `a` and that block of `dst` are inside the caller's operands.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(&self, i0: usize, j0: usize, cols: usize, panel: &[f32]) {
+        let Operand { ptr, rs, cs } = self.a;
+        let mut acc = [[0.0f32; NR]; R];
+        for (l, brow) in panel.chunks_exact(NR).enumerate() {
+            let brow: &[f32; NR] = brow.try_into().unwrap_or(&[0.0; NR]);
+            for (r, acc_row) in acc.iter_mut().enumerate() {
+                // SAFETY: (i0 + r, l) is inside `a`, by the caller's contract.
+                let x = unsafe { *ptr.offset((i0 + r) as isize * rs + l as isize * cs) };
+                for (acc, &y) in acc_row.iter_mut().zip(brow) {
+                    *acc = x.mul_add(y, *acc);
+                }
+            }
+        }
+        for (r, acc_row) in acc.iter().enumerate() {
+            // SAFETY: row i0 + r of `dst`, columns j0..j0 + cols: inside the caller's block.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(self.dst.add((i0 + r) * self.ldc + j0), cols)
+            };
+            match self.store {
+                Store::Overwrite => out.copy_from_slice(&acc_row[..cols]),
+                Store::Accumulate => {
+                    for (o, &v) in out.iter_mut().zip(acc_row) {
+                        *o += v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// For tests that compare two routes through the matrix-product kernel (row blocks against the
+/// whole product, strided views against copies, a shorter contraction against a zero-padded
+/// one): `got` equals `want` to the bit on the portable kernel, whose invariants promise it,
+/// and within a float tolerance on a BLAS or `gemm`, whose order of addition follows the
+/// processor and the shape.
+#[cfg(test)]
+pub(crate) fn assert_equal_across_routes(got: &crate::Tensor, want: &crate::Tensor, what: &str) {
+    if crate::matmul_order_is_fixed() {
+        assert_eq!(got, want, "{what}");
+        return;
+    }
+    assert_eq!(got.shape(), want.shape(), "{what}");
+    for (i, (x, y)) in got.data().iter().zip(want.data()).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+            "{what} [{i}]: {x} vs {y}"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9) as f32
+                    / 8_388_608.0
+                    - 0.5
+            })
+            .collect()
+    }
+
+    /// The invariant written out: each element one `mul_add` chain from +0, in index order.
+    fn chains(m: usize, n: usize, k: usize, a: &[f32], b: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0.0f32;
+                for l in 0..k {
+                    acc = a[i * k + l].mul_add(b[l * n + j], acc);
+                }
+                out[i * n + j] = acc;
+            }
+        }
+        out
+    }
+
+    fn run(isa: Isa, m: usize, n: usize, k: usize, a: Operand, b: Operand, dst: &mut [f32]) {
+        // SAFETY: callers pass operands covering m×k and k×n, and a dst of m×n.
+        unsafe { sgemm(isa, m, n, k, dst.as_mut_ptr(), n, a, b, Store::Overwrite) };
+    }
+
+    fn isas() -> Vec<Isa> {
+        let mut all = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                all.push(Isa::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                all.push(Isa::Avx512);
+            }
+        }
+        all
+    }
+
+    /// Every instruction set gives the chains' bits, on sizes that leave partial tiles and
+    /// panels, with `b` row-major and transposed.
+    #[test]
+    fn every_instruction_set_gives_the_chains_bits() {
+        for (m, n, k) in [(1, 1, 1), (7, 33, 5), (13, 70, 129), (64, 96, 300)] {
+            let (a, b) = (data(m * k, 1), data(k * n, 2));
+            let want = chains(m, n, k, &a, &b);
+            let bt: Vec<f32> = (0..n * k).map(|x| b[(x % k) * n + x / k]).collect();
+            for isa in isas() {
+                let a_op = Operand {
+                    ptr: a.as_ptr(),
+                    rs: k as isize,
+                    cs: 1,
+                };
+                for b_op in [
+                    Operand {
+                        ptr: b.as_ptr(),
+                        rs: n as isize,
+                        cs: 1,
+                    },
+                    Operand {
+                        ptr: bt.as_ptr(),
+                        rs: 1,
+                        cs: k as isize,
+                    },
+                ] {
+                    let mut out = vec![f32::NAN; m * n];
+                    run(isa, m, n, k, a_op, b_op, &mut out);
+                    assert_eq!(out, want, "{isa:?} {m}×{n}×{k}");
+                }
+            }
+        }
+    }
+
+    /// Rows computed in any block, and a contraction padded with zero terms at either end,
+    /// give the whole product's bits; accumulating adds the product after it is formed.
+    #[test]
+    fn row_blocks_zero_padding_and_accumulation_keep_the_bits() {
+        let (m, n, k) = (20, 40, 50);
+        let (a, b) = (data(m * k, 3), data(k * n, 4));
+        let want = chains(m, n, k, &a, &b);
+        let op = |p: &[f32], rs: usize| Operand {
+            ptr: p.as_ptr(),
+            rs: rs as isize,
+            cs: 1,
+        };
+        for isa in isas() {
+            // Rows 5..12 alone.
+            let mut block = vec![0.0; 7 * n];
+            run(isa, 7, n, k, op(&a[5 * k..], k), op(&b, n), &mut block);
+            assert_eq!(block, want[5 * n..12 * n], "{isa:?} rows 5..12");
+            // Zeros before and after the contraction: a padded with zero columns, b with rows.
+            let pad = 9;
+            let kp = k + 2 * pad;
+            let mut ap = vec![0.0f32; m * kp];
+            let mut bp = vec![0.0f32; kp * n];
+            for i in 0..m {
+                ap[i * kp + pad..i * kp + pad + k].copy_from_slice(&a[i * k..(i + 1) * k]);
+            }
+            bp[pad * n..(pad + k) * n].copy_from_slice(&b);
+            let mut padded = vec![0.0; m * n];
+            run(isa, m, n, kp, op(&ap, kp), op(&bp, n), &mut padded);
+            assert_eq!(padded, want, "{isa:?} zero-padded contraction");
+            // Accumulating: dst + (the product), one rounding.
+            let start = data(m * n, 5);
+            let mut acc = start.clone();
+            // SAFETY: a is m×k, b is k×n, acc is m×n.
+            unsafe {
+                sgemm(
+                    isa,
+                    m,
+                    n,
+                    k,
+                    acc.as_mut_ptr(),
+                    n,
+                    op(&a, k),
+                    op(&b, n),
+                    Store::Accumulate,
+                )
+            };
+            let added: Vec<f32> = start.iter().zip(&want).map(|(s, w)| s + w).collect();
+            assert_eq!(acc, added, "{isa:?} accumulate");
+        }
+    }
+}
