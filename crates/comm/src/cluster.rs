@@ -59,3 +59,25 @@ pub trait Cluster: Sync {
     /// not arrive within `timeout`; or a transport failure.
     fn agree(&self, what: &str, bytes: &[u8], timeout: Duration) -> Result<(), CommError>;
 }
+
+/// The environment variables an MPI launcher sets in every process it starts: Open MPI's
+/// `mpirun` (`OMPI_COMM_WORLD_*`), PMIx launchers (Open MPI 5, Slurm's `srun --mpi=pmix`),
+/// PMI launchers (MPICH's Hydra, Intel MPI, `srun --mpi=pmi2`), and Intel MPI's own.
+pub const MPI_LAUNCHER_VARIABLES: [&str; 7] = [
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "PMIX_RANK",
+    "PMI_SIZE",
+    "PMI_RANK",
+    "MPI_LOCALNRANKS",
+    "MPI_LOCALRANKID",
+];
+
+/// True when this process was started by an MPI launcher (one of [`MPI_LAUNCHER_VARIABLES`] is
+/// set). One list for every build: a binary with MPI joins the job, one without refuses to run
+/// as one of several independent copies.
+pub fn started_by_mpi_launcher() -> bool {
+    MPI_LAUNCHER_VARIABLES
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}

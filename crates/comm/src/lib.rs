@@ -52,7 +52,7 @@ mod runner;
 pub mod stream;
 mod trace;
 
-pub use cluster::Cluster;
+pub use cluster::{started_by_mpi_launcher, Cluster, MPI_LAUNCHER_VARIABLES};
 pub use communicator::{Backend, Communicator, NoTransport, OpInfo, TypedBackend};
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;

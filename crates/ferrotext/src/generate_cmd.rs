@@ -142,7 +142,7 @@ fn codec(args: &GenerateArgs, source: &Source, vocab: usize) -> Result<TextCodec
 
 /// `eos_token_id` of a HF `config.json` (a number or a list), when there is one.
 fn hf_eos(dir: &Path) -> Vec<u32> {
-    let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+    let Ok(text) = ferrotext_train::files::read_regular_to_string(&dir.join("config.json")) else {
         return Vec::new();
     };
     let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
@@ -172,6 +172,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         return Err(usage("--max-new-tokens must be at least 1"));
     }
     let source = source(args)?;
+    ferrotext_train::select_matmul_kernel(&source.config)?;
     let plan = source.config.plan()?;
     let decoder = plan.decoder();
     let vocab = decoder.config().vocab_size;

@@ -34,10 +34,7 @@ impl Launch {
         }
         #[cfg(not(feature = "mpi"))]
         {
-            if ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-                .iter()
-                .any(|v| std::env::var_os(v).is_some())
-            {
+            if ferrotext_comm::started_by_mpi_launcher() {
                 return Err(UsageError(
                     "started by an MPI launcher, but this ferrotext was built without MPI; \
                      rebuild with `cargo build --release --features mpi`"

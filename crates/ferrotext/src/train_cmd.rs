@@ -15,7 +15,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferrotext_comm::{human_bytes, CollectiveKind, PhasePattern};
-use ferrotext_train::{io, train_plan, Fault, RunOptions, RunPlan, StepMetrics, TrainConfig};
+use ferrotext_train::{
+    io, train_plan, Fault, RunOptions, RunPlan, StepMetrics, TrainConfig, TrainReport,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::bench::median;
@@ -459,6 +461,8 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let leader = launch.is_leader();
     let model = plan.decoder().config();
     let fault = injected_fault()?;
+    // Before the header names the kernel, and before any product runs.
+    ferrotext_train::select_matmul_kernel(config)?;
     let tokens_per_step =
         config.micro_batch_rows() * config.gradient_accumulation_steps * config.max_target_length;
     // Every output is checked before anything runs: a bad path is bad input, found now.
@@ -569,7 +573,9 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
             config.steps,
             plan.checkpoint_root().display()
         );
-        return Ok(());
+        // A job killed after its last checkpoint but before its outputs is restarted exactly
+        // like this: it still owes them, from the final checkpoint it restored.
+        return deliver_outputs(config, &report, &metrics_path, launch);
     }
     if report.first_step > 0 {
         println!(
@@ -650,6 +656,18 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     if config.profile {
         report_profile(&metrics_path, launch.process(), step_time)?;
     }
+    deliver_outputs(config, &report, &metrics_path, launch)
+}
+
+/// The run's declared outputs, from the parameters it ended with (trained now, or restored from
+/// the final checkpoint of a run that had finished): the metrics path, the parameters file when
+/// `save_parameters_path` asks for one, and the loss curve.
+fn deliver_outputs(
+    config: &TrainConfig,
+    report: &TrainReport,
+    metrics_path: &Path,
+    launch: &Launch,
+) -> Result<()> {
     println!("metrics: {}", metrics_path.display());
     if let Some(values) = &report.values {
         let path = PathBuf::from(&config.save_parameters_path);

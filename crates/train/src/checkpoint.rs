@@ -86,6 +86,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "nan_policy",
     "grad_bucket_mb",
     "overlap_grad_reduce",
+    "deterministic",
     "profile",
     "profile_steps",
     "eval_interval",
@@ -326,7 +327,8 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
     if !meta.is_file() {
         return Err(ckpt_err(&path, format!("is not a file {START_OVER}")));
     }
-    let bytes = std::fs::read(&path).map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
+    let bytes = crate::files::read_regular(&path)
+        .map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
     let Ok(text) = std::str::from_utf8(&bytes) else {
         return Err(ckpt_err(&path, format!("is not text {START_OVER}")));
     };
@@ -501,7 +503,8 @@ fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>,
         ));
     }
     let path = dir.join(file);
-    let bytes = std::fs::read(&path).map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
+    let bytes = crate::files::read_regular(&path)
+        .map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
     let want = manifest
         .files
         .get(file)
@@ -602,7 +605,7 @@ fn sequences_consumed(config: &TrainConfig, step: usize, micro: usize) -> u64 {
 /// `manifest.json` of `dir`: its format version, then its seal, then its fields.
 pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
     let manifest_path = dir.join("manifest.json");
-    let text = std::fs::read(&manifest_path)
+    let text = crate::files::read_regular(&manifest_path)
         .map_err(|e| ckpt_err(&manifest_path, format!("cannot read: {e}")))?;
     let value: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))?;
@@ -633,7 +636,7 @@ pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
         ));
     }
     let seal_path = dir.join(MANIFEST_SEAL);
-    let seal = std::fs::read_to_string(&seal_path).map_err(|e| {
+    let seal = crate::files::read_regular_to_string(&seal_path).map_err(|e| {
         ckpt_err(
             &seal_path,
             format!("cannot read ({e}): manifest.json cannot be verified"),

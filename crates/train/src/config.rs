@@ -233,6 +233,11 @@ pub struct TrainConfig {
     /// schedule). Bitwise the same weights either way. Its buckets are at most 1/8 of the
     /// gradient bytes (at least 1 MiB), so a small model still has several to overlap.
     pub overlap_grad_reduce: bool,
+    /// Compute every matrix product on the portable kernel (each element one chain of fused
+    /// multiply-adds in index order), so the run's numbers are the same on any processor and
+    /// any matrix library the machine has; without it products run on the fastest library
+    /// found (MKL, OpenBLAS), whose order of addition follows the processor.
+    pub deterministic: bool,
     /// Steps between evaluations on held-out data (0: never); the last step always evaluates
     /// when this is set. Needs held-out data: `eval_dataset_path`, `eval_split`, or synthetic
     /// data (whose eval sequences come from their own stream).
@@ -322,6 +327,7 @@ impl Default for TrainConfig {
             collective_timeout_seconds: 300.0,
             grad_bucket_mb: 25.0,
             overlap_grad_reduce: false,
+            deterministic: false,
             eval_interval: 0,
             eval_steps: 1,
             eval_dataset_path: String::new(),

@@ -382,11 +382,10 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
 /// One line naming the file: missing, not a regular file, or unreadable.
 pub fn read_regular_file(path: &Path) -> Result<Vec<u8>, String> {
     let shown = path.display();
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot open {shown}: {e}"))?;
-    if !meta.is_file() {
-        return Err(format!("{shown} is not a regular file"));
-    }
-    std::fs::read(path).map_err(|e| format!("cannot read {shown}: {e}"))
+    crate::files::read_regular(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::InvalidInput => format!("{shown} {e}"),
+        _ => format!("cannot read {shown}: {e}"),
+    })
 }
 
 /// `text` encoded with the HF tokenizer at `path` (the `tokenizers` crate: BPE, WordPiece,

@@ -147,7 +147,7 @@ impl MetricsLog {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let kept: String = match std::fs::read_to_string(path) {
+        let kept: String = match crate::files::read_regular_to_string(path) {
             Ok(old) => old
                 .lines()
                 .filter(|line| {

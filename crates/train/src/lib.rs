@@ -45,6 +45,7 @@ pub mod cost;
 pub mod data;
 mod engine;
 mod error;
+pub mod files;
 mod gate;
 pub mod generate;
 mod gradients;
@@ -69,5 +70,7 @@ pub use gate::{deferral_gate, zero1_gate, zero1_spec, ClosedReason, Deferral, Ov
 pub use gradients::{Gradients, PartialGradients};
 pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use plan::{ParamLayout, PlanDecoder, RunPlan};
-pub use run::{train, train_plan, Fault, RunOptions, StepCallback, TrainReport};
+pub use run::{
+    select_matmul_kernel, train, train_plan, Fault, RunOptions, StepCallback, TrainReport,
+};
 pub use trainer::{plan_step, Trainer};

@@ -111,6 +111,27 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
     }
 }
 
+/// Puts this process's matrix products on the kernel `config` asks for: the portable,
+/// fixed-order kernel under `deterministic=true` (the same bits on any processor); otherwise
+/// the default choice (the fastest library found) stands. Call it before any product runs.
+///
+/// # Errors
+/// `deterministic=true` in a process whose products already run on another kernel (because
+/// `FERROTEXT_MATMUL` named a library): a usage error naming the key and that kernel.
+pub fn select_matmul_kernel(config: &TrainConfig) -> Result<(), TrainError> {
+    if !config.deterministic {
+        return Ok(());
+    }
+    ferrotext_tensor::use_portable_matmul().map_err(|other| {
+        TrainError::usage(
+            "deterministic",
+            format!(
+                "deterministic=true needs the portable matmul kernel, but this process computes                  on {other} (FERROTEXT_MATMUL chose it): unset FERROTEXT_MATMUL or set it to                  `portable`"
+            ),
+        )
+    })
+}
+
 /// Runs the plan's steps: on the in-process mesh, or this process's share of it under a
 /// [`Cluster`] (every process calls it with the same config; device 0, in process 0, reports
 /// progress and writes checkpoints).
@@ -142,6 +163,7 @@ pub fn train_plan(plan: &RunPlan, options: &RunOptions<'_>) -> Result<TrainRepor
             ));
         }
     }
+    select_matmul_kernel(config)?;
     plan.check_fits_in_memory()?;
     let source: Arc<dyn TokenSource> = Arc::from(data::source_for(
         config,

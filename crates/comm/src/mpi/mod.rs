@@ -94,17 +94,9 @@ pub struct MpiCluster {
 unsafe impl Sync for MpiCluster {}
 
 impl MpiCluster {
-    /// True when this process was started by an MPI launcher (`mpirun`/`mpiexec` of Open MPI,
-    /// MPICH or Intel MPI, or Slurm's `srun` with PMI/PMIx).
+    /// True when this process was started by an MPI launcher ([`crate::started_by_mpi_launcher`]).
     pub fn launched_by_mpirun() -> bool {
-        [
-            "OMPI_COMM_WORLD_SIZE",
-            "PMI_SIZE",
-            "PMIX_RANK",
-            "MPI_LOCALNRANKS",
-        ]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
+        crate::started_by_mpi_launcher()
     }
 
     /// Initialises MPI for this process with full thread support.

@@ -94,7 +94,8 @@ pub fn read_config(dir: &Path) -> Result<Config, TrainError> {
         path: path.display().to_string(),
         reason,
     };
-    let text = std::fs::read_to_string(&path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let text = crate::files::read_regular_to_string(&path)
+        .map_err(|e| err(format!("cannot read: {e}")))?;
     let value: Value = serde_json::from_str(&text).map_err(|e| err(format!("is not JSON: {e}")))?;
     decoder_config(&value).map_err(err)
 }

@@ -78,17 +78,13 @@ fn load_files(
     let mut maps = Vec::with_capacity(files.len());
     for file in files {
         let path = dir.join(file);
-        let meta = std::fs::metadata(&path).map_err(|e| {
-            err(if index.is_some() {
-                format!("shard `{file}` listed in {INDEX_FILE} cannot be read: {e}")
-            } else {
-                format!("`{file}` cannot be read: {e}")
+        let f = crate::files::open_regular(&path).map_err(|e| {
+            err(match (e.kind(), index.is_some()) {
+                (std::io::ErrorKind::InvalidInput, _) => format!("`{file}` {e}"),
+                (_, true) => format!("shard `{file}` listed in {INDEX_FILE} cannot be read: {e}"),
+                (_, false) => format!("`{file}` cannot be read: {e}"),
             })
         })?;
-        if !meta.is_file() {
-            return Err(err(format!("`{file}` is not a regular file")));
-        }
-        let f = std::fs::File::open(&path).map_err(|e| err(format!("`{file}`: {e}")))?;
         // SAFETY: the file is opened read-only and only read through this map. Like every
         // memory-mapped reader (safetensors' own included) we rely on no other process
         // truncating or rewriting a checkpoint while it loads.
@@ -402,7 +398,8 @@ fn shard_files(dir: &Path) -> Result<(Vec<String>, Option<BTreeMap<String, Strin
         }
         return Ok((vec![SINGLE_FILE.to_string()], None));
     }
-    let text = std::fs::read_to_string(&index_path).map_err(|e| format!("{INDEX_FILE}: {e}"))?;
+    let text = crate::files::read_regular_to_string(&index_path)
+        .map_err(|e| format!("{INDEX_FILE}: {e}"))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{INDEX_FILE} is not JSON: {e}"))?;
     let map = value

@@ -1,0 +1,134 @@
+//! `deterministic=true`: the same run logs the same losses and grad norms to the bit whatever
+//! code path the processor gives the matrix products, and a kernel that cannot honour the key
+//! is refused.
+
+use std::path::Path;
+use std::process::Command;
+
+/// `ferrotext train` on a short job with `env` set, writing under `dir/run`; returns the
+/// `(loss, grad_norm)` of every step as logged (full precision), and the run header's
+/// `matmul:` line.
+fn run(dir: &Path, run: &str, keys: &[&str], env: &[(&str, &str)]) -> (Vec<(f64, f64)>, String) {
+    let base = format!("base_output_directory={}", dir.display());
+    let name = format!("run_name={run}");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotext"));
+    cmd.args(["train", &base, &name, "steps=3", "max_target_length=32"])
+        .args(keys)
+        .env_remove("FERROTEXT_MATMUL")
+        .env_remove("FERROTEXT_PORTABLE_ISA");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("the ferrotext binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{run}: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let header = stdout
+        .lines()
+        .find(|l| l.starts_with("matmul:"))
+        .unwrap_or_default()
+        .to_string();
+    let metrics = std::fs::read_to_string(dir.join(run).join("metrics.jsonl")).unwrap();
+    let steps = metrics
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["loss"].as_f64().unwrap(),
+                v["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    (steps, header)
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotext-{name}-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    dir
+}
+
+/// With the key, the products run on the portable kernel, and forcing it onto the code paths
+/// other processors take (AVX2, or no vector unit at all) changes no bit of any loss or grad
+/// norm; MKL's and OpenBLAS's own processor switches do not reach it either.
+#[test]
+fn deterministic_runs_have_the_same_bits_on_every_code_path() {
+    let dir = temp_dir("deterministic");
+    let paths: [(&str, &[(&str, &str)]); 4] = [
+        ("native", &[]),
+        ("avx2", &[("FERROTEXT_PORTABLE_ISA", "avx2")]),
+        ("scalar", &[("FERROTEXT_PORTABLE_ISA", "scalar")]),
+        (
+            "library-switches",
+            &[
+                ("MKL_ENABLE_INSTRUCTIONS", "AVX2"),
+                ("OPENBLAS_CORETYPE", "Haswell"),
+            ],
+        ),
+    ];
+    let (want, header) = run(&dir, "native", &["deterministic=true"], paths[0].1);
+    assert!(header.contains("portable kernel"), "{header}");
+    assert_eq!(want.len(), 3);
+    for (name, env) in &paths[1..] {
+        let (got, header) = run(&dir, name, &["deterministic=true"], env);
+        assert!(header.contains("portable kernel"), "{name}: {header}");
+        assert_eq!(
+            got, want,
+            "{name}: the same losses and grad norms to the bit"
+        );
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// The mirror: without the key the products run on the machine's BLAS, and its code path for
+/// another processor (OpenBLAS's Haswell kernel against its SkylakeX one) changes the logged
+/// numbers — the comparison above can see a difference when there is one. Needs OpenBLAS
+/// (`.ci/run` installs it).
+#[test]
+fn without_the_key_another_processors_code_path_changes_the_bits() {
+    let dir = temp_dir("nondeterministic");
+    let openblas = |core: &'static str| {
+        [
+            ("FERROTEXT_MATMUL", "openblas"),
+            ("OPENBLAS_CORETYPE", core),
+        ]
+    };
+    let (skylake, header) = run(&dir, "skylakex", &[], &openblas("SkylakeX"));
+    assert!(
+        header.contains("OpenBLAS"),
+        "this test needs OpenBLAS (libopenblas0-pthread; .ci/run installs it): {header}"
+    );
+    let (haswell, _) = run(&dir, "haswell", &[], &openblas("Haswell"));
+    assert_ne!(
+        skylake, haswell,
+        "OpenBLAS's two kernels gave the same bits"
+    );
+    // And the two runs agree as numbers: the difference is rounding.
+    for ((a, _), (b, _)) in skylake.iter().zip(&haswell) {
+        assert!((a - b).abs() < 1e-3 * a.abs(), "{a} vs {b}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// `deterministic=true` in a process whose products another kernel already computes
+/// (`FERROTEXT_MATMUL` names it) is bad input: one line naming the key, exit 2, no run
+/// directory.
+#[test]
+fn deterministic_with_another_kernel_is_refused() {
+    let dir = temp_dir("deterministic-refused");
+    let base = format!("base_output_directory={}", dir.display());
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotext"))
+        .args(["train", &base, "steps=1", "deterministic=true"])
+        .env("FERROTEXT_MATMUL", "gemm")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.starts_with("error: deterministic=true"), "{stderr}");
+    assert!(stderr.contains("gemm"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(!dir.exists(), "nothing written");
+}
