@@ -134,15 +134,91 @@ struct Job {
     store: Store,
 }
 
-/// [`Job::run`] compiled for AVX-512F and FMA.
+/// [`Job::run`] with the AVX-512 register tile.
 ///
 /// # Safety
-/// The CPU has both; the job's operands are valid as [`sgemm`] requires.
+/// The CPU has AVX-512F and FMA; the job's operands are valid as [`sgemm`] requires.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn run_avx512(job: &Job) {
+    // SAFETY (both closures): the CPU has the features, checked by the caller; `run_with`
+    // hands each closure rows and columns inside the job's operands.
+    let full = |job: &Job, i0, j0, cols, panel: &[f32]| unsafe {
+        avx512_tile::<MR>(job, i0, j0, cols, panel)
+    };
+    let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| unsafe {
+        avx512_tile_rows(job, rows, i0, j0, cols, panel)
+    };
     // SAFETY: the caller's contract.
-    unsafe { job.run() }
+    unsafe { job.run_with(full, rest) }
+}
+
+/// [`avx512_tile`] for the last `rows < MR` rows.
+///
+/// # Safety
+/// As [`avx512_tile`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn avx512_tile_rows(
+    job: &Job,
+    rows: usize,
+    i0: usize,
+    j0: usize,
+    cols: usize,
+    panel: &[f32],
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match rows {
+            5 => avx512_tile::<5>(job, i0, j0, cols, panel),
+            4 => avx512_tile::<4>(job, i0, j0, cols, panel),
+            3 => avx512_tile::<3>(job, i0, j0, cols, panel),
+            2 => avx512_tile::<2>(job, i0, j0, cols, panel),
+            _ => avx512_tile::<1>(job, i0, j0, cols, panel),
+        }
+    }
+}
+
+/// [`Job::tile`] in AVX-512 registers: `R × 2` accumulators of 16 lanes, one
+/// `_mm512_fmadd_ps` per (row, half, `l`) — the same chain per element as `f32::mul_add`.
+///
+/// # Safety
+/// The CPU has AVX-512F and FMA; as [`Job::tile`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn avx512_tile<const R: usize>(job: &Job, i0: usize, j0: usize, cols: usize, panel: &[f32]) {
+    use std::arch::x86_64::{
+        _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+    };
+    let Operand { ptr, rs, cs } = job.a;
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let rows: [*const f32; R] =
+        std::array::from_fn(|r| ptr.wrapping_offset((i0 + r) as isize * rs));
+    for (l, brow) in panel.chunks_exact(NR).enumerate() {
+        // SAFETY: `brow` holds NR = 32 floats: two unaligned 16-lane loads.
+        let (b0, b1) = unsafe {
+            (
+                _mm512_loadu_ps(brow.as_ptr()),
+                _mm512_loadu_ps(brow.as_ptr().add(16)),
+            )
+        };
+        for r in 0..R {
+            // SAFETY: (i0 + r, l) is inside `a`, by the caller's contract.
+            let x = _mm512_set1_ps(unsafe { *rows[r].wrapping_offset(l as isize * cs) });
+            acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+        }
+    }
+    let mut out = [[0.0f32; NR]; R];
+    for (o, a) in out.iter_mut().zip(&acc) {
+        // SAFETY: `o` holds 32 floats.
+        unsafe {
+            _mm512_storeu_ps(o.as_mut_ptr(), a[0]);
+            _mm512_storeu_ps(o.as_mut_ptr().add(16), a[1]);
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { job.store(i0, j0, cols, &out) };
 }
 
 /// [`Job::run`] compiled for AVX2 and FMA.
@@ -157,13 +233,42 @@ unsafe fn run_avx2(job: &Job) {
 }
 
 impl Job {
-    /// Panel by panel of `b`, tile by tile of `a`. Inlined into each instruction set's caller,
-    /// so the tile loops compile to that set's fused multiply-adds.
+    /// Panel by panel of `b`, tile by tile of `a`, with the portable tiles. Inlined into each
+    /// instruction set's caller, so the tile loops compile to that set's fused multiply-adds.
     ///
     /// # Safety
     /// As [`sgemm`].
     #[inline(always)]
     unsafe fn run(&self) {
+        // SAFETY (both closures): `run_with` hands each closure rows and columns inside the
+        // job's operands, by the caller's contract.
+        let full =
+            |job: &Job, i0, j0, cols, panel: &[f32]| unsafe { job.tile::<MR>(i0, j0, cols, panel) };
+        let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| unsafe {
+            match rows {
+                5 => job.tile::<5>(i0, j0, cols, panel),
+                4 => job.tile::<4>(i0, j0, cols, panel),
+                3 => job.tile::<3>(i0, j0, cols, panel),
+                2 => job.tile::<2>(i0, j0, cols, panel),
+                _ => job.tile::<1>(i0, j0, cols, panel),
+            }
+        };
+        // SAFETY: the caller's contract.
+        unsafe { self.run_with(full, rest) }
+    }
+
+    /// Panel by panel of `b` (packed once), every whole tile of [`MR`] rows by `full`, the last
+    /// rows by `rest`.
+    ///
+    /// # Safety
+    /// As [`sgemm`]; `full` and `rest` compute the rows and columns they are given, as
+    /// [`Job::tile`] does.
+    #[inline(always)]
+    unsafe fn run_with(
+        &self,
+        full: impl Fn(&Job, usize, usize, usize, &[f32]),
+        rest: impl Fn(&Job, usize, usize, usize, usize, &[f32]),
+    ) {
         if self.m == 0 || self.n == 0 {
             return;
         }
@@ -172,21 +277,12 @@ impl Job {
             let cols = NR.min(self.n - j0);
             // SAFETY: columns j0..j0+cols of `b`, rows 0..k: inside the caller's operand.
             unsafe { self.pack_panel(j0, cols, &mut panel) };
-            let mut i0 = 0;
-            while i0 < self.m {
-                let rows = MR.min(self.m - i0);
-                // SAFETY: rows i0..i0+rows of `a` and of `dst`, columns j0..j0+cols of `dst`.
-                unsafe {
-                    match rows {
-                        6 => self.tile::<6>(i0, j0, cols, &panel),
-                        5 => self.tile::<5>(i0, j0, cols, &panel),
-                        4 => self.tile::<4>(i0, j0, cols, &panel),
-                        3 => self.tile::<3>(i0, j0, cols, &panel),
-                        2 => self.tile::<2>(i0, j0, cols, &panel),
-                        _ => self.tile::<1>(i0, j0, cols, &panel),
-                    }
-                }
-                i0 += rows;
+            let whole = self.m - self.m % MR;
+            for i0 in (0..whole).step_by(MR) {
+                full(self, i0, j0, cols, &panel);
+            }
+            if whole < self.m {
+                rest(self, self.m - whole, whole, j0, cols, &panel);
             }
         }
     }
@@ -228,6 +324,23 @@ impl Job {
                 }
             }
         }
+        // SAFETY: the caller's contract.
+        unsafe { self.store(i0, j0, cols, &acc) };
+    }
+
+    /// Writes a finished tile's first `cols` columns into rows `i0..` of `dst`: overwriting, or
+    /// adding each element once (`dst + acc`, one rounding).
+    ///
+    /// # Safety
+    /// Rows `i0..i0 + R`, columns `j0..j0 + cols` of `dst` are inside the caller's block.
+    #[inline(always)]
+    unsafe fn store<const R: usize>(
+        &self,
+        i0: usize,
+        j0: usize,
+        cols: usize,
+        acc: &[[f32; NR]; R],
+    ) {
         for (r, acc_row) in acc.iter().enumerate() {
             // SAFETY: row i0 + r of `dst`, columns j0..j0 + cols: inside the caller's block.
             let out = unsafe {
