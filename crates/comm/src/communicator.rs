@@ -319,7 +319,7 @@ impl Communicator {
     ) -> Result<Pending, CommError> {
         let op = self.begin_background(CollectiveKind::ReduceScatter, axes, input.len())?;
         let n = op.group.len();
-        if input.len() % n != 0 {
+        if !input.len().is_multiple_of(n) {
             return Err(self.bad(
                 &op,
                 format!(

@@ -488,7 +488,7 @@ mod tests {
                 for r in 0..n {
                     let c = chunk(len, n, r);
                     assert_eq!(c.start, covered, "len {len} n {n} r {r}");
-                    assert!(c.start % ALIGN == 0 || c.start == len);
+                    assert!(c.start.is_multiple_of(ALIGN) || c.start == len);
                     covered = c.end;
                 }
                 assert_eq!(covered, len);

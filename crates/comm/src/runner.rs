@@ -490,7 +490,7 @@ impl Plan {
     ) -> Result<Plan, RunError<E>> {
         let n = mesh.device_count();
         let (process, processes) = cluster.map_or((0, 1), |c| (c.process(), c.processes()));
-        if processes == 0 || n % processes != 0 {
+        if processes == 0 || !n.is_multiple_of(processes) {
             return Err(RunError::Placement {
                 devices: n,
                 processes,

@@ -525,7 +525,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
             m.loss,
             m.tokens as f64 / m.seconds
         ));
-        if m.step % (steps / 10).max(1) == 0
+        if m.step.is_multiple_of((steps / 10).max(1))
             || m.step + 1 == steps
             || m.skipped
             || m.eval_loss.is_some()

@@ -61,7 +61,7 @@ fn edit_header(path: &Path, f: impl FnOnce(&mut Value)) {
     let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).expect("a header");
     f(&mut header);
     let mut text = serde_json::to_vec(&header).expect("JSON");
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();

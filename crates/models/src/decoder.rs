@@ -504,13 +504,16 @@ impl Decoder {
         if sizes.contains(&0) {
             return Err(ConfigError("every model dimension must be positive".into()));
         }
-        if cfg.base_num_query_heads % cfg.base_num_kv_heads != 0 {
+        if !cfg
+            .base_num_query_heads
+            .is_multiple_of(cfg.base_num_kv_heads)
+        {
             return Err(ConfigError(format!(
                 "base_num_query_heads ({}) must be a multiple of base_num_kv_heads ({})",
                 cfg.base_num_query_heads, cfg.base_num_kv_heads
             )));
         }
-        if cfg.head_dim % 2 != 0 {
+        if !cfg.head_dim.is_multiple_of(2) {
             return Err(ConfigError(format!(
                 "head_dim ({}) must be even for RoPE",
                 cfg.head_dim

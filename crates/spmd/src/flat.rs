@@ -190,7 +190,7 @@ impl Ctx<'_> {
                     Fused::ReduceScatter(..) => {
                         // Each value is cut along its own dimension.
                         let dim = plan.dims[i];
-                        if shape[dim] % segments != 0 {
+                        if !shape[dim].is_multiple_of(segments) {
                             return Err(internal(
                                 "a scattered dimension its group does not divide",
                             ));

@@ -191,7 +191,7 @@ impl Ctx<'_> {
         const OP: &str = "rope";
         let t = x.ty();
         let head_dim = t.shape().last().copied().unwrap_or(0);
-        if t.rank() < 3 || pass > head_dim || (head_dim - pass) % 2 != 0 {
+        if t.rank() < 3 || pass > head_dim || !(head_dim - pass).is_multiple_of(2) {
             return Err(type_error(
                 K::ShapeError,
                 OP,

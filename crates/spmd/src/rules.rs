@@ -743,7 +743,7 @@ pub(crate) fn local_reshape_partitions(x: &ArrayType, new_sizes: &[usize]) -> Op
             return None;
         }
         let target = major_out?;
-        if new_sizes[target] % mesh_parts(x.mesh(), spec.dim(d)) != 0 {
+        if !new_sizes[target].is_multiple_of(mesh_parts(x.mesh(), spec.dim(d))) {
             return None;
         }
         out[target] = spec.dim(d).clone();

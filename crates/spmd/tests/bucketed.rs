@@ -144,7 +144,7 @@ fn values_scattering_different_dimensions_share_a_bucket_each_cut_along_its_own(
     // others. One bucket holds them all; each must be cut (and gathered back) along its own
     // dimension, as one reshard per value does.
     let shapes = [vec![4, 6], vec![3, 8], vec![8], vec![6, 4]];
-    let dim_of = |shape: &[usize]| usize::from(shape[0] % 4 != 0);
+    let dim_of = |shape: &[usize]| usize::from(!shape[0].is_multiple_of(4));
     let scatter = |cx: &Ctx<'_>| -> Vec<(Array, PartitionSpec)> {
         shapes
             .iter()

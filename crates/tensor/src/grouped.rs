@@ -253,7 +253,7 @@ pub fn grouped_matmul_backward_dw_into(
         // Nothing to add (no elements in dw).
         return Ok(true);
     }
-    if part % block != 0 || parts.iter().any(|p| p.len() != part) {
+    if !part.is_multiple_of(block) || parts.iter().any(|p| p.len() != part) {
         return Ok(false);
     }
     let _span = backward_span(x, w, group_sizes, dims, 1);

@@ -4,7 +4,8 @@ need. It must not know about meshes or collectives: a [`Tensor`] is just this de
 
 Main items: [`Tensor`] (row-major, contiguous; structural ops copy, reshape does not),
 elementwise maps with NumPy broadcasting, reductions, [`dot_general`] (on Intel MKL or OpenBLAS
-when the machine has one, else the `gemm` crate: [`matmul_kernel`] says which) with arbitrary batch and
+when the machine has one, else the `gemm` crate, or on the portable fixed-order kernel whose bits
+do not depend on the processor, [`use_portable_matmul`]: [`matmul_kernel`] says which) with arbitrary batch and
 contracting dimensions, and the model kernels (softmax, RMSNorm, RoPE,
 SiLU, cross-entropy, gather/scatter-add, top-k), each forward beside its backward.
 
@@ -24,7 +25,9 @@ Kernels run on a device's share of the cores, never more: [`dot_general`] and th
 products take it as an argument; the row and elementwise kernels read this thread's budget,
 set once with [`set_kernel_threads`] (1 until set). A device runs under [`with_kernel_pool`], so
 its thread is one of the workers its kernels split over. Work is cut into fixed chunks and sums
-across chunks run in order, so every result has the same bits on any thread count.
+across chunks run in order, so every result of this crate's own kernels has the same bits on any
+thread count; a product's does on the portable kernel, and on a BLAS where the library computes a
+block of rows as it computes the whole product ([`matmul_order_is_fixed`]).
 
 [`cpu_peak`] states the CPU's peak FLOP/s from its description (cores × FMA units × lanes ×
 clock), a figure that does not move with how busy the machine is.

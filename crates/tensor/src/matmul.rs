@@ -269,7 +269,7 @@ pub fn dot_general_accumulate_parts(
         // No elements (every part is empty, since they add up to the result).
         return Ok(true);
     }
-    if part % row != 0 || parts.iter().any(|p| p.len() != part) {
+    if !part.is_multiple_of(row) || parts.iter().any(|p| p.len() != part) {
         return Ok(false);
     }
     let _span = stacks.span((lhs, rhs));

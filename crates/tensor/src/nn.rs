@@ -735,7 +735,7 @@ pub fn scatter_add_into_parts(
     if indices.is_empty() {
         return Ok(true);
     }
-    if part % width != 0 || parts.iter().any(|p| p.len() != part) {
+    if !part.is_multiple_of(width) || parts.iter().any(|p| p.len() != part) {
         return Ok(false);
     }
     // Every index is below `rows` ≥ 1, so the parts hold at least one row each.

@@ -141,13 +141,14 @@ struct Job {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn run_avx512(job: &Job) {
-    // SAFETY (both closures): the CPU has the features, checked by the caller; `run_with`
-    // hands each closure rows and columns inside the job's operands.
-    let full = |job: &Job, i0, j0, cols, panel: &[f32]| unsafe {
-        avx512_tile::<MR>(job, i0, j0, cols, panel)
+    let full = |job: &Job, i0, j0, cols, panel: &[f32]| {
+        // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
+        // closure rows and columns inside the job's operands.
+        unsafe { avx512_tile::<MR>(job, i0, j0, cols, panel) }
     };
-    let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| unsafe {
-        avx512_tile_rows(job, rows, i0, j0, cols, panel)
+    let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| {
+        // SAFETY: as for `full`.
+        unsafe { avx512_tile_rows(job, rows, i0, j0, cols, panel) }
     };
     // SAFETY: the caller's contract.
     unsafe { job.run_with(full, rest) }
@@ -240,17 +241,21 @@ impl Job {
     /// As [`sgemm`].
     #[inline(always)]
     unsafe fn run(&self) {
-        // SAFETY (both closures): `run_with` hands each closure rows and columns inside the
-        // job's operands, by the caller's contract.
-        let full =
-            |job: &Job, i0, j0, cols, panel: &[f32]| unsafe { job.tile::<MR>(i0, j0, cols, panel) };
-        let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| unsafe {
-            match rows {
-                5 => job.tile::<5>(i0, j0, cols, panel),
-                4 => job.tile::<4>(i0, j0, cols, panel),
-                3 => job.tile::<3>(i0, j0, cols, panel),
-                2 => job.tile::<2>(i0, j0, cols, panel),
-                _ => job.tile::<1>(i0, j0, cols, panel),
+        let full = |job: &Job, i0, j0, cols, panel: &[f32]| {
+            // SAFETY: `run_with` hands this closure rows and columns inside the job's
+            // operands, by the caller's contract.
+            unsafe { job.tile::<MR>(i0, j0, cols, panel) }
+        };
+        let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| {
+            // SAFETY: as for `full`.
+            unsafe {
+                match rows {
+                    5 => job.tile::<5>(i0, j0, cols, panel),
+                    4 => job.tile::<4>(i0, j0, cols, panel),
+                    3 => job.tile::<3>(i0, j0, cols, panel),
+                    2 => job.tile::<2>(i0, j0, cols, panel),
+                    _ => job.tile::<1>(i0, j0, cols, panel),
+                }
             }
         };
         // SAFETY: the caller's contract.

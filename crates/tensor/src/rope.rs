@@ -123,7 +123,10 @@ pub fn rope_tail(
     let _span = ferrotext_profile::span("rope_with");
     let r = x.rank();
     let head_dim = if r < 3 { 0 } else { x.shape()[r - 1] };
-    if r < 3 || pass > head_dim || (head_dim - pass) % 2 != 0 || positions.len() != x.shape()[r - 3]
+    if r < 3
+        || pass > head_dim
+        || !(head_dim - pass).is_multiple_of(2)
+        || positions.len() != x.shape()[r - 3]
     {
         return Err(TensorError::shape(
             "rope",

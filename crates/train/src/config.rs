@@ -809,7 +809,7 @@ impl TrainConfig {
             );
         }
         let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])?;
-        if self.micro_batch_rows() % batch_parts != 0 {
+        if !self.micro_batch_rows().is_multiple_of(batch_parts) {
             return bad(
                 "per_device_batch_size",
                 format!(

@@ -384,7 +384,7 @@ pub fn read_regular_file(path: &Path) -> Result<Vec<u8>, String> {
     let shown = path.display();
     crate::files::read_regular(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::InvalidInput => format!("{shown} {e}"),
-        _ => format!("cannot read {shown}: {e}"),
+        _ => format!("cannot open {shown}: {e}"),
     })
 }
 

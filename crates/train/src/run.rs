@@ -265,7 +265,7 @@ impl DeviceRun {
             ),
             _ => None,
         };
-        let reports_progress = device % plan.config().local_devices == 0;
+        let reports_progress = device.is_multiple_of(plan.config().local_devices);
         let metrics = self.device_loop(cx, &mut trainer, &mut |m| {
             if let Some(log) = &mut log {
                 log.append(m)?;
@@ -358,7 +358,7 @@ impl DeviceRun {
             let done = trainer.engine().steps_taken();
             let interval = config.eval_interval;
             if let Some(source) = self.eval_source.as_deref() {
-                if interval > 0 && (done % interval == 0 || done == config.steps) {
+                if interval > 0 && (done.is_multiple_of(interval) || done == config.steps) {
                     let loss = trainer.evaluate(cx, source)?;
                     m.eval_loss = Some(loss);
                     m.eval_perplexity = Some(loss.exp());
@@ -367,7 +367,9 @@ impl DeviceRun {
             // 5. log: the metrics file and the progress callback.
             log(&m)?;
             // 6. checkpoint, every `checkpoint_period` steps and at the last.
-            if checkpoints && (done % config.checkpoint_period == 0 || done == config.steps) {
+            if checkpoints
+                && (done.is_multiple_of(config.checkpoint_period) || done == config.steps)
+            {
                 trainer.engine().save_checkpoint(cx, &self.root)?;
             }
             metrics.push(m);

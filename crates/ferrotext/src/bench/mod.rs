@@ -226,7 +226,7 @@ pub(crate) fn abba_pair<T, E>(
     i: usize,
     mut run: impl FnMut(Side) -> Result<T, E>,
 ) -> Result<(T, T), E> {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         let a = run(Side::A)?;
         Ok((a, run(Side::B)?))
     } else {

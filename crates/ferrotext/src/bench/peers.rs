@@ -117,7 +117,7 @@ impl FromStr for Point {
             data.trim().parse().map_err(|_| bad())?,
             ga.trim().parse().map_err(|_| bad())?,
         );
-        if data == 0 || MICRO_BATCH_ROWS % data != 0 || ga == 0 {
+        if data == 0 || !MICRO_BATCH_ROWS.is_multiple_of(data) || ga == 0 {
             return Err(bad());
         }
         Ok(Point { data, ga })

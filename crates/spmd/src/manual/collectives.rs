@@ -230,7 +230,7 @@ impl Ctx<'_> {
                 let _ = from;
                 dim_ok(*dim)?;
                 let g = n(self, axes)?;
-                if shape[*dim] % g != 0 {
+                if !shape[*dim].is_multiple_of(g) {
                     return Err(type_error(
                         K::ShapeError,
                         "psum_scatter",
@@ -272,7 +272,7 @@ impl Ctx<'_> {
                 dim_ok(*split)?;
                 dim_ok(*concat)?;
                 let g = n(self, axes)?;
-                if shape[*split] % g != 0 {
+                if !shape[*split].is_multiple_of(g) {
                     return Err(type_error(
                         K::ShapeError,
                         "all_to_all",
