@@ -22,7 +22,7 @@
 //! Resume is strict: a `latest` that is not a plain file naming a complete checkpoint is an
 //! error, never a silent fresh start (`resume=fresh` starts over and moves the old checkpoint
 //! directory aside). Only the keys in [`RESUMABLE_KEYS`] (and the layout keys, see
-//! [`is_layout_key`], as long as the global micro-batch is the same) may differ between the run
+//! [`is_layout_key`], as long as the global batch is the same) may differ between the run
 //! that saved a checkpoint and the one that restores it.
 //!
 //! Mid-step: saving reduces the pending accumulator on the way out (one all-reduce per gradient,
@@ -62,8 +62,8 @@ pub const MANIFEST_SEAL: &str = "manifest.sha256";
 /// Config keys that may differ between the run that saved a checkpoint and the run that restores
 /// it: the length and learning-rate schedule, paths and outputs, checkpoint cadence, and run
 /// policy. Every other key (model, data, batch, optimizer, seeds, tokenizer) must be equal;
-/// the layout keys ([`is_layout_key`]) may change as long as the global micro-batch stays the
-/// same.
+/// the layout keys ([`is_layout_key`]) may change as long as the global batch of a step stays
+/// the same (and, inside a step, its micro-batches).
 pub const RESUMABLE_KEYS: &[&str] = &[
     "steps",
     "learning_rate",
@@ -94,8 +94,12 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "eval_dataset_path",
 ];
 
-/// The layout keys: a checkpoint restores onto another mesh or mode as long as the global
-/// micro-batch ([`TrainConfig::micro_batch_rows`]) is the same.
+/// The layout keys: a checkpoint taken at a step boundary restores onto another mesh, mode or
+/// split of the step into micro-batches as long as the global batch of a step
+/// ([`TrainConfig::micro_batch_rows`] × `gradient_accumulation_steps`) is the same — a job that
+/// lost a host resumes on fewer devices with more micro-batches and reads the same sequences.
+/// A checkpoint taken inside a step also needs the same micro-batches (global micro-batch and
+/// `gradient_accumulation_steps`), since its pending gradients cover the ones already run.
 pub fn is_layout_key(key: &str) -> bool {
     matches!(
         key,
@@ -104,6 +108,7 @@ pub fn is_layout_key(key: &str) -> bool {
             | "shard_mode"
             | "shard_optimizer_over_data"
             | "per_device_batch_size"
+            | "gradient_accumulation_steps"
     ) || (key.starts_with("ici_") && key.ends_with("_parallelism"))
 }
 
@@ -780,9 +785,15 @@ pub(crate) fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainErr
 }
 
 /// The saved config against the current one: only [`RESUMABLE_KEYS`] may differ, and the
-/// layout keys as long as the global micro-batch is the same. Compared as JSON, so a new key is
+/// layout keys as [`is_layout_key`] says (the same global batch; inside a step, the same
+/// micro-batches). Compared as JSON, so a new key is
 /// strict until it is listed.
-fn check_config(dir: &Path, saved: &TrainConfig, now: &TrainConfig) -> Result<(), TrainError> {
+fn check_config(
+    dir: &Path,
+    saved: &TrainConfig,
+    now: &TrainConfig,
+    micro_steps: usize,
+) -> Result<(), TrainError> {
     let as_object = |c: &TrainConfig| match serde_json::to_value(c) {
         Ok(serde_json::Value::Object(map)) => Ok(map),
         Ok(_) => Err(ckpt_err(dir, "a config is not a JSON object")),
@@ -811,19 +822,42 @@ fn check_config(dir: &Path, saved: &TrainConfig, now: &TrainConfig) -> Result<()
             format!(
                 "{}; only {} may change on resume (and the layout keys local_devices, \
                  num_processes, ici_*_parallelism, shard_mode, shard_optimizer_over_data, \
-                 per_device_batch_size, as long as the global micro-batch stays the same)",
+                 per_device_batch_size, gradient_accumulation_steps, as long as the global batch \
+                 stays the same)",
                 strict.join("; "),
                 RESUMABLE_KEYS.join(", ")
             ),
         ));
     }
-    if saved.micro_batch_rows() != now.micro_batch_rows() {
-        return Err(ckpt_err(
-            dir,
+    let per_step = |c: &TrainConfig| c.micro_batch_rows() * c.gradient_accumulation_steps;
+    if per_step(saved) != per_step(now) {
+        return Err(TrainError::usage(
+            "gradient_accumulation_steps",
             format!(
-                "the global micro-batch (per_device_batch_size × devices) was {} sequences when \
-                 saved, now {} ({}); the layout may change on resume only if it stays the same",
+                "checkpoint {}: the global batch (per_device_batch_size × devices × \
+                 gradient_accumulation_steps) was {} sequences a step when saved, now {} ({}); \
+                 the layout may change on resume only if it stays the same",
+                dir.display(),
+                per_step(saved),
+                per_step(now),
+                layout.join("; ")
+            ),
+        ));
+    }
+    let same_micro_batches = saved.micro_batch_rows() == now.micro_batch_rows()
+        && saved.gradient_accumulation_steps == now.gradient_accumulation_steps;
+    if micro_steps > 0 && !same_micro_batches {
+        return Err(TrainError::usage(
+            "gradient_accumulation_steps",
+            format!(
+                "checkpoint {} was taken inside a step, after {micro_steps} of {} micro-batches of \
+                 {} sequences: it resumes only with the same micro-batches, now {} of {} ({}); \
+                 resume from a checkpoint at a step boundary, where the split of a step may \
+                 change",
+                dir.display(),
+                saved.gradient_accumulation_steps,
                 saved.micro_batch_rows(),
+                now.gradient_accumulation_steps,
                 now.micro_batch_rows(),
                 layout.join("; ")
             ),
@@ -1086,7 +1120,7 @@ impl Engine {
         let infos = state.plan.params();
         let manifest = read_manifest(dir)?;
         validate_manifest(dir, &manifest)?;
-        check_config(dir, &manifest.config, config)?;
+        check_config(dir, &manifest.config, config, manifest.micro_steps)?;
         // The data position the current config implies for this step and micro-step.
         let manifest_path = dir.join("manifest.json");
         if manifest.dataset_order != config.dataset_order {

@@ -206,6 +206,78 @@ fn trainer_resumes_at_a_step_boundary_with_a_bitwise_equal_loss_curve() {
     std::fs::remove_dir_all(&base).ok();
 }
 
+/// A step-boundary checkpoint written on data=4 × GA 1 resumes on data=2 × GA 2 and on
+/// data=1 × GA 4 (a job that lost devices continues with more micro-batches): the step reads the
+/// same sequences, so every continued loss agrees with the uninterrupted run's to rounding (a
+/// different sequence would move it by far more). Equal bits across layouts need a gradient sum
+/// whose order does not depend on the layout, which ferrotext does not have yet. The mirrors: a
+/// resume that changes the global batch is a usage error naming the key, and so is a checkpoint
+/// taken inside a step resumed with other micro-batches.
+#[test]
+fn a_step_boundary_checkpoint_resumes_on_another_split_of_the_global_batch() {
+    let base = scratch("elastic");
+    let dir = format!("base_output_directory={}", base.display());
+    // (data, GA, local devices): the same 4 sequences a step.
+    let layout = |(data, ga, devices): (usize, usize, usize), run: &str| {
+        let keys = [
+            format!("ici_data_parallelism={data}"),
+            format!("gradient_accumulation_steps={ga}"),
+            format!("local_devices={devices}"),
+            format!("run_name={run}"),
+        ];
+        let mut all: Vec<&str> = keys.iter().map(String::as_str).collect();
+        all.extend([
+            dir.as_str(),
+            "enable_checkpointing=true",
+            "checkpoint_period=1",
+        ]);
+        config(&all)
+    };
+    let four = (4, 1, 4);
+    let whole = train(&layout(four, "whole"), &RunOptions::default()).unwrap();
+    for to in [(2, 2, 2), (1, 4, 1)] {
+        let run = format!("from-4-to-{}", to.0);
+        let first = train(
+            &layout(four, &run),
+            &RunOptions {
+                stop_after_steps: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(first.metrics.len(), 2);
+        let rest = train(&layout(to, &run), &RunOptions::default()).unwrap();
+        assert_eq!(
+            rest.first_step, 2,
+            "{to:?}: resumed after the two saved steps"
+        );
+        let losses: Vec<f64> = first
+            .metrics
+            .iter()
+            .chain(&rest.metrics)
+            .map(|m| m.loss)
+            .collect();
+        assert_eq!(losses.len(), whole.metrics.len());
+        for (step, (got, want)) in losses
+            .iter()
+            .zip(whole.metrics.iter().map(|m| m.loss))
+            .enumerate()
+        {
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs(),
+                "{to:?}, step {step}: {got} vs {want}"
+            );
+        }
+        // The mirror: another global batch a step is refused before anything runs.
+        let mut other = layout((to.0, 1, to.2), &run);
+        other.steps = 6;
+        let err = train(&other, &RunOptions::default()).unwrap_err();
+        assert!(err.is_usage(), "{err}");
+        assert!(err.to_string().contains("the global batch"), "{err}");
+    }
+    std::fs::remove_dir_all(&base).ok();
+}
+
 /// Saves step 1, then fails after each file of the step-2 save in turn: the previous checkpoint
 /// stays `latest` and loads; the partial one is never picked up.
 #[test]
@@ -738,7 +810,12 @@ fn a_changed_config_on_resume_is_an_error_naming_the_key() {
     for (change, expected) in [
         (
             "gradient_accumulation_steps=4",
-            "gradient_accumulation_steps was 2 when saved, now 4; only steps, learning_rate",
+            "the global batch (per_device_batch_size × devices × gradient_accumulation_steps) \
+             was 8 sequences a step when saved, now 16",
+        ),
+        (
+            "vocab_size=128",
+            "vocab_size was 256 when saved, now 128; only steps, learning_rate",
         ),
         (
             "max_target_length=8",
@@ -746,8 +823,9 @@ fn a_changed_config_on_resume_is_an_error_naming_the_key() {
         ),
         (
             "per_device_batch_size=2",
-            "the global micro-batch (per_device_batch_size × devices) was 4 sequences when \
-             saved, now 8 (per_device_batch_size was 1.0 when saved, now 2.0)",
+            "the global batch (per_device_batch_size × devices × gradient_accumulation_steps) \
+             was 8 sequences a step when saved, now 16 (per_device_batch_size was 1.0 when \
+             saved, now 2.0)",
         ),
         (
             "data_shuffle_seed=7",
@@ -766,6 +844,19 @@ fn a_changed_config_on_resume_is_an_error_naming_the_key() {
         assert!(err.contains(expected), "{change}: {err}");
         assert_eq!(err.lines().count(), 1, "{err}");
     }
+    // The same global batch cut into other micro-batches: fine at a step boundary, refused
+    // inside a step.
+    let err = restore_error(
+        &config(&["gradient_accumulation_steps=1", "per_device_batch_size=2"]),
+        &root,
+    );
+    assert!(
+        err.contains(
+            "was taken inside a step, after 1 of 2 micro-batches of 4 sequences: it resumes \
+             only with the same micro-batches, now 1 of 8"
+        ),
+        "{err}"
+    );
     // The schedule and the cadence may change.
     let cfg = config(&[
         "steps=10",
