@@ -245,7 +245,8 @@ impl<B: TypedBackend> Backend for B {
 /// mesh axis *not* listed (e.g. over `["data"]` on a data×tensor mesh: the devices with the same
 /// `tensor` index). Ranks in the group follow the listed axes, first axis major. Every member must
 /// make the same call (kind, axes, length, dtype, root) at the same point of its program; results
-/// are bitwise identical on every member and from run to run (sums are taken in rank order).
+/// are bitwise identical on every member and from run to run (sums follow a fixed tree over the
+/// ranks, `tree_sum`).
 pub struct Communicator {
     device: usize,
     mesh: Arc<Mesh>,

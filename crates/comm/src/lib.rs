@@ -12,9 +12,10 @@ is recorded in. It must not know about autodiff or models: it moves `f32`/`bf16`
 * **The trace is recorded by the front end, not the backend**, so every backend (threads today,
   MPI and NCCL later, an abstract shape-only run) produces the same trace for the same program.
   Tests read it to prove where reductions happen; the trainer prints its per-phase summary.
-* **Deterministic sums.** Every reduction adds the members' contributions in rank order, in
-  `f32`, whatever device computes it, so results are bitwise identical on every member and from
-  run to run.
+* **Deterministic sums.** Every reduction adds the members' contributions in one fixed
+  pairwise tree over the ranks (`tree_sum`), in `f32`, whatever device computes it, so results
+  are bitwise identical on every member and from run to run, and a sum over consecutive blocks
+  of a power-of-two size first gives the same bits as one over everything.
 * **Collectives never hang.** A member that leaves (returns, fails, panics), a member that issues
   a different collective at the same point, or a timeout breaks the group, and every waiting
   member gets a [`CommError`]. [`run_spmd`] reports the first device that failed.
@@ -51,6 +52,7 @@ pub mod mpi;
 mod runner;
 pub mod stream;
 mod trace;
+pub mod tree_sum;
 
 pub use cluster::{started_by_mpi_launcher, Cluster, MPI_LAUNCHER_VARIABLES};
 pub use communicator::{Backend, Communicator, NoTransport, OpInfo, TypedBackend};

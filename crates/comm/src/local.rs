@@ -6,7 +6,7 @@
 //! 1. *entry*: each member publishes pointers to its buffers and a description of its call; the
 //!    last to arrive checks that all descriptions agree;
 //! 2. *work*: member `r` owns chunk `r` of the data. For an all-reduce it reads chunk `r` of every
-//!    member's buffer, sums them in rank order into a small f32 block, and writes the block back
+//!    member's buffer, sums them in the tree order of `tree_sum.rs` into a small f32 block, and writes the block back
 //!    into chunk `r` of *every* member's buffer. Each device thus reads and writes the buffer size
 //!    once — the traffic of a memcpy — and adds 1/N of the data. Reduce-scatter, all-gather,
 //!    all-to-all and broadcast are the matching reads and copies;
@@ -341,8 +341,8 @@ pub(crate) fn chunk(len: usize, n: usize, r: usize) -> std::ops::Range<usize> {
     start..((r + 1) * size).min(len)
 }
 
-/// Sums `range` of every source (in rank order, in f32) and writes the result to `range` of
-/// every destination.
+/// Sums `range` of every source (in the tree order of [`crate::tree_sum`], in f32) and writes
+/// the result to `range` of every destination.
 ///
 /// # Safety
 /// Every `srcs[k]` and `dsts[k]` must be valid for `range`; during the call no other thread may
@@ -355,23 +355,16 @@ unsafe fn sum_blocks<T: Element>(
     len: usize,
     acc: &mut [f32],
 ) {
+    let mut scratch = Vec::new();
     let mut done = 0;
     while done < len {
         let n = BLOCK.min(len - done);
         let acc = &mut acc[..n];
-        for (k, &src) in srcs.iter().enumerate() {
-            // SAFETY: the caller guarantees `src` is valid for this range and unwritten meanwhile.
-            let block = unsafe { std::slice::from_raw_parts(src.add(src_offset + done), n) };
-            if k == 0 {
-                for (a, &x) in acc.iter_mut().zip(block) {
-                    *a = x.to_f32();
-                }
-            } else {
-                for (a, &x) in acc.iter_mut().zip(block) {
-                    *a += x.to_f32();
-                }
-            }
-        }
+        // SAFETY: the caller guarantees every source is valid for this range and unwritten
+        // meanwhile.
+        let part =
+            |k: usize| unsafe { std::slice::from_raw_parts(srcs[k].add(src_offset + done), n) };
+        crate::tree_sum::tree_sum_into(acc, srcs.len(), &part, &mut scratch);
         for &dst in dsts {
             // SAFETY: the caller guarantees exclusive access to this range of `dst`.
             let block = unsafe { std::slice::from_raw_parts_mut(dst.add(dst_offset + done), n) };

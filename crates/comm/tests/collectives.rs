@@ -56,15 +56,18 @@ fn opts() -> SpmdOptions {
     SpmdOptions::default().with_timeout(Duration::from_secs(20))
 }
 
-/// Sum in rank order, the reference every backend must match bit for bit.
+/// The sum over the group in the tree order over its ranks, written out as a recursion
+/// (`tree_sum`'s definition), the reference every backend must match bit for bit.
 fn serial_sum(group: &[usize], len: usize) -> Vec<f32> {
-    let mut acc = data(group[0], len);
-    for &d in &group[1..] {
-        for (a, x) in acc.iter_mut().zip(data(d, len)) {
-            *a += x;
-        }
+    if group.len() == 1 {
+        return data(group[0], len);
     }
-    acc
+    let split = ferrotext_comm::tree_sum::tree_split(group.len());
+    let (left, right) = (
+        serial_sum(&group[..split], len),
+        serial_sum(&group[split..], len),
+    );
+    left.iter().zip(&right).map(|(a, b)| a + b).collect()
 }
 
 #[test]

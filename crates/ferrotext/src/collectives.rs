@@ -40,8 +40,9 @@ pub struct CollectivesArgs {
     #[arg(long, hide = true)]
     diverge_length: Option<usize>,
     /// Fill the buffers with values of very different magnitudes, whose f32 sums depend on the
-    /// order of addition: the check then holds only where the sums are in rank order (in one
-    /// process, or flat / one device per process under MPI).
+    /// order of addition: the check then holds only where the sums follow the tree over the
+    /// ranks (in one process, flat under MPI, or hierarchical with a power-of-two number of
+    /// devices per process).
     #[arg(long, hide = true)]
     rounding: bool,
     /// Make this device stall before `update` for ten timeouts (tests the timeout path and, in
@@ -312,7 +313,7 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
 }
 
 /// Compares every device's results (devices `first..`) with a serial computation over its
-/// group, in rank order.
+/// group, in the collectives' tree order over the ranks.
 fn check(
     mesh: &ferrotext_sharding::Mesh,
     axes: &[&str],
@@ -332,12 +333,17 @@ fn check(
                 bail!("device {d}: micro-batch {micro} loss {loss} != {want}");
             }
         }
-        let mut sum = contents(group[0], len, 1, rounding);
-        for &g in &group[1..] {
-            for (s, x) in sum.iter_mut().zip(contents(g, len, 1, rounding)) {
-                *s += x;
-            }
-        }
+        // Every reduction sums its members in one fixed tree over the ranks (`tree_sum`).
+        let members: Vec<Vec<f32>> = group
+            .iter()
+            .map(|&g| contents(g, len, 1, rounding))
+            .collect();
+        let sum: Vec<f32> = (0..len)
+            .map(|i| {
+                let column: Vec<f32> = members.iter().map(|m| m[i]).collect();
+                ferrotext_comm::tree_sum::tree_sum_f32(&column)
+            })
+            .collect();
         if r.all_reduced != sum || r.gathered.as_ref().is_some_and(|g| g != &sum) {
             bail!("device {d}: the gradient reduction differs from the serial sum");
         }

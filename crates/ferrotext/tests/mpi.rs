@@ -94,11 +94,11 @@ fn collectives_across_processes_equal_the_serial_reference() {
 }
 
 /// The pipelined collectives (all-reduce, reduce-scatter, all-gather) against the serial
-/// rank-order sum, bitwise, with contents whose f32 sums depend on the order of addition, on
+/// tree-order sum, bitwise, with contents whose f32 sums depend on the order of addition, on
 /// lengths whose chunks are uneven and cut into several parts (the last one short), for several
 /// process counts; flat over 2 processes × 2 devices mixes peers in and out of the process.
 #[test]
-fn pipelined_collectives_equal_rank_order_sums_bitwise_on_uneven_sizes() {
+fn pipelined_collectives_equal_tree_order_sums_bitwise_on_uneven_sizes() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let cases: &[(usize, &str, bool, &str)] = &[
         (2, "data=2", false, "1000003"),
@@ -380,6 +380,56 @@ fn assert_close(a: &[(f64, f64)], b: &[(f64, f64)], what: &str) {
             "{what}: {a:?} vs {b:?}"
         );
     }
+}
+
+/// `layout_invariant=true` over MPI: 2 processes × 2 devices (hierarchical) and 4 processes ×
+/// 1 device (flat), GA 1, log the same losses and grad norms to the bit as one device with GA 4
+/// in one process — the same global batch, laid out three ways.
+#[test]
+fn layout_invariant_mpi_runs_equal_one_device_bitwise() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("mpi-layout");
+    let out_dir = format!("base_output_directory={}", dir.display());
+    let with = |extra: &[&str], run: &str| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "train",
+            "steps=3",
+            "opt_type=adamw",
+            "deterministic=true",
+            "layout_invariant=true",
+            &out_dir,
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+        v.push(format!("run_name={run}"));
+        v
+    };
+    let one = [
+        "ici_data_parallelism=1",
+        "local_devices=1",
+        "gradient_accumulation_steps=4",
+    ];
+    succeeded(&local(&refs(&with(&one, "one"))));
+    succeeded(&mpirun(
+        2,
+        &refs(&with(
+            &["local_devices=2", "gradient_accumulation_steps=1"],
+            "two_by_two",
+        )),
+    ));
+    succeeded(&mpirun(
+        4,
+        &refs(&with(
+            &["local_devices=1", "gradient_accumulation_steps=1"],
+            "four",
+        )),
+    ));
+    let want = metrics(&dir, "one");
+    assert_eq!(want.len(), 3);
+    assert_eq!(metrics(&dir, "two_by_two"), want, "2 processes × 2 devices");
+    assert_eq!(metrics(&dir, "four"), want, "4 processes × 1 device");
 }
 
 #[test]

@@ -644,6 +644,33 @@ impl Decoder {
         }
     }
 
+    /// [`Decoder::loss_sum`] left as each device's partial sum over its own tokens, a scalar
+    /// unreduced over the batch axes (`f32[]{U:data}`, [`Ctx::cross_entropy_partial_sum`]): for
+    /// a trainer that adds the partial sums of its micro-batches and devices in an order of its
+    /// own before one reduction.
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_sum`]; a model with an auxiliary loss (`load_balance_loss_weight` >
+    /// 0), whose value is a function of the whole micro-batch's routing, not a sum over devices.
+    pub fn loss_partial_sum(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<Array, SpmdError> {
+        let (logits, aux) = self.forward(cx, params, inputs, None)?;
+        if aux.is_some() {
+            return Err(SpmdError::BadArgument {
+                op: "loss_partial_sum".into(),
+                reason: "an auxiliary loss depends on the whole micro-batch and has no \
+                         per-device partial sum"
+                    .into(),
+            });
+        }
+        cx.cross_entropy_partial_sum(&logits, targets, self.cfg.z_loss_multiplier)
+    }
+
     /// Logits `[B, T, vocab]`, split over the batch like the inputs, vocab replicated.
     ///
     /// # Errors

@@ -16,7 +16,7 @@
 //! Any other transition runs alone through [`Ctx::reshard`]. Values join buckets in the order
 //! given, a bucket closes when the next value would take it past the byte budget (a value larger
 //! than the budget is a bucket of its own), so every device forms the same buckets and issues
-//! the same collectives in the same order. Sums stay in rank order and f32, so results are
+//! the same collectives in the same order. Sums stay in the tree order and f32, so results are
 //! bitwise equal to the per-value path.
 
 use ferrotext_comm::CollectiveKind;

@@ -249,6 +249,46 @@ impl Ctx<'_> {
         Ok(buffers)
     }
 
+    /// `into` += `from`, every value, in place: two buffer sets of one plan (the same types and
+    /// layout) added element by element — each element `a + b` once, so the bits of adding the
+    /// values one by one.
+    ///
+    /// # Errors
+    /// [`SpmdError::BadArgument`] for buffers of different plans or a bucket handed to its
+    /// collective.
+    pub fn add_buffers(
+        &mut self,
+        into: &mut BucketBuffers,
+        from: &BucketBuffers,
+    ) -> Result<(), SpmdError> {
+        let mismatch = || SpmdError::BadArgument {
+            op: "add_buffers".into(),
+            reason: "needs two buffer sets of one plan, neither being reduced".into(),
+        };
+        if into.types != from.types || into.buffers.len() != from.buffers.len() {
+            return Err(mismatch());
+        }
+        for (a, b) in into.buffers.iter_mut().zip(&from.buffers) {
+            match (a, b) {
+                (Buffer::Abstract, Buffer::Abstract) => {}
+                (Buffer::Ready { data: a, .. }, Buffer::Ready { data: b, .. })
+                    if a.len() == b.len() =>
+                {
+                    add_assign_slice(a, b);
+                }
+                _ => return Err(mismatch()),
+            }
+        }
+        for (acc, x) in into.loose.iter_mut().zip(&from.loose) {
+            match (acc, x) {
+                (Some(acc), Some(x)) => self.accumulate(acc, x)?,
+                (None, None) => {}
+                _ => return Err(mismatch()),
+            }
+        }
+        Ok(())
+    }
+
     /// Value `i` of `buffers` += `x`, in place: [`Ctx::accumulate`] into the value's place in
     /// its bucket's buffer.
     ///

@@ -332,6 +332,34 @@ impl Ctx<'_> {
         targets: &Ids,
         z_loss: f32,
     ) -> Result<Array, SpmdError> {
+        self.cross_entropy(logits, targets, z_loss, true)
+    }
+
+    /// [`Ctx::cross_entropy_sum`] left as each device's partial sum: a scalar unreduced over
+    /// the axes the tokens are split on (`f32[]{U:data}`), for a caller that adds partial sums
+    /// in an order of its own before reducing them once. Its cotangent is reduced (R4.5).
+    ///
+    /// # Errors
+    /// As [`Ctx::cross_entropy_sum`].
+    ///
+    /// # Collectives
+    /// None.
+    pub fn cross_entropy_partial_sum(
+        &mut self,
+        logits: &Array,
+        targets: &Ids,
+        z_loss: f32,
+    ) -> Result<Array, SpmdError> {
+        self.cross_entropy(logits, targets, z_loss, false)
+    }
+
+    fn cross_entropy(
+        &mut self,
+        logits: &Array,
+        targets: &Ids,
+        z_loss: f32,
+        reduce: bool,
+    ) -> Result<Array, SpmdError> {
         const OP: &str = "cross_entropy";
         let t = logits.ty();
         check_rowwise(OP, t, 1)?;
@@ -369,8 +397,12 @@ impl Ctx<'_> {
             }
             _ => (None, None),
         };
-        let local = self.convert(local, &natural, &scalar_ty)?;
-        let out = Array::new(scalar_ty, local);
+        let out = if reduce {
+            let local = self.convert(local, &natural, &scalar_ty)?;
+            Array::new(scalar_ty, local)
+        } else {
+            Array::new(natural, local)
+        };
         self.record(
             Backward::CrossEntropy {
                 logits: t.clone(),

@@ -87,6 +87,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "grad_bucket_mb",
     "overlap_grad_reduce",
     "deterministic",
+    "layout_invariant",
     "profile",
     "profile_steps",
     "eval_interval",

@@ -238,6 +238,12 @@ pub struct TrainConfig {
     /// any matrix library the machine has; without it products run on the fastest library
     /// found (MKL, OpenBLAS), whose order of addition follows the processor.
     pub deterministic: bool,
+    /// Sum each step's gradient and loss in one fixed tree over units of one device's
+    /// micro-batch (unit `device × GA + micro-batch`), so the run's numbers do not depend on
+    /// how the global batch is laid out: data=4 × GA 1, data=2 × GA 2, data=1 × GA 4, in one
+    /// process or over MPI, give the same bits. Needs `deterministic=true`, a data-parallel
+    /// mesh, a power-of-two `gradient_accumulation_steps`; see `RunPlan` for what it refuses.
+    pub layout_invariant: bool,
     /// Steps between evaluations on held-out data (0: never); the last step always evaluates
     /// when this is set. Needs held-out data: `eval_dataset_path`, `eval_split`, or synthetic
     /// data (whose eval sequences come from their own stream).
@@ -328,6 +334,7 @@ impl Default for TrainConfig {
             grad_bucket_mb: 25.0,
             overlap_grad_reduce: false,
             deterministic: false,
+            layout_invariant: false,
             eval_interval: 0,
             eval_steps: 1,
             eval_dataset_path: String::new(),

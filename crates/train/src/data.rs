@@ -425,6 +425,30 @@ pub fn micro_batch(
         .collect()
 }
 
+/// Micro-batch `micro` of step `step` laid out in units (`layout_invariant=true`): row `r`
+/// belongs to device `r / per_device`, whose micro-batch `micro` is unit `device × ga + micro`,
+/// and unit `u` holds the step's sequences `u × per_device .. (u + 1) × per_device`. So a unit
+/// reads the same sequences whatever the layout: data=4 × GA 1 and data=1 × GA 4 cut a step
+/// into the same four units, and each device's micro-batches are consecutive units.
+pub fn micro_batch_of_units(
+    source: &dyn TokenSource,
+    step: u64,
+    micro: usize,
+    ga: usize,
+    rows: usize,
+    per_device: usize,
+    len: usize,
+) -> Vec<Vec<u32>> {
+    let per_device = per_device.max(1);
+    (0..rows)
+        .map(|r| {
+            let unit = (r / per_device) * ga + micro;
+            let in_step = unit * per_device + r % per_device;
+            source.sequence(step * (rows * ga) as u64 + in_step as u64, len + 1)
+        })
+        .collect()
+}
+
 /// The sequence index of row `row` of micro-batch `micro` of step `step` (see the module docs:
 /// strided, or contiguous for sequential sources).
 pub fn sequence_index(
@@ -459,6 +483,31 @@ mod tests {
         let corpus = bundled_corpus();
         assert_eq!(corpus, bundled_corpus());
         assert!(corpus.len() >= 400_000 && corpus.is_ascii());
+    }
+
+    #[test]
+    fn units_read_the_same_sequences_on_every_layout() {
+        let s = Synthetic { seed: 0, vocab: 50 };
+        // 8 sequences a step, 2 a device's micro-batch: data=4 × GA 1, data=2 × GA 2 and
+        // data=1 × GA 4.
+        let units = |data: usize, ga: usize| -> Vec<Vec<Vec<u32>>> {
+            let mut by_unit = vec![Vec::new(); data * ga];
+            for micro in 0..ga {
+                let rows = micro_batch_of_units(&s, 3, micro, ga, data * 2, 2, 5);
+                for (d, chunk) in rows.chunks(2).enumerate() {
+                    by_unit[d * ga + micro] = chunk.to_vec();
+                }
+            }
+            by_unit
+        };
+        let want = units(4, 1);
+        assert_eq!(units(2, 2), want);
+        assert_eq!(units(1, 4), want);
+        // Unit u is the step's sequences 2u and 2u + 1.
+        assert_eq!(
+            want[3],
+            vec![s.sequence(3 * 8 + 6, 6), s.sequence(3 * 8 + 7, 6)]
+        );
     }
 
     #[test]

@@ -31,7 +31,7 @@ use serde::Serialize;
 use crate::config::NanPolicy;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Overlap, Zero1};
-use crate::gradients::{Gradients, PartialGradients};
+use crate::gradients::{Gradients, PartialGradients, UnitTree};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
 use crate::plan::{engine_rules, RunPlan};
 
@@ -88,13 +88,22 @@ pub struct FwdBwd {
 struct Pending {
     /// Parameters as they enter micro-batches (`{R:data}` when deferred), cast once.
     used: Vec<Array>,
-    acc: PartialGradients,
+    sum: StepSum,
     loss_sum: f64,
     tokens: u64,
     micro_steps: usize,
     started: Instant,
     /// The step's last micro-batch has run (`fwd_bwd_final`): only `update` may follow.
     closed: bool,
+}
+
+/// How a step's micro-batches are summed.
+enum StepSum {
+    /// Into one accumulator, micro-batch after micro-batch (the default: each weight's gradient
+    /// is added straight in by its product's kernel).
+    Accumulator(PartialGradients),
+    /// As a tree over units of one device's micro-batch (`layout_invariant=true`).
+    Tree(UnitTree),
 }
 
 /// The per-device training engine. See the module docs.
@@ -354,7 +363,16 @@ impl Engine {
     pub(crate) fn state(&self) -> Result<EngineState<'_>, TrainError> {
         let pending = match &self.pending {
             Some(p) => Some(PendingState {
-                grads: p.acc.grads.to_arrays()?,
+                grads: match &p.sum {
+                    StepSum::Accumulator(acc) => acc.grads.to_arrays()?,
+                    StepSum::Tree(_) => {
+                        return Err(TrainError::usage(
+                            "layout_invariant",
+                            "under layout_invariant=true a step's partial sums are a tree, \
+                             which a checkpoint does not keep: save at a step boundary",
+                        ))
+                    }
+                },
                 micro_steps: p.micro_steps,
                 tokens: p.tokens,
                 loss_sum: p.loss_sum,
@@ -379,10 +397,22 @@ impl Engine {
     /// # Errors
     /// Moments that do not fit the optimizer; a layout error.
     pub(crate) fn install(&mut self, cx: &mut Ctx<'_>, state: Restored) -> Result<(), TrainError> {
+        if state.pending.is_some() && self.plan.config().layout_invariant {
+            return Err(TrainError::usage(
+                "layout_invariant",
+                "layout_invariant=true cannot continue a step from a checkpoint taken inside \
+                 it (the step's sum so far is not a tree over its units): resume from a step \
+                 boundary",
+            ));
+        }
         let pending = match state.pending {
             Some(p) => Some(Pending {
                 used: self.enter_micro_batches(cx, &state.params)?,
-                acc: PartialGradients::from_arrays(cx, &p.grads, self.acc_plan.clone())?,
+                sum: StepSum::Accumulator(PartialGradients::from_arrays(
+                    cx,
+                    &p.grads,
+                    self.acc_plan.clone(),
+                )?),
                 loss_sum: p.loss_sum,
                 tokens: p.tokens,
                 micro_steps: p.micro_steps,
@@ -501,9 +531,14 @@ impl Engine {
         if self.pending.is_none() {
             // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
             let used = self.enter_micro_batches(cx, &self.params)?;
+            let sum = if self.plan.config().layout_invariant {
+                StepSum::Tree(UnitTree::new())
+            } else {
+                StepSum::Accumulator(PartialGradients::zeros(cx, self.acc_plan.clone())?)
+            };
             self.pending = Some(Pending {
                 used,
-                acc: PartialGradients::zeros(cx, self.acc_plan.clone())?,
+                sum,
                 loss_sum: 0.0,
                 tokens: 0,
                 micro_steps: 0,
@@ -523,45 +558,45 @@ impl Engine {
         }
         let model = self.plan.decoder();
         let infos = self.plan.params();
-        // DDP: this micro-batch's own partial gradients, reduced before they join the step's.
-        let mut own = if self.plan.overlap().every_micro_batch() {
-            Some(PartialGradients::zeros(cx, self.reduce_plan.clone())?)
-        } else {
-            None
-        };
-        let acc = match &mut own {
-            Some(own) => own,
-            None => &mut pending.acc,
-        };
-        // Each gradient joins its accumulator as soon as the backward has finished it — a
-        // weight's added into the accumulator by its product's kernel where it can be; with
-        // `overlap`, a bucket whose gradients are all in starts reducing at once.
-        let mut sink = AccumulatorSink {
-            buckets: acc.plan.buckets().map(<[usize]>::to_vec).collect(),
-            finished: vec![false; acc.grads.len()],
-            in_flight: vec![false; acc.plan.buckets().count()],
-            acc,
-            overlap,
-            infos,
-            wrong_type: None,
-        };
-        let loss = cx
-            .value_and_grad_into(
-                &pending.used,
-                |cx, ps| model.loss_sum(cx, ps, &batch.inputs, &batch.targets),
-                &mut sink,
-            )
-            .map_err(|e| sink.wrong_type.take().unwrap_or(TrainError::from(e)))?;
-        if let Some(own) = own {
-            let reduced = own.reduce(cx)?;
-            for (i, g) in reduced.arrays().iter().enumerate() {
-                cx.accumulate_into(&mut pending.acc.grads, i, g)?;
+        let loss_sum = match &mut pending.sum {
+            StepSum::Accumulator(acc) => {
+                let loss = Self::accumulate_micro_batch(
+                    cx,
+                    &self.plan,
+                    &self.reduce_plan,
+                    &pending.used,
+                    acc,
+                    batch,
+                    overlap,
+                )?;
+                if loss.is_abstract() {
+                    0.0
+                } else {
+                    f64::from(loss.scalar()?)
+                }
             }
-        }
-        let loss_sum = if loss.is_abstract() {
-            0.0
-        } else {
-            f64::from(loss.scalar()?)
+            StepSum::Tree(tree) => {
+                // A unit: this micro-batch's gradients from zero, its loss this device's
+                // partial sum; the tree adds it in its place.
+                let mut unit = PartialGradients::zeros(cx, self.acc_plan.clone())?;
+                let mut sink = AccumulatorSink::new(&mut unit, false, infos);
+                let loss = cx
+                    .value_and_grad_into(
+                        &pending.used,
+                        |cx, ps| model.loss_partial_sum(cx, ps, &batch.inputs, &batch.targets),
+                        &mut sink,
+                    )
+                    .map_err(|e| sink.wrong_type.take().unwrap_or(TrainError::from(e)))?;
+                // The micro-batch's loss for the caller (one one-element all-reduce, as the
+                // default path's loss); the step's loss comes from the tree.
+                let reported = cx.reshard(&loss, &PartitionSpec::replicated())?;
+                tree.push(cx, unit, loss)?;
+                if reported.is_abstract() {
+                    0.0
+                } else {
+                    f64::from(reported.scalar()?)
+                }
+            }
         };
         pending.loss_sum += loss_sum;
         pending.tokens += batch.tokens;
@@ -570,6 +605,48 @@ impl Engine {
             loss_sum,
             tokens: batch.tokens,
         })
+    }
+
+    /// One micro-batch's forward and backward into the step's accumulator `acc` (the default
+    /// path): each gradient joins it as soon as the backward has finished it — a weight's added
+    /// in by its product's kernel where it can be; with `overlap`, a bucket whose gradients are
+    /// all in starts reducing at once. Under DDP (`Overlap::EveryMicroBatch`) the micro-batch's
+    /// own gradients are reduced first and then added. Returns the loss.
+    fn accumulate_micro_batch(
+        cx: &mut Ctx<'_>,
+        plan: &RunPlan,
+        reduce_plan: &Arc<BucketPlan>,
+        used: &[Array],
+        acc: &mut PartialGradients,
+        batch: &Batch,
+        overlap: bool,
+    ) -> Result<Array, TrainError> {
+        let model = plan.decoder();
+        // DDP: this micro-batch's own partial gradients, reduced before they join the step's.
+        let mut own = if plan.overlap().every_micro_batch() {
+            Some(PartialGradients::zeros(cx, reduce_plan.clone())?)
+        } else {
+            None
+        };
+        let target = match &mut own {
+            Some(own) => own,
+            None => &mut *acc,
+        };
+        let mut sink = AccumulatorSink::new(target, overlap, plan.params());
+        let loss = cx
+            .value_and_grad_into(
+                used,
+                |cx, ps| model.loss_sum(cx, ps, &batch.inputs, &batch.targets),
+                &mut sink,
+            )
+            .map_err(|e| sink.wrong_type.take().unwrap_or(TrainError::from(e)))?;
+        if let Some(own) = own {
+            let reduced = own.reduce(cx)?;
+            for (i, g) in reduced.arrays().iter().enumerate() {
+                cx.accumulate_into(&mut acc.grads, i, g)?;
+            }
+        }
+        Ok(loss)
     }
 
     /// The optimizer step over every micro-batch since the last update: the one reduction, one
@@ -604,13 +681,30 @@ impl Engine {
         })?;
         let Pending {
             used,
-            acc,
+            sum,
             loss_sum,
             tokens,
             started,
             ..
         } = pending;
         drop(used);
+        let (acc, loss_sum) = match sum {
+            StepSum::Accumulator(acc) => (acc, loss_sum),
+            StepSum::Tree(tree) => {
+                let (acc, loss) = tree.finish(cx)?.ok_or_else(|| {
+                    TrainError::Internal("a pending step without micro-batches".into())
+                })?;
+                // The step's loss: the devices' subtrees completed by one all-reduce (the
+                // collectives' tree), as the gradients' below.
+                let loss = cx.reshard(&loss, &PartitionSpec::replicated())?;
+                let loss_sum = if loss.is_abstract() {
+                    0.0
+                } else {
+                    f64::from(loss.scalar()?)
+                };
+                (acc, loss_sum)
+            }
+        };
         let grads = acc.reduce(cx)?;
         let inv_tokens = 1.0 / tokens.max(1) as f64;
         let grad_norm = grads.squared_norm(cx)?.sqrt() * inv_tokens;
@@ -737,6 +831,21 @@ struct AccumulatorSink<'a> {
     infos: &'a [ParamInfo],
     /// The typed error behind a refused gradient (the walk only carries an `SpmdError`).
     wrong_type: Option<TrainError>,
+}
+
+impl<'a> AccumulatorSink<'a> {
+    /// A sink into `acc`, starting each full bucket's reduction at once when `overlap`.
+    fn new(acc: &'a mut PartialGradients, overlap: bool, infos: &'a [ParamInfo]) -> Self {
+        AccumulatorSink {
+            buckets: acc.plan.buckets().map(<[usize]>::to_vec).collect(),
+            finished: vec![false; acc.grads.len()],
+            in_flight: vec![false; acc.plan.buckets().count()],
+            acc,
+            overlap,
+            infos,
+            wrong_type: None,
+        }
+    }
 }
 
 impl GradientSink for AccumulatorSink<'_> {

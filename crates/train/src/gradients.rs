@@ -115,6 +115,91 @@ impl PartialGradients {
     }
 }
 
+/// A step's gradients and loss as a pairwise tree over its micro-batches, for
+/// `layout_invariant=true`: each micro-batch's gradients start from zero (a *unit*) and its loss
+/// is this device's partial sum; two subtrees of equal size are added as soon as both are
+/// complete — a binary counter, which sums the units in `ferrotext_comm::tree_sum`'s order.
+/// With a power-of-two GA a device's micro-batches end as one subtree, and the update's
+/// all-reduce (the same tree over the devices) completes the step's sum: the bits of one tree
+/// over every unit, whatever the layout.
+///
+/// Memory: at most `log2(GA) + 1` gradient sets live at once (the nodes), plus the unit the
+/// backward fills.
+pub(crate) struct UnitTree {
+    nodes: Vec<UnitNode>,
+}
+
+/// A complete subtree of `2^level` units.
+struct UnitNode {
+    level: u32,
+    grads: PartialGradients,
+    loss: Array,
+}
+
+impl UnitNode {
+    /// `self` (the earlier units) + `right` (the later ones), in `self`'s buffers.
+    fn merge(mut self, cx: &mut Ctx<'_>, right: UnitNode) -> Result<UnitNode, TrainError> {
+        cx.add_buffers(&mut self.grads.grads, &right.grads.grads)?;
+        Ok(UnitNode {
+            level: self.level.max(right.level) + 1,
+            loss: cx.add(&self.loss, &right.loss)?,
+            grads: self.grads,
+        })
+    }
+}
+
+impl UnitTree {
+    /// No units yet.
+    pub(crate) fn new() -> UnitTree {
+        UnitTree { nodes: Vec::new() }
+    }
+
+    /// The next unit: its gradients and its loss partial sum.
+    ///
+    /// # Errors
+    /// An op failure adding subtrees.
+    pub(crate) fn push(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        grads: PartialGradients,
+        loss: Array,
+    ) -> Result<(), TrainError> {
+        let mut node = UnitNode {
+            level: 0,
+            grads,
+            loss,
+        };
+        while self.nodes.last().is_some_and(|top| top.level == node.level) {
+            let left = self
+                .nodes
+                .pop()
+                .ok_or_else(|| TrainError::Internal("a unit tree lost a node".into()))?;
+            node = left.merge(cx, node)?;
+        }
+        self.nodes.push(node);
+        Ok(())
+    }
+
+    /// The sum of every unit (the complete subtrees added from the newest, smallest one
+    /// back, as the tree over a count that is not a power of two adds them), and the loss's;
+    /// `None` before the first unit.
+    ///
+    /// # Errors
+    /// An op failure adding subtrees.
+    pub(crate) fn finish(
+        mut self,
+        cx: &mut Ctx<'_>,
+    ) -> Result<Option<(PartialGradients, Array)>, TrainError> {
+        let Some(mut right) = self.nodes.pop() else {
+            return Ok(None);
+        };
+        while let Some(left) = self.nodes.pop() {
+            right = left.merge(cx, right)?;
+        }
+        Ok(Some((right.grads, right.loss)))
+    }
+}
+
 /// Reduced gradients in the parameters' layout: what the optimizer takes.
 pub struct Gradients {
     grads: Vec<Array>,

@@ -96,6 +96,7 @@ pub const KEYS: &[Key] = &[
     key("collective_timeout_seconds", Mesh, "float > 0", "seconds a device waits in a collective before the run fails"),
     key("grad_bucket_mb", Mesh, "float > 0", "gradient bucket size in MiB (one collective per bucket)"),
     key("overlap_grad_reduce", Mesh, "true|false", "start each bucket's reduction during the backward (the last micro-batch's, or each one's with the gate closed)"),
+    key("layout_invariant", Mesh, "true|false", "sum each step's gradient in one tree over (device, micro-batch) units: the same bits on data=4 × GA 1, data=2 × GA 2, data=1 × GA 4 and over MPI (needs deterministic=true)"),
     key("deterministic", Mesh, "true|false", "every matrix product on the portable fixed-order kernel: the same bits on any processor, at a cost in step time"),
     key("gradient_accumulation_steps", Data, "integer ≥ 1", "micro-batches per optimizer step"),
     key("per_device_batch_size", Data, "float > 0", "sequences per device per micro-batch (may be fractional)"),

@@ -114,6 +114,7 @@ impl TrainConfig {
         let rules = engine_rules();
         let explicit = self.shard_mode == ShardMode::Explicit;
         let deferral = deferral_gate(explicit, &mesh, &rules);
+        self.check_layout_invariant(&deferral, &mesh, decoder.config())?;
         let overlap = Overlap::decide(self.overlap_grad_reduce, &deferral, &compute_mesh, &rules);
         let mut zero1 = zero1_gate(self.shard_optimizer_over_data, explicit, &mesh);
         let params = decoder.params();
@@ -332,6 +333,109 @@ impl RunPlan {
                 + device.parameter_elements * 4.0,
             activation_bytes: device.activation_bytes * local,
         })
+    }
+}
+
+impl TrainConfig {
+    /// `layout_invariant=true`'s preconditions: what makes a step's sums follow one tree over
+    /// its (device, micro-batch) units whatever the layout.
+    ///
+    /// # Errors
+    /// A usage error naming `layout_invariant` and the reason: products whose bits follow the
+    /// thread count (`deterministic` off), a mesh axis other than `data` (its gradients are
+    /// reduced inside the backward), the gate closed otherwise, ZeRO-1 (each device's shard of
+    /// the norm depends on the layout), a GA that is not a power of two, an
+    /// MoE auxiliary loss (a function of the whole micro-batch), checkpoints inside a step
+    /// (they keep the sum, not the tree), overlapped reductions, or several processes whose
+    /// device count is not a power of two.
+    fn check_layout_invariant(
+        &self,
+        deferral: &Deferral,
+        mesh: &Mesh,
+        model: &ferrotext_models::decoder::Config,
+    ) -> Result<(), TrainError> {
+        if !self.layout_invariant {
+            return Ok(());
+        }
+        let refuse = |why: String| {
+            Err(TrainError::usage(
+                "layout_invariant",
+                format!("layout_invariant=true {why}"),
+            ))
+        };
+        if !self.deterministic {
+            return refuse(
+                "needs deterministic=true: a library's products change their bits with the \
+                 thread count each layout gives a device"
+                    .into(),
+            );
+        }
+        if let Some(axis) = mesh
+            .axes()
+            .iter()
+            .find(|a| a.name() != "data" && a.size() > 1)
+        {
+            return refuse(format!(
+                "needs a data-parallel mesh, got {}={}: its gradients are reduced inside the \
+                 backward, in an order the layout sets",
+                axis.name(),
+                axis.size()
+            ));
+        }
+        let devices: usize = mesh.axes().iter().map(|a| a.size()).product();
+        if !deferral.is_open() && devices > 1 {
+            return refuse(format!(
+                "needs the deferral gate open (gradients unreduced until the update), it is {}",
+                deferral.describe()
+            ));
+        }
+        if self.shard_optimizer_over_data {
+            return refuse(
+                "cannot take shard_optimizer_over_data=true yet: each device's part of the \
+                 gradient norm is a shard whose size depends on the layout"
+                    .into(),
+            );
+        }
+        if !self.gradient_accumulation_steps.is_power_of_two() {
+            return refuse(format!(
+                "needs a power-of-two gradient_accumulation_steps (a device's micro-batches \
+                 must be one subtree of the step's sum), got {}",
+                self.gradient_accumulation_steps
+            ));
+        }
+        if model
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.load_balance_loss_weight > 0.0)
+        {
+            return refuse(
+                "cannot take load_balance_loss_weight > 0: the auxiliary loss is a function of a \
+                 whole micro-batch's routing, so its value depends on how the batch is cut"
+                    .into(),
+            );
+        }
+        if self.checkpoint_micro_batch_period > 0 {
+            return refuse(
+                "cannot take checkpoint_micro_batch_period > 0: a checkpoint inside a step \
+                 keeps the step's sum so far, not its tree"
+                    .into(),
+            );
+        }
+        if self.overlap_grad_reduce {
+            return refuse(
+                "cannot take overlap_grad_reduce=true: the reduction starts after the step's \
+                 tree is summed"
+                    .into(),
+            );
+        }
+        if self.num_processes > 1 && !self.local_devices.is_power_of_two() {
+            return refuse(format!(
+                "over several processes needs a power-of-two local_devices (a process's \
+                 devices must be one subtree of the sum across processes), got {}",
+                self.local_devices
+            ));
+        }
+        Ok(())
     }
 }
 

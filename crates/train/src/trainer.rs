@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 
-use crate::data::{micro_batch, TokenSource};
+use crate::data::{micro_batch, micro_batch_of_units, TokenSource};
 use crate::engine::{Engine, FwdBwd, StepMetrics};
 use crate::error::TrainError;
 use crate::gate::Deferral;
@@ -106,7 +106,14 @@ impl Trainer {
         );
         let step = self.engine.steps_taken() as u64;
         cx.comm().push_phase(format!("micro_batch {micro}"));
-        let seqs = micro_batch(self.source.as_ref(), step, micro, ga, rows, len);
+        let seqs = if config.layout_invariant {
+            // Each device's micro-batch is one unit of the step's tree, the same sequences on
+            // any layout. (A data-only mesh, as the plan checked: a whole batch per device.)
+            let per_device = config.per_device_batch_size as usize;
+            micro_batch_of_units(self.source.as_ref(), step, micro, ga, rows, per_device, len)
+        } else {
+            micro_batch(self.source.as_ref(), step, micro, ga, rows, len)
+        };
         let batch = self.engine.batch(cx, &seqs)?;
         let out = if micro + 1 < ga {
             self.engine.fwd_bwd(cx, &batch)

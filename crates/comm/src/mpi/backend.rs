@@ -4,16 +4,18 @@
 //! # Algorithms (group of `n` members; `P` processes holding `m` members each)
 //! * **Inside one process**: the in-process backend, unchanged.
 //! * **Flat** (every member a separate MPI peer): member `r` owns chunk `r`. An all-reduce sends
-//!   chunk `k` to member `k`, sums the `n` copies of its own chunk in rank order in `f32`, then
+//!   chunk `k` to member `k`, sums the `n` copies of its own chunk in the tree order over the
+//!   ranks (`tree_sum`) in `f32`, then
 //!   sends the sum to everyone — the in-process backend's algorithm, so a flat MPI all-reduce is
 //!   bitwise equal to the in-process one. All-reduce, reduce-scatter and all-gather run
 //!   pipelined (`pipeline`: chunks cut into parts in flight at once, each part summed and sent on
 //!   as soon as it has arrived); all-to-all, broadcast and barrier are one step of sends.
 //! * **Hierarchical** (`m > 1` in every process): reduce-scatter inside the process, flat
 //!   collective between the `P` members that hold the same part, all-gather inside the process.
-//!   Only `1/m` of the buffer leaves each device for another process. Sums are then added
-//!   process by process (still a fixed order: deterministic run to run, but not bitwise the
-//!   flat order). All-to-all, broadcast and barrier always run flat.
+//!   Only `1/m` of the buffer leaves each device for another process. Sums are then a tree over
+//!   each process's devices, then one over the processes: with a power-of-two `m` that is the
+//!   flat tree's order bit for bit (a block of `m` consecutive ranks is a subtree); otherwise a
+//!   fixed order of its own, deterministic run to run. All-to-all, broadcast and barrier always run flat.
 
 use crate::communicator::{OpInfo, TypedBackend};
 use crate::element::Element;
@@ -342,7 +344,7 @@ fn equal_blocks(n: usize, size: usize) -> Vec<std::ops::Range<usize>> {
     (0..n).map(|k| k * size..(k + 1) * size).collect()
 }
 
-/// Flat reduce-scatter over `op.group`: `output` = block `op.rank` of the rank-order sum of every
+/// Flat reduce-scatter over `op.group`: `output` = block `op.rank` of the tree-order sum of every
 /// member's `input`.
 fn flat_reduce_scatter<T: Element>(
     transport: &mut Transport,

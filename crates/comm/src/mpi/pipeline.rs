@@ -14,15 +14,15 @@
 //!
 //! # Why the sums are bitwise those of the in-process backend
 //! Part `s` of block `r` is summed by its owner alone, from every member's *input* (never a
-//! partial sum), element by element in rank order `0, 1, …, n − 1`, accumulating in `f32` and
-//! rounding once: exactly `local.rs`'s order. Parts only cut the block into ranges; the sum of an
+//! partial sum), element by element in the tree order over ranks `0, 1, …, n − 1`
+//! (`tree_sum.rs`), accumulating in `f32` and rounding once: exactly `local.rs`'s order. Parts only cut the block into ranges; the sum of an
 //! element never depends on which part it is in. Every other member receives the owner's result
 //! verbatim.
 //!
 //! # Bytes
 //! Per member `2(n−1)/n` of the buffer leave (and arrive) in an all-reduce, the bandwidth optimum
 //! of a ring, but without forwarding: on a switched network each link carries the same bytes as a
-//! ring's, and the sums keep rank order. Every part carries a [`part_header`] (40 bytes per
+//! ring's, and the sums keep the tree order. Every part carries a [`part_header`] (40 bytes per
 //! part of 64–256 KiB: 0.06–0.02 %).
 
 use std::ops::Range;
@@ -91,9 +91,9 @@ fn window() -> usize {
 
 /// What a pipelined collective reads and writes (ranges are in the layout of `blocks`).
 pub(crate) enum Data<'a, T> {
-    /// In place: every member's buffer becomes the rank-order sum.
+    /// In place: every member's buffer becomes the tree-order sum.
     AllReduce(&'a mut [T]),
-    /// `output` (block `r`'s length) = block `r` of the rank-order sum of every `input`.
+    /// `output` (block `r`'s length) = block `r` of the tree-order sum of every `input`.
     ReduceScatter { input: &'a [T], output: &'a mut [T] },
     /// Block `k` of `output` = member `k`'s `input` (block `r`'s length).
     AllGather { input: &'a [T], output: &'a mut [T] },
@@ -122,8 +122,8 @@ impl<T: Element> Data<'_, T> {
     /// Sums `range` of this member's block: `others` are the other members' parts in rank order.
     fn sum(&mut self, range: Range<usize>, base: usize, r: usize, others: &[&[T]]) {
         match self {
-            Data::AllReduce(buf) => sum_in_rank_order(&mut buf[range], None, r, others),
-            Data::ReduceScatter { input, output } => sum_in_rank_order(
+            Data::AllReduce(buf) => sum_in_tree_order(&mut buf[range], None, r, others),
+            Data::ReduceScatter { input, output } => sum_in_tree_order(
                 &mut output[range.start - base..range.end - base],
                 Some(&input[range]),
                 r,
@@ -383,36 +383,35 @@ pub(crate) fn pipelined<T: Element>(
 /// Elements summed per block (16 KiB of `f32` accumulators, as in the in-process backend).
 const BLOCK: usize = 4096;
 
-/// `out` = the sum, in rank order and in `f32`, of the `others` (every member's part but this
-/// one's, in rank order) with this member's part — `own`, or `out`'s current value when `None`
-/// — inserted at rank `r`: the in-process backend's order, so results are bitwise equal to it.
-pub(crate) fn sum_in_rank_order<T: Element>(
+/// `out` = the sum, in the tree order of [`crate::tree_sum`] over the ranks and in `f32`, of
+/// the `others` (every member's part but this one's, in rank order) with this member's part —
+/// `own`, or `out`'s current value when `None` — inserted at rank `r`: the in-process backend's
+/// order, so results are bitwise equal to it.
+pub(crate) fn sum_in_tree_order<T: Element>(
     out: &mut [T],
     own: Option<&[T]>,
     r: usize,
     others: &[&[T]],
 ) {
     let mut acc = [0f32; BLOCK];
+    let mut scratch = Vec::new();
     let mut start = 0;
     while start < out.len() {
         let end = (start + BLOCK).min(out.len());
         let acc = &mut acc[..end - start];
-        for k in 0..=others.len() {
-            let part: &[T] = match k.cmp(&r) {
-                std::cmp::Ordering::Equal => match own {
-                    Some(own) => &own[start..end],
-                    None => &out[start..end],
-                },
-                std::cmp::Ordering::Less => &others[k][start..end],
-                std::cmp::Ordering::Greater => &others[k - 1][start..end],
+        {
+            let mine: &[T] = match own {
+                Some(own) => &own[start..end],
+                None => &out[start..end],
             };
-            if k == 0 {
-                acc.iter_mut().zip(part).for_each(|(a, &x)| *a = x.to_f32());
-            } else {
-                acc.iter_mut()
-                    .zip(part)
-                    .for_each(|(a, &x)| *a += x.to_f32());
-            }
+            let part = |k: usize| -> &[T] {
+                match k.cmp(&r) {
+                    std::cmp::Ordering::Equal => mine,
+                    std::cmp::Ordering::Less => &others[k][start..end],
+                    std::cmp::Ordering::Greater => &others[k - 1][start..end],
+                }
+            };
+            crate::tree_sum::tree_sum_into(acc, others.len() + 1, &part, &mut scratch);
         }
         for (d, &a) in out[start..end].iter_mut().zip(acc.iter()) {
             *d = T::from_f32(a);
@@ -475,20 +474,23 @@ mod tests {
     }
 
     #[test]
-    fn sums_follow_rank_order_with_own_part_inserted() {
-        // 1e8 + 1 - 1e8 depends on the order in f32: rank order gives 0 for r = 2 below.
+    fn sums_follow_the_tree_order_with_own_part_inserted() {
+        // 1e8 + 1 - 1e8 + 1 depends on the order in f32: the tree (a + b) + (c + d) gives 0,
+        // rank order 1.
         let a = [1e8f32; 5000];
         let b = [1f32; 5000];
         let c = [-1e8f32; 5000];
-        let reference: Vec<f32> = (0..5000).map(|i| (a[i] + b[i]) + c[i]).collect();
-        for r in 0..3 {
-            let parts = [&a[..], &b[..], &c[..]];
-            let others: Vec<&[f32]> = (0..3).filter(|&k| k != r).map(|k| parts[k]).collect();
+        let d = [1f32; 5000];
+        let reference: Vec<f32> = (0..5000).map(|i| (a[i] + b[i]) + (c[i] + d[i])).collect();
+        assert_ne!(reference[0], ((a[0] + b[0]) + c[0]) + d[0]);
+        for r in 0..4 {
+            let parts = [&a[..], &b[..], &c[..], &d[..]];
+            let others: Vec<&[f32]> = (0..4).filter(|&k| k != r).map(|k| parts[k]).collect();
             let mut out = parts[r].to_vec();
-            sum_in_rank_order(&mut out, None, r, &others);
+            sum_in_tree_order(&mut out, None, r, &others);
             assert_eq!(out, reference, "in place, r = {r}");
             let mut out = vec![7f32; 5000];
-            sum_in_rank_order(&mut out, Some(parts[r]), r, &others);
+            sum_in_tree_order(&mut out, Some(parts[r]), r, &others);
             assert_eq!(out, reference, "from input, r = {r}");
         }
     }

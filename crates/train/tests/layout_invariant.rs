@@ -1,0 +1,218 @@
+//! `layout_invariant=true`: the same global batch trained as data=4 × GA 1, data=2 × GA 2 and
+//! data=1 × GA 4 gives the same losses, grad norms and final weights to the bit — dense and
+//! MoE, SGD and AdamW with clipping — and a checkpoint resumes on another layout bitwise. The
+//! mirror: without the key the layouts differ. (Over MPI: `crates/ferrotext/tests/mpi.rs`.)
+
+use std::path::{Path, PathBuf};
+
+use ferrotext_train::{train, RunOptions, TrainConfig, TrainReport};
+
+mod common;
+use common::small_config;
+
+/// (data, local devices, GA): four sequences a step, one a device's micro-batch.
+const LAYOUTS: [(usize, usize); 3] = [(4, 1), (2, 2), (1, 4)];
+
+/// `small_config`'s model with 4 routed experts, no auxiliary loss.
+const MOE: [&str; 6] = [
+    "num_experts=4",
+    "num_experts_per_tok=2",
+    "moe_mlp_dim=24",
+    "shared_experts=1",
+    "first_num_dense_layers=1",
+    "load_balance_loss_weight=0",
+];
+
+fn layout_keys((data, ga): (usize, usize)) -> Vec<String> {
+    vec![
+        format!("ici_data_parallelism={data}"),
+        format!("local_devices={data}"),
+        format!("gradient_accumulation_steps={ga}"),
+    ]
+}
+
+fn config(layout: (usize, usize), extra: &[&str]) -> TrainConfig {
+    let keys = layout_keys(layout);
+    let mut all: Vec<&str> = keys.iter().map(String::as_str).collect();
+    all.extend_from_slice(&["steps=4", "deterministic=true"]);
+    all.extend_from_slice(extra);
+    small_config(&all)
+}
+
+fn run(cfg: &TrainConfig) -> TrainReport {
+    train(
+        cfg,
+        &RunOptions {
+            return_params: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Every step's loss and grad norm, and every final weight, as bits.
+fn bits(r: &TrainReport) -> (Vec<u64>, Vec<u64>, Vec<Vec<u32>>) {
+    (
+        r.metrics.iter().map(|m| m.loss.to_bits()).collect(),
+        r.metrics.iter().map(|m| m.grad_norm.to_bits()).collect(),
+        r.values
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|t| t.data().iter().map(|x| x.to_bits()).collect())
+            .collect(),
+    )
+}
+
+#[test]
+fn every_layout_of_the_global_batch_gives_the_same_bits() {
+    let sgd: &[&str] = &["opt_type=sgd", "learning_rate=0.05"];
+    let adamw: &[&str] = &["opt_type=adamw", "gradient_clipping_threshold=0.5"];
+    for (model, model_keys) in [("dense", &[][..]), ("moe", &MOE[..])] {
+        for (opt, opt_keys) in [("sgd", sgd), ("adamw+clip", adamw)] {
+            let mut extra = vec!["layout_invariant=true"];
+            extra.extend_from_slice(model_keys);
+            extra.extend_from_slice(opt_keys);
+            let want = bits(&run(&config(LAYOUTS[0], &extra)));
+            assert_eq!(want.0.len(), 4);
+            for layout in &LAYOUTS[1..] {
+                let got = bits(&run(&config(*layout, &extra)));
+                assert_eq!(got.0, want.0, "{model} {opt} {layout:?}: losses");
+                assert_eq!(got.1, want.1, "{model} {opt} {layout:?}: grad norms");
+                assert!(got.2 == want.2, "{model} {opt} {layout:?}: final weights");
+            }
+        }
+    }
+}
+
+/// The mirror: the same runs without the key (the portable kernel still on) differ between
+/// layouts, so the comparison above can see a difference.
+#[test]
+fn without_the_key_the_layouts_differ() {
+    let runs: Vec<_> = LAYOUTS
+        .iter()
+        .map(|&l| bits(&run(&config(l, &["opt_type=sgd"]))))
+        .collect();
+    assert!(
+        runs[1] != runs[0] || runs[2] != runs[0],
+        "three layouts agreed to the bit without layout_invariant"
+    );
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotext-layout-{}-{name}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    dir
+}
+
+/// A checkpoint at a step boundary written on data=4 × GA 1 continues on data=1 × GA 4 and on
+/// data=2 × GA 2 to the bit of the uninterrupted run (elastic resume).
+#[test]
+fn a_checkpoint_resumes_on_another_layout_bitwise() {
+    let base = scratch("resume");
+    let keys = |run: &str, base: &Path| {
+        vec![
+            format!("base_output_directory={}", base.display()),
+            format!("run_name={run}"),
+        ]
+    };
+    let with = |layout, run: &str| {
+        let k = keys(run, &base);
+        let mut extra: Vec<&str> = k.iter().map(String::as_str).collect();
+        extra.extend_from_slice(&[
+            "layout_invariant=true",
+            "opt_type=adamw",
+            "enable_checkpointing=true",
+            "checkpoint_period=1",
+        ]);
+        config(layout, &extra)
+    };
+    let whole = run(&with(LAYOUTS[0], "whole"));
+    for to in &LAYOUTS[1..] {
+        let name = format!("to-{}", to.0);
+        let first = train(
+            &with(LAYOUTS[0], &name),
+            &RunOptions {
+                stop_after_steps: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let rest = run(&with(*to, &name));
+        assert_eq!(rest.first_step, 2);
+        let losses: Vec<u64> = first
+            .metrics
+            .iter()
+            .chain(&rest.metrics)
+            .map(|m| m.loss.to_bits())
+            .collect();
+        assert_eq!(losses, bits(&whole).0, "{to:?}: losses");
+        assert!(bits(&rest).2 == bits(&whole).2, "{to:?}: final weights");
+    }
+    std::fs::remove_dir_all(&base).ok();
+}
+
+/// `common::small_config`'s model keys.
+const SMALL: [&str; 8] = [
+    "vocab_size=256",
+    "base_emb_dim=32",
+    "base_num_decoder_layers=2",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "head_dim=8",
+    "base_mlp_dim=64",
+    "dataset_type=synthetic",
+];
+
+/// What the tree cannot cover is refused before anything runs, naming the key and the reason.
+#[test]
+fn what_the_tree_cannot_cover_is_refused_naming_the_key() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["deterministic=false"], "needs deterministic=true"),
+        (
+            &["ici_data_parallelism=2", "ici_fsdp_parallelism=2"],
+            "needs a data-parallel mesh, got fsdp=2",
+        ),
+        (&["shard_mode=auto"], "needs the deferral gate open"),
+        (
+            &["shard_optimizer_over_data=true"],
+            "shard_optimizer_over_data",
+        ),
+        (
+            &["gradient_accumulation_steps=3"],
+            "power-of-two gradient_accumulation_steps",
+        ),
+        (
+            &["checkpoint_micro_batch_period=1"],
+            "checkpoint_micro_batch_period",
+        ),
+        (&["overlap_grad_reduce=true"], "overlap_grad_reduce"),
+        (
+            &[
+                "num_experts=4",
+                "num_experts_per_tok=2",
+                "load_balance_loss_weight=0.01",
+            ],
+            "load_balance_loss_weight",
+        ),
+    ];
+    for (keys, needle) in cases {
+        let mut all = vec!["layout_invariant=true", "deterministic=true"];
+        all.extend_from_slice(keys);
+        let all: Vec<String> = SMALL
+            .iter()
+            .chain(all.iter())
+            .map(|s| s.to_string())
+            .collect();
+        let err = TrainConfig::load(None, &all)
+            .and_then(|c| c.plan().map(|_| ()))
+            .unwrap_err();
+        assert!(err.is_usage(), "{keys:?}: {err}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("layout_invariant=true"),
+            "{keys:?}: {text}"
+        );
+        assert!(text.contains(needle), "{keys:?}: {text}");
+    }
+}
