@@ -102,8 +102,12 @@ fn deferred_and_untagged_sgd_give_the_same_moe_weights() {
     untagged_args.push("shard_mode=auto");
     let untagged = moe_run(&untagged_args);
     assert!(deferred.gate.is_open() && !untagged.gate.is_open());
+    // The two sum each gradient in different orders (per use inside the backward, or once per
+    // step), and SGD at lr 0.5 carries the rounding through three steps: 1.2e-6 on the
+    // portable kernel with the collectives' tree order. A wrong gradient moves weights by far
+    // more.
     let d = max_rel_diff(&deferred, &untagged);
-    assert!(d <= 1e-6, "max relative weight difference {d}");
+    assert!(d <= 2e-6, "max relative weight difference {d}");
 }
 
 #[test]
