@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use ferrotext_train::{train, RunOptions, TrainConfig, TrainReport};
 
 mod common;
-use common::small_config;
+use common::{small_config, SMALL};
 
 /// (data, local devices, GA): four sequences a step, one a device's micro-batch.
 const LAYOUTS: [(usize, usize); 3] = [(4, 1), (2, 2), (1, 4)];
@@ -178,18 +178,6 @@ fn a_checkpoint_resumes_on_another_layout_bitwise() {
     }
     std::fs::remove_dir_all(&base).ok();
 }
-
-/// `common::small_config`'s model keys.
-const SMALL: [&str; 8] = [
-    "vocab_size=256",
-    "base_emb_dim=32",
-    "base_num_decoder_layers=2",
-    "base_num_query_heads=4",
-    "base_num_kv_heads=2",
-    "head_dim=8",
-    "base_mlp_dim=64",
-    "dataset_type=synthetic",
-];
 
 /// What the tree cannot cover is refused before anything runs, naming the key and the reason.
 #[test]

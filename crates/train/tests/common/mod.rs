@@ -5,25 +5,25 @@ use ferrotext_spmd::Ctx;
 use ferrotext_train::data::{micro_batch, TokenSource};
 use ferrotext_train::{train, Engine, RunOptions, TrainConfig, TrainError, TrainReport};
 
+/// The small model's keys, its batch and its data (synthetic): [`small_config`]'s.
+pub const SMALL: [&str; 11] = [
+    "vocab_size=256",
+    "base_emb_dim=32",
+    "base_num_decoder_layers=2",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "head_dim=8",
+    "base_mlp_dim=64",
+    "max_target_length=16",
+    "per_device_batch_size=1",
+    "steps=3",
+    "dataset_type=synthetic",
+];
+
 /// A small, fast qwen3 (d 32, 2 layers, 4/2 heads of 8, MLP 64) on 16-token synthetic
 /// sequences, one per device per micro-batch, 3 steps — plus `extra` overrides.
 pub fn small_config(extra: &[&str]) -> TrainConfig {
-    let mut all: Vec<String> = [
-        "vocab_size=256",
-        "base_emb_dim=32",
-        "base_num_decoder_layers=2",
-        "base_num_query_heads=4",
-        "base_num_kv_heads=2",
-        "head_dim=8",
-        "base_mlp_dim=64",
-        "max_target_length=16",
-        "per_device_batch_size=1",
-        "steps=3",
-        "dataset_type=synthetic",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut all: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
     all.extend(extra.iter().map(|s| s.to_string()));
     TrainConfig::load(None, &all).unwrap_or_else(|e| panic!("{e}"))
 }
