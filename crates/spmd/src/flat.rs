@@ -79,6 +79,32 @@ impl BucketBuffers {
         &self.types[i]
     }
 
+    /// Every value set to zero in place, the buffers kept (a gradient set reused for the next
+    /// micro-batch costs a fill, not an allocation and its page faults).
+    ///
+    /// # Errors
+    /// [`SpmdError::BadArgument`] when a bucket has been handed to its collective.
+    pub fn fill_zero(&mut self) -> Result<(), SpmdError> {
+        for buffer in &mut self.buffers {
+            match buffer {
+                Buffer::Abstract => {}
+                Buffer::Ready { data, .. } => data.fill(0.0),
+                Buffer::InFlight => {
+                    return Err(SpmdError::BadArgument {
+                        op: "fill_zero".into(),
+                        reason: "a bucket is being reduced".into(),
+                    })
+                }
+            }
+        }
+        for value in self.loose.iter_mut().flatten() {
+            if !value.is_abstract() {
+                value.local_mut()?.data_mut().fill(0.0);
+            }
+        }
+        Ok(())
+    }
+
     /// Value `i`'s elements in place — its local block, row-major, as consecutive parts of
     /// equal length, one per segment of its buffer (one for a value in no bucket) — when its
     /// chunk in each segment is one run (every value of an all-reduce bucket; a value of a

@@ -31,7 +31,7 @@ use serde::Serialize;
 use crate::config::NanPolicy;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Overlap, Zero1};
-use crate::gradients::{Gradients, PartialGradients, UnitTree};
+use crate::gradients::{FinishedTree, Gradients, PartialGradients, UnitTree};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
 use crate::plan::{engine_rules, RunPlan};
 
@@ -132,6 +132,9 @@ pub struct Engine {
     acc_plan: Arc<BucketPlan>,
     /// ZeRO-1: the parameters' all-gather after the step, in buckets.
     gather_plan: Option<BucketPlan>,
+    /// `layout_invariant`: gradient sets of `acc_plan` left by the last step's tree, reused as
+    /// the next step's units.
+    unit_spares: Vec<PartialGradients>,
 }
 
 /// A read-only view of an engine's state between two calls: what a checkpoint saves.
@@ -289,6 +292,7 @@ impl Engine {
             reduce_plan,
             acc_plan,
             gather_plan,
+            unit_spares: Vec::new(),
         })
     }
 
@@ -532,7 +536,7 @@ impl Engine {
             // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
             let used = self.enter_micro_batches(cx, &self.params)?;
             let sum = if self.plan.config().layout_invariant {
-                StepSum::Tree(UnitTree::new())
+                StepSum::Tree(UnitTree::new(std::mem::take(&mut self.unit_spares)))
             } else {
                 StepSum::Accumulator(PartialGradients::zeros(cx, self.acc_plan.clone())?)
             };
@@ -578,7 +582,7 @@ impl Engine {
             StepSum::Tree(tree) => {
                 // A unit: this micro-batch's gradients from zero, its loss this device's
                 // partial sum; the tree adds it in its place.
-                let mut unit = PartialGradients::zeros(cx, self.acc_plan.clone())?;
+                let mut unit = tree.next_unit(cx, &self.acc_plan)?;
                 let mut sink = AccumulatorSink::new(&mut unit, false, infos);
                 let loss = cx
                     .value_and_grad_into(
@@ -691,9 +695,11 @@ impl Engine {
         let (acc, loss_sum) = match sum {
             StepSum::Accumulator(acc) => (acc, loss_sum),
             StepSum::Tree(tree) => {
-                let (acc, loss) = tree.finish(cx)?.ok_or_else(|| {
+                let FinishedTree { grads, loss, spare } = tree.finish(cx)?.ok_or_else(|| {
                     TrainError::Internal("a pending step without micro-batches".into())
                 })?;
+                self.unit_spares = spare;
+                let acc = grads;
                 // The step's loss: the devices' subtrees completed by one all-reduce (the
                 // collectives' tree), as the gradients' below.
                 let loss = cx.reshard(&loss, &PartitionSpec::replicated())?;

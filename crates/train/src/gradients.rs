@@ -127,6 +127,8 @@ impl PartialGradients {
 /// backward fills.
 pub(crate) struct UnitTree {
     nodes: Vec<UnitNode>,
+    /// Gradient sets freed by merges, reused for the next units.
+    spare: Vec<PartialGradients>,
 }
 
 /// A complete subtree of `2^level` units.
@@ -137,9 +139,16 @@ struct UnitNode {
 }
 
 impl UnitNode {
-    /// `self` (the earlier units) + `right` (the later ones), in `self`'s buffers.
-    fn merge(mut self, cx: &mut Ctx<'_>, right: UnitNode) -> Result<UnitNode, TrainError> {
+    /// `self` (the earlier units) + `right` (the later ones), in `self`'s buffers; `right`'s
+    /// gradient set goes to `spare`.
+    fn merge(
+        mut self,
+        cx: &mut Ctx<'_>,
+        right: UnitNode,
+        spare: &mut Vec<PartialGradients>,
+    ) -> Result<UnitNode, TrainError> {
         cx.add_buffers(&mut self.grads.grads, &right.grads.grads)?;
+        spare.push(right.grads);
         Ok(UnitNode {
             level: self.level.max(right.level) + 1,
             loss: cx.add(&self.loss, &right.loss)?,
@@ -149,9 +158,30 @@ impl UnitNode {
 }
 
 impl UnitTree {
-    /// No units yet.
-    pub(crate) fn new() -> UnitTree {
-        UnitTree { nodes: Vec::new() }
+    /// No units yet; `spare` holds gradient sets of the same plan to reuse (the last step's).
+    pub(crate) fn new(spare: Vec<PartialGradients>) -> UnitTree {
+        UnitTree {
+            nodes: Vec::new(),
+            spare,
+        }
+    }
+
+    /// Zeros for the next unit, `plan`'s: a set a merge freed, refilled, or a new one.
+    ///
+    /// # Errors
+    /// A plan whose buckets the device's mesh cannot hold.
+    pub(crate) fn next_unit(
+        &mut self,
+        cx: &Ctx<'_>,
+        plan: &Arc<BucketPlan>,
+    ) -> Result<PartialGradients, TrainError> {
+        match self.spare.pop() {
+            Some(mut unit) => {
+                unit.grads.fill_zero()?;
+                Ok(unit)
+            }
+            None => PartialGradients::zeros(cx, plan.clone()),
+        }
     }
 
     /// The next unit: its gradients and its loss partial sum.
@@ -174,30 +204,41 @@ impl UnitTree {
                 .nodes
                 .pop()
                 .ok_or_else(|| TrainError::Internal("a unit tree lost a node".into()))?;
-            node = left.merge(cx, node)?;
+            node = left.merge(cx, node, &mut self.spare)?;
         }
         self.nodes.push(node);
         Ok(())
     }
 
     /// The sum of every unit (the complete subtrees added from the newest, smallest one
-    /// back, as the tree over a count that is not a power of two adds them), and the loss's;
-    /// `None` before the first unit.
+    /// back, as the tree over a count that is not a power of two adds them), the loss's, and
+    /// the gradient sets left to reuse; `None` before the first unit.
     ///
     /// # Errors
     /// An op failure adding subtrees.
-    pub(crate) fn finish(
-        mut self,
-        cx: &mut Ctx<'_>,
-    ) -> Result<Option<(PartialGradients, Array)>, TrainError> {
+    pub(crate) fn finish(mut self, cx: &mut Ctx<'_>) -> Result<Option<FinishedTree>, TrainError> {
         let Some(mut right) = self.nodes.pop() else {
             return Ok(None);
         };
         while let Some(left) = self.nodes.pop() {
-            right = left.merge(cx, right)?;
+            right = left.merge(cx, right, &mut self.spare)?;
         }
-        Ok(Some((right.grads, right.loss)))
+        Ok(Some(FinishedTree {
+            grads: right.grads,
+            loss: right.loss,
+            spare: self.spare,
+        }))
     }
+}
+
+/// A step's summed tree: [`UnitTree::finish`]'s result.
+pub(crate) struct FinishedTree {
+    /// Every unit's gradients, summed on this device (still unreduced over `data`).
+    pub grads: PartialGradients,
+    /// This device's loss partial sum over its units.
+    pub loss: Array,
+    /// Gradient sets to reuse for the next step's units.
+    pub spare: Vec<PartialGradients>,
 }
 
 /// Reduced gradients in the parameters' layout: what the optimizer takes.
