@@ -106,6 +106,20 @@ fn every_layout_of_the_global_batch_gives_the_same_bits() {
     }
 }
 
+/// Eight units a step: three levels of the tree, cut three ways (every device's micro-batches
+/// one subtree of 1, 4 or 8 units).
+#[test]
+fn eight_units_cut_three_ways_give_the_same_bits() {
+    if kernel_forced_elsewhere() {
+        return;
+    }
+    let extra = ["layout_invariant=true", "opt_type=adamw"];
+    let want = bits(&run(&config((8, 1), &extra)));
+    for layout in [(2, 4), (1, 8)] {
+        assert!(bits(&run(&config(layout, &extra))) == want, "{layout:?}");
+    }
+}
+
 /// The mirror: the same runs without the key (the portable kernel still on) differ between
 /// layouts, so the comparison above can see a difference.
 #[test]
