@@ -30,9 +30,14 @@ pub(crate) fn tree_sum_into<'a, T: Element + 'a>(
     part: &dyn Fn(usize) -> &'a [T],
     scratch: &mut Vec<f32>,
 ) {
-    let depth = usize::BITS as usize;
-    if scratch.len() < acc.len() * depth.min(n) {
-        scratch.resize(acc.len() * depth.min(n), 0.0);
+    if n == 0 {
+        acc.fill(0.0);
+        return;
+    }
+    // The recursion keeps one right subtree per level: at most log2(n) + 1 blocks.
+    let levels = (usize::BITS - n.leading_zeros()) as usize;
+    if scratch.len() < acc.len() * levels {
+        scratch.resize(acc.len() * levels, 0.0);
     }
     subtree(acc, 0, n, part, scratch);
 }

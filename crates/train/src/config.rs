@@ -243,6 +243,8 @@ pub struct TrainConfig {
     /// how the global batch is laid out: data=4 × GA 1, data=2 × GA 2, data=1 × GA 4, in one
     /// process or over MPI, give the same bits. Needs `deterministic=true`, a data-parallel
     /// mesh, a power-of-two `gradient_accumulation_steps`; see `RunPlan` for what it refuses.
+    /// The `Trainer` cuts the data into units itself; a caller of `Engine::fwd_bwd` feeds each
+    /// device its own unit's rows.
     pub layout_invariant: bool,
     /// Steps between evaluations on held-out data (0: never); the last step always evaluates
     /// when this is set. Needs held-out data: `eval_dataset_path`, `eval_split`, or synthetic
