@@ -261,8 +261,20 @@ impl Engine {
         } else {
             overlap_bucket_bytes(bucket_bytes, gradient_bytes)
         };
-        let reduce_plan =
-            Arc::new(cx.plan_buckets(&promised, &targets, reduce_bucket_bytes, &backwards)?);
+        // `layout_invariant` under ZeRO-1: the gradients are all-reduced whole (twice a
+        // reduce-scatter's bytes) so that the norm is the whole gradient's, summed alike on
+        // every layout; the optimizer then takes each device's slice of them (free).
+        let reduce_targets = if config.layout_invariant {
+            &plain
+        } else {
+            &targets
+        };
+        let reduce_plan = Arc::new(cx.plan_buckets(
+            &promised,
+            reduce_targets,
+            reduce_bucket_bytes,
+            &backwards,
+        )?);
         let (acc_types, acc_plan) = if overlap.every_micro_batch() {
             let reduced = moment_types.clone();
             let nothing = cx.plan_buckets(&reduced, &targets, bucket_bytes, &backwards)?;
@@ -726,6 +738,17 @@ impl Engine {
                 grad_norm,
             });
         }
+        let grads = if config.layout_invariant && self.plan.zero1().is_open() {
+            let targets: Vec<PartitionSpec> = self
+                .plan
+                .layouts()
+                .iter()
+                .map(|l| l.target.clone())
+                .collect();
+            grads.sliced(cx, &targets)?
+        } else {
+            grads
+        };
         let scale = (inv_tokens * clip_scale(grad_norm, config.gradient_clipping_threshold)) as f32;
         // nan_policy=skip_step: a skipped update leaves parameters and moments as they were.
         if !skipped {

@@ -252,6 +252,34 @@ impl Gradients {
         &self.grads
     }
 
+    /// Each gradient resharded to its spec in `specs` — from replicated to a device's slice,
+    /// which moves nothing (ZeRO-1's optimizer slices under `layout_invariant`).
+    ///
+    /// # Errors
+    /// A spec the gradient cannot take.
+    ///
+    /// # Collectives
+    /// None when every change is replicated → sharded.
+    pub(crate) fn sliced(
+        self,
+        cx: &mut Ctx<'_>,
+        specs: &[ferrotext_sharding::PartitionSpec],
+    ) -> Result<Gradients, TrainError> {
+        let grads = self
+            .grads
+            .into_iter()
+            .zip(specs)
+            .map(|(g, spec)| {
+                if g.ty().sharding().spec() == spec {
+                    Ok(g)
+                } else {
+                    cx.reshard(&g, spec).map_err(TrainError::from)
+                }
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Gradients { grads })
+    }
+
     /// Σ of the squares of every gradient, in f64 and the same whatever the layout (so ZeRO-1,
     /// FSDP and replicated runs clip by the same factor): each device sums its own shard of
     /// each gradient in f64; shards of the gradients split over the same mesh axes are combined

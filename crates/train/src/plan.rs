@@ -343,8 +343,7 @@ impl TrainConfig {
     /// # Errors
     /// A usage error naming `layout_invariant` and the reason: products whose bits follow the
     /// thread count (`deterministic` off), a mesh axis other than `data` (its gradients are
-    /// reduced inside the backward), the gate closed otherwise, ZeRO-1 (each device's shard of
-    /// the norm depends on the layout), a GA that is not a power of two, an
+    /// reduced inside the backward), the gate closed otherwise, a GA that is not a power of two, an
     /// MoE auxiliary loss (a function of the whole micro-batch), checkpoints inside a step
     /// (they keep the sum, not the tree), overlapped reductions, or several processes whose
     /// device count is not a power of two.
@@ -388,13 +387,6 @@ impl TrainConfig {
                 "needs the deferral gate open (gradients unreduced until the update), it is {}",
                 deferral.describe()
             ));
-        }
-        if self.shard_optimizer_over_data {
-            return refuse(
-                "cannot take shard_optimizer_over_data=true yet: each device's part of the \
-                 gradient norm is a shard whose size depends on the layout"
-                    .into(),
-            );
         }
         if !self.gradient_accumulation_steps.is_power_of_two() {
             return refuse(format!(

@@ -1,6 +1,7 @@
 //! `layout_invariant=true`: the same global batch trained as data=4 × GA 1, data=2 × GA 2 and
 //! data=1 × GA 4 gives the same losses, grad norms and final weights to the bit — dense and
-//! MoE, SGD and AdamW with clipping — and a checkpoint resumes on another layout bitwise. The
+//! MoE, SGD and AdamW with clipping, ZeRO-1 on and off — and a checkpoint resumes on another
+//! layout bitwise. The
 //! mirror: without the key the layouts differ. (Over MPI: `crates/ferrotext/tests/mpi.rs`.)
 
 use std::path::{Path, PathBuf};
@@ -106,6 +107,30 @@ fn every_layout_of_the_global_batch_gives_the_same_bits() {
     }
 }
 
+/// ZeRO-1 on every layout gives the bits of ZeRO-1 off: the gradients are all-reduced whole
+/// under the key (so the norm is the whole gradient's) and AdamW steps on each device's slice.
+#[test]
+fn zero1_gives_the_same_bits_on_every_layout() {
+    if kernel_forced_elsewhere() {
+        return;
+    }
+    let plain = [
+        "layout_invariant=true",
+        "opt_type=adamw",
+        "gradient_clipping_threshold=0.5",
+    ];
+    let want = bits(&run(&config(LAYOUTS[0], &plain)));
+    let mut zero1 = plain.to_vec();
+    zero1.push("shard_optimizer_over_data=true");
+    for layout in LAYOUTS {
+        let report = run(&config(layout, &zero1));
+        if layout.0 > 1 {
+            assert!(report.zero1.is_open(), "{layout:?}: ZeRO-1 on");
+        }
+        assert!(bits(&report) == want, "{layout:?}: ZeRO-1");
+    }
+}
+
 /// Eight units a step: three levels of the tree, cut three ways (every device's micro-batches
 /// one subtree of 1, 4 or 8 units).
 #[test]
@@ -203,10 +228,6 @@ fn what_the_tree_cannot_cover_is_refused_naming_the_key() {
             "needs a data-parallel mesh, got fsdp=2",
         ),
         (&["shard_mode=auto"], "needs the deferral gate open"),
-        (
-            &["shard_optimizer_over_data=true"],
-            "shard_optimizer_over_data",
-        ),
         (
             &["gradient_accumulation_steps=3"],
             "power-of-two gradient_accumulation_steps",
