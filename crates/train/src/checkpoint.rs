@@ -47,7 +47,9 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::{DatasetOrder, OptType, ResumeMode, TrainConfig};
-use crate::engine::{Engine, EngineState, Restored, RestoredPending};
+use crate::engine::{
+    Engine, EngineState, PendingState, PendingSum, Restored, RestoredPending, TreeNodeState,
+};
 use crate::error::TrainError;
 
 /// The manifest format this build writes and the only one it reads (3: every parameter is stored
@@ -158,6 +160,10 @@ pub struct Manifest {
     /// The accumulator's types at save time (mid-step only), printed.
     #[serde(default)]
     pub accumulator_types: Vec<String>,
+    /// Mid-step under `layout_invariant=true`: the levels of the step's unit tree's complete
+    /// subtrees, oldest first (`node/<n>/...` in `accumulator.safetensors`); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unit_tree_levels: Vec<u32>,
     /// Every tensor.
     pub tensors: Vec<TensorEntry>,
     /// SHA-256 (hex) of every file.
@@ -497,8 +503,21 @@ struct Loaded {
     params: Vec<Tensor>,
     moments: Option<(Vec<Tensor>, Vec<Tensor>)>,
     accumulator: Option<Vec<Tensor>>,
-    /// Per device, per parameter: the partial blocks (present for mid-step checkpoints).
+    /// Per device, per parameter: the partial blocks (mid-step, on the mesh and layout that
+    /// saved them).
     partials: Option<Vec<Vec<Tensor>>>,
+    /// The unit tree's subtrees (mid-step under `layout_invariant=true`, on the mesh and layout
+    /// that saved them), oldest first.
+    tree: Option<Vec<LoadedNode>>,
+}
+
+/// A subtree of a unit tree as a checkpoint holds it.
+struct LoadedNode {
+    level: u32,
+    /// Per device, per parameter: the subtree's blocks.
+    blocks: Vec<Vec<Tensor>>,
+    /// Per device: its loss partial sum.
+    losses: Vec<f32>,
 }
 
 fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>, TrainError> {
@@ -718,6 +737,20 @@ pub(crate) fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainErr
             m.pending_loss_sum
         ));
     }
+    if !m.unit_tree_levels.is_empty() {
+        let levels = &m.unit_tree_levels;
+        let falling = levels.windows(2).all(|w| w[0] > w[1]);
+        let units = levels
+            .iter()
+            .try_fold(0usize, |n, &l| n.checked_add(1usize.checked_shl(l)?));
+        if !cfg.layout_invariant || !falling || units != Some(m.micro_steps) {
+            return bad(format!(
+                "unit_tree_levels {levels:?} do not describe micro_steps {} under \
+                 layout_invariant={} (falling levels whose units add up to the micro-steps)",
+                m.micro_steps, cfg.layout_invariant
+            ));
+        }
+    }
     if m.optimizer_steps > m.step as u64 {
         return bad(format!(
             "optimizer_steps {} is more than step {}",
@@ -867,6 +900,153 @@ fn check_config(
     Ok(())
 }
 
+/// A step's gradients so far, gathered for device 0 to write.
+struct GatheredPending {
+    /// The reduced totals (what `update`'s reduction would give), per parameter.
+    totals: Vec<Tensor>,
+    /// Per parameter: the local block's shape and every device's block, in device order (this
+    /// device's sum so far).
+    partials: Vec<DeviceBlocks>,
+    /// The unit tree's subtrees (`layout_invariant=true`), oldest first: level, the blocks as
+    /// in `partials`, every device's loss partial sum.
+    tree: Vec<(u32, Vec<DeviceBlocks>, Vec<f32>)>,
+    micro_steps: usize,
+    tokens: u64,
+    loss_sum: f64,
+}
+
+/// One value's local block shape and every device's block, concatenated in device order.
+type DeviceBlocks = (Vec<usize>, Vec<f32>);
+
+/// Gathers a step's gradients so far (every device takes part): the reduction `update` would
+/// do, on a copy (the live sums stay partial), and every device's own blocks, so a restore onto
+/// the same mesh and layout continues bit for bit (the sum's association is kept).
+fn gather_pending(
+    cx: &mut Ctx<'_>,
+    state: &EngineState<'_>,
+    p: &PendingState,
+) -> Result<GatheredPending, TrainError> {
+    let summed;
+    let (grads, nodes): (&[ferrotext_spmd::Array], &[TreeNodeState]) = match &p.sum {
+        PendingSum::Accumulator(grads) => (grads, &[]),
+        PendingSum::Tree(nodes) => {
+            summed = sum_tree_nodes(cx, nodes)?;
+            (&summed, nodes)
+        }
+    };
+    let mut totals = Vec::with_capacity(grads.len());
+    for (g, layout) in grads.iter().zip(state.plan.layouts()) {
+        let reduced = cx.reshard(g, &layout.plain)?;
+        totals.push(cx.to_host(&reduced)?);
+    }
+    let partials = gather_device_blocks(cx, grads)?;
+    let mut tree = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        let blocks = gather_device_blocks(cx, &node.grads)?;
+        let (_, losses) = gather_device_blocks(cx, std::slice::from_ref(&node.loss))?
+            .pop()
+            .ok_or_else(|| TrainError::Internal("a gathered loss is missing".into()))?;
+        tree.push((node.level, blocks, losses));
+    }
+    Ok(GatheredPending {
+        totals,
+        partials,
+        tree,
+        micro_steps: p.micro_steps,
+        tokens: p.tokens,
+        loss_sum: p.loss_sum,
+    })
+}
+
+/// A device's sum of its unit tree's subtrees, as `update` adds them (from the newest back).
+fn sum_tree_nodes(
+    cx: &mut Ctx<'_>,
+    nodes: &[TreeNodeState],
+) -> Result<Vec<ferrotext_spmd::Array>, TrainError> {
+    let (newest, older) = nodes
+        .split_last()
+        .ok_or_else(|| TrainError::Internal("a pending tree without subtrees".into()))?;
+    let mut right = newest.grads.clone();
+    for left in older.iter().rev() {
+        right = left
+            .grads
+            .iter()
+            .zip(&right)
+            .map(|(l, r)| cx.add(l, r))
+            .collect::<Result<_, _>>()?;
+    }
+    Ok(right)
+}
+
+/// Every device's local block of each of `values`, gathered onto every device.
+fn gather_device_blocks(
+    cx: &mut Ctx<'_>,
+    values: &[ferrotext_spmd::Array],
+) -> Result<Vec<DeviceBlocks>, TrainError> {
+    let all_axes: Vec<String> = cx.mesh().axis_names().map(str::to_string).collect();
+    let devices = cx.mesh().device_count();
+    let mut out = Vec::with_capacity(values.len());
+    for v in values {
+        let local = v.local()?;
+        let mut all = vec![0.0f32; local.len() * devices];
+        cx.comm().all_gather(&all_axes, local.data(), &mut all)?;
+        out.push((local.shape().to_vec(), all));
+    }
+    Ok(out)
+}
+
+/// Appends `<prefix>/<device>/<parameter>` for every device's block of every parameter.
+fn push_device_blocks(
+    stored: &mut Vec<(String, Tensor)>,
+    prefix: &str,
+    infos: &[ParamInfo],
+    blocks: &[DeviceBlocks],
+    devices: usize,
+) -> Result<(), TrainError> {
+    for (info, (shape, all)) in infos.iter().zip(blocks) {
+        let block = all.len() / devices.max(1);
+        for d in 0..devices {
+            let t = Tensor::new(shape.clone(), all[d * block..(d + 1) * block].to_vec())?;
+            stored.push((format!("{prefix}/{d}/{}", info.name), t));
+        }
+    }
+    Ok(())
+}
+
+/// This device's subtrees of a checkpoint's unit tree, typed as the engine promises (the loss
+/// partial sums unreduced over the batch's axes, as the loss leaves the model).
+fn restore_tree(
+    cx: &mut Ctx<'_>,
+    state: &EngineState<'_>,
+    nodes: &[LoadedNode],
+) -> Result<Vec<TreeNodeState>, TrainError> {
+    let loss_spec = ferrotext_sharding::PartitionSpec::replicated()
+        .with_unreduced(state.plan.batch_spec().partition_axes())?;
+    let loss_ty = cx.array_type(&[], loss_spec)?;
+    let d = cx.device();
+    nodes
+        .iter()
+        .map(|node| {
+            let (Some(blocks), Some(&loss)) = (node.blocks.get(d), node.losses.get(d)) else {
+                return Err(TrainError::Internal(format!(
+                    "a checkpoint's unit tree has no blocks for device {d}"
+                )));
+            };
+            let grads = blocks
+                .iter()
+                .zip(state.promised)
+                .map(|(block, ty)| cx.from_local(ty.clone(), block.clone()))
+                .collect::<Result<_, _>>()?;
+            let loss = Tensor::new(vec![], vec![loss])?;
+            Ok(TreeNodeState {
+                level: node.level,
+                grads,
+                loss: cx.from_local(loss_ty.clone(), loss)?,
+            })
+        })
+        .collect()
+}
+
 /// The mesh a state's accumulator lives on, as the manifest records it.
 fn mesh_description(state: &EngineState<'_>) -> String {
     state
@@ -943,32 +1123,12 @@ impl Engine {
             }
             None => None,
         };
-        let all_axes: Vec<String> = cx.mesh().axis_names().map(str::to_string).collect();
         let pending = match &state.pending {
-            Some(p) => {
-                // The reduction `update` would have done, on a copy: the live accumulator stays
-                // partial.
-                let mut totals = Vec::with_capacity(p.grads.len());
-                for (g, layout) in p.grads.iter().zip(state.plan.layouts()) {
-                    let reduced = cx.reshard(g, &layout.plain)?;
-                    totals.push(cx.to_host(&reduced)?);
-                }
-                // Every device's own partial block too, so a restore onto the same mesh and gate
-                // continues bit for bit (the sum's association is kept).
-                let mut partials = Vec::with_capacity(p.grads.len());
-                for g in &p.grads {
-                    let local = g.local()?;
-                    let n = cx.mesh().device_count();
-                    let mut all = vec![0.0f32; local.len() * n];
-                    cx.comm().all_gather(&all_axes, local.data(), &mut all)?;
-                    partials.push((local.shape().to_vec(), all));
-                }
-                Some((totals, p.micro_steps, p.tokens, p.loss_sum, partials))
-            }
+            Some(p) => Some(gather_pending(cx, &state, p)?),
             None => None,
         };
         // 2. device 0 writes: temporary directory, fsync, rename, then `latest`
-        let micro = pending.as_ref().map_or(0, |p| p.1);
+        let micro = pending.as_ref().map_or(0, |p| p.micro_steps);
         let name = checkpoint_name(state.step, micro);
         let final_dir = root.join(&name);
         if cx.device() == 0 {
@@ -1020,22 +1180,22 @@ impl Engine {
                 after_file("optimizer.safetensors").map_err(io_err(&tmp))?;
             }
             let (mut token_denominator, mut pending_loss_sum) = (0, 0.0);
-            if let Some((totals, _, tokens, loss, partials)) = &pending {
-                token_denominator = *tokens;
-                pending_loss_sum = *loss;
+            if let Some(p) = &pending {
+                token_denominator = p.tokens;
+                pending_loss_sum = p.loss_sum;
                 let mut stored: Vec<(String, Tensor)> = infos
                     .iter()
-                    .zip(totals)
+                    .zip(&p.totals)
                     .map(|(i, t)| (format!("acc/{}", i.name), t.clone()))
                     .collect();
                 let devices = cx.mesh().device_count();
-                for (info, (shape, all)) in infos.iter().zip(partials) {
-                    let block = all.len() / devices.max(1);
-                    for d in 0..devices {
-                        let t =
-                            Tensor::new(shape.clone(), all[d * block..(d + 1) * block].to_vec())?;
-                        stored.push((format!("partial/{d}/{}", info.name), t));
-                    }
+                push_device_blocks(&mut stored, "partial", infos, &p.partials, devices)?;
+                for (n, (_, grads, losses)) in p.tree.iter().enumerate() {
+                    push_device_blocks(&mut stored, &format!("node/{n}"), infos, grads, devices)?;
+                    stored.push((
+                        format!("node/{n}/loss"),
+                        Tensor::new(vec![losses.len()], losses.clone())?,
+                    ));
                 }
                 for (n, t) in &stored {
                     entry(
@@ -1063,10 +1223,12 @@ impl Engine {
                 dataset_order: config.dataset_order,
                 sequences_consumed: sequences_consumed(config, state.step, micro),
                 mesh: mesh_description(&state),
-                accumulator_types: state
-                    .pending
+                accumulator_types: state.pending.as_ref().map_or_else(Vec::new, |_| {
+                    state.promised.iter().map(ToString::to_string).collect()
+                }),
+                unit_tree_levels: pending
                     .as_ref()
-                    .map(|p| p.grads.iter().map(|g| g.ty().to_string()).collect())
+                    .map(|p| p.tree.iter().map(|(level, _, _)| *level).collect())
                     .unwrap_or_default(),
                 deferral: state.plan.deferral().describe(),
                 tensors,
@@ -1172,7 +1334,7 @@ impl Engine {
         } else {
             None
         };
-        let (accumulator, partials) = if manifest.micro_steps > 0 {
+        let (accumulator, partials, tree) = if manifest.micro_steps > 0 {
             let bytes = read_verified(dir, &manifest, "accumulator.safetensors")?;
             let path = dir.join("accumulator.safetensors");
             let file = SafeTensors::deserialize(&bytes)
@@ -1189,28 +1351,43 @@ impl Engine {
                         .iter()
                         .map(|t| t.to_string())
                         .collect::<Vec<_>>();
+            let devices = device_count(&state);
+            let blocks = |prefix: &str| -> Result<Vec<Vec<Tensor>>, TrainError> {
+                (0..devices)
+                    .map(|d| {
+                        infos
+                            .iter()
+                            .zip(state.promised)
+                            .map(|(info, t)| {
+                                let name = format!("{prefix}/{d}/{}", info.name);
+                                tensor(&path, &file, &name, &t.shard_shape())
+                            })
+                            .collect()
+                    })
+                    .collect()
+            };
             let partials = if same_layout {
-                let devices = device_count(&state);
-                let mut per_device = Vec::with_capacity(devices);
-                for d in 0..devices {
-                    let mut blocks = Vec::with_capacity(infos.len());
-                    for (info, t) in infos.iter().zip(state.promised) {
-                        blocks.push(tensor(
-                            &path,
-                            &file,
-                            &format!("partial/{d}/{}", info.name),
-                            &t.shard_shape(),
-                        )?);
-                    }
-                    per_device.push(blocks);
-                }
-                Some(per_device)
+                Some(blocks("partial")?)
             } else {
                 None
             };
-            (Some(totals), partials)
+            let tree = if same_layout && !manifest.unit_tree_levels.is_empty() {
+                let mut nodes = Vec::with_capacity(manifest.unit_tree_levels.len());
+                for (n, &level) in manifest.unit_tree_levels.iter().enumerate() {
+                    let name = format!("node/{n}/loss");
+                    nodes.push(LoadedNode {
+                        level,
+                        blocks: blocks(&format!("node/{n}"))?,
+                        losses: tensor(&path, &file, &name, &[devices])?.data().to_vec(),
+                    });
+                }
+                Some(nodes)
+            } else {
+                None
+            };
+            (Some(totals), partials, tree)
         } else {
-            (None, None)
+            (None, None, None)
         };
         Ok(Loaded {
             manifest,
@@ -1218,6 +1395,7 @@ impl Engine {
             moments,
             accumulator,
             partials,
+            tree,
         })
     }
 
@@ -1290,8 +1468,13 @@ impl Engine {
                         }
                     }
                 }
+                let tree = match &loaded.tree {
+                    Some(nodes) => Some(restore_tree(cx, &state, nodes)?),
+                    None => None,
+                };
                 Some(RestoredPending {
                     grads,
+                    tree,
                     loss_sum: f64::from_bits(loaded.manifest.pending_loss_sum_bits),
                     tokens: loaded.manifest.token_denominator,
                     micro_steps: loaded.manifest.micro_steps,

@@ -31,7 +31,7 @@ use serde::Serialize;
 use crate::config::NanPolicy;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Overlap, Zero1};
-use crate::gradients::{FinishedTree, Gradients, PartialGradients, UnitTree};
+use crate::gradients::{FinishedTree, Gradients, PartialGradients, UnitNode, UnitTree};
 use crate::optim::{clip_scale, learning_rate, Optimizer};
 use crate::plan::{engine_rules, RunPlan};
 
@@ -157,14 +157,32 @@ pub(crate) struct EngineState<'a> {
 
 /// The accumulation part of an [`EngineState`].
 pub(crate) struct PendingState {
-    /// The accumulated (possibly partial) gradients (copies of the accumulator's buffers).
-    pub grads: Vec<Array>,
+    /// The accumulated (possibly partial) gradients (copies).
+    pub sum: PendingSum,
     /// Micro-batches accumulated.
     pub micro_steps: usize,
     /// Their target tokens.
     pub tokens: u64,
     /// Their Σ token losses.
     pub loss_sum: f64,
+}
+
+/// A step's gradients so far, as a checkpoint reads them (copies).
+pub(crate) enum PendingSum {
+    /// The accumulator's values.
+    Accumulator(Vec<Array>),
+    /// `layout_invariant=true`: the unit tree's complete subtrees, oldest first.
+    Tree(Vec<TreeNodeState>),
+}
+
+/// A complete subtree of a step's unit tree (`layout_invariant=true`), this device's.
+pub(crate) struct TreeNodeState {
+    /// It sums `2^level` units.
+    pub level: u32,
+    /// Its gradients, typed as the engine promises.
+    pub grads: Vec<Array>,
+    /// Its loss partial sum.
+    pub loss: Array,
 }
 
 /// A whole state to install ([`Engine::install`]), built and checked before the engine changes.
@@ -181,8 +199,11 @@ pub(crate) struct Restored {
 
 /// The accumulation part of a [`Restored`] state.
 pub(crate) struct RestoredPending {
-    /// Accumulated gradients, typed as the engine promises.
+    /// Accumulated gradients, typed as the engine promises: this device's sum so far.
     pub grads: Vec<Array>,
+    /// The unit tree's subtrees, when the checkpoint kept them (written under
+    /// `layout_invariant=true`) and they fit this mesh and layout.
+    pub tree: Option<Vec<TreeNodeState>>,
     /// Σ token losses.
     pub loss_sum: f64,
     /// Target tokens.
@@ -379,15 +400,20 @@ impl Engine {
     pub(crate) fn state(&self) -> Result<EngineState<'_>, TrainError> {
         let pending = match &self.pending {
             Some(p) => Some(PendingState {
-                grads: match &p.sum {
-                    StepSum::Accumulator(acc) => acc.grads.to_arrays()?,
-                    StepSum::Tree(_) => {
-                        return Err(TrainError::usage(
-                            "layout_invariant",
-                            "under layout_invariant=true a step's partial sums are a tree, \
-                             which a checkpoint does not keep: save at a step boundary",
-                        ))
-                    }
+                sum: match &p.sum {
+                    StepSum::Accumulator(acc) => PendingSum::Accumulator(acc.grads.to_arrays()?),
+                    StepSum::Tree(tree) => PendingSum::Tree(
+                        tree.nodes()?
+                            .iter()
+                            .map(|node| {
+                                Ok(TreeNodeState {
+                                    level: node.level,
+                                    grads: node.grads.grads.to_arrays()?,
+                                    loss: node.loss.clone(),
+                                })
+                            })
+                            .collect::<Result<_, TrainError>>()?,
+                    ),
                 },
                 micro_steps: p.micro_steps,
                 tokens: p.tokens,
@@ -413,22 +439,10 @@ impl Engine {
     /// # Errors
     /// Moments that do not fit the optimizer; a layout error.
     pub(crate) fn install(&mut self, cx: &mut Ctx<'_>, state: Restored) -> Result<(), TrainError> {
-        if state.pending.is_some() && self.plan.config().layout_invariant {
-            return Err(TrainError::usage(
-                "layout_invariant",
-                "layout_invariant=true cannot continue a step from a checkpoint taken inside \
-                 it (the step's sum so far is not a tree over its units): resume from a step \
-                 boundary",
-            ));
-        }
         let pending = match state.pending {
             Some(p) => Some(Pending {
                 used: self.enter_micro_batches(cx, &state.params)?,
-                sum: StepSum::Accumulator(PartialGradients::from_arrays(
-                    cx,
-                    &p.grads,
-                    self.acc_plan.clone(),
-                )?),
+                sum: self.restored_sum(cx, p.grads, p.tree)?,
                 loss_sum: p.loss_sum,
                 tokens: p.tokens,
                 micro_steps: p.micro_steps,
@@ -444,6 +458,47 @@ impl Engine {
         self.pending = pending;
         self.step = state.step;
         Ok(())
+    }
+
+    /// A restored step's sum so far, as this run sums: the accumulator, or under
+    /// `layout_invariant=true` the unit tree, which only a checkpoint that kept it restores.
+    ///
+    /// # Errors
+    /// A tree that the checkpoint did not keep (written without `layout_invariant=true`, or on
+    /// another mesh or layout); values not typed as the accumulator's.
+    fn restored_sum(
+        &self,
+        cx: &mut Ctx<'_>,
+        grads: Vec<Array>,
+        tree: Option<Vec<TreeNodeState>>,
+    ) -> Result<StepSum, TrainError> {
+        if !self.plan.config().layout_invariant {
+            return Ok(StepSum::Accumulator(PartialGradients::from_arrays(
+                cx,
+                &grads,
+                self.acc_plan.clone(),
+            )?));
+        }
+        let nodes = tree.ok_or_else(|| {
+            TrainError::usage(
+                "layout_invariant",
+                "layout_invariant=true continues a step from a checkpoint taken inside it only \
+                 when that checkpoint kept the step's unit tree: written under \
+                 layout_invariant=true on this mesh and split into micro-batches; resume from \
+                 a step boundary instead",
+            )
+        })?;
+        let nodes = nodes
+            .into_iter()
+            .map(|node| {
+                Ok(UnitNode {
+                    level: node.level,
+                    grads: PartialGradients::from_arrays(cx, &node.grads, self.acc_plan.clone())?,
+                    loss: node.loss,
+                })
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        Ok(StepSum::Tree(UnitTree::from_nodes(nodes)?))
     }
 
     /// The parameters as they enter micro-batches: each cast to its inside layout. Under
@@ -594,8 +649,8 @@ impl Engine {
             StepSum::Tree(tree) => {
                 // A unit: this micro-batch's gradients from zero, its loss this device's
                 // partial sum; the tree adds it in its place.
-                let mut unit = tree.next_unit(cx, &self.acc_plan)?;
-                let mut sink = AccumulatorSink::new(&mut unit, false, infos);
+                let unit = tree.open_unit(cx, &self.acc_plan)?;
+                let mut sink = AccumulatorSink::new(unit, false, infos);
                 let loss = cx
                     .value_and_grad_into(
                         &pending.used,
@@ -606,7 +661,7 @@ impl Engine {
                 // The micro-batch's loss for the caller (one one-element all-reduce, as the
                 // default path's loss); the step's loss comes from the tree.
                 let reported = cx.reshard(&loss, &PartitionSpec::replicated())?;
-                tree.push(cx, unit, loss)?;
+                tree.close_unit(cx, loss)?;
                 if reported.is_abstract() {
                     0.0
                 } else {

@@ -123,19 +123,41 @@ impl PartialGradients {
 /// all-reduce (the same tree over the devices) completes the step's sum: the bits of one tree
 /// over every unit, whatever the layout.
 ///
+/// A unit whose left sibling is a single unit on this device (an odd unit of the step) is
+/// added by the backward straight into that sibling's buffers, with no zero fill and no merge
+/// pass, and the bits are the merge's: the backward adds each element of a unit's gradient
+/// exactly once (a parameter's whole gradient is either added by its product's kernel or
+/// handed over summed, see `Ctx::value_and_grad_into`), so a fresh unit holds `+0 + g`, which
+/// is never `-0`; and for any `a` that is not `-0`, `a + g` equals `a + (+0 + g)` (the two
+/// differ only when `g = -0`, where both give `a`, or `+0` for `a = +0`).
+///
 /// Memory: at most `log2(GA) + 1` gradient sets live at once (the nodes), plus the unit the
 /// backward fills.
 pub(crate) struct UnitTree {
     nodes: Vec<UnitNode>,
     /// Gradient sets freed by merges, reused for the next units.
     spare: Vec<PartialGradients>,
+    /// The unit the backward is filling, between [`UnitTree::open_unit`] and
+    /// [`UnitTree::close_unit`].
+    open: Option<OpenUnit>,
+}
+
+/// Where the open unit's gradients go.
+enum OpenUnit {
+    /// Into the newest node, a single unit: the open unit is its right sibling.
+    IntoLeftSibling,
+    /// Into a gradient set of its own, from zero.
+    Fresh(PartialGradients),
 }
 
 /// A complete subtree of `2^level` units.
-struct UnitNode {
-    level: u32,
-    grads: PartialGradients,
-    loss: Array,
+pub(crate) struct UnitNode {
+    /// The subtree holds `2^level` units.
+    pub level: u32,
+    /// Its gradients' sum, this device's (unreduced over `data`).
+    pub grads: PartialGradients,
+    /// Its loss partial sum, this device's.
+    pub loss: Array,
 }
 
 impl UnitNode {
@@ -163,47 +185,102 @@ impl UnitTree {
         UnitTree {
             nodes: Vec::new(),
             spare,
+            open: None,
         }
     }
 
-    /// Zeros for the next unit, `plan`'s: a set a merge freed, refilled, or a new one.
+    /// A tree continued from `nodes` (a checkpoint's, oldest first; each level below the one
+    /// before it, as the binary counter leaves them).
     ///
     /// # Errors
-    /// A plan whose buckets the device's mesh cannot hold.
-    pub(crate) fn next_unit(
+    /// Levels that no sequence of units leaves.
+    pub(crate) fn from_nodes(nodes: Vec<UnitNode>) -> Result<UnitTree, TrainError> {
+        if nodes.windows(2).any(|w| w[0].level <= w[1].level) {
+            return Err(TrainError::Internal(
+                "a unit tree's levels must fall from the oldest node to the newest".into(),
+            ));
+        }
+        Ok(UnitTree {
+            nodes,
+            spare: Vec::new(),
+            open: None,
+        })
+    }
+
+    /// The complete subtrees so far, oldest first (what a checkpoint inside a step keeps).
+    ///
+    /// # Errors
+    /// A unit still open (a checkpoint is only taken between micro-batches).
+    pub(crate) fn nodes(&self) -> Result<&[UnitNode], TrainError> {
+        if self.open.is_some() {
+            return Err(TrainError::Internal(
+                "a unit tree read while a unit is open".into(),
+            ));
+        }
+        Ok(&self.nodes)
+    }
+
+    /// Opens the next unit and returns the gradient set the backward adds it into: its left
+    /// sibling's when that is a single unit (see the type's docs), else zeros of `plan` (a set
+    /// a merge freed, refilled, or a new one).
+    ///
+    /// # Errors
+    /// A unit already open; a plan whose buckets the device's mesh cannot hold.
+    pub(crate) fn open_unit(
         &mut self,
         cx: &Ctx<'_>,
         plan: &Arc<BucketPlan>,
-    ) -> Result<PartialGradients, TrainError> {
-        match self.spare.pop() {
-            Some(mut unit) => {
-                unit.grads.fill_zero()?;
-                Ok(unit)
-            }
-            None => PartialGradients::zeros(cx, plan.clone()),
+    ) -> Result<&mut PartialGradients, TrainError> {
+        if self.open.is_some() {
+            return Err(TrainError::Internal("a unit opened twice".into()));
+        }
+        let open = match self.nodes.last() {
+            Some(top) if top.level == 0 => OpenUnit::IntoLeftSibling,
+            _ => OpenUnit::Fresh(match self.spare.pop() {
+                Some(mut unit) => {
+                    unit.grads.fill_zero()?;
+                    unit
+                }
+                None => PartialGradients::zeros(cx, plan.clone())?,
+            }),
+        };
+        let open = self.open.insert(open);
+        match open {
+            OpenUnit::Fresh(grads) => Ok(grads),
+            OpenUnit::IntoLeftSibling => self
+                .nodes
+                .last_mut()
+                .map(|top| &mut top.grads)
+                .ok_or_else(|| TrainError::Internal("a unit tree lost a node".into())),
         }
     }
 
-    /// The next unit: its gradients and its loss partial sum.
+    /// Closes the open unit, whose loss partial sum is `loss`, and adds complete subtrees of
+    /// equal size.
     ///
     /// # Errors
-    /// An op failure adding subtrees.
-    pub(crate) fn push(
-        &mut self,
-        cx: &mut Ctx<'_>,
-        grads: PartialGradients,
-        loss: Array,
-    ) -> Result<(), TrainError> {
-        let mut node = UnitNode {
-            level: 0,
-            grads,
-            loss,
+    /// No unit open; an op failure adding subtrees.
+    pub(crate) fn close_unit(&mut self, cx: &mut Ctx<'_>, loss: Array) -> Result<(), TrainError> {
+        let lost = || TrainError::Internal("a unit tree lost a node".into());
+        let mut node = match self.open.take() {
+            None => return Err(TrainError::Internal("no unit is open".into())),
+            Some(OpenUnit::Fresh(grads)) => UnitNode {
+                level: 0,
+                grads,
+                loss,
+            },
+            // The gradients are summed already; the loss follows the merge.
+            Some(OpenUnit::IntoLeftSibling) => {
+                let left = self.nodes.pop().ok_or_else(lost)?;
+                UnitNode {
+                    level: 1,
+                    loss: cx.add(&left.loss, &loss)?,
+                    grads: left.grads,
+                }
+            }
         };
         while self.nodes.last().is_some_and(|top| top.level == node.level) {
-            let left = self
-                .nodes
-                .pop()
-                .ok_or_else(|| TrainError::Internal("a unit tree lost a node".into()))?;
+            let left = self.nodes.pop().ok_or_else(lost)?;
             node = left.merge(cx, node, &mut self.spare)?;
         }
         self.nodes.push(node);
@@ -215,8 +292,9 @@ impl UnitTree {
     /// the gradient sets left to reuse; `None` before the first unit.
     ///
     /// # Errors
-    /// An op failure adding subtrees.
+    /// A unit still open; an op failure adding subtrees.
     pub(crate) fn finish(mut self, cx: &mut Ctx<'_>) -> Result<Option<FinishedTree>, TrainError> {
+        self.nodes()?;
         let Some(mut right) = self.nodes.pop() else {
             return Ok(None);
         };

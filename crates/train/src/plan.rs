@@ -344,9 +344,8 @@ impl TrainConfig {
     /// A usage error naming `layout_invariant` and the reason: products whose bits follow the
     /// thread count (`deterministic` off), a mesh axis other than `data` (its gradients are
     /// reduced inside the backward), the gate closed otherwise, a GA that is not a power of two, an
-    /// MoE auxiliary loss (a function of the whole micro-batch), checkpoints inside a step
-    /// (they keep the sum, not the tree), overlapped reductions, or several processes whose
-    /// device count is not a power of two.
+    /// MoE auxiliary loss (a function of the whole micro-batch), overlapped reductions, or
+    /// several processes whose device count is not a power of two.
     fn check_layout_invariant(
         &self,
         deferral: &Deferral,
@@ -403,13 +402,6 @@ impl TrainConfig {
             return refuse(
                 "cannot take load_balance_loss_weight > 0: the auxiliary loss is a function of a \
                  whole micro-batch's routing, so its value depends on how the batch is cut"
-                    .into(),
-            );
-        }
-        if self.checkpoint_micro_batch_period > 0 {
-            return refuse(
-                "cannot take checkpoint_micro_batch_period > 0: a checkpoint inside a step \
-                 keeps the step's sum so far, not its tree"
                     .into(),
             );
         }

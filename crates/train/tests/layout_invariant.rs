@@ -218,6 +218,112 @@ fn a_checkpoint_resumes_on_another_layout_bitwise() {
     std::fs::remove_dir_all(&base).ok();
 }
 
+/// Copies checkpoint `name` of `from` into `to`'s checkpoint root and makes it `to`'s latest:
+/// the state a job killed just after that checkpoint leaves.
+fn resume_point(from: &Path, to: &Path, name: &str) {
+    let dest = to.join(name);
+    std::fs::create_dir_all(&dest).unwrap();
+    for entry in std::fs::read_dir(from.join(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dest.join(entry.file_name())).unwrap();
+    }
+    std::fs::write(to.join("latest"), name).unwrap();
+}
+
+/// A checkpoint inside a step keeps the step's unit tree: resumed from after any micro-batch of
+/// a step on data=2 × GA 4 (trees of one unit, one subtree of two, and subtrees of two and
+/// one), the run is bitwise the uninterrupted one. The mirror: the same checkpoint resumed
+/// without the key (the step's sum so far as one accumulator) runs, but the tree, not the
+/// accumulator, is what makes the bits.
+#[test]
+fn a_checkpoint_inside_a_step_resumes_bitwise() {
+    if kernel_forced_elsewhere() {
+        return;
+    }
+    let base = scratch("mid-step");
+    let with = |run: &str, invariant: bool| {
+        let keys = [
+            format!("base_output_directory={}", base.display()),
+            format!("run_name={run}"),
+            format!("layout_invariant={invariant}"),
+        ];
+        let mut extra: Vec<&str> = keys.iter().map(String::as_str).collect();
+        extra.extend_from_slice(&[
+            "opt_type=adamw",
+            "enable_checkpointing=true",
+            "checkpoint_micro_batch_period=1",
+            "checkpoint_keep=0",
+        ]);
+        config((2, 4), &extra)
+    };
+    let whole = run(&with("whole", true));
+    let saved = base.join("whole/checkpoints");
+    for micro in 1..4 {
+        let name = format!("step_00000001_micro_{micro:03}");
+        let run_name = format!("from-{micro}");
+        resume_point(&saved, &base.join(&run_name).join("checkpoints"), &name);
+        let rest = run(&with(&run_name, true));
+        assert_eq!(rest.first_step, 1, "{name}");
+        assert_eq!(
+            bits(&rest).0,
+            bits(&whole).0[1..],
+            "{name}: losses after the resume"
+        );
+        assert!(bits(&rest).2 == bits(&whole).2, "{name}: final weights");
+    }
+    // The tree's checkpoint, continued as one accumulator (the key off): it resumes, and
+    // finishes with the step's gradient summed in another order.
+    let name = "step_00000001_micro_003";
+    resume_point(&saved, &base.join("accumulated/checkpoints"), name);
+    let rest = run(&with("accumulated", false));
+    assert_eq!(rest.first_step, 1);
+    assert!(
+        bits(&rest).2 != bits(&whole).2,
+        "the accumulator's order gave the tree's bits"
+    );
+    std::fs::remove_dir_all(&base).ok();
+}
+
+/// A checkpoint inside a step that kept no tree (written without the key) cannot continue a
+/// step under it: one usage error naming the key.
+#[test]
+fn a_step_without_its_tree_is_refused_under_the_key() {
+    if kernel_forced_elsewhere() {
+        return;
+    }
+    let base = scratch("no-tree");
+    let with = |invariant: bool| {
+        let keys = [
+            format!("base_output_directory={}", base.display()),
+            format!("layout_invariant={invariant}"),
+        ];
+        let mut extra: Vec<&str> = keys.iter().map(String::as_str).collect();
+        extra.extend_from_slice(&[
+            "run_name=r",
+            "enable_checkpointing=true",
+            "checkpoint_micro_batch_period=1",
+            "checkpoint_keep=0",
+        ]);
+        config((2, 2), &extra)
+    };
+    train(
+        &with(false),
+        &RunOptions {
+            stop_after_steps: Some(1),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let root = base.join("r/checkpoints");
+    std::fs::write(root.join("latest"), "step_00000000_micro_001").unwrap();
+    let err = train(&with(true), &RunOptions::default()).unwrap_err();
+    assert!(err.is_usage(), "{err}");
+    let text = err.to_string();
+    assert!(text.starts_with("layout_invariant"), "{text}");
+    assert!(text.contains("unit tree"), "{text}");
+    std::fs::remove_dir_all(&base).ok();
+}
+
 /// What the tree cannot cover is refused before anything runs, naming the key and the reason.
 #[test]
 fn what_the_tree_cannot_cover_is_refused_naming_the_key() {
@@ -231,10 +337,6 @@ fn what_the_tree_cannot_cover_is_refused_naming_the_key() {
         (
             &["gradient_accumulation_steps=3"],
             "power-of-two gradient_accumulation_steps",
-        ),
-        (
-            &["checkpoint_micro_batch_period=1"],
-            "checkpoint_micro_batch_period",
         ),
         (&["overlap_grad_reduce=true"], "overlap_grad_reduce"),
         (
