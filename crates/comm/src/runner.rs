@@ -87,7 +87,7 @@ impl SpmdOptions {
 }
 
 /// The thread budget of each of `devices` devices sharing this machine: `cores / devices`, at
-/// least 1 (DESIGN §3).
+/// least 1 (docs/design.md §3).
 pub fn default_threads_per_device(devices: usize) -> usize {
     let cores = thread::available_parallelism().map_or(1, |n| n.get());
     (cores / devices.max(1)).max(1)

@@ -1,4 +1,4 @@
-//! `ferrotext conformance FILE...`: runs type-rule cases (format: `conformance/FORMAT.md`) in
+//! `ferrotext conformance FILE...`: runs type-rule cases (format: `docs/conformance-format.md`) in
 //! abstract mode; one line per failing case, then `N passed, N failed`; exit 0 only when all pass.
 
 use std::path::PathBuf;

@@ -184,7 +184,7 @@ fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
     ]);
     let config = load(&on_cluster)?.config().clone();
     let devices = cluster.devices();
-    // One device's thread budget if the cluster's devices shared this machine (DESIGN §3);
+    // One device's thread budget if the cluster's devices shared this machine (docs/design.md §3);
     // when they outnumber the cores, each gets cores/devices of its thread.
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let budget = cost::device_thread_budget(cores, devices);

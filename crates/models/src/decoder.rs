@@ -888,7 +888,7 @@ pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
 /// The tied embedding is used twice, by the lookup and by the LM head, each contracting the
 /// batch. A plain table would get one all-reduce of its gradient per use; reduced, each use
 /// leaves its cotangent unreduced over the batch, the two are summed locally, and the cast's
-/// transpose all-reduces the sum once (plain → reduced cast ↔ all-reduce, `DESIGN.md` §5).
+/// transpose all-reduces the sum once (plain → reduced cast ↔ all-reduce, `docs/design.md` §5).
 /// A table the deferral gate already tagged is left as it is, so its gradient stays unreduced
 /// until the update. Only `Explicit` axes can carry the tag (R1.13), so the others are skipped.
 ///

@@ -30,8 +30,9 @@ impl Config {
             mla: None,
             rope_yarn: None,
         };
-        // MaxText's deepseek3-tiny (reference §4): MLA with YaRN, 16 experts top-8 with a
-        // sigmoid router, 1 shared expert, the first 3 of 61 layers dense, untied head.
+        // MaxText's deepseek3-tiny (`configs/models/deepseek3-tiny.yml`): MLA with YaRN, 16 experts
+        // top-8 with a sigmoid router, 1 shared expert, the first 3 of 61 layers dense, untied
+        // head.
         let deepseek3_tiny = Config {
             vocab_size: 129_280,
             base_emb_dim: 64,
@@ -110,7 +111,8 @@ impl Config {
                 ..base
             },
             "deepseek3-tiny" => deepseek3_tiny,
-            // The ~1.3B variant of MaxText's GA integration test (reference §4).
+            // The ~1.3B variant of MaxText's GA integration test
+            // (`tests/integration/gradient_accumulation_test.py`).
             "deepseek3-1.3b" => Config {
                 base_emb_dim: 1024,
                 base_mlp_dim: 2048,

@@ -170,8 +170,8 @@ fn gradients_match_finite_differences_deepseek_style() {
     check_model_against_finite_differences(&tiny_deepseek());
 }
 
-/// Independent baseline: MaxText's counts (reference §4): deepseek3-tiny ~33.7M; the ~1.3B
-/// variant 1.518B total, of which 2 × 132.4M untied embeddings.
+/// Independent baseline: MaxText's counts (its model configs and GA integration test):
+/// deepseek3-tiny ~33.7M; the ~1.3B variant 1.518B total, of which 2 × 132.4M untied embeddings.
 #[test]
 fn deepseek_presets_have_maxtexts_parameter_counts() {
     let tiny = Qwen3::new(Config::preset("deepseek3-tiny").unwrap()).unwrap();

@@ -1,13 +1,14 @@
 //! The type of a global array: dtype, shape and a [`NamedSharding`] that fits the shape, printed in
-//! JAX's short form `f32[8@data,4]{U:fsdp, R:x}` (spec §1.6).
+//! JAX's short form `f32[8@data,4]{U:fsdp, R:x}` (docs/sharding-rules.md §1.6).
 //!
 //! Invariants of an [`ArrayType`] (checked by [`ArrayType::new`]): the spec is padded with
 //! replicated dimensions to exactly the array's rank (never longer), and every sharded dimension is
-//! divisible by the product of its axis sizes (§1.4). Tags are kept as given.
+//! divisible by the product of its axis sizes (docs/sharding-rules.md §1.4). Tags are kept as
+//! given.
 //!
 //! Inside a manual (`shard_map`) region a value's type also carries its [`ManualTags`] (JAX's
-//! `mat`): the manual axes it is varying, unreduced or reduced over (spec §6.1). Those types are
-//! built by [`ArrayType::manual`]; outside a region the manual tags are empty.
+//! `mat`): the manual axes it is varying, unreduced or reduced over (docs/sharding-rules.md §6.1).
+//! Those types are built by [`ArrayType::manual`]; outside a region the manual tags are empty.
 
 use std::fmt;
 
@@ -71,9 +72,9 @@ impl fmt::Display for DType {
     }
 }
 
-/// The per-axis state of a value inside a manual region (JAX's `ManualAxisType`, spec §1.4, §6.1):
-/// varying (devices hold different values), unreduced (partial sums), reduced (identical, with an
-/// unreduced gradient); an axis in none of them is invarying.
+/// The per-axis state of a value inside a manual region (JAX's `ManualAxisType`,
+/// docs/sharding-rules.md §1.4, §6.1): varying (devices hold different values), unreduced (partial
+/// sums), reduced (identical, with an unreduced gradient); an axis in none of them is invarying.
 ///
 /// Invariants (checked by [`ManualTags::new`]): the three sets are pairwise disjoint.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -186,7 +187,8 @@ impl ArrayType {
     }
 
     /// The type of a per-device value inside a manual region over every axis of `mesh`: `shape`
-    /// is the local shape, the spec is replicated, `tags` give the manual state (spec §6.1).
+    /// is the local shape, the spec is replicated, `tags` give the manual state
+    /// (docs/sharding-rules.md §6.1).
     ///
     /// # Errors
     /// [`ShardingError::InvalidMesh`] when a mesh axis is not `Manual` or a tag names an axis the
@@ -409,7 +411,7 @@ mod tests {
         assert!(ArrayType::manual(DType::F32, vec![2], explicit, ManualTags::default()).is_err());
     }
 
-    /// The examples of spec §1.6.
+    /// The examples of docs/sharding-rules.md §1.6.
     #[test]
     fn golden_strings_of_section_1_6() {
         let abc = [("a", 1, E), ("b", 1, E), ("c", 1, E)];

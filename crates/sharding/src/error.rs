@@ -1,7 +1,7 @@
 //! The one error type of the `sharding` layer.
 //!
-//! Messages keep JAX's texts where spec §1 quotes them (so users of JAX recognise them) and carry
-//! the offending values as fields.
+//! Messages keep JAX's texts where docs/sharding-rules.md §1 quotes them (so users of JAX recognise
+//! them) and carry the offending values as fields.
 
 use std::fmt;
 
@@ -36,7 +36,7 @@ impl fmt::Display for TagKind {
 
 /// Why a mesh, spec, sharding, array type or logical-rule resolution is invalid.
 ///
-/// Every variant corresponds to a rule of `spec/unreduced-semantics.md` §1 (named in its doc) or
+/// Every variant corresponds to a rule of `docs/sharding-rules.md` §1 (named in its doc) or
 /// to a mesh/rule-table precondition.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -161,7 +161,7 @@ pub enum ShardingError {
         /// The offending axes.
         axes: Vec<String>,
     },
-    /// §1.4: a sharded dimension is not divisible by the product of its axis sizes.
+    /// docs/sharding-rules.md §1.4: a sharded dimension is not divisible by the product of its axis sizes.
     #[error(
         "Sharding spec {} implies that array axis {dim} is partitioned {parts} times, but does not \
          evenly divide the dimension size {extent}. Got shape: {} and sharding {sharding}",
@@ -182,7 +182,7 @@ pub enum ShardingError {
         /// The sharding, printed.
         sharding: String,
     },
-    /// §1.4: the spec has more partitions than the array has dimensions.
+    /// docs/sharding-rules.md §1.4: the spec has more partitions than the array has dimensions.
     #[error(
         "Sharding {sharding} is only valid for values of rank at least {spec_rank}, but was applied \
          to a value of rank {rank}"

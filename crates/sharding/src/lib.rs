@@ -18,7 +18,7 @@ partitions — [`PartitionSpec::without_size_one_axes`], [`PartitionSpec::trunca
 goes through [`PartitionSpec::with_partitions`], which keeps the tags or returns why it cannot.
 The only method that drops tags says so in its name ([`PartitionSpec::without_tags`]).
 
-The rules cited (R1.x) are those of `spec/unreduced-semantics.md`.
+The rules cited (R1.x) are those of `docs/sharding-rules.md`.
 
 # Example
 ```

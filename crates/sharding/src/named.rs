@@ -164,8 +164,9 @@ impl NamedSharding {
         Ok(ranges)
     }
 
-    /// Checks that this sharding fits an array of `shape` (§1.4): the spec is no longer than the
-    /// rank and each sharded dimension is divisible by the product of its axis sizes.
+    /// Checks that this sharding fits an array of `shape` (docs/sharding-rules.md §1.4): the spec
+    /// is no longer than the rank and each sharded dimension is divisible by the product of its
+    /// axis sizes.
     ///
     /// # Errors
     /// [`ShardingError::RankTooSmall`] or [`ShardingError::Indivisible`].

@@ -7,11 +7,12 @@
 //! 3. partitions are canonical: a dimension split over no axes is [`DimSpec::Replicated`], never an
 //!    empty list (R1.10).
 //!
-//! Rules of spec §1.2 that Rust makes unrepresentable: tag sets are typed sets, never a list or a
-//! string (R1.5), and cannot contain `None` (R1.6); only the `sum` kind of unreduced exists, so
-//! there is no `unreduced_kind` to get wrong (R1.9). Tags are separate fields, so no indexing or
-//! iteration of a spec can drop them (the `*pspec` guard of §1.2 has nothing to guard): every
-//! method that rebuilds partitions keeps the tags, and one that cannot says so in its `Result`.
+//! Rules of docs/sharding-rules.md §1.2 that Rust makes unrepresentable: tag sets are typed sets,
+//! never a list or a string (R1.5), and cannot contain `None` (R1.6); only the `sum` kind of
+//! unreduced exists, so there is no `unreduced_kind` to get wrong (R1.9). Tags are separate fields,
+//! so no indexing or iteration of a spec can drop them (the `*pspec` guard of
+//! docs/sharding-rules.md §1.2 has nothing to guard): every method that rebuilds partitions keeps
+//! the tags, and one that cannot says so in its `Result`.
 //!
 //! Axis *existence* and *uniqueness* across partitions (R1.11–R1.16) need a mesh and are checked by
 //! [`crate::NamedSharding`].

@@ -1,7 +1,7 @@
 //! `Array`: a global array as one device sees it — its type and this device's shard.
 //!
 //! Invariant: in real mode the shard's shape is the type's shard shape; in abstract mode there is
-//! no shard. An unreduced array's shard is a partial sum, never the value (DESIGN §4.4).
+//! no shard. An unreduced array's shard is a partial sum, never the value (docs/design.md §4.4).
 
 use std::sync::Arc;
 

@@ -10,7 +10,7 @@
 //! with `reduced` and `unreduced` swapped, and each transpose emits its op with that type as the
 //! output sharding. So a weight typed `{R:data}` used against activations sharded on `data` gets
 //! a gradient typed `{U:data}` from a transposed dot that communicates nothing, while a plain
-//! weight gets its all-reduce inside that dot, once per use (§4.2).
+//! weight gets its all-reduce inside that dot, once per use (docs/sharding-rules.md §4.2).
 //!
 //! Every device records the same tape (same program, same types), so the backward pass issues the
 //! same collectives in the same order everywhere. Contributions to a cotangent are type-checked

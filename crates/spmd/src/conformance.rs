@@ -1,5 +1,5 @@
 //! The conformance runner: type-rule cases generated from JAX (with ferrotext's deviations),
-//! one JSON object per line (format: `conformance/FORMAT.md`), evaluated in abstract mode —
+//! one JSON object per line (format: `docs/conformance-format.md`), evaluated in abstract mode —
 //! forward type, and the cotangent types after a backward pass seeded with the output's
 //! cotangent type.
 
@@ -36,7 +36,7 @@ pub struct CaseArg {
     spec: CaseSpec,
 }
 
-/// One case (see `conformance/FORMAT.md`).
+/// One case (see `docs/conformance-format.md`).
 #[derive(Clone, Debug, Deserialize)]
 pub struct Case {
     /// Unique id.

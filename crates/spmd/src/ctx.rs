@@ -106,8 +106,8 @@ impl<'c> Ctx<'c> {
     /// the same global value; each keeps its slice).
     ///
     /// # Errors
-    /// A shape that does not fit the sharding; and an unreduced sharding (DESIGN §4.5: a value is
-    /// made unreduced only by `reshard`, which zeroes the other replicas).
+    /// A shape that does not fit the sharding; and an unreduced sharding (docs/design.md §4.5: a
+    /// value is made unreduced only by `reshard`, which zeroes the other replicas).
     pub fn from_global(
         &self,
         global: &Tensor,
@@ -118,8 +118,8 @@ impl<'c> Ctx<'c> {
             return Err(SpmdError::BadArgument {
                 op: "from_global".into(),
                 reason: format!(
-                    "cannot build `{ty}` directly: only `reshard` makes a value unreduced (DESIGN \
-                     §4.5); build it plain and reshard"
+                    "cannot build `{ty}` directly: only `reshard` makes a value unreduced \
+                     (docs/design.md §4.5); build it plain and reshard"
                 ),
             });
         }
@@ -158,7 +158,7 @@ impl<'c> Ctx<'c> {
     }
 
     /// An array of type `ty` with every element `value` on every device. Refused for unreduced
-    /// types unless `value` is 0 (DESIGN §4.5).
+    /// types unless `value` is 0 (docs/design.md §4.5).
     ///
     /// # Errors
     /// [`SpmdError::BadArgument`] for a non-zero unreduced constant.
@@ -196,7 +196,8 @@ impl<'c> Ctx<'c> {
     /// The global value of `x` on the host (every device gets it; gathers sharded dims).
     ///
     /// # Errors
-    /// [`SpmdError::HostAccessUnreduced`] for an unreduced array (DESIGN §4.4): reshard first.
+    /// [`SpmdError::HostAccessUnreduced`] for an unreduced array (docs/design.md §4.4): reshard
+    /// first.
     pub fn to_host(&mut self, x: &Array) -> Result<Tensor, SpmdError> {
         if !x.ty().sharding().spec().unreduced().is_empty() {
             return Err(SpmdError::HostAccessUnreduced {

@@ -3,7 +3,7 @@
 //!
 //! Owns: the forward of each op — output type from [`crate::rules`] (or the region's rule inside
 //! `shard_map`), this device's block, the tape record — and its transpose. An operand replicated
-//! (or reduced) on an axis the other is sharded on is sliced locally (DESIGN §4.2), so the
+//! (or reduced) on an axis the other is sharded on is sliced locally (docs/design.md §4.2), so the
 //! forward never communicates; the transpose of a broadcast operand sums its cotangent back
 //! (`unbroadcast`), which may reduce over the axes the other operand was sharded on.
 //!
@@ -22,7 +22,7 @@ use crate::rules::{self, BinaryOp};
 /// Elementwise unary ops.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum UnaryOp {
-    /// `-x` (linear: accepts unreduced, DESIGN §4.1).
+    /// `-x` (linear: accepts unreduced, docs/design.md §4.1).
     Neg,
     /// `k·x` for a constant `k` that is not differentiated (linear: accepts unreduced).
     Scale(f32),
@@ -158,7 +158,7 @@ impl Ctx<'_> {
     }
 
     /// `a ∘ b` elementwise with NumPy broadcasting. An operand replicated (or reduced) on an axis
-    /// the other is sharded on is sliced locally (DESIGN §4.2).
+    /// the other is sharded on is sliced locally (docs/design.md §4.2).
     ///
     /// # Errors
     /// The binary-op type errors of [`crate::rules::binary_type`].

@@ -7,7 +7,7 @@ use ferrotext_comm::CommError;
 use ferrotext_sharding::{ArrayType, ShardingError};
 use ferrotext_tensor::TensorError;
 
-/// The kind of a sharding type error; the names are those of `conformance/FORMAT.md`.
+/// The kind of a sharding type error; the names are those of `docs/conformance-format.md`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum TypeErrorKind {
@@ -123,7 +123,7 @@ pub enum SpmdError {
     /// A local kernel refused its arguments (a bug in a rule if the types checked).
     #[error(transparent)]
     Tensor(#[from] TensorError),
-    /// Host access to a value whose per-device data is not the value (DESIGN §4.4).
+    /// Host access to a value whose per-device data is not the value (docs/design.md §4.4).
     #[error(
         "cannot read `{ty}` on the host: it is unreduced, so each device holds only a partial \
          sum; call `reshard` to a spec without unreduced axes first"

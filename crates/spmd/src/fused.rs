@@ -5,8 +5,8 @@
 //!
 //! Their type rules: the row dimension(s) they reduce over must not be split over devices
 //! (reshard first); activations may not be unreduced; a scale reduced on an axis the rows are
-//! sharded on is used locally and its cotangent comes back unreduced there (DESIGN §4.2) — the
-//! same answer `mul` gives, whose rule RMSNorm reuses.
+//! sharded on is used locally and its cotangent comes back unreduced there (docs/design.md §4.2) —
+//! the same answer `mul` gives, whose rule RMSNorm reuses.
 
 use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
 

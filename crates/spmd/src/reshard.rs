@@ -1,7 +1,7 @@
-//! `reshard`: move a value between any two shardings of its shape (spec §5.2), issuing the
-//! collectives the transition needs and nothing else; its transpose (a reshard of the cotangent
-//! onto the source's cotangent type); and [`Ctx::convert`], the data movement every op that
-//! communicates goes through.
+//! `reshard`: move a value between any two shardings of its shape (docs/sharding-rules.md §5.2),
+//! issuing the collectives the transition needs and nothing else; its transpose (a reshard of the
+//! cotangent onto the source's cotangent type); and [`Ctx::convert`], the data movement every op
+//! that communicates goes through.
 //!
 //! The transition runs in four steps over the mesh axes, each axis handled once:
 //! 1. **reduce** the axes unreduced in the source but not the target: by reduce-scatter along a

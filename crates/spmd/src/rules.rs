@@ -2,8 +2,8 @@
 //! typed error. Pure functions of types: the same in real and abstract mode, raised before any
 //! compute or communication.
 //!
-//! Rule ids (R3.x) are those of `spec/unreduced-semantics.md`; where ferrotext deviates from JAX
-//! (DESIGN §4, items 1–5) the code says which item.
+//! Rule ids (R3.x) are those of `docs/sharding-rules.md`; where ferrotext deviates from JAX
+//! (docs/design.md §4, items 1–5) the code says which item.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -103,8 +103,9 @@ fn check_optional_out_sharding(
     }
 }
 
-/// Checks a user-given target sharding (`out_sharding`, a `reshard` target) on `mesh` for an
-/// array of `shape`: valid (R1.7–R1.16), explicit axes only (R1.17), fits the shape (§1.4).
+/// Checks a user-given target sharding (`out_sharding`, a `reshard` target) on `mesh` for an array
+/// of `shape`: valid (R1.7–R1.16), explicit axes only (R1.17), fits the shape
+/// (docs/sharding-rules.md §1.4).
 pub(crate) fn target_type(
     op: &str,
     template: &ArrayType,
@@ -122,8 +123,8 @@ pub(crate) fn target_type(
 // ---------------------------------------------------------------------------------------------
 // Elementwise
 
-/// Unary ops: reduced passes through (R4.13); unreduced only for linear ops (DESIGN §4.1: `neg`,
-/// scaling by a constant), everything else rejects it (R3.0, §3.2).
+/// Unary ops: reduced passes through (R4.13); unreduced only for linear ops (docs/design.md §4.1:
+/// `neg`, scaling by a constant), everything else rejects it (R3.0, docs/sharding-rules.md §3.2).
 pub fn unary_type(op: &str, linear: bool, x: &ArrayType) -> TypeResult<ArrayType> {
     if !linear && !unreduced(x).is_empty() {
         return Err(err(
@@ -142,13 +143,15 @@ pub fn unary_type(op: &str, linear: bool, x: &ArrayType) -> TypeResult<ArrayType
 /// The binary elementwise ops and how they treat unreduced operands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
-    /// `a + b`: unreduced sets must be equal (§3.2).
+    /// `a + b`: unreduced sets must be equal (docs/sharding-rules.md §3.2).
     Add,
-    /// `a - b`: typed like `add` (DESIGN §4.1).
+    /// `a - b`: typed like `add` (docs/design.md §4.1).
     Sub,
-    /// `a * b`: bilinear; an unreduced side needs the other reduced on the same axes (§3.2).
+    /// `a * b`: bilinear; an unreduced side needs the other reduced on the same axes
+    /// (docs/sharding-rules.md §3.2).
     Mul,
-    /// `a / b`: like `mul`, and the denominator may not be unreduced (§3.2, div row).
+    /// `a / b`: like `mul`, and the denominator may not be unreduced (docs/sharding-rules.md §3.2,
+    /// div).
     Div,
     /// `max(a, b)`: rejects unreduced (R3.6).
     Max,
@@ -174,7 +177,8 @@ pub struct BinaryTyping {
     pub out: ArrayType,
 }
 
-/// Binary elementwise ops with NumPy broadcasting (§3.1, §3.2, with DESIGN §4.1–4.2).
+/// Binary elementwise ops with NumPy broadcasting (docs/sharding-rules.md §3.1, §3.2, with
+/// docs/design.md §4.1–4.2).
 pub fn binary_type(op: BinaryOp, a: &ArrayType, b: &ArrayType) -> TypeResult<BinaryTyping> {
     let name = op.name();
     // 0. Shapes broadcast (right-aligned).
@@ -231,8 +235,8 @@ pub fn binary_type(op: BinaryOp, a: &ArrayType, b: &ArrayType) -> TypeResult<Bin
             ),
         ));
     }
-    // 2. Reduced (R3.1–R3.5). DESIGN §4.2: a reduced operand next to an operand sharded on the
-    //    same axis is sliced locally, so that axis leaves its reduced set first.
+    // 2. Reduced (R3.1–R3.5). docs/design.md §4.2: a reduced operand next to an operand sharded
+    //    on the same axis is sliced locally, so that axis leaves its reduced set first.
     let (sa, sb) = (sharded_axes(a), sharded_axes(b));
     let scalar_promotes = |t: &ArrayType| t.rank() == 0 && !t.sharding().spec().is_tagged();
     let mut ra: AxisSet = reduced(a).difference(&sb).cloned().collect();
@@ -530,7 +534,7 @@ pub fn dot_general_type(
 // ---------------------------------------------------------------------------------------------
 // reduce_sum
 
-/// `reduce_sum` over `axes` (R3.16–R3.18, with DESIGN §4.3: an `out_sharding` that lists
+/// `reduce_sum` over `axes` (R3.16–R3.18, with docs/design.md §4.3: an `out_sharding` that lists
 /// unreduced axes must list all of the operand's).
 pub fn reduce_sum_type(
     x: &ArrayType,
@@ -599,7 +603,8 @@ pub fn reduce_sum_type(
                     &[x],
                     format!(
                         "out_sharding {} omits some of the operand's unreduced axes; reducing them \
-                         here would be a hidden all-reduce (DESIGN §4.3): call `reshard` first",
+                         here would be a hidden all-reduce (docs/design.md §4.3): call `reshard` \
+                         first",
                         target
                     ),
                 ));
@@ -615,8 +620,8 @@ pub fn reduce_sum_type(
 // ---------------------------------------------------------------------------------------------
 // broadcast_in_dim
 
-/// `broadcast_in_dim` (R3.22, with DESIGN §4.3 and §4.5: the output's unreduced set must equal
-/// the operand's — resharding it here would be hidden communication or a wrong sum).
+/// `broadcast_in_dim` (R3.22, with docs/design.md §4.3 and §4.5: the output's unreduced set must
+/// equal the operand's — resharding it here would be hidden communication or a wrong sum).
 pub fn broadcast_in_dim_type(
     x: &ArrayType,
     shape: &[usize],
@@ -658,11 +663,11 @@ pub fn broadcast_in_dim_type(
             let (ux, uo) = (unreduced(x), unreduced(&out));
             if ux != uo {
                 let why = if ux.is_subset(uo) {
-                    "every replica would hold a full copy, so the sum would be wrong (DESIGN §4.5); \
-                     use `reshard`, which zeroes the other replicas"
+                    "every replica would hold a full copy, so the sum would be wrong \
+                     (docs/design.md §4.5); use `reshard`, which zeroes the other replicas"
                 } else {
                     "the operand's unreduced axes would be reduced by a hidden all-reduce \
-                     (DESIGN §4.3); call `reshard` first"
+                     (docs/design.md §4.3); call `reshard` first"
                 };
                 return Err(err(
                     K::UnreducedMismatch,
@@ -832,7 +837,7 @@ pub fn reshape_type(
     }
 }
 
-/// `transpose`: partitions permute, tags pass through (§3.5).
+/// `transpose`: partitions permute, tags pass through (docs/sharding-rules.md §3.5).
 pub fn transpose_type(x: &ArrayType, perm: &[usize]) -> TypeResult<ArrayType> {
     const OP: &str = "transpose";
     let mut seen = vec![false; x.rank()];

@@ -3,10 +3,11 @@
 //! `scatter_add`, and `select` ↔ a select of the cotangent against zeros. Also [`Ids`], the index
 //! arrays `take` reads.
 //!
-//! All are linear in their data operands, so unreduced and reduced tags pass through (§3.5);
-//! a sliced or concatenated dimension must not be sharded (reshard first), which keeps every op
-//! local. `take` follows R3.27 with DESIGN §4.2's deviation: a table reduced on an axis the
-//! indices are sharded on is used locally, and its cotangent comes back unreduced on that axis.
+//! All are linear in their data operands, so unreduced and reduced tags pass through
+//! (docs/sharding-rules.md §3.5); a sliced or concatenated dimension must not be sharded (reshard
+//! first), which keeps every op local. `take` follows R3.27 with docs/design.md §4.2's deviation: a
+//! table reduced on an axis the indices are sharded on is used locally, and its cotangent comes
+//! back unreduced on that axis.
 
 use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, NamedSharding, PartitionSpec};
 use ferrotext_tensor::Tensor;
@@ -345,7 +346,7 @@ impl Ctx<'_> {
     }
 
     /// `mask ? a : b` elementwise, where `mask` holds 0 or 1 and every operand has the same type
-    /// (tags included, §3.2 select row).
+    /// (tags included, docs/sharding-rules.md §3.2, select).
     ///
     /// # Errors
     /// `sharding_mismatch` when the types differ; `unreduced_operand` for a tagged mask.

@@ -1,5 +1,5 @@
-//! Mirrors of JAX's own tests (spec §8.2) with their exact per-device values, and the seed error
-//! with its three working alternatives (spec §3.3).
+//! Mirrors of JAX's own tests (docs/sharding-rules.md §8.2) with their exact per-device values, and
+//! the seed error with its three working alternatives (docs/sharding-rules.md §3.3).
 
 mod common;
 
@@ -141,7 +141,7 @@ fn mirror_plain_weights_all_reduce_in_every_micro_batch() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The seed error (spec §3.3) and its working alternatives.
+// The seed error (docs/sharding-rules.md §3.3) and its working alternatives.
 
 fn seed_inputs(cx: &Ctx<'_>, w_spec: PartitionSpec) -> (Array, Array) {
     let x = place(

@@ -1,5 +1,5 @@
-//! The reshard transition table of spec §5.2 (mesh x=2, value arange(4)), forward and backward:
-//! the collectives each transition issues and the exact per-device results.
+//! The reshard transition table of docs/sharding-rules.md §5.2 (mesh x=2, value arange(4)), forward
+//! and backward: the collectives each transition issues and the exact per-device results.
 
 mod common;
 

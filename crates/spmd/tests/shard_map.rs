@@ -1,6 +1,6 @@
-//! `shard_map`: boundary rules (R6.3, R6.6), the varying/unreduced/reduced typing inside, the
-//! casts and collectives with their transposes (§6.4), and the transposition rule that decides
-//! whether a replicated input's gradient is psummed (R6.13–R6.14).
+//! `shard_map`: boundary rules (R6.3, R6.6), the varying/unreduced/reduced typing inside, the casts
+//! and collectives with their transposes (docs/sharding-rules.md §6.4), and the transposition rule
+//! that decides whether a replicated input's gradient is psummed (R6.13–R6.14).
 
 mod common;
 

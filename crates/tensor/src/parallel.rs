@@ -1,10 +1,11 @@
 //! The kernel thread budget, set in one visible place, and the deterministic chunked parallel
 //! loop the row and elementwise kernels share.
 //!
-//! A device runs under [`with_kernel_pool`] with its share of the cores (`cores /
-//! local_devices`, DESIGN §3), which sets its thread's budget ([`set_kernel_threads`]); every
-//! kernel that takes no explicit `threads` argument then runs on that many threads (1 until
-//! set, so a caller that never sets it gets single-threaded kernels). [`crate::dot_general`] keeps its explicit argument.
+//! A device runs under [`with_kernel_pool`] with its share of the cores (`cores / local_devices`,
+//! docs/design.md §3), which sets its thread's budget ([`set_kernel_threads`]); every kernel that
+//! takes no explicit `threads` argument then runs on that many threads (1 until set, so a caller
+//! that never sets it gets single-threaded kernels). [`crate::dot_general`] keeps its explicit
+//! argument.
 //!
 //! Invariant: results never depend on the thread count. Work is cut into chunks of a fixed
 //! size that depends only on the shape, each chunk is computed by exactly the same code

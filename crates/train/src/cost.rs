@@ -1,5 +1,5 @@
 //! The cost model behind `ferrotext plan --cluster`: a predicted optimizer step on a cluster
-//! nobody here has (DESIGN §3 "Cost model", §9).
+//! nobody here has (docs/design.md §3 "Cost model", §9).
 //!
 //! One step of the config is planned twice in abstract mode — as given (the deferral gate
 //! decides) and with `shard_mode=auto` (the gate closed: gradients all-reduced in every
@@ -960,7 +960,7 @@ pub fn measure_matmul_gflops(n: usize, threads: usize) -> Result<f64, TrainError
     Ok(2.0 * (n as f64).powi(3) / best.max(1e-9) / 1e9)
 }
 
-/// How `devices` devices would share this machine's cores (DESIGN §3).
+/// How `devices` devices would share this machine's cores (docs/design.md §3).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct ThreadBudget {
     /// Kernel threads of one device: `cores / devices`, at least 1.
@@ -1056,7 +1056,7 @@ pub fn one_device_config(config: &TrainConfig) -> Result<TrainConfig, TrainError
 /// `threads` kernel threads, starting each micro-batch together (as a mesh's devices do), and
 /// times the `timed` ones (median over all). Nothing is reduced or stepped: a micro-batch is
 /// the engine's `fwd_bwd` (forward, loss, backward, accumulation), the `c` of the step model
-/// (DESIGN §9).
+/// (docs/design.md §9).
 ///
 /// # Errors
 /// As [`one_device_config`]; an engine error; `timed == 0`.

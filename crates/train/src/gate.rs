@@ -1,7 +1,7 @@
-//! The two gates of a run, decided once by [`crate::RunPlan`]: deferral (DESIGN §6, MaxText's
-//! `_deferred_all_reduce_shardings` and `data_is_only_batch_axis`) — whether parameters may enter
-//! each micro-batch `{R:data}` so their gradients stay `{U:data}` until the step's one reduction —
-//! and ZeRO-1 (`shard_optimizer_over_data`).
+//! The two gates of a run, decided once by [`crate::RunPlan`]: deferral (docs/design.md §6,
+//! MaxText's `_deferred_all_reduce_shardings` and `data_is_only_batch_axis`) — whether parameters
+//! may enter each micro-batch `{R:data}` so their gradients stay `{U:data}` until the step's one
+//! reduction — and ZeRO-1 (`shard_optimizer_over_data`).
 //!
 //! Both gates answer in the same words: `Open` with what the run needs to act on it (the axes to
 //! tag, the tensors whose state stays replicated), or `Closed` with a [`ClosedReason`]. Nothing

@@ -1,6 +1,6 @@
 //! `ferrotext bench ga`: step time with the data-parallel reduction deferred vs reduced in every
 //! micro-batch, for several GA values, in one process with the two modes' steps interleaved in
-//! ABBA order (the machine is shared and drifts); then the fit of DESIGN §9's model
+//! ABBA order (the machine is shared and drifts); then the fit of docs/design.md §9's model
 //! `untagged = o + N·c + N·a`, `deferred = o + N·c + a`.
 
 use std::path::Path;

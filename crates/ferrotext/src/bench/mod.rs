@@ -115,7 +115,8 @@ pub enum BenchCommand {
         #[arg(long, default_value = "target/bench/generate.json")]
         out: PathBuf,
     },
-    /// ferrotext's step time beside the JAX and PyTorch peers' (`shared/peers`) on the same
+    /// ferrotext's step time beside the JAX and PyTorch peers' (the team checkout's peers
+    /// directory, set by `--peers`) on the same
     /// model, tokens, optimizer and clipping, at several (data, GA) points; each run a fresh
     /// process, engines alternated ABBA round by round; JSON and a markdown table.
     Peers(PeersArgs),

@@ -1,6 +1,6 @@
-//! `ferrotext bench peers`: ferrotext's step time beside the JAX and PyTorch peers'
-//! (`shared/peers/jax`, `shared/peers/torch`) on the same model, tokens per micro-batch,
-//! optimizer and clipping, at several (data, GA) points.
+//! `ferrotext bench peers`: ferrotext's step time beside the JAX and PyTorch peers' (the `jax/`
+//! and `torch/` folders of the team checkout's peers directory, which `--peers` names) on the
+//! same model, tokens per micro-batch, optimizer and clipping, at several (data, GA) points.
 //!
 //! Every run is a fresh process of its engine: `ferrotext train` (this binary), the JAX peer's
 //! `train.py --defer`, the PyTorch peer's `train.py --mode no_sync` (DDP, one all-reduce per
@@ -32,7 +32,8 @@ const MICRO_BATCH_ROWS: usize = 8;
 /// `ferrotext bench peers`'s options.
 #[derive(Args, Clone, Debug)]
 pub struct PeersArgs {
-    /// The peers' folder (holding `jax/train.py` and `torch/train.py`).
+    /// The team checkout's peers directory (holding `jax/train.py` and `torch/train.py`); the
+    /// default assumes that checkout sits beside this repository.
     #[arg(long, default_value = "../shared/peers")]
     peers: PathBuf,
     /// The JAX peer's Python (default: `PEERS/jax/.venv/bin/python`, its README's set-up).

@@ -1,6 +1,7 @@
-//! The casts and collectives inside a region (spec §6.4) and their transposes: `pcast` (free
-//! casts between axis states), `psum`, `psum_scatter`, `all_gather`, `all_to_all`, and the
-//! automatic casts an n-ary op inserts for missing varying axes (R6.10, [`Ctx::match_varying`]).
+//! The casts and collectives inside a region (docs/sharding-rules.md §6.4) and their transposes:
+//! `pcast` (free casts between axis states), `psum`, `psum_scatter`, `all_gather`, `all_to_all`,
+//! and the automatic casts an n-ary op inserts for missing varying axes (R6.10,
+//! [`Ctx::match_varying`]).
 //!
 //! Each primitive is one [`ManualOp`]: [`Ctx::manual_untracked`] types it and moves the data,
 //! [`Ctx::manual_transpose`] maps it to its transpose primitive — `pvary` ↔ `psum`,
@@ -63,8 +64,8 @@ pub(crate) enum ManualOp {
 }
 
 impl Ctx<'_> {
-    /// `pcast(x, axes, to)`: a free cast between states (§6.4): invarying → varying (`pvary`),
-    /// reduced → varying, varying → unreduced, invarying → reduced.
+    /// `pcast(x, axes, to)`: a free cast between states (docs/sharding-rules.md §6.4): invarying →
+    /// varying (`pvary`), reduced → varying, varying → unreduced, invarying → reduced.
     ///
     /// # Errors
     /// Any other pair ("Unsupported pcast"); axes in mixed states.
@@ -306,7 +307,7 @@ impl Ctx<'_> {
         })
     }
 
-    /// The transpose of a manual primitive, applied to `ct` (§6.4's table).
+    /// The transpose of a manual primitive, applied to `ct` (docs/sharding-rules.md §6.4's table).
     pub(crate) fn manual_transpose(
         &mut self,
         op: &ManualOp,

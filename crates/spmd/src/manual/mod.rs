@@ -1,5 +1,6 @@
 //! `shard_map`: a manual region over every mesh axis, with JAX's varying / invarying / unreduced
-//! / reduced typing inside (spec §6), its casts and collectives, and their transposes.
+//! / reduced typing inside (docs/sharding-rules.md §6), its casts and collectives, and their
+//! transposes.
 //!
 //! Inside the region each value is this device's block, typed by [`ManualTags`]: per axis it is
 //! *varying* (devices differ), *invarying* (identical), *unreduced* (partial sums) or *reduced*
@@ -19,7 +20,7 @@
 //! local ops, the casts' and collectives' result types); `region` holds `shard_map` itself and
 //! the boundary's transposes; `collectives` holds the casts and collectives (`pcast`, `psum`,
 //! `psum_scatter`, `all_gather`, `all_to_all`), the automatic casts of R6.10, and each
-//! primitive's transpose (§6.4's table).
+//! primitive's transpose (docs/sharding-rules.md §6.4's table).
 
 mod collectives;
 mod region;

@@ -1,7 +1,8 @@
-//! The type rules inside a `shard_map` region (spec §6.2–§6.3): the per-axis states of a value
-//! ([`AxisState`]: varying, invarying, unreduced, reduced, carried by [`ManualTags`]), and the
-//! result types of the local ops — elementwise (R6.9, R6.11, R6.12), `dot_general` (R3.14: reduced
-//! is not propagated) and the shape ops, which keep their operand's tags.
+//! The type rules inside a `shard_map` region (docs/sharding-rules.md §6.2–§6.3): the per-axis
+//! states of a value ([`AxisState`]: varying, invarying, unreduced, reduced, carried by
+//! [`ManualTags`]), and the result types of the local ops — elementwise (R6.9, R6.11, R6.12),
+//! `dot_general` (R3.14: reduced is not propagated) and the shape ops, which keep their operand's
+//! tags.
 //!
 //! Every function here is pure: it checks types and builds types, never data or collectives.
 
