@@ -10,8 +10,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferrotext_comm::{human_bytes, run_spmd_detachable, CommError, SpmdOptions, Trace};
+use ferrotext_comm::{human_bytes, run_spmd_detachable, CommError, Device, SpmdOptions, Trace};
+use ferrotext_sharding::Mesh;
 
+use crate::common::UsageError;
 use crate::launch::Launch;
 use crate::mesh_arg::parse_mesh;
 
@@ -121,11 +123,11 @@ fn checked_len(
     n: usize,
     devices: usize,
     diverging_here: bool,
-) -> Result<usize, crate::UsageError> {
+) -> Result<usize, UsageError> {
     let len = elements.div_ceil(n).checked_mul(n);
     let needed = len.and_then(|len| memory_needed(len, n, devices, diverging_here));
     let (Some(len), Some(needed)) = (len, needed) else {
-        return Err(crate::UsageError(format!(
+        return Err(UsageError(format!(
             "--elements {elements}: the buffers of {devices} device(s) would need more than \
              {} of memory (the size overflows)",
             human_bytes(usize::MAX)
@@ -135,7 +137,7 @@ fn checked_len(
         let total = physical_memory().map_or_else(String::new, |t| {
             format!(", more than this machine's {}", human_bytes(t))
         });
-        return Err(crate::UsageError(format!(
+        return Err(UsageError(format!(
             "--elements {elements}: needs about {} of memory in this process ({BUFFERS_PER_DEVICE} \
              f32 buffers of {len} elements on each of {devices} device(s)){total}",
             human_bytes(needed)
@@ -162,21 +164,13 @@ struct Job {
 pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
     let options = SpmdOptions::default()
         .with_timeout_secs(args.timeout_seconds)
-        .map_err(|e| crate::UsageError(format!("--timeout-seconds: {e}")))?;
+        .map_err(|e| UsageError(format!("--timeout-seconds: {e}")))?;
     let mesh = parse_mesh(&args.mesh)?;
-    let axes_owned: Vec<String> = if args.axes.is_empty() {
-        let first = mesh
-            .axes()
-            .first()
-            .ok_or_else(|| crate::UsageError(format!("--mesh {}: no axes", args.mesh)))?;
-        vec![first.name().to_string()]
-    } else {
-        args.axes.clone()
-    };
+    let axes_owned = group_axes(args, &mesh)?;
     let axes: Vec<&str> = axes_owned.iter().map(String::as_str).collect();
     let n = mesh
         .axes_size(&axes)
-        .map_err(|e| crate::UsageError(e.to_string()))?;
+        .map_err(|e| UsageError(e.to_string()))?;
     let processes = launch.processes().max(1);
     let devices_here = mesh.device_count() / processes;
     let here = launch.process() * devices_here..(launch.process() + 1) * devices_here;
@@ -212,69 +206,7 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
 
     let start = Instant::now();
     let results = run_spmd_detachable(launch.cluster(), &mesh, &options, move |dev| {
-        let Job { len, n, .. } = job;
-        let axes: Vec<&str> = job.axes.iter().map(String::as_str).collect();
-        let me = dev.index();
-        let comm = dev.comm();
-        let mut losses = Vec::new();
-        for micro in 0..job.micro_batches {
-            comm.push_phase(format!("micro_batch {micro}"));
-            let mut loss = [me as f32 + micro as f32];
-            comm.all_reduce(&axes, &mut loss)?;
-            losses.push(loss[0]);
-            comm.pop_phase();
-        }
-        if job.stall_device == Some(me) {
-            std::thread::sleep(job.stall);
-        }
-        comm.push_phase("update");
-        let grad = contents(me, len, 1, job.rounding);
-        let mut all_reduced = grad.clone();
-        if job.diverge_device == Some(me) {
-            let mut wrong = vec![0.0; len * n];
-            comm.all_gather(&axes, &grad, &mut wrong)?;
-        } else if job.diverge_length == Some(me) {
-            let mut longer = contents(me, 2 * len, 1, job.rounding);
-            comm.all_reduce(&axes, &mut longer)?;
-        } else {
-            comm.all_reduce(&axes, &mut all_reduced)?;
-        }
-        if job.all_reduce_only {
-            comm.pop_phase();
-            return Ok(DeviceResults {
-                losses,
-                all_reduced,
-                gathered: None,
-                exchanged: Vec::new(),
-                broadcast: Vec::new(),
-                trace: comm.take_trace(),
-            });
-        }
-        comm.push_phase("zero1");
-        let mut shard = vec![0.0; len / n];
-        comm.reduce_scatter(&axes, &grad, &mut shard)?;
-        let mut gathered = vec![0.0; len];
-        comm.all_gather(&axes, &shard, &mut gathered)?;
-        comm.pop_phase();
-        comm.pop_phase();
-        comm.push_phase("moe_dispatch");
-        let tokens = contents(me, 8 * n, 2, job.rounding);
-        let mut exchanged = vec![0.0; 8 * n];
-        comm.all_to_all(&axes, &tokens, &mut exchanged)?;
-        comm.pop_phase();
-        comm.push_phase("checkpoint");
-        let mut broadcast = contents(me, 16, 3, job.rounding);
-        comm.broadcast(&axes, 0, &mut broadcast)?;
-        comm.barrier(&axes)?;
-        comm.pop_phase();
-        Ok::<_, CommError>(DeviceResults {
-            losses,
-            all_reduced,
-            gathered: Some(gathered),
-            exchanged,
-            broadcast,
-            trace: comm.take_trace(),
-        })
+        job.device_program(dev)
     })
     .context("the collective run failed")?;
     let elapsed = start.elapsed();
@@ -312,10 +244,94 @@ pub fn run(args: &CollectivesArgs, launch: &mut Launch) -> Result<()> {
     Ok(())
 }
 
+/// The axes the collectives run over: `--axes`, else the mesh's first axis.
+fn group_axes(args: &CollectivesArgs, mesh: &Mesh) -> Result<Vec<String>, UsageError> {
+    if !args.axes.is_empty() {
+        return Ok(args.axes.clone());
+    }
+    let first = mesh
+        .axes()
+        .first()
+        .ok_or_else(|| UsageError(format!("--mesh {}: no axes", args.mesh)))?;
+    Ok(vec![first.name().to_string()])
+}
+
+impl Job {
+    /// One device's schedule: a loss all-reduce per micro-batch, then (phase `update`) the
+    /// gradient all-reduced, or the injected divergence; unless `all_reduce_only`, ZeRO-1's
+    /// reduce-scatter + all-gather, an all-to-all (`moe_dispatch`), and a broadcast and a
+    /// barrier (`checkpoint`).
+    fn device_program(&self, dev: &mut Device) -> Result<DeviceResults, CommError> {
+        let (len, n) = (self.len, self.n);
+        let axes: Vec<&str> = self.axes.iter().map(String::as_str).collect();
+        let me = dev.index();
+        let comm = dev.comm();
+        let mut losses = Vec::new();
+        for micro in 0..self.micro_batches {
+            comm.push_phase(format!("micro_batch {micro}"));
+            let mut loss = [me as f32 + micro as f32];
+            comm.all_reduce(&axes, &mut loss)?;
+            losses.push(loss[0]);
+            comm.pop_phase();
+        }
+        if self.stall_device == Some(me) {
+            std::thread::sleep(self.stall);
+        }
+        comm.push_phase("update");
+        let grad = contents(me, len, 1, self.rounding);
+        let mut all_reduced = grad.clone();
+        if self.diverge_device == Some(me) {
+            let mut wrong = vec![0.0; len * n];
+            comm.all_gather(&axes, &grad, &mut wrong)?;
+        } else if self.diverge_length == Some(me) {
+            let mut longer = contents(me, 2 * len, 1, self.rounding);
+            comm.all_reduce(&axes, &mut longer)?;
+        } else {
+            comm.all_reduce(&axes, &mut all_reduced)?;
+        }
+        if self.all_reduce_only {
+            comm.pop_phase();
+            return Ok(DeviceResults {
+                losses,
+                all_reduced,
+                gathered: None,
+                exchanged: Vec::new(),
+                broadcast: Vec::new(),
+                trace: comm.take_trace(),
+            });
+        }
+        comm.push_phase("zero1");
+        let mut shard = vec![0.0; len / n];
+        comm.reduce_scatter(&axes, &grad, &mut shard)?;
+        let mut gathered = vec![0.0; len];
+        comm.all_gather(&axes, &shard, &mut gathered)?;
+        comm.pop_phase();
+        comm.pop_phase();
+        comm.push_phase("moe_dispatch");
+        let tokens = contents(me, 8 * n, 2, self.rounding);
+        let mut exchanged = vec![0.0; 8 * n];
+        comm.all_to_all(&axes, &tokens, &mut exchanged)?;
+        comm.pop_phase();
+        comm.push_phase("checkpoint");
+        let mut broadcast = contents(me, 16, 3, self.rounding);
+        comm.broadcast(&axes, 0, &mut broadcast)?;
+        comm.barrier(&axes)?;
+        comm.pop_phase();
+        Ok(DeviceResults {
+            losses,
+            all_reduced,
+            gathered: Some(gathered),
+            exchanged,
+            broadcast,
+            trace: comm.take_trace(),
+        })
+    }
+}
+
 /// Compares every device's results (devices `first..`) with a serial computation over its
 /// group, in the collectives' tree order over the ranks.
 fn check(
-    mesh: &ferrotext_sharding::Mesh,
+    mesh: &Mesh,
     axes: &[&str],
     len: usize,
     micro_batches: usize,

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrotext_spmd::conformance::run_jsonl;
 
-use crate::UsageError;
+use crate::common::UsageError;
 
 /// Flags of `ferrotext conformance`.
 #[derive(Args)]

@@ -9,7 +9,7 @@ use clap::Args;
 use ferrotext_train::hf::{self, SaveDtype};
 use ferrotext_train::TrainError;
 
-use crate::UsageError;
+use crate::common::UsageError;
 
 /// `ferrotext export CHECKPOINT OUT_DIR [--dtype f32|bf16] [--step N] [--max-shard-bytes B]`.
 #[derive(Args, Debug)]

@@ -19,7 +19,7 @@ use ferrotext_train::sample::SamplingParams;
 use ferrotext_train::text::{StreamDecoder, TextCodec};
 use ferrotext_train::{DatasetType, TrainConfig, TrainError};
 
-use crate::UsageError;
+use crate::common::{config_args, usage};
 
 /// Arguments of `ferrotext generate`.
 #[derive(Args)]
@@ -69,10 +69,6 @@ struct Source {
     hf_dir: Option<PathBuf>,
 }
 
-fn usage(message: impl Into<String>) -> anyhow::Error {
-    UsageError(message.into()).into()
-}
-
 /// The checkpoint or parameters the arguments name.
 fn source(args: &GenerateArgs) -> Result<Source> {
     if let Some(path) = &args.checkpoint {
@@ -97,7 +93,7 @@ fn source(args: &GenerateArgs) -> Result<Source> {
             hf_dir: None,
         });
     }
-    let mut config = crate::train_cmd::parse_config(&args.args)?;
+    let mut config = config_args::parse_config(&args.args)?;
     // Generation reads no training data: the data keys' checks (e.g. byte-level data needing a
     // vocabulary of 256) do not apply to it.
     config.dataset_type = DatasetType::Synthetic;

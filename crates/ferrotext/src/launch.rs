@@ -8,7 +8,7 @@ use anyhow::Result;
 use ferrotext_comm::Cluster;
 
 #[cfg(not(feature = "mpi"))]
-use crate::UsageError;
+use crate::common::UsageError;
 
 /// The launch of this process.
 pub struct Launch {

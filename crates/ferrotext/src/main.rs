@@ -2,10 +2,18 @@
 //!
 //! Exit codes: 0 success, 1 a run that failed (a failed run, an I/O failure, a bug in
 //! ferrotext), 2 bad input (usage, config, mesh, files the user named).
+//!
+//! Module layers, each importing only from the layers below it (so no import circle):
+//! `common` (what every command shares; it imports no other module of the binary), then
+//! `launch` and `mesh_arg`, then the commands. A command may use another command's work, never
+//! the other way round: `train` draws its loss curve through `plot` and records link bytes
+//! through `emulate`'s probe; `bench cluster` runs its jobs through `emulate`. Nothing imports
+//! from this file.
 
 mod allocator;
 mod bench;
 mod collectives;
+mod common;
 mod conformance;
 mod emulate;
 mod export_cmd;
@@ -65,18 +73,6 @@ enum Command {
         which: bench::BenchCommand,
     },
 }
-
-/// An error the user caused (bad flag value, bad mesh): exit code 2.
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
 
 fn main() -> ExitCode {
     allocator::keep_freed_memory();
@@ -140,11 +136,11 @@ fn report(err: &anyhow::Error, launch: Option<&launch::Launch>) -> ExitCode {
     ExitCode::from(code)
 }
 
-/// 2 for the user's input (a [`UsageError`], or a [`ferrotext_train::TrainError`] of the usage
-/// class), 1 for everything else: a bug in ferrotext, an I/O failure or a failed run is never
+/// 2 for the user's input (a [`common::UsageError`], or a [`ferrotext_train::TrainError`] of the
+/// usage class), 1 for everything else: a bug in ferrotext, an I/O failure or a failed run is never
 /// reported as the user's mistake.
 fn exit_code(err: &anyhow::Error) -> u8 {
-    let usage = err.downcast_ref::<UsageError>().is_some()
+    let usage = err.downcast_ref::<common::UsageError>().is_some()
         || err
             .downcast_ref::<ferrotext_train::TrainError>()
             .is_some_and(ferrotext_train::TrainError::is_usage);

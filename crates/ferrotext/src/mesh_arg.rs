@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use ferrotext_sharding::Mesh;
 
-use crate::UsageError;
+use crate::common::UsageError;
 
 /// Parses `name=size[,name=size...]` in mesh order.
 pub fn parse_mesh(text: &str) -> Result<Arc<Mesh>, UsageError> {

@@ -10,9 +10,10 @@ use ferrotext_comm::{human_bytes, run_spmd_in, CommError, SpmdOptions};
 use ferrotext_sharding::Mesh;
 use serde::Serialize;
 
-use super::{cores, median, write_json};
+use super::{cores, write_json};
+use crate::common::stats::median;
+use crate::common::UsageError;
 use crate::launch::Launch;
-use crate::UsageError;
 
 /// Collective transports the benchmark can run.
 #[derive(Clone, Copy, ValueEnum, Serialize)]

@@ -14,7 +14,8 @@ use ferrotext_train::sample::SamplingParams;
 use ferrotext_train::TrainConfig;
 use serde::Serialize;
 
-use super::{abba_pair, cores, median, write_json, Side};
+use super::{abba_pair, cores, write_json, Side};
+use crate::common::stats::median;
 
 /// One side's measurement of one pair.
 #[derive(Serialize)]
@@ -47,7 +48,7 @@ struct Report {
 pub fn run(model: &str, context: usize, new_tokens: usize, pairs: usize, out: &Path) -> Result<()> {
     ensure!(
         new_tokens >= 2 && context > new_tokens,
-        crate::UsageError(format!(
+        crate::common::UsageError(format!(
             "--new-tokens ({new_tokens}) must be at least 2 and below --context ({context})"
         ))
     );

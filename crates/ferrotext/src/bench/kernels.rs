@@ -11,7 +11,8 @@ use ferrotext_tensor::{dot_general, DotDims, Tensor};
 use gemm::Parallelism;
 use serde::Serialize;
 
-use super::{median, write_json};
+use super::write_json;
+use crate::common::stats::median;
 
 #[derive(Serialize)]
 struct Row {

@@ -1,5 +1,6 @@
 //! `ferrotext bench ...`: benchmarks that write JSON and print a table, one submodule each, and
-//! what they share: the median, the ABBA pairing of two configurations, and writing the results.
+//! what they share: the ABBA pairing of two configurations and writing the results (the median
+//! is [`crate::common::stats::median`]).
 //!
 //! Times are medians over repetitions within one process; compare the ratios, not the absolute
 //! numbers (the machine is shared and noisy). Two configurations are compared in ABBA-ordered
@@ -19,6 +20,7 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 use ferrotext_train::StepMetrics;
 
+use crate::common::stats::median;
 use crate::launch::Launch;
 
 use cluster::ClusterArgs;
@@ -192,15 +194,6 @@ pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
             out,
         } => kernels::run(&d_model, tokens, &threads, &out),
     }
-}
-
-/// The median of timings (0 for none; the upper middle one of an even count).
-pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
-    if xs.is_empty() {
-        return 0.0;
-    }
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 /// The cores of this machine (recorded in the reports).

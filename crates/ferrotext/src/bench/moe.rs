@@ -21,7 +21,8 @@ use ferrotext_spmd::on_device;
 use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
-use super::{abba_pair, median, write_file, write_json, Paired, Side, StepPair};
+use super::{abba_pair, write_file, write_json, Paired, Side, StepPair};
+use crate::common::stats::median;
 
 /// One factor of the sweep and its values (as `key=value` overrides).
 struct Sweep {

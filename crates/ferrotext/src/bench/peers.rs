@@ -24,7 +24,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
-use super::{median, write_json};
+use super::write_json;
+use crate::common::stats::median;
 
 /// Global rows per micro-batch: the peers' `--micro-batch` default.
 const MICRO_BATCH_ROWS: usize = 8;

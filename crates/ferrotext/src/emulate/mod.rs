@@ -31,8 +31,8 @@ use ferrotext_comm::human_bytes;
 use ferrotext_train::TrainConfig;
 use serde::Serialize;
 
-use crate::bench::median;
-use crate::UsageError;
+use crate::common::stats::median;
+use crate::common::{config_args, usage};
 use net::{LinkSpec, Network};
 use predict::Prediction;
 
@@ -81,17 +81,10 @@ pub struct Plan {
     pub config: Option<TrainConfig>,
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
-}
-
 /// Splits `train`'s arguments like `ferrotext train` does: an optional config file, then
 /// `key=value` overrides.
 fn train_config(args: &[String], extra: &[String]) -> Result<TrainConfig> {
-    let (file, overrides) = match args.first() {
-        Some(first) if !first.contains('=') => (Some(PathBuf::from(first)), &args[1..]),
-        _ => (None, args),
-    };
+    let (file, overrides) = config_args::split(args);
     let mut overrides = overrides.to_vec();
     overrides.extend(extra.iter().cloned());
     TrainConfig::load(file.as_deref(), &overrides).map_err(|e| usage(e.to_string()))
@@ -102,7 +95,7 @@ impl Plan {
     /// spec, and for `train` that `H × L` devices form the job's mesh.
     ///
     /// # Errors
-    /// A [`UsageError`] for bad input.
+    /// A [`UsageError`](crate::common::UsageError) for bad input.
     pub fn new(hosts: usize, local: usize, link: &str, job: &[String]) -> Result<Plan> {
         if hosts == 0 {
             return Err(usage("--hosts must be at least 1"));
@@ -162,7 +155,7 @@ impl Plan {
 /// Stops with one clear line when something this command needs is missing.
 ///
 /// # Errors
-/// A [`UsageError`] naming what is missing.
+/// A [`UsageError`](crate::common::UsageError) naming what is missing.
 pub fn preflight() -> Result<()> {
     if !cfg!(feature = "mpi") {
         return Err(usage(
@@ -496,7 +489,7 @@ fn print_table(run: &JobRun, prediction: Option<&Prediction>) {
 /// Runs the command.
 ///
 /// # Errors
-/// Bad input or a missing tool or privilege ([`UsageError`]), a failed set-up, a failed job or
+/// Bad input or a missing tool or privilege ([`UsageError`](crate::common::UsageError)), a failed set-up, a failed job or
 /// an interruption; the network is removed in every case.
 pub fn run(args: &EmulateArgs) -> Result<()> {
     let stop = install_signal_flag()?;

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::UsageError;
+use crate::common::UsageError;
 
 /// Namespace names: `ftxemu-<pid>-h<i>`.
 const NS_PREFIX: &str = "ftxemu-";
