@@ -39,6 +39,7 @@ struct Cli {
 enum Command {
     /// Train a model: `ferrotext train [config.toml] key=value ...` (MaxText key names). With no
     /// arguments: qwen3-tiny on a data=4 in-process mesh, GA 4, the bundled corpus.
+    #[command(after_help = train_cmd::keys_help())]
     Train(train_cmd::TrainArgs),
     /// Plan one training step in abstract mode (shapes only, nothing allocated or communicated):
     /// type-check the whole step on any mesh and print its collective schedule; with `--cluster`,

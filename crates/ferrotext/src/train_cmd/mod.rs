@@ -10,10 +10,11 @@
 //! `device_panic:N` (device `N` panics) or `engine_misuse` (an `update` with nothing
 //! accumulated).
 //!
-//! Files: this one runs `train` step by step ([`run`]); `plan.rs` is `ferrotext plan`,
-//! `prediction.rs` prints its `--cluster` prediction; `summary.rs` prints the end of a run and
-//! delivers its outputs.
+//! Files: this one runs `train` step by step ([`run`]); `help.rs` writes `train --help`'s list of
+//! keys; `plan.rs` is `ferrotext plan`, `prediction.rs` prints its `--cluster` prediction;
+//! `summary.rs` prints the end of a run and delivers its outputs.
 
+mod help;
 mod plan;
 mod prediction;
 mod summary;
@@ -33,6 +34,7 @@ use crate::common::{config_args, UsageError};
 use crate::emulate::probe::WireProbe;
 use crate::launch::Launch;
 
+pub use help::keys_help;
 pub use plan::{plan, PlanArgs};
 
 /// Arguments of `ferrotext train`.
