@@ -1,12 +1,12 @@
 //! `ferrotext export CHECKPOINT OUT_DIR`: a checkpoint's parameters as a Hugging Face model
-//! directory ([`ferrotext_train::hf::export_checkpoint`]). The checkpoint is only read; `OUT_DIR`
+//! directory ([`ferrotext_train::export::export_checkpoint`]). The checkpoint is only read; `OUT_DIR`
 //! appears complete or not at all.
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use ferrotext_train::hf::{self, SaveDtype};
+use ferrotext_hf::{self as hf, SaveDtype};
 use ferrotext_train::TrainError;
 
 use crate::common::UsageError;
@@ -36,7 +36,7 @@ pub struct ExportArgs {
 pub fn run(args: &ExportArgs) -> Result<()> {
     let dtype = SaveDtype::parse(&args.dtype)
         .ok_or_else(|| UsageError(format!("--dtype must be f32 or bf16, got `{}`", args.dtype)))?;
-    let done = hf::export_checkpoint(
+    let done = ferrotext_train::export::export_checkpoint(
         &args.checkpoint,
         args.step,
         &args.out,

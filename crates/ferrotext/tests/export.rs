@@ -6,10 +6,11 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use ferrotext_hf as hf;
 use ferrotext_models::decoder::Decoder;
 use ferrotext_models::ParamInfo;
 use ferrotext_tensor::Tensor;
-use ferrotext_train::{hf, io};
+use ferrotext_train::io;
 
 mod common;
 use common::ferrotext;

@@ -5,8 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
+use ferrotext_hf::{self as hf, SaveDtype};
 use ferrotext_models::decoder::Decoder;
-use ferrotext_train::hf::{self, SaveDtype};
 use ferrotext_train::io;
 use serde_json::Value;
 

@@ -18,9 +18,9 @@ use std::io::Read;
 use std::path::Path;
 use std::time::Instant;
 
+use ferrotext_hf::{self as hf, SaveDtype};
 use ferrotext_models::decoder::{Config, Decoder};
 use ferrotext_tensor::Tensor;
-use ferrotext_train::hf::{self, SaveDtype};
 
 fn model() -> Decoder {
     let cfg = Config::preset("qwen3-0.6b").expect("preset"); // ok: a built-in preset

@@ -339,7 +339,7 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
     if !meta.is_file() {
         return Err(ckpt_err(&path, format!("is not a file {START_OVER}")));
     }
-    let bytes = crate::files::read_regular(&path)
+    let bytes = ferrotext_hf::files::read_regular(&path)
         .map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
     let Ok(text) = std::str::from_utf8(&bytes) else {
         return Err(ckpt_err(&path, format!("is not text {START_OVER}")));
@@ -528,7 +528,7 @@ fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>,
         ));
     }
     let path = dir.join(file);
-    let bytes = crate::files::read_regular(&path)
+    let bytes = ferrotext_hf::files::read_regular(&path)
         .map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
     let want = manifest
         .files
@@ -630,7 +630,7 @@ fn sequences_consumed(config: &TrainConfig, step: usize, micro: usize) -> u64 {
 /// `manifest.json` of `dir`: its format version, then its seal, then its fields.
 pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
     let manifest_path = dir.join("manifest.json");
-    let text = crate::files::read_regular(&manifest_path)
+    let text = ferrotext_hf::files::read_regular(&manifest_path)
         .map_err(|e| ckpt_err(&manifest_path, format!("cannot read: {e}")))?;
     let value: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))?;
@@ -661,7 +661,7 @@ pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
         ));
     }
     let seal_path = dir.join(MANIFEST_SEAL);
-    let seal = crate::files::read_regular_to_string(&seal_path).map_err(|e| {
+    let seal = ferrotext_hf::files::read_regular_to_string(&seal_path).map_err(|e| {
         ckpt_err(
             &seal_path,
             format!("cannot read ({e}): manifest.json cannot be verified"),

@@ -468,7 +468,7 @@ impl TrainConfig {
     pub(crate) fn model(&self) -> Result<qwen3::Config, TrainError> {
         let hf_dir = Path::new(&self.load_parameters_path);
         let mut m = if !self.load_parameters_path.is_empty() && hf_dir.is_dir() {
-            crate::hf::read_config(hf_dir)?
+            ferrotext_hf::read_config(hf_dir)?
         } else {
             qwen3::Config::preset(&self.model_name).ok_or_else(|| {
                 TrainError::usage(
@@ -766,7 +766,7 @@ impl TrainConfig {
         self.check_floats()?;
         self.parse_profile_steps()?;
         self.check_eval()?;
-        if crate::hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
+        if ferrotext_hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
             return Err(TrainError::usage(
                 "save_parameters_dtype",
                 format!(

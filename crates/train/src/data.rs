@@ -382,7 +382,7 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
 /// One line naming the file: missing, not a regular file, or unreadable.
 pub fn read_regular_file(path: &Path) -> Result<Vec<u8>, String> {
     let shown = path.display();
-    crate::files::read_regular(path).map_err(|e| match e.kind() {
+    ferrotext_hf::files::read_regular(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::InvalidInput => format!("{shown} {e}"),
         _ => format!("cannot open {shown}: {e}"),
     })

@@ -134,6 +134,18 @@ pub enum TrainError {
     },
 }
 
+impl From<ferrotext_hf::HfError> for TrainError {
+    /// The same error in this layer's terms (the same message and class: a model file the user
+    /// named is usage, a refused read or write is io).
+    fn from(e: ferrotext_hf::HfError) -> TrainError {
+        match e {
+            ferrotext_hf::HfError::Params { path, reason } => TrainError::Params { path, reason },
+            ferrotext_hf::HfError::Io { path, source } => TrainError::Io { path, source },
+            other => TrainError::Internal(other.to_string()),
+        }
+    }
+}
+
 /// The class of a [`TrainError`]: what the caller can do about it (module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -17,8 +17,8 @@ use safetensors::tensor::{Dtype, TensorView};
 use crate::engine::StepMetrics;
 use crate::error::TrainError;
 
-/// Loads every parameter of `infos` from a safetensors file ([`crate::hf::load_file`]) or from
-/// a Hugging Face model directory ([`crate::hf::load_directory`]), each from the HF tensors its
+/// Loads every parameter of `infos` from a safetensors file ([`ferrotext_hf::load_file`]) or from
+/// a Hugging Face model directory ([`ferrotext_hf::load_directory`]), each from the HF tensors its
 /// [`ParamInfo::hf_tensors`] names: F32, BF16 or F16, converted to f32 in one pass.
 ///
 /// # Errors
@@ -33,12 +33,12 @@ pub fn load_parameters(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, 
     // Only a regular file: a FIFO or a device such as /dev/zero would block or read forever.
     let meta = std::fs::metadata(path).map_err(|e| err(format!("cannot read: {e}")))?;
     if meta.is_dir() {
-        return crate::hf::load_directory(path, infos);
+        return Ok(ferrotext_hf::load_directory(path, infos)?);
     }
     if !meta.is_file() {
         return Err(err("is not a regular file".into()));
     }
-    crate::hf::load_file(path, infos)
+    Ok(ferrotext_hf::load_file(path, infos)?)
 }
 
 /// Saves parameters to a safetensors file (written to a temporary name, then renamed), each as
@@ -93,10 +93,10 @@ pub fn saves_directory(path: &Path) -> bool {
 
 /// Saves the final parameters where `config.save_parameters_path` says: a `.safetensors` path is
 /// one file (F32), any other path a Hugging Face model directory of `save_parameters_dtype`
-/// ([`crate::hf::save_directory`], sharded above [`crate::hf::DEFAULT_SHARD_BYTES`]).
+/// ([`ferrotext_hf::save_directory`], sharded above [`ferrotext_hf::DEFAULT_SHARD_BYTES`]).
 ///
 /// # Errors
-/// As [`save_parameters`] and [`crate::hf::save_directory`].
+/// As [`save_parameters`] and [`ferrotext_hf::save_directory`].
 pub fn save_final_parameters(
     config: &crate::TrainConfig,
     infos: &[ParamInfo],
@@ -106,20 +106,20 @@ pub fn save_final_parameters(
     if !saves_directory(path) {
         return save_parameters(path, infos, values);
     }
-    let dtype = crate::hf::SaveDtype::parse(&config.save_parameters_dtype).ok_or_else(|| {
+    let dtype = ferrotext_hf::SaveDtype::parse(&config.save_parameters_dtype).ok_or_else(|| {
         TrainError::Config(format!(
             "save_parameters_dtype must be f32 or bf16, got `{}`",
             config.save_parameters_dtype
         ))
     })?;
-    crate::hf::save_directory(
+    Ok(ferrotext_hf::save_directory(
         path,
         &config.model()?,
         infos,
         values,
         dtype,
-        crate::hf::DEFAULT_SHARD_BYTES,
-    )
+        ferrotext_hf::DEFAULT_SHARD_BYTES,
+    )?)
 }
 
 /// The per-step metrics file, one JSON line per step, appended and flushed as each step ends, so
@@ -147,7 +147,7 @@ impl MetricsLog {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let kept: String = match crate::files::read_regular_to_string(path) {
+        let kept: String = match ferrotext_hf::files::read_regular_to_string(path) {
             Ok(old) => old
                 .lines()
                 .filter(|line| {
@@ -217,7 +217,7 @@ pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError>
         let path = std::path::PathBuf::from(&config.save_parameters_path);
         let is_dir = saves_directory(&path);
         // A model directory is replaced whole, so an existing one must be a model directory.
-        if is_dir && path.exists() && !path.join(crate::hf::CONFIG_FILE).is_file() {
+        if is_dir && path.exists() && !path.join(ferrotext_hf::CONFIG_FILE).is_file() {
             return Err(TrainError::Config(format!(
                 "save_parameters_path: {} exists and is not a model directory (no config.json); \
                  name a new directory, or a file ending in .safetensors",

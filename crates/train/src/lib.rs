@@ -19,7 +19,7 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `optim.rs` | [`Optimizer`], [`learning_rate`], [`clip_scale`] |
 | `checkpoint.rs` | checkpoints of an engine's state, mid-step too |
 | `data.rs`, `io.rs` | token sources; parameter files and the metrics log |
-| `hf/` | Hugging Face model directories in and out (`config.json`, sharded safetensors, bf16/f16) |
+| `export.rs` | a checkpoint's parameters as a Hugging Face directory (the format itself: `ferrotext-hf`) |
 | `keys.rs` | every key's group, form and meaning for `ferrotext keys`; nearest names for typos |
 | `sample.rs` | greedy / temperature / top-k / top-p token choice (for generation) |
 | `generate.rs` | generation: prefill, then sample → stream → feed through the key/value cache |
@@ -45,11 +45,10 @@ pub mod cost;
 pub mod data;
 mod engine;
 mod error;
-pub mod files;
+pub mod export;
 mod gate;
 pub mod generate;
 mod gradients;
-pub mod hf;
 pub mod io;
 pub mod keys;
 mod optim;

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
+use ferrotext_hf::{self as hf, SaveDtype};
 use ferrotext_models::decoder::{Config, Decoder, MoeSettings};
 use ferrotext_models::deepseek::MlaSettings;
 use ferrotext_models::moe::RouterScore;
@@ -15,7 +16,6 @@ use ferrotext_models::{ParamInfo, Rng};
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx};
 use ferrotext_tensor::Tensor;
-use ferrotext_train::hf::{self, SaveDtype};
 use ferrotext_train::io;
 use safetensors::SafeTensors;
 use serde_json::Value;
@@ -626,10 +626,12 @@ fn reference_forward_from_the_saved_files_matches_moe() {
 // Bad input: one clear error each.
 
 fn load_error(dir: &Path) -> String {
-    let result = hf::read_config(dir).and_then(|cfg| {
-        let infos = Decoder::new(cfg).unwrap().params();
-        io::load_parameters(dir, &infos)
-    });
+    let result = hf::read_config(dir)
+        .map_err(ferrotext_train::TrainError::from)
+        .and_then(|cfg| {
+            let infos = Decoder::new(cfg).unwrap().params();
+            io::load_parameters(dir, &infos)
+        });
     let msg = result.unwrap_err().to_string();
     assert_eq!(msg.lines().count(), 1, "{msg}");
     msg

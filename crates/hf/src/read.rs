@@ -14,13 +14,13 @@ use safetensors::SafeTensors;
 
 use super::convert::{self, NonFinite, Stored};
 use super::{listed, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE};
-use crate::error::TrainError;
+use crate::error::HfError;
 
 /// Loads every parameter of `infos` from the HF directory `dir`, each from the HF tensors its
 /// [`ParamInfo::hf_tensors`] names, converted to f32.
 ///
 /// # Errors
-/// [`TrainError::Params`] naming the directory and the problem: no weights file, an index that
+/// [`HfError::Params`] naming the directory and the problem: no weights file, an index that
 /// does not parse or names a shard that does not exist, a header that does not parse, missing
 /// and unexpected tensors (listed together), a dtype other than F32/BF16/F16, a shape that does
 /// not match the model, a non-finite value, a router selection bias
@@ -31,9 +31,9 @@ use crate::error::TrainError;
 /// transposed in tiles straight into its parameter's buffer, on up to 8 threads, and its file
 /// pages are released once converted. What remains is mostly the kernel handing out the f32
 /// buffers' fresh pages.
-pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, TrainError> {
+pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, HfError> {
     // 1. the shard files, and which shard holds each tensor (the index, when there is one)
-    let (files, index) = shard_files(dir).map_err(|reason| TrainError::Params {
+    let (files, index) = shard_files(dir).map_err(|reason| HfError::Params {
         path: dir.display().to_string(),
         reason,
     })?;
@@ -46,11 +46,11 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Tr
 ///
 /// # Errors
 /// As [`load_directory`], naming the file.
-pub fn load_file(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, TrainError> {
+pub fn load_file(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, HfError> {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
-        .ok_or_else(|| TrainError::Params {
+        .ok_or_else(|| HfError::Params {
             path: path.display().to_string(),
             reason: "is not a file name".into(),
         })?;
@@ -70,8 +70,8 @@ fn load_files(
     index: Option<BTreeMap<String, String>>,
     model: &str,
     infos: &[ParamInfo],
-) -> Result<Vec<Tensor>, TrainError> {
-    let err = |reason: String| TrainError::Params {
+) -> Result<Vec<Tensor>, HfError> {
+    let err = |reason: String| HfError::Params {
         path: origin.display().to_string(),
         reason,
     };

@@ -12,7 +12,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use super::{
     hf_config_json, ModelType, CONFIG_FILE, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE,
 };
-use crate::error::TrainError;
+use crate::error::HfError;
 
 /// HF's default `max_shard_size` (5 GB): above it, weights are split into shards.
 pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
@@ -80,8 +80,8 @@ impl SaveDtype {
 /// `config.json` (a model directory).
 ///
 /// # Errors
-/// [`TrainError::Params`] when no HF `model_type` expresses `cfg`, `dir` exists and is not a model
-/// directory, or a value does not fit its parameter; [`TrainError::Io`] when writing fails.
+/// [`HfError::Params`] when no HF `model_type` expresses `cfg`, `dir` exists and is not a model
+/// directory, or a value does not fit its parameter; [`HfError::Io`] when writing fails.
 /// Nothing is left at `dir` when it fails.
 pub fn save_directory(
     dir: &Path,
@@ -90,8 +90,8 @@ pub fn save_directory(
     values: &[Tensor],
     dtype: SaveDtype,
     shard_bytes: u64,
-) -> Result<(), TrainError> {
-    let err = |reason: String| TrainError::Params {
+) -> Result<(), HfError> {
+    let err = |reason: String| HfError::Params {
         path: dir.display().to_string(),
         reason,
     };
@@ -147,7 +147,7 @@ pub fn save_directory(
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     let io = |path: &Path| {
         let path = path.display().to_string();
-        move |source: std::io::Error| TrainError::Io {
+        move |source: std::io::Error| HfError::Io {
             path: path.clone(),
             source,
         }
@@ -188,13 +188,13 @@ fn write_into(
     shard_of: &[usize],
     file_name: &dyn Fn(usize) -> String,
     total: u64,
-) -> Result<(), TrainError> {
-    let err = |reason: String| TrainError::Params {
+) -> Result<(), HfError> {
+    let err = |reason: String| HfError::Params {
         path: tmp.display().to_string(),
         reason,
     };
     let io = |path: PathBuf| {
-        move |source: std::io::Error| TrainError::Io {
+        move |source: std::io::Error| HfError::Io {
             path: path.display().to_string(),
             source,
         }
@@ -219,7 +219,7 @@ fn write_into(
             .map_err(|e| err(e.to_string()))?;
         safetensors::serialize_to_file(views, &meta, &path).map_err(|e| err(e.to_string()))?;
         pending.clear();
-        Ok::<(), TrainError>(())
+        Ok::<(), HfError>(())
     };
     for (info, value) in infos.iter().zip(values) {
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
@@ -258,7 +258,7 @@ fn write_into(
 /// `DeepseekV3TopkRouter` adds to the sigmoid scores to pick the top-k experts (`noaux_tc`) and
 /// its checkpoints carry. ferrotext's router has no such bias; written as zeros, under which
 /// both routers pick the same experts.
-pub(super) fn selection_bias(kind: ModelType, info: &ParamInfo) -> Option<(String, Vec<usize>)> {
+pub fn selection_bias(kind: ModelType, info: &ParamInfo) -> Option<(String, Vec<usize>)> {
     if kind != ModelType::DeepseekV3 {
         return None;
     }

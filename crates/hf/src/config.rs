@@ -8,7 +8,7 @@ use ferrotext_models::moe::RouterScore;
 use ferrotext_tensor::Yarn;
 use serde_json::{json, Value};
 
-use crate::error::TrainError;
+use crate::error::HfError;
 
 /// The HF `model_type`s the decoder runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,11 +86,11 @@ impl ModelType {
 /// The decoder config of the HF directory `dir` (its `config.json`).
 ///
 /// # Errors
-/// [`TrainError::Params`] naming `config.json`: unreadable, not JSON, an unknown `model_type`,
+/// [`HfError::Params`] naming `config.json`: unreadable, not JSON, an unknown `model_type`,
 /// a missing or mistyped key, or features the decoder does not have (all named in one error).
-pub fn read_config(dir: &Path) -> Result<Config, TrainError> {
+pub fn read_config(dir: &Path) -> Result<Config, HfError> {
     let path = dir.join(super::CONFIG_FILE);
-    let err = |reason: String| TrainError::Params {
+    let err = |reason: String| HfError::Params {
         path: path.display().to_string(),
         reason,
     };

@@ -9,12 +9,11 @@ use std::path::{Path, PathBuf};
 
 use ferrotext_models::decoder::Decoder;
 
-use super::write::selection_bias;
-use super::{save_directory, ModelType, SaveDtype};
 use crate::checkpoint::{
     checkpoint_name, latest, parse_checkpoint_name, read_manifest, read_params, validate_manifest,
 };
 use crate::error::TrainError;
+use ferrotext_hf::{save_directory, selection_bias, ModelType, SaveDtype};
 
 /// What [`export_checkpoint`] wrote.
 #[derive(Clone, Debug, PartialEq)]

@@ -5,7 +5,9 @@
 //! [`read_config`] maps `config.json` to the decoder's [`Config`] (`qwen3`, `qwen3_moe`,
 //! `deepseek_v3`; anything else is refused in one error naming it), [`load_directory`] reads
 //! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
-//! the same layout back. [`export_checkpoint`] writes a checkpoint's parameters that way.
+//! the same layout back (a checkpoint's export lives in `ferrotext-train`, which knows
+//! checkpoints). [`files`] is the rule every input a run reads is opened by, this crate's and
+//! the trainer's.
 //!
 //! # Invariants
 //! - Loading checks every header before converting anything: the set of tensor names (missing
@@ -25,14 +27,15 @@
 
 mod config;
 mod convert;
-mod export;
+mod error;
+pub mod files;
 mod read;
 mod write;
 
 pub use config::{hf_config_json, read_config, ModelType};
-pub use export::{export_checkpoint, find_checkpoint, Exported};
+pub use error::HfError;
 pub use read::{load_directory, load_file};
-pub use write::{save_directory, SaveDtype, DEFAULT_SHARD_BYTES};
+pub use write::{save_directory, selection_bias, SaveDtype, DEFAULT_SHARD_BYTES};
 
 /// The config file of a HF directory.
 pub const CONFIG_FILE: &str = "config.json";
