@@ -11,6 +11,7 @@ mod collectives;
 mod ga;
 mod generate;
 mod kernels;
+mod layout;
 mod moe;
 mod peers;
 
@@ -72,6 +73,26 @@ pub enum BenchCommand {
         set: Vec<String>,
         /// Where to write the JSON results.
         #[arg(long, default_value = "target/bench/ga.json")]
+        out: PathBuf,
+    },
+    /// What `layout_invariant=true` costs: the same deterministic run with and without the
+    /// key, ABBA-paired in one process, at each (data, GA) point; and the gradient memory the
+    /// tree adds per device.
+    Layout {
+        /// Model preset.
+        #[arg(long, default_value = "qwen3-peer")]
+        model: String,
+        /// `data×GA` points (each a device's micro-batch of `per_device_batch_size` rows).
+        #[arg(long, value_delimiter = ',', default_value = "4x4,1x4")]
+        points: Vec<layout::Point>,
+        /// Timed (without, with) step pairs per point.
+        #[arg(long, default_value_t = 8)]
+        pairs: usize,
+        /// Extra `key=value` train overrides (both runs).
+        #[arg(long = "set")]
+        set: Vec<String>,
+        /// Where to write the JSON results.
+        #[arg(long, default_value = "target/bench/layout.json")]
         out: PathBuf,
     },
     /// The MoE sweeps (GA, tokens per micro-batch, experts, depth): deferred vs per-micro-batch
@@ -168,6 +189,13 @@ pub fn run(which: BenchCommand, launch: &mut Launch) -> Result<()> {
             set,
             out,
         } => ga::run(&model, &ga, pairs, &set, &out),
+        BenchCommand::Layout {
+            model,
+            points,
+            pairs,
+            set,
+            out,
+        } => layout::run(&model, &points, pairs, &set, &out),
         BenchCommand::Moe {
             model,
             pairs,
