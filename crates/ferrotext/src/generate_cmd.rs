@@ -14,9 +14,10 @@ use std::sync::Mutex;
 
 use anyhow::Result;
 use clap::Args;
-use ferrotext_train::generate::{self, GenerateOptions, Stop};
-use ferrotext_train::sample::SamplingParams;
-use ferrotext_train::text::{StreamDecoder, TextCodec};
+use ferrotext_generate::generate::{self, GenerateOptions, Stop};
+use ferrotext_generate::sample::SamplingParams;
+use ferrotext_generate::text::{StreamDecoder, TextCodec};
+use ferrotext_generate::GenerateError;
 use ferrotext_train::{DatasetType, TrainConfig, TrainError};
 
 use crate::common::{config_args, usage};
@@ -191,10 +192,10 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     print!("{}", args.prompt);
     stdout.lock().flush()?;
     let line_open = AtomicBool::new(!args.prompt.ends_with('\n'));
-    let emit = |token: u32| -> Result<(), TrainError> {
+    let emit = |token: u32| -> Result<(), GenerateError> {
         let text = stream
             .lock()
-            .map_err(|_| TrainError::Internal("the output stream's lock was poisoned".into()))?
+            .map_err(|_| GenerateError::Internal("the output stream's lock was poisoned".into()))?
             .push(token);
         if !text.is_empty() {
             line_open.store(!text.ends_with('\n'), Ordering::Relaxed);
@@ -202,7 +203,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         let mut out = std::io::stdout().lock();
         out.write_all(text.as_bytes())
             .and_then(|()| out.flush())
-            .map_err(|source| TrainError::Io {
+            .map_err(|source| GenerateError::Io {
                 path: "stdout".into(),
                 source,
             })

@@ -137,14 +137,17 @@ fn report(err: &anyhow::Error, launch: Option<&launch::Launch>) -> ExitCode {
     ExitCode::from(code)
 }
 
-/// 2 for the user's input (a [`common::UsageError`], or a [`ferrotext_train::TrainError`] of the
-/// usage class), 1 for everything else: a bug in ferrotext, an I/O failure or a failed run is never
+/// 2 for the user's input (a [`common::UsageError`], or a [`ferrotext_train::TrainError`] or
+/// [`ferrotext_generate::GenerateError`] of the usage class), 1 for everything else: a bug in ferrotext, an I/O failure or a failed run is never
 /// reported as the user's mistake.
 fn exit_code(err: &anyhow::Error) -> u8 {
     let usage = err.downcast_ref::<common::UsageError>().is_some()
         || err
             .downcast_ref::<ferrotext_train::TrainError>()
-            .is_some_and(ferrotext_train::TrainError::is_usage);
+            .is_some_and(ferrotext_train::TrainError::is_usage)
+        || err
+            .downcast_ref::<ferrotext_generate::GenerateError>()
+            .is_some_and(ferrotext_generate::GenerateError::is_usage);
     if usage {
         2
     } else {

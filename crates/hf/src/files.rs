@@ -50,6 +50,19 @@ pub fn read_regular_to_string(path: &Path) -> std::io::Result<String> {
         .map_err(|_| Error::new(ErrorKind::InvalidData, "is not UTF-8 text"))
 }
 
+/// The bytes of the regular file at `path`, as [`read_regular`], with the error as the one line
+/// a user sees: the path and the problem (missing, not a regular file, unreadable).
+///
+/// # Errors
+/// That line.
+pub fn read_named(path: &Path) -> Result<Vec<u8>, String> {
+    let shown = path.display();
+    read_regular(path).map_err(|e| match e.kind() {
+        ErrorKind::InvalidInput => format!("{shown} {e}"),
+        _ => format!("cannot open {shown}: {e}"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -432,7 +432,7 @@ impl TrainConfig {
     pub fn parse(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
         let mut table = match file {
             Some(path) => {
-                let bytes = crate::data::read_regular_file(path)
+                let bytes = ferrotext_hf::files::read_named(path)
                     .map_err(|e| TrainError::Config(format!("config: {e}")))?;
                 let text = String::from_utf8(bytes).map_err(|_| {
                     TrainError::Config(format!("config {} is not UTF-8 text", path.display()))

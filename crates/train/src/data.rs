@@ -284,7 +284,7 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
     let order = config.dataset_order;
     let need = config.max_target_length + 1;
     let open = |path: &str| -> Result<Vec<u8>, TrainError> {
-        read_regular_file(Path::new(path)).map_err(TrainError::Data)
+        ferrotext_hf::files::read_named(Path::new(path)).map_err(TrainError::Data)
     };
     let check_len = |tokens: usize, what: &str| -> Result<(), TrainError> {
         if tokens < need {
@@ -374,27 +374,13 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
     })
 }
 
-/// The bytes of the regular file at `path`. Anything else — a directory, a FIFO, a device such
-/// as `/dev/zero` — is refused before a byte is read, so no input can block or read without
-/// bound.
-///
-/// # Errors
-/// One line naming the file: missing, not a regular file, or unreadable.
-pub fn read_regular_file(path: &Path) -> Result<Vec<u8>, String> {
-    let shown = path.display();
-    ferrotext_hf::files::read_regular(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::InvalidInput => format!("{shown} {e}"),
-        _ => format!("cannot open {shown}: {e}"),
-    })
-}
-
 /// `text` encoded with the HF tokenizer at `path` (the `tokenizers` crate: BPE, WordPiece,
 /// Unigram, WordLevel, as the file says).
 ///
 /// # Errors
 /// [`TrainError::Data`] for a file that is not a tokenizer, or ids beyond `vocab`.
 pub fn tokenize(path: &str, text: &str, vocab: usize) -> Result<Vec<u32>, TrainError> {
-    let bytes = read_regular_file(Path::new(path))
+    let bytes = ferrotext_hf::files::read_named(Path::new(path))
         .map_err(|e| TrainError::Data(format!("tokenizer_path: {e}")))?;
     let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
         .map_err(|e| TrainError::Data(format!("tokenizer_path {path}: {e}")))?;

@@ -21,10 +21,7 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `data.rs`, `io.rs` | token sources; parameter files and the metrics log |
 | `export.rs` | a checkpoint's parameters as a Hugging Face directory (the format itself: `ferrotext-hf`) |
 | `keys.rs` | every key's group, form and meaning for `ferrotext keys`; nearest names for typos |
-| `sample.rs` | greedy / temperature / top-k / top-p token choice (for generation) |
-| `generate.rs` | generation: prefill, then sample → stream → feed through the key/value cache |
 | `tensorboard.rs` | TensorBoard event files of the per-step scalars (`tensorboard=true`) |
-| `text.rs` | text ↔ ids for generation (a `tokenizer.json`, or bytes) and streaming decoding |
 | `cost.rs` | the cost model behind `plan --cluster` |
 | `error.rs` | [`TrainError`] in four classes ([`ErrorClass`]) |
 
@@ -47,16 +44,13 @@ mod engine;
 mod error;
 pub mod export;
 mod gate;
-pub mod generate;
 mod gradients;
 pub mod io;
 pub mod keys;
 mod optim;
 mod plan;
 mod run;
-pub mod sample;
 pub mod tensorboard;
-pub mod text;
 mod trainer;
 
 pub use config::{

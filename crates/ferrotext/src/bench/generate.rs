@@ -8,9 +8,9 @@
 use std::path::Path;
 
 use anyhow::{ensure, Result};
+use ferrotext_generate::generate::{generate, GenerateOptions};
+use ferrotext_generate::sample::SamplingParams;
 use ferrotext_models::init_normal;
-use ferrotext_train::generate::{generate, GenerateOptions};
-use ferrotext_train::sample::SamplingParams;
 use ferrotext_train::TrainConfig;
 use serde::Serialize;
 
@@ -97,7 +97,7 @@ pub fn run(model: &str, context: usize, new_tokens: usize, pairs: usize, out: &P
             a.tokens,
             b.tokens
         );
-        let sample = |g: &ferrotext_train::generate::Generated| Sample {
+        let sample = |g: &ferrotext_generate::generate::Generated| Sample {
             token_seconds: g.median_token_seconds().unwrap_or(0.0),
             first_token_seconds: g.first_token_seconds,
         };

@@ -20,7 +20,7 @@ use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{on_device, Array, Ctx};
 use ferrotext_tensor::Tensor;
 
-use crate::error::TrainError;
+use crate::error::GenerateError;
 use crate::sample::{SampleError, Sampler, SamplingParams};
 
 /// What to generate and how.
@@ -74,10 +74,10 @@ impl Generated {
     }
 }
 
-fn sampling_error(e: SampleError) -> TrainError {
+fn sampling_error(e: SampleError) -> GenerateError {
     match e {
-        SampleError::OutOfRange { name, .. } => TrainError::usage(name, e.to_string()),
-        SampleError::BadLogits(_) => TrainError::Internal(e.to_string()),
+        SampleError::OutOfRange { name, .. } => GenerateError::usage(name, e.to_string()),
+        SampleError::BadLogits(_) => GenerateError::Internal(e.to_string()),
     }
 }
 
@@ -85,15 +85,15 @@ impl GenerateOptions {
     /// Checks the options against `prompt` and the model's vocabulary.
     ///
     /// # Errors
-    /// [`TrainError::Usage`] naming the problem: an empty prompt, a prompt that fills the
+    /// [`GenerateError::Usage`] naming the problem: an empty prompt, a prompt that fills the
     /// context, an id beyond the vocabulary, sampling parameters out of range.
-    pub fn check(&self, prompt: &[u32], vocab: usize) -> Result<(), TrainError> {
+    pub fn check(&self, prompt: &[u32], vocab: usize) -> Result<(), GenerateError> {
         Sampler::new(self.sampling.clone()).map_err(sampling_error)?;
         if prompt.is_empty() {
-            return Err(TrainError::usage("prompt", "the prompt is empty"));
+            return Err(GenerateError::usage("prompt", "the prompt is empty"));
         }
         if prompt.len() >= self.context {
-            return Err(TrainError::usage(
+            return Err(GenerateError::usage(
                 "prompt",
                 format!(
                     "the prompt has {} tokens; the context holds {} (max_target_length), so \
@@ -104,13 +104,13 @@ impl GenerateOptions {
             ));
         }
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(TrainError::usage(
+            return Err(GenerateError::usage(
                 "prompt",
                 format!("the prompt has token id {bad}, beyond the model's vocabulary of {vocab}"),
             ));
         }
         if let Some(&bad) = self.stop_tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(TrainError::usage(
+            return Err(GenerateError::usage(
                 "eos",
                 format!("stop token {bad} is beyond the model's vocabulary of {vocab}"),
             ));
@@ -130,13 +130,13 @@ pub fn generate(
     params: &[Tensor],
     prompt: &[u32],
     options: &GenerateOptions,
-    on_token: &(dyn Fn(u32) -> Result<(), TrainError> + Sync),
-) -> Result<Generated, TrainError> {
+    on_token: &(dyn Fn(u32) -> Result<(), GenerateError> + Sync),
+) -> Result<Generated, GenerateError> {
     let vocab = decoder.config().vocab_size;
     options.check(prompt, vocab)?;
     let infos = decoder.params();
     if infos.len() != params.len() || infos.iter().zip(params).any(|(i, p)| i.shape != p.shape()) {
-        return Err(TrainError::Misuse {
+        return Err(GenerateError::Misuse {
             call: "generate",
             reason: "the parameters do not fit the decoder".into(),
         });
@@ -155,7 +155,7 @@ pub fn generate(
     results
         .into_iter()
         .next()
-        .ok_or_else(|| TrainError::Internal("generate: the device returned nothing".into()))
+        .ok_or_else(|| GenerateError::Internal("generate: the device returned nothing".into()))
 }
 
 /// The loop on the device: prefill, then sample → emit → feed, until a stop.
@@ -165,8 +165,8 @@ fn run_loop(
     weights: &[Array],
     prompt: &[u32],
     options: &GenerateOptions,
-    on_token: &(dyn Fn(u32) -> Result<(), TrainError> + Sync),
-) -> Result<Generated, TrainError> {
+    on_token: &(dyn Fn(u32) -> Result<(), GenerateError> + Sync),
+) -> Result<Generated, GenerateError> {
     let mut sampler = Sampler::new(options.sampling.clone()).map_err(sampling_error)?;
     let mut cache = decoder.new_cache();
     let mut context: Vec<u32> = prompt.to_vec();
@@ -220,7 +220,7 @@ fn last_logits(
     weights: &[Array],
     ids: &[u32],
     cache: Option<&mut ferrotext_models::KvCache>,
-) -> Result<Vec<f32>, TrainError> {
+) -> Result<Vec<f32>, GenerateError> {
     let ids = cx.ids_from_global(&[1, ids.len()], PartitionSpec::replicated(), ids)?;
     let logits = match cache {
         Some(cache) => decoder.decode(cx, weights, &ids, cache)?,

@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use crate::error::TrainError;
+use crate::error::GenerateError;
 
 /// How text becomes ids and back.
 pub enum TextCodec {
@@ -22,13 +22,13 @@ impl TextCodec {
     /// The tokenizer at `path` (a `tokenizer.json`).
     ///
     /// # Errors
-    /// [`TrainError::Usage`] (key `tokenizer_path`) for a file that cannot be read or is not a
+    /// [`GenerateError::Usage`] (key `tokenizer_path`) for a file that cannot be read or is not a
     /// tokenizer.
-    pub fn from_file(path: &Path) -> Result<TextCodec, TrainError> {
-        let bytes = crate::data::read_regular_file(path)
-            .map_err(|e| TrainError::usage("tokenizer_path", format!("tokenizer_path: {e}")))?;
+    pub fn from_file(path: &Path) -> Result<TextCodec, GenerateError> {
+        let bytes = ferrotext_hf::files::read_named(path)
+            .map_err(|e| GenerateError::usage("tokenizer_path", format!("tokenizer_path: {e}")))?;
         let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            TrainError::usage(
+            GenerateError::usage(
                 "tokenizer_path",
                 format!("{} is not a tokenizer: {e}", path.display()),
             )
@@ -39,15 +39,15 @@ impl TextCodec {
     /// `text`'s ids.
     ///
     /// # Errors
-    /// [`TrainError::Usage`] (key `prompt`) when the tokenizer fails on it.
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+    /// [`GenerateError::Usage`] (key `prompt`) when the tokenizer fails on it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, GenerateError> {
         match self {
             TextCodec::Bytes => Ok(text.bytes().map(u32::from).collect()),
             TextCodec::Tokenizer(t) => {
                 t.encode(text, false)
                     .map(|e| e.get_ids().to_vec())
                     .map_err(|e| {
-                        TrainError::usage("prompt", format!("cannot tokenize the prompt: {e}"))
+                        GenerateError::usage("prompt", format!("cannot tokenize the prompt: {e}"))
                     })
             }
         }

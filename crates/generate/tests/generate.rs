@@ -4,11 +4,11 @@
 
 use std::sync::Mutex;
 
+use ferrotext_generate::generate::{generate, GenerateOptions, Stop};
+use ferrotext_generate::sample::SamplingParams;
 use ferrotext_models::decoder::{Config, Decoder};
 use ferrotext_models::init_normal;
 use ferrotext_tensor::Tensor;
-use ferrotext_train::generate::{generate, GenerateOptions, Stop};
-use ferrotext_train::sample::SamplingParams;
 
 fn model(preset: &str) -> (Decoder, Vec<Tensor>) {
     let mut cfg = Config::preset(preset).unwrap();
@@ -112,7 +112,9 @@ fn sampling_is_seeded_and_differs_from_greedy() {
 fn a_failing_callback_stops_the_generation_with_its_error() {
     let (d, params) = model("qwen3-tiny");
     let err = generate(&d, &params, &[1, 2], &options(8, true), &|_| {
-        Err(ferrotext_train::TrainError::Internal("closed pipe".into()))
+        Err(ferrotext_generate::GenerateError::Internal(
+            "closed pipe".into(),
+        ))
     })
     .unwrap_err();
     assert!(err.to_string().contains("closed pipe"), "{err}");
