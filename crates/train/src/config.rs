@@ -1056,12 +1056,13 @@ impl MemoryEstimate {
     }
 }
 
-pub(crate) fn gib(bytes: f64) -> String {
+/// `bytes` in GiB with one decimal (`12.0 GiB`), as memory figures are printed.
+pub fn gib(bytes: f64) -> String {
     format!("{:.1} GiB", bytes / f64::from(1u32 << 30))
 }
 
-/// `MemTotal` from `/proc/meminfo`, in bytes.
-pub(crate) fn machine_memory_bytes() -> Option<f64> {
+/// `MemTotal` from `/proc/meminfo`, in bytes (`None` where it cannot be read).
+pub fn machine_memory_bytes() -> Option<f64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib: f64 = info
         .lines()

@@ -22,7 +22,6 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `export.rs` | a checkpoint's parameters as a Hugging Face directory (the format itself: `ferrotext-hf`) |
 | `keys.rs` | every key's group, form and meaning for `ferrotext keys`; nearest names for typos |
 | `tensorboard.rs` | TensorBoard event files of the per-step scalars (`tensorboard=true`) |
-| `cost.rs` | the cost model behind `plan --cluster` |
 | `error.rs` | [`TrainError`] in four classes ([`ErrorClass`]) |
 
 # The key decision: the gate decides, the types do the rest
@@ -38,7 +37,6 @@ reduction.
 
 pub mod checkpoint;
 mod config;
-pub mod cost;
 pub mod data;
 mod engine;
 mod error;
@@ -54,8 +52,8 @@ pub mod tensorboard;
 mod trainer;
 
 pub use config::{
-    DatasetOrder, DatasetType, DeviceMemory, MemoryEstimate, NanPolicy, OptType, ResumeMode,
-    ShardMode, TrainConfig,
+    gib, machine_memory_bytes, DatasetOrder, DatasetType, DeviceMemory, MemoryEstimate, NanPolicy,
+    OptType, ResumeMode, ShardMode, TrainConfig,
 };
 pub use engine::{Batch, Engine, FwdBwd, StepMetrics};
 pub use error::{ErrorClass, TrainError};

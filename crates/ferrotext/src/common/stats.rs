@@ -1,6 +1,6 @@
 //! The one median every command reports timings with.
 //!
-//! (`ferrotext_train::cost` keeps its own, the mean of the two middle values of an even count;
+//! (`ferrotext_cost` keeps its own, the mean of the two middle values of an even count;
 //! the binary's reports have always taken the upper middle one, and keep doing so.)
 
 /// The median of timings: the upper middle value of an even count (the middle one of an odd

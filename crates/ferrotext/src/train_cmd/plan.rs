@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use ferrotext_comm::{CollectiveKind, PhasePattern};
-use ferrotext_train::cost::{self, ClusterSpec};
+use ferrotext_cost::{self as cost, ClusterSpec};
 use ferrotext_train::TrainConfig;
 
 use super::prediction::{print_prediction, Throughput};
@@ -69,7 +69,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// `ferrotext plan --cluster ...`: the cost model's predicted step (`ferrotext_train::cost`).
+/// `ferrotext plan --cluster ...`: the cost model's predicted step (`ferrotext_cost`).
 fn plan_cluster(args: &PlanArgs, text: &str) -> Result<()> {
     let cluster: ClusterSpec = text
         .parse()

@@ -3,7 +3,7 @@
 //! parts side by side, and the peak memory.
 
 use ferrotext_comm::human_bytes;
-use ferrotext_train::cost::{CollectiveCost, LinkShare, MicroBatchMeasurement, Prediction};
+use ferrotext_cost::{CollectiveCost, LinkShare, MicroBatchMeasurement, Prediction};
 
 /// Where a prediction's device throughput came from, in words.
 pub(super) enum Throughput {

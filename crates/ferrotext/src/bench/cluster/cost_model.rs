@@ -1,8 +1,8 @@
-//! The cost model (`ferrotext_train::cost`) as the grid's prediction function.
+//! The cost model (`ferrotext_cost`) as the grid's prediction function.
 
 use super::{CellSpec, Mode};
 
-/// The cost model (`ferrotext_train::cost::predict`) as the grid's prediction function: the
+/// The cost model (`ferrotext_cost::predict`) as the grid's prediction function: the
 /// cell's config on `hosts × devices_per_host` with its link, device throughput measured here
 /// once per model and device count from forward + backward micro-batches of the cell's model,
 /// with the thread budget one of the cell's devices gets when every emulated device shares this
@@ -14,7 +14,7 @@ pub fn cost_model(
     set: &[String],
     steps: usize,
 ) -> impl Fn(&CellSpec, Mode, Option<f64>) -> Option<f64> + '_ {
-    use ferrotext_train::cost;
+    use ferrotext_cost as cost;
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let gflops = move |config: &ferrotext_train::TrainConfig, devices: usize| -> Option<f64> {
         let b = cost::device_thread_budget(cores, devices);
@@ -46,7 +46,7 @@ pub fn cost_model(
         }
         items.extend(set.iter().cloned());
         let config = ferrotext_train::TrainConfig::load(None, &items).ok()?;
-        let cluster: ferrotext_train::cost::ClusterSpec = format!(
+        let cluster: ferrotext_cost::ClusterSpec = format!(
             "hosts={},devices_per_host={},link={}bit,{}us",
             spec.hosts,
             spec.devices_per_host,
@@ -58,7 +58,7 @@ pub fn cost_model(
         let rate = if let Some(c) = fitted_compute_ms {
             // The device throughput that makes a micro-batch take `c` ms: the model's compute
             // time is FLOPs ÷ throughput, so price it once at 1 GFLOP/s and scale.
-            let at_one = ferrotext_train::cost::predict(&config, &cluster, 1.0).ok()?;
+            let at_one = ferrotext_cost::predict(&config, &cluster, 1.0).ok()?;
             at_one.compute_ms_per_micro_batch / c
         } else {
             let mut cache = cache.lock().ok()?;
@@ -72,7 +72,7 @@ pub fn cost_model(
                 }
             }
         };
-        let p = ferrotext_train::cost::predict(&config, &cluster, rate).ok()?;
+        let p = ferrotext_cost::predict(&config, &cluster, rate).ok()?;
         Some(match mode {
             Mode::PerMicroBatch => p.per_micro_batch_step_ms,
             Mode::Deferred => p.deferred_step_ms,

@@ -2,11 +2,28 @@
 //! in-process device, gives the throughput the prediction prices compute with. No wall-clock
 //! thresholds: the checks are the arithmetic that ties the measurement to the prediction.
 
-use ferrotext_train::cost::{self, effective_gflops, measure_micro_batch};
+use ferrotext_cost::{self as cost, effective_gflops, measure_micro_batch};
 use ferrotext_train::{TrainConfig, TrainError};
-mod common;
 
-use common::small_config;
+/// A small, fast qwen3 (d 32, 2 layers, 4/2 heads of 8, MLP 64) on 16-token synthetic
+/// sequences, one per device per micro-batch — plus `extra` overrides.
+fn small_config(extra: &[&str]) -> TrainConfig {
+    let small = [
+        "vocab_size=256",
+        "base_emb_dim=32",
+        "base_num_decoder_layers=2",
+        "base_num_query_heads=4",
+        "base_num_kv_heads=2",
+        "head_dim=8",
+        "base_mlp_dim=64",
+        "max_target_length=16",
+        "per_device_batch_size=1",
+        "steps=3",
+        "dataset_type=synthetic",
+    ];
+    let all: Vec<String> = small.iter().chain(extra).map(|s| s.to_string()).collect();
+    TrainConfig::load(None, &all).unwrap_or_else(|e| panic!("{e}"))
+}
 
 #[test]
 fn a_measured_micro_batch_predicts_its_own_time() {
