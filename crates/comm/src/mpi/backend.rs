@@ -15,7 +15,17 @@
 //!   Only `1/m` of the buffer leaves each device for another process. Sums are then a tree over
 //!   each process's devices, then one over the processes: with a power-of-two `m` that is the
 //!   flat tree's order bit for bit (a block of `m` consecutive ranks is a subtree); otherwise a
-//!   fixed order of its own, deterministic run to run. All-to-all, broadcast and barrier always run flat.
+//!   fixed order of its own, deterministic run to run. All-to-all, broadcast and barrier always
+//!   run flat.
+//!
+//! # Invariants
+//! * Every message across processes goes through this device's one [`Transport`]: a one-shot
+//!   exchange (all-to-all, broadcast, barrier) or a pipelined flight (`pipeline`); the backend
+//!   itself never calls MPI. Stages inside a process go through the in-process backend.
+//! * A failed collective breaks this backend's transport: every later collective of the backend
+//!   across processes fails with the first failure (`CommError::GroupBroken`).
+//! * Each cross-process stage waits at most the transport's timeout (a hierarchical collective's
+//!   local stages wait under the in-process backend's own).
 
 use crate::communicator::{OpInfo, TypedBackend};
 use crate::element::Element;
@@ -23,8 +33,10 @@ use crate::error::CommError;
 use crate::local::{chunk, LocalBackend};
 use crate::trace::CollectiveKind;
 
+use super::buffers::Received;
 use super::pipeline::{pipelined, Data};
-use super::transport::{header, Received, Transport};
+use super::transport::Transport;
+use super::wire::header;
 
 /// How a group is laid out over processes, from one member's point of view.
 enum Layout {
@@ -97,6 +109,8 @@ pub(crate) struct MpiBackend {
 }
 
 impl MpiBackend {
+    /// The backend of `device` (`per_process` devices a process): `local` inside its process,
+    /// `transport` across processes, hierarchically when `hierarchical` and the group allows.
     pub(crate) fn new(
         local: LocalBackend,
         transport: Transport,

@@ -3,10 +3,21 @@
 //! [`MpiCluster`] initialises MPI (with `MPI_THREAD_MULTIPLE`: every device thread talks to MPI
 //! on its own) and is the [`Cluster`] a run spans: process `p` of `P` runs devices
 //! `p·L .. (p+1)·L` of a `P·L`-device mesh. Collectives inside a process stay in shared memory;
-//! the others go through non-blocking MPI point-to-point messages (see `backend` for the
-//! algorithms, `transport` for the wire format and the timeout). The trace is recorded by the
+//! the others go through non-blocking MPI point-to-point messages. The trace is recorded by the
 //! [`crate::Communicator`] front end as for every backend, so an MPI run's trace equals the
 //! in-process run's.
+//!
+//! # Files
+//! | file | job |
+//! |---|---|
+//! | `backend` | which algorithm a collective runs (in-process, flat, hierarchical) |
+//! | `pipeline` | the pipelined all-reduce, reduce-scatter and all-gather |
+//! | `transport` | one device's end of MPI, and the one-shot exchange (all-to-all, broadcast, barrier) |
+//! | `engine` | the message engine every MPI message goes through: sends with their traffic counts, matched receives, the wait with its timeout |
+//! | `calls` | the engine's MPI calls, one each (post, probe, receive, test, error text) |
+//! | `startup` | the start-up agreement's gather |
+//! | `buffers` | staging buffers, their pools, outboxes and received messages |
+//! | `wire` | headers, tags and kind codes |
 //!
 //! # Invariants
 //! * Every process must run the same program on the same mesh; [`Cluster::agree`] checks inputs
@@ -19,8 +30,13 @@
 //! * `MpiCluster` must be created and dropped on the main thread (MPI finalises on drop).
 
 mod backend;
+mod buffers;
+mod calls;
+mod engine;
 mod pipeline;
+mod startup;
 mod transport;
+mod wire;
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
@@ -41,7 +57,9 @@ use crate::error::CommError;
 use crate::local::LocalBackend;
 
 use backend::MpiBackend;
-use transport::{all_gather_pairs, error_string, Counters, GatherError, RawComm, Transport};
+use calls::error_string;
+use startup::{all_gather_pairs, GatherError};
+use transport::{Counters, RawComm, Transport};
 
 /// A handle on a process's MPI byte counters ([`MpiCluster::traffic_meter`]).
 pub struct TrafficMeter(Arc<Counters>);

@@ -12,6 +12,18 @@
 //!   the calling thread polls (`MPI_Testsome`) in a tight loop while it waits: progress does not
 //!   depend on any other thread.
 //!
+//! # Invariants
+//! * **Who posts**: the member's own thread, through one engine `Flight` per collective: every
+//!   part's send (counted in the traffic counters), every receive.
+//! * **Who matches**: each member matches the parts it expects from each other member in part
+//!   order, one lane per step; MPI's non-overtaking rule on a (sender, lane tag) pair makes part
+//!   `s` the next message there. A part whose header or size is not the expected one fails the
+//!   collective with `CommError::Mismatch` as soon as it completes.
+//! * **What a timeout means**: no round made progress and the transport's timeout has passed
+//!   since the collective started; the error names the members whose parts have not all
+//!   arrived, or, when every part is in, those whose receives of this member's sends are still
+//!   open (sorted by device).
+//!
 //! # Why the sums are bitwise those of the in-process backend
 //! Part `s` of block `r` is summed by its owner alone, from every member's *input* (never a
 //! partial sum), element by element in the tree order over ranks `0, 1, …, n − 1`
@@ -32,7 +44,10 @@ use crate::communicator::OpInfo;
 use crate::element::Element;
 use crate::error::CommError;
 
-use super::transport::{part_header, Event, Received, Transport, HEADER_BYTES};
+use super::buffers::Received;
+use super::engine::{Event, Flight};
+use super::transport::Transport;
+use super::wire::{part_header, HEADER_BYTES};
 
 /// The TCP transport's eager limit ferrotext asks Open MPI for (`btl_tcp_eager_limit`, set
 /// before `MPI_Init` unless the environment already sets one), and so its parts' largest size.
@@ -186,6 +201,10 @@ fn part(block: &Range<usize>, per_part: usize, s: usize) -> Range<usize> {
 /// layout is `blocks[k]`. Steps `stage` (reduce) and `stage + 1` (gather) of `op`; an all-gather
 /// alone uses `stage`.
 ///
+/// Each round: take what completed, sum the parts that are complete, post gather and reduce
+/// sends a window ahead, match whatever has arrived; a round that did none of these waits (and
+/// fails once the transport's timeout has passed since the collective started).
+///
 /// # Errors
 /// As [`Transport::exchange`]: [`CommError::Timeout`] naming the members still missing,
 /// [`CommError::Mismatch`], [`CommError::Transport`], [`CommError::GroupBroken`].
@@ -198,83 +217,202 @@ pub(crate) fn pipelined<T: Element>(
     blocks: &[Range<usize>],
     mut data: Data<'_, T>,
 ) -> Result<(), CommError> {
-    let n = members.len();
-    let (reduce, gather) = match data {
-        Data::AllReduce(_) => (true, true),
-        Data::ReduceScatter { .. } => (true, false),
-        Data::AllGather { .. } => (false, true),
-    };
-    let (gather_lane, gather_stage) = if reduce { (1, stage + 1) } else { (0, stage) };
-    let elem = std::mem::size_of::<T>();
-    let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
-    let per_part = part_elements(elem, largest);
-    let window = window();
-    let nparts: Vec<usize> = blocks.iter().map(|b| parts(b.len(), per_part)).collect();
-    let own = blocks[r].clone();
-    let own_parts = nparts[r];
-    let me = members[r];
-    let others: Vec<usize> = (1..n).map(|i| (r + i) % n).collect();
-
+    let plan = Plan::new::<T>(op, stage, members, r, blocks, &data);
     if let Data::AllGather { input, output } = &mut data {
-        output[own.clone()].copy_from_slice(input);
+        output[plan.own.clone()].copy_from_slice(input);
     }
-
-    let mut flight = transport.flight::<Token>(op)?;
-    // Reduce step: parts of block k sent to member k / of those not yet complete; parts of this
-    // member's block matched and arrived from member k, arrivals per part.
-    let mut sent = vec![0usize; n];
-    let mut open_reduce = vec![0usize; n];
-    let mut probed_in = vec![0usize; n];
-    let mut got_in = vec![0usize; n];
-    let mut arrived: Vec<Vec<Option<Received>>> = if reduce {
-        (0..own_parts)
-            .map(|_| (0..n).map(|_| None).collect())
-            .collect()
-    } else {
-        Vec::new()
+    let mut run = Run {
+        state: State::new(&plan),
+        plan,
+        data,
     };
-    let mut count = vec![0usize; if reduce { own_parts } else { 0 }];
-    // Parts of this member's block ready to gather (summed, or all of them in an all-gather).
-    let mut ready = if reduce { 0 } else { own_parts };
-    // Gather step: own parts sent to everyone, gather sends not yet complete, parts of block k
-    // matched and arrived from member k.
-    let mut spread = 0usize;
-    let mut open_gather = 0usize;
-    let mut probed_out = vec![0usize; n];
-    let mut got_out = vec![0usize; n];
-    // Sends to member k not yet complete (both steps).
-    let mut open = vec![0usize; n];
+    let mut flight = transport.flight::<Token>(op)?;
     let mut events = Vec::new();
-
     loop {
         let mut progressed = flight.poll(&mut events)?;
+        run.absorb(&mut flight, &mut events);
+        progressed |= run.sum_ready(&mut flight);
+        progressed |= run.spread_ready(&mut flight)?;
+        progressed |= run.send_reduce_parts(&mut flight)?;
+        progressed |= run.match_arrivals(&mut flight)?;
+        if run.finished() && !flight.busy() {
+            return Ok(());
+        }
+        if !progressed {
+            flight.idle(|| run.missing())?;
+        }
+    }
+}
+
+/// What every round of a pipelined collective reads and never changes.
+struct Plan<'p> {
+    op: &'p OpInfo,
+    /// The reduce step's stage (an all-gather's only one).
+    stage: u8,
+    members: &'p [usize],
+    /// This member's rank.
+    r: usize,
+    blocks: &'p [Range<usize>],
+    /// Whether there is a reduce step (all-reduce, reduce-scatter).
+    reduce: bool,
+    /// Whether there is a gather step (all-reduce, all-gather).
+    gather: bool,
+    /// The gather step's lane and stage.
+    gather_lane: usize,
+    gather_stage: u8,
+    /// Bytes of an element.
+    elem: usize,
+    /// Elements of a part.
+    per_part: usize,
+    /// Parts in flight per member.
+    window: usize,
+    /// Parts of every block.
+    nparts: Vec<usize>,
+    /// This member's block and its parts.
+    own: Range<usize>,
+    own_parts: usize,
+    /// This device.
+    me: usize,
+    /// The other members' ranks, from `r + 1` round.
+    others: Vec<usize>,
+}
+
+impl<'p> Plan<'p> {
+    fn new<T: Element>(
+        op: &'p OpInfo,
+        stage: u8,
+        members: &'p [usize],
+        r: usize,
+        blocks: &'p [Range<usize>],
+        data: &Data<'_, T>,
+    ) -> Plan<'p> {
+        let n = members.len();
+        let (reduce, gather) = match data {
+            Data::AllReduce(_) => (true, true),
+            Data::ReduceScatter { .. } => (true, false),
+            Data::AllGather { .. } => (false, true),
+        };
+        let (gather_lane, gather_stage) = if reduce { (1, stage + 1) } else { (0, stage) };
+        let elem = std::mem::size_of::<T>();
+        let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
+        let per_part = part_elements(elem, largest);
+        let nparts: Vec<usize> = blocks.iter().map(|b| parts(b.len(), per_part)).collect();
+        Plan {
+            op,
+            stage,
+            members,
+            r,
+            blocks,
+            reduce,
+            gather,
+            gather_lane,
+            gather_stage,
+            elem,
+            per_part,
+            window: window(),
+            own: blocks[r].clone(),
+            own_parts: nparts[r],
+            nparts,
+            me: members[r],
+            others: (1..n).map(|i| (r + i) % n).collect(),
+        }
+    }
+}
+
+/// How far a pipelined collective has come, per member `k`.
+struct State {
+    /// Reduce step: parts of block `k` sent to member `k`, and those of them not yet complete.
+    sent: Vec<usize>,
+    open_reduce: Vec<usize>,
+    /// Reduce step: parts of this member's block matched and arrived from member `k`.
+    probed_in: Vec<usize>,
+    got_in: Vec<usize>,
+    /// Reduce step: the arrived parts of this member's block (by part, then member), and how
+    /// many have arrived of each part.
+    arrived: Vec<Vec<Option<Received>>>,
+    count: Vec<usize>,
+    /// Parts of this member's block ready to gather (summed, or all of them in an all-gather).
+    ready: usize,
+    /// Gather step: own parts sent to everyone, and gather sends not yet complete.
+    spread: usize,
+    open_gather: usize,
+    /// Gather step: parts of block `k` matched and arrived from member `k`.
+    probed_out: Vec<usize>,
+    got_out: Vec<usize>,
+    /// Sends to member `k` not yet complete (both steps).
+    open: Vec<usize>,
+}
+
+impl State {
+    fn new(plan: &Plan<'_>) -> State {
+        let n = plan.members.len();
+        let reduced_parts = if plan.reduce { plan.own_parts } else { 0 };
+        State {
+            sent: vec![0; n],
+            open_reduce: vec![0; n],
+            probed_in: vec![0; n],
+            got_in: vec![0; n],
+            arrived: (0..reduced_parts)
+                .map(|_| (0..n).map(|_| None).collect())
+                .collect(),
+            count: vec![0; reduced_parts],
+            ready: if plan.reduce { 0 } else { plan.own_parts },
+            spread: 0,
+            open_gather: 0,
+            probed_out: vec![0; n],
+            got_out: vec![0; n],
+            open: vec![0; n],
+        }
+    }
+}
+
+/// One pipelined collective under way: its plan, its state and its data.
+struct Run<'p, 'd, T> {
+    plan: Plan<'p>,
+    state: State,
+    data: Data<'d, T>,
+}
+
+impl<T: Element> Run<'_, '_, T> {
+    /// Takes in the completed sends and receives of `events`: gathered parts are copied out at
+    /// once, reduce-step parts kept until their part is complete.
+    fn absorb(&mut self, flight: &mut Flight<'_, Token>, events: &mut Vec<Event<Token>>) {
+        let (plan, st) = (&self.plan, &mut self.state);
         for event in events.drain(..) {
             match event {
                 Event::Sent(Token::ReduceOut { k }) => {
-                    open[k] -= 1;
-                    open_reduce[k] -= 1;
+                    st.open[k] -= 1;
+                    st.open_reduce[k] -= 1;
                 }
                 Event::Sent(Token::GatherOut { k }) => {
-                    open[k] -= 1;
-                    open_gather -= 1;
+                    st.open[k] -= 1;
+                    st.open_gather -= 1;
                 }
                 Event::Received(Token::ReduceIn { k, part }, msg) => {
-                    arrived[part][k] = Some(msg);
-                    count[part] += 1;
-                    got_in[k] += 1;
+                    st.arrived[part][k] = Some(msg);
+                    st.count[part] += 1;
+                    st.got_in[k] += 1;
                 }
                 Event::Received(Token::GatherIn { k, part: s }, msg) => {
-                    data.gathered(part(&blocks[k], per_part, s))
+                    self.data
+                        .gathered(part(&plan.blocks[k], plan.per_part, s))
                         .copy_from_slice(bytemuck::cast_slice(msg.payload()));
                     flight.recycle(msg);
-                    got_out[k] += 1;
+                    st.got_out[k] += 1;
                 }
                 Event::Sent(_) | Event::Received(..) => {}
             }
         }
-        // Sum every part that has arrived from everyone, in part order.
-        while reduce && ready < own_parts && count[ready] == n - 1 {
-            let msgs: Vec<Received> = std::mem::take(&mut arrived[ready])
+    }
+
+    /// Sums every part of this member's block that has arrived from everyone, in part order;
+    /// returns whether any was.
+    fn sum_ready(&mut self, flight: &mut Flight<'_, Token>) -> bool {
+        let (plan, st) = (&self.plan, &mut self.state);
+        let n = plan.members.len();
+        let mut progressed = false;
+        while plan.reduce && st.ready < plan.own_parts && st.count[st.ready] == n - 1 {
+            let msgs: Vec<Received> = std::mem::take(&mut st.arrived[st.ready])
                 .into_iter()
                 .flatten()
                 .collect();
@@ -282,101 +420,145 @@ pub(crate) fn pipelined<T: Element>(
                 .iter()
                 .map(|m| bytemuck::cast_slice(m.payload()))
                 .collect();
-            data.sum(part(&own, per_part, ready), own.start, r, &parts_in_order);
+            let range = part(&plan.own, plan.per_part, st.ready);
+            self.data
+                .sum(range, plan.own.start, plan.r, &parts_in_order);
             for m in msgs {
                 flight.recycle(m);
             }
-            ready += 1;
+            st.ready += 1;
             progressed = true;
         }
-        // Gather sends of ready parts, a window ahead.
-        while gather && spread < ready && open_gather < window * (n - 1) {
-            let range = part(&own, per_part, spread);
-            let payload: &[u8] = bytemuck::cast_slice(data.contribution(range, own.start));
-            let header = part_header(op, gather_stage, spread, payload.len(), me);
+        progressed
+    }
+
+    /// Posts the gather sends of ready parts to every other member, a window ahead; returns
+    /// whether any was posted.
+    fn spread_ready(&mut self, flight: &mut Flight<'_, Token>) -> Result<bool, CommError> {
+        let (plan, st) = (&self.plan, &mut self.state);
+        let mut progressed = false;
+        while plan.gather
+            && st.spread < st.ready
+            && st.open_gather < plan.window * (plan.members.len() - 1)
+        {
+            let range = part(&plan.own, plan.per_part, st.spread);
+            let payload: &[u8] =
+                bytemuck::cast_slice(self.data.contribution(range, plan.own.start));
+            let header = part_header(
+                plan.op,
+                plan.gather_stage,
+                st.spread,
+                payload.len(),
+                plan.me,
+            );
             let staged = flight.stage(header, payload);
-            for &k in &others {
-                flight.send(members[k], gather_lane, &staged, Token::GatherOut { k })?;
-                open[k] += 1;
-                open_gather += 1;
+            for &k in &plan.others {
+                let token = Token::GatherOut { k };
+                flight.send(plan.members[k], plan.gather_lane, &staged, token)?;
+                st.open[k] += 1;
+                st.open_gather += 1;
             }
-            spread += 1;
+            st.spread += 1;
             progressed = true;
         }
-        // Reduce sends, a window ahead per member.
-        if reduce {
-            for &k in &others {
-                while sent[k] < nparts[k] && open_reduce[k] < window {
-                    let range = part(&blocks[k], per_part, sent[k]);
-                    let payload: &[u8] = bytemuck::cast_slice(data.contribution(range, own.start));
-                    let header = part_header(op, stage, sent[k], payload.len(), me);
-                    let staged = flight.stage(header, payload);
-                    flight.send(members[k], 0, &staged, Token::ReduceOut { k })?;
-                    sent[k] += 1;
-                    open[k] += 1;
-                    open_reduce[k] += 1;
-                    progressed = true;
-                }
+        Ok(progressed)
+    }
+
+    /// Posts the reduce sends of every other member's block, a window ahead per member; returns
+    /// whether any was posted.
+    fn send_reduce_parts(&mut self, flight: &mut Flight<'_, Token>) -> Result<bool, CommError> {
+        let (plan, st) = (&self.plan, &mut self.state);
+        let mut progressed = false;
+        if !plan.reduce {
+            return Ok(false);
+        }
+        for &k in &plan.others {
+            while st.sent[k] < plan.nparts[k] && st.open_reduce[k] < plan.window {
+                let range = part(&plan.blocks[k], plan.per_part, st.sent[k]);
+                let payload: &[u8] =
+                    bytemuck::cast_slice(self.data.contribution(range, plan.own.start));
+                let header = part_header(plan.op, plan.stage, st.sent[k], payload.len(), plan.me);
+                let staged = flight.stage(header, payload);
+                flight.send(plan.members[k], 0, &staged, Token::ReduceOut { k })?;
+                st.sent[k] += 1;
+                st.open[k] += 1;
+                st.open_reduce[k] += 1;
+                progressed = true;
             }
         }
-        // Match whatever has arrived.
-        for &k in &others {
-            let source = members[k];
-            while reduce && probed_in[k] < own_parts {
-                let s = probed_in[k];
-                let bytes = part(&own, per_part, s).len() * elem;
-                let expected = part_header(op, stage, s, bytes, source);
+        Ok(progressed)
+    }
+
+    /// Matches whatever has arrived from every other member, in part order per step and lane;
+    /// returns whether anything was matched.
+    fn match_arrivals(&mut self, flight: &mut Flight<'_, Token>) -> Result<bool, CommError> {
+        let (plan, st) = (&self.plan, &mut self.state);
+        let mut progressed = false;
+        for &k in &plan.others {
+            let source = plan.members[k];
+            while plan.reduce && st.probed_in[k] < plan.own_parts {
+                let s = st.probed_in[k];
+                let bytes = part(&plan.own, plan.per_part, s).len() * plan.elem;
+                let expected = part_header(plan.op, plan.stage, s, bytes, source);
                 let token = Token::ReduceIn { k, part: s };
-                if !flight.probe(source, 0, stage, expected, bytes, token)? {
+                if !flight.probe(source, 0, plan.stage, expected, bytes, token)? {
                     break;
                 }
-                probed_in[k] += 1;
+                st.probed_in[k] += 1;
                 progressed = true;
             }
-            while gather && probed_out[k] < nparts[k] {
-                let s = probed_out[k];
-                let bytes = part(&blocks[k], per_part, s).len() * elem;
-                let expected = part_header(op, gather_stage, s, bytes, source);
+            while plan.gather && st.probed_out[k] < plan.nparts[k] {
+                let s = st.probed_out[k];
+                let bytes = part(&plan.blocks[k], plan.per_part, s).len() * plan.elem;
+                let (lane, stage) = (plan.gather_lane, plan.gather_stage);
+                let expected = part_header(plan.op, stage, s, bytes, source);
                 let token = Token::GatherIn { k, part: s };
-                if !flight.probe(source, gather_lane, gather_stage, expected, bytes, token)? {
+                if !flight.probe(source, lane, stage, expected, bytes, token)? {
                     break;
                 }
-                probed_out[k] += 1;
+                st.probed_out[k] += 1;
                 progressed = true;
             }
         }
-        let done = ready == own_parts
-            && (!gather || spread == own_parts)
-            && others.iter().all(|&k| {
-                (!reduce || (sent[k] == nparts[k] && got_in[k] == own_parts))
-                    && (!gather || got_out[k] == nparts[k])
+        Ok(progressed)
+    }
+
+    /// Whether every part is summed, spread, sent and in (the flight may still be busy).
+    fn finished(&self) -> bool {
+        let (plan, st) = (&self.plan, &self.state);
+        st.ready == plan.own_parts
+            && (!plan.gather || st.spread == plan.own_parts)
+            && plan.others.iter().all(|&k| {
+                (!plan.reduce || (st.sent[k] == plan.nparts[k] && st.got_in[k] == plan.own_parts))
+                    && (!plan.gather || st.got_out[k] == plan.nparts[k])
             })
-            && !flight.busy();
-        if done {
-            return Ok(());
+    }
+
+    /// The members a timed-out collective waited for: those whose parts have not all arrived,
+    /// else those whose sends are still open, in device order.
+    fn missing(&self) -> Vec<usize> {
+        let (plan, st) = (&self.plan, &self.state);
+        let waiting = |k: &usize| {
+            (plan.reduce && st.got_in[*k] < plan.own_parts)
+                || (plan.gather && st.got_out[*k] < plan.nparts[*k])
+        };
+        let mut missing: Vec<usize> = plan
+            .others
+            .iter()
+            .filter(|k| waiting(k))
+            .map(|&k| plan.members[k])
+            .collect();
+        if missing.is_empty() {
+            // Everything arrived; sends still wait for their receivers.
+            missing = plan
+                .others
+                .iter()
+                .filter(|&&k| st.open[k] > 0)
+                .map(|&k| plan.members[k])
+                .collect();
         }
-        if !progressed {
-            flight.idle(|| {
-                let waiting = |k: &usize| {
-                    (reduce && got_in[*k] < own_parts) || (gather && got_out[*k] < nparts[*k])
-                };
-                let mut missing: Vec<usize> = others
-                    .iter()
-                    .filter(|k| waiting(k))
-                    .map(|&k| members[k])
-                    .collect();
-                if missing.is_empty() {
-                    // Everything arrived; sends still wait for their receivers.
-                    missing = others
-                        .iter()
-                        .filter(|&&k| open[k] > 0)
-                        .map(|&k| members[k])
-                        .collect();
-                }
-                missing.sort_unstable();
-                missing
-            })?;
-        }
+        missing.sort_unstable();
+        missing
     }
 }
 
