@@ -1,0 +1,329 @@
+//! `manifest.json`: what a checkpoint holds, and the checks that make it trustworthy.
+//!
+//! Invariants: [`read_manifest`] reads the format version before anything else (an older or
+//! newer format is refused with the reason, never half-parsed), then verifies the manifest's
+//! seal ([`MANIFEST_SEAL`]), and only then parses the fields. [`validate_manifest`] checks every
+//! number of a sealed manifest against the files it lists, the config it carries and the name of
+//! its directory, so that a loader can trust each of them; it reads no other file.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{
+    checkpoint_name, ckpt_err, hex, is_plain_name, parse_checkpoint_name, sequences_consumed,
+    FORMAT_VERSION, MANIFEST_SEAL,
+};
+use crate::config::{DatasetOrder, OptType, TrainConfig};
+use crate::error::TrainError;
+
+/// One tensor of a checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TensorEntry {
+    /// The file (within the checkpoint directory).
+    pub file: String,
+    /// The tensor's name in that file.
+    pub name: String,
+    /// Its global shape (as stored).
+    pub shape: Vec<usize>,
+    /// The sharding it had when saved, printed.
+    pub sharding: String,
+}
+
+/// `manifest.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version (see [`FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// The config of the run that saved it.
+    pub config: TrainConfig,
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// Micro-batches accumulated since the last update (0 at a step boundary).
+    pub micro_steps: usize,
+    /// Target tokens of those micro-batches (the pending division's denominator).
+    pub token_denominator: u64,
+    /// Σ loss of those micro-batches (readable; [`Manifest::pending_loss_sum_bits`] is exact).
+    pub pending_loss_sum: f64,
+    /// The same sum's `f64` bits: what a restore uses, so a resumed step's loss is bit for bit
+    /// the uninterrupted one.
+    pub pending_loss_sum_bits: u64,
+    /// AdamW's step count (0 for SGD).
+    pub optimizer_steps: u64,
+    /// How the data is cut into sequences (`dataset_order`).
+    pub dataset_order: DatasetOrder,
+    /// Sequences consumed so far: `step × micro_batch_rows × GA + micro_steps ×
+    /// micro_batch_rows` (the data layer is deterministic in this index).
+    pub sequences_consumed: u64,
+    /// The mesh it was saved from, printed.
+    pub mesh: String,
+    /// The deferral gate's decision at save time.
+    pub deferral: String,
+    /// The accumulator's types at save time (mid-step only), printed.
+    #[serde(default)]
+    pub accumulator_types: Vec<String>,
+    /// Mid-step under `layout_invariant=true`: the levels of the step's unit tree's complete
+    /// subtrees, oldest first (`node/<n>/...` in `accumulator.safetensors`); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unit_tree_levels: Vec<u32>,
+    /// Every tensor.
+    pub tensors: Vec<TensorEntry>,
+    /// SHA-256 (hex) of every file.
+    pub files: BTreeMap<String, String>,
+}
+
+/// `manifest.json` of `dir`: its format version, then its seal, then its fields.
+pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
+    let manifest_path = dir.join("manifest.json");
+    let text = ferrotext_hf::files::read_regular(&manifest_path)
+        .map_err(|e| ckpt_err(&manifest_path, format!("cannot read: {e}")))?;
+    let value: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))?;
+    check_version(&manifest_path, &value)?;
+    check_seal(dir, &text)?;
+    serde_json::from_value(value)
+        .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))
+}
+
+/// The manifest's `format_version` is [`FORMAT_VERSION`]: a newer one is refused as newer, an
+/// older one with the reason it cannot be read.
+fn check_version(manifest_path: &Path, value: &serde_json::Value) -> Result<(), TrainError> {
+    let version = value
+        .get("format_version")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| ckpt_err(manifest_path, "not a manifest: no format_version"))?;
+    if version > u64::from(FORMAT_VERSION) {
+        return Err(ckpt_err(
+            manifest_path,
+            format!(
+                "format version {version} is newer than this ferrotext reads ({FORMAT_VERSION})"
+            ),
+        ));
+    }
+    if version < u64::from(FORMAT_VERSION) {
+        let why = if version < 2 {
+            "has no manifest seal and cannot be verified"
+        } else {
+            "stores MoE and MLA weights in an orientation this ferrotext no longer reads"
+        };
+        return Err(ckpt_err(
+            manifest_path,
+            format!(
+                "format version {version} {why} (this ferrotext reads {FORMAT_VERSION}); start \
+                 the run over with resume=fresh"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The SHA-256 of the manifest's bytes `text` is the one [`MANIFEST_SEAL`] of `dir` holds.
+fn check_seal(dir: &Path, text: &[u8]) -> Result<(), TrainError> {
+    let manifest_path = dir.join("manifest.json");
+    let seal_path = dir.join(MANIFEST_SEAL);
+    let seal = ferrotext_hf::files::read_regular_to_string(&seal_path).map_err(|e| {
+        ckpt_err(
+            &seal_path,
+            format!("cannot read ({e}): manifest.json cannot be verified"),
+        )
+    })?;
+    let want = seal.split_whitespace().next().unwrap_or_default();
+    if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(ckpt_err(
+            &seal_path,
+            "is not `<sha256>  manifest.json`: manifest.json cannot be verified",
+        ));
+    }
+    if !hex(&Sha256::digest(text)).eq_ignore_ascii_case(want) {
+        return Err(ckpt_err(
+            &manifest_path,
+            format!(
+                "checksum mismatch with {MANIFEST_SEAL}: the manifest is corrupt or was modified"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Every number of the manifest against the files it lists, the config it carries and the
+/// directory's name. The checks run in this order, and the first failure is the error.
+pub(crate) fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainError> {
+    let path = dir.join("manifest.json");
+    check_file_names(m)
+        .and_then(|()| check_pending(m))
+        .and_then(|()| check_optimizer_steps(m))
+        .and_then(|()| check_files_listed(m))
+        .and_then(|()| check_directory_name(dir, m))
+        .and_then(|()| check_data_position(m))
+        .map_err(|reason| ckpt_err(&path, reason))
+}
+
+/// Every file the manifest names stays inside its directory.
+fn check_file_names(m: &Manifest) -> Result<(), String> {
+    for file in m.files.keys().chain(m.tensors.iter().map(|t| &t.file)) {
+        if !is_plain_name(file) {
+            return Err(format!("points outside its directory: `{file}`"));
+        }
+    }
+    Ok(())
+}
+
+/// The pending micro-batches: fewer than a step's, their token denominator and loss sum zero at
+/// a step boundary and within bounds inside a step, the unit tree's levels adding up to them.
+fn check_pending(m: &Manifest) -> Result<(), String> {
+    let cfg = &m.config;
+    let ga = cfg.gradient_accumulation_steps;
+    if m.micro_steps >= ga {
+        return Err(format!(
+            "micro_steps {} is not below gradient_accumulation_steps {ga}",
+            m.micro_steps
+        ));
+    }
+    let most = (m.micro_steps as u64)
+        .saturating_mul(cfg.micro_batch_rows() as u64)
+        .saturating_mul(cfg.max_target_length as u64);
+    if m.micro_steps == 0 && m.token_denominator != 0 {
+        return Err(format!(
+            "token_denominator {} at a step boundary (micro_steps 0) must be 0",
+            m.token_denominator
+        ));
+    }
+    if m.micro_steps > 0 && !(1..=most).contains(&m.token_denominator) {
+        return Err(format!(
+            "token_denominator {} is outside 1..={most} (micro_steps {} × {} rows × {} tokens)",
+            m.token_denominator,
+            m.micro_steps,
+            cfg.micro_batch_rows(),
+            cfg.max_target_length
+        ));
+    }
+    check_pending_loss(m)?;
+    check_unit_tree(m)
+}
+
+/// The pending loss sum: finite, zero at a step boundary, its bits and its readable value the
+/// same number.
+fn check_pending_loss(m: &Manifest) -> Result<(), String> {
+    let loss = f64::from_bits(m.pending_loss_sum_bits);
+    if !loss.is_finite() {
+        return Err(format!("pending_loss_sum {loss} is not finite"));
+    }
+    if m.micro_steps == 0 && loss != 0.0 {
+        return Err(format!(
+            "pending_loss_sum {loss} at a step boundary (micro_steps 0) must be 0"
+        ));
+    }
+    if (loss - m.pending_loss_sum).abs() > 1e-12 * loss.abs().max(1.0) {
+        return Err(format!(
+            "pending_loss_sum {} disagrees with pending_loss_sum_bits ({loss})",
+            m.pending_loss_sum
+        ));
+    }
+    Ok(())
+}
+
+/// `unit_tree_levels`, when present: `layout_invariant=true`, falling levels whose units add up
+/// to the micro-steps.
+fn check_unit_tree(m: &Manifest) -> Result<(), String> {
+    if m.unit_tree_levels.is_empty() {
+        return Ok(());
+    }
+    let levels = &m.unit_tree_levels;
+    let falling = levels.windows(2).all(|w| w[0] > w[1]);
+    let units = levels
+        .iter()
+        .try_fold(0usize, |n, &l| n.checked_add(1usize.checked_shl(l)?));
+    if !m.config.layout_invariant || !falling || units != Some(m.micro_steps) {
+        return Err(format!(
+            "unit_tree_levels {levels:?} do not describe micro_steps {} under \
+             layout_invariant={} (falling levels whose units add up to the micro-steps)",
+            m.micro_steps, m.config.layout_invariant
+        ));
+    }
+    Ok(())
+}
+
+/// The optimizer's step count: at most the step, and 0 for SGD.
+fn check_optimizer_steps(m: &Manifest) -> Result<(), String> {
+    if m.optimizer_steps > m.step as u64 {
+        return Err(format!(
+            "optimizer_steps {} is more than step {}",
+            m.optimizer_steps, m.step
+        ));
+    }
+    if m.config.opt_type == OptType::Sgd && m.optimizer_steps != 0 {
+        return Err(format!(
+            "optimizer_steps {} for SGD, which keeps no state",
+            m.optimizer_steps
+        ));
+    }
+    Ok(())
+}
+
+/// The files listed are exactly those this checkpoint needs: the parameters, the optimizer
+/// state under AdamW, the accumulator inside a step.
+fn check_files_listed(m: &Manifest) -> Result<(), String> {
+    let cfg = &m.config;
+    let mut needed = BTreeSet::from(["params.safetensors"]);
+    if cfg.opt_type == OptType::Adamw {
+        needed.insert("optimizer.safetensors");
+    }
+    if m.micro_steps > 0 {
+        needed.insert("accumulator.safetensors");
+    }
+    for file in &needed {
+        if !m.files.contains_key(*file) {
+            return Err(format!(
+                "does not list {file}, which this checkpoint needs (opt_type {:?}, micro_steps \
+                 {}): it is incomplete",
+                cfg.opt_type, m.micro_steps
+            ));
+        }
+    }
+    if let Some(extra) = m.files.keys().find(|f| !needed.contains(f.as_str())) {
+        return Err(format!(
+            "lists {extra}, which a checkpoint with opt_type {:?} and micro_steps {} does not have",
+            cfg.opt_type, m.micro_steps
+        ));
+    }
+    Ok(())
+}
+
+/// The directory's name is [`checkpoint_name`] of the manifest's step and micro-step.
+fn check_directory_name(dir: &Path, m: &Manifest) -> Result<(), String> {
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    match parse_checkpoint_name(name) {
+        Some((step, micro)) if (step, micro) == (m.step, m.micro_steps) => Ok(()),
+        Some((step, micro)) => Err(format!(
+            "says step {} micro-step {}, but its directory is `{name}` (step {step} \
+             micro-step {micro})",
+            m.step, m.micro_steps
+        )),
+        None => Err(format!(
+            "is in `{name}`, which is not a checkpoint name ({})",
+            checkpoint_name(m.step, m.micro_steps)
+        )),
+    }
+}
+
+/// The data position: the config's `dataset_order`, and the sequences its step and micro-step
+/// have consumed.
+fn check_data_position(m: &Manifest) -> Result<(), String> {
+    let cfg = &m.config;
+    if m.dataset_order != cfg.dataset_order {
+        return Err(format!(
+            "dataset_order {:?} disagrees with its config's {:?}",
+            m.dataset_order, cfg.dataset_order
+        ));
+    }
+    let consumed = sequences_consumed(cfg, m.step, m.micro_steps);
+    if m.sequences_consumed != consumed {
+        return Err(format!(
+            "sequences_consumed {} does not match step {} micro-step {} of its config ({consumed})",
+            m.sequences_consumed, m.step, m.micro_steps
+        ));
+    }
+    Ok(())
+}
