@@ -1,0 +1,136 @@
+//! The decoder's config a [`TrainConfig`] asks for: the preset named by `model_name` (or the
+//! `config.json` of a Hugging Face directory in `load_parameters_path`) with the model and MoE
+//! keys applied on top.
+//!
+//! Invariant: only [`TrainConfig::plan`] builds it (once); MoE keys on a dense model are a usage
+//! error, never ignored.
+
+use std::path::Path;
+
+use ferrotext_models::qwen3;
+
+use super::TrainConfig;
+use crate::error::TrainError;
+
+impl TrainConfig {
+    /// The decoder's config: the preset with the overrides applied. Only
+    /// [`TrainConfig::plan`] calls it (once); everything else reads the plan's decoder.
+    ///
+    /// # Errors
+    /// An unknown preset, MoE keys that do not fit the preset, or a Hugging Face directory
+    /// whose `config.json` is not usable.
+    pub(crate) fn model(&self) -> Result<qwen3::Config, TrainError> {
+        let hf_dir = Path::new(&self.load_parameters_path);
+        let mut m = if !self.load_parameters_path.is_empty() && hf_dir.is_dir() {
+            ferrotext_hf::read_config(hf_dir)?
+        } else {
+            qwen3::Config::preset(&self.model_name).ok_or_else(|| {
+                TrainError::usage(
+                    "model_name",
+                    format!(
+                        "model_name `{}` is not a preset (one of {})",
+                        self.model_name,
+                        qwen3::Config::PRESETS.join(", ")
+                    ),
+                )
+            })?
+        };
+        let set = |field: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut m.vocab_size, self.vocab_size);
+        set(&mut m.base_emb_dim, self.base_emb_dim);
+        set(&mut m.base_num_decoder_layers, self.base_num_decoder_layers);
+        set(&mut m.base_num_query_heads, self.base_num_query_heads);
+        set(&mut m.base_num_kv_heads, self.base_num_kv_heads);
+        set(&mut m.head_dim, self.head_dim);
+        set(&mut m.base_mlp_dim, self.base_mlp_dim);
+        if let Some(t) = self.logits_via_embedding {
+            m.logits_via_embedding = t;
+        }
+        m.z_loss_multiplier = self.z_loss_multiplier as f32;
+        self.apply_moe(&mut m)?;
+        Ok(m)
+    }
+
+    /// The MoE keys on top of the preset's feed-forward.
+    fn apply_moe(&self, m: &mut qwen3::Config) -> Result<(), TrainError> {
+        let any_key = self.num_experts.is_some()
+            || self.num_experts_per_tok.is_some()
+            || self.moe_mlp_dim.is_some()
+            || self.shared_experts.is_some()
+            || self.first_num_dense_layers.is_some()
+            || self.routed_score_func.is_some()
+            || self.routed_scaling_factor.is_some()
+            || self.norm_topk_prob.is_some()
+            || self.load_balance_loss_weight.is_some()
+            || self.moe_withhold_tags;
+        if m.moe.is_none() && self.num_experts.is_none() {
+            if any_key {
+                return Err(TrainError::usage(
+                    "num_experts",
+                    format!(
+                        "MoE keys need an MoE model: set num_experts or pick an MoE preset \
+                         (model_name `{}` is dense)",
+                        self.model_name
+                    ),
+                ));
+            }
+            return Ok(());
+        }
+        let mut moe = m.moe.clone().unwrap_or(qwen3::MoeSettings {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_mlp_dim: m.base_mlp_dim,
+            shared_experts: 0,
+            first_num_dense_layers: 0,
+            score: ferrotext_models::moe::RouterScore::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            load_balance_loss_weight: 0.0,
+            withhold_tags: false,
+        });
+        let set = |field: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut moe.num_experts, self.num_experts);
+        set(&mut moe.num_experts_per_tok, self.num_experts_per_tok);
+        set(&mut moe.moe_mlp_dim, self.moe_mlp_dim);
+        set(&mut moe.shared_experts, self.shared_experts);
+        set(&mut moe.first_num_dense_layers, self.first_num_dense_layers);
+        if let Some(f) = &self.routed_score_func {
+            moe.score = match f.as_str() {
+                "softmax" => ferrotext_models::moe::RouterScore::Softmax,
+                "sigmoid" => ferrotext_models::moe::RouterScore::Sigmoid,
+                other => {
+                    return Err(TrainError::usage(
+                        "routed_score_func",
+                        format!("routed_score_func must be `softmax` or `sigmoid`, got `{other}`"),
+                    ))
+                }
+            };
+        }
+        if let Some(f) = self.routed_scaling_factor {
+            moe.routed_scaling_factor = f as f32;
+        }
+        if let Some(n) = self.norm_topk_prob {
+            moe.norm_topk_prob = n;
+        }
+        if let Some(w) = self.load_balance_loss_weight {
+            if !(w >= 0.0 && w.is_finite()) {
+                return Err(TrainError::usage(
+                    "load_balance_loss_weight",
+                    format!("load_balance_loss_weight must be ≥ 0, got {w}"),
+                ));
+            }
+            moe.load_balance_loss_weight = w as f32;
+        }
+        moe.withhold_tags = self.moe_withhold_tags;
+        m.moe = Some(moe);
+        Ok(())
+    }
+}
