@@ -173,7 +173,9 @@ impl<'a> Keys<'a> {
     }
 }
 
-/// The decoder config of a parsed `config.json`.
+/// The decoder config of a parsed `config.json`: the family's `model_type`, the keys every
+/// family shares, then the family's own; the features the decoder does not have are collected
+/// and refused together.
 fn decoder_config(v: &Value) -> Result<Config, String> {
     let model_type = v
         .get("model_type")
@@ -193,13 +195,32 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
         v,
         unsupported: Vec::new(),
     };
+    let mut cfg = common_config(&mut k)?;
+    match kind {
+        ModelType::Qwen3 => k.only("rope_scaling", Value::Null),
+        ModelType::Qwen3Moe => cfg.moe = Some(qwen3_moe_settings(&mut k)?),
+        ModelType::DeepseekV3 => deepseek_v3(&mut k, &mut cfg)?,
+    }
+    if !k.unsupported.is_empty() {
+        return Err(format!(
+            "model_type `{model_type}` with features the decoder does not have: {}",
+            k.unsupported.join(", ")
+        ));
+    }
+    Ok(cfg)
+}
+
+/// The keys every family shares: sizes, tied embeddings, RoPE θ, the norm's ε (a dense decoder
+/// without MoE, MLA or YaRN); activations, biases and sliding windows only as the decoder has
+/// them.
+fn common_config(k: &mut Keys<'_>) -> Result<Config, String> {
     let heads = k.usize("num_attention_heads")?;
     let hidden = k.usize("hidden_size")?;
     k.only("hidden_act", json!("silu"));
     k.only("attention_bias", json!(false));
     k.only("mlp_bias", json!(false));
     k.only("use_sliding_window", json!(false));
-    let mut cfg = Config {
+    Ok(Config {
         vocab_size: k.usize("vocab_size")?,
         base_emb_dim: hidden,
         base_num_decoder_layers: k.usize("num_hidden_layers")?,
@@ -214,105 +235,108 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
         moe: None,
         mla: None,
         rope_yarn: None,
+    })
+}
+
+/// `qwen3_moe`'s MoE layers: a softmax router, no shared experts, dense layers only as a
+/// leading run (`mlp_only_layers`).
+fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
+    k.only("rope_scaling", Value::Null);
+    k.only("decoder_sparse_step", json!(1));
+    let dense = match k.get("mlp_only_layers") {
+        None => 0,
+        Some(list) => {
+            let layers: Vec<u64> = list
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            let prefix = layers.iter().enumerate().all(|(i, &l)| l == i as u64);
+            if !prefix || list.as_array().map_or(0, Vec::len) != layers.len() {
+                k.unsupported.push(format!(
+                    "mlp_only_layers={list} (only a leading run 0, 1, .. of dense layers)"
+                ));
+            }
+            layers.len()
+        }
     };
-    match kind {
-        ModelType::Qwen3 => k.only("rope_scaling", Value::Null),
-        ModelType::Qwen3Moe => {
-            k.only("rope_scaling", Value::Null);
-            k.only("decoder_sparse_step", json!(1));
-            let dense = match k.get("mlp_only_layers") {
-                None => 0,
-                Some(list) => {
-                    let layers: Vec<u64> = list
-                        .as_array()
-                        .map(|a| a.iter().filter_map(Value::as_u64).collect())
-                        .unwrap_or_default();
-                    let prefix = layers.iter().enumerate().all(|(i, &l)| l == i as u64);
-                    if !prefix || list.as_array().map_or(0, Vec::len) != layers.len() {
-                        k.unsupported.push(format!(
-                            "mlp_only_layers={list} (only a leading run 0, 1, .. of dense layers)"
-                        ));
-                    }
-                    layers.len()
-                }
-            };
-            cfg.moe = Some(MoeSettings {
-                num_experts: k.usize("num_experts")?,
-                num_experts_per_tok: k.usize("num_experts_per_tok")?,
-                moe_mlp_dim: k.usize("moe_intermediate_size")?,
-                shared_experts: 0,
-                first_num_dense_layers: dense,
-                score: RouterScore::Softmax,
-                norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
-                routed_scaling_factor: 1.0,
-                load_balance_loss_weight: 0.0,
-                withhold_tags: false,
-            });
-        }
-        ModelType::DeepseekV3 => {
-            k.only("scoring_func", json!("sigmoid"));
-            k.only("n_group", json!(1));
-            k.only("topk_group", json!(1));
-            k.only("moe_layer_freq", json!(1));
-            if k.get("q_lora_rank").is_none() {
-                k.unsupported
-                    .push("q_lora_rank=null (queries without a latent)".into());
-            }
-            let qk_rope_head_dim = k.usize("qk_rope_head_dim")?;
-            cfg.head_dim = qk_rope_head_dim;
-            cfg.mla = Some(MlaSettings {
-                q_lora_rank: k.usize_or("q_lora_rank", 0)?,
-                kv_lora_rank: k.usize("kv_lora_rank")?,
-                qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
-                qk_rope_head_dim,
-                v_head_dim: k.usize("v_head_dim")?,
-            });
-            cfg.moe = Some(MoeSettings {
-                num_experts: k.usize("n_routed_experts")?,
-                num_experts_per_tok: k.usize("num_experts_per_tok")?,
-                moe_mlp_dim: k.usize("moe_intermediate_size")?,
-                shared_experts: k.usize_or("n_shared_experts", 0)?,
-                first_num_dense_layers: k.usize_or("first_k_dense_replace", 0)?,
-                score: RouterScore::Sigmoid,
-                norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
-                routed_scaling_factor: k.positive_or("routed_scaling_factor", 1.0)?,
-                load_balance_loss_weight: 0.0,
-                withhold_tags: false,
-            });
-            if let Some(rs) = k.get("rope_scaling").cloned() {
-                let rk = Keys {
-                    v: &rs,
-                    unsupported: Vec::new(),
-                };
-                let kind = rs.get("type").or_else(|| rs.get("rope_type"));
-                if kind != Some(&json!("yarn")) {
-                    k.unsupported.push(format!("rope_scaling={rs} (only yarn)"));
-                } else {
-                    let mscale = rk.positive_or("mscale", 1.0)?;
-                    let mscale_all_dim = rk.positive_or("mscale_all_dim", mscale)?;
-                    if mscale != mscale_all_dim {
-                        k.unsupported.push(format!(
-                            "rope_scaling mscale={mscale} ≠ mscale_all_dim={mscale_all_dim}"
-                        ));
-                    }
-                    cfg.rope_yarn = Some(Yarn {
-                        factor: rk.positive_or("factor", 1.0)?,
-                        original_max_position: rk.usize("original_max_position_embeddings")?,
-                        beta_fast: rk.positive_or("beta_fast", 32.0)?,
-                        beta_slow: rk.positive_or("beta_slow", 1.0)?,
-                        mscale: mscale_all_dim,
-                    });
-                }
-            }
-        }
+    Ok(MoeSettings {
+        num_experts: k.usize("num_experts")?,
+        num_experts_per_tok: k.usize("num_experts_per_tok")?,
+        moe_mlp_dim: k.usize("moe_intermediate_size")?,
+        shared_experts: 0,
+        first_num_dense_layers: dense,
+        score: RouterScore::Softmax,
+        norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
+        routed_scaling_factor: 1.0,
+        load_balance_loss_weight: 0.0,
+        withhold_tags: false,
+    })
+}
+
+/// `deepseek_v3` on top of the shared keys: MLA (queries through a latent), a sigmoid router
+/// with shared experts in one group, and YaRN RoPE when `rope_scaling` asks for it.
+fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
+    k.only("scoring_func", json!("sigmoid"));
+    k.only("n_group", json!(1));
+    k.only("topk_group", json!(1));
+    k.only("moe_layer_freq", json!(1));
+    if k.get("q_lora_rank").is_none() {
+        k.unsupported
+            .push("q_lora_rank=null (queries without a latent)".into());
     }
-    if !k.unsupported.is_empty() {
-        return Err(format!(
-            "model_type `{model_type}` with features the decoder does not have: {}",
-            k.unsupported.join(", ")
+    let qk_rope_head_dim = k.usize("qk_rope_head_dim")?;
+    cfg.head_dim = qk_rope_head_dim;
+    cfg.mla = Some(MlaSettings {
+        q_lora_rank: k.usize_or("q_lora_rank", 0)?,
+        kv_lora_rank: k.usize("kv_lora_rank")?,
+        qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
+        qk_rope_head_dim,
+        v_head_dim: k.usize("v_head_dim")?,
+    });
+    cfg.moe = Some(MoeSettings {
+        num_experts: k.usize("n_routed_experts")?,
+        num_experts_per_tok: k.usize("num_experts_per_tok")?,
+        moe_mlp_dim: k.usize("moe_intermediate_size")?,
+        shared_experts: k.usize_or("n_shared_experts", 0)?,
+        first_num_dense_layers: k.usize_or("first_k_dense_replace", 0)?,
+        score: RouterScore::Sigmoid,
+        norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
+        routed_scaling_factor: k.positive_or("routed_scaling_factor", 1.0)?,
+        load_balance_loss_weight: 0.0,
+        withhold_tags: false,
+    });
+    if let Some(rs) = k.get("rope_scaling").cloned() {
+        cfg.rope_yarn = yarn(k, &rs)?;
+    }
+    Ok(())
+}
+
+/// `deepseek_v3`'s `rope_scaling` object `rs`: YaRN (`type` or `rope_type` `yarn`, one mscale for
+/// every dimension); anything else is recorded in `k` as unsupported.
+fn yarn(k: &mut Keys<'_>, rs: &Value) -> Result<Option<Yarn>, String> {
+    let rk = Keys {
+        v: rs,
+        unsupported: Vec::new(),
+    };
+    let kind = rs.get("type").or_else(|| rs.get("rope_type"));
+    if kind != Some(&json!("yarn")) {
+        k.unsupported.push(format!("rope_scaling={rs} (only yarn)"));
+        return Ok(None);
+    }
+    let mscale = rk.positive_or("mscale", 1.0)?;
+    let mscale_all_dim = rk.positive_or("mscale_all_dim", mscale)?;
+    if mscale != mscale_all_dim {
+        k.unsupported.push(format!(
+            "rope_scaling mscale={mscale} ≠ mscale_all_dim={mscale_all_dim}"
         ));
     }
-    Ok(cfg)
+    Ok(Some(Yarn {
+        factor: rk.positive_or("factor", 1.0)?,
+        original_max_position: rk.usize("original_max_position_embeddings")?,
+        beta_fast: rk.positive_or("beta_fast", 32.0)?,
+        beta_slow: rk.positive_or("beta_slow", 1.0)?,
+        mscale: mscale_all_dim,
+    }))
 }
 
 /// A float as JSON, written in its shortest round-tripping decimal form (`1e-6`, not

@@ -63,6 +63,10 @@ pub fn load_file(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, HfErro
 
 /// The load itself: `files` of `dir` (with the index's name → file map when sharded); errors
 /// name `origin`; `model` names where the expected shapes come from.
+///
+/// Every check runs before anything is converted: the files mapped and their headers parsed,
+/// the index against the shards, the names (missing and unexpected listed together), every
+/// dtype and shape, the selection biases; only then are the tensors converted, in parallel.
 fn load_files(
     origin: &Path,
     dir: &Path,
@@ -75,42 +79,90 @@ fn load_files(
         path: origin.display().to_string(),
         reason,
     };
+    // 1. the shard files, their headers, and which shard holds each tensor
+    let maps = map_files(dir, files, index.is_some()).map_err(err)?;
+    let shards = parse_headers(&maps, files).map_err(err)?;
+    let located = locate(&shards, files, index.as_ref()).map_err(err)?;
+    // 2. names: what the model needs against what the directory has, listed together
+    let wanted: Vec<Vec<(String, Vec<usize>)>> = infos.iter().map(ParamInfo::hf_tensors).collect();
+    let place = match (&index, files.first()) {
+        (Some(_), _) => INDEX_FILE,
+        (None, Some(file)) => file.as_str(),
+        (None, None) => SINGLE_FILE,
+    };
+    let biases = check_names(&located, &wanted, place, model).map_err(err)?;
+    // 3. every dtype and shape, before anything is converted
+    let expected = wanted.iter().flatten().chain(&biases);
+    check_dtypes_and_shapes(&shards, &located, expected, model).map_err(err)?;
+    check_biases_zero(&shards, &located, &biases).map_err(err)?;
+    // 4. convert: every stored tensor cut into runs of whole output rows, written straight into
+    //    its parameter's f32 buffer by whichever thread takes the run next
+    let mut values: Vec<Vec<f32>> = infos
+        .iter()
+        .map(|i| vec![0.0; i.shape.iter().product()])
+        .collect();
+    let (parts, runs) = plan_runs(infos, &wanted, &mut values, &shards, &located).map_err(err)?;
+    if let Some((_, part, (i, x))) = convert_runs(&parts, runs, &maps, &shards) {
+        let name = &parts[part].name;
+        return Err(err(format!(
+            "`{name}` holds a non-finite value ({x}) at flat index {i}"
+        )));
+    }
+    drop(parts);
+    infos
+        .iter()
+        .zip(values)
+        .map(|(info, data)| Tensor::new(info.shape.clone(), data).map_err(|e| err(e.to_string())))
+        .collect()
+}
+
+/// Every file of `files` in `dir`, opened as a regular file and memory-mapped (`sharded`: they
+/// are the shards an index lists, which the message says).
+fn map_files(dir: &Path, files: &[String], sharded: bool) -> Result<Vec<Mmap>, String> {
     let mut maps = Vec::with_capacity(files.len());
     for file in files {
         let path = dir.join(file);
-        let f = crate::files::open_regular(&path).map_err(|e| {
-            err(match (e.kind(), index.is_some()) {
-                (std::io::ErrorKind::InvalidInput, _) => format!("`{file}` {e}"),
-                (_, true) => format!("shard `{file}` listed in {INDEX_FILE} cannot be read: {e}"),
-                (_, false) => format!("`{file}` cannot be read: {e}"),
-            })
+        let f = crate::files::open_regular(&path).map_err(|e| match (e.kind(), sharded) {
+            (std::io::ErrorKind::InvalidInput, _) => format!("`{file}` {e}"),
+            (_, true) => format!("shard `{file}` listed in {INDEX_FILE} cannot be read: {e}"),
+            (_, false) => format!("`{file}` cannot be read: {e}"),
         })?;
         // SAFETY: the file is opened read-only and only read through this map. Like every
         // memory-mapped reader (safetensors' own included) we rely on no other process
         // truncating or rewriting a checkpoint while it loads.
-        let map = unsafe { Mmap::map(&f) }.map_err(|e| err(format!("`{file}`: {e}")))?;
+        let map = unsafe { Mmap::map(&f) }.map_err(|e| format!("`{file}`: {e}"))?;
         maps.push(map);
     }
-    let shards = maps
-        .iter()
+    Ok(maps)
+}
+
+/// Each map's safetensors header, parsed.
+fn parse_headers<'a>(maps: &'a [Mmap], files: &[String]) -> Result<Vec<SafeTensors<'a>>, String> {
+    maps.iter()
         .zip(files)
         .map(|(m, file)| {
-            SafeTensors::deserialize(m).map_err(|e| {
-                err(format!(
-                    "`{file}`: the safetensors header does not parse: {e}"
-                ))
-            })
+            SafeTensors::deserialize(m)
+                .map_err(|e| format!("`{file}`: the safetensors header does not parse: {e}"))
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect()
+}
+
+/// Which shard holds each tensor: where the index places it (checked against that shard's
+/// header), or the one file's every tensor.
+fn locate(
+    shards: &[SafeTensors<'_>],
+    files: &[String],
+    index: Option<&BTreeMap<String, String>>,
+) -> Result<BTreeMap<String, usize>, String> {
     let mut located: BTreeMap<String, usize> = BTreeMap::new();
-    match &index {
+    match index {
         Some(weight_map) => {
             for (name, file) in weight_map {
                 let s = files.iter().position(|f| f == file).unwrap_or(0);
                 if shards[s].tensor(name).is_err() {
-                    return Err(err(format!(
+                    return Err(format!(
                         "{INDEX_FILE} places `{name}` in `{file}`, which does not hold it"
-                    )));
+                    ));
                 }
                 located.insert(name.clone(), s);
             }
@@ -121,8 +173,18 @@ fn load_files(
             }
         }
     }
-    // 2. names: what the model needs against what the directory has, listed together
-    let wanted: Vec<Vec<(String, Vec<usize>)>> = infos.iter().map(ParamInfo::hf_tensors).collect();
+    Ok(located)
+}
+
+/// The names the model needs (`wanted`) against those `located`, missing and unexpected listed
+/// together (`place`: where a missing one was looked for); returns the router selection biases
+/// found, each with the shape it must have.
+fn check_names(
+    located: &BTreeMap<String, usize>,
+    wanted: &[Vec<(String, Vec<usize>)>],
+    place: &str,
+    model: &str,
+) -> Result<Vec<(String, Vec<usize>)>, String> {
     let wanted_names: BTreeSet<&str> = wanted.iter().flatten().map(|(n, _)| n.as_str()).collect();
     let missing: Vec<String> = wanted_names
         .iter()
@@ -149,38 +211,43 @@ fn load_files(
             None => unexpected.push(name.clone()),
         }
     }
-    if !missing.is_empty() || !unexpected.is_empty() {
-        let mut parts = Vec::new();
-        if !missing.is_empty() {
-            let place = match (&index, files.first()) {
-                (Some(_), _) => INDEX_FILE,
-                (None, Some(file)) => file.as_str(),
-                (None, None) => SINGLE_FILE,
-            };
-            parts.push(format!(
-                "{} missing tensor(s) (not in {place}): {}",
-                missing.len(),
-                listed(&missing, 8)
-            ));
-        }
-        if !unexpected.is_empty() {
-            parts.push(format!(
-                "{} unexpected tensor(s): {}",
-                unexpected.len(),
-                listed(&unexpected, 8)
-            ));
-        }
-        return Err(err(format!(
-            "does not match the model of {model}: {}",
-            parts.join("; ")
-        )));
+    if missing.is_empty() && unexpected.is_empty() {
+        return Ok(biases);
     }
-    // 3. every dtype and shape, before anything is converted
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(format!(
+            "{} missing tensor(s) (not in {place}): {}",
+            missing.len(),
+            listed(&missing, 8)
+        ));
+    }
+    if !unexpected.is_empty() {
+        parts.push(format!(
+            "{} unexpected tensor(s): {}",
+            unexpected.len(),
+            listed(&unexpected, 8)
+        ));
+    }
+    Err(format!(
+        "does not match the model of {model}: {}",
+        parts.join("; ")
+    ))
+}
+
+/// Every `expected` tensor is F32, BF16 or F16 and of its shape; the problems listed together
+/// (the first 8).
+fn check_dtypes_and_shapes<'a>(
+    shards: &[SafeTensors<'_>],
+    located: &BTreeMap<String, usize>,
+    expected: impl Iterator<Item = &'a (String, Vec<usize>)>,
+    model: &str,
+) -> Result<(), String> {
     let mut wrong = Vec::new();
-    for (name, shape) in wanted.iter().flatten().chain(&biases) {
+    for (name, shape) in expected {
         let view = shards[located[name]]
             .tensor(name)
-            .map_err(|e| err(format!("`{name}`: {e}")))?;
+            .map_err(|e| format!("`{name}`: {e}"))?;
         if !matches!(view.dtype(), Dtype::F32 | Dtype::BF16 | Dtype::F16) {
             wrong.push(format!(
                 "`{name}` is {:?} (supported: F32, BF16, F16)",
@@ -193,52 +260,55 @@ fn load_files(
             ));
         }
     }
-    if !wrong.is_empty() {
-        let n = wrong.len();
-        let shown: Vec<String> = wrong.into_iter().take(8).collect();
-        let more = if n > 8 {
-            format!(" and {} more", n - 8)
-        } else {
-            String::new()
-        };
-        return Err(err(format!("{}{more}", shown.join("; "))));
+    if wrong.is_empty() {
+        return Ok(());
     }
-    for (name, _) in &biases {
+    let n = wrong.len();
+    let shown: Vec<String> = wrong.into_iter().take(8).collect();
+    let more = if n > 8 {
+        format!(" and {} more", n - 8)
+    } else {
+        String::new()
+    };
+    Err(format!("{}{more}", shown.join("; ")))
+}
+
+/// Every router selection bias is all zeros: ferrotext's router has none.
+fn check_biases_zero(
+    shards: &[SafeTensors<'_>],
+    located: &BTreeMap<String, usize>,
+    biases: &[(String, Vec<usize>)],
+) -> Result<(), String> {
+    for (name, _) in biases {
         let s = located[name];
-        let values = to_f32(&shards[s], name).map_err(err)?;
+        let values = to_f32(&shards[s], name)?;
         if let Some(i) = values.iter().position(|&x| x != 0.0) {
-            return Err(err(format!(
+            return Err(format!(
                 "`{name}` is not zero ({} at index {i}): ferrotext's router has no selection \
                  bias, so it would pick other experts than this checkpoint's model; only an \
                  all-zero e_score_correction_bias is supported",
                 values[i]
-            )));
+            ));
         }
     }
-    // 4. convert: every stored tensor cut into runs of whole output rows, written straight into
-    //    its parameter's f32 buffer by whichever thread takes the run next
-    let mut values: Vec<Vec<f32>> = infos
-        .iter()
-        .map(|i| vec![0.0; i.shape.iter().product()])
-        .collect();
+    Ok(())
+}
+
+/// The work of a conversion: every stored tensor of every parameter as a [`Part`], its output
+/// block of `values` cut into [`Run`]s of whole output rows.
+#[allow(clippy::type_complexity)]
+fn plan_runs<'d, 'o>(
+    infos: &[ParamInfo],
+    wanted: &[Vec<(String, Vec<usize>)>],
+    values: &'o mut [Vec<f32>],
+    shards: &[SafeTensors<'d>],
+    located: &BTreeMap<String, usize>,
+) -> Result<(Vec<Part<'d>>, Vec<Run<'o>>), String> {
     let mut parts = Vec::new();
     let mut runs = Vec::new();
-    for (k, ((info, tensors), out)) in infos.iter().zip(&wanted).zip(&mut values).enumerate() {
-        let transposed = matches!(
-            info.hf,
-            HfLayout::Experts { .. }
-                | HfLayout::Tensor {
-                    transposed: true,
-                    ..
-                }
-        );
+    for (k, ((info, tensors), out)) in infos.iter().zip(wanted).zip(values).enumerate() {
         let block = out.len() / tensors.len().max(1);
-        // As `ParamInfo::from_hf`: a transposed part is the `[rows, cols]` matrix of the last
-        // two dimensions (one expert's, for stacked experts); anything else is a plain copy.
-        let (rows, cols) = match info.shape.as_slice() {
-            [.., r, c] if transposed && r * c == block => (*r, *c),
-            _ => (block, 1),
-        };
+        let (rows, cols) = part_matrix(info, block);
         let per = if cols == 1 {
             RUN_ELEMENTS
         } else {
@@ -252,23 +322,14 @@ fn load_files(
             let s = located[name];
             let view = shards[s]
                 .tensor(name)
-                .map_err(|e| err(format!("`{name}`: {e}")))?;
-            let kind = match view.dtype() {
-                Dtype::F32 => Stored::F32,
-                Dtype::BF16 => Stored::Bf16,
-                Dtype::F16 => Stored::F16,
-                other => {
-                    return Err(err(format!(
-                        "`{name}` is {other:?} (supported: F32, BF16, F16)"
-                    )))
-                }
-            };
+                .map_err(|e| format!("`{name}`: {e}"))?;
+            let kind = stored_kind(view.dtype(), name)?;
             if view.data().len() != block * kind.size() {
-                return Err(err(format!(
+                return Err(format!(
                     "`{name}` holds {} bytes, its shape needs {}",
                     view.data().len(),
                     block * kind.size()
-                )));
+                ));
             }
             let count = mine.chunks(per.max(1)).count();
             for (i, run) in mine.chunks_mut(per.max(1)).enumerate() {
@@ -290,46 +351,61 @@ fn load_files(
             });
         }
     }
+    Ok((parts, runs))
+}
+
+/// `[rows, cols]` of one stored part of `info` (`block` elements). As `ParamInfo::from_hf`: a
+/// transposed part is the `[rows, cols]` matrix of the last two dimensions (one expert's, for
+/// stacked experts); anything else is a plain copy, `[block, 1]`.
+fn part_matrix(info: &ParamInfo, block: usize) -> (usize, usize) {
+    let transposed = matches!(
+        info.hf,
+        HfLayout::Experts { .. }
+            | HfLayout::Tensor {
+                transposed: true,
+                ..
+            }
+    );
+    match info.shape.as_slice() {
+        [.., r, c] if transposed && r * c == block => (*r, *c),
+        _ => (block, 1),
+    }
+}
+
+/// How a tensor of `dtype` is stored, for the converter.
+fn stored_kind(dtype: Dtype, name: &str) -> Result<Stored, String> {
+    match dtype {
+        Dtype::F32 => Ok(Stored::F32),
+        Dtype::BF16 => Ok(Stored::Bf16),
+        Dtype::F16 => Ok(Stored::F16),
+        other => Err(format!("`{name}` is {other:?} (supported: F32, BF16, F16)")),
+    }
+}
+
+/// A non-finite value a conversion found: parameter, part, and the converter's (flat index,
+/// value).
+type Bad = (usize, usize, NonFinite);
+
+/// Runs every conversion on up to 8 threads, each taking the next run from one queue and
+/// releasing a part's file pages when it finishes the part's last run. Returns the first
+/// non-finite value in parameter order, so the message does not depend on the schedule.
+fn convert_runs(
+    parts: &[Part<'_>],
+    runs: Vec<Run<'_>>,
+    maps: &[Mmap],
+    shards: &[SafeTensors<'_>],
+) -> Option<Bad> {
     let threads = std::thread::available_parallelism()
         .map_or(1, usize::from)
         .clamp(1, 8)
         .min(runs.len().max(1));
     let queue = Mutex::new(runs.into_iter());
-    // The first non-finite value in parameter order wins, so the message does not depend on
-    // the schedule.
-    let mut first_bad: Option<(usize, usize, NonFinite)> = None;
+    let mut first_bad: Option<Bad> = None;
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
-                let (queue, parts, maps, shards) = (&queue, &parts, &maps, &shards);
-                scope.spawn(move || {
-                    let mut bad: Option<(usize, usize, NonFinite)> = None;
-                    loop {
-                        let next = match queue.lock() {
-                            Ok(mut q) => q.next(),
-                            Err(_) => None, // another thread panicked: its join reports it
-                        };
-                        let Some(run) = next else { break };
-                        let part = &parts[run.part];
-                        let done = if part.cols == 1 {
-                            convert::plain(part.data, part.kind, run.first, run.out)
-                        } else {
-                            convert::transposed(
-                                part.data, part.kind, part.rows, part.cols, run.first, run.out,
-                            )
-                        };
-                        if let Err(found) = done {
-                            let key = (run.param, run.part, found);
-                            if bad.is_none_or(|b| (b.0, b.1, b.2 .0) > (key.0, key.1, key.2 .0)) {
-                                bad = Some(key);
-                            }
-                        }
-                        if part.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-                            release(&maps[part.shard], &shards[part.shard], &part.name);
-                        }
-                    }
-                    bad
-                })
+                let queue = &queue;
+                scope.spawn(move || convert_worker(queue, parts, maps, shards))
             })
             .collect();
         for h in handles {
@@ -344,18 +420,43 @@ fn load_files(
             }
         }
     });
-    if let Some((_, part, (i, x))) = first_bad {
-        let name = &parts[part].name;
-        return Err(err(format!(
-            "`{name}` holds a non-finite value ({x}) at flat index {i}"
-        )));
+    first_bad
+}
+
+/// One conversion thread: takes runs from `queue` until it is empty; returns the first
+/// non-finite value it found, in parameter order.
+fn convert_worker<'o>(
+    queue: &Mutex<std::vec::IntoIter<Run<'o>>>,
+    parts: &[Part<'_>],
+    maps: &[Mmap],
+    shards: &[SafeTensors<'_>],
+) -> Option<Bad> {
+    let mut bad: Option<Bad> = None;
+    loop {
+        let next = match queue.lock() {
+            Ok(mut q) => q.next(),
+            Err(_) => None, // another thread panicked: its join reports it
+        };
+        let Some(run) = next else { break };
+        let part = &parts[run.part];
+        let done = if part.cols == 1 {
+            convert::plain(part.data, part.kind, run.first, run.out)
+        } else {
+            convert::transposed(
+                part.data, part.kind, part.rows, part.cols, run.first, run.out,
+            )
+        };
+        if let Err(found) = done {
+            let key = (run.param, run.part, found);
+            if bad.is_none_or(|b| (b.0, b.1, b.2 .0) > (key.0, key.1, key.2 .0)) {
+                bad = Some(key);
+            }
+        }
+        if part.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            release(&maps[part.shard], &shards[part.shard], &part.name);
+        }
     }
-    drop(parts);
-    infos
-        .iter()
-        .zip(values)
-        .map(|(info, data)| Tensor::new(info.shape.clone(), data).map_err(|e| err(e.to_string())))
-        .collect()
+    bad
 }
 
 /// Output elements per unit of work (16 MiB of f32): large enough that taking one costs nothing,
