@@ -8,7 +8,7 @@
 //! `reduced_vary_cast` ↔ `vary_unreduced_cast`, `psum_scatter` ↔ `all_gather`, `all_to_all` ↔
 //! `all_to_all` with the dims swapped.
 
-use ferrotext_sharding::AxisSet;
+use ferrotext_sharding::{ArrayType, AxisSet};
 use ferrotext_tensor::Tensor;
 
 use super::typing::{manual_type, set, state_of, type_error, with_state, AxisState};
@@ -159,152 +159,154 @@ impl Ctx<'_> {
                 "only valid inside a shard_map body",
             ));
         }
-        let need =
-            |name: &str, axes: &[String], states: &[AxisState]| -> Result<AxisState, SpmdError> {
-                let s = state_of(name, t, axes)?;
-                if !states.contains(&s) {
-                    return Err(type_error(
-                        K::InvalidSpec,
-                        name,
-                        t,
-                        format!(
-                            "{name} cannot accept args which are {} on axes {axes:?}",
-                            s.name()
-                        ),
-                    ));
-                }
-                Ok(s)
-            };
-        let n = |cx: &Ctx<'_>, axes: &[String]| cx.rank_over(axes).map(|(_, n)| n);
-        let shape = t.shape().to_vec();
-        let dim_ok = |dim: usize| -> Result<(), SpmdError> {
-            if dim >= shape.len() {
-                return Err(type_error(
-                    K::ShapeError,
-                    "collective",
-                    t,
-                    format!("no dimension {dim}"),
-                ));
+        match op {
+            ManualOp::Pcast { axes, from, to } => pcast_untracked(x, axes, *from, *to),
+            ManualOp::Psum { axes, from: _ } => self.psum_untracked(x, axes),
+            ManualOp::PsumScatter { axes, dim, from: _ } => {
+                self.psum_scatter_untracked(x, axes, *dim)
             }
-            Ok(())
-        };
-        Ok(match op {
-            ManualOp::Pcast { axes, from, to } => {
-                need("pcast", axes, &[*from])?;
-                use AxisState::*;
-                let supported = matches!(
-                    (from, to),
-                    (Invarying, Varying)
-                        | (Reduced, Varying)
-                        | (Varying, Unreduced)
-                        | (Invarying, Reduced)
-                );
-                if !supported {
-                    return Err(type_error(
-                        K::InvalidSpec,
-                        "pcast",
-                        t,
-                        format!("Unsupported pcast from={}, to='{}'", from.name(), to.name()),
-                    ));
-                }
-                Array::new(
-                    manual_type(t, shape, with_state(t, axes, *to)?)?,
-                    x.local_cloned(),
-                )
-            }
-            ManualOp::Psum { axes, from } => {
-                need("psum", axes, &[AxisState::Varying, AxisState::Unreduced])?;
-                let _ = from;
-                let mut local = x.local_cloned();
-                self.all_reduce(axes, &mut local, t.element_count())?;
-                Array::new(
-                    manual_type(t, shape, with_state(t, axes, AxisState::Invarying)?)?,
-                    local,
-                )
-            }
-            ManualOp::PsumScatter { axes, dim, from } => {
-                need(
-                    "psum_scatter",
-                    axes,
-                    &[AxisState::Varying, AxisState::Unreduced],
-                )?;
-                let _ = from;
-                dim_ok(*dim)?;
-                let g = n(self, axes)?;
-                if !shape[*dim].is_multiple_of(g) {
-                    return Err(type_error(
-                        K::ShapeError,
-                        "psum_scatter",
-                        t,
-                        format!("dimension {dim} is not divisible by {g}"),
-                    ));
-                }
-                let local = self.reduce_scatter_dim(axes, x.local_cloned(), &shape, *dim)?;
-                let mut out_shape = shape.clone();
-                out_shape[*dim] /= g;
-                Array::new(
-                    manual_type(t, out_shape, with_state(t, axes, AxisState::Varying)?)?,
-                    local,
-                )
-            }
-            ManualOp::AllGather { axes, dim, to } => {
-                need("all_gather", axes, &[AxisState::Varying])?;
-                dim_ok(*dim)?;
-                let g = n(self, axes)?;
-                let local = self.all_gather_dim(axes, x.local_cloned(), &shape, *dim)?;
-                let mut out_shape = shape.clone();
-                out_shape[*dim] *= g;
-                let state = match to {
-                    GatherTo::Varying => AxisState::Varying,
-                    GatherTo::Reduced => AxisState::Reduced,
-                    GatherTo::Invarying => AxisState::Invarying,
-                };
-                Array::new(
-                    manual_type(t, out_shape, with_state(t, axes, state)?)?,
-                    local,
-                )
-            }
+            ManualOp::AllGather { axes, dim, to } => self.all_gather_untracked(x, axes, *dim, *to),
             ManualOp::AllToAll {
                 axes,
                 split,
                 concat,
-            } => {
-                need("all_to_all", axes, &[AxisState::Varying])?;
-                dim_ok(*split)?;
-                dim_ok(*concat)?;
-                let g = n(self, axes)?;
-                if !shape[*split].is_multiple_of(g) {
-                    return Err(type_error(
-                        K::ShapeError,
-                        "all_to_all",
-                        t,
-                        format!("dimension {split} is not divisible by {g}"),
-                    ));
-                }
-                let mut out_shape = shape.clone();
-                out_shape[*split] /= g;
-                out_shape[*concat] *= g;
-                let local =
-                    self.all_to_all_dims(axes, x.local_cloned(), &shape, *split, *concat)?;
-                Array::new(manual_type(t, out_shape, t.manual_tags().clone())?, local)
-            }
-            ManualOp::LocalSlice { axes, dim } => {
-                need("dynamic_slice", axes, &[AxisState::Invarying])?;
-                dim_ok(*dim)?;
-                let (index, g) = self.rank_over(axes)?;
-                let block = shape[*dim] / g;
-                let local = match x.local_opt() {
-                    Some(l) => Some(l.slice_dim(*dim, index * block..(index + 1) * block)?),
-                    None => None,
-                };
-                let mut out_shape = shape.clone();
-                out_shape[*dim] = block;
-                Array::new(
-                    manual_type(t, out_shape, with_state(t, axes, AxisState::Varying)?)?,
-                    local,
-                )
-            }
-        })
+            } => self.all_to_all_untracked(x, axes, *split, *concat),
+            ManualOp::LocalSlice { axes, dim } => self.local_slice_untracked(x, axes, *dim),
+        }
+    }
+
+    /// `psum`'s type and data: an all-reduce of a varying or unreduced value.
+    fn psum_untracked(&mut self, x: &Array, axes: &[String]) -> Result<Array, SpmdError> {
+        let t = x.ty();
+        need("psum", t, axes, &[AxisState::Varying, AxisState::Unreduced])?;
+        let mut local = x.local_cloned();
+        self.all_reduce(axes, &mut local, t.element_count())?;
+        Ok(Array::new(
+            manual_type(
+                t,
+                t.shape().to_vec(),
+                with_state(t, axes, AxisState::Invarying)?,
+            )?,
+            local,
+        ))
+    }
+
+    /// `psum_scatter`'s type and data: a reduce-scatter along `dim`.
+    fn psum_scatter_untracked(
+        &mut self,
+        x: &Array,
+        axes: &[String],
+        dim: usize,
+    ) -> Result<Array, SpmdError> {
+        let t = x.ty();
+        let shape = t.shape().to_vec();
+        need(
+            "psum_scatter",
+            t,
+            axes,
+            &[AxisState::Varying, AxisState::Unreduced],
+        )?;
+        dim_ok(t, dim)?;
+        let g = self.rank_over(axes)?.1;
+        if !shape[dim].is_multiple_of(g) {
+            return Err(type_error(
+                K::ShapeError,
+                "psum_scatter",
+                t,
+                format!("dimension {dim} is not divisible by {g}"),
+            ));
+        }
+        let local = self.reduce_scatter_dim(axes, x.local_cloned(), &shape, dim)?;
+        let mut out_shape = shape.clone();
+        out_shape[dim] /= g;
+        Ok(Array::new(
+            manual_type(t, out_shape, with_state(t, axes, AxisState::Varying)?)?,
+            local,
+        ))
+    }
+
+    /// `all_gather`'s type and data: an all-gather along `dim` of a varying value.
+    fn all_gather_untracked(
+        &mut self,
+        x: &Array,
+        axes: &[String],
+        dim: usize,
+        to: GatherTo,
+    ) -> Result<Array, SpmdError> {
+        let t = x.ty();
+        let shape = t.shape().to_vec();
+        need("all_gather", t, axes, &[AxisState::Varying])?;
+        dim_ok(t, dim)?;
+        let g = self.rank_over(axes)?.1;
+        let local = self.all_gather_dim(axes, x.local_cloned(), &shape, dim)?;
+        let mut out_shape = shape.clone();
+        out_shape[dim] *= g;
+        let state = match to {
+            GatherTo::Varying => AxisState::Varying,
+            GatherTo::Reduced => AxisState::Reduced,
+            GatherTo::Invarying => AxisState::Invarying,
+        };
+        Ok(Array::new(
+            manual_type(t, out_shape, with_state(t, axes, state)?)?,
+            local,
+        ))
+    }
+
+    /// `all_to_all`'s type and data: chunks of `split` exchanged, concatenated on `concat`.
+    fn all_to_all_untracked(
+        &mut self,
+        x: &Array,
+        axes: &[String],
+        split: usize,
+        concat: usize,
+    ) -> Result<Array, SpmdError> {
+        let t = x.ty();
+        let shape = t.shape().to_vec();
+        need("all_to_all", t, axes, &[AxisState::Varying])?;
+        dim_ok(t, split)?;
+        dim_ok(t, concat)?;
+        let g = self.rank_over(axes)?.1;
+        if !shape[split].is_multiple_of(g) {
+            return Err(type_error(
+                K::ShapeError,
+                "all_to_all",
+                t,
+                format!("dimension {split} is not divisible by {g}"),
+            ));
+        }
+        let mut out_shape = shape.clone();
+        out_shape[split] /= g;
+        out_shape[concat] *= g;
+        let local = self.all_to_all_dims(axes, x.local_cloned(), &shape, split, concat)?;
+        Ok(Array::new(
+            manual_type(t, out_shape, t.manual_tags().clone())?,
+            local,
+        ))
+    }
+
+    /// The local slice's type and data: this device's block along `dim` of an invarying value.
+    fn local_slice_untracked(
+        &mut self,
+        x: &Array,
+        axes: &[String],
+        dim: usize,
+    ) -> Result<Array, SpmdError> {
+        let t = x.ty();
+        let shape = t.shape().to_vec();
+        need("dynamic_slice", t, axes, &[AxisState::Invarying])?;
+        dim_ok(t, dim)?;
+        let (index, g) = self.rank_over(axes)?;
+        let block = shape[dim] / g;
+        let local = match x.local_opt() {
+            Some(l) => Some(l.slice_dim(dim, index * block..(index + 1) * block)?),
+            None => None,
+        };
+        let mut out_shape = shape.clone();
+        out_shape[dim] = block;
+        Ok(Array::new(
+            manual_type(t, out_shape, with_state(t, axes, AxisState::Varying)?)?,
+            local,
+        ))
     }
 
     /// The transpose of a manual primitive, applied to `ct` (docs/sharding-rules.md §6.4's table).
@@ -468,4 +470,67 @@ impl Ctx<'_> {
             n,
         )?))
     }
+}
+
+/// `pcast`'s type (its data is `x`'s): a free cast of `axes` from `from` to `to`.
+fn pcast_untracked(
+    x: &Array,
+    axes: &[String],
+    from: AxisState,
+    to: AxisState,
+) -> Result<Array, SpmdError> {
+    let t = x.ty();
+    need("pcast", t, axes, &[from])?;
+    use AxisState::*;
+    let supported = matches!(
+        (from, to),
+        (Invarying, Varying) | (Reduced, Varying) | (Varying, Unreduced) | (Invarying, Reduced)
+    );
+    if !supported {
+        return Err(type_error(
+            K::InvalidSpec,
+            "pcast",
+            t,
+            format!("Unsupported pcast from={}, to='{}'", from.name(), to.name()),
+        ));
+    }
+    Ok(Array::new(
+        manual_type(t, t.shape().to_vec(), with_state(t, axes, to)?)?,
+        x.local_cloned(),
+    ))
+}
+
+/// `t`'s state on `axes`, which primitive `name` accepts only in one of `states`.
+fn need(
+    name: &str,
+    t: &ArrayType,
+    axes: &[String],
+    states: &[AxisState],
+) -> Result<AxisState, SpmdError> {
+    let s = state_of(name, t, axes)?;
+    if !states.contains(&s) {
+        return Err(type_error(
+            K::InvalidSpec,
+            name,
+            t,
+            format!(
+                "{name} cannot accept args which are {} on axes {axes:?}",
+                s.name()
+            ),
+        ));
+    }
+    Ok(s)
+}
+
+/// `dim` is a dimension of `t`.
+fn dim_ok(t: &ArrayType, dim: usize) -> Result<(), SpmdError> {
+    if dim >= t.shape().len() {
+        return Err(type_error(
+            K::ShapeError,
+            "collective",
+            t,
+            format!("no dimension {dim}"),
+        ));
+    }
+    Ok(())
 }
