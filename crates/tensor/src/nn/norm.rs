@@ -1,0 +1,165 @@
+//! RMSNorm and its backward, and the standard-RoPE wrapper over [`crate::rope`].
+//!
+//! Invariants: a row's mean square is summed in the fixed lane order of `crate::fastmath`; the
+//! scale's gradient is summed per fixed group of rows ([`super::rows_per_chunk`]) and the groups
+//! in order, so its bits do not depend on the thread count.
+
+use super::{last_dim, rows_per_chunk, same_shape};
+use crate::error::TensorError;
+use crate::fastmath::{lane_sum2, lane_sum3, vectorized};
+use crate::parallel::{filled, for_each_chunk2, kernel_threads, Work};
+use crate::rope::{rope_with, Rope};
+use crate::tensor::Tensor;
+
+/// RMSNorm over the last dim: `y = x · rsqrt(mean(x²) + eps) · scale`. Returns `y` and each row's
+/// `rsqrt(mean(x²) + eps)` for the backward.
+///
+/// # Errors
+/// `scale` is not the last dim's length.
+pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32>), TensorError> {
+    let _span = ferrotext_profile::span("rms_norm");
+    let n = last_dim(x, "rms_norm")?;
+    if scale.shape() != [n] {
+        return Err(TensorError::shape(
+            "rms_norm",
+            format!("scale {:?} for rows of {n}", scale.shape()),
+        ));
+    }
+    let mut inv = vec![0.0f32; x.len() / n];
+    // One pass: each row read from `x`, written into the output (no copy of `x` first); rows in
+    // groups of about `BLOCK` elements, one vector-compiled call per group (a QK-norm row is
+    // only `head_dim` long).
+    let rows = rows_per_chunk(n);
+    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
+    let y = unsafe {
+        filled(x.len(), |y| {
+            for_each_chunk2(
+                y,
+                rows * n,
+                &mut inv,
+                rows,
+                kernel_threads(),
+                Work::Light,
+                |c, out, r_out| {
+                    let x = &x.data()[c * rows * n..];
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((out, row), r_out) in
+                                out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
+                            {
+                                let ms = lane_sum2(row, row, |a, b| a * b) / n as f32;
+                                let r = 1.0 / (ms + eps).sqrt();
+                                for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
+                                    o.write(v * (r * s));
+                                }
+                                *r_out = r;
+                            }
+                        },
+                    );
+                },
+            )
+        })
+    };
+    Ok((Tensor::new(x.shape().to_vec(), y)?, inv))
+}
+
+/// Backward of [`rms_norm`]. With `n = x·r` (r the row's inverse RMS):
+/// `dscale = Σ_rows dy ⊙ n`, `dx = r · (g − n · mean(g ⊙ n))` where `g = dy ⊙ scale`. `dscale`
+/// sums each group of rows (as many as make about `BLOCK` elements) in row order, then the
+/// groups in order: the same bits on any thread budget.
+///
+/// # Errors
+/// Shapes disagree.
+pub fn rms_norm_backward(
+    x: &Tensor,
+    scale: &Tensor,
+    inv_rms: &[f32],
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor), TensorError> {
+    let _span = ferrotext_profile::span("rms_norm_backward");
+    same_shape(x, dy, "rms_norm_backward")?;
+    let n = last_dim(x, "rms_norm_backward")?;
+    if inv_rms.len() * n != x.len() || scale.shape() != [n] {
+        return Err(TensorError::shape(
+            "rms_norm_backward",
+            "row statistics do not fit".into(),
+        ));
+    }
+    let s = scale.data();
+    // One pass: rows in groups (as in `rms_norm`) split across the budget; each group writes its
+    // rows of dx and sums its rows' `dy ⊙ n` into a partial dscale of its own (in row order).
+    let rows = rows_per_chunk(n);
+    let groups = inv_rms.len().div_ceil(rows);
+    let mut partial = vec![0.0f32; groups * n];
+    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
+    let dx = unsafe {
+        filled(x.len(), |dx| {
+            for_each_chunk2(
+                dx,
+                rows * n,
+                &mut partial,
+                n,
+                kernel_threads(),
+                Work::Light,
+                |c, dxrows, ds| {
+                    let first = c * rows;
+                    let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (((dxrow, xrow), dyrow), &r) in dxrows
+                                .chunks_mut(n)
+                                .zip(x.chunks(n))
+                                .zip(dy.chunks(n))
+                                .zip(&inv_rms[first..])
+                            {
+                                let mean_gn =
+                                    lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r))
+                                        / n as f32;
+                                for ((((dx, ds), &d), &sc), &xv) in dxrow
+                                    .iter_mut()
+                                    .zip(ds.iter_mut())
+                                    .zip(dyrow)
+                                    .zip(s)
+                                    .zip(xrow)
+                                {
+                                    dx.write(r * (d * sc - xv * r * mean_gn));
+                                    *ds += d * (xv * r);
+                                }
+                            }
+                        },
+                    );
+                },
+            )
+        })
+    };
+    let dx = Tensor::new(x.shape().to_vec(), dx)?;
+    // dscale: the groups' partial sums added in group order (a fixed order: the groups depend
+    // only on the shape).
+    let mut dscale = vec![0.0f32; n];
+    vectorized(
+        #[inline(always)]
+        || {
+            for group in partial.chunks(n) {
+                for (d, &p) in dscale.iter_mut().zip(group) {
+                    *d += p;
+                }
+            }
+        },
+    );
+    Ok((dx, Tensor::new(vec![n], dscale)?))
+}
+
+/// Rotary position embedding, rotate-half form with base `theta` (see [`rope_with`]).
+///
+/// # Errors
+/// As [`rope_with`].
+pub fn rope(
+    x: &Tensor,
+    positions: &[usize],
+    theta: f32,
+    inverse: bool,
+) -> Result<Tensor, TensorError> {
+    rope_with(x, positions, &Rope::standard(theta), inverse)
+}
