@@ -1,0 +1,186 @@
+//! Strided matrix views ([`MatView`]) and the products on them that write into caller-owned
+//! memory: the grouped (MoE) products and the fused attention multiply slices of their inputs in
+//! place through these.
+//!
+//! Invariants: a view's every element lies inside its slice (checked, a panic otherwise: a bug in
+//! the caller); each function makes the same kernel call as [`dot_general`](super::dot_general)
+//! on copies of the views, so the bits are the same.
+
+use gemm::Parallelism;
+
+use super::GEMM_PARALLEL_MIN;
+use crate::blas::{Operand, Store};
+
+/// One strided matrix operand inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct MatView<'a> {
+    pub data: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl MatView<'_> {
+    /// The view as a kernel operand (its first element and strides).
+    fn operand(&self) -> Operand {
+        Operand {
+            ptr: self.data.as_ptr(),
+            rs: self.rs as isize,
+            cs: self.cs as isize,
+        }
+    }
+
+    /// True when every element's offset lies inside `data`.
+    fn fits(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst = a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`, uninitialised
+/// before and written whole (an output block needs no zeroing first), without copying the
+/// operands: the grouped (MoE) products and fused attention multiply slices of their inputs in
+/// place. Uses the same kernel call, and so gives the same bits, as [`dot_general`](super::dot_general) on copies of
+/// the views. Returns `dst` initialised.
+///
+/// # Panics
+/// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
+pub(crate) fn gemm_views_uninit<'d>(
+    dst: &'d mut [std::mem::MaybeUninit<f32>],
+    a: MatView<'_>,
+    b: MatView<'_>,
+    threads: usize,
+) -> &'d mut [f32] {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && dst.len() == m * n); // ok: caller's invariant
+    if k == 0 {
+        dst.fill(std::mem::MaybeUninit::new(0.0));
+    } else if m > 0 && n > 0 {
+        // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly
+        // m×n row-major; the kernel writes every element of it.
+        unsafe {
+            gemm_views_store(
+                dst.as_mut_ptr().cast::<f32>(),
+                a,
+                b,
+                threads,
+                Store::Overwrite,
+            )
+        };
+    }
+    // SAFETY: every element was written above (or `dst` is empty).
+    unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f32>(), dst.len()) }
+}
+
+/// `dst += a · b` for views `a` (m×k) and `b` (k×n) into a row-major m×n `dst`: the kernel adds
+/// each tile of the product into `dst` as it computes it (BLAS `beta = 1`), as
+/// [`dot_general_accumulate`] does, so an accumulator takes a product (an expert's weight
+/// gradient) without it being stored first.
+///
+/// # Panics
+/// When the views do not fit their slices or `dst` is not m×n (a bug in the caller).
+pub(crate) fn gemm_views_accumulate(
+    dst: &mut [f32],
+    a: MatView<'_>,
+    b: MatView<'_>,
+    threads: usize,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && dst.len() == m * n); // ok: caller's invariant
+    if m == 0 || n == 0 || k == 0 {
+        // An empty product adds nothing.
+        return;
+    }
+    // SAFETY: `fits` checked every operand offset against its slice, and `dst` is exactly m×n
+    // row-major and initialised; the kernel reads and writes only its elements.
+    unsafe { gemm_views_store(dst.as_mut_ptr(), a, b, threads, Store::Accumulate) };
+}
+
+/// `a · b` (m×k by k×n, all three nonzero) stored into the row-major m×n block at `dst` per
+/// `store`, inside the kernel over `threads` when the product is large enough.
+///
+/// # Safety
+/// The views fit their slices, `dst` is valid for m×n elements (initialised under
+/// [`Store::Accumulate`]) and touched by no one else meanwhile.
+unsafe fn gemm_views_store(
+    dst: *mut f32,
+    a: MatView<'_>,
+    b: MatView<'_>,
+    threads: usize,
+    store: Store,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let parallelism = if threads > 1 && m * n * k >= GEMM_PARALLEL_MIN {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the caller's contract.
+    unsafe {
+        crate::blas::sgemm(
+            m,
+            n,
+            k,
+            dst,
+            n,
+            a.operand(),
+            b.operand(),
+            parallelism,
+            store,
+        );
+    }
+}
+
+/// `dst = a · b` for views `a` (m×k) and `b` (k×n) into `m` rows of `n` elements `ldc` apart
+/// from `dst`, on the caller's thread: a block of a larger output whose rows interleave with
+/// other blocks' (attention writes each head's rows straight into `[B, T, H, d]`). The same
+/// kernel call as [`gemm_views_uninit`] with another row stride, so the same bits.
+///
+/// # Safety
+/// `dst` must be valid for writes of `(m − 1)·ldc + n` elements, `ldc ≥ n`, and no one else may
+/// access the `m` rows written meanwhile.
+///
+/// # Panics
+/// When the views do not fit their slices (a bug in the caller).
+pub(crate) unsafe fn gemm_views_into_rows(
+    dst: *mut f32,
+    ldc: usize,
+    a: MatView<'_>,
+    b: MatView<'_>,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && ldc >= n); // ok: caller's invariant
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for i in 0..m {
+            // SAFETY: row `i` of the caller's rows (written, not read: uninitialised is fine).
+            let row = unsafe {
+                std::slice::from_raw_parts_mut(
+                    dst.add(i * ldc).cast::<std::mem::MaybeUninit<f32>>(),
+                    n,
+                )
+            };
+            row.fill(std::mem::MaybeUninit::new(0.0));
+        }
+        return;
+    }
+    // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
+    // destination rows.
+    unsafe {
+        crate::blas::sgemm(
+            m,
+            n,
+            k,
+            dst,
+            ldc,
+            a.operand(),
+            b.operand(),
+            Parallelism::None,
+            Store::Overwrite,
+        );
+    }
+}
