@@ -294,20 +294,7 @@ pub fn causal_attention_backward(
     // dP, dq, dk and dv: four products per (batch, head) over the row blocks' live columns.
     let _span = ferrotext_profile::span("causal_attention_backward")
         .map(|s| s.flops(d.product_flops(2 * (d.dk + d.dv))));
-    if probs.shape() != [d.b, d.h, d.t, d.t] || dout.shape() != [d.b, d.t, d.h, d.dv] {
-        return Err(TensorError::shape(
-            "causal_attention_backward",
-            format!(
-                "probs must be [{b}, {h}, {t}, {t}] and dout [{b}, {t}, {h}, {dv}], got {:?} and {:?}",
-                probs.shape(),
-                dout.shape(),
-                b = d.b,
-                h = d.h,
-                t = d.t,
-                dv = d.dv
-            ),
-        ));
-    }
+    d.check_backward_operands(probs, dout)?;
     let (tt, heads) = (d.t * d.t, d.b * d.h);
     // Per (batch, query head), contiguous: [dk_h | dv_h | dS scratch] under GQA (its group's
     // heads are summed after), only dS otherwise; its dq rows, and without GQA its dk and dv
@@ -347,61 +334,19 @@ pub fn causal_attention_backward(
                     r,
                 )
             };
-            let p = &probs.data()[bh * tt..(bh + 1) * tt];
-            let dov = d.rows(dout.data(), b, h, d.h, d.dv);
-            let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
-            let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
-            let qv = d.rows(q.data(), b, h, d.h, d.dk);
-            // Per row block: dP[rows, live] = dout_rows · v_liveᵀ, dS in place over the live
-            // columns (beyond them P is 0, and so is dS), dq[rows] = dS[rows, live] · k_live.
-            for RowBlock { rows, live } in d.blocks() {
-                let block = live_product(
-                    &mut ds[rows.start * d.t..rows.end * d.t],
-                    d.t,
-                    live,
-                    rows_of(dov, rows.clone()),
-                    t(rows_of(vv, 0..live)),
-                );
-                let p_rows = &p[rows.start * d.t..rows.end * d.t];
-                for (drow, prow) in block.chunks_mut(d.t).zip(p_rows.chunks(d.t)) {
-                    softmax_backward_row(&mut drow[..live], &prow[..live], scale);
-                }
-                // SAFETY: `dq` holds `B·T·H·dk` elements; rows `(b, s, h)` for every `s`
-                // belong to this (batch, head) alone.
-                unsafe {
-                    let dqb =
-                        (dq_at as *mut f32).add(d.row_start(b, h, d.dk) + rows.start * d.h * d.dk);
-                    gemm_views_into_rows(
-                        dqb,
-                        d.h * d.dk,
-                        sub_block(block, 0..rows.len(), live, d.t),
-                        rows_of(kv, 0..live),
-                    );
-                }
-            }
+            let x = HeadInputs {
+                p: &probs.data()[bh * tt..(bh + 1) * tt],
+                dout: d.rows(dout.data(), b, h, d.h, d.dv),
+                v: d.rows(v.data(), b, kvh, d.kv, d.dv),
+                k: d.rows(k.data(), b, kvh, d.kv, d.dk),
+                q: d.rows(q.data(), b, h, d.h, d.dk),
+            };
+            // SAFETY: this (batch, head)'s rows of `dq`, which no other chunk writes.
+            unsafe { head_ds_dq(d, (b, h), &x, ds, dq_at, scale) };
             // SAFETY: the row blocks above wrote every element of dS.
             let ds = unsafe { &*(ds as *const [_] as *const [f32]) };
-            // Per column block: dS and P are zero in it above its first row, so
-            // dk[cols] = dS[below, cols]ᵀ · q_below and dv[cols] = P[below, cols]ᵀ · dout_below.
-            for RowBlock { rows: cols, .. } in d.blocks() {
-                let below = cols.start..d.t;
-                // SAFETY: rows `cols` of this head's dk and dv (in its own block under GQA, else
-                // in the `[B, T, H, w]` outputs), which no other (batch, head) writes.
-                unsafe {
-                    gemm_views_into_rows(
-                        dk_rows.0.add(cols.start * dk_rows.1),
-                        dk_rows.1,
-                        t(sub_block(&ds[cols.start..], below.clone(), cols.len(), d.t)),
-                        rows_of(qv, below.clone()),
-                    );
-                    gemm_views_into_rows(
-                        dv_rows.0.add(cols.start * dv_rows.1),
-                        dv_rows.1,
-                        t(sub_block(&p[cols.start..], below.clone(), cols.len(), d.t)),
-                        rows_of(dov, below.clone()),
-                    );
-                }
-            }
+            // SAFETY: rows of this head's dk and dv, which no other (batch, head) writes.
+            unsafe { head_dk_dv(d, &x, ds, dk_rows, dv_rows) };
         });
     };
     // SAFETY: every (batch, head) chunk is visited, and its products write all of its dS (and
@@ -426,6 +371,117 @@ pub fn causal_attention_backward(
     let dk = group_sum(&per_head, rest, 0, d.dk, d, threads)?;
     let dv = group_sum(&per_head, rest, d.t * d.dk, d.dv, d, threads)?;
     Ok((dq, dk, dv))
+}
+
+impl Dims {
+    /// `probs` is `[B, H, T, T]` and `dout` `[B, T, H, dv]`, as [`causal_attention_backward`]
+    /// needs.
+    fn check_backward_operands(&self, probs: &Tensor, dout: &Tensor) -> Result<(), TensorError> {
+        let d = self;
+        if probs.shape() != [d.b, d.h, d.t, d.t] || dout.shape() != [d.b, d.t, d.h, d.dv] {
+            return Err(TensorError::shape(
+                "causal_attention_backward",
+                format!(
+                    "probs must be [{b}, {h}, {t}, {t}] and dout [{b}, {t}, {h}, {dv}], got {:?} and {:?}",
+                    probs.shape(),
+                    dout.shape(),
+                    b = d.b,
+                    h = d.h,
+                    t = d.t,
+                    dv = d.dv
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One (batch, query head)'s inputs to the backward: its probabilities `[T, T]` and its rows of
+/// `dout`, `v`, `k` and `q` as views.
+struct HeadInputs<'a> {
+    p: &'a [f32],
+    dout: MatView<'a>,
+    v: MatView<'a>,
+    k: MatView<'a>,
+    q: MatView<'a>,
+}
+
+/// Where a head's `dk` or `dv` rows go: its first row, and how many elements apart they are.
+type RowsOut = (*mut f32, usize);
+
+/// The backward's row phase for head `h` of batch row `b`: per row block,
+/// `dP[rows, live] = dout_rows · v_liveᵀ`, `dS` in place over the live columns (beyond them `P`
+/// is 0, and so is `dS`), and `dq[rows] = dS[rows, live] · k_live`. Writes every element of `ds`.
+///
+/// # Safety
+/// `dq_at` is the address of a `B·T·H·dk` buffer whose rows `(b, s, h)` for every `s` no one
+/// else writes meanwhile.
+unsafe fn head_ds_dq(
+    d: Dims,
+    (b, h): (usize, usize),
+    x: &HeadInputs<'_>,
+    ds: &mut [std::mem::MaybeUninit<f32>],
+    dq_at: usize,
+    scale: f32,
+) {
+    for RowBlock { rows, live } in d.blocks() {
+        let block = live_product(
+            &mut ds[rows.start * d.t..rows.end * d.t],
+            d.t,
+            live,
+            rows_of(x.dout, rows.clone()),
+            t(rows_of(x.v, 0..live)),
+        );
+        let p_rows = &x.p[rows.start * d.t..rows.end * d.t];
+        for (drow, prow) in block.chunks_mut(d.t).zip(p_rows.chunks(d.t)) {
+            softmax_backward_row(&mut drow[..live], &prow[..live], scale);
+        }
+        // SAFETY: `dq` holds `B·T·H·dk` elements; rows `(b, s, h)` for every `s`
+        // belong to this (batch, head) alone.
+        unsafe {
+            let dqb = (dq_at as *mut f32).add(d.row_start(b, h, d.dk) + rows.start * d.h * d.dk);
+            gemm_views_into_rows(
+                dqb,
+                d.h * d.dk,
+                sub_block(block, 0..rows.len(), live, d.t),
+                rows_of(x.k, 0..live),
+            );
+        }
+    }
+}
+
+/// The backward's column phase for one head: per column block, `dS` and `P` are zero in it above
+/// its first row, so `dk[cols] = dS[below, cols]ᵀ · q_below` and
+/// `dv[cols] = P[below, cols]ᵀ · dout_below`.
+///
+/// # Safety
+/// `dk_rows` and `dv_rows` point at this head's `T` rows of `dk` and `dv` (in its own block under
+/// GQA, else in the `[B, T, H, w]` outputs), which no other (batch, head) writes.
+unsafe fn head_dk_dv(d: Dims, x: &HeadInputs<'_>, ds: &[f32], dk_rows: RowsOut, dv_rows: RowsOut) {
+    for RowBlock { rows: cols, .. } in d.blocks() {
+        let below = cols.start..d.t;
+        // SAFETY: rows `cols` of this head's dk and dv (in its own block under GQA, else
+        // in the `[B, T, H, w]` outputs), which no other (batch, head) writes.
+        unsafe {
+            gemm_views_into_rows(
+                dk_rows.0.add(cols.start * dk_rows.1),
+                dk_rows.1,
+                t(sub_block(&ds[cols.start..], below.clone(), cols.len(), d.t)),
+                rows_of(x.q, below.clone()),
+            );
+            gemm_views_into_rows(
+                dv_rows.0.add(cols.start * dv_rows.1),
+                dv_rows.1,
+                t(sub_block(
+                    &x.p[cols.start..],
+                    below.clone(),
+                    cols.len(),
+                    d.t,
+                )),
+                rows_of(x.dout, below.clone()),
+            );
+        }
+    }
 }
 
 /// Elements of a kv head's row summed together in [`group_sum`] (one AVX-512 register of f64

@@ -328,13 +328,41 @@ unsafe fn sgemm_on(
     parallelism: gemm::Parallelism,
     store: Store,
 ) {
-    // With threads to spare, a BLAS or the portable kernel gets one call per thread on its
-    // own rows. The portable kernel's rows of a block are its rows of the whole by
-    // construction. A BLAS's blocks are kept far above its small-matrix kernels, so they
-    // take the kernel the whole product takes; that its rows then have the whole product's
-    // bits is what the libraries here do (the kernel test checks it within a tolerance on
-    // every library, bitwise on the portable kernel), not a promise they make.
-    let blocks = match (parallelism, kernel) {
+    if let Some(rows_per) = row_blocks(kernel, m, n, k, parallelism) {
+        // SAFETY: the caller's contract.
+        unsafe { sgemm_row_blocks(kernel, rows_per, m, n, k, dst, ldc, a, b, store) };
+        return;
+    }
+    if let Kernel::Portable(isa) = kernel {
+        // SAFETY: the caller's contract, which is the portable kernel's.
+        unsafe { portable::sgemm(*isa, m, n, k, dst, ldc, a, b, store) };
+        return;
+    }
+    if let Kernel::Blas(blas) = kernel {
+        // SAFETY: the caller's contract.
+        if unsafe { sgemm_blas(blas, m, n, k, dst, ldc, a, b, store) } {
+            return;
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { sgemm_gemm(m, n, k, dst, ldc, a, b, parallelism, store) }
+}
+
+/// How many rows each block of a product split across threads takes, or `None` to make one
+/// call. With threads to spare, a BLAS or the portable kernel gets one call per thread on its
+/// own rows. The portable kernel's rows of a block are its rows of the whole by construction. A
+/// BLAS's blocks are kept far above its small-matrix kernels, so they take the kernel the whole
+/// product takes; that its rows then have the whole product's bits is what the libraries here do
+/// (the kernel test checks it within a tolerance on every library, bitwise on the portable
+/// kernel), not a promise they make.
+fn row_blocks(
+    kernel: &Kernel,
+    m: usize,
+    n: usize,
+    k: usize,
+    parallelism: gemm::Parallelism,
+) -> Option<usize> {
+    match (parallelism, kernel) {
         (gemm::Parallelism::Rayon(t), Kernel::Blas(_) | Kernel::Portable(_)) => {
             let t = t.min(m / MIN_BLOCK_ROWS);
             // `t > 1` means m ≥ 128 rows, so `rows` ≥ 64; the last block is the smallest.
@@ -345,87 +373,134 @@ unsafe fn sgemm_on(
             (t > 1 && big_enough).then_some(rows)
         }
         _ => None,
-    };
-    if let Some(rows_per) = blocks {
-        let starts: Vec<usize> = (0..m).step_by(rows_per).collect();
-        // Pointers cross threads as addresses: each block reads its rows of `a` (and all of
-        // `b`) and writes its own rows of `dst`.
-        let (a_at, b_at, dst_at) = (a.ptr as usize, b.ptr as usize, dst as usize);
-        let (ars, acs, brs, bcs) = (a.rs, a.cs, b.rs, b.cs);
-        let block = move |start: usize| {
-            let rows = rows_per.min(m - start);
-            let a = Operand {
-                ptr: (a_at as *const f32).wrapping_offset(start as isize * ars),
-                rs: ars,
-                cs: acs,
-            };
-            let b = Operand {
-                ptr: b_at as *const f32,
-                rs: brs,
-                cs: bcs,
-            };
-            let dst = (dst_at as *mut f32).wrapping_add(start * ldc);
-            // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
-            // blocks of `dst` are disjoint.
-            unsafe {
-                sgemm_on(
-                    kernel,
-                    rows,
-                    n,
-                    k,
-                    dst,
-                    ldc,
-                    a,
-                    b,
-                    gemm::Parallelism::None,
-                    store,
-                )
-            };
+    }
+}
+
+/// [`sgemm_on`] as blocks of `rows_per` rows, one call each, in parallel.
+///
+/// # Safety
+/// As [`sgemm_on`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_row_blocks(
+    kernel: &Kernel,
+    rows_per: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand,
+    b: Operand,
+    store: Store,
+) {
+    let starts: Vec<usize> = (0..m).step_by(rows_per).collect();
+    // Pointers cross threads as addresses: each block reads its rows of `a` (and all of
+    // `b`) and writes its own rows of `dst`.
+    let (a_at, b_at, dst_at) = (a.ptr as usize, b.ptr as usize, dst as usize);
+    let (ars, acs, brs, bcs) = (a.rs, a.cs, b.rs, b.cs);
+    let block = move |start: usize| {
+        let rows = rows_per.min(m - start);
+        let a = Operand {
+            ptr: (a_at as *const f32).wrapping_offset(start as isize * ars),
+            rs: ars,
+            cs: acs,
         };
-        use rayon::prelude::*;
-        starts.into_par_iter().with_max_len(1).for_each(block);
-        return;
-    }
-    if let Kernel::Portable(isa) = kernel {
-        // SAFETY: the caller's contract, which is the portable kernel's.
-        unsafe { portable::sgemm(*isa, m, n, k, dst, ldc, a, b, store) };
-        return;
-    }
-    if let Kernel::Blas(blas) = kernel {
-        let dims = (
-            c_int::try_from(m),
-            c_int::try_from(n),
-            c_int::try_from(k),
-            c_int::try_from(ldc.max(1)),
-        );
-        if let (Some((ta, lda)), Some((tb, ldb)), (Ok(mi), Ok(ni), Ok(ki), Ok(ldc))) = (
-            cblas_layout(m, k, a.rs, a.cs),
-            cblas_layout(k, n, b.rs, b.cs),
-            dims,
-        ) {
-            // SAFETY: the caller's contract; the layouts describe exactly the elements it
-            // guarantees readable, and `ldc` is `dst`'s row stride.
-            unsafe {
-                (blas.sgemm)(
-                    CBLAS_ROW_MAJOR,
-                    ta,
-                    tb,
-                    mi,
-                    ni,
-                    ki,
-                    1.0,
-                    a.ptr,
-                    lda,
-                    b.ptr,
-                    ldb,
-                    if store == Store::Accumulate { 1.0 } else { 0.0 },
-                    dst,
-                    ldc,
-                );
-            }
-            return;
+        let b = Operand {
+            ptr: b_at as *const f32,
+            rs: brs,
+            cs: bcs,
+        };
+        let dst = (dst_at as *mut f32).wrapping_add(start * ldc);
+        // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
+        // blocks of `dst` are disjoint.
+        unsafe {
+            sgemm_on(
+                kernel,
+                rows,
+                n,
+                k,
+                dst,
+                ldc,
+                a,
+                b,
+                gemm::Parallelism::None,
+                store,
+            )
+        };
+    };
+    use rayon::prelude::*;
+    starts.into_par_iter().with_max_len(1).for_each(block);
+}
+
+/// [`sgemm_on`] on an opened BLAS: false, having done nothing, when the operands' layouts or
+/// sizes do not fit `cblas_sgemm` (the caller then uses `gemm`).
+///
+/// # Safety
+/// As [`sgemm_on`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_blas(
+    blas: &Blas,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand,
+    b: Operand,
+    store: Store,
+) -> bool {
+    let dims = (
+        c_int::try_from(m),
+        c_int::try_from(n),
+        c_int::try_from(k),
+        c_int::try_from(ldc.max(1)),
+    );
+    if let (Some((ta, lda)), Some((tb, ldb)), (Ok(mi), Ok(ni), Ok(ki), Ok(ldc))) = (
+        cblas_layout(m, k, a.rs, a.cs),
+        cblas_layout(k, n, b.rs, b.cs),
+        dims,
+    ) {
+        // SAFETY: the caller's contract; the layouts describe exactly the elements it
+        // guarantees readable, and `ldc` is `dst`'s row stride.
+        unsafe {
+            (blas.sgemm)(
+                CBLAS_ROW_MAJOR,
+                ta,
+                tb,
+                mi,
+                ni,
+                ki,
+                1.0,
+                a.ptr,
+                lda,
+                b.ptr,
+                ldb,
+                if store == Store::Accumulate { 1.0 } else { 0.0 },
+                dst,
+                ldc,
+            );
         }
+        return true;
     }
+    false
+}
+
+/// [`sgemm_on`] on the `gemm` crate.
+///
+/// # Safety
+/// As [`sgemm_on`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm_gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand,
+    b: Operand,
+    parallelism: gemm::Parallelism,
+    store: Store,
+) {
     // SAFETY: the caller's contract; `dst` is read only under `Store::Accumulate`, when the
     // caller has initialised it (`gemm` then computes `1·dst + 1·a·b`).
     unsafe {
