@@ -115,7 +115,7 @@ impl Mla<&Array> {
         cache: Option<&mut KvSlot>,
     ) -> Result<Array, SpmdError> {
         let m = c.mla.ok_or_else(|| SpmdError::BadArgument {
-            op: "qwen3".into(),
+            op: "mla".into(),
             reason: "MLA weights on a config without MLA settings".into(),
         })?;
         let w = MlaWeights {

@@ -14,76 +14,9 @@ impl Config {
     /// (MaxText's: MLA, YaRN, 16 experts top-8) or `deepseek3-1.3b` (its ~1.3B variant; abstract
     /// mode on CPU, or train it with reduced dims).
     pub fn preset(name: &str) -> Option<Config> {
-        let base = Config {
-            vocab_size: 256,
-            base_emb_dim: 128,
-            base_num_decoder_layers: 2,
-            base_num_query_heads: 4,
-            base_num_kv_heads: 2,
-            head_dim: 32,
-            base_mlp_dim: 384,
-            logits_via_embedding: true,
-            rope_max_timescale: 1_000_000.0,
-            normalization_layer_epsilon: 1e-6,
-            z_loss_multiplier: 0.0,
-            moe: None,
-            mla: None,
-            rope_yarn: None,
-        };
-        // MaxText's deepseek3-tiny (`configs/models/deepseek3-tiny.yml`): MLA with YaRN, 16 experts
-        // top-8 with a sigmoid router, 1 shared expert, the first 3 of 61 layers dense, untied
-        // head.
-        let deepseek3_tiny = Config {
-            vocab_size: 129_280,
-            base_emb_dim: 64,
-            base_num_decoder_layers: 61,
-            base_num_query_heads: 4,
-            base_num_kv_heads: 4,
-            head_dim: 128,
-            base_mlp_dim: 64,
-            logits_via_embedding: false,
-            rope_max_timescale: 10_000.0,
-            normalization_layer_epsilon: 1e-6,
-            z_loss_multiplier: 0.0,
-            moe: Some(MoeSettings {
-                num_experts: 16,
-                num_experts_per_tok: 8,
-                moe_mlp_dim: 64,
-                shared_experts: 1,
-                first_num_dense_layers: 3,
-                score: RouterScore::Sigmoid,
-                norm_topk_prob: true,
-                routed_scaling_factor: 2.5,
-                load_balance_loss_weight: 0.0,
-                withhold_tags: false,
-            }),
-            mla: Some(MlaSettings {
-                q_lora_rank: 32,
-                kv_lora_rank: 16,
-                qk_nope_head_dim: 128,
-                qk_rope_head_dim: 64,
-                v_head_dim: 128,
-            }),
-            rope_yarn: Some(Yarn {
-                factor: 40.0,
-                original_max_position: 4096,
-                beta_fast: 32.0,
-                beta_slow: 1.0,
-                mscale: 1.0,
-            }),
-        };
-        let moe = MoeSettings {
-            num_experts: 8,
-            num_experts_per_tok: 2,
-            moe_mlp_dim: 96,
-            shared_experts: 1,
-            first_num_dense_layers: 1,
-            score: RouterScore::Softmax,
-            norm_topk_prob: true,
-            routed_scaling_factor: 1.0,
-            load_balance_loss_weight: 0.0,
-            withhold_tags: false,
-        };
+        let base = Config::qwen3_tiny();
+        let deepseek3_tiny = Config::deepseek3_tiny();
+        let moe = Config::qwen3_moe_tiny_experts();
         Some(match name {
             "qwen3-tiny" => base,
             "qwen3-peer" => Config {
@@ -137,6 +70,87 @@ impl Config {
             },
             _ => return None,
         })
+    }
+
+    /// `qwen3-tiny`: CPU-sized, byte vocabulary, tied head; the base the other Qwen3 presets modify.
+    fn qwen3_tiny() -> Config {
+        Config {
+            vocab_size: 256,
+            base_emb_dim: 128,
+            base_num_decoder_layers: 2,
+            base_num_query_heads: 4,
+            base_num_kv_heads: 2,
+            head_dim: 32,
+            base_mlp_dim: 384,
+            logits_via_embedding: true,
+            rope_max_timescale: 1_000_000.0,
+            normalization_layer_epsilon: 1e-6,
+            z_loss_multiplier: 0.0,
+            moe: None,
+            mla: None,
+            rope_yarn: None,
+        }
+    }
+
+    /// `deepseek3-tiny`, MaxText's (`configs/models/deepseek3-tiny.yml`): MLA with YaRN, 16 experts
+    /// top-8 with a sigmoid router, 1 shared expert, the first 3 of 61 layers dense, untied
+    /// head.
+    fn deepseek3_tiny() -> Config {
+        Config {
+            vocab_size: 129_280,
+            base_emb_dim: 64,
+            base_num_decoder_layers: 61,
+            base_num_query_heads: 4,
+            base_num_kv_heads: 4,
+            head_dim: 128,
+            base_mlp_dim: 64,
+            logits_via_embedding: false,
+            rope_max_timescale: 10_000.0,
+            normalization_layer_epsilon: 1e-6,
+            z_loss_multiplier: 0.0,
+            moe: Some(MoeSettings {
+                num_experts: 16,
+                num_experts_per_tok: 8,
+                moe_mlp_dim: 64,
+                shared_experts: 1,
+                first_num_dense_layers: 3,
+                score: RouterScore::Sigmoid,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.5,
+                load_balance_loss_weight: 0.0,
+                withhold_tags: false,
+            }),
+            mla: Some(MlaSettings {
+                q_lora_rank: 32,
+                kv_lora_rank: 16,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+            }),
+            rope_yarn: Some(Yarn {
+                factor: 40.0,
+                original_max_position: 4096,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 1.0,
+            }),
+        }
+    }
+
+    /// The experts of `qwen3-moe-tiny`: 8 routed, top-2 softmax-routed, one shared, the first layer dense.
+    fn qwen3_moe_tiny_experts() -> MoeSettings {
+        MoeSettings {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_mlp_dim: 96,
+            shared_experts: 1,
+            first_num_dense_layers: 1,
+            score: RouterScore::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            load_balance_loss_weight: 0.0,
+            withhold_tags: false,
+        }
     }
 
     /// The preset names.

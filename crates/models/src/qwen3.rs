@@ -1,9 +1,6 @@
-//! The decoder under its former names, kept while callers move to [`crate::decoder`]:
-//! `qwen3::Qwen3` is [`Decoder`], and `Config`, `MoeSettings`, `MlaSettings`, `ConfigError` are
-//! the decoder's.
+//! The decoder's configuration types under their former path, kept while callers move to
+//! [`crate::decoder`]: `Config`, `MoeSettings`, `ConfigError` are the decoder's, `MlaSettings`
+//! DeepSeek's. The model itself is [`Decoder`]; it has no other name.
 
 pub use crate::decoder::{Config, ConfigError, Decoder, MoeSettings};
 pub use crate::deepseek::MlaSettings;
-
-/// The former name of [`Decoder`].
-pub type Qwen3 = Decoder;

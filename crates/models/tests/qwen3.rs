@@ -5,16 +5,16 @@
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
+use ferrotext_models::decoder::{Config, Decoder, MlaSettings, MoeSettings};
 use ferrotext_models::init_normal;
 use ferrotext_models::moe::RouterScore;
-use ferrotext_models::qwen3::{Config, MlaSettings, MoeSettings, Qwen3};
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::Tensor;
 use ferrotext_tensor::Yarn;
 
-fn tiny(tied: bool) -> Qwen3 {
-    Qwen3::new(Config {
+fn tiny(tied: bool) -> Decoder {
+    Decoder::new(Config {
         vocab_size: 11,
         base_emb_dim: 8,
         base_num_decoder_layers: 2,
@@ -51,7 +51,7 @@ fn tokens() -> (Vec<u32>, Vec<u32>) {
 }
 
 /// Loss and gradients (reduced to plain) with `values` as parameters, on `devices` devices.
-fn loss_and_grads(model: &Qwen3, values: &[Tensor], devices: usize) -> (f32, Vec<Tensor>) {
+fn loss_and_grads(model: &Decoder, values: &[Tensor], devices: usize) -> (f32, Vec<Tensor>) {
     let mesh = Arc::new(Mesh::explicit([("data", devices)]).unwrap());
     let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
         let mut cx = Ctx::new(dev.comm(), 1);
@@ -82,7 +82,7 @@ fn loss_and_grads(model: &Qwen3, values: &[Tensor], devices: usize) -> (f32, Vec
 
 /// MLA (low-rank q/kv, decoupled rope dims, interleaved YaRN) and MoE layers (sigmoid router,
 /// top-2 of 4, a shared expert) after one dense layer; untied head.
-fn tiny_deepseek() -> Qwen3 {
+fn tiny_deepseek() -> Decoder {
     let mut cfg = tiny(false).config().clone();
     cfg.base_num_decoder_layers = 2;
     cfg.mla = Some(MlaSettings {
@@ -111,14 +111,14 @@ fn tiny_deepseek() -> Qwen3 {
         load_balance_loss_weight: 0.01,
         withhold_tags: false,
     });
-    Qwen3::new(cfg).unwrap()
+    Decoder::new(cfg).unwrap()
 }
 
 fn check_against_finite_differences(tied: bool) {
     check_model_against_finite_differences(&tiny(tied));
 }
 
-fn check_model_against_finite_differences(model: &Qwen3) {
+fn check_model_against_finite_differences(model: &Decoder) {
     let infos = model.params();
     let values: Vec<Tensor> = infos
         .iter()
@@ -174,13 +174,13 @@ fn gradients_match_finite_differences_deepseek_style() {
 /// deepseek3-tiny ~33.7M; the ~1.3B variant 1.518B total, of which 2 × 132.4M untied embeddings.
 #[test]
 fn deepseek_presets_have_maxtexts_parameter_counts() {
-    let tiny = Qwen3::new(Config::preset("deepseek3-tiny").unwrap()).unwrap();
+    let tiny = Decoder::new(Config::preset("deepseek3-tiny").unwrap()).unwrap();
     assert!(
         (tiny.param_count() as f64 / 33.7e6 - 1.0).abs() < 0.002,
         "{}",
         tiny.param_count()
     );
-    let big = Qwen3::new(Config::preset("deepseek3-1.3b").unwrap()).unwrap();
+    let big = Decoder::new(Config::preset("deepseek3-1.3b").unwrap()).unwrap();
     assert!(
         (big.param_count() as f64 / 1.518e9 - 1.0).abs() < 0.001,
         "{}",

@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ferrotext_models::qwen3::Qwen3 as Decoder;
+use ferrotext_models::decoder::Decoder;
 use ferrotext_models::ParamInfo;
 use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh, PartitionSpec};
 

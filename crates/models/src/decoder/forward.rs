@@ -1,0 +1,154 @@
+//! The forward pass of one layer on bound weights (`DecoderLayer<&Array>`): attention (GQA or
+//! MLA), the dense MLP or MoE block, the residuals; and the embedding table's layout helpers.
+//!
+//! Invariants: parameters arrive typed by the caller and are never re-tagged here except by
+//! [`reduced_over`] (a free cast whose transpose is the one all-reduce of a tied table's
+//! gradient); a MoE layer adds its load-balance loss to `aux` in layer order.
+
+use ferrotext_sharding::PartitionSpec;
+use ferrotext_spmd::{Array, Ctx, SpmdError};
+
+use super::{Attention, Config, DecoderLayer, Gqa, Mlp, SparseMoe};
+use crate::kv_cache::KvSlot;
+use crate::moe::{self, MoeOptions, MoeWeights};
+use crate::nn::{self, AttentionDims, AttentionWeights};
+
+impl DecoderLayer<&Array> {
+    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; a MoE layer's load-balance loss is added to
+    /// `aux`.
+    pub(super) fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        x: &Array,
+        c: &Config,
+        aux: &mut Option<Array>,
+        cache: Option<&mut KvSlot>,
+    ) -> Result<Array, SpmdError> {
+        let eps = c.normalization_layer_epsilon;
+        // 1. h = input_layernorm(x): [B@batch, T, d]
+        let h = nn::rms_norm(cx, x, self.input_layernorm, eps)?;
+        // 2. x = x + self_attn(h): heads split over `tensor` inside, [B@batch, T, d] out
+        let a = match &self.self_attn {
+            Attention::Gqa(g) => g.forward(cx, &h, c, cache)?,
+            Attention::Mla(m) => m.forward(cx, &h, c, cache)?,
+        };
+        let x = cx.add(x, &a)?;
+        // 3. h = post_attention_layernorm(x)
+        let h = nn::rms_norm(cx, &x, self.post_attention_layernorm, eps)?;
+        // 4. x = x + mlp(h): SwiGLU, or the MoE block (experts split over `expert` inside)
+        let m = match &self.mlp {
+            Mlp::Dense(m) => nn::swiglu(cx, &h, m.gate_proj, m.up_proj, m.down_proj)?,
+            Mlp::Moe(m) => m.forward(cx, &h, c, aux)?,
+        };
+        cx.add(&x, &m)
+    }
+}
+
+impl Gqa<&Array> {
+    fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        h: &Array,
+        c: &Config,
+        cache: Option<&mut KvSlot>,
+    ) -> Result<Array, SpmdError> {
+        let w = AttentionWeights {
+            q_proj: self.q_proj,
+            k_proj: self.k_proj,
+            v_proj: self.v_proj,
+            o_proj: self.o_proj,
+            q_norm: self.q_norm,
+            k_norm: self.k_norm,
+        };
+        let dims = AttentionDims {
+            heads: c.base_num_query_heads,
+            kv_heads: c.base_num_kv_heads,
+            head_dim: c.head_dim,
+            rope_theta: c.rope_max_timescale,
+            eps: c.normalization_layer_epsilon,
+        };
+        nn::attention(cx, h, &w, dims, cache)
+    }
+}
+
+impl SparseMoe<&Array> {
+    fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        h: &Array,
+        c: &Config,
+        aux: &mut Option<Array>,
+    ) -> Result<Array, SpmdError> {
+        let settings = c.moe.as_ref().ok_or_else(|| SpmdError::BadArgument {
+            op: "moe".into(),
+            reason: "MoE weights on a config without MoE settings".into(),
+        })?;
+        let weights = MoeWeights {
+            router: self.gate.clone(),
+            router_bias: None,
+            wi_0: self.experts.gate_proj.clone(),
+            wi_1: self.experts.up_proj.clone(),
+            wo: self.experts.down_proj.clone(),
+            shared: self
+                .shared_expert
+                .as_ref()
+                .map(|s| [s.gate_proj.clone(), s.up_proj.clone(), s.down_proj.clone()]),
+        };
+        let options = MoeOptions {
+            withhold_tags: settings.withhold_tags,
+        };
+        let out = moe::moe_sparse(cx, &settings.block(), h, &weights, options)?;
+        if let Some(loss) = out.load_balance_loss {
+            *aux = Some(match aux.take() {
+                Some(sum) => cx.add(&sum, &loss)?,
+                None => loss,
+            });
+        }
+        Ok(out.y)
+    }
+}
+
+/// `w` with every partition removed but its tags kept (an all-gather when it was split).
+pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
+    let spec = w.ty().sharding().spec();
+    if spec.partitions().iter().all(|p| p.is_replicated()) {
+        return Ok(w.clone());
+    }
+    let target = PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?;
+    cx.reshard(w, &target)
+}
+
+/// `table` cast to reduced over those of `axes` it is replicated on and not yet reduced on
+/// (free: reduced is physically replicated), or `table` itself when there are none.
+///
+/// The tied embedding is used twice, by the lookup and by the LM head, each contracting the
+/// batch. A plain table would get one all-reduce of its gradient per use; reduced, each use
+/// leaves its cotangent unreduced over the batch, the two are summed locally, and the cast's
+/// transpose all-reduces the sum once (plain → reduced cast ↔ all-reduce, `docs/design.md` §5).
+/// A table the deferral gate already tagged is left as it is, so its gradient stays unreduced
+/// until the update. Only `Explicit` axes can carry the tag (R1.13), so the others are skipped.
+///
+/// # Collectives
+/// None forward; backward, one all-reduce over the axes added (none when nothing was added).
+pub(super) fn reduced_over(
+    cx: &mut Ctx<'_>,
+    table: &Array,
+    axes: &[String],
+) -> Result<Array, SpmdError> {
+    let (sharding, spec) = (table.ty().sharding(), table.ty().sharding().spec());
+    let partitioned: Vec<&str> = spec.partition_axes().collect();
+    let add: Vec<&String> = axes
+        .iter()
+        .filter(|a| {
+            sharding.mesh().axis(a).is_some_and(|m| {
+                m.axis_type() == ferrotext_sharding::AxisType::Explicit && m.size() > 1
+            })
+        })
+        .filter(|a| !spec.reduced().contains(*a) && !partitioned.contains(&a.as_str()))
+        .collect();
+    if add.is_empty() {
+        return Ok(table.clone());
+    }
+    let target = spec.with_reduced(add.into_iter().cloned())?;
+    cx.reshard(table, &target)
+}

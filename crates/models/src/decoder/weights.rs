@@ -1,0 +1,357 @@
+//! The weight map: [`Weights`] → [`DecoderLayer`] → [`Attention`] / [`Mlp`], one field per
+//! checkpoint tensor named as HF names it, generic over `W` (`ParamInfo` for the declarations,
+//! `&Array` in the forward pass), and the declarations of a [`Config`]'s weights.
+//!
+//! Invariants: each struct's `try_map` visits its fields in declaration order, which *is* the
+//! flat parameter order ([`Decoder::params`](super::Decoder::params)), so adding or reordering a
+//! field changes checkpoints; matrices are declared `[in, out]` with `HfLayout::Tensor {
+//! transposed: true }`, norms `[n]` untransposed.
+
+use super::Config;
+use crate::deepseek::Mla;
+use crate::params::{HfLayout, Init, ParamInfo};
+
+/// The whole model's weights (HF `Qwen3ForCausalLM`: `model.{embed_tokens, layers, norm}`, then
+/// `lm_head`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Weights<W> {
+    /// `model.embed_tokens.weight` `[vocab, d]`.
+    pub embed_tokens: W,
+    /// `model.layers.{i}`.
+    pub layers: Vec<DecoderLayer<W>>,
+    /// `model.norm.weight` `[d]`.
+    pub norm: W,
+    /// `lm_head.weight` `[d, vocab]`; `None` when tied to the embedding (`logits_via_embedding`).
+    pub lm_head: Option<W>,
+}
+
+/// One decoder layer (`model.layers.{i}`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecoderLayer<W> {
+    /// `input_layernorm.weight` `[d]`.
+    pub input_layernorm: W,
+    /// `self_attn.*`.
+    pub self_attn: Attention<W>,
+    /// `post_attention_layernorm.weight` `[d]`.
+    pub post_attention_layernorm: W,
+    /// `mlp.*`.
+    pub mlp: Mlp<W>,
+}
+
+/// A layer's attention.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Attention<W> {
+    /// Grouped-query attention with QK-norm (Qwen3).
+    Gqa(Gqa<W>),
+    /// Multi-head latent attention (DeepSeek).
+    Mla(Mla<W>),
+}
+
+/// GQA weights (`self_attn.*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gqa<W> {
+    /// `q_proj.weight` `[d, heads·head_dim]`.
+    pub q_proj: W,
+    /// `k_proj.weight` `[d, kv_heads·head_dim]`.
+    pub k_proj: W,
+    /// `v_proj.weight` `[d, kv_heads·head_dim]`.
+    pub v_proj: W,
+    /// `o_proj.weight` `[heads·head_dim, d]`.
+    pub o_proj: W,
+    /// `q_norm.weight` `[head_dim]`.
+    pub q_norm: W,
+    /// `k_norm.weight` `[head_dim]`.
+    pub k_norm: W,
+}
+
+/// A layer's feed-forward.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mlp<W> {
+    /// A SwiGLU MLP.
+    Dense(DenseMlp<W>),
+    /// A mixture-of-experts block.
+    Moe(SparseMoe<W>),
+}
+
+/// SwiGLU weights: `(silu(x·gate_proj) ⊙ x·up_proj)·down_proj`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DenseMlp<W> {
+    /// `gate_proj.weight` `[d, f]`.
+    pub gate_proj: W,
+    /// `up_proj.weight` `[d, f]`.
+    pub up_proj: W,
+    /// `down_proj.weight` `[f, d]`.
+    pub down_proj: W,
+}
+
+/// Mixture-of-experts weights (`mlp.*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SparseMoe<W> {
+    /// The router, `gate.weight` `[d, experts]`.
+    pub gate: W,
+    /// The routed experts, stacked (HF: `experts.{e}.{gate,up,down}_proj.weight`).
+    pub experts: Experts<W>,
+    /// The shared experts as one SwiGLU of width `shared_experts × moe_mlp_dim` (HF:
+    /// `shared_expert.*` for Qwen, `shared_experts.*` for DeepSeek).
+    pub shared_expert: Option<DenseMlp<W>>,
+}
+
+/// Routed experts' weights, stacked along a leading expert dim.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Experts<W> {
+    /// `[experts, d, moe_mlp_dim]`.
+    pub gate_proj: W,
+    /// `[experts, d, moe_mlp_dim]`.
+    pub up_proj: W,
+    /// `[experts, moe_mlp_dim, d]`.
+    pub down_proj: W,
+}
+
+// One `try_map` per struct: visits the weights in field order (the flat parameter order) and
+// rebuilds the structure with `f`'s results.
+
+impl<W> Weights<W> {
+    /// This structure with every weight replaced by `f(weight)`, visited in the flat parameter
+    /// order ([`Decoder::params`](super::Decoder::params)).
+    ///
+    /// # Errors
+    /// The first error of `f`.
+    pub fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<Weights<U>, E> {
+        Ok(Weights {
+            embed_tokens: f(&self.embed_tokens)?,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| l.try_map(f))
+                .collect::<Result<_, _>>()?,
+            norm: f(&self.norm)?,
+            lm_head: self.lm_head.as_ref().map(&mut *f).transpose()?,
+        })
+    }
+}
+
+impl<W> DecoderLayer<W> {
+    fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<DecoderLayer<U>, E> {
+        Ok(DecoderLayer {
+            input_layernorm: f(&self.input_layernorm)?,
+            self_attn: match &self.self_attn {
+                Attention::Gqa(a) => Attention::Gqa(Gqa {
+                    q_proj: f(&a.q_proj)?,
+                    k_proj: f(&a.k_proj)?,
+                    v_proj: f(&a.v_proj)?,
+                    o_proj: f(&a.o_proj)?,
+                    q_norm: f(&a.q_norm)?,
+                    k_norm: f(&a.k_norm)?,
+                }),
+                Attention::Mla(a) => Attention::Mla(a.try_map(f)?),
+            },
+            post_attention_layernorm: f(&self.post_attention_layernorm)?,
+            mlp: match &self.mlp {
+                Mlp::Dense(m) => Mlp::Dense(m.try_map(f)?),
+                Mlp::Moe(m) => Mlp::Moe(SparseMoe {
+                    gate: f(&m.gate)?,
+                    experts: Experts {
+                        gate_proj: f(&m.experts.gate_proj)?,
+                        up_proj: f(&m.experts.up_proj)?,
+                        down_proj: f(&m.experts.down_proj)?,
+                    },
+                    shared_expert: m.shared_expert.as_ref().map(|s| s.try_map(f)).transpose()?,
+                }),
+            },
+        })
+    }
+}
+
+impl<W> DenseMlp<W> {
+    fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<DenseMlp<U>, E> {
+        Ok(DenseMlp {
+            gate_proj: f(&self.gate_proj)?,
+            up_proj: f(&self.up_proj)?,
+            down_proj: f(&self.down_proj)?,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The declarations.
+
+/// A `[in, out]` matrix initialised `N(0, 1/in)`; HF stores it `[out, in]` under `name`.
+pub(crate) fn matrix(
+    name: String,
+    shape: [usize; 2],
+    logical: [Option<&'static str>; 2],
+) -> ParamInfo {
+    ParamInfo {
+        hf: HfLayout::Tensor {
+            name: name.clone(),
+            transposed: true,
+        },
+        name,
+        shape: shape.to_vec(),
+        logical: logical.to_vec(),
+        init: Init::FanIn,
+    }
+}
+
+/// An RMSNorm scale `[n]` of ones, as HF stores it.
+pub(crate) fn norm_scale(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
+    ParamInfo {
+        hf: HfLayout::Tensor {
+            name: name.clone(),
+            transposed: false,
+        },
+        name,
+        shape: vec![n],
+        logical: vec![logical],
+        init: Init::Ones,
+    }
+}
+
+impl DenseMlp<ParamInfo> {
+    /// `{prefix}.{gate,up,down}_proj.weight` of width `f` (HF names under `hf_prefix`).
+    fn declare(prefix: &str, hf_prefix: &str, d: usize, f: usize) -> DenseMlp<ParamInfo> {
+        let m = |proj: &str, shape, logical| {
+            let mut p = matrix(format!("{prefix}.{proj}.weight"), shape, logical);
+            p.hf = HfLayout::Tensor {
+                name: format!("{hf_prefix}.{proj}.weight"),
+                transposed: true,
+            };
+            p
+        };
+        DenseMlp {
+            gate_proj: m("gate_proj", [d, f], [Some("embed"), Some("mlp")]),
+            up_proj: m("up_proj", [d, f], [Some("embed"), Some("mlp")]),
+            down_proj: m("down_proj", [f, d], [Some("mlp"), Some("embed")]),
+        }
+    }
+}
+
+impl DecoderLayer<ParamInfo> {
+    /// Layer `i`'s declarations.
+    fn declare(c: &Config, i: usize) -> DecoderLayer<ParamInfo> {
+        let l = |s: &str| format!("model.layers.{i}.{s}");
+        let (d, hq, hkv) = (
+            c.base_emb_dim,
+            c.base_num_query_heads * c.head_dim,
+            c.base_num_kv_heads * c.head_dim,
+        );
+        let self_attn = match &c.mla {
+            Some(m) => Attention::Mla(Mla::declare(&l("self_attn"), d, c.base_num_query_heads, m)),
+            None => Attention::Gqa(Gqa {
+                q_proj: matrix(
+                    l("self_attn.q_proj.weight"),
+                    [d, hq],
+                    [Some("embed"), Some("q_heads")],
+                ),
+                k_proj: matrix(
+                    l("self_attn.k_proj.weight"),
+                    [d, hkv],
+                    [Some("embed"), Some("kv_heads")],
+                ),
+                v_proj: matrix(
+                    l("self_attn.v_proj.weight"),
+                    [d, hkv],
+                    [Some("embed"), Some("kv_heads")],
+                ),
+                o_proj: matrix(
+                    l("self_attn.o_proj.weight"),
+                    [hq, d],
+                    [Some("q_heads"), Some("embed")],
+                ),
+                q_norm: norm_scale(l("self_attn.q_norm.weight"), c.head_dim, None),
+                k_norm: norm_scale(l("self_attn.k_norm.weight"), c.head_dim, None),
+            }),
+        };
+        let mlp = match c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
+            None => Mlp::Dense(DenseMlp::declare(&l("mlp"), &l("mlp"), d, c.base_mlp_dim)),
+            Some(m) => {
+                let (e, fe) = (m.num_experts, m.moe_mlp_dim);
+                let experts =
+                    |proj: &str, shape: [usize; 3], logical: [Option<&'static str>; 3]| ParamInfo {
+                        name: l(&format!("mlp.experts.{proj}")),
+                        shape: shape.to_vec(),
+                        logical: logical.to_vec(),
+                        init: Init::FanIn,
+                        hf: HfLayout::Experts {
+                            prefix: l("mlp.experts"),
+                            suffix: format!("{proj}.weight"),
+                        },
+                    };
+                // HF Qwen2-MoE says `shared_expert`, DeepSeek `shared_experts`.
+                let shared_hf = if c.mla.is_some() {
+                    "mlp.shared_experts"
+                } else {
+                    "mlp.shared_expert"
+                };
+                Mlp::Moe(SparseMoe {
+                    gate: matrix(l("mlp.gate.weight"), [d, e], [Some("embed"), None]),
+                    experts: Experts {
+                        gate_proj: experts(
+                            "gate_proj",
+                            [e, d, fe],
+                            [Some("exp"), Some("embed"), Some("mlp")],
+                        ),
+                        up_proj: experts(
+                            "up_proj",
+                            [e, d, fe],
+                            [Some("exp"), Some("embed"), Some("mlp")],
+                        ),
+                        down_proj: experts(
+                            "down_proj",
+                            [e, fe, d],
+                            [Some("exp"), Some("mlp"), Some("embed")],
+                        ),
+                    },
+                    shared_expert: (m.shared_experts > 0).then(|| {
+                        DenseMlp::declare(
+                            &l("mlp.shared_expert"),
+                            &l(shared_hf),
+                            d,
+                            m.shared_experts * fe,
+                        )
+                    }),
+                })
+            }
+        };
+        DecoderLayer {
+            input_layernorm: norm_scale(l("input_layernorm.weight"), d, Some("norm")),
+            self_attn,
+            post_attention_layernorm: norm_scale(
+                l("post_attention_layernorm.weight"),
+                d,
+                Some("norm"),
+            ),
+            mlp,
+        }
+    }
+}
+
+impl Weights<ParamInfo> {
+    /// The declarations of `c`'s every weight.
+    pub(super) fn declare(c: &Config) -> Weights<ParamInfo> {
+        let embed_tokens = ParamInfo {
+            name: "model.embed_tokens.weight".into(),
+            shape: vec![c.vocab_size, c.base_emb_dim],
+            logical: vec![Some("vocab"), Some("embed")],
+            init: Init::Normal { std: 0.02 },
+            hf: HfLayout::Tensor {
+                name: "model.embed_tokens.weight".into(),
+                transposed: false,
+            },
+        };
+        Weights {
+            embed_tokens,
+            layers: (0..c.base_num_decoder_layers)
+                .map(|i| DecoderLayer::declare(c, i))
+                .collect(),
+            norm: norm_scale("model.norm.weight".into(), c.base_emb_dim, Some("norm")),
+            lm_head: (!c.logits_via_embedding).then(|| {
+                matrix(
+                    "lm_head.weight".into(),
+                    [c.base_emb_dim, c.vocab_size],
+                    [Some("embed"), Some("vocab")],
+                )
+            }),
+        }
+    }
+}
