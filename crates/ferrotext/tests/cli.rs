@@ -621,7 +621,10 @@ fn a_usage_error_exits_2_with_the_whole_message() {
     assert!(!dir.exists(), "bad input wrote {}", dir.display());
 }
 
-/// A run with a fault injected through `FERROTEXT_FAULT` (see `train_cmd`).
+/// A run with a fault injected through `FERROTEXT_FAULT` (see `train_cmd/fault.rs`; the hook
+/// exists in builds with the `fault-injection` feature, which the README's test command turns
+/// on; `fault_classes.rs` checks that a build without it has none).
+#[cfg(feature = "fault-injection")]
 fn faulty_train(fault: &str, dir: &std::path::Path) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_ferrotext"))
         .args([
@@ -641,6 +644,7 @@ fn faulty_train(fault: &str, dir: &std::path::Path) -> (Option<i32>, String) {
     )
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn engine_misuse_exits_1_naming_the_call() {
     let dir = std::env::temp_dir().join(format!("ferrotext-misuse-{}", std::process::id()));
@@ -652,6 +656,7 @@ fn engine_misuse_exits_1_naming_the_call() {
     );
 }
 
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_device_panic_exits_1_naming_the_device_and_the_message() {
     let dir = std::env::temp_dir().join(format!("ferrotext-panic-{}", std::process::id()));

@@ -1,6 +1,7 @@
 //! Classes of failure found by fault injection, each fixed as a class: a rerun of a finished
 //! run still delivers its declared outputs; no file a run reads (a checkpoint's included) can
-//! block it; a binary that cannot speak MPI refuses to run under an MPI launcher.
+//! block it; a binary that cannot speak MPI refuses to run under an MPI launcher; a binary built
+//! without the `fault-injection` feature carries no test hook.
 
 use std::path::Path;
 use std::process::Command;
@@ -175,4 +176,49 @@ fn a_binary_without_mpi_refuses_to_run_under_an_mpi_launcher() {
         String::from_utf8_lossy(&out.stderr)
     );
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// Whether the binary's bytes contain `needle` (a string the test hooks print or read).
+fn binary_contains(needle: &[u8]) -> bool {
+    let bytes = std::fs::read(env!("CARGO_BIN_EXE_ferrotext")).expect("the binary reads");
+    bytes.windows(needle.len()).any(|w| w == needle)
+}
+
+/// A binary built without the `fault-injection` feature (a release build, or this suite run
+/// as `.ci/run` runs it without features) has no test hook: it never reads `FERROTEXT_FAULT`
+/// (the run asked to panic trains and exits 0), and neither the variable's name nor the
+/// injected panic's message is in it.
+#[cfg(not(feature = "fault-injection"))]
+#[test]
+fn a_build_without_fault_injection_has_no_test_hook() {
+    assert!(!binary_contains(b"FERROTEXT_FAULT"));
+    assert!(!binary_contains(b"injected fault: device"));
+    let dir = temp_dir("no-hook");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotext"));
+    child.env("FERROTEXT_FAULT", "device_panic:0");
+    let out = child
+        .args([
+            "train",
+            &format!("base_output_directory={}", dir.display()),
+            "steps=1",
+            "max_target_length=16",
+        ])
+        .output()
+        .expect("the ferrotext binary runs");
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The mirror: built with the feature (the README's test command), the same probe finds the
+/// hook (and `cli.rs` checks what it does).
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_build_with_fault_injection_has_the_hook() {
+    assert!(binary_contains(b"FERROTEXT_FAULT"));
+    assert!(binary_contains(b"injected fault: device"));
 }

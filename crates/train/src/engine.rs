@@ -109,8 +109,8 @@ enum StepSum {
 /// The per-device training engine. See the module docs.
 pub struct Engine {
     plan: RunPlan,
-    /// Layout inside micro-batches, per parameter: the plan's, unless a diagnostic overrode it
-    /// ([`Engine::override_inside_spec`]).
+    /// Layout inside micro-batches, per parameter: the plan's, unless a test hook overrode it
+    /// (`Engine::override_inside_spec`, `fault-injection` feature).
     inside: Vec<PartitionSpec>,
     /// The accumulator's type per gradient: the type it leaves the backward pass with (the
     /// gate's promise), or under [`Overlap::EveryMicroBatch`] the reduced gradient's (the
@@ -345,8 +345,9 @@ impl Engine {
     }
 
     /// Uses `spec` for parameter `name` inside micro-batches instead of the gate's layout. A
-    /// diagnostic: it simulates a helper that rebuilt the spec (e.g. from logical rules) and
-    /// dropped the reduced tag, which the accumulator check must catch.
+    /// test hook (`fault-injection` feature): it simulates a helper that rebuilt the spec (e.g.
+    /// from logical rules) and dropped the reduced tag, which the accumulator check must catch.
+    #[cfg(feature = "fault-injection")]
     ///
     /// # Errors
     /// [`TrainError::Misuse`] for an unknown parameter name.
@@ -734,18 +735,8 @@ impl Engine {
     /// Gate open: one all-reduce per parameter (the deferred reduction), plus one-element norm
     /// reductions for parameters split over devices. Gate closed: only those.
     pub fn update(&mut self, cx: &mut Ctx<'_>) -> Result<StepMetrics, TrainError> {
+        // The one place the schedule is read: every loop steps through here.
         let lr = learning_rate(self.plan.config(), self.step);
-        self.update_with_lr(cx, lr)
-    }
-
-    /// [`Engine::update`] at learning rate `lr`.
-    ///
-    /// # Errors
-    /// As [`Engine::update`].
-    ///
-    /// # Collectives
-    /// As [`Engine::update`].
-    pub fn update_with_lr(&mut self, cx: &mut Ctx<'_>, lr: f64) -> Result<StepMetrics, TrainError> {
         let pending = self.pending.take().ok_or_else(|| TrainError::Misuse {
             call: "Engine::update",
             reason: "update called with no fwd_bwd since the last update".into(),

@@ -9,7 +9,7 @@ One step, from the config to the optimizer, in the order a run meets it:
 
 | file | what it owns |
 |---|---|
-| `config.rs` | [`TrainConfig`]: every key, its default, the checks on values alone |
+| `config/` | [`TrainConfig`]: every key, its default (`mod.rs`), loading (`load.rs`), the checks on values alone (`validate.rs`), derived quantities and memory (`derived.rs`, `memory.rs`) |
 | `plan.rs` | [`RunPlan`]: the config checked once → decoder, mesh, [`Deferral`], [`Zero1`], each parameter's [`ParamLayout`] |
 | `gate.rs` | the two gates' answers, whole: `Open { .. }` or `Closed(`[`ClosedReason`]`)` |
 | `run.rs` | [`train`]: one device program per device, and the training loop |
@@ -17,7 +17,7 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `engine.rs` | [`Engine`]: `fwd_bwd` per micro-batch, `update` per step |
 | `gradients.rs` | [`PartialGradients`] (the accumulator, reduced once) and [`Gradients`] (what the optimizer takes) |
 | `optim.rs` | [`Optimizer`], [`learning_rate`], [`clip_scale`] |
-| `checkpoint.rs` | checkpoints of an engine's state, mid-step too |
+| `checkpoint/` | checkpoints of an engine's state, mid-step too: `manifest.rs`, `save.rs`, `load.rs`, `resume.rs` |
 | `data.rs`, `io.rs` | token sources; parameter files and the metrics log |
 | `export.rs` | a checkpoint's parameters as a Hugging Face directory (the format itself: `ferrotext-hf`) |
 | `keys.rs` | every key's group, form and meaning for `ferrotext keys`; nearest names for typos |
@@ -61,7 +61,7 @@ pub use gate::{deferral_gate, zero1_gate, zero1_spec, ClosedReason, Deferral, Ov
 pub use gradients::{Gradients, PartialGradients};
 pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use plan::{ParamLayout, PlanDecoder, RunPlan};
-pub use run::{
-    select_matmul_kernel, train, train_plan, Fault, RunOptions, StepCallback, TrainReport,
-};
+#[cfg(feature = "fault-injection")]
+pub use run::Fault;
+pub use run::{select_matmul_kernel, train, train_plan, RunOptions, StepCallback, TrainReport};
 pub use trainer::{plan_step, Trainer};

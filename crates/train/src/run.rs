@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd_detachable, Cluster, SpmdOptions, Trace};
 use ferrotext_models::ParamInfo;
+#[cfg(feature = "fault-injection")]
 use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{on_device, Ctx};
 use ferrotext_tensor::Tensor;
@@ -19,7 +20,6 @@ use crate::engine::StepMetrics;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Zero1};
 use crate::io;
-use crate::optim::learning_rate;
 use crate::plan::RunPlan;
 use crate::trainer::Trainer;
 
@@ -28,7 +28,9 @@ use crate::trainer::Trainer;
 pub type StepCallback = Arc<dyn Fn(&StepMetrics) + Send + Sync>;
 
 /// A failure injected on purpose, to check how each class of error reaches the user (the
-/// binary's tests set it through `FERROTEXT_FAULT`). Never set in a real run.
+/// binary's tests set it through `FERROTEXT_FAULT`). Only in builds with the `fault-injection`
+/// feature (the tests'), never in a release binary.
+#[cfg(feature = "fault-injection")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Fault {
@@ -53,8 +55,9 @@ pub struct RunOptions<'a> {
     /// Stop after this many steps of this run (as an interrupted run would; the schedule still
     /// spans `steps`).
     pub stop_after_steps: Option<usize>,
-    /// Diagnostic: use this spec for this parameter inside micro-batches (see
-    /// [`crate::Engine::override_inside_spec`]).
+    /// Test hook (`fault-injection` feature): use this spec for this parameter inside
+    /// micro-batches (see [`crate::Engine::override_inside_spec`]).
+    #[cfg(feature = "fault-injection")]
     pub inside_spec_override: Option<(String, PartitionSpec)>,
     /// The processes the mesh spans (`None`: every device is a thread of this process). Its
     /// process count must equal `num_processes`.
@@ -62,7 +65,8 @@ pub struct RunOptions<'a> {
     /// Append each step's metrics to this JSON-lines file as the step ends (device 0 writes;
     /// see [`io::MetricsLog`] for what a resumed run keeps).
     pub metrics_path: Option<PathBuf>,
-    /// Diagnostic: a failure to inject (see [`Fault`]).
+    /// Test hook (`fault-injection` feature): a failure to inject (see [`Fault`]).
+    #[cfg(feature = "fault-injection")]
     pub fault: Option<Fault>,
 }
 
@@ -198,8 +202,10 @@ pub fn train_plan(plan: &RunPlan, options: &RunOptions<'_>) -> Result<TrainRepor
         on_step: options.on_step.clone(),
         return_params: options.return_params,
         stop_after_steps: options.stop_after_steps,
+        #[cfg(feature = "fault-injection")]
         inside_spec_override: options.inside_spec_override.clone(),
         metrics_path: options.metrics_path.clone(),
+        #[cfg(feature = "fault-injection")]
         fault: options.fault,
     });
     let results = run_spmd_detachable(
@@ -230,20 +236,24 @@ struct DeviceRun {
     on_step: Option<StepCallback>,
     return_params: bool,
     stop_after_steps: Option<usize>,
+    #[cfg(feature = "fault-injection")]
     inside_spec_override: Option<(String, PartitionSpec)>,
     metrics_path: Option<PathBuf>,
+    #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
 }
 
 impl DeviceRun {
     /// One device's run: set up its trainer (resuming if asked), run the loop, report.
     fn run(&self, cx: &mut Ctx<'_>, device: usize) -> Result<TrainReport, TrainError> {
+        #[cfg(feature = "fault-injection")]
         if self.fault == Some(Fault::DevicePanic { device }) {
             // ok: the tests-only fault a caller asks for (RunOptions::fault), never user input.
             panic!("injected fault: device {device} panics before its first step");
         }
         let plan = &self.plan;
         let mut trainer = Trainer::new(cx, plan, self.source.clone(), self.initial.as_deref())?;
+        #[cfg(feature = "fault-injection")]
         if let Some((name, spec)) = &self.inside_spec_override {
             trainer
                 .engine_mut()
@@ -333,27 +343,27 @@ impl DeviceRun {
                     .map(|_| step),
             );
             let step_span = ferrotext_profile::span_in(STEP_KIND, Phase::Other);
-            // 1. learning rate: linear warmup, then cosine decay to the floor.
-            let lr = learning_rate(config, step);
-            // 2. micro-batches: forward, backward, accumulate. Deferral happens here: with the
+            // 1. micro-batches: forward, backward, accumulate. Deferral happens here: with the
             //    gate open the gradients stay unreduced ({U:data}) in the accumulator, so no
             //    micro-batch communicates them; the step's one reduction is in `update`.
-            for micro in trainer.engine().pending_micro_steps()..ga {
-                trainer.micro_batch(cx, micro)?;
-                let done = micro + 1;
-                let period = config.checkpoint_micro_batch_period;
+            //    Checkpoints inside the step are taken between micro-batches.
+            // 2. update: the learning rate (linear warmup, then cosine decay to the floor), the
+            //    one reduction, ÷ tokens, clip, optimizer step.
+            let period = config.checkpoint_micro_batch_period;
+            let root = &self.root;
+            let mut m = trainer.step_with(cx, &mut |cx, engine, done| {
                 if checkpoints && done < ga && period > 0 && done % period == 0 {
                     // A mid-step checkpoint stores the reduced accumulator (phase `checkpoint`).
-                    trainer.engine().save_checkpoint(cx, &self.root)?;
+                    engine.save_checkpoint(cx, root)?;
                 }
-            }
-            // 3. update: the one reduction, ÷ tokens, clip, optimizer step.
-            let mut m = trainer.update(cx, lr)?;
+                Ok(())
+            })?;
             drop(step_span);
+            #[cfg(feature = "fault-injection")]
             if self.fault == Some(Fault::EngineMisuse) {
                 trainer.engine_mut().update(cx)?;
             }
-            // 4. eval, every `eval_interval` steps and at the last: the held-out loss on the
+            // 3. eval, every `eval_interval` steps and at the last: the held-out loss on the
             //    step's weights (forward only, trace phase `eval`, no gradient collective).
             let done = trainer.engine().steps_taken();
             let interval = config.eval_interval;
@@ -364,9 +374,9 @@ impl DeviceRun {
                     m.eval_perplexity = Some(loss.exp());
                 }
             }
-            // 5. log: the metrics file and the progress callback.
+            // 4. log: the metrics file and the progress callback.
             log(&m)?;
-            // 6. checkpoint, every `checkpoint_period` steps and at the last.
+            // 5. checkpoint, every `checkpoint_period` steps and at the last.
             if checkpoints
                 && (done.is_multiple_of(config.checkpoint_period) || done == config.steps)
             {

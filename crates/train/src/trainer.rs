@@ -13,7 +13,6 @@ use crate::data::{micro_batch, micro_batch_of_units, TokenSource};
 use crate::engine::{Engine, FwdBwd, StepMetrics};
 use crate::error::TrainError;
 use crate::gate::Deferral;
-use crate::optim::learning_rate;
 use crate::plan::RunPlan;
 
 /// The per-device trainer: an [`Engine`] and the data it reads.
@@ -66,15 +65,14 @@ impl Trainer {
         &self.engine
     }
 
-    /// The engine, mutable (diagnostics such as [`Engine::override_inside_spec`], restoring a
-    /// checkpoint).
+    /// The engine, mutable (restoring a checkpoint; test hooks).
     pub fn engine_mut(&mut self) -> &mut Engine {
         &mut self.engine
     }
 
     /// One optimizer step: every micro-batch of the step still to run (a step restored from a
     /// mid-step checkpoint continues at its next one), then the update at the schedule's
-    /// learning rate. The training loop's step without checkpoints or logs.
+    /// learning rate.
     ///
     /// # Errors
     /// As [`Engine::fwd_bwd`] and [`Engine::update`].
@@ -82,12 +80,29 @@ impl Trainer {
     /// # Collectives
     /// As the engine's: with the gate open, no gradient reduction until `update`.
     pub fn step(&mut self, cx: &mut Ctx<'_>) -> Result<StepMetrics, TrainError> {
-        let lr = learning_rate(self.engine.plan().config(), self.engine.steps_taken());
+        self.step_with(cx, &mut |_, _, _| Ok(()))
+    }
+
+    /// [`Trainer::step`], calling `after_micro_batch(cx, engine, done)` after each micro-batch
+    /// (`done` of the step's micro-batches have run): the training loop's step, whose hook takes
+    /// the checkpoints inside a step.
+    ///
+    /// # Errors
+    /// As [`Trainer::step`], or the hook's error (the step stops there).
+    ///
+    /// # Collectives
+    /// As [`Trainer::step`], plus the hook's.
+    pub fn step_with(
+        &mut self,
+        cx: &mut Ctx<'_>,
+        after_micro_batch: &mut dyn FnMut(&mut Ctx<'_>, &Engine, usize) -> Result<(), TrainError>,
+    ) -> Result<StepMetrics, TrainError> {
         let ga = self.engine.plan().config().gradient_accumulation_steps;
         for micro in self.engine.pending_micro_steps()..ga {
             self.micro_batch(cx, micro)?;
+            after_micro_batch(cx, &self.engine, micro + 1)?;
         }
-        self.update(cx, lr)
+        self.update(cx)
     }
 
     /// Micro-batch `micro` of the current step: its rows from the source, forward, backward,
@@ -154,19 +169,19 @@ impl Trainer {
         Ok(loss_sum / tokens.max(1) as f64)
     }
 
-    /// The step's update at learning rate `lr`, in trace phase `update`: the one reduction,
-    /// ÷ tokens, clipping, the optimizer. The metrics carry the data epoch of the step's last
-    /// sequence.
+    /// The step's update at the schedule's learning rate, in trace phase `update`: the one
+    /// reduction, ÷ tokens, clipping, the optimizer. The metrics carry the data epoch of the
+    /// step's last sequence.
     ///
     /// # Errors
     /// As [`Engine::update`].
     ///
     /// # Collectives
     /// As [`Engine::update`].
-    pub fn update(&mut self, cx: &mut Ctx<'_>, lr: f64) -> Result<StepMetrics, TrainError> {
+    pub fn update(&mut self, cx: &mut Ctx<'_>) -> Result<StepMetrics, TrainError> {
         let step = self.engine.steps_taken() as u64;
         cx.comm().push_phase("update");
-        let mut metrics = self.engine.update_with_lr(cx, lr)?;
+        let mut metrics = self.engine.update(cx)?;
         cx.comm().pop_phase();
         let config = self.engine.plan().config();
         let per_step = (config.micro_batch_rows() * config.gradient_accumulation_steps) as u64;

@@ -3,11 +3,10 @@
 //! on every mesh, a dropped tag, and learning on the bundled corpus.
 
 use ferrotext_comm::{CollectiveKind, PhasePattern};
-use ferrotext_sharding::PartitionSpec;
 mod common;
 
 use common::{max_rel_diff, run, small_config as config};
-use ferrotext_train::{train, Deferral, RunOptions, TrainError};
+use ferrotext_train::{train, Deferral, RunOptions};
 
 #[test]
 fn deferred_step_reduces_gradients_once_per_step() {
@@ -170,17 +169,22 @@ fn gate_closes_on_fsdp_and_tensor_meshes_which_still_train() {
     }
 }
 
+/// Uses the `fault-injection` test hook (on in the README's test command).
+#[cfg(feature = "fault-injection")]
 #[test]
 fn a_dropped_tag_is_caught_not_silently_reduced_early() {
     let cfg = config(&["gradient_accumulation_steps=2"]);
     let name = "model.layers.0.mlp.up_proj.weight".to_string();
     let options = RunOptions {
-        inside_spec_override: Some((name.clone(), PartitionSpec::new([None::<&str>, None]))),
+        inside_spec_override: Some((
+            name.clone(),
+            ferrotext_sharding::PartitionSpec::new([None::<&str>, None]),
+        )),
         ..Default::default()
     };
     let err = train(&cfg, &options).unwrap_err();
     match &err {
-        TrainError::AccumulatorType {
+        ferrotext_train::TrainError::AccumulatorType {
             param,
             expected,
             got,

@@ -6,14 +6,14 @@
 //! Errors come back as [`TrainError`](ferrotext_train::TrainError)s; `main` picks the exit code
 //! from their class (2 for the user's input, 1 for everything else).
 //!
-//! `FERROTEXT_FAULT` (tests only) injects a failure into the run to check how it is reported:
-//! `device_panic:N` (device `N` panics) or `engine_misuse` (an `update` with nothing
-//! accumulated).
+//! `FERROTEXT_FAULT` injects a failure into the run to check how it is reported, in the tests'
+//! builds only (`fault.rs`).
 //!
 //! Files: this one runs `train` step by step ([`run`]); `help.rs` writes `train --help`'s list of
 //! keys; `plan.rs` is `ferrotext plan`, `prediction.rs` prints its `--cluster` prediction;
 //! `summary.rs` prints the end of a run and delivers its outputs.
 
+mod fault;
 mod help;
 mod plan;
 mod prediction;
@@ -26,13 +26,14 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use ferrotext_train::{
-    io, train_plan, Fault, RunOptions, RunPlan, StepCallback, StepMetrics, TrainConfig, TrainReport,
+    io, train_plan, RunOptions, RunPlan, StepCallback, StepMetrics, TrainConfig, TrainReport,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::common::{config_args, UsageError};
 use crate::emulate::probe::WireProbe;
 use crate::launch::Launch;
+use fault::InjectedFault;
 
 pub use help::keys_help;
 pub use plan::{plan, PlanArgs};
@@ -42,26 +43,6 @@ pub use plan::{plan, PlanArgs};
 pub struct TrainArgs {
     /// An optional TOML config file, then `key=value` overrides.
     args: Vec<String>,
-}
-
-/// The failure `FERROTEXT_FAULT` asks to inject (see the module docs).
-fn injected_fault() -> Result<Option<Fault>> {
-    let Ok(text) = std::env::var("FERROTEXT_FAULT") else {
-        return Ok(None);
-    };
-    match text.split_once(':') {
-        None if text == "engine_misuse" => Ok(Some(Fault::EngineMisuse)),
-        Some(("device_panic", n)) => match n.parse() {
-            Ok(device) => Ok(Some(Fault::DevicePanic { device })),
-            Err(_) => {
-                Err(UsageError(format!("FERROTEXT_FAULT `{text}`: `{n}` is not a device")).into())
-            }
-        },
-        _ => Err(UsageError(format!(
-            "FERROTEXT_FAULT `{text}` is not `device_panic:N` or `engine_misuse`"
-        ))
-        .into()),
-    }
 }
 
 /// The run the arguments describe, planned (every key checked once).
@@ -107,7 +88,7 @@ fn tokens_per_step(config: &TrainConfig) -> usize {
 pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     let plan = load_for(args, launch)?;
     let config = plan.config();
-    let fault = injected_fault()?;
+    let fault = InjectedFault::from_env()?;
     // Before the header names the kernel, and before any product runs.
     ferrotext_train::select_matmul_kernel(config)?;
     // Every output is checked before anything runs: a bad path is bad input, found now.
@@ -145,19 +126,18 @@ fn follow(
     plan: &RunPlan,
     launch: &Launch,
     wire: &Arc<Option<WireProbe>>,
-    fault: Option<Fault>,
+    fault: InjectedFault,
 ) -> Result<()> {
     let on_step: Option<StepCallback> = match wire.as_ref() {
         Some(_) => Some(Arc::new(wire_recorder(wire.clone()))),
         None => None,
     };
-    let options = RunOptions {
+    let options = fault.apply(RunOptions {
         on_step,
         cluster: launch.cluster(),
         return_params: !plan.config().save_parameters_path.is_empty(),
-        fault,
         ..Default::default()
-    };
+    });
     train_plan(plan, &options)?;
     Ok(())
 }
@@ -195,7 +175,7 @@ fn train_with_progress(
     plan: &RunPlan,
     launch: &Launch,
     wire: Arc<Option<WireProbe>>,
-    fault: Option<Fault>,
+    fault: InjectedFault,
     metrics_path: &Path,
 ) -> Result<(TrainReport, f64)> {
     let config = plan.config();
@@ -205,14 +185,13 @@ fn train_with_progress(
             .unwrap_or_else(|_| ProgressStyle::default_bar()), // ok: the template is a constant
     );
     let on_step = show_progress(bar.clone(), config.steps, wire_recorder(wire));
-    let options = RunOptions {
+    let options = fault.apply(RunOptions {
         on_step: Some(Arc::new(on_step)),
         return_params: !config.save_parameters_path.is_empty(),
         cluster: launch.cluster(),
         metrics_path: Some(metrics_path.to_path_buf()),
-        fault,
         ..Default::default()
-    };
+    });
     let started = Instant::now();
     let report = train_plan(plan, &options)?;
     bar.finish_and_clear();
