@@ -4,16 +4,12 @@
 //! `untagged = o + N·c + N·a`, `deferred = o + N·c + a`.
 
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Result;
-use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_spmd::on_device;
-use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
+use ferrotext_train::{ShardMode, TrainConfig};
 use serde::Serialize;
 
-use super::{abba_pair, write_json, Paired, Side, StepPair};
+use super::{paired_training_steps, write_json, Paired};
 
 #[derive(Serialize)]
 struct Row {
@@ -94,35 +90,13 @@ pub fn run(model: &str, gas: &[usize], pairs: usize, extra: &[String], out: &Pat
         let mut untagged = deferred.clone();
         untagged.shard_mode = ShardMode::Auto;
         let (deferred_plan, untagged_plan) = (deferred.plan()?, untagged.plan()?);
-        let mesh = deferred_plan.compute_mesh().clone();
-        let vocab = deferred_plan.decoder().config().vocab_size;
-        let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(&deferred, vocab)?);
-        let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
-        let per_device = run_spmd(&mesh, &opts, |dev| -> Result<Vec<StepPair>, TrainError> {
-            on_device(dev, |cx| {
-                let mut a = Trainer::new(cx, &deferred_plan, source.clone(), None)?;
-                let mut b = Trainer::new(cx, &untagged_plan, source.clone(), None)?;
-                a.step(cx)?; // warm-up
-                b.step(cx)?;
-                // A: deferred, B: untagged.
-                (0..pairs)
-                    .map(|i| {
-                        let (ma, mb) = abba_pair(i, |side| match side {
-                            Side::A => a.step(cx),
-                            Side::B => b.step(cx),
-                        })?;
-                        Ok(StepPair::of(&ma, &mb))
-                    })
-                    .collect()
-            })
-        })
-        .map_err(TrainError::from)?;
+        // A: deferred, B: untagged.
         let Paired {
             a_seconds: d,
             b_seconds: u,
             b_over_a: paired,
             max_abs_loss_diff: loss_diff,
-        } = Paired::of(&per_device[0]);
+        } = paired_training_steps(&deferred_plan, &untagged_plan, pairs)?;
         let tokens = (deferred.micro_batch_rows() * ga * deferred.max_target_length) as f64;
         points.push((ga, d, u));
         raw.push((ga, d, u, paired, tokens / d, tokens / u, loss_diff));

@@ -4,16 +4,12 @@
 //! drifts), each point's global batch the same; and the gradient memory the tree adds.
 
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Result;
-use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_spmd::on_device;
-use ferrotext_train::{data, TrainConfig, TrainError, Trainer};
+use ferrotext_train::TrainConfig;
 use serde::Serialize;
 
-use super::{abba_pair, write_json, Paired, Side, StepPair};
+use super::{paired_training_steps, write_json};
 
 /// A point of the comparison: data-parallel devices and micro-batches per step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,29 +92,7 @@ pub fn run(
         items.push("layout_invariant=true".into());
         let with = TrainConfig::load(None, &items)?;
         let (without_plan, with_plan) = (without.plan()?, with.plan()?);
-        let mesh = with_plan.compute_mesh().clone();
-        let vocab = with_plan.decoder().config().vocab_size;
-        let source: Arc<dyn data::TokenSource> = Arc::from(data::source_for(&with, vocab)?);
-        let opts = SpmdOptions::default().with_timeout(Duration::from_secs(600));
-        let per_device = run_spmd(&mesh, &opts, |dev| -> Result<Vec<StepPair>, TrainError> {
-            on_device(dev, |cx| {
-                let mut a = Trainer::new(cx, &without_plan, source.clone(), None)?;
-                let mut b = Trainer::new(cx, &with_plan, source.clone(), None)?;
-                a.step(cx)?; // warm-up
-                b.step(cx)?;
-                (0..pairs)
-                    .map(|i| {
-                        let (ma, mb) = abba_pair(i, |side| match side {
-                            Side::A => a.step(cx),
-                            Side::B => b.step(cx),
-                        })?;
-                        Ok(StepPair::of(&ma, &mb))
-                    })
-                    .collect()
-            })
-        })
-        .map_err(TrainError::from)?;
-        let paired = Paired::of(&per_device[0]);
+        let paired = paired_training_steps(&without_plan, &with_plan, pairs)?;
         let sets = gradient_sets(ga);
         // Each device holds whole gradients (the tree's sets are `{U:data}` partial sums).
         let params: usize = with_plan

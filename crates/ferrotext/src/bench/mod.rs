@@ -328,3 +328,44 @@ fn write_file(path: &Path, contents: impl AsRef<[u8]>) -> Result<()> {
 fn write_json(path: &Path, report: &impl serde::Serialize) -> Result<()> {
     write_file(path, serde_json::to_string_pretty(report)?)
 }
+
+/// Two planned training runs on one mesh, stepped side by side in one process: a warm-up step
+/// each, then `pairs` ABBA-ordered pairs of steps (A = `a`, B = `b`), both reading `a`'s data.
+/// Returns device 0's statistics.
+///
+/// # Errors
+/// A data source the config cannot open; a training failure on any device.
+pub(crate) fn paired_training_steps(
+    a: &ferrotext_train::RunPlan,
+    b: &ferrotext_train::RunPlan,
+    pairs: usize,
+) -> Result<Paired, ferrotext_train::TrainError> {
+    use ferrotext_train::{data, TrainError, Trainer};
+    let vocab = a.decoder().config().vocab_size;
+    let source: std::sync::Arc<dyn data::TokenSource> =
+        std::sync::Arc::from(data::source_for(a.config(), vocab)?);
+    let opts =
+        ferrotext_comm::SpmdOptions::default().with_timeout(std::time::Duration::from_secs(600));
+    let mesh = a.compute_mesh();
+    let per_device = ferrotext_comm::run_spmd(mesh, &opts, |dev| {
+        ferrotext_spmd::on_device(dev, |cx| -> Result<Vec<StepPair>, TrainError> {
+            let mut run_a = Trainer::new(cx, a, source.clone(), None)?;
+            let mut run_b = Trainer::new(cx, b, source.clone(), None)?;
+            run_a.step(cx)?; // warm-up
+            run_b.step(cx)?;
+            (0..pairs)
+                .map(|i| {
+                    let (ma, mb) = abba_pair(i, |side| match side {
+                        Side::A => run_a.step(cx),
+                        Side::B => run_b.step(cx),
+                    })?;
+                    Ok(StepPair::of(&ma, &mb))
+                })
+                .collect()
+        })
+    })
+    .map_err(TrainError::from)?;
+    Ok(Paired::of(
+        per_device.first().map_or(&[][..], Vec::as_slice),
+    ))
+}
