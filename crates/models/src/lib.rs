@@ -22,7 +22,6 @@ pub mod moe;
 pub mod nn;
 mod params;
 mod presets;
-pub mod qwen3;
 
 pub use kv_cache::{KvCache, KvSlot};
 pub use params::{init_normal, HfLayout, HfLayoutError, Init, ParamInfo, Rng};

@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use ferrotext_models::qwen3;
+use ferrotext_models::decoder;
 
 use super::TrainConfig;
 use crate::error::TrainError;
@@ -19,18 +19,18 @@ impl TrainConfig {
     /// # Errors
     /// An unknown preset, MoE keys that do not fit the preset, or a Hugging Face directory
     /// whose `config.json` is not usable.
-    pub(crate) fn model(&self) -> Result<qwen3::Config, TrainError> {
+    pub(crate) fn model(&self) -> Result<decoder::Config, TrainError> {
         let hf_dir = Path::new(&self.load_parameters_path);
         let mut m = if !self.load_parameters_path.is_empty() && hf_dir.is_dir() {
             ferrotext_hf::read_config(hf_dir)?
         } else {
-            qwen3::Config::preset(&self.model_name).ok_or_else(|| {
+            decoder::Config::preset(&self.model_name).ok_or_else(|| {
                 TrainError::usage(
                     "model_name",
                     format!(
                         "model_name `{}` is not a preset (one of {})",
                         self.model_name,
-                        qwen3::Config::PRESETS.join(", ")
+                        decoder::Config::PRESETS.join(", ")
                     ),
                 )
             })?
@@ -56,7 +56,7 @@ impl TrainConfig {
     }
 
     /// The MoE keys on top of the preset's feed-forward.
-    fn apply_moe(&self, m: &mut qwen3::Config) -> Result<(), TrainError> {
+    fn apply_moe(&self, m: &mut decoder::Config) -> Result<(), TrainError> {
         let any_key = self.num_experts.is_some()
             || self.num_experts_per_tok.is_some()
             || self.moe_mlp_dim.is_some()
@@ -80,7 +80,7 @@ impl TrainConfig {
             }
             return Ok(());
         }
-        let mut moe = m.moe.clone().unwrap_or(qwen3::MoeSettings {
+        let mut moe = m.moe.clone().unwrap_or(decoder::MoeSettings {
             num_experts: 8,
             num_experts_per_tok: 2,
             moe_mlp_dim: m.base_mlp_dim,

@@ -4,7 +4,7 @@
 //! Invariant: every failure is a [`TrainError::Usage`] naming the key to change, one line; the
 //! size bounds keep every product of counts exact in `usize` before any is multiplied.
 
-use ferrotext_models::qwen3;
+use ferrotext_models::decoder;
 use ferrotext_sharding::Mesh;
 
 use super::{DatasetType, TrainConfig};
@@ -155,7 +155,7 @@ impl TrainConfig {
     /// batch over its axes, heads over `tensor`, the data source.
     pub(crate) fn check_combinations(
         &self,
-        model: &qwen3::Config,
+        model: &decoder::Config,
         mesh: &Mesh,
     ) -> Result<(), TrainError> {
         let bad = |key: &str, m: String| Err(TrainError::usage(key, m));
