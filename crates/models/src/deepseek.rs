@@ -114,9 +114,9 @@ impl Mla<&Array> {
         c: &Config,
         cache: Option<&mut KvSlot>,
     ) -> Result<Array, SpmdError> {
-        let m = c.mla.ok_or_else(|| SpmdError::BadArgument {
-            op: "mla".into(),
-            reason: "MLA weights on a config without MLA settings".into(),
+        let m = c.mla.ok_or(SpmdError::MissingSettings {
+            op: "mla",
+            block: "MLA",
         })?;
         let w = MlaWeights {
             wq_a: self.q_a_proj,

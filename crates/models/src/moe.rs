@@ -104,12 +104,14 @@ impl MoeConfig {
     fn check(&self, weights: &MoeWeights) -> Result<(), SpmdError> {
         let e = self.num_experts;
         let k = self.num_experts_per_tok;
-        let bad = |reason: String| SpmdError::BadArgument {
-            op: "moe".into(),
-            reason,
-        };
         if k == 0 || k > e {
-            return Err(bad(format!("num_experts_per_tok = {k} with {e} experts")));
+            return Err(SpmdError::SettingOutOfRange {
+                op: "moe",
+                key: "num_experts_per_tok",
+                value: k,
+                limit: e,
+                of: "experts",
+            });
         }
         for (name, w) in [
             ("wi_0", &weights.wi_0),
@@ -117,17 +119,29 @@ impl MoeConfig {
             ("wo", &weights.wo),
         ] {
             if w.ty().rank() != 3 || w.ty().shape()[0] != e {
-                return Err(bad(format!("{name} must be [{e}, _, _], got {}", w.ty())));
+                return Err(SpmdError::WeightShape {
+                    op: "moe",
+                    name,
+                    expected: format!("[{e}, _, _]"),
+                    got: w.ty().to_string(),
+                });
             }
         }
         if weights.router.ty().shape().last() != Some(&e) {
-            return Err(bad(format!(
-                "router must be [d, {e}], got {}",
-                weights.router.ty()
-            )));
+            return Err(SpmdError::WeightShape {
+                op: "moe",
+                name: "router",
+                expected: format!("[d, {e}]"),
+                got: weights.router.ty().to_string(),
+            });
         }
-        if weights.router_bias.as_ref().is_some_and(|b| b.len() != e) {
-            return Err(bad(format!("router_bias must have {e} entries")));
+        if let Some(b) = weights.router_bias.as_ref().filter(|b| b.len() != e) {
+            return Err(SpmdError::WeightShape {
+                op: "moe",
+                name: "router_bias",
+                expected: format!("[{e}]"),
+                got: format!("[{}]", b.len()),
+            });
         }
         Ok(())
     }
@@ -217,24 +231,20 @@ pub fn moe_sparse(
         .to_vec();
     for w in [&weights.wi_1, &weights.wo] {
         if w.ty().sharding().spec().dim(0).axis_names() != ep_axes.as_slice() {
-            return Err(SpmdError::BadArgument {
-                op: "moe".into(),
-                reason: format!(
-                    "the expert kernels must split their expert dim alike: {} vs {}",
-                    weights.wi_0.ty(),
-                    w.ty()
-                ),
+            return Err(SpmdError::SplitMismatch {
+                op: "moe",
+                rule: "the expert kernels must split their expert dim alike",
+                first: weights.wi_0.ty().to_string(),
+                other: w.ty().to_string(),
             });
         }
     }
     let batch_axes = x.ty().sharding().spec().dim(0).axis_names().to_vec();
     if let Some(missing) = ep_axes.iter().find(|a| !batch_axes.contains(a)) {
-        return Err(SpmdError::BadArgument {
-            op: "moe".into(),
-            reason: format!(
-                "expert parallelism over `{missing}` needs the batch split over it too; x is {}",
-                x.ty()
-            ),
+        return Err(SpmdError::ExpertAxisNotOnBatch {
+            op: "moe",
+            axis: missing.clone(),
+            x: x.ty().to_string(),
         });
     }
     let mut inputs = vec![x.clone()];
@@ -280,9 +290,9 @@ pub fn moe_sparse(
         Ok(std::iter::once(y).chain(loss).collect())
     })?;
     let mut out = out.into_iter();
-    let y = out.next().ok_or_else(|| SpmdError::BadArgument {
-        op: "moe".into(),
-        reason: "the region returned nothing".into(),
+    let y = out.next().ok_or(SpmdError::Internal {
+        op: "moe",
+        invariant: "the region returned nothing",
     })?;
     Ok(MoeOutput {
         y,
@@ -446,9 +456,11 @@ fn experts_parallel(
     let (_, ep) = cx.axis_index(ep_axes)?;
     let local_experts = w[1].ty().shape()[0];
     if local_experts * ep != e {
-        return Err(SpmdError::BadArgument {
-            op: "moe".into(),
-            reason: format!("{e} experts do not split over {ep} devices of {ep_axes:?}"),
+        return Err(SpmdError::ExpertsIndivisible {
+            op: "moe",
+            experts: e,
+            devices: ep,
+            axes: ep_axes.iter().map(|a| a.to_string()).collect(),
         });
     }
     let copies = experts.len();
@@ -592,9 +604,9 @@ pub fn moe_dense(
             None => part,
         });
     }
-    let mut y = y.ok_or_else(|| SpmdError::BadArgument {
-        op: "moe".into(),
-        reason: "no experts".into(),
+    let mut y = y.ok_or(SpmdError::Internal {
+        op: "moe",
+        invariant: "no experts",
     })?;
     if let Some([gate, up, down]) = &weights.shared {
         let s = crate::nn::swiglu(cx, x, gate, up, down)?;

@@ -101,7 +101,7 @@ impl Array {
     ///
     /// # Errors
     /// [`SpmdError::HostAccessUnreduced`] for an unreduced array, [`SpmdError::NoData`] in
-    /// abstract mode, [`SpmdError::BadArgument`] for more than one element.
+    /// abstract mode, [`SpmdError::NotScalar`] for more than one element.
     pub fn scalar(&self) -> Result<f32, SpmdError> {
         if !self.ty.sharding().spec().unreduced().is_empty() {
             return Err(SpmdError::HostAccessUnreduced {
@@ -110,9 +110,9 @@ impl Array {
         }
         let t = self.local()?;
         if self.ty.element_count() != 1 {
-            return Err(SpmdError::BadArgument {
-                op: "scalar".into(),
-                reason: format!("`{}` has more than one element", self.ty),
+            return Err(SpmdError::NotScalar {
+                op: "scalar",
+                ty: self.ty.to_string(),
             });
         }
         Ok(t.data()[0])

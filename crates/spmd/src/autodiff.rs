@@ -294,9 +294,9 @@ impl Ctx<'_> {
     /// 1 of a scalar output's cotangent type (R4.5).
     fn scalar_seed(&mut self, out: &Array) -> Result<Array, SpmdError> {
         if out.ty().rank() != 0 {
-            return Err(SpmdError::BadArgument {
-                op: "value_and_grad".into(),
-                reason: format!("the function must return a scalar, got `{}`", out.ty()),
+            return Err(SpmdError::NotScalar {
+                op: "value_and_grad",
+                ty: out.ty().to_string(),
             });
         }
         let ct_ty = out.ty().to_cotangent();
@@ -695,9 +695,9 @@ impl GradientSink for Handed<'_> {
     ) -> Result<(), SpmdError> {
         match grad {
             Some(g) => (self.0)(cx, k, g),
-            None => Err(SpmdError::BadArgument {
-                op: "value_and_grad".into(),
-                reason: "a gradient went into a buffer the sink did not offer".into(),
+            None => Err(SpmdError::Internal {
+                op: "value_and_grad",
+                invariant: "a gradient went into a buffer the sink did not offer",
             }),
         }
     }
@@ -708,9 +708,9 @@ fn all_handed(grads: Vec<Option<Array>>) -> Result<Vec<Array>, SpmdError> {
     grads
         .into_iter()
         .map(|g| {
-            g.ok_or_else(|| SpmdError::BadArgument {
-                op: "value_and_grad".into(),
-                reason: "a gradient missing from a walk without buffers".into(),
+            g.ok_or(SpmdError::Internal {
+                op: "value_and_grad",
+                invariant: "a gradient missing from a walk without buffers",
             })
         })
         .collect()

@@ -157,16 +157,14 @@ impl Ctx<'_> {
         bucket_bytes: usize,
         order: &[usize],
     ) -> Result<BucketPlan, SpmdError> {
-        let bad = |reason: String| SpmdError::BadArgument {
-            op: "plan_buckets".into(),
-            reason,
-        };
         if sources.len() != targets.len() {
-            return Err(bad(format!(
-                "{} values but {} targets",
-                sources.len(),
-                targets.len()
-            )));
+            return Err(SpmdError::CountMismatch {
+                op: "plan_buckets",
+                got: sources.len(),
+                what: "values",
+                expected: targets.len(),
+                per: "targets",
+            });
         }
         let mut seen = vec![false; sources.len()];
         if order.len() != sources.len()
@@ -174,7 +172,11 @@ impl Ctx<'_> {
                 .iter()
                 .any(|&i| i >= seen.len() || std::mem::replace(&mut seen[i], true))
         {
-            return Err(bad("the order must list every value once".into()));
+            return Err(SpmdError::BadOrder {
+                op: "plan_buckets",
+                order: order.to_vec(),
+                values: sources.len(),
+            });
         }
         let out_types = sources
             .iter()
@@ -269,9 +271,9 @@ impl Ctx<'_> {
         }
         out.into_iter()
             .map(|a| {
-                a.ok_or_else(|| SpmdError::BadArgument {
-                    op: "reshard_planned".into(),
-                    reason: "a value was not moved".into(),
+                a.ok_or(SpmdError::Internal {
+                    op: "reshard_planned",
+                    invariant: "a value was not moved",
                 })
             })
             .collect()
@@ -303,9 +305,10 @@ impl Ctx<'_> {
         xs: &[Array],
     ) -> Result<Vec<(usize, Array)>, SpmdError> {
         check_plan_fits(plan, xs)?;
-        let (fused, members) = plan.buckets.get(b).ok_or_else(|| SpmdError::BadArgument {
-            op: "move_planned_bucket".into(),
-            reason: format!("no bucket {b}"),
+        let (fused, members) = plan.buckets.get(b).ok_or(SpmdError::NoSuchBucket {
+            op: "move_planned_bucket",
+            bucket: b,
+            buckets: plan.buckets.len(),
         })?;
         let shapes: Vec<Vec<usize>> = members.iter().map(|&i| xs[i].ty().shard_shape()).collect();
         let dims: Vec<usize> = members.iter().map(|&i| plan.dims[i]).collect();
@@ -364,9 +367,12 @@ impl Ctx<'_> {
             return Ok(started);
         };
         if packed.len() != total {
-            return Err(SpmdError::BadArgument {
-                op: "issue_bucket".into(),
-                reason: format!("{} packed elements for a bucket of {total}", packed.len()),
+            return Err(SpmdError::CountMismatch {
+                op: "issue_bucket",
+                got: packed.len(),
+                what: "packed elements",
+                expected: total,
+                per: "elements in the bucket",
             });
         }
         started.flight = if background {
@@ -546,22 +552,21 @@ fn unpack(
 
 /// `xs` are the values the plan was made for: as many, of the same types.
 fn check_plan_fits(plan: &BucketPlan, xs: &[Array]) -> Result<(), SpmdError> {
-    let bad = |reason: String| SpmdError::BadArgument {
-        op: "reshard_planned".into(),
-        reason,
-    };
     if xs.len() != plan.sources.len() {
-        return Err(bad(format!(
-            "{} values for a plan of {}",
-            xs.len(),
-            plan.sources.len()
-        )));
+        return Err(SpmdError::CountMismatch {
+            op: "reshard_planned",
+            got: xs.len(),
+            what: "values",
+            expected: plan.sources.len(),
+            per: "planned values",
+        });
     }
     if let Some((x, want)) = xs.iter().zip(&plan.sources).find(|(x, t)| x.ty() != *t) {
-        return Err(bad(format!(
-            "a value of type `{}` where the plan has `{want}`",
-            x.ty()
-        )));
+        return Err(SpmdError::TypeMismatch {
+            op: "reshard_planned",
+            expected: want.to_string(),
+            got: x.ty().to_string(),
+        });
     }
     Ok(())
 }

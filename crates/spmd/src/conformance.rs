@@ -72,9 +72,9 @@ pub struct Summary {
     pub failures: Vec<(String, String)>,
 }
 
+/// A case line that cannot be read.
 fn bad(reason: impl Into<String>) -> SpmdError {
-    SpmdError::BadArgument {
-        op: "conformance".into(),
+    SpmdError::BadCase {
         reason: reason.into(),
     }
 }

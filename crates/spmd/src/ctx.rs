@@ -115,12 +115,9 @@ impl<'c> Ctx<'c> {
     ) -> Result<Array, SpmdError> {
         let ty = ArrayType::new(DType::F32, global.shape().to_vec(), sharding)?;
         if !ty.sharding().spec().unreduced().is_empty() {
-            return Err(SpmdError::BadArgument {
-                op: "from_global".into(),
-                reason: format!(
-                    "cannot build `{ty}` directly: only `reshard` makes a value unreduced \
-                     (docs/design.md §4.5); build it plain and reshard"
-                ),
+            return Err(SpmdError::UnreducedConstruction {
+                op: "from_global",
+                ty: ty.to_string(),
             });
         }
         let local = match self.mode {
@@ -136,16 +133,14 @@ impl<'c> Ctx<'c> {
     /// An array from this device's shard (e.g. its micro-batch slice).
     ///
     /// # Errors
-    /// [`SpmdError::BadArgument`] when `local`'s shape is not the type's shard shape.
+    /// [`SpmdError::ShardShape`] when `local`'s shape is not the type's shard shape.
     pub fn from_local(&self, ty: ArrayType, local: Tensor) -> Result<Array, SpmdError> {
         if local.shape() != ty.shard_shape().as_slice() {
-            return Err(SpmdError::BadArgument {
-                op: "from_local".into(),
-                reason: format!(
-                    "a shard of `{ty}` has shape {:?}, got {:?}",
-                    ty.shard_shape(),
-                    local.shape()
-                ),
+            return Err(SpmdError::ShardShape {
+                op: "from_local",
+                ty: ty.to_string(),
+                expected: ty.shard_shape(),
+                got: local.shape().to_vec(),
             });
         }
         Ok(Array::new(ty, (self.mode == Mode::Real).then_some(local)))
@@ -161,15 +156,12 @@ impl<'c> Ctx<'c> {
     /// types unless `value` is 0 (docs/design.md §4.5).
     ///
     /// # Errors
-    /// [`SpmdError::BadArgument`] for a non-zero unreduced constant.
+    /// [`SpmdError::UnreducedConstant`] for a non-zero unreduced constant.
     pub fn full(&self, ty: ArrayType, value: f32) -> Result<Array, SpmdError> {
         if value != 0.0 && !ty.sharding().spec().unreduced().is_empty() {
-            return Err(SpmdError::BadArgument {
-                op: "full".into(),
-                reason: format!(
-                    "a constant {value} typed `{ty}` would be summed over its unreduced axes \
-                     (JAX's R9.2); build it plain and `reshard`"
-                ),
+            return Err(SpmdError::UnreducedConstant {
+                value,
+                ty: ty.to_string(),
             });
         }
         let local = (self.mode == Mode::Real).then(|| Tensor::full(&ty.shard_shape(), value));
@@ -345,20 +337,21 @@ fn blocks_of(
     n: usize,
     gather: bool,
 ) -> Result<(usize, Vec<usize>), SpmdError> {
-    let bad = |reason: String| SpmdError::BadArgument {
-        op: "chunk_major".into(),
-        reason,
-    };
-    let extent = *shape
-        .get(dim)
-        .ok_or_else(|| bad(format!("no dimension {dim} in {shape:?}")))?;
+    let extent = *shape.get(dim).ok_or_else(|| SpmdError::NoDimension {
+        op: "chunk_major",
+        dim,
+        shape: shape.to_vec(),
+    })?;
     let mut out = shape.to_vec();
     if gather {
         out[dim] = extent * n;
     } else if n == 0 || extent % n != 0 {
-        return Err(bad(format!(
-            "{n} parts do not divide dimension {dim} of {shape:?}"
-        )));
+        return Err(SpmdError::Indivisible {
+            op: "chunk_major",
+            parts: n,
+            dim,
+            shape: shape.to_vec(),
+        });
     } else {
         out[dim] = extent / n;
     }

@@ -267,16 +267,13 @@ impl Ctx<'_> {
     /// first only if another array shares it).
     ///
     /// # Errors
-    /// [`SpmdError::BadArgument`] when the types differ or either array is on an autodiff tape.
+    /// [`SpmdError::AccumulateMismatch`] when the types differ or either array is on an autodiff tape.
     pub fn accumulate(&mut self, acc: &mut Array, x: &Array) -> Result<(), SpmdError> {
         if acc.ty() != x.ty() || acc.var.is_some() || x.var.is_some() {
-            return Err(SpmdError::BadArgument {
-                op: "accumulate".into(),
-                reason: format!(
-                    "`{}` += `{}`: needs one type on both sides and neither on a tape",
-                    acc.ty(),
-                    x.ty()
-                ),
+            return Err(SpmdError::AccumulateMismatch {
+                op: "accumulate",
+                acc: acc.ty().to_string(),
+                x: x.ty().to_string(),
             });
         }
         if let Some(src) = x.local_opt() {
@@ -410,9 +407,6 @@ impl Ctx<'_> {
     }
 }
 
-fn not_differentiable(op: &str) -> SpmdError {
-    SpmdError::BadArgument {
-        op: op.into(),
-        reason: format!("`{op}` has no transpose; it cannot be differentiated"),
-    }
+fn not_differentiable(op: &'static str) -> SpmdError {
+    SpmdError::NotDifferentiable { op }
 }

@@ -83,16 +83,16 @@ impl BucketBuffers {
     /// micro-batch costs a fill, not an allocation and its page faults).
     ///
     /// # Errors
-    /// [`SpmdError::BadArgument`] when a bucket has been handed to its collective.
+    /// [`SpmdError::BucketInFlight`] when a bucket has been handed to its collective.
     pub fn fill_zero(&mut self) -> Result<(), SpmdError> {
-        for buffer in &mut self.buffers {
+        for (bucket, buffer) in self.buffers.iter_mut().enumerate() {
             match buffer {
                 Buffer::Abstract => {}
                 Buffer::Ready { data, .. } => data.fill(0.0),
                 Buffer::InFlight => {
-                    return Err(SpmdError::BadArgument {
-                        op: "fill_zero".into(),
-                        reason: "a bucket is being reduced".into(),
+                    return Err(SpmdError::BucketInFlight {
+                        op: "fill_zero",
+                        bucket,
                     })
                 }
             }
@@ -139,7 +139,7 @@ impl BucketBuffers {
     /// Every value as an [`Array`] (copies of the buffers' blocks; the buffers stay).
     ///
     /// # Errors
-    /// [`SpmdError::BadArgument`] when a bucket has been handed to its collective.
+    /// [`SpmdError::BucketInFlight`] when a bucket has been handed to its collective.
     pub fn to_arrays(&self) -> Result<Vec<Array>, SpmdError> {
         (0..self.len()).map(|i| self.value(i)).collect()
     }
@@ -154,9 +154,9 @@ impl BucketBuffers {
         };
         match &self.buffers[slot.bucket] {
             Buffer::Abstract => Ok(Array::new(ty, None)),
-            Buffer::InFlight => Err(SpmdError::BadArgument {
-                op: "BucketBuffers::to_arrays".into(),
-                reason: "a bucket is being reduced; its values are not readable".into(),
+            Buffer::InFlight => Err(SpmdError::BucketInFlight {
+                op: "BucketBuffers::to_arrays",
+                bucket: slot.bucket,
             }),
             Buffer::Ready { data, segments } => {
                 let mut local = vec![0.0f32; slot.runs * slot.run * segments];
@@ -187,10 +187,11 @@ fn for_each_run(
     }
 }
 
-fn internal(reason: &str) -> SpmdError {
-    SpmdError::BadArgument {
-        op: "BucketBuffers".into(),
-        reason: reason.into(),
+/// A broken invariant of the buffers' own bookkeeping (a bug, not bad input).
+fn internal(invariant: &'static str) -> SpmdError {
+    SpmdError::Internal {
+        op: "BucketBuffers",
+        invariant,
     }
 }
 
@@ -266,7 +267,13 @@ impl Ctx<'_> {
         xs: &[Array],
     ) -> Result<BucketBuffers, SpmdError> {
         if xs.len() != plan.sources.len() {
-            return Err(internal("as many values as the plan has"));
+            return Err(SpmdError::CountMismatch {
+                op: "bucket_buffers_of",
+                got: xs.len(),
+                what: "values",
+                expected: plan.sources.len(),
+                per: "planned values",
+            });
         }
         let mut buffers = self.bucket_buffers(plan)?;
         for (i, x) in xs.iter().enumerate() {
@@ -280,17 +287,14 @@ impl Ctx<'_> {
     /// values one by one.
     ///
     /// # Errors
-    /// [`SpmdError::BadArgument`] for buffers of different plans or a bucket handed to its
+    /// [`SpmdError::PlanMismatch`] for buffers of different plans or a bucket handed to its
     /// collective.
     pub fn add_buffers(
         &mut self,
         into: &mut BucketBuffers,
         from: &BucketBuffers,
     ) -> Result<(), SpmdError> {
-        let mismatch = || SpmdError::BadArgument {
-            op: "add_buffers".into(),
-            reason: "needs two buffer sets of one plan, neither being reduced".into(),
-        };
+        let mismatch = || SpmdError::PlanMismatch { op: "add_buffers" };
         if into.types != from.types || into.buffers.len() != from.buffers.len() {
             return Err(mismatch());
         }
@@ -319,8 +323,8 @@ impl Ctx<'_> {
     /// its bucket's buffer.
     ///
     /// # Errors
-    /// [`SpmdError::BadArgument`] when `x` is not typed as the value, is on a tape, or its bucket
-    /// has been handed to its collective.
+    /// [`SpmdError::AccumulateMismatch`] when `x` is not typed as the value or is on a tape,
+    /// [`SpmdError::BucketInFlight`] when its bucket has been handed to its collective.
     pub fn accumulate_into(
         &mut self,
         buffers: &mut BucketBuffers,
@@ -338,19 +342,17 @@ impl Ctx<'_> {
             return self.accumulate(acc, x);
         };
         if x.ty() != ty || x.var.is_some() {
-            return Err(SpmdError::BadArgument {
-                op: "accumulate".into(),
-                reason: format!(
-                    "`{ty}` += `{}`: needs one type on both sides and neither on a tape",
-                    x.ty()
-                ),
+            return Err(SpmdError::AccumulateMismatch {
+                op: "accumulate",
+                acc: ty.to_string(),
+                x: x.ty().to_string(),
             });
         }
         match &mut buffers.buffers[slot.bucket] {
             Buffer::Abstract => Ok(()),
-            Buffer::InFlight => Err(SpmdError::BadArgument {
-                op: "accumulate".into(),
-                reason: "into a bucket that is being reduced".into(),
+            Buffer::InFlight => Err(SpmdError::BucketInFlight {
+                op: "accumulate",
+                bucket: slot.bucket,
             }),
             Buffer::Ready { data, segments } => {
                 let Some(src) = x.local_opt() else {
@@ -396,18 +398,23 @@ impl Ctx<'_> {
         buffers: &mut BucketBuffers,
         background: bool,
     ) -> Result<StartedBucket, SpmdError> {
-        let (fused, members) = plan
-            .buckets
-            .get(b)
-            .ok_or_else(|| internal("no such bucket"))?;
-        let buffer = buffers
-            .buffers
-            .get_mut(b)
-            .ok_or_else(|| internal("buffers of another plan"))?;
+        let (fused, members) = plan.buckets.get(b).ok_or(SpmdError::NoSuchBucket {
+            op: "start_buffered_bucket",
+            bucket: b,
+            buckets: plan.buckets.len(),
+        })?;
+        let buffer = buffers.buffers.get_mut(b).ok_or(SpmdError::PlanMismatch {
+            op: "start_buffered_bucket",
+        })?;
         let packed = match std::mem::replace(buffer, Buffer::InFlight) {
             Buffer::Abstract => None,
             Buffer::Ready { data, .. } => Some(data),
-            Buffer::InFlight => return Err(internal("a bucket started twice")),
+            Buffer::InFlight => {
+                return Err(SpmdError::BucketStartedTwice {
+                    op: "start_buffered_bucket",
+                    bucket: b,
+                })
+            }
         };
         let shapes = members
             .iter()
@@ -432,7 +439,9 @@ impl Ctx<'_> {
         started: Vec<StartedBucket>,
     ) -> Result<Vec<Array>, SpmdError> {
         if buffers.types != plan.sources || buffers.buffers.len() != plan.buckets.len() {
-            return Err(internal("buffers of another plan"));
+            return Err(SpmdError::PlanMismatch {
+                op: "reshard_buffers",
+            });
         }
         let mut out: Vec<Option<Array>> = vec![None; buffers.len()];
         for &i in &plan.unchanged {

@@ -71,9 +71,11 @@ impl Ctx<'_> {
         }
         let n: usize = ty.shard_shape().iter().product();
         if local.len() != n {
-            return Err(SpmdError::BadArgument {
-                op: "ids_from_local".into(),
-                reason: format!("a block of `{ty}` has {n} ids, got {}", local.len()),
+            return Err(SpmdError::ShardLength {
+                op: "ids_from_local",
+                ty: ty.to_string(),
+                expected: n,
+                got: local.len(),
             });
         }
         Ok(Ids {
@@ -157,10 +159,7 @@ impl Ctx<'_> {
     /// `sharding_mismatch` for different shardings or a sharded `dim`; `shape_error` for shapes
     /// that do not concatenate.
     pub fn concat(&mut self, xs: &[&Array], dim: usize) -> Result<Array, SpmdError> {
-        let first = xs.first().ok_or_else(|| SpmdError::BadArgument {
-            op: "concat".into(),
-            reason: "no operands".into(),
-        })?;
+        let first = xs.first().ok_or(SpmdError::NoOperands { op: "concat" })?;
         let t0 = first.ty();
         let types: Vec<&ArrayType> = xs.iter().map(|x| x.ty()).collect();
         if xs.iter().any(|x| x.ty().sharding() != t0.sharding()) {
@@ -421,9 +420,9 @@ impl Ctx<'_> {
         );
         let (n, whole) = (c.shape()[dim] * inner, full[dim] * inner);
         if dest.len() != outer * whole || c.len() != outer * n || start * inner + n > whole {
-            return Err(SpmdError::BadArgument {
-                op: "slice".into(),
-                reason: "a cotangent that does not fit the sliced value".into(),
+            return Err(SpmdError::Internal {
+                op: "slice",
+                invariant: "a cotangent that does not fit the sliced value",
             });
         }
         ferrotext_tensor::add_assign_rows(dest, whole, start * inner, c.data(), n);

@@ -63,8 +63,8 @@ fn a_hook_error_stops_the_walk() {
         let err = cx
             .value_and_grad_streaming(&params, |cx, ps| chain(cx, ps, &x), &mut |_, _, _| {
                 calls += 1;
-                Err(SpmdError::BadArgument {
-                    op: "hook".into(),
+                Err(SpmdError::Stopped {
+                    op: "hook",
                     reason: "stop".into(),
                 })
             })

@@ -79,9 +79,9 @@ impl SparseMoe<&Array> {
         c: &Config,
         aux: &mut Option<Array>,
     ) -> Result<Array, SpmdError> {
-        let settings = c.moe.as_ref().ok_or_else(|| SpmdError::BadArgument {
-            op: "moe".into(),
-            reason: "MoE weights on a config without MoE settings".into(),
+        let settings = c.moe.as_ref().ok_or(SpmdError::MissingSettings {
+            op: "moe",
+            block: "MoE",
         })?;
         let weights = MoeWeights {
             router: self.gate.clone(),

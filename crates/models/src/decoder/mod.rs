@@ -318,11 +318,8 @@ impl Decoder {
     ) -> Result<Array, SpmdError> {
         let (logits, aux) = self.forward(cx, params, inputs, None)?;
         if aux.is_some() {
-            return Err(SpmdError::BadArgument {
-                op: "loss_partial_sum".into(),
-                reason: "an auxiliary loss depends on the whole micro-batch and has no \
-                         per-device partial sum"
-                    .into(),
+            return Err(SpmdError::NoPartialSum {
+                op: "loss_partial_sum",
             });
         }
         cx.cross_entropy_partial_sum(&logits, targets, self.cfg.z_loss_multiplier)
@@ -356,13 +353,10 @@ impl Decoder {
         cache: &mut KvCache,
     ) -> Result<Array, SpmdError> {
         if cache.layers() != self.weights.layers.len() {
-            return Err(SpmdError::BadArgument {
-                op: "decode".into(),
-                reason: format!(
-                    "the cache has {} layers, the decoder {}",
-                    cache.layers(),
-                    self.weights.layers.len()
-                ),
+            return Err(SpmdError::CacheLayers {
+                op: "decode",
+                cache: cache.layers(),
+                model: self.weights.layers.len(),
             });
         }
         Ok(self.forward(cx, params, inputs, Some(cache))?.0)
@@ -377,9 +371,10 @@ impl Decoder {
     fn bind<'p>(&self, params: &'p [Array]) -> Result<Weights<&'p Array>, SpmdError> {
         let mut it = params.iter();
         self.weights.try_map(&mut |_| {
-            it.next().ok_or_else(|| SpmdError::BadArgument {
-                op: "decoder".into(),
-                reason: "too few parameters".into(),
+            it.next().ok_or(SpmdError::TooFew {
+                op: "decoder",
+                what: "parameters",
+                got: params.len(),
             })
         })
     }

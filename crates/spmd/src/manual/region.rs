@@ -36,9 +36,12 @@ impl Ctx<'_> {
         F: FnOnce(&mut Ctx<'_>, &[Array]) -> Result<Vec<Array>, SpmdError>,
     {
         if inputs.len() != in_specs.len() {
-            return Err(SpmdError::BadArgument {
-                op: "shard_map".into(),
-                reason: format!("{} inputs but {} in_specs", inputs.len(), in_specs.len()),
+            return Err(SpmdError::CountMismatch {
+                op: "shard_map",
+                got: inputs.len(),
+                what: "inputs",
+                expected: in_specs.len(),
+                per: "in_specs",
             });
         }
         let mesh = manual_mesh(self.mesh())?;
@@ -74,13 +77,12 @@ impl Ctx<'_> {
         }
         let outputs = body(self, &inside)?;
         if outputs.len() != out_specs.len() {
-            return Err(SpmdError::BadArgument {
-                op: "shard_map".into(),
-                reason: format!(
-                    "the body returned {} values for {} out_specs",
-                    outputs.len(),
-                    out_specs.len()
-                ),
+            return Err(SpmdError::CountMismatch {
+                op: "shard_map",
+                got: outputs.len(),
+                what: "values returned by the body",
+                expected: out_specs.len(),
+                per: "out_specs",
             });
         }
         let mut results = Vec::with_capacity(outputs.len());

@@ -291,7 +291,7 @@ pub(crate) fn manual_local(
 /// Inside a region every op is local: an output sharding has no meaning there. A tag on a Manual
 /// axis is still first of all an invalid spec (R1.13, R1.14), as it is outside a region.
 pub(crate) fn manual_without_out_sharding(
-    op: &str,
+    op: &'static str,
     x: &Array,
     out_sharding: Option<&PartitionSpec>,
 ) -> Result<(), SpmdError> {
@@ -299,9 +299,9 @@ pub(crate) fn manual_without_out_sharding(
         None => Ok(()),
         Some(spec) => {
             rules::check_out_sharding(op, x.ty().sharding().mesh(), spec)?;
-            Err(SpmdError::BadArgument {
-                op: op.into(),
-                reason: format!("`out_sharding` {spec} is not allowed inside a shard_map body"),
+            Err(SpmdError::OutShardingInManual {
+                op,
+                spec: spec.to_string(),
             })
         }
     }

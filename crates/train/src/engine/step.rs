@@ -374,9 +374,10 @@ impl GradientSink for AccumulatorSink<'_> {
             let slot = self.acc.grads.ty(k);
             if grad.ty() != slot {
                 self.wrong_type = Some(accumulator_type_error(&self.infos[k].name, slot, grad));
-                return Err(ferrotext_spmd::SpmdError::BadArgument {
-                    op: "fwd_bwd".into(),
-                    reason: "a gradient's type differs from its accumulator's".into(),
+                return Err(ferrotext_spmd::SpmdError::AccumulateMismatch {
+                    op: "fwd_bwd",
+                    acc: slot.to_string(),
+                    x: grad.ty().to_string(),
                 });
             }
             cx.accumulate_into(&mut self.acc.grads, k, grad)?;

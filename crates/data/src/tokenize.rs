@@ -1,0 +1,235 @@
+//! Tokenizing a corpus into a shard directory.
+//!
+//! The pipeline: expand the inputs and check every file has the field ([`crate::input`]); load
+//! the tokenizer (a `tokenizer.json`, or a Hugging Face model directory whose `config.json`
+//! bounds the vocabulary); then documents are gathered into batches of about
+//! [`TokenizeOptions::batch_bytes`] and each batch is encoded in parallel on every core by the
+//! `tokenizers` crate's `encode_batch_fast` (the output keeps the input order), its ids written
+//! document by document through [`ShardWriter`]. Invariant: the output appears only complete
+//! (see [`crate::write`]); every input error is found before it would be published.
+
+use std::path::{Path, PathBuf};
+
+use tokenizers::Tokenizer;
+
+use crate::error::DataError;
+use crate::format::{read_regular, sha256_hex, ShardManifest};
+use crate::input::{expand, for_each_document, precheck};
+use crate::write::{ShardWriter, TokenizerInfo};
+
+/// EOS names tried, in order, when neither `--eos` nor the model's config names one.
+const EOS_NAMES: &[&str] = &[
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "</s>",
+    "<eos>",
+    "<|im_end|>",
+    "[SEP]",
+];
+
+/// What to tokenize and where to write it.
+#[derive(Clone, Debug)]
+pub struct TokenizeOptions {
+    /// Files or globs (`.jsonl`, `.parquet`, `.txt`).
+    pub inputs: Vec<String>,
+    /// The text field of jsonl records and parquet rows.
+    pub field: String,
+    /// A `tokenizer.json`, or a Hugging Face model directory holding one.
+    pub tokenizer: PathBuf,
+    /// The output directory (must not exist).
+    pub output: PathBuf,
+    /// The EOS token's text (empty: the model's `eos_token_id`, else a known name).
+    pub eos: String,
+    /// Tokens a shard holds (a shard closes after the document that reaches this).
+    pub shard_tokens: u64,
+    /// Input bytes encoded per parallel batch.
+    pub batch_bytes: usize,
+}
+
+/// Progress so far, after each batch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Progress {
+    /// Input text bytes tokenized.
+    pub text_bytes: u64,
+    /// Documents written.
+    pub documents: u64,
+    /// Tokens written (EOS included).
+    pub tokens: u64,
+}
+
+/// A loaded tokenizer and what the shards record about it.
+pub struct LoadedTokenizer {
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The `tokenizer.json` read.
+    pub path: PathBuf,
+    /// SHA-256 (hex) of its bytes.
+    pub sha256: String,
+    /// Its vocabulary, added tokens included.
+    pub vocab_size: usize,
+    /// The model directory's `config.json` `vocab_size`, when a directory was given.
+    pub model_vocab: Option<usize>,
+    /// The model directory's `config.json` `eos_token_id`, when it has one.
+    pub model_eos: Option<u32>,
+}
+
+/// Loads the tokenizer at `path` (a `tokenizer.json` or a model directory holding one) and
+/// checks its vocabulary fits the model's, when the directory's `config.json` names one.
+///
+/// # Errors
+/// [`DataError::Read`], [`DataError::Tokenizer`], [`DataError::VocabTooLarge`].
+pub fn load_tokenizer(path: &Path) -> Result<LoadedTokenizer, DataError> {
+    let (file, config) = if path.is_dir() {
+        (path.join("tokenizer.json"), Some(path.join("config.json")))
+    } else {
+        (path.to_path_buf(), None)
+    };
+    let bytes = read_regular(&file).map_err(DataError::read(&file))?;
+    let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| DataError::Tokenizer {
+        path: file.clone(),
+        reason: e.to_string(),
+    })?;
+    let vocab_size = tokenizer.get_vocab_size(true);
+    let (mut model_vocab, mut model_eos) = (None, None);
+    if let Some(config) = config.filter(|c| c.exists()) {
+        let text = read_regular(&config).map_err(DataError::read(&config))?;
+        let value: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| DataError::Parse {
+                path: config.clone(),
+                line: None,
+                reason: e.to_string(),
+            })?;
+        model_vocab = value
+            .get("vocab_size")
+            .and_then(serde_json::Value::as_u64)
+            .map(|v| v as usize);
+        model_eos = match value.get("eos_token_id") {
+            Some(serde_json::Value::Array(ids)) => ids.first().and_then(serde_json::Value::as_u64),
+            Some(v) => v.as_u64(),
+            None => None,
+        }
+        .map(|v| v as u32);
+    }
+    if let Some(model) = model_vocab {
+        check_vocab(&file, vocab_size, model)?;
+    }
+    Ok(LoadedTokenizer {
+        tokenizer,
+        path: file,
+        sha256: sha256_hex(&bytes),
+        vocab_size,
+        model_vocab,
+        model_eos,
+    })
+}
+
+/// A tokenizer of `tokenizer_vocab` ids fits a model of `model_vocab`.
+///
+/// # Errors
+/// [`DataError::VocabTooLarge`].
+pub fn check_vocab(
+    path: &Path,
+    tokenizer_vocab: usize,
+    model_vocab: usize,
+) -> Result<(), DataError> {
+    if tokenizer_vocab > model_vocab {
+        return Err(DataError::VocabTooLarge {
+            path: path.to_path_buf(),
+            tokenizer_vocab,
+            model_vocab,
+        });
+    }
+    Ok(())
+}
+
+/// The EOS id: `eos` by name, else the model's `eos_token_id`, else the first known name the
+/// vocabulary has.
+///
+/// # Errors
+/// [`DataError::Tokenizer`] for a name the vocabulary lacks, or when none is found.
+pub fn eos_id(t: &LoadedTokenizer, eos: &str) -> Result<u32, DataError> {
+    if !eos.is_empty() {
+        return t
+            .tokenizer
+            .token_to_id(eos)
+            .ok_or_else(|| DataError::Tokenizer {
+                path: t.path.clone(),
+                reason: format!("has no token `{eos}` (--eos)"),
+            });
+    }
+    if let Some(id) = t.model_eos.filter(|&id| (id as usize) < t.vocab_size) {
+        return Ok(id);
+    }
+    EOS_NAMES
+        .iter()
+        .find_map(|name| t.tokenizer.token_to_id(name))
+        .ok_or_else(|| DataError::Tokenizer {
+            path: t.path.clone(),
+            reason: format!(
+                "has none of the usual EOS tokens ({}): name it with --eos",
+                EOS_NAMES.join(", ")
+            ),
+        })
+}
+
+/// Tokenizes the corpus `options` names into a new shard directory, calling `progress` after
+/// each batch with the totals so far; returns the manifest written.
+///
+/// # Errors
+/// Any [`DataError`]: every input problem before the output is published (nothing is left
+/// under the output's name).
+pub fn tokenize(
+    options: &TokenizeOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<ShardManifest, DataError> {
+    let files = expand(&options.inputs)?;
+    precheck(&files, &options.field)?;
+    let loaded = load_tokenizer(&options.tokenizer)?;
+    let eos = eos_id(&loaded, &options.eos)?;
+    let info = TokenizerInfo {
+        sha256: loaded.sha256.clone(),
+        vocab_size: loaded.vocab_size,
+        eos_id: eos,
+    };
+    let mut writer = ShardWriter::create(&options.output, info, options.shard_tokens)?;
+    let mut done = Progress::default();
+    let mut batch: Vec<String> = Vec::new();
+    let mut batch_bytes = 0usize;
+    let mut flush = |batch: &mut Vec<String>,
+                     writer: &mut ShardWriter,
+                     done: &mut Progress|
+     -> Result<(), DataError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let text_bytes: usize = batch.iter().map(String::len).sum();
+        let encodings = loaded
+            .tokenizer
+            .encode_batch_fast(std::mem::take(batch), false)
+            .map_err(|e| DataError::Tokenizer {
+                path: loaded.path.clone(),
+                reason: e.to_string(),
+            })?;
+        for e in &encodings {
+            writer.push_document(e.get_ids())?;
+            done.tokens += e.get_ids().len() as u64 + 1;
+        }
+        done.documents += encodings.len() as u64;
+        done.text_bytes += text_bytes as u64;
+        progress(*done);
+        Ok(())
+    };
+    for (path, format) in &files {
+        for_each_document(path, *format, &options.field, &mut |doc| {
+            batch_bytes += doc.len();
+            batch.push(doc);
+            if batch_bytes >= options.batch_bytes {
+                batch_bytes = 0;
+                flush(&mut batch, &mut writer, &mut done)?;
+            }
+            Ok(())
+        })?;
+    }
+    flush(&mut batch, &mut writer, &mut done)?;
+    writer.finish(&options.inputs.join(" "))
+}
