@@ -35,9 +35,10 @@ use std::sync::OnceLock;
 
 use crate::portable::{self, Isa};
 
-/// `cblas_sgemm`'s signature (CBLAS: order, transA, transB, M, N, K, alpha, A, lda, B, ldb,
-/// beta, C, ldc).
-type Sgemm = unsafe extern "C" fn(
+/// A CBLAS product with f32 output and `T` inputs: `cblas_sgemm` (`T = f32`), MKL's
+/// `cblas_gemm_bf16bf16f32` and OpenBLAS's `cblas_sbgemm` (`T = bf16`, a `u16` in C) share
+/// this signature (order, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc).
+pub(crate) type Cblas<T> = unsafe extern "C" fn(
     c_int,
     c_int,
     c_int,
@@ -45,14 +46,92 @@ type Sgemm = unsafe extern "C" fn(
     c_int,
     c_int,
     c_float,
-    *const c_float,
+    *const T,
     c_int,
-    *const c_float,
+    *const T,
     c_int,
     c_float,
     *mut c_float,
     c_int,
 );
+
+/// `cblas_sgemm`'s signature.
+type Sgemm = Cblas<c_float>;
+
+/// An element type a product reads: `f32`, or `bf16` widened exactly to `f32` as it is read.
+/// The output and the accumulation are `f32` either way.
+pub(crate) trait Element: Copy + Send + Sync + 'static {
+    /// The value as an `f32` (exact: every `bf16` is an `f32`).
+    fn widen(self) -> f32;
+    /// This element type's product in `blas`, if the library has one.
+    fn cblas(blas: &Blas) -> Option<Cblas<Self>>;
+    /// The product when no BLAS takes it (no library, no product for this type, or a layout
+    /// CBLAS refuses): the `gemm` crate for `f32`, the portable kernel for `bf16`.
+    ///
+    /// # Safety
+    /// As [`sgemm`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn without_blas(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand<Self>,
+        b: Operand<Self>,
+        parallelism: gemm::Parallelism,
+        store: Store,
+    );
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    fn cblas(blas: &Blas) -> Option<Cblas<f32>> {
+        Some(blas.sgemm)
+    }
+    unsafe fn without_blas(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand,
+        b: Operand,
+        parallelism: gemm::Parallelism,
+        store: Store,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { sgemm_gemm(m, n, k, dst, ldc, a, b, parallelism, store) }
+    }
+}
+
+impl Element for half::bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    fn cblas(blas: &Blas) -> Option<Cblas<half::bf16>> {
+        blas.bf16.map(|(f, _)| f)
+    }
+    unsafe fn without_blas(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand<half::bf16>,
+        b: Operand<half::bf16>,
+        _parallelism: gemm::Parallelism,
+        store: Store,
+    ) {
+        // SAFETY: the caller's contract, which is the portable kernel's; `detect` gives an
+        // instruction set this CPU has.
+        unsafe { portable::gemm(Isa::detect(), m, n, k, dst, ldc, a, b, store) }
+    }
+}
 
 const CBLAS_ROW_MAJOR: c_int = 101;
 const CBLAS_NO_TRANS: c_int = 111;
@@ -76,7 +155,7 @@ const MKL: [&str; 3] = ["libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so"];
 const MKL_THREADING_SEQUENTIAL: c_int = 1;
 
 /// What computes this process's matrix products.
-enum Kernel {
+pub(crate) enum Kernel {
     /// An opened BLAS (MKL or OpenBLAS).
     Blas(Blas),
     /// ferrotext's own fixed-order kernel, on the instruction set it runs on.
@@ -85,11 +164,13 @@ enum Kernel {
     Gemm,
 }
 
-/// An opened BLAS: its `cblas_sgemm`, set to compute on its caller's thread only.
-struct Blas {
+/// An opened BLAS: its `cblas_sgemm`, set to compute on its caller's thread only, and its
+/// bf16 × bf16 → f32 product with the symbol's name when the library has one.
+pub(crate) struct Blas {
     sgemm: Sgemm,
+    pub(crate) bf16: Option<(Cblas<half::bf16>, &'static str)>,
     /// What it is, for run headers: `OpenBLAS 0.3.21 (SkylakeX, one thread per call)`.
-    description: String,
+    pub(crate) description: String,
     /// Keeps the library mapped while `sgemm` may be called.
     _library: libloading::Library,
 }
@@ -98,7 +179,7 @@ static KERNEL: OnceLock<Kernel> = OnceLock::new();
 
 /// The kernel `FERROTEXT_MATMUL` asks for (`mkl`, `openblas`, `gemm` or `portable`), else the
 /// first found of MKL and OpenBLAS, else `gemm`.
-fn open() -> Kernel {
+pub(crate) fn open() -> Kernel {
     let blas = match std::env::var("FERROTEXT_MATMUL").as_deref() {
         Ok("gemm") => None,
         Ok("portable") => return Kernel::Portable(Isa::detect()),
@@ -124,7 +205,7 @@ unsafe fn text(f: unsafe extern "C" fn() -> *const c_char) -> Option<String> {
     Some(s.to_string_lossy().trim().to_string())
 }
 
-fn open_openblas() -> Option<Blas> {
+pub(crate) fn open_openblas() -> Option<Blas> {
     OPENBLAS.iter().find_map(|name| {
         // SAFETY: loading OpenBLAS runs its initialisers, which only set up its own state.
         let library = unsafe { libloading::Library::new(name) }.ok()?;
@@ -145,6 +226,11 @@ fn open_openblas() -> Option<Blas> {
                 return None;
             }
             threads(1);
+            // Built with `BUILD_BFLOAT16=1` only (Debian's 0.3.21 is not).
+            let bf16 = library
+                .get::<Cblas<half::bf16>>(b"cblas_sbgemm\0")
+                .ok()
+                .map(|f| (*f, "cblas_sbgemm"));
             let version = config
                 .split_whitespace()
                 .take(2)
@@ -152,6 +238,7 @@ fn open_openblas() -> Option<Blas> {
                 .join(" ");
             Some(Blas {
                 sgemm,
+                bf16,
                 description: format!("{version} ({core}, one thread per call)"),
                 _library: library,
             })
@@ -159,7 +246,7 @@ fn open_openblas() -> Option<Blas> {
     })
 }
 
-fn open_mkl() -> Option<Blas> {
+pub(crate) fn open_mkl() -> Option<Blas> {
     MKL.iter().find_map(|name| {
         // SAFETY: loading MKL runs its initialisers, which only set up its own state.
         let library = unsafe { libloading::Library::new(name) }.ok()?;
@@ -173,6 +260,10 @@ fn open_mkl() -> Option<Blas> {
                 return None;
             }
             let sgemm = *library.get::<Sgemm>(b"cblas_sgemm\0").ok()?;
+            let bf16 = library
+                .get::<Cblas<half::bf16>>(b"cblas_gemm_bf16bf16f32\0")
+                .ok()
+                .map(|f| (*f, "cblas_gemm_bf16bf16f32"));
             let mut buf = [0 as c_char; 198];
             let version = match library
                 .get::<unsafe extern "C" fn(*mut c_char, c_int)>(b"MKL_Get_Version_String\0")
@@ -185,6 +276,7 @@ fn open_mkl() -> Option<Blas> {
             };
             Some(Blas {
                 sgemm,
+                bf16,
                 description: format!("{version} (sequential, one thread per call)"),
                 _library: library,
             })
@@ -203,12 +295,13 @@ fn mkl_version(full: &str) -> String {
     }
 }
 
-fn kernel() -> &'static Kernel {
+pub(crate) fn kernel() -> &'static Kernel {
     KERNEL.get_or_init(open)
 }
 
 impl Kernel {
-    fn describe(&self) -> String {
+    /// For run headers (see [`matmul_kernel`]).
+    pub(crate) fn describe(&self) -> String {
         match self {
             Kernel::Blas(blas) => blas.description.clone(),
             Kernel::Portable(isa) => format!("the portable kernel ({}, fixed order)", isa.name()),
@@ -266,12 +359,18 @@ fn cblas_layout(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<(c_int
 }
 
 /// One strided operand: element `(i, j)` at `ptr + i·rs + j·cs`.
-#[derive(Clone, Copy)]
-pub(crate) struct Operand {
-    pub ptr: *const f32,
+pub(crate) struct Operand<T = f32> {
+    pub ptr: *const T,
     pub rs: isize,
     pub cs: isize,
 }
+
+impl<T> Clone for Operand<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Operand<T> {}
 
 /// What a product does with its destination: overwrite it (`dst = a · b`, its contents not
 /// read) or add into it (`dst += a · b`, a BLAS's `beta = 1`: the kernel adds each tile of the
@@ -308,44 +407,48 @@ pub(crate) unsafe fn sgemm(
     store: Store,
 ) {
     // SAFETY: the caller's contract.
-    unsafe { sgemm_on(kernel(), m, n, k, dst, ldc, a, b, parallelism, store) }
+    unsafe { gemm_on(kernel(), m, n, k, dst, ldc, a, b, parallelism, store) }
 }
 
-/// [`sgemm`] on `kernel`, into `dst` with row stride `ldc ≥ n`.
+/// [`sgemm`] on `kernel` for operands of `T` (f32, or bf16 widened), into `dst` with row stride
+/// `ldc ≥ n`: a BLAS's product for `T` when it has one and takes the layouts, else
+/// [`Element::without_blas`].
 ///
 /// # Safety
 /// As [`sgemm`], with `dst`'s rows `ldc` elements apart.
 #[allow(clippy::too_many_arguments)]
-unsafe fn sgemm_on(
+pub(crate) unsafe fn gemm_on<T: Element>(
     kernel: &Kernel,
     m: usize,
     n: usize,
     k: usize,
     dst: *mut f32,
     ldc: usize,
-    a: Operand,
-    b: Operand,
+    a: Operand<T>,
+    b: Operand<T>,
     parallelism: gemm::Parallelism,
     store: Store,
 ) {
     if let Some(rows_per) = row_blocks(kernel, m, n, k, parallelism) {
         // SAFETY: the caller's contract.
-        unsafe { sgemm_row_blocks(kernel, rows_per, m, n, k, dst, ldc, a, b, store) };
+        unsafe { gemm_row_blocks(kernel, rows_per, m, n, k, dst, ldc, a, b, store) };
         return;
     }
     if let Kernel::Portable(isa) = kernel {
         // SAFETY: the caller's contract, which is the portable kernel's.
-        unsafe { portable::sgemm(*isa, m, n, k, dst, ldc, a, b, store) };
+        unsafe { portable::gemm(*isa, m, n, k, dst, ldc, a, b, store) };
         return;
     }
     if let Kernel::Blas(blas) = kernel {
-        // SAFETY: the caller's contract.
-        if unsafe { sgemm_blas(blas, m, n, k, dst, ldc, a, b, store) } {
-            return;
+        if let Some(product) = T::cblas(blas) {
+            // SAFETY: the caller's contract.
+            if unsafe { gemm_blas(product, m, n, k, dst, ldc, a, b, store) } {
+                return;
+            }
         }
     }
     // SAFETY: the caller's contract.
-    unsafe { sgemm_gemm(m, n, k, dst, ldc, a, b, parallelism, store) }
+    unsafe { T::without_blas(m, n, k, dst, ldc, a, b, parallelism, store) }
 }
 
 /// How many rows each block of a product split across threads takes, or `None` to make one
@@ -376,12 +479,12 @@ fn row_blocks(
     }
 }
 
-/// [`sgemm_on`] as blocks of `rows_per` rows, one call each, in parallel.
+/// [`gemm_on`] as blocks of `rows_per` rows, one call each, in parallel.
 ///
 /// # Safety
-/// As [`sgemm_on`].
+/// As [`gemm_on`].
 #[allow(clippy::too_many_arguments)]
-unsafe fn sgemm_row_blocks(
+unsafe fn gemm_row_blocks<T: Element>(
     kernel: &Kernel,
     rows_per: usize,
     m: usize,
@@ -389,8 +492,8 @@ unsafe fn sgemm_row_blocks(
     k: usize,
     dst: *mut f32,
     ldc: usize,
-    a: Operand,
-    b: Operand,
+    a: Operand<T>,
+    b: Operand<T>,
     store: Store,
 ) {
     let starts: Vec<usize> = (0..m).step_by(rows_per).collect();
@@ -401,12 +504,12 @@ unsafe fn sgemm_row_blocks(
     let block = move |start: usize| {
         let rows = rows_per.min(m - start);
         let a = Operand {
-            ptr: (a_at as *const f32).wrapping_offset(start as isize * ars),
+            ptr: (a_at as *const T).wrapping_offset(start as isize * ars),
             rs: ars,
             cs: acs,
         };
         let b = Operand {
-            ptr: b_at as *const f32,
+            ptr: b_at as *const T,
             rs: brs,
             cs: bcs,
         };
@@ -414,7 +517,7 @@ unsafe fn sgemm_row_blocks(
         // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
         // blocks of `dst` are disjoint.
         unsafe {
-            sgemm_on(
+            gemm_on(
                 kernel,
                 rows,
                 n,
@@ -432,21 +535,21 @@ unsafe fn sgemm_row_blocks(
     starts.into_par_iter().with_max_len(1).for_each(block);
 }
 
-/// [`sgemm_on`] on an opened BLAS: false, having done nothing, when the operands' layouts or
-/// sizes do not fit `cblas_sgemm` (the caller then uses `gemm`).
+/// [`gemm_on`] on an opened BLAS's `product`: false, having done nothing, when the operands'
+/// layouts or sizes do not fit CBLAS (the caller then uses [`Element::without_blas`]).
 ///
 /// # Safety
-/// As [`sgemm_on`].
+/// As [`gemm_on`]; `product` is a library's CBLAS product for `T`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn sgemm_blas(
-    blas: &Blas,
+unsafe fn gemm_blas<T: Element>(
+    product: Cblas<T>,
     m: usize,
     n: usize,
     k: usize,
     dst: *mut f32,
     ldc: usize,
-    a: Operand,
-    b: Operand,
+    a: Operand<T>,
+    b: Operand<T>,
     store: Store,
 ) -> bool {
     let dims = (
@@ -463,7 +566,7 @@ unsafe fn sgemm_blas(
         // SAFETY: the caller's contract; the layouts describe exactly the elements it
         // guarantees readable, and `ldc` is `dst`'s row stride.
         unsafe {
-            (blas.sgemm)(
+            product(
                 CBLAS_ROW_MAJOR,
                 ta,
                 tb,
@@ -485,10 +588,10 @@ unsafe fn sgemm_blas(
     false
 }
 
-/// [`sgemm_on`] on the `gemm` crate.
+/// [`gemm_on`] on the `gemm` crate.
 ///
 /// # Safety
-/// As [`sgemm_on`].
+/// As [`gemm_on`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn sgemm_gemm(
     m: usize,
@@ -529,176 +632,4 @@ unsafe fn sgemm_gemm(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `a · b` in f64 from strided operands.
-    #[allow(clippy::too_many_arguments)]
-    fn reference(
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f32],
-        (ars, acs): (usize, usize),
-        b: &[f32],
-        (brs, bcs): (usize, usize),
-    ) -> Vec<f64> {
-        let mut out = vec![0.0; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                out[i * n + j] = (0..k)
-                    .map(|l| f64::from(a[i * ars + l * acs]) * f64::from(b[l * brs + j * bcs]))
-                    .sum();
-            }
-        }
-        out
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn product(
-        kernel: &Kernel,
-        m: usize,
-        n: usize,
-        k: usize,
-        a: &[f32],
-        sa: (usize, usize),
-        b: &[f32],
-        sb: (usize, usize),
-        threads: usize,
-        start: Option<&[f32]>,
-    ) -> Vec<f32> {
-        // Overwrite a destination of NaNs (a read of it would show), or add into `start`.
-        let (mut dst, store) = match start {
-            Some(c) => (c.to_vec(), Store::Accumulate),
-            None => (vec![f32::NAN; m * n], Store::Overwrite),
-        };
-        let op = |data: &[f32], (rs, cs): (usize, usize)| Operand {
-            ptr: data.as_ptr(),
-            rs: rs as isize,
-            cs: cs as isize,
-        };
-        let parallelism = if threads > 1 {
-            gemm::Parallelism::Rayon(threads)
-        } else {
-            gemm::Parallelism::None
-        };
-        // SAFETY: the strides below address only elements inside `a` and `b`; `dst` is m×n.
-        unsafe {
-            sgemm_on(
-                kernel,
-                m,
-                n,
-                k,
-                dst.as_mut_ptr(),
-                n,
-                op(a, sa),
-                op(b, sb),
-                parallelism,
-                store,
-            )
-        };
-        dst
-    }
-
-    /// Every kernel this machine has (`gemm`, MKL, OpenBLAS, the portable kernel) against an
-    /// f64 loop, on every layout `dot_general` hands them (row-major, transposed, padded rows,
-    /// a layout only `gemm` takes), in one call and in row blocks on 2 and 3 threads; and the
-    /// same for a product added into a destination (`Store::Accumulate`), against the f64 sum
-    /// of the destination and the product. The portable kernel gives the same bits in blocks
-    /// (its invariant); a BLAS or `gemm` is held to the tolerance only, since which kernel —
-    /// and so which order of addition — it runs on a block depends on the processor (OpenBLAS's
-    /// Haswell kernel computes a block's rows otherwise than the whole product's).
-    #[test]
-    fn every_kernel_matches_an_f64_product_on_every_layout() {
-        // `gemm`, the portable kernel and each BLAS this machine has (opened here, whichever
-        // the process uses).
-        let libraries: Vec<Kernel> = [Kernel::Gemm, Kernel::Portable(Isa::detect())]
-            .into_iter()
-            .chain(
-                [open_mkl(), open_openblas()]
-                    .into_iter()
-                    .flatten()
-                    .map(Kernel::Blas),
-            )
-            .collect();
-        // Too small to split; split over 2 or 3 threads (uneven blocks), and a wide product.
-        for (m, n, k) in [(300, 70, 130), (601, 170, 130), (130, 1100, 150)] {
-            let data = |len: usize, seed: u32| -> Vec<f32> {
-                (0..len)
-                    .map(|i| {
-                        ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9) as f32
-                            / 8_388_608.0
-                            - 0.5
-                    })
-                    .collect()
-            };
-            let a = data(2 * m * (k + 3), 1);
-            let b = data(k * (n + 5), 2);
-            // (a strides, b strides): row-major, a transposed, b transposed, padded rows, and a
-            // with element stride 2 (only `gemm` takes it).
-            let layouts = [
-                ((k, 1), (n, 1)),
-                ((1, m), (n, 1)),
-                ((k + 3, 1), (1, k)),
-                ((k + 3, 1), (n + 5, 1)),
-                ((2 * k + 3, 2), (n, 1)),
-            ];
-            for kernel in &libraries {
-                let fixed = matches!(kernel, Kernel::Portable(_));
-                for &(sa, sb) in &layouts {
-                    let want = reference(m, n, k, &a, sa, &b, sb);
-                    let start = data(m * n, 3);
-                    let added: Vec<f64> = want
-                        .iter()
-                        .zip(&start)
-                        .map(|(w, c)| w + f64::from(*c))
-                        .collect();
-                    for (c, want) in [(None, &want), (Some(start.as_slice()), &added)] {
-                        let one = product(kernel, m, n, k, &a, sa, &b, sb, 1, c);
-                        for threads in [1, 2, 3] {
-                            let got = product(kernel, m, n, k, &a, sa, &b, sb, threads, c);
-                            for (x, y) in got.iter().zip(want) {
-                                assert!(
-                                    (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
-                                    "{}: {x} vs {y} on {threads} (accumulate: {})",
-                                    kernel.describe(),
-                                    c.is_some()
-                                );
-                            }
-                            if fixed {
-                                assert_eq!(
-                                    got,
-                                    one,
-                                    "threads {threads} (accumulate: {})",
-                                    c.is_some()
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn mkl_versions_are_shortened() {
-        assert_eq!(
-            mkl_version("Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build 20260915 for Intel(R) 64 architecture applications"),
-            "Intel MKL 2026.2"
-        );
-        assert_eq!(mkl_version("something else"), "Intel MKL");
-    }
-
-    #[test]
-    fn layouts_cblas_accepts_and_refuses() {
-        // Row-major 3×4 with padding, column-major 3×4, and a single row or column.
-        assert_eq!(cblas_layout(3, 4, 5, 1), Some((CBLAS_NO_TRANS, 5)));
-        assert_eq!(cblas_layout(3, 4, 1, 3), Some((CBLAS_TRANS, 3)));
-        assert_eq!(cblas_layout(1, 4, 0, 1), Some((CBLAS_NO_TRANS, 4)));
-        assert_eq!(cblas_layout(3, 1, 1, 0), Some((CBLAS_TRANS, 3)));
-        // Overlapping rows, strides on both axes, negative strides: `gemm`'s.
-        assert_eq!(cblas_layout(3, 4, 2, 1), None);
-        assert_eq!(cblas_layout(3, 4, 8, 2), None);
-        assert_eq!(cblas_layout(3, 4, -4, 1), None);
-    }
-}
+mod tests;

@@ -12,6 +12,16 @@ pub enum TensorError {
         /// What does not fit.
         reason: String,
     },
+    /// bf16 products were asked of a matrix-product kernel that has none (named by
+    /// `FERROTEXT_MATMUL`), and the fallback to the portable kernel was not allowed.
+    #[error(
+        "{kernel} has no bf16 × bf16 → f32 product; use FERROTEXT_MATMUL=mkl or portable, or \
+         allow the fallback to the portable kernel"
+    )]
+    NoBf16Product {
+        /// The kernel, as `matmul_kernel` describes it.
+        kernel: String,
+    },
 }
 
 impl TensorError {

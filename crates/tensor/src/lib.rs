@@ -9,6 +9,12 @@ do not depend on the processor, [`use_portable_matmul`]: [`matmul_kernel`] says 
 contracting dimensions, and the model kernels (softmax, RMSNorm, RoPE,
 SiLU, cross-entropy, gather/scatter-add, top-k), each forward beside its backward.
 
+bf16 (`dtype=bfloat16`): [`Bf16Tensor`] holds activations and matrix-product inputs;
+[`round_bf16`] is the one rounding (to nearest even, NaN kept); [`dot_general_bf16`] multiplies
+bf16 operands into `f32` on MKL's or OpenBLAS's bf16 product or the portable kernel
+([`bf16_matmul_kernel`] says which); the `*_bf16` row kernels compute in `f32` inside and equal
+the `f32` kernels' results rounded.
+
 # The key decision: strided views instead of copies for matrix products
 
 Both kernels take a leading dimension (`gemm` any strides), so [`dot_general`] views each
@@ -44,6 +50,7 @@ assert_eq!(y.data(), &[-2., -2.]);
 #![deny(missing_docs)]
 
 mod attention;
+mod bf16;
 mod blas;
 mod elementwise;
 mod error;
@@ -60,6 +67,11 @@ mod rope;
 mod tensor;
 
 pub use attention::{causal_attention, causal_attention_backward, Attention};
+pub use bf16::{
+    add_bf16, allow_bf16_fallback, bf16_matmul_kernel, causal_attention_bf16, causal_softmax_bf16,
+    dot_general_bf16, dot_general_bf16_accumulate, rms_norm_bf16, round_bf16, round_slice,
+    silu_bf16, softmax_last_bf16, swiglu_bf16, widen_bf16, widen_slice, Bf16Tensor,
+};
 pub use blas::{matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;

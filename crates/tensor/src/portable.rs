@@ -21,12 +21,15 @@
 //!   result). So a product over the columns a causal row can see equals the full product with
 //!   the masked probabilities (exact zeros) included.
 //!
+//! * bf16 operands are widened to f32 as they are read (exactly), so a bf16 product has the
+//!   bits of the f32 product of the widened operands, on every instruction set.
+//!
 //! Where the time goes: `b` is packed [`NR`] columns at a time (`k × NR`, contiguous, zero past
 //! `n`), then every [`MR`]-row tile of `a` runs over that panel with `MR × NR` accumulators in
 //! registers (12 AVX-512 registers). No blocking of the contraction: that would split the chain.
 //! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
 
-use crate::blas::{Operand, Store};
+use crate::blas::{Element, Operand, Store};
 
 /// Rows of `a` a register tile covers.
 const MR: usize = 6;
@@ -84,20 +87,21 @@ impl Isa {
 }
 
 /// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n into `dst`'s `m` rows of `n`
-/// elements `ldc` apart, on this thread, on `isa`. The bits are this module's invariants'.
+/// elements `ldc` apart, on this thread, on `isa`, with the operands' elements widened to f32
+/// as they are read. The bits are this module's invariants'.
 ///
 /// # Safety
 /// As [`crate::blas::sgemm`]; `isa` must be one this CPU has ([`Isa::detect`] gives one).
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn sgemm(
+pub(crate) unsafe fn gemm<T: Element>(
     isa: Isa,
     m: usize,
     n: usize,
     k: usize,
     dst: *mut f32,
     ldc: usize,
-    a: Operand,
-    b: Operand,
+    a: Operand<T>,
+    b: Operand<T>,
     store: Store,
 ) {
     let job = Job {
@@ -123,30 +127,30 @@ pub(crate) unsafe fn sgemm(
 }
 
 /// One product's operands and destination.
-struct Job {
+struct Job<T> {
     m: usize,
     n: usize,
     k: usize,
     dst: *mut f32,
     ldc: usize,
-    a: Operand,
-    b: Operand,
+    a: Operand<T>,
+    b: Operand<T>,
     store: Store,
 }
 
 /// [`Job::run`] with the AVX-512 register tile.
 ///
 /// # Safety
-/// The CPU has AVX-512F and FMA; the job's operands are valid as [`sgemm`] requires.
+/// The CPU has AVX-512F and FMA; the job's operands are valid as [`gemm`] requires.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn run_avx512(job: &Job) {
-    let full = |job: &Job, i0, j0, cols, panel: &[f32]| {
+unsafe fn run_avx512<T: Element>(job: &Job<T>) {
+    let full = |job: &Job<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
         // closure rows and columns inside the job's operands.
-        unsafe { avx512_tile::<MR>(job, i0, j0, cols, panel) }
+        unsafe { avx512_tile::<T, MR>(job, i0, j0, cols, panel) }
     };
-    let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| {
+    let rest = |job: &Job<T>, rows, i0, j0, cols, panel: &[f32]| {
         // SAFETY: as for `full`.
         unsafe { avx512_tile_rows(job, rows, i0, j0, cols, panel) }
     };
@@ -160,8 +164,8 @@ unsafe fn run_avx512(job: &Job) {
 /// As [`avx512_tile`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn avx512_tile_rows(
-    job: &Job,
+unsafe fn avx512_tile_rows<T: Element>(
+    job: &Job<T>,
     rows: usize,
     i0: usize,
     j0: usize,
@@ -171,11 +175,11 @@ unsafe fn avx512_tile_rows(
     // SAFETY: the caller's contract.
     unsafe {
         match rows {
-            5 => avx512_tile::<5>(job, i0, j0, cols, panel),
-            4 => avx512_tile::<4>(job, i0, j0, cols, panel),
-            3 => avx512_tile::<3>(job, i0, j0, cols, panel),
-            2 => avx512_tile::<2>(job, i0, j0, cols, panel),
-            _ => avx512_tile::<1>(job, i0, j0, cols, panel),
+            5 => avx512_tile::<T, 5>(job, i0, j0, cols, panel),
+            4 => avx512_tile::<T, 4>(job, i0, j0, cols, panel),
+            3 => avx512_tile::<T, 3>(job, i0, j0, cols, panel),
+            2 => avx512_tile::<T, 2>(job, i0, j0, cols, panel),
+            _ => avx512_tile::<T, 1>(job, i0, j0, cols, panel),
         }
     }
 }
@@ -187,14 +191,19 @@ unsafe fn avx512_tile_rows(
 /// The CPU has AVX-512F and FMA; as [`Job::tile`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn avx512_tile<const R: usize>(job: &Job, i0: usize, j0: usize, cols: usize, panel: &[f32]) {
+unsafe fn avx512_tile<T: Element, const R: usize>(
+    job: &Job<T>,
+    i0: usize,
+    j0: usize,
+    cols: usize,
+    panel: &[f32],
+) {
     use std::arch::x86_64::{
         _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
     };
     let Operand { ptr, rs, cs } = job.a;
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    let rows: [*const f32; R] =
-        std::array::from_fn(|r| ptr.wrapping_offset((i0 + r) as isize * rs));
+    let rows: [*const T; R] = std::array::from_fn(|r| ptr.wrapping_offset((i0 + r) as isize * rs));
     for (l, brow) in panel.chunks_exact(NR).enumerate() {
         // SAFETY: `brow` holds NR = 32 floats: two unaligned 16-lane loads.
         let (b0, b1) = unsafe {
@@ -205,7 +214,7 @@ unsafe fn avx512_tile<const R: usize>(job: &Job, i0: usize, j0: usize, cols: usi
         };
         for r in 0..R {
             // SAFETY: (i0 + r, l) is inside `a`, by the caller's contract.
-            let x = _mm512_set1_ps(unsafe { *rows[r].wrapping_offset(l as isize * cs) });
+            let x = _mm512_set1_ps(unsafe { *rows[r].wrapping_offset(l as isize * cs) }.widen());
             acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
             acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
         }
@@ -225,28 +234,28 @@ unsafe fn avx512_tile<const R: usize>(job: &Job, i0: usize, j0: usize, cols: usi
 /// [`Job::run`] compiled for AVX2 and FMA.
 ///
 /// # Safety
-/// The CPU has both; the job's operands are valid as [`sgemm`] requires.
+/// The CPU has both; the job's operands are valid as [`gemm`] requires.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2(job: &Job) {
+unsafe fn run_avx2<T: Element>(job: &Job<T>) {
     // SAFETY: the caller's contract.
     unsafe { job.run() }
 }
 
-impl Job {
+impl<T: Element> Job<T> {
     /// Panel by panel of `b`, tile by tile of `a`, with the portable tiles. Inlined into each
     /// instruction set's caller, so the tile loops compile to that set's fused multiply-adds.
     ///
     /// # Safety
-    /// As [`sgemm`].
+    /// As [`gemm`].
     #[inline(always)]
     unsafe fn run(&self) {
-        let full = |job: &Job, i0, j0, cols, panel: &[f32]| {
+        let full = |job: &Job<T>, i0, j0, cols, panel: &[f32]| {
             // SAFETY: `run_with` hands this closure rows and columns inside the job's
             // operands, by the caller's contract.
             unsafe { job.tile::<MR>(i0, j0, cols, panel) }
         };
-        let rest = |job: &Job, rows, i0, j0, cols, panel: &[f32]| {
+        let rest = |job: &Job<T>, rows, i0, j0, cols, panel: &[f32]| {
             // SAFETY: as for `full`.
             unsafe {
                 match rows {
@@ -266,13 +275,13 @@ impl Job {
     /// rows by `rest`.
     ///
     /// # Safety
-    /// As [`sgemm`]; `full` and `rest` compute the rows and columns they are given, as
+    /// As [`gemm`]; `full` and `rest` compute the rows and columns they are given, as
     /// [`Job::tile`] does.
     #[inline(always)]
     unsafe fn run_with(
         &self,
-        full: impl Fn(&Job, usize, usize, usize, &[f32]),
-        rest: impl Fn(&Job, usize, usize, usize, usize, &[f32]),
+        full: impl Fn(&Job<T>, usize, usize, usize, &[f32]),
+        rest: impl Fn(&Job<T>, usize, usize, usize, usize, &[f32]),
     ) {
         if self.m == 0 || self.n == 0 {
             return;
@@ -292,7 +301,7 @@ impl Job {
         }
     }
 
-    /// `panel[l·NR + c] = b[l, j0 + c]` for `c < cols`, zero for the columns past `n`.
+    /// `panel[l·NR + c] = b[l, j0 + c]` (widened) for `c < cols`, zero for the columns past `n`.
     ///
     /// # Safety
     /// Columns `j0..j0 + cols` of `b` are readable for rows `0..k`.
@@ -303,7 +312,7 @@ impl Job {
             for (c, slot) in row.iter_mut().enumerate() {
                 *slot = if c < cols {
                     // SAFETY: (l, j0 + c) is inside `b`, by the caller's contract.
-                    unsafe { *ptr.offset(l as isize * rs + (j0 + c) as isize * cs) }
+                    unsafe { *ptr.offset(l as isize * rs + (j0 + c) as isize * cs) }.widen()
                 } else {
                     0.0
                 };
@@ -323,7 +332,7 @@ impl Job {
             let brow: &[f32; NR] = brow.try_into().unwrap_or(&[0.0; NR]);
             for (r, acc_row) in acc.iter_mut().enumerate() {
                 // SAFETY: (i0 + r, l) is inside `a`, by the caller's contract.
-                let x = unsafe { *ptr.offset((i0 + r) as isize * rs + l as isize * cs) };
+                let x = unsafe { *ptr.offset((i0 + r) as isize * rs + l as isize * cs) }.widen();
                 for (acc, &y) in acc_row.iter_mut().zip(brow) {
                     *acc = x.mul_add(y, *acc);
                 }
@@ -414,7 +423,7 @@ mod tests {
 
     fn run(isa: Isa, m: usize, n: usize, k: usize, a: Operand, b: Operand, dst: &mut [f32]) {
         // SAFETY: callers pass operands covering m×k and k×n, and a dst of m×n.
-        unsafe { sgemm(isa, m, n, k, dst.as_mut_ptr(), n, a, b, Store::Overwrite) };
+        unsafe { gemm(isa, m, n, k, dst.as_mut_ptr(), n, a, b, Store::Overwrite) };
     }
 
     fn isas() -> Vec<Isa> {
@@ -503,7 +512,7 @@ mod tests {
             let mut acc = start.clone();
             // SAFETY: a is m×k, b is k×n, acc is m×n.
             unsafe {
-                sgemm(
+                gemm(
                     isa,
                     m,
                     n,

@@ -69,7 +69,7 @@ pub fn written_zeros(len: usize) -> Vec<f32> {
 
 impl Tensor {
     /// `data` (of `shape`'s element count) as a tensor of its own.
-    fn owned(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
+    pub(crate) fn owned(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
         Tensor {
             len: data.len(),
             shape,

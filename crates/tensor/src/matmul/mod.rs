@@ -14,7 +14,7 @@
 
 use gemm::Parallelism;
 
-use crate::blas::{Operand, Store};
+use crate::blas::{Element, Operand, Store};
 
 use crate::error::TensorError;
 use crate::tensor::{strides, Tensor};
@@ -134,14 +134,14 @@ fn flatten(dims: &[usize], shape: &[usize], st: &[usize]) -> Option<(usize, isiz
 
 /// One operand as a strided matrix stack `[batch..., rows, cols]`: its data, each batch dim as
 /// (size, stride) in the caller's order, and the flattened rows and columns.
-struct MatStack<'a> {
-    data: std::borrow::Cow<'a, [f32]>,
+pub(crate) struct MatStack<'a, T: Clone = f32> {
+    data: std::borrow::Cow<'a, [T]>,
     batch: Vec<(usize, isize)>,
-    rows: (usize, isize),
-    cols: (usize, isize),
+    pub(crate) rows: (usize, isize),
+    pub(crate) cols: (usize, isize),
 }
 
-impl MatStack<'_> {
+impl<T: Clone> MatStack<'_, T> {
     /// The element offset of batch entry `i` (row-major over the batch dims).
     fn offset(&self, mut i: usize) -> isize {
         let mut off = 0;
@@ -161,17 +161,29 @@ fn as_stack<'a>(
     rows: &[usize],
     cols: &[usize],
 ) -> Result<MatStack<'a>, TensorError> {
-    let st = strides(t.shape());
-    if let (Some(r), Some(c)) = (flatten(rows, t.shape(), &st), flatten(cols, t.shape(), &st)) {
-        let batch = match flatten(batch, t.shape(), &st) {
+    as_stack_of(t.shape(), t.data(), batch, rows, cols, |perm| {
+        Ok(t.transpose(perm)?.into_data())
+    })
+}
+
+/// [`as_stack`] for a row-major array of any element type of `shape` in `data`; `transpose`
+/// copies it into the order of the given dimension permutation when its layout is not a view.
+pub(crate) fn as_stack_of<'a, T: Clone>(
+    shape: &[usize],
+    data: &'a [T],
+    batch: &[usize],
+    rows: &[usize],
+    cols: &[usize],
+    transpose: impl FnOnce(&[usize]) -> Result<Vec<T>, TensorError>,
+) -> Result<MatStack<'a, T>, TensorError> {
+    let st = strides(shape);
+    if let (Some(r), Some(c)) = (flatten(rows, shape, &st), flatten(cols, shape, &st)) {
+        let batch = match flatten(batch, shape, &st) {
             Some(b) => vec![b],
-            None => batch
-                .iter()
-                .map(|&d| (t.shape()[d], st[d] as isize))
-                .collect(),
+            None => batch.iter().map(|&d| (shape[d], st[d] as isize)).collect(),
         };
         return Ok(MatStack {
-            data: std::borrow::Cow::Borrowed(t.data()),
+            data: std::borrow::Cow::Borrowed(data),
             batch,
             rows: r,
             cols: c,
@@ -179,11 +191,11 @@ fn as_stack<'a>(
     }
     // Copy into [batch, rows, cols] order.
     let perm: Vec<usize> = batch.iter().chain(rows).chain(cols).copied().collect();
-    let moved = t.transpose(&perm)?;
-    let size = |dims: &[usize]| dims.iter().map(|&d| t.shape()[d]).product::<usize>();
+    let moved = transpose(&perm)?;
+    let size = |dims: &[usize]| dims.iter().map(|&d| shape[d]).product::<usize>();
     let (b, r, c) = (size(batch), size(rows), size(cols));
     Ok(MatStack {
-        data: std::borrow::Cow::Owned(moved.into_data()),
+        data: std::borrow::Cow::Owned(moved),
         batch: vec![(b, (r * c) as isize)],
         rows: (r, c as isize),
         cols: (c, 1),
@@ -301,10 +313,17 @@ pub fn dot_general_accumulate_parts(
 
 /// Both operands of a product as matrix stacks (views when their layouts allow), and the
 /// batch size.
-struct Stacks<'a> {
-    a: MatStack<'a>,
-    b: MatStack<'a>,
-    batch: usize,
+pub(crate) struct Stacks<'a, T: Clone = f32> {
+    pub(crate) a: MatStack<'a, T>,
+    pub(crate) b: MatStack<'a, T>,
+    pub(crate) batch: usize,
+}
+
+impl<T: Clone> Stacks<'_, T> {
+    /// Every row of the result seen as `[batch · m, n]`.
+    pub(crate) fn all_rows(&self) -> std::ops::Range<usize> {
+        0..self.batch * self.a.rows.0
+    }
 }
 
 impl<'a> Stacks<'a> {
@@ -316,11 +335,6 @@ impl<'a> Stacks<'a> {
             b: as_stack(rhs, &dims.rhs_batch, &dims.rhs_contracting, &rf)?,
             batch: dims.lhs_batch.iter().map(|&d| lhs.shape()[d]).product(),
         })
-    }
-
-    /// Every row of the result seen as `[batch · m, n]`.
-    fn all_rows(&self) -> std::ops::Range<usize> {
-        0..self.batch * self.a.rows.0
     }
 
     /// The profiler's span for the whole product of `lhs` and `rhs`.
@@ -340,8 +354,8 @@ impl<'a> Stacks<'a> {
 /// the shapes), stored per `store`. All rows take one kernel call per batch entry (or the
 /// entries spread over the threads); a band of rows takes one call per entry it crosses, on
 /// those rows of the lhs.
-fn products(
-    stacks: &Stacks<'_>,
+pub(crate) fn products<T: Element>(
+    stacks: &Stacks<'_, T>,
     threads: usize,
     rows: std::ops::Range<usize>,
     dst: &mut [std::mem::MaybeUninit<f32>],
@@ -372,7 +386,8 @@ fn products(
         // block of the output, which the kernel only writes (`Overwrite`) or reads initialised
         // and writes (`Accumulate`).
         unsafe {
-            crate::blas::sgemm(
+            crate::blas::gemm_on(
+                crate::blas::kernel(),
                 entry_rows.len(),
                 n,
                 k,

@@ -1,0 +1,306 @@
+//! bf16 products on every kernel this machine has against the f32 product of the widened
+//! operands, and the choice of kernel.
+//!
+//! The bound: every widened term `a·b` of two bf16 values is exact in f32 (8 + 8 significant
+//! bits ≤ 24), so a bf16 product and the f32 product of the widened operands add the same
+//! exact terms and differ only by the order of addition. Each f32 sum of `k` terms lies within
+//! `γ_k·Σ|a·b|` of the exact sum (`γ_k ≈ k·2^-24`), so each lies within that of the f64
+//! reference here; the tests allow `2·k·2^-24·Σ|a·b|` (plus the destination under
+//! accumulation). On the portable kernel the two are the same chain: equal bits.
+
+use half::bf16;
+
+use super::*;
+use crate::blas::{gemm_on, open_mkl, open_openblas, Operand};
+use crate::{dot_general, dot_general_accumulate, matmul_order_is_fixed};
+
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let h = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9;
+            crate::round_bf16(h as f32 / 8_388_608.0 * 4.0 - 2.0).to_f32()
+        })
+        .collect()
+}
+
+fn to_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| crate::round_bf16(x)).collect()
+}
+
+/// Every kernel: `gemm`, the portable kernel, and each BLAS found (with its bf16 product, and
+/// without it: then the portable kernel stands in).
+fn kernels() -> Vec<Kernel> {
+    let mut all = vec![Kernel::Gemm, Kernel::Portable(Isa::detect())];
+    for blas in [open_mkl(), open_openblas()].into_iter().flatten() {
+        all.push(Kernel::Blas(blas));
+    }
+    if let Some(mut blas) = open_mkl() {
+        blas.bf16 = None;
+        all.push(Kernel::Blas(blas));
+    }
+    all
+}
+
+/// `dst (+)= a·b` on `kernel` for operands of `T` with the given strides.
+#[allow(clippy::too_many_arguments)]
+fn run<T: crate::blas::Element>(
+    kernel: &Kernel,
+    (m, n, k): (usize, usize, usize),
+    a: &[T],
+    (ars, acs): (usize, usize),
+    b: &[T],
+    (brs, bcs): (usize, usize),
+    threads: usize,
+    start: Option<&[f32]>,
+) -> Vec<f32> {
+    let (mut dst, store) = match start {
+        Some(c) => (c.to_vec(), Store::Accumulate),
+        None => (vec![f32::NAN; m * n], Store::Overwrite),
+    };
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the strides address only elements inside `a` and `b`; `dst` is m×n.
+    unsafe {
+        gemm_on(
+            kernel,
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            n,
+            Operand {
+                ptr: a.as_ptr(),
+                rs: ars as isize,
+                cs: acs as isize,
+            },
+            Operand {
+                ptr: b.as_ptr(),
+                rs: brs as isize,
+                cs: bcs as isize,
+            },
+            parallelism,
+            store,
+        )
+    };
+    dst
+}
+
+#[test]
+fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
+    let portable = Kernel::Portable(Isa::detect());
+    for (m, n, k) in [(5, 7, 3), (300, 70, 130), (601, 170, 130)] {
+        let a = values(m * (k + 3), 1);
+        let b = values(k * (n + 5), 2);
+        let (a16, b16) = (to_bf16(&a), to_bf16(&b));
+        // Row-major, a transposed, b transposed, padded rows.
+        let layouts = [
+            ((k, 1), (n, 1)),
+            ((1, m), (n, 1)),
+            ((k + 3, 1), (1, k)),
+            ((k + 3, 1), (n + 5, 1)),
+        ];
+        for &(sa, sb) in &layouts {
+            let at = |i: usize, l: usize| f64::from(a[i * sa.0 + l * sa.1]);
+            let bt = |l: usize, j: usize| f64::from(b[l * sb.0 + j * sb.1]);
+            let start = values(m * n, 3);
+            for c in [None, Some(start.as_slice())] {
+                let same_on_portable = run(&portable, (m, n, k), &a, sa, &b, sb, 1, c);
+                for kernel in &kernels() {
+                    for threads in [1, 3] {
+                        let got = run(kernel, (m, n, k), &a16, sa, &b16, sb, threads, c);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let exact: f64 = (0..k).map(|l| at(i, l) * bt(l, j)).sum();
+                                let size: f64 = (0..k).map(|l| (at(i, l) * bt(l, j)).abs()).sum();
+                                let c0 = c.map_or(0.0, |c| f64::from(c[i * n + j]));
+                                let bound =
+                                    2.0 * k as f64 * 2f64.powi(-24) * (size + c0.abs()) + 1e-30;
+                                let x = f64::from(got[i * n + j]);
+                                assert!(
+                                    (x - exact - c0).abs() <= bound,
+                                    "{}: ({i},{j}) {x} vs {} ± {bound}",
+                                    kernel.describe(),
+                                    exact + c0
+                                );
+                            }
+                        }
+                        if matches!(kernel, Kernel::Portable(_)) {
+                            assert_eq!(got, same_on_portable, "portable bits {m}×{n}×{k}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Which kernel computes bf16 products for each f32 kernel, named or picked automatically,
+/// with and without the fallback.
+#[test]
+fn the_bf16_kernel_follows_the_f32_kernel_and_refuses_only_a_named_one() {
+    let isa = Isa::detect();
+    assert_eq!(
+        choose(&Kernel::Portable(isa), true, false),
+        Choice::Portable(isa, None)
+    );
+    let gemm = "the gemm crate".to_string();
+    assert_eq!(
+        choose(&Kernel::Gemm, true, false),
+        Choice::Refused(gemm.clone())
+    );
+    assert_eq!(
+        choose(&Kernel::Gemm, true, true),
+        Choice::Portable(isa, Some(gemm.clone()))
+    );
+    assert_eq!(
+        choose(&Kernel::Gemm, false, false),
+        Choice::Portable(isa, Some(gemm))
+    );
+    let e = Choice::Refused("OpenBLAS 0.3.21".into())
+        .describe()
+        .unwrap_err();
+    assert_eq!(
+        e,
+        TensorError::NoBf16Product {
+            kernel: "OpenBLAS 0.3.21".into()
+        }
+    );
+    assert!(
+        e.to_string().starts_with("OpenBLAS 0.3.21 has no bf16"),
+        "{e}"
+    );
+    if let Some(mkl) = open_mkl() {
+        // MKL has had `cblas_gemm_bf16bf16f32` since 2020.
+        let what = mkl.description.clone();
+        let with = Kernel::Blas(mkl);
+        assert_eq!(
+            choose(&with, true, false),
+            Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
+        );
+        let Kernel::Blas(mut mkl) = with else {
+            unreachable!() // ok: built just above
+        };
+        mkl.bf16 = None;
+        let without = Kernel::Blas(mkl);
+        assert_eq!(choose(&without, true, false), Choice::Refused(what.clone()));
+        assert_eq!(
+            choose(&without, false, false),
+            Choice::Portable(isa, Some(what))
+        );
+    }
+}
+
+/// A bf16 `[B, T, H, d]` attention-like product batched over B and H, `x·Wᵀ`, `xᵀ·dy` and a
+/// layout that needs a copy, through the public products on this process's kernel, against
+/// `dot_general` on the widened operands; or, where the process's kernel refuses bf16, the
+/// error naming it.
+#[test]
+fn dot_general_bf16_matches_dot_general_on_widened_operands() {
+    let cases: Vec<(Vec<usize>, Vec<usize>, DotDims)> = vec![
+        (vec![70, 40], vec![40, 30], DotDims::matmul(2)),
+        (
+            vec![70, 40],
+            vec![30, 40],
+            DotDims {
+                lhs_contracting: vec![1],
+                rhs_contracting: vec![1],
+                ..DotDims::default()
+            },
+        ),
+        (
+            vec![70, 40],
+            vec![70, 30],
+            DotDims {
+                lhs_contracting: vec![0],
+                rhs_contracting: vec![0],
+                ..DotDims::default()
+            },
+        ),
+        (
+            vec![2, 9, 3, 8],
+            vec![2, 9, 3, 8],
+            DotDims {
+                lhs_batch: vec![0, 2],
+                rhs_batch: vec![0, 2],
+                lhs_contracting: vec![3],
+                rhs_contracting: vec![3],
+            },
+        ),
+        // Contracting dims listed out of memory order: a copy.
+        (
+            vec![4, 5, 6],
+            vec![6, 5, 3],
+            DotDims {
+                lhs_contracting: vec![2, 1],
+                rhs_contracting: vec![0, 1],
+                ..DotDims::default()
+            },
+        ),
+    ];
+    let refused = bf16_matmul_kernel().err();
+    for (ls, rs, dims) in cases {
+        let lv = values(ls.iter().product(), 4);
+        let rv = values(rs.iter().product(), 5);
+        let (l32, r32) = (
+            Tensor::new(ls.clone(), lv.clone()).unwrap(),
+            Tensor::new(rs.clone(), rv.clone()).unwrap(),
+        );
+        let (l16, r16) = (
+            Bf16Tensor::new(ls, to_bf16(&lv)).unwrap(),
+            Bf16Tensor::new(rs, to_bf16(&rv)).unwrap(),
+        );
+        let got = dot_general_bf16(&l16, &r16, &dims, 2);
+        let mut acc = vec![
+            1.0f32;
+            dims.output_shape(l32.shape(), r32.shape())
+                .unwrap()
+                .iter()
+                .product()
+        ];
+        let added = dot_general_bf16_accumulate(&l16, &r16, &dims, 2, &mut acc);
+        if let Some(e) = &refused {
+            assert_eq!(got.unwrap_err(), *e);
+            assert_eq!(added.unwrap_err(), *e);
+            continue;
+        }
+        let (got, want) = (got.unwrap(), dot_general(&l32, &r32, &dims, 2).unwrap());
+        added.unwrap();
+        let mut want_acc = vec![1.0f32; acc.len()];
+        dot_general_accumulate(&l32, &r32, &dims, 2, &mut want_acc).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        let k: usize = dims
+            .lhs_contracting
+            .iter()
+            .map(|&d| l32.shape()[d])
+            .product();
+        // |terms| ≤ 4, so Σ|a·b| ≤ 4k.
+        let bound = 2.0 * k as f32 * 2f32.powi(-24) * (4.0 * k as f32 + 1.0);
+        if matmul_order_is_fixed() {
+            assert_eq!(got, want);
+            assert_eq!(acc, want_acc);
+        }
+        for (x, y) in got.data().iter().zip(want.data()) {
+            assert!((x - y).abs() <= bound, "{x} vs {y}");
+        }
+        for (x, y) in acc.iter().zip(&want_acc) {
+            assert!((x - y).abs() <= bound, "{x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn dot_general_bf16_refuses_shapes_that_do_not_fit() {
+    if bf16_matmul_kernel().is_err() {
+        return; // the kernel's refusal comes first; checked above
+    }
+    let a = Bf16Tensor::new(vec![2, 3], vec![bf16::ONE; 6]).unwrap();
+    let e = dot_general_bf16(&a, &a, &DotDims::matmul(2), 1).unwrap_err();
+    assert!(e.to_string().contains("size 3"), "{e}");
+    let mut out = vec![0.0; 5];
+    let at = a.transpose(&[1, 0]).unwrap();
+    let e = dot_general_bf16_accumulate(&a, &at, &DotDims::matmul(2), 1, &mut out).unwrap_err();
+    assert!(e.to_string().contains("5 elements"), "{e}");
+}

@@ -1,0 +1,232 @@
+//! bfloat16 storage for activations and matrix-product inputs, with `f32` arithmetic inside
+//! every kernel (MaxText's `dtype=bfloat16` beside `weight_dtype=float32`).
+//!
+//! [`Bf16Tensor`] is a type of its own beside [`Tensor`], not a storage variant of it: every
+//! existing caller of `Tensor::data()` keeps its `&[f32]`, and code that handles bf16 says so in
+//! its types. A bf16 value becomes `f32` by widening (exact: its bits are the top half of an
+//! `f32`'s), and an `f32` becomes bf16 by [`round_bf16`] only: round to nearest, ties to even.
+//!
+//! Invariants:
+//! * Rounding is the one lossy step, and happens where a kernel writes a [`Bf16Tensor`]: once
+//!   per value written, never inside a kernel's sums. Products take bf16 operands and return
+//!   `f32` (the widened terms are exact in `f32`, so a bf16 product differs from the `f32`
+//!   product of the widened operands only in the order of addition); row kernels widen a row,
+//!   run the `f32` row code, and round what they store. So each bf16 row kernel's output is,
+//!   bit for bit, `round_bf16` of the `f32` kernel on the widened input (the tests check this).
+//! * [`round_bf16`]: finite values round to nearest even (the halfway case goes to the even
+//!   mantissa); values beyond bf16's largest finite round to ±∞ exactly as IEEE rounding
+//!   does; subnormals round in the same way (bf16 has `f32`'s exponent range); ±0 and ±∞ are
+//!   kept; a NaN stays a NaN with its sign and top payload bits, made quiet.
+//! * Which product kernel runs for bf16 is chosen once per process ([`bf16_matmul_kernel`]).
+
+use half::bf16;
+
+use crate::error::TensorError;
+use crate::parallel::{for_each_chunk, kernel_threads, Work};
+use crate::tensor::{strides, Tensor};
+
+mod matmul;
+mod rows;
+
+pub use matmul::{
+    allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,
+};
+pub use rows::{
+    add_bf16, causal_attention_bf16, causal_softmax_bf16, rms_norm_bf16, silu_bf16,
+    softmax_last_bf16, swiglu_bf16,
+};
+
+/// `x` rounded to bfloat16: to nearest, ties to even; NaN kept (quiet). Branch-free on the
+/// bits, so loops over slices of it compile to vector code.
+#[inline(always)]
+pub fn round_bf16(x: f32) -> bf16 {
+    let b = x.to_bits();
+    // Adding 0x7fff plus the lowest kept bit carries into the kept half exactly when the
+    // dropped half is above one half, or equal to it with the kept half odd.
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = (b >> 16) as u16 | 0x0040;
+    let is_nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+    bf16::from_bits(if is_nan { quiet_nan } else { rounded })
+}
+
+/// `x` widened to `f32` (exact).
+#[inline(always)]
+pub fn widen_bf16(x: bf16) -> f32 {
+    f32::from_bits(u32::from(x.to_bits()) << 16)
+}
+
+/// Rounds `src` into `dst` elementwise ([`round_bf16`]).
+///
+/// # Panics
+/// When the lengths differ (a bug in the caller).
+pub fn round_slice(src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(src.len(), dst.len()); // ok: caller's invariant
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = round_bf16(s);
+    }
+}
+
+/// Widens `src` into `dst` elementwise ([`widen_bf16`]).
+///
+/// # Panics
+/// When the lengths differ (a bug in the caller).
+pub fn widen_slice(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len()); // ok: caller's invariant
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = widen_bf16(s);
+    }
+}
+
+/// Elements per block when a conversion is split over the kernel threads.
+const CONVERT_BLOCK: usize = 1 << 14;
+
+/// A dense row-major bfloat16 tensor: activations and matrix-product inputs in `dtype=bf16`.
+/// Its elements are the `shape.iter().product()` values of its storage, in order.
+#[derive(Clone, PartialEq)]
+pub struct Bf16Tensor {
+    shape: Vec<usize>,
+    data: Vec<bf16>,
+}
+
+impl std::fmt::Debug for Bf16Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bf16Tensor")
+            .field("shape", &self.shape)
+            .field("data", &self.data)
+            .finish()
+    }
+}
+
+impl Bf16Tensor {
+    /// `data` as a tensor of `shape`.
+    ///
+    /// # Errors
+    /// The element count does not match the shape.
+    pub fn new(shape: Vec<usize>, data: Vec<bf16>) -> Result<Bf16Tensor, TensorError> {
+        let want: usize = shape.iter().product();
+        if want != data.len() {
+            return Err(TensorError::shape(
+                "Bf16Tensor::new",
+                format!("{} elements for shape {shape:?}", data.len()),
+            ));
+        }
+        Ok(Bf16Tensor { shape, data })
+    }
+
+    /// `x` rounded to bf16 ([`round_bf16`] per element), on the kernel thread budget.
+    pub fn from_f32(x: &Tensor) -> Bf16Tensor {
+        let mut data = vec![bf16::ZERO; x.len()];
+        let src = x.data();
+        for_each_chunk(
+            &mut data,
+            CONVERT_BLOCK,
+            kernel_threads(),
+            Work::Light,
+            |c, out| {
+                let at = c * CONVERT_BLOCK;
+                round_slice(&src[at..at + out.len()], out);
+            },
+        );
+        Bf16Tensor {
+            shape: x.shape().to_vec(),
+            data,
+        }
+    }
+
+    /// The values widened to `f32` (exact), on the kernel thread budget.
+    pub fn to_f32(&self) -> Tensor {
+        let mut out = vec![0.0f32; self.data.len()];
+        for_each_chunk(
+            &mut out,
+            CONVERT_BLOCK,
+            kernel_threads(),
+            Work::Light,
+            |c, out| {
+                let at = c * CONVERT_BLOCK;
+                widen_slice(&self.data[at..at + out.len()], out);
+            },
+        );
+        Tensor::owned(self.shape.clone(), out)
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The element count.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// The elements, row-major.
+    pub fn data(&self) -> &[bf16] {
+        &self.data
+    }
+
+    /// The same elements under another shape of the same count (no copy).
+    ///
+    /// # Errors
+    /// The element counts differ.
+    pub fn reshape(self, shape: &[usize]) -> Result<Bf16Tensor, TensorError> {
+        Bf16Tensor::new(shape.to_vec(), self.data)
+    }
+
+    /// The elements, row-major.
+    pub fn into_data(self) -> Vec<bf16> {
+        self.data
+    }
+
+    /// The elements with dimensions in the order `perm` (a copy): `out[.., i_perm[d], ..] =
+    /// self[.., i_d, ..]`, as [`Tensor::transpose`].
+    ///
+    /// # Errors
+    /// `perm` is not a permutation of the dimensions.
+    pub fn transpose(&self, perm: &[usize]) -> Result<Bf16Tensor, TensorError> {
+        let mut seen = vec![false; self.shape.len()];
+        if perm.len() != self.shape.len()
+            || !perm
+                .iter()
+                .all(|&d| d < seen.len() && !std::mem::replace(&mut seen[d], true))
+        {
+            return Err(TensorError::shape(
+                "Bf16Tensor::transpose",
+                format!("{perm:?} is not a permutation of {:?}", self.shape),
+            ));
+        }
+        Ok(Bf16Tensor {
+            shape: perm.iter().map(|&d| self.shape[d]).collect(),
+            data: permuted(&self.shape, &self.data, perm),
+        })
+    }
+}
+
+/// `data` (row-major, of `shape`) with its dimensions reordered to `perm` (checked by the
+/// caller), by walking the output in order.
+fn permuted<T: Copy>(shape: &[usize], data: &[T], perm: &[usize]) -> Vec<T> {
+    let st = strides(shape);
+    let out_shape: Vec<usize> = perm.iter().map(|&d| shape[d]).collect();
+    let out_st: Vec<usize> = perm.iter().map(|&d| st[d]).collect();
+    let mut out = Vec::with_capacity(data.len());
+    let mut idx = vec![0usize; out_shape.len()];
+    for _ in 0..data.len() {
+        let at: usize = idx.iter().zip(&out_st).map(|(i, s)| i * s).sum();
+        out.push(data[at]);
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < out_shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

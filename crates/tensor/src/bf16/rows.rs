@@ -1,0 +1,223 @@
+//! Row and elementwise kernels on bf16 activations: each reads bf16, computes in `f32` with the
+//! `f32` kernel's own code, and rounds what it writes.
+//!
+//! Invariant: the output is, bit for bit, [`round_bf16`](super::round_bf16) of the `f32` kernel
+//! on the widened inputs (statistics a backward keeps, such as RMSNorm's inverse RMS, stay
+//! `f32`). Inputs are widened a chunk of whole rows at a time (about `nn`'s block of 4096
+//! elements; a causal softmax's whole `[Tq, Tk]` blocks) into a scratch `f32` tensor, so no
+//! `f32` copy of a whole activation is ever made; the `f32` kernels compute each row alike in
+//! any chunk, so chunking does not change a bit. Chunks run on the kernel thread budget.
+
+use std::sync::Mutex;
+
+use half::bf16;
+
+use super::{round_slice, widen_slice, Bf16Tensor};
+use crate::error::TensorError;
+use crate::nn::{causal_softmax, rms_norm, silu, softmax_last, swiglu};
+use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads, Work};
+use crate::tensor::Tensor;
+use crate::{causal_attention, Attention};
+
+/// Elements a chunk of rows is made of, at least (as `nn`'s row kernels group rows).
+const CHUNK: usize = 4096;
+
+/// Whole rows of `n` per chunk: about [`CHUNK`] elements, at least one row.
+fn chunk_elements(n: usize) -> usize {
+    (CHUNK / n.max(1)).max(1) * n.max(1)
+}
+
+/// `len` elements of `t` from `at`, widened, as an `f32` tensor of rows of `n`.
+fn widened(t: &Bf16Tensor, at: usize, len: usize, n: usize) -> Tensor {
+    let mut out = vec![0.0f32; len];
+    widen_slice(&t.data()[at..at + len], &mut out);
+    Tensor::owned(vec![len / n.max(1), n], out)
+}
+
+/// Keeps the first error a chunk reports.
+fn keep(first: &Mutex<Option<TensorError>>, e: TensorError) {
+    if let Ok(mut slot) = first.lock() {
+        slot.get_or_insert(e);
+    }
+}
+
+/// A tensor of `shape` computed chunk by chunk: `f` takes each chunk of `inputs` (whole rows of
+/// `n`, `chunk` elements, widened) and returns that chunk of the output in `f32`, rounded here.
+fn by_chunks(
+    shape: &[usize],
+    n: usize,
+    chunk: usize,
+    inputs: &[&Bf16Tensor],
+    f: impl Fn(&[Tensor]) -> Result<Tensor, TensorError> + Sync,
+) -> Result<Bf16Tensor, TensorError> {
+    let len: usize = shape.iter().product();
+    let mut data = vec![bf16::ZERO; len];
+    let first = Mutex::new(None);
+    for_each_chunk(&mut data, chunk, kernel_threads(), Work::Heavy, |c, out| {
+        let parts: Vec<Tensor> = inputs
+            .iter()
+            .map(|t| widened(t, c * chunk, out.len(), n))
+            .collect();
+        match f(&parts) {
+            Ok(y) if y.len() == out.len() => round_slice(y.data(), out),
+            Ok(y) => keep(
+                &first,
+                TensorError::shape("bf16 rows", format!("a chunk of {} from {}", y.len(), n)),
+            ),
+            Err(e) => keep(&first, e),
+        }
+    });
+    match first.into_inner().ok().flatten() {
+        Some(e) => Err(e),
+        None => Bf16Tensor::new(shape.to_vec(), data),
+    }
+}
+
+/// The last dimension's length, or an error naming `op`.
+fn last(x: &Bf16Tensor, op: &'static str) -> Result<usize, TensorError> {
+    match x.shape().last() {
+        Some(&n) if n > 0 => Ok(n),
+        _ => Err(TensorError::shape(
+            op,
+            format!("needs a non-empty last dimension, got {:?}", x.shape()),
+        )),
+    }
+}
+
+fn same(a: &Bf16Tensor, b: &Bf16Tensor, op: &'static str) -> Result<(), TensorError> {
+    if a.shape() != b.shape() {
+        return Err(TensorError::shape(
+            op,
+            format!("{:?} vs {:?}", a.shape(), b.shape()),
+        ));
+    }
+    Ok(())
+}
+
+/// [`rms_norm`] on bf16 rows: `y` rounded to bf16, each row's inverse RMS in `f32`; the mean
+/// square is summed in `f32`, and the scale (a master weight) is `f32`.
+///
+/// # Errors
+/// `scale` is not the last dim's length, or an empty last dimension.
+pub fn rms_norm_bf16(
+    x: &Bf16Tensor,
+    scale: &Tensor,
+    eps: f32,
+) -> Result<(Bf16Tensor, Vec<f32>), TensorError> {
+    let n = last(x, "rms_norm_bf16")?;
+    if scale.shape() != [n] {
+        return Err(TensorError::shape(
+            "rms_norm_bf16",
+            format!("scale {:?} for rows of {n}", scale.shape()),
+        ));
+    }
+    let chunk = chunk_elements(n);
+    let mut data = vec![bf16::ZERO; x.len()];
+    let mut inv = vec![0.0f32; x.len() / n];
+    let first = Mutex::new(None);
+    for_each_chunk2(
+        &mut data,
+        chunk,
+        &mut inv,
+        chunk / n,
+        kernel_threads(),
+        Work::Heavy,
+        |c, out, inv| match rms_norm(&widened(x, c * chunk, out.len(), n), scale, eps) {
+            Ok((y, r)) => {
+                round_slice(y.data(), out);
+                inv.copy_from_slice(&r);
+            }
+            Err(e) => keep(&first, e),
+        },
+    );
+    match first.into_inner().ok().flatten() {
+        Some(e) => Err(e),
+        None => Ok((Bf16Tensor::new(x.shape().to_vec(), data)?, inv)),
+    }
+}
+
+/// [`softmax_last`] on bf16 rows (max, exponentials and sum in `f32`).
+///
+/// # Errors
+/// An empty last dimension.
+pub fn softmax_last_bf16(x: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
+    let n = last(x, "softmax_last_bf16")?;
+    by_chunks(x.shape(), n, chunk_elements(n), &[x], |p| {
+        softmax_last(&p[0])
+    })
+}
+
+/// [`causal_softmax`] of `scale·x` on bf16 scores `[.., Tq, Tk]`, `Tk ≥ Tq`.
+///
+/// # Errors
+/// Rank below 2, or fewer keys than queries.
+pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, TensorError> {
+    let r = x.shape().len();
+    if r < 2 || x.shape()[r - 1] < x.shape()[r - 2] || x.shape()[r - 1] == 0 {
+        return Err(TensorError::shape(
+            "causal_softmax_bf16",
+            format!("needs [.., Tq, Tk] with Tk ≥ Tq, got {:?}", x.shape()),
+        ));
+    }
+    let (tq, tk) = (x.shape()[r - 2], x.shape()[r - 1]);
+    // Whole [Tq, Tk] blocks per chunk: the f32 kernel finds a row's place by its index.
+    by_chunks(x.shape(), tk, (tq * tk).max(1), &[x], |p| {
+        let block = p[0]
+            .clone()
+            .reshape(&[p[0].len() / (tq * tk).max(1), tq, tk])?;
+        causal_softmax(&block, scale)
+    })
+}
+
+/// [`swiglu`] (`silu(g) ⊙ u`) on bf16 inputs.
+///
+/// # Errors
+/// Shapes differ.
+pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
+    same(g, u, "swiglu_bf16")?;
+    by_chunks(g.shape(), 1, CHUNK, &[g, u], |p| swiglu(&p[0], &p[1]))
+}
+
+/// [`silu`] on bf16 inputs.
+///
+/// # Errors
+/// None in practice (`silu` has none); the chunk plumbing's shape check is kept.
+pub fn silu_bf16(x: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
+    by_chunks(x.shape(), 1, CHUNK, &[x], |p| Ok(silu(&p[0])))
+}
+
+/// `a + b` elementwise (the residual stream) on bf16 tensors of one shape, summed in `f32`.
+///
+/// # Errors
+/// Shapes differ.
+pub fn add_bf16(a: &Bf16Tensor, b: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
+    same(a, b, "add_bf16")?;
+    let mut data = vec![bf16::ZERO; a.len()];
+    for_each_chunk(&mut data, CHUNK, kernel_threads(), Work::Light, |c, out| {
+        let at = c * CHUNK;
+        let (x, y) = (&a.data()[at..], &b.data()[at..]);
+        for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
+            *o = super::round_bf16(super::widen_bf16(x) + super::widen_bf16(y));
+        }
+    });
+    Bf16Tensor::new(a.shape().to_vec(), data)
+}
+
+/// [`causal_attention`] on bf16 `q`, `k`, `v`: scores, softmax and both products in `f32` on
+/// the widened inputs (the fused `f32` kernel), the output rounded to bf16 and the
+/// probabilities kept in `f32` for the backward. A first step: the products inside do not yet
+/// run on the bf16 kernel (the design note's order of work).
+///
+/// # Errors
+/// Shapes that do not fit the layouts.
+pub fn causal_attention_bf16(
+    q: &Bf16Tensor,
+    k: &Bf16Tensor,
+    v: &Bf16Tensor,
+    scale: f32,
+    threads: usize,
+) -> Result<(Bf16Tensor, Tensor), TensorError> {
+    let Attention { out, probs } =
+        causal_attention(&q.to_f32(), &k.to_f32(), &v.to_f32(), scale, threads)?;
+    Ok((Bf16Tensor::from_f32(&out), probs))
+}

@@ -1,0 +1,168 @@
+//! Every kernel against an f64 product on every layout, and the CBLAS layout rules.
+
+use super::*;
+
+/// `a · b` in f64 from strided operands.
+#[allow(clippy::too_many_arguments)]
+fn reference(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    (ars, acs): (usize, usize),
+    b: &[f32],
+    (brs, bcs): (usize, usize),
+) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k)
+                .map(|l| f64::from(a[i * ars + l * acs]) * f64::from(b[l * brs + j * bcs]))
+                .sum();
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn product(
+    kernel: &Kernel,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    sa: (usize, usize),
+    b: &[f32],
+    sb: (usize, usize),
+    threads: usize,
+    start: Option<&[f32]>,
+) -> Vec<f32> {
+    // Overwrite a destination of NaNs (a read of it would show), or add into `start`.
+    let (mut dst, store) = match start {
+        Some(c) => (c.to_vec(), Store::Accumulate),
+        None => (vec![f32::NAN; m * n], Store::Overwrite),
+    };
+    let op = |data: &[f32], (rs, cs): (usize, usize)| Operand {
+        ptr: data.as_ptr(),
+        rs: rs as isize,
+        cs: cs as isize,
+    };
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the strides below address only elements inside `a` and `b`; `dst` is m×n.
+    unsafe {
+        gemm_on(
+            kernel,
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            n,
+            op(a, sa),
+            op(b, sb),
+            parallelism,
+            store,
+        )
+    };
+    dst
+}
+
+/// Every kernel this machine has (`gemm`, MKL, OpenBLAS, the portable kernel) against an
+/// f64 loop, on every layout `dot_general` hands them (row-major, transposed, padded rows,
+/// a layout only `gemm` takes), in one call and in row blocks on 2 and 3 threads; and the
+/// same for a product added into a destination (`Store::Accumulate`), against the f64 sum
+/// of the destination and the product. The portable kernel gives the same bits in blocks
+/// (its invariant); a BLAS or `gemm` is held to the tolerance only, since which kernel —
+/// and so which order of addition — it runs on a block depends on the processor (OpenBLAS's
+/// Haswell kernel computes a block's rows otherwise than the whole product's).
+#[test]
+fn every_kernel_matches_an_f64_product_on_every_layout() {
+    // `gemm`, the portable kernel and each BLAS this machine has (opened here, whichever
+    // the process uses).
+    let libraries: Vec<Kernel> = [Kernel::Gemm, Kernel::Portable(Isa::detect())]
+        .into_iter()
+        .chain(
+            [open_mkl(), open_openblas()]
+                .into_iter()
+                .flatten()
+                .map(Kernel::Blas),
+        )
+        .collect();
+    // Too small to split; split over 2 or 3 threads (uneven blocks), and a wide product.
+    for (m, n, k) in [(300, 70, 130), (601, 170, 130), (130, 1100, 150)] {
+        let data = |len: usize, seed: u32| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 9) as f32
+                        / 8_388_608.0
+                        - 0.5
+                })
+                .collect()
+        };
+        let a = data(2 * m * (k + 3), 1);
+        let b = data(k * (n + 5), 2);
+        // (a strides, b strides): row-major, a transposed, b transposed, padded rows, and a
+        // with element stride 2 (only `gemm` takes it).
+        let layouts = [
+            ((k, 1), (n, 1)),
+            ((1, m), (n, 1)),
+            ((k + 3, 1), (1, k)),
+            ((k + 3, 1), (n + 5, 1)),
+            ((2 * k + 3, 2), (n, 1)),
+        ];
+        for kernel in &libraries {
+            let fixed = matches!(kernel, Kernel::Portable(_));
+            for &(sa, sb) in &layouts {
+                let want = reference(m, n, k, &a, sa, &b, sb);
+                let start = data(m * n, 3);
+                let added: Vec<f64> = want
+                    .iter()
+                    .zip(&start)
+                    .map(|(w, c)| w + f64::from(*c))
+                    .collect();
+                for (c, want) in [(None, &want), (Some(start.as_slice()), &added)] {
+                    let one = product(kernel, m, n, k, &a, sa, &b, sb, 1, c);
+                    for threads in [1, 2, 3] {
+                        let got = product(kernel, m, n, k, &a, sa, &b, sb, threads, c);
+                        for (x, y) in got.iter().zip(want) {
+                            assert!(
+                                (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                                "{}: {x} vs {y} on {threads} (accumulate: {})",
+                                kernel.describe(),
+                                c.is_some()
+                            );
+                        }
+                        if fixed {
+                            assert_eq!(got, one, "threads {threads} (accumulate: {})", c.is_some());
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mkl_versions_are_shortened() {
+    assert_eq!(
+        mkl_version("Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build 20260915 for Intel(R) 64 architecture applications"),
+        "Intel MKL 2026.2"
+    );
+    assert_eq!(mkl_version("something else"), "Intel MKL");
+}
+
+#[test]
+fn layouts_cblas_accepts_and_refuses() {
+    // Row-major 3×4 with padding, column-major 3×4, and a single row or column.
+    assert_eq!(cblas_layout(3, 4, 5, 1), Some((CBLAS_NO_TRANS, 5)));
+    assert_eq!(cblas_layout(3, 4, 1, 3), Some((CBLAS_TRANS, 3)));
+    assert_eq!(cblas_layout(1, 4, 0, 1), Some((CBLAS_NO_TRANS, 4)));
+    assert_eq!(cblas_layout(3, 1, 1, 0), Some((CBLAS_TRANS, 3)));
+    // Overlapping rows, strides on both axes, negative strides: `gemm`'s.
+    assert_eq!(cblas_layout(3, 4, 2, 1), None);
+    assert_eq!(cblas_layout(3, 4, 8, 2), None);
+    assert_eq!(cblas_layout(3, 4, -4, 1), None);
+}
