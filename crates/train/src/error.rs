@@ -30,11 +30,58 @@ pub enum TrainError {
         /// What is wrong, as one sentence naming the key and the value.
         reason: String,
     },
-    /// Bad user input that no single key names (an argument that is not `key=value`, an output
-    /// path that cannot be written, a cluster layout): the usage class, like
+    /// Bad user input in words (a cluster layout the cost model refuses): the usage class, like
     /// [`TrainError::Usage`].
     #[error("{0}")]
     Config(String),
+    /// A command-line argument that is not `key=value` (usage class).
+    #[error("`{argument}` is not `key=value`")]
+    NotKeyValue {
+        /// The argument as given.
+        argument: String,
+    },
+    /// A config file that cannot be read: missing, not a regular file, refused (usage class).
+    #[error("config: {reason}")]
+    ConfigUnreadable {
+        /// The file.
+        path: String,
+        /// Why it cannot be read; names the file.
+        reason: String,
+    },
+    /// A config file that is not UTF-8 text (usage class).
+    #[error("config {path} is not UTF-8 text")]
+    ConfigNotUtf8 {
+        /// The file.
+        path: String,
+    },
+    /// A config file that is not valid TOML (usage class).
+    #[error("config {path}: {message}")]
+    ConfigSyntax {
+        /// The file.
+        path: String,
+        /// The TOML parser's message (it names the line).
+        message: String,
+    },
+    /// A key whose value is not one of its choices (usage class).
+    #[error("{key} must be {choices}, got `{value}`")]
+    NotAChoice {
+        /// The key.
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// The choices, in words (`f32 or bf16`).
+        choices: &'static str,
+    },
+    /// An output of the run (named by `key`) at a path that cannot take it (usage class).
+    #[error("{key}: {path} {problem}")]
+    Output {
+        /// The key that names the output (`metrics_file`).
+        key: &'static str,
+        /// The path.
+        path: String,
+        /// What is wrong with it.
+        problem: OutputProblem,
+    },
     /// A data file that cannot be used (usage class: the user named it).
     #[error("data: {0}")]
     Data(String),
@@ -146,6 +193,52 @@ impl From<ferrotext_hf::HfError> for TrainError {
     }
 }
 
+/// Why an output path cannot be written; each prints after the path ("… is a directory").
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutputProblem {
+    /// A name component longer than file systems allow.
+    #[error("has a name component of {bytes} bytes; file systems allow {max}")]
+    NameTooLong {
+        /// The component's length.
+        bytes: usize,
+        /// The longest name allowed.
+        max: usize,
+    },
+    /// The path is empty.
+    #[error("is empty")]
+    Empty,
+    /// A directory was wanted and something else is there.
+    #[error("exists and is not a directory")]
+    NotADirectory,
+    /// A file was wanted and a directory is there.
+    #[error("is a directory")]
+    IsADirectory,
+    /// A file was wanted and something that is not a regular file is there.
+    #[error("is not a regular file")]
+    NotARegularFile,
+    /// A model directory (replaced whole) was wanted and another directory is there.
+    #[error(
+        "exists and is not a model directory (no config.json); name a new directory, or a file \
+         ending in .safetensors"
+    )]
+    NotAModelDirectory,
+    /// The nearest existing ancestor is not a directory.
+    #[error("cannot be created: {ancestor} is not a directory")]
+    AncestorNotADirectory {
+        /// The ancestor.
+        ancestor: String,
+    },
+    /// The directory refused a new file (a read-only mount, no permission, a full disk).
+    #[error("cannot be written: {dir} refuses new files ({error})")]
+    Refused {
+        /// The directory probed.
+        dir: String,
+        /// The operating system's error.
+        error: String,
+    },
+}
+
 /// The class of a [`TrainError`]: what the caller can do about it (module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -174,6 +267,12 @@ impl TrainError {
         match self {
             TrainError::Usage { .. }
             | TrainError::Config(_)
+            | TrainError::NotKeyValue { .. }
+            | TrainError::ConfigUnreadable { .. }
+            | TrainError::ConfigNotUtf8 { .. }
+            | TrainError::ConfigSyntax { .. }
+            | TrainError::NotAChoice { .. }
+            | TrainError::Output { .. }
             | TrainError::Data(_)
             | TrainError::Params { .. } => ErrorClass::Usage,
             TrainError::Misuse { .. } => ErrorClass::Misuse,

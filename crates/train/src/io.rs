@@ -15,7 +15,7 @@ use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::engine::StepMetrics;
-use crate::error::TrainError;
+use crate::error::{OutputProblem, TrainError};
 
 /// Loads every parameter of `infos` from a safetensors file ([`ferrotext_hf::load_file`]) or from
 /// a Hugging Face model directory ([`ferrotext_hf::load_directory`]), each from the HF tensors its
@@ -107,10 +107,11 @@ pub fn save_final_parameters(
         return save_parameters(path, infos, values);
     }
     let dtype = ferrotext_hf::SaveDtype::parse(&config.save_parameters_dtype).ok_or_else(|| {
-        TrainError::Config(format!(
-            "save_parameters_dtype must be f32 or bf16, got `{}`",
-            config.save_parameters_dtype
-        ))
+        TrainError::NotAChoice {
+            key: "save_parameters_dtype",
+            value: config.save_parameters_dtype.clone(),
+            choices: "f32 or bf16",
+        }
     })?;
     Ok(ferrotext_hf::save_directory(
         path,
@@ -210,7 +211,7 @@ const NAME_MAX: usize = 255;
 /// `/proc` and the like are found even by root).
 ///
 /// # Errors
-/// [`TrainError::Config`] naming the key and the path.
+/// [`TrainError::Output`] naming the key, the path and the problem.
 pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError> {
     let mut outputs = vec![("metrics_file", config.metrics_path(), false)];
     if !config.save_parameters_path.is_empty() {
@@ -218,11 +219,11 @@ pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError>
         let is_dir = saves_directory(&path);
         // A model directory is replaced whole, so an existing one must be a model directory.
         if is_dir && path.exists() && !path.join(ferrotext_hf::CONFIG_FILE).is_file() {
-            return Err(TrainError::Config(format!(
-                "save_parameters_path: {} exists and is not a model directory (no config.json); \
-                 name a new directory, or a file ending in .safetensors",
-                path.display()
-            )));
+            return Err(TrainError::Output {
+                key: "save_parameters_path",
+                path: path.display().to_string(),
+                problem: OutputProblem::NotAModelDirectory,
+            });
         }
         outputs.push(("save_parameters_path", path, is_dir));
     }
@@ -234,30 +235,34 @@ pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError>
         ));
     }
     for (key, path, is_dir) in outputs {
-        check_output(&path, is_dir)
-            .map_err(|reason| TrainError::Config(format!("{key}: {} {reason}", path.display())))?;
+        check_output(&path, is_dir).map_err(|problem| TrainError::Output {
+            key,
+            path: path.display().to_string(),
+            problem,
+        })?;
     }
     Ok(())
 }
 
 /// `path` can be created or replaced as a file (`is_dir`: a directory).
-fn check_output(path: &Path, is_dir: bool) -> Result<(), String> {
+fn check_output(path: &Path, is_dir: bool) -> Result<(), OutputProblem> {
     if let Some(long) = path
         .components()
         .map(|c| c.as_os_str().len())
         .find(|&n| n > NAME_MAX)
     {
-        return Err(format!(
-            "has a name component of {long} bytes; file systems allow {NAME_MAX}"
-        ));
+        return Err(OutputProblem::NameTooLong {
+            bytes: long,
+            max: NAME_MAX,
+        });
     }
     if path.as_os_str().is_empty() {
-        return Err("is empty".into());
+        return Err(OutputProblem::Empty);
     }
     match std::fs::metadata(path) {
-        Ok(meta) if is_dir && !meta.is_dir() => return Err("exists and is not a directory".into()),
-        Ok(meta) if !is_dir && meta.is_dir() => return Err("is a directory".into()),
-        Ok(meta) if !is_dir && !meta.is_file() => return Err("is not a regular file".into()),
+        Ok(meta) if is_dir && !meta.is_dir() => return Err(OutputProblem::NotADirectory),
+        Ok(meta) if !is_dir && meta.is_dir() => return Err(OutputProblem::IsADirectory),
+        Ok(meta) if !is_dir && !meta.is_file() => return Err(OutputProblem::NotARegularFile),
         _ => {}
     }
     // The nearest existing ancestor (the path itself for an existing directory) must be a
@@ -276,10 +281,9 @@ fn check_output(path: &Path, is_dir: bool) -> Result<(), String> {
         match std::fs::metadata(shown) {
             Ok(meta) if meta.is_dir() => return probe_writable(shown),
             Ok(_) => {
-                return Err(format!(
-                    "cannot be created: {} is not a directory",
-                    shown.display()
-                ))
+                return Err(OutputProblem::AncestorNotADirectory {
+                    ancestor: shown.display().to_string(),
+                })
             }
             Err(_) if dir.pop() => continue,
             Err(_) => return probe_writable(Path::new(".")),
@@ -288,7 +292,7 @@ fn check_output(path: &Path, is_dir: bool) -> Result<(), String> {
 }
 
 /// Creates and removes a uniquely named empty file in `dir`.
-fn probe_writable(dir: &Path) -> Result<(), String> {
+fn probe_writable(dir: &Path) -> Result<(), OutputProblem> {
     let probe = dir.join(format!(".ferrotext-write-check-{}", std::process::id()));
     match std::fs::OpenOptions::new()
         .write(true)
@@ -299,9 +303,9 @@ fn probe_writable(dir: &Path) -> Result<(), String> {
             let _ = std::fs::remove_file(&probe);
             Ok(())
         }
-        Err(e) => Err(format!(
-            "cannot be written: {} refuses new files ({e})",
-            dir.display()
-        )),
+        Err(e) => Err(OutputProblem::Refused {
+            dir: dir.display().to_string(),
+            error: e.to_string(),
+        }),
     }
 }

@@ -56,7 +56,7 @@ pub use config::{
     OptType, ResumeMode, ShardMode, TrainConfig,
 };
 pub use engine::{Batch, Engine, FwdBwd, StepMetrics};
-pub use error::{ErrorClass, TrainError};
+pub use error::{ErrorClass, OutputProblem, TrainError};
 pub use gate::{deferral_gate, zero1_gate, zero1_spec, ClosedReason, Deferral, Overlap, Zero1};
 pub use gradients::{Gradients, PartialGradients};
 pub use optim::{clip_scale, learning_rate, Optimizer};

@@ -49,8 +49,9 @@ impl TrainConfig {
     /// validated.
     ///
     /// # Errors
-    /// [`TrainError::Config`] with one line naming the key: an unknown key, a value of the wrong
-    /// type, an unreadable file, or any [`TrainConfig::validate`] failure.
+    /// [`TrainError::Usage`] with one line naming the key (an unknown key, a value of the wrong
+    /// type, any [`TrainConfig::validate`] failure), or as [`TrainConfig::parse`] for a file or
+    /// an argument that cannot be used.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
         let config = TrainConfig::parse(file, overrides)?;
         config.validate()?;
@@ -62,25 +63,35 @@ impl TrainConfig {
     ///
     /// # Errors
     /// [`TrainError::Usage`] naming the key (an unknown key, a value of the wrong type);
-    /// [`TrainError::Config`] for an unreadable file or an argument that is not `key=value`.
+    /// [`TrainError::ConfigUnreadable`], [`TrainError::ConfigNotUtf8`] or
+    /// [`TrainError::ConfigSyntax`] for a file that cannot be used, [`TrainError::NotKeyValue`]
+    /// for an argument that is not `key=value`.
     pub fn parse(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
         let mut table = match file {
             Some(path) => {
-                let bytes = ferrotext_hf::files::read_named(path)
-                    .map_err(|e| TrainError::Config(format!("config: {e}")))?;
-                let text = String::from_utf8(bytes).map_err(|_| {
-                    TrainError::Config(format!("config {} is not UTF-8 text", path.display()))
+                let shown = || path.display().to_string();
+                let bytes = ferrotext_hf::files::read_named(path).map_err(|reason| {
+                    TrainError::ConfigUnreadable {
+                        path: shown(),
+                        reason,
+                    }
                 })?;
-                text.parse::<toml::Table>().map_err(|e| {
-                    TrainError::Config(format!("config {}: {}", path.display(), e.message()))
-                })?
+                let text = String::from_utf8(bytes)
+                    .map_err(|_| TrainError::ConfigNotUtf8 { path: shown() })?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| TrainError::ConfigSyntax {
+                        path: shown(),
+                        message: e.message().to_string(),
+                    })?
             }
             None => toml::Table::new(),
         };
         for item in overrides {
             let (key, value) = item
                 .split_once('=')
-                .ok_or_else(|| TrainError::Config(format!("`{item}` is not `key=value`")))?;
+                .ok_or_else(|| TrainError::NotKeyValue {
+                    argument: item.clone(),
+                })?;
             table.insert(key.trim().to_string(), parse_value(value.trim()));
         }
         let config: TrainConfig =
