@@ -82,9 +82,12 @@ pub enum TrainError {
         /// What is wrong with it.
         problem: OutputProblem,
     },
-    /// A data file that cannot be used (usage class: the user named it).
+    /// Data that cannot be used (usage class: the user named it); the [`DataError`] names the
+    /// path, the shard, the field, the expected and found values.
+    ///
+    /// [`DataError`]: ferrotext_data::DataError
     #[error("data: {0}")]
-    Data(String),
+    Data(#[from] ferrotext_data::DataError),
     /// A parameter file that cannot be used (usage class: the user named it).
     #[error("parameters {path}: {reason}")]
     Params {

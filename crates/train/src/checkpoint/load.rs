@@ -170,6 +170,21 @@ fn check_data_position_now(
             ),
         ));
     }
+    let now = crate::data::fingerprint(config)?;
+    if manifest.data_fingerprint != now {
+        let show = |f: &Option<String>| f.clone().unwrap_or_else(|| "none".into());
+        return Err(ckpt_err(
+            &manifest_path,
+            format!(
+                "was saved reading shard data with manifest SHA-256 {}, but {} now has {}: the \
+                 data changed, and a resume would not read the tokens the run read (point \
+                 dataset_path at the original shards, or start over with resume=fresh)",
+                show(&manifest.data_fingerprint),
+                config.dataset_path,
+                show(&now)
+            ),
+        ));
+    }
     let expected = sequences_consumed(config, manifest.step, manifest.micro_steps);
     if manifest.sequences_consumed != expected {
         return Err(ckpt_err(

@@ -57,6 +57,10 @@ pub struct Manifest {
     /// Sequences consumed so far: `step × micro_batch_rows × GA + micro_steps ×
     /// micro_batch_rows` (the data layer is deterministic in this index).
     pub sequences_consumed: u64,
+    /// `shards` data: the SHA-256 of the shard directory's manifest (`data::fingerprint`),
+    /// which names its whole content; a resume reading other data is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_fingerprint: Option<String>,
     /// The mesh it was saved from, printed.
     pub mesh: String,
     /// The deferral gate's decision at save time.

@@ -297,7 +297,8 @@ fn write_temporary(
         tensors,
         ..
     } = tmp;
-    let manifest = build_manifest(state, gathered, tensors, files);
+    let mut manifest = build_manifest(state, gathered, tensors, files);
+    manifest.data_fingerprint = crate::data::fingerprint(state.plan.config())?;
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| ckpt_err(&dir, e.to_string()))?;
     write_synced(&dir.join("manifest.json"), &json)?;
     write_synced(
@@ -395,6 +396,7 @@ fn build_manifest(
         optimizer_steps: gathered.moments.as_ref().map_or(0, |(_, _, t)| *t),
         dataset_order: config.dataset_order,
         sequences_consumed: sequences_consumed(config, state.step, micro),
+        data_fingerprint: None,
         mesh: mesh_description(state),
         accumulator_types: state.pending.as_ref().map_or_else(Vec::new, |_| {
             state.promised.iter().map(ToString::to_string).collect()

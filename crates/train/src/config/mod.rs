@@ -59,6 +59,9 @@ pub enum DatasetType {
     /// A pre-tokenized binary file of little-endian `u16` or `u32` ids (`token_dtype`), read whole
     /// into memory when the run opens it (not mapped; see the `data` module docs).
     Tokens,
+    /// A directory of token shards `ferrotext tokenize` wrote (`dataset_path`), verified and
+    /// memory-mapped; documents separated by EOS, read as one stream.
+    Shards,
 }
 
 /// `nan_policy`: what a non-finite loss or gradient norm does.
@@ -272,8 +275,13 @@ pub struct TrainConfig {
     /// for `corpus` data, a text file).
     pub eval_dataset_path: String,
     /// The fraction of the data file (or the bundled corpus) held out for evaluation: training
-    /// reads only the first `1 − eval_split` of it, evaluation only the rest (0: none).
+    /// reads only the first `1 − eval_split` of it, evaluation only the rest (0: none). For
+    /// `shards`, whole shards: the last `⌈eval_split × shards⌉`.
     pub eval_split: f64,
+    /// `shards` data: the shards held out for evaluation, a comma list of shard numbers (`3,4`;
+    /// empty: `eval_split` decides). A TOML file may also give one number or an array.
+    #[serde(deserialize_with = "crate::data::shard_list_from_any")]
+    pub eval_shards: String,
     /// Record every op of the steps in `profile_steps` on every device thread, and print a
     /// table and write a Chrome trace at the end (`profile.txt`, `profile-trace.json`).
     pub profile: bool,
@@ -356,6 +364,7 @@ impl Default for TrainConfig {
             eval_steps: 1,
             eval_dataset_path: String::new(),
             eval_split: 0.0,
+            eval_shards: String::new(),
             profile: false,
             profile_steps: String::new(),
         }

@@ -67,12 +67,23 @@ impl TrainConfig {
         }
         let held_out = !self.eval_dataset_path.is_empty()
             || self.eval_split > 0.0
+            || !self.eval_shards.trim().is_empty()
             || self.dataset_type == DatasetType::Synthetic;
         if self.eval_interval > 0 && !held_out {
             return Err(TrainError::usage(
                 "eval_interval",
                 "eval_interval needs held-out data: set eval_split (e.g. 0.1) or eval_dataset_path"
                     .to_string(),
+            ));
+        }
+        if !self.eval_shards.trim().is_empty() && self.dataset_type != DatasetType::Shards {
+            return Err(TrainError::usage(
+                "eval_shards",
+                format!(
+                    "eval_shards names shards of a shard directory; dataset_type is {:?}",
+                    self.dataset_type
+                )
+                .to_lowercase(),
             ));
         }
         if self.eval_split > 0.0 && self.dataset_type == DatasetType::Synthetic {
@@ -205,7 +216,9 @@ impl TrainConfig {
             }
         }
         match self.dataset_type {
-            DatasetType::Text | DatasetType::Tokens if self.dataset_path.is_empty() => {
+            DatasetType::Text | DatasetType::Tokens | DatasetType::Shards
+                if self.dataset_path.is_empty() =>
+            {
                 return bad(
                     "dataset_path",
                     format!("dataset_type={:?} needs dataset_path", self.dataset_type)

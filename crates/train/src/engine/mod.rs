@@ -352,9 +352,10 @@ impl Engine {
     pub fn batch(&self, cx: &Ctx<'_>, rows: &[Vec<u32>]) -> Result<Batch, TrainError> {
         let len = rows.first().map_or(0, |r| r.len().saturating_sub(1));
         if len == 0 || rows.iter().any(|r| r.len() != len + 1) {
-            return Err(TrainError::Data(
-                "a batch needs rows of equal length ≥ 2".into(),
-            ));
+            return Err(TrainError::Misuse {
+                call: "Engine::batch",
+                reason: "a batch needs rows of equal length ≥ 2".into(),
+            });
         }
         let inputs: Vec<u32> = rows.iter().flat_map(|s| s[..len].iter().copied()).collect();
         let targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();

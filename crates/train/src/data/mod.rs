@@ -17,16 +17,32 @@
 //!   block of every micro-batch. The window index wraps at the end of the file; each wrap is one
 //!   epoch.
 //!
-//! Inputs are read into memory (not mapped), so a file truncated or rewritten while a run reads
-//! it cannot fault the process; only regular files are accepted (a FIFO or `/dev/zero` would
-//! block or read without bound).
+//! * `dataset_type=shards` (a directory `ferrotext tokenize` wrote, `shards.rs`): the training
+//!   shards read as one stream cut into non-overlapping windows, in order (`sequential`, micro-
+//!   batches contiguous) or by a seeded permutation of the windows, a new one each epoch
+//!   (`random`, strided); held-out data is whole shards (`eval_split`, `eval_shards`).
+//!
+//! Text and token files are read into memory (not mapped), so a file truncated or rewritten
+//! while a run reads it cannot fault the process; only regular files are accepted (a FIFO or
+//! `/dev/zero` would block or read without bound). Shard directories are mapped: they are
+//! verified against their manifest's checksums when the run opens them, and are never rewritten
+//! (`ferrotext tokenize` publishes a new directory); a checkpoint records their
+//! [`fingerprint`] and a resume refuses data that changed.
 
 use std::path::Path;
 
+use ferrotext_data::DataError;
 use ferrotext_models::Rng;
 
 use crate::config::{DatasetOrder, DatasetType, TrainConfig};
 use crate::error::TrainError;
+
+mod shards;
+#[cfg(feature = "fault-injection")]
+mod tap;
+
+pub(crate) use shards::shard_list_from_any;
+pub use shards::{eval_shard_list, fingerprint, ShardWindows};
 
 /// A deterministic source of token sequences.
 pub trait TokenSource: Send + Sync {
@@ -194,11 +210,15 @@ pub fn bundled_corpus() -> String {
 /// [`TrainError::Data`] for a missing, empty or too-short file, a token file whose length is not
 /// a whole number of tokens, or token ids beyond the model's vocabulary.
 pub fn source_for(config: &TrainConfig, vocab: usize) -> Result<Box<dyn TokenSource>, TrainError> {
-    Ok(match build(config, vocab)? {
+    let source: Box<dyn TokenSource> = match build(config, vocab)? {
         Built::Synthetic(s) => Box::new(s),
         Built::Windows(w) if config.eval_split > 0.0 => Box::new(w.held_out(config, Part::Train)?),
         Built::Windows(w) => Box::new(w),
-    })
+        Built::Shards(set) => Box::new(ShardWindows::train(set, config, vocab)?),
+    };
+    #[cfg(feature = "fault-injection")]
+    let source = tap::wrap(source)?;
+    Ok(source)
 }
 
 /// The held-out source evaluation reads (`None` when `eval_interval` is 0): the
@@ -221,8 +241,14 @@ pub fn eval_source_for(
             eval.dataset_type = DatasetType::Text;
         }
         eval.eval_split = 0.0;
+        eval.eval_shards = String::new();
         eval.dataset_order = DatasetOrder::Sequential;
-        return source_for(&eval, vocab).map(Some);
+        return match build(&eval, vocab)? {
+            Built::Shards(set) => Ok(Some(Box::new(ShardWindows::all_in_order(
+                set, &eval, vocab,
+            )?))),
+            _ => source_for(&eval, vocab).map(Some),
+        };
     }
     Ok(Some(match build(config, vocab)? {
         Built::Synthetic(s) => Box::new(Synthetic {
@@ -230,6 +256,7 @@ pub fn eval_source_for(
             vocab,
         }),
         Built::Windows(w) => Box::new(w.held_out(config, Part::Eval)?),
+        Built::Shards(set) => Box::new(ShardWindows::eval(set, config, vocab)?),
     }))
 }
 
@@ -240,6 +267,7 @@ const EVAL_STREAM: u64 = 0xE7A1_0000_0000_0001;
 enum Built {
     Synthetic(Synthetic),
     Windows(Windows),
+    Shards(std::sync::Arc<ferrotext_data::ShardSet>),
 }
 
 /// Which side of `eval_split` a source reads.
@@ -261,10 +289,12 @@ impl Windows {
             Part::Eval => (total - cut, "evaluation"),
         };
         if kept < need {
-            return Err(TrainError::Data(format!(
-                "eval_split = {} leaves {kept} tokens for {what}; a sequence needs {need}",
-                config.eval_split
-            )));
+            return Err(DataError::TooShort {
+                what: format!("the {what} part of eval_split = {}", config.eval_split),
+                tokens: kept as u64,
+                need: format!("a sequence needs {need}"),
+            }
+            .into());
         }
         let bytes = cut * self.width;
         self.data = match part {
@@ -284,13 +314,17 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
     let order = config.dataset_order;
     let need = config.max_target_length + 1;
     let open = |path: &str| -> Result<Vec<u8>, TrainError> {
-        ferrotext_hf::files::read_named(Path::new(path)).map_err(TrainError::Data)
+        ferrotext_hf::files::read_regular(Path::new(path))
+            .map_err(|e| DataError::read(Path::new(path))(e).into())
     };
     let check_len = |tokens: usize, what: &str| -> Result<(), TrainError> {
         if tokens < need {
-            return Err(TrainError::Data(format!(
-                "{what} has {tokens} tokens; a sequence needs {need}"
-            )));
+            return Err(DataError::TooShort {
+                what: what.to_string(),
+                tokens: tokens as u64,
+                need: format!("a sequence needs {need}"),
+            }
+            .into());
         }
         Ok(())
     };
@@ -298,12 +332,13 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
         && matches!(config.dataset_type, DatasetType::Corpus | DatasetType::Text)
     {
         let text = match config.dataset_type {
-            DatasetType::Text => String::from_utf8(open(&config.dataset_path)?).map_err(|e| {
-                TrainError::Data(format!(
-                    "cannot read {} as UTF-8 text: {e}",
-                    config.dataset_path
-                ))
-            })?,
+            DatasetType::Text => {
+                String::from_utf8(open(&config.dataset_path)?).map_err(|e| DataError::Parse {
+                    path: config.dataset_path.clone().into(),
+                    line: None,
+                    reason: format!("not UTF-8 text: {e}"),
+                })?
+            }
             _ => bundled_corpus(),
         };
         let ids = tokenize(&config.tokenizer_path, &text, vocab)?;
@@ -319,6 +354,7 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
     }
     Ok(match config.dataset_type {
         DatasetType::Synthetic => Built::Synthetic(Synthetic { seed, vocab }),
+        DatasetType::Shards => Built::Shards(shards::open(config, vocab)?),
         DatasetType::Corpus => {
             let bytes = bundled_corpus().into_bytes();
             check_len(bytes.len(), "the bundled corpus")?;
@@ -345,12 +381,15 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
             let map = open(&config.dataset_path)?;
             let width = if config.token_dtype == "u32" { 4 } else { 2 };
             if map.len() % width != 0 {
-                return Err(TrainError::Data(format!(
-                    "{} has {} bytes, not a whole number of {} tokens",
-                    config.dataset_path,
-                    map.len(),
-                    config.token_dtype
-                )));
+                return Err(DataError::invalid(
+                    &config.dataset_path,
+                    format!(
+                        "has {} bytes, not a whole number of {} tokens",
+                        map.len(),
+                        config.token_dtype
+                    ),
+                )
+                .into());
             }
             let w = Windows {
                 seed,
@@ -364,10 +403,12 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
                 .map(|i| w.token(i))
                 .find(|&t| t as usize >= vocab)
             {
-                return Err(TrainError::Data(format!(
-                    "{} holds token id {bad} ≥ vocab_size {vocab}",
-                    config.dataset_path
-                )));
+                return Err(DataError::TokenOutOfRange {
+                    path: config.dataset_path.clone().into(),
+                    id: u64::from(bad),
+                    vocab,
+                }
+                .into());
             }
             Built::Windows(w)
         }
@@ -380,19 +421,22 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
 /// # Errors
 /// [`TrainError::Data`] for a file that is not a tokenizer, or ids beyond `vocab`.
 pub fn tokenize(path: &str, text: &str, vocab: usize) -> Result<Vec<u32>, TrainError> {
-    let bytes = ferrotext_hf::files::read_named(Path::new(path))
-        .map_err(|e| TrainError::Data(format!("tokenizer_path: {e}")))?;
-    let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
-        .map_err(|e| TrainError::Data(format!("tokenizer_path {path}: {e}")))?;
-    let encoding = tokenizer
-        .encode(text, false)
-        .map_err(|e| TrainError::Data(format!("tokenizer_path {path}: {e}")))?;
+    let file = Path::new(path);
+    let bytes = ferrotext_hf::files::read_regular(file).map_err(DataError::read(file))?;
+    let tokenizer_err = |e: tokenizers::Error| DataError::Tokenizer {
+        path: file.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(tokenizer_err)?;
+    let encoding = tokenizer.encode(text, false).map_err(tokenizer_err)?;
     let ids = encoding.get_ids().to_vec();
-    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-        return Err(TrainError::Data(format!(
-            "tokenizer_path {path} produced id {bad} ≥ vocab_size {vocab}; raise vocab_size to the tokenizer's size ({})",
-            tokenizer.get_vocab_size(true)
-        )));
+    if ids.iter().any(|&t| t as usize >= vocab) {
+        return Err(DataError::VocabTooLarge {
+            path: file.to_path_buf(),
+            tokenizer_vocab: tokenizer.get_vocab_size(true),
+            model_vocab: vocab,
+        }
+        .into());
     }
     Ok(ids)
 }
