@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use ferrotext_models::decoder::{Config, MoeSettings};
+use ferrotext_models::decoder::{Config, GroupLimit, MoeSettings};
 use ferrotext_models::deepseek::MlaSettings;
 use ferrotext_models::moe::RouterScore;
 use ferrotext_tensor::Yarn;
@@ -64,6 +64,15 @@ impl ModelType {
                         "routed_scaling_factor={} (qwen3_moe has none)",
                         m.routed_scaling_factor
                     ));
+                }
+                if m.groups.is_active() {
+                    unsupported.push(format!(
+                        "n_routing_groups={} (qwen3_moe routes without groups)",
+                        m.groups.n_routing_groups
+                    ));
+                }
+                if m.routed_bias {
+                    unsupported.push("routed_bias=true (qwen3_moe has no selection bias)".into());
                 }
                 ModelType::Qwen3Moe
             }
@@ -269,6 +278,8 @@ fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
         norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
         routed_scaling_factor: 1.0,
         load_balance_loss_weight: 0.0,
+        groups: GroupLimit::default(),
+        routed_bias: false,
         withhold_tags: false,
     })
 }
@@ -277,8 +288,8 @@ fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
 /// with shared experts in one group, and YaRN RoPE when `rope_scaling` asks for it.
 fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
     k.only("scoring_func", json!("sigmoid"));
-    k.only("n_group", json!(1));
-    k.only("topk_group", json!(1));
+    // Multi-token prediction is not built: its layer would be dropped, so it is refused.
+    k.only("num_nextn_predict_layers", json!(0));
     k.only("moe_layer_freq", json!(1));
     if k.get("q_lora_rank").is_none() {
         k.unsupported
@@ -303,6 +314,13 @@ fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
         norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
         routed_scaling_factor: k.positive_or("routed_scaling_factor", 1.0)?,
         load_balance_loss_weight: 0.0,
+        // `DeepseekV3TopkRouter`: groups scored by their best two, and the selection bias
+        // (`e_score_correction_bias`, a buffer every checkpoint carries).
+        groups: GroupLimit {
+            n_routing_groups: k.usize_or("n_group", 1)?,
+            topk_routing_group: k.usize_or("topk_group", 1)?,
+        },
+        routed_bias: true,
         withhold_tags: false,
     });
     if let Some(rs) = k.get("rope_scaling").cloned() {
@@ -429,8 +447,8 @@ pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
                 "routed_scaling_factor": num(m.routed_scaling_factor),
                 "scoring_func": "sigmoid",
                 "topk_method": "noaux_tc",
-                "n_group": 1,
-                "topk_group": 1,
+                "n_group": m.groups.n_routing_groups,
+                "topk_group": m.groups.topk_routing_group,
             })
         }
         _ => return Err("no Hugging Face model_type fits this model".into()),

@@ -17,8 +17,10 @@
 //!   parameter's f32 buffer (widened, and transposed in tiles for `[out, in]` matrices) and its
 //!   file pages are released once converted, so a model loads holding its f32 values and about
 //!   one tensor's file bytes per thread.
-//! - `deepseek_v3` directories carry each router's `mlp.gate.e_score_correction_bias`: written as
-//!   zeros (ferrotext's router has no selection bias), and refused on load unless zero.
+//! - `deepseek_v3` directories carry each router's `mlp.gate.e_score_correction_bias`: a
+//!   parameter of the model (`routed_bias`, which `read_config` sets for `deepseek_v3`), read
+//!   and written with its values; a model built without it writes zeros and refuses a nonzero
+//!   one on load.
 //! - Writing goes to a temporary directory beside the target, renamed into place when complete:
 //!   a failed save leaves nothing that looks like a model.
 //!
@@ -47,7 +49,8 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// The suffix of a MoE layer's router weight, `model.layers.N.mlp.gate.weight` (`[experts, d]`).
 const ROUTER: &str = "mlp.gate.weight";
 /// The suffix of DeepSeek-V3's router selection bias, `model.layers.N.mlp.gate.e_score_correction_bias`
-/// (`[experts]`): written as zeros, accepted on load only when zero (ferrotext's router has none).
+/// (`[experts]`): a parameter under `routed_bias`; otherwise written as zeros and accepted on load
+/// only when zero.
 const SELECTION_BIAS: &str = "mlp.gate.e_score_correction_bias";
 
 /// At most `n` items of a list, then "and k more".

@@ -273,7 +273,8 @@ fn check_dtypes_and_shapes<'a>(
     Err(format!("{}{more}", shown.join("; ")))
 }
 
-/// Every router selection bias is all zeros: ferrotext's router has none.
+/// Every router selection bias the model does not declare is all zeros (a model built without
+/// `routed_bias` routes as a zero bias does).
 fn check_biases_zero(
     shards: &[SafeTensors<'_>],
     located: &BTreeMap<String, usize>,
@@ -284,9 +285,9 @@ fn check_biases_zero(
         let values = to_f32(&shards[s], name)?;
         if let Some(i) = values.iter().position(|&x| x != 0.0) {
             return Err(format!(
-                "`{name}` is not zero ({} at index {i}): ferrotext's router has no selection \
-                 bias, so it would pick other experts than this checkpoint's model; only an \
-                 all-zero e_score_correction_bias is supported",
+                "`{name}` is not zero ({} at index {i}): this model has no selection bias \
+                 (routed_bias=false), so it would pick other experts than this checkpoint's \
+                 model; set routed_bias=true to load it",
                 values[i]
             ));
         }

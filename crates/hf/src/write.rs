@@ -115,7 +115,7 @@ pub fn save_directory(
     let stored = infos.iter().flat_map(|info| {
         info.hf_tensors()
             .into_iter()
-            .chain(selection_bias(kind, info))
+            .chain(selection_bias(kind, info, infos))
     });
     for (_, shape) in stored {
         let size = shape.iter().product::<usize>() as u64 * dtype.bytes();
@@ -226,7 +226,7 @@ fn write_into(
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
             tensors.push((name, t.shape().to_vec(), dtype.encode(t.data())));
         }
-        if let Some((name, shape)) = selection_bias(kind, info) {
+        if let Some((name, shape)) = selection_bias(kind, info, infos) {
             let zeros = vec![0.0; shape.iter().product()];
             tensors.push((name, shape, dtype.encode(&zeros)));
         }
@@ -256,14 +256,23 @@ fn write_into(
 /// The tensor HF stores after `info` that no ferrotext parameter holds: for `deepseek_v3`, each
 /// router's selection bias `mlp.gate.e_score_correction_bias` (`[n_routed_experts]`), which
 /// `DeepseekV3TopkRouter` adds to the sigmoid scores to pick the top-k experts (`noaux_tc`) and
-/// its checkpoints carry. ferrotext's router has no such bias; written as zeros, under which
-/// both routers pick the same experts.
-pub fn selection_bias(kind: ModelType, info: &ParamInfo) -> Option<(String, Vec<usize>)> {
+/// its checkpoints carry. A model with `routed_bias` declares it among `all` (then it is written
+/// as that parameter, and this returns `None`); one without has no such bias, and it is written
+/// as zeros, under which both routers pick the same experts.
+pub fn selection_bias(
+    kind: ModelType,
+    info: &ParamInfo,
+    all: &[ParamInfo],
+) -> Option<(String, Vec<usize>)> {
     if kind != ModelType::DeepseekV3 {
         return None;
     }
     let (name, shape) = info.hf_tensors().into_iter().next()?;
     let layer = name.strip_suffix(ROUTER)?;
     let experts = *shape.first()?;
-    Some((format!("{layer}{SELECTION_BIAS}"), vec![experts]))
+    let bias = format!("{layer}{SELECTION_BIAS}");
+    let declared = all
+        .iter()
+        .any(|p| p.hf_tensors().iter().any(|(n, _)| *n == bias));
+    (!declared).then(|| (bias, vec![experts]))
 }

@@ -20,6 +20,7 @@ pub mod deepseek;
 pub mod kv_cache;
 pub mod moe;
 pub mod nn;
+pub mod router;
 mod params;
 mod presets;
 

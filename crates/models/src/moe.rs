@@ -4,9 +4,10 @@
 //!
 //! # The sparse path (per device, inside the region)
 //! 1. router logits `x·W_r`, scores by softmax or sigmoid; the top-k experts per token are chosen
-//!    on `scores + bias` (DeepSeek's selection-only bias, never in the weights), and the chosen
-//!    scores are the gate weights, renormalised over the k if asked and times
-//!    `routed_scaling_factor`;
+//!    by [`crate::router::select_experts`] on `scores + bias` (DeepSeek's selection-only bias,
+//!    never in the weights) within the best expert groups, and the chosen scores are the gate
+//!    weights, renormalised over the k if asked and times `routed_scaling_factor`; this
+//!    device's expert loads are counted on the way ([`MoeOutput::expert_load`]);
 //! 2. the token copies are sorted by expert (`take_rows`), each expert's consecutive rows go
 //!    through its SwiGLU (`grouped_matmul`, no capacity, nothing dropped), and the results are
 //!    unsorted and combined with the gate weights;
@@ -30,6 +31,8 @@
 use ferrotext_sharding::{carry_reduced, ArrayType, DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
 use ferrotext_tensor::{Tensor, PAD_ROW};
+
+use crate::router::{self, GroupLimit};
 
 /// How router logits become scores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +58,8 @@ pub struct MoeConfig {
     pub routed_scaling_factor: f32,
     /// Weight of the Switch-style load-balance loss (0: not computed).
     pub load_balance_loss_weight: f32,
+    /// Group-limited selection (DeepSeek-V3's `n_group`/`topk_group`; one group: plain top-k).
+    pub groups: GroupLimit,
 }
 
 /// What the block returns.
@@ -67,6 +72,10 @@ pub struct MoeOutput {
     /// the fraction of a sequence's tokens that chose the expert (MaxText's sequence-wise
     /// Switch loss). The gradient flows through the scores only.
     pub load_balance_loss: Option<Array>,
+    /// Tokens of *this device* routed to each expert (`[experts]`, data, not differentiated):
+    /// what the aux-loss-free balancing sums over micro-batches and devices. `None` in abstract
+    /// mode, where no routing is computed.
+    pub expert_load: Option<Vec<f32>>,
 }
 
 /// The block's weights, as placed by the caller (their tags are theirs to choose).
@@ -113,6 +122,15 @@ impl MoeConfig {
                 of: "experts",
             });
         }
+        if self.groups.check(e, k).is_err() {
+            return Err(SpmdError::SettingOutOfRange {
+                op: "moe",
+                key: "n_routing_groups",
+                value: self.groups.n_routing_groups,
+                limit: e,
+                of: "experts, with topk_routing_group groups holding num_experts_per_tok",
+            });
+        }
         for (name, w) in [
             ("wi_0", &weights.wi_0),
             ("wi_1", &weights.wi_1),
@@ -147,16 +165,9 @@ impl MoeConfig {
     }
 
     /// Top-k experts per row of `scores` (`[n, experts]`, this device's), chosen on
-    /// `scores + bias`.
+    /// `scores + bias` within the best groups ([`router::select_experts`]).
     fn route(&self, scores: &Tensor, bias: Option<&[f32]>) -> Result<Routing, SpmdError> {
-        let selection = match bias {
-            Some(b) => {
-                let e = self.num_experts;
-                Tensor::from_fn(scores.shape(), |i| scores.data()[i] + b[i % e])
-            }
-            None => scores.clone(),
-        };
-        let (_, experts) = ferrotext_tensor::top_k(&selection, self.num_experts_per_tok)?;
+        let experts = router::select_experts(scores, self.num_experts_per_tok, bias, self.groups)?;
         Ok(Routing { experts })
     }
 
@@ -276,8 +287,9 @@ pub fn moe_sparse(
         out_specs.push(PartitionSpec::replicated());
     }
     let sequences = x.ty().shape()[0];
+    let mut expert_load = None;
     let out = cx.shard_map(&inputs, &in_specs, &out_specs, |cx, xs| {
-        let (y, loss) = sparse_body(
+        let (y, loss, load) = sparse_body(
             cx,
             config,
             &xs[0],
@@ -287,6 +299,7 @@ pub fn moe_sparse(
             &ep,
             sequences,
         )?;
+        expert_load = load;
         Ok(std::iter::once(y).chain(loss).collect())
     })?;
     let mut out = out.into_iter();
@@ -297,6 +310,7 @@ pub fn moe_sparse(
     Ok(MoeOutput {
         y,
         load_balance_loss: out.next(),
+        expert_load,
     })
 }
 
@@ -315,8 +329,13 @@ fn gather_except(cx: &mut Ctx<'_>, w: &Array, keep_dim0: bool) -> Result<Array, 
     }
 }
 
-/// One device's tokens through the block (see the module docs), and its load-balance loss
-/// (summed over the devices) when on. `sequences` is the global batch.
+/// What [`sparse_body`] returns on one device: the output, the load-balance loss (when on),
+/// the expert loads (none in abstract mode).
+type BodyOut = (Array, Option<Array>, Option<Vec<f32>>);
+
+/// One device's tokens through the block (see the module docs), its load-balance loss (summed
+/// over the devices) when on, and its expert loads (none in abstract mode). `sequences` is the
+/// global batch.
 #[allow(clippy::too_many_arguments)]
 fn sparse_body(
     cx: &mut Ctx<'_>,
@@ -327,7 +346,7 @@ fn sparse_body(
     bias: Option<&[f32]>,
     ep_axes: &[&str],
     sequences: usize,
-) -> Result<(Array, Option<Array>), SpmdError> {
+) -> Result<BodyOut, SpmdError> {
     let shape = x.ty().shape().to_vec();
     let d = shape[shape.len() - 1];
     let n: usize = shape[..shape.len() - 1].iter().product();
@@ -337,9 +356,13 @@ fn sparse_body(
     let scores = config.scores(cx, &logits)?;
 
     // Routing is data: chosen on this device's scores (abstract mode: any valid routing).
-    let experts: Vec<u32> = match scores.local().ok() {
-        Some(s) => config.route(s, bias)?.experts,
-        None => (0..n * k).map(|i| (i % k) as u32).collect(),
+    let (experts, load): (Vec<u32>, _) = match scores.local().ok() {
+        Some(s) => {
+            let experts = config.route(s, bias)?.experts;
+            let load = router::expert_load(&experts, e);
+            (experts, Some(load))
+        }
+        None => ((0..n * k).map(|i| (i % k) as u32).collect(), None),
     };
     let picks: Vec<u32> = experts
         .iter()
@@ -400,7 +423,7 @@ fn sparse_body(
         let s = cx.matmul(&a, &w[6], None)?;
         y = cx.add(&y, &s)?;
     }
-    Ok((cx.reshape(&y, &shape, None)?, loss))
+    Ok((cx.reshape(&y, &shape, None)?, loss, load))
 }
 
 /// Every copy's expert output `[n·k, d]` (token-major), all experts on this device.
@@ -540,7 +563,7 @@ pub fn moe_dense(
     let logits = crate::nn::linear(cx, x, &weights.router)?;
     let scores = config.scores(cx, &logits)?;
     // The chosen experts' scores, everything else zero (a constant mask from this device's rows).
-    let mask_local = match scores.local().ok() {
+    let (mask_local, expert_load) = match scores.local().ok() {
         Some(s) => {
             let rows = s.len() / e;
             let flat = s.clone().reshape(&[rows, e])?;
@@ -549,9 +572,10 @@ pub fn moe_dense(
             for (i, &ex) in routing.experts.iter().enumerate() {
                 m[(i / k) * e + ex as usize] = 1.0;
             }
-            Tensor::new(s.shape().to_vec(), m)?
+            let load = router::expert_load(&routing.experts, e);
+            (Tensor::new(s.shape().to_vec(), m)?, Some(load))
         }
-        None => Tensor::zeros(&scores.ty().shard_shape()),
+        None => (Tensor::zeros(&scores.ty().shard_shape()), None),
     };
     let mask_ty = cx.array_type(
         scores.ty().shape(),
@@ -615,5 +639,6 @@ pub fn moe_dense(
     Ok(MoeOutput {
         y,
         load_balance_loss,
+        expert_load,
     })
 }

@@ -18,6 +18,8 @@ pub enum Init {
     FanIn,
     /// All ones (norm scales).
     Ones,
+    /// All zeros (biases).
+    Zeros,
 }
 
 /// How a parameter is stored in a Hugging Face checkpoint.
@@ -272,6 +274,7 @@ pub fn init_normal(info: &ParamInfo, seed: u64, index: usize) -> Tensor {
     let mut rng = Rng::new(seed, index as u64 + 1);
     match info.init {
         Init::Ones => Tensor::full(&info.shape, 1.0),
+        Init::Zeros => Tensor::full(&info.shape, 0.0),
         Init::Normal { std } => {
             Tensor::from_fn(&info.shape, |_| (rng.normal() * std as f64) as f32)
         }

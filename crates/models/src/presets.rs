@@ -2,7 +2,7 @@
 //! MaxText's DeepSeek-V3 test models. Each is a [`Config`]; nothing here is checked until
 //! [`Decoder::new`](crate::decoder::Decoder::new).
 
-use crate::decoder::{Config, MlaSettings, MoeSettings};
+use crate::decoder::{Config, GroupLimit, MlaSettings, MoeSettings};
 use crate::moe::RouterScore;
 use ferrotext_tensor::Yarn;
 
@@ -118,6 +118,8 @@ impl Config {
                 norm_topk_prob: true,
                 routed_scaling_factor: 2.5,
                 load_balance_loss_weight: 0.0,
+                groups: GroupLimit::default(),
+                routed_bias: true,
                 withhold_tags: false,
             }),
             mla: Some(MlaSettings {
@@ -149,6 +151,8 @@ impl Config {
             norm_topk_prob: true,
             routed_scaling_factor: 1.0,
             load_balance_loss_weight: 0.0,
+            groups: GroupLimit::default(),
+            routed_bias: false,
             withhold_tags: false,
         }
     }

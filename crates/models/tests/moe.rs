@@ -52,6 +52,15 @@ fn config(score: RouterScore) -> MoeConfig {
         norm_topk_prob: true,
         routed_scaling_factor: 2.5,
         load_balance_loss_weight: 0.1,
+        // DeepSeek-V3's routing for the sigmoid router: 2 groups of 2 experts, one group per
+        // token (so both of a token's experts come from the group with the best pair).
+        groups: match score {
+            RouterScore::Sigmoid => ferrotext_models::router::GroupLimit {
+                n_routing_groups: 2,
+                topk_routing_group: 1,
+            },
+            RouterScore::Softmax => ferrotext_models::router::GroupLimit::default(),
+        },
     }
 }
 

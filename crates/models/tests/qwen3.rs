@@ -109,6 +109,8 @@ fn tiny_deepseek() -> Decoder {
         norm_topk_prob: true,
         routed_scaling_factor: 2.5,
         load_balance_loss_weight: 0.01,
+        groups: ferrotext_models::decoder::GroupLimit::default(),
+        routed_bias: false,
         withhold_tags: false,
     });
     Decoder::new(cfg).unwrap()

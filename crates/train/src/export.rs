@@ -170,7 +170,9 @@ pub fn export_checkpoint(
     let model_type = ModelType::of(decoder.config()).map_err(out_err)?;
     let tensors = infos
         .iter()
-        .map(|i| i.hf_tensors().len() + usize::from(selection_bias(model_type, i).is_some()))
+        .map(|i| {
+            i.hf_tensors().len() + usize::from(selection_bias(model_type, i, &infos).is_some())
+        })
         .sum();
     save_directory(out, decoder.config(), &infos, &values, dtype, shard_bytes)?;
     Ok(Exported {

@@ -47,6 +47,7 @@ pub mod io;
 pub mod keys;
 mod optim;
 mod plan;
+mod router_bias;
 mod run;
 pub mod tensorboard;
 mod trainer;
@@ -63,5 +64,6 @@ pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use plan::{ParamLayout, PlanDecoder, RunPlan};
 #[cfg(feature = "fault-injection")]
 pub use run::Fault;
+pub use router_bias::bias_update;
 pub use run::{select_matmul_kernel, train, train_plan, RunOptions, StepCallback, TrainReport};
 pub use trainer::{plan_step, Trainer};

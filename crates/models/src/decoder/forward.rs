@@ -3,7 +3,9 @@
 //!
 //! Invariants: parameters arrive typed by the caller and are never re-tagged here except by
 //! [`reduced_over`] (a free cast whose transpose is the one all-reduce of a tied table's
-//! gradient); a MoE layer adds its load-balance loss to `aux` in layer order.
+//! gradient); a MoE layer adds its load-balance loss to `aux` in layer order, and pushes this
+//! device's expert loads to `loads` in layer order; a router selection bias is read as data
+//! (replicated), never through an op, so no gradient reaches it.
 
 use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, SpmdError};
@@ -15,13 +17,15 @@ use crate::nn::{self, AttentionDims, AttentionWeights};
 
 impl DecoderLayer<&Array> {
     /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; a MoE layer's load-balance loss is added to
-    /// `aux`.
+    /// `aux`, its expert loads pushed to `loads`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn forward(
         &self,
         cx: &mut Ctx<'_>,
         x: &Array,
         c: &Config,
         aux: &mut Option<Array>,
+        loads: &mut Vec<Vec<f32>>,
         cache: Option<&mut KvSlot>,
     ) -> Result<Array, SpmdError> {
         let eps = c.normalization_layer_epsilon;
@@ -38,7 +42,7 @@ impl DecoderLayer<&Array> {
         // 4. x = x + mlp(h): SwiGLU, or the MoE block (experts split over `expert` inside)
         let m = match &self.mlp {
             Mlp::Dense(m) => nn::swiglu(cx, &h, m.gate_proj, m.up_proj, m.down_proj)?,
-            Mlp::Moe(m) => m.forward(cx, &h, c, aux)?,
+            Mlp::Moe(m) => m.forward(cx, &h, c, aux, loads)?,
         };
         cx.add(&x, &m)
     }
@@ -78,6 +82,7 @@ impl SparseMoe<&Array> {
         h: &Array,
         c: &Config,
         aux: &mut Option<Array>,
+        loads: &mut Vec<Vec<f32>>,
     ) -> Result<Array, SpmdError> {
         let settings = c.moe.as_ref().ok_or(SpmdError::MissingSettings {
             op: "moe",
@@ -85,7 +90,11 @@ impl SparseMoe<&Array> {
         })?;
         let weights = MoeWeights {
             router: self.gate.clone(),
-            router_bias: None,
+            router_bias: self
+                .e_score_correction_bias
+                .map(selection_bias)
+                .transpose()?
+                .flatten(),
             wi_0: self.experts.gate_proj.clone(),
             wi_1: self.experts.up_proj.clone(),
             wo: self.experts.down_proj.clone(),
@@ -98,6 +107,9 @@ impl SparseMoe<&Array> {
             withhold_tags: settings.withhold_tags,
         };
         let out = moe::moe_sparse(cx, &settings.block(), h, &weights, options)?;
+        if let Some(load) = out.expert_load {
+            loads.push(load);
+        }
         if let Some(loss) = out.load_balance_loss {
             *aux = Some(match aux.take() {
                 Some(sum) => cx.add(&sum, &loss)?,
@@ -106,6 +118,21 @@ impl SparseMoe<&Array> {
         }
         Ok(out.y)
     }
+}
+
+/// The values of a router selection bias `b` (`[experts]`, replicated: every device holds all
+/// of it), read as data; `None` in abstract mode, where routing is not computed.
+fn selection_bias(b: &Array) -> Result<Option<Vec<f32>>, SpmdError> {
+    let spec = b.ty().sharding().spec();
+    if !spec.partitions().iter().all(|p| p.is_replicated()) {
+        return Err(SpmdError::WeightShape {
+            op: "moe",
+            name: "e_score_correction_bias",
+            expected: "replicated (every device routes with all of it)".into(),
+            got: b.ty().to_string(),
+        });
+    }
+    Ok(b.local().ok().map(|t| t.data().to_vec()))
 }
 
 /// `w` with every partition removed but its tags kept (an all-gather when it was split).

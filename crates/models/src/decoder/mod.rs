@@ -32,6 +32,7 @@ use crate::kv_cache::KvCache;
 use crate::moe::{MoeConfig, RouterScore};
 use crate::nn::{self, ActivationLayout};
 use crate::params::ParamInfo;
+pub use crate::router::GroupLimit;
 
 mod forward;
 mod weights;
@@ -61,6 +62,11 @@ pub struct MoeSettings {
     pub routed_scaling_factor: f32,
     /// Weight of the load-balance loss (`load_balance_loss_weight`; 0 disables).
     pub load_balance_loss_weight: f32,
+    /// Group-limited routing (`n_routing_groups`, `topk_routing_group`).
+    pub groups: GroupLimit,
+    /// A selection-only router bias per MoE layer (`routed_bias`; HF
+    /// `mlp.gate.e_score_correction_bias`), declared as a zero-initialised `[experts]` weight.
+    pub routed_bias: bool,
     /// Diagnostic mirror: drop the expert weights' tags before the MoE region (see
     /// [`MoeOptions::withhold_tags`](crate::moe::MoeOptions::withhold_tags)).
     pub withhold_tags: bool,
@@ -75,6 +81,7 @@ impl MoeSettings {
             norm_topk_prob: self.norm_topk_prob,
             routed_scaling_factor: self.routed_scaling_factor,
             load_balance_loss_weight: self.load_balance_loss_weight,
+            groups: self.groups,
         }
     }
 }
@@ -129,6 +136,9 @@ impl Config {
             .is_some_and(|m| i >= m.first_num_dense_layers)
     }
 }
+
+/// Per MoE layer (layer order), one device's tokens routed to each expert: `loads[l][e]`.
+pub type ExpertLoads = Vec<Vec<f32>>;
 
 /// Why a config cannot build a model.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -202,6 +212,9 @@ impl Decoder {
                     m.num_experts, m.num_experts_per_tok, m.moe_mlp_dim
                 )));
             }
+            m.groups
+                .check(m.num_experts, m.num_experts_per_tok)
+                .map_err(ConfigError)?;
         }
         let weights = Weights::declare(&cfg);
         Ok(Decoder { cfg, weights })
@@ -287,7 +300,24 @@ impl Decoder {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<Array, SpmdError> {
-        let (logits, aux) = self.forward(cx, params, inputs, None)?;
+        Ok(self.loss_sum_and_loads(cx, params, inputs, targets)?.0)
+    }
+
+    /// [`Decoder::loss_sum`] and this device's expert loads: per MoE layer in layer order, the
+    /// tokens of this device's block of the batch routed to each expert (`[experts]` counts, the
+    /// selection bias applied; empty in abstract mode) — what the aux-loss-free balancing sums
+    /// over micro-batches and devices.
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_sum`].
+    pub fn loss_sum_and_loads(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<(Array, ExpertLoads), SpmdError> {
+        let (logits, aux, loads) = self.forward(cx, params, inputs, None)?;
         let ce = cx.cross_entropy_sum(&logits, targets, self.cfg.z_loss_multiplier)?;
         match aux {
             // The trainer divides the sum by the step's tokens: an auxiliary loss joins as
@@ -295,9 +325,9 @@ impl Decoder {
             Some(aux) => {
                 let tokens: usize = inputs.ty().shape().iter().product();
                 let aux = cx.scale(&aux, tokens as f32)?;
-                cx.add(&ce, &aux)
+                Ok((cx.add(&ce, &aux)?, loads))
             }
-            None => Ok(ce),
+            None => Ok((ce, loads)),
         }
     }
 
@@ -316,13 +346,31 @@ impl Decoder {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<Array, SpmdError> {
-        let (logits, aux) = self.forward(cx, params, inputs, None)?;
+        Ok(self
+            .loss_partial_sum_and_loads(cx, params, inputs, targets)?
+            .0)
+    }
+
+    /// [`Decoder::loss_partial_sum`] and this device's expert loads (as
+    /// [`Decoder::loss_sum_and_loads`]).
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_partial_sum`].
+    pub fn loss_partial_sum_and_loads(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<(Array, ExpertLoads), SpmdError> {
+        let (logits, aux, loads) = self.forward(cx, params, inputs, None)?;
         if aux.is_some() {
             return Err(SpmdError::NoPartialSum {
                 op: "loss_partial_sum",
             });
         }
-        cx.cross_entropy_partial_sum(&logits, targets, self.cfg.z_loss_multiplier)
+        let loss = cx.cross_entropy_partial_sum(&logits, targets, self.cfg.z_loss_multiplier)?;
+        Ok((loss, loads))
     }
 
     /// Logits `[B, T, vocab]`, split over the batch like the inputs, vocab replicated.
@@ -379,15 +427,16 @@ impl Decoder {
         })
     }
 
-    /// Logits and the summed auxiliary losses of the MoE layers (their load-balance losses,
-    /// when on). Activations are `[B@batch, T, d]`: the batch split like the tokens.
+    /// Logits, the summed auxiliary losses of the MoE layers (their load-balance losses, when
+    /// on) and this device's expert loads. Activations are `[B@batch, T, d]`: the batch split
+    /// like the tokens.
     fn forward(
         &self,
         cx: &mut Ctx<'_>,
         params: &[Array],
         inputs: &Ids,
         mut cache: Option<&mut KvCache>,
-    ) -> Result<(Array, Option<Array>), SpmdError> {
+    ) -> Result<(Array, Option<Array>, ExpertLoads), SpmdError> {
         let (c, w) = (&self.cfg, self.bind(params)?);
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
         let layout = ActivationLayout { batch: batch_axes };
@@ -401,9 +450,10 @@ impl Decoder {
         let mut x = cx.take(&table, inputs)?;
         // 2. the layers: x [B@batch, T, d] each
         let mut aux: Option<Array> = None;
+        let mut loads = Vec::new();
         for (i, layer) in w.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().and_then(|k| k.slot(i));
-            x = layer.forward(cx, &x, c, &mut aux, slot)?;
+            x = layer.forward(cx, &x, c, &mut aux, &mut loads, slot)?;
         }
         // 3. final norm and LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
         let x = nn::rms_norm(cx, &x, w.norm, c.normalization_layer_epsilon)?;
@@ -425,7 +475,7 @@ impl Decoder {
         } else {
             cx.reshard(&logits, &want)?
         };
-        Ok((logits, aux))
+        Ok((logits, aux, loads))
     }
 }
 
@@ -456,6 +506,8 @@ mod tests {
             norm_topk_prob: true,
             routed_scaling_factor: 1.0,
             load_balance_loss_weight: 0.0,
+            groups: GroupLimit::default(),
+            routed_bias: false,
             withhold_tags: false,
         });
         c

@@ -89,6 +89,10 @@ pub struct DenseMlp<W> {
 pub struct SparseMoe<W> {
     /// The router, `gate.weight` `[d, experts]`.
     pub gate: W,
+    /// The router's selection bias, `gate.e_score_correction_bias` `[experts]` (DeepSeek-V3,
+    /// `routed_bias`): state, not a trained weight. Routing reads it as data, so its gradient
+    /// is identically zero, and the trainer moves it by the aux-loss-free balancing rule.
+    pub e_score_correction_bias: Option<W>,
     /// The routed experts, stacked (HF: `experts.{e}.{gate,up,down}_proj.weight`).
     pub experts: Experts<W>,
     /// The shared experts as one SwiGLU of width `shared_experts × moe_mlp_dim` (HF:
@@ -150,6 +154,11 @@ impl<W> DecoderLayer<W> {
                 Mlp::Dense(m) => Mlp::Dense(m.try_map(f)?),
                 Mlp::Moe(m) => Mlp::Moe(SparseMoe {
                     gate: f(&m.gate)?,
+                    e_score_correction_bias: m
+                        .e_score_correction_bias
+                        .as_ref()
+                        .map(&mut *f)
+                        .transpose()?,
                     experts: Experts {
                         gate_proj: f(&m.experts.gate_proj)?,
                         up_proj: f(&m.experts.up_proj)?,
@@ -285,6 +294,19 @@ impl DecoderLayer<ParamInfo> {
                 };
                 Mlp::Moe(SparseMoe {
                     gate: matrix(l("mlp.gate.weight"), [d, e], [Some("embed"), None]),
+                    e_score_correction_bias: m.routed_bias.then(|| {
+                        let name = l("mlp.gate.e_score_correction_bias");
+                        ParamInfo {
+                            hf: HfLayout::Tensor {
+                                name: name.clone(),
+                                transposed: false,
+                            },
+                            name,
+                            shape: vec![e],
+                            logical: vec![None],
+                            init: Init::Zeros,
+                        }
+                    }),
                     experts: Experts {
                         gate_proj: experts(
                             "gate_proj",

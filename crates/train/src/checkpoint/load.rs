@@ -25,6 +25,7 @@ use super::{
 use crate::config::TrainConfig;
 use crate::engine::{Engine, EngineState, Restored, RestoredPending, TreeNodeState};
 use crate::error::TrainError;
+use crate::router_bias::RouterBalance;
 
 impl Engine {
     /// Restores the state saved at `path` (a checkpoint directory, or a root whose `latest`
@@ -440,7 +441,38 @@ fn restore_pending(
         loss_sum: f64::from_bits(manifest.pending_loss_sum_bits),
         tokens: manifest.token_denominator,
         micro_steps: manifest.micro_steps,
+        loads: restored_loads(cx, state, manifest)?,
     })
+}
+
+/// This device's share of the checkpoint's pending expert loads: the totals on the first device
+/// along the batch axes, zeros on the others (token counts: the update's sum gives the totals
+/// back exactly, in any order).
+///
+/// # Errors
+/// Loads that do not fit the model's MoE layers and experts (a corrupt manifest).
+fn restored_loads(
+    cx: &Ctx<'_>,
+    state: &EngineState<'_>,
+    manifest: &Manifest,
+) -> Result<ferrotext_models::decoder::ExpertLoads, TrainError> {
+    let totals = &manifest.pending_expert_loads;
+    let Some(balance) =
+        RouterBalance::new(state.plan.decoder(), state.plan.config().routed_bias_update_rate)
+    else {
+        return Ok(Vec::new());
+    };
+    if totals.is_empty() {
+        return Err(TrainError::Checkpoint {
+            path: "manifest.json".into(),
+            reason: "a mid-step checkpoint of a run with routed_bias_update_rate > 0 has no \
+                     pending_expert_loads"
+                .into(),
+        });
+    }
+    let axes: Vec<&str> = state.plan.batch_spec().partition_axes().collect();
+    let first = cx.axis_index(&axes)?.0 == 0;
+    balance.split_loads(totals, first)
 }
 
 /// This device's subtrees of a checkpoint's unit tree, typed as the engine promises (the loss

@@ -50,6 +50,10 @@ pub struct Manifest {
     /// The same sum's `f64` bits: what a restore uses, so a resumed step's loss is bit for bit
     /// the uninterrupted one.
     pub pending_loss_sum_bits: u64,
+    /// Mid-step with `routed_bias_update_rate` > 0: the step's expert loads so far, summed over
+    /// the devices, `[MoE layers · experts]` (token counts, exact in JSON); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pending_expert_loads: Vec<f32>,
     /// AdamW's step count (0 for SGD).
     pub optimizer_steps: u64,
     /// How the data is cut into sequences (`dataset_order`).

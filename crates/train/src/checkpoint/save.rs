@@ -24,6 +24,7 @@ use super::{
 };
 use crate::engine::{Engine, EngineState, PendingState, PendingSum, TreeNodeState};
 use crate::error::TrainError;
+use crate::router_bias::RouterBalance;
 
 impl Engine {
     /// Saves the whole state under `root` (see the module docs) and returns the checkpoint's
@@ -139,6 +140,9 @@ struct GatheredPending {
     micro_steps: usize,
     tokens: u64,
     loss_sum: f64,
+    /// The step's expert loads so far, summed over the devices (`[layers · experts]`; empty
+    /// without aux-loss-free balancing).
+    expert_loads: Vec<f32>,
 }
 
 /// One value's local block shape and every device's block, concatenated in device order.
@@ -174,6 +178,15 @@ fn gather_pending(
             .ok_or_else(|| TrainError::Internal("a gathered loss is missing".into()))?;
         tree.push((node.level, blocks, losses));
     }
+    // The expert loads: one all-reduce of layers × experts values, as `update`'s.
+    let config = state.plan.config();
+    let expert_loads =
+        match RouterBalance::new(state.plan.decoder(), config.routed_bias_update_rate) {
+            Some(balance) => balance
+                .reduce(cx, state.plan.batch_spec(), &p.loads)?
+                .unwrap_or_default(),
+            None => Vec::new(),
+        };
     Ok(GatheredPending {
         totals,
         partials,
@@ -181,6 +194,7 @@ fn gather_pending(
         micro_steps: p.micro_steps,
         tokens: p.tokens,
         loss_sum: p.loss_sum,
+        expert_loads,
     })
 }
 
@@ -393,6 +407,7 @@ fn build_manifest(
         token_denominator,
         pending_loss_sum,
         pending_loss_sum_bits: pending_loss_sum.to_bits(),
+        pending_expert_loads: pending.map_or_else(Vec::new, |p| p.expert_loads.clone()),
         optimizer_steps: gathered.moments.as_ref().map_or(0, |(_, _, t)| *t),
         dataset_order: config.dataset_order,
         sequences_consumed: sequences_consumed(config, state.step, micro),

@@ -139,6 +139,15 @@ pub struct TrainConfig {
     pub norm_topk_prob: Option<bool>,
     /// Weight of the MoE load-balance loss (0 disables).
     pub load_balance_loss_weight: Option<f64>,
+    /// A selection-only router bias per MoE layer (DeepSeek-V3's `e_score_correction_bias`).
+    pub routed_bias: Option<bool>,
+    /// Expert groups of group-limited routing (1: none).
+    pub n_routing_groups: Option<usize>,
+    /// Groups a token may route to (of `n_routing_groups`).
+    pub topk_routing_group: Option<usize>,
+    /// Aux-loss-free balancing: after each step every selection bias moves by
+    /// `rate · sign(mean load − load)` per expert (0: the biases stay as loaded).
+    pub routed_bias_update_rate: f64,
     /// Diagnostic mirror, for tests and the MoE benchmark: drop the expert weights' `reduced`
     /// tags before the MoE region, as a spec rebuilt from logical rules would — their gradients
     /// are then all-reduced inside every micro-batch (numerics unchanged).
@@ -312,6 +321,10 @@ impl Default for TrainConfig {
             routed_scaling_factor: None,
             norm_topk_prob: None,
             load_balance_loss_weight: None,
+            routed_bias: None,
+            n_routing_groups: None,
+            topk_routing_group: None,
+            routed_bias_update_rate: 0.0,
             moe_withhold_tags: false,
             z_loss_multiplier: 0.0,
             local_devices: 4,

@@ -66,6 +66,10 @@ impl TrainConfig {
             || self.routed_scaling_factor.is_some()
             || self.norm_topk_prob.is_some()
             || self.load_balance_loss_weight.is_some()
+            || self.routed_bias.is_some()
+            || self.n_routing_groups.is_some()
+            || self.topk_routing_group.is_some()
+            || self.routed_bias_update_rate != 0.0
             || self.moe_withhold_tags;
         if m.moe.is_none() && self.num_experts.is_none() {
             if any_key {
@@ -90,6 +94,8 @@ impl TrainConfig {
             norm_topk_prob: true,
             routed_scaling_factor: 1.0,
             load_balance_loss_weight: 0.0,
+            groups: ferrotext_models::decoder::GroupLimit::default(),
+            routed_bias: false,
             withhold_tags: false,
         });
         let set = |field: &mut usize, v: Option<usize>| {
@@ -128,6 +134,21 @@ impl TrainConfig {
                 ));
             }
             moe.load_balance_loss_weight = w as f32;
+        }
+        if let Some(b) = self.routed_bias {
+            moe.routed_bias = b;
+        }
+        set(&mut moe.groups.n_routing_groups, self.n_routing_groups);
+        set(&mut moe.groups.topk_routing_group, self.topk_routing_group);
+        if self.routed_bias_update_rate > 0.0 && !moe.routed_bias {
+            return Err(TrainError::usage(
+                "routed_bias_update_rate",
+                format!(
+                    "routed_bias_update_rate = {} moves the router selection biases, and this \
+                     model has none: set routed_bias=true",
+                    self.routed_bias_update_rate
+                ),
+            ));
         }
         moe.withhold_tags = self.moe_withhold_tags;
         m.moe = Some(moe);

@@ -289,6 +289,13 @@ impl TrainConfig {
         if let Some(f) = self.routed_scaling_factor {
             check_float("routed_scaling_factor", f, 0.0, true, INF)?;
         }
+        check_float(
+            "routed_bias_update_rate",
+            self.routed_bias_update_rate,
+            0.0,
+            false,
+            INF,
+        )?;
         if let Some(w) = self.load_balance_loss_weight {
             check_float("load_balance_loss_weight", w, 0.0, false, INF)?;
         }

@@ -33,6 +33,7 @@ use crate::gate::{Deferral, Overlap, Zero1};
 use crate::gradients::{PartialGradients, UnitTree};
 use crate::optim::Optimizer;
 use crate::plan::{engine_rules, RunPlan};
+use crate::router_bias::RouterBalance;
 
 mod state;
 mod step;
@@ -98,6 +99,9 @@ struct Pending {
     loss_sum: f64,
     tokens: u64,
     micro_steps: usize,
+    /// This device's expert loads summed over the step's micro-batches (aux-loss-free
+    /// balancing; empty when off).
+    loads: ferrotext_models::decoder::ExpertLoads,
     started: Instant,
     /// The step's last micro-batch has run (`fwd_bwd_final`): only `update` may follow.
     closed: bool,
@@ -141,6 +145,8 @@ pub struct Engine {
     /// `layout_invariant`: gradient sets of `acc_plan` left by the last step's tree, reused as
     /// the next step's units.
     unit_spares: Vec<PartialGradients>,
+    /// The router selection biases' balancing after each step (`routed_bias_update_rate`).
+    balance: Option<RouterBalance>,
 }
 
 /// The fewest buckets an overlapped reduction is split into: with one bucket (a model whose
@@ -257,6 +263,7 @@ impl Engine {
             acc_plan,
             gather_plan,
             unit_spares: Vec::new(),
+            balance: RouterBalance::new(plan.decoder(), config.routed_bias_update_rate),
         })
     }
 

@@ -42,6 +42,8 @@ pub(crate) struct PendingState {
     pub tokens: u64,
     /// Their Σ token losses.
     pub loss_sum: f64,
+    /// This device's expert loads so far (aux-loss-free balancing; empty when off).
+    pub loads: ferrotext_models::decoder::ExpertLoads,
 }
 
 /// A step's gradients so far, as a checkpoint reads them (copies).
@@ -87,6 +89,9 @@ pub(crate) struct RestoredPending {
     pub tokens: u64,
     /// Micro-batches accumulated.
     pub micro_steps: usize,
+    /// This device's share of the step's expert loads so far (the totals on the first device
+    /// of the batch axes, zeros elsewhere, so the update's sum gives the totals back).
+    pub loads: ferrotext_models::decoder::ExpertLoads,
 }
 
 impl Engine {
@@ -116,6 +121,7 @@ impl Engine {
                 micro_steps: p.micro_steps,
                 tokens: p.tokens,
                 loss_sum: p.loss_sum,
+                loads: p.loads.clone(),
             }),
             None => None,
         };
@@ -144,6 +150,7 @@ impl Engine {
                 loss_sum: p.loss_sum,
                 tokens: p.tokens,
                 micro_steps: p.micro_steps,
+                loads: p.loads,
                 started: Instant::now(),
                 closed: false,
             }),

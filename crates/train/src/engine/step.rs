@@ -18,6 +18,8 @@ use crate::gate::Overlap;
 use crate::gradients::{FinishedTree, Gradients, PartialGradients, UnitTree};
 use crate::optim::{clip_scale, learning_rate};
 use crate::plan::RunPlan;
+use crate::router_bias::RouterBalance;
+use ferrotext_models::decoder::ExpertLoads;
 
 impl Engine {
     /// Forward and backward on one micro-batch; its gradients join the pending accumulator.
@@ -81,6 +83,7 @@ impl Engine {
                 loss_sum: 0.0,
                 tokens: 0,
                 micro_steps: 0,
+                loads: Vec::new(),
                 started: Instant::now(),
                 closed: false,
             });
@@ -97,9 +100,11 @@ impl Engine {
         }
         let model = self.plan.decoder();
         let infos = self.plan.params();
+        let mut loads = Vec::new();
         let loss_sum = match &mut pending.sum {
             StepSum::Accumulator(acc) => {
                 let loss = Self::accumulate_micro_batch(
+                    &mut loads,
                     cx,
                     &self.plan,
                     &self.reduce_plan,
@@ -122,7 +127,16 @@ impl Engine {
                 let loss = cx
                     .value_and_grad_into(
                         &pending.used,
-                        |cx, ps| model.loss_partial_sum(cx, ps, &batch.inputs, &batch.targets),
+                        |cx, ps| {
+                            let (loss, l) = model.loss_partial_sum_and_loads(
+                                cx,
+                                ps,
+                                &batch.inputs,
+                                &batch.targets,
+                            )?;
+                            loads = l;
+                            Ok(loss)
+                        },
                         &mut sink,
                     )
                     .map_err(|e| sink.wrong_type.take().unwrap_or(TrainError::from(e)))?;
@@ -137,6 +151,9 @@ impl Engine {
                 }
             }
         };
+        if self.balance.is_some() {
+            RouterBalance::add(&mut pending.loads, loads);
+        }
         pending.loss_sum += loss_sum;
         pending.tokens += batch.tokens;
         pending.micro_steps += 1;
@@ -151,7 +168,9 @@ impl Engine {
     /// in by its product's kernel where it can be; with `overlap`, a bucket whose gradients are
     /// all in starts reducing at once. Under DDP (`Overlap::EveryMicroBatch`) the micro-batch's
     /// own gradients are reduced first and then added. Returns the loss.
+    #[allow(clippy::too_many_arguments)]
     fn accumulate_micro_batch(
+        loads: &mut ExpertLoads,
         cx: &mut Ctx<'_>,
         plan: &RunPlan,
         reduce_plan: &Arc<BucketPlan>,
@@ -175,7 +194,12 @@ impl Engine {
         let loss = cx
             .value_and_grad_into(
                 used,
-                |cx, ps| model.loss_sum(cx, ps, &batch.inputs, &batch.targets),
+                |cx, ps| {
+                    let (loss, l) =
+                        model.loss_sum_and_loads(cx, ps, &batch.inputs, &batch.targets)?;
+                    *loads = l;
+                    Ok(loss)
+                },
                 &mut sink,
             )
             .map_err(|e| sink.wrong_type.take().unwrap_or(TrainError::from(e)))?;
@@ -214,6 +238,7 @@ impl Engine {
             loss_sum,
             tokens,
             started,
+            loads,
             ..
         } = pending;
         drop(used);
@@ -266,6 +291,14 @@ impl Engine {
         // nan_policy=skip_step: a skipped update leaves parameters and moments as they were.
         if !skipped {
             self.apply_update(cx, lr, scale, &grads)?;
+        }
+        // Aux-loss-free balancing: the step's expert loads, one all-reduce of layers × experts
+        // values, then every selection bias moved alike on every device (see router_bias.rs).
+        if let Some(balance) = &self.balance {
+            let total = balance.reduce(cx, self.plan.batch_spec(), &loads)?;
+            if let (Some(total), false) = (total, skipped) {
+                balance.apply(&mut self.params, &total)?;
+            }
         }
         let metrics = StepMetrics {
             step: self.step,
