@@ -51,15 +51,18 @@
 //! | file | what it owns |
 //! |---|---|
 //! | `cluster.rs` | [`ClusterSpec`]: the `--cluster` text parsed (hosts, links, memory bandwidth) |
+//! | `error.rs` | [`CostError`]: what the cost model fails with, in the training layer's classes |
 //! | `price.rs` | pricing a planned step's trace on a cluster: [`predict`], [`collective_cost`] |
 //! | `measure.rs` | measuring this machine: a micro-batch's throughput, a matmul's peak |
 
 mod cluster;
+mod error;
 mod measure;
 mod price;
 #[cfg(test)]
 mod tests;
 
 pub use cluster::*;
+pub use error::CostError;
 pub use measure::*;
 pub use price::*;

@@ -5,14 +5,16 @@
 use std::sync::Arc;
 
 use ferrotext_train::{TrainConfig, TrainError};
+
+use crate::CostError;
 use serde::Serialize;
 
 /// Times a square f32 matmul of `n` on `threads` threads (the `gemm` crate through
 /// `dot_general`), best of 5, in GFLOP/s. A measurement of this machine, not a constant.
 ///
 /// # Errors
-/// A kernel error (none for valid sizes).
-pub fn measure_matmul_gflops(n: usize, threads: usize) -> Result<f64, TrainError> {
+/// [`CostError::Kernel`] (none for valid sizes).
+pub fn measure_matmul_gflops(n: usize, threads: usize) -> Result<f64, CostError> {
     let n = n.max(16);
     let a = ferrotext_tensor::Tensor::full(&[n, n], 0.5);
     let dims = ferrotext_tensor::DotDims::matmul(2);
@@ -20,7 +22,7 @@ pub fn measure_matmul_gflops(n: usize, threads: usize) -> Result<f64, TrainError
     for _ in 0..5 {
         let t = std::time::Instant::now();
         let out = ferrotext_tensor::dot_general(&a, &a, &dims, threads.max(1))
-            .map_err(|e| TrainError::Config(e.to_string()))?;
+            .map_err(|error| CostError::Kernel { n, error })?;
         best = best.min(t.elapsed().as_secs_f64());
         drop(out);
     }
@@ -57,19 +59,17 @@ pub fn device_thread_budget(cores: usize, devices: usize) -> ThreadBudget {
 /// `flops_per_token` training FLOPs each that took `seconds`.
 ///
 /// # Errors
-/// [`TrainError::Config`] when the result is not positive and finite (no tokens, no time).
-pub fn effective_gflops(
-    flops_per_token: f64,
-    tokens: f64,
-    seconds: f64,
-) -> Result<f64, TrainError> {
+/// [`CostError::NoThroughput`] when the result is not positive and finite (no tokens, no time).
+pub fn effective_gflops(flops_per_token: f64, tokens: f64, seconds: f64) -> Result<f64, CostError> {
     let gflops = flops_per_token * tokens / seconds / 1e9;
     if gflops.is_finite() && gflops > 0.0 {
         Ok(gflops)
     } else {
-        Err(TrainError::Config(format!(
-            "no effective throughput from {tokens} tokens × {flops_per_token} FLOP in {seconds} s"
-        )))
+        Err(CostError::NoThroughput {
+            tokens,
+            flops_per_token,
+            seconds,
+        })
     }
 }
 
@@ -102,7 +102,7 @@ pub struct MicroBatchMeasurement {
 /// the batch is split over `data`.
 ///
 /// # Errors
-/// [`TrainError::Config`] / [`TrainError::Usage`] when the result does not validate.
+/// [`TrainError::Usage`] when the result does not validate.
 pub fn one_device_config(config: &TrainConfig) -> Result<TrainConfig, TrainError> {
     let mut one = config.clone();
     one.local_devices = 1;
@@ -126,18 +126,17 @@ pub fn one_device_config(config: &TrainConfig) -> Result<TrainConfig, TrainError
 /// (docs/design.md §9).
 ///
 /// # Errors
-/// As [`one_device_config`]; an engine error; `timed == 0`.
+/// As [`one_device_config`]; an engine error; [`CostError::NothingTimed`] for `timed == 0`;
+/// [`CostError::MeasurePanicked`] for a device that panicked.
 pub fn measure_micro_batch(
     config: &TrainConfig,
     threads: usize,
     concurrent: usize,
     warmup: usize,
     timed: usize,
-) -> Result<MicroBatchMeasurement, TrainError> {
+) -> Result<MicroBatchMeasurement, CostError> {
     if timed == 0 {
-        return Err(TrainError::Config(
-            "measuring a micro-batch needs at least one timed run".into(),
-        ));
+        return Err(CostError::NothingTimed);
     }
     let one = one_device_config(config)?;
     let plan = one.plan()?;
@@ -180,7 +179,7 @@ pub fn measure_micro_batch(
         }
         engine.map(|_| times)
     };
-    let runs: Vec<Result<Vec<f64>, TrainError>> = std::thread::scope(|scope| {
+    let runs: Vec<Result<Vec<f64>, CostError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..concurrent)
             .map(|i| {
                 let device = &device;
@@ -193,12 +192,10 @@ pub fn measure_micro_batch(
             .collect();
         handles
             .into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(TrainError::Config(
-                        "a device measuring a micro-batch panicked".into(),
-                    ))
-                })
+            .enumerate()
+            .map(|(device, h)| match h.join() {
+                Ok(run) => run.map_err(CostError::from),
+                Err(_) => Err(CostError::MeasurePanicked { device }),
             })
             .collect()
     });
@@ -230,7 +227,7 @@ pub fn measure_micro_batch(
 pub fn too_big_to_measure(
     config: &TrainConfig,
     concurrent: usize,
-) -> Result<Option<String>, TrainError> {
+) -> Result<Option<String>, CostError> {
     let one = one_device_config(config)?;
     let need = one.plan()?.memory_per_device()?.total_bytes * concurrent.max(1) as f64;
     Ok(ferrotext_train::machine_memory_bytes()

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use ferrotext_comm::{CollectiveKind, PhasePattern, Trace, TraceEvent};
 use ferrotext_sharding::Mesh;
-use ferrotext_train::{plan_step, DeviceMemory, OptType, ShardMode, TrainConfig, TrainError};
+use ferrotext_train::{plan_step, DeviceMemory, OptType, ShardMode, TrainConfig};
+
+use crate::CostError;
 use serde::Serialize;
 
 use crate::cluster::{ClusterSpec, Link};
@@ -281,19 +283,17 @@ pub(crate) fn overlap_grad_reduce(config: &TrainConfig) -> bool {
 /// devices_per_host`.
 ///
 /// # Errors
-/// [`TrainError::Config`] when the mesh's axes do not form `hosts × devices_per_host` devices,
-/// or any other invalid value.
-pub fn config_on(config: &TrainConfig, cluster: &ClusterSpec) -> Result<TrainConfig, TrainError> {
+/// [`CostError::NotOnCluster`] when the mesh's axes do not form `hosts × devices_per_host`
+/// devices, or any other value is invalid there.
+pub fn config_on(config: &TrainConfig, cluster: &ClusterSpec) -> Result<TrainConfig, CostError> {
     let mut on = config.clone();
     on.num_processes = cluster.hosts;
     on.local_devices = cluster.devices_per_host;
-    on.validate().map_err(|e| {
-        TrainError::Config(format!(
-            "on --cluster hosts={},devices_per_host={} ({} devices): {e}",
-            cluster.hosts,
-            cluster.devices_per_host,
-            cluster.devices()
-        ))
+    on.validate().map_err(|e| CostError::NotOnCluster {
+        hosts: cluster.hosts,
+        devices_per_host: cluster.devices_per_host,
+        devices: cluster.devices(),
+        error: Box::new(e),
     })?;
     Ok(on)
 }
@@ -307,7 +307,7 @@ pub fn price_trace(
     trace: &Trace,
     mesh: &Mesh,
     cluster: &ClusterSpec,
-) -> Result<Vec<CollectiveCost>, TrainError> {
+) -> Result<Vec<CollectiveCost>, CostError> {
     let step = [PhasePattern::new(MICRO_BATCH), PhasePattern::new(UPDATE)];
     let mut rows: Vec<CollectiveCost> = Vec::new();
     for e in trace.events() {
@@ -381,7 +381,7 @@ pub(crate) fn priced_reductions(
     trace: &Trace,
     mesh: &Mesh,
     cluster: &ClusterSpec,
-) -> Result<Vec<(String, f64, f64)>, TrainError> {
+) -> Result<Vec<(String, f64, f64)>, CostError> {
     let mut out = Vec::new();
     for e in trace.events().iter().filter(|e| is_gradient_reduction(e)) {
         let group = mesh.group_of(0, &e.axes)?;
@@ -483,17 +483,18 @@ pub(crate) fn step_breakdown(
 /// docs). The prediction's collective bytes are the traces' bytes, row for row.
 ///
 /// # Errors
-/// [`TrainError::Config`] for a non-positive or non-finite `device_gflops`, a mesh that does not
-/// form `hosts × devices_per_host` devices, or an invalid config; a type error from planning.
+/// [`CostError::BadThroughput`] for a non-positive or non-finite `device_gflops`,
+/// [`CostError::NotOnCluster`] for a mesh that does not form `hosts × devices_per_host` devices
+/// or an invalid config; a type error from planning.
 pub fn predict(
     config: &TrainConfig,
     cluster: &ClusterSpec,
     device_gflops: f64,
-) -> Result<Prediction, TrainError> {
+) -> Result<Prediction, CostError> {
     if !(device_gflops.is_finite() && device_gflops > 0.0) {
-        return Err(TrainError::Config(format!(
-            "the device throughput must be positive and finite, got {device_gflops} GFLOP/s"
-        )));
+        return Err(CostError::BadThroughput {
+            gflops: device_gflops,
+        });
     }
     let config = config_on(config, cluster)?;
     let mut closed = config.clone();

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use ferrotext_comm::{CollectiveKind, PhasePattern};
-use ferrotext_train::{plan_step, ShardMode, TrainConfig, TrainError};
+use ferrotext_train::{plan_step, ShardMode, TrainConfig};
 
 use crate::measure::median;
 use crate::price::{overlap_grad_reduce, priced_reductions, step_breakdown};
@@ -354,17 +354,28 @@ fn a_mesh_that_does_not_fit_the_cluster_is_a_config_error() {
     let cfg = config(&["ici_data_parallelism=4"]);
     let c = cluster("hosts=3,devices_per_host=2,link=1gbit,10us");
     let err = predict(&cfg, &c, 10.0).expect_err("4 ≠ 6");
-    assert!(matches!(err, TrainError::Config(_)), "{err}");
+    match &err {
+        CostError::NotOnCluster {
+            hosts: 3,
+            devices_per_host: 2,
+            devices: 6,
+            ..
+        } => {}
+        other => panic!("not NotOnCluster: {other}"),
+    }
+    assert!(err.is_usage());
     assert!(err.to_string().contains("hosts=3"), "{err}");
     let ok = cluster("hosts=1,devices_per_host=4");
     assert!(matches!(
         predict(&cfg, &ok, 0.0),
-        Err(TrainError::Config(_))
+        Err(CostError::BadThroughput { gflops }) if gflops == 0.0
     ));
     assert!(matches!(
         predict(&cfg, &ok, f64::NAN),
-        Err(TrainError::Config(_))
+        Err(CostError::BadThroughput { gflops }) if gflops.is_nan()
     ));
+    // The mirror: the same config on a cluster of its size, at a positive throughput.
+    assert!(predict(&cfg, &ok, 10.0).is_ok());
 }
 
 #[test]
@@ -393,7 +404,7 @@ fn effective_throughput_by_hand() {
         assert!(
             matches!(
                 effective_gflops(6e6, tokens, seconds),
-                Err(TrainError::Config(_))
+                Err(CostError::NoThroughput { .. })
             ),
             "{tokens} tokens in {seconds} s"
         );

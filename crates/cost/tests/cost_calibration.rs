@@ -2,8 +2,8 @@
 //! in-process device, gives the throughput the prediction prices compute with. No wall-clock
 //! thresholds: the checks are the arithmetic that ties the measurement to the prediction.
 
-use ferrotext_cost::{self as cost, effective_gflops, measure_micro_batch};
-use ferrotext_train::{TrainConfig, TrainError};
+use ferrotext_cost::{self as cost, effective_gflops, measure_micro_batch, CostError};
+use ferrotext_train::TrainConfig;
 
 /// A small, fast qwen3 (d 32, 2 layers, 4/2 heads of 8, MLP 64) on 16-token synthetic
 /// sequences, one per device per micro-batch — plus `extra` overrides.
@@ -55,5 +55,6 @@ fn a_measured_micro_batch_predicts_its_own_time() {
 fn no_timed_micro_batch_is_an_error() {
     let cfg: TrainConfig = small_config(&[]);
     let err = measure_micro_batch(&cfg, 1, 1, 1, 0).expect_err("nothing timed");
-    assert!(matches!(err, TrainError::Config(_)), "{err}");
+    assert!(matches!(err, CostError::NothingTimed), "{err}");
+    assert!(err.is_usage());
 }

@@ -137,9 +137,10 @@ fn report(err: &anyhow::Error, launch: Option<&launch::Launch>) -> ExitCode {
     ExitCode::from(code)
 }
 
-/// 2 for the user's input (a [`common::UsageError`], or a [`ferrotext_train::TrainError`] or
-/// [`ferrotext_generate::GenerateError`] of the usage class), 1 for everything else: a bug in ferrotext, an I/O failure or a failed run is never
-/// reported as the user's mistake.
+/// 2 for the user's input (a [`common::UsageError`], or a [`ferrotext_train::TrainError`],
+/// [`ferrotext_generate::GenerateError`] or [`ferrotext_cost::CostError`] of the usage class), 1
+/// for everything else: a bug in ferrotext, an I/O failure or a failed run is never reported as
+/// the user's mistake.
 fn exit_code(err: &anyhow::Error) -> u8 {
     let usage = err.downcast_ref::<common::UsageError>().is_some()
         || err
@@ -147,7 +148,10 @@ fn exit_code(err: &anyhow::Error) -> u8 {
             .is_some_and(ferrotext_train::TrainError::is_usage)
         || err
             .downcast_ref::<ferrotext_generate::GenerateError>()
-            .is_some_and(ferrotext_generate::GenerateError::is_usage);
+            .is_some_and(ferrotext_generate::GenerateError::is_usage)
+        || err
+            .downcast_ref::<ferrotext_cost::CostError>()
+            .is_some_and(ferrotext_cost::CostError::is_usage);
     if usage {
         2
     } else {

@@ -30,10 +30,6 @@ pub enum TrainError {
         /// What is wrong, as one sentence naming the key and the value.
         reason: String,
     },
-    /// Bad user input in words (a cluster layout the cost model refuses): the usage class, like
-    /// [`TrainError::Usage`].
-    #[error("{0}")]
-    Config(String),
     /// A command-line argument that is not `key=value` (usage class).
     #[error("`{argument}` is not `key=value`")]
     NotKeyValue {
@@ -269,7 +265,6 @@ impl TrainError {
     pub fn class(&self) -> ErrorClass {
         match self {
             TrainError::Usage { .. }
-            | TrainError::Config(_)
             | TrainError::NotKeyValue { .. }
             | TrainError::ConfigUnreadable { .. }
             | TrainError::ConfigNotUtf8 { .. }
