@@ -288,8 +288,9 @@ fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
 /// with shared experts in one group, and YaRN RoPE when `rope_scaling` asks for it.
 fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
     k.only("scoring_func", json!("sigmoid"));
-    // Multi-token prediction is not built: its layer would be dropped, so it is refused.
-    k.only("num_nextn_predict_layers", json!(0));
+    // `num_nextn_predict_layers` (MTP depth) does not change the main model's math, and
+    // transformers 5 writes 1 even without the layer's tensors: those decide, at load (a
+    // directory that has them is refused there, naming the layer).
     k.only("moe_layer_freq", json!(1));
     if k.get("q_lora_rank").is_none() {
         k.unsupported

@@ -215,6 +215,26 @@ fn check_names(
         return Ok(biases);
     }
     let mut parts = Vec::new();
+    // DeepSeek-V3's multi-token-prediction layer sits after the decoder's last layer
+    // (`model.layers.{L}.*`, L = num_hidden_layers). It is not built: refused, named, never
+    // dropped (transformers drops it silently).
+    let layers = wanted
+        .iter()
+        .flatten()
+        .filter_map(|(n, _)| n.strip_prefix("model.layers.")?.split('.').next()?.parse().ok())
+        .map(|i: usize| i + 1)
+        .max()
+        .unwrap_or(0);
+    let mtp_prefix = format!("model.layers.{layers}.");
+    let mtp = unexpected.iter().filter(|n| n.starts_with(&mtp_prefix)).count();
+    if mtp > 0 && unexpected.iter().any(|n| n == &format!("{mtp_prefix}eh_proj.weight")) {
+        unexpected.retain(|n| !n.starts_with(&mtp_prefix));
+        parts.push(format!(
+            "the checkpoint has a multi-token-prediction layer `model.layers.{layers}.*` ({mtp} \
+             tensors, config.json's num_nextn_predict_layers), which ferrotext does not build; \
+             it is refused rather than dropped (load a directory without it)"
+        ));
+    }
     if !missing.is_empty() {
         parts.push(format!(
             "{} missing tensor(s) (not in {place}): {}",
