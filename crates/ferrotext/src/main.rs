@@ -21,6 +21,7 @@ mod generate_cmd;
 mod launch;
 mod mesh_arg;
 mod plot;
+mod tokenize_cmd;
 mod train_cmd;
 
 use std::process::ExitCode;
@@ -68,6 +69,10 @@ enum Command {
     /// Write a checkpoint's parameters as a Hugging Face model directory:
     /// `ferrotext export RUN_DIR OUT_DIR [--dtype bf16] [--step N]`.
     Export(export_cmd::ExportArgs),
+    /// Tokenize jsonl / parquet / text files (paths or globs) with a model's tokenizer into a
+    /// directory of token shards for `dataset_type=shards`:
+    /// `ferrotext tokenize 'data/*.jsonl' --tokenizer MODEL_DIR --output shards/`.
+    Tokenize(tokenize_cmd::TokenizeArgs),
     /// Benchmarks that write JSON.
     Bench {
         #[command(subcommand)]
@@ -97,6 +102,7 @@ fn main() -> ExitCode {
         Command::Plot(args) => plot::run(&args),
         Command::Generate(args) => generate_cmd::run(&args),
         Command::Export(args) => export_cmd::run(&args),
+        Command::Tokenize(args) => tokenize_cmd::run(&args),
         Command::Keys => {
             print!("{}", ferrotext_train::keys::table());
             Ok(())

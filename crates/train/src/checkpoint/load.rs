@@ -171,20 +171,23 @@ fn check_data_position_now(
             ),
         ));
     }
+    // Data that changed under a checkpoint is the user's input (exit 2), named by its path.
     let now = crate::data::fingerprint(config)?;
     if manifest.data_fingerprint != now {
         let show = |f: &Option<String>| f.clone().unwrap_or_else(|| "none".into());
-        return Err(ckpt_err(
-            &manifest_path,
+        return Err(ferrotext_data::DataError::invalid(
+            &config.dataset_path,
             format!(
-                "was saved reading shard data with manifest SHA-256 {}, but {} now has {}: the \
-                 data changed, and a resume would not read the tokens the run read (point \
-                 dataset_path at the original shards, or start over with resume=fresh)",
+                "checkpoint {} was saved reading shard data whose manifest has SHA-256 {}, \
+                 this data's is {}: the data changed, and a resume would not read the tokens \
+                 the run read (point dataset_path at the original shards, or start over with \
+                 resume=fresh)",
+                dir.display(),
                 show(&manifest.data_fingerprint),
-                config.dataset_path,
                 show(&now)
             ),
-        ));
+        )
+        .into());
     }
     let expected = sequences_consumed(config, manifest.step, manifest.micro_steps);
     if manifest.sequences_consumed != expected {
