@@ -65,6 +65,23 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn widen(self) -> f32;
     /// This element type's product in `blas`, if the library has one.
     fn cblas(blas: &Blas) -> Option<Cblas<Self>>;
+    /// [`gemm_on`] on the kernel this process uses for this element type: the matrix-product
+    /// kernel for `f32`, the bf16 choice (`crate::bf16`) for `bf16`.
+    ///
+    /// # Safety
+    /// As [`sgemm`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn product(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand<Self>,
+        b: Operand<Self>,
+        parallelism: gemm::Parallelism,
+        store: Store,
+    );
     /// The product when no BLAS takes it (no library, no product for this type, or a layout
     /// CBLAS refuses): the `gemm` crate for `f32`, the portable kernel for `bf16`.
     ///
@@ -92,6 +109,20 @@ impl Element for f32 {
     fn cblas(blas: &Blas) -> Option<Cblas<f32>> {
         Some(blas.sgemm)
     }
+    unsafe fn product(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand,
+        b: Operand,
+        parallelism: gemm::Parallelism,
+        store: Store,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { sgemm(m, n, k, dst, ldc, a, b, parallelism, store) }
+    }
     unsafe fn without_blas(
         m: usize,
         n: usize,
@@ -115,6 +146,20 @@ impl Element for half::bf16 {
     }
     fn cblas(blas: &Blas) -> Option<Cblas<half::bf16>> {
         blas.bf16.map(|(f, _)| f)
+    }
+    unsafe fn product(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand<half::bf16>,
+        b: Operand<half::bf16>,
+        parallelism: gemm::Parallelism,
+        store: Store,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { crate::bf16::product(m, n, k, dst, ldc, a, b, parallelism, store) }
     }
     unsafe fn without_blas(
         m: usize,

@@ -1,14 +1,19 @@
-//! bf16 × bf16 → f32 products: [`dot_general_bf16`] on MKL's `cblas_gemm_bf16bf16f32` or
-//! OpenBLAS's `cblas_sbgemm` when the process's library has it, else on the portable kernel
-//! with bf16 panels widened as they are packed.
+//! bf16 × bf16 → f32 products: [`dot_general_bf16`] on ferrotext's AVX512_BF16 kernel
+//! (`super::dpbf16`), MKL's `cblas_gemm_bf16bf16f32` or OpenBLAS's `cblas_sbgemm`, or the
+//! portable kernel with bf16 panels widened as they are packed.
 //!
 //! Invariants:
-//! * The bf16 kernel follows the `f32` one ([`crate::matmul_kernel`]), chosen once per
-//!   process: a library with a bf16 product runs it; the portable kernel runs bf16 too (its bits
-//!   are those of the `f32` portable product of the widened operands); a library without one
-//!   (`gemm`, an OpenBLAS built without `BUILD_BFLOAT16`) hands bf16 products to the portable
-//!   kernel when it was picked automatically, and refuses them ([`TensorError::NoBf16Product`])
-//!   when `FERROTEXT_MATMUL` named it, unless [`allow_bf16_fallback`] came first.
+//! * The bf16 kernel is chosen once per process, from the `f32` one ([`crate::matmul_kernel`]):
+//!   - the portable kernel (`FERROTEXT_MATMUL=portable`, `deterministic=true`) runs bf16 too: its
+//!     bits are those of the `f32` portable product of the widened operands;
+//!   - a library the user named (`FERROTEXT_MATMUL=mkl|openblas|gemm`) runs its own bf16
+//!     product; one without (`gemm`, an OpenBLAS built without `BUILD_BFLOAT16`) refuses bf16
+//!     products ([`TensorError::NoBf16Product`]) unless [`allow_bf16_fallback`] came first, and
+//!     then hands them to ferrotext's AVX512_BF16 kernel where the CPU has one, else the portable
+//!     kernel;
+//!   - picked automatically: the AVX512_BF16 kernel where the CPU has it (MKL's bf16 product
+//!     runs at its f32 rate on AMD EPYC: `examples/bf16.rs`), else the library's bf16 product,
+//!     else the portable kernel.
 //! * The operand views, batch handling and threading are `dot_general`'s (the same code, generic
 //!   over the element), so the layouts that avoid a copy are the same.
 
@@ -17,7 +22,7 @@ use std::sync::OnceLock;
 use half::bf16;
 
 use super::{permuted, Bf16Tensor};
-use crate::blas::{kernel, Kernel, Store};
+use crate::blas::{gemm_on, kernel, Kernel, Operand, Store};
 use crate::error::TensorError;
 use crate::matmul::{as_stack_of, products, DotDims, Stacks};
 use crate::parallel::filled;
@@ -29,6 +34,9 @@ use crate::tensor::Tensor;
 pub(crate) enum Choice {
     /// The library's own bf16 product: its description and the symbol.
     Library(String, &'static str),
+    /// ferrotext's AVX512_BF16 kernel, in place of the library's product (its description) or
+    /// of a library without one.
+    Own(String),
     /// The portable kernel, widening bf16 to f32: because it is the process's kernel (`None`),
     /// or in place of a kernel without a bf16 product (its description).
     Portable(Isa, Option<String>),
@@ -40,6 +48,9 @@ impl Choice {
     fn describe(&self) -> Result<String, TensorError> {
         match self {
             Choice::Library(what, symbol) => Ok(format!("{what}: {symbol}")),
+            Choice::Own(instead) => Ok(format!(
+                "ferrotext's AVX512_BF16 kernel (vdpbf16ps, one thread per call), for {instead}"
+            )),
             Choice::Portable(isa, None) => Ok(format!(
                 "the portable kernel ({}, fixed order), bf16 widened to f32",
                 isa.name()
@@ -57,17 +68,33 @@ impl Choice {
 }
 
 /// The bf16 kernel for the process's `f32` kernel: `named` says the user chose that kernel
-/// (`FERROTEXT_MATMUL`), `fallback` that they allow the portable kernel in its place.
-pub(crate) fn choose(kernel: &Kernel, named: bool, fallback: bool) -> Choice {
-    match kernel {
-        Kernel::Blas(blas) => match blas.bf16 {
-            Some((_, symbol)) => Choice::Library(blas.description.clone(), symbol),
-            None if named && !fallback => Choice::Refused(kernel.describe()),
-            None => Choice::Portable(Isa::detect(), Some(kernel.describe())),
-        },
-        Kernel::Portable(isa) => Choice::Portable(*isa, None),
-        Kernel::Gemm if named && !fallback => Choice::Refused(kernel.describe()),
-        Kernel::Gemm => Choice::Portable(Isa::detect(), Some(kernel.describe())),
+/// (`FERROTEXT_MATMUL`), `fallback` that they allow another in its place, `own` that the CPU
+/// has AVX512_BF16.
+pub(crate) fn choose(kernel: &Kernel, named: bool, fallback: bool, own: bool) -> Choice {
+    let library = match kernel {
+        Kernel::Portable(isa) => return Choice::Portable(*isa, None),
+        Kernel::Blas(blas) => blas
+            .bf16
+            .map(|(_, symbol)| (blas.description.clone(), symbol)),
+        Kernel::Gemm => None,
+    };
+    match library {
+        Some((what, symbol)) if named || !own => Choice::Library(what, symbol),
+        None if named && !fallback => Choice::Refused(kernel.describe()),
+        _ if own => Choice::Own(kernel.describe()),
+        _ => Choice::Portable(Isa::detect(), Some(kernel.describe())),
+    }
+}
+
+/// True when ferrotext's AVX512_BF16 kernel can run here.
+fn own_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::dpbf16::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -79,12 +106,12 @@ fn named() -> bool {
 }
 
 fn choice(fallback: bool) -> &'static Choice {
-    CHOICE.get_or_init(|| choose(kernel(), named(), fallback))
+    CHOICE.get_or_init(|| choose(kernel(), named(), fallback, own_available()))
 }
 
-/// What computes this process's bf16 products, for run headers and benchmarks: `Intel MKL
-/// 2026.2 (sequential, one thread per call): cblas_gemm_bf16bf16f32`, or the portable kernel
-/// (saying which kernel it stands in for).
+/// What computes this process's bf16 products, for run headers and benchmarks: `ferrotext's
+/// AVX512_BF16 kernel (…)`, `Intel MKL 2026.2 (sequential, one thread per call):
+/// cblas_gemm_bf16bf16f32`, or the portable kernel (saying which kernel it stands in for).
 ///
 /// # Errors
 /// [`TensorError::NoBf16Product`]: `FERROTEXT_MATMUL` named a kernel without a bf16 product
@@ -93,15 +120,115 @@ pub fn bf16_matmul_kernel() -> Result<String, TensorError> {
     choice(false).describe()
 }
 
-/// Lets bf16 products run on the portable kernel when `FERROTEXT_MATMUL` named a kernel that
-/// has no bf16 product (what a user asks for explicitly). Call it before any bf16 product;
-/// calling it again is harmless. Returns what will compute bf16 products.
+/// Lets bf16 products run on another kernel (AVX512_BF16 or portable) when `FERROTEXT_MATMUL`
+/// named a kernel that has no bf16 product (what a user asks for explicitly). Call it before
+/// any bf16 product; calling it again is harmless. Returns what will compute bf16 products.
 ///
 /// # Errors
 /// [`TensorError::NoBf16Product`]: a bf16 product (or [`bf16_matmul_kernel`]) already fixed
 /// the choice as refused.
 pub fn allow_bf16_fallback() -> Result<String, TensorError> {
     choice(true).describe()
+}
+
+/// The fewest rows of a block when the AVX512_BF16 kernel's product is split over threads.
+const MIN_BLOCK_ROWS: usize = 64;
+
+/// A bf16 product on this process's choice (the public products checked it is not refused; a
+/// refused choice runs the portable kernel, so `dst` is always written).
+///
+/// # Safety
+/// As [`crate::blas::sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand<bf16>,
+    b: Operand<bf16>,
+    parallelism: gemm::Parallelism,
+    store: Store,
+) {
+    match choice(false) {
+        Choice::Library(..) => {
+            // SAFETY: the caller's contract.
+            unsafe { gemm_on(kernel(), m, n, k, dst, ldc, a, b, parallelism, store) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Choice::Own(_) => {
+            // SAFETY: the caller's contract; `Own` is chosen only where the CPU has
+            // AVX512_BF16.
+            unsafe { own(m, n, k, dst, ldc, a, b, parallelism, store) }
+        }
+        Choice::Portable(isa, _) => {
+            let portable = Kernel::Portable(*isa);
+            // SAFETY: the caller's contract.
+            unsafe { gemm_on(&portable, m, n, k, dst, ldc, a, b, parallelism, store) }
+        }
+        _ => {
+            let portable = Kernel::Portable(Isa::detect());
+            // SAFETY: the caller's contract.
+            unsafe { gemm_on(&portable, m, n, k, dst, ldc, a, b, parallelism, store) }
+        }
+    }
+}
+
+/// The AVX512_BF16 kernel, in row blocks on the rayon pool under `Rayon(t)` (each element's
+/// chain does not depend on its block: the same bits on any thread count).
+///
+/// # Safety
+/// As [`crate::blas::sgemm`]; the CPU has AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn own(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    a: Operand<bf16>,
+    b: Operand<bf16>,
+    parallelism: gemm::Parallelism,
+    store: Store,
+) {
+    let t = match parallelism {
+        gemm::Parallelism::Rayon(t) => t.min(m / MIN_BLOCK_ROWS),
+        gemm::Parallelism::None => 1,
+    };
+    if t <= 1 {
+        // SAFETY: the caller's contract.
+        unsafe { super::dpbf16::gemm(m, n, k, dst, ldc, a, b, store) };
+        return;
+    }
+    let rows = m.div_ceil(t);
+    // Pointers cross threads as addresses: each block reads its rows of `a` (and all of `b`)
+    // and writes its own rows of `dst`.
+    let (a_at, b_at, dst_at) = (a.ptr as usize, b.ptr as usize, dst as usize);
+    let (ars, acs, brs, bcs) = (a.rs, a.cs, b.rs, b.cs);
+    use rayon::prelude::*;
+    (0..m)
+        .step_by(rows)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .with_max_len(1)
+        .for_each(|start| {
+            let a = Operand {
+                ptr: (a_at as *const bf16).wrapping_offset(start as isize * ars),
+                rs: ars,
+                cs: acs,
+            };
+            let b = Operand {
+                ptr: b_at as *const bf16,
+                rs: brs,
+                cs: bcs,
+            };
+            let dst = (dst_at as *mut f32).wrapping_add(start * ldc);
+            // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
+            // blocks of `dst` are disjoint.
+            unsafe { super::dpbf16::gemm(rows.min(m - start), n, k, dst, ldc, a, b, store) };
+        });
 }
 
 /// Both operands as matrix stacks, views where the layouts allow (as `dot_general`).

@@ -25,8 +25,12 @@ use crate::error::TensorError;
 use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
 
+#[cfg(target_arch = "x86_64")]
+mod dpbf16;
 mod matmul;
 mod rows;
+
+pub(crate) use matmul::product;
 
 pub use matmul::{
     allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,

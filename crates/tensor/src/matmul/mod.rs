@@ -386,8 +386,7 @@ pub(crate) fn products<T: Element>(
         // block of the output, which the kernel only writes (`Overwrite`) or reads initialised
         // and writes (`Accumulate`).
         unsafe {
-            crate::blas::gemm_on(
-                crate::blas::kernel(),
+            T::product(
                 entry_rows.len(),
                 n,
                 k,

@@ -6,7 +6,10 @@
 //! exact terms and differ only by the order of addition. Each f32 sum of `k` terms lies within
 //! `γ_k·Σ|a·b|` of the exact sum (`γ_k ≈ k·2^-24`), so each lies within that of the f64
 //! reference here; the tests allow `2·k·2^-24·Σ|a·b|` (plus the destination under
-//! accumulation). On the portable kernel the two are the same chain: equal bits.
+//! accumulation). On the portable kernel the two are the same chain: equal bits. The
+//! AVX512_BF16 kernel adds pairs of terms per instruction and flushes subnormals; on these
+//! operands (no subnormal inputs or sums) it is held to the same bound, and to equal bits on
+//! any thread count.
 
 use half::bf16;
 
@@ -88,10 +91,56 @@ fn run<T: crate::blas::Element>(
     dst
 }
 
+/// [`run`] on the AVX512_BF16 kernel.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn own_product(
+    (m, n, k): (usize, usize, usize),
+    a: &[bf16],
+    (ars, acs): (usize, usize),
+    b: &[bf16],
+    (brs, bcs): (usize, usize),
+    threads: usize,
+    start: Option<&[f32]>,
+) -> Vec<f32> {
+    let (mut dst, store) = match start {
+        Some(c) => (c.to_vec(), Store::Accumulate),
+        None => (vec![f32::NAN; m * n], Store::Overwrite),
+    };
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    let op = |p: &[bf16], rs: usize, cs: usize| Operand {
+        ptr: p.as_ptr(),
+        rs: rs as isize,
+        cs: cs as isize,
+    };
+    // SAFETY: the strides address only elements inside `a` and `b`; `dst` is m×n; the caller
+    // checked the CPU has AVX512_BF16.
+    unsafe {
+        own(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            n,
+            op(a, ars, acs),
+            op(b, brs, bcs),
+            parallelism,
+            store,
+        )
+    };
+    dst
+}
+
 #[test]
 fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
     let portable = Kernel::Portable(Isa::detect());
-    for (m, n, k) in [(5, 7, 3), (300, 70, 130), (601, 170, 130)] {
+    // Odd contractions, partial tiles and panels, a split over threads, and k past one block
+    // of the AVX512_BF16 kernel (512) and n past one of its column blocks (512).
+    for (m, n, k) in [(5, 7, 3), (300, 70, 131), (601, 170, 130), (130, 530, 1030)] {
         let a = values(m * (k + 3), 1);
         let b = values(k * (n + 5), 2);
         let (a16, b16) = (to_bf16(&a), to_bf16(&b));
@@ -105,6 +154,16 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
         for &(sa, sb) in &layouts {
             let at = |i: usize, l: usize| f64::from(a[i * sa.0 + l * sa.1]);
             let bt = |l: usize, j: usize| f64::from(b[l * sb.0 + j * sb.1]);
+            // Each element's exact sum and the sum of its terms' magnitudes.
+            let reference: Vec<(f64, f64)> = (0..m * n)
+                .map(|e| {
+                    let (i, j) = (e / n, e % n);
+                    (0..k).fold((0.0, 0.0), |(x, s), l| {
+                        let t = at(i, l) * bt(l, j);
+                        (x + t, s + t.abs())
+                    })
+                })
+                .collect();
             let start = values(m * n, 3);
             for c in [None, Some(start.as_slice())] {
                 let same_on_portable = run(&portable, (m, n, k), &a, sa, &b, sb, 1, c);
@@ -113,8 +172,7 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                         let got = run(kernel, (m, n, k), &a16, sa, &b16, sb, threads, c);
                         for i in 0..m {
                             for j in 0..n {
-                                let exact: f64 = (0..k).map(|l| at(i, l) * bt(l, j)).sum();
-                                let size: f64 = (0..k).map(|l| (at(i, l) * bt(l, j)).abs()).sum();
+                                let (exact, size) = reference[i * n + j];
                                 let c0 = c.map_or(0.0, |c| f64::from(c[i * n + j]));
                                 let bound =
                                     2.0 * k as f64 * 2f64.powi(-24) * (size + c0.abs()) + 1e-30;
@@ -132,6 +190,28 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                         }
                     }
                 }
+                #[cfg(target_arch = "x86_64")]
+                if own_available() {
+                    let one = own_product((m, n, k), &a16, sa, &b16, sb, 1, c);
+                    for threads in [1, 3] {
+                        let got = own_product((m, n, k), &a16, sa, &b16, sb, threads, c);
+                        assert_eq!(got, one, "AVX512_BF16 bits on {threads} threads");
+                        for i in 0..m {
+                            for j in 0..n {
+                                let (exact, size) = reference[i * n + j];
+                                let c0 = c.map_or(0.0, |c| f64::from(c[i * n + j]));
+                                let bound =
+                                    2.0 * k as f64 * 2f64.powi(-24) * (size + c0.abs()) + 1e-30;
+                                let x = f64::from(got[i * n + j]);
+                                assert!(
+                                    (x - exact - c0).abs() <= bound,
+                                    "AVX512_BF16: ({i},{j}) {x} vs {} ± {bound}",
+                                    exact + c0
+                                );
+                            }
+                        }
+                    }
+                }
             }
         }
     }
@@ -142,23 +222,34 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
 #[test]
 fn the_bf16_kernel_follows_the_f32_kernel_and_refuses_only_a_named_one() {
     let isa = Isa::detect();
-    assert_eq!(
-        choose(&Kernel::Portable(isa), true, false),
-        Choice::Portable(isa, None)
-    );
+    for own in [false, true] {
+        assert_eq!(
+            choose(&Kernel::Portable(isa), true, false, own),
+            Choice::Portable(isa, None)
+        );
+        assert_eq!(
+            choose(&Kernel::Portable(isa), false, true, own),
+            Choice::Portable(isa, None)
+        );
+    }
     let gemm = "the gemm crate".to_string();
     assert_eq!(
-        choose(&Kernel::Gemm, true, false),
+        choose(&Kernel::Gemm, true, false, true),
         Choice::Refused(gemm.clone())
     );
     assert_eq!(
-        choose(&Kernel::Gemm, true, true),
+        choose(&Kernel::Gemm, true, true, false),
         Choice::Portable(isa, Some(gemm.clone()))
     );
     assert_eq!(
-        choose(&Kernel::Gemm, false, false),
-        Choice::Portable(isa, Some(gemm))
+        choose(&Kernel::Gemm, true, true, true),
+        Choice::Own(gemm.clone())
     );
+    assert_eq!(
+        choose(&Kernel::Gemm, false, false, false),
+        Choice::Portable(isa, Some(gemm.clone()))
+    );
+    assert_eq!(choose(&Kernel::Gemm, false, false, true), Choice::Own(gemm));
     let e = Choice::Refused("OpenBLAS 0.3.21".into())
         .describe()
         .unwrap_err();
@@ -176,18 +267,33 @@ fn the_bf16_kernel_follows_the_f32_kernel_and_refuses_only_a_named_one() {
         // MKL has had `cblas_gemm_bf16bf16f32` since 2020.
         let what = mkl.description.clone();
         let with = Kernel::Blas(mkl);
+        // Named: its own product, AVX512_BF16 or not; automatic: ferrotext's kernel first.
+        for own in [false, true] {
+            assert_eq!(
+                choose(&with, true, false, own),
+                Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
+            );
+        }
         assert_eq!(
-            choose(&with, true, false),
+            choose(&with, false, false, false),
             Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
         );
+        assert_eq!(choose(&with, false, false, true), Choice::Own(what.clone()));
         let Kernel::Blas(mut mkl) = with else {
             unreachable!() // ok: built just above
         };
         mkl.bf16 = None;
         let without = Kernel::Blas(mkl);
-        assert_eq!(choose(&without, true, false), Choice::Refused(what.clone()));
         assert_eq!(
-            choose(&without, false, false),
+            choose(&without, true, false, true),
+            Choice::Refused(what.clone())
+        );
+        assert_eq!(
+            choose(&without, true, true, false),
+            Choice::Portable(isa, Some(what.clone()))
+        );
+        assert_eq!(
+            choose(&without, false, false, false),
             Choice::Portable(isa, Some(what))
         );
     }

@@ -1,0 +1,190 @@
+//! GFLOP/s of bf16 × bf16 → f32 products against f32 products at training shapes, on one
+//! core, per matrix-product library, the two dtypes alternated in one process so their ratio
+//! holds on a busy machine.
+//!
+//! Shapes: a layer's weight products at 512 tokens (a micro-batch) for qwen3-peer (d 256, 8 q
+//! / 4 kv heads of 32, MLP 768, vocab 2048) and qwen3-0.6b (d 1024, 16 q / 8 kv heads of 128,
+//! MLP 3072, vocab 151936 in 8 column blocks of 18992), each as the forward `x·W`, `dx = dy·Wᵀ`
+//! and `dW = xᵀ·dy`. Each library runs in a child process of its own (`FERROTEXT_MATMUL` is
+//! read once per process); a library without a bf16 product runs bf16 on the portable kernel
+//! (the fallback, named in the output); `auto` lets the process choose (f32 on the first library
+//! found, bf16 on ferrotext's AVX512_BF16 kernel where the CPU has it). Writes
+//! `target/bench/bf16.json`.
+//!
+//! ```text
+//! cargo run --release -p ferrotext-tensor --example bf16 -- [libs=auto,mkl,openblas,portable] [pairs=5] [models=peer,0.6b]
+//! ```
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use ferrotext_tensor::{
+    allow_bf16_fallback, dot_general, dot_general_bf16, matmul_kernel, Bf16Tensor, DotDims,
+    Tensor,
+};
+
+/// One weight: its name, fan-in and fan-out.
+type Weight = (&'static str, usize, usize);
+
+fn weights(model: &str) -> Vec<Weight> {
+    match model {
+        "peer" => vec![
+            ("qkv", 256, 512),
+            ("attn_out", 256, 256),
+            ("mlp_up", 256, 768),
+            ("mlp_down", 768, 256),
+            ("lm_head", 256, 2048),
+        ],
+        _ => vec![
+            ("qkv", 1024, 4096),
+            ("attn_out", 2048, 1024),
+            ("mlp_up", 1024, 3072),
+            ("mlp_down", 3072, 1024),
+            ("lm_head/8", 1024, 18992),
+        ],
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The lhs and rhs shapes and dimension numbers of `[m,k]·[k,n]` with either operand stored
+/// transposed.
+fn layout(m: usize, n: usize, k: usize, lt: bool, rt: bool) -> (Vec<usize>, Vec<usize>, DotDims) {
+    let ls = if lt { vec![k, m] } else { vec![m, k] };
+    let rs = if rt { vec![n, k] } else { vec![k, n] };
+    let dims = DotDims {
+        lhs_contracting: vec![usize::from(!lt)],
+        rhs_contracting: vec![usize::from(rt)],
+        ..DotDims::default()
+    };
+    (ls, rs, dims)
+}
+
+/// Times f32 and bf16 of one product in alternating pairs; returns (f32, bf16) GFLOP/s.
+fn measure(ls: &[usize], rs: &[usize], dims: &DotDims, flops: f64, pairs: usize) -> (f64, f64) {
+    let l = Tensor::from_fn(ls, |i| ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5);
+    let r = Tensor::from_fn(rs, |i| ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5);
+    let (l16, r16) = (Bf16Tensor::from_f32(&l), Bf16Tensor::from_f32(&r));
+    let time = |f: &dyn Fn()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let f32_run = || {
+        black_box(dot_general(&l, &r, dims, 1).ok());
+    };
+    let bf16_run = || {
+        black_box(dot_general_bf16(&l16, &r16, dims, 1).ok());
+    };
+    f32_run();
+    bf16_run();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for p in 0..pairs {
+        if p % 2 == 0 {
+            a.push(time(&f32_run));
+            b.push(time(&bf16_run));
+        } else {
+            b.push(time(&bf16_run));
+            a.push(time(&f32_run));
+        }
+    }
+    (flops / median(a) / 1e9, flops / median(b) / 1e9)
+}
+
+/// The child: this process's library, every shape, JSON rows on stdout.
+fn child(models: &[String], pairs: usize) {
+    let f32_kernel = matmul_kernel();
+    let bf16_kernel = allow_bf16_fallback().unwrap_or_else(|e| e.to_string());
+    eprintln!("f32: {f32_kernel}\nbf16: {bf16_kernel}");
+    let mut rows = Vec::new();
+    for model in models {
+        for (name, din, dout) in weights(model) {
+            let t = 512;
+            for (product, m, n, k, lt, rt) in [
+                ("x·W", t, dout, din, false, false),
+                ("dy·Wᵀ", t, din, dout, false, true),
+                ("xᵀ·dy", din, dout, t, true, false),
+            ] {
+                let (ls, rs, dims) = layout(m, n, k, lt, rt);
+                let flops = 2.0 * (m * n * k) as f64;
+                let (f, b) = measure(&ls, &rs, &dims, flops, pairs);
+                eprintln!(
+                    "{model:>5} {name:<10} {product:<6} {m:>5}×{n:>5}×{k:>5}  f32 {f:>6.1}  bf16 {b:>6.1} GFLOP/s  ×{:.2}",
+                    b / f
+                );
+                rows.push(format!(
+                    "{{\"model\":\"{model}\",\"weight\":\"{name}\",\"product\":\"{product}\",\"m\":{m},\"n\":{n},\"k\":{k},\"f32_gflops\":{f:.2},\"bf16_gflops\":{b:.2},\"bf16_over_f32\":{:.3}}}",
+                    b / f
+                ));
+            }
+        }
+    }
+    let esc = |s: &str| s.replace('"', "'");
+    println!(
+        "{{\"f32_kernel\":\"{}\",\"bf16_kernel\":\"{}\",\"rows\":[{}]}}",
+        esc(&f32_kernel),
+        esc(&bf16_kernel),
+        rows.join(",")
+    );
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut libs = "auto,mkl,openblas,portable".to_string();
+    let (mut pairs, mut models) = (5usize, "peer,0.6b".to_string());
+    for arg in std::env::args().skip(1) {
+        match arg.split_once('=') {
+            Some(("libs", v)) => libs = v.into(),
+            Some(("pairs", v)) => pairs = v.parse()?,
+            Some(("models", v)) => models = v.into(),
+            _ => return Err(format!("unknown argument {arg:?} (libs=, pairs=, models=)").into()),
+        }
+    }
+    let models: Vec<String> = models.split(',').map(String::from).collect();
+    if std::env::var_os("FERROTEXT_BF16_BENCH_CHILD").is_some() {
+        child(&models, pairs);
+        return Ok(());
+    }
+    let mut results = Vec::new();
+    for lib in libs.split(',') {
+        eprintln!("== {lib}");
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.args(std::env::args().skip(1))
+            .env("FERROTEXT_BF16_BENCH_CHILD", "1")
+            .stderr(std::process::Stdio::inherit());
+        // `auto`: the process's own choice (f32 on the first library found, bf16 on the
+        // AVX512_BF16 kernel where the CPU has it).
+        match lib {
+            "auto" => cmd.env_remove("FERROTEXT_MATMUL"),
+            _ => cmd.env("FERROTEXT_MATMUL", lib),
+        };
+        let out = cmd.output()?;
+        if !out.status.success() {
+            return Err(format!("the {lib} run failed").into());
+        }
+        let json = String::from_utf8(out.stdout)?;
+        results.push(format!("{{\"library\":\"{lib}\",\"run\":{}}}", json.trim()));
+    }
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().replace('"', "'"))
+        })
+        .unwrap_or_default();
+    std::fs::create_dir_all("target/bench")?;
+    let path = "target/bench/bf16.json";
+    std::fs::write(
+        path,
+        format!(
+            "{{\"benchmark\":\"bf16\",\"threads\":1,\"tokens\":512,\"cpu\":\"{cpu}\",\"libraries\":[{}]}}\n",
+            results.join(",")
+        ),
+    )?;
+    eprintln!("wrote {path}");
+    Ok(())
+}
