@@ -1,11 +1,22 @@
-//! `config.json` ↔ the decoder's [`Config`], for the three HF families the decoder runs.
+//! `config.json` ↔ the decoder's [`Config`], for the five HF families the decoder runs, in both
+//! config generations (transformers 4.x and 5).
+//!
+//! Invariant: every key a family's transformers config class defines is read, refused when its
+//! value asks for math the decoder does not do (named with the value), or irrelevant to the
+//! math; `keys.rs` lists each with its reason and a test walks transformers' own key lists.
+//! Keys a class does not define are ignored, as transformers ignores them. The RoPE keys, in
+//! either generation, are read in `rope.rs`.
+
+mod keys;
+mod rope;
+
+pub use keys::{key_use, listed_keys, KeyUse};
 
 use std::path::Path;
 
 use ferrotext_models::decoder::{Config, GroupLimit, MoeSettings};
 use ferrotext_models::deepseek::MlaSettings;
 use ferrotext_models::moe::RouterScore;
-use ferrotext_tensor::Yarn;
 use serde_json::{json, Value};
 
 use crate::error::HfError;
@@ -19,6 +30,10 @@ pub enum ModelType {
     Qwen3Moe,
     /// `deepseek_v3` (`DeepseekV3ForCausalLM`): MLA, sigmoid router, shared experts.
     DeepseekV3,
+    /// `llama` (`LlamaForCausalLM`, Llama 3.x): dense, GQA without QK-norm, Llama 3 RoPE.
+    Llama,
+    /// `qwen2` (`Qwen2ForCausalLM`, Qwen2/2.5): dense, GQA with q/k/v biases, no QK-norm.
+    Qwen2,
 }
 
 impl ModelType {
@@ -28,8 +43,31 @@ impl ModelType {
             ModelType::Qwen3 => "qwen3",
             ModelType::Qwen3Moe => "qwen3_moe",
             ModelType::DeepseekV3 => "deepseek_v3",
+            ModelType::Llama => "llama",
+            ModelType::Qwen2 => "qwen2",
         }
     }
+
+    /// The type named `name` (`config.json`'s `model_type`).
+    pub fn from_name(name: &str) -> Option<ModelType> {
+        Some(match name {
+            "qwen3" => ModelType::Qwen3,
+            "qwen3_moe" => ModelType::Qwen3Moe,
+            "deepseek_v3" => ModelType::DeepseekV3,
+            "llama" => ModelType::Llama,
+            "qwen2" => ModelType::Qwen2,
+            _ => return None,
+        })
+    }
+
+    /// Every type, in the order the messages list them.
+    pub const ALL: [ModelType; 5] = [
+        ModelType::Qwen3,
+        ModelType::Qwen3Moe,
+        ModelType::DeepseekV3,
+        ModelType::Llama,
+        ModelType::Qwen2,
+    ];
 
     /// The family a decoder config belongs to in HF's terms.
     ///
@@ -76,10 +114,24 @@ impl ModelType {
                 }
                 ModelType::Qwen3Moe
             }
-            (None, None) => ModelType::Qwen3,
+            (None, None) => match (cfg.qk_norm, cfg.qkv_bias) {
+                (true, false) => ModelType::Qwen3,
+                (false, false) => ModelType::Llama,
+                (false, true) => ModelType::Qwen2,
+                (true, true) => {
+                    unsupported.push("QK-norm with q/k/v biases (no dense family has both)".into());
+                    ModelType::Qwen3
+                }
+            },
         };
         if cfg.mla.is_none() && cfg.rope_yarn.is_some() {
             unsupported.push("YaRN RoPE without MLA".into());
+        }
+        if cfg.moe.is_some() && cfg.mla.is_none() && (!cfg.qk_norm || cfg.qkv_bias) {
+            unsupported.push("MoE layers with Llama/Qwen2 attention (qwen3_moe has QK-norm)".into());
+        }
+        if kind != ModelType::Llama && cfg.rope_llama3.is_some() {
+            unsupported.push(format!("Llama 3 RoPE scaling in {}", kind.name()));
         }
         if unsupported.is_empty() {
             Ok(kind)
@@ -109,6 +161,15 @@ pub fn read_config(dir: &Path) -> Result<Config, HfError> {
     decoder_config(&value).map_err(err)
 }
 
+/// The decoder config of a parsed `config.json` (what [`read_config`] reads from a file).
+///
+/// # Errors
+/// As [`read_config`], as one sentence: an unknown `model_type`, a missing or mistyped key, or
+/// every feature the decoder does not have, each named with its value.
+pub fn config_from_json(v: &Value) -> Result<Config, String> {
+    decoder_config(v)
+}
+
 /// Reads keys of one `config.json`, remembering what it cannot use.
 struct Keys<'a> {
     v: &'a Value,
@@ -125,6 +186,22 @@ impl<'a> Keys<'a> {
             .and_then(Value::as_u64)
             .map(|x| x as usize)
             .ok_or_else(|| format!("`{key}` is missing or not a non-negative integer"))
+    }
+
+    /// An integer written under `key` (4.x) or `alias` (5.x); both only when equal.
+    fn usize_alias(&mut self, key: &str, alias: &str) -> Result<usize, String> {
+        match (self.get(key), self.get(alias)) {
+            (Some(_), Some(_)) => {
+                let (a, b) = (self.usize(key)?, self.usize(alias)?);
+                if a != b {
+                    self.unsupported
+                        .push(format!("{key}={a} and {alias}={b} (two different counts)"));
+                }
+                Ok(a)
+            }
+            (None, Some(_)) => self.usize(alias),
+            _ => self.usize(key),
+        }
     }
 
     fn usize_or(&self, key: &str, default: usize) -> Result<usize, String> {
@@ -172,6 +249,16 @@ impl<'a> Keys<'a> {
         }
     }
 
+    /// Records `key=value` as unsupported unless it is absent or the number `allowed` (`0` and
+    /// `0.0` alike).
+    fn only_number(&mut self, key: &str, allowed: f64) {
+        if let Some(x) = self.get(key) {
+            if x.as_f64() != Some(allowed) {
+                self.unsupported.push(format!("{key}={x}"));
+            }
+        }
+    }
+
     /// Records `key=value` as unsupported unless it is absent or equal to `allowed`.
     fn only(&mut self, key: &str, allowed: Value) {
         if let Some(x) = self.get(key) {
@@ -190,26 +277,27 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
         .get("model_type")
         .and_then(Value::as_str)
         .ok_or("`model_type` is missing")?;
-    let kind = match model_type {
-        "qwen3" => ModelType::Qwen3,
-        "qwen3_moe" => ModelType::Qwen3Moe,
-        "deepseek_v3" => ModelType::DeepseekV3,
-        other => {
-            return Err(format!(
-                "model_type `{other}` is not supported (qwen3, qwen3_moe or deepseek_v3)"
-            ))
-        }
-    };
+    let kind = ModelType::from_name(model_type).ok_or_else(|| {
+        format!(
+            "model_type `{model_type}` is not supported (qwen3, qwen3_moe, deepseek_v3, llama \
+             or qwen2)"
+        )
+    })?;
     let mut k = Keys {
         v,
         unsupported: Vec::new(),
     };
-    let mut cfg = common_config(&mut k)?;
+    let mut cfg = common_config(&mut k, kind)?;
     match kind {
-        ModelType::Qwen3 => k.only("rope_scaling", Value::Null),
+        ModelType::Qwen3 | ModelType::Llama | ModelType::Qwen2 => {}
         ModelType::Qwen3Moe => cfg.moe = Some(qwen3_moe_settings(&mut k)?),
         ModelType::DeepseekV3 => deepseek_v3(&mut k, &mut cfg)?,
     }
+    let rope = rope::read(&mut k, kind)?;
+    cfg.rope_max_timescale = rope.theta.unwrap_or(cfg.rope_max_timescale);
+    cfg.rope_yarn = rope.yarn;
+    cfg.rope_llama3 = rope.llama3;
+
     if !k.unsupported.is_empty() {
         return Err(format!(
             "model_type `{model_type}` with features the decoder does not have: {}",
@@ -219,16 +307,35 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
     Ok(cfg)
 }
 
-/// The keys every family shares: sizes, tied embeddings, RoPE θ, the norm's ε (a dense decoder
-/// without MoE, MLA or YaRN); activations, biases and sliding windows only as the decoder has
-/// them.
-fn common_config(k: &mut Keys<'_>) -> Result<Config, String> {
+/// The keys every family shares: sizes, tied embeddings, the norm's ε (a dense decoder without
+/// MoE, MLA or RoPE scaling; θ is read with the other RoPE keys); the family's attention (QK-norm
+/// for the Qwen3 families, q/k/v biases for Qwen2); activations, other biases and sliding
+/// windows only as the decoder has them.
+fn common_config(k: &mut Keys<'_>, kind: ModelType) -> Result<Config, String> {
     let heads = k.usize("num_attention_heads")?;
     let hidden = k.usize("hidden_size")?;
     k.only("hidden_act", json!("silu"));
-    k.only("attention_bias", json!(false));
+    if let Some(b) = k.get("attention_bias").filter(|b| **b != json!(false)) {
+        k.unsupported.push(format!(
+            "attention_bias={b} (biases on q, k, v and o: the output projection's bias is not \
+             built)"
+        ));
+    }
     k.only("mlp_bias", json!(false));
     k.only("use_sliding_window", json!(false));
+    k.only_number("partial_rotary_factor", 1.0);
+    k.only_number("attention_dropout", 0.0);
+    k.only("output_router_logits", json!(false));
+    if let Some(types) = k.get("layer_types") {
+        let all_full = types
+            .as_array()
+            .is_some_and(|a| a.iter().all(|t| t == "full_attention"));
+        if !all_full {
+            k.unsupported
+                .push(format!("layer_types={types} (only full_attention layers)"));
+        }
+    }
+    let qwen3_attention = matches!(kind, ModelType::Qwen3 | ModelType::Qwen3Moe);
     Ok(Config {
         vocab_size: k.usize("vocab_size")?,
         base_emb_dim: hidden,
@@ -238,7 +345,10 @@ fn common_config(k: &mut Keys<'_>) -> Result<Config, String> {
         head_dim: k.usize_or("head_dim", hidden / heads.max(1))?,
         base_mlp_dim: k.usize("intermediate_size")?,
         logits_via_embedding: k.bool_or("tie_word_embeddings", false)?,
-        rope_max_timescale: k.positive_or("rope_theta", 10_000.0)?,
+        rope_max_timescale: 10_000.0,
+        rope_llama3: None,
+        qk_norm: qwen3_attention,
+        qkv_bias: kind == ModelType::Qwen2,
         normalization_layer_epsilon: k.positive_or("rms_norm_eps", 1e-6)?,
         z_loss_multiplier: 0.0,
         moe: None,
@@ -250,7 +360,6 @@ fn common_config(k: &mut Keys<'_>) -> Result<Config, String> {
 /// `qwen3_moe`'s MoE layers: a softmax router, no shared experts, dense layers only as a
 /// leading run (`mlp_only_layers`).
 fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
-    k.only("rope_scaling", Value::Null);
     k.only("decoder_sparse_step", json!(1));
     let dense = match k.get("mlp_only_layers") {
         None => 0,
@@ -269,7 +378,7 @@ fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
         }
     };
     Ok(MoeSettings {
-        num_experts: k.usize("num_experts")?,
+        num_experts: k.usize_alias("num_experts", "num_local_experts")?,
         num_experts_per_tok: k.usize("num_experts_per_tok")?,
         moe_mlp_dim: k.usize("moe_intermediate_size")?,
         shared_experts: 0,
@@ -285,7 +394,8 @@ fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
 }
 
 /// `deepseek_v3` on top of the shared keys: MLA (queries through a latent), a sigmoid router
-/// with shared experts in one group, and YaRN RoPE when `rope_scaling` asks for it.
+/// with shared experts in one group, its RoPE pairs interleaved or not (`rope_interleave`); its
+/// YaRN is read with the other RoPE keys.
 fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
     k.only("scoring_func", json!("sigmoid"));
     // `num_nextn_predict_layers` (MTP depth) does not change the main model's math, and
@@ -304,9 +414,10 @@ fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
         qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
         qk_rope_head_dim,
         v_head_dim: k.usize("v_head_dim")?,
+        rope_interleave: k.bool_or("rope_interleave", true)?,
     });
     cfg.moe = Some(MoeSettings {
-        num_experts: k.usize("n_routed_experts")?,
+        num_experts: k.usize_alias("n_routed_experts", "num_local_experts")?,
         num_experts_per_tok: k.usize("num_experts_per_tok")?,
         moe_mlp_dim: k.usize("moe_intermediate_size")?,
         shared_experts: k.usize_or("n_shared_experts", 0)?,
@@ -324,38 +435,7 @@ fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
         routed_bias: true,
         withhold_tags: false,
     });
-    if let Some(rs) = k.get("rope_scaling").cloned() {
-        cfg.rope_yarn = yarn(k, &rs)?;
-    }
     Ok(())
-}
-
-/// `deepseek_v3`'s `rope_scaling` object `rs`: YaRN (`type` or `rope_type` `yarn`, one mscale for
-/// every dimension); anything else is recorded in `k` as unsupported.
-fn yarn(k: &mut Keys<'_>, rs: &Value) -> Result<Option<Yarn>, String> {
-    let rk = Keys {
-        v: rs,
-        unsupported: Vec::new(),
-    };
-    let kind = rs.get("type").or_else(|| rs.get("rope_type"));
-    if kind != Some(&json!("yarn")) {
-        k.unsupported.push(format!("rope_scaling={rs} (only yarn)"));
-        return Ok(None);
-    }
-    let mscale = rk.positive_or("mscale", 1.0)?;
-    let mscale_all_dim = rk.positive_or("mscale_all_dim", mscale)?;
-    if mscale != mscale_all_dim {
-        k.unsupported.push(format!(
-            "rope_scaling mscale={mscale} ≠ mscale_all_dim={mscale_all_dim}"
-        ));
-    }
-    Ok(Some(Yarn {
-        factor: rk.positive_or("factor", 1.0)?,
-        original_max_position: rk.usize("original_max_position_embeddings")?,
-        beta_fast: rk.positive_or("beta_fast", 32.0)?,
-        beta_slow: rk.positive_or("beta_slow", 1.0)?,
-        mscale: mscale_all_dim,
-    }))
 }
 
 /// A float as JSON, written in its shortest round-tripping decimal form (`1e-6`, not
@@ -398,6 +478,36 @@ pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
             "rope_scaling": null,
             "use_sliding_window": false,
         }),
+        (ModelType::Llama, _, _) => {
+            let (rope_scaling, max_pos) = match &cfg.rope_llama3 {
+                None => (Value::Null, 8192),
+                Some(l) => (
+                    json!({
+                        "rope_type": "llama3",
+                        "factor": num(l.factor),
+                        "low_freq_factor": num(l.low_freq_factor),
+                        "high_freq_factor": num(l.high_freq_factor),
+                        "original_max_position_embeddings": l.original_max_position,
+                    }),
+                    (l.original_max_position as f64 * f64::from(l.factor)) as usize,
+                ),
+            };
+            json!({
+                "architectures": ["LlamaForCausalLM"],
+                "head_dim": cfg.head_dim,
+                "max_position_embeddings": max_pos,
+                "rope_scaling": rope_scaling,
+                "mlp_bias": false,
+                "pretraining_tp": 1,
+            })
+        }
+        (ModelType::Qwen2, _, _) => json!({
+            "architectures": ["Qwen2ForCausalLM"],
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": 32768,
+            "rope_scaling": null,
+            "use_sliding_window": false,
+        }),
         (ModelType::Qwen3Moe, Some(m), _) => json!({
             "architectures": ["Qwen3MoeForCausalLM"],
             "head_dim": cfg.head_dim,
@@ -424,6 +534,7 @@ pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
                     "beta_slow": num(y.beta_slow),
                     "mscale": num(y.mscale),
                     "mscale_all_dim": num(y.mscale),
+                    "attention_factor": num(y.attention_factor),
                 }),
             };
             let max_pos = cfg.rope_yarn.as_ref().map_or(4096, |y| {
@@ -450,12 +561,17 @@ pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
                 "topk_method": "noaux_tc",
                 "n_group": m.groups.n_routing_groups,
                 "topk_group": m.groups.topk_routing_group,
+                "rope_interleave": a.rope_interleave,
             })
         }
         _ => return Err("no Hugging Face model_type fits this model".into()),
     };
     if let (Some(obj), Value::Object(more)) = (v.as_object_mut(), extra) {
         obj.extend(more);
+        if kind == ModelType::Qwen2 {
+            // Qwen2's q/k/v biases are not a key: `Qwen2Attention` always has them.
+            obj.remove("attention_bias");
+        }
     }
     Ok(v)
 }
@@ -472,8 +588,16 @@ mod tests {
 
     #[test]
     fn presets_survive_config_json() {
-        roundtrip("qwen3-tiny");
-        roundtrip("qwen3-0.6b");
+        for name in [
+            "qwen3-tiny",
+            "qwen3-0.6b",
+            "llama3-tiny",
+            "llama3.2-1b",
+            "qwen2-tiny",
+            "qwen2.5-0.5b",
+        ] {
+            roundtrip(name);
+        }
         let mut moe = Config::preset("qwen3-moe-tiny").unwrap();
         if let Some(m) = moe.moe.as_mut() {
             m.shared_experts = 0;
@@ -484,21 +608,28 @@ mod tests {
         ds.head_dim = ds.mla.unwrap().qk_rope_head_dim;
         let v = hf_config_json(&ds, "bfloat16").unwrap();
         assert_eq!(decoder_config(&v).unwrap(), ds);
+        if let Some(m) = ds.mla.as_mut() {
+            m.rope_interleave = false;
+        }
+        let v = hf_config_json(&ds, "bfloat16").unwrap();
+        assert_eq!(v["rope_interleave"], json!(false));
+        assert_eq!(decoder_config(&v).unwrap(), ds);
     }
 
     #[test]
     fn unknown_model_types_and_features_are_named() {
-        let err = decoder_config(&json!({"model_type": "llama"})).unwrap_err();
+        let err = decoder_config(&json!({"model_type": "gpt2"})).unwrap_err();
         assert_eq!(
             err,
-            "model_type `llama` is not supported (qwen3, qwen3_moe or deepseek_v3)"
+            "model_type `gpt2` is not supported (qwen3, qwen3_moe, deepseek_v3, llama or qwen2)"
         );
         let mut v = hf_config_json(&Config::preset("qwen3-tiny").unwrap(), "float32").unwrap();
         v["attention_bias"] = json!(true);
         v["use_sliding_window"] = json!(true);
         assert_eq!(
             decoder_config(&v).unwrap_err(),
-            "model_type `qwen3` with features the decoder does not have: attention_bias=true, \
+            "model_type `qwen3` with features the decoder does not have: attention_bias=true \
+             (biases on q, k, v and o: the output projection's bias is not built), \
              use_sliding_window=true"
         );
         let mut v = hf_config_json(&Config::preset("qwen3-tiny").unwrap(), "float32").unwrap();

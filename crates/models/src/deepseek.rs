@@ -1,7 +1,8 @@
 //! DeepSeek-V3's pieces of the decoder: multi-head latent attention (DeepSeek-V2/V3, MaxText
 //! `attention_type: mla`) with its weights ([`Mla`]) and settings ([`MlaSettings`]). Its YaRN
 //! RoPE is [`ferrotext_tensor::Yarn`] (chosen by [`Config::rope`]) and its sigmoid router is
-//! [`crate::moe::RouterScore::Sigmoid`].
+//! [`crate::moe::RouterScore::Sigmoid`]; its rotation pairs are interleaved or rotate-half as
+//! [`MlaSettings::rope_interleave`] says.
 //!
 //! MLA: queries and keys/values go through low-rank latents with their own RMSNorms; each head's
 //! query/key is a position-free part (`qk_nope_head_dim`) and a RoPE part (`qk_rope_head_dim`)
@@ -29,6 +30,11 @@ pub struct MlaSettings {
     pub qk_rope_head_dim: usize,
     /// Value width per head (`v_head_dim`).
     pub v_head_dim: usize,
+    /// The RoPE dims rotate as interleaved pairs `(2i, 2i+1)` (HF `rope_interleave: true`, the
+    /// published DeepSeek-V3) or as rotate-half pairs `(i, i + rope/2)` (`false`). transformers
+    /// de-interleaves, then rotates half: the same scores as rotating the pairs in place, since
+    /// queries and keys are permuted alike.
+    pub rope_interleave: bool,
 }
 
 /// MLA weights (`self_attn.*`, HF DeepSeek-V3 names), matrices `[in, out]`.

@@ -1,5 +1,5 @@
-//! Layers shared by the model families: linear maps, RMSNorm, GQA attention with QK-norm and
-//! RoPE, the SwiGLU MLP. Each is a function of `spmd` arrays; shardings come from the operands
+//! Layers shared by the model families: linear maps (with an optional bias), RMSNorm, GQA
+//! attention (QK-norm and q/k/v biases as the family has them) with RoPE, the SwiGLU MLP. Each is a function of `spmd` arrays; shardings come from the operands
 //! ([`linear`] keeps the activation's layout and settles what the weight's split requires).
 
 use ferrotext_sharding::{DimSpec, PartitionSpec};
@@ -51,6 +51,36 @@ pub fn linear(cx: &mut Ctx<'_>, x: &Array, w: &Array) -> Result<Array, SpmdError
     cx.matmul(x, w, Some(&out))
 }
 
+/// [`linear`], plus `bias` (`[out]`) on every row when given. The bias is broadcast to the
+/// product's layout (its own split kept on the last dim, its tags kept), so its gradient is the
+/// sum over the leading dims of the product's cotangent: left unreduced over the batch axes
+/// when the bias enters tagged reduced (deferral), all-reduced over them otherwise.
+///
+/// # Errors
+/// The dot_general, broadcast and add type errors.
+pub fn linear_bias(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    w: &Array,
+    bias: Option<&Array>,
+) -> Result<Array, SpmdError> {
+    let y = linear(cx, x, w)?;
+    let Some(b) = bias else {
+        return Ok(y);
+    };
+    let rank = y.ty().rank();
+    let want = y.ty().sharding().spec().dim(rank - 1).clone();
+    let bspec = b.ty().sharding().spec();
+    let b = if bspec.dim(0) == &want {
+        b.clone()
+    } else {
+        let aligned = bspec.with_partitions([want])?;
+        cx.reshard(b, &aligned)?
+    };
+    let b = cx.broadcast_in_dim(&b, y.shape(), &[rank - 1], None)?;
+    cx.add(&y, &b)
+}
+
 /// RMSNorm of `x` over its last dim with `scale`. A scale stored split (MaxText's `norm → tensor`
 /// rule) is first laid out like the activation's last dim, keeping its tags (MaxText's
 /// `_align_scale_with_normalized_axis`): an all-gather per use under tensor parallelism.
@@ -77,29 +107,37 @@ pub struct AttentionDims {
     pub kv_heads: usize,
     /// Per-head width.
     pub head_dim: usize,
-    /// RoPE base θ.
-    pub rope_theta: f32,
+    /// The RoPE variant (θ and frequency scaling; rotate-half).
+    pub rope: Rope,
     /// RMSNorm epsilon of the QK-norm.
     pub eps: f32,
 }
 
-/// The weights of one GQA attention block (`[in, out]` matrices).
+/// The weights of one GQA attention block (`[in, out]` matrices; biases and QK-norm scales as
+/// the family has them).
 pub struct AttentionWeights<'a> {
     /// `[d, heads·head_dim]`.
     pub q_proj: &'a Array,
+    /// `[heads·head_dim]` (Qwen2).
+    pub q_bias: Option<&'a Array>,
     /// `[d, kv_heads·head_dim]`.
     pub k_proj: &'a Array,
+    /// `[kv_heads·head_dim]` (Qwen2).
+    pub k_bias: Option<&'a Array>,
     /// `[d, kv_heads·head_dim]`.
     pub v_proj: &'a Array,
+    /// `[kv_heads·head_dim]` (Qwen2).
+    pub v_bias: Option<&'a Array>,
     /// `[heads·head_dim, d]`.
     pub o_proj: &'a Array,
-    /// `[head_dim]` RMSNorm scale of the queries (QK-norm).
-    pub q_norm: &'a Array,
+    /// `[head_dim]` RMSNorm scale of the queries (QK-norm, Qwen3).
+    pub q_norm: Option<&'a Array>,
     /// `[head_dim]` RMSNorm scale of the keys.
-    pub k_norm: &'a Array,
+    pub k_norm: Option<&'a Array>,
 }
 
-/// Causal GQA self-attention with QK-norm (per-head RMSNorm before RoPE) on `x: [B, T, d]`.
+/// Causal GQA self-attention on `x: [B, T, d]`: projections (with their biases when given),
+/// QK-norm (per-head RMSNorm before RoPE) when given, rotate-half RoPE.
 /// With a `cache`, `x` holds the `T` positions after the cached ones: they attend to the cached
 /// keys and values too, and join the cache.
 ///
@@ -115,17 +153,26 @@ pub fn attention(
     let (b, t) = (x.shape()[0], x.shape()[1]);
     let (h, kv, hd) = (dims.heads, dims.kv_heads, dims.head_dim);
     // 1. projections: q [B, T, H, hd], k/v [B, T, KV, hd] (heads split over `tensor` if any)
-    let q = linear(cx, x, w.q_proj)?;
+    let q = linear_bias(cx, x, w.q_proj, w.q_bias)?;
     let q = cx.reshape(&q, &[b, t, h, hd], None)?;
-    let k = linear(cx, x, w.k_proj)?;
+    let k = linear_bias(cx, x, w.k_proj, w.k_bias)?;
     let k = cx.reshape(&k, &[b, t, kv, hd], None)?;
-    let v = linear(cx, x, w.v_proj)?;
+    let v = linear_bias(cx, x, w.v_proj, w.v_bias)?;
     let v = cx.reshape(&v, &[b, t, kv, hd], None)?;
-    // 2. QK-norm, then RoPE (rotate-half)
-    let q = rms_norm(cx, &q, w.q_norm, dims.eps)?;
-    let k = rms_norm(cx, &k, w.k_norm, dims.eps)?;
+    // 2. QK-norm (when the family has it), then RoPE (rotate-half)
+    let q = match w.q_norm {
+        Some(scale) => rms_norm(cx, &q, scale, dims.eps)?,
+        None => q,
+    };
+    let k = match w.k_norm {
+        Some(scale) => rms_norm(cx, &k, scale, dims.eps)?,
+        None => k,
+    };
     let start = cache.as_ref().map_or(0, |c| c.len());
-    let rope = Rope::standard(dims.rope_theta);
+    let rope = Rope {
+        interleaved: false,
+        ..dims.rope
+    };
     let q = cx.rope_from(&q, &rope, start)?;
     let k = cx.rope_from(&k, &rope, start)?;
     // 3. the cached positions' keys and values before these (when decoding): [B, S, KV, hd]

@@ -1,10 +1,11 @@
-//! The named model presets (`model_name=`): Qwen3 sizes, Qwen3-MoE test and bench shapes, and
-//! MaxText's DeepSeek-V3 test models. Each is a [`Config`]; nothing here is checked until
+//! The named model presets (`model_name=`): Qwen3 sizes, Qwen3-MoE test and bench shapes,
+//! MaxText's DeepSeek-V3 test models, and Llama 3 and Qwen2 (CPU-sized, and the published
+//! shapes of Llama 3.2 1B and Qwen2.5 0.5B as configs). Each is a [`Config`]; nothing here is checked until
 //! [`Decoder::new`](crate::decoder::Decoder::new).
 
 use crate::decoder::{Config, GroupLimit, MlaSettings, MoeSettings};
 use crate::moe::RouterScore;
-use ferrotext_tensor::Yarn;
+use ferrotext_tensor::{Llama3, Yarn};
 
 impl Config {
     /// A preset by name: `qwen3-tiny` (CPU-sized, byte vocabulary), `qwen3-peer` (the JAX peer
@@ -12,7 +13,10 @@ impl Config {
     /// (qwen3-tiny with 8 routed experts, top-2, one shared expert, the first layer dense),
     /// `qwen3-moe-bench` (many small experts: a large gradient for its FLOPs), `deepseek3-tiny`
     /// (MaxText's: MLA, YaRN, 16 experts top-8) or `deepseek3-1.3b` (its ~1.3B variant; abstract
-    /// mode on CPU, or train it with reduced dims).
+    /// mode on CPU, or train it with reduced dims), `llama3-tiny` (qwen3-tiny's shape as Llama 3:
+    /// no QK-norm, Llama 3 RoPE scaling), `llama3.2-1b` (Llama 3.2 1B's dims), `qwen2-tiny`
+    /// (qwen3-tiny's shape as Qwen2: no QK-norm, q/k/v biases) or `qwen2.5-0.5b` (Qwen2.5
+    /// 0.5B's dims).
     pub fn preset(name: &str) -> Option<Config> {
         let base = Config::qwen3_tiny();
         let deepseek3_tiny = Config::deepseek3_tiny();
@@ -58,6 +62,38 @@ impl Config {
                 }),
                 ..deepseek3_tiny.clone()
             },
+            "llama3-tiny" => Config {
+                normalization_layer_epsilon: 1e-5,
+                ..Config::llama3_2_1b_rope(base)
+            },
+            "llama3.2-1b" => Config {
+                vocab_size: 128_256,
+                base_emb_dim: 2048,
+                base_num_decoder_layers: 16,
+                base_num_query_heads: 32,
+                base_num_kv_heads: 8,
+                head_dim: 64,
+                base_mlp_dim: 8192,
+                normalization_layer_epsilon: 1e-5,
+                ..Config::llama3_2_1b_rope(base)
+            },
+            "qwen2-tiny" => Config {
+                qk_norm: false,
+                qkv_bias: true,
+                ..base
+            },
+            "qwen2.5-0.5b" => Config {
+                vocab_size: 151_936,
+                base_emb_dim: 896,
+                base_num_decoder_layers: 24,
+                base_num_query_heads: 14,
+                base_num_kv_heads: 2,
+                head_dim: 64,
+                base_mlp_dim: 4864,
+                qk_norm: false,
+                qkv_bias: true,
+                ..base
+            },
             "qwen3-0.6b" => Config {
                 vocab_size: 151_936,
                 base_emb_dim: 1024,
@@ -84,11 +120,30 @@ impl Config {
             base_mlp_dim: 384,
             logits_via_embedding: true,
             rope_max_timescale: 1_000_000.0,
+            rope_llama3: None,
+            qk_norm: true,
+            qkv_bias: false,
             normalization_layer_epsilon: 1e-6,
             z_loss_multiplier: 0.0,
             moe: None,
             mla: None,
             rope_yarn: None,
+        }
+    }
+
+    /// `base` as Llama 3: no QK-norm, θ 500000 with Llama 3.2's frequency scaling (factor 32,
+    /// low/high frequency factors 1 and 4 over an original 8192 positions).
+    fn llama3_2_1b_rope(base: Config) -> Config {
+        Config {
+            qk_norm: false,
+            rope_max_timescale: 500_000.0,
+            rope_llama3: Some(Llama3 {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 8192,
+            }),
+            ..base
         }
     }
 
@@ -106,6 +161,9 @@ impl Config {
             base_mlp_dim: 64,
             logits_via_embedding: false,
             rope_max_timescale: 10_000.0,
+            rope_llama3: None,
+            qk_norm: false,
+            qkv_bias: false,
             normalization_layer_epsilon: 1e-6,
             z_loss_multiplier: 0.0,
             moe: Some(MoeSettings {
@@ -128,6 +186,7 @@ impl Config {
                 qk_nope_head_dim: 128,
                 qk_rope_head_dim: 64,
                 v_head_dim: 128,
+                rope_interleave: true,
             }),
             rope_yarn: Some(Yarn {
                 factor: 40.0,
@@ -135,6 +194,7 @@ impl Config {
                 beta_fast: 32.0,
                 beta_slow: 1.0,
                 mscale: 1.0,
+                attention_factor: 1.0,
             }),
         }
     }
@@ -166,5 +226,9 @@ impl Config {
         "qwen3-moe-bench",
         "deepseek3-tiny",
         "deepseek3-1.3b",
+        "llama3-tiny",
+        "llama3.2-1b",
+        "qwen2-tiny",
+        "qwen2.5-0.5b",
     ];
 }

@@ -24,6 +24,9 @@ fn tiny(tied: bool) -> Decoder {
         base_mlp_dim: 12,
         logits_via_embedding: tied,
         rope_max_timescale: 10_000.0,
+        rope_llama3: None,
+        qk_norm: true,
+        qkv_bias: false,
         normalization_layer_epsilon: 1e-6,
         z_loss_multiplier: 1e-2,
         moe: None,
@@ -85,12 +88,14 @@ fn loss_and_grads(model: &Decoder, values: &[Tensor], devices: usize) -> (f32, V
 fn tiny_deepseek() -> Decoder {
     let mut cfg = tiny(false).config().clone();
     cfg.base_num_decoder_layers = 2;
+    cfg.qk_norm = false;
     cfg.mla = Some(MlaSettings {
         q_lora_rank: 6,
         kv_lora_rank: 4,
         qk_nope_head_dim: 4,
         qk_rope_head_dim: 4,
         v_head_dim: 3,
+        rope_interleave: true,
     });
     cfg.rope_yarn = Some(Yarn {
         factor: 4.0,
@@ -98,6 +103,7 @@ fn tiny_deepseek() -> Decoder {
         beta_fast: 32.0,
         beta_slow: 1.0,
         mscale: 1.0,
+        attention_factor: 1.0,
     });
     cfg.moe = Some(MoeSettings {
         num_experts: 4,

@@ -5,7 +5,10 @@
 //! V3, MaxText `rope_type: yarn`) keeps the high frequencies, divides the low ones by `factor`,
 //! and ramps linearly between them over the pairs whose wavelength falls between `beta_fast` and
 //! `beta_slow` rotations of the original context. The attention's softmax scale correction
-//! (`mscale`) is not part of the rotation: [`Rope::attention_scale_factor`] gives it.
+//! (`mscale`) is not part of the rotation: [`Rope::attention_scale_factor`] gives it. Llama 3
+//! (`rope_type: llama3`) divides the pairs whose wavelength exceeds `original / low_freq_factor`
+//! positions by `factor`, keeps those shorter than `original / high_freq_factor`, and blends
+//! between them by `original / wavelength`. A [`Rope`] has at most one of the two extensions.
 
 use std::sync::Arc;
 
@@ -25,8 +28,25 @@ pub struct Yarn {
     pub beta_fast: f32,
     /// Rotations below which a pair is fully interpolated (`beta_slow`).
     pub beta_slow: f32,
-    /// `mscale` of the attention scale correction.
+    /// `mscale` of the attention scale correction (HF `mscale_all_dim`; 0: none).
     pub mscale: f32,
+    /// The factor on the rotation's `sin` and `cos` (HF `attention_factor`: transformers
+    /// derives it as `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`, 1 when
+    /// the two mscales are equal). Scales the rotated dims of queries and keys alike.
+    pub attention_factor: f32,
+}
+
+/// Llama 3's frequency scaling of a RoPE table (transformers' `rope_type: llama3`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3 {
+    /// Division of the low frequencies (`factor`).
+    pub factor: f32,
+    /// Wavelengths above `original_max_position / low_freq_factor` are divided by `factor`.
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original_max_position / high_freq_factor` are kept.
+    pub high_freq_factor: f32,
+    /// The pre-training context (`original_max_position_embeddings`).
+    pub original_max_position: usize,
 }
 
 /// A RoPE variant.
@@ -38,6 +58,8 @@ pub struct Rope {
     pub interleaved: bool,
     /// YaRN extension, if any.
     pub yarn: Option<Yarn>,
+    /// Llama 3 frequency scaling, if any (never together with `yarn`).
+    pub llama3: Option<Llama3>,
 }
 
 impl Rope {
@@ -47,6 +69,7 @@ impl Rope {
             theta,
             interleaved: false,
             yarn: None,
+            llama3: None,
         }
     }
 
@@ -56,6 +79,9 @@ impl Rope {
         let base: Vec<f64> = (0..half)
             .map(|i| f64::from(self.theta).powf(-((2 * i) as f64) / dim as f64))
             .collect();
+        if let Some(l) = self.llama3 {
+            return base.iter().map(|&f| l.scale(f) as f32).collect();
+        }
         let Some(y) = self.yarn else {
             return base.iter().map(|&f| f as f32).collect();
         };
@@ -91,8 +117,32 @@ impl Rope {
     }
 }
 
+impl Llama3 {
+    /// The scaled frequency of a pair of frequency `f` (transformers'
+    /// `_compute_llama3_parameters`).
+    fn scale(&self, f: f64) -> f64 {
+        let original = self.original_max_position as f64;
+        let (low, high) = (
+            f64::from(self.low_freq_factor),
+            f64::from(self.high_freq_factor),
+        );
+        let factor = f64::from(self.factor);
+        let wavelen = 2.0 * std::f64::consts::PI / f;
+        if wavelen < original / high {
+            f
+        } else if wavelen > original / low {
+            f / factor
+        } else {
+            let smooth = (original / wavelen - low) / (high - low);
+            (1.0 - smooth) * f / factor + smooth * f
+        }
+    }
+}
+
 /// The rotation `rope` on `x: [.., seq, heads, even head_dim]` at `positions` (one per sequence
-/// index). `inverse` turns the other way (the backward: rotations are orthogonal).
+/// index), scaled by YaRN's `attention_factor` when it has one. `inverse` turns the other way
+/// with the same scale: the transpose, which is the backward (the inverse too when the factor
+/// is 1).
 ///
 /// # Errors
 /// Rank below 3, odd head_dim, or `positions` of the wrong length.
@@ -241,9 +291,19 @@ fn rotation_table(rope: &Rope, dim: usize, positions: &[usize], inverse: bool) -
     }
     let freqs = rope.frequencies(dim);
     let sign = if inverse { -1.0 } else { 1.0 };
+    let scale = rope.yarn.map_or(1.0, |y| y.attention_factor);
     let table: Table = positions
         .iter()
-        .flat_map(|&p| freqs.iter().map(move |&f| (sign * p as f32 * f).sin_cos()))
+        .flat_map(|&p| {
+            freqs.iter().map(move |&f| {
+                let (sin, cos) = (sign * p as f32 * f).sin_cos();
+                if scale == 1.0 {
+                    (sin, cos)
+                } else {
+                    (sin * scale, cos * scale)
+                }
+            })
+        })
         .collect();
     TABLES.with(|t| {
         let mut t = t.borrow_mut();
@@ -273,8 +333,46 @@ mod tests {
                 beta_fast: 32.0,
                 beta_slow: 1.0,
                 mscale: 1.0,
+                attention_factor: 1.0,
             }),
+            llama3: None,
         }
+    }
+
+    /// Hand-computed for Llama 3.2's scaling (factor 32, low 1, high 4, original 8192) at
+    /// dim 64, θ 5e5: pair i has wavelength 2π·θ^(i/32). Below 8192/4 = 2048 positions the pair
+    /// keeps its frequency (i ≤ 14: 2π·5e5^(14/32) ≈ 1956), above 8192 it is divided by 32
+    /// (i ≥ 18: ≈ 10089), and pair 16 (≈ 4443) blends with smooth = (8192/4443 − 1) / 3.
+    #[test]
+    fn llama3_scaling_keeps_fast_pairs_divides_slow_ones_and_blends_between() {
+        let plain = Rope::standard(500_000.0).frequencies(64);
+        let rope = Rope {
+            llama3: Some(Llama3 {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position: 8192,
+            }),
+            ..Rope::standard(500_000.0)
+        };
+        let scaled = rope.frequencies(64);
+        for i in 0..=14 {
+            assert_eq!(scaled[i], plain[i], "pair {i} keeps its frequency");
+        }
+        for i in 18..32 {
+            assert!(
+                (scaled[i] - plain[i] / 32.0).abs() <= 1e-6 * plain[i],
+                "pair {i}"
+            );
+        }
+        let f = 500_000f64.powf(-16.0 / 32.0);
+        let wavelen = 2.0 * std::f64::consts::PI / f;
+        assert!((wavelen - 4442.88).abs() < 0.01, "{wavelen}");
+        let smooth = (8192.0 / wavelen - 1.0) / 3.0;
+        let want = ((1.0 - smooth) * f / 32.0 + smooth * f) as f32;
+        assert!((scaled[16] - want).abs() <= 1e-6 * want);
+        assert!(scaled[16] < plain[16] && scaled[16] > plain[16] / 32.0);
+        assert_eq!(rope.attention_scale_factor(), 1.0);
     }
 
     /// Hand-computed: for dim 64, θ 1e4, 4096 positions, the ramp runs from pair
@@ -345,6 +443,36 @@ mod tests {
         let (x0, x1) = (x.data()[16 + 2], x.data()[16 + 3]);
         assert!((y.data()[16 + 2] - (x0 * cos - x1 * sin)).abs() < 1e-6);
         assert!((y.data()[16 + 3] - (x1 * cos + x0 * sin)).abs() < 1e-6);
+    }
+
+    /// YaRN's attention_factor scales the rotation: every position's pair norms grow by it,
+    /// and `inverse` is the transpose (⟨R x, y⟩ = ⟨x, inverse(y)⟩), the backward of a scaled
+    /// rotation, not its inverse.
+    #[test]
+    fn a_scaled_rotation_scales_norms_and_its_inverse_flag_is_the_transpose() {
+        let mut rope = deepseek();
+        if let Some(y) = rope.yarn.as_mut() {
+            y.attention_factor = 1.25;
+        }
+        let x = Tensor::from_fn(&[3, 2, 8], |i| (i as f32 * 0.37).sin());
+        let y = Tensor::from_fn(&[3, 2, 8], |i| (i as f32 * 0.71).cos());
+        let positions = [0, 5, 9];
+        let rx = rope_with(&x, &positions, &rope, false).unwrap();
+        let ty = rope_with(&y, &positions, &rope, true).unwrap();
+        let dot = |a: &Tensor, b: &Tensor| -> f64 {
+            a.data()
+                .iter()
+                .zip(b.data())
+                .map(|(p, q)| f64::from(p * q))
+                .sum()
+        };
+        assert!((dot(&rx, &y) - dot(&x, &ty)).abs() < 1e-4);
+        let norm = |a: &Tensor| dot(a, a).sqrt();
+        assert!((norm(&rx) - 1.25 * norm(&x)).abs() < 1e-4 * norm(&x));
+        let plain = rope_with(&x, &positions, &deepseek(), false).unwrap();
+        for (a, b) in rx.data().iter().zip(plain.data()) {
+            assert!((a - 1.25 * b).abs() < 1e-6);
+        }
     }
 
     #[test]

@@ -39,6 +39,9 @@ fn dense() -> Config {
         base_mlp_dim: 24,
         logits_via_embedding: true,
         rope_max_timescale: 10_000.0,
+        rope_llama3: None,
+        qk_norm: true,
+        qkv_bias: false,
         normalization_layer_epsilon: 1e-6,
         z_loss_multiplier: 0.0,
         moe: None,
@@ -74,12 +77,14 @@ fn moe() -> Config {
 fn deepseek() -> Config {
     let mut c = moe();
     c.head_dim = 2;
+    c.qk_norm = false;
     c.mla = Some(MlaSettings {
         q_lora_rank: 6,
         kv_lora_rank: 4,
         qk_nope_head_dim: 4,
         qk_rope_head_dim: 2,
         v_head_dim: 3,
+        rope_interleave: true,
     });
     if let Some(m) = c.moe.as_mut() {
         m.score = RouterScore::Sigmoid;

@@ -58,8 +58,11 @@ impl Gqa<&Array> {
     ) -> Result<Array, SpmdError> {
         let w = AttentionWeights {
             q_proj: self.q_proj,
+            q_bias: self.q_bias,
             k_proj: self.k_proj,
+            k_bias: self.k_bias,
             v_proj: self.v_proj,
+            v_bias: self.v_bias,
             o_proj: self.o_proj,
             q_norm: self.q_norm,
             k_norm: self.k_norm,
@@ -68,7 +71,7 @@ impl Gqa<&Array> {
             heads: c.base_num_query_heads,
             kv_heads: c.base_num_kv_heads,
             head_dim: c.head_dim,
-            rope_theta: c.rope_max_timescale,
+            rope: c.rope(),
             eps: c.normalization_layer_epsilon,
         };
         nn::attention(cx, h, &w, dims, cache)

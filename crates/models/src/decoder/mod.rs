@@ -1,9 +1,12 @@
 //! The decoder: Qwen3 (MaxText's `decoder_block: qwen3`, HF `Qwen3ForCausalLM`), Qwen3-MoE (HF
 //! `Qwen3MoeForCausalLM`: routed experts, optionally shared ones, the first
-//! `first_num_dense_layers` layers dense) and DeepSeek-V3 (MLA attention with YaRN and a sigmoid
-//! router; its pieces are in [`crate::deepseek`]). Presets are in `presets.rs`.
+//! `first_num_dense_layers` layers dense), DeepSeek-V3 (MLA attention with YaRN and a sigmoid
+//! router; its pieces are in [`crate::deepseek`]), Llama 3 (`LlamaForCausalLM`: GQA without
+//! QK-norm, Llama 3 RoPE scaling) and Qwen2 (`Qwen2ForCausalLM`: GQA without QK-norm, biases on
+//! the q, k, v projections). Presets are in `presets.rs`.
 //!
-//! Token embedding → N × [RMSNorm → attention (GQA with QK-norm and rotate-half RoPE, or MLA) →
+//! Token embedding → N × [RMSNorm → attention (GQA with optional QK-norm and q/k/v biases and
+//! rotate-half RoPE, or MLA) →
 //! residual → RMSNorm → SwiGLU MLP or MoE block → residual] → final RMSNorm → LM head (tied to
 //! the embedding or not) → cross-entropy (plus optional z-loss), returned as the *sum* over
 //! target tokens (the trainer divides once per step).
@@ -18,14 +21,16 @@
 //!
 //! Matrices are stored `[in, out]` (the transpose of HF's `[out, in]`), so `x·W` needs no
 //! transpose, and routed experts are stacked `[E, in, out]`; each [`ParamInfo::hf`] says how the
-//! weight maps to HF tensors. Left out: biases (Qwen3 has none), sliding windows, dropout.
+//! weight maps to HF tensors. Biases exist only on the q, k, v projections (`qkv_bias`, Qwen2's):
+//! a bias is a parameter of its own (`[out]`, logical axis of the projection's output), added
+//! after the matmul. Left out: output-projection and MLP biases, sliding windows, dropout.
 //!
 //! Files: here the [`Config`] and the [`Decoder`] (checked once in [`Decoder::new`], then the
 //! loss, logits and decode entry points); `weights` the weight map and its declarations;
 //! `forward` one layer's forward pass on bound weights.
 
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
-use ferrotext_tensor::{DotDims, Rope, Yarn};
+use ferrotext_tensor::{DotDims, Llama3, Rope, Yarn};
 
 pub use crate::deepseek::MlaSettings;
 use crate::kv_cache::KvCache;
@@ -107,6 +112,13 @@ pub struct Config {
     pub logits_via_embedding: bool,
     /// RoPE θ (`rope_max_timescale`).
     pub rope_max_timescale: f32,
+    /// Llama 3's RoPE frequency scaling (HF `rope_type: llama3`; `None`: plain frequencies).
+    pub rope_llama3: Option<Llama3>,
+    /// Per-head RMSNorm of the queries and keys before RoPE (Qwen3's QK-norm; Llama and Qwen2
+    /// have none). GQA only: MLA has its own latent norms.
+    pub qk_norm: bool,
+    /// Biases on the q, k and v projections (Qwen2's; GQA only).
+    pub qkv_bias: bool,
     /// RMSNorm epsilon (`normalization_layer_epsilon`).
     pub normalization_layer_epsilon: f32,
     /// Weight of the z-loss `(log Z)²` per token (`z_loss_multiplier`; 0 disables).
@@ -120,12 +132,14 @@ pub struct Config {
 }
 
 impl Config {
-    /// The RoPE variant: interleaved YaRN for MLA models that set it, else plain rotate-half.
+    /// The RoPE variant: interleaved pairs for MLA models that ask for them
+    /// ([`MlaSettings::rope_interleave`]), else rotate-half; YaRN or Llama 3 frequencies when set.
     pub fn rope(&self) -> Rope {
         Rope {
             theta: self.rope_max_timescale,
-            interleaved: self.mla.is_some(),
+            interleaved: self.mla.as_ref().is_some_and(|m| m.rope_interleave),
             yarn: self.rope_yarn,
+            llama3: self.rope_llama3,
         }
     }
 
@@ -157,7 +171,8 @@ impl Decoder {
     ///
     /// # Errors
     /// Zero sizes, `kv_heads` not dividing `heads`, an odd `head_dim` (RoPE pairs dims), MLA or
-    /// MoE settings out of range.
+    /// MoE settings out of range, both YaRN and Llama 3 RoPE scaling, q/k/v biases or QK-norm
+    /// asked of MLA.
     pub fn new(cfg: Config) -> Result<Decoder, ConfigError> {
         let sizes = [
             cfg.vocab_size,
@@ -185,6 +200,16 @@ impl Decoder {
                 "head_dim ({}) must be even for RoPE",
                 cfg.head_dim
             )));
+        }
+        if cfg.rope_yarn.is_some() && cfg.rope_llama3.is_some() {
+            return Err(ConfigError(
+                "a RoPE table has one frequency scaling: rope_yarn or rope_llama3, not both".into(),
+            ));
+        }
+        if cfg.mla.is_some() && (cfg.qkv_bias || cfg.qk_norm) {
+            return Err(ConfigError(
+                "qkv_bias and qk_norm are GQA settings; MLA attention has neither".into(),
+            ));
         }
         if let Some(m) = &cfg.mla {
             let dims = [
@@ -257,7 +282,16 @@ impl Decoder {
         let embedding = c.vocab_size * c.base_emb_dim;
         let attention_norms = match &c.mla {
             Some(m) => m.q_lora_rank + m.kv_lora_rank,
-            None => 2 * c.head_dim,
+            None if c.qk_norm => 2 * c.head_dim,
+            None => 0,
+        };
+        // Biases are added, not multiplied: they count no matmul FLOPs.
+        let biases = match (&c.mla, c.qkv_bias) {
+            (None, true) => {
+                c.base_num_decoder_layers * (c.base_num_query_heads + 2 * c.base_num_kv_heads)
+                    * c.head_dim
+            }
+            _ => 0,
         };
         let norms =
             c.base_num_decoder_layers * (2 * c.base_emb_dim + attention_norms) + c.base_emb_dim;
@@ -274,8 +308,9 @@ impl Decoder {
             }
             None => 0,
         };
-        let matmul_weights =
-            self.param_count() - embedding - norms - untied_extra - idle_experts + lm_head;
+        let matmul_weights = self.param_count() - embedding - norms - biases - untied_extra
+            - idle_experts
+            + lm_head;
         // Scores (q·k over the query/key width) and values, forward and backward: 6 each.
         let (qk_width, v_width) = match &c.mla {
             Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
@@ -489,12 +524,14 @@ mod tests {
         let mut c = Config::preset("qwen3-tiny").unwrap();
         c.base_num_decoder_layers = 2;
         c.logits_via_embedding = false;
+        c.qk_norm = false;
         c.mla = Some(MlaSettings {
             q_lora_rank: 6,
             kv_lora_rank: 4,
             qk_nope_head_dim: 4,
             qk_rope_head_dim: 2,
             v_head_dim: 3,
+            rope_interleave: true,
         });
         c.moe = Some(MoeSettings {
             num_experts: 3,

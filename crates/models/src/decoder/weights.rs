@@ -5,7 +5,7 @@
 //! Invariants: each struct's `try_map` visits its fields in declaration order, which *is* the
 //! flat parameter order ([`Decoder::params`](super::Decoder::params)), so adding or reordering a
 //! field changes checkpoints; matrices are declared `[in, out]` with `HfLayout::Tensor {
-//! transposed: true }`, norms `[n]` untransposed.
+//! transposed: true }`, norms and biases `[n]` untransposed.
 
 use super::Config;
 use crate::deepseek::Mla;
@@ -47,21 +47,28 @@ pub enum Attention<W> {
     Mla(Mla<W>),
 }
 
-/// GQA weights (`self_attn.*`).
+/// GQA weights (`self_attn.*`). The biases are present exactly when `qkv_bias` is set (Qwen2),
+/// the norms exactly when `qk_norm` is (Qwen3).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gqa<W> {
     /// `q_proj.weight` `[d, heads·head_dim]`.
     pub q_proj: W,
+    /// `q_proj.bias` `[heads·head_dim]`.
+    pub q_bias: Option<W>,
     /// `k_proj.weight` `[d, kv_heads·head_dim]`.
     pub k_proj: W,
+    /// `k_proj.bias` `[kv_heads·head_dim]`.
+    pub k_bias: Option<W>,
     /// `v_proj.weight` `[d, kv_heads·head_dim]`.
     pub v_proj: W,
+    /// `v_proj.bias` `[kv_heads·head_dim]`.
+    pub v_bias: Option<W>,
     /// `o_proj.weight` `[heads·head_dim, d]`.
     pub o_proj: W,
     /// `q_norm.weight` `[head_dim]`.
-    pub q_norm: W,
+    pub q_norm: Option<W>,
     /// `k_norm.weight` `[head_dim]`.
-    pub k_norm: W,
+    pub k_norm: Option<W>,
 }
 
 /// A layer's feed-forward.
@@ -141,11 +148,14 @@ impl<W> DecoderLayer<W> {
             self_attn: match &self.self_attn {
                 Attention::Gqa(a) => Attention::Gqa(Gqa {
                     q_proj: f(&a.q_proj)?,
+                    q_bias: a.q_bias.as_ref().map(&mut *f).transpose()?,
                     k_proj: f(&a.k_proj)?,
+                    k_bias: a.k_bias.as_ref().map(&mut *f).transpose()?,
                     v_proj: f(&a.v_proj)?,
+                    v_bias: a.v_bias.as_ref().map(&mut *f).transpose()?,
                     o_proj: f(&a.o_proj)?,
-                    q_norm: f(&a.q_norm)?,
-                    k_norm: f(&a.k_norm)?,
+                    q_norm: a.q_norm.as_ref().map(&mut *f).transpose()?,
+                    k_norm: a.k_norm.as_ref().map(&mut *f).transpose()?,
                 }),
                 Attention::Mla(a) => Attention::Mla(a.try_map(f)?),
             },
@@ -216,6 +226,55 @@ pub(crate) fn norm_scale(name: String, n: usize, logical: Option<&'static str>) 
     }
 }
 
+/// A bias `[n]` of zeros, as HF stores it under `name`.
+pub(crate) fn bias(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
+    ParamInfo {
+        init: Init::Zeros,
+        ..norm_scale(name, n, logical)
+    }
+}
+
+impl Gqa<ParamInfo> {
+    /// Layer `i`'s GQA declarations under `prefix` (`model.layers.{i}.self_attn`).
+    fn declare(c: &Config, prefix: &str) -> Gqa<ParamInfo> {
+        let l = |s: &str| format!("{prefix}.{s}");
+        let (d, hq, hkv) = (
+            c.base_emb_dim,
+            c.base_num_query_heads * c.head_dim,
+            c.base_num_kv_heads * c.head_dim,
+        );
+        let b = |s: &str, n, logical| c.qkv_bias.then(|| bias(l(s), n, Some(logical)));
+        let norm = |s: &str| c.qk_norm.then(|| norm_scale(l(s), c.head_dim, None));
+        Gqa {
+            q_proj: matrix(
+                l("q_proj.weight"),
+                [d, hq],
+                [Some("embed"), Some("q_heads")],
+            ),
+            q_bias: b("q_proj.bias", hq, "q_heads"),
+            k_proj: matrix(
+                l("k_proj.weight"),
+                [d, hkv],
+                [Some("embed"), Some("kv_heads")],
+            ),
+            k_bias: b("k_proj.bias", hkv, "kv_heads"),
+            v_proj: matrix(
+                l("v_proj.weight"),
+                [d, hkv],
+                [Some("embed"), Some("kv_heads")],
+            ),
+            v_bias: b("v_proj.bias", hkv, "kv_heads"),
+            o_proj: matrix(
+                l("o_proj.weight"),
+                [hq, d],
+                [Some("q_heads"), Some("embed")],
+            ),
+            q_norm: norm("q_norm.weight"),
+            k_norm: norm("k_norm.weight"),
+        }
+    }
+}
+
 impl DenseMlp<ParamInfo> {
     /// `{prefix}.{gate,up,down}_proj.weight` of width `f` (HF names under `hf_prefix`).
     fn declare(prefix: &str, hf_prefix: &str, d: usize, f: usize) -> DenseMlp<ParamInfo> {
@@ -239,37 +298,10 @@ impl DecoderLayer<ParamInfo> {
     /// Layer `i`'s declarations.
     fn declare(c: &Config, i: usize) -> DecoderLayer<ParamInfo> {
         let l = |s: &str| format!("model.layers.{i}.{s}");
-        let (d, hq, hkv) = (
-            c.base_emb_dim,
-            c.base_num_query_heads * c.head_dim,
-            c.base_num_kv_heads * c.head_dim,
-        );
+        let d = c.base_emb_dim;
         let self_attn = match &c.mla {
             Some(m) => Attention::Mla(Mla::declare(&l("self_attn"), d, c.base_num_query_heads, m)),
-            None => Attention::Gqa(Gqa {
-                q_proj: matrix(
-                    l("self_attn.q_proj.weight"),
-                    [d, hq],
-                    [Some("embed"), Some("q_heads")],
-                ),
-                k_proj: matrix(
-                    l("self_attn.k_proj.weight"),
-                    [d, hkv],
-                    [Some("embed"), Some("kv_heads")],
-                ),
-                v_proj: matrix(
-                    l("self_attn.v_proj.weight"),
-                    [d, hkv],
-                    [Some("embed"), Some("kv_heads")],
-                ),
-                o_proj: matrix(
-                    l("self_attn.o_proj.weight"),
-                    [hq, d],
-                    [Some("q_heads"), Some("embed")],
-                ),
-                q_norm: norm_scale(l("self_attn.q_norm.weight"), c.head_dim, None),
-                k_norm: norm_scale(l("self_attn.k_norm.weight"), c.head_dim, None),
-            }),
+            None => Attention::Gqa(Gqa::declare(c, &l("self_attn"))),
         };
         let mlp = match c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
             None => Mlp::Dense(DenseMlp::declare(&l("mlp"), &l("mlp"), d, c.base_mlp_dim)),

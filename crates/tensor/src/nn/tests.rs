@@ -500,6 +500,7 @@ fn threaded_rope_matches_a_serial_loop_bitwise() {
                 theta: 1e4,
                 interleaved,
                 yarn: None,
+                llama3: None,
             };
             let freqs = rope.frequencies(dim);
             let half = dim / 2;

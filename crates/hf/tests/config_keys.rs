@@ -1,0 +1,304 @@
+//! `config.json` in both generations, and every key of each family pinned: transformers' own key
+//! lists (`fixtures/transformers/keys/<model_type>-<gen>.json`, written by transformers' config
+//! classes) are all in the reader's table, and each table entry is probed against a preset
+//! written out by ferrotext: a read key's probe changes the decoder config, a refused key's bad
+//! value is refused naming the key, an irrelevant key's changed value changes nothing.
+
+use std::path::Path;
+
+use ferrotext_hf::{config_from_json, hf_config_json, key_use, listed_keys, KeyUse, ModelType};
+use ferrotext_models::decoder::Config;
+use serde_json::{json, Value};
+
+/// The preset each family's probes start from (qwen3_moe without the shared expert it has not).
+fn baseline(kind: ModelType) -> Config {
+    let name = match kind {
+        ModelType::Qwen3 => "qwen3-tiny",
+        ModelType::Qwen3Moe => "qwen3-moe-tiny",
+        ModelType::DeepseekV3 => "deepseek3-tiny",
+        ModelType::Llama => "llama3-tiny",
+        ModelType::Qwen2 => "qwen2-tiny",
+    };
+    let mut cfg = Config::preset(name).unwrap();
+    if let Some(m) = cfg.moe.as_mut().filter(|_| kind == ModelType::Qwen3Moe) {
+        m.shared_experts = 0;
+    }
+    if let Some(a) = cfg.mla {
+        cfg.head_dim = a.qk_rope_head_dim;
+    }
+    cfg
+}
+
+/// `v` (4.x form, as ferrotext writes it) in transformers 5's form: `rope_theta` and
+/// `rope_scaling` folded into `rope_parameters` (`type` becoming `rope_type`), the expert count
+/// as `num_local_experts`, `torch_dtype` as `dtype`.
+fn to_v5(v: &Value) -> Value {
+    let mut v = v.clone();
+    let obj = v.as_object_mut().unwrap();
+    let mut rope = match obj.remove("rope_scaling") {
+        Some(Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    if let Some(t) = rope.remove("type") {
+        rope.insert("rope_type".into(), t);
+    }
+    rope.entry("rope_type").or_insert(json!("default"));
+    rope.insert("rope_theta".into(), obj.remove("rope_theta").unwrap());
+    obj.insert("rope_parameters".into(), Value::Object(rope));
+    for old in ["num_experts", "n_routed_experts"] {
+        if let Some(n) = obj.remove(old) {
+            obj.insert("num_local_experts".into(), n);
+        }
+    }
+    if let Some(d) = obj.remove("torch_dtype") {
+        obj.insert("dtype".into(), d);
+    }
+    v
+}
+
+/// The silent bug: transformers 5's qwen3 keeps θ in `rope_parameters`; it was read as
+/// the default 10000.
+#[test]
+fn qwen3_theta_under_rope_parameters_is_read() {
+    let v4 = hf_config_json(&baseline(ModelType::Qwen3), "float32").unwrap();
+    let v5 = to_v5(&v4);
+    assert!(v5.get("rope_theta").is_none());
+    assert_eq!(v5["rope_parameters"]["rope_theta"], json!(1_000_000.0));
+    let cfg = config_from_json(&v5).unwrap();
+    assert_eq!(cfg.rope_max_timescale, 1_000_000.0);
+    let mut no_theta = v5.clone();
+    no_theta["rope_parameters"]
+        .as_object_mut()
+        .unwrap()
+        .remove("rope_theta");
+    assert_eq!(
+        config_from_json(&no_theta).unwrap().rope_max_timescale,
+        10_000.0,
+        "mirror: without θ anywhere, transformers' default"
+    );
+}
+
+/// Every family's preset reads the same from its 4.x and its 5 form.
+#[test]
+fn both_generations_read_to_the_same_config() {
+    for kind in ModelType::ALL {
+        let cfg = baseline(kind);
+        let v4 = hf_config_json(&cfg, "float32").unwrap();
+        assert_eq!(config_from_json(&v4).unwrap(), cfg, "{} 4.x", kind.name());
+        let v5 = to_v5(&v4);
+        assert_eq!(
+            config_from_json(&v5).unwrap(),
+            cfg,
+            "{} 5: {v5}",
+            kind.name()
+        );
+    }
+}
+
+/// The llama3 scaling and DeepSeek's YaRN arrive in full, from either generation.
+#[test]
+fn scaled_rope_keys_arrive_in_full() {
+    let l = baseline(ModelType::Llama).rope_llama3.unwrap();
+    assert_eq!(
+        (
+            l.factor,
+            l.low_freq_factor,
+            l.high_freq_factor,
+            l.original_max_position
+        ),
+        (32.0, 1.0, 4.0, 8192)
+    );
+    let v5 = to_v5(&hf_config_json(&baseline(ModelType::Llama), "float32").unwrap());
+    assert_eq!(v5["rope_parameters"]["rope_type"], json!("llama3"));
+    let cfg = config_from_json(&v5).unwrap();
+    assert_eq!(cfg.rope_llama3, Some(l));
+    assert_eq!(cfg.rope_max_timescale, 500_000.0);
+    let y = baseline(ModelType::DeepseekV3).rope_yarn.unwrap();
+    let v5 = to_v5(&hf_config_json(&baseline(ModelType::DeepseekV3), "float32").unwrap());
+    assert_eq!(v5["rope_parameters"]["rope_type"], json!("yarn"));
+    assert_eq!(config_from_json(&v5).unwrap().rope_yarn, Some(y));
+}
+
+/// `deepseek_v3`'s `rope_interleave` is read (default true, as transformers').
+#[test]
+fn rope_interleave_is_read_with_transformers_default() {
+    let mut v = hf_config_json(&baseline(ModelType::DeepseekV3), "float32").unwrap();
+    v["rope_interleave"] = json!(false);
+    let cfg = config_from_json(&v).unwrap();
+    assert!(!cfg.mla.unwrap().rope_interleave);
+    assert!(!cfg.rope().interleaved);
+    v.as_object_mut().unwrap().remove("rope_interleave");
+    let cfg = config_from_json(&v).unwrap();
+    assert!(cfg.mla.unwrap().rope_interleave && cfg.rope().interleaved);
+}
+
+fn refusal(v: &Value) -> String {
+    config_from_json(v).expect_err("refused")
+}
+
+/// Two generations that disagree, a key the rope type does not define, a type the family has
+/// not: each refused, named with its value.
+#[test]
+fn conflicting_or_unknown_rope_keys_are_refused_by_name() {
+    let v4 = hf_config_json(&baseline(ModelType::Qwen3), "float32").unwrap();
+    let mut both = to_v5(&v4);
+    both["rope_theta"] = json!(10_000.0);
+    assert!(
+        refusal(&both).contains("rope_theta=10000 and rope_parameters.rope_theta=1000000"),
+        "{}",
+        refusal(&both)
+    );
+    both["rope_theta"] = json!(1_000_000.0);
+    assert!(config_from_json(&both).is_ok(), "mirror: agreeing θ");
+    let mut odd = to_v5(&v4);
+    odd["rope_parameters"]["factor"] = json!(2.0);
+    assert!(refusal(&odd).contains("rope_parameters.factor=2.0 (not read for rope_type default)"));
+    let mut linear = to_v5(&v4);
+    linear["rope_parameters"]["rope_type"] = json!("linear");
+    assert!(refusal(&linear)
+        .contains("rope_parameters.rope_type=\"linear\" (qwen3 reads default only)"));
+    let mut llama3_in_qwen2 = to_v5(&hf_config_json(&baseline(ModelType::Qwen2), "f").unwrap());
+    llama3_in_qwen2["rope_parameters"] =
+        to_v5(&hf_config_json(&baseline(ModelType::Llama), "f").unwrap())["rope_parameters"]
+            .clone();
+    assert!(refusal(&llama3_in_qwen2).contains("rope_type=\"llama3\" (qwen2 reads default only)"));
+    let mut moe = to_v5(&hf_config_json(&baseline(ModelType::Qwen3Moe), "f").unwrap());
+    moe["num_experts"] = json!(5);
+    assert!(refusal(&moe).contains("num_experts=5 and num_local_experts=8"));
+    let mut ds = hf_config_json(&baseline(ModelType::DeepseekV3), "f").unwrap();
+    ds["rope_scaling"]["truncate"] = json!(false);
+    assert!(
+        refusal(&ds).contains("rope_scaling.truncate=false"),
+        "{}",
+        refusal(&ds)
+    );
+}
+
+/// YaRN's two mscales as transformers uses them (hand-computed for factor 40):
+/// `get_mscale(40, m) = 0.1·m·ln 40 + 1`; the softmax takes `get_mscale(40, mscale_all_dim)²`,
+/// the rotation `get_mscale(40, mscale) / get_mscale(40, mscale_all_dim)`, or
+/// `get_mscale(40, 1)` when either is missing (and then the softmax nothing).
+#[test]
+fn yarn_mscales_split_between_the_softmax_and_the_rotation_as_transformers_does() {
+    let base = hf_config_json(&baseline(ModelType::DeepseekV3), "f").unwrap();
+    let ln40 = 40f32.ln();
+    let yarn = |edit: &dyn Fn(&mut serde_json::Map<String, Value>)| {
+        let mut v = base.clone();
+        let rs = v["rope_scaling"].as_object_mut().unwrap();
+        rs.remove("attention_factor");
+        edit(rs);
+        config_from_json(&v).unwrap().rope_yarn.unwrap()
+    };
+    let y = yarn(&|rs| {
+        rs.insert("mscale".into(), json!(1.0));
+        rs.insert("mscale_all_dim".into(), json!(0.8));
+    });
+    assert_eq!(y.mscale, 0.8);
+    let want = (0.1 * ln40 + 1.0) / (0.08 * ln40 + 1.0);
+    assert!(
+        (y.attention_factor - want).abs() < 1e-6,
+        "{}",
+        y.attention_factor
+    );
+    let y = yarn(&|rs| {
+        rs.remove("mscale_all_dim");
+    });
+    assert_eq!(y.mscale, 0.0);
+    assert!((y.attention_factor - (0.1 * ln40 + 1.0)).abs() < 1e-6);
+    let y = yarn(&|rs| {
+        rs.insert("attention_factor".into(), json!(0.5));
+    });
+    assert_eq!(y.attention_factor, 0.5, "given, it wins");
+    let y = yarn(&|_| {});
+    assert_eq!((y.mscale, y.attention_factor), (1.0, 1.0), "equal mscales");
+}
+
+/// A value standing for "changed" of the same JSON kind as `x` (a number +1, a bool flipped).
+fn changed(x: Option<&Value>) -> Value {
+    match x {
+        Some(Value::Bool(b)) => json!(!b),
+        Some(Value::Number(n)) => json!(n.as_f64().unwrap() + 1.0),
+        Some(Value::String(s)) => json!(format!("{s}-changed")),
+        Some(Value::Array(_)) => json!([]),
+        _ => json!(7),
+    }
+}
+
+/// Every table entry of every family, probed: read keys change the config, refused values are
+/// refused naming the key, irrelevant keys change nothing.
+#[test]
+fn every_listed_key_does_what_the_table_says() {
+    for kind in ModelType::ALL {
+        let cfg = baseline(kind);
+        let v4 = hf_config_json(&cfg, "float32").unwrap();
+        let v5 = to_v5(&v4);
+        for (key, u) in listed_keys(kind) {
+            let at = format!("{} `{key}` ({u:?})", kind.name());
+            // The 5.x-only keys are probed in the 5.x form, the others in the 4.x one.
+            let base = if ["rope_parameters", "num_local_experts"].contains(&key) {
+                &v5
+            } else {
+                &v4
+            };
+            let mut v = base.clone();
+            match u {
+                KeyUse::Read { probe } => {
+                    v[key] = serde_json::from_str(probe).unwrap();
+                    let got = config_from_json(&v).unwrap_or_else(|e| panic!("{at}: {e}"));
+                    assert_ne!(got, cfg, "{at}: the probe changed nothing");
+                }
+                KeyUse::Refused { bad, .. } => {
+                    v[key] = serde_json::from_str(bad).unwrap();
+                    let err = config_from_json(&v).expect_err(&at);
+                    assert!(err.contains(key), "{at}: {err}");
+                }
+                KeyUse::Irrelevant(_) if key == "model_type" => {} // chooses the family itself
+                KeyUse::Irrelevant(_) => {
+                    v[key] = changed(base.get(key));
+                    let got = config_from_json(&v).unwrap_or_else(|e| panic!("{at}: {e}"));
+                    assert_eq!(got, cfg, "{at}");
+                }
+            }
+        }
+    }
+}
+
+/// transformers' own key lists: every key its config class defines for each supported type, in
+/// each generation, is in the reader's table.
+#[test]
+fn every_key_transformers_defines_is_pinned() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/transformers/keys");
+    let mut seen = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.unwrap().path();
+        let stem = path.file_stem().unwrap().to_string_lossy().to_string();
+        let Some((model_type, _generation)) = stem.rsplit_once('-') else {
+            continue;
+        };
+        let Some(kind) = ModelType::from_name(model_type) else {
+            continue; // a type ferrotext does not read: refused whole by model_type
+        };
+        let text = std::fs::read_to_string(&path).unwrap();
+        let list: Value = serde_json::from_str(&text).unwrap();
+        // `defaults`: `to_dict()` of a default config; `attribute_map`: the aliases a
+        // config.json may use for them.
+        let keys: Vec<String> = ["defaults", "attribute_map"]
+            .iter()
+            .filter_map(|part| list.get(part).and_then(Value::as_object))
+            .flat_map(|m| m.keys().cloned())
+            .collect();
+        assert!(!keys.is_empty(), "{}", path.display());
+        let missing: Vec<&String> = keys.iter().filter(|k| key_use(kind, k).is_none()).collect();
+        assert!(missing.is_empty(), "{stem}: keys not pinned: {missing:?}");
+        seen.push(stem);
+    }
+    for kind in ModelType::ALL {
+        assert!(
+            seen.iter()
+                .any(|s| s.starts_with(&format!("{}-", kind.name()))),
+            "no key list for {} in {} (have {seen:?})",
+            kind.name(),
+            dir.display()
+        );
+    }
+}
