@@ -16,6 +16,7 @@ use super::{round_slice, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
 use crate::nn::{causal_softmax, rms_norm, silu, softmax_last, swiglu};
 use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads, Work};
+use crate::rope::{rope_with, Rope};
 use crate::tensor::Tensor;
 use crate::{causal_attention, Attention};
 
@@ -201,6 +202,36 @@ pub fn add_bf16(a: &Bf16Tensor, b: &Bf16Tensor) -> Result<Bf16Tensor, TensorErro
         }
     });
     Bf16Tensor::new(a.shape().to_vec(), data)
+}
+
+/// [`rope_with`] on bf16 `x: [.., seq, heads, head_dim]`: the rotation in `f32`, rounded once.
+/// Chunks are whole sequences (one batch row each), so every position meets its table row.
+///
+/// # Errors
+/// As [`rope_with`].
+pub fn rope_bf16(
+    x: &Bf16Tensor,
+    positions: &[usize],
+    rope: &Rope,
+    inverse: bool,
+) -> Result<Bf16Tensor, TensorError> {
+    let r = x.shape().len();
+    if r < 3 || x.is_empty() {
+        // `rope_with` states the layout it needs (or returns the empty tensor).
+        return Ok(Bf16Tensor::from_f32(&rope_with(
+            &x.to_f32(),
+            positions,
+            rope,
+            inverse,
+        )?));
+    }
+    let row: usize = x.shape()[r - 3..].iter().product();
+    let inner = x.shape()[r - 3..].to_vec();
+    by_chunks(x.shape(), row, row, &[x], |p| {
+        let seqs = p[0].len() / row;
+        let shape: Vec<usize> = std::iter::once(seqs).chain(inner.iter().copied()).collect();
+        rope_with(&p[0].clone().reshape(&shape)?, positions, rope, inverse)
+    })
 }
 
 /// [`causal_attention`] on bf16 `q`, `k`, `v`: scores, softmax and both products in `f32` on

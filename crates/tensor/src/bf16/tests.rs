@@ -5,7 +5,8 @@ use half::bf16;
 
 use super::*;
 use crate::{
-    causal_attention, causal_softmax, rms_norm, silu, softmax_last, swiglu, Attention, Tensor,
+    causal_attention, causal_softmax, rms_norm, rope_with, silu, softmax_last, swiglu, Attention,
+    Rope, Tensor,
 };
 
 fn bits(x: f32) -> u16 {
@@ -191,6 +192,22 @@ fn causal_softmax_and_attention_are_their_f32_kernels_rounded() {
     } = causal_attention(&q.to_f32(), &k.to_f32(), &v.to_f32(), 0.25, 2).unwrap();
     assert_eq!(out, rounded(&want));
     assert_eq!(probs, want_probs);
+}
+
+#[test]
+fn rope_is_its_f32_kernel_rounded() {
+    let rope = Rope::standard(10_000.0);
+    for shape in [[2usize, 5, 3, 8], [3, 64, 4, 32]] {
+        let x = input(&shape, 8);
+        let positions: Vec<usize> = (0..shape[1]).map(|p| 3 * p + 1).collect();
+        for inverse in [false, true] {
+            let got = rope_bf16(&x, &positions, &rope, inverse).unwrap();
+            let want = rope_with(&x.to_f32(), &positions, &rope, inverse).unwrap();
+            assert_eq!(got, rounded(&want), "{shape:?} inverse {inverse}");
+        }
+    }
+    let e = rope_bf16(&input(&[2, 5, 3, 8], 1), &[0, 1], &rope, false).unwrap_err();
+    assert!(e.to_string().contains("2 positions"), "{e}");
 }
 
 #[test]
