@@ -1,0 +1,201 @@
+//! DeepSeek-V3 as transformers writes it (issue 29 items 2 and 3), against the fixtures of
+//! `crates/hf/tests/fixtures/transformers/` (made by `make_fixtures.py` with transformers'
+//! `save_pretrained` and a float64 forward): group-limited routing (`n_group` 4, `topk_group`
+//! 2), a trained `e_score_correction_bias` and `routed_scaling_factor` 2.5 give transformers'
+//! step-0 loss within 2e-5 and its 16 greedy tokens; export → reload gives the same values; a
+//! directory with a multi-token-prediction layer is refused by name, never dropped.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferrotext_comm::{run_spmd, SpmdOptions};
+use ferrotext_hf::{self as hf, SaveDtype};
+use ferrotext_models::decoder::Decoder;
+use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
+use ferrotext_spmd::{Array, Ctx};
+use ferrotext_tensor::Tensor;
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures/transformers")
+        .join(name)
+}
+
+fn expected(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// ferrotext's logits `[rows·len][vocab]` of `rows` equal-length rows, on one device.
+fn logits(model: &Decoder, values: &[Tensor], rows: &[Vec<u32>]) -> Vec<Vec<f64>> {
+    let mesh = Arc::new(Mesh::explicit([("data", 1)]).unwrap());
+    let (b, t) = (rows.len(), rows[0].len());
+    let flat: Vec<u32> = rows.concat();
+    let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let named = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
+        let params: Vec<Array> = values
+            .iter()
+            .map(|v| cx.from_global(v, named.clone()))
+            .collect::<Result<_, _>>()?;
+        let batch = PartitionSpec::new([Some("data"), None]);
+        let ids = cx.ids_from_global(&[b, t], batch, &flat)?;
+        let logits = model.logits(&mut cx, &params, &ids)?;
+        cx.to_host(&logits)
+    })
+    .unwrap();
+    let vocab = model.config().vocab_size;
+    out[0]
+        .data()
+        .chunks(vocab)
+        .map(|r| r.iter().map(|&x| f64::from(x)).collect())
+        .collect()
+}
+
+/// Mean next-token cross-entropy over every predicted position (transformers' definition in
+/// `expected.json`), in f64 from the logits.
+fn mean_loss(model: &Decoder, values: &[Tensor], rows: &[Vec<u32>]) -> f64 {
+    let t = rows[0].len();
+    let all = logits(model, values, rows);
+    let mut sum = 0.0;
+    let mut n = 0;
+    for (r, row) in rows.iter().enumerate() {
+        for i in 0..t - 1 {
+            let z = &all[r * t + i];
+            let max = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = max + z.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+            sum += lse - z[row[i + 1] as usize];
+            n += 1;
+        }
+    }
+    sum / n as f64
+}
+
+/// 16 greedy tokens after `prompt`, each from a full forward pass (argmax, ties to the lower id).
+fn greedy(model: &Decoder, values: &[Tensor], prompt: &[u32]) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..16 {
+        // Two copies of the row: a batch of one does not reshape on a `data` mesh axis.
+        let all = logits(model, values, &[seq.clone(), seq.clone()]);
+        let last = &all[seq.len() - 1];
+        let mut best = 0;
+        for (i, &x) in last.iter().enumerate() {
+            if x > last[best] {
+                best = i;
+            }
+        }
+        seq.push(best as u32);
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+fn load(dir: &Path) -> (Decoder, Vec<Tensor>) {
+    let cfg = hf::read_config(dir).unwrap_or_else(|e| panic!("{e}"));
+    let model = Decoder::new(cfg).unwrap();
+    let values = hf::load_directory(dir, &model.params()).unwrap_or_else(|e| panic!("{e}"));
+    (model, values)
+}
+
+fn check_groups(name: &str) {
+    let dir = fixture(name);
+    let want = expected(&dir);
+    let (model, values) = load(&dir);
+    let m = model.config().moe.as_ref().unwrap();
+    assert_eq!(
+        (m.groups.n_routing_groups, m.groups.topk_routing_group),
+        (4, 2)
+    );
+    assert!(m.routed_bias);
+    // The trained bias is read: nonzero.
+    let k = model
+        .params()
+        .iter()
+        .position(|p| p.name == "model.layers.1.mlp.gate.e_score_correction_bias")
+        .unwrap();
+    assert!(values[k].data().iter().any(|&b| b != 0.0));
+    let rows: Vec<Vec<u32>> = want["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .collect();
+    let loss = mean_loss(&model, &values, &rows);
+    let reference = want["loss"].as_f64().unwrap();
+    eprintln!("{name}: loss {loss:.7} transformers {reference:.7}");
+    assert!(
+        (loss - reference).abs() <= 2e-5,
+        "{name}: loss {loss} vs transformers' {reference}"
+    );
+    // Mirrors: without the group limit, or without the bias, the loss is not transformers'.
+    let mut no_groups = model.config().clone();
+    if let Some(m) = no_groups.moe.as_mut() {
+        m.groups = Default::default();
+    }
+    let off = mean_loss(&Decoder::new(no_groups).unwrap(), &values, &rows);
+    assert!(
+        (off - reference).abs() > 2e-5,
+        "{name}: groups change nothing"
+    );
+    let mut zero_bias = values.clone();
+    zero_bias[k] = Tensor::zeros(zero_bias[k].shape());
+    let off = mean_loss(&model, &zero_bias, &rows);
+    assert!(
+        (off - reference).abs() > 2e-5,
+        "{name}: the bias changes nothing"
+    );
+    let tokens = greedy(&model, &values, &ids(&want["prompt"]));
+    assert_eq!(tokens, ids(&want["greedy_tokens"]), "{name}");
+    // Export and reload: the same config and values (the bias included).
+    let out = std::env::temp_dir().join(format!("ferrotext-ds-{}-{name}", std::process::id()));
+    std::fs::remove_dir_all(&out).ok();
+    hf::save_directory(
+        &out,
+        model.config(),
+        &model.params(),
+        &values,
+        SaveDtype::F32,
+        u64::MAX,
+    )
+    .unwrap();
+    let (again, reloaded) = load(&out);
+    assert_eq!(again.config(), model.config());
+    assert_eq!(reloaded, values);
+    std::fs::remove_dir_all(&out).ok();
+}
+
+#[test]
+fn deepseek_groups_bias_and_scaling_match_transformers_f32() {
+    check_groups("deepseek_v3-groups-tf5-f32-single");
+    check_groups("deepseek_v3-groups-tf4-f32-single");
+}
+
+#[test]
+fn deepseek_groups_bias_and_scaling_match_transformers_bf16_sharded() {
+    check_groups("deepseek_v3-groups-tf5-bf16-sharded");
+}
+
+/// A directory whose checkpoint has the multi-token-prediction layer (`model.layers.2.*`:
+/// `eh_proj`, `enorm`, `hnorm`, `shared_head`, a decoder layer) is refused, naming the layer and
+/// the key, rather than loaded without it.
+#[test]
+fn a_multi_token_prediction_layer_is_refused_not_dropped() {
+    let dir = fixture("deepseek_v3-mtp-tf5-f32-single");
+    let cfg = hf::read_config(&dir).unwrap();
+    let model = Decoder::new(cfg).unwrap();
+    let e = hf::load_directory(&dir, &model.params())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("multi-token-prediction layer `model.layers.2.*`")
+            && e.contains("num_nextn_predict_layers"),
+        "{e}"
+    );
+}
