@@ -128,7 +128,8 @@ impl ModelType {
             unsupported.push("YaRN RoPE without MLA".into());
         }
         if cfg.moe.is_some() && cfg.mla.is_none() && (!cfg.qk_norm || cfg.qkv_bias) {
-            unsupported.push("MoE layers with Llama/Qwen2 attention (qwen3_moe has QK-norm)".into());
+            unsupported
+                .push("MoE layers with Llama/Qwen2 attention (qwen3_moe has QK-norm)".into());
         }
         if kind != ModelType::Llama && cfg.rope_llama3.is_some() {
             unsupported.push(format!("Llama 3 RoPE scaling in {}", kind.name()));

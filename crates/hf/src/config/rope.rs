@@ -94,10 +94,10 @@ pub(super) fn read(k: &mut Keys<'_>, kind: ModelType) -> Result<RopeRead, String
             .to_string(),
         (None, None) => "default".to_string(),
     };
-    let allowed = match (kind, rope_type.as_str()) {
-        (_, "default") | (ModelType::Llama, "llama3") | (ModelType::DeepseekV3, "yarn") => true,
-        _ => false,
-    };
+    let allowed = matches!(
+        (kind, rope_type.as_str()),
+        (_, "default") | (ModelType::Llama, "llama3") | (ModelType::DeepseekV3, "yarn")
+    );
     if !allowed {
         k.unsupported.push(format!(
             "{name}.rope_type=\"{rope_type}\" ({} reads {})",

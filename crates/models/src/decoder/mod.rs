@@ -288,7 +288,8 @@ impl Decoder {
         // Biases are added, not multiplied: they count no matmul FLOPs.
         let biases = match (&c.mla, c.qkv_bias) {
             (None, true) => {
-                c.base_num_decoder_layers * (c.base_num_query_heads + 2 * c.base_num_kv_heads)
+                c.base_num_decoder_layers
+                    * (c.base_num_query_heads + 2 * c.base_num_kv_heads)
                     * c.head_dim
             }
             _ => 0,
@@ -308,9 +309,8 @@ impl Decoder {
             }
             None => 0,
         };
-        let matmul_weights = self.param_count() - embedding - norms - biases - untied_extra
-            - idle_experts
-            + lm_head;
+        let matmul_weights =
+            self.param_count() - embedding - norms - biases - untied_extra - idle_experts + lm_head;
         // Scores (q·k over the query/key width) and values, forward and backward: 6 each.
         let (qk_width, v_width) = match &c.mla {
             Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
