@@ -14,7 +14,10 @@ use half::bf16;
 
 use super::{round_slice, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
-use crate::nn::{causal_softmax, rms_norm, silu, softmax_last, swiglu};
+use crate::nn::{
+    causal_softmax, rms_norm, rms_norm_backward, silu, softmax_backward_scaled, softmax_last,
+    swiglu, swiglu_backward,
+};
 use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads, Work};
 use crate::rope::{rope_with, Rope};
 use crate::tensor::Tensor;
@@ -71,6 +74,51 @@ fn by_chunks(
     match first.into_inner().ok().flatten() {
         Some(e) => Err(e),
         None => Bf16Tensor::new(shape.to_vec(), data),
+    }
+}
+
+/// Two tensors of `shape` computed chunk by chunk, as [`by_chunks`] with two outputs.
+fn by_chunks_pair(
+    shape: &[usize],
+    n: usize,
+    chunk: usize,
+    inputs: &[&Bf16Tensor],
+    f: impl Fn(&[Tensor]) -> Result<(Tensor, Tensor), TensorError> + Sync,
+) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
+    let len: usize = shape.iter().product();
+    let (mut a, mut b) = (vec![bf16::ZERO; len], vec![bf16::ZERO; len]);
+    let first = Mutex::new(None);
+    for_each_chunk2(
+        &mut a,
+        chunk,
+        &mut b,
+        chunk,
+        kernel_threads(),
+        Work::Heavy,
+        |c, oa, ob| {
+            let parts: Vec<Tensor> = inputs
+                .iter()
+                .map(|t| widened(t, c * chunk, oa.len(), n))
+                .collect();
+            match f(&parts) {
+                Ok((ya, yb)) if ya.len() == oa.len() && yb.len() == ob.len() => {
+                    round_slice(ya.data(), oa);
+                    round_slice(yb.data(), ob);
+                }
+                Ok(_) => keep(
+                    &first,
+                    TensorError::shape("bf16 rows", format!("a chunk of rows of {n}")),
+                ),
+                Err(e) => keep(&first, e),
+            }
+        },
+    );
+    match first.into_inner().ok().flatten() {
+        Some(e) => Err(e),
+        None => Ok((
+            Bf16Tensor::new(shape.to_vec(), a)?,
+            Bf16Tensor::new(shape.to_vec(), b)?,
+        )),
     }
 }
 
@@ -137,6 +185,68 @@ pub fn rms_norm_bf16(
     }
 }
 
+/// [`rms_norm_backward`] for bf16 `x` and `dy`: `dx` rounded to bf16, `dscale` in `f32`
+/// (a master weight's gradient). Chunks are the `f32` kernel's own groups of rows and their
+/// partial `dscale`s are added in group order from zero, as it adds them: the same bits.
+///
+/// # Errors
+/// Shapes disagree.
+pub fn rms_norm_backward_bf16(
+    x: &Bf16Tensor,
+    scale: &Tensor,
+    inv_rms: &[f32],
+    dy: &Bf16Tensor,
+) -> Result<(Bf16Tensor, Tensor), TensorError> {
+    same(x, dy, "rms_norm_backward_bf16")?;
+    let n = last(x, "rms_norm_backward_bf16")?;
+    if inv_rms.len() * n != x.len() || scale.shape() != [n] {
+        return Err(TensorError::shape(
+            "rms_norm_backward_bf16",
+            "row statistics do not fit".into(),
+        ));
+    }
+    let chunk = chunk_elements(n);
+    let groups = x.len().div_ceil(chunk);
+    let mut dx = vec![bf16::ZERO; x.len()];
+    let mut partial = vec![0.0f32; groups * n];
+    let first = Mutex::new(None);
+    for_each_chunk2(
+        &mut dx,
+        chunk,
+        &mut partial,
+        n,
+        kernel_threads(),
+        Work::Heavy,
+        |c, out, ds| {
+            let rows = c * chunk / n..c * chunk / n + out.len() / n;
+            let (xc, dyc) = (
+                widened(x, c * chunk, out.len(), n),
+                widened(dy, c * chunk, out.len(), n),
+            );
+            match rms_norm_backward(&xc, scale, &inv_rms[rows], &dyc) {
+                Ok((d, s)) => {
+                    round_slice(d.data(), out);
+                    ds.copy_from_slice(s.data());
+                }
+                Err(e) => keep(&first, e),
+            }
+        },
+    );
+    if let Some(e) = first.into_inner().ok().flatten() {
+        return Err(e);
+    }
+    let mut dscale = vec![0.0f32; n];
+    for group in partial.chunks(n) {
+        for (d, &p) in dscale.iter_mut().zip(group) {
+            *d += p;
+        }
+    }
+    Ok((
+        Bf16Tensor::new(x.shape().to_vec(), dx)?,
+        Tensor::new(vec![n], dscale)?,
+    ))
+}
+
 /// [`softmax_last`] on bf16 rows (max, exponentials and sum in `f32`).
 ///
 /// # Errors
@@ -177,6 +287,38 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
 pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
     same(g, u, "swiglu_bf16")?;
     by_chunks(g.shape(), 1, CHUNK, &[g, u], |p| swiglu(&p[0], &p[1]))
+}
+
+/// [`swiglu_backward`] on bf16 `g`, `u` and `dy`: `(dg, du)` rounded to bf16.
+///
+/// # Errors
+/// Shapes differ.
+pub fn swiglu_backward_bf16(
+    g: &Bf16Tensor,
+    u: &Bf16Tensor,
+    dy: &Bf16Tensor,
+) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
+    same(g, u, "swiglu_backward_bf16")?;
+    same(g, dy, "swiglu_backward_bf16")?;
+    by_chunks_pair(g.shape(), 1, CHUNK, &[g, u, dy], |p| {
+        swiglu_backward(&p[0], &p[1], &p[2])
+    })
+}
+
+/// [`softmax_backward_scaled`] on bf16 `y` and `dy` (the row sum in `f32`), `dx` rounded.
+///
+/// # Errors
+/// Shapes differ, or an empty last dimension.
+pub fn softmax_backward_bf16(
+    y: &Bf16Tensor,
+    dy: &Bf16Tensor,
+    scale: f32,
+) -> Result<Bf16Tensor, TensorError> {
+    same(y, dy, "softmax_backward_bf16")?;
+    let n = last(y, "softmax_backward_bf16")?;
+    by_chunks(y.shape(), n, chunk_elements(n), &[y, dy], |p| {
+        softmax_backward_scaled(&p[0], &p[1], scale)
+    })
 }
 
 /// [`silu`] on bf16 inputs.

@@ -5,8 +5,8 @@ use half::bf16;
 
 use super::*;
 use crate::{
-    causal_attention, causal_softmax, rms_norm, rope_with, silu, softmax_last, swiglu, Attention,
-    Rope, Tensor,
+    causal_attention, causal_softmax, rms_norm, rms_norm_backward, rope_with, silu,
+    softmax_backward_scaled, softmax_last, swiglu, swiglu_backward, Attention, Rope, Tensor,
 };
 
 fn bits(x: f32) -> u16 {
@@ -157,6 +157,40 @@ fn row_kernels_are_their_f32_kernels_rounded() {
         let sum = add_bf16(&x, &u).unwrap();
         assert_eq!(sum, rounded(&x.to_f32().add(&u.to_f32()).unwrap()));
     }
+}
+
+#[test]
+fn backward_row_kernels_are_their_f32_kernels_rounded() {
+    for &shape in &SHAPES {
+        let (x, dy) = (input(shape, 11), input(shape, 12));
+        let n = shape[1];
+        let scale = Tensor::from_fn(&[n], |i| 0.5 + (i % 5) as f32 * 0.1);
+        let (_, inv) = rms_norm_bf16(&x, &scale, 1e-6).unwrap();
+        let (dx, dscale) = rms_norm_backward_bf16(&x, &scale, &inv, &dy).unwrap();
+        let (want_dx, want_dscale) =
+            rms_norm_backward(&x.to_f32(), &scale, &inv, &dy.to_f32()).unwrap();
+        assert_eq!(dx, rounded(&want_dx), "rms_norm_backward dx {shape:?}");
+        // dscale stays f32, with the f32 kernel's bits (its groups, in its order).
+        assert_eq!(dscale, want_dscale, "rms_norm_backward dscale {shape:?}");
+
+        let u = input(shape, 13);
+        let (dg, du) = swiglu_backward_bf16(&x, &u, &dy).unwrap();
+        let (wg, wu) = swiglu_backward(&x.to_f32(), &u.to_f32(), &dy.to_f32()).unwrap();
+        assert_eq!(
+            (dg, du),
+            (rounded(&wg), rounded(&wu)),
+            "swiglu_backward {shape:?}"
+        );
+
+        let y = softmax_last_bf16(&x).unwrap();
+        let got = softmax_backward_bf16(&y, &dy, 0.7).unwrap();
+        let want = softmax_backward_scaled(&y.to_f32(), &dy.to_f32(), 0.7).unwrap();
+        assert_eq!(got, rounded(&want), "softmax_backward {shape:?}");
+    }
+    let x = input(&[3, 4], 1);
+    let e = rms_norm_backward_bf16(&x, &Tensor::zeros(&[4]), &[1.0; 2], &x).unwrap_err();
+    assert!(e.to_string().contains("row statistics"), "{e}");
+    assert!(swiglu_backward_bf16(&x, &x, &input(&[4, 3], 1)).is_err());
 }
 
 /// The rounding is real: a bf16 kernel's output differs from the unrounded f32 result (the
