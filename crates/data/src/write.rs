@@ -55,8 +55,8 @@ impl ShardWriter {
     /// A writer for the directory `out`, which must not exist yet.
     ///
     /// # Errors
-    /// [`DataError::OutputExists`]; [`DataError::Write`] when the temporary directory cannot be
-    /// made.
+    /// [`DataError::OutputExists`]; [`DataError::Invalid`] when `out`'s parent is not a
+    /// directory; [`DataError::Write`] when the temporary directory cannot be made.
     pub fn create(
         out: &Path,
         info: TokenizerInfo,
@@ -75,6 +75,12 @@ impl ShardWriter {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
+        if !parent.is_dir() {
+            return Err(DataError::invalid(
+                out,
+                format!("cannot be made: {} is not a directory", parent.display()),
+            ));
+        }
         let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(DataError::write(&tmp))?;

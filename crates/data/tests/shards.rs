@@ -286,6 +286,12 @@ fn bad_inputs_are_refused_with_nothing_written() {
         msg.contains("n.jsonl line 1: field `text` is a number"),
         "{msg}"
     );
+    // An output whose parent is missing.
+    let mut opts = options(vec![dir.join("ok.jsonl").display().to_string()], &out);
+    opts.output = dir.join("no-such-dir").join("out");
+    let msg = tokenize(&opts, &mut |_| {}).unwrap_err().to_string();
+    assert!(msg.contains("no-such-dir is not a directory"), "{msg}");
+    assert!(!dir.join("no-such-dir").exists());
     // A glob matching nothing.
     let pattern = dir.join("*.none.jsonl").display().to_string();
     let msg = refused(&options(vec![pattern.clone()], &out)).to_string();
