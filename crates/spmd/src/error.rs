@@ -229,6 +229,16 @@ pub enum SpmdError {
         /// How many buckets the plan has.
         buckets: usize,
     },
+    /// A value index the buffers do not have.
+    #[error("`{op}`: no value {index} (the buffers hold {values})")]
+    NoSuchValue {
+        /// The op.
+        op: &'static str,
+        /// The index asked for.
+        index: usize,
+        /// How many values there are.
+        values: usize,
+    },
     /// Bucket buffers used with a plan (or other buffers) they were not made for, or one of
     /// them being reduced.
     #[error("`{op}`: needs buffers of this plan, none of them being reduced")]

@@ -331,10 +331,11 @@ impl Ctx<'_> {
         i: usize,
         x: &Array,
     ) -> Result<(), SpmdError> {
-        let ty = buffers
-            .types
-            .get(i)
-            .ok_or_else(|| internal("no such value"))?;
+        let ty = buffers.types.get(i).ok_or(SpmdError::NoSuchValue {
+            op: "accumulate_into",
+            index: i,
+            values: buffers.types.len(),
+        })?;
         let Some(slot) = buffers.slots[i] else {
             let acc = buffers.loose[i]
                 .as_mut()

@@ -105,3 +105,37 @@ fn a_bucket_plan_refuses_counts_and_orders_by_value() {
         assert!(planned, "an order listing each value once plans");
     }
 }
+
+#[test]
+fn accumulating_into_a_value_the_buffers_lack_names_the_index_and_the_count() {
+    let m = mesh(&[("data", 2)]);
+    let out = on_devices(&m, |cx| {
+        let u = p(&["", ""], &["data"], &[]);
+        let ty = cx.array_type(&[4, 6], u)?;
+        let plan = cx.plan_buckets(
+            std::slice::from_ref(&ty),
+            &[PartitionSpec::replicated()],
+            1 << 20,
+            &[0],
+        )?;
+        let mut buffers = cx.bucket_buffers(&plan)?;
+        let x = cx.from_local(ty, Tensor::full(&[4, 6], 1.0))?;
+        let past = cx.accumulate_into(&mut buffers, 5, &x).err();
+        let into = cx.accumulate_into(&mut buffers, 0, &x).is_ok();
+        Ok((past, into))
+    });
+    for ((past, into), _) in out {
+        match past.expect("value 5 of one is refused") {
+            e @ SpmdError::NoSuchValue {
+                index: 5,
+                values: 1,
+                ..
+            } => assert_eq!(
+                e.to_string(),
+                "`accumulate_into`: no value 5 (the buffers hold 1)"
+            ),
+            other => panic!("not NoSuchValue: {other}"),
+        }
+        assert!(into, "value 0 of one is accumulated");
+    }
+}
