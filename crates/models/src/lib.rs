@@ -19,6 +19,7 @@ pub mod decoder;
 pub mod deepseek;
 pub mod kv_cache;
 pub mod moe;
+pub mod mtp;
 pub mod nn;
 pub mod router;
 mod params;

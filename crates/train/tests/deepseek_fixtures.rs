@@ -199,3 +199,77 @@ fn a_multi_token_prediction_layer_is_refused_not_dropped() {
         "{e}"
     );
 }
+
+/// The MTP module (`ferrotext_models::mtp`) on the published tensor names gives the fixture's
+/// `mtp_loss` (a float64 reference of the module, checked there against transformers 5's own
+/// `MtpModel`) within 2e-5; the main model's loss is unchanged by the extra layer.
+#[test]
+fn the_mtp_module_gives_the_reference_mtp_loss() {
+    use ferrotext_models::mtp::{mtp_loss_sum, Mtp};
+    for name in [
+        "deepseek_v3-mtp-tf5-f32-single",
+        "deepseek_v3-mtp-tf5-bf16-sharded",
+    ] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        let cfg = hf::read_config(&dir).unwrap();
+        let model = Decoder::new(cfg.clone()).unwrap();
+        let main = model.params();
+        let mut infos = main.clone();
+        infos.extend(Mtp::declare(&cfg).params());
+        let values = hf::load_directory(&dir, &infos).unwrap_or_else(|e| panic!("{e}"));
+        let (main_values, mtp_values) = values.split_at(main.len());
+        let rows: Vec<Vec<u32>> = want["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(ids)
+            .collect();
+        let loss = mean_loss(&model, main_values, &rows);
+        assert!(
+            (loss - want["loss"].as_f64().unwrap()).abs() <= 2e-5,
+            "{name}"
+        );
+        let (b, t) = (rows.len(), rows[0].len() - 1);
+        let inputs: Vec<u32> = rows.iter().flat_map(|r| r[..t].to_vec()).collect();
+        let next: Vec<u32> = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
+        let labels: Vec<u32> = rows
+            .iter()
+            .flat_map(|r| {
+                let mut l = r[2..].to_vec();
+                l.push(ferrotext_spmd::IGNORE_INDEX);
+                l
+            })
+            .collect();
+        let mesh = Arc::new(Mesh::explicit([("data", 1)]).unwrap());
+        let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+            let mut cx = Ctx::new(dev.comm(), 1);
+            let named = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
+            let place = |cx: &Ctx<'_>, vs: &[Tensor]| -> Result<Vec<Array>, _> {
+                vs.iter()
+                    .map(|v| cx.from_global(v, named.clone()))
+                    .collect()
+            };
+            let main = place(&cx, main_values)?;
+            let mtp = place(&cx, mtp_values)?;
+            let spec = PartitionSpec::new([Some("data"), None]);
+            let id = |cx: &mut Ctx<'_>, v: &[u32]| cx.ids_from_global(&[b, t], spec.clone(), v);
+            let (inputs, next, labels) = (
+                id(&mut cx, &inputs)?,
+                id(&mut cx, &next)?,
+                id(&mut cx, &labels)?,
+            );
+            let hidden = model.hidden(&mut cx, &main, &inputs)?;
+            let sum = mtp_loss_sum(&mut cx, &cfg, &mtp, &hidden, &next, &labels)?;
+            sum.scalar()
+        })
+        .unwrap();
+        let mtp = f64::from(out[0]) / (b * (t - 1)) as f64;
+        let reference = want["mtp_loss"].as_f64().unwrap();
+        eprintln!("{name}: mtp loss {mtp:.7} reference {reference:.7}");
+        assert!(
+            (mtp - reference).abs() <= 2e-5,
+            "{name}: {mtp} vs {reference}"
+        );
+    }
+}

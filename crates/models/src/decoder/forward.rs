@@ -19,7 +19,7 @@ impl DecoderLayer<&Array> {
     /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; a MoE layer's load-balance loss is added to
     /// `aux`, its expert loads pushed to `loads`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn forward(
+    pub(crate) fn forward(
         &self,
         cx: &mut Ctx<'_>,
         x: &Array,

@@ -408,6 +408,22 @@ impl Decoder {
         Ok((loss, loads))
     }
 
+    /// The last hidden states `[B, T, d]` after the final norm (transformers'
+    /// `last_hidden_state`; what DeepSeek-V3's multi-token prediction reads,
+    /// [`crate::mtp`]).
+    ///
+    /// # Errors
+    /// As [`Decoder::logits`].
+    pub fn hidden(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+    ) -> Result<Array, SpmdError> {
+        let w = self.bind(params)?;
+        Ok(self.trunk(cx, &w, inputs, None)?.0)
+    }
+
     /// Logits `[B, T, vocab]`, split over the batch like the inputs, vocab replicated.
     ///
     /// # Errors
@@ -470,28 +486,13 @@ impl Decoder {
         cx: &mut Ctx<'_>,
         params: &[Array],
         inputs: &Ids,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
     ) -> Result<(Array, Option<Array>, ExpertLoads), SpmdError> {
-        let (c, w) = (&self.cfg, self.bind(params)?);
+        let w = self.bind(params)?;
+        let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache)?;
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
         let layout = ActivationLayout { batch: batch_axes };
-        // 1. embedding lookup: x [B@batch, T, d] (the table is gathered first if it is split,
-        //    keeping its tags)
-        let table = unsplit(cx, w.embed_tokens)?;
-        let table = match w.lm_head {
-            None => reduced_over(cx, &table, &layout.batch)?,
-            Some(_) => table,
-        };
-        let mut x = cx.take(&table, inputs)?;
-        // 2. the layers: x [B@batch, T, d] each
-        let mut aux: Option<Array> = None;
-        let mut loads = Vec::new();
-        for (i, layer) in w.layers.iter().enumerate() {
-            let slot = cache.as_deref_mut().and_then(|k| k.slot(i));
-            x = layer.forward(cx, &x, c, &mut aux, &mut loads, slot)?;
-        }
-        // 3. final norm and LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
-        let x = nn::rms_norm(cx, &x, w.norm, c.normalization_layer_epsilon)?;
+        // 3. the LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
         let logits = match w.lm_head {
             None => {
                 let dims = DotDims {
@@ -511,6 +512,40 @@ impl Decoder {
             cx.reshard(&logits, &want)?
         };
         Ok((logits, aux, loads))
+    }
+
+    /// Steps 1 and 2 of [`Decoder::forward`] and the final norm: the normed hidden states
+    /// `[B@batch, T, d]`, the embedding table as the head uses it, the auxiliary losses and the
+    /// expert loads.
+    #[allow(clippy::type_complexity)]
+    fn trunk(
+        &self,
+        cx: &mut Ctx<'_>,
+        w: &Weights<&Array>,
+        inputs: &Ids,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<(Array, Array, Option<Array>, ExpertLoads), SpmdError> {
+        let c = &self.cfg;
+        let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
+        let layout = ActivationLayout { batch: batch_axes };
+        // 1. embedding lookup: x [B@batch, T, d] (the table is gathered first if it is split,
+        //    keeping its tags)
+        let table = unsplit(cx, w.embed_tokens)?;
+        let table = match w.lm_head {
+            None => reduced_over(cx, &table, &layout.batch)?,
+            Some(_) => table,
+        };
+        let mut x = cx.take(&table, inputs)?;
+        // 2. the layers: x [B@batch, T, d] each
+        let mut aux: Option<Array> = None;
+        let mut loads = Vec::new();
+        for (i, layer) in w.layers.iter().enumerate() {
+            let slot = cache.as_deref_mut().and_then(|k| k.slot(i));
+            x = layer.forward(cx, &x, c, &mut aux, &mut loads, slot)?;
+        }
+        // the final norm
+        let x = nn::rms_norm(cx, &x, w.norm, c.normalization_layer_epsilon)?;
+        Ok((x, table, aux, loads))
     }
 }
 

@@ -142,7 +142,10 @@ impl<W> Weights<W> {
 }
 
 impl<W> DecoderLayer<W> {
-    fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<DecoderLayer<U>, E> {
+    pub(crate) fn try_map<U, E>(
+        &self,
+        f: &mut impl FnMut(&W) -> Result<U, E>,
+    ) -> Result<DecoderLayer<U>, E> {
         Ok(DecoderLayer {
             input_layernorm: f(&self.input_layernorm)?,
             self_attn: match &self.self_attn {
@@ -296,7 +299,7 @@ impl DenseMlp<ParamInfo> {
 
 impl DecoderLayer<ParamInfo> {
     /// Layer `i`'s declarations.
-    fn declare(c: &Config, i: usize) -> DecoderLayer<ParamInfo> {
+    pub(crate) fn declare(c: &Config, i: usize) -> DecoderLayer<ParamInfo> {
         let l = |s: &str| format!("model.layers.{i}.{s}");
         let d = c.base_emb_dim;
         let self_attn = match &c.mla {
