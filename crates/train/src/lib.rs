@@ -18,7 +18,7 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `gradients.rs` | [`PartialGradients`] (the accumulator, reduced once) and [`Gradients`] (what the optimizer takes) |
 | `optim.rs` | [`Optimizer`], [`learning_rate`], [`clip_scale`] |
 | `checkpoint/` | checkpoints of an engine's state, mid-step too: `manifest.rs`, `save.rs`, `load.rs`, `resume.rs` |
-| `data.rs`, `io.rs` | token sources; parameter files and the metrics log |
+| `data/`, `io.rs` | token sources (`shards.rs`: a `ferrotext tokenize` directory); parameter files and the metrics log |
 | `export.rs` | a checkpoint's parameters as a Hugging Face directory (the format itself: `ferrotext-hf`) |
 | `keys.rs` | every key's group, form and meaning for `ferrotext keys`; nearest names for typos |
 | `tensorboard.rs` | TensorBoard event files of the per-step scalars (`tensorboard=true`) |
