@@ -51,10 +51,10 @@ pub fn linear(cx: &mut Ctx<'_>, x: &Array, w: &Array) -> Result<Array, SpmdError
     cx.matmul(x, w, Some(&out))
 }
 
-/// [`linear`], plus `bias` (`[out]`) on every row when given. The bias is broadcast to the
-/// product's layout (its own split kept on the last dim, its tags kept), so its gradient is the
-/// sum over the leading dims of the product's cotangent: left unreduced over the batch axes
-/// when the bias enters tagged reduced (deferral), all-reduced over them otherwise.
+/// [`linear`], plus `bias` (`[out]`) on every row when given. The bias is laid out like the
+/// product's last dim (its tags kept) and added with broadcasting, so its gradient is the sum
+/// over the leading dims of the product's cotangent: left unreduced over the batch axes when
+/// the bias enters tagged reduced (deferral), all-reduced over them otherwise.
 ///
 /// # Errors
 /// The dot_general, broadcast and add type errors.
@@ -77,7 +77,9 @@ pub fn linear_bias(
         let aligned = bspec.with_partitions([want])?;
         cx.reshard(b, &aligned)?
     };
-    let b = cx.broadcast_in_dim(&b, y.shape(), &[rank - 1], None)?;
+    // `[n]` broadcasts against `[.., n]` (NumPy rules): a bias tagged reduced over the batch
+    // axes is sliced locally, so its cotangent (the sum over the leading dims) comes back
+    // unreduced over them; an untagged one is all-reduced in the transpose.
     cx.add(&y, &b)
 }
 
