@@ -11,8 +11,9 @@
 //!   element's bits depend only on its row of `a` and column of `b` (not on `m`, `n`, the row
 //!   block or the thread count), but they may differ from the portable kernel's chain (the pair
 //!   rounding and DAZ/FTZ); the tests bound the difference by the order of addition.
-//! * Operands of any strides are packed: `b` a [`NC`]-column block at a time in pairs (`k/2 × NR
-//!   × 2`, zero past `k` and `n`), `a` one [`MR`]-row tile at a time as pairs.
+//! * Operands of any strides are packed, per block of [`KC`] of the contraction: all of `a`'s
+//!   rows once, [`MR`]-row tiles of pairs; `b` a [`NC`]-column block at a time in pairs (`k/2 ×
+//!   NR × 2`, zero past `k` and `n`).
 
 use std::arch::x86_64::{
     __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512,
@@ -57,21 +58,27 @@ pub(crate) unsafe fn gemm(
     if m == 0 || n == 0 {
         return;
     }
+    let tiles = m.div_ceil(MR);
     let mut bpack = vec![0u32; KC.div_ceil(2) * NC.div_ceil(NR) * NR];
-    let mut apack = vec![0u32; KC.div_ceil(2) * MR];
-    for j0 in (0..n).step_by(NC) {
-        let nc = NC.min(n - j0);
-        for l0 in (0..k.max(1)).step_by(KC) {
-            let kc = KC.min(k - l0.min(k));
-            let kp = kc.div_ceil(2);
+    let mut apack = vec![0u32; KC.div_ceil(2) * MR * tiles];
+    for l0 in (0..k.max(1)).step_by(KC) {
+        let kc = KC.min(k - l0.min(k));
+        let kp = kc.div_ceil(2);
+        // All of `a`'s rows for this block of the contraction, packed once, tile after tile.
+        for (t, tile_pack) in apack.chunks_mut(kp * MR).take(tiles).enumerate() {
+            let i0 = t * MR;
+            // SAFETY: rows i0..i0+rows, columns l0..l0+kc of `a` are inside the operand.
+            unsafe { pack_a(a, i0, MR.min(m - i0), l0, kc, tile_pack) };
+        }
+        // The first block stores per `store`; later ones continue the chain in `dst`.
+        let first = l0 == 0 && store == Store::Overwrite;
+        for j0 in (0..n).step_by(NC) {
+            let nc = NC.min(n - j0);
             // SAFETY: rows l0..l0+kc and columns j0..j0+nc of `b` are inside the operand.
             unsafe { pack_b(b, l0, kc, j0, nc, &mut bpack) };
-            // The first block stores per `store`; later ones continue the chain in `dst`.
-            let first = l0 == 0 && store == Store::Overwrite;
-            for i0 in (0..m).step_by(MR) {
+            for (t, tile_pack) in apack.chunks(kp * MR).take(tiles).enumerate() {
+                let i0 = t * MR;
                 let rows = MR.min(m - i0);
-                // SAFETY: rows i0..i0+rows, columns l0..l0+kc of `a` are inside the operand.
-                unsafe { pack_a(a, i0, rows, l0, kc, &mut apack) };
                 for (p, jp) in (0..nc).step_by(NR).enumerate() {
                     let cols = NR.min(nc - jp);
                     let panel = &bpack[p * kp * NR..(p + 1) * kp * NR];
@@ -81,7 +88,7 @@ pub(crate) unsafe fn gemm(
                         tile(
                             rows,
                             kp,
-                            &apack,
+                            tile_pack,
                             panel,
                             dst.add(i0 * ldc + j0 + jp),
                             ldc,
