@@ -19,8 +19,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use ferrotext_tensor::{
-    allow_bf16_fallback, dot_general, dot_general_bf16, matmul_kernel, Bf16Tensor, DotDims,
-    Tensor,
+    allow_bf16_fallback, dot_general, dot_general_bf16, matmul_kernel, Bf16Tensor, DotDims, Tensor,
 };
 
 /// One weight: its name, fan-in and fan-out.
