@@ -40,7 +40,13 @@ fn options(max_new_tokens: usize, use_cache: bool) -> GenerateOptions {
 
 #[test]
 fn greedy_with_the_cache_is_the_argmax_of_full_recomputation_at_every_position() {
-    for preset in ["qwen3-tiny", "qwen3-moe-tiny", "deepseek3-tiny"] {
+    for preset in [
+        "qwen3-tiny",
+        "qwen3-moe-tiny",
+        "deepseek3-tiny",
+        "llama3-tiny",
+        "qwen2-tiny",
+    ] {
         let (d, params) = model(preset);
         let prompt = [5, 17, 99, 3, 42];
         let seen = Mutex::new(Vec::new());
