@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 #[non_exhaustive]
 pub enum DataError {
     /// A file the user named cannot be opened or read.
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot open {}: {source}", path.display())]
     Read {
         /// The file.
         path: PathBuf,

@@ -241,14 +241,14 @@ fn inputs_that_are_not_regular_files_are_refused_without_reading() {
         let err = source_for(&c, 256).err().map(|e| e.to_string());
         assert_eq!(
             err,
-            Some(format!("data: cannot read {path}: is not a regular file")),
+            Some(format!("data: cannot open {path}: is not a regular file")),
             "{path}"
         );
     }
     let c = cfg(&["tokenizer_path=/dev/zero".into()]);
     let err = source_for(&c, 256).err().unwrap().to_string();
     assert!(
-        err.contains("cannot read /dev/zero: is not a regular file"),
+        err.contains("cannot open /dev/zero: is not a regular file"),
         "{err}"
     );
 }
