@@ -152,3 +152,33 @@ fn qwen2_trains_under_tensor_parallelism_with_split_biases() {
         "first loss {first} vs {p}"
     );
 }
+
+/// A bias whose reduced tag is dropped inside the step is caught by its accumulator's type, as
+/// a weight's is. Uses the `fault-injection` test hook (on in the README's test command).
+#[cfg(feature = "fault-injection")]
+#[test]
+fn a_bias_with_a_dropped_tag_is_caught_not_silently_reduced_early() {
+    let items = family("qwen2-tiny", &["gradient_accumulation_steps=2"]);
+    let cfg = common::small_config(&items.iter().map(String::as_str).collect::<Vec<_>>());
+    let name = "model.layers.0.self_attn.k_proj.bias".to_string();
+    let options = ferrotext_train::RunOptions {
+        inside_spec_override: Some((
+            name.clone(),
+            ferrotext_sharding::PartitionSpec::new([None::<&str>]),
+        )),
+        ..Default::default()
+    };
+    match ferrotext_train::train(&cfg, &options).unwrap_err() {
+        ferrotext_train::TrainError::AccumulatorType {
+            param,
+            expected,
+            got,
+            ..
+        } => {
+            assert_eq!(param, name);
+            assert_eq!(expected, "f32[16]{U:data}");
+            assert_eq!(got, "f32[16]");
+        }
+        other => panic!("expected an accumulator-type error, got {other}"),
+    }
+}
