@@ -218,9 +218,9 @@ fn malformed_hf_directories_get_one_error_line_exit_2_and_no_run_directory() {
             "model-type",
             false,
             Box::new(|d: &Path| {
-                edit_json(&d.join("config.json"), |v| v["model_type"] = "llama".into())
+                edit_json(&d.join("config.json"), |v| v["model_type"] = "gpt2".into())
             }),
-            "model_type `llama` is not supported (qwen3, qwen3_moe or deepseek_v3)",
+            "model_type `gpt2` is not supported (qwen3, qwen3_moe, deepseek_v3, llama or qwen2)",
         ),
         (
             "feature",
@@ -231,7 +231,8 @@ fn malformed_hf_directories_get_one_error_line_exit_2_and_no_run_directory() {
                     v["use_sliding_window"] = true.into();
                 })
             }),
-            "model_type `qwen3` with features the decoder does not have: attention_bias=true, \
+            "model_type `qwen3` with features the decoder does not have: attention_bias=true \
+             (biases on q, k, v and o: the output projection's bias is not built), \
              use_sliding_window=true",
         ),
         (

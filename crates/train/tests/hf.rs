@@ -748,11 +748,13 @@ fn malformed_directories_get_one_clear_error_each() {
     // an unknown model_type, and unsupported features, named
     let out = sharded("bad-type");
     edit_json(&out.join("config.json"), |v| {
-        v["model_type"] = "llama".into()
+        v["model_type"] = "gpt2".into()
     });
     let e = load_error(&out);
     assert!(
-        e.contains("model_type `llama` is not supported (qwen3, qwen3_moe or deepseek_v3)"),
+        e.contains(
+            "model_type `gpt2` is not supported (qwen3, qwen3_moe, deepseek_v3, llama or qwen2)"
+        ),
         "{e}"
     );
     edit_json(&out.join("config.json"), |v| {
