@@ -105,12 +105,12 @@ pub enum TrainError {
     Internal(String),
     /// A checkpoint that cannot be used (missing file, bad checksum, wrong shape, newer format,
     /// a name outside its directory).
-    #[error("checkpoint {path}: {reason}")]
+    #[error("checkpoint {path}: {problem}")]
     Checkpoint {
         /// The file or directory.
         path: String,
-        /// What is wrong.
-        reason: String,
+        /// What is wrong, with the values it names.
+        problem: crate::checkpoint::CheckpointProblem,
     },
     /// A gradient arrived typed differently from what the gate promised its accumulator —
     /// typically a helper rebuilt the parameter's spec without its reduced tag — and the step

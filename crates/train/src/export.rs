@@ -11,6 +11,7 @@ use ferrotext_models::decoder::Decoder;
 
 use crate::checkpoint::{
     checkpoint_name, latest, parse_checkpoint_name, read_manifest, read_params, validate_manifest,
+    CheckpointProblem,
 };
 use crate::error::TrainError;
 use ferrotext_hf::{save_directory, selection_bias, ModelType, SaveDtype};
@@ -31,10 +32,10 @@ pub struct Exported {
     pub tensors: usize,
 }
 
-fn ckpt_err(path: &Path, reason: impl Into<String>) -> TrainError {
+fn ckpt_err(path: &Path, problem: CheckpointProblem) -> TrainError {
     TrainError::Checkpoint {
         path: path.display().to_string(),
-        reason: reason.into(),
+        problem,
     }
 }
 
@@ -49,7 +50,7 @@ fn ckpt_err(path: &Path, reason: impl Into<String>) -> TrainError {
 /// be used.
 pub fn find_checkpoint(path: &Path, step: Option<usize>) -> Result<PathBuf, TrainError> {
     if !path.is_dir() {
-        return Err(ckpt_err(path, "is not a directory"));
+        return Err(ckpt_err(path, CheckpointProblem::NotADirectory));
     }
     if path.join("manifest.json").is_file() {
         let named = path
@@ -59,7 +60,10 @@ pub fn find_checkpoint(path: &Path, step: Option<usize>) -> Result<PathBuf, Trai
         return match (step, named) {
             (Some(s), Some((at, _))) if s != at => Err(ckpt_err(
                 path,
-                format!("is the checkpoint of step {at}, not of --step {s}"),
+                CheckpointProblem::OtherStep {
+                    found: at,
+                    asked: s,
+                },
             )),
             _ => Ok(path.to_path_buf()),
         };
@@ -67,12 +71,7 @@ pub fn find_checkpoint(path: &Path, step: Option<usize>) -> Result<PathBuf, Trai
     let nested = path.join("checkpoints");
     let root = if nested.is_dir() { nested } else { path.into() };
     let Some(step) = step else {
-        return latest(&root)?.ok_or_else(|| {
-            ckpt_err(
-                path,
-                "holds no checkpoint (neither manifest.json, nor `latest`, nor checkpoints/)",
-            )
-        });
+        return latest(&root)?.ok_or_else(|| ckpt_err(path, CheckpointProblem::NoCheckpoint));
     };
     let dir = root.join(checkpoint_name(step, 0));
     if dir.join("manifest.json").is_file() {
@@ -86,24 +85,12 @@ pub fn find_checkpoint(path: &Path, step: Option<usize>) -> Result<PathBuf, Trai
         })
         .unwrap_or_default();
     found.sort();
-    let steps: Vec<String> = found
-        .iter()
-        .map(|&(s, m)| {
-            if m == 0 {
-                s.to_string()
-            } else {
-                format!("{s} (micro-step {m})")
-            }
-        })
-        .collect();
-    let have = if steps.is_empty() {
-        "none".to_string()
-    } else {
-        steps.join(", ")
-    };
     Err(ckpt_err(
         &root,
-        format!("has no checkpoint of step {step} at a step boundary (steps here: {have})"),
+        CheckpointProblem::NoSuchStep {
+            step,
+            present: found,
+        },
     ))
 }
 
@@ -133,9 +120,14 @@ pub fn export_checkpoint(
         reason,
     };
     // The checkpoints are never written: not even a temporary directory beside this one.
-    let ckpt = dir
-        .canonicalize()
-        .map_err(|e| ckpt_err(&dir, format!("cannot read: {e}")))?;
+    let ckpt = dir.canonicalize().map_err(|e| {
+        ckpt_err(
+            &dir,
+            CheckpointProblem::Unreadable {
+                error: e.to_string(),
+            },
+        )
+    })?;
     let root = ckpt.parent().unwrap_or(&ckpt);
     if resolved(out).starts_with(root) {
         return Err(out_err(format!(
@@ -155,15 +147,13 @@ pub fn export_checkpoint(
     {
         return Err(ckpt_err(
             &dir.join("manifest.json"),
-            format!(
-                "the run took its model's shape from the Hugging Face directory `{}` \
-                 (load_parameters_path), which is no longer there",
-                config.load_parameters_path
-            ),
+            CheckpointProblem::ModelDirectoryGone {
+                model_dir: config.load_parameters_path.clone(),
+            },
         ));
     }
     let decoder = Decoder::new(config.model()?)
-        .map_err(|e| ckpt_err(&dir.join("manifest.json"), e.to_string()))?;
+        .map_err(|e| ckpt_err(&dir.join("manifest.json"), CheckpointProblem::Model(e)))?;
     let infos = decoder.params();
     let values = read_params(&dir, &manifest, &infos)?;
     // 2. the directory

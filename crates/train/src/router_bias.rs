@@ -141,12 +141,11 @@ impl RouterBalance {
         if totals.len() != self.biases.len() * self.experts {
             return Err(TrainError::Checkpoint {
                 path: "manifest.json".into(),
-                reason: format!(
-                    "pending_expert_loads has {} values for {} MoE layers × {} experts",
-                    totals.len(),
-                    self.biases.len(),
-                    self.experts
-                ),
+                problem: crate::checkpoint::CheckpointProblem::ExpertLoadsCount {
+                    values: totals.len(),
+                    layers: self.biases.len(),
+                    experts: self.experts,
+                },
             });
         }
         Ok(totals

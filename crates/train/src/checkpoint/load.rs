@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use super::resume::check_config;
 use super::{
     ckpt_err, device_count, hex, is_plain_name, mesh_description, read_manifest, resolve,
-    sequences_consumed, validate_manifest, Manifest,
+    sequences_consumed, validate_manifest, CheckpointProblem, Manifest,
 };
 use crate::config::TrainConfig;
 use crate::engine::{Engine, EngineState, Restored, RestoredPending, TreeNodeState};
@@ -165,10 +165,10 @@ fn check_data_position_now(
     if manifest.dataset_order != config.dataset_order {
         return Err(ckpt_err(
             &manifest_path,
-            format!(
-                "dataset_order was {:?} when saved, now {:?}",
-                manifest.dataset_order, config.dataset_order
-            ),
+            CheckpointProblem::DatasetOrderChanged {
+                saved: manifest.dataset_order,
+                now: config.dataset_order,
+            },
         ));
     }
     // Data that changed under a checkpoint is the user's input (exit 2), named by its path.
@@ -193,11 +193,12 @@ fn check_data_position_now(
     if manifest.sequences_consumed != expected {
         return Err(ckpt_err(
             &manifest_path,
-            format!(
-                "sequences_consumed is {}, but step {} micro-step {} of this config is at \
-                 sequence {expected}",
-                manifest.sequences_consumed, manifest.step, manifest.micro_steps
-            ),
+            CheckpointProblem::DataPositionMoved {
+                found: manifest.sequences_consumed,
+                step: manifest.step,
+                micro_steps: manifest.micro_steps,
+                expected,
+            },
         ));
     }
     Ok(())
@@ -212,8 +213,7 @@ pub(crate) fn read_params(
 ) -> Result<Vec<Tensor>, TrainError> {
     let bytes = read_verified(dir, manifest, "params.safetensors")?;
     let path = dir.join("params.safetensors");
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(not_safetensors(&path))?;
     let mut params = Vec::with_capacity(infos.len());
     for info in infos {
         let parts = info
@@ -223,7 +223,7 @@ pub(crate) fn read_params(
             .collect::<Result<Vec<_>, _>>()?;
         params.push(
             info.from_hf(parts)
-                .map_err(|e| ckpt_err(&path, e.to_string()))?,
+                .map_err(|e| ckpt_err(&path, CheckpointProblem::HfLayout(e)))?,
         );
     }
     Ok(params)
@@ -238,8 +238,7 @@ fn read_moments(
 ) -> Result<(Vec<Tensor>, Vec<Tensor>), TrainError> {
     let bytes = read_verified(dir, manifest, "optimizer.safetensors")?;
     let path = dir.join("optimizer.safetensors");
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(not_safetensors(&path))?;
     let mut m = Vec::new();
     let mut v = Vec::new();
     for info in infos {
@@ -270,8 +269,7 @@ fn read_accumulator(
     let infos = state.plan.params();
     let bytes = read_verified(dir, manifest, "accumulator.safetensors")?;
     let path = dir.join("accumulator.safetensors");
-    let file = SafeTensors::deserialize(&bytes)
-        .map_err(|e| ckpt_err(&path, format!("not a safetensors file: {e}")))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(not_safetensors(&path))?;
     let totals = infos
         .iter()
         .map(|i| tensor(&path, &file, &format!("acc/{}", i.name), &i.shape))
@@ -334,23 +332,45 @@ fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>,
     if !is_plain_name(file) {
         return Err(ckpt_err(
             &dir.join("manifest.json"),
-            format!("points outside its directory: `{file}`"),
+            CheckpointProblem::OutsideDirectory { file: file.into() },
         ));
     }
     let path = dir.join(file);
-    let bytes = ferrotext_hf::files::read_regular(&path)
-        .map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
+    let bytes = ferrotext_hf::files::read_regular(&path).map_err(|e| {
+        ckpt_err(
+            &path,
+            CheckpointProblem::Unreadable {
+                error: e.to_string(),
+            },
+        )
+    })?;
     let want = manifest
         .files
         .get(file)
-        .ok_or_else(|| ckpt_err(&path, "is not listed in the manifest"))?;
-    if &hex(&Sha256::digest(&bytes)) != want {
+        .ok_or_else(|| ckpt_err(&path, CheckpointProblem::NotListed))?;
+    let found = hex(&Sha256::digest(&bytes));
+    if &found != want {
         return Err(ckpt_err(
             &path,
-            "checksum mismatch: the file is corrupt or was modified",
+            CheckpointProblem::ChecksumMismatch {
+                expected: want.clone(),
+                found,
+            },
         ));
     }
     Ok(bytes)
+}
+
+/// Maps a safetensors reader's error on `path` to [`CheckpointProblem::NotSafetensors`].
+fn not_safetensors(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> TrainError + '_ {
+    move |e| {
+        ckpt_err(
+            path,
+            CheckpointProblem::NotSafetensors {
+                error: e.to_string(),
+            },
+        )
+    }
 }
 
 /// Tensor `name` of `file` (at `path`): F32 and of `shape`.
@@ -362,20 +382,24 @@ fn tensor(
 ) -> Result<Tensor, TrainError> {
     let view = file
         .tensor(name)
-        .map_err(|_| ckpt_err(path, format!("has no tensor `{name}`")))?;
+        .map_err(|_| ckpt_err(path, CheckpointProblem::NoTensor { name: name.into() }))?;
     if view.dtype() != Dtype::F32 {
         return Err(ckpt_err(
             path,
-            format!("`{name}` is {:?}, expected F32", view.dtype()),
+            CheckpointProblem::WrongDtype {
+                name: name.into(),
+                found: view.dtype(),
+            },
         ));
     }
     if view.shape() != shape {
         return Err(ckpt_err(
             path,
-            format!(
-                "`{name}` has shape {:?}, the model needs {shape:?}",
-                view.shape()
-            ),
+            CheckpointProblem::WrongShape {
+                name: name.into(),
+                found: view.shape().to_vec(),
+                expected: shape.to_vec(),
+            },
         ));
     }
     let data = view
@@ -460,17 +484,16 @@ fn restored_loads(
     manifest: &Manifest,
 ) -> Result<ferrotext_models::decoder::ExpertLoads, TrainError> {
     let totals = &manifest.pending_expert_loads;
-    let Some(balance) =
-        RouterBalance::new(state.plan.decoder(), state.plan.config().routed_bias_update_rate)
-    else {
+    let Some(balance) = RouterBalance::new(
+        state.plan.decoder(),
+        state.plan.config().routed_bias_update_rate,
+    ) else {
         return Ok(Vec::new());
     };
     if totals.is_empty() {
         return Err(TrainError::Checkpoint {
             path: "manifest.json".into(),
-            reason: "a mid-step checkpoint of a run with routed_bias_update_rate > 0 has no \
-                     pending_expert_loads"
-                .into(),
+            problem: CheckpointProblem::NoExpertLoads,
         });
     }
     let axes: Vec<&str> = state.plan.batch_spec().partition_axes().collect();

@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use super::{
     checkpoint_name, ckpt_err, hex, is_plain_name, parse_checkpoint_name, sequences_consumed,
-    FORMAT_VERSION, MANIFEST_SEAL,
+    CheckpointProblem, ManifestMismatch, FORMAT_VERSION, MANIFEST_SEAL,
 };
 use crate::config::{DatasetOrder, OptType, TrainConfig};
 use crate::error::TrainError;
@@ -85,14 +85,26 @@ pub struct Manifest {
 /// `manifest.json` of `dir`: its format version, then its seal, then its fields.
 pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
     let manifest_path = dir.join("manifest.json");
-    let text = ferrotext_hf::files::read_regular(&manifest_path)
-        .map_err(|e| ckpt_err(&manifest_path, format!("cannot read: {e}")))?;
-    let value: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))?;
+    let text = ferrotext_hf::files::read_regular(&manifest_path).map_err(|e| {
+        ckpt_err(
+            &manifest_path,
+            CheckpointProblem::Unreadable {
+                error: e.to_string(),
+            },
+        )
+    })?;
+    let unparsable = |e: serde_json::Error| {
+        ckpt_err(
+            &manifest_path,
+            CheckpointProblem::ManifestUnparsable {
+                error: e.to_string(),
+            },
+        )
+    };
+    let value: serde_json::Value = serde_json::from_slice(&text).map_err(unparsable)?;
     check_version(&manifest_path, &value)?;
     check_seal(dir, &text)?;
-    serde_json::from_value(value)
-        .map_err(|e| ckpt_err(&manifest_path, format!("not a manifest: {e}")))
+    serde_json::from_value(value).map_err(unparsable)
 }
 
 /// The manifest's `format_version` is [`FORMAT_VERSION`]: a newer one is refused as newer, an
@@ -101,27 +113,23 @@ fn check_version(manifest_path: &Path, value: &serde_json::Value) -> Result<(), 
     let version = value
         .get("format_version")
         .and_then(serde_json::Value::as_u64)
-        .ok_or_else(|| ckpt_err(manifest_path, "not a manifest: no format_version"))?;
+        .ok_or_else(|| ckpt_err(manifest_path, CheckpointProblem::NoFormatVersion))?;
     if version > u64::from(FORMAT_VERSION) {
         return Err(ckpt_err(
             manifest_path,
-            format!(
-                "format version {version} is newer than this ferrotext reads ({FORMAT_VERSION})"
-            ),
+            CheckpointProblem::NewerFormat {
+                found: version,
+                supported: FORMAT_VERSION,
+            },
         ));
     }
     if version < u64::from(FORMAT_VERSION) {
-        let why = if version < 2 {
-            "has no manifest seal and cannot be verified"
-        } else {
-            "stores MoE and MLA weights in an orientation this ferrotext no longer reads"
-        };
         return Err(ckpt_err(
             manifest_path,
-            format!(
-                "format version {version} {why} (this ferrotext reads {FORMAT_VERSION}); start \
-                 the run over with resume=fresh"
-            ),
+            CheckpointProblem::OlderFormat {
+                found: version,
+                supported: FORMAT_VERSION,
+            },
         ));
     }
     Ok(())
@@ -134,22 +142,23 @@ fn check_seal(dir: &Path, text: &[u8]) -> Result<(), TrainError> {
     let seal = ferrotext_hf::files::read_regular_to_string(&seal_path).map_err(|e| {
         ckpt_err(
             &seal_path,
-            format!("cannot read ({e}): manifest.json cannot be verified"),
+            CheckpointProblem::SealUnreadable {
+                error: e.to_string(),
+            },
         )
     })?;
     let want = seal.split_whitespace().next().unwrap_or_default();
     if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(ckpt_err(
-            &seal_path,
-            "is not `<sha256>  manifest.json`: manifest.json cannot be verified",
-        ));
+        return Err(ckpt_err(&seal_path, CheckpointProblem::SealMalformed));
     }
-    if !hex(&Sha256::digest(text)).eq_ignore_ascii_case(want) {
+    let found = hex(&Sha256::digest(text));
+    if !found.eq_ignore_ascii_case(want) {
         return Err(ckpt_err(
             &manifest_path,
-            format!(
-                "checksum mismatch with {MANIFEST_SEAL}: the manifest is corrupt or was modified"
-            ),
+            CheckpointProblem::SealMismatch {
+                expected: want.to_ascii_lowercase(),
+                found,
+            },
         ));
     }
     Ok(())
@@ -165,14 +174,14 @@ pub(crate) fn validate_manifest(dir: &Path, m: &Manifest) -> Result<(), TrainErr
         .and_then(|()| check_files_listed(m))
         .and_then(|()| check_directory_name(dir, m))
         .and_then(|()| check_data_position(m))
-        .map_err(|reason| ckpt_err(&path, reason))
+        .map_err(|problem| ckpt_err(&path, problem))
 }
 
 /// Every file the manifest names stays inside its directory.
-fn check_file_names(m: &Manifest) -> Result<(), String> {
+fn check_file_names(m: &Manifest) -> Result<(), CheckpointProblem> {
     for file in m.files.keys().chain(m.tensors.iter().map(|t| &t.file)) {
         if !is_plain_name(file) {
-            return Err(format!("points outside its directory: `{file}`"));
+            return Err(CheckpointProblem::OutsideDirectory { file: file.clone() });
         }
     }
     Ok(())
@@ -180,31 +189,32 @@ fn check_file_names(m: &Manifest) -> Result<(), String> {
 
 /// The pending micro-batches: fewer than a step's, their token denominator and loss sum zero at
 /// a step boundary and within bounds inside a step, the unit tree's levels adding up to them.
-fn check_pending(m: &Manifest) -> Result<(), String> {
+fn check_pending(m: &Manifest) -> Result<(), CheckpointProblem> {
     let cfg = &m.config;
     let ga = cfg.gradient_accumulation_steps;
     if m.micro_steps >= ga {
-        return Err(format!(
-            "micro_steps {} is not below gradient_accumulation_steps {ga}",
-            m.micro_steps
-        ));
+        return Err(CheckpointProblem::Manifest(ManifestMismatch::MicroSteps {
+            micro_steps: m.micro_steps,
+            accumulation: ga,
+        }));
     }
     let most = (m.micro_steps as u64)
         .saturating_mul(cfg.micro_batch_rows() as u64)
         .saturating_mul(cfg.max_target_length as u64);
     if m.micro_steps == 0 && m.token_denominator != 0 {
-        return Err(format!(
-            "token_denominator {} at a step boundary (micro_steps 0) must be 0",
-            m.token_denominator
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::DenominatorAtBoundary(m.token_denominator),
         ));
     }
     if m.micro_steps > 0 && !(1..=most).contains(&m.token_denominator) {
-        return Err(format!(
-            "token_denominator {} is outside 1..={most} (micro_steps {} × {} rows × {} tokens)",
-            m.token_denominator,
-            m.micro_steps,
-            cfg.micro_batch_rows(),
-            cfg.max_target_length
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::DenominatorRange {
+                denominator: m.token_denominator,
+                most,
+                micro_steps: m.micro_steps,
+                rows: cfg.micro_batch_rows(),
+                tokens: cfg.max_target_length,
+            },
         ));
     }
     check_pending_loss(m)?;
@@ -213,28 +223,30 @@ fn check_pending(m: &Manifest) -> Result<(), String> {
 
 /// The pending loss sum: finite, zero at a step boundary, its bits and its readable value the
 /// same number.
-fn check_pending_loss(m: &Manifest) -> Result<(), String> {
+fn check_pending_loss(m: &Manifest) -> Result<(), CheckpointProblem> {
     let loss = f64::from_bits(m.pending_loss_sum_bits);
     if !loss.is_finite() {
-        return Err(format!("pending_loss_sum {loss} is not finite"));
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::LossNotFinite(loss),
+        ));
     }
     if m.micro_steps == 0 && loss != 0.0 {
-        return Err(format!(
-            "pending_loss_sum {loss} at a step boundary (micro_steps 0) must be 0"
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::LossAtBoundary(loss),
         ));
     }
     if (loss - m.pending_loss_sum).abs() > 1e-12 * loss.abs().max(1.0) {
-        return Err(format!(
-            "pending_loss_sum {} disagrees with pending_loss_sum_bits ({loss})",
-            m.pending_loss_sum
-        ));
+        return Err(CheckpointProblem::Manifest(ManifestMismatch::LossBits {
+            readable: m.pending_loss_sum,
+            bits: loss,
+        }));
     }
     Ok(())
 }
 
 /// `unit_tree_levels`, when present: `layout_invariant=true`, falling levels whose units add up
 /// to the micro-steps.
-fn check_unit_tree(m: &Manifest) -> Result<(), String> {
+fn check_unit_tree(m: &Manifest) -> Result<(), CheckpointProblem> {
     if m.unit_tree_levels.is_empty() {
         return Ok(());
     }
@@ -244,35 +256,36 @@ fn check_unit_tree(m: &Manifest) -> Result<(), String> {
         .iter()
         .try_fold(0usize, |n, &l| n.checked_add(1usize.checked_shl(l)?));
     if !m.config.layout_invariant || !falling || units != Some(m.micro_steps) {
-        return Err(format!(
-            "unit_tree_levels {levels:?} do not describe micro_steps {} under \
-             layout_invariant={} (falling levels whose units add up to the micro-steps)",
-            m.micro_steps, m.config.layout_invariant
-        ));
+        return Err(CheckpointProblem::Manifest(ManifestMismatch::UnitTree {
+            levels: levels.clone(),
+            micro_steps: m.micro_steps,
+            layout_invariant: m.config.layout_invariant,
+        }));
     }
     Ok(())
 }
 
 /// The optimizer's step count: at most the step, and 0 for SGD.
-fn check_optimizer_steps(m: &Manifest) -> Result<(), String> {
+fn check_optimizer_steps(m: &Manifest) -> Result<(), CheckpointProblem> {
     if m.optimizer_steps > m.step as u64 {
-        return Err(format!(
-            "optimizer_steps {} is more than step {}",
-            m.optimizer_steps, m.step
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::OptimizerAhead {
+                optimizer_steps: m.optimizer_steps,
+                step: m.step,
+            },
         ));
     }
     if m.config.opt_type == OptType::Sgd && m.optimizer_steps != 0 {
-        return Err(format!(
-            "optimizer_steps {} for SGD, which keeps no state",
-            m.optimizer_steps
-        ));
+        return Err(CheckpointProblem::Manifest(ManifestMismatch::SgdSteps(
+            m.optimizer_steps,
+        )));
     }
     Ok(())
 }
 
 /// The files listed are exactly those this checkpoint needs: the parameters, the optimizer
 /// state under AdamW, the accumulator inside a step.
-fn check_files_listed(m: &Manifest) -> Result<(), String> {
+fn check_files_listed(m: &Manifest) -> Result<(), CheckpointProblem> {
     let cfg = &m.config;
     let mut needed = BTreeSet::from(["params.safetensors"]);
     if cfg.opt_type == OptType::Adamw {
@@ -283,54 +296,67 @@ fn check_files_listed(m: &Manifest) -> Result<(), String> {
     }
     for file in &needed {
         if !m.files.contains_key(*file) {
-            return Err(format!(
-                "does not list {file}, which this checkpoint needs (opt_type {:?}, micro_steps \
-                 {}): it is incomplete",
-                cfg.opt_type, m.micro_steps
-            ));
+            return Err(CheckpointProblem::Manifest(ManifestMismatch::FileMissing {
+                file,
+                opt_type: cfg.opt_type,
+                micro_steps: m.micro_steps,
+            }));
         }
     }
     if let Some(extra) = m.files.keys().find(|f| !needed.contains(f.as_str())) {
-        return Err(format!(
-            "lists {extra}, which a checkpoint with opt_type {:?} and micro_steps {} does not have",
-            cfg.opt_type, m.micro_steps
-        ));
+        return Err(CheckpointProblem::Manifest(ManifestMismatch::FileExtra {
+            file: extra.clone(),
+            opt_type: cfg.opt_type,
+            micro_steps: m.micro_steps,
+        }));
     }
     Ok(())
 }
 
 /// The directory's name is [`checkpoint_name`] of the manifest's step and micro-step.
-fn check_directory_name(dir: &Path, m: &Manifest) -> Result<(), String> {
+fn check_directory_name(dir: &Path, m: &Manifest) -> Result<(), CheckpointProblem> {
     let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or_default();
     match parse_checkpoint_name(name) {
         Some((step, micro)) if (step, micro) == (m.step, m.micro_steps) => Ok(()),
-        Some((step, micro)) => Err(format!(
-            "says step {} micro-step {}, but its directory is `{name}` (step {step} \
-             micro-step {micro})",
-            m.step, m.micro_steps
+        Some((step, micro)) => Err(CheckpointProblem::Manifest(
+            ManifestMismatch::DirectoryStep {
+                step: m.step,
+                micro_steps: m.micro_steps,
+                dir_name: name.into(),
+                dir_step: step,
+                dir_micro: micro,
+            },
         )),
-        None => Err(format!(
-            "is in `{name}`, which is not a checkpoint name ({})",
-            checkpoint_name(m.step, m.micro_steps)
+        None => Err(CheckpointProblem::Manifest(
+            ManifestMismatch::DirectoryName {
+                dir_name: name.into(),
+                expected: checkpoint_name(m.step, m.micro_steps),
+            },
         )),
     }
 }
 
 /// The data position: the config's `dataset_order`, and the sequences its step and micro-step
 /// have consumed.
-fn check_data_position(m: &Manifest) -> Result<(), String> {
+fn check_data_position(m: &Manifest) -> Result<(), CheckpointProblem> {
     let cfg = &m.config;
     if m.dataset_order != cfg.dataset_order {
-        return Err(format!(
-            "dataset_order {:?} disagrees with its config's {:?}",
-            m.dataset_order, cfg.dataset_order
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::DatasetOrder {
+                manifest: m.dataset_order,
+                config: cfg.dataset_order,
+            },
         ));
     }
     let consumed = sequences_consumed(cfg, m.step, m.micro_steps);
     if m.sequences_consumed != consumed {
-        return Err(format!(
-            "sequences_consumed {} does not match step {} micro-step {} of its config ({consumed})",
-            m.sequences_consumed, m.step, m.micro_steps
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::SequencesConsumed {
+                found: m.sequences_consumed,
+                step: m.step,
+                micro_steps: m.micro_steps,
+                expected: consumed,
+            },
         ));
     }
     Ok(())

@@ -43,6 +43,7 @@
 //! | `save.rs` | [`Engine::save_checkpoint`](crate::Engine::save_checkpoint): gathering the state, the temporary directory, fsync, rename, `latest`, pruning |
 //! | `load.rs` | [`Engine::restore_checkpoint`](crate::Engine::restore_checkpoint) and [`read_parameters`]: verified files → the whole state → the engine |
 //! | `resume.rs` | [`prepare_resume`], [`latest`], [`resolve`]: start-up of a checkpoint root, and which config changes a resume allows |
+//! | `problem.rs` | [`CheckpointProblem`]: what is wrong with a checkpoint, as values (file, checksum, shape, version, step, key) |
 
 use std::io::Write;
 use std::path::Path;
@@ -53,6 +54,7 @@ use crate::error::TrainError;
 
 mod load;
 mod manifest;
+mod problem;
 mod resume;
 mod save;
 
@@ -60,6 +62,7 @@ pub use load::read_parameters;
 pub(crate) use load::read_params;
 pub(crate) use manifest::{read_manifest, validate_manifest};
 pub use manifest::{Manifest, TensorEntry};
+pub use problem::{CheckpointProblem, ConfigChange, LatestProblem, ManifestMismatch};
 pub use resume::{latest, prepare_resume, resolve};
 
 /// The manifest format this build writes and the only one it reads (3: every parameter is stored
@@ -134,10 +137,10 @@ fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
 }
 
 /// A [`TrainError::Checkpoint`] naming `path` and the problem.
-fn ckpt_err(path: &Path, reason: impl Into<String>) -> TrainError {
+fn ckpt_err(path: &Path, problem: CheckpointProblem) -> TrainError {
     TrainError::Checkpoint {
         path: path.display().to_string(),
-        reason: reason.into(),
+        problem,
     }
 }
 

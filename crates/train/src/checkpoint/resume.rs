@@ -10,8 +10,10 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use super::problem::list_changes;
 use super::{
-    ckpt_err, io_err, is_layout_key, is_plain_name, parse_checkpoint_name, sync_dir, RESUMABLE_KEYS,
+    ckpt_err, io_err, is_layout_key, is_plain_name, parse_checkpoint_name, sync_dir,
+    CheckpointProblem, ConfigChange, LatestProblem, RESUMABLE_KEYS,
 };
 use crate::config::{ResumeMode, TrainConfig};
 use crate::error::TrainError;
@@ -25,16 +27,8 @@ pub fn resolve(path: &Path) -> Result<PathBuf, TrainError> {
     if path.join("manifest.json").is_file() {
         return Ok(path.to_path_buf());
     }
-    latest(path)?.ok_or_else(|| {
-        ckpt_err(
-            path,
-            "no manifest.json and no `latest` here: not a checkpoint",
-        )
-    })
+    latest(path)?.ok_or_else(|| ckpt_err(path, CheckpointProblem::NotACheckpoint))
 }
-
-const START_OVER: &str =
-    "(to start over instead, set resume=fresh: the checkpoints are moved aside, not deleted)";
 
 /// A checkpoint directory and its (step, micro-step).
 pub(super) type CheckpointDir = ((usize, usize), PathBuf);
@@ -80,14 +74,12 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
                     let newest = newest
                         .file_name()
                         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-                    Err(ckpt_err(
+                    Err(latest_err(
                         &path,
-                        format!(
-                            "is missing but the directory holds {} checkpoint(s), the newest \
-                             {newest}; write the name of the one to resume from into `latest` \
-                             {START_OVER}",
-                            found.len(),
-                        ),
+                        LatestProblem::Missing {
+                            count: found.len(),
+                            newest,
+                        },
                     ))
                 }
             };
@@ -95,58 +87,54 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
         Err(e) => return Err(io_err(&path)(e)),
     };
     if meta.file_type().is_symlink() {
-        return Err(ckpt_err(
-            &path,
-            format!(
-                "is a symlink; ferrotext writes `latest` as a plain file holding a \
-                 checkpoint's name {START_OVER}"
-            ),
-        ));
+        return Err(latest_err(&path, LatestProblem::Symlink));
     }
     if !meta.is_file() {
-        return Err(ckpt_err(&path, format!("is not a file {START_OVER}")));
+        return Err(latest_err(&path, LatestProblem::NotAFile));
     }
-    let bytes = ferrotext_hf::files::read_regular(&path)
-        .map_err(|e| ckpt_err(&path, format!("cannot read: {e}")))?;
+    let bytes = ferrotext_hf::files::read_regular(&path).map_err(|e| {
+        ckpt_err(
+            &path,
+            CheckpointProblem::Unreadable {
+                error: e.to_string(),
+            },
+        )
+    })?;
     let Ok(text) = std::str::from_utf8(&bytes) else {
-        return Err(ckpt_err(&path, format!("is not text {START_OVER}")));
+        return Err(latest_err(&path, LatestProblem::NotText));
     };
     let name = text.trim();
     if name.is_empty() {
-        return Err(ckpt_err(&path, format!("is empty {START_OVER}")));
+        return Err(latest_err(&path, LatestProblem::Empty));
     }
     if !is_plain_name(name) {
-        return Err(ckpt_err(
+        return Err(latest_err(
             &path,
-            format!(
-                "names `{}`, which is outside its directory {START_OVER}",
-                name.escape_debug()
-            ),
+            LatestProblem::Outside { name: name.into() },
         ));
     }
     if parse_checkpoint_name(name).is_none() {
-        return Err(ckpt_err(
+        return Err(latest_err(
             &path,
-            format!(
-                "names `{}`, which is not a checkpoint name (step_SSSSSSSS_micro_MMM) {START_OVER}",
-                name.escape_debug()
-            ),
+            LatestProblem::NotACheckpointName { name: name.into() },
         ));
     }
     let dir = root.join(name);
     if !dir.is_dir() {
-        return Err(ckpt_err(
+        return Err(latest_err(
             &path,
-            format!("names `{name}`, which does not exist {START_OVER}"),
+            LatestProblem::NamesNothing { name: name.into() },
         ));
     }
     if !dir.join("manifest.json").is_file() {
-        return Err(ckpt_err(
-            &dir,
-            format!("named by `latest`, has no manifest.json {START_OVER}"),
-        ));
+        return Err(ckpt_err(&dir, CheckpointProblem::NamedWithoutManifest));
     }
     Ok(Some(dir))
+}
+
+/// A [`TrainError::Checkpoint`] for `latest` at `path`.
+fn latest_err(path: &Path, problem: LatestProblem) -> TrainError {
+    ckpt_err(path, CheckpointProblem::Latest(problem))
 }
 
 /// Start-up of a run's checkpoint directory `root`, before anything is trained: returns the
@@ -173,7 +161,7 @@ pub fn prepare_resume(
         return Ok(None);
     }
     if !root.is_dir() {
-        return Err(ckpt_err(root, "is not a directory"));
+        return Err(ckpt_err(root, CheckpointProblem::NotADirectory));
     }
     if config.resume == ResumeMode::Fresh {
         if writer {
@@ -259,8 +247,13 @@ pub(super) fn check_config(
 ) -> Result<(), TrainError> {
     let as_object = |c: &TrainConfig| match serde_json::to_value(c) {
         Ok(serde_json::Value::Object(map)) => Ok(map),
-        Ok(_) => Err(ckpt_err(dir, "a config is not a JSON object")),
-        Err(e) => Err(ckpt_err(dir, format!("cannot compare configs: {e}"))),
+        Ok(_) => Err(ckpt_err(dir, CheckpointProblem::ConfigNotAnObject)),
+        Err(e) => Err(ckpt_err(
+            dir,
+            CheckpointProblem::ConfigNotComparable {
+                error: e.to_string(),
+            },
+        )),
     };
     let (a, b) = (as_object(saved)?, as_object(now)?);
     let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
@@ -272,7 +265,11 @@ pub(super) fn check_config(
         if was == is || RESUMABLE_KEYS.contains(&key.as_str()) {
             continue;
         }
-        let change = format!("{key} was {was} when saved, now {is}");
+        let change = ConfigChange {
+            key: key.clone(),
+            was: was.to_string(),
+            now: is.to_string(),
+        };
         if is_layout_key(key) {
             layout.push(change);
         } else {
@@ -282,14 +279,7 @@ pub(super) fn check_config(
     if !strict.is_empty() {
         return Err(ckpt_err(
             dir,
-            format!(
-                "{}; only {} may change on resume (and the layout keys local_devices, \
-                 num_processes, ici_*_parallelism, shard_mode, shard_optimizer_over_data, \
-                 per_device_batch_size, gradient_accumulation_steps, as long as the global batch \
-                 stays the same)",
-                strict.join("; "),
-                RESUMABLE_KEYS.join(", ")
-            ),
+            CheckpointProblem::ConfigChanged { changes: strict },
         ));
     }
     let per_step = |c: &TrainConfig| c.micro_batch_rows() * c.gradient_accumulation_steps;
@@ -303,7 +293,7 @@ pub(super) fn check_config(
                 dir.display(),
                 per_step(saved),
                 per_step(now),
-                layout.join("; ")
+                list_changes(&layout)
             ),
         ));
     }
@@ -322,7 +312,7 @@ pub(super) fn check_config(
                 saved.micro_batch_rows(),
                 now.gradient_accumulation_steps,
                 now.micro_batch_rows(),
-                layout.join("; ")
+                list_changes(&layout)
             ),
         ));
     }

@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use super::resume::checkpoints_in;
 use super::{
     checkpoint_name, ckpt_err, hex, io_err, mesh_description, sequences_consumed, sync_dir,
-    write_synced, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_SEAL,
+    write_synced, CheckpointProblem, Manifest, TensorEntry, FORMAT_VERSION, MANIFEST_SEAL,
 };
 use crate::engine::{Engine, EngineState, PendingState, PendingSum, TreeNodeState};
 use crate::error::TrainError;
@@ -313,7 +313,7 @@ fn write_temporary(
     } = tmp;
     let mut manifest = build_manifest(state, gathered, tensors, files);
     manifest.data_fingerprint = crate::data::fingerprint(state.plan.config())?;
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| ckpt_err(&dir, e.to_string()))?;
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| ckpt_err(&dir, encode(e)))?;
     write_synced(&dir.join("manifest.json"), &json)?;
     write_synced(
         &dir.join(MANIFEST_SEAL),
@@ -337,7 +337,7 @@ fn write_params(
     for ((info, t), p) in infos.iter().zip(params).zip(live) {
         let parts = info
             .to_hf(t)
-            .map_err(|e| ckpt_err(&tmp.dir, e.to_string()))?;
+            .map_err(|e| ckpt_err(&tmp.dir, CheckpointProblem::HfLayout(e)))?;
         for (n, part) in parts {
             shardings.push(p.ty().to_string());
             stored.push((n, part));
@@ -496,8 +496,8 @@ fn write_tensors(path: &Path, entries: &[(String, Tensor)]) -> Result<String, Tr
         .iter()
         .map(|(n, s, b)| TensorView::new(Dtype::F32, s.clone(), b).map(|v| (n.clone(), v)))
         .collect::<Result<_, _>>()
-        .map_err(|e| ckpt_err(path, e.to_string()))?;
-    let bytes = safetensors::serialize(views, &None).map_err(|e| ckpt_err(path, e.to_string()))?;
+        .map_err(|e| ckpt_err(path, encode(e)))?;
+    let bytes = safetensors::serialize(views, &None).map_err(|e| ckpt_err(path, encode(e)))?;
     write_synced(path, &bytes)?;
     Ok(hex(&Sha256::digest(&bytes)))
 }
@@ -517,4 +517,11 @@ fn prune(root: &Path, keep: usize, current: &str) -> Result<(), TrainError> {
         std::fs::remove_dir_all(path).map_err(io_err(path))?;
     }
     sync_dir(root)
+}
+
+/// An encoder's error (JSON, safetensors) as [`CheckpointProblem::Encode`].
+fn encode(error: impl std::fmt::Display) -> CheckpointProblem {
+    CheckpointProblem::Encode {
+        error: error.to_string(),
+    }
 }
