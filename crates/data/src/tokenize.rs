@@ -2,10 +2,10 @@
 //!
 //! The pipeline: expand the inputs and check every file has the field ([`crate::input`]); load
 //! the tokenizer (a `tokenizer.json`, or a Hugging Face model directory whose `config.json`
-//! bounds the vocabulary); then documents are gathered into batches of about
-//! [`TokenizeOptions::batch_bytes`] and each batch is encoded in parallel on every core by the
-//! `tokenizers` crate's `encode_batch_fast` (the output keeps the input order), its ids written
-//! document by document through [`ShardWriter`]. Invariant: the output appears only complete
+//! bounds the vocabulary); then a reader thread parses documents into batches of about
+//! [`TokenizeOptions::batch_bytes`] while each batch before it is encoded in parallel on every
+//! core by the `tokenizers` crate's `encode_batch_fast` (the output keeps the input order), its
+//! ids written document by document through [`ShardWriter`]. Invariant: the output appears only complete
 //! (see [`crate::write`]); every input error is found before it would be published.
 
 use std::path::{Path, PathBuf};
@@ -123,6 +123,42 @@ pub fn load_tokenizer(path: &Path) -> Result<LoadedTokenizer, DataError> {
     })
 }
 
+/// Sends the documents of `files` to `tx` in batches of about `limit` bytes, in order, then
+/// the first error if any; stops when the receiver is gone.
+fn read_batches(
+    files: &[(std::path::PathBuf, crate::input::Format)],
+    field: &str,
+    limit: usize,
+    tx: &std::sync::mpsc::SyncSender<Result<Vec<String>, DataError>>,
+) {
+    let stopped = || DataError::invalid("", "the encoder stopped");
+    let mut batch = Vec::new();
+    let mut bytes = 0usize;
+    let mut read = || -> Result<(), DataError> {
+        for (path, format) in files {
+            for_each_document(path, *format, field, &mut |doc| {
+                bytes += doc.len();
+                batch.push(doc);
+                if bytes >= limit {
+                    bytes = 0;
+                    tx.send(Ok(std::mem::take(&mut batch)))
+                        .map_err(|_| stopped())?;
+                }
+                Ok(())
+            })?;
+        }
+        if !batch.is_empty() {
+            tx.send(Ok(std::mem::take(&mut batch)))
+                .map_err(|_| stopped())?;
+        }
+        Ok(())
+    };
+    if let Err(e) = read() {
+        // The receiver may be gone (it stopped first); then nobody needs the error.
+        let _ = tx.send(Err(e));
+    }
+}
+
 /// A tokenizer of `tokenizer_vocab` ids fits a model of `model_vocab`.
 ///
 /// # Errors
@@ -193,43 +229,33 @@ pub fn tokenize(
     };
     let mut writer = ShardWriter::create(&options.output, info, options.shard_tokens)?;
     let mut done = Progress::default();
-    let mut batch: Vec<String> = Vec::new();
-    let mut batch_bytes = 0usize;
-    let mut flush = |batch: &mut Vec<String>,
-                     writer: &mut ShardWriter,
-                     done: &mut Progress|
-     -> Result<(), DataError> {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let text_bytes: usize = batch.iter().map(String::len).sum();
-        let encodings = loaded
-            .tokenizer
-            .encode_batch_fast(std::mem::take(batch), false)
-            .map_err(|e| DataError::Tokenizer {
-                path: loaded.path.clone(),
-                reason: e.to_string(),
-            })?;
-        for e in &encodings {
-            writer.push_document(e.get_ids())?;
-            done.tokens += e.get_ids().len() as u64 + 1;
-        }
-        done.documents += encodings.len() as u64;
-        done.text_bytes += text_bytes as u64;
-        progress(*done);
-        Ok(())
-    };
-    for (path, format) in &files {
-        for_each_document(path, *format, &options.field, &mut |doc| {
-            batch_bytes += doc.len();
-            batch.push(doc);
-            if batch_bytes >= options.batch_bytes {
-                batch_bytes = 0;
-                flush(&mut batch, &mut writer, &mut done)?;
+    let limit = options.batch_bytes.max(1);
+    std::thread::scope(|scope| -> Result<(), DataError> {
+        // One reader thread parses batch `k + 1` while every core encodes batch `k`; the
+        // channel keeps the batches in corpus order. An error on this side drops the receiver,
+        // which stops the reader at its next send.
+        let (tx, rx) = std::sync::mpsc::sync_channel(2);
+        let (files, field) = (&files, options.field.as_str());
+        scope.spawn(move || read_batches(files, field, limit, &tx));
+        for batch in rx {
+            let batch: Vec<String> = batch?;
+            let text_bytes: usize = batch.iter().map(String::len).sum();
+            let encodings = loaded
+                .tokenizer
+                .encode_batch_fast(batch, false)
+                .map_err(|e| DataError::Tokenizer {
+                    path: loaded.path.clone(),
+                    reason: e.to_string(),
+                })?;
+            for e in &encodings {
+                writer.push_document(e.get_ids())?;
+                done.tokens += e.get_ids().len() as u64 + 1;
             }
-            Ok(())
-        })?;
-    }
-    flush(&mut batch, &mut writer, &mut done)?;
+            done.documents += encodings.len() as u64;
+            done.text_bytes += text_bytes as u64;
+            progress(done);
+        }
+        Ok(())
+    })?;
     writer.finish(&options.inputs.join(" "))
 }
