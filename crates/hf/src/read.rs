@@ -221,13 +221,26 @@ fn check_names(
     let layers = wanted
         .iter()
         .flatten()
-        .filter_map(|(n, _)| n.strip_prefix("model.layers.")?.split('.').next()?.parse().ok())
+        .filter_map(|(n, _)| {
+            n.strip_prefix("model.layers.")?
+                .split('.')
+                .next()?
+                .parse()
+                .ok()
+        })
         .map(|i: usize| i + 1)
         .max()
         .unwrap_or(0);
     let mtp_prefix = format!("model.layers.{layers}.");
-    let mtp = unexpected.iter().filter(|n| n.starts_with(&mtp_prefix)).count();
-    if mtp > 0 && unexpected.iter().any(|n| n == &format!("{mtp_prefix}eh_proj.weight")) {
+    let mtp = unexpected
+        .iter()
+        .filter(|n| n.starts_with(&mtp_prefix))
+        .count();
+    if mtp > 0
+        && unexpected
+            .iter()
+            .any(|n| n == &format!("{mtp_prefix}eh_proj.weight"))
+    {
         unexpected.retain(|n| !n.starts_with(&mtp_prefix));
         parts.push(format!(
             "the checkpoint has a multi-token-prediction layer `model.layers.{layers}.*` ({mtp} \

@@ -21,9 +21,9 @@ pub mod kv_cache;
 pub mod moe;
 pub mod mtp;
 pub mod nn;
-pub mod router;
 mod params;
 mod presets;
+pub mod router;
 
 pub use kv_cache::{KvCache, KvSlot};
 pub use params::{init_normal, HfLayout, HfLayoutError, Init, ParamInfo, Rng};

@@ -62,8 +62,8 @@ pub use gate::{deferral_gate, zero1_gate, zero1_spec, ClosedReason, Deferral, Ov
 pub use gradients::{Gradients, PartialGradients};
 pub use optim::{clip_scale, learning_rate, Optimizer};
 pub use plan::{ParamLayout, PlanDecoder, RunPlan};
+pub use router_bias::bias_update;
 #[cfg(feature = "fault-injection")]
 pub use run::Fault;
-pub use router_bias::bias_update;
 pub use run::{select_matmul_kernel, train, train_plan, RunOptions, StepCallback, TrainReport};
 pub use trainer::{plan_step, Trainer};
