@@ -479,29 +479,7 @@ pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
             "rope_scaling": null,
             "use_sliding_window": false,
         }),
-        (ModelType::Llama, _, _) => {
-            let (rope_scaling, max_pos) = match &cfg.rope_llama3 {
-                None => (Value::Null, 8192),
-                Some(l) => (
-                    json!({
-                        "rope_type": "llama3",
-                        "factor": num(l.factor),
-                        "low_freq_factor": num(l.low_freq_factor),
-                        "high_freq_factor": num(l.high_freq_factor),
-                        "original_max_position_embeddings": l.original_max_position,
-                    }),
-                    (l.original_max_position as f64 * f64::from(l.factor)) as usize,
-                ),
-            };
-            json!({
-                "architectures": ["LlamaForCausalLM"],
-                "head_dim": cfg.head_dim,
-                "max_position_embeddings": max_pos,
-                "rope_scaling": rope_scaling,
-                "mlp_bias": false,
-                "pretraining_tp": 1,
-            })
-        }
+        (ModelType::Llama, _, _) => llama_extra(cfg),
         (ModelType::Qwen2, _, _) => json!({
             "architectures": ["Qwen2ForCausalLM"],
             "head_dim": cfg.head_dim,
@@ -524,47 +502,7 @@ pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
             "router_aux_loss_coef": num(m.load_balance_loss_weight),
             "output_router_logits": false,
         }),
-        (ModelType::DeepseekV3, Some(m), Some(a)) => {
-            let rope_scaling = match &cfg.rope_yarn {
-                None => Value::Null,
-                Some(y) => json!({
-                    "type": "yarn",
-                    "factor": num(y.factor),
-                    "original_max_position_embeddings": y.original_max_position,
-                    "beta_fast": num(y.beta_fast),
-                    "beta_slow": num(y.beta_slow),
-                    "mscale": num(y.mscale),
-                    "mscale_all_dim": num(y.mscale),
-                    "attention_factor": num(y.attention_factor),
-                }),
-            };
-            let max_pos = cfg.rope_yarn.as_ref().map_or(4096, |y| {
-                (y.original_max_position as f64 * y.factor as f64) as usize
-            });
-            json!({
-                "architectures": ["DeepseekV3ForCausalLM"],
-                "max_position_embeddings": max_pos,
-                "rope_scaling": rope_scaling,
-                "q_lora_rank": a.q_lora_rank,
-                "kv_lora_rank": a.kv_lora_rank,
-                "qk_nope_head_dim": a.qk_nope_head_dim,
-                "qk_rope_head_dim": a.qk_rope_head_dim,
-                "v_head_dim": a.v_head_dim,
-                "n_routed_experts": m.num_experts,
-                "n_shared_experts": m.shared_experts,
-                "num_experts_per_tok": m.num_experts_per_tok,
-                "moe_intermediate_size": m.moe_mlp_dim,
-                "first_k_dense_replace": m.first_num_dense_layers,
-                "moe_layer_freq": 1,
-                "norm_topk_prob": m.norm_topk_prob,
-                "routed_scaling_factor": num(m.routed_scaling_factor),
-                "scoring_func": "sigmoid",
-                "topk_method": "noaux_tc",
-                "n_group": m.groups.n_routing_groups,
-                "topk_group": m.groups.topk_routing_group,
-                "rope_interleave": a.rope_interleave,
-            })
-        }
+        (ModelType::DeepseekV3, Some(m), Some(a)) => deepseek_v3_extra(cfg, m, a),
         _ => return Err("no Hugging Face model_type fits this model".into()),
     };
     if let (Some(obj), Value::Object(more)) = (v.as_object_mut(), extra) {
@@ -575,6 +513,74 @@ pub fn hf_config_json(cfg: &Config, dtype: &str) -> Result<Value, String> {
         }
     }
     Ok(v)
+}
+
+/// The `config.json` keys only `llama` writes: its Llama 3 rope scaling and bias flags.
+fn llama_extra(cfg: &Config) -> Value {
+    let (rope_scaling, max_pos) = match &cfg.rope_llama3 {
+        None => (Value::Null, 8192),
+        Some(l) => (
+            json!({
+                "rope_type": "llama3",
+                "factor": num(l.factor),
+                "low_freq_factor": num(l.low_freq_factor),
+                "high_freq_factor": num(l.high_freq_factor),
+                "original_max_position_embeddings": l.original_max_position,
+            }),
+            (l.original_max_position as f64 * f64::from(l.factor)) as usize,
+        ),
+    };
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": max_pos,
+        "rope_scaling": rope_scaling,
+        "mlp_bias": false,
+        "pretraining_tp": 1,
+    })
+}
+
+/// The `config.json` keys only `deepseek_v3` writes: MLA, the router and YaRN.
+fn deepseek_v3_extra(cfg: &Config, m: &MoeSettings, a: &MlaSettings) -> Value {
+    let rope_scaling = match &cfg.rope_yarn {
+        None => Value::Null,
+        Some(y) => json!({
+            "type": "yarn",
+            "factor": num(y.factor),
+            "original_max_position_embeddings": y.original_max_position,
+            "beta_fast": num(y.beta_fast),
+            "beta_slow": num(y.beta_slow),
+            "mscale": num(y.mscale),
+            "mscale_all_dim": num(y.mscale),
+            "attention_factor": num(y.attention_factor),
+        }),
+    };
+    let max_pos = cfg.rope_yarn.as_ref().map_or(4096, |y| {
+        (y.original_max_position as f64 * y.factor as f64) as usize
+    });
+    json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "max_position_embeddings": max_pos,
+        "rope_scaling": rope_scaling,
+        "q_lora_rank": a.q_lora_rank,
+        "kv_lora_rank": a.kv_lora_rank,
+        "qk_nope_head_dim": a.qk_nope_head_dim,
+        "qk_rope_head_dim": a.qk_rope_head_dim,
+        "v_head_dim": a.v_head_dim,
+        "n_routed_experts": m.num_experts,
+        "n_shared_experts": m.shared_experts,
+        "num_experts_per_tok": m.num_experts_per_tok,
+        "moe_intermediate_size": m.moe_mlp_dim,
+        "first_k_dense_replace": m.first_num_dense_layers,
+        "moe_layer_freq": 1,
+        "norm_topk_prob": m.norm_topk_prob,
+        "routed_scaling_factor": num(m.routed_scaling_factor),
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": m.groups.n_routing_groups,
+        "topk_group": m.groups.topk_routing_group,
+        "rope_interleave": a.rope_interleave,
+    })
 }
 
 #[cfg(test)]
