@@ -13,11 +13,6 @@
 //! its shards'. A directory is published by renaming a complete temporary one, so a directory
 //! under the final name always reads.
 
-use std::fs::File;
-use std::io::{Error, ErrorKind};
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
-
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -120,34 +115,4 @@ pub fn is_plain_name(name: &str) -> bool {
         && name != "."
         && name != ".."
         && !name.starts_with('.')
-}
-
-/// The regular file at `path`, opened for reading without blocking (a FIFO would otherwise wait
-/// for a writer forever) and checked on the open handle: a FIFO, a device, a directory or a
-/// socket is refused before a byte is read (the same rule as `ferrotext_hf::files`, which this
-/// layer sits beside, not below).
-///
-/// # Errors
-/// What the system said, or [`ErrorKind::InvalidInput`] "is not a regular file".
-pub fn open_regular(path: &Path) -> std::io::Result<File> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
-    if !file.metadata()?.is_file() {
-        return Err(Error::new(ErrorKind::InvalidInput, "is not a regular file"));
-    }
-    Ok(file)
-}
-
-/// The bytes of the regular file at `path` ([`open_regular`]).
-///
-/// # Errors
-/// As [`open_regular`], and a failed read.
-pub fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let mut file = open_regular(path)?;
-    let mut bytes = Vec::with_capacity(file.metadata().map_or(0, |m| m.len() as usize));
-    file.read_to_end(&mut bytes)?;
-    Ok(bytes)
 }

@@ -15,7 +15,7 @@ use parquet::column::reader::ColumnReader;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 
 use crate::error::DataError;
-use crate::format::open_regular;
+use ferrotext_files::open_regular;
 
 /// A corpus file's format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,7 +128,7 @@ pub fn for_each_document(
 ) -> Result<(), DataError> {
     match format {
         Format::Text => {
-            let bytes = crate::format::read_regular(path).map_err(DataError::read(path))?;
+            let bytes = ferrotext_files::read_regular(path).map_err(DataError::read(path))?;
             let text = String::from_utf8(bytes).map_err(|e| DataError::Parse {
                 path: path.to_path_buf(),
                 line: None,

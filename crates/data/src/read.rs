@@ -15,9 +15,9 @@ use memmap2::Mmap;
 
 use crate::error::DataError;
 use crate::format::{
-    is_plain_name, open_regular, read_regular, sha256_hex, Dtype, ShardManifest, FORMAT,
-    FORMAT_VERSION, MANIFEST,
+    is_plain_name, sha256_hex, Dtype, ShardManifest, FORMAT, FORMAT_VERSION, MANIFEST,
 };
+use ferrotext_files::{open_regular, read_regular};
 
 /// One mapped shard.
 struct Mapped {

@@ -13,9 +13,10 @@ use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 
 use crate::error::DataError;
-use crate::format::{read_regular, sha256_hex, ShardManifest};
+use crate::format::{sha256_hex, ShardManifest};
 use crate::input::{expand, for_each_document, precheck};
 use crate::write::{ShardWriter, TokenizerInfo};
+use ferrotext_files::read_regular;
 
 /// EOS names tried, in order, when neither `--eos` nor the model's config names one.
 const EOS_NAMES: &[&str] = &[

@@ -21,7 +21,7 @@ pub struct ConformanceArgs {
 pub fn run(args: &ConformanceArgs) -> Result<()> {
     let (mut passed, mut failed) = (0, 0);
     for file in &args.files {
-        let text = ferrotext_hf::files::read_regular_to_string(file)
+        let text = ferrotext_files::read_regular_to_string(file)
             .map_err(|e| UsageError(format!("cannot read {}: {e}", file.display())))?;
         let summary = run_jsonl(&text).with_context(|| format!("in {}", file.display()))?;
         for (id, why) in &summary.failures {

@@ -139,7 +139,7 @@ fn codec(args: &GenerateArgs, source: &Source, vocab: usize) -> Result<TextCodec
 
 /// `eos_token_id` of a HF `config.json` (a number or a list), when there is one.
 fn hf_eos(dir: &Path) -> Vec<u32> {
-    let Ok(text) = ferrotext_hf::files::read_regular_to_string(&dir.join("config.json")) else {
+    let Ok(text) = ferrotext_files::read_regular_to_string(&dir.join("config.json")) else {
         return Vec::new();
     };
     let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {

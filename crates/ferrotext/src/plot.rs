@@ -100,7 +100,7 @@ fn run_series(label: &str, curves: Curves) -> Vec<Series> {
 /// file and line.
 pub fn read_curves(dir: &Path) -> Result<Curves> {
     let path = dir.join("metrics.jsonl");
-    let text = ferrotext_hf::files::read_regular_to_string(&path)
+    let text = ferrotext_files::read_regular_to_string(&path)
         .with_context(|| format!("reading {} (is it a run directory?)", path.display()))?;
     let mut curves = Curves::default();
     for (i, line) in text.lines().enumerate() {

@@ -25,7 +25,7 @@ impl TextCodec {
     /// [`GenerateError::Usage`] (key `tokenizer_path`) for a file that cannot be read or is not a
     /// tokenizer.
     pub fn from_file(path: &Path) -> Result<TextCodec, GenerateError> {
-        let bytes = ferrotext_hf::files::read_named(path)
+        let bytes = ferrotext_files::read_named(path)
             .map_err(|e| GenerateError::usage("tokenizer_path", format!("tokenizer_path: {e}")))?;
         let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
             GenerateError::usage(

@@ -156,7 +156,7 @@ pub fn read_config(dir: &Path) -> Result<Config, HfError> {
         path: path.display().to_string(),
         reason,
     };
-    let text = crate::files::read_regular_to_string(&path)
+    let text = ferrotext_files::read_regular_to_string(&path)
         .map_err(|e| err(format!("cannot read: {e}")))?;
     let value: Value = serde_json::from_str(&text).map_err(|e| err(format!("is not JSON: {e}")))?;
     decoder_config(&value).map_err(err)

@@ -8,8 +8,8 @@
 //! does not do: [`key_use`] says what happens to each key), [`load_directory`] reads
 //! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
 //! the same layout back (a checkpoint's export lives in `ferrotext-train`, which knows
-//! checkpoints). [`files`] is the rule every input a run reads is opened by, this crate's and
-//! the trainer's.
+//! checkpoints). Every file is opened by `ferrotext_files`' rule (no FIFO,
+//! device or directory is read).
 //!
 //! # Invariants
 //! - Loading checks every header before converting anything: the set of tensor names (missing
@@ -32,7 +32,6 @@
 mod config;
 mod convert;
 mod error;
-pub mod files;
 mod read;
 mod write;
 

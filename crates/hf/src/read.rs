@@ -122,7 +122,7 @@ fn map_files(dir: &Path, files: &[String], sharded: bool) -> Result<Vec<Mmap>, S
     let mut maps = Vec::with_capacity(files.len());
     for file in files {
         let path = dir.join(file);
-        let f = crate::files::open_regular(&path).map_err(|e| match (e.kind(), sharded) {
+        let f = ferrotext_files::open_regular(&path).map_err(|e| match (e.kind(), sharded) {
             (std::io::ErrorKind::InvalidInput, _) => format!("`{file}` {e}"),
             (_, true) => format!("shard `{file}` listed in {INDEX_FILE} cannot be read: {e}"),
             (_, false) => format!("`{file}` cannot be read: {e}"),
@@ -533,7 +533,7 @@ fn shard_files(dir: &Path) -> Result<(Vec<String>, Option<BTreeMap<String, Strin
         }
         return Ok((vec![SINGLE_FILE.to_string()], None));
     }
-    let text = crate::files::read_regular_to_string(&index_path)
+    let text = ferrotext_files::read_regular_to_string(&index_path)
         .map_err(|e| format!("{INDEX_FILE}: {e}"))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{INDEX_FILE} is not JSON: {e}"))?;

@@ -148,7 +148,7 @@ impl MetricsLog {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let kept: String = match ferrotext_hf::files::read_regular_to_string(path) {
+        let kept: String = match ferrotext_files::read_regular_to_string(path) {
             Ok(old) => old
                 .lines()
                 .filter(|line| {

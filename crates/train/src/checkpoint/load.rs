@@ -336,7 +336,7 @@ fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>,
         ));
     }
     let path = dir.join(file);
-    let bytes = ferrotext_hf::files::read_regular(&path).map_err(|e| {
+    let bytes = ferrotext_files::read_regular(&path).map_err(|e| {
         ckpt_err(
             &path,
             CheckpointProblem::Unreadable {

@@ -85,7 +85,7 @@ pub struct Manifest {
 /// `manifest.json` of `dir`: its format version, then its seal, then its fields.
 pub(crate) fn read_manifest(dir: &Path) -> Result<Manifest, TrainError> {
     let manifest_path = dir.join("manifest.json");
-    let text = ferrotext_hf::files::read_regular(&manifest_path).map_err(|e| {
+    let text = ferrotext_files::read_regular(&manifest_path).map_err(|e| {
         ckpt_err(
             &manifest_path,
             CheckpointProblem::Unreadable {
@@ -139,7 +139,7 @@ fn check_version(manifest_path: &Path, value: &serde_json::Value) -> Result<(), 
 fn check_seal(dir: &Path, text: &[u8]) -> Result<(), TrainError> {
     let manifest_path = dir.join("manifest.json");
     let seal_path = dir.join(MANIFEST_SEAL);
-    let seal = ferrotext_hf::files::read_regular_to_string(&seal_path).map_err(|e| {
+    let seal = ferrotext_files::read_regular_to_string(&seal_path).map_err(|e| {
         ckpt_err(
             &seal_path,
             CheckpointProblem::SealUnreadable {

@@ -92,7 +92,7 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
     if !meta.is_file() {
         return Err(latest_err(&path, LatestProblem::NotAFile));
     }
-    let bytes = ferrotext_hf::files::read_regular(&path).map_err(|e| {
+    let bytes = ferrotext_files::read_regular(&path).map_err(|e| {
         ckpt_err(
             &path,
             CheckpointProblem::Unreadable {

@@ -70,7 +70,7 @@ impl TrainConfig {
         let mut table = match file {
             Some(path) => {
                 let shown = || path.display().to_string();
-                let bytes = ferrotext_hf::files::read_named(path).map_err(|reason| {
+                let bytes = ferrotext_files::read_named(path).map_err(|reason| {
                     TrainError::ConfigUnreadable {
                         path: shown(),
                         reason,

@@ -314,7 +314,7 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
     let order = config.dataset_order;
     let need = config.max_target_length + 1;
     let open = |path: &str| -> Result<Vec<u8>, TrainError> {
-        ferrotext_hf::files::read_regular(Path::new(path))
+        ferrotext_files::read_regular(Path::new(path))
             .map_err(|e| DataError::read(Path::new(path))(e).into())
     };
     let check_len = |tokens: usize, what: &str| -> Result<(), TrainError> {
@@ -422,7 +422,7 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
 /// [`TrainError::Data`] for a file that is not a tokenizer, or ids beyond `vocab`.
 pub fn tokenize(path: &str, text: &str, vocab: usize) -> Result<Vec<u32>, TrainError> {
     let file = Path::new(path);
-    let bytes = ferrotext_hf::files::read_regular(file).map_err(DataError::read(file))?;
+    let bytes = ferrotext_files::read_regular(file).map_err(DataError::read(file))?;
     let tokenizer_err = |e: tokenizers::Error| DataError::Tokenizer {
         path: file.to_path_buf(),
         reason: e.to_string(),

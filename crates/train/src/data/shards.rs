@@ -25,7 +25,7 @@ pub(super) fn open(config: &TrainConfig, vocab: usize) -> Result<Arc<ShardSet>, 
     check_vocab(dir, m.vocab_size, vocab)?;
     if !config.tokenizer_path.is_empty() {
         let path = Path::new(&config.tokenizer_path);
-        let bytes = ferrotext_hf::files::read_regular(path).map_err(DataError::read(path))?;
+        let bytes = ferrotext_files::read_regular(path).map_err(DataError::read(path))?;
         let sha = ferrotext_data::format::sha256_hex(&bytes);
         if sha != m.tokenizer_sha256 {
             return Err(DataError::Manifest {
@@ -51,7 +51,7 @@ pub fn fingerprint(config: &TrainConfig) -> Result<Option<String>, TrainError> {
         return Ok(None);
     }
     let path = Path::new(&config.dataset_path).join(ferrotext_data::format::MANIFEST);
-    let bytes = ferrotext_hf::files::read_regular(&path).map_err(DataError::read(&path))?;
+    let bytes = ferrotext_files::read_regular(&path).map_err(DataError::read(&path))?;
     Ok(Some(ferrotext_data::format::sha256_hex(&bytes)))
 }
 
