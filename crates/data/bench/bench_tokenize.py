@@ -10,9 +10,9 @@ Nothing is downloaded: the corpus is generated here (pseudo-words from syllables
 varied length, a fixed seed), and the tokenizer is a byte-level BPE trained here by the
 `tokenizers` trainer on the first part of it.
 
-    python3 -m venv /work/venv-tok && /work/venv-tok/bin/pip install tokenizers
+    python3 -m venv ~/venv-tok && ~/venv-tok/bin/pip install tokenizers
     cargo build --release -p ferrotext-data --example tokenize
-    /work/venv-tok/bin/python crates/data/bench/bench_tokenize.py --mb 100 \
+    ~/venv-tok/bin/python crates/data/bench/bench_tokenize.py --mb 100 \
         --work /tmp/tokbench --rust target/release/examples/tokenize \
         --out target/bench/tokenize.json
 """
