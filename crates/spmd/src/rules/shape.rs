@@ -223,10 +223,17 @@ pub(crate) fn local_reshape_partitions(x: &ArrayType, new_sizes: &[usize]) -> Op
         let Some(&d) = sharded.first() else { continue };
         let major_in = gi.iter().copied().find(|&k| x.shape()[k] != 1);
         let major_out = gj.iter().copied().find(|&k| new_sizes[k] != 1);
-        if sharded.len() > 1 || major_in != Some(d) {
+        if sharded.len() > 1 {
             return None;
         }
-        let target = major_out?;
+        let target = match major_in {
+            // A group of size-1 dims only (`1@data` on a one-device axis, a batch of one):
+            // every shard is the whole group, and its sharding stays on the group's first
+            // output dim, so the batch dim keeps its axis.
+            None => *gj.first()?,
+            Some(m) if m == d => major_out?,
+            Some(_) => return None,
+        };
         if !new_sizes[target].is_multiple_of(mesh_parts(x.mesh(), spec.dim(d))) {
             return None;
         }
@@ -318,6 +325,10 @@ pub fn reshape_type(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use ferrotext_sharding::{AxisType, NamedSharding};
+
     use super::*;
 
     #[test]
@@ -340,5 +351,31 @@ mod tests {
         );
         assert_eq!(reshape_groups(&[], &[1]).unwrap(), vec![(vec![], vec![0])]);
         assert!(reshape_groups(&[6], &[4]).is_none());
+    }
+
+    fn typed(mesh: &Arc<Mesh>, shape: &[usize], spec: PartitionSpec) -> ArrayType {
+        let sharding = NamedSharding::new(mesh.clone(), spec).unwrap();
+        ArrayType::new(ferrotext_sharding::DType::F32, shape.to_vec(), sharding).unwrap()
+    }
+
+    /// A batch of one sharded over a one-device `data` axis (`f32[1@data,8,64]`) splits its last
+    /// dim locally and keeps `@data` on the batch dim, as a batch of two does; merging a sharded
+    /// minor dim into its major neighbour still needs data from other devices and is refused.
+    #[test]
+    fn a_batch_of_one_keeps_its_axis_through_a_reshape() {
+        let one = Arc::new(Mesh::new([("data", 1, AxisType::Explicit)]).unwrap());
+        let two = Arc::new(Mesh::new([("data", 2, AxisType::Explicit)]).unwrap());
+        let batch = PartitionSpec::new([DimSpec::from("data")]);
+        for (mesh, rows) in [(&one, 1), (&two, 2)] {
+            let x = typed(mesh, &[rows, 8, 64], batch.clone());
+            let y = reshape_type(&x, &[rows, 8, 4, 16], None).unwrap();
+            assert_eq!(y.to_string(), format!("f32[{rows}@data,8,4,16]"));
+        }
+        let x = typed(
+            &two,
+            &[2, 8],
+            PartitionSpec::new([DimSpec::Replicated, "data".into()]),
+        );
+        assert!(reshape_type(&x, &[16], None).is_err(), "{x}");
     }
 }
