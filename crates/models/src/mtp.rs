@@ -1,4 +1,4 @@
-//! DeepSeek-V3's multi-token prediction module, depth 1 (DeepSeek-V3 paper §2.2; MaxText
+//! DeepSeek-V3's multi-token prediction module, depth 1 (DeepSeek-V3 report, section 2.2; MaxText
 //! `mtp_num_layers`), as the published checkpoint stores it: layer `model.layers.{L}`, `L` =
 //! `num_hidden_layers`, with `embed_tokens`, `enorm`, `hnorm`, `eh_proj`, a full decoder layer,
 //! and `shared_head.{norm, head}`.

@@ -1,4 +1,4 @@
-//! DeepSeek-V3's auxiliary-loss-free load balancing (DeepSeek-V3 paper §2.1.2; MaxText
+//! DeepSeek-V3's auxiliary-loss-free load balancing (DeepSeek-V3 report, sect. 2.1.2; MaxText
 //! `routed_bias_update_rate`): after each optimizer step, every MoE layer's router selection bias
 //! moves by `rate · sign(mean load − load_e)` per expert — up for an expert that got fewer tokens
 //! than the mean, down for one that got more, unchanged at the mean.
