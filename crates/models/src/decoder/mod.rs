@@ -29,6 +29,7 @@
 //! loss, logits and decode entry points); `weights` the weight map and its declarations;
 //! `forward` one layer's forward pass on bound weights.
 
+use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
 use ferrotext_tensor::{DotDims, Llama3, Rope, Yarn};
 
@@ -164,6 +165,8 @@ pub struct ConfigError(pub String);
 pub struct Decoder {
     cfg: Config,
     weights: Weights<ParamInfo>,
+    /// The dtype of the activations and matmul inputs (MaxText's `dtype`); weights stay f32.
+    compute_dtype: DType,
 }
 
 impl Decoder {
@@ -242,12 +245,38 @@ impl Decoder {
                 .map_err(ConfigError)?;
         }
         let weights = Weights::declare(&cfg);
-        Ok(Decoder { cfg, weights })
+        Ok(Decoder {
+            cfg,
+            weights,
+            compute_dtype: DType::F32,
+        })
     }
 
     /// The config.
     pub fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// This decoder computing in `dtype` (MaxText's `dtype`): the activations between ops and
+    /// the matmul inputs are `dtype`; the weights stay f32 and are converted at use; norms'
+    /// statistics, the logits, the loss and the router's scores stay f32 (docs/design.md §10).
+    ///
+    /// # Errors
+    /// A dtype other than `f32` or `bf16`.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Result<Decoder, ConfigError> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(ConfigError(format!(
+                "the compute dtype must be f32 or bf16, not {dtype}"
+            )));
+        }
+        self.compute_dtype = dtype;
+        Ok(self)
+    }
+
+    /// The dtype of the activations and matmul inputs (f32 unless [`Decoder::with_compute_dtype`]
+    /// said otherwise).
+    pub fn compute_dtype(&self) -> DType {
+        self.compute_dtype
     }
 
     /// The weight declarations, as a structure.
