@@ -19,7 +19,8 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use ferrotext_tensor::{
-    allow_bf16_fallback, dot_general, dot_general_bf16, matmul_kernel, Bf16Tensor, DotDims, Tensor,
+    allow_bf16_fallback, dot_general, dot_general_bf16, dot_general_bf16_rounded, matmul_kernel,
+    Bf16Tensor, DotDims, Tensor,
 };
 
 /// One weight: its name, fan-in and fan-out.
@@ -93,6 +94,52 @@ fn measure(ls: &[usize], rs: &[usize], dims: &DotDims, flops: f64, pairs: usize)
     (flops / median(a) / 1e9, flops / median(b) / 1e9)
 }
 
+/// Times a bf16 product stored as bf16 two ways in alternating pairs: the `f32` result then a
+/// rounding pass (`Bf16Tensor::from_f32`), and the product rounded as it is stored
+/// (`dot_general_bf16_rounded`); returns their GFLOP/s (separate, fused).
+fn measure_rounded(
+    ls: &[usize],
+    rs: &[usize],
+    dims: &DotDims,
+    flops: f64,
+    pairs: usize,
+) -> (f64, f64) {
+    let l = Bf16Tensor::from_f32(&Tensor::from_fn(ls, |i| {
+        ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5
+    }));
+    let r = Bf16Tensor::from_f32(&Tensor::from_fn(rs, |i| {
+        ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5
+    }));
+    let time = |f: &dyn Fn()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let separate = || {
+        black_box(
+            dot_general_bf16(&l, &r, dims, 1)
+                .ok()
+                .map(|y| Bf16Tensor::from_f32(&y)),
+        );
+    };
+    let fused = || {
+        black_box(dot_general_bf16_rounded(&l, &r, dims, 1).ok());
+    };
+    separate();
+    fused();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for p in 0..pairs {
+        if p % 2 == 0 {
+            a.push(time(&separate));
+            b.push(time(&fused));
+        } else {
+            b.push(time(&fused));
+            a.push(time(&separate));
+        }
+    }
+    (flops / median(a) / 1e9, flops / median(b) / 1e9)
+}
+
 /// The child: this process's library, every shape, JSON rows on stdout.
 fn child(models: &[String], pairs: usize) {
     let f32_kernel = matmul_kernel();
@@ -110,13 +157,30 @@ fn child(models: &[String], pairs: usize) {
                 let (ls, rs, dims) = layout(m, n, k, lt, rt);
                 let flops = 2.0 * (m * n * k) as f64;
                 let (f, b) = measure(&ls, &rs, &dims, flops, pairs);
+                // Activation products (not the weight gradient, which stays f32) stored as
+                // bf16: rounded after, or as the product is stored.
+                let (sep, fused) = if product == "xᵀ·dy" {
+                    (f64::NAN, f64::NAN)
+                } else {
+                    measure_rounded(&ls, &rs, &dims, flops, pairs)
+                };
                 eprintln!(
-                    "{model:>5} {name:<10} {product:<6} {m:>5}×{n:>5}×{k:>5}  f32 {f:>6.1}  bf16 {b:>6.1} GFLOP/s  ×{:.2}",
-                    b / f
+                    "{model:>5} {name:<10} {product:<6} {m:>5}×{n:>5}×{k:>5}  f32 {f:>6.1}  bf16 {b:>6.1} GFLOP/s  ×{:.2}  to bf16: then round {sep:>6.1}  fused {fused:>6.1}  ×{:.2}",
+                    b / f,
+                    fused / sep
                 );
+                let num = |x: f64| {
+                    if x.is_nan() {
+                        "null".to_string()
+                    } else {
+                        format!("{x:.2}")
+                    }
+                };
                 rows.push(format!(
-                    "{{\"model\":\"{model}\",\"weight\":\"{name}\",\"product\":\"{product}\",\"m\":{m},\"n\":{n},\"k\":{k},\"f32_gflops\":{f:.2},\"bf16_gflops\":{b:.2},\"bf16_over_f32\":{:.3}}}",
-                    b / f
+                    "{{\"model\":\"{model}\",\"weight\":\"{name}\",\"product\":\"{product}\",\"m\":{m},\"n\":{n},\"k\":{k},\"f32_gflops\":{f:.2},\"bf16_gflops\":{b:.2},\"bf16_over_f32\":{:.3},\"bf16_then_round_gflops\":{},\"bf16_rounded_gflops\":{}}}",
+                    b / f,
+                    num(sep),
+                    num(fused)
                 ));
             }
         }

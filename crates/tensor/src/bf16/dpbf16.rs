@@ -257,3 +257,68 @@ unsafe fn tile_r<const R: usize>(
         unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dst.add(r * ldc), cols) };
     }
 }
+
+/// `b` (k×n) packed whole for [`gemm_rounded`]: each [`NR`]-column panel over the whole
+/// contraction in pairs (`k/2 × NR × 2`, zero past `k` and `n`), panel after panel.
+pub(crate) struct PackedB {
+    data: Vec<u32>,
+    k: usize,
+    n: usize,
+}
+
+/// Packs all of `b` (k×n) once, for every row block of a product to share.
+///
+/// # Safety
+/// `b`'s `k` rows of `n` elements are readable.
+pub(crate) unsafe fn pack_b_whole(b: Operand<bf16>, k: usize, n: usize) -> PackedB {
+    let mut data = vec![0u32; k.div_ceil(2) * n.div_ceil(NR) * NR];
+    // SAFETY: rows 0..k and columns 0..n of `b` are inside the operand (the caller's contract).
+    unsafe { pack_b(b, 0, k, 0, n, &mut data) };
+    PackedB { data, k, n }
+}
+
+/// `dst = round_bf16(a · b)` for bf16 `a` m×k and `b` packed by [`pack_b_whole`], into `dst`'s
+/// `m` rows of `n` bf16 elements `ldc` apart, on this thread. Each register tile runs the whole
+/// contraction and is rounded as it is stored: no `f32` result. Its chain is [`gemm`]'s (pairs
+/// in order from `+0`; [`gemm`] continues it through `dst` at each block of [`KC`], an exact
+/// store and load, and [`KC`] is even so the pairs are the same), so each element is, bit for
+/// bit, `round_bf16` of what [`gemm`] stores. `a` is packed whole once; then per panel of `b`
+/// (kept in L2) every row tile runs over it.
+///
+/// # Safety
+/// As [`gemm`], with `dst` bf16; the CPU has AVX512_BF16 ([`available`]); `k > 0`.
+pub(crate) unsafe fn gemm_rounded(
+    m: usize,
+    a: Operand<bf16>,
+    b: &PackedB,
+    dst: *mut bf16,
+    ldc: usize,
+) {
+    let (k, n) = (b.k, b.n);
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let (kp, tiles) = (k.div_ceil(2), m.div_ceil(MR));
+    let mut apack = vec![0u32; kp * MR * tiles];
+    for (t, tile_pack) in apack.chunks_mut(kp * MR).enumerate() {
+        // SAFETY: rows t·MR.., all columns of `a` are inside the operand.
+        unsafe { pack_a(a, t * MR, MR.min(m - t * MR), 0, k, tile_pack) };
+    }
+    let mut acc = [0.0f32; MR * NR];
+    for (p, panel) in b.data.chunks(kp * NR).enumerate() {
+        let (j0, cols) = (p * NR, NR.min(n - p * NR));
+        for (t, tile_pack) in apack.chunks(kp * MR).enumerate() {
+            let rows = MR.min(m - t * MR);
+            // SAFETY: the CPU has the features (the caller's contract); `acc` holds `MR` rows
+            // of `NR`.
+            unsafe { tile(rows, kp, tile_pack, panel, acc.as_mut_ptr(), NR, cols, true) };
+            for (r, row) in acc.chunks(NR).take(rows).enumerate() {
+                // SAFETY: row t·MR + r, columns j0..j0+cols of the caller's `dst`.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(dst.add((t * MR + r) * ldc + j0), cols)
+                };
+                super::round_slice(&row[..cols], out);
+            }
+        }
+    }
+}

@@ -231,6 +231,52 @@ pub(crate) unsafe fn own(
         });
 }
 
+/// `dst = round_bf16(a · b)` on the AVX512_BF16 kernel: `b` packed once, the rows in up to
+/// `threads` blocks on the rayon pool (each element's chain does not depend on its block).
+///
+/// # Safety
+/// As [`own`], with `dst` the bf16 rows (`ldc` apart); the CPU has AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn own_rounded(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut bf16,
+    ldc: usize,
+    a: Operand<bf16>,
+    b: Operand<bf16>,
+    threads: usize,
+) {
+    // SAFETY: the caller's contract (`b` is k×n).
+    let packed = unsafe { super::dpbf16::pack_b_whole(b, k, n) };
+    let t = threads.min(m / MIN_BLOCK_ROWS).max(1);
+    let rows = m.div_ceil(t);
+    if t == 1 {
+        // SAFETY: the caller's contract.
+        unsafe { super::dpbf16::gemm_rounded(m, a, &packed, dst, ldc) };
+        return;
+    }
+    let (a_at, dst_at, (ars, acs)) = (a.ptr as usize, dst as usize, (a.rs, a.cs));
+    use rayon::prelude::*;
+    (0..m)
+        .step_by(rows)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .with_max_len(1)
+        .for_each(|start| {
+            let a = Operand {
+                ptr: (a_at as *const bf16).wrapping_offset(start as isize * ars),
+                rs: ars,
+                cs: acs,
+            };
+            let dst = (dst_at as *mut bf16).wrapping_add(start * ldc);
+            // SAFETY: rows `start..start + rows` of the caller's `a` and `dst`; the blocks of
+            // `dst` are disjoint.
+            unsafe { super::dpbf16::gemm_rounded(rows.min(m - start), a, &packed, dst, ldc) };
+        });
+}
+
 /// Both operands as matrix stacks, views where the layouts allow (as `dot_general`).
 fn stacks<'a>(
     lhs: &'a Bf16Tensor,
@@ -327,6 +373,98 @@ pub fn dot_general_bf16_accumulate(
     };
     products(&stacks, threads, stacks.all_rows(), dst, Store::Accumulate);
     Ok(())
+}
+
+/// The longest contraction [`dot_general_bf16_rounded`] rounds in the kernel's registers: a
+/// register tile's rows of `a` (16 KiB) and a panel of `b` (64 KiB) over the whole contraction
+/// stay in L1 and L2. Longer ones (`dx = dy·Wᵀ` of a wide layer, the lm_head) ran 12–20% slower
+/// that way than as the `f32` product and a rounding pass (two runs of `examples/bf16.rs`), so
+/// they go that way.
+const ROUNDED_MAX_K: usize = 1024;
+
+/// [`dot_general_bf16`] rounded to bf16 where the product is stored: an activation's product
+/// (`x·W`, `dx = dy·Wᵀ`) without an `f32` result the size of the output and a rounding pass
+/// over it. Each element is, bit for bit, `round_bf16` of [`dot_general_bf16`]'s on the
+/// AVX512_BF16 kernel and the portable one (the same chains). The AVX512_BF16 kernel rounds each
+/// register tile as it stores it for contractions up to [`ROUNDED_MAX_K`]; other contractions
+/// and kernels compute the `f32` product whole, then round it.
+///
+/// # Errors
+/// As [`dot_general_bf16`].
+pub fn dot_general_bf16_rounded(
+    lhs: &Bf16Tensor,
+    rhs: &Bf16Tensor,
+    dims: &DotDims,
+    threads: usize,
+) -> Result<Bf16Tensor, TensorError> {
+    choice(false).describe()?;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(choice(false), Choice::Own(_))
+        && dims
+            .lhs_contracting
+            .iter()
+            .map(|&d| lhs.shape()[d])
+            .product::<usize>()
+            <= ROUNDED_MAX_K
+    {
+        let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
+        let stacks = stacks(lhs, rhs, dims)?;
+        let _span = span(&stacks, lhs.shape(), rhs.shape());
+        let mut out = vec![bf16::ZERO; out_shape.iter().product()];
+        own_rounded_stacks(&stacks, threads, &mut out);
+        return Bf16Tensor::new(out_shape, out);
+    }
+    Ok(Bf16Tensor::from_f32(&dot_general_bf16(
+        lhs, rhs, dims, threads,
+    )?))
+}
+
+/// Every batch entry of `stacks` rounded into `out` (`[batch, m, n]`, row-major) on the
+/// AVX512_BF16 kernel: one entry at a time on up to `threads` row blocks when an entry is large,
+/// else the entries shared out over the threads in runs.
+#[cfg(target_arch = "x86_64")]
+fn own_rounded_stacks(s: &Stacks<'_, bf16>, threads: usize, out: &mut [bf16]) {
+    let (m, k, n) = (s.a.rows.0, s.a.cols.0, s.b.cols.0);
+    if out.is_empty() {
+        return;
+    }
+    if k == 0 {
+        // An empty contraction: the product is zero (`out` is zero already).
+        return;
+    }
+    let entry = |i: usize, dst: &mut [bf16], threads: usize| {
+        let a = Operand {
+            // SAFETY: entry `i`'s offset lies inside the stack's data (as in `products`).
+            ptr: unsafe { s.a.data.as_ptr().offset(s.a.offset(i)) },
+            rs: s.a.rows.1,
+            cs: s.a.cols.1,
+        };
+        let b = Operand {
+            // SAFETY: as above.
+            ptr: unsafe { s.b.data.as_ptr().offset(s.b.offset(i)) },
+            rs: s.b.rows.1,
+            cs: s.b.cols.1,
+        };
+        // SAFETY: `own_rounded` is called only when the CPU has AVX512_BF16 (`Choice::Own`);
+        // entry `i`'s operands are m×k and k×n inside their stacks, and `dst` holds its m×n.
+        unsafe { own_rounded(m, n, k, dst.as_mut_ptr(), n, a, b, threads) };
+    };
+    let block = m * n;
+    if s.batch == 1 || m >= 2 * MIN_BLOCK_ROWS {
+        for (i, dst) in out.chunks_mut(block).enumerate() {
+            entry(i, dst, threads);
+        }
+    } else {
+        use rayon::prelude::*;
+        let per_task = s.batch.div_ceil(threads.clamp(1, s.batch));
+        out.par_chunks_mut(per_task * block)
+            .enumerate()
+            .for_each(|(task, run)| {
+                for (j, dst) in run.chunks_mut(block).enumerate() {
+                    entry(task * per_task + j, dst, 1);
+                }
+            });
+    }
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ pub(crate) use matmul::product;
 
 pub use matmul::{
     allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,
+    dot_general_bf16_rounded,
 };
 pub use rows::{
     add_bf16, causal_attention_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16,

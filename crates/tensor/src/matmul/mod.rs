@@ -135,7 +135,7 @@ fn flatten(dims: &[usize], shape: &[usize], st: &[usize]) -> Option<(usize, isiz
 /// One operand as a strided matrix stack `[batch..., rows, cols]`: its data, each batch dim as
 /// (size, stride) in the caller's order, and the flattened rows and columns.
 pub(crate) struct MatStack<'a, T: Clone = f32> {
-    data: std::borrow::Cow<'a, [T]>,
+    pub(crate) data: std::borrow::Cow<'a, [T]>,
     batch: Vec<(usize, isize)>,
     pub(crate) rows: (usize, isize),
     pub(crate) cols: (usize, isize),
@@ -143,7 +143,7 @@ pub(crate) struct MatStack<'a, T: Clone = f32> {
 
 impl<T: Clone> MatStack<'_, T> {
     /// The element offset of batch entry `i` (row-major over the batch dims).
-    fn offset(&self, mut i: usize) -> isize {
+    pub(crate) fn offset(&self, mut i: usize) -> isize {
         let mut off = 0;
         for &(size, stride) in self.batch.iter().rev() {
             off += (i % size) as isize * stride;

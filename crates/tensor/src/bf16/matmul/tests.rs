@@ -410,3 +410,103 @@ fn dot_general_bf16_refuses_shapes_that_do_not_fit() {
     let e = dot_general_bf16_accumulate(&a, &at, &DotDims::matmul(2), 1, &mut out).unwrap_err();
     assert!(e.to_string().contains("5 elements"), "{e}");
 }
+
+/// The rounding product on the AVX512_BF16 kernel itself (whatever the process chose): on a
+/// contraction of three blocks, rows of several chunks and columns past one packed block and
+/// not a whole panel, each element is `round_bf16` of what the `f32`-storing kernel computes,
+/// bit for bit, on one and two threads, with either operand strided (transposed).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_own_kernel_rounds_what_it_would_store() {
+    if !super::super::dpbf16::available() {
+        return;
+    }
+    for &(m, n, k, lt, rt) in &[
+        (1, 1, 1, false, false),
+        (9, 33, 3, false, true),
+        (500, 1100, 1030, false, false),
+        (130, 70, 515, true, false),
+        (77, 600, 40, false, true),
+    ] {
+        let (a, b) = (to_bf16(&values(m * k, 41)), to_bf16(&values(k * n, 42)));
+        let (astr, bstr) = (
+            if lt { (1, m) } else { (k, 1) },
+            if rt { (1, k) } else { (n, 1) },
+        );
+        let want = own_product((m, n, k), &a, astr, &b, bstr, 1, None);
+        let want: Vec<bf16> = want.iter().map(|&x| crate::round_bf16(x)).collect();
+        for threads in [1, 2] {
+            let mut got = vec![bf16::from_bits(0x7fc1); m * n];
+            let op = |p: &[bf16], (rs, cs): (usize, usize)| Operand {
+                ptr: p.as_ptr(),
+                rs: rs as isize,
+                cs: cs as isize,
+            };
+            // SAFETY: the strides address only elements inside `a` and `b`; `got` is m×n; the
+            // CPU has AVX512_BF16 (checked above).
+            unsafe {
+                own_rounded(
+                    m,
+                    n,
+                    k,
+                    got.as_mut_ptr(),
+                    n,
+                    op(&a, astr),
+                    op(&b, bstr),
+                    threads,
+                )
+            };
+            let diff = got
+                .iter()
+                .zip(&want)
+                .position(|(x, y)| x.to_bits() != y.to_bits());
+            assert_eq!(diff, None, "{m}×{n}×{k} lt {lt} rt {rt} on {threads}");
+        }
+    }
+}
+
+/// `dot_general_bf16_rounded` is `dot_general_bf16` rounded, bit for bit, on whichever kernel
+/// the process chose (a batched attention-like layout, a plain `x·W` and `dy·Wᵀ`, odd sizes,
+/// 1 to 3 threads); and it does round (the mirror: the `f32` product differs from it).
+#[test]
+fn dot_general_bf16_rounded_is_the_product_rounded() {
+    let cases: [(Vec<usize>, Vec<usize>, DotDims); 3] = [
+        (vec![300, 70], vec![70, 130], DotDims::matmul(2)),
+        (
+            vec![257, 600],
+            vec![90, 600],
+            DotDims {
+                lhs_contracting: vec![1],
+                rhs_contracting: vec![1],
+                ..DotDims::default()
+            },
+        ),
+        (
+            vec![2, 5, 3, 8],
+            vec![2, 5, 3, 8],
+            DotDims {
+                lhs_contracting: vec![3],
+                rhs_contracting: vec![3],
+                lhs_batch: vec![0, 2],
+                rhs_batch: vec![0, 2],
+            },
+        ),
+    ];
+    for (ls, rs, dims) in cases {
+        let l = Bf16Tensor::new(ls.clone(), to_bf16(&values(ls.iter().product(), 51))).unwrap();
+        let r = Bf16Tensor::new(rs.clone(), to_bf16(&values(rs.iter().product(), 52))).unwrap();
+        let Ok(whole) = dot_general_bf16(&l, &r, &dims, 1) else {
+            // A refused kernel: the rounding product refuses alike.
+            assert!(dot_general_bf16_rounded(&l, &r, &dims, 1).is_err());
+            continue;
+        };
+        for threads in [1, 2, 3] {
+            let got = dot_general_bf16_rounded(&l, &r, &dims, threads).unwrap();
+            let want = Bf16Tensor::from_f32(&dot_general_bf16(&l, &r, &dims, threads).unwrap());
+            assert_eq!(got, want, "{ls:?} x {rs:?} on {threads}");
+        }
+        let got = dot_general_bf16_rounded(&l, &r, &dims, 1).unwrap().to_f32();
+        assert_eq!(got.shape(), whole.shape());
+        assert!(got.data().iter().zip(whole.data()).any(|(a, b)| a != b));
+    }
+}
