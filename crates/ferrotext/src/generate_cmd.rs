@@ -58,6 +58,14 @@ pub struct GenerateArgs {
     /// slow reference).
     #[arg(long)]
     no_cache: bool,
+    /// The compute dtype, `bfloat16` or `float32` (MaxText's `dtype`): overrides the
+    /// checkpoint's or the `dtype` key's. The weights are read as f32 either way.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// With bf16 on a `FERROTEXT_MATMUL` kernel without a bf16 product: use ferrotext's own bf16
+    /// kernel instead of refusing (the `matmul_bf16_fallback` key).
+    #[arg(long)]
+    matmul_bf16_fallback: bool,
     /// Without `--checkpoint`: an optional TOML config, then `key=value` (the `train` keys that
     /// name the model, e.g. `load_parameters_path=DIR`).
     args: Vec<String>,
@@ -155,6 +163,15 @@ fn hf_eos(dir: &Path) -> Vec<u32> {
     }
 }
 
+/// The compute dtype and, in bf16, what computes the products (`select_matmul_kernel` fixed
+/// it before any product ran).
+fn compute_line(plan: &ferrotext_train::RunPlan) -> String {
+    match crate::train_cmd::bf16_kernel(plan) {
+        Some(kernel) => format!("dtype bfloat16 on {kernel}"),
+        None => format!("dtype {}", plan.precision().dtype),
+    }
+}
+
 /// `ferrotext generate`.
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let sampling = SamplingParams {
@@ -168,7 +185,11 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if args.max_new_tokens == 0 {
         return Err(usage("--max-new-tokens must be at least 1"));
     }
-    let source = source(args)?;
+    let mut source = source(args)?;
+    if let Some(dtype) = &args.dtype {
+        source.config.dtype = dtype.clone();
+    }
+    source.config.matmul_bf16_fallback |= args.matmul_bf16_fallback;
     ferrotext_train::select_matmul_kernel(&source.config)?;
     let plan = source.config.plan()?;
     let decoder = plan.decoder();
@@ -228,11 +249,12 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     });
     eprintln!(
         "generated {} tokens after a {}-token prompt ({stop}); first token {:.1} ms{per_token}; \
-         key/value cache {}",
+         key/value cache {}; {}",
         generated.tokens.len(),
         prompt.len(),
         generated.first_token_seconds * 1e3,
         if options.use_cache { "on" } else { "off" },
+        compute_line(&plan),
     );
     Ok(())
 }

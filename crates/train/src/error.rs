@@ -68,6 +68,18 @@ pub enum TrainError {
         /// The choices, in words (`f32 or bf16`).
         choices: &'static str,
     },
+    /// A precision key whose value names a dtype but a combination that is not built (usage
+    /// class): `weight_dtype` narrower than `dtype` or not float32, `grad_dtype=bfloat16`, or
+    /// `dtype=bfloat16` on a kernel without a bf16 product.
+    #[error("{key}={value} {problem}")]
+    Precision {
+        /// The key (`dtype`, `weight_dtype`, `grad_dtype`).
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// Why it is refused, and what to set instead.
+        problem: PrecisionProblem,
+    },
     /// An output of the run (named by `key`) at a path that cannot take it (usage class).
     #[error("{key}: {path} {problem}")]
     Output {
@@ -192,6 +204,43 @@ impl From<ferrotext_hf::HfError> for TrainError {
     }
 }
 
+/// Why a precision key's value is refused; each prints after `key=value`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrecisionProblem {
+    /// `weight_dtype` keeps fewer mantissa bits than `dtype`.
+    #[error(
+        "is narrower than dtype={dtype}: the master weights must hold at least the compute \
+         precision; set weight_dtype=float32"
+    )]
+    NarrowerThanDtype {
+        /// The compute dtype.
+        dtype: &'static str,
+    },
+    /// `weight_dtype` other than float32.
+    #[error(
+        "is not built: the master weights and the optimizer state are float32 (the model \
+         converts the weights to dtype at use); set weight_dtype=float32"
+    )]
+    MasterWeightsAreFloat32,
+    /// `grad_dtype=bfloat16`.
+    #[error(
+        "is not built yet: the bf16 deferred reduction (the accumulator rounded to bf16 once per \
+         step on the wire, issue #30 item 3) does not exist; set grad_dtype=float32"
+    )]
+    Bf16ReductionNotBuilt,
+    /// `dtype=bfloat16` on a matrix-product kernel without a bf16 product.
+    #[error(
+        "needs a bf16 × bf16 → f32 matrix product and {kernel} (FERROTEXT_MATMUL) has none: set \
+         matmul_bf16_fallback=true to run bf16 products on ferrotext's own kernel, or \
+         FERROTEXT_MATMUL=mkl or portable, or dtype=float32"
+    )]
+    NoBf16Product {
+        /// The kernel, as `ferrotext_tensor::matmul_kernel` describes it.
+        kernel: String,
+    },
+}
+
 /// Why an output path cannot be written; each prints after the path ("… is a directory").
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -270,6 +319,7 @@ impl TrainError {
             | TrainError::ConfigNotUtf8 { .. }
             | TrainError::ConfigSyntax { .. }
             | TrainError::NotAChoice { .. }
+            | TrainError::Precision { .. }
             | TrainError::Output { .. }
             | TrainError::Data(_)
             | TrainError::Params { .. } => ErrorClass::Usage,

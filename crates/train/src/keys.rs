@@ -14,6 +14,8 @@ use crate::config::TrainConfig;
 pub enum Group {
     /// The model's preset and shape.
     Model,
+    /// The dtypes of activations, weights and gradients, and the bf16 kernel.
+    Precision,
     /// Devices, processes and the mesh.
     Mesh,
     /// Batch shape, steps and the data.
@@ -31,6 +33,7 @@ impl Group {
     pub fn title(self) -> &'static str {
         match self {
             Group::Model => "model",
+            Group::Precision => "precision",
             Group::Mesh => "mesh",
             Group::Data => "data",
             Group::Optimizer => "optimizer",
@@ -62,7 +65,7 @@ const fn key(name: &'static str, group: Group, form: &'static str, meaning: &'st
     }
 }
 
-use Group::{Checkpoints, Data, Mesh, Model, Optimizer, Output};
+use Group::{Checkpoints, Data, Mesh, Model, Optimizer, Output, Precision};
 
 /// Every key `ferrotext train` accepts, grouped.
 pub const KEYS: &[Key] = &[
@@ -90,6 +93,10 @@ pub const KEYS: &[Key] = &[
     key("routed_bias_update_rate", Optimizer, "float ≥ 0", "aux-loss-free balancing: bias += rate·sign(mean load − load) after each step (0: off)"),
     key("moe_withhold_tags", Model, "true|false", "diagnostic: drop the expert weights' reduced tags (gradients all-reduced every micro-batch)"),
     key("z_loss_multiplier", Model, "float ≥ 0", "weight of the z-loss (log Z)² per token (0 disables)"),
+    key("dtype", Precision, "bfloat16|float32", "activations between ops and matmul inputs (MaxText's default: bfloat16); norms' statistics, logits, loss, router scores and the optimizer stay float32"),
+    key("weight_dtype", Precision, "float32", "master weights and optimizer state (converted to dtype at use)"),
+    key("grad_dtype", Precision, "float32", "gradient accumulator and deferred reduction (bfloat16: not built yet)"),
+    key("matmul_bf16_fallback", Precision, "true|false", "dtype=bfloat16 on a FERROTEXT_MATMUL kernel without a bf16 product: use ferrotext's own bf16 kernel instead of refusing"),
     key("local_devices", Mesh, "integer ≥ 1", "devices (threads) in each process"),
     key("num_processes", Mesh, "integer ≥ 1", "processes of the job (set by the launcher under mpirun)"),
     key("ici_data_parallelism", Mesh, "integer, -1 fills", "size of the data axis"),
@@ -288,6 +295,7 @@ mod tests {
             sections,
             [
                 "model:",
+                "precision:",
                 "mesh:",
                 "data:",
                 "optimizer:",

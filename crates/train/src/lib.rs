@@ -56,8 +56,9 @@ pub use config::{
     gib, machine_memory_bytes, DatasetOrder, DatasetType, DeviceMemory, MemoryEstimate, NanPolicy,
     OptType, ResumeMode, ShardMode, TrainConfig,
 };
+pub use config::{Dtype, Precision};
 pub use engine::{Batch, Engine, FwdBwd, StepMetrics};
-pub use error::{ErrorClass, OutputProblem, TrainError};
+pub use error::{ErrorClass, OutputProblem, PrecisionProblem, TrainError};
 pub use gate::{deferral_gate, zero1_gate, zero1_spec, ClosedReason, Deferral, Overlap, Zero1};
 pub use gradients::{Gradients, PartialGradients};
 pub use optim::{clip_scale, learning_rate, Optimizer};

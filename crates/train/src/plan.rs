@@ -20,7 +20,8 @@ use ferrotext_models::ParamInfo;
 use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh, PartitionSpec};
 
 use crate::config::{
-    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, OptType, ShardMode, TrainConfig,
+    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, OptType, Precision, ShardMode,
+    TrainConfig,
 };
 use crate::error::TrainError;
 use crate::gate::{deferral_gate, zero1_gate, zero1_spec, Deferral, Overlap, Zero1};
@@ -50,6 +51,7 @@ pub struct RunPlan {
 #[derive(Debug)]
 struct Inner {
     config: TrainConfig,
+    precision: Precision,
     decoder: Decoder,
     params: Vec<ParamInfo>,
     mesh: Arc<Mesh>,
@@ -79,7 +81,9 @@ impl TrainConfig {
     /// cannot hold.
     pub fn plan(&self) -> Result<RunPlan, TrainError> {
         self.check_sizes()?;
+        let precision = self.precision()?;
         let decoder = Decoder::new(self.model()?)
+            .and_then(|d| d.with_compute_dtype(precision.dtype.array_dtype()))
             .map_err(|e| TrainError::usage("model_name", e.to_string()))?;
         self.check_scalars()?;
         let mesh = self.mesh()?;
@@ -148,6 +152,7 @@ impl TrainConfig {
         Ok(RunPlan {
             inner: Arc::new(Inner {
                 config: self.clone(),
+                precision,
                 decoder,
                 params,
                 mesh,
@@ -170,7 +175,12 @@ impl RunPlan {
         &self.inner.config
     }
 
-    /// The decoder (its config checked).
+    /// The precision keys, checked (the decoder computes in its `dtype`).
+    pub fn precision(&self) -> Precision {
+        self.inner.precision
+    }
+
+    /// The decoder (its config checked; its compute dtype the config's `dtype`).
     pub fn decoder(&self) -> &PlanDecoder {
         &self.inner.decoder
     }
@@ -262,7 +272,8 @@ impl RunPlan {
 
     /// The peak memory of one device, estimated: its parameters, the gradient accumulator, the
     /// reduced gradients, the optimizer state (÷ `data` under ZeRO-1, as are the reduced
-    /// gradients, which ZeRO-1 reduce-scatters) and one micro-batch's activations, all `f32`.
+    /// gradients, which ZeRO-1 reduce-scatters), all `f32`, and one micro-batch's activations:
+    /// the layers' in `dtype` (2 bytes in bf16), the logits' in `f32`.
     /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
     ///
     /// # Errors
@@ -298,7 +309,8 @@ impl RunPlan {
         // Kept for the backward pass per layer: ~16 d-wide and 4 f-wide values per token, and
         // the attention probabilities; then the logits, their softmax and gradient.
         let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
-        let activation_bytes = (layers * per_layer + 3.0 * tokens * m.vocab_size as f64) * 4.0;
+        let kept = self.precision().dtype.array_dtype().size_bytes() as f64;
+        let activation_bytes = layers * per_layer * kept + 3.0 * tokens * m.vocab_size as f64 * 4.0;
         let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
         let gradient_bytes = local / zero1 * 4.0;
         let optimizer_bytes = local * moments / zero1 * 4.0;

@@ -117,14 +117,16 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
 
 /// Puts this process's matrix products on the kernel `config` asks for: the portable,
 /// fixed-order kernel under `deterministic=true` (the same bits on any processor); otherwise
-/// the default choice (the fastest library found) stands. Call it before any product runs.
+/// the default choice (the fastest library found) stands; then, for `dtype=bfloat16`, the bf16
+/// kernel ([`TrainConfig::select_bf16_kernel`]). Call it before any product runs.
 ///
 /// # Errors
 /// `deterministic=true` in a process whose products already run on another kernel (because
-/// `FERROTEXT_MATMUL` named a library): a usage error naming the key and that kernel.
+/// `FERROTEXT_MATMUL` named a library): a usage error naming the key and that kernel; a bf16 run
+/// on a kernel without a bf16 product and no `matmul_bf16_fallback` ([`TrainError::Precision`]).
 pub fn select_matmul_kernel(config: &TrainConfig) -> Result<(), TrainError> {
     if !config.deterministic {
-        return Ok(());
+        return config.select_bf16_kernel().map(drop);
     }
     ferrotext_tensor::use_portable_matmul().map_err(|other| {
         TrainError::usage(
@@ -133,7 +135,8 @@ pub fn select_matmul_kernel(config: &TrainConfig) -> Result<(), TrainError> {
                 "deterministic=true needs the portable matmul kernel, but this process computes                  on {other} (FERROTEXT_MATMUL chose it): unset FERROTEXT_MATMUL or set it to                  `portable`"
             ),
         )
-    })
+    })?;
+    config.select_bf16_kernel().map(drop)
 }
 
 /// Runs the plan's steps: on the in-process mesh, or this process's share of it under a

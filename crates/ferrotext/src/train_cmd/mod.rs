@@ -143,7 +143,7 @@ fn follow(
 }
 
 /// The lines before the first step: the cluster (under MPI), the model on its mesh, where the
-/// outputs go, and the matmul kernel.
+/// outputs go, the matmul kernel, the precision keys and, in bf16, the bf16 kernel.
 fn print_header(plan: &RunPlan, launch: &Launch) {
     let config = plan.config();
     let model = plan.decoder().config();
@@ -167,6 +167,21 @@ fn print_header(plan: &RunPlan, launch: &Launch) {
     );
     println!("outputs: {}", plan.output_dir().display());
     println!("matmul: {}", ferrotext_tensor::matmul_kernel());
+    println!("precision: {}", plan.precision());
+    if let Some(kernel) = bf16_kernel(plan) {
+        println!("bf16 matmul: {kernel}");
+    }
+    if let Some(change) = ferrotext_train::checkpoint::dtype_change(config, &plan.checkpoint_root())
+    {
+        println!("{change}");
+    }
+}
+
+/// What computes a bf16 run's products (`select_matmul_kernel` fixed it; `None` for float32).
+pub(crate) fn bf16_kernel(plan: &RunPlan) -> Option<String> {
+    (plan.precision().dtype == ferrotext_train::Dtype::Bfloat16)
+        .then(ferrotext_tensor::bf16_matmul_kernel)
+        .and_then(Result::ok)
 }
 
 /// Trains process 0's share under a progress bar (step lines printed above it, see

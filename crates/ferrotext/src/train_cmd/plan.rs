@@ -45,6 +45,8 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     }
     let plan = load(&args.train.args)?;
     let config = plan.config();
+    // A bf16 run on a kernel without a bf16 product is refused before the step is planned.
+    let bf16 = config.select_bf16_kernel()?;
     let source: Arc<dyn ferrotext_train::data::TokenSource> = Arc::from(
         ferrotext_train::data::source_for(config, plan.decoder().config().vocab_size)?,
     );
@@ -57,6 +59,10 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         plan.mesh(),
         started.elapsed().as_secs_f64()
     );
+    println!("precision: {}", plan.precision());
+    if let Some(kernel) = bf16 {
+        println!("bf16 matmul: {kernel}");
+    }
     println!("deferral: {}", gate.describe());
     println!("overlap: {}", plan.overlap().describe());
     let mb = PhasePattern::new("micro_batch*");

@@ -63,7 +63,7 @@ pub(crate) use load::read_params;
 pub(crate) use manifest::{read_manifest, validate_manifest};
 pub use manifest::{Manifest, TensorEntry};
 pub use problem::{CheckpointProblem, ConfigChange, LatestProblem, ManifestMismatch};
-pub use resume::{latest, prepare_resume, resolve};
+pub use resume::{dtype_change, latest, prepare_resume, resolve};
 
 /// The manifest format this build writes and the only one it reads (3: every parameter is stored
 /// under its Hugging Face names and orientation, MoE experts unstacked; 2 stored the router and
@@ -75,8 +75,9 @@ pub const FORMAT_VERSION: u32 = 3;
 pub const MANIFEST_SEAL: &str = "manifest.sha256";
 
 /// Config keys that may differ between the run that saved a checkpoint and the run that restores
-/// it: the length and learning-rate schedule, paths and outputs, checkpoint cadence, and run
-/// policy. Every other key (model, data, batch, optimizer, seeds, tokenizer) must be equal;
+/// it: the length and learning-rate schedule, paths and outputs, checkpoint cadence, run
+/// policy, and the compute `dtype` (master weights and optimizer state are float32 in every
+/// dtype; [`dtype_change`] words the change for the run's output). Every other key (model, data, batch, optimizer, seeds, tokenizer) must be equal;
 /// the layout keys ([`is_layout_key`]) may change as long as the global batch of a step stays
 /// the same (and, inside a step, its micro-batches).
 pub const RESUMABLE_KEYS: &[&str] = &[
@@ -88,6 +89,8 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "load_parameters_path",
     "save_parameters_path",
     "save_parameters_dtype",
+    "dtype",
+    "matmul_bf16_fallback",
     "base_output_directory",
     "run_name",
     "metrics_file",

@@ -175,6 +175,31 @@ pub fn prepare_resume(
     latest(root)
 }
 
+/// The sentence a run prints when it will resume (`resume=auto`, checkpointing on) from a
+/// checkpoint of `root` saved with another `dtype`: a resume may change `dtype`
+/// ([`RESUMABLE_KEYS`]), since the master weights and the optimizer state are float32 in every
+/// dtype; the run says so rather than change precision silently. `None` when there is nothing
+/// to resume, the dtype is the same, or the checkpoint cannot be read (the resume itself then
+/// reports why).
+pub fn dtype_change(config: &TrainConfig, root: &Path) -> Option<String> {
+    if !config.enable_checkpointing || config.resume != ResumeMode::Auto || !root.is_dir() {
+        return None;
+    }
+    let dir = latest(root).ok()??;
+    let saved = super::read_manifest(&dir).ok()?.config;
+    (saved.dtype != config.dtype).then(|| {
+        format!(
+            "resuming from {} saved with dtype={}, now dtype={}: the master weights and the \
+             optimizer state are float32 in both and continue exactly; from here activations and \
+             matmul inputs are {}",
+            dir.display(),
+            saved.dtype,
+            config.dtype,
+            config.dtype
+        )
+    })
+}
+
 /// Renames `root` to `<root>.replaced_<unix seconds>[_n]`; returns the new path.
 fn move_aside(root: &Path) -> Result<PathBuf, TrainError> {
     let secs = std::time::SystemTime::now()

@@ -11,6 +11,7 @@
 //! | `derived.rs` | what a config implies: device count, mesh, micro-batch rows, bucket bytes, output paths, profiled steps |
 //! | `model.rs` | the decoder's config: a preset (or a Hugging Face `config.json`) with the model and MoE keys applied |
 //! | `memory.rs` | [`MemoryEstimate`], [`DeviceMemory`] and how memory figures are printed |
+//! | `precision.rs` | the precision keys (`dtype`, `weight_dtype`, `grad_dtype`) as a [`Precision`], and the process's bf16 kernel |
 //!
 //! Invariant: a [`TrainConfig`] is plain data; every check lives in `validate.rs` and runs once,
 //! from [`TrainConfig::plan`], so the rest of the trainer never branches on a bad combination.
@@ -21,9 +22,11 @@ mod derived;
 mod load;
 mod memory;
 mod model;
+mod precision;
 mod validate;
 
 pub use memory::{gib, machine_memory_bytes, DeviceMemory, MemoryEstimate};
+pub use precision::{Dtype, Precision};
 
 /// `shard_mode`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -209,6 +212,18 @@ pub struct TrainConfig {
     pub tokenizer_path: String,
     /// Seed of the parameter initialisation.
     pub init_weights_seed: u64,
+    /// The dtype of the activations between ops and of the matmul inputs: `float32` or
+    /// `bfloat16` (MaxText's names; MaxText's default is `bfloat16`, ferrotext's `float32`).
+    pub dtype: String,
+    /// The dtype of the master weights and the optimizer state: `float32` (the only one built).
+    pub weight_dtype: String,
+    /// The dtype of the gradient accumulator and the deferred reduction: `float32` (the only
+    /// one built).
+    pub grad_dtype: String,
+    /// With `dtype=bfloat16` on a kernel without a bf16 product (`FERROTEXT_MATMUL=gemm`, an
+    /// OpenBLAS built without it): run bf16 products on ferrotext's own kernel instead of
+    /// refusing the run.
+    pub matmul_bf16_fallback: bool,
     /// Seed of the data order.
     pub data_shuffle_seed: u64,
     /// Parameters to start from: a safetensors file (HF names and orientation), or a Hugging Face
@@ -353,6 +368,10 @@ impl Default for TrainConfig {
             token_dtype: "u16".into(),
             tokenizer_path: String::new(),
             init_weights_seed: 0,
+            dtype: "float32".into(),
+            weight_dtype: "float32".into(),
+            grad_dtype: "float32".into(),
+            matmul_bf16_fallback: false,
             data_shuffle_seed: 0,
             load_parameters_path: String::new(),
             save_parameters_path: String::new(),

@@ -1,0 +1,231 @@
+//! The precision keys, MaxText's names and meanings: `dtype` (the activations between ops and
+//! the matmul inputs), `weight_dtype` (the master weights and the optimizer state), `grad_dtype`
+//! (the gradient accumulator and the deferred reduction), and `matmul_bf16_fallback` (bf16
+//! products on another kernel when the one the user named has none).
+//!
+//! Invariants: a config that passed [`TrainConfig::plan`] has `dtype` in {`bfloat16`,
+//! `float32`} and `weight_dtype` = `grad_dtype` = `float32` (what is built: master weights,
+//! optimizer state and accumulator stay f32, the model converts weights to bf16 at use). The
+//! bf16 kernel is fixed once per process by [`TrainConfig::select_bf16_kernel`], before any
+//! product runs; nothing here runs a product.
+
+use std::fmt;
+
+use ferrotext_sharding::DType;
+
+use super::TrainConfig;
+use crate::error::{PrecisionProblem, TrainError};
+
+/// A dtype as the precision keys name it (MaxText's `DType` names; its `float16` is not built).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    /// `float32`.
+    Float32,
+    /// `bfloat16`.
+    Bfloat16,
+}
+
+/// The choices of every precision key, as the error lists them.
+pub(crate) const DTYPE_CHOICES: &str = "bfloat16 or float32";
+
+impl Dtype {
+    /// The dtype a key's value names: `bfloat16` or `float32` (MaxText's names, exactly).
+    pub fn parse(name: &str) -> Option<Dtype> {
+        match name {
+            "float32" => Some(Dtype::Float32),
+            "bfloat16" => Some(Dtype::Bfloat16),
+            _ => None,
+        }
+    }
+
+    /// MaxText's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Bfloat16 => "bfloat16",
+        }
+    }
+
+    /// The array dtype it means.
+    pub fn array_dtype(self) -> DType {
+        match self {
+            Dtype::Float32 => DType::F32,
+            Dtype::Bfloat16 => DType::BF16,
+        }
+    }
+
+    /// Bits of mantissa kept (f32: 24, bf16: 8): a narrower dtype keeps fewer.
+    fn mantissa_bits(self) -> u32 {
+        match self {
+            Dtype::Float32 => 24,
+            Dtype::Bfloat16 => 8,
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The three precision keys of a checked config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Precision {
+    /// `dtype`: the activations between ops and the matmul inputs.
+    pub dtype: Dtype,
+    /// `weight_dtype`: the master weights and the optimizer state (float32).
+    pub weight_dtype: Dtype,
+    /// `grad_dtype`: the gradient accumulator and the deferred reduction (float32).
+    pub grad_dtype: Dtype,
+}
+
+impl fmt::Display for Precision {
+    /// `dtype bfloat16 (activations, matmul inputs), weight_dtype float32 (master weights,
+    /// optimizer state), grad_dtype float32 (accumulator, reduction)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "dtype {} (activations, matmul inputs), weight_dtype {} (master weights, optimizer \
+             state), grad_dtype {} (accumulator, reduction)",
+            self.dtype, self.weight_dtype, self.grad_dtype
+        )
+    }
+}
+
+fn parse_key(key: &'static str, value: &str) -> Result<Dtype, TrainError> {
+    Dtype::parse(value).ok_or_else(|| TrainError::NotAChoice {
+        key,
+        value: value.to_string(),
+        choices: DTYPE_CHOICES,
+    })
+}
+
+impl TrainConfig {
+    /// The precision keys, checked: each a dtype name, `weight_dtype` neither narrower than
+    /// `dtype` nor other than float32, `grad_dtype` float32.
+    ///
+    /// # Errors
+    /// [`TrainError::NotAChoice`] for a name that is not `bfloat16` or `float32`;
+    /// [`TrainError::Precision`] for a combination that is not built, naming the key, the value
+    /// and why.
+    pub fn precision(&self) -> Result<Precision, TrainError> {
+        let dtype = parse_key("dtype", &self.dtype)?;
+        let weight_dtype = parse_key("weight_dtype", &self.weight_dtype)?;
+        let grad_dtype = parse_key("grad_dtype", &self.grad_dtype)?;
+        let refuse = |key: &'static str, value: Dtype, problem: PrecisionProblem| {
+            Err(TrainError::Precision {
+                key,
+                value: value.name().to_string(),
+                problem,
+            })
+        };
+        if weight_dtype.mantissa_bits() < dtype.mantissa_bits() {
+            return refuse(
+                "weight_dtype",
+                weight_dtype,
+                PrecisionProblem::NarrowerThanDtype {
+                    dtype: dtype.name(),
+                },
+            );
+        }
+        if weight_dtype != Dtype::Float32 {
+            return refuse(
+                "weight_dtype",
+                weight_dtype,
+                PrecisionProblem::MasterWeightsAreFloat32,
+            );
+        }
+        if grad_dtype != Dtype::Float32 {
+            return refuse(
+                "grad_dtype",
+                grad_dtype,
+                PrecisionProblem::Bf16ReductionNotBuilt,
+            );
+        }
+        Ok(Precision {
+            dtype,
+            weight_dtype,
+            grad_dtype,
+        })
+    }
+
+    /// Fixes this process's bf16 matrix-product kernel for a `dtype=bfloat16` run, before any
+    /// product runs, and returns what computes bf16 products (for the run header); `None` for a
+    /// float32 run, which leaves the choice alone. With `matmul_bf16_fallback=true`, a kernel
+    /// without a bf16 product (named by `FERROTEXT_MATMUL`) hands bf16 products to ferrotext's
+    /// own kernel; without it, such a kernel is refused.
+    ///
+    /// # Errors
+    /// [`TrainError::Precision`] (`dtype`, [`PrecisionProblem::NoBf16Product`]) naming the
+    /// kernel; the precision keys' own errors ([`TrainConfig::precision`]).
+    pub fn select_bf16_kernel(&self) -> Result<Option<String>, TrainError> {
+        if self.precision()?.dtype != Dtype::Bfloat16 {
+            return Ok(None);
+        }
+        let chosen = if self.matmul_bf16_fallback {
+            ferrotext_tensor::allow_bf16_fallback()
+        } else {
+            ferrotext_tensor::bf16_matmul_kernel()
+        };
+        match chosen {
+            Ok(kernel) => Ok(Some(kernel)),
+            Err(ferrotext_tensor::TensorError::NoBf16Product { kernel }) => {
+                Err(TrainError::Precision {
+                    key: "dtype",
+                    value: Dtype::Bfloat16.name().to_string(),
+                    problem: PrecisionProblem::NoBf16Product { kernel },
+                })
+            }
+            Err(other) => Err(other.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(dtype: &str, weight: &str, grad: &str) -> TrainConfig {
+        TrainConfig {
+            dtype: dtype.into(),
+            weight_dtype: weight.into(),
+            grad_dtype: grad.into(),
+            ..TrainConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_built_combinations_pass_and_print_their_roles() {
+        let p = with("bfloat16", "float32", "float32").precision().unwrap();
+        assert_eq!(p.dtype.array_dtype(), DType::BF16);
+        assert_eq!(
+            p.to_string(),
+            "dtype bfloat16 (activations, matmul inputs), weight_dtype float32 (master \
+             weights, optimizer state), grad_dtype float32 (accumulator, reduction)"
+        );
+        let f = with("float32", "float32", "float32").precision().unwrap();
+        assert_eq!(f.dtype.array_dtype(), DType::F32);
+    }
+
+    #[test]
+    fn narrower_master_weights_are_told_apart_from_bf16_master_weights() {
+        let narrower = with("float32", "bfloat16", "float32").precision();
+        assert!(matches!(
+            narrower,
+            Err(TrainError::Precision {
+                key: "weight_dtype",
+                problem: PrecisionProblem::NarrowerThanDtype { dtype: "float32" },
+                ..
+            })
+        ));
+        let same = with("bfloat16", "bfloat16", "float32").precision();
+        assert!(matches!(
+            same,
+            Err(TrainError::Precision {
+                problem: PrecisionProblem::MasterWeightsAreFloat32,
+                ..
+            })
+        ));
+    }
+}
