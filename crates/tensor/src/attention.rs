@@ -55,20 +55,20 @@ struct RowBlock {
 
 /// The sizes of one attention call, checked once.
 #[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    t: usize,
-    h: usize,
-    kv: usize,
-    dk: usize,
-    dv: usize,
+pub(crate) struct Dims {
+    pub(crate) b: usize,
+    pub(crate) t: usize,
+    pub(crate) h: usize,
+    pub(crate) kv: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
 }
 
 impl Dims {
     /// FLOPs of products over the computed cells of `[T, T]` (the row blocks' live columns, see
     /// [`Dims::blocks`]) by `[T, w]` (or the transposes) for every (batch, query head), with
     /// `widths` the sum of their `w`.
-    fn product_flops(&self, widths: usize) -> f64 {
+    pub(crate) fn product_flops(&self, widths: usize) -> f64 {
         let cells: usize = self.blocks().map(|b| b.rows.len() * b.live).sum();
         2.0 * (self.b * self.h * cells) as f64 * widths as f64
     }
@@ -86,21 +86,23 @@ impl Dims {
         })
     }
 
-    fn of(q: &Tensor, k: &Tensor, v: &Tensor, op: &'static str) -> Result<Dims, TensorError> {
+    /// The sizes of `q`, `k` and `v` of these shapes, or an error naming `op`.
+    pub(crate) fn of(
+        q: &[usize],
+        k: &[usize],
+        v: &[usize],
+        op: &'static str,
+    ) -> Result<Dims, TensorError> {
         let bad = || {
             TensorError::shape(
                 op,
                 format!(
                     "needs q [B,T,H,dk], k [B,T,KV,dk], v [B,T,KV,dv] with H a multiple of KV, got {:?}, {:?}, {:?}",
-                    q.shape(),
-                    k.shape(),
-                    v.shape()
+                    q, k, v
                 ),
             )
         };
-        let (&[b, t, h, dk], &[kb, kt, kv, kdk], &[vb, vt, vkv, dv]) =
-            (q.shape(), k.shape(), v.shape())
-        else {
+        let (&[b, t, h, dk], &[kb, kt, kv, kdk], &[vb, vt, vkv, dv]) = (q, k, v) else {
             return Err(bad());
         };
         if (kb, kt, kdk) != (b, t, dk) || (vb, vt, vkv) != (b, t, kv) || kv == 0 || h % kv != 0 {
@@ -118,17 +120,17 @@ impl Dims {
 
     /// Where head `h`'s first row (position 0) of batch row `b` starts in a `[B, T, H, d]`
     /// tensor; its rows are `H·d` apart.
-    fn row_start(&self, b: usize, h: usize, d: usize) -> usize {
+    pub(crate) fn row_start(&self, b: usize, h: usize, d: usize) -> usize {
         (b * self.t * self.h + h) * d
     }
 
     /// The kv head query head `h` reads.
-    fn kv_head(&self, h: usize) -> usize {
+    pub(crate) fn kv_head(&self, h: usize) -> usize {
         h / (self.h / self.kv)
     }
 
     /// Rows `T` of head `head` of batch row `b` in a `[B, T, heads, d]` tensor, as a view.
-    fn rows<'a>(
+    pub(crate) fn rows<'a>(
         &self,
         data: &'a [f32],
         b: usize,
@@ -217,7 +219,7 @@ pub fn causal_attention(
     scale: f32,
     threads: usize,
 ) -> Result<Attention, TensorError> {
-    let d = Dims::of(q, k, v, "causal_attention")?;
+    let d = Dims::of(q.shape(), k.shape(), v.shape(), "causal_attention")?;
     // Two products per (batch, head), over each row block's live columns (see `ROW_BLOCK`).
     let _span =
         ferrotext_profile::span("causal_attention").map(|s| s.flops(d.product_flops(d.dk + d.dv)));
@@ -233,32 +235,11 @@ pub fn causal_attention(
             let qv = d.rows(q.data(), b, h, d.h, d.dk);
             let kv = d.rows(k.data(), b, kvh, d.kv, d.dk);
             let vv = d.rows(v.data(), b, kvh, d.kv, d.dv);
-            for RowBlock { rows, live } in d.blocks() {
-                // scores [rows, live] = q_rows · k_liveᵀ, in place of the probabilities
-                let block = live_product(
-                    &mut p[rows.start * d.t..rows.end * d.t],
-                    d.t,
-                    live,
-                    rows_of(qv, rows.clone()),
-                    t(rows_of(kv, 0..live)),
-                );
-                for (i, row) in block.chunks_mut(d.t).enumerate() {
-                    causal_softmax_row(row, rows.start + i + 1, scale);
-                }
-                // out[b, rows, h, :] = probs[rows, live] · v_live
-                // SAFETY: `out` holds `B·T·H·dv` elements; rows `(b, s, h)` for every `s`
-                // belong to this (batch, head) alone.
-                unsafe {
-                    let o =
-                        (out_at as *mut f32).add(d.row_start(b, h, d.dv) + rows.start * d.h * d.dv);
-                    gemm_views_into_rows(
-                        o,
-                        d.h * d.dv,
-                        sub_block(block, 0..rows.len(), live, d.t),
-                        rows_of(vv, 0..live),
-                    );
-                }
-            }
+            // SAFETY: `out` holds `B·T·H·dv` elements; rows `(b, s, h)` for every `s` belong
+            // to this (batch, head) alone.
+            let o = unsafe { (out_at as *mut f32).add(d.row_start(b, h, d.dv)) };
+            // SAFETY: as above; those rows are `H·dv` apart.
+            unsafe { head_forward(d, [qv, kv, vv], p, (o, d.h * d.dv), scale) };
         });
     };
     // SAFETY: every (batch, head) chunk is visited, and its products write all of its
@@ -271,6 +252,46 @@ pub fn causal_attention(
         out,
         probs: Tensor::new(vec![d.b, d.h, d.t, d.t], probs)?,
     })
+}
+
+/// One (batch, query head) of the forward, on its rows of `q`, `k` and `v` as views: per row
+/// block, the scores `q_rows · k_liveᵀ` in place of its probabilities `p` (`[T, T]`, every
+/// element written), the causal softmax, and `out[rows] = P[rows, live] · v_live` into its `T`
+/// output rows at `out`.
+///
+/// # Safety
+/// `out.0` points at `T` rows of `dv` writable elements, `out.1` apart, which no one else
+/// writes meanwhile.
+pub(crate) unsafe fn head_forward(
+    d: Dims,
+    [qv, kv, vv]: [MatView<'_>; 3],
+    p: &mut [std::mem::MaybeUninit<f32>],
+    out: RowsOut,
+    scale: f32,
+) {
+    for RowBlock { rows, live } in d.blocks() {
+        // scores [rows, live] = q_rows · k_liveᵀ, in place of the probabilities
+        let block = live_product(
+            &mut p[rows.start * d.t..rows.end * d.t],
+            d.t,
+            live,
+            rows_of(qv, rows.clone()),
+            t(rows_of(kv, 0..live)),
+        );
+        for (i, row) in block.chunks_mut(d.t).enumerate() {
+            causal_softmax_row(row, rows.start + i + 1, scale);
+        }
+        // out[rows] = probs[rows, live] · v_live
+        // SAFETY: rows `rows` of this head's output (the caller's contract).
+        unsafe {
+            gemm_views_into_rows(
+                out.0.add(rows.start * out.1),
+                out.1,
+                sub_block(block, 0..rows.len(), live, d.t),
+                rows_of(vv, 0..live),
+            );
+        }
+    }
 }
 
 /// The cotangents `(dq, dk, dv)` of [`causal_attention`] for an output cotangent `dout`
@@ -290,11 +311,11 @@ pub fn causal_attention_backward(
     scale: f32,
     threads: usize,
 ) -> Result<(Tensor, Tensor, Tensor), TensorError> {
-    let d = Dims::of(q, k, v, "causal_attention_backward")?;
+    let d = Dims::of(q.shape(), k.shape(), v.shape(), "causal_attention_backward")?;
     // dP, dq, dk and dv: four products per (batch, head) over the row blocks' live columns.
     let _span = ferrotext_profile::span("causal_attention_backward")
         .map(|s| s.flops(d.product_flops(2 * (d.dk + d.dv))));
-    d.check_backward_operands(probs, dout)?;
+    d.check_backward_operands(probs.shape(), dout.shape())?;
     let (tt, heads) = (d.t * d.t, d.b * d.h);
     // Per (batch, query head), contiguous: [dk_h | dv_h | dS scratch] under GQA (its group's
     // heads are summed after), only dS otherwise; its dq rows, and without GQA its dk and dv
@@ -341,8 +362,11 @@ pub fn causal_attention_backward(
                 k: d.rows(k.data(), b, kvh, d.kv, d.dk),
                 q: d.rows(q.data(), b, h, d.h, d.dk),
             };
-            // SAFETY: this (batch, head)'s rows of `dq`, which no other chunk writes.
-            unsafe { head_ds_dq(d, (b, h), &x, ds, dq_at, scale) };
+            // SAFETY: `dq` holds `B·T·H·dk` elements; this (batch, head)'s rows of it, `H·dk`
+            // apart, which no other chunk writes.
+            let dq_rows = unsafe { ((dq_at as *mut f32).add(d.row_start(b, h, d.dk)), d.h * d.dk) };
+            // SAFETY: as above.
+            unsafe { head_ds_dq(d, &x, ds, dq_rows, scale) };
             // SAFETY: the row blocks above wrote every element of dS.
             let ds = unsafe { &*(ds as *const [_] as *const [f32]) };
             // SAFETY: rows of this head's dk and dv, which no other (batch, head) writes.
@@ -376,15 +400,19 @@ pub fn causal_attention_backward(
 impl Dims {
     /// `probs` is `[B, H, T, T]` and `dout` `[B, T, H, dv]`, as [`causal_attention_backward`]
     /// needs.
-    fn check_backward_operands(&self, probs: &Tensor, dout: &Tensor) -> Result<(), TensorError> {
+    pub(crate) fn check_backward_operands(
+        &self,
+        probs: &[usize],
+        dout: &[usize],
+    ) -> Result<(), TensorError> {
         let d = self;
-        if probs.shape() != [d.b, d.h, d.t, d.t] || dout.shape() != [d.b, d.t, d.h, d.dv] {
+        if probs != [d.b, d.h, d.t, d.t] || dout != [d.b, d.t, d.h, d.dv] {
             return Err(TensorError::shape(
                 "causal_attention_backward",
                 format!(
                     "probs must be [{b}, {h}, {t}, {t}] and dout [{b}, {t}, {h}, {dv}], got {:?} and {:?}",
-                    probs.shape(),
-                    dout.shape(),
+                    probs,
+                    dout,
                     b = d.b,
                     h = d.h,
                     t = d.t,
@@ -398,30 +426,30 @@ impl Dims {
 
 /// One (batch, query head)'s inputs to the backward: its probabilities `[T, T]` and its rows of
 /// `dout`, `v`, `k` and `q` as views.
-struct HeadInputs<'a> {
-    p: &'a [f32],
-    dout: MatView<'a>,
-    v: MatView<'a>,
-    k: MatView<'a>,
-    q: MatView<'a>,
+pub(crate) struct HeadInputs<'a> {
+    pub(crate) p: &'a [f32],
+    pub(crate) dout: MatView<'a>,
+    pub(crate) v: MatView<'a>,
+    pub(crate) k: MatView<'a>,
+    pub(crate) q: MatView<'a>,
 }
 
-/// Where a head's `dk` or `dv` rows go: its first row, and how many elements apart they are.
-type RowsOut = (*mut f32, usize);
+/// Where a head's output, `dq`, `dk` or `dv` rows go: its first row, and how many elements
+/// apart they are.
+pub(crate) type RowsOut = (*mut f32, usize);
 
-/// The backward's row phase for head `h` of batch row `b`: per row block,
+/// The backward's row phase for one (batch, query head): per row block,
 /// `dP[rows, live] = dout_rows · v_liveᵀ`, `dS` in place over the live columns (beyond them `P`
 /// is 0, and so is `dS`), and `dq[rows] = dS[rows, live] · k_live`. Writes every element of `ds`.
 ///
 /// # Safety
-/// `dq_at` is the address of a `B·T·H·dk` buffer whose rows `(b, s, h)` for every `s` no one
+/// `dq.0` points at the head's `T` rows of `dk` writable elements, `dq.1` apart, which no one
 /// else writes meanwhile.
-unsafe fn head_ds_dq(
+pub(crate) unsafe fn head_ds_dq(
     d: Dims,
-    (b, h): (usize, usize),
     x: &HeadInputs<'_>,
     ds: &mut [std::mem::MaybeUninit<f32>],
-    dq_at: usize,
+    dq: RowsOut,
     scale: f32,
 ) {
     for RowBlock { rows, live } in d.blocks() {
@@ -436,13 +464,11 @@ unsafe fn head_ds_dq(
         for (drow, prow) in block.chunks_mut(d.t).zip(p_rows.chunks(d.t)) {
             softmax_backward_row(&mut drow[..live], &prow[..live], scale);
         }
-        // SAFETY: `dq` holds `B·T·H·dk` elements; rows `(b, s, h)` for every `s`
-        // belong to this (batch, head) alone.
+        // SAFETY: rows `rows` of this head's dq (the caller's contract).
         unsafe {
-            let dqb = (dq_at as *mut f32).add(d.row_start(b, h, d.dk) + rows.start * d.h * d.dk);
             gemm_views_into_rows(
-                dqb,
-                d.h * d.dk,
+                dq.0.add(rows.start * dq.1),
+                dq.1,
                 sub_block(block, 0..rows.len(), live, d.t),
                 rows_of(x.k, 0..live),
             );
@@ -457,7 +483,13 @@ unsafe fn head_ds_dq(
 /// # Safety
 /// `dk_rows` and `dv_rows` point at this head's `T` rows of `dk` and `dv` (in its own block under
 /// GQA, else in the `[B, T, H, w]` outputs), which no other (batch, head) writes.
-unsafe fn head_dk_dv(d: Dims, x: &HeadInputs<'_>, ds: &[f32], dk_rows: RowsOut, dv_rows: RowsOut) {
+pub(crate) unsafe fn head_dk_dv(
+    d: Dims,
+    x: &HeadInputs<'_>,
+    ds: &[f32],
+    dk_rows: RowsOut,
+    dv_rows: RowsOut,
+) {
     for RowBlock { rows: cols, .. } in d.blocks() {
         let below = cols.start..d.t;
         // SAFETY: rows `cols` of this head's dk and dv (in its own block under GQA, else
@@ -492,7 +524,7 @@ const GROUP_LANES: usize = 16;
 /// `stride`: each kv head's value is the sum over its group's query heads, in head order, in
 /// f64 from -0.0 (as `sum_axes` sums the broadcast's cotangent), or the block itself when
 /// every group has one head.
-fn group_sum(
+pub(crate) fn group_sum(
     per_head: &[f32],
     stride: usize,
     offset: usize,

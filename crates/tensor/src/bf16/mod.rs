@@ -25,6 +25,7 @@ use crate::error::TensorError;
 use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
 
+mod attention;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
 mod matmul;
@@ -32,14 +33,14 @@ mod rows;
 
 pub(crate) use matmul::product;
 
+pub use attention::{causal_attention_backward_bf16, causal_attention_bf16};
 pub use matmul::{
     allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,
     dot_general_bf16_rounded,
 };
 pub use rows::{
-    add_bf16, causal_attention_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16,
-    rope_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16,
-    swiglu_bf16,
+    add_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, silu_bf16,
+    softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16, swiglu_bf16,
 };
 
 /// `x` rounded to bfloat16: to nearest, ties to even; NaN kept (quiet). Branch-free on the

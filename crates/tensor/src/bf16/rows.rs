@@ -21,7 +21,6 @@ use crate::nn::{
 use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads, Work};
 use crate::rope::{rope_with, Rope};
 use crate::tensor::Tensor;
-use crate::{causal_attention, Attention};
 
 /// Elements a chunk of rows is made of, at least (as `nn`'s row kernels group rows).
 const CHUNK: usize = 4096;
@@ -374,23 +373,4 @@ pub fn rope_bf16(
         let shape: Vec<usize> = std::iter::once(seqs).chain(inner.iter().copied()).collect();
         rope_with(&p[0].clone().reshape(&shape)?, positions, rope, inverse)
     })
-}
-
-/// [`causal_attention`] on bf16 `q`, `k`, `v`: scores, softmax and both products in `f32` on
-/// the widened inputs (the fused `f32` kernel), the output rounded to bf16 and the
-/// probabilities kept in `f32` for the backward. A first step: the products inside do not yet
-/// run on the bf16 kernel (the design note's order of work).
-///
-/// # Errors
-/// Shapes that do not fit the layouts.
-pub fn causal_attention_bf16(
-    q: &Bf16Tensor,
-    k: &Bf16Tensor,
-    v: &Bf16Tensor,
-    scale: f32,
-    threads: usize,
-) -> Result<(Bf16Tensor, Tensor), TensorError> {
-    let Attention { out, probs } =
-        causal_attention(&q.to_f32(), &k.to_f32(), &v.to_f32(), scale, threads)?;
-    Ok((Bf16Tensor::from_f32(&out), probs))
 }

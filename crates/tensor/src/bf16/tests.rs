@@ -5,8 +5,9 @@ use half::bf16;
 
 use super::*;
 use crate::{
-    causal_attention, causal_softmax, rms_norm, rms_norm_backward, rope_with, silu,
-    softmax_backward_scaled, softmax_last, swiglu, swiglu_backward, Attention, Rope, Tensor,
+    causal_attention, causal_attention_backward, causal_softmax, rms_norm, rms_norm_backward,
+    rope_with, silu, softmax_backward_scaled, softmax_last, swiglu, swiglu_backward, Attention,
+    Rope, Tensor,
 };
 
 fn bits(x: f32) -> u16 {
@@ -213,19 +214,95 @@ fn causal_softmax_and_attention_are_their_f32_kernels_rounded() {
         let got = causal_softmax_bf16(&x, 0.3).unwrap();
         assert_eq!(got, rounded(&causal_softmax(&x.to_f32(), 0.3).unwrap()));
     }
-    let (b, t, h, kv, d) = (2, 70, 4, 2, 16);
-    let (q, k, v) = (
-        input(&[b, t, h, d], 5),
-        input(&[b, t, kv, d], 6),
-        input(&[b, t, kv, d], 7),
-    );
-    let (out, probs) = causal_attention_bf16(&q, &k, &v, 0.25, 2).unwrap();
-    let Attention {
-        out: want,
-        probs: want_probs,
-    } = causal_attention(&q.to_f32(), &k.to_f32(), &v.to_f32(), 0.25, 2).unwrap();
-    assert_eq!(out, rounded(&want));
-    assert_eq!(probs, want_probs);
+}
+
+/// `got` is `want` rounded: to the bit where the product kernel's sums do not depend on the
+/// operands' strides (the portable kernel), else within one bf16 step of it (the libraries).
+fn assert_rounded_across_routes(got: &Bf16Tensor, want: &Tensor, what: &str) {
+    if crate::matmul_order_is_fixed() {
+        assert_eq!(*got, rounded(want), "{what}");
+        return;
+    }
+    assert_eq!(got.shape(), want.shape(), "{what}");
+    for (i, (x, y)) in got.to_f32().data().iter().zip(want.data()).enumerate() {
+        assert!(
+            (x - y).abs() <= 2f32.powi(-7) * y.abs() + 1e-5,
+            "{what} [{i}]: {x} vs {y}"
+        );
+    }
+}
+
+/// The fused bf16 attention, forward and backward, against the `f32` kernels on the widened
+/// inputs, rounded: odd sizes, one row block and several, with and without GQA; the same bits
+/// on 1 to 3 threads; and the outputs are really rounded (the mirror: they differ from the
+/// unrounded `f32` results).
+#[test]
+fn attention_and_its_backward_are_their_f32_kernels_rounded() {
+    for &(b, t, h, kv, dk, dv) in &[
+        (1, 1, 1, 1, 1, 1),
+        (2, 5, 3, 3, 4, 3),
+        (3, 13, 6, 2, 7, 5),
+        (2, 70, 4, 2, 16, 16),
+        (1, 150, 2, 2, 24, 8),
+    ] {
+        let (q, k, v) = (
+            input(&[b, t, h, dk], 5),
+            input(&[b, t, kv, dk], 6),
+            input(&[b, t, kv, dv], 7),
+        );
+        let dout = input(&[b, t, h, dv], 8);
+        let scale = 1.0 / (dk as f32).sqrt();
+        let at = format!("{b}×{t}×{h}/{kv}×{dk}/{dv}");
+        let Attention {
+            out: want,
+            probs: want_probs,
+        } = causal_attention(&q.to_f32(), &k.to_f32(), &v.to_f32(), scale, 1).unwrap();
+        let (out, probs) = causal_attention_bf16(&q, &k, &v, scale, 1).unwrap();
+        assert_rounded_across_routes(&out, &want, &format!("out {at}"));
+        crate::portable::assert_equal_across_routes(&probs, &want_probs, &format!("probs {at}"));
+        let wide = |x: &Bf16Tensor| x.to_f32();
+        let (wq, wk, wv) = causal_attention_backward(
+            &wide(&q),
+            &wide(&k),
+            &wide(&v),
+            &probs,
+            &wide(&dout),
+            scale,
+            1,
+        )
+        .unwrap();
+        let grads = causal_attention_backward_bf16(&q, &k, &v, &probs, &dout, scale, 1).unwrap();
+        assert_rounded_across_routes(&grads.0, &wq, &format!("dq {at}"));
+        assert_rounded_across_routes(&grads.1, &wk, &format!("dk {at}"));
+        assert_rounded_across_routes(&grads.2, &wv, &format!("dv {at}"));
+        for threads in [2, 3] {
+            let again = causal_attention_bf16(&q, &k, &v, scale, threads).unwrap();
+            assert_eq!(
+                again,
+                (out.clone(), probs.clone()),
+                "forward {at} on {threads}"
+            );
+            let g =
+                causal_attention_backward_bf16(&q, &k, &v, &probs, &dout, scale, threads).unwrap();
+            assert_eq!(g, grads, "backward {at} on {threads}");
+        }
+        if t > 5 {
+            let differs = |x: &Bf16Tensor, y: &Tensor| {
+                x.to_f32().data().iter().zip(y.data()).any(|(a, b)| a != b)
+            };
+            assert!(differs(&out, &want) && differs(&grads.0, &wq), "{at}");
+            assert!(differs(&grads.1, &wk) && differs(&grads.2, &wv), "{at}");
+        }
+    }
+    let q = input(&[1, 4, 3, 8], 1);
+    let kv = input(&[1, 4, 2, 8], 2);
+    let e = causal_attention_bf16(&q, &kv, &kv, 1.0, 1).unwrap_err();
+    assert!(e.to_string().contains("H a multiple of KV"), "{e}");
+    let kv = input(&[1, 4, 1, 8], 2);
+    let (_, probs) = causal_attention_bf16(&q, &kv, &kv, 1.0, 1).unwrap();
+    let e = causal_attention_backward_bf16(&q, &kv, &kv, &probs, &input(&[1, 4, 3, 7], 3), 1.0, 1)
+        .unwrap_err();
+    assert!(e.to_string().contains("dout [1, 4, 3, 8]"), "{e}");
 }
 
 #[test]
