@@ -19,6 +19,8 @@
 //!   kept; a NaN stays a NaN with its sign and top payload bits, made quiet.
 //! * Which product kernel runs for bf16 is chosen once per process ([`bf16_matmul_kernel`]).
 
+use std::sync::Arc;
+
 use half::bf16;
 
 use crate::error::TensorError;
@@ -28,12 +30,14 @@ use crate::tensor::{strides, Tensor};
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
+mod elementwise;
 mod matmul;
 mod rows;
 
 pub(crate) use matmul::product;
 
 pub use attention::{causal_attention_backward_bf16, causal_attention_bf16};
+pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};
 pub use matmul::{
     allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,
     dot_general_bf16_rounded,
@@ -88,11 +92,12 @@ pub fn widen_slice(src: &[bf16], dst: &mut [f32]) {
 const CONVERT_BLOCK: usize = 1 << 14;
 
 /// A dense row-major bfloat16 tensor: activations and matrix-product inputs in `dtype=bf16`.
-/// Its elements are the `shape.iter().product()` values of its storage, in order.
+/// Its elements are the `shape.iter().product()` values of its storage, in order. The storage
+/// is shared: a clone or a [`Bf16Tensor::reshaped`] copies no element.
 #[derive(Clone, PartialEq)]
 pub struct Bf16Tensor {
     shape: Vec<usize>,
-    data: Vec<bf16>,
+    data: Arc<Vec<bf16>>,
 }
 
 impl std::fmt::Debug for Bf16Tensor {
@@ -117,7 +122,10 @@ impl Bf16Tensor {
                 format!("{} elements for shape {shape:?}", data.len()),
             ));
         }
-        Ok(Bf16Tensor { shape, data })
+        Ok(Bf16Tensor {
+            shape,
+            data: Arc::new(data),
+        })
     }
 
     /// `x` rounded to bf16 ([`round_bf16`] per element), on the kernel thread budget.
@@ -136,7 +144,7 @@ impl Bf16Tensor {
         );
         Bf16Tensor {
             shape: x.shape().to_vec(),
-            data,
+            data: Arc::new(data),
         }
     }
 
@@ -181,12 +189,29 @@ impl Bf16Tensor {
     /// # Errors
     /// The element counts differ.
     pub fn reshape(self, shape: &[usize]) -> Result<Bf16Tensor, TensorError> {
-        Bf16Tensor::new(shape.to_vec(), self.data)
+        Bf16Tensor::new(shape.to_vec(), self.into_data())
     }
 
-    /// The elements, row-major.
+    /// The same elements under another shape of the same count, sharing the storage (no copy).
+    ///
+    /// # Errors
+    /// The element counts differ.
+    pub fn reshaped(&self, shape: &[usize]) -> Result<Bf16Tensor, TensorError> {
+        if shape.iter().product::<usize>() != self.len() {
+            return Err(TensorError::shape(
+                "Bf16Tensor::reshaped",
+                format!("{} elements for shape {shape:?}", self.len()),
+            ));
+        }
+        Ok(Bf16Tensor {
+            shape: shape.to_vec(),
+            data: Arc::clone(&self.data),
+        })
+    }
+
+    /// The elements, row-major (copied only when the storage is shared).
     pub fn into_data(self) -> Vec<bf16> {
-        self.data
+        Arc::try_unwrap(self.data).unwrap_or_else(|shared| shared.as_ref().clone())
     }
 
     /// The elements with dimensions in the order `perm` (a copy): `out[.., i_perm[d], ..] =
@@ -208,30 +233,65 @@ impl Bf16Tensor {
         }
         Ok(Bf16Tensor {
             shape: perm.iter().map(|&d| self.shape[d]).collect(),
-            data: permuted(&self.shape, &self.data, perm),
+            data: Arc::new(permuted(&self.shape, &self.data, perm)),
         })
     }
 }
 
 /// `data` (row-major, of `shape`) with its dimensions reordered to `perm` (checked by the
-/// caller), by walking the output in order.
-fn permuted<T: Copy>(shape: &[usize], data: &[T], perm: &[usize]) -> Vec<T> {
+/// caller): rows of the output's innermost dimension (a straight copy where that dimension is
+/// the input's innermost too), in blocks of about [`CONVERT_BLOCK`] elements on the kernel
+/// thread budget.
+fn permuted<T: Copy + Default + Send + Sync>(
+    shape: &[usize],
+    data: &[T],
+    perm: &[usize],
+) -> Vec<T> {
     let st = strides(shape);
     let out_shape: Vec<usize> = perm.iter().map(|&d| shape[d]).collect();
-    let out_st: Vec<usize> = perm.iter().map(|&d| st[d]).collect();
-    let mut out = Vec::with_capacity(data.len());
-    let mut idx = vec![0usize; out_shape.len()];
-    for _ in 0..data.len() {
-        let at: usize = idx.iter().zip(&out_st).map(|(i, s)| i * s).sum();
-        out.push(data[at]);
-        for d in (0..idx.len()).rev() {
-            idx[d] += 1;
-            if idx[d] < out_shape[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
+    let src_st: Vec<usize> = perm.iter().map(|&d| st[d]).collect();
+    let mut out = vec![T::default(); data.len()];
+    let Some((&inner, outer)) = out_shape.split_last() else {
+        out.copy_from_slice(data);
+        return out;
+    };
+    if data.is_empty() {
+        return out;
     }
+    let step = src_st[outer.len()];
+    let rows = (CONVERT_BLOCK / inner).max(1);
+    for_each_chunk(
+        &mut out,
+        rows * inner,
+        kernel_threads(),
+        Work::Light,
+        |c, block| {
+            // The chunk's first row as an index into the outer dimensions, then stepped.
+            let mut index = vec![0usize; outer.len()];
+            let mut first = c * rows;
+            for (i, &n) in index.iter_mut().zip(outer).rev() {
+                *i = first % n;
+                first /= n;
+            }
+            for out_row in block.chunks_mut(inner) {
+                let base: usize = index.iter().zip(&src_st).map(|(i, s)| i * s).sum();
+                if step == 1 {
+                    out_row.copy_from_slice(&data[base..base + inner]);
+                } else {
+                    for (j, o) in out_row.iter_mut().enumerate() {
+                        *o = data[base + j * step];
+                    }
+                }
+                for d in (0..index.len()).rev() {
+                    index[d] += 1;
+                    if index[d] < outer[d] {
+                        break;
+                    }
+                    index[d] = 0;
+                }
+            }
+        },
+    );
     out
 }
 

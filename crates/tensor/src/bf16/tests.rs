@@ -333,3 +333,52 @@ fn row_kernels_refuse_shapes_that_do_not_fit() {
     assert!(e.to_string().contains("Tk ≥ Tq"), "{e}");
     assert!(softmax_last_bf16(&input(&[3, 0], 1)).is_err());
 }
+
+/// Maps and equal-shape binary ops are the `f32` ones on the widened inputs, rounded, bit for
+/// bit (a size that splits over several blocks, and a short one), and really round (the
+/// mirror: `scale` by a value that is not a power of two changes bits below bf16's).
+#[test]
+fn elementwise_ops_are_their_f32_ops_rounded() {
+    for shape in [[3usize, 5], [9, 4000]] {
+        let (a, b) = (input(&shape, 21), input(&shape, 22));
+        let (wa, wb) = (a.to_f32(), b.to_f32());
+        assert_eq!(scale_bf16(&a, 0.3), rounded(&wa.map(|x| 0.3 * x)));
+        assert_eq!(map_bf16(&a, f32::exp), rounded(&wa.map(f32::exp)));
+        assert_eq!(mul_bf16(&a, &b).unwrap(), rounded(&wa.mul(&wb).unwrap()));
+        let sub = zip_bf16(&a, &b, |p, q| p - q).unwrap();
+        assert_eq!(sub, rounded(&wa.sub(&wb).unwrap()));
+        let unrounded = wa.map(|x| 0.3 * x);
+        let got = scale_bf16(&a, 0.3).to_f32();
+        assert!(got.data().iter().zip(unrounded.data()).any(|(x, y)| x != y));
+    }
+    let e = mul_bf16(&input(&[3, 4], 1), &input(&[4, 3], 1)).unwrap_err();
+    assert!(e.to_string().contains("[3, 4] vs [4, 3]"), "{e}");
+}
+
+/// Transposes move the same elements as the `f32` transpose (every permutation of a rank-3
+/// tensor of odd sizes, and a rank-4 one of the attention layouts across several blocks);
+/// `reshaped` shares the storage and refuses a wrong element count.
+#[test]
+fn transposes_and_reshapes_move_elements_as_f32_does() {
+    let x = input(&[3, 5, 7], 31);
+    for perm in [
+        [0, 1, 2],
+        [0, 2, 1],
+        [1, 0, 2],
+        [1, 2, 0],
+        [2, 0, 1],
+        [2, 1, 0],
+    ] {
+        let want = x.to_f32().transpose(&perm).unwrap();
+        assert_eq!(x.transpose(&perm).unwrap().to_f32(), want, "{perm:?}");
+    }
+    let y = input(&[2, 70, 4, 33], 32);
+    let want = y.to_f32().transpose(&[0, 2, 1, 3]).unwrap();
+    assert_eq!(y.transpose(&[0, 2, 1, 3]).unwrap().to_f32(), want);
+    let r = y.reshaped(&[140, 132]).unwrap();
+    assert_eq!(r.shape(), &[140, 132]);
+    assert!(std::ptr::eq(r.data().as_ptr(), y.data().as_ptr()));
+    let e = y.reshaped(&[5, 5]).unwrap_err();
+    assert!(e.to_string().contains("18480 elements"), "{e}");
+    assert_eq!(r.into_data(), y.data().to_vec());
+}
