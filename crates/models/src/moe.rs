@@ -28,9 +28,9 @@
 //! per-micro-batch expert reduction of the seed never happens. [`MoeOptions::withhold_tags`] is
 //! the diagnostic mirror (tags dropped before the region, as a rebuilt spec would).
 
-use ferrotext_sharding::{carry_reduced, ArrayType, DimSpec, PartitionSpec};
+use ferrotext_sharding::{carry_reduced, ArrayType, DType, DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
-use ferrotext_tensor::{Tensor, PAD_ROW};
+use ferrotext_tensor::{DotDims, Tensor, PAD_ROW};
 
 use crate::router::{self, GroupLimit};
 
@@ -352,13 +352,15 @@ fn sparse_body(
     let n: usize = shape[..shape.len() - 1].iter().product();
     let (e, k) = (config.num_experts, config.num_experts_per_tok);
     let xf = cx.reshape(x, &[n, d], None)?;
-    let logits = cx.matmul(&xf, &w[0], None)?;
+    // The router's scores in f32 from the compute-dtype activations (docs/design.md §10).
+    let router = cx.cast(&w[0], xf.ty().dtype())?;
+    let logits = cx.dot_general_preferred(&xf, &router, &DotDims::matmul(2), None, DType::F32)?;
     let scores = config.scores(cx, &logits)?;
 
     // Routing is data: chosen on this device's scores (abstract mode: any valid routing).
     let (experts, load): (Vec<u32>, _) = match scores.local().ok() {
         Some(s) => {
-            let experts = config.route(s, bias)?.experts;
+            let experts = config.route(&s, bias)?.experts;
             let load = router::expert_load(&experts, e);
             (experts, Some(load))
         }
@@ -414,13 +416,21 @@ fn sparse_body(
     };
     let copies = cx.reshape(&copies, &[n, k, d], None)?;
     let gates = cx.broadcast_in_dim(&gates, &[n, k, d], &[0, 1], None)?;
+    // The gate weights are f32 (the router's); they meet the expert outputs in their dtype.
+    let gates = cx.cast(&gates, copies.ty().dtype())?;
     let weighted = cx.mul(&copies, &gates)?;
     let mut y = cx.reduce_sum(&weighted, &[1], None)?;
     if has_shared {
-        let g = cx.matmul(&xf, &w[4], None)?;
-        let u = cx.matmul(&xf, &w[5], None)?;
+        let dtype = xf.ty().dtype();
+        let (wg, wu, wo) = (
+            cx.cast(&w[4], dtype)?,
+            cx.cast(&w[5], dtype)?,
+            cx.cast(&w[6], dtype)?,
+        );
+        let g = cx.matmul(&xf, &wg, None)?;
+        let u = cx.matmul(&xf, &wu, None)?;
         let a = cx.swiglu(&g, &u)?;
-        let s = cx.matmul(&a, &w[6], None)?;
+        let s = cx.matmul(&a, &wo, None)?;
         y = cx.add(&y, &s)?;
     }
     Ok((cx.reshape(&y, &shape, None)?, loss, load))
@@ -459,10 +469,17 @@ fn expert_swiglu(
     w: &[Array],
     group_sizes: &[usize],
 ) -> Result<Array, SpmdError> {
-    let g = cx.grouped_matmul(xs, &w[1], group_sizes)?;
-    let u = cx.grouped_matmul(xs, &w[2], group_sizes)?;
+    // The expert weights (f32 masters) in the activations' dtype, cast at use.
+    let dtype = xs.ty().dtype();
+    let (wi_0, wi_1, wo) = (
+        cx.cast(&w[1], dtype)?,
+        cx.cast(&w[2], dtype)?,
+        cx.cast(&w[3], dtype)?,
+    );
+    let g = cx.grouped_matmul(xs, &wi_0, group_sizes)?;
+    let u = cx.grouped_matmul(xs, &wi_1, group_sizes)?;
     let a = cx.swiglu(&g, &u)?;
-    cx.grouped_matmul(&a, &w[3], group_sizes)
+    cx.grouped_matmul(&a, &wo, group_sizes)
 }
 
 /// [`experts_local`] with the experts split over `ep_axes`: copies travel to their expert's
@@ -560,20 +577,21 @@ pub fn moe_dense(
     let shape = x.ty().shape().to_vec();
     let rank = shape.len();
     let (e, k) = (config.num_experts, config.num_experts_per_tok);
-    let logits = crate::nn::linear(cx, x, &weights.router)?;
+    let logits = crate::nn::linear_to(cx, x, &weights.router, DType::F32)?;
     let scores = config.scores(cx, &logits)?;
     // The chosen experts' scores, everything else zero (a constant mask from this device's rows).
     let (mask_local, expert_load) = match scores.local().ok() {
         Some(s) => {
             let rows = s.len() / e;
-            let flat = s.clone().reshape(&[rows, e])?;
+            let shape = s.shape().to_vec();
+            let flat = s.into_owned().reshape(&[rows, e])?;
             let routing = config.route(&flat, weights.router_bias.as_deref())?;
             let mut m = vec![0f32; rows * e];
             for (i, &ex) in routing.experts.iter().enumerate() {
                 m[(i / k) * e + ex as usize] = 1.0;
             }
             let load = router::expert_load(&routing.experts, e);
-            (Tensor::new(s.shape().to_vec(), m)?, Some(load))
+            (Tensor::new(shape, m)?, Some(load))
         }
         None => (Tensor::zeros(&scores.ty().shard_shape()), None),
     };
@@ -622,6 +640,7 @@ pub fn moe_dense(
         let h = crate::nn::swiglu(cx, x, &w0, &w1, &w2)?;
         let gate = cx.slice(&gates, rank - 1, expert, expert + 1)?;
         let gate = cx.broadcast_in_dim(&gate, &shape, &dims, None)?;
+        let gate = cx.cast(&gate, h.ty().dtype())?;
         let part = cx.mul(&h, &gate)?;
         y = Some(match y {
             Some(acc) => cx.add(&acc, &part)?,

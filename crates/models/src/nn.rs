@@ -2,7 +2,7 @@
 //! attention (QK-norm and q/k/v biases as the family has them) with RoPE, the SwiGLU MLP. Each is a function of `spmd` arrays; shardings come from the operands
 //! ([`linear`] keeps the activation's layout and settles what the weight's split requires).
 
-use ferrotext_sharding::{DimSpec, PartitionSpec};
+use ferrotext_sharding::{DType, DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::{DotDims, Rope};
 
@@ -29,9 +29,31 @@ impl ActivationLayout {
 /// an axis the batch is split on too) that gathers `w`; under tensor parallelism with `w` split
 /// on its *input* dim (both sides split on the contraction) it reduces the partial sums here.
 ///
+/// The weight (f32 master) is cast to `x`'s dtype at use, so a bf16 activation meets a bf16
+/// weight, and the weight's cotangent comes back f32 (docs/design.md §10).
+///
 /// # Errors
 /// The dot_general type errors.
 pub fn linear(cx: &mut Ctx<'_>, x: &Array, w: &Array) -> Result<Array, SpmdError> {
+    let out = linear_out_spec(x, w);
+    let w = cx.cast(w, x.ty().dtype())?;
+    cx.matmul(x, &w, Some(&out))
+}
+
+/// [`linear`] with its result in `dtype` (f32 logits and router scores from bf16 activations,
+/// unrounded).
+///
+/// # Errors
+/// The dot_general type errors.
+pub fn linear_to(cx: &mut Ctx<'_>, x: &Array, w: &Array, dtype: DType) -> Result<Array, SpmdError> {
+    let out = linear_out_spec(x, w);
+    let w = cx.cast(w, x.ty().dtype())?;
+    let dims = DotDims::matmul(x.ty().rank());
+    cx.dot_general_preferred(x, &w, &dims, Some(&out), dtype)
+}
+
+/// [`linear`]'s output layout: `x`'s leading dims, `w`'s last minus the axes `x` uses.
+fn linear_out_spec(x: &Array, w: &Array) -> PartitionSpec {
     let xs = x.ty().sharding().spec();
     let rank = x.ty().rank();
     let used: Vec<&String> = (0..rank - 1).flat_map(|d| xs.dim(d).axis_names()).collect();
@@ -47,8 +69,7 @@ pub fn linear(cx: &mut Ctx<'_>, x: &Array, w: &Array) -> Result<Array, SpmdError
         .collect();
     let mut dims: Vec<DimSpec> = (0..rank - 1).map(|d| xs.dim(d).clone()).collect();
     dims.push(DimSpec::axes(out_last));
-    let out = PartitionSpec::new(dims);
-    cx.matmul(x, w, Some(&out))
+    PartitionSpec::new(dims)
 }
 
 /// [`linear`], plus `bias` (`[out]`) on every row when given. The bias is laid out like the
@@ -70,12 +91,13 @@ pub fn linear_bias(
     };
     let rank = y.ty().rank();
     let want = y.ty().sharding().spec().dim(rank - 1).clone();
+    let b = cx.cast(b, y.ty().dtype())?;
     let bspec = b.ty().sharding().spec();
     let b = if bspec.dim(0) == &want {
         b.clone()
     } else {
         let aligned = bspec.with_partitions([want])?;
-        cx.reshard(b, &aligned)?
+        cx.reshard(&b, &aligned)?
     };
     // `[n]` broadcasts against `[.., n]` (NumPy rules): a bias tagged reduced over the batch
     // axes is sliced locally, so its cotangent (the sum over the leading dims) comes back

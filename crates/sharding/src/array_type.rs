@@ -299,6 +299,15 @@ impl ArrayType {
         }
     }
 
+    /// The same array in another dtype: shape, sharding and manual tags unchanged (JAX's
+    /// `convert_element_type` changes nothing else).
+    pub fn with_dtype(&self, dtype: DType) -> ArrayType {
+        ArrayType {
+            dtype,
+            ..self.clone()
+        }
+    }
+
     /// Axis names of `set` in mesh order, as printing wants them (R1.4).
     fn in_mesh_order<'a>(&'a self, set: &'a AxisSet) -> Vec<&'a str> {
         self.mesh()

@@ -2,11 +2,19 @@
 //!
 //! Invariant: in real mode the shard's shape is the type's shard shape; in abstract mode there is
 //! no shard. An unreduced array's shard is a partial sum, never the value (docs/design.md §4.4).
+//!
+//! The shard's storage follows the type's dtype: a `bf16` array stores a [`Bf16Tensor`], every
+//! other dtype an `f32` [`Tensor`]. [`Array::new`] is where an `f32` result becomes a `bf16`
+//! array's value, by `round_bf16` (nearest even) — the one rounding of mixed precision
+//! (docs/design.md §10). A `bf16` shard read as `f32` ([`Array::local`]) is widened exactly, so
+//! an op that has no bf16 kernel computes, bit for bit, what its bf16 kernel would: the `f32`
+//! op on the widened inputs, rounded once on store.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
-use ferrotext_sharding::ArrayType;
-use ferrotext_tensor::Tensor;
+use ferrotext_sharding::{ArrayType, DType};
+use ferrotext_tensor::{Bf16Tensor, Tensor};
 
 use crate::error::SpmdError;
 
@@ -14,13 +22,27 @@ use crate::error::SpmdError;
 #[derive(Clone, Debug)]
 pub struct Array {
     ty: ArrayType,
-    local: Option<Arc<Tensor>>,
+    local: Option<Arc<Local>>,
     /// Tape variable, when recorded for autodiff.
     pub(crate) var: Option<usize>,
 }
 
+/// One device's shard, stored in its type's dtype.
+#[derive(Clone, Debug)]
+enum Local {
+    /// `f32` storage (every dtype but `bf16`).
+    F32(Tensor),
+    /// `bf16` storage.
+    Bf16(Bf16Tensor),
+}
+
 impl Array {
+    /// An array of type `ty` holding `local`, rounded to bf16 when `ty` is `bf16`.
     pub(crate) fn new(ty: ArrayType, local: Option<Tensor>) -> Array {
+        let local = local.map(|t| match ty.dtype() {
+            DType::BF16 => Local::Bf16(Bf16Tensor::from_f32(&t)),
+            _ => Local::F32(t),
+        });
         Array {
             ty,
             local: local.map(Arc::new),
@@ -28,9 +50,33 @@ impl Array {
         }
     }
 
+    /// A `bf16` array holding `local` as it is (a bf16 kernel's output; no rounding).
+    ///
+    /// # Errors
+    /// [`SpmdError::Internal`] when `ty` is not `bf16`.
+    #[allow(dead_code)] // the native bf16 row kernels' constructor (docs/design.md §10 item 7)
+    pub(crate) fn from_bf16(ty: ArrayType, local: Option<Bf16Tensor>) -> Result<Array, SpmdError> {
+        if ty.dtype() != DType::BF16 {
+            return Err(SpmdError::Internal {
+                op: "from_bf16",
+                invariant: "a bf16 shard is stored only under a bf16 type",
+            });
+        }
+        Ok(Array {
+            ty,
+            local: local.map(|t| Arc::new(Local::Bf16(t))),
+            var: None,
+        })
+    }
+
     /// The same data under another type (no copy). The caller guarantees the two types have the
     /// same physical layout on every device.
     pub(crate) fn with_type(&self, ty: ArrayType) -> Array {
+        debug_assert_eq!(
+            ty.dtype() == DType::BF16,
+            self.ty.dtype() == DType::BF16,
+            "a retyping keeps the storage's dtype"
+        );
         Array {
             ty,
             local: self.local.clone(),
@@ -58,43 +104,66 @@ impl Array {
     ///
     /// # Errors
     /// [`SpmdError::NoData`] in abstract mode.
-    pub fn local(&self) -> Result<&Tensor, SpmdError> {
-        self.local.as_deref().ok_or_else(|| SpmdError::NoData {
+    ///
+    /// A `bf16` shard comes widened to `f32` (exact; a copy), an `f32` one borrowed.
+    pub fn local(&self) -> Result<Cow<'_, Tensor>, SpmdError> {
+        self.local_opt().ok_or_else(|| SpmdError::NoData {
             ty: self.ty.to_string(),
         })
     }
 
+    /// This device's `bf16` shard as stored (`None` for another dtype or in abstract mode): for
+    /// the kernels that read bf16 directly.
+    pub fn local_bf16(&self) -> Option<&Bf16Tensor> {
+        match self.local.as_deref() {
+            Some(Local::Bf16(t)) => Some(t),
+            _ => None,
+        }
+    }
+
     /// This device's shard, mutable: copied first only if another array shares it. For
-    /// in-place updates of values nothing else reads (optimizer steps).
+    /// in-place updates of values nothing else reads (optimizer steps, accumulators).
     ///
     /// # Errors
-    /// [`SpmdError::NoData`] in abstract mode.
+    /// [`SpmdError::NoData`] in abstract mode; [`SpmdError::Internal`] for a `bf16` array (its
+    /// values are only written by an op, which rounds them once).
     pub fn local_mut(&mut self) -> Result<&mut Tensor, SpmdError> {
         let ty = &self.ty;
-        self.local
-            .as_mut()
-            .map(Arc::make_mut)
-            .ok_or_else(|| SpmdError::NoData { ty: ty.to_string() })
+        match self.local.as_mut().map(Arc::make_mut) {
+            Some(Local::F32(t)) => Ok(t),
+            Some(Local::Bf16(_)) => Err(SpmdError::Internal {
+                op: "local_mut",
+                invariant: "a bf16 array is written only by an op, never in place",
+            }),
+            None => Err(SpmdError::NoData { ty: ty.to_string() }),
+        }
     }
 
-    /// This device's shard, mutable, when no other array shares it (`None` when shared or
-    /// abstract): for writing into a value in place only where that costs no copy.
+    /// This device's `f32` shard, mutable, when no other array shares it (`None` when shared,
+    /// `bf16` or abstract): for writing into a value in place only where that costs no copy.
     pub(crate) fn local_if_unique(&mut self) -> Option<&mut Tensor> {
-        self.local.as_mut().and_then(Arc::get_mut)
+        match self.local.as_mut().and_then(Arc::get_mut) {
+            Some(Local::F32(t)) => Some(t),
+            _ => None,
+        }
     }
 
-    pub(crate) fn local_opt(&self) -> Option<&Tensor> {
-        self.local.as_deref()
+    /// The shard as `f32` (a `bf16` one widened), `None` in abstract mode.
+    pub(crate) fn local_opt(&self) -> Option<Cow<'_, Tensor>> {
+        self.local.as_deref().map(|l| match l {
+            Local::F32(t) => Cow::Borrowed(t),
+            Local::Bf16(t) => Cow::Owned(t.to_f32()),
+        })
     }
 
     /// The shard as a tensor of its own (sharing its storage until either is written).
     pub(crate) fn local_owned(&self) -> Result<Tensor, SpmdError> {
-        self.local().cloned()
+        self.local().map(Cow::into_owned)
     }
 
     /// This device's block, sharing its storage (a tensor clone copies nothing until written).
     pub(crate) fn local_cloned(&self) -> Option<Tensor> {
-        self.local.as_deref().cloned()
+        self.local_opt().map(Cow::into_owned)
     }
 
     /// The value as a host scalar (rank 0 or one element).

@@ -118,7 +118,11 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let out_ty = attention_type(q.ty(), k.ty(), v.ty())?;
         let threads = self.threads();
-        let (local, probs) = match (q.local_opt(), k.local_opt(), v.local_opt()) {
+        let (local, probs) = match (
+            q.local_opt().as_deref(),
+            k.local_opt().as_deref(),
+            v.local_opt().as_deref(),
+        ) {
             (Some(a), Some(b), Some(c)) => {
                 let fused = ferrotext_tensor::causal_attention(a, b, c, scale, threads)?;
                 (Some(fused.out), Some(fused.probs))
@@ -152,11 +156,11 @@ impl Ctx<'_> {
     ) -> Result<[Array; 3], SpmdError> {
         let threads = self.threads();
         let (dq, dk, dv) = match (
-            q.local_opt(),
-            k.local_opt(),
-            v.local_opt(),
+            q.local_opt().as_deref(),
+            k.local_opt().as_deref(),
+            v.local_opt().as_deref(),
             probs,
-            ct.local_opt(),
+            ct.local_opt().as_deref(),
         ) {
             (Some(a), Some(b), Some(c), Some(p), Some(d)) => {
                 let (dq, dk, dv) =

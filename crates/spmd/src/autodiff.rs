@@ -58,6 +58,9 @@ pub(crate) enum Backward {
     Reshape {
         x: ArrayType,
     },
+    Cast {
+        from: ferrotext_sharding::DType,
+    },
     Transpose {
         perm: Vec<usize>,
     },
@@ -503,7 +506,10 @@ impl Ctx<'_> {
         {
             let expected = tape.nodes[*v].ty.to_cotangent();
             if let Some(existing) = cts[*v].as_mut() {
-                if existing.ty() == &expected && !existing.is_abstract() {
+                if existing.ty() == &expected
+                    && existing.local_bf16().is_none()
+                    && !existing.is_abstract()
+                {
                     let dest = existing.local_mut()?.data_mut();
                     if self.add_contribution_into(&node.backward, &ct, 0, &mut [dest])? {
                         needed[0] = false;
@@ -537,11 +543,11 @@ impl Ctx<'_> {
     /// the bits are those of `acc + ict`), else into a new one.
     fn add_contributions(&mut self, mut acc: Array, mut ict: Array) -> Result<Array, SpmdError> {
         if acc.ty() == ict.ty() {
-            if let (Some(a), Some(b)) = (acc.local_if_unique(), ict.local_opt()) {
+            if let (Some(a), Some(b)) = (acc.local_if_unique(), ict.local_opt().as_deref()) {
                 a.add_assign(b)?;
                 return Ok(acc);
             }
-            if let (Some(b), Some(a)) = (ict.local_if_unique(), acc.local_opt()) {
+            if let (Some(b), Some(a)) = (ict.local_if_unique(), acc.local_opt().as_deref()) {
                 b.add_assign(a)?;
                 return Ok(ict);
             }
@@ -602,6 +608,7 @@ impl Ctx<'_> {
             Backward::ReduceSum { x, axes } => one(self.reduce_sum_transpose(x, axes, ct)?),
             Backward::Broadcast { x, dims } => one(self.broadcast_in_dim_transpose(ct, x, dims)?),
             Backward::Reshape { x } => one(self.reshape_transpose(x, ct)?),
+            Backward::Cast { from } => one(self.cast_transpose(*from, ct)?),
             Backward::Transpose { perm } => one(self.transpose_transpose(perm, ct)?),
             Backward::Reshard { src } => one(self.reshard_transpose(src, ct)?),
             Backward::EnterRegion { outside } => one(enter_region_transpose(outside, ct)),

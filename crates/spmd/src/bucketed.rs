@@ -317,10 +317,11 @@ impl Ctx<'_> {
         } else {
             let (_, n) = self.rank_over(fused.axes())?;
             let total = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
-            let locals: Vec<&Tensor> = members
+            let owned: Vec<std::borrow::Cow<'_, Tensor>> = members
                 .iter()
                 .map(|&i| xs[i].local())
                 .collect::<Result<_, _>>()?;
+            let locals: Vec<&Tensor> = owned.iter().map(|t| &**t).collect();
             Some(pack(fused, &locals, &dims, n, total)?)
         };
         let started = self.issue_bucket(fused, members, plan, shapes, packed, false)?;

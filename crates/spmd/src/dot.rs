@@ -10,8 +10,10 @@
 //!
 //! Inside `shard_map` the dot is local ([`crate::manual::typing::manual_dot_type`]).
 
-use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
-use ferrotext_tensor::{dot_general, dot_general_accumulate_parts, DotDims, Tensor};
+use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, PartitionSpec};
+use ferrotext_tensor::{
+    dot_general, dot_general_accumulate_parts, dot_general_bf16, Bf16Tensor, DotDims, Tensor,
+};
 
 use crate::array::Array;
 use crate::autodiff::Backward;
@@ -75,6 +77,42 @@ impl Ctx<'_> {
         self.dot_general(x, w, &DotDims::matmul(x.ty().rank()), out_sharding)
     }
 
+    /// [`Ctx::dot_general`] with its result in `preferred` (JAX's `preferred_element_type`):
+    /// bf16 operands give an `f32` result unrounded (the logits of a bf16 model), or `f32`
+    /// operands a bf16 one. The transpose casts the cotangent to each operand's dtype first.
+    ///
+    /// # Errors
+    /// As [`Ctx::dot_general`].
+    ///
+    /// # Collectives
+    /// As [`Ctx::dot_general`]; partial sums are reduced in `f32` and rounded once after.
+    pub fn dot_general_preferred(
+        &mut self,
+        lhs: &Array,
+        rhs: &Array,
+        dims: &DotDims,
+        out_sharding: Option<&PartitionSpec>,
+        preferred: DType,
+    ) -> Result<Array, SpmdError> {
+        if let Some(spec) = out_sharding {
+            rules::check_out_sharding("dot_general", lhs.ty().sharding().mesh(), spec)?;
+        }
+        if lhs.ty().is_manual() || rhs.ty().is_manual() {
+            let out = self.dot_general(lhs, rhs, dims, out_sharding)?;
+            return self.cast(&out, preferred);
+        }
+        let out = self.dot_general_typed(lhs, rhs, dims, out_sharding, Some(preferred))?;
+        self.record(
+            Backward::Dot {
+                lhs: lhs.clone(),
+                rhs: rhs.clone(),
+                dims: dims.clone(),
+            },
+            &[lhs, rhs],
+            out,
+        )
+    }
+
     pub(crate) fn dot_general_untracked(
         &mut self,
         lhs: &Array,
@@ -86,13 +124,39 @@ impl Ctx<'_> {
             manual_without_out_sharding("dot_general", lhs, out_sharding)?;
             return self.manual_dot(lhs, rhs, dims);
         }
-        let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, out_sharding)?;
+        self.dot_general_typed(lhs, rhs, dims, out_sharding, None)
+    }
+
+    /// The product outside regions, its result in `preferred` when given (else the operands'
+    /// dtype). bf16 operands run the bf16 product (`f32` sums); the natural result is moved to
+    /// the output layout in `f32` and rounded once, where the array is made.
+    fn dot_general_typed(
+        &mut self,
+        lhs: &Array,
+        rhs: &Array,
+        dims: &DotDims,
+        out_sharding: Option<&PartitionSpec>,
+        preferred: Option<DType>,
+    ) -> Result<Array, SpmdError> {
+        let mut out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, out_sharding)?;
+        if let Some(dtype) = preferred {
+            out_ty = rules::cast_type(&out_ty, dtype)?;
+        }
         let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs.ty(), rhs.ty(), dims)?;
-        let l = self.aligned(lhs, &lhs_ty)?;
-        let r = self.aligned(rhs, &rhs_ty)?;
-        let natural_local = match (l, r) {
-            (Some(l), Some(r)) => Some(dot_general(&l, &r, dims, self.threads())?),
-            _ => None,
+        let natural_local = if lhs.ty().dtype() == DType::BF16 {
+            let l = self.aligned_bf16(lhs, &lhs_ty)?;
+            let r = self.aligned_bf16(rhs, &rhs_ty)?;
+            match (l, r) {
+                (Some(l), Some(r)) => Some(dot_general_bf16(&l, &r, dims, self.threads())?),
+                _ => None,
+            }
+        } else {
+            let l = self.aligned(lhs, &lhs_ty)?;
+            let r = self.aligned(rhs, &rhs_ty)?;
+            match (l, r) {
+                (Some(l), Some(r)) => Some(dot_general(&l, &r, dims, self.threads())?),
+                _ => None,
+            }
         };
         let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), dims, contracted)?;
         let local = self.convert(natural_local, &natural, &out_ty)?;
@@ -120,7 +184,9 @@ impl Ctx<'_> {
         out_sharding: &PartitionSpec,
         dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
-        if lhs.ty().is_manual() || rhs.ty().is_manual() {
+        if lhs.ty().is_manual() || rhs.ty().is_manual() || lhs.ty().dtype() != DType::F32 {
+            // A bf16 product's cotangent is rounded to bf16 on the ordinary path; adding it
+            // unrounded here would make the bits depend on the path taken.
             return Ok(false);
         }
         let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, Some(out_sharding))?;
@@ -132,7 +198,7 @@ impl Ctx<'_> {
         if !same_layout(&natural, &out_ty) {
             return Ok(false);
         }
-        match (lhs.local_opt(), rhs.local_opt()) {
+        match (lhs.local_opt().as_deref(), rhs.local_opt().as_deref()) {
             (Some(l), Some(r)) => Ok(dot_general_accumulate_parts(
                 l,
                 r,
@@ -151,11 +217,28 @@ impl Ctx<'_> {
         ty: &ArrayType,
     ) -> Result<Option<std::borrow::Cow<'a, Tensor>>, SpmdError> {
         if same_layout(x.ty(), ty) {
-            return Ok(x.local_opt().map(std::borrow::Cow::Borrowed));
+            return Ok(x.local_opt());
         }
         Ok(self
             .convert(x.local_cloned(), x.ty(), ty)?
             .map(std::borrow::Cow::Owned))
+    }
+
+    /// A bf16 `x`'s shard laid out as `ty`, as stored (borrowed) when the layout already
+    /// matches, else moved (in `f32`, exact) and stored again.
+    fn aligned_bf16<'a>(
+        &mut self,
+        x: &'a Array,
+        ty: &ArrayType,
+    ) -> Result<Option<std::borrow::Cow<'a, Bf16Tensor>>, SpmdError> {
+        if same_layout(x.ty(), ty) {
+            if let Some(local) = x.local_bf16() {
+                return Ok(Some(std::borrow::Cow::Borrowed(local)));
+            }
+        }
+        Ok(self
+            .aligned(x, ty)?
+            .map(|t| std::borrow::Cow::Owned(Bf16Tensor::from_f32(&t))))
     }
 
     /// The dot inside a region: this device's blocks contracted locally, typed by
@@ -166,8 +249,13 @@ impl Ctx<'_> {
         rhs: &Array,
         dims: &DotDims,
     ) -> Result<Array, SpmdError> {
+        rules::same_dtype("dot_general", lhs.ty(), rhs.ty())?;
         let ty = manual_dot_type(lhs.ty(), rhs.ty(), dims)?;
-        let local = match (lhs.local_opt(), rhs.local_opt()) {
+        if let (Some(a), Some(b)) = (lhs.local_bf16(), rhs.local_bf16()) {
+            let local = dot_general_bf16(a, b, dims, self.threads())?;
+            return Ok(Array::new(ty, Some(local)));
+        }
+        let local = match (lhs.local_opt().as_deref(), rhs.local_opt().as_deref()) {
             (Some(a), Some(b)) => Some(dot_general(a, b, dims, self.threads())?),
             _ => None,
         };
@@ -216,7 +304,8 @@ impl Ctx<'_> {
     ) -> Result<bool, SpmdError> {
         let t = TransposedDot::of((lhs, rhs), dims, ct, side);
         let target = t.this.to_cotangent();
-        if !t.in_order() {
+        if !t.in_order() || t.lhs.ty().dtype() != t.rhs.ty().dtype() || target.dtype() != DType::F32
+        {
             return Ok(false);
         }
         if target.is_manual() {
@@ -224,7 +313,7 @@ impl Ctx<'_> {
             if manual_dot_type(t.lhs.ty(), t.rhs.ty(), &t.dims)? != target {
                 return Ok(false);
             }
-            return match (t.lhs.local_opt(), t.rhs.local_opt()) {
+            return match (t.lhs.local_opt().as_deref(), t.rhs.local_opt().as_deref()) {
                 (Some(l), Some(r)) => Ok(dot_general_accumulate_parts(
                     l,
                     r,
@@ -249,6 +338,16 @@ impl Ctx<'_> {
         ct: &Array,
         side: usize,
     ) -> Result<Array, SpmdError> {
+        // A product whose result dtype differs from its operands' (`dot_general_preferred`):
+        // the cotangent is cast to the operand's dtype first, as JAX's transpose computes it.
+        let this_dtype = [lhs, rhs][side].ty().dtype();
+        let cast;
+        let ct = if ct.ty().dtype() == this_dtype {
+            ct
+        } else {
+            cast = self.cast_untracked(ct, this_dtype)?;
+            &cast
+        };
         let t = TransposedDot::of((lhs, rhs), dims, ct, side);
         let target = t.this.to_cotangent();
         let mut perm = vec![0; t.order.len()];

@@ -129,7 +129,7 @@ impl Ctx<'_> {
         } else {
             rules::unary_type(op.name(), op.is_linear(), x.ty())?
         };
-        let local = x.local_opt().map(|t| op.map(t));
+        let local = x.local_opt().as_deref().map(|t| op.map(t));
         Ok(Array::new(ty, local))
     }
 
@@ -212,7 +212,7 @@ impl Ctx<'_> {
         } else {
             rules::binary_type(op, a.ty(), b.ty())?.out
         };
-        let local = match (a.local_opt(), b.local_opt()) {
+        let local = match (a.local_opt().as_deref(), b.local_opt().as_deref()) {
             (Some(x), Some(y)) => {
                 let x = self.slice_to(x, a.ty(), &out_ty)?;
                 let y = self.slice_to(y, b.ty(), &out_ty)?;
@@ -276,7 +276,13 @@ impl Ctx<'_> {
                 x: x.ty().to_string(),
             });
         }
-        if let Some(src) = x.local_opt() {
+        if acc.local_bf16().is_some() {
+            // A bf16 sum is rounded once, as `add` stores it.
+            let sum = self.binary_untracked(BinaryOp::Add, acc, x)?;
+            *acc = sum;
+            return Ok(());
+        }
+        if let Some(src) = x.local_opt().as_deref() {
             if !acc.is_abstract() {
                 acc.local_mut()?.add_assign(src)?;
             }
@@ -329,7 +335,7 @@ impl Ctx<'_> {
         if matches!(op, UnaryOp::Neg | UnaryOp::Scale(_)) {
             return self.unary_untracked(op, ct);
         }
-        let local = match (x.local_opt(), out.local_opt()) {
+        let local = match (x.local_opt().as_deref(), out.local_opt().as_deref()) {
             (Some(xv), Some(yv)) => Some(op.derivative(xv, yv)?),
             _ => None,
         };
@@ -392,7 +398,7 @@ impl Ctx<'_> {
             let summed: Vec<usize> = (0..ct.ty().rank())
                 .filter(|&d| d < lead || (operand.shape()[d - lead] == 1 && ct.shape()[d] != 1))
                 .collect();
-            let local = match ct.local_opt() {
+            let local = match ct.local_opt().as_deref() {
                 Some(t) => Some(t.sum_axes(&summed)?.reshape(operand.shape())?),
                 None => None,
             };

@@ -37,6 +37,9 @@ pub enum TypeErrorKind {
     ShardingMismatch,
     /// Shapes do not fit the op, or a dim is not divisible by its axes.
     ShapeError,
+    /// Operands of different dtypes where the op takes one (no implicit promotion: a `convert`
+    /// says where precision changes).
+    DTypeMismatch,
 }
 
 impl TypeErrorKind {
@@ -53,6 +56,7 @@ impl TypeErrorKind {
             TypeErrorKind::BatchMismatch => "batch_mismatch",
             TypeErrorKind::ShardingMismatch => "sharding_mismatch",
             TypeErrorKind::ShapeError => "shape_error",
+            TypeErrorKind::DTypeMismatch => "dtype_mismatch",
         }
     }
 }

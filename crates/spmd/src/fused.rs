@@ -86,8 +86,11 @@ impl Ctx<'_> {
             ));
         }
         check_rowwise(OP, scale.ty(), 1)?;
-        let out_ty = rules::binary_type(BinaryOp::Mul, x.ty(), scale.ty())?.out;
-        let (local, inv) = match (x.local_opt(), scale.local_opt()) {
+        // The scale may stay f32 beside a bf16 `x` (norm scales are never rounded, docs/design.md
+        // §10): the output takes `x`'s dtype.
+        let scale_as_x = scale.ty().with_dtype(x.ty().dtype());
+        let out_ty = rules::binary_type(BinaryOp::Mul, x.ty(), &scale_as_x)?.out;
+        let (local, inv) = match (x.local_opt().as_deref(), scale.local_opt().as_deref()) {
             (Some(xv), Some(s)) => {
                 let (y, inv) = ferrotext_tensor::rms_norm(xv, s, eps)?;
                 (Some(y), inv)
@@ -114,7 +117,11 @@ impl Ctx<'_> {
         inv_rms: &[f32],
         need_scale: bool,
     ) -> Result<(Array, Option<Array>), SpmdError> {
-        let (dx, dscale) = match (x.local_opt(), scale.local_opt(), ct.local_opt()) {
+        let (dx, dscale) = match (
+            x.local_opt().as_deref(),
+            scale.local_opt().as_deref(),
+            ct.local_opt().as_deref(),
+        ) {
             (Some(xv), Some(s), Some(c)) => {
                 let (dx, ds) = ferrotext_tensor::rms_norm_backward(xv, s, inv_rms, c)?;
                 (Some(dx), Some(ds))
@@ -218,6 +225,7 @@ impl Ctx<'_> {
         let positions: Vec<usize> = (start..start + t.shape()[t.rank() - 3]).collect();
         let local = x
             .local_opt()
+            .as_deref()
             .map(|v| ferrotext_tensor::rope_tail(v, &positions, rope, false, pass))
             .transpose()?;
         let out = Array::new(t.clone(), local);
@@ -240,6 +248,7 @@ impl Ctx<'_> {
         check_rowwise("softmax", x.ty(), 1)?;
         let local = x
             .local_opt()
+            .as_deref()
             .map(ferrotext_tensor::softmax_last)
             .transpose()?;
         let out = Array::new(x.ty().clone(), local);
@@ -265,6 +274,7 @@ impl Ctx<'_> {
         check_rowwise("causal_softmax", x.ty(), 2)?;
         let local = x
             .local_opt()
+            .as_deref()
             .map(|t| ferrotext_tensor::causal_softmax(t, scale))
             .transpose()?;
         let out = Array::new(x.ty().clone(), local);
@@ -301,7 +311,7 @@ impl Ctx<'_> {
                 "gate and up must be laid out alike",
             ));
         }
-        let local = match (g.local_opt(), u.local_opt()) {
+        let local = match (g.local_opt().as_deref(), u.local_opt().as_deref()) {
             (Some(a), Some(b)) => Some(ferrotext_tensor::swiglu(a, b)?),
             _ => None,
         };
@@ -383,7 +393,7 @@ impl Ctx<'_> {
             &[],
             PartitionSpec::replicated().with_unreduced_set(row_axes(t))?,
         )?;
-        let (local, probs) = match (logits.local_opt(), targets.local()) {
+        let (local, probs) = match (logits.local_opt().as_deref(), targets.local()) {
             (Some(l), Some(ids)) => {
                 let v = *t.shape().last().unwrap_or(&1);
                 let rows = l.len() / v;
@@ -426,6 +436,7 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let local = ct
             .local_opt()
+            .as_deref()
             .map(|c| ferrotext_tensor::rope_tail(c, positions, rope, true, pass))
             .transpose()?;
         Ok(Array::new(ct.ty().clone(), local))
@@ -439,7 +450,7 @@ impl Ctx<'_> {
         scale: f32,
         ct: &Array,
     ) -> Result<Array, SpmdError> {
-        let local = match (out.local_opt(), ct.local_opt()) {
+        let local = match (out.local_opt().as_deref(), ct.local_opt().as_deref()) {
             (Some(y), Some(c)) => Some(ferrotext_tensor::softmax_backward_scaled(y, c, scale)?),
             _ => None,
         };
@@ -454,7 +465,11 @@ impl Ctx<'_> {
         u: &Array,
         ct: &Array,
     ) -> Result<[Array; 2], SpmdError> {
-        let (dg, du) = match (g.local_opt(), u.local_opt(), ct.local_opt()) {
+        let (dg, du) = match (
+            g.local_opt().as_deref(),
+            u.local_opt().as_deref(),
+            ct.local_opt().as_deref(),
+        ) {
             (Some(a), Some(b), Some(c)) => {
                 let (dg, du) = ferrotext_tensor::swiglu_backward(a, b, c)?;
                 (Some(dg), Some(du))
@@ -478,7 +493,7 @@ impl Ctx<'_> {
         z_loss: f32,
         ct: &Array,
     ) -> Result<Array, SpmdError> {
-        let local = match (ce, ct.local_opt(), targets.local()) {
+        let local = match (ce, ct.local_opt().as_deref(), targets.local()) {
             (Some(ce), Some(c), Some(ids)) => {
                 let (safe, mask) = split_ignored(ids);
                 let d = ferrotext_tensor::cross_entropy_backward(

@@ -80,7 +80,7 @@ impl Ctx<'_> {
             t.sharding().mesh().clone(),
             t.manual_tags().clone(),
         )?;
-        let local = match x.local_opt() {
+        let local = match x.local_opt().as_deref() {
             Some(block) => Some(take_rows(block, rows)?),
             None => None,
         };
@@ -101,7 +101,7 @@ impl Ctx<'_> {
         rows: &[u32],
         ct: &Array,
     ) -> Result<Array, SpmdError> {
-        let local = match ct.local_opt() {
+        let local = match ct.local_opt().as_deref() {
             Some(c) => {
                 let src: Tensor = c.clone();
                 Some(scatter_rows(x.shape(), rows, &src)?)
@@ -142,6 +142,7 @@ impl Ctx<'_> {
             )
             .into());
         }
+        crate::rules::same_dtype("grouped_matmul", tx, tw)?;
         let fits = matches!((tx.shape(), tw.shape()), (&[n, d], &[e, wd, _])
             if wd == d && group_sizes.len() == e && group_sizes.iter().sum::<usize>() <= n);
         if !fits {
@@ -163,7 +164,7 @@ impl Ctx<'_> {
             AxisSet::new(),
         )?;
         let ty = ArrayType::manual(tx.dtype(), shape, tx.sharding().mesh().clone(), tags)?;
-        let local = match (x.local_opt(), w.local_opt()) {
+        let local = match (x.local_opt().as_deref(), w.local_opt().as_deref()) {
             (Some(a), Some(b)) => Some(grouped_matmul(a, b, group_sizes, self.threads())?),
             _ => None,
         };
@@ -189,7 +190,11 @@ impl Ctx<'_> {
         need: [bool; 2],
     ) -> Result<Vec<Option<Array>>, SpmdError> {
         let threads = self.threads();
-        let (dx, dw) = match (x.local_opt(), w.local_opt(), ct.local_opt()) {
+        let (dx, dw) = match (
+            x.local_opt().as_deref(),
+            w.local_opt().as_deref(),
+            ct.local_opt().as_deref(),
+        ) {
             (Some(a), Some(b), Some(c)) => match need {
                 [true, true] => {
                     let (dx, dw) = grouped_matmul_backward(a, b, group_sizes, c, threads)?;
@@ -227,7 +232,11 @@ impl Ctx<'_> {
         ct: &Array,
         dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
-        match (x.local_opt(), w.local_opt(), ct.local_opt()) {
+        match (
+            x.local_opt().as_deref(),
+            w.local_opt().as_deref(),
+            ct.local_opt().as_deref(),
+        ) {
             (Some(a), Some(b), Some(c)) => Ok(grouped_matmul_backward_dw_into(
                 a,
                 b,

@@ -79,6 +79,7 @@ mod attention;
 mod autodiff;
 mod bucketed;
 pub mod conformance;
+mod convert;
 mod ctx;
 mod dot;
 mod elementwise;

@@ -51,7 +51,11 @@ impl Ctx<'_> {
         if x.ty().is_manual() {
             manual_without_out_sharding("reduce_sum", x, out_sharding)?;
             let shape = rules::reduce_sum_type(x.ty(), axes, None)?.shape().to_vec();
-            let local = x.local_opt().map(|t| t.sum_axes(axes)).transpose()?;
+            let local = x
+                .local_opt()
+                .as_deref()
+                .map(|t| t.sum_axes(axes))
+                .transpose()?;
             return manual_local(x, shape, local);
         }
         let out_ty = rules::reduce_sum_type(x.ty(), axes, out_sharding)?;
@@ -72,7 +76,7 @@ impl Ctx<'_> {
             out_ty.shape().to_vec(),
             Ok(natural_spec),
         )?;
-        let local = match x.local_opt() {
+        let local = match x.local_opt().as_deref() {
             Some(t) => Some(t.sum_axes(axes)?),
             None => None,
         };
@@ -118,13 +122,14 @@ impl Ctx<'_> {
             rules::broadcast_in_dim_type(x.ty(), shape, dims, None)?;
             let local = x
                 .local_opt()
+                .as_deref()
                 .map(|t| t.broadcast_in_dim(shape, dims))
                 .transpose()?;
             return manual_local(x, shape.to_vec(), local);
         }
         let out_ty = rules::broadcast_in_dim_type(x.ty(), shape, dims, out_sharding)?;
         let natural = rules::broadcast_in_dim_type(x.ty(), shape, dims, None)?;
-        let local = match x.local_opt() {
+        let local = match x.local_opt().as_deref() {
             Some(t) => {
                 let local_shape = natural.shard_shape();
                 Some(t.broadcast_in_dim(&local_shape, dims)?)
@@ -164,6 +169,7 @@ impl Ctx<'_> {
             rules::reshape_type(x.ty(), new_sizes, None)?;
             let local = x
                 .local_opt()
+                .as_deref()
                 .map(|t| t.clone().reshape(new_sizes))
                 .transpose()?;
             return manual_local(x, new_sizes.to_vec(), local);
@@ -213,7 +219,7 @@ impl Ctx<'_> {
         perm: &[usize],
     ) -> Result<Array, SpmdError> {
         let ty = rules::transpose_type(x.ty(), perm)?;
-        let local = match x.local_opt() {
+        let local = match x.local_opt().as_deref() {
             Some(t) => Some(t.transpose(perm)?),
             None => None,
         };
@@ -233,7 +239,7 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let kept: Vec<usize> = (0..x.rank()).filter(|d| !axes.contains(d)).collect();
         if x.is_manual() {
-            let local = match ct.local_opt() {
+            let local = match ct.local_opt().as_deref() {
                 Some(t) => Some(t.broadcast_in_dim(x.shape(), &kept)?),
                 None => None,
             };
@@ -253,7 +259,7 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         if x.is_manual() {
             let summed: Vec<usize> = (0..ct.ty().rank()).filter(|d| !dims.contains(d)).collect();
-            let local = match ct.local_opt() {
+            let local = match ct.local_opt().as_deref() {
                 Some(t) => Some(t.sum_axes(&summed)?.reshape(x.shape())?),
                 None => None,
             };
@@ -299,7 +305,7 @@ impl Ctx<'_> {
         ct: &Array,
     ) -> Result<Array, SpmdError> {
         if x.is_manual() {
-            let local = match ct.local_opt() {
+            let local = match ct.local_opt().as_deref() {
                 Some(t) => Some(t.clone().reshape(x.shape())?),
                 None => None,
             };

@@ -139,6 +139,7 @@ impl Ctx<'_> {
         let ty = rules::make_type("slice", t, shape, Ok(t.sharding().spec().clone()))?;
         let local = x
             .local_opt()
+            .as_deref()
             .map(|l| l.slice_dim(dim, start..end))
             .transpose()?;
         let out = Array::new(ty, local);
@@ -178,7 +179,10 @@ impl Ctx<'_> {
                 format!("cannot concatenate along dimension {dim}: out of range or sharded"),
             ));
         }
-        let parts: Vec<Tensor> = xs.iter().filter_map(|x| x.local_opt().cloned()).collect();
+        let parts: Vec<Tensor> = xs
+            .iter()
+            .filter_map(|x| x.local_opt().as_deref().cloned())
+            .collect();
         let mut shape = t0.shape().to_vec();
         shape[dim] = xs.iter().map(|x| x.shape()[dim]).sum();
         if xs.iter().any(|x| {
@@ -253,7 +257,7 @@ impl Ctx<'_> {
             .collect();
         let spec = PartitionSpec::tagged(partitions, AxisSet::new(), reduced);
         let ty = rules::make_type("take", t, shape, spec.map_err(ShardingTypeError::from))?;
-        let local = match (table.local_opt(), ids.local()) {
+        let local = match (table.local_opt().as_deref(), ids.local()) {
             (Some(tb), Some(ix)) => {
                 let rows = ferrotext_tensor::gather(tb, 0, ix)?;
                 let local_shape = ty.shard_shape();
@@ -298,7 +302,7 @@ impl Ctx<'_> {
         let target = table.to_cotangent();
         let rows = table.shape()[0];
         let natural = self.take_transpose_type(table, ids)?;
-        let local = match (ct.local_opt(), ids.local()) {
+        let local = match (ct.local_opt().as_deref(), ids.local()) {
             (Some(c), Some(ix)) => {
                 let local_shape = natural.shard_shape();
                 let width: usize = local_shape[1..].iter().product();
@@ -330,7 +334,7 @@ impl Ctx<'_> {
         if !crate::reshard::same_layout(&natural, &table.to_cotangent()) {
             return Ok(false);
         }
-        match (ct.local_opt(), ids.local()) {
+        match (ct.local_opt().as_deref(), ids.local()) {
             (Some(c), Some(ix)) => {
                 let width: usize = natural.shard_shape()[1..].iter().product();
                 Ok(ferrotext_tensor::scatter_add_into_parts(
@@ -370,7 +374,11 @@ impl Ctx<'_> {
                 "the predicate of select cannot be tagged",
             ));
         }
-        let local = match (mask.local_opt(), a.local_opt(), b.local_opt()) {
+        let local = match (
+            mask.local_opt().as_deref(),
+            a.local_opt().as_deref(),
+            b.local_opt().as_deref(),
+        ) {
             (Some(m), Some(x), Some(y)) => Some(select_local(m, x, y)?),
             _ => None,
         };
@@ -387,7 +395,7 @@ impl Ctx<'_> {
         start: usize,
         ct: &Array,
     ) -> Result<Array, SpmdError> {
-        let local = match ct.local_opt() {
+        let local = match ct.local_opt().as_deref() {
             Some(c) => {
                 let full = x.to_cotangent().shard_shape();
                 let after = full[dim] - start - c.shape()[dim];
@@ -443,6 +451,7 @@ impl Ctx<'_> {
         for (t, &n) in types.iter().zip(sizes) {
             let local = ct
                 .local_opt()
+                .as_deref()
                 .map(|c| c.slice_dim(dim, offset..offset + n))
                 .transpose()?;
             out.push(Some(Array::new(t.to_cotangent(), local)));
@@ -458,7 +467,7 @@ impl Ctx<'_> {
         mask: &Array,
         ct: &Array,
     ) -> Result<[Array; 2], SpmdError> {
-        let (da, db) = match (mask.local_opt(), ct.local_opt()) {
+        let (da, db) = match (mask.local_opt().as_deref(), ct.local_opt().as_deref()) {
             (Some(m), Some(c)) => {
                 let zero = Tensor::zeros(c.shape());
                 (

@@ -192,11 +192,12 @@ impl Optimizer {
         decay: &[bool],
     ) -> Result<(), crate::TrainError> {
         let _span = ferrotext_profile::span_in("optimizer", ferrotext_profile::Phase::Optimizer);
-        let grad_locals: Vec<&Tensor> = grads
+        let grad_owned: Vec<std::borrow::Cow<'_, Tensor>> = grads
             .arrays()
             .iter()
             .map(|g| g.local())
             .collect::<Result<_, _>>()?;
+        let grad_locals: Vec<&Tensor> = grad_owned.iter().map(|g| &**g).collect();
         let mut param_locals: Vec<&mut Tensor> = params
             .iter_mut()
             .map(|p| p.local_mut())

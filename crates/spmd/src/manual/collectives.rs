@@ -297,7 +297,7 @@ impl Ctx<'_> {
         dim_ok(t, dim)?;
         let (index, g) = self.rank_over(axes)?;
         let block = shape[dim] / g;
-        let local = match x.local_opt() {
+        let local = match x.local_opt().as_deref() {
             Some(l) => Some(l.slice_dim(dim, index * block..(index + 1) * block)?),
             None => None,
         };

@@ -117,7 +117,9 @@ impl Ctx<'_> {
                     *n *= self.mesh().axes_size(dim.axis_names())?;
                 }
             }
-            let ty = self.array_type(&shape, spec.clone())?;
+            let ty = self
+                .array_type(&shape, spec.clone())?
+                .with_dtype(y.ty().dtype());
             let out = y.with_type(ty);
             results.push(self.record(
                 Backward::ExitRegion {

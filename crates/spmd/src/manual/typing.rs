@@ -140,6 +140,7 @@ pub(crate) fn manual_binary_type(
     b: &ArrayType,
 ) -> Result<ArrayType, SpmdError> {
     let name = op.name();
+    crate::rules::same_dtype(name, a, b)?;
     let shape = ferrotext_tensor::broadcast_shapes(a.shape(), b.shape())
         .map_err(|e| ShardingTypeError::new(K::ShapeError, name, &[a, b], e.to_string()))?;
     let (ma, mb) = (a.manual_tags(), b.manual_tags());

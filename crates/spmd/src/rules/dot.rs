@@ -11,8 +11,8 @@ use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
 use ferrotext_tensor::DotDims;
 
 use super::{
-    attribute, check_optional_out_sharding, dims_spec, err, fs, make_type, target_type, unreduced,
-    TypeResult,
+    attribute, check_optional_out_sharding, dims_spec, err, fs, make_type, same_dtype, target_type,
+    unreduced, TypeResult,
 };
 use crate::error::TypeErrorKind as K;
 
@@ -31,6 +31,7 @@ pub fn dot_general_type(
     // R1.13/R1.14/R1.17 first: the reduced set is dropped below (R3.14), but a tag on a
     // non-Explicit axis is still an invalid spec.
     check_optional_out_sharding(OP, lhs, out_sharding)?;
+    same_dtype(OP, lhs, rhs)?;
     let shape = dims
         .output_shape(lhs.shape(), rhs.shape())
         .map_err(|e| err(K::ShapeError, OP, &[lhs, rhs], e.to_string()))?;

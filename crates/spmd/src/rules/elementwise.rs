@@ -10,7 +10,9 @@ use std::collections::BTreeSet;
 
 use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
 
-use super::{err, fs, make_type, reduced, sharded_axes, spec_of, unreduced, TypeResult};
+use super::{
+    err, fs, make_type, reduced, same_dtype, sharded_axes, spec_of, unreduced, TypeResult,
+};
 use crate::error::TypeErrorKind as K;
 
 /// Unary ops: reduced passes through (R4.13); unreduced only for linear ops (docs/design.md §4.1:
@@ -71,6 +73,7 @@ pub struct BinaryTyping {
 /// docs/design.md §4.1–4.2).
 pub fn binary_type(op: BinaryOp, a: &ArrayType, b: &ArrayType) -> TypeResult<BinaryTyping> {
     let name = op.name();
+    same_dtype(name, a, b)?;
     let shape = broadcast_shape(name, a, b)?;
     let partitions = binary_partitions(name, a, b, &shape)?;
     let (ra, rb, r) = binary_reduced(name, a, b)?;

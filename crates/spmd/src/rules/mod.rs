@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, Mesh, NamedSharding, PartitionSpec};
+use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, Mesh, NamedSharding, PartitionSpec};
 
 use crate::error::{ShardingTypeError, TypeErrorKind as K};
 
@@ -189,4 +189,40 @@ pub fn array_type(
 ) -> TypeResult<ArrayType> {
     let named = NamedSharding::new(mesh.clone(), spec).map_err(|e| attribute("spec", e.into()))?;
     ArrayType::new(dtype, shape, named).map_err(|e| attribute("spec", e.into()))
+}
+
+/// Operands of one dtype, as the binary ops and `dot_general` take them: mixed precision
+/// converts explicitly (`Ctx::convert`), so every rounding is visible in the program.
+pub(crate) fn same_dtype(op: &str, a: &ArrayType, b: &ArrayType) -> TypeResult<()> {
+    if a.dtype() == b.dtype() {
+        return Ok(());
+    }
+    Err(err(
+        K::DTypeMismatch,
+        op,
+        &[a, b],
+        format!(
+            "operands are {} and {}: convert one first (there is no implicit promotion)",
+            a.dtype(),
+            b.dtype()
+        ),
+    ))
+}
+
+/// `cast`'s type: `x` with `dtype`, between `f32` and `bf16` only (the dtypes ferrotext computes
+/// in).
+pub(crate) fn cast_type(x: &ArrayType, dtype: DType) -> TypeResult<ArrayType> {
+    let computes = |d: DType| matches!(d, DType::F32 | DType::BF16);
+    if computes(x.dtype()) && computes(dtype) {
+        return Ok(x.with_dtype(dtype));
+    }
+    Err(err(
+        K::DTypeMismatch,
+        "cast",
+        &[x],
+        format!(
+            "{} to {dtype} is not a conversion ferrotext computes (f32 and bf16 only)",
+            x.dtype()
+        ),
+    ))
 }

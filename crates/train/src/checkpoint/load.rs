@@ -418,7 +418,10 @@ fn shard_moments(
     v: &[Tensor],
 ) -> Result<(Vec<Tensor>, Vec<Tensor>), TrainError> {
     let shard = |cx: &Ctx<'_>, t: &Tensor, ty: &ArrayType| -> Result<Tensor, TrainError> {
-        Ok(cx.from_global(t, ty.sharding().clone())?.local()?.clone())
+        Ok(cx
+            .from_global(t, ty.sharding().clone())?
+            .local()?
+            .into_owned())
     };
     let mut lm = Vec::new();
     let mut lv = Vec::new();
