@@ -529,9 +529,10 @@ impl Decoder {
                     rhs_contracting: vec![1],
                     ..Default::default()
                 };
-                cx.dot_general(&x, &table, &dims, None)?
+                let table = cx.cast(&table, x.ty().dtype())?;
+                cx.dot_general_preferred(&x, &table, &dims, None, DType::F32)?
             }
-            Some(head) => nn::linear(cx, &x, head)?,
+            Some(head) => nn::linear_to(cx, &x, head, DType::F32)?,
         };
         // 4. cross-entropy needs whole vocab rows: gather the vocab dim if it is split
         let want = layout.spec(3);
@@ -564,7 +565,8 @@ impl Decoder {
             None => reduced_over(cx, &table, &layout.batch)?,
             Some(_) => table,
         };
-        let mut x = cx.take(&table, inputs)?;
+        let x = cx.take(&table, inputs)?;
+        let mut x = cx.cast(&x, self.compute_dtype)?;
         // 2. the layers: x [B@batch, T, d] each
         let mut aux: Option<Array> = None;
         let mut loads = Vec::new();
