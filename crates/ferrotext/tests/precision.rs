@@ -1,0 +1,107 @@
+//! The precision keys through the binary (issue 30, "Bad input"): an unknown dtype name,
+//! `weight_dtype` narrower than `dtype`, `grad_dtype=bfloat16` and bf16 on a kernel without a
+//! bf16 product are one `error:` line, exit 2, and nothing written; the mirrors run, and the
+//! header names the dtypes and the bf16 kernel.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("ferrotext-prec-cli-{}-{name}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).expect("scratch");
+    dir
+}
+
+/// `ferrotext train` of a tiny model for one step, outputs under `dir`, plus `extra`; with
+/// `FERROTEXT_MATMUL=gemm` when `gemm`.
+fn train(dir: &Path, extra: &[&str], gemm: bool) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrotext"));
+    cmd.arg("train")
+        .arg(format!("base_output_directory={}", dir.display()))
+        .args([
+            "steps=1",
+            "base_emb_dim=32",
+            "base_mlp_dim=64",
+            "max_target_length=16",
+            "per_device_batch_size=1",
+            "gradient_accumulation_steps=1",
+        ])
+        .args(extra);
+    if gemm {
+        cmd.env("FERROTEXT_MATMUL", "gemm");
+    }
+    cmd.output().expect("the ferrotext binary runs")
+}
+
+fn is_empty(dir: &Path) -> bool {
+    std::fs::read_dir(dir).expect("dir").next().is_none()
+}
+
+#[test]
+fn refused_precisions_are_one_error_line_exit_2_and_nothing_written() {
+    for (extra, gemm, message) in [
+        (
+            &["dtype=bf16"][..],
+            false,
+            "error: dtype must be bfloat16 or float32, got `bf16`",
+        ),
+        (
+            &["weight_dtype=bfloat16"],
+            false,
+            "error: weight_dtype=bfloat16 is narrower than dtype=float32",
+        ),
+        (
+            &["grad_dtype=bfloat16"],
+            false,
+            "error: grad_dtype=bfloat16 is not built yet",
+        ),
+        (
+            &["dtype=bfloat16"],
+            true,
+            "error: dtype=bfloat16 needs a bf16 × bf16 → f32 matrix product and the gemm crate \
+             (FERROTEXT_MATMUL) has none",
+        ),
+    ] {
+        let dir = scratch("refused");
+        let out = train(&dir, extra, gemm);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {stderr}");
+        assert!(stderr.starts_with(message), "{extra:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(is_empty(&dir), "{extra:?}: something was written");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn a_bf16_run_names_its_dtypes_and_kernel_and_the_fallback_runs_on_gemm() {
+    let dir = scratch("accepted");
+    let out = train(&dir, &["dtype=bfloat16", "matmul_bf16_fallback=true"], true);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(
+            "precision: dtype bfloat16 (activations, matmul inputs), weight_dtype float32 \
+             (master weights, optimizer state), grad_dtype float32 (accumulator, reduction)"
+        ),
+        "{stdout}"
+    );
+    let kernel = stdout
+        .lines()
+        .find(|l| l.starts_with("bf16 matmul: "))
+        .expect("a bf16 kernel line");
+    assert!(kernel.contains("gemm crate"), "{kernel}");
+    // The mirror: a float32 run names no bf16 kernel.
+    let out = train(&dir, &["run_name=f32"], false);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("precision: dtype float32"), "{stdout}");
+    assert!(!stdout.contains("bf16 matmul:"), "{stdout}");
+    std::fs::remove_dir_all(&dir).ok();
+}
