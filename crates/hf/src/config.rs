@@ -131,6 +131,14 @@ impl ModelType {
             unsupported
                 .push("MoE layers with Llama/Qwen2 attention (qwen3_moe has QK-norm)".into());
         }
+        if kind != ModelType::DeepseekV3 && cfg.mtp_num_layers > 0 {
+            unsupported.push(format!(
+                "mtp_num_layers={} in {} (transformers has a multi-token-prediction layer only \
+                 in deepseek_v3)",
+                cfg.mtp_num_layers,
+                kind.name()
+            ));
+        }
         if kind != ModelType::Llama && cfg.rope_llama3.is_some() {
             unsupported.push(format!("Llama 3 RoPE scaling in {}", kind.name()));
         }
@@ -150,6 +158,11 @@ impl ModelType {
 /// # Errors
 /// [`HfError::Params`] naming `config.json`: unreadable, not JSON, an unknown `model_type`,
 /// a missing or mistyped key, or features the decoder does not have (all named in one error).
+///
+/// A declared multi-token-prediction layer (`num_nextn_predict_layers` = 1) is kept
+/// (`mtp_num_layers` = 1) only when the directory's weights hold a tensor under
+/// `model.layers.{num_hidden_layers}.`: transformers 5 writes 1 without the layer, and such a
+/// directory is the main model alone. A partial layer is then named, missing, at load.
 pub fn read_config(dir: &Path) -> Result<Config, HfError> {
     let path = dir.join(super::CONFIG_FILE);
     let err = |reason: String| HfError::Params {
@@ -159,7 +172,18 @@ pub fn read_config(dir: &Path) -> Result<Config, HfError> {
     let text = ferrotext_files::read_regular_to_string(&path)
         .map_err(|e| err(format!("cannot read: {e}")))?;
     let value: Value = serde_json::from_str(&text).map_err(|e| err(format!("is not JSON: {e}")))?;
-    decoder_config(&value).map_err(err)
+    let mut cfg = decoder_config(&value).map_err(err)?;
+    if cfg.mtp_num_layers > 0 {
+        let prefix = format!("model.layers.{}.", cfg.base_num_decoder_layers);
+        let names = crate::read::tensor_names(dir).map_err(|reason| HfError::Params {
+            path: dir.display().to_string(),
+            reason,
+        })?;
+        if names.is_some_and(|n| !n.iter().any(|n| n.starts_with(&prefix))) {
+            cfg.mtp_num_layers = 0;
+        }
+    }
+    Ok(cfg)
 }
 
 /// The decoder config of a parsed `config.json` (what [`read_config`] reads from a file).
@@ -355,6 +379,8 @@ fn common_config(k: &mut Keys<'_>, kind: ModelType) -> Result<Config, String> {
         moe: None,
         mla: None,
         rope_yarn: None,
+        mtp_num_layers: 0,
+        mtp_loss_scaling_factor: 0.1,
     })
 }
 
@@ -399,9 +425,21 @@ fn qwen3_moe_settings(k: &mut Keys<'_>) -> Result<MoeSettings, String> {
 /// YaRN is read with the other RoPE keys.
 fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
     k.only("scoring_func", json!("sigmoid"));
-    // `num_nextn_predict_layers` (MTP depth) does not change the main model's math, and
-    // transformers 5 writes 1 even without the layer's tensors: those decide, at load (a
-    // directory that has them is refused there, naming the layer).
+    // The multi-token-prediction depth as declared; transformers 5 writes 1 even without the
+    // layer's tensors, so `read_config` keeps it only when the weights hold the layer.
+    let has_key = k.get("num_nextn_predict_layers").is_some() || k.get("num_mtp_layers").is_some();
+    let mtp = if has_key {
+        k.usize_alias("num_nextn_predict_layers", "num_mtp_layers")?
+    } else {
+        0
+    };
+    if mtp > 1 {
+        k.unsupported.push(format!(
+            "num_nextn_predict_layers={mtp} (one multi-token-prediction layer is built, as \
+             the published model and transformers have)"
+        ));
+    }
+    cfg.mtp_num_layers = mtp;
     k.only("moe_layer_freq", json!(1));
     if k.get("q_lora_rank").is_none() {
         k.unsupported
@@ -580,6 +618,7 @@ fn deepseek_v3_extra(cfg: &Config, m: &MoeSettings, a: &MlaSettings) -> Value {
         "n_group": m.groups.n_routing_groups,
         "topk_group": m.groups.topk_routing_group,
         "rope_interleave": a.rope_interleave,
+        "num_nextn_predict_layers": cfg.mtp_num_layers,
     })
 }
 

@@ -116,6 +116,30 @@ fn load_files(
         .collect()
 }
 
+/// The tensor names of the HF directory `dir`'s weights (the index's, or the single file's
+/// header's), `None` when it has no weights file; what [`crate::read_config`] checks a declared
+/// multi-token-prediction layer against.
+///
+/// # Errors
+/// An index or a header that does not parse; a file that cannot be read.
+pub(crate) fn tensor_names(dir: &Path) -> Result<Option<Vec<String>>, String> {
+    if !dir.join(INDEX_FILE).exists() && !dir.join(SINGLE_FILE).exists() {
+        return Ok(None);
+    }
+    let (files, index) = shard_files(dir)?;
+    if let Some(map) = index {
+        return Ok(Some(map.into_keys().collect()));
+    }
+    let maps = map_files(dir, &files, false)?;
+    let shards = parse_headers(&maps, &files)?;
+    Ok(Some(
+        shards
+            .iter()
+            .flat_map(|s| s.names().into_iter().cloned())
+            .collect(),
+    ))
+}
+
 /// Every file of `files` in `dir`, opened as a regular file and memory-mapped (`sharded`: they
 /// are the shards an index lists, which the message says).
 fn map_files(dir: &Path, files: &[String], sharded: bool) -> Result<Vec<Mmap>, String> {
@@ -216,8 +240,8 @@ fn check_names(
     }
     let mut parts = Vec::new();
     // DeepSeek-V3's multi-token-prediction layer sits after the decoder's last layer
-    // (`model.layers.{L}.*`, L = num_hidden_layers). It is not built: refused, named, never
-    // dropped (transformers drops it silently).
+    // (`model.layers.{L}.*`, L = num_hidden_layers). A model without it refuses it, named,
+    // never dropped (transformers drops it silently).
     let layers = wanted
         .iter()
         .flatten()
@@ -236,17 +260,23 @@ fn check_names(
         .iter()
         .filter(|n| n.starts_with(&mtp_prefix))
         .count();
-    if mtp > 0
-        && unexpected
-            .iter()
-            .any(|n| n == &format!("{mtp_prefix}eh_proj.weight"))
-    {
+    if mtp > 0 && unexpected.iter().any(|n| n.ends_with(".eh_proj.weight")) {
         unexpected.retain(|n| !n.starts_with(&mtp_prefix));
         parts.push(format!(
             "the checkpoint has a multi-token-prediction layer `model.layers.{layers}.*` ({mtp} \
-             tensors, config.json's num_nextn_predict_layers), which ferrotext does not build; \
-             it is refused rather than dropped (load a directory without it)"
+             tensors) and this model has none (mtp_num_layers=0): set mtp_num_layers=1 to load, \
+             train and export it; it is refused rather than dropped"
         ));
+    }
+    // The model's own MTP layer (`model.layers.{L - 1}.eh_proj.weight` wanted) not in the
+    // directory: transformers 5 writes `num_nextn_predict_layers` 1 without the layer.
+    let mtp_missing = missing.iter().any(|n| n.ends_with(".eh_proj.weight"));
+    if mtp_missing {
+        parts.push(
+            "the directory has no multi-token-prediction layer, which this model has \
+             (mtp_num_layers=1): set mtp_num_layers=0, or load a directory with the layer"
+                .to_string(),
+        );
     }
     if !missing.is_empty() {
         parts.push(format!(

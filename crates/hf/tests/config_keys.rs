@@ -50,6 +50,10 @@ fn to_v5(v: &Value) -> Value {
             obj.insert("num_local_experts".into(), n);
         }
     }
+    // transformers 5's alias of the MTP depth (its attribute map), probed in that form.
+    if let Some(n) = obj.remove("num_nextn_predict_layers") {
+        obj.insert("num_mtp_layers".into(), n);
+    }
     if let Some(d) = obj.remove("torch_dtype") {
         obj.insert("dtype".into(), d);
     }
@@ -235,7 +239,8 @@ fn every_listed_key_does_what_the_table_says() {
         for (key, u) in listed_keys(kind) {
             let at = format!("{} `{key}` ({u:?})", kind.name());
             // The 5.x-only keys are probed in the 5.x form, the others in the 4.x one.
-            let base = if ["rope_parameters", "num_local_experts"].contains(&key) {
+            let base = if ["rope_parameters", "num_local_experts", "num_mtp_layers"].contains(&key)
+            {
                 &v5
             } else {
                 &v4
@@ -301,4 +306,25 @@ fn every_key_transformers_defines_is_pinned() {
             dir.display()
         );
     }
+}
+
+/// The MTP depth: 1 is read (either name), 2 is refused naming the key and the value, and an
+/// export writes the model's depth back under the published name.
+#[test]
+fn the_mtp_depth_is_read_and_two_is_refused() {
+    let mut cfg = baseline(ModelType::DeepseekV3);
+    cfg.mtp_num_layers = 1;
+    let v4 = hf_config_json(&cfg, "float32").unwrap();
+    assert_eq!(v4["num_nextn_predict_layers"], 1);
+    assert_eq!(config_from_json(&v4).unwrap().mtp_num_layers, 1);
+    assert_eq!(config_from_json(&to_v5(&v4)).unwrap().mtp_num_layers, 1);
+    let mut two = v4.clone();
+    two["num_nextn_predict_layers"] = 2.into();
+    let e = config_from_json(&two).unwrap_err();
+    assert!(e.contains("num_nextn_predict_layers=2"), "{e}");
+    // No other family has the layer in transformers: its export is refused, naming it.
+    let mut qwen = baseline(ModelType::Qwen3);
+    qwen.mtp_num_layers = 1;
+    let e = hf_config_json(&qwen, "float32").unwrap_err();
+    assert!(e.contains("mtp_num_layers=1 in qwen3"), "{e}");
 }

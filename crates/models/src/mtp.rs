@@ -16,15 +16,49 @@
 //! paper writes the other). Invariant: [`mtp_loss_sum`] reads only its own weights and the
 //! hidden states; the labels are the targets shifted by one, the last position ignored.
 //!
-//! Left out (issue 29 item 3, not done): the `mtp_num_layers` config key, training with the loss
-//! scaled by `mtp_loss_scaling_factor`, and loading and export through the decoder's weight map;
-//! a directory with the layer is refused at load today.
+//! # Wiring
+//! `mtp_num_layers = 1` ([`Config::mtp_num_layers`]) puts the module in the decoder's weight map
+//! ([`Weights::mtp`](crate::decoder::Weights::mtp), last in the flat order), so loading,
+//! export, checkpoints and ZeRO-1 carry its parameters as any other. The decoder's loss sums
+//! ([`Decoder::loss_sum_parts`](crate::decoder::Decoder::loss_sum_parts)) then add
+//! `mtp_loss_scaling_factor × MTP sum × T / (T − 1)` for `[B, T]` inputs: after the trainer's
+//! division by the step's tokens that is `factor × the MTP loss's per-token mean` (MaxText's
+//! `calculate_mtp_loss`, whose mean is over the `B·(T − 1)` positions that have a token two
+//! ahead), exact when no target is ignored. The labels come from the targets on each device
+//! (the sequence dim is never split): `next = targets` (an ignored target becomes id 0, whose
+//! label is then ignored), `labels[i] = targets[i + 1]`, the last position ignored.
+//!
+//! Left out: depths above 1 (refused by [`check`]; the published model and transformers have
+//! one), the module's MoE load-balance loss and expert loads (not the main model's: dropped, so
+//! the aux-loss-free balancing does not move its selection bias), its use in generation (ignored
+//! there), and a compute dtype other than f32.
 
-use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
+use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, IGNORE_INDEX};
 
-use crate::decoder::{matrix, norm_scale, Config, DecoderLayer};
-use crate::nn::{linear, rms_norm};
+use crate::decoder::{matrix, norm_scale, Config, DecoderLayer, ExpertLoads};
+use crate::nn::{linear, rms_norm, ActivationLayout};
 use crate::params::{HfLayout, Init, ParamInfo};
+
+/// The MTP settings of `c` checked (what [`Decoder::new`](crate::decoder::Decoder::new) runs).
+///
+/// # Errors
+/// A depth above 1, or a negative or non-finite loss factor, named with the value.
+pub fn check(c: &Config) -> Result<(), String> {
+    if c.mtp_num_layers > 1 {
+        return Err(format!(
+            "mtp_num_layers = {}: only depth 1 is built (DeepSeek-V3's published module, and the \
+             one transformers reads); use 0 or 1",
+            c.mtp_num_layers
+        ));
+    }
+    let f = c.mtp_loss_scaling_factor;
+    if !(f.is_finite() && f >= 0.0) {
+        return Err(format!(
+            "mtp_loss_scaling_factor must be a finite number ≥ 0, got {f}"
+        ));
+    }
+    Ok(())
+}
 
 /// The weights of a depth-1 MTP module (`model.layers.{L}.*`, HF names), matrices `[in, out]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -106,10 +140,52 @@ impl Mtp<ParamInfo> {
     }
 }
 
+/// The parameter count of `c`'s MTP module (0 without it).
+pub fn param_count(c: &Config) -> usize {
+    if c.mtp_num_layers == 0 {
+        return 0;
+    }
+    let params = Mtp::declare(c).params();
+    params
+        .iter()
+        .map(|p| p.shape.iter().product::<usize>())
+        .sum()
+}
+
+/// Training FLOPs per token of `c`'s MTP module at sequence length `seq` (0 without it), as
+/// [`Decoder::flops_per_token`](crate::decoder::Decoder::flops_per_token) counts the main
+/// model's: 6 per matmul weight (`eh_proj`, the layer's projections, of the routed experts only
+/// the k a token uses, the head; not the embedding lookup, norms or biases) plus the layer's
+/// attention products.
+pub fn flops_per_token(c: &Config, seq: usize) -> f64 {
+    if c.mtp_num_layers == 0 {
+        return 0.0;
+    }
+    let m = Mtp::declare(c);
+    let active = |p: &ParamInfo| -> f64 {
+        let n = p.shape.iter().product::<usize>() as f64;
+        match (p.shape.len(), &c.moe) {
+            (3, Some(moe)) => n * moe.num_experts_per_tok as f64 / moe.num_experts as f64,
+            _ => n,
+        }
+    };
+    let weights: f64 = m
+        .params()
+        .iter()
+        .filter(|p| p.shape.len() >= 2 && p.name != m.embed_tokens.name)
+        .map(active)
+        .sum();
+    let (qk, v) = match &c.mla {
+        Some(a) => (a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim),
+        None => (c.head_dim, c.head_dim),
+    };
+    6.0 * weights + 6.0 * (seq * c.base_num_query_heads * (qk + v)) as f64
+}
+
 /// The MTP cross-entropy *sum* of a batch: `hidden` `[B, T, d]` are the main model's normed last
 /// hidden states at the inputs' positions, `next` `[B, T]` the tokens after each input (the
 /// targets), `labels` `[B, T]` the tokens two after (the targets shifted by one, the last
-/// position [`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX)). `params` in [`Mtp::params`] order.
+/// position [`IGNORE_INDEX`]). `params` in [`Mtp::params`] order.
 ///
 /// # Errors
 /// Too few parameters; a type error of the ops.
@@ -129,18 +205,205 @@ pub fn mtp_loss_sum(
             got: params.len(),
         })
     })?;
-    let eps = c.normalization_layer_epsilon;
-    // 1. x = eh_proj · [enorm(Emb(next)); hnorm(h)]: [B, T, 2d] → [B, T, d]
-    let e = cx.take(w.embed_tokens, next)?;
-    let e = rms_norm(cx, &e, w.enorm, eps)?;
-    let h = rms_norm(cx, hidden, w.hnorm, eps)?;
-    let both = cx.concat(&[&e, &h], 2)?;
-    let x = linear(cx, &both, w.eh_proj)?;
-    // 2. the decoder layer (its MoE loads and auxiliary loss are not the main model's: dropped)
-    let (mut aux, mut loads) = (None, Vec::new());
-    let y = w.layer.forward(cx, &x, c, &mut aux, &mut loads, None)?;
-    // 3. the shared head and the cross-entropy against the tokens two ahead
-    let y = rms_norm(cx, &y, w.shared_head_norm, eps)?;
-    let z = linear(cx, &y, w.shared_head_head)?;
-    cx.cross_entropy_sum(&z, labels, 0.0)
+    w.loss(cx, c, hidden, next, labels, false)
+}
+
+impl Mtp<&Array> {
+    /// The cross-entropy sum of the module (see [`mtp_loss_sum`]); `partial`: left as each
+    /// device's partial sum (`f32[]{U:batch}`, [`Ctx::cross_entropy_partial_sum`]).
+    pub(crate) fn loss(
+        &self,
+        cx: &mut Ctx<'_>,
+        c: &Config,
+        hidden: &Array,
+        next: &Ids,
+        labels: &Ids,
+        partial: bool,
+    ) -> Result<Array, SpmdError> {
+        let eps = c.normalization_layer_epsilon;
+        // 1. x = eh_proj · [enorm(Emb(next)); hnorm(h)]: [B@batch, T, 2d] → [B@batch, T, d]
+        //    (the table gathered first if it is split, as the main embedding is)
+        let table = crate::decoder::unsplit(cx, self.embed_tokens)?;
+        let e = cx.take(&table, next)?;
+        let e = rms_norm(cx, &e, self.enorm, eps)?;
+        let h = rms_norm(cx, hidden, self.hnorm, eps)?;
+        let both = cx.concat(&[&e, &h], 2)?;
+        let x = linear(cx, &both, self.eh_proj)?;
+        // 2. the decoder layer (its MoE loads and auxiliary loss are not the main model's:
+        //    dropped)
+        let (mut aux, mut loads) = (None, Vec::new());
+        let y = self.layer.forward(cx, &x, c, &mut aux, &mut loads, None)?;
+        // 3. the shared head [B@batch, T, vocab], whole vocab rows, and the cross-entropy
+        //    against the tokens two ahead
+        let y = rms_norm(cx, &y, self.shared_head_norm, eps)?;
+        let z = linear(cx, &y, self.shared_head_head)?;
+        let layout = ActivationLayout {
+            batch: next.ty().sharding().spec().dim(0).axis_names().to_vec(),
+        };
+        let want = layout.spec(3);
+        let z = if z.ty().sharding().spec().partitions() == want.partitions() {
+            z
+        } else {
+            cx.reshard(&z, &want)?
+        };
+        if partial {
+            cx.cross_entropy_partial_sum(&z, labels, 0.0)
+        } else {
+            cx.cross_entropy_sum(&z, labels, 0.0)
+        }
+    }
+}
+
+/// A batch's loss sum in its parts
+/// ([`Decoder::loss_sum_parts`](crate::decoder::Decoder::loss_sum_parts)).
+#[derive(Clone, Debug)]
+pub struct LossSum {
+    /// What the trainer differentiates: the cross-entropy sum (z-loss included), the auxiliary
+    /// losses and the scaled MTP term.
+    pub total: Array,
+    /// The MTP module's cross-entropy sum over its positions, unscaled (`None` without it).
+    pub mtp: Option<Array>,
+    /// This device's expert loads (as
+    /// [`Decoder::loss_sum_and_loads`](crate::decoder::Decoder::loss_sum_and_loads)).
+    pub loads: ExpertLoads,
+}
+
+/// `total` (a loss sum of the `[B, T]` `targets`, with its `loads`) plus, when the module `w` is
+/// there, `factor · mtp · T / (T − 1)`, with `mtp` the module's cross-entropy sum (partial sums
+/// when `partial`).
+///
+/// # Errors
+/// A split sequence dim; a type error of the ops.
+pub(crate) fn join(
+    cx: &mut Ctx<'_>,
+    c: &Config,
+    w: Option<&Mtp<&Array>>,
+    (total, loads): (Array, ExpertLoads),
+    hidden: &Array,
+    targets: &Ids,
+    partial: bool,
+) -> Result<LossSum, SpmdError> {
+    let Some(w) = w else {
+        return Ok(LossSum {
+            total,
+            mtp: None,
+            loads,
+        });
+    };
+    let (next, labels) = shifted(cx, targets)?;
+    let mtp = w.loss(cx, c, hidden, &next, &labels, partial)?;
+    let t = targets.ty().shape().get(1).copied().unwrap_or(1);
+    let scale = c.mtp_loss_scaling_factor * t as f32 / t.saturating_sub(1).max(1) as f32;
+    let scaled = cx.scale(&mtp, scale)?;
+    Ok(LossSum {
+        total: cx.add(&total, &scaled)?,
+        mtp: Some(mtp),
+        loads,
+    })
+}
+
+/// The MTP's `(next, labels)` of `targets` `[B, T]`, built on each device from its rows:
+/// `next[i] = targets[i]` (an ignored target becomes id 0), `labels[i] = targets[i + 1]` (ignored
+/// where `targets[i]` is), the last position [`IGNORE_INDEX`].
+///
+/// # Errors
+/// A sequence dim split over devices (a row's next token would be on another device).
+pub(crate) fn shifted(cx: &Ctx<'_>, targets: &Ids) -> Result<(Ids, Ids), SpmdError> {
+    let ty = targets.ty();
+    let spec = ty.sharding().spec().clone();
+    let t = ty.shape().get(1).copied().unwrap_or(0);
+    if ty.rank() != 2 || !ty.sharding().dim_parts(1).is_ok_and(|n| n == 1) {
+        return Err(SpmdError::WeightShape {
+            op: "mtp",
+            name: "targets",
+            expected: "[B, T] with the sequence dim whole on every device".into(),
+            got: ty.to_string(),
+        });
+    }
+    let local: Vec<u32> = match targets.local() {
+        Some(l) => l.to_vec(),
+        None => vec![0; ty.shard_shape().iter().product()],
+    };
+    let next: Vec<u32> = local
+        .iter()
+        .map(|&x| if x == IGNORE_INDEX { 0 } else { x })
+        .collect();
+    let mut labels = vec![IGNORE_INDEX; local.len()];
+    for (row, out) in local.chunks(t.max(1)).zip(labels.chunks_mut(t.max(1))) {
+        for i in 0..t.saturating_sub(1) {
+            if row[i] != IGNORE_INDEX {
+                out[i] = row[i + 1];
+            }
+        }
+    }
+    let shape = ty.shape().to_vec();
+    Ok((
+        cx.ids_from_local(&shape, spec.clone(), next)?,
+        cx.ids_from_local(&shape, spec, labels)?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::decoder::{Config, Decoder};
+
+    fn tiny(mtp: usize) -> Config {
+        let mut c = Config::preset("qwen3-tiny").unwrap();
+        c.mtp_num_layers = mtp;
+        c
+    }
+
+    #[test]
+    fn depth_two_and_a_bad_factor_are_refused_by_name() {
+        let e = Decoder::new(tiny(2)).unwrap_err().to_string();
+        assert!(e.contains("mtp_num_layers = 2"), "{e}");
+        for bad in [-0.5, f32::NAN] {
+            let mut c = tiny(1);
+            c.mtp_loss_scaling_factor = bad;
+            let e = Decoder::new(c).unwrap_err().to_string();
+            assert!(e.contains("mtp_loss_scaling_factor"), "{e}");
+        }
+        assert!(Decoder::new(tiny(1)).is_ok(), "mirror: depth 1 builds");
+    }
+
+    /// The module comes last in the flat order, under `model.layers.2.*` for two layers, and
+    /// leaves the main model's order as it was.
+    #[test]
+    fn the_module_is_last_and_the_main_order_unchanged() {
+        let without: Vec<String> = Decoder::new(tiny(0))
+            .unwrap()
+            .params()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        let with: Vec<String> = Decoder::new(tiny(1))
+            .unwrap()
+            .params()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        assert_eq!(&with[..without.len()], &without[..]);
+        let extra = &with[without.len()..];
+        assert_eq!(
+            extra.first().map(String::as_str),
+            Some("model.layers.2.embed_tokens.weight")
+        );
+        assert_eq!(
+            extra.last().map(String::as_str),
+            Some("model.layers.2.shared_head.head.weight")
+        );
+        assert!(extra.iter().all(|n| n.starts_with("model.layers.2.")));
+    }
+
+    /// qwen3-tiny (d 128, 4 heads of 32, 2 kv heads, MLP 384, vocab 256) at seq 16: the module
+    /// adds 6 × (eh_proj 256·128 + q 128·128 + k, v 128·64 each + o 128·128 + MLP 3·128·384 +
+    /// head 128·256) + 6·16·4·64, counted by hand.
+    #[test]
+    fn flops_count_the_module_by_hand() {
+        let a = Decoder::new(tiny(0)).unwrap().flops_per_token(16);
+        let b = Decoder::new(tiny(1)).unwrap().flops_per_token(16);
+        let weights = 256 * 128 + 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384 + 128 * 256;
+        let by_hand = 6.0 * weights as f64 + 6.0 * (16 * 4 * 64) as f64;
+        assert_eq!(b - a, by_hand);
+    }
 }

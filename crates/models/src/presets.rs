@@ -128,6 +128,8 @@ impl Config {
             moe: None,
             mla: None,
             rope_yarn: None,
+            mtp_num_layers: 0,
+            mtp_loss_scaling_factor: 0.1,
         }
     }
 
@@ -196,6 +198,8 @@ impl Config {
                 mscale: 1.0,
                 attention_factor: 1.0,
             }),
+            mtp_num_layers: 0,
+            mtp_loss_scaling_factor: 0.1,
         }
     }
 

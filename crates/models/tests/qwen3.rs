@@ -32,6 +32,8 @@ fn tiny(tied: bool) -> Decoder {
         moe: None,
         mla: None,
         rope_yarn: None,
+        mtp_num_layers: 0,
+        mtp_loss_scaling_factor: 0.1,
     })
     .unwrap()
 }

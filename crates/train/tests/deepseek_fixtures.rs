@@ -182,22 +182,191 @@ fn deepseek_groups_bias_and_scaling_match_transformers_bf16_sharded() {
     check_groups("deepseek_v3-groups-tf5-bf16-sharded");
 }
 
-/// A directory whose checkpoint has the multi-token-prediction layer (`model.layers.2.*`:
-/// `eh_proj`, `enorm`, `hnorm`, `shared_head`, a decoder layer) is refused, naming the layer and
-/// the key, rather than loaded without it.
+/// The loss sums of `rows` (inputs `r[..t]`, targets `r[1..]`) on one device: the main
+/// model's cross-entropy sum, the MTP module's, and the training objective's total.
+fn loss_parts(model: &Decoder, values: &[Tensor], rows: &[Vec<u32>]) -> (f64, f64, f64) {
+    let mesh = Arc::new(Mesh::explicit([("data", 1)]).unwrap());
+    let (b, t) = (rows.len(), rows[0].len() - 1);
+    let inputs: Vec<u32> = rows.iter().flat_map(|r| r[..t].to_vec()).collect();
+    let targets: Vec<u32> = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
+    let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let named = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
+        let params: Vec<Array> = values
+            .iter()
+            .map(|v| cx.from_global(v, named.clone()))
+            .collect::<Result<_, _>>()?;
+        let spec = PartitionSpec::new([Some("data"), None]);
+        let inputs = cx.ids_from_global(&[b, t], spec.clone(), &inputs)?;
+        let targets = cx.ids_from_global(&[b, t], spec, &targets)?;
+        let main = model.loss_sum(&mut cx, &params, &inputs, &targets)?;
+        let parts = model.loss_sum_parts(&mut cx, &params, &inputs, &targets)?;
+        let mtp = match &parts.mtp {
+            Some(m) => m.scalar()?,
+            None => f32::NAN,
+        };
+        Ok::<_, ferrotext_spmd::SpmdError>(Tensor::from_fn(&[3], |i| {
+            [
+                main.scalar().unwrap_or(f32::NAN),
+                mtp,
+                parts.total.scalar().unwrap_or(f32::NAN),
+            ][i]
+        }))
+    })
+    .unwrap();
+    let d = out[0].data();
+    (f64::from(d[0]), f64::from(d[1]), f64::from(d[2]))
+}
+
+fn rows_of(want: &Value) -> Vec<Vec<u32>> {
+    want["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .collect()
+}
+
+/// A directory whose checkpoint has the multi-token-prediction layer (`model.layers.2.*`), in
+/// both config generations and both dtypes, loads through the normal path (`read_config` →
+/// `mtp_num_layers` 1 → the decoder's weight map): its MTP loss is the reference's `mtp_loss`
+/// and its main loss transformers' `loss`, each within 2e-5, and the objective is
+/// `main + 0.1 × MTP mean` in sum form (`T / (T − 1)` per MTP sum).
+#[test]
+fn mtp_directories_load_and_give_the_reference_losses() {
+    for name in [
+        "deepseek_v3-mtp-tf4-f32-single",
+        "deepseek_v3-mtp-tf4-bf16-sharded",
+        "deepseek_v3-mtp-tf5-f32-single",
+        "deepseek_v3-mtp-tf5-bf16-sharded",
+    ] {
+        let dir = fixture(name);
+        let want = expected(&dir);
+        let (model, values) = load(&dir);
+        assert_eq!(model.config().mtp_num_layers, 1, "{name}");
+        let names: Vec<String> = model.params().into_iter().map(|p| p.name).collect();
+        assert!(names.contains(&"model.layers.2.eh_proj.weight".to_string()));
+        let rows = rows_of(&want);
+        let (b, t) = (rows.len(), rows[0].len() - 1);
+        let (main, mtp, total) = loss_parts(&model, &values, &rows);
+        let main_mean = main / (b * t) as f64;
+        let mtp_mean = mtp / (b * (t - 1)) as f64;
+        let (ref_main, ref_mtp) = (
+            want["loss"].as_f64().unwrap(),
+            want["mtp_loss"].as_f64().unwrap(),
+        );
+        eprintln!("{name}: loss {main_mean:.7} ({ref_main:.7}) mtp {mtp_mean:.7} ({ref_mtp:.7})");
+        assert!(
+            (main_mean - ref_main).abs() <= 2e-5,
+            "{name}: {main_mean} vs {ref_main}"
+        );
+        assert!(
+            (mtp_mean - ref_mtp).abs() <= 2e-5,
+            "{name}: {mtp_mean} vs {ref_mtp}"
+        );
+        // The objective by hand: the main sum plus 0.1 × the MTP mean per main token.
+        let by_hand = main + 0.1 * mtp_mean * (b * t) as f64;
+        assert!(
+            (total - by_hand).abs() <= 1e-4 * by_hand.abs(),
+            "{name}: {total} vs {by_hand}"
+        );
+        assert!(
+            (total - main).abs() > 1e-3,
+            "{name}: the MTP term is in the objective"
+        );
+    }
+}
+
+/// The same directory read as a model without the module (`mtp_num_layers` 0) is refused,
+/// naming the layer and the key that keeps it, rather than loaded without it.
 #[test]
 fn a_multi_token_prediction_layer_is_refused_not_dropped() {
     let dir = fixture("deepseek_v3-mtp-tf5-f32-single");
-    let cfg = hf::read_config(&dir).unwrap();
+    let mut cfg = hf::read_config(&dir).unwrap();
+    cfg.mtp_num_layers = 0;
     let model = Decoder::new(cfg).unwrap();
     let e = hf::load_directory(&dir, &model.params())
         .unwrap_err()
         .to_string();
     assert!(
         e.contains("multi-token-prediction layer `model.layers.2.*`")
-            && e.contains("num_nextn_predict_layers"),
+            && e.contains("set mtp_num_layers=1"),
         "{e}"
     );
+}
+
+/// transformers 5 writes `num_nextn_predict_layers: 1` without the layer: such a directory is
+/// the main model (`mtp_num_layers` 0, as the mirror above reads 1 where the layer is); a model
+/// that asks for the module there is told the directory has none, the missing tensor named.
+#[test]
+fn a_declared_layer_without_tensors_is_the_main_model_alone() {
+    let dir = fixture("deepseek_v3-groups-tf5-f32-single");
+    let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    assert!(text.contains("\"num_nextn_predict_layers\": 1"));
+    let cfg = hf::read_config(&dir).unwrap();
+    assert_eq!(cfg.mtp_num_layers, 0);
+    let mut with = cfg.clone();
+    with.mtp_num_layers = 1;
+    let model = Decoder::new(with).unwrap();
+    let e = hf::load_directory(&dir, &model.params())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no multi-token-prediction layer")
+            && e.contains("`model.layers.2.eh_proj.weight`"),
+        "{e}"
+    );
+}
+
+/// An MTP directory with one of the layer's tensors missing, or one of the wrong shape: one
+/// error naming it (the directory written from the fixture's values, the tensor left out or
+/// cut).
+#[test]
+fn a_broken_mtp_layer_is_named() {
+    let (model, values) = load(&fixture("deepseek_v3-mtp-tf5-f32-single"));
+    let infos = model.params();
+    let k = infos
+        .iter()
+        .position(|p| p.name == "model.layers.2.enorm.weight")
+        .unwrap();
+    let out = std::env::temp_dir().join(format!("ferrotext-mtp-broken-{}", std::process::id()));
+    let save = |infos: &[ferrotext_models::ParamInfo], values: &[Tensor]| {
+        std::fs::remove_dir_all(&out).ok();
+        hf::save_directory(
+            &out,
+            model.config(),
+            infos,
+            values,
+            SaveDtype::F32,
+            u64::MAX,
+        )
+        .unwrap();
+    };
+    // Missing: written without `enorm`.
+    let (mut i2, mut v2) = (infos.clone(), values.clone());
+    i2.remove(k);
+    v2.remove(k);
+    save(&i2, &v2);
+    assert_eq!(hf::read_config(&out).unwrap().mtp_num_layers, 1);
+    let e = hf::load_directory(&out, &infos).unwrap_err().to_string();
+    assert!(
+        e.contains("1 missing tensor(s)") && e.contains("`model.layers.2.enorm.weight`"),
+        "{e}"
+    );
+    // Wrong shape: `enorm` written with 31 values instead of 32.
+    let (mut i3, mut v3) = (infos.clone(), values.clone());
+    i3[k].shape = vec![31];
+    v3[k] = Tensor::from_fn(&[31], |_| 1.0);
+    save(&i3, &v3);
+    let e = hf::load_directory(&out, &infos).unwrap_err().to_string();
+    assert!(
+        e.contains("`model.layers.2.enorm.weight` has shape [31]"),
+        "{e}"
+    );
+    // Mirror: written whole, it loads to the same values.
+    save(&infos, &values);
+    assert_eq!(hf::load_directory(&out, &infos).unwrap(), values);
+    std::fs::remove_dir_all(&out).ok();
 }
 
 /// The MTP module (`ferrotext_models::mtp`) on the published tensor names gives the fixture's
@@ -212,7 +381,8 @@ fn the_mtp_module_gives_the_reference_mtp_loss() {
     ] {
         let dir = fixture(name);
         let want = expected(&dir);
-        let cfg = hf::read_config(&dir).unwrap();
+        let mut cfg = hf::read_config(&dir).unwrap();
+        cfg.mtp_num_layers = 0;
         let model = Decoder::new(cfg.clone()).unwrap();
         let main = model.params();
         let mut infos = main.clone();

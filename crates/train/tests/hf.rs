@@ -47,6 +47,8 @@ fn dense() -> Config {
         moe: None,
         mla: None,
         rope_yarn: None,
+        mtp_num_layers: 0,
+        mtp_loss_scaling_factor: 0.1,
     }
 }
 

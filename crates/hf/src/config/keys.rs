@@ -249,9 +249,10 @@ const DEEPSEEK_V3: &[(&str, KeyUse)] = &[
     ("tie_word_embeddings", Read { probe: "true" }),
     ("head_dim", Irrelevant("transformers sets it to qk_rope_head_dim")),
     ("qk_head_dim", Irrelevant("transformers sets it to qk_nope_head_dim + qk_rope_head_dim")),
-    // The multi-token-prediction keys are helper H5's (issue 29 item 3).
-    ("num_nextn_predict_layers", Irrelevant("the MTP depth; the main model's math is the same, and transformers 5 writes 1 without the layer: a directory holding the layer's tensors is refused at load, naming it")),
-    ("num_mtp_layers", Irrelevant("transformers 5's alias of num_nextn_predict_layers (see there)")),
+    // The MTP depth (2 and more refused); `read_config` keeps it only when the weights hold
+    // the layer, since transformers 5 writes 1 without it.
+    ("num_nextn_predict_layers", Read { probe: "1" }),
+    ("num_mtp_layers", Read { probe: "1" }),
     ("q_lora_rank", Read { probe: "8" }),
     ("kv_lora_rank", Read { probe: "8" }),
     ("qk_nope_head_dim", Read { probe: "64" }),

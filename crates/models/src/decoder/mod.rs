@@ -26,8 +26,9 @@
 //! after the matmul. Left out: output-projection and MLP biases, sliding windows, dropout.
 //!
 //! Files: here the [`Config`] and the [`Decoder`] (checked once in [`Decoder::new`], then the
-//! loss, logits and decode entry points); `weights` the weight map and its declarations;
-//! `forward` one layer's forward pass on bound weights.
+//! loss, logits and decode entry points); `loss` the loss sums (the main model's, and the
+//! training objective with the MTP module's term); `weights` the weight map and its
+//! declarations; `forward` one layer's forward pass on bound weights.
 
 use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
@@ -36,14 +37,17 @@ use ferrotext_tensor::{DotDims, Llama3, Rope, Yarn};
 pub use crate::deepseek::MlaSettings;
 use crate::kv_cache::KvCache;
 use crate::moe::{MoeConfig, RouterScore};
+pub use crate::mtp::LossSum;
 use crate::nn::{self, ActivationLayout};
 use crate::params::ParamInfo;
 pub use crate::router::GroupLimit;
 
 mod forward;
+mod loss;
 mod weights;
 
-use forward::{reduced_over, unsplit};
+use forward::reduced_over;
+pub(crate) use forward::unsplit;
 pub(crate) use weights::{matrix, norm_scale};
 pub use weights::{Attention, DecoderLayer, DenseMlp, Experts, Gqa, Mlp, SparseMoe, Weights};
 
@@ -130,6 +134,12 @@ pub struct Config {
     pub mla: Option<MlaSettings>,
     /// YaRN RoPE extension (MLA models; `None`: plain RoPE).
     pub rope_yarn: Option<Yarn>,
+    /// Multi-token-prediction depth (`mtp_num_layers`): 0 none, 1 DeepSeek-V3's module
+    /// ([`crate::mtp`]) after the last layer, trained beside the main loss.
+    pub mtp_num_layers: usize,
+    /// Weight of the MTP loss (per-token mean) added to the main loss's mean
+    /// (`mtp_loss_scaling_factor`, MaxText's default 0.1).
+    pub mtp_loss_scaling_factor: f32,
 }
 
 impl Config {
@@ -175,7 +185,7 @@ impl Decoder {
     /// # Errors
     /// Zero sizes, `kv_heads` not dividing `heads`, an odd `head_dim` (RoPE pairs dims), MLA or
     /// MoE settings out of range, both YaRN and Llama 3 RoPE scaling, q/k/v biases or QK-norm
-    /// asked of MLA.
+    /// asked of MLA, an MTP depth above 1 or a negative or non-finite MTP loss factor.
     pub fn new(cfg: Config) -> Result<Decoder, ConfigError> {
         let sizes = [
             cfg.vocab_size,
@@ -244,6 +254,7 @@ impl Decoder {
                 .check(m.num_experts, m.num_experts_per_tok)
                 .map_err(ConfigError)?;
         }
+        crate::mtp::check(&cfg).map_err(ConfigError)?;
         let weights = Weights::declare(&cfg);
         Ok(Decoder {
             cfg,
@@ -305,7 +316,8 @@ impl Decoder {
     /// Training FLOPs per token at sequence length `seq`: 6 per matmul weight (forward and both
     /// backward products; the LM head counts the vocabulary projection, the embedding lookup
     /// counts nothing; of the routed experts only the k a token uses) plus the attention score and
-    /// value products (12·layers·seq·heads·head_dim).
+    /// value products (12·layers·seq·heads·head_dim), plus the MTP module's
+    /// ([`crate::mtp::flops_per_token`]).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let c = &self.cfg;
         let embedding = c.vocab_size * c.base_emb_dim;
@@ -338,8 +350,9 @@ impl Decoder {
             }
             None => 0,
         };
+        let main_params = self.param_count() - crate::mtp::param_count(c);
         let matmul_weights =
-            self.param_count() - embedding - norms - biases - untied_extra - idle_experts + lm_head;
+            main_params - embedding - norms - biases - untied_extra - idle_experts + lm_head;
         // Scores (q·k over the query/key width) and values, forward and backward: 6 each.
         let (qk_width, v_width) = match &c.mla {
             Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
@@ -348,7 +361,7 @@ impl Decoder {
         let attention = 6.0
             * (c.base_num_decoder_layers * seq * c.base_num_query_heads * (qk_width + v_width))
                 as f64;
-        6.0 * matmul_weights as f64 + attention
+        6.0 * matmul_weights as f64 + attention + crate::mtp::flops_per_token(c, seq)
     }
 
     /// The cross-entropy *sum* over the target tokens of a batch ([`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are
@@ -365,76 +378,6 @@ impl Decoder {
         targets: &Ids,
     ) -> Result<Array, SpmdError> {
         Ok(self.loss_sum_and_loads(cx, params, inputs, targets)?.0)
-    }
-
-    /// [`Decoder::loss_sum`] and this device's expert loads: per MoE layer in layer order, the
-    /// tokens of this device's block of the batch routed to each expert (`[experts]` counts, the
-    /// selection bias applied; empty in abstract mode) — what the aux-loss-free balancing sums
-    /// over micro-batches and devices.
-    ///
-    /// # Errors
-    /// As [`Decoder::loss_sum`].
-    pub fn loss_sum_and_loads(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<(Array, ExpertLoads), SpmdError> {
-        let (logits, aux, loads) = self.forward(cx, params, inputs, None)?;
-        let ce = cx.cross_entropy_sum(&logits, targets, self.cfg.z_loss_multiplier)?;
-        match aux {
-            // The trainer divides the sum by the step's tokens: an auxiliary loss joins as
-            // `aux · tokens` so that it ends up added to the mean.
-            Some(aux) => {
-                let tokens: usize = inputs.ty().shape().iter().product();
-                let aux = cx.scale(&aux, tokens as f32)?;
-                Ok((cx.add(&ce, &aux)?, loads))
-            }
-            None => Ok((ce, loads)),
-        }
-    }
-
-    /// [`Decoder::loss_sum`] left as each device's partial sum over its own tokens, a scalar
-    /// unreduced over the batch axes (`f32[]{U:data}`, [`Ctx::cross_entropy_partial_sum`]): for
-    /// a trainer that adds the partial sums of its micro-batches and devices in an order of its
-    /// own before one reduction.
-    ///
-    /// # Errors
-    /// As [`Decoder::loss_sum`]; a model with an auxiliary loss (`load_balance_loss_weight` >
-    /// 0), whose value is a function of the whole micro-batch's routing, not a sum over devices.
-    pub fn loss_partial_sum(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<Array, SpmdError> {
-        Ok(self
-            .loss_partial_sum_and_loads(cx, params, inputs, targets)?
-            .0)
-    }
-
-    /// [`Decoder::loss_partial_sum`] and this device's expert loads (as
-    /// [`Decoder::loss_sum_and_loads`]).
-    ///
-    /// # Errors
-    /// As [`Decoder::loss_partial_sum`].
-    pub fn loss_partial_sum_and_loads(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<(Array, ExpertLoads), SpmdError> {
-        let (logits, aux, loads) = self.forward(cx, params, inputs, None)?;
-        if aux.is_some() {
-            return Err(SpmdError::NoPartialSum {
-                op: "loss_partial_sum",
-            });
-        }
-        let loss = cx.cross_entropy_partial_sum(&logits, targets, self.cfg.z_loss_multiplier)?;
-        Ok((loss, loads))
     }
 
     /// The last hidden states `[B, T, d]` after the final norm (transformers'
@@ -508,15 +451,16 @@ impl Decoder {
     }
 
     /// Logits, the summed auxiliary losses of the MoE layers (their load-balance losses, when
-    /// on) and this device's expert loads. Activations are `[B@batch, T, d]`: the batch split
-    /// like the tokens.
+    /// on), this device's expert loads and the normed last hidden states (what the MTP module
+    /// reads). Activations are `[B@batch, T, d]`: the batch split like the tokens.
+    #[allow(clippy::type_complexity)]
     fn forward(
         &self,
         cx: &mut Ctx<'_>,
         params: &[Array],
         inputs: &Ids,
         cache: Option<&mut KvCache>,
-    ) -> Result<(Array, Option<Array>, ExpertLoads), SpmdError> {
+    ) -> Result<(Array, Option<Array>, ExpertLoads, Array), SpmdError> {
         let w = self.bind(params)?;
         let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache)?;
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
@@ -541,7 +485,7 @@ impl Decoder {
         } else {
             cx.reshard(&logits, &want)?
         };
-        Ok((logits, aux, loads))
+        Ok((logits, aux, loads, x))
     }
 
     /// Steps 1 and 2 of [`Decoder::forward`] and the final norm: the normed hidden states

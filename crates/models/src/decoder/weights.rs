@@ -9,6 +9,7 @@
 
 use super::Config;
 use crate::deepseek::Mla;
+use crate::mtp::Mtp;
 use crate::params::{HfLayout, Init, ParamInfo};
 
 /// The whole model's weights (HF `Qwen3ForCausalLM`: `model.{embed_tokens, layers, norm}`, then
@@ -23,6 +24,10 @@ pub struct Weights<W> {
     pub norm: W,
     /// `lm_head.weight` `[d, vocab]`; `None` when tied to the embedding (`logits_via_embedding`).
     pub lm_head: Option<W>,
+    /// The multi-token-prediction module, `model.layers.{L}.*` (`L` = the layer count), present
+    /// exactly when `mtp_num_layers` is 1; last in the flat order, so a model without it has the
+    /// same order as before.
+    pub mtp: Option<Mtp<W>>,
 }
 
 /// One decoder layer (`model.layers.{i}`).
@@ -137,6 +142,7 @@ impl<W> Weights<W> {
                 .collect::<Result<_, _>>()?,
             norm: f(&self.norm)?,
             lm_head: self.lm_head.as_ref().map(&mut *f).transpose()?,
+            mtp: self.mtp.as_ref().map(|m| m.try_map(f)).transpose()?,
         })
     }
 }
@@ -409,6 +415,7 @@ impl Weights<ParamInfo> {
                     [Some("embed"), Some("vocab")],
                 )
             }),
+            mtp: (c.mtp_num_layers > 0).then(|| Mtp::declare(c)),
         }
     }
 }

@@ -1,0 +1,132 @@
+//! The loss sums of a [`Decoder`]: the main model's cross-entropy (plus z-loss and the MoE
+//! auxiliary losses) as a plain scalar or as each device's partial sum, and the training
+//! objective, which adds the multi-token-prediction module's term ([`crate::mtp`]).
+//!
+//! Invariant: every entry point runs one forward pass; the `_parts` ones alone run the MTP
+//! module, so evaluation and the plain loss are the main model's.
+
+use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
+
+use super::{Decoder, ExpertLoads, LossSum};
+
+impl Decoder {
+    /// [`Decoder::loss_sum`] and this device's expert loads: per MoE layer in layer order, the
+    /// tokens of this device's block of the batch routed to each expert (`[experts]` counts, the
+    /// selection bias applied; empty in abstract mode) — what the aux-loss-free balancing sums
+    /// over micro-batches and devices. The main model's loss: an MTP module is not run (see
+    /// [`Decoder::loss_sum_parts`]).
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_sum`].
+    pub fn loss_sum_and_loads(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<(Array, ExpertLoads), SpmdError> {
+        let parts = self.parts(cx, params, inputs, targets, false, false)?;
+        Ok((parts.total, parts.loads))
+    }
+
+    /// The training objective's sum: [`Decoder::loss_sum_and_loads`] plus, when the model has
+    /// the multi-token-prediction module, its term scaled as [`crate::mtp`] says, and the
+    /// module's own cross-entropy sum apart (`mtp`).
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_sum`]; a sequence dim split over devices when the module is on.
+    pub fn loss_sum_parts(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<LossSum, SpmdError> {
+        self.parts(cx, params, inputs, targets, false, true)
+    }
+
+    /// [`Decoder::loss_sum`] left as each device's partial sum over its own tokens, a scalar
+    /// unreduced over the batch axes (`f32[]{U:data}`, [`Ctx::cross_entropy_partial_sum`]): for
+    /// a trainer that adds the partial sums of its micro-batches and devices in an order of its
+    /// own before one reduction.
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_sum`]; a model with an auxiliary loss (`load_balance_loss_weight` >
+    /// 0), whose value is a function of the whole micro-batch's routing, not a sum over devices.
+    pub fn loss_partial_sum(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<Array, SpmdError> {
+        Ok(self
+            .loss_partial_sum_and_loads(cx, params, inputs, targets)?
+            .0)
+    }
+
+    /// [`Decoder::loss_partial_sum`] and this device's expert loads (as
+    /// [`Decoder::loss_sum_and_loads`]).
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_partial_sum`].
+    pub fn loss_partial_sum_and_loads(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<(Array, ExpertLoads), SpmdError> {
+        let parts = self.parts(cx, params, inputs, targets, true, false)?;
+        Ok((parts.total, parts.loads))
+    }
+
+    /// [`Decoder::loss_sum_parts`] as partial sums (as [`Decoder::loss_partial_sum`]).
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_partial_sum`].
+    pub fn loss_partial_sum_parts(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+    ) -> Result<LossSum, SpmdError> {
+        self.parts(cx, params, inputs, targets, true, true)
+    }
+
+    /// The loss sums: `partial` as each device's own ([`Ctx::cross_entropy_partial_sum`]);
+    /// `with_mtp`: the MTP module's term too, when the model has it.
+    fn parts(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        targets: &Ids,
+        partial: bool,
+        with_mtp: bool,
+    ) -> Result<LossSum, SpmdError> {
+        let (logits, aux, loads, hidden) = self.forward(cx, params, inputs, None)?;
+        let z = self.cfg.z_loss_multiplier;
+        let total = match (aux, partial) {
+            (Some(_), true) => {
+                return Err(SpmdError::NoPartialSum {
+                    op: "loss_partial_sum",
+                })
+            }
+            (_, true) => cx.cross_entropy_partial_sum(&logits, targets, z)?,
+            // The trainer divides the sum by the step's tokens: an auxiliary loss joins as
+            // `aux · tokens` so that it ends up added to the mean.
+            (Some(aux), false) => {
+                let ce = cx.cross_entropy_sum(&logits, targets, z)?;
+                let tokens: usize = inputs.ty().shape().iter().product();
+                let aux = cx.scale(&aux, tokens as f32)?;
+                cx.add(&ce, &aux)?
+            }
+            (None, false) => cx.cross_entropy_sum(&logits, targets, z)?,
+        };
+        let (c, w) = (&self.cfg, self.bind(params)?.mtp.filter(|_| with_mtp));
+        let m = w.as_ref();
+        crate::mtp::join(cx, c, m, (total, loads), &hidden, targets, partial)
+    }
+}
