@@ -53,7 +53,7 @@ impl EventWriter {
     }
 
     /// Logs `metrics`' scalars at its step: `loss`, `grad_norm`, `learning_rate`, tokens per
-    /// second, and `eval_loss` / `eval_perplexity` when present (non-finite values are skipped).
+    /// second, and `eval_loss` / `eval_perplexity` / `mtp_loss` when present (non-finite values are skipped).
     ///
     /// # Errors
     /// [`TrainError::Io`] when the write fails.
@@ -74,6 +74,9 @@ impl EventWriter {
         }
         if let Some(v) = metrics.eval_perplexity {
             scalars.push(("eval/perplexity", v));
+        }
+        if let Some(v) = metrics.mtp_loss {
+            scalars.push(("train/mtp_loss", v));
         }
         let mut summary = Vec::new();
         for (tag, value) in scalars.into_iter().filter(|(_, v)| v.is_finite()) {

@@ -23,6 +23,7 @@ fn step(step: usize) -> StepMetrics {
         epoch: None,
         eval_loss: None,
         eval_perplexity: None,
+        mtp_loss: None,
     }
 }
 

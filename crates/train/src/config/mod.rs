@@ -157,6 +157,11 @@ pub struct TrainConfig {
     pub moe_withhold_tags: bool,
     /// Weight of the z-loss `(log Z)²` per token (0 disables).
     pub z_loss_multiplier: f64,
+    /// Multi-token-prediction depth (MaxText's `mtp_num_layers`): 0 none, 1 DeepSeek-V3's module
+    /// after the last layer, trained beside the main loss.
+    pub mtp_num_layers: usize,
+    /// Weight of the MTP loss's per-token mean in the loss (MaxText's `mtp_loss_scaling_factor`).
+    pub mtp_loss_scaling_factor: f64,
     /// Devices (threads) in each process.
     pub local_devices: usize,
     /// Processes of the job; the mesh has `num_processes × local_devices` devices. Set by the
@@ -342,6 +347,8 @@ impl Default for TrainConfig {
             routed_bias_update_rate: 0.0,
             moe_withhold_tags: false,
             z_loss_multiplier: 0.0,
+            mtp_num_layers: 0,
+            mtp_loss_scaling_factor: 0.1,
             local_devices: 4,
             num_processes: 1,
             ici_data_parallelism: -1,

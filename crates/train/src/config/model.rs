@@ -51,6 +51,8 @@ impl TrainConfig {
             m.logits_via_embedding = t;
         }
         m.z_loss_multiplier = self.z_loss_multiplier as f32;
+        m.mtp_num_layers = self.mtp_num_layers;
+        m.mtp_loss_scaling_factor = self.mtp_loss_scaling_factor as f32;
         self.apply_moe(&mut m)?;
         Ok(m)
     }

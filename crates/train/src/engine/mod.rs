@@ -71,6 +71,11 @@ pub struct StepMetrics {
     /// `exp(eval_loss)`, on steps that evaluate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_perplexity: Option<f64>,
+    /// The multi-token-prediction loss, unscaled: Σ MTP cross-entropy / Σ positions with a token
+    /// two ahead (`B·(T − 1)` per micro-batch), when `mtp_num_layers` = 1. `loss` includes it
+    /// times `mtp_loss_scaling_factor`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mtp_loss: Option<f64>,
 }
 
 /// One micro-batch: this device's blocks of the inputs and targets (`[rows, len]`, split over the
@@ -102,6 +107,9 @@ struct Pending {
     /// This device's expert loads summed over the step's micro-batches (aux-loss-free
     /// balancing; empty when off).
     loads: ferrotext_models::decoder::ExpertLoads,
+    /// Σ of the micro-batches' MTP cross-entropy sums and of their MTP positions (zero without
+    /// the module).
+    mtp: (f64, u64),
     started: Instant,
     /// The step's last micro-batch has run (`fwd_bwd_final`): only `update` may follow.
     closed: bool,

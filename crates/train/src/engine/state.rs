@@ -151,6 +151,9 @@ impl Engine {
                 tokens: p.tokens,
                 micro_steps: p.micro_steps,
                 loads: p.loads,
+                // The MTP metric's sums are not in checkpoints: a step resumed mid-way reports
+                // the MTP loss of its micro-batches since the resume (the weights are exact).
+                mtp: (0.0, 0),
                 started: Instant::now(),
                 closed: false,
             }),

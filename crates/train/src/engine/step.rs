@@ -84,6 +84,7 @@ impl Engine {
                 tokens: 0,
                 micro_steps: 0,
                 loads: Vec::new(),
+                mtp: (0.0, 0),
                 started: Instant::now(),
                 closed: false,
             });
@@ -101,10 +102,12 @@ impl Engine {
         let model = self.plan.decoder();
         let infos = self.plan.params();
         let mut loads = Vec::new();
+        // The MTP cross-entropy sum, kept apart for the metrics (its scaled term is in the loss).
+        let mut mtp: Option<Array> = None;
         let loss_sum = match &mut pending.sum {
             StepSum::Accumulator(acc) => {
                 let loss = Self::accumulate_micro_batch(
-                    &mut loads,
+                    (&mut loads, &mut mtp),
                     cx,
                     &self.plan,
                     &self.reduce_plan,
@@ -128,14 +131,14 @@ impl Engine {
                     .value_and_grad_into(
                         &pending.used,
                         |cx, ps| {
-                            let (loss, l) = model.loss_partial_sum_and_loads(
+                            let parts = model.loss_partial_sum_parts(
                                 cx,
                                 ps,
                                 &batch.inputs,
                                 &batch.targets,
                             )?;
-                            loads = l;
-                            Ok(loss)
+                            (loads, mtp) = (parts.loads, parts.mtp);
+                            Ok(parts.total)
                         },
                         &mut sink,
                     )
@@ -154,6 +157,17 @@ impl Engine {
         if self.balance.is_some() {
             RouterBalance::add(&mut pending.loads, loads);
         }
+        if let Some(m) = mtp {
+            // A partial sum (layout_invariant) is completed by a one-element all-reduce.
+            let m = cx.reshard(&m, &PartitionSpec::replicated())?;
+            let shape = batch.inputs.ty().shape();
+            let positions = shape.first().copied().unwrap_or(0)
+                * shape.get(1).copied().unwrap_or(1).saturating_sub(1);
+            if !m.is_abstract() {
+                pending.mtp.0 += f64::from(m.scalar()?);
+            }
+            pending.mtp.1 += positions as u64;
+        }
         pending.loss_sum += loss_sum;
         pending.tokens += batch.tokens;
         pending.micro_steps += 1;
@@ -170,7 +184,7 @@ impl Engine {
     /// own gradients are reduced first and then added. Returns the loss.
     #[allow(clippy::too_many_arguments)]
     fn accumulate_micro_batch(
-        loads: &mut ExpertLoads,
+        (loads, mtp): (&mut ExpertLoads, &mut Option<Array>),
         cx: &mut Ctx<'_>,
         plan: &RunPlan,
         reduce_plan: &Arc<BucketPlan>,
@@ -195,10 +209,9 @@ impl Engine {
             .value_and_grad_into(
                 used,
                 |cx, ps| {
-                    let (loss, l) =
-                        model.loss_sum_and_loads(cx, ps, &batch.inputs, &batch.targets)?;
-                    *loads = l;
-                    Ok(loss)
+                    let parts = model.loss_sum_parts(cx, ps, &batch.inputs, &batch.targets)?;
+                    (*loads, *mtp) = (parts.loads, parts.mtp);
+                    Ok(parts.total)
                 },
                 &mut sink,
             )
@@ -239,6 +252,7 @@ impl Engine {
             tokens,
             started,
             loads,
+            mtp,
             ..
         } = pending;
         drop(used);
@@ -311,6 +325,8 @@ impl Engine {
             epoch: None,
             eval_loss: None,
             eval_perplexity: None,
+            mtp_loss: (self.plan.decoder().config().mtp_num_layers > 0)
+                .then(|| mtp.0 / mtp.1.max(1) as f64),
         };
         self.step += 1;
         Ok(metrics)

@@ -1,0 +1,408 @@
+//! Multi-token prediction in training (`mtp_num_layers`, `mtp_loss_scaling_factor`; issue 29
+//! item 3): the objective's gradient is the main loss's plus `factor · T/(T−1)` times the MTP
+//! sum's, and matches central finite differences; factor 0 leaves the shared parameters
+//! bitwise those of a run without the module (factor 0.1 does not); the reported loss is the
+//! main mean plus `factor × mtp_loss`, both fall in training, and the deferral still holds; a
+//! resume is bitwise; a DeepSeek-V3 directory with the layer trains and exports with it, and
+//! refuses to load without `mtp_num_layers=1`; bad values are usage errors naming the key.
+
+use std::path::{Path, PathBuf};
+
+use ferrotext_comm::{run_spmd, PhasePattern, SpmdOptions};
+use ferrotext_sharding::{NamedSharding, PartitionSpec};
+use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_tensor::Tensor;
+use ferrotext_train::data::{micro_batch, source_for};
+use ferrotext_train::{train, Engine, RunOptions, TrainConfig, TrainError, TrainReport};
+mod common;
+
+use common::small_config;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotext-mtp-{}-{name}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    dir
+}
+
+fn run(extra: &[&str]) -> TrainReport {
+    let mut all = vec!["learning_rate=0.01", "steps=3"];
+    all.extend_from_slice(extra);
+    train(
+        &small_config(&all),
+        &RunOptions {
+            return_params: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Which scalar a gradient is taken of.
+#[derive(Clone, Copy)]
+enum Of {
+    Total,
+    Main,
+    Mtp,
+}
+
+/// The value and gradient of `of` at `values` on one device, for one micro-batch of `rows`.
+fn value_and_grad(
+    cfg: &TrainConfig,
+    values: &[Tensor],
+    rows: &[Vec<u32>],
+    of: Of,
+) -> (f64, Vec<Tensor>) {
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
+    let model = plan.decoder().clone();
+    let (b, t) = (rows.len(), rows[0].len() - 1);
+    let inputs: Vec<u32> = rows.iter().flat_map(|r| r[..t].to_vec()).collect();
+    let targets: Vec<u32> = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
+    let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let named = NamedSharding::new(cx.mesh().clone(), PartitionSpec::replicated())?;
+        let params: Vec<Array> = values
+            .iter()
+            .map(|v| cx.from_global(v, named.clone()))
+            .collect::<Result<_, _>>()?;
+        let spec = PartitionSpec::new([Some("data"), None]);
+        let inputs = cx.ids_from_global(&[b, t], spec.clone(), &inputs)?;
+        let targets = cx.ids_from_global(&[b, t], spec, &targets)?;
+        let (v, g) =
+            cx.value_and_grad(&params, |cx, ps| match of {
+                Of::Total => Ok(model.loss_sum_parts(cx, ps, &inputs, &targets)?.total),
+                Of::Main => model.loss_sum(cx, ps, &inputs, &targets),
+                Of::Mtp => model.loss_sum_parts(cx, ps, &inputs, &targets)?.mtp.ok_or(
+                    SpmdError::Internal {
+                        op: "mtp test",
+                        invariant: "the model has the module",
+                    },
+                ),
+            })?;
+        let grads = g
+            .iter()
+            .map(|a| cx.to_host(a))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok::<_, SpmdError>((f64::from(v.scalar()?), grads))
+    })
+    .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+/// The initial parameters of `cfg`'s run and the rows of its first micro-batch.
+fn start(cfg: &TrainConfig) -> (Vec<Tensor>, Vec<Vec<u32>>) {
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
+    let values = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let engine = Engine::new(&mut cx, &plan, None)?;
+        engine.params_to_host(&mut cx)
+    })
+    .unwrap()
+    .remove(0);
+    let source = source_for(cfg, 256).unwrap();
+    let rows = micro_batch(
+        source.as_ref(),
+        0,
+        0,
+        1,
+        cfg.micro_batch_rows(),
+        cfg.max_target_length,
+    );
+    (values, rows)
+}
+
+/// The objective's gradient is the main loss's plus `0.3 · T/(T−1)` times the MTP sum's, and
+/// its components on the module, the shared trunk and the embedding match central finite
+/// differences of the objective.
+#[test]
+fn the_objective_gradient_is_right() {
+    let cfg = small_config(&[
+        "local_devices=1",
+        "mtp_num_layers=1",
+        "mtp_loss_scaling_factor=0.3",
+    ]);
+    let (values, rows) = start(&cfg);
+    let t = rows[0].len() - 1;
+    let (_, total) = value_and_grad(&cfg, &values, &rows, Of::Total);
+    let (_, main) = value_and_grad(&cfg, &values, &rows, Of::Main);
+    let (_, mtp) = value_and_grad(&cfg, &values, &rows, Of::Mtp);
+    let w = 0.3 * t as f32 / (t - 1) as f32;
+    let names: Vec<String> = cfg
+        .plan()
+        .unwrap()
+        .params()
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
+    for (i, name) in names.iter().enumerate() {
+        let scale = total[i].data().iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+        for (j, &g) in total[i].data().iter().enumerate() {
+            let by_parts = main[i].data()[j] + w * mtp[i].data()[j];
+            assert!(
+                (g - by_parts).abs() <= 1e-4 * scale,
+                "{name}[{j}]: {g} vs {by_parts}"
+            );
+        }
+    }
+    // Central differences of the objective (f32 forward, h = 1e-2).
+    let probes = [
+        ("model.layers.2.eh_proj.weight", 5),
+        ("model.layers.2.enorm.weight", 3),
+        ("model.layers.2.hnorm.weight", 7),
+        ("model.layers.2.shared_head.head.weight", 40),
+        ("model.layers.1.mlp.down_proj.weight", 11),
+        ("model.norm.weight", 2),
+    ];
+    let h = 1e-2f32;
+    for (name, j) in probes {
+        let i = names.iter().position(|n| n == name).unwrap();
+        let at = |d: f32| {
+            let mut v = values.clone();
+            let mut data = v[i].data().to_vec();
+            data[j] += d;
+            v[i] = Tensor::new(v[i].shape().to_vec(), data).unwrap();
+            value_and_grad(&cfg, &v, &rows, Of::Total).0
+        };
+        let fd = (at(h) - at(-h)) / (2.0 * f64::from(h));
+        let g = f64::from(total[i].data()[j]);
+        assert!(
+            (fd - g).abs() <= 2e-3 + 2e-2 * g.abs(),
+            "{name}[{j}]: finite differences {fd} vs the gradient {g}"
+        );
+        assert!(g.abs() > 1e-4, "{name}[{j}]: a probe that could be wrong");
+    }
+}
+
+/// Factor 0: the shared parameters and the losses are bitwise those of a run without the
+/// module (4 devices, GA 2: the deferral path). The mirror: factor 0.1 moves both.
+#[test]
+fn factor_zero_trains_the_main_model_bitwise_as_without_the_module() {
+    let layout = ["local_devices=4", "gradient_accumulation_steps=2"];
+    let plain = run(&layout);
+    let zero = run(&[
+        &layout[..],
+        &["mtp_num_layers=1", "mtp_loss_scaling_factor=0"],
+    ]
+    .concat());
+    let some = run(&[
+        &layout[..],
+        &["mtp_num_layers=1", "mtp_loss_scaling_factor=0.1"],
+    ]
+    .concat());
+    let n = plain.params.len();
+    assert!(zero.params.len() > n);
+    let (p, z, s) = (
+        plain.values.as_ref().unwrap(),
+        zero.values.as_ref().unwrap(),
+        some.values.as_ref().unwrap(),
+    );
+    assert_eq!(
+        &z[..n],
+        &p[..],
+        "factor 0: the shared weights are the plain run's"
+    );
+    let bits = |r: &TrainReport| {
+        r.metrics
+            .iter()
+            .map(|m| m.loss.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&zero), bits(&plain));
+    assert_ne!(
+        &s[..n],
+        &p[..],
+        "mirror: factor 0.1 changes the shared weights"
+    );
+    assert_ne!(bits(&some), bits(&plain));
+    assert!(plain.metrics.iter().all(|m| m.mtp_loss.is_none()));
+    assert!(zero.metrics.iter().all(|m| m.mtp_loss.is_some()));
+}
+
+/// The reported loss is the main mean plus `factor × mtp_loss` (step 0 against a run without
+/// the module, which has the same initial trunk and data); both losses fall over 24 steps; the
+/// deferral holds: no all-reduce of more than one element inside micro-batches.
+#[test]
+fn both_losses_fall_and_the_loss_adds_the_scaled_mtp_loss() {
+    let layout = [
+        "local_devices=4",
+        "gradient_accumulation_steps=2",
+        "steps=30",
+    ];
+    let plain = run(&layout);
+    let with = run(&[
+        &layout[..],
+        &["mtp_num_layers=1", "mtp_loss_scaling_factor=0.25"],
+    ]
+    .concat());
+    let (m0, p0) = (&with.metrics[0], &plain.metrics[0]);
+    let mtp0 = m0.mtp_loss.unwrap();
+    let by_hand = p0.loss + 0.25 * mtp0;
+    assert!(
+        (m0.loss - by_hand).abs() <= 1e-5 * by_hand,
+        "{} vs {by_hand}",
+        m0.loss
+    );
+    let last = with.metrics.last().unwrap();
+    eprintln!(
+        "loss {:.4} → {:.4}, mtp_loss {mtp0:.4} → {:.4}",
+        m0.loss,
+        last.loss,
+        last.mtp_loss.unwrap()
+    );
+    assert!(last.loss < m0.loss - 0.05);
+    assert!(last.mtp_loss.unwrap() < mtp0 - 0.1);
+    assert!(with.gate.is_open());
+    let big = with
+        .trace
+        .all_reduces_larger_than(1, &PhasePattern::new("micro_batch*"));
+    assert!(big.is_empty(), "all-reduces inside micro-batches: {big:?}");
+    // The metrics line carries it.
+    let line = serde_json::to_value(last).unwrap();
+    assert!(line["mtp_loss"].as_f64().is_some());
+    assert!(serde_json::to_value(&plain.metrics[0])
+        .unwrap()
+        .get("mtp_loss")
+        .is_none());
+}
+
+/// Resumed from a step-boundary checkpoint, a run with the module has the uninterrupted run's
+/// losses and MTP losses bit for bit, and its final weights (the module's included).
+#[test]
+fn a_resumed_run_with_the_module_is_bitwise() {
+    let base = scratch("resume");
+    let dir = format!("base_output_directory={}", base.display());
+    let common = [
+        "mtp_num_layers=1",
+        "gradient_accumulation_steps=2",
+        "steps=4",
+        &dir,
+    ];
+    let checkpoints = [
+        "enable_checkpointing=true",
+        "checkpoint_period=1",
+        "run_name=split",
+    ];
+    let whole = run(&[&common[..], &["run_name=whole"]].concat());
+    let cfg = small_config(&[&common[..], &checkpoints[..], &["learning_rate=0.01"]].concat());
+    let first = train(
+        &cfg,
+        &RunOptions {
+            stop_after_steps: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let rest = train(
+        &cfg,
+        &RunOptions {
+            return_params: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let bits = |ms: &[ferrotext_train::StepMetrics]| {
+        ms.iter()
+            .map(|m| (m.loss.to_bits(), m.mtp_loss.map(f64::to_bits)))
+            .collect::<Vec<_>>()
+    };
+    let mut resumed = bits(&first.metrics);
+    resumed.extend(bits(&rest.metrics));
+    assert_eq!(rest.first_step, 2);
+    assert_eq!(resumed, bits(&whole.metrics));
+    assert_eq!(rest.values, whole.values);
+    std::fs::remove_dir_all(&base).ok();
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures/transformers")
+        .join(name)
+}
+
+/// A DeepSeek-V3 directory's keys for a short run on one device (its vocabulary, 128).
+fn hf_config(dir: &Path, extra: &[&str]) -> Result<TrainConfig, TrainError> {
+    let mut all: Vec<String> = vec![
+        format!("load_parameters_path={}", dir.display()),
+        "max_target_length=16".into(),
+        "per_device_batch_size=2".into(),
+        "local_devices=1".into(),
+        "steps=2".into(),
+        "learning_rate=0.01".into(),
+        "dataset_type=synthetic".into(),
+    ];
+    all.extend(extra.iter().map(|s| s.to_string()));
+    TrainConfig::load(None, &all)
+}
+
+/// The published layer trains with `mtp_num_layers=1` (the MTP loss reported) and the run's
+/// weights export with it: transformers' names and `num_nextn_predict_layers` 1, read back to
+/// the same values. Without the key the directory is refused, saying how to keep the layer.
+#[test]
+fn a_directory_with_the_layer_trains_exports_and_is_never_dropped() {
+    let dir = fixture("deepseek_v3-mtp-tf5-f32-single");
+    let refused = hf_config(&dir, &[]).and_then(|c| train(&c, &RunOptions::default()).map(drop));
+    let e = refused.unwrap_err();
+    assert!(e.is_usage(), "{e}");
+    assert!(e.to_string().contains("set mtp_num_layers=1"), "{e}");
+    let cfg = hf_config(&dir, &["mtp_num_layers=1"]).unwrap();
+    let report = train(
+        &cfg,
+        &RunOptions {
+            return_params: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(report
+        .metrics
+        .iter()
+        .all(|m| m.mtp_loss.is_some_and(f64::is_finite)));
+    let values = report.values.unwrap();
+    let plan = cfg.plan().unwrap();
+    let out = scratch("export");
+    ferrotext_hf::save_directory(
+        &out,
+        plan.decoder().config(),
+        plan.params(),
+        &values,
+        ferrotext_hf::SaveDtype::F32,
+        u64::MAX,
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["num_nextn_predict_layers"], 1);
+    let again = ferrotext_hf::read_config(&out).unwrap();
+    assert_eq!(again.mtp_num_layers, 1);
+    assert_eq!(
+        ferrotext_hf::load_directory(&out, plan.params()).unwrap(),
+        values
+    );
+    std::fs::remove_dir_all(&out).ok();
+}
+
+/// A depth of 2 and a negative or non-finite factor: usage errors naming the key; the mirrors
+/// (depth 1, factor 0) are accepted.
+#[test]
+fn bad_mtp_values_are_usage_errors_naming_the_key() {
+    let check = |args: &[&str]| {
+        let all: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        TrainConfig::load(None, &all).and_then(|c| c.plan().map(drop))
+    };
+    for (arg, key) in [
+        ("mtp_num_layers=2", "mtp_num_layers"),
+        ("mtp_loss_scaling_factor=-0.1", "mtp_loss_scaling_factor"),
+        ("mtp_loss_scaling_factor=nan", "mtp_loss_scaling_factor"),
+        ("mtp_loss_scaling_factor=inf", "mtp_loss_scaling_factor"),
+    ] {
+        let e = check(&["dataset_type=synthetic", arg]).unwrap_err();
+        assert!(e.is_usage() && e.to_string().contains(key), "{arg}: {e}");
+    }
+    check(&[
+        "dataset_type=synthetic",
+        "mtp_num_layers=1",
+        "mtp_loss_scaling_factor=0",
+    ])
+    .unwrap();
+}
