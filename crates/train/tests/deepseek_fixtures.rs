@@ -2,8 +2,9 @@
 //! `crates/hf/tests/fixtures/transformers/` (made by `make_fixtures.py` with transformers'
 //! `save_pretrained` and a float64 forward): group-limited routing (`n_group` 4, `topk_group`
 //! 2), a trained `e_score_correction_bias` and `routed_scaling_factor` 2.5 give transformers'
-//! step-0 loss within 2e-5 and its 16 greedy tokens; export → reload gives the same values; a
-//! directory with a multi-token-prediction layer is refused by name, never dropped.
+//! step-0 loss within 2e-5 and its 16 greedy tokens; export → reload gives the same values. A
+//! directory with the multi-token-prediction layer loads it (`mtp_num_layers` 1) and gives the
+//! reference MTP loss; a model without the module refuses it by name, never drops it.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -230,8 +231,9 @@ fn rows_of(want: &Value) -> Vec<Vec<u32>> {
 /// A directory whose checkpoint has the multi-token-prediction layer (`model.layers.2.*`), in
 /// both config generations and both dtypes, loads through the normal path (`read_config` →
 /// `mtp_num_layers` 1 → the decoder's weight map): its MTP loss is the reference's `mtp_loss`
-/// and its main loss transformers' `loss`, each within 2e-5, and the objective is
-/// `main + 0.1 × MTP mean` in sum form (`T / (T − 1)` per MTP sum).
+/// and its main loss transformers' `loss`, each within 2e-5, the objective is
+/// `main + 0.1 × MTP mean` in sum form (`T / (T − 1)` per MTP sum), and the greedy tokens are
+/// transformers' (generation ignores the module).
 #[test]
 fn mtp_directories_load_and_give_the_reference_losses() {
     for name in [
@@ -274,6 +276,9 @@ fn mtp_directories_load_and_give_the_reference_losses() {
             (total - main).abs() > 1e-3,
             "{name}: the MTP term is in the objective"
         );
+        // Generation ignores the module: transformers' 16 greedy tokens.
+        let tokens = greedy(&model, &values, &ids(&want["prompt"]));
+        assert_eq!(tokens, ids(&want["greedy_tokens"]), "{name}");
     }
 }
 

@@ -2,8 +2,8 @@
 //! item 3): the objective's gradient is the main loss's plus `factor · T/(T−1)` times the MTP
 //! sum's, and matches central finite differences; factor 0 leaves the shared parameters
 //! bitwise those of a run without the module (factor 0.1 does not); the reported loss is the
-//! main mean plus `factor × mtp_loss`, both fall in training, and the deferral still holds; a
-//! resume is bitwise; a DeepSeek-V3 directory with the layer trains and exports with it, and
+//! main mean plus `factor × mtp_loss`, both fall in training, and the deferral still holds (in
+//! abstract mode too); ZeRO-1 carries the module; a resume is bitwise; a DeepSeek-V3 directory with the layer trains and exports with it, and
 //! refuses to load without `mtp_num_layers=1`; bad values are usage errors naming the key.
 
 use std::path::{Path, PathBuf};
@@ -405,4 +405,37 @@ fn bad_mtp_values_are_usage_errors_naming_the_key() {
         "mtp_loss_scaling_factor=0",
     ])
     .unwrap();
+}
+
+/// ZeRO-1 carries the module's parameters with no special path: its weights (the module's
+/// included) match the replicated optimizer's, as the plain model's do.
+#[test]
+fn zero1_carries_the_module() {
+    let mtp = ["mtp_num_layers=1"];
+    let plain = run(&mtp);
+    let zero1 = run(&[&mtp[..], &["shard_optimizer_over_data=true"]].concat());
+    assert!(zero1.zero1.is_open());
+    let d = common::max_rel_diff(&zero1, &plain);
+    assert!(d <= 1e-6, "max relative weight difference {d}");
+    let n = plain.params.len();
+    assert_eq!(
+        plain.params[n - 1].name,
+        "model.layers.2.shared_head.head.weight"
+    );
+}
+
+/// Abstract mode (`ferrotext plan`) types a step with the module on 4 devices: the deferral
+/// holds there too (no gradient all-reduce inside a micro-batch).
+#[test]
+fn an_abstract_step_types_the_module() {
+    let cfg = small_config(&["mtp_num_layers=1", "gradient_accumulation_steps=2"]);
+    let plan = cfg.plan().unwrap();
+    let source = source_for(&cfg, 256).unwrap();
+    let (gate, trace) = ferrotext_train::plan_step(&plan, source.into()).unwrap();
+    assert!(gate.is_open());
+    let big = trace.all_reduces_larger_than(1, &PhasePattern::new("micro_batch*"));
+    assert!(big.is_empty(), "{big:?}");
+    assert!(!trace
+        .all_reduces_larger_than(1, &PhasePattern::new("update*"))
+        .is_empty());
 }
