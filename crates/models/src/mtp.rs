@@ -31,7 +31,8 @@
 //! Left out: depths above 1 (refused by [`check`]; the published model and transformers have
 //! one), the module's MoE load-balance loss and expert loads (not the main model's: dropped, so
 //! the aux-loss-free balancing does not move its selection bias), its use in generation (ignored
-//! there), and a compute dtype other than f32.
+//! there), and casts of its own to the compute dtype (under `dtype=bfloat16` its ops take the
+//! dtypes their inputs arrive in).
 
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, IGNORE_INDEX};
 

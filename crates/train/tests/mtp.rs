@@ -439,3 +439,15 @@ fn an_abstract_step_types_the_module() {
         .all_reduces_larger_than(1, &PhasePattern::new("update*"))
         .is_empty());
 }
+
+/// A bf16 run (`dtype=bfloat16`) trains the module too: finite losses, and other numbers than
+/// the float32 run's.
+#[test]
+fn a_bf16_run_trains_the_module() {
+    let f32_run = run(&["mtp_num_layers=1"]);
+    let bf16 = run(&["mtp_num_layers=1", "dtype=bfloat16"]);
+    for m in &bf16.metrics {
+        assert!(m.loss.is_finite() && m.mtp_loss.is_some_and(f64::is_finite), "{m:?}");
+    }
+    assert_ne!(bf16.metrics[0].mtp_loss, f32_run.metrics[0].mtp_loss);
+}
