@@ -447,7 +447,10 @@ fn a_bf16_run_trains_the_module() {
     let f32_run = run(&["mtp_num_layers=1"]);
     let bf16 = run(&["mtp_num_layers=1", "dtype=bfloat16"]);
     for m in &bf16.metrics {
-        assert!(m.loss.is_finite() && m.mtp_loss.is_some_and(f64::is_finite), "{m:?}");
+        assert!(
+            m.loss.is_finite() && m.mtp_loss.is_some_and(f64::is_finite),
+            "{m:?}"
+        );
     }
     assert_ne!(bf16.metrics[0].mtp_loss, f32_run.metrics[0].mtp_loss);
 }
