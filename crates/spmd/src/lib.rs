@@ -21,7 +21,9 @@ transpose; `autodiff` holds only the tape and the reverse walk that dispatches t
 |---|---|
 | `ctx` | [`Ctx`]: construction, arrays from host data, the mode-aware collective helpers |
 | `elementwise` | [`UnaryOp`], the binary ops, and their transposes |
-| `dot` | `dot_general`/`matmul` and their transposes (where deferral happens) |
+| `array` | [`Array`]: a type and this device's shard, stored in the type's dtype (bf16 rounded once where it is made) |
+| `convert` | `cast` between f32 and bf16 (JAX's `convert_element_type`) and its transpose |
+| `dot` | `dot_general`/`matmul` (bf16 operands on the bf16 product, `dot_general_preferred` for an f32 result) and their transposes (where deferral happens) |
 | `shape_ops` | `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose` and their transposes |
 | `reshard` | `reshard`, the data movement between layouts, and its transpose |
 | `structural` | [`Ids`], `slice`, `concat`, `take`, `select` and their transposes |

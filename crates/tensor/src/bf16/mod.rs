@@ -130,6 +130,7 @@ impl Bf16Tensor {
 
     /// `x` rounded to bf16 ([`round_bf16`] per element), on the kernel thread budget.
     pub fn from_f32(x: &Tensor) -> Bf16Tensor {
+        let _span = ferrotext_profile::span("round_bf16");
         let mut data = vec![bf16::ZERO; x.len()];
         let src = x.data();
         for_each_chunk(
@@ -150,6 +151,7 @@ impl Bf16Tensor {
 
     /// The values widened to `f32` (exact), on the kernel thread budget.
     pub fn to_f32(&self) -> Tensor {
+        let _span = ferrotext_profile::span("widen_bf16");
         let mut out = vec![0.0f32; self.data.len()];
         for_each_chunk(
             &mut out,
@@ -220,6 +222,8 @@ impl Bf16Tensor {
     /// # Errors
     /// `perm` is not a permutation of the dimensions.
     pub fn transpose(&self, perm: &[usize]) -> Result<Bf16Tensor, TensorError> {
+        let _span =
+            ferrotext_profile::span("transpose_bf16").map(|s| s.bytes(4.0 * self.len() as f64));
         let mut seen = vec![false; self.shape.len()];
         if perm.len() != self.shape.len()
             || !perm
