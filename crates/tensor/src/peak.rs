@@ -34,12 +34,37 @@ pub struct CpuPeak {
     pub clock_hz: f64,
     /// Where the clock was read.
     pub clock_source: &'static str,
+    /// The CPU has AVX512_BF16: `vdpbf16ps` does two bf16 multiply-adds per f32 lane.
+    pub bf16_pairs: bool,
 }
 
 impl CpuPeak {
     /// Peak f32 FLOP/s: cores × FMA units × lanes × 2 × clock.
     pub fn flops(&self) -> f64 {
         (self.cores * self.fma_units * self.lanes * 2) as f64 * self.clock_hz
+    }
+
+    /// Peak bf16 × bf16 → f32 FLOP/s: twice [`CpuPeak::flops`] where `vdpbf16ps` exists (two
+    /// multiply-adds per lane per instruction, on the same FMA units), else the f32 peak (the
+    /// products run on widened operands).
+    pub fn bf16_flops(&self) -> f64 {
+        if self.bf16_pairs {
+            2.0 * self.flops()
+        } else {
+            self.flops()
+        }
+    }
+
+    /// The peak for products in `bf16` (true) or `f32`, as a sentence for a run's summary.
+    pub fn describe_for(&self, bf16: bool) -> String {
+        match (bf16, self.bf16_pairs) {
+            (false, _) => self.to_string(),
+            (true, true) => format!(
+                "{:.1} GFLOP/s bf16 = 2 × the f32 peak {self} (AVX512_BF16: two multiply-adds per lane)",
+                self.bf16_flops() / 1e9
+            ),
+            (true, false) => format!("{self} (no AVX512_BF16: bf16 products run at the f32 rate)"),
+        }
     }
 }
 
@@ -95,6 +120,7 @@ pub fn cpu_peak() -> CpuPeak {
         })
         .unwrap_or((2e9, "unknown, 2 GHz assumed"));
     CpuPeak {
+        bf16_pairs: has_bf16_pairs(),
         cores: logical.div_ceil(smt).max(1),
         fma_units: 2,
         lanes,
@@ -125,6 +151,16 @@ fn simd_lanes() -> (usize, &'static str) {
 #[cfg(not(target_arch = "x86_64"))]
 fn simd_lanes() -> (usize, &'static str) {
     (4, "portable")
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_bf16_pairs() -> bool {
+    is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_bf16_pairs() -> bool {
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -160,6 +196,30 @@ mod tests {
         assert_eq!(p.flops(), want);
         assert_eq!(cpu_peak(), p, "reading it twice gives the same peak");
         assert!(p.to_string().contains("GFLOP/s"));
+    }
+
+    #[test]
+    fn the_bf16_peak_doubles_only_with_avx512_bf16() {
+        let with = CpuPeak {
+            cores: 2,
+            fma_units: 2,
+            lanes: 16,
+            simd: "avx512f",
+            clock_hz: 2.5e9,
+            clock_source: "test",
+            bf16_pairs: true,
+        };
+        // 2 cores × 2 units × 16 lanes × 2 FLOP × 2.5 GHz = 320 GFLOP/s f32, 640 bf16.
+        assert_eq!(with.flops(), 320e9);
+        assert_eq!(with.bf16_flops(), 640e9);
+        let without = CpuPeak {
+            bf16_pairs: false,
+            ..with
+        };
+        assert_eq!(without.bf16_flops(), 320e9);
+        assert!(with.describe_for(true).starts_with("640.0 GFLOP/s bf16"));
+        assert!(without.describe_for(true).contains("no AVX512_BF16"));
+        assert_eq!(with.describe_for(false), with.to_string());
     }
 
     #[test]

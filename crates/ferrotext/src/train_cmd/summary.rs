@@ -81,14 +81,25 @@ fn print_speed(config: &TrainConfig, report: &TrainReport, step_seconds: f64, wa
     // The stated peak (from the CPU's description), so the figure does not move with how busy
     // the machine was at start-up; `bench kernels` measures the achieved gemm rate.
     let peak = ferrotext_tensor::cpu_peak();
-    let mfu = report.flops_per_token * tok_s / peak.flops();
+    // Against the peak of the products' dtype: a bf16 run's matmuls may run at twice the f32
+    // rate (AVX512_BF16), so its utilisation is measured against that.
+    let bf16 = config
+        .precision()
+        .is_ok_and(|p| p.dtype == ferrotext_train::Dtype::Bfloat16);
+    let peak_flops = if bf16 {
+        peak.bf16_flops()
+    } else {
+        peak.flops()
+    };
+    let mfu = report.flops_per_token * tok_s / peak_flops;
     println!(
         "  median step      {:.1} ms  ({tok_s:.0} tokens/s; whole run {wall:.1} s)",
         step_seconds * 1e3
     );
     println!(
-        "  model FLOPs util {:.1}% of the stated peak {peak}",
-        mfu * 100.0
+        "  model FLOPs util {:.1}% of the stated peak {}",
+        mfu * 100.0,
+        peak.describe_for(bf16)
     );
     if let Some(mb) = peak_rss_mb() {
         println!("  peak RSS         {mb:.1} MB");
