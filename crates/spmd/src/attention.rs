@@ -24,6 +24,7 @@ use crate::array::Array;
 use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::fused::bf16_operands;
 use crate::rules;
 
 const OP: &str = "causal_attention";
@@ -118,18 +119,24 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         let out_ty = attention_type(q.ty(), k.ty(), v.ty())?;
         let threads = self.threads();
-        let (local, probs) = match (
-            q.local_opt().as_deref(),
-            k.local_opt().as_deref(),
-            v.local_opt().as_deref(),
-        ) {
-            (Some(a), Some(b), Some(c)) => {
-                let fused = ferrotext_tensor::causal_attention(a, b, c, scale, threads)?;
-                (Some(fused.out), Some(fused.probs))
-            }
-            _ => (None, None),
+        let (out, probs) = if let Some(b) = bf16_operands(&out_ty, &[q, k, v]) {
+            let (out, probs) =
+                ferrotext_tensor::causal_attention_bf16(b[0], b[1], b[2], scale, threads)?;
+            (Array::from_bf16(out_ty, Some(out))?, Some(probs))
+        } else {
+            let (local, probs) = match (
+                q.local_opt().as_deref(),
+                k.local_opt().as_deref(),
+                v.local_opt().as_deref(),
+            ) {
+                (Some(a), Some(b), Some(c)) => {
+                    let fused = ferrotext_tensor::causal_attention(a, b, c, scale, threads)?;
+                    (Some(fused.out), Some(fused.probs))
+                }
+                _ => (None, None),
+            };
+            (Array::new(out_ty, local), probs)
         };
-        let out = Array::new(out_ty, local);
         self.record(
             Backward::CausalAttention {
                 q: q.clone(),
@@ -155,6 +162,17 @@ impl Ctx<'_> {
         ct: &Array,
     ) -> Result<[Array; 3], SpmdError> {
         let threads = self.threads();
+        if let (Some(b), Some(p)) = (bf16_operands(&q.ty().to_cotangent(), &[q, k, v, ct]), probs) {
+            // k and v hold bf16, so their types (and their cotangents') are bf16 too.
+            let (dq, dk, dv) = ferrotext_tensor::causal_attention_backward_bf16(
+                b[0], b[1], b[2], p, b[3], scale, threads,
+            )?;
+            return Ok([
+                Array::from_bf16(q.ty().to_cotangent(), Some(dq))?,
+                Array::from_bf16(k.ty().to_cotangent(), Some(dk))?,
+                Array::from_bf16(v.ty().to_cotangent(), Some(dv))?,
+            ]);
+        }
         let (dq, dk, dv) = match (
             q.local_opt().as_deref(),
             k.local_opt().as_deref(),

@@ -11,12 +11,13 @@
 //! batch) must not cost a reduction. `max` has no transpose.
 
 use ferrotext_sharding::{ArrayType, PartitionSpec};
-use ferrotext_tensor::Tensor;
+use ferrotext_tensor::{Bf16Tensor, Tensor};
 
 use crate::array::Array;
 use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
+use crate::fused::bf16_operands;
 use crate::rules::{self, BinaryOp};
 
 /// Elementwise unary ops.
@@ -84,6 +85,25 @@ impl UnaryOp {
         }
     }
 
+    /// [`UnaryOp::map`] on a bf16 tensor: the same `f32` function on each widened element, rounded
+    /// (bitwise the `f32` map on the widened tensor, rounded on store).
+    fn map_bf16(self, t: &Bf16Tensor) -> Bf16Tensor {
+        use ferrotext_tensor::map_bf16 as m;
+        match self {
+            UnaryOp::Neg => m(t, |x| -x),
+            UnaryOp::Scale(k) => m(t, |x| k * x),
+            UnaryOp::Exp => m(t, f32::exp),
+            UnaryOp::Log => m(t, f32::ln),
+            UnaryOp::Sin => m(t, f32::sin),
+            UnaryOp::Cos => m(t, f32::cos),
+            UnaryOp::Tanh => m(t, f32::tanh),
+            UnaryOp::Square => m(t, |x| x * x),
+            UnaryOp::Rsqrt => m(t, |x| 1.0 / x.sqrt()),
+            UnaryOp::Silu => m(t, |x| x / (1.0 + (-x).exp())),
+            UnaryOp::Sigmoid => m(t, |x| 1.0 / (1.0 + (-x).exp())),
+        }
+    }
+
     /// d(op)/dx elementwise at `x` (with `y = op(x)` at hand), one monomorphic loop per op.
     pub(crate) fn derivative(self, x: &Tensor, y: &Tensor) -> Result<Tensor, SpmdError> {
         Ok(match self {
@@ -102,6 +122,43 @@ impl UnaryOp {
             }),
             UnaryOp::Sigmoid => y.map(|s| s * (1.0 - s)),
         })
+    }
+}
+
+/// `a ∘ b` on bf16 shards of one shape: the `f32` function on the widened elements, rounded
+/// (bitwise the `f32` op on the widened shards, rounded on store); one monomorphic loop per op.
+fn binary_bf16(op: BinaryOp, a: &Bf16Tensor, b: &Bf16Tensor) -> Result<Bf16Tensor, SpmdError> {
+    use ferrotext_tensor::zip_bf16 as z;
+    Ok(match op {
+        BinaryOp::Add => z(a, b, |p, q| p + q)?,
+        BinaryOp::Sub => z(a, b, |p, q| p - q)?,
+        BinaryOp::Mul => z(a, b, |p, q| p * q)?,
+        BinaryOp::Div => z(a, b, |p, q| p / q)?,
+        BinaryOp::Max => z(a, b, f32::max)?,
+    })
+}
+
+impl UnaryOp {
+    /// [`UnaryOp::derivative`] on bf16 `x` and `y`, each value rounded to bf16 as the `f32` one
+    /// is when stored in `x`'s (bf16) type: the same `f32` functions on the widened elements.
+    fn derivative_bf16(self, x: &Bf16Tensor, y: &Bf16Tensor) -> Bf16Tensor {
+        use ferrotext_tensor::map_bf16 as m;
+        match self {
+            UnaryOp::Neg => m(x, |_| -1.0),
+            UnaryOp::Scale(k) => m(x, |_| k),
+            UnaryOp::Exp => y.clone(),
+            UnaryOp::Log => m(x, |v| 1.0 / v),
+            UnaryOp::Sin => m(x, f32::cos),
+            UnaryOp::Cos => m(x, |v| -v.sin()),
+            UnaryOp::Tanh => m(y, |t| 1.0 - t * t),
+            UnaryOp::Square => m(x, |v| 2.0 * v),
+            UnaryOp::Rsqrt => m(y, |r| -0.5 * r * r * r),
+            UnaryOp::Silu => m(x, |v| {
+                let s = 1.0 / (1.0 + (-v).exp());
+                s * (1.0 + v * (1.0 - s))
+            }),
+            UnaryOp::Sigmoid => m(y, |s| s * (1.0 - s)),
+        }
     }
 }
 
@@ -129,6 +186,10 @@ impl Ctx<'_> {
         } else {
             rules::unary_type(op.name(), op.is_linear(), x.ty())?
         };
+        if let Some(b) = bf16_operands(&ty, &[x]) {
+            let y = op.map_bf16(b[0]);
+            return Array::from_bf16(ty, Some(y));
+        }
         let local = x.local_opt().as_deref().map(|t| op.map(t));
         Ok(Array::new(ty, local))
     }
@@ -212,6 +273,13 @@ impl Ctx<'_> {
         } else {
             rules::binary_type(op, a.ty(), b.ty())?.out
         };
+        if let Some(v) = bf16_operands(&out_ty, &[a, b]) {
+            // Operands whose shards are the output's shard shape need no slicing or broadcast.
+            let shard = out_ty.shard_shape();
+            if v[0].shape() == shard.as_slice() && v[1].shape() == shard.as_slice() {
+                return Array::from_bf16(out_ty, Some(binary_bf16(op, v[0], v[1])?));
+            }
+        }
         let local = match (a.local_opt().as_deref(), b.local_opt().as_deref()) {
             (Some(x), Some(y)) => {
                 let x = self.slice_to(x, a.ty(), &out_ty)?;
@@ -335,11 +403,15 @@ impl Ctx<'_> {
         if matches!(op, UnaryOp::Neg | UnaryOp::Scale(_)) {
             return self.unary_untracked(op, ct);
         }
-        let local = match (x.local_opt().as_deref(), out.local_opt().as_deref()) {
-            (Some(xv), Some(yv)) => Some(op.derivative(xv, yv)?),
-            _ => None,
+        let deriv = if let Some(b) = bf16_operands(x.ty(), &[x, out]) {
+            Array::from_bf16(x.ty().clone(), Some(op.derivative_bf16(b[0], b[1])))?
+        } else {
+            let local = match (x.local_opt().as_deref(), out.local_opt().as_deref()) {
+                (Some(xv), Some(yv)) => Some(op.derivative(xv, yv)?),
+                _ => None,
+            };
+            Array::new(x.ty().clone(), local)
         };
-        let deriv = Array::new(x.ty().clone(), local);
         self.binary_untracked(BinaryOp::Mul, ct, &deriv)
     }
 

@@ -8,7 +8,8 @@
 //! sharded on is used locally and its cotangent comes back unreduced there (docs/design.md §4.2) —
 //! the same answer `mul` gives, whose rule RMSNorm reuses.
 
-use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
+use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, PartitionSpec};
+use ferrotext_tensor::Bf16Tensor;
 
 use crate::array::Array;
 use crate::autodiff::Backward;
@@ -55,6 +56,17 @@ fn check_rowwise(op: &str, x: &ArrayType, dims_from_end: usize) -> Result<(), Sp
     Ok(())
 }
 
+/// The operands' bf16 shards when the result `out` is stored in bf16 and every operand is too:
+/// then an op runs its bf16 kernel on them (no widening copy, no rounding pass), which gives
+/// the bits the `f32` kernel on the widened shards would once rounded on store (the tensor
+/// crate's invariant). `None` otherwise (and in abstract mode): the op widens.
+pub(crate) fn bf16_operands<'a>(out: &ArrayType, xs: &[&'a Array]) -> Option<Vec<&'a Bf16Tensor>> {
+    if out.dtype() != DType::BF16 {
+        return None;
+    }
+    xs.iter().map(|x| x.local_bf16()).collect()
+}
+
 /// Axes that split the rows of `x` (every dim but the last `skip`), i.e. the axes a row-wise
 /// sum over all rows is partial over.
 fn row_axes(x: &ArrayType) -> AxisSet {
@@ -90,14 +102,21 @@ impl Ctx<'_> {
         // §10): the output takes `x`'s dtype.
         let scale_as_x = scale.ty().with_dtype(x.ty().dtype());
         let out_ty = rules::binary_type(BinaryOp::Mul, x.ty(), &scale_as_x)?.out;
-        let (local, inv) = match (x.local_opt().as_deref(), scale.local_opt().as_deref()) {
-            (Some(xv), Some(s)) => {
-                let (y, inv) = ferrotext_tensor::rms_norm(xv, s, eps)?;
-                (Some(y), inv)
+        let native = bf16_operands(&out_ty, &[x]);
+        let (out, inv) = match (native, scale.local_opt()) {
+            (Some(xb), Some(s)) => {
+                let (y, inv) = ferrotext_tensor::rms_norm_bf16(xb[0], &s, eps)?;
+                (Array::from_bf16(out_ty, Some(y))?, inv)
             }
-            _ => (None, Vec::new()),
+            (None, s) => match (x.local_opt().as_deref(), s.as_deref()) {
+                (Some(xv), Some(s)) => {
+                    let (y, inv) = ferrotext_tensor::rms_norm(xv, s, eps)?;
+                    (Array::new(out_ty, Some(y)), inv)
+                }
+                _ => (Array::new(out_ty, None), Vec::new()),
+            },
+            (Some(_), None) => (Array::new(out_ty, None), Vec::new()),
         };
-        let out = Array::new(out_ty, local);
         self.record(
             Backward::RmsNorm {
                 x: x.clone(),
@@ -117,18 +136,24 @@ impl Ctx<'_> {
         inv_rms: &[f32],
         need_scale: bool,
     ) -> Result<(Array, Option<Array>), SpmdError> {
-        let (dx, dscale) = match (
-            x.local_opt().as_deref(),
-            scale.local_opt().as_deref(),
-            ct.local_opt().as_deref(),
-        ) {
-            (Some(xv), Some(s), Some(c)) => {
-                let (dx, ds) = ferrotext_tensor::rms_norm_backward(xv, s, inv_rms, c)?;
-                (Some(dx), Some(ds))
+        let dx_ty = x.ty().to_cotangent();
+        let (dx, dscale) = match (bf16_operands(&dx_ty, &[x, ct]), scale.local_opt()) {
+            (Some(b), Some(s)) => {
+                let (dx, ds) = ferrotext_tensor::rms_norm_backward_bf16(b[0], &s, inv_rms, b[1])?;
+                (Array::from_bf16(dx_ty, Some(dx))?, Some(ds))
             }
-            _ => (None, None),
+            (_, s) => match (
+                x.local_opt().as_deref(),
+                s.as_deref(),
+                ct.local_opt().as_deref(),
+            ) {
+                (Some(xv), Some(s), Some(c)) => {
+                    let (dx, ds) = ferrotext_tensor::rms_norm_backward(xv, s, inv_rms, c)?;
+                    (Array::new(dx_ty, Some(dx)), Some(ds))
+                }
+                _ => (Array::new(dx_ty, None), None),
+            },
         };
-        let dx = Array::new(x.ty().to_cotangent(), dx);
         if !need_scale {
             return Ok((dx, None));
         }
@@ -311,11 +336,15 @@ impl Ctx<'_> {
                 "gate and up must be laid out alike",
             ));
         }
-        let local = match (g.local_opt().as_deref(), u.local_opt().as_deref()) {
-            (Some(a), Some(b)) => Some(ferrotext_tensor::swiglu(a, b)?),
-            _ => None,
+        let out = if let Some(b) = bf16_operands(&out_ty, &[g, u]) {
+            Array::from_bf16(out_ty, Some(ferrotext_tensor::swiglu_bf16(b[0], b[1])?))?
+        } else {
+            let local = match (g.local_opt().as_deref(), u.local_opt().as_deref()) {
+                (Some(a), Some(b)) => Some(ferrotext_tensor::swiglu(a, b)?),
+                _ => None,
+            };
+            Array::new(out_ty, local)
         };
-        let out = Array::new(out_ty, local);
         self.record(
             Backward::Swiglu {
                 g: g.clone(),
@@ -465,6 +494,14 @@ impl Ctx<'_> {
         u: &Array,
         ct: &Array,
     ) -> Result<[Array; 2], SpmdError> {
+        if let Some(b) = bf16_operands(&g.ty().to_cotangent(), &[g, u, ct]) {
+            // `u` holds bf16, so its type (and its cotangent's) is bf16 too.
+            let (dg, du) = ferrotext_tensor::swiglu_backward_bf16(b[0], b[1], b[2])?;
+            return Ok([
+                Array::from_bf16(g.ty().to_cotangent(), Some(dg))?,
+                Array::from_bf16(u.ty().to_cotangent(), Some(du))?,
+            ]);
+        }
         let (dg, du) = match (
             g.local_opt().as_deref(),
             u.local_opt().as_deref(),

@@ -13,6 +13,7 @@ use crate::array::Array;
 use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
+use crate::fused::bf16_operands;
 use crate::manual::typing::{manual_local, manual_without_out_sharding};
 use crate::rules;
 
@@ -175,6 +176,14 @@ impl Ctx<'_> {
             return manual_local(x, new_sizes.to_vec(), local);
         }
         let out_ty = rules::reshape_type(x.ty(), new_sizes, out_sharding)?;
+        if let Some(b) = bf16_operands(&out_ty, &[x]) {
+            // Each shard reshaped in place into the output's own layout: a bf16 view, no copy.
+            let natural = rules::reshape_type(x.ty(), new_sizes, None)?;
+            if rules::local_reshape_partitions(x.ty(), new_sizes).is_some() && natural == out_ty {
+                let local = b[0].reshaped(&out_ty.shard_shape())?;
+                return Array::from_bf16(out_ty, Some(local));
+            }
+        }
         let spec = x.ty().sharding().spec();
         // Either reshape each shard in place, or gather the partitions first.
         let (src_ty, src_local) = if rules::local_reshape_partitions(x.ty(), new_sizes).is_some() {
@@ -219,6 +228,9 @@ impl Ctx<'_> {
         perm: &[usize],
     ) -> Result<Array, SpmdError> {
         let ty = rules::transpose_type(x.ty(), perm)?;
+        if let Some(b) = bf16_operands(&ty, &[x]).filter(|_| !x.ty().is_manual()) {
+            return Array::from_bf16(ty, Some(b[0].transpose(perm)?));
+        }
         let local = match x.local_opt().as_deref() {
             Some(t) => Some(t.transpose(perm)?),
             None => None,

@@ -152,6 +152,7 @@ pub fn rms_norm_bf16(
     scale: &Tensor,
     eps: f32,
 ) -> Result<(Bf16Tensor, Vec<f32>), TensorError> {
+    let _span = ferrotext_profile::span("rms_norm_bf16");
     let n = last(x, "rms_norm_bf16")?;
     if scale.shape() != [n] {
         return Err(TensorError::shape(
@@ -196,6 +197,7 @@ pub fn rms_norm_backward_bf16(
     inv_rms: &[f32],
     dy: &Bf16Tensor,
 ) -> Result<(Bf16Tensor, Tensor), TensorError> {
+    let _span = ferrotext_profile::span("rms_norm_backward_bf16");
     same(x, dy, "rms_norm_backward_bf16")?;
     let n = last(x, "rms_norm_backward_bf16")?;
     if inv_rms.len() * n != x.len() || scale.shape() != [n] {
@@ -284,6 +286,7 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
 /// # Errors
 /// Shapes differ.
 pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
+    let _span = ferrotext_profile::span("swiglu_bf16");
     same(g, u, "swiglu_bf16")?;
     by_chunks(g.shape(), 1, CHUNK, &[g, u], |p| swiglu(&p[0], &p[1]))
 }
@@ -297,6 +300,7 @@ pub fn swiglu_backward_bf16(
     u: &Bf16Tensor,
     dy: &Bf16Tensor,
 ) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
+    let _span = ferrotext_profile::span("swiglu_backward_bf16");
     same(g, u, "swiglu_backward_bf16")?;
     same(g, dy, "swiglu_backward_bf16")?;
     by_chunks_pair(g.shape(), 1, CHUNK, &[g, u, dy], |p| {
