@@ -15,7 +15,8 @@ pub struct MemoryEstimate {
     pub activation_bytes: f64,
 }
 
-/// What [`crate::RunPlan::memory_per_device`] counts for one device, in bytes (`f32` values), with
+/// What [`crate::RunPlan::memory_per_device`] counts for one device, in bytes (`f32` values; the
+/// layers' activations in `dtype`), with
 /// the element counts the optimizer's cost is computed from. `total_bytes` is the sum of the five
 /// byte fields.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -34,7 +35,8 @@ pub struct DeviceMemory {
     pub gradient_bytes: f64,
     /// The optimizer state (AdamW's two moments; none for SGD; ÷ `data` under ZeRO-1).
     pub optimizer_bytes: f64,
-    /// One micro-batch's activations kept for the backward pass.
+    /// One micro-batch's activations kept for the backward pass: the layers' in `dtype` (2 bytes
+    /// in bf16), the logits' in `f32`.
     pub activation_bytes: f64,
     /// The sum of the five above.
     pub total_bytes: f64,
