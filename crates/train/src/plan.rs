@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use ferrotext_models::decoder::Decoder;
 use ferrotext_models::ParamInfo;
-use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh, PartitionSpec};
+use ferrotext_sharding::{AxisType, DType, LogicalAxisRules, Mesh, PartitionSpec};
 
 use crate::config::{
     gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, OptType, Precision, ShardMode,
@@ -273,7 +273,8 @@ impl RunPlan {
     /// The peak memory of one device, estimated: its parameters, the gradient accumulator, the
     /// reduced gradients, the optimizer state (÷ `data` under ZeRO-1, as are the reduced
     /// gradients, which ZeRO-1 reduce-scatters), all `f32`, and one micro-batch's activations:
-    /// the layers' in `dtype` (2 bytes in bf16), the logits' in `f32`.
+    /// the layers' in `dtype` (2 bytes in bf16), the logits' in `f32`, and in bf16 the weights'
+    /// bf16 copies the backward reads.
     /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
     ///
     /// # Errors
@@ -309,8 +310,16 @@ impl RunPlan {
         // Kept for the backward pass per layer: ~16 d-wide and 4 f-wide values per token, and
         // the attention probabilities; then the logits, their softmax and gradient.
         let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
-        let kept = self.precision().dtype.array_dtype().size_bytes() as f64;
-        let activation_bytes = layers * per_layer * kept + 3.0 * tokens * m.vocab_size as f64 * 4.0;
+        // In bf16 each weight's bf16 copy (cast at use) is kept for the backward too.
+        let dtype = self.precision().dtype.array_dtype();
+        let kept = dtype.size_bytes() as f64;
+        let copies = if dtype == DType::F32 {
+            0.0
+        } else {
+            local * kept
+        };
+        let activation_bytes =
+            layers * per_layer * kept + 3.0 * tokens * m.vocab_size as f64 * 4.0 + copies;
         let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
         let gradient_bytes = local / zero1 * 4.0;
         let optimizer_bytes = local * moments / zero1 * 4.0;

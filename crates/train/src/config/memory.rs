@@ -36,7 +36,7 @@ pub struct DeviceMemory {
     /// The optimizer state (AdamW's two moments; none for SGD; ÷ `data` under ZeRO-1).
     pub optimizer_bytes: f64,
     /// One micro-batch's activations kept for the backward pass: the layers' in `dtype` (2 bytes
-    /// in bf16), the logits' in `f32`.
+    /// in bf16), the logits' in `f32`; in bf16 also the weights' bf16 copies.
     pub activation_bytes: f64,
     /// The sum of the five above.
     pub total_bytes: f64,
