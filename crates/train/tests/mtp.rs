@@ -3,7 +3,8 @@
 //! sum's, and matches central finite differences; factor 0 leaves the shared parameters
 //! bitwise those of a run without the module (factor 0.1 does not); the reported loss is the
 //! main mean plus `factor × mtp_loss`, both fall in training, and the deferral still holds (in
-//! abstract mode too); ZeRO-1 carries the module; a resume is bitwise; a DeepSeek-V3 directory with the layer trains and exports with it, and
+//! abstract mode too); ZeRO-1 carries the module; a resume (at a step boundary or mid-step)
+//! is bitwise; a bf16 run trains it; a DeepSeek-V3 directory with the layer trains and exports with it, and
 //! refuses to load without `mtp_num_layers=1`; bad values are usage errors naming the key.
 
 use std::path::{Path, PathBuf};
@@ -453,4 +454,54 @@ fn a_bf16_run_trains_the_module() {
         );
     }
     assert_ne!(bf16.metrics[0].mtp_loss, f32_run.metrics[0].mtp_loss);
+}
+
+/// A checkpoint in the middle of a step with the module on: the restored engine finishes the
+/// step with the uninterrupted run's loss and weights, bit for bit.
+#[test]
+fn a_mid_step_resume_with_the_module_is_bitwise() {
+    let cfg = small_config(&[
+        "mtp_num_layers=1",
+        "gradient_accumulation_steps=2",
+        "learning_rate=0.01",
+    ]);
+    let root = scratch("mid-step");
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
+    let source: std::sync::Arc<dyn ferrotext_train::data::TokenSource> =
+        std::sync::Arc::from(source_for(&cfg, 256).unwrap());
+    let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let s = source.as_ref();
+        let mut a = Engine::new(&mut cx, &plan, None)?;
+        let mut a_losses = Vec::new();
+        for step in 0..2u64 {
+            for micro in 0..2 {
+                common::feed(&mut cx, &mut a, s, &cfg, step, micro)?;
+            }
+            a_losses.push(a.update(&mut cx)?.loss.to_bits());
+        }
+        let mut b = Engine::new(&mut cx, &plan, None)?;
+        for micro in 0..2 {
+            common::feed(&mut cx, &mut b, s, &cfg, 0, micro)?;
+        }
+        b.update(&mut cx)?;
+        common::feed(&mut cx, &mut b, s, &cfg, 1, 0)?;
+        b.save_checkpoint(&mut cx, &root)?;
+        drop(b);
+        let mut c = Engine::new(&mut cx, &plan, None)?;
+        c.restore_checkpoint(&mut cx, &root)?;
+        common::feed(&mut cx, &mut c, s, &cfg, 1, 1)?;
+        let last = c.update(&mut cx)?;
+        assert_eq!(last.loss.to_bits(), a_losses[1]);
+        assert!(last.mtp_loss.is_some());
+        Ok::<_, TrainError>((a.params_to_host(&mut cx)?, c.params_to_host(&mut cx)?))
+    })
+    .unwrap();
+    let (a, c) = &out[0];
+    assert_eq!(
+        a, c,
+        "weights after a mid-step save and restore are bitwise equal"
+    );
+    std::fs::remove_dir_all(&root).ok();
 }

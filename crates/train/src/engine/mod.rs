@@ -73,7 +73,8 @@ pub struct StepMetrics {
     pub eval_perplexity: Option<f64>,
     /// The multi-token-prediction loss, unscaled: Σ MTP cross-entropy / Σ positions with a token
     /// two ahead (`B·(T − 1)` per micro-batch), when `mtp_num_layers` = 1. `loss` includes it
-    /// times `mtp_loss_scaling_factor`.
+    /// times `mtp_loss_scaling_factor`. A metric summed outside `layout_invariant`'s tree: equal
+    /// across layouts to rounding, not bit for bit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mtp_loss: Option<f64>,
 }
