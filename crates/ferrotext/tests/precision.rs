@@ -105,3 +105,49 @@ fn a_bf16_run_names_its_dtypes_and_kernel_and_the_fallback_runs_on_gemm() {
     assert!(!stdout.contains("bf16 matmul:"), "{stdout}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `ferrotext generate --dtype`: a checkpoint trained in float32 generates in bf16 (the stderr
+/// line names the dtype and the kernel); an unknown name is one error line, exit 2.
+#[test]
+fn generate_takes_a_dtype_and_refuses_an_unknown_name() {
+    let dir = scratch("generate");
+    let out = train(&dir, &["enable_checkpointing=true"], false);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = dir.join("default");
+    let generate = |dtype: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ferrotext"))
+            .args([
+                "generate",
+                "--prompt",
+                "ab",
+                "--max-new-tokens",
+                "3",
+                "--dtype",
+                dtype,
+            ])
+            .arg("--checkpoint")
+            .arg(&run)
+            .output()
+            .expect("the ferrotext binary runs")
+    };
+    let bf16 = generate("bfloat16");
+    let stderr = String::from_utf8_lossy(&bf16.stderr);
+    assert!(bf16.status.success(), "{stderr}");
+    assert!(stderr.contains("; dtype bfloat16 on "), "{stderr}");
+    let f32 = generate("float32");
+    let stderr = String::from_utf8_lossy(&f32.stderr);
+    assert!(stderr.trim_end().ends_with("; dtype float32"), "{stderr}");
+    let bad = generate("bf16");
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        "error: dtype must be bfloat16 or float32, got `bf16`"
+    );
+    assert!(bad.stdout.is_empty(), "nothing generated");
+    std::fs::remove_dir_all(&dir).ok();
+}
