@@ -23,6 +23,10 @@
 //!   parameter of the model (`routed_bias`, which `read_config` sets for `deepseek_v3`), read
 //!   and written with its values; a model built without it writes zeros and refuses a nonzero
 //!   one on load.
+//! - DeepSeek-V3's multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) is a
+//!   part of the model exactly when `read_config` finds `num_nextn_predict_layers` 1 and the
+//!   weights hold the layer (`mtp_num_layers` 1); a model without it refuses a directory with
+//!   it, naming it, and export writes it back with `num_nextn_predict_layers`.
 //! - Writing goes to a temporary directory beside the target, renamed into place when complete:
 //!   a failed save leaves nothing that looks like a model.
 //!

@@ -286,22 +286,6 @@ impl TrainConfig {
         check_float("adam_eps", self.adam_eps, 0.0, true, INF)?;
         check_float("adam_weight_decay", self.adam_weight_decay, 0.0, false, INF)?;
         check_float("z_loss_multiplier", self.z_loss_multiplier, 0.0, false, INF)?;
-        check_float(
-            "mtp_loss_scaling_factor",
-            self.mtp_loss_scaling_factor,
-            0.0,
-            false,
-            INF,
-        )?;
-        if self.mtp_num_layers > 1 {
-            return Err(TrainError::usage(
-                "mtp_num_layers",
-                format!(
-                    "mtp_num_layers must be 0 or 1 (DeepSeek-V3's one module), got {}",
-                    self.mtp_num_layers
-                ),
-            ));
-        }
         if let Some(f) = self.routed_scaling_factor {
             check_float("routed_scaling_factor", f, 0.0, true, INF)?;
         }
