@@ -9,24 +9,40 @@ use ferrotext_train::{TrainConfig, TrainError};
 use crate::CostError;
 use serde::Serialize;
 
-/// Times a square f32 matmul of `n` on `threads` threads (the `gemm` crate through
-/// `dot_general`), best of 5, in GFLOP/s. A measurement of this machine, not a constant.
+/// Times a square matmul of `n` on `threads` threads in the run's product dtype (`bf16`: the
+/// bf16 × bf16 → f32 product `dtype=bfloat16` runs; else f32, through `dot_general`), best of
+/// 5, in GFLOP/s. A measurement of this machine, not a constant.
 ///
 /// # Errors
-/// [`CostError::Kernel`] (none for valid sizes).
-pub fn measure_matmul_gflops(n: usize, threads: usize) -> Result<f64, CostError> {
+/// [`CostError::Kernel`]: a bf16 product the kernel does not have (none for valid sizes in
+/// f32).
+pub fn measure_matmul_gflops(n: usize, threads: usize, bf16: bool) -> Result<f64, CostError> {
     let n = n.max(16);
     let a = ferrotext_tensor::Tensor::full(&[n, n], 0.5);
+    let a16 = ferrotext_tensor::Bf16Tensor::from_f32(&a);
     let dims = ferrotext_tensor::DotDims::matmul(2);
+    let threads = threads.max(1);
     let mut best = f64::MAX;
     for _ in 0..5 {
         let t = std::time::Instant::now();
-        let out = ferrotext_tensor::dot_general(&a, &a, &dims, threads.max(1))
-            .map_err(|error| CostError::Kernel { n, error })?;
+        let out = if bf16 {
+            ferrotext_tensor::dot_general_bf16(&a16, &a16, &dims, threads)
+        } else {
+            ferrotext_tensor::dot_general(&a, &a, &dims, threads)
+        }
+        .map_err(|error| CostError::Kernel { n, error })?;
         best = best.min(t.elapsed().as_secs_f64());
         drop(out);
     }
     Ok(2.0 * (n as f64).powi(3) / best.max(1e-9) / 1e9)
+}
+
+/// True when `config` computes its products in bf16 (`dtype=bfloat16`; an unreadable dtype is
+/// refused by the plan before anything is measured).
+pub fn products_in_bf16(config: &TrainConfig) -> bool {
+    config
+        .precision()
+        .is_ok_and(|p| p.dtype == ferrotext_train::Dtype::Bfloat16)
 }
 
 /// How `devices` devices would share this machine's cores (docs/design.md §3).

@@ -136,12 +136,14 @@ fn device_throughput(
     let budget = cost::device_thread_budget(cores, devices);
     let (threads, share) = (budget.threads, budget.share);
     let gemm = |instead_of_micro_batch: Option<String>| -> Result<(f64, Throughput)> {
-        let run = cost::measure_matmul_gflops(512, threads)?;
+        let bf16 = cost::products_in_bf16(config);
+        let run = cost::measure_matmul_gflops(512, threads, bf16)?;
         let measured = Throughput::Measured {
             threads,
             cores,
             devices,
             per_thread_run: run,
+            dtype: if bf16 { "bf16" } else { "f32" },
             instead_of_micro_batch,
         };
         // A matmul on one thread alone: scaled by the devices sharing a thread, as before.

@@ -15,6 +15,8 @@ pub(super) enum Throughput {
         cores: usize,
         devices: usize,
         per_thread_run: f64,
+        /// The product's dtype (`f32`, or `bf16` for `dtype=bfloat16`).
+        dtype: &'static str,
         /// Why the default micro-batch measurement was not taken (`None`: `gemm` was asked for).
         instead_of_micro_batch: Option<String>,
     },
@@ -91,9 +93,10 @@ fn throughput_line(gflops: f64, source: &Throughput) -> String {
             cores,
             devices,
             per_thread_run,
+            dtype,
             instead_of_micro_batch,
         } => format!(
-            "  device throughput    {gflops:.1} GFLOP/s measured here with gemm (512³ f32 matmul on {threads} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores: {per_thread_run:.1} GFLOP/s{}); a kernel's peak, optimistic for a whole micro-batch{}; emulated hosts share these {cores} cores",
+            "  device throughput    {gflops:.1} GFLOP/s measured here with gemm (512³ {dtype} matmul on {threads} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores: {per_thread_run:.1} GFLOP/s{}); a kernel's peak, optimistic for a whole micro-batch{}; emulated hosts share these {cores} cores",
             if (devices * threads) > *cores {
                 format!(
                     ", × {cores}/{} as the devices outnumber the cores",

@@ -83,9 +83,7 @@ fn print_speed(config: &TrainConfig, report: &TrainReport, step_seconds: f64, wa
     let peak = ferrotext_tensor::cpu_peak();
     // Against the peak of the products' dtype: a bf16 run's matmuls may run at twice the f32
     // rate (AVX512_BF16), so its utilisation is measured against that.
-    let bf16 = config
-        .precision()
-        .is_ok_and(|p| p.dtype == ferrotext_train::Dtype::Bfloat16);
+    let bf16 = ferrotext_cost::products_in_bf16(config);
     let peak_flops = if bf16 {
         peak.bf16_flops()
     } else {

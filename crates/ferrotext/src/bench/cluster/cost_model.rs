@@ -28,7 +28,7 @@ pub fn cost_model(
             ),
             // A matmul on one thread alone: more devices than cores each get a share of one.
             Some(_) => Some(
-                cost::measure_matmul_gflops(512, b.threads).ok()?
+                cost::measure_matmul_gflops(512, b.threads, cost::products_in_bf16(config)).ok()?
                     * (cores as f64 / (devices * b.threads) as f64).min(1.0),
             ),
         }
