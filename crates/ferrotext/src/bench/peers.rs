@@ -61,6 +61,10 @@ pub struct PeersArgs {
     /// Gradient clipping by global norm on every engine (0: off).
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
+    /// The compute dtype on every engine: `f32`, or `bf16` (ferrotext's `dtype=bfloat16`, the
+    /// PyTorch peer's `--dtype bf16`, autocast; the JAX peer has no bf16 mode and is refused).
+    #[arg(long, value_enum, default_value_t = PeerDtype::F32)]
+    dtype: PeerDtype,
     /// Extra `key=value` overrides for the ferrotext runs.
     #[arg(long = "set")]
     set: Vec<String>,
@@ -77,6 +81,34 @@ pub struct PeersArgs {
     /// Where to write the JSON results.
     #[arg(long, default_value = "target/bench/peers.json")]
     out: PathBuf,
+}
+
+/// The compute dtype of a comparison.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerDtype {
+    /// Everything in f32.
+    F32,
+    /// bf16 activations and matmul inputs, f32 master weights.
+    Bf16,
+}
+
+impl PeerDtype {
+    /// ferrotext's `dtype` value.
+    fn ferrotext(self) -> &'static str {
+        match self {
+            PeerDtype::F32 => "float32",
+            PeerDtype::Bf16 => "bfloat16",
+        }
+    }
+
+    /// The PyTorch peer's `--dtype` value.
+    fn torch(self) -> &'static str {
+        match self {
+            PeerDtype::F32 => "f32",
+            PeerDtype::Bf16 => "bf16",
+        }
+    }
 }
 
 /// A training engine.
@@ -179,6 +211,9 @@ impl PeersArgs {
         if !(self.clip.is_finite() && self.clip >= 0.0) {
             bail!("--clip {}: a norm ≥ 0 (0 turns clipping off)", self.clip);
         }
+        if self.dtype == PeerDtype::Bf16 && self.engines.contains(&Engine::Jax) {
+            bail!("--dtype bf16: the JAX peer has no bf16 mode; run --engines ferrotext,torch");
+        }
         for &engine in &self.engines {
             let (dir, readme) = match engine {
                 Engine::Ferrotext => continue,
@@ -232,6 +267,7 @@ impl PeersArgs {
                     format!("gradient_accumulation_steps={ga}"),
                     format!("steps={}", self.warmup + self.steps),
                     format!("gradient_clipping_threshold={}", self.clip),
+                    format!("dtype={}", self.dtype.ferrotext()),
                     format!("base_output_directory={}", self.runs.display()),
                     format!("run_name={run_name}"),
                 ]);
@@ -250,7 +286,8 @@ impl PeersArgs {
                 if engine == Engine::Jax {
                     cmd.args(["--dp", &data, "--defer"]);
                 } else {
-                    cmd.args(["--nproc", &data, "--mode", "no_sync"]);
+                    cmd.args(["--nproc", &data, "--mode", "no_sync"])
+                        .args(["--dtype", self.dtype.torch()]);
                 }
                 cmd.args(["--ga", &ga, "--opt", "sgd"])
                     .args(["--warmup", &self.warmup.to_string()])
@@ -470,6 +507,7 @@ pub fn run(args: &PeersArgs) -> Result<()> {
         "cores": super::cores(),
         "micro_batch_rows": MICRO_BATCH_ROWS,
         "clip": args.clip,
+        "dtype": args.dtype,
         "warmup": args.warmup,
         "steps": args.steps,
         "set": args.set,
@@ -540,6 +578,7 @@ mod tests {
             warmup: 2,
             steps: 8,
             clip: 1.0,
+            dtype: PeerDtype::F32,
             set: vec![],
             peer_args: vec![],
             timeout: 1,
@@ -590,7 +629,28 @@ mod tests {
         let (torch, _) = words(Engine::Torch);
         assert_eq!(
             torch,
-            "train.py --nproc 4 --mode no_sync --ga 2 --opt sgd --warmup 2 --steps 8 --clip 1"
+            "train.py --nproc 4 --mode no_sync --dtype f32 --ga 2 --opt sgd --warmup 2 --steps 8 --clip 1"
         );
+        assert!(ft.contains("dtype=float32"), "{ft}");
+        // bf16: ferrotext's and the PyTorch peer's own words; the JAX peer, which has none, is
+        // refused before anything runs.
+        let bf16 = PeersArgs {
+            dtype: PeerDtype::Bf16,
+            engines: vec![Engine::Ferrotext, Engine::Torch],
+            ..args.clone()
+        };
+        let words16 = |engine| {
+            let (cmd, _) = bf16.command(engine, point, 1).unwrap();
+            let words: Vec<String> = cmd.get_args().map(|a| a.to_string_lossy().into()).collect();
+            words.join(" ")
+        };
+        assert!(words16(Engine::Ferrotext).contains("dtype=bfloat16"));
+        assert!(words16(Engine::Torch).contains("--dtype bf16"));
+        let with_jax = PeersArgs {
+            engines: vec![Engine::Ferrotext, Engine::Jax],
+            ..bf16.clone()
+        };
+        let refused = with_jax.check().unwrap_err().to_string();
+        assert!(refused.contains("JAX peer has no bf16"), "{refused}");
     }
 }
