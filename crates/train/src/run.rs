@@ -132,7 +132,8 @@ pub fn select_matmul_kernel(config: &TrainConfig) -> Result<(), TrainError> {
         TrainError::usage(
             "deterministic",
             format!(
-                "deterministic=true needs the portable matmul kernel, but this process computes                  on {other} (FERROTEXT_MATMUL chose it): unset FERROTEXT_MATMUL or set it to                  `portable`"
+                "deterministic=true needs the portable matmul kernel, but this process computes on {other} (FERROTEXT_MATMUL chose it): unset \
+                 FERROTEXT_MATMUL or set it to `portable`"
             ),
         )
     })?;
