@@ -34,6 +34,7 @@
 //! there), and casts of its own to the compute dtype (under `dtype=bfloat16` its ops take the
 //! dtypes their inputs arrive in).
 
+use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, IGNORE_INDEX};
 
 use crate::decoder::{matrix, norm_scale, Config, DecoderLayer, ExpertLoads};
@@ -226,6 +227,8 @@ impl Mtp<&Array> {
         //    (the table gathered first if it is split, as the main embedding is)
         let table = crate::decoder::unsplit(cx, self.embed_tokens)?;
         let e = cx.take(&table, next)?;
+        // The embedding rows in the main model's compute dtype (bf16 under `dtype=bfloat16`).
+        let e = cx.cast(&e, hidden.ty().dtype())?;
         let e = rms_norm(cx, &e, self.enorm, eps)?;
         let h = rms_norm(cx, hidden, self.hnorm, eps)?;
         let both = cx.concat(&[&e, &h], 2)?;
@@ -237,7 +240,8 @@ impl Mtp<&Array> {
         // 3. the shared head [B@batch, T, vocab], whole vocab rows, and the cross-entropy
         //    against the tokens two ahead
         let y = rms_norm(cx, &y, self.shared_head_norm, eps)?;
-        let z = linear(cx, &y, self.shared_head_head)?;
+        // The logits in f32, never rounded (as the main head's).
+        let z = crate::nn::linear_to(cx, &y, self.shared_head_head, DType::F32)?;
         let layout = ActivationLayout {
             batch: next.ty().sharding().spec().dim(0).axis_names().to_vec(),
         };

@@ -163,6 +163,9 @@ impl Ctx<'_> {
         let first = xs.first().ok_or(SpmdError::NoOperands { op: "concat" })?;
         let t0 = first.ty();
         let types: Vec<&ArrayType> = xs.iter().map(|x| x.ty()).collect();
+        if let Some(other) = xs.iter().find(|x| x.ty().dtype() != t0.dtype()) {
+            rules::same_dtype("concat", t0, other.ty())?;
+        }
         if xs.iter().any(|x| x.ty().sharding() != t0.sharding()) {
             return Err(type_error(
                 K::ShardingMismatch,
