@@ -54,7 +54,6 @@ impl Array {
     ///
     /// # Errors
     /// [`SpmdError::Internal`] when `ty` is not `bf16`.
-    #[allow(dead_code)] // the native bf16 row kernels' constructor (docs/design.md §10 item 7)
     pub(crate) fn from_bf16(ty: ArrayType, local: Option<Bf16Tensor>) -> Result<Array, SpmdError> {
         if ty.dtype() != DType::BF16 {
             return Err(SpmdError::Internal {

@@ -12,7 +12,8 @@
 
 use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, PartitionSpec};
 use ferrotext_tensor::{
-    dot_general, dot_general_accumulate_parts, dot_general_bf16, Bf16Tensor, DotDims, Tensor,
+    dot_general, dot_general_accumulate_parts, dot_general_bf16, dot_general_bf16_rounded,
+    Bf16Tensor, DotDims, Tensor,
 };
 
 use crate::array::Array;
@@ -143,7 +144,20 @@ impl Ctx<'_> {
             out_ty = rules::cast_type(&out_ty, dtype)?;
         }
         let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs.ty(), rhs.ty(), dims)?;
-        let natural_local = if lhs.ty().dtype() == DType::BF16 {
+        let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), dims, contracted)?;
+        let bf16 = lhs.ty().dtype() == DType::BF16;
+        if bf16 && out_ty.dtype() == DType::BF16 && same_layout(&natural, &out_ty) {
+            // The product is the output as it stands: rounded where the kernel stores it (the
+            // same bits as the f32 product rounded after).
+            let l = self.aligned_bf16(lhs, &lhs_ty)?;
+            let r = self.aligned_bf16(rhs, &rhs_ty)?;
+            let local = match (l, r) {
+                (Some(l), Some(r)) => Some(dot_general_bf16_rounded(&l, &r, dims, self.threads())?),
+                _ => None,
+            };
+            return Array::from_bf16(out_ty, local);
+        }
+        let natural_local = if bf16 {
             let l = self.aligned_bf16(lhs, &lhs_ty)?;
             let r = self.aligned_bf16(rhs, &rhs_ty)?;
             match (l, r) {
@@ -158,7 +172,6 @@ impl Ctx<'_> {
                 _ => None,
             }
         };
-        let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), dims, contracted)?;
         let local = self.convert(natural_local, &natural, &out_ty)?;
         Ok(Array::new(out_ty, local))
     }
