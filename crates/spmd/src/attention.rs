@@ -9,7 +9,9 @@
 //! three carry the same `reduced` tags. No collective: what the unfused composition
 //! (`dot_general`, `causal_softmax`, `dot_general`, with k and v broadcast to `H` heads) would
 //! compute, bit for bit (the kernel's tests), with no broadcast copies and no scores buffer
-//! beside the probabilities.
+//! beside the probabilities. On bf16 q, k, v (and cotangent) the op and its transpose run the
+//! bf16 kernels on the shards as stored (`f32` inside, outputs rounded once, probabilities kept
+//! in `f32`): bitwise the widened route's result.
 //!
 //! The decoders use it in training (no key/value cache) wherever its type rule holds
 //! ([`Ctx::causal_attention_fits`]), and the composition otherwise. Measured on qwen3-peer, GA 4,

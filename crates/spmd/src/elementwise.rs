@@ -9,6 +9,10 @@
 //!
 //! Only the cotangents of differentiated inputs are computed: a constant operand (a mask, a
 //! batch) must not cost a reduction. `max` has no transpose.
+//!
+//! bf16: maps, their transposes' derivatives, and binary ops whose operand shards are the
+//! output's shard shape (no slicing, no broadcast) run on the bf16 shards as stored, each value
+//! the `f32` function of the widened inputs rounded once: bitwise the widened route's result.
 
 use ferrotext_sharding::{ArrayType, PartitionSpec};
 use ferrotext_tensor::{Bf16Tensor, Tensor};

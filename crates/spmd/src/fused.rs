@@ -7,6 +7,11 @@
 //! (reshard first); activations may not be unreduced; a scale reduced on an axis the rows are
 //! sharded on is used locally and its cotangent comes back unreduced there (docs/design.md §4.2) —
 //! the same answer `mul` gives, whose rule RMSNorm reuses.
+//!
+//! bf16 (docs/design.md §10): where the result is stored in bf16 and every activation operand
+//! holds bf16 ([`bf16_operands`]), RMSNorm, SwiGLU and their transposes run the bf16 kernels on
+//! the shards as stored: bitwise the `f32` kernel on the widened shards rounded on store (the
+//! tensor crate's invariant), without the widening copies and the rounding pass.
 
 use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, PartitionSpec};
 use ferrotext_tensor::Bf16Tensor;

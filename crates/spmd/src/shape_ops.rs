@@ -6,6 +6,10 @@
 //! `out_sharding` (R4.3). A sum over a sharded dim yields partial sums that the output type
 //! reduces or keeps unreduced; a broadcast's transpose is such a sum. Inside `shard_map` every
 //! op here is local and takes no `out_sharding`.
+//!
+//! bf16: a reshape whose shards reshape in place into the output's layout shares the bf16
+//! storage (no copy), and a transpose permutes the bf16 shard; other reshapes widen, move and
+//! round (exact: the values are bf16 already).
 
 use ferrotext_sharding::{ArrayType, DimSpec, PartitionSpec};
 

@@ -12,8 +12,10 @@ SiLU, cross-entropy, gather/scatter-add, top-k), each forward beside its backwar
 bf16 (`dtype=bfloat16`): [`Bf16Tensor`] holds activations and matrix-product inputs;
 [`round_bf16`] is the one rounding (to nearest even, NaN kept); [`dot_general_bf16`] multiplies
 bf16 operands into `f32` on MKL's or OpenBLAS's bf16 product or the portable kernel
-([`bf16_matmul_kernel`] says which); the `*_bf16` row kernels compute in `f32` inside and equal
-the `f32` kernels' results rounded.
+([`bf16_matmul_kernel`] says which), or rounds it to bf16 as it is stored
+([`dot_general_bf16_rounded`]); the `*_bf16` row, elementwise and fused-attention kernels
+([`causal_attention_bf16`] and its backward) compute in `f32` inside and equal the `f32`
+kernels' results rounded.
 
 # The key decision: strided views instead of copies for matrix products
 

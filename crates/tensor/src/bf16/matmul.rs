@@ -386,7 +386,7 @@ const ROUNDED_MAX_K: usize = 1024;
 /// (`x·W`, `dx = dy·Wᵀ`) without an `f32` result the size of the output and a rounding pass
 /// over it. Each element is, bit for bit, `round_bf16` of [`dot_general_bf16`]'s on the
 /// AVX512_BF16 kernel and the portable one (the same chains). The AVX512_BF16 kernel rounds each
-/// register tile as it stores it for contractions up to [`ROUNDED_MAX_K`]; other contractions
+/// register tile as it stores it for contractions up to 1024 elements; other contractions
 /// and kernels compute the `f32` product whole, then round it.
 ///
 /// # Errors
