@@ -186,8 +186,12 @@ fn mixed_dtypes_are_refused_by_name_and_a_cast_makes_them_meet() {
     }
 }
 
+/// What a device reports from [`bf16_step`]: the reduced gradient, its type, the gradient
+/// all-reduces inside the step and those when it is reduced after.
+type StepReport = (Vec<f32>, String, usize, usize);
+
 /// One step of `Σ (cast(x)·cast(w))²` (the square in f32) on data=2, the weight tagged or not.
-fn bf16_step(tagged: bool) -> Vec<((Vec<f32>, String, usize, usize), ferrotext_comm::Trace)> {
+fn bf16_step(tagged: bool) -> Vec<(StepReport, ferrotext_comm::Trace)> {
     let (b, d, f) = (8, 16, 4);
     let (xv, wv) = (x_value(b, d), w_value(d, f));
     let m = mesh(&[("data", 2)]);
