@@ -22,16 +22,7 @@ use ferrotext_tensor::Tensor;
 use serde_json::Value;
 
 /// Fixture directories (by name prefix) covered elsewhere, and why.
-const NOT_HERE: &[(&str, &str)] = &[
-    (
-        "deepseek_v3-groups-",
-        "group-limited routing and a trained e_score_correction_bias: helper H5's router tests",
-    ),
-    (
-        "deepseek_v3-mtp-",
-        "the multi-token-prediction layer and its mtp_loss: helper H5's MTP tests",
-    ),
-];
+const NOT_HERE: &[(&str, &str)] = &[];
 
 /// The allowed distance to transformers' float64 loss.
 const LOSS_TOLERANCE: f64 = 2e-5;

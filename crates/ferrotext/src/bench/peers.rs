@@ -286,8 +286,11 @@ impl PeersArgs {
                 if engine == Engine::Jax {
                     cmd.args(["--dp", &data, "--defer"]);
                 } else {
-                    cmd.args(["--nproc", &data, "--mode", "no_sync"])
-                        .args(["--dtype", self.dtype.torch()]);
+                    cmd.args(["--nproc", &data, "--mode", "no_sync"]);
+                    if self.dtype == PeerDtype::Bf16 {
+                        // f32 is the peer's default: said only when it is not.
+                        cmd.args(["--dtype", self.dtype.torch()]);
+                    }
                 }
                 cmd.args(["--ga", &ga, "--opt", "sgd"])
                     .args(["--warmup", &self.warmup.to_string()])
@@ -629,7 +632,7 @@ mod tests {
         let (torch, _) = words(Engine::Torch);
         assert_eq!(
             torch,
-            "train.py --nproc 4 --mode no_sync --dtype f32 --ga 2 --opt sgd --warmup 2 --steps 8 --clip 1"
+            "train.py --nproc 4 --mode no_sync --ga 2 --opt sgd --warmup 2 --steps 8 --clip 1"
         );
         assert!(ft.contains("dtype=float32"), "{ft}");
         // bf16: ferrotext's and the PyTorch peer's own words; the JAX peer, which has none, is
