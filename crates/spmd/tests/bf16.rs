@@ -25,6 +25,9 @@ fn bf16_ulp(x: f64) -> f64 {
 
 #[test]
 fn cast_rounds_to_nearest_even_and_widens_exactly() {
+    // `.ci/kernel-paths` runs this on kernels without a bf16 product (OpenBLAS as Debian
+    // builds it, gemm): the bf16 products run on ferrotext's own kernel there.
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
     // 1 + 2⁻⁸ is halfway between 1 and 1 + 2⁻⁷: the tie goes to the even mantissa (1). 1 + 3·2⁻⁸
     // is halfway between 1 + 2⁻⁷ and 1 + 2⁻⁶ and goes up to the even one (1 + 2⁻⁶); just above
     // a half rounds up; -0 and a large value keep their sign and magnitude class.
@@ -99,6 +102,9 @@ fn w_value(d: usize, f: usize) -> Tensor {
 
 #[test]
 fn a_bf16_product_is_the_product_of_the_rounded_operands_rounded_once() {
+    // `.ci/kernel-paths` runs this on kernels without a bf16 product (OpenBLAS as Debian
+    // builds it, gemm): the bf16 products run on ferrotext's own kernel there.
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
     let (b, d, f) = (8, 48, 12);
     let (xv, wv) = (x_value(b, d), w_value(d, f));
     let m = mesh(&[("data", 2)]);
@@ -156,6 +162,9 @@ fn a_bf16_product_is_the_product_of_the_rounded_operands_rounded_once() {
 
 #[test]
 fn mixed_dtypes_are_refused_by_name_and_a_cast_makes_them_meet() {
+    // `.ci/kernel-paths` runs this on kernels without a bf16 product (OpenBLAS as Debian
+    // builds it, gemm): the bf16 products run on ferrotext's own kernel there.
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
     let m = mesh(&[("data", 2)]);
     let out = on_devices(&m, |cx| {
         let x = place(cx, &x_value(4, 6), p(&["data", ""], &[], &[]));
@@ -222,6 +231,9 @@ fn bf16_step(tagged: bool) -> Vec<(StepReport, ferrotext_comm::Trace)> {
 
 #[test]
 fn a_tagged_weight_used_in_bf16_gets_an_f32_unreduced_gradient_with_no_collective() {
+    // `.ci/kernel-paths` runs this on kernels without a bf16 product (OpenBLAS as Debian
+    // builds it, gemm): the bf16 products run on ferrotext's own kernel there.
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
     let (b, d, f) = (8, 16, 4);
     let (xv, wv) = (x_value(b, d), w_value(d, f));
     // The reference: d/dw Σ y² = 2 xᵀ y, with x, w and the cotangent 2y rounded to bf16 as
