@@ -43,26 +43,7 @@ impl Ctx<'_> {
         dims: &DotDims,
         out_sharding: Option<&PartitionSpec>,
     ) -> Result<Array, SpmdError> {
-        // The `out_sharding` is checked against the mesh before anything else (R1.13/R1.14).
-        if let Some(spec) = out_sharding {
-            rules::check_out_sharding("dot_general", lhs.ty().sharding().mesh(), spec)?;
-        }
-        if lhs.ty().is_manual() || rhs.ty().is_manual() {
-            let cast = self.match_varying(&[lhs, rhs])?;
-            if cast[0].ty() != lhs.ty() || cast[1].ty() != rhs.ty() {
-                return self.dot_general(&cast[0], &cast[1], dims, out_sharding);
-            }
-        }
-        let out = self.dot_general_untracked(lhs, rhs, dims, out_sharding)?;
-        self.record(
-            Backward::Dot {
-                lhs: lhs.clone(),
-                rhs: rhs.clone(),
-                dims: dims.clone(),
-            },
-            &[lhs, rhs],
-            out,
-        )
+        self.dot_general_recorded(lhs, rhs, dims, out_sharding, None)
     }
 
     /// `x · w` contracting the last dim of `x` with the first of `w`.
@@ -95,14 +76,45 @@ impl Ctx<'_> {
         out_sharding: Option<&PartitionSpec>,
         preferred: DType,
     ) -> Result<Array, SpmdError> {
+        self.dot_general_recorded(lhs, rhs, dims, out_sharding, Some(preferred))
+    }
+
+    /// [`Ctx::dot_general`] recorded on the tape, its result in `preferred` when given (inside
+    /// a region: the local product, then a cast).
+    fn dot_general_recorded(
+        &mut self,
+        lhs: &Array,
+        rhs: &Array,
+        dims: &DotDims,
+        out_sharding: Option<&PartitionSpec>,
+        preferred: Option<DType>,
+    ) -> Result<Array, SpmdError> {
+        // The `out_sharding` is checked against the mesh before anything else (R1.13/R1.14).
         if let Some(spec) = out_sharding {
             rules::check_out_sharding("dot_general", lhs.ty().sharding().mesh(), spec)?;
         }
-        if lhs.ty().is_manual() || rhs.ty().is_manual() {
-            let out = self.dot_general(lhs, rhs, dims, out_sharding)?;
-            return self.cast(&out, preferred);
+        let manual = lhs.ty().is_manual() || rhs.ty().is_manual();
+        if manual {
+            let cast = self.match_varying(&[lhs, rhs])?;
+            if cast[0].ty() != lhs.ty() || cast[1].ty() != rhs.ty() {
+                return self.dot_general_recorded(
+                    &cast[0],
+                    &cast[1],
+                    dims,
+                    out_sharding,
+                    preferred,
+                );
+            }
+            if let Some(dtype) = preferred {
+                let out = self.dot_general_recorded(lhs, rhs, dims, out_sharding, None)?;
+                return self.cast(&out, dtype);
+            }
         }
-        let out = self.dot_general_typed(lhs, rhs, dims, out_sharding, Some(preferred))?;
+        let out = if manual {
+            self.dot_general_untracked(lhs, rhs, dims, out_sharding)?
+        } else {
+            self.dot_general_typed(lhs, rhs, dims, out_sharding, preferred)?
+        };
         self.record(
             Backward::Dot {
                 lhs: lhs.clone(),
