@@ -12,6 +12,7 @@ use ferrotext_sharding::{DType, Mesh};
 
 use crate::element::{Buf, BufMut, Element};
 use crate::error::CommError;
+use crate::narrow::Wire;
 use crate::stream::{run_work, Pending, Stream, Work};
 use crate::trace::{CollectiveKind, Trace, TraceEvent};
 
@@ -298,11 +299,7 @@ impl Communicator {
         axes: &[S],
         buf: Vec<f32>,
     ) -> Result<Pending, CommError> {
-        let op = self.begin_background(CollectiveKind::AllReduce, axes, buf.len())?;
-        if op.group.len() == 1 {
-            return Ok(Pending::done(Ok(buf)));
-        }
-        Ok(self.submit(op, Work::AllReduce(buf)))
+        self.start_all_reduce_as(axes, buf, Wire::F32)
     }
 
     /// Starts a reduce-scatter in the background: [`Pending::wait`] gives chunk `rank` (length
@@ -318,7 +315,24 @@ impl Communicator {
         axes: &[S],
         input: Vec<f32>,
     ) -> Result<Pending, CommError> {
-        let op = self.begin_background(CollectiveKind::ReduceScatter, axes, input.len())?;
+        self.start_reduce_scatter_as(axes, input, Wire::F32)
+    }
+
+    /// [`Communicator::start_reduce_scatter`] with `wire` the element type the reduction moves
+    /// (see [`crate::narrow`]): the job's input is rounded to it on the stream thread.
+    ///
+    /// # Errors
+    /// As [`Communicator::start_reduce_scatter`].
+    ///
+    /// # Collectives
+    /// One reduce-scatter of `wire` elements on the background channel.
+    pub fn start_reduce_scatter_as<S: AsRef<str>>(
+        &mut self,
+        axes: &[S],
+        input: Vec<f32>,
+        wire: Wire,
+    ) -> Result<Pending, CommError> {
+        let op = self.begin_background(CollectiveKind::ReduceScatter, axes, input.len(), wire)?;
         let n = op.group.len();
         if !input.len().is_multiple_of(n) {
             return Err(self.bad(
@@ -330,10 +344,17 @@ impl Communicator {
             ));
         }
         if n == 1 {
-            return Ok(Pending::done(Ok(input)));
+            return Ok(Pending::done(Ok(wire.round_trip(input))));
         }
         let output_len = input.len() / n;
-        Ok(self.submit(op, Work::ReduceScatter { input, output_len }))
+        Ok(self.submit(
+            op,
+            Work::ReduceScatter {
+                input,
+                output_len,
+                wire,
+            },
+        ))
     }
 
     /// Starts an all-gather in the background: [`Pending::wait`] gives every member's `input`
@@ -350,7 +371,8 @@ impl Communicator {
         input: Vec<f32>,
     ) -> Result<Pending, CommError> {
         let n = self.group(axes)?.len();
-        let op = self.begin_background(CollectiveKind::AllGather, axes, input.len() * n)?;
+        let op =
+            self.begin_background(CollectiveKind::AllGather, axes, input.len() * n, Wire::F32)?;
         if n == 1 {
             return Ok(Pending::done(Ok(input)));
         }
@@ -359,7 +381,7 @@ impl Communicator {
     }
 
     /// A background job on the stream, or run here at once when there is none.
-    fn submit(&mut self, op: OpInfo, work: Work) -> Pending {
+    pub(crate) fn submit(&mut self, op: OpInfo, work: Work) -> Pending {
         if let Some(stream) = &mut self.stream {
             return stream.submit(op, work);
         }
@@ -368,18 +390,19 @@ impl Communicator {
 
     /// [`Communicator::begin_op`] for the background channel: its own sequence numbers (the
     /// stream's backend matches by them), the event in this trace.
-    fn begin_background<S: AsRef<str>>(
+    pub(crate) fn begin_background<S: AsRef<str>>(
         &mut self,
         kind: CollectiveKind,
         axes: &[S],
         elements: usize,
+        wire: Wire,
     ) -> Result<OpInfo, CommError> {
         let Some(seq) = self.stream.as_ref().map(|s| s.seq) else {
-            return self.begin_op(kind, axes, elements, DType::F32, 0);
+            return self.begin_op(kind, axes, elements, wire.dtype(), 0);
         };
         let main = self.seq;
         self.seq = seq;
-        let op = self.begin_op(kind, axes, elements, DType::F32, 0);
+        let op = self.begin_op(kind, axes, elements, wire.dtype(), 0);
         if let Some(stream) = &mut self.stream {
             stream.seq = self.seq;
         }

@@ -47,6 +47,7 @@ mod communicator;
 mod element;
 mod error;
 mod local;
+pub mod narrow;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod runner;
@@ -59,6 +60,7 @@ pub use communicator::{Backend, Communicator, NoTransport, OpInfo, TypedBackend}
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;
 pub use local::LocalBackend;
+pub use narrow::Wire;
 pub use runner::{
     collective_timeout, default_threads_per_device, run_spmd, run_spmd_detachable, run_spmd_in,
     Device, RunError, RunFailure, SpmdOptions, MAX_COLLECTIVE_TIMEOUT,

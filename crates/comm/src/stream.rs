@@ -18,18 +18,22 @@ use std::thread::JoinHandle;
 use crate::communicator::{Backend, OpInfo};
 use crate::element::Element;
 use crate::error::CommError;
+use crate::narrow::{narrowed, widen_into, Wire};
 use crate::trace::CollectiveKind;
 
 /// What a background job does with its buffer.
 pub(crate) enum Work {
-    /// In-place sum.
-    AllReduce(Vec<f32>),
+    /// In-place sum, with the element type on the wire (`bf16`: rounded here, on the stream
+    /// thread, summed in `f32`, the result rounded once and widened back).
+    AllReduce(Vec<f32>, Wire),
     /// Sum, scattered: the output holds `output_len` elements.
     ReduceScatter {
         /// This member's input (group × output).
         input: Vec<f32>,
         /// Elements of the output.
         output_len: usize,
+        /// The element type on the wire, as for [`Work::AllReduce`].
+        wire: Wire,
     },
     /// Concatenation: the output holds `output_len` elements.
     AllGather {
@@ -116,14 +120,36 @@ pub(crate) fn run_work(
     work: Work,
 ) -> Result<Vec<f32>, CommError> {
     match work {
-        Work::AllReduce(mut buf) => {
+        Work::AllReduce(mut buf, Wire::F32) => {
             backend.all_reduce(op, f32::buf_mut(&mut buf))?;
             Ok(buf)
         }
-        Work::ReduceScatter { input, output_len } => {
+        Work::AllReduce(mut buf, Wire::Bf16) => {
+            let mut wire = narrowed(&buf);
+            backend.all_reduce(op, half::bf16::buf_mut(&mut wire))?;
+            widen_into(&wire, &mut buf);
+            Ok(buf)
+        }
+        Work::ReduceScatter {
+            input,
+            output_len,
+            wire: Wire::F32,
+        } => {
             let mut out = vec![0.0f32; output_len];
             backend.reduce_scatter(op, f32::buf(&input), f32::buf_mut(&mut out))?;
             Ok(out)
+        }
+        Work::ReduceScatter {
+            input,
+            output_len,
+            wire: Wire::Bf16,
+        } => {
+            let input = narrowed(&input);
+            let mut out = vec![half::bf16::ZERO; output_len];
+            backend.reduce_scatter(op, half::bf16::buf(&input), half::bf16::buf_mut(&mut out))?;
+            let mut wide = vec![0.0f32; output_len];
+            widen_into(&out, &mut wide);
+            Ok(wide)
         }
         Work::AllGather { input, output_len } => {
             let mut out = vec![0.0f32; output_len];

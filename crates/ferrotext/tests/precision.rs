@@ -1,6 +1,7 @@
 //! The precision keys through the binary (issue 30, "Bad input"): an unknown dtype name,
-//! `weight_dtype` narrower than `dtype`, `grad_dtype=bfloat16` and bf16 on a kernel without a
-//! bf16 product are one `error:` line, exit 2, and nothing written; the mirrors run, and the
+//! `weight_dtype` narrower than `dtype`, `grad_dtype=bfloat16` with `layout_invariant=true`, and
+//! bf16 on a kernel without a bf16 product are one `error:` line, exit 2, and nothing written;
+//! the mirrors run, and the
 //! header names the dtypes and the bf16 kernel.
 
 use std::path::{Path, PathBuf};
@@ -53,9 +54,9 @@ fn refused_precisions_are_one_error_line_exit_2_and_nothing_written() {
             "error: weight_dtype=bfloat16 is narrower than dtype=float32",
         ),
         (
-            &["grad_dtype=bfloat16"],
+            &["grad_dtype=bfloat16", "layout_invariant=true"],
             false,
-            "error: grad_dtype=bfloat16 is not built yet",
+            "error: grad_dtype=bfloat16 with layout_invariant=true cannot hold its promise",
         ),
         (
             &["dtype=bfloat16"],

@@ -18,9 +18,15 @@
 //! than the budget is a bucket of its own), so every device forms the same buckets and issues
 //! the same collectives in the same order. Sums stay in the tree order and f32, so results are
 //! bitwise equal to the per-value path.
+//!
+//! A plan's reductions (all-reduce and reduce-scatter buckets; never an all-gather) move the
+//! element type [`BucketPlan::reduction_wire`] names: `f32` by default, or `bf16` for
+//! `grad_dtype=bfloat16` ([`BucketPlan::with_reduction_wire`]), which rounds each member's block
+//! once, sums in f32 in the tree order and rounds the sum once (`ferrotext_comm::narrow`): half
+//! the bytes, two roundings more, and then no longer bitwise the per-value path.
 
-use ferrotext_comm::CollectiveKind;
-use ferrotext_sharding::{ArrayType, DType, PartitionSpec};
+use ferrotext_comm::{CollectiveKind, Wire};
+use ferrotext_sharding::{ArrayType, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
@@ -128,9 +134,23 @@ pub struct BucketPlan {
     /// values that scatter different dimensions share a bucket, each cut along its own.
     pub(crate) dims: Vec<usize>,
     pub(crate) buckets: Vec<(Fused, Vec<usize>)>,
+    /// The element type its reductions move (module docs).
+    pub(crate) wire: Wire,
 }
 
 impl BucketPlan {
+    /// This plan with its reductions (all-reduce and reduce-scatter buckets) moving `wire`
+    /// elements; all-gathers and values moved alone are unchanged (module docs).
+    pub fn with_reduction_wire(mut self, wire: Wire) -> BucketPlan {
+        self.wire = wire;
+        self
+    }
+
+    /// The element type the plan's reductions move.
+    pub fn reduction_wire(&self) -> Wire {
+        self.wire
+    }
+
     /// The buckets' members (indices into the values), in the order the plan runs them.
     pub fn buckets(&self) -> impl Iterator<Item = &[usize]> + '_ {
         self.buckets.iter().map(|(_, m)| m.as_slice())
@@ -191,6 +211,7 @@ impl Ctx<'_> {
             alone: Vec::new(),
             dims: vec![0; sources.len()],
             buckets: Vec::new(),
+            wire: Wire::F32,
         };
         // (the fused collective, the value indices, the bucket's bytes)
         let mut open: Vec<(Fused, Vec<usize>, usize)> = Vec::new();
@@ -341,10 +362,10 @@ impl Ctx<'_> {
         packed: Option<Vec<f32>>,
         background: bool,
     ) -> Result<StartedBucket, SpmdError> {
-        let (kind, axes) = match fused {
-            Fused::AllReduce(a) => (CollectiveKind::AllReduce, a),
-            Fused::ReduceScatter(a, _) => (CollectiveKind::ReduceScatter, a),
-            Fused::AllGather(a, _) => (CollectiveKind::AllGather, a),
+        let (kind, axes, wire) = match fused {
+            Fused::AllReduce(a) => (CollectiveKind::AllReduce, a, plan.wire),
+            Fused::ReduceScatter(a, _) => (CollectiveKind::ReduceScatter, a, plan.wire),
+            Fused::AllGather(a, _) => (CollectiveKind::AllGather, a, Wire::F32),
         };
         let (_, n) = self.rank_over(axes)?;
         let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
@@ -364,7 +385,7 @@ impl Ctx<'_> {
                 total
             };
             self.comm()
-                .record_abstract(kind, axes, elements, DType::F32)?;
+                .record_abstract(kind, axes, elements, wire.dtype())?;
             return Ok(started);
         };
         if packed.len() != total {
@@ -378,20 +399,23 @@ impl Ctx<'_> {
         }
         started.flight = if background {
             Flight::Background(match fused {
-                Fused::AllReduce(axes) => self.comm().start_all_reduce(axes, packed)?,
-                Fused::ReduceScatter(axes, _) => self.comm().start_reduce_scatter(axes, packed)?,
+                Fused::AllReduce(axes) => self.comm().start_all_reduce_as(axes, packed, wire)?,
+                Fused::ReduceScatter(axes, _) => {
+                    self.comm().start_reduce_scatter_as(axes, packed, wire)?
+                }
                 Fused::AllGather(axes, _) => self.comm().start_all_gather(axes, packed)?,
             })
         } else {
             Flight::Done(match fused {
                 Fused::AllReduce(axes) => {
                     let mut buf = packed;
-                    self.comm().all_reduce(axes, &mut buf)?;
+                    self.comm().all_reduce_as(axes, &mut buf, wire)?;
                     buf
                 }
                 Fused::ReduceScatter(axes, _) => {
                     let mut mine = vec![0.0; total / n];
-                    self.comm().reduce_scatter(axes, &packed, &mut mine)?;
+                    self.comm()
+                        .reduce_scatter_as(axes, &packed, &mut mine, wire)?;
                     mine
                 }
                 Fused::AllGather(axes, _) => {

@@ -69,7 +69,8 @@ pub enum TrainError {
         choices: &'static str,
     },
     /// A precision key whose value names a dtype but a combination that is not built (usage
-    /// class): `weight_dtype` narrower than `dtype` or not float32, `grad_dtype=bfloat16`, or
+    /// class): `weight_dtype` narrower than `dtype` or not float32, `grad_dtype=bfloat16` with
+    /// `layout_invariant=true`, or
     /// `dtype=bfloat16` on a kernel without a bf16 product.
     #[error("{key}={value} {problem}")]
     Precision {
@@ -223,12 +224,14 @@ pub enum PrecisionProblem {
          converts the weights to dtype at use); set weight_dtype=float32"
     )]
     MasterWeightsAreFloat32,
-    /// `grad_dtype=bfloat16`.
+    /// `grad_dtype=bfloat16` with `layout_invariant=true`.
     #[error(
-        "is not built yet: the bf16 deferred reduction (the accumulator rounded to bf16 once per \
-         step on the wire, issue #30 item 3) does not exist; set grad_dtype=float32"
+        "with layout_invariant=true cannot hold its promise: each device's partial gradient sum \
+         is rounded to bf16 once per step, and where that rounding falls depends on how the \
+         batch is split over devices, so the bits differ between layouts; set \
+         grad_dtype=float32 or layout_invariant=false"
     )]
-    Bf16ReductionNotBuilt,
+    NotLayoutInvariant,
     /// `dtype=bfloat16` on a matrix-product kernel without a bf16 product.
     #[error(
         "needs a bf16 × bf16 → f32 matrix product and {kernel} (FERROTEXT_MATMUL) has none: set \

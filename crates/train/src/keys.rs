@@ -97,7 +97,7 @@ pub const KEYS: &[Key] = &[
     key("mtp_loss_scaling_factor", Model, "float ≥ 0", "weight of the MTP loss (per-token mean) added to the main loss"),
     key("dtype", Precision, "bfloat16|float32", "activations between ops and matmul inputs (MaxText's default: bfloat16); norms' statistics, logits, loss, router scores and the optimizer stay float32"),
     key("weight_dtype", Precision, "float32", "master weights and optimizer state (converted to dtype at use)"),
-    key("grad_dtype", Precision, "float32", "gradient accumulator and deferred reduction (bfloat16: not built yet)"),
+    key("grad_dtype", Precision, "bfloat16|float32", "the deferred gradient reduction (bfloat16: each device's f32 sum rounded once per step, half the bytes on the wire; not with layout_invariant=true)"),
     key("matmul_bf16_fallback", Precision, "true|false", "dtype=bfloat16 on a FERROTEXT_MATMUL kernel without a bf16 product: use ferrotext's own bf16 kernel instead of refusing"),
     key("local_devices", Mesh, "integer ≥ 1", "devices (threads) in each process"),
     key("num_processes", Mesh, "integer ≥ 1", "processes of the job (set by the launcher under mpirun)"),

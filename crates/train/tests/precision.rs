@@ -96,24 +96,34 @@ fn weight_dtype_narrower_than_dtype_or_not_float32_is_refused_naming_both() {
 }
 
 #[test]
-fn grad_dtype_bfloat16_is_refused_as_not_built_and_float32_is_taken() {
-    let err = load(&["grad_dtype=bfloat16"]).unwrap_err();
+fn grad_dtype_bfloat16_is_refused_with_layout_invariant_and_taken_without() {
+    let err = load(&["grad_dtype=bfloat16", "layout_invariant=true"]).unwrap_err();
     assert!(err.is_usage());
     assert!(matches!(
         &err,
         TrainError::Precision {
             key: "grad_dtype",
-            problem: PrecisionProblem::Bf16ReductionNotBuilt,
+            problem: PrecisionProblem::NotLayoutInvariant,
             ..
         }
     ));
     assert_eq!(err.to_string().lines().count(), 1);
     assert!(
         err.to_string()
-            .starts_with("grad_dtype=bfloat16 is not built yet"),
+            .starts_with("grad_dtype=bfloat16 with layout_invariant=true"),
         "{err}"
     );
-    assert_eq!(load(&["grad_dtype=float32"]).unwrap().grad_dtype, "float32");
+    // The mirrors: either key alone is taken.
+    assert_eq!(
+        load(&["grad_dtype=bfloat16"]).unwrap().grad_dtype,
+        "bfloat16"
+    );
+    assert!(load(&[
+        "grad_dtype=float32",
+        "layout_invariant=true",
+        "deterministic=true"
+    ])
+    .is_ok());
 }
 
 #[test]

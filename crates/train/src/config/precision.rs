@@ -3,9 +3,13 @@
 //! (the gradient accumulator and the deferred reduction), and `matmul_bf16_fallback` (bf16
 //! products on another kernel when the one the user named has none).
 //!
-//! Invariants: a config that passed [`TrainConfig::plan`] has `dtype` in {`bfloat16`,
-//! `float32`} and `weight_dtype` = `grad_dtype` = `float32` (what is built: master weights,
-//! optimizer state and accumulator stay f32, the model converts weights to bf16 at use). The
+//! Invariants: a config that passed [`TrainConfig::plan`] has `dtype` and `grad_dtype` in
+//! {`bfloat16`, `float32`} and `weight_dtype` = `float32` (what is built: master weights,
+//! optimizer state and accumulator stay f32, the model converts weights to bf16 at use), and
+//! never `grad_dtype=bfloat16` with `layout_invariant=true`. `grad_dtype=bfloat16` changes only the
+//! deferred reduction: each device's f32 accumulator is rounded to bf16 once when the step's
+//! reduction starts, the reduction moves bf16 and adds in f32, its result is rounded once and
+//! widened for the optimizer (`ferrotext_comm::narrow`). The
 //! bf16 kernel is fixed once per process by [`TrainConfig::select_bf16_kernel`], before any
 //! product runs; nothing here runs a product.
 
@@ -76,7 +80,8 @@ pub struct Precision {
     pub dtype: Dtype,
     /// `weight_dtype`: the master weights and the optimizer state (float32).
     pub weight_dtype: Dtype,
-    /// `grad_dtype`: the gradient accumulator and the deferred reduction (float32).
+    /// `grad_dtype`: the deferred reduction (float32, or bfloat16 on the wire; the accumulator
+    /// over micro-batches is float32 either way).
     pub grad_dtype: Dtype,
 }
 
@@ -103,7 +108,7 @@ fn parse_key(key: &'static str, value: &str) -> Result<Dtype, TrainError> {
 
 impl TrainConfig {
     /// The precision keys, checked: each a dtype name, `weight_dtype` neither narrower than
-    /// `dtype` nor other than float32, `grad_dtype` float32.
+    /// `dtype` nor other than float32, `grad_dtype=bfloat16` not with `layout_invariant=true`.
     ///
     /// # Errors
     /// [`TrainError::NotAChoice`] for a name that is not `bfloat16` or `float32`;
@@ -136,11 +141,11 @@ impl TrainConfig {
                 PrecisionProblem::MasterWeightsAreFloat32,
             );
         }
-        if grad_dtype != Dtype::Float32 {
+        if grad_dtype == Dtype::Bfloat16 && self.layout_invariant {
             return refuse(
                 "grad_dtype",
                 grad_dtype,
-                PrecisionProblem::Bf16ReductionNotBuilt,
+                PrecisionProblem::NotLayoutInvariant,
             );
         }
         Ok(Precision {
@@ -206,6 +211,36 @@ mod tests {
         );
         let f = with("float32", "float32", "float32").precision().unwrap();
         assert_eq!(f.dtype.array_dtype(), DType::F32);
+    }
+
+    #[test]
+    fn bf16_gradients_are_built_but_not_with_layout_invariant() {
+        let p = with("bfloat16", "float32", "bfloat16").precision().unwrap();
+        assert_eq!(p.grad_dtype.array_dtype(), DType::BF16);
+        let invariant = TrainConfig {
+            layout_invariant: true,
+            ..with("bfloat16", "float32", "bfloat16")
+        };
+        let err = invariant.precision().unwrap_err();
+        assert!(matches!(
+            err,
+            TrainError::Precision {
+                key: "grad_dtype",
+                problem: PrecisionProblem::NotLayoutInvariant,
+                ..
+            }
+        ));
+        let text = err.to_string();
+        assert!(
+            text.starts_with("grad_dtype=bfloat16 with layout_invariant=true"),
+            "{text}"
+        );
+        // The mirror: f32 gradients are layout-invariant.
+        let f32_grads = TrainConfig {
+            layout_invariant: true,
+            ..with("bfloat16", "float32", "float32")
+        };
+        assert!(f32_grads.precision().is_ok());
     }
 
     #[test]

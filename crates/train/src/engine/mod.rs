@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use ferrotext_comm::Wire;
 use ferrotext_models::init_normal;
 use ferrotext_models::ParamInfo;
 use ferrotext_sharding::{ArrayType, NamedSharding, PartitionSpec};
@@ -28,6 +29,7 @@ use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
+use crate::config::Dtype;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Overlap, Zero1};
 use crate::gradients::{PartialGradients, UnitTree};
@@ -236,12 +238,19 @@ impl Engine {
         } else {
             &targets
         };
-        let reduce_plan = Arc::new(cx.plan_buckets(
-            &promised,
-            reduce_targets,
-            reduce_bucket_bytes,
-            &backwards,
-        )?);
+        // `grad_dtype=bfloat16`: the step's deferred reduction moves bf16 (each device's f32
+        // accumulator rounded once as it starts); a reduction in every micro-batch (DDP) stays
+        // f32, so a gradient is never rounded per micro-batch.
+        let wire = if plan.precision().grad_dtype == Dtype::Bfloat16 && !overlap.every_micro_batch()
+        {
+            Wire::Bf16
+        } else {
+            Wire::F32
+        };
+        let reduce_plan = Arc::new(
+            cx.plan_buckets(&promised, reduce_targets, reduce_bucket_bytes, &backwards)?
+                .with_reduction_wire(wire),
+        );
         let (acc_types, acc_plan) = if overlap.every_micro_batch() {
             let reduced = moment_types.clone();
             let nothing = cx.plan_buckets(&reduced, &targets, bucket_bytes, &backwards)?;
@@ -279,6 +288,27 @@ impl Engine {
     /// The plan the engine runs.
     pub fn plan(&self) -> &RunPlan {
         &self.plan
+    }
+
+    /// This device's gradient sums of the step so far (copies, `None` between steps): with the
+    /// deferral open, its own f32 partial sums (`{U:data}`), what the step's reduction will take
+    /// — and what a mid-step checkpoint saves. Tests compare the reduction against them.
+    ///
+    /// # Errors
+    /// A step whose reduction has started, or one summed as a unit tree
+    /// (`layout_invariant=true`): [`TrainError::Misuse`].
+    pub fn accumulated_gradients(&self) -> Result<Option<Vec<Array>>, TrainError> {
+        let misuse = |reason: &str| TrainError::Misuse {
+            call: "Engine::accumulated_gradients",
+            reason: reason.into(),
+        };
+        match self.state()?.pending.map(|p| p.sum) {
+            None => Ok(None),
+            Some(state::PendingSum::Accumulator(grads)) => Ok(Some(grads)),
+            Some(state::PendingSum::Tree(_)) => {
+                Err(misuse("layout_invariant=true sums the step as a unit tree"))
+            }
+        }
     }
 
     /// The gate's decision.
