@@ -460,3 +460,35 @@ fn one_device_config_keeps_the_model_and_the_per_device_batch() {
     // The tiny model fits in any machine this runs on.
     assert_eq!(too_big_to_measure(&cfg, 4).expect("plans"), None);
 }
+
+/// `grad_dtype=bfloat16` prices the deferred reduction at 2 bytes an element (the trace's
+/// bytes): half the update's gradient bytes and about half their link time; the closed gate's
+/// per-micro-batch reductions stay f32, so that mode is priced as before (the mirror).
+#[test]
+fn bf16_gradients_halve_the_deferred_reduction_and_nothing_else() {
+    let c = cluster("hosts=2,devices_per_host=1,link=1gbit,10us");
+    let keys = [
+        "ici_data_parallelism=2",
+        "local_devices=2",
+        "gradient_accumulation_steps=4",
+    ];
+    let f = predict(&config(&keys), &c, 50.0).expect("predicts");
+    let with_bf16: Vec<&str> = keys
+        .iter()
+        .copied()
+        .chain(["grad_dtype=bfloat16"])
+        .collect();
+    let b = predict(&config(&with_bf16), &c, 50.0).expect("predicts");
+    let update = |p: &Prediction| -> (usize, f64) {
+        p.collectives
+            .iter()
+            .filter(|r| r.phase == "update" && r.gradient_reduction)
+            .fold((0, 0.0), |(n, ms), r| (n + r.bytes, ms + r.ms))
+    };
+    let ((fb, fms), (bb, bms)) = (update(&f), update(&b));
+    assert!(fb > 0 && fb == 2 * bb, "{fb} vs {bb}");
+    // α–β: the bytes term halves, the latency term (2(n−1)α a collective) does not.
+    assert!(bms < 0.55 * fms && bms > 0.45 * fms, "{fms} vs {bms} ms");
+    assert!(b.deferred.step_ms < f.deferred.step_ms);
+    assert_eq!(b.per_micro_batch_collectives, f.per_micro_batch_collectives);
+}

@@ -694,3 +694,56 @@ fn impossible_sizes_and_timeouts_are_usage_errors() {
         }
     }
 }
+
+/// `grad_dtype=bfloat16` over MPI, 2 processes × 1 device (the flat pipeline: each member's
+/// block rounded to bf16, summed in f32 in the tree order by its owner, rounded once): losses and
+/// gradient norms equal the in-process run on 2 devices to the bit, and differ from the float32
+/// reduction's (the mirror: the setting reached the wire).
+#[test]
+fn bf16_gradients_over_mpi_equal_the_in_process_run_bitwise() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("mpi-bf16-grads");
+    let out_dir = format!("base_output_directory={}", dir.display());
+    let args = |extra: &[&str], run: &str| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "train",
+            "steps=3",
+            "gradient_accumulation_steps=2",
+            "deterministic=true",
+            &out_dir,
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+        v.push(format!("run_name={run}"));
+        v
+    };
+    let mpi = succeeded(&mpirun(
+        2,
+        &refs(&args(&["local_devices=1", "grad_dtype=bfloat16"], "mpi")),
+    ));
+    let _ = succeeded(&local(&refs(&args(
+        &["local_devices=2", "grad_dtype=bfloat16"],
+        "local",
+    ))));
+    let _ = succeeded(&local(&refs(&args(&["local_devices=2"], "local_f32"))));
+    assert!(mpi.contains("MPI (Open MPI"), "{mpi}");
+    assert!(
+        mpi.contains("grad_dtype bfloat16 (f32 accumulator"),
+        "{mpi}"
+    );
+    let (m, l, f) = (
+        metrics(&dir, "mpi"),
+        metrics(&dir, "local"),
+        metrics(&dir, "local_f32"),
+    );
+    assert_eq!(m.len(), 3);
+    assert_eq!(m, l, "mpirun -n 2 vs 2 local devices, grad_dtype=bfloat16");
+    assert_ne!(l, f, "bf16 and f32 reductions");
+    assert_eq!(l[0].0, f[0].0, "step 0's loss comes before any update");
+    assert_ne!(
+        l[0].1, f[0].1,
+        "step 0's gradient norm is of the rounded reduction"
+    );
+}

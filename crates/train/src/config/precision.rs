@@ -88,11 +88,21 @@ pub struct Precision {
 impl fmt::Display for Precision {
     /// `dtype bfloat16 (activations, matmul inputs), weight_dtype float32 (master weights,
     /// optimizer state), grad_dtype float32 (accumulator, reduction)`.
+    /// With `grad_dtype=bfloat16`, the last part says what it means: `grad_dtype bfloat16 (f32
+    /// accumulator; bf16 deferred reduction: each device's sum and the total rounded once a
+    /// step)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let grads = match self.grad_dtype {
+            Dtype::Float32 => "accumulator, reduction",
+            Dtype::Bfloat16 => {
+                "f32 accumulator; bf16 deferred reduction: each device's sum and the total \
+                 rounded once a step"
+            }
+        };
         write!(
             f,
             "dtype {} (activations, matmul inputs), weight_dtype {} (master weights, optimizer \
-             state), grad_dtype {} (accumulator, reduction)",
+             state), grad_dtype {} ({grads})",
             self.dtype, self.weight_dtype, self.grad_dtype
         )
     }
@@ -217,6 +227,10 @@ mod tests {
     fn bf16_gradients_are_built_but_not_with_layout_invariant() {
         let p = with("bfloat16", "float32", "bfloat16").precision().unwrap();
         assert_eq!(p.grad_dtype.array_dtype(), DType::BF16);
+        assert!(p.to_string().ends_with(
+            "grad_dtype bfloat16 (f32 accumulator; bf16 deferred reduction: each device's sum and \
+             the total rounded once a step)"
+        ));
         let invariant = TrainConfig {
             layout_invariant: true,
             ..with("bfloat16", "float32", "bfloat16")
