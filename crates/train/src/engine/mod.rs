@@ -292,11 +292,14 @@ impl Engine {
 
     /// This device's gradient sums of the step so far (copies, `None` between steps): with the
     /// deferral open, its own f32 partial sums (`{U:data}`), what the step's reduction will take
-    /// — and what a mid-step checkpoint saves. Tests compare the reduction against them.
+    /// — and what a mid-step checkpoint saves. A test hook (`fault-injection` feature), so that
+    /// partial sums have no reader outside the crate in a release build (`gradients.rs`): tests
+    /// compare the reduction against them.
     ///
     /// # Errors
     /// A step whose reduction has started, or one summed as a unit tree
     /// (`layout_invariant=true`): [`TrainError::Misuse`].
+    #[cfg(feature = "fault-injection")]
     pub fn accumulated_gradients(&self) -> Result<Option<Vec<Array>>, TrainError> {
         let misuse = |reason: &str| TrainError::Misuse {
             call: "Engine::accumulated_gradients",
