@@ -83,6 +83,19 @@ impl Array {
         }
     }
 
+    /// The address of this device's shard storage, shared by every array that shares the storage
+    /// (`None` in abstract mode): an identity for memos that hold the array, so the address is
+    /// not reused while they do.
+    pub(crate) fn storage_id(&self) -> Option<usize> {
+        self.local.as_ref().map(|l| Arc::as_ptr(l) as usize)
+    }
+
+    /// True when both arrays read the same shard storage (a clone, a retyping, a remembered
+    /// cast): no copy lies between them. False in abstract mode.
+    pub fn shares_storage(&self, other: &Array) -> bool {
+        matches!((self.storage_id(), other.storage_id()), (Some(a), Some(b)) if a == b)
+    }
+
     /// The type.
     pub fn ty(&self) -> &ArrayType {
         &self.ty

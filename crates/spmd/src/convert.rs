@@ -6,6 +6,16 @@
 //! even and `bf16 → f32` widens exactly; the transpose casts the cotangent back to the
 //! operand's dtype, so a weight converted to bf16 at use gets an `f32` cotangent (its bf16
 //! cotangent widened), as JAX's and PyTorch autocast's do.
+//!
+//! A program may ask the context to remember the casts of arrays it converts many times while
+//! nobody writes them — a step's weights, cast at use in every micro-batch
+//! ([`Ctx::remember_casts`]): the first cast of such an array computes, later ones share its
+//! result's storage. The result is the same bits either way (a cast is a pure function of its
+//! operand's storage), and each use is still recorded on the tape, so gradients are unchanged.
+//! The memo holds its sources, so a remembered array is never written in place (a write copies
+//! first); [`Ctx::forget_casts`] lets them go before the weights are updated.
+
+use std::collections::HashMap;
 
 use ferrotext_sharding::DType;
 
@@ -28,7 +38,14 @@ impl Ctx<'_> {
         if x.ty().dtype() == dtype {
             return Ok(x.clone());
         }
-        let out = self.cast_untracked(x, dtype)?;
+        let out = match self.casts.get(x, dtype) {
+            Some(hit) => hit.with_type(rules::cast_type(x.ty(), dtype)?),
+            None => {
+                let out = self.cast_untracked(x, dtype)?;
+                self.casts.keep(x, dtype, &out);
+                out
+            }
+        };
         self.record(
             Backward::Cast {
                 from: x.ty().dtype(),
@@ -47,8 +64,51 @@ impl Ctx<'_> {
         Ok(Array::new(ty, x.local_cloned()))
     }
 
+    /// Remembers the casts of `arrays` until [`Ctx::forget_casts`] (module docs): a later
+    /// [`Ctx::cast`] of an array sharing one's storage reuses the first cast's result. For
+    /// values converted many times and written by no one meanwhile, such as a step's weights;
+    /// writing one in place before `forget_casts` copies it first. Nothing in abstract mode.
+    pub fn remember_casts(&mut self, arrays: &[Array]) {
+        for a in arrays {
+            if let Some(id) = a.storage_id() {
+                self.casts.sources.insert(id, a.with_type(a.ty().clone()));
+            }
+        }
+    }
+
+    /// Drops every remembered cast and its source ([`Ctx::remember_casts`]).
+    pub fn forget_casts(&mut self) {
+        self.casts = CastMemo::default();
+    }
+
     /// The transpose of [`Ctx::cast`]: the cotangent cast back to the operand's dtype `from`.
     pub(crate) fn cast_transpose(&mut self, from: DType, ct: &Array) -> Result<Array, SpmdError> {
         self.cast_untracked(ct, from)
+    }
+}
+
+/// The casts a context remembers ([`Ctx::remember_casts`]). Keys are storage addresses of the
+/// registered sources; holding each source keeps its address from being reused while the
+/// entry lives.
+#[derive(Debug, Default)]
+pub(crate) struct CastMemo {
+    /// Registered sources, by storage address.
+    sources: HashMap<usize, Array>,
+    /// Their casts computed so far, by storage address and target dtype.
+    casts: HashMap<(usize, DType), Array>,
+}
+
+impl CastMemo {
+    /// The remembered cast of `x` to `dtype`, when `x` shares a registered source's storage.
+    fn get(&self, x: &Array, dtype: DType) -> Option<&Array> {
+        self.casts.get(&(x.storage_id()?, dtype))
+    }
+
+    /// Remembers `out` as the cast of `x` to `dtype` when `x` is a registered source.
+    fn keep(&mut self, x: &Array, dtype: DType, out: &Array) {
+        if let Some(id) = x.storage_id().filter(|id| self.sources.contains_key(id)) {
+            self.casts
+                .insert((id, dtype), out.with_type(out.ty().clone()));
+        }
     }
 }

@@ -10,6 +10,7 @@ use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
 use crate::autodiff::Tape;
+use crate::convert::CastMemo;
 use crate::error::SpmdError;
 
 /// Whether ops compute data or only types and the collective trace.
@@ -46,6 +47,8 @@ pub struct Ctx<'c> {
     mode: Mode,
     threads: usize,
     pub(crate) tape: Option<Tape>,
+    /// Casts remembered for reuse ([`Ctx::remember_casts`]).
+    pub(crate) casts: CastMemo,
 }
 
 impl<'c> Ctx<'c> {
@@ -60,6 +63,7 @@ impl<'c> Ctx<'c> {
             mode: Mode::Real,
             threads: threads.max(1),
             tape: None,
+            casts: CastMemo::default(),
         }
     }
 
@@ -71,6 +75,7 @@ impl<'c> Ctx<'c> {
             mode: Mode::Abstract,
             threads: 1,
             tape: None,
+            casts: CastMemo::default(),
         }
     }
 

@@ -72,6 +72,10 @@ impl Engine {
         if self.pending.is_none() {
             // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
             let used = self.enter_micro_batches(cx, &self.params)?;
+            // The step's weights are written by no one until `update`: each cast the model
+            // makes of one (bf16 compute) is computed once and shared by every micro-batch.
+            cx.forget_casts();
+            cx.remember_casts(&used);
             let sum = if self.plan.config().layout_invariant {
                 StepSum::Tree(UnitTree::new(std::mem::take(&mut self.unit_spares)))
             } else {
@@ -256,6 +260,8 @@ impl Engine {
             ..
         } = pending;
         drop(used);
+        // Before the optimizer writes the weights: the memo holds them (a write would copy).
+        cx.forget_casts();
         let (acc, loss_sum) = match sum {
             StepSum::Accumulator(acc) => (acc, loss_sum),
             StepSum::Tree(tree) => {
