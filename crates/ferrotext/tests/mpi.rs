@@ -746,4 +746,22 @@ fn bf16_gradients_over_mpi_equal_the_in_process_run_bitwise() {
         l[0].1, f[0].1,
         "step 0's gradient norm is of the rounded reduction"
     );
+    // 2 processes × 2 devices (hierarchical): each process's partial sum is rounded to bf16
+    // once more before it crosses (comm/src/narrow.rs), so only close to 4 local devices.
+    let _ = succeeded(&mpirun(
+        2,
+        &refs(&args(&["local_devices=2", "grad_dtype=bfloat16"], "hybrid")),
+    ));
+    let _ = succeeded(&local(&refs(&args(
+        &["local_devices=4", "grad_dtype=bfloat16"],
+        "local4",
+    ))));
+    let (h, l4) = (metrics(&dir, "hybrid"), metrics(&dir, "local4"));
+    assert_eq!(h.len(), 3);
+    for (x, y) in h.iter().zip(&l4) {
+        assert!(
+            (x.0 - y.0).abs() <= 1e-3 * y.0 && (x.1 - y.1).abs() <= 1e-2 * y.1,
+            "hierarchical {h:?} vs local {l4:?}"
+        );
+    }
 }
