@@ -15,7 +15,9 @@ is recorded in. It must not know about autodiff or models: it moves `f32`/`bf16`
 * **Deterministic sums.** Every reduction adds the members' contributions in one fixed
   pairwise tree over the ranks (`tree_sum`), in `f32`, whatever device computes it, so results
   are bitwise identical on every member and from run to run, and a sum over consecutive blocks
-  of a power-of-two size first gives the same bits as one over everything.
+  of a power-of-two size first gives the same bits as one over everything. A sum of `f32`
+  values may travel as `bf16` ([`Wire`], `narrow`): each member's value rounded once, the sum
+  added in `f32` and rounded once — half the bytes, two roundings more.
 * **Collectives never hang.** A member that leaves (returns, fails, panics), a member that issues
   a different collective at the same point, or a timeout breaks the group, and every waiting
   member gets a [`CommError`]. [`run_spmd`] reports the first device that failed.
