@@ -49,9 +49,9 @@ mod communicator;
 mod element;
 mod error;
 mod local;
-pub mod narrow;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod narrow;
 mod runner;
 pub mod stream;
 mod trace;
