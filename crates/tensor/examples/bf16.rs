@@ -11,8 +11,13 @@
 //! found, bf16 on ferrotext's AVX512_BF16 kernel where the CPU has it). Writes
 //! `target/bench/bf16.json`.
 //!
+//! `tokens=` sets the rows of a micro-batch (512; 128 is a device's share at data=4) and
+//! `threads=` the threads of each product (1; 2 is the machine's cores). The same shapes through
+//! PyTorch: `crates/ferrotext/bench/matmul_torch.py`; both in one sitting:
+//! `crates/ferrotext/bench/matmul_sitting.sh`.
+//!
 //! ```text
-//! cargo run --release -p ferrotext-tensor --example bf16 -- [libs=auto,mkl,openblas,portable] [pairs=5] [models=peer,0.6b]
+//! cargo run --release -p ferrotext-tensor --example bf16 -- [libs=auto,mkl,openblas,portable] [pairs=5] [models=peer,0.6b] [tokens=512] [threads=1]
 //! ```
 
 use std::hint::black_box;
@@ -64,7 +69,13 @@ fn layout(m: usize, n: usize, k: usize, lt: bool, rt: bool) -> (Vec<usize>, Vec<
 }
 
 /// Times f32 and bf16 of one product in alternating pairs; returns (f32, bf16) GFLOP/s.
-fn measure(ls: &[usize], rs: &[usize], dims: &DotDims, flops: f64, pairs: usize) -> (f64, f64) {
+fn measure(
+    ls: &[usize],
+    rs: &[usize],
+    dims: &DotDims,
+    flops: f64,
+    (pairs, threads): (usize, usize),
+) -> (f64, f64) {
     let l = Tensor::from_fn(ls, |i| ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5);
     let r = Tensor::from_fn(rs, |i| ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5);
     let (l16, r16) = (Bf16Tensor::from_f32(&l), Bf16Tensor::from_f32(&r));
@@ -74,10 +85,10 @@ fn measure(ls: &[usize], rs: &[usize], dims: &DotDims, flops: f64, pairs: usize)
         t.elapsed().as_secs_f64()
     };
     let f32_run = || {
-        black_box(dot_general(&l, &r, dims, 1).ok());
+        black_box(dot_general(&l, &r, dims, threads).ok());
     };
     let bf16_run = || {
-        black_box(dot_general_bf16(&l16, &r16, dims, 1).ok());
+        black_box(dot_general_bf16(&l16, &r16, dims, threads).ok());
     };
     f32_run();
     bf16_run();
@@ -102,7 +113,7 @@ fn measure_rounded(
     rs: &[usize],
     dims: &DotDims,
     flops: f64,
-    pairs: usize,
+    (pairs, threads): (usize, usize),
 ) -> (f64, f64) {
     let l = Bf16Tensor::from_f32(&Tensor::from_fn(ls, |i| {
         ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5
@@ -117,13 +128,13 @@ fn measure_rounded(
     };
     let separate = || {
         black_box(
-            dot_general_bf16(&l, &r, dims, 1)
+            dot_general_bf16(&l, &r, dims, threads)
                 .ok()
                 .map(|y| Bf16Tensor::from_f32(&y)),
         );
     };
     let fused = || {
-        black_box(dot_general_bf16_rounded(&l, &r, dims, 1).ok());
+        black_box(dot_general_bf16_rounded(&l, &r, dims, threads).ok());
     };
     separate();
     fused();
@@ -141,14 +152,14 @@ fn measure_rounded(
 }
 
 /// The child: this process's library, every shape, JSON rows on stdout.
-fn child(models: &[String], pairs: usize) {
+fn child(models: &[String], pairs: usize, tokens: usize, threads: usize) {
     let f32_kernel = matmul_kernel();
     let bf16_kernel = allow_bf16_fallback().unwrap_or_else(|e| e.to_string());
     eprintln!("f32: {f32_kernel}\nbf16: {bf16_kernel}");
     let mut rows = Vec::new();
     for model in models {
         for (name, din, dout) in weights(model) {
-            let t = 512;
+            let t = tokens;
             for (product, m, n, k, lt, rt) in [
                 ("x·W", t, dout, din, false, false),
                 ("dy·Wᵀ", t, din, dout, false, true),
@@ -156,13 +167,13 @@ fn child(models: &[String], pairs: usize) {
             ] {
                 let (ls, rs, dims) = layout(m, n, k, lt, rt);
                 let flops = 2.0 * (m * n * k) as f64;
-                let (f, b) = measure(&ls, &rs, &dims, flops, pairs);
+                let (f, b) = measure(&ls, &rs, &dims, flops, (pairs, threads));
                 // Activation products (not the weight gradient, which stays f32) stored as
                 // bf16: rounded after, or as the product is stored.
                 let (sep, fused) = if product == "xᵀ·dy" {
                     (f64::NAN, f64::NAN)
                 } else {
-                    measure_rounded(&ls, &rs, &dims, flops, pairs)
+                    measure_rounded(&ls, &rs, &dims, flops, (pairs, threads))
                 };
                 eprintln!(
                     "{model:>5} {name:<10} {product:<6} {m:>5}×{n:>5}×{k:>5}  f32 {f:>6.1}  bf16 {b:>6.1} GFLOP/s  ×{:.2}  to bf16: then round {sep:>6.1}  fused {fused:>6.1}  ×{:.2}",
@@ -197,17 +208,25 @@ fn child(models: &[String], pairs: usize) {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut libs = "auto,mkl,openblas,portable".to_string();
     let (mut pairs, mut models) = (5usize, "peer,0.6b".to_string());
+    let (mut tokens, mut threads) = (512usize, 1usize);
     for arg in std::env::args().skip(1) {
         match arg.split_once('=') {
             Some(("libs", v)) => libs = v.into(),
             Some(("pairs", v)) => pairs = v.parse()?,
             Some(("models", v)) => models = v.into(),
-            _ => return Err(format!("unknown argument {arg:?} (libs=, pairs=, models=)").into()),
+            Some(("tokens", v)) => tokens = v.parse()?,
+            Some(("threads", v)) => threads = v.parse()?,
+            _ => {
+                return Err(format!(
+                    "unknown argument {arg:?} (libs=, pairs=, models=, tokens=, threads=)"
+                )
+                .into())
+            }
         }
     }
     let models: Vec<String> = models.split(',').map(String::from).collect();
     if std::env::var_os("FERROTEXT_BF16_BENCH_CHILD").is_some() {
-        child(&models, pairs);
+        child(&models, pairs, tokens, threads);
         return Ok(());
     }
     let mut results = Vec::new();
@@ -244,7 +263,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(
         path,
         format!(
-            "{{\"benchmark\":\"bf16\",\"threads\":1,\"tokens\":512,\"cpu\":\"{cpu}\",\"libraries\":[{}]}}\n",
+            "{{\"benchmark\":\"bf16\",\"threads\":{threads},\"tokens\":{tokens},\"cpu\":\"{cpu}\",\"libraries\":[{}]}}\n",
             results.join(",")
         ),
     )?;

@@ -13,7 +13,11 @@
 //!   rounding and DAZ/FTZ); the tests bound the difference by the order of addition.
 //! * Operands of any strides are packed, per block of [`KC`] of the contraction: all of `a`'s
 //!   rows once, [`MR`]-row tiles of pairs; `b` a [`NC`]-column block at a time in pairs (`k/2 ×
-//!   NR × 2`, zero past `k` and `n`).
+//!   NR × 2`, zero past `k` and `n`). Row- and column-major operands are packed a slice at a
+//!   time, other strides element by element, to the same words. The packing buffers are the
+//!   thread's, kept between products (up to 16 MiB each).
+//! * Up to [`row::MAX_ROWS`] rows of `a` against a row-major `b` (decoding one token) run
+//!   without packing ([`few_rows`]), to the same bits.
 
 use std::arch::x86_64::{
     __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512,
@@ -33,10 +37,11 @@ const NC: usize = 512;
 /// Contraction elements per block (even; a block's panel of `NR` columns is 32 KiB).
 const KC: usize = 512;
 
-/// True when this CPU has AVX512_BF16 (and AVX-512F).
+/// True when this CPU has AVX512_BF16 (and AVX-512F and BW, which the packing uses).
 pub(crate) fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512bf16")
         && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
 /// `dst = a · b` (or `+=`, per `store`) for bf16 `a` m×k and `b` k×n into `dst`'s `m` rows of
@@ -59,8 +64,71 @@ pub(crate) unsafe fn gemm(
         return;
     }
     let tiles = m.div_ceil(MR);
-    let mut bpack = vec![0u32; KC.div_ceil(2) * NC.div_ceil(NR) * NR];
-    let mut apack = vec![0u32; KC.div_ceil(2) * MR * tiles];
+    let kp_max = KC.min(k).div_ceil(2);
+    let b_len = kp_max * NC.min(n).div_ceil(NR) * NR;
+    with_scratch(&B_SCRATCH, b_len, |bpack| {
+        with_scratch(&A_SCRATCH, kp_max * MR * tiles, |apack| {
+            // SAFETY: the caller's contract; the buffers hold a block of each operand.
+            unsafe { gemm_blocks(m, n, k, dst, ldc, (a, apack), (b, bpack), store) }
+        })
+    });
+}
+
+thread_local! {
+    /// A thread's packing buffers, kept between products: a fresh one per call was a large
+    /// zeroed allocation that the allocator returned to the kernel each time, and faulting its
+    /// pages in again cost as much as packing a small product (`examples/bf16.rs`, 128 rows).
+    /// Each holds at most a block of an operand (`b`: 512 KiB; `a`: 2 KiB per row, or 2 bytes per
+    /// element for [`gemm_rounded`], whose contraction is at most 1024).
+    static A_SCRATCH: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// As [`A_SCRATCH`], for `b`'s blocks.
+    static B_SCRATCH: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Runs `f` on `len` words of this thread's buffer `key` (grown as needed, its old contents
+/// left: every packing writes each word a tile reads). A nested use of the same buffer gets a
+/// fresh one.
+fn with_scratch<R>(
+    key: &'static std::thread::LocalKey<std::cell::Cell<Vec<u32>>>,
+    len: usize,
+    f: impl FnOnce(&mut [u32]) -> R,
+) -> R {
+    let mut buffer = key.take();
+    if buffer.len() < len {
+        buffer.resize(len, 0);
+    }
+    let out = f(&mut buffer[..len]);
+    keep(key, buffer);
+    out
+}
+
+/// The most words a thread keeps in a packing buffer between products (16 MiB).
+const KEEP_WORDS: usize = 1 << 22;
+
+/// Returns `buffer` to this thread's `key` unless it is larger than [`KEEP_WORDS`].
+fn keep(key: &'static std::thread::LocalKey<std::cell::Cell<Vec<u32>>>, buffer: Vec<u32>) {
+    if buffer.len() <= KEEP_WORDS {
+        key.set(buffer);
+    }
+}
+
+/// [`gemm`] with its packing buffers: `apack` a block of the contraction for all of `a`'s row
+/// tiles, `bpack` one block of `b`.
+///
+/// # Safety
+/// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_blocks(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ldc: usize,
+    (a, apack): (Operand<bf16>, &mut [u32]),
+    (b, bpack): (Operand<bf16>, &mut [u32]),
+    store: Store,
+) {
+    let tiles = m.div_ceil(MR);
     for l0 in (0..k.max(1)).step_by(KC) {
         let kc = KC.min(k - l0.min(k));
         let kp = kc.div_ceil(2);
@@ -75,7 +143,7 @@ pub(crate) unsafe fn gemm(
         for j0 in (0..n).step_by(NC) {
             let nc = NC.min(n - j0);
             // SAFETY: rows l0..l0+kc and columns j0..j0+nc of `b` are inside the operand.
-            unsafe { pack_b(b, l0, kc, j0, nc, &mut bpack) };
+            unsafe { pack_b(b, l0, kc, j0, nc, bpack) };
             for (t, tile_pack) in apack.chunks(kp * MR).take(tiles).enumerate() {
                 let i0 = t * MR;
                 let rows = MR.min(m - i0);
@@ -104,10 +172,67 @@ pub(crate) unsafe fn gemm(
 
 /// Packs rows `l0..l0 + kc` × columns `j0..j0 + nc` of `b`: panel `p` (columns `p·NR..`) holds
 /// for each pair `q` the `NR` columns' `(b[l0+2q, c], b[l0+2q+1, c])`, zeros past `k` and `n`.
+/// A row-major `b` (`x·W`) interleaves two rows at a time and a column-major one (`dy·Wᵀ`, a
+/// tied head) reads each column's pairs in place, both as whole slices the compiler
+/// vectorises; other strides take the element-wise [`pack_b_strided`]. All three write the
+/// same words (`tests::packing_is_the_element_wise_packing`).
 ///
 /// # Safety
-/// Those elements of `b` are readable.
+/// Those elements of `b` are readable; the CPU has AVX-512F/BW ([`available`]).
+#[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, out: &mut [u32]) {
+    let kp = kc.div_ceil(2);
+    if b.cs != 1 && b.rs != 1 {
+        // SAFETY: the caller's contract.
+        unsafe { pack_b_strided(b, l0, kc, j0, nc, out) };
+        return;
+    }
+    for (p, panel) in out.chunks_mut(kp * NR).take(nc.div_ceil(NR)).enumerate() {
+        let (jp, cols) = (j0 + p * NR, NR.min(nc - p * NR));
+        if b.cs == 1 {
+            for (q, slot) in panel.chunks_mut(NR).enumerate() {
+                // SAFETY: rows l0+2q (and l0+2q+1 when inside the block), columns jp..jp+cols
+                // of `b`, contiguous as `cs` is 1 (the caller's contract).
+                let row = |l: usize| unsafe {
+                    std::slice::from_raw_parts(
+                        b.ptr.offset((l0 + l) as isize * b.rs + jp as isize),
+                        cols,
+                    )
+                };
+                let second = (2 * q + 1 < kc).then(|| row(2 * q + 1));
+                interleave(row(2 * q), second, &mut slot[..cols]);
+                slot[cols..].fill(0);
+            }
+        } else {
+            for c in 0..cols {
+                // SAFETY: column jp+c, rows l0..l0+kc of `b`, contiguous as `rs` is 1.
+                let line = unsafe {
+                    std::slice::from_raw_parts(
+                        b.ptr.offset((jp + c) as isize * b.cs + l0 as isize),
+                        kc,
+                    )
+                };
+                pair_line(line, &mut panel[c..], NR);
+            }
+            for slot in panel.chunks_mut(NR) {
+                slot[cols..].fill(0);
+            }
+        }
+    }
+}
+
+/// [`pack_b`] element by element, for any strides.
+///
+/// # Safety
+/// As [`pack_b`].
+unsafe fn pack_b_strided(
+    b: Operand<bf16>,
+    l0: usize,
+    kc: usize,
+    j0: usize,
+    nc: usize,
+    out: &mut [u32],
+) {
     let kp = kc.div_ceil(2);
     let at = |l: usize, j: usize| -> u32 {
         if l < kc && j < nc {
@@ -133,12 +258,86 @@ unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, o
     }
 }
 
+/// `out[c] = (first[c], second[c])` as one word (the low half first), `second` zero when absent.
+#[inline]
+fn interleave(first: &[bf16], second: Option<&[bf16]>, out: &mut [u32]) {
+    match second {
+        Some(second) => {
+            for ((o, x), y) in out.iter_mut().zip(first).zip(second) {
+                *o = u32::from(x.to_bits()) | (u32::from(y.to_bits()) << 16);
+            }
+        }
+        None => {
+            for (o, x) in out.iter_mut().zip(first) {
+                *o = u32::from(x.to_bits());
+            }
+        }
+    }
+}
+
+/// `out[q·stride] = (line[2q], line[2q + 1])` for each pair of `line`, the last one's high
+/// half zero when `line` is odd.
+#[inline]
+fn pair_line(line: &[bf16], out: &mut [u32], stride: usize) {
+    let pairs = line.chunks_exact(2);
+    let last = pairs.remainder().first().map(|x| u32::from(x.to_bits()));
+    let mut slots = out.iter_mut().step_by(stride);
+    for (pair, slot) in pairs.zip(slots.by_ref()) {
+        *slot = u32::from(pair[0].to_bits()) | (u32::from(pair[1].to_bits()) << 16);
+    }
+    if let (Some(x), Some(slot)) = (last, slots.next()) {
+        *slot = x;
+    }
+}
+
 /// Packs rows `i0..i0 + rows` × columns `l0..l0 + kc` of `a` as pairs: `out[q·MR + r] =
-/// (a[i0+r, l0+2q], a[i0+r, l0+2q+1])`, zero past `k`.
+/// (a[i0+r, l0+2q], a[i0+r, l0+2q+1])`, zero past `k`. A row-major `a` reads each row's pairs
+/// in place and a column-major one (`xᵀ·dy`) interleaves two of its stored rows; other strides
+/// go element by element ([`pack_a_strided`]), all to the same words.
 ///
 /// # Safety
-/// Those elements of `a` are readable.
+/// Those elements of `a` are readable; the CPU has AVX-512F/BW ([`available`]).
+#[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_a(a: Operand<bf16>, i0: usize, rows: usize, l0: usize, kc: usize, out: &mut [u32]) {
+    if a.cs == 1 {
+        for r in 0..rows {
+            // SAFETY: row i0+r, columns l0..l0+kc of `a`, contiguous as `cs` is 1.
+            let line = unsafe {
+                std::slice::from_raw_parts(a.ptr.offset((i0 + r) as isize * a.rs + l0 as isize), kc)
+            };
+            pair_line(line, &mut out[r..], MR);
+        }
+    } else if a.rs == 1 {
+        for (q, pairs) in out.chunks_mut(MR).take(kc.div_ceil(2)).enumerate() {
+            // SAFETY: column l0+2q (and l0+2q+1 when inside the block), rows i0..i0+rows of
+            // `a`, contiguous as `rs` is 1.
+            let column = |l: usize| unsafe {
+                std::slice::from_raw_parts(
+                    a.ptr.offset((l0 + l) as isize * a.cs + i0 as isize),
+                    rows,
+                )
+            };
+            let second = (2 * q + 1 < kc).then(|| column(2 * q + 1));
+            interleave(column(2 * q), second, &mut pairs[..rows]);
+        }
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { pack_a_strided(a, i0, rows, l0, kc, out) };
+    }
+}
+
+/// [`pack_a`] element by element, for any strides.
+///
+/// # Safety
+/// As [`pack_a`].
+unsafe fn pack_a_strided(
+    a: Operand<bf16>,
+    i0: usize,
+    rows: usize,
+    l0: usize,
+    kc: usize,
+    out: &mut [u32],
+) {
     let at = |r: usize, l: usize| -> u32 {
         if l < kc {
             // SAFETY: (i0 + r, l0 + l) is inside `a`, by the caller's contract.
@@ -259,7 +458,8 @@ unsafe fn tile_r<const R: usize>(
 }
 
 /// `b` (k×n) packed whole for [`gemm_rounded`]: each [`NR`]-column panel over the whole
-/// contraction in pairs (`k/2 × NR × 2`, zero past `k` and `n`), panel after panel.
+/// contraction in pairs (`k/2 × NR × 2`, zero past `k` and `n`), panel after panel, in the
+/// packing thread's `b` buffer, which it returns there when dropped.
 pub(crate) struct PackedB {
     data: Vec<u32>,
     k: usize,
@@ -271,10 +471,19 @@ pub(crate) struct PackedB {
 /// # Safety
 /// `b`'s `k` rows of `n` elements are readable.
 pub(crate) unsafe fn pack_b_whole(b: Operand<bf16>, k: usize, n: usize) -> PackedB {
-    let mut data = vec![0u32; k.div_ceil(2) * n.div_ceil(NR) * NR];
+    let len = k.div_ceil(2) * n.div_ceil(NR) * NR;
+    let mut data = B_SCRATCH.take();
+    data.resize(len, 0);
     // SAFETY: rows 0..k and columns 0..n of `b` are inside the operand (the caller's contract).
     unsafe { pack_b(b, 0, k, 0, n, &mut data) };
     PackedB { data, k, n }
+}
+
+impl Drop for PackedB {
+    /// The buffer goes back to the thread's `b` scratch, for the next product.
+    fn drop(&mut self) {
+        keep(&B_SCRATCH, std::mem::take(&mut self.data));
+    }
 }
 
 /// `dst = round_bf16(a · b)` for bf16 `a` m×k and `b` packed by [`pack_b_whole`], into `dst`'s
@@ -299,7 +508,26 @@ pub(crate) unsafe fn gemm_rounded(
         return;
     }
     let (kp, tiles) = (k.div_ceil(2), m.div_ceil(MR));
-    let mut apack = vec![0u32; kp * MR * tiles];
+    with_scratch(&A_SCRATCH, kp * MR * tiles, |apack| {
+        // SAFETY: the caller's contract.
+        unsafe { rounded_tiles(m, a, b, apack, dst, ldc) }
+    });
+}
+
+/// [`gemm_rounded`] with `apack` (all of `a`'s row tiles over the whole contraction).
+///
+/// # Safety
+/// As [`gemm_rounded`].
+unsafe fn rounded_tiles(
+    m: usize,
+    a: Operand<bf16>,
+    b: &PackedB,
+    apack: &mut [u32],
+    dst: *mut bf16,
+    ldc: usize,
+) {
+    let (k, n) = (b.k, b.n);
+    let kp = k.div_ceil(2);
     for (t, tile_pack) in apack.chunks_mut(kp * MR).enumerate() {
         // SAFETY: rows t·MR.., all columns of `a` are inside the operand.
         unsafe { pack_a(a, t * MR, MR.min(m - t * MR), 0, k, tile_pack) };
@@ -322,3 +550,48 @@ pub(crate) unsafe fn gemm_rounded(
         }
     }
 }
+
+/// `dst = a · b` (or `+=`, per `store`) as [`gemm`] (the same bits), for at most
+/// [`row::MAX_ROWS`] rows of `a` and a row-major `b`, without packing; `false` (nothing
+/// written) for other shapes. `round`: `dst` holds bf16 rows and each element is rounded as it
+/// is stored, as [`gemm_rounded`] (`store` must be [`Store::Overwrite`] then).
+///
+/// # Safety
+/// As [`gemm`] (with `dst` bf16 when `round`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn few_rows(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut u8,
+    ldc: usize,
+    a: Operand<bf16>,
+    b: Operand<bf16>,
+    (store, round): (Store, bool),
+) -> bool {
+    if m > row::MAX_ROWS || b.cs != 1 || (round && store == Store::Accumulate) {
+        return false;
+    }
+    let mut sums = vec![0.0f32; if round { n } else { 0 }];
+    for i in 0..m {
+        // SAFETY: row i of `a`, all of `b`, and row i of `dst` (`n` elements of its type), by
+        // the caller's contract; the CPU has the features.
+        unsafe {
+            let a_row = a.ptr.offset(i as isize * a.rs);
+            if round {
+                row::row_times(n, k, a_row, a.cs, b, sums.as_mut_ptr(), false);
+                let out = std::slice::from_raw_parts_mut(dst.cast::<bf16>().add(i * ldc), n);
+                super::round_slice(&sums, out);
+            } else {
+                let out = dst.cast::<f32>().add(i * ldc);
+                row::row_times(n, k, a_row, a.cs, b, out, store == Store::Accumulate);
+            }
+        }
+    }
+    true
+}
+
+pub(crate) mod row;
+
+#[cfg(test)]
+mod tests;

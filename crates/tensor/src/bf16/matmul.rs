@@ -193,6 +193,10 @@ pub(crate) unsafe fn own(
     parallelism: gemm::Parallelism,
     store: Store,
 ) {
+    // SAFETY: the caller's contract.
+    if unsafe { super::dpbf16::few_rows(m, n, k, dst.cast(), ldc, a, b, (store, false)) } {
+        return;
+    }
     let t = match parallelism {
         gemm::Parallelism::Rayon(t) => t.min(m / MIN_BLOCK_ROWS),
         gemm::Parallelism::None => 1,
@@ -248,6 +252,11 @@ unsafe fn own_rounded(
     b: Operand<bf16>,
     threads: usize,
 ) {
+    let one = (Store::Overwrite, true);
+    // SAFETY: the caller's contract.
+    if unsafe { super::dpbf16::few_rows(m, n, k, dst.cast(), ldc, a, b, one) } {
+        return;
+    }
     // SAFETY: the caller's contract (`b` is k×n).
     let packed = unsafe { super::dpbf16::pack_b_whole(b, k, n) };
     let t = threads.min(m / MIN_BLOCK_ROWS).max(1);

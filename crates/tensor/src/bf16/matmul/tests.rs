@@ -138,9 +138,16 @@ fn own_product(
 #[test]
 fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
     let portable = Kernel::Portable(Isa::detect());
-    // Odd contractions, partial tiles and panels, a split over threads, and k past one block
-    // of the AVX512_BF16 kernel (512) and n past one of its column blocks (512).
-    for (m, n, k) in [(5, 7, 3), (300, 70, 131), (601, 170, 130), (130, 530, 1030)] {
+    // One row (decode), odd contractions, partial tiles and panels, a split over threads, and
+    // k past one block of the AVX512_BF16 kernel (512) and n past one of its column blocks.
+    for (m, n, k) in [
+        (5, 7, 3),
+        (1, 33, 7),
+        (1, 530, 1030),
+        (300, 70, 131),
+        (601, 170, 130),
+        (130, 530, 1030),
+    ] {
         let a = values(m * (k + 3), 1);
         let b = values(k * (n + 5), 2);
         let (a16, b16) = (to_bf16(&a), to_bf16(&b));

@@ -1,0 +1,289 @@
+//! The AVX512_BF16 kernel's packing: the layout-specific packings against the element-wise one
+//! and a hand-packed example, and the reused packing buffers against fresh ones.
+
+use half::bf16;
+
+use super::*;
+
+/// Distinct bf16 values (so a word read from the wrong place shows).
+fn values(len: usize) -> Vec<bf16> {
+    (0..len)
+        .map(|i| bf16::from_f32(((i * 37 + 11) % 997) as f32 - 498.0))
+        .collect()
+}
+
+fn op(data: &[bf16], rs: usize, cs: usize) -> Operand<bf16> {
+    Operand {
+        ptr: data.as_ptr(),
+        rs: rs as isize,
+        cs: cs as isize,
+    }
+}
+
+/// A buffer of `len` words of garbage, so a word a packing leaves unwritten shows.
+fn garbage(len: usize) -> Vec<u32> {
+    vec![0xDEAD_BEEF; len]
+}
+
+#[test]
+fn packing_a_hand_made_block_gives_its_pairs() {
+    if !available() {
+        return;
+    }
+    // b is 3×2 row-major [[1, 2], [3, 4], [5, 6]]; packed: pair 0 of column c is
+    // (b[0, c], b[1, c]), pair 1 is (b[2, c], 0); columns 2..32 zero.
+    let b: Vec<bf16> = (1..=6).map(|x| bf16::from_f32(x as f32)).collect();
+    let w = |lo: f32, hi: f32| {
+        u32::from(bf16::from_f32(lo).to_bits()) | (u32::from(bf16::from_f32(hi).to_bits()) << 16)
+    };
+    let mut expected = vec![0u32; 2 * NR];
+    expected[0] = w(1.0, 3.0);
+    expected[1] = w(2.0, 4.0);
+    expected[NR] = w(5.0, 0.0);
+    expected[NR + 1] = w(6.0, 0.0);
+    // The same matrix stored column-major: [[1, 3, 5], [2, 4, 6]].
+    let bt: Vec<bf16> = [1, 3, 5, 2, 4, 6]
+        .iter()
+        .map(|&x| bf16::from_f32(x as f32))
+        .collect();
+    for (data, rs, cs) in [(&b, 2, 1), (&bt, 1, 3)] {
+        let mut out = garbage(2 * NR);
+        // SAFETY: the CPU has the features; the block is the whole 3×2 matrix.
+        unsafe { pack_b(op(data, rs, cs), 0, 3, 0, 2, &mut out) };
+        assert_eq!(out, expected, "b with strides ({rs}, {cs})");
+    }
+    // a is 2×3 row-major [[1, 2, 3], [4, 5, 6]]: pair q of row r at q·MR + r.
+    let mut out = garbage(2 * MR);
+    // SAFETY: as above.
+    unsafe { pack_a(op(&b, 3, 1), 0, 2, 0, 3, &mut out) };
+    assert_eq!(
+        [out[0], out[1], out[MR], out[MR + 1]],
+        [w(1.0, 2.0), w(4.0, 5.0), w(3.0, 0.0), w(6.0, 0.0)]
+    );
+}
+
+/// Every layout's packing writes the words the element-wise packing writes, over a block that
+/// starts inside the operand, with an odd contraction and a partial last panel or tile; and
+/// the mirror: reading the operand with its strides swapped packs other words.
+#[test]
+fn packing_is_the_element_wise_packing() {
+    if !available() {
+        return;
+    }
+    for (rows, cols, l0, kc, j0, nc) in [
+        (9usize, 70usize, 2usize, 7usize, 3usize, 61usize),
+        (40, 100, 0, 40, 0, 100),
+        (1, 33, 0, 1, 1, 32),
+        (600, 530, 512, 88, 0, 530),
+    ] {
+        // `b`: `rows` × `cols` (contraction × columns), row-major, column-major and padded.
+        let data = values((rows + 3) * (cols + 5));
+        let kp = kc.div_ceil(2);
+        let len = kp * nc.div_ceil(NR) * NR;
+        for (rs, cs) in [(cols, 1), (1, rows), (cols + 5, 1), (1, rows + 3)] {
+            let (mut fast, mut slow) = (garbage(len), garbage(len));
+            // SAFETY: the block lies inside `data` with these strides; the CPU has the features.
+            unsafe {
+                pack_b(op(&data, rs, cs), l0, kc, j0, nc, &mut fast);
+                pack_b_strided(op(&data, rs, cs), l0, kc, j0, nc, &mut slow);
+            }
+            assert_eq!(fast, slow, "b {rows}×{cols} strides ({rs}, {cs})");
+        }
+        // `a`: the same `rows` × `cols` matrix read as rows × contraction, in tiles of `MR`
+        // rows (the last partial), over columns j0..j0+nc of the contraction.
+        let kp = nc.div_ceil(2);
+        for (rs, cs) in [(cols + 5, 1), (1, rows + 3)] {
+            let (mut fast, mut slow) = (garbage(kp * MR), garbage(kp * MR));
+            for t in 0..rows.div_ceil(MR) {
+                let (i0, r) = (t * MR, MR.min(rows - t * MR));
+                // SAFETY: rows i0..i0+r, columns j0..j0+nc are inside `data` as `a`.
+                unsafe {
+                    pack_a(op(&data, rs, cs), i0, r, j0, nc, &mut fast);
+                    pack_a_strided(op(&data, rs, cs), i0, r, j0, nc, &mut slow);
+                }
+                assert_eq!(
+                    fast, slow,
+                    "a tile {t} of {rows}×{cols} strides ({rs}, {cs})"
+                );
+            }
+        }
+    }
+    // The mirror: the same data with the strides swapped is another matrix, other words.
+    let data = values(16 * 16);
+    let (mut one, mut other) = (garbage(8 * NR), garbage(8 * NR));
+    // SAFETY: both are 16×16 views of `data`.
+    unsafe {
+        pack_b(op(&data, 16, 1), 0, 16, 0, 16, &mut one);
+        pack_b(op(&data, 1, 16), 0, 16, 0, 16, &mut other);
+    }
+    assert_ne!(one, other);
+}
+
+/// `dst = a·b` through [`gemm`] or [`gemm_rounded`] (`rounded`: widened back), row-major.
+fn product(m: usize, n: usize, k: usize, a: &[bf16], b: &[bf16], rounded: bool) -> Vec<f32> {
+    let mut dst = vec![f32::NAN; m * n];
+    // SAFETY: `a` is m×k and `b` k×n row-major, `dst` m×n; the CPU has the features.
+    unsafe {
+        if rounded {
+            let packed = pack_b_whole(op(b, n, 1), k, n);
+            let mut out = vec![bf16::NAN; m * n];
+            gemm_rounded(m, op(a, k, 1), &packed, out.as_mut_ptr(), n);
+            dst = out.iter().map(|x| x.to_f32()).collect();
+        } else {
+            gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                n,
+                op(a, k, 1),
+                op(b, n, 1),
+                Store::Overwrite,
+            );
+        }
+    }
+    dst
+}
+
+/// A product after a larger one on the same thread (its packing buffers hold the larger one's
+/// words) gives the bits it gives on a fresh thread; and the mirror: the two products differ,
+/// so stale words would show.
+#[test]
+fn reused_packing_buffers_give_a_fresh_threads_bits() {
+    if !available() {
+        return;
+    }
+    let (big, small) = ((70, 600, 530), (9, 33, 7));
+    for rounded in [false, true] {
+        let run = move |(m, n, k): (usize, usize, usize)| {
+            product(m, n, k, &values(m * k), &values(k * n), rounded)
+        };
+        let fresh = std::thread::spawn(move || run(small)).join().ok();
+        let warm = std::thread::spawn(move || {
+            let large = run(big);
+            (large, run(small))
+        })
+        .join()
+        .ok();
+        let (Some(fresh), Some((large, warm))) = (fresh, warm) else {
+            panic!("a product thread panicked");
+        };
+        assert_eq!(warm, fresh, "rounded: {rounded}");
+        assert_ne!(large[..fresh.len()], fresh[..], "rounded: {rounded}");
+        assert!(fresh.iter().all(|x| x.is_finite()));
+    }
+}
+
+/// One or two rows of `a` against a row-major `b` ([`few_rows`], no packing) give the packed
+/// kernel's bits ([`gemm`], [`gemm_rounded`]), overwriting and accumulating, for `a` stored
+/// either way and `b` with padded rows, on odd contractions and partial 32-column chunks; the
+/// mirrors: accumulating moves the result, and a column-major `b` or three rows are not taken.
+#[test]
+fn one_row_is_the_packed_products_bits() {
+    if !available() {
+        return;
+    }
+    for (m, n, k) in [
+        (1, 1, 1),
+        (1, 33, 7),
+        (2, 70, 64),
+        (1, 31, 1030),
+        (2, 600, 513),
+    ] {
+        let (a, b) = (values(m * k + 3 * k), values(k * (n + 5)));
+        let bop = op(&b, n + 5, 1);
+        let start: Vec<f32> = (0..m * n).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
+        for (ars, acs) in [(k, 1), (1, m + 3)] {
+            let aop = op(&a, ars, acs);
+            for store in [Store::Overwrite, Store::Accumulate] {
+                let (mut packed, mut direct) = (start.clone(), start.clone());
+                // SAFETY: `a` is m×k and `b` k×n with these strides; outputs m×n.
+                let taken = unsafe {
+                    gemm(m, n, k, packed.as_mut_ptr(), n, aop, bop, store);
+                    few_rows(
+                        m,
+                        n,
+                        k,
+                        direct.as_mut_ptr().cast(),
+                        n,
+                        aop,
+                        bop,
+                        (store, false),
+                    )
+                };
+                assert!(taken);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&direct),
+                    bits(&packed),
+                    "{m}×{n}×{k} {store:?} a ({ars}, {acs})"
+                );
+                if store == Store::Accumulate {
+                    let mut fresh = start.clone();
+                    // SAFETY: as above.
+                    unsafe {
+                        few_rows(
+                            m,
+                            n,
+                            k,
+                            fresh.as_mut_ptr().cast(),
+                            n,
+                            aop,
+                            bop,
+                            (Store::Overwrite, false),
+                        )
+                    };
+                    assert_ne!(bits(&fresh), bits(&direct), "accumulating moves the result");
+                }
+            }
+            let mut rounded = vec![bf16::NAN; m * n];
+            let mut direct = vec![bf16::NAN; m * n];
+            // SAFETY: as above, bf16 outputs.
+            unsafe {
+                let packed = pack_b_whole(bop, k, n);
+                gemm_rounded(m, aop, &packed, rounded.as_mut_ptr(), n);
+                let one = (Store::Overwrite, true);
+                assert!(few_rows(
+                    m,
+                    n,
+                    k,
+                    direct.as_mut_ptr().cast(),
+                    n,
+                    aop,
+                    bop,
+                    one
+                ));
+            }
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&direct), bits(&rounded), "rounded {m}×{n}×{k}");
+        }
+    }
+    let (a, b) = (values(3 * 8), values(8 * 8));
+    let mut out = vec![0.0f32; 3 * 8];
+    // SAFETY: `a` 3×8, `b` 8×8 either way; nothing is written when the shape is not taken.
+    unsafe {
+        let overwrite = (Store::Overwrite, false);
+        let column_major = few_rows(
+            1,
+            8,
+            8,
+            out.as_mut_ptr().cast(),
+            8,
+            op(&a, 8, 1),
+            op(&b, 1, 8),
+            overwrite,
+        );
+        let three = few_rows(
+            3,
+            8,
+            8,
+            out.as_mut_ptr().cast(),
+            8,
+            op(&a, 8, 1),
+            op(&b, 8, 1),
+            overwrite,
+        );
+        assert!(!column_major && !three);
+    }
+    assert!(out.iter().all(|&x| x == 0.0));
+}
