@@ -9,7 +9,9 @@
 //!
 //! Invariants: the same parameters, prompt and [`GenerateOptions`] give the same tokens (the
 //! sampler is seeded; greedy breaks ties towards the lower id); the context (prompt + generated)
-//! never exceeds [`GenerateOptions::context`].
+//! never exceeds [`GenerateOptions::context`]. A decoder computing in bf16 casts its f32
+//! weights at use; a generation remembers those casts ([`Ctx::remember_casts`]), so each weight
+//! is rounded once per generation rather than once per token, to the same bits.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -168,6 +170,9 @@ fn run_loop(
     on_token: &(dyn Fn(u32) -> Result<(), GenerateError> + Sync),
 ) -> Result<Generated, GenerateError> {
     let mut sampler = Sampler::new(options.sampling.clone()).map_err(sampling_error)?;
+    // The weights are f32 and a bf16 decoder casts each at use: once per generation, not once
+    // per token (the casts are what made a bf16 token cost more than an f32 one).
+    cx.remember_casts(weights);
     let mut cache = decoder.new_cache();
     let mut context: Vec<u32> = prompt.to_vec();
     let mut fed = 0; // positions already in the cache
@@ -204,6 +209,7 @@ fn run_loop(
             break Stop::ContextFull;
         }
     };
+    cx.forget_casts();
     Ok(Generated {
         tokens,
         stop,

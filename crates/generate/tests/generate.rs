@@ -125,3 +125,58 @@ fn a_failing_callback_stops_the_generation_with_its_error() {
     .unwrap_err();
     assert!(err.to_string().contains("closed pipe"), "{err}");
 }
+
+/// The logits of the last position of `row`, through the full forward on a fresh device
+/// context (no casts remembered: every weight is cast at use).
+fn last_logits(decoder: &Decoder, params: &[Tensor], row: &[u32]) -> Vec<f32> {
+    use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
+    let mesh = std::sync::Arc::new(Mesh::explicit([("data", 1)]).unwrap());
+    let out = ferrotext_comm::run_spmd(&mesh, &ferrotext_comm::SpmdOptions::default(), |dev| {
+        ferrotext_spmd::on_device(dev, |cx| {
+            let replicated = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
+            let weights = params
+                .iter()
+                .map(|p| cx.from_global(p, replicated.clone()))
+                .collect::<Result<Vec<_>, _>>()?;
+            let ids = cx.ids_from_global(&[1, row.len()], PartitionSpec::replicated(), row)?;
+            let logits = decoder.logits(cx, &weights, &ids)?;
+            cx.to_host(&logits)
+        })
+    })
+    .unwrap();
+    let data = out[0].data();
+    data[data.len() - decoder.config().vocab_size..].to_vec()
+}
+
+/// A bf16 generation casts each weight once (`Ctx::remember_casts`), not per token: its greedy
+/// tokens are, at every position, the argmax of a full bf16 forward that casts every weight at
+/// use, on the same context (the same computation, so the same bits). The mirror: those bf16
+/// logits are not the f32 ones, so the comparison runs bf16.
+#[test]
+fn bf16_generation_with_casts_remembered_picks_what_casting_at_use_picks() {
+    for preset in ["qwen3-tiny", "qwen3-moe-tiny", "deepseek3-tiny"] {
+        let (f32_decoder, params) = model(preset);
+        let mut cfg = Config::preset(preset).unwrap();
+        cfg.base_num_decoder_layers = cfg.base_num_decoder_layers.min(3);
+        let d = Decoder::new(cfg)
+            .unwrap()
+            .with_compute_dtype(ferrotext_sharding::DType::BF16)
+            .unwrap();
+        let prompt = [5u32, 17, 99, 3, 42];
+        let got = generate(&d, &params, &prompt, &options(6, false), &|_| Ok(())).unwrap();
+        let mut context = prompt.to_vec();
+        for (i, &token) in got.tokens.iter().enumerate() {
+            let logits = last_logits(&d, &params, &context);
+            let best = (0..logits.len()).fold(0, |b, j| if logits[j] > logits[b] { j } else { b });
+            assert_eq!(token as usize, best, "{preset}: token {i}");
+            if i == 0 {
+                assert_ne!(
+                    logits,
+                    last_logits(&f32_decoder, &params, &context),
+                    "{preset}"
+                );
+            }
+            context.push(token);
+        }
+    }
+}
