@@ -435,6 +435,11 @@ fn train_runs_and_writes_metrics_and_parameters() {
     assert_eq!(metrics.lines().count(), 2);
     let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     assert!(first["loss"].as_f64().unwrap() > 5.0);
+    // Each step reports the process's CPU time: the step did work in user space, and the
+    // summary states the kernel's share.
+    assert!(first["cpu"]["user"].as_f64().unwrap() > 0.0, "{first}");
+    assert!(first["cpu"]["system"].as_f64().unwrap() >= 0.0, "{first}");
+    assert!(stdout.contains("% in the kernel)"), "{stdout}");
     assert!(params.exists());
     // The saved parameters load back as the starting point of another run.
     let res = ferrotext(&[
@@ -700,5 +705,61 @@ fn an_io_failure_mid_run_exits_1_naming_the_file() {
         "{stderr}"
     );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// The summary's "deferral saved" counts what each micro-batch would have all-reduced (f32)
+/// less the step's one deferred reduction in `grad_dtype`: at GA 2, 4 bytes an element saved
+/// in f32 and 6 in bf16 (its reduction moves 2 bytes, not 4).
+#[test]
+fn deferral_saved_counts_the_deferred_reduction_in_grad_dtype() {
+    let dir = std::env::temp_dir().join(format!("ferrotext-saved-{}", std::process::id()));
+    let saved = |grad_dtype: &str| -> (usize, f64) {
+        let res = ferrotext(&[
+            "train",
+            &format!("base_output_directory={}", dir.display()),
+            &format!("run_name={grad_dtype}"),
+            "steps=1",
+            "gradient_accumulation_steps=2",
+            "base_emb_dim=32",
+            "base_mlp_dim=64",
+            "head_dim=8",
+            "max_target_length=16",
+            "dtype=bfloat16",
+            "matmul_bf16_fallback=true",
+            &format!("grad_dtype={grad_dtype}"),
+        ]);
+        let stdout = String::from_utf8_lossy(&res.stdout).into_owned();
+        assert!(res.status.success(), "{stdout}");
+        let field = |prefix: &str| -> String {
+            stdout
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(prefix).map(str::to_owned))
+                .unwrap_or_else(|| panic!("no {prefix} line: {stdout}"))
+        };
+        let params: usize = field("parameters").trim().parse().unwrap();
+        let line = field("all-reduce bytes");
+        let text = line.rsplit("deferral saved ").next().unwrap();
+        let (value, unit) = text.trim().split_once(' ').unwrap();
+        let scale = match unit {
+            "B" => 1.0,
+            "KiB" => 1024.0,
+            "MiB" => 1024.0 * 1024.0,
+            other => panic!("unit {other}"),
+        };
+        (params, value.parse::<f64>().unwrap() * scale)
+    };
+    let (params, f32_saved) = saved("float32");
+    let (_, bf16_saved) = saved("bfloat16");
+    // human_bytes keeps one decimal: 0.1 of the unit at most.
+    let close = |got: f64, want: f64| (got - want).abs() <= 0.06 * want;
+    assert!(
+        close(f32_saved, 4.0 * params as f64),
+        "{f32_saved} vs 4 × {params}"
+    );
+    assert!(
+        close(bf16_saved, 6.0 * params as f64),
+        "{bf16_saved} vs 6 × {params}"
+    );
     std::fs::remove_dir_all(dir).ok();
 }

@@ -37,6 +37,7 @@ reduction.
 
 pub mod checkpoint;
 mod config;
+mod cpu_time;
 pub mod data;
 mod engine;
 mod error;
@@ -57,6 +58,7 @@ pub use config::{
     OptType, ResumeMode, ShardMode, TrainConfig,
 };
 pub use config::{Dtype, Precision};
+pub use cpu_time::CpuTime;
 pub use engine::{Batch, Engine, FwdBwd, StepMetrics};
 pub use error::{ErrorClass, OutputProblem, PrecisionProblem, TrainError};
 pub use gate::{deferral_gate, zero1_gate, zero1_spec, ClosedReason, Deferral, Overlap, Zero1};

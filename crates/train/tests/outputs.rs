@@ -19,6 +19,7 @@ fn step(step: usize) -> StepMetrics {
         grad_norm: 0.5,
         learning_rate: 1e-3,
         seconds: 0.1,
+        cpu: None,
         skipped: false,
         epoch: None,
         eval_loss: None,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use ferrotext_comm::{human_bytes, CollectiveKind, PhasePattern};
-use ferrotext_train::{io, RunPlan, StepMetrics, TrainConfig, TrainReport};
+use ferrotext_train::{io, CpuTime, Dtype, RunPlan, StepMetrics, TrainConfig, TrainReport};
 
 use super::tokens_per_step;
 use crate::common::stats::median;
@@ -50,6 +50,18 @@ pub(super) fn print_summary(plan: &RunPlan, report: &TrainReport, wall: f64) -> 
 fn median_step_seconds(m: &[StepMetrics]) -> f64 {
     let warm_up = usize::from(m.len() > 1);
     median(m.iter().skip(warm_up).map(|x| x.seconds).collect())
+}
+
+/// The process's mean CPU time a step (user and system), leaving out the warm-up step as the
+/// median step time does; `None` when the steps carry none.
+fn mean_step_cpu(m: &[StepMetrics]) -> Option<CpuTime> {
+    let warm_up = usize::from(m.len() > 1);
+    let steps: Vec<CpuTime> = m.iter().skip(warm_up).filter_map(|x| x.cpu).collect();
+    let n = steps.len() as f64;
+    (!steps.is_empty()).then(|| CpuTime {
+        user: steps.iter().map(|c| c.user).sum::<f64>() / n,
+        system: steps.iter().map(|c| c.system).sum::<f64>() / n,
+    })
 }
 
 /// The first and last loss, the last evaluation, and the skipped steps.
@@ -99,6 +111,14 @@ fn print_speed(config: &TrainConfig, report: &TrainReport, step_seconds: f64, wa
         mfu * 100.0,
         peak.describe_for(bf16)
     );
+    if let Some(cpu) = mean_step_cpu(&report.metrics) {
+        println!(
+            "  CPU a step       {:.2} s user, {:.2} s system ({:.1}% in the kernel)",
+            cpu.user,
+            cpu.system,
+            cpu.system_fraction() * 100.0
+        );
+    }
     if let Some(mb) = peak_rss_mb() {
         println!("  peak RSS         {mb:.1} MB");
     }
@@ -111,13 +131,22 @@ fn print_reductions(plan: &RunPlan, report: &TrainReport) {
     println!("  deferral         {}", report.gate.describe());
     println!("  overlap          {}", plan.overlap().describe());
     println!("  ZeRO-1           {}", report.zero1.describe());
-    let grad_bytes: usize = report
+    let grad_elements: usize = report
         .params
         .iter()
-        .map(|p| p.shape.iter().product::<usize>() * 4)
+        .map(|p| p.shape.iter().product::<usize>())
         .sum();
+    // Deferred: one reduction a step in `grad_dtype` where each micro-batch would all-reduce
+    // its f32 gradients.
+    let deferred_bytes = match config.precision().map(|p| p.grad_dtype) {
+        Ok(Dtype::Bfloat16) => 2,
+        _ => 4,
+    };
+    let steps = report.metrics.len();
     let saved = if report.gate.is_open() {
-        (config.gradient_accumulation_steps - 1) * grad_bytes * config.steps
+        (config.gradient_accumulation_steps * 4).saturating_sub(deferred_bytes)
+            * grad_elements
+            * steps
     } else {
         0
     };

@@ -59,6 +59,10 @@ pub struct StepMetrics {
     pub learning_rate: f64,
     /// Wall time of the step on this device (its micro-batches and the update).
     pub seconds: f64,
+    /// The process's CPU seconds during the step, user and system (every thread: all of this
+    /// process's devices), where the platform reports them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<crate::CpuTime>,
     /// The step's update was dropped because its loss or gradient was not finite
     /// (`nan_policy=skip_step`); parameters and optimizer state are as before the step.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
@@ -114,6 +118,8 @@ struct Pending {
     /// the module).
     mtp: (f64, u64),
     started: Instant,
+    /// The process's CPU time when the step started (`None` where it cannot be read).
+    cpu_started: Option<crate::CpuTime>,
     /// The step's last micro-batch has run (`fwd_bwd_final`): only `update` may follow.
     closed: bool,
 }

@@ -155,6 +155,7 @@ impl Engine {
                 // the MTP loss of its micro-batches since the resume (the weights are exact).
                 mtp: (0.0, 0),
                 started: Instant::now(),
+                cpu_started: crate::CpuTime::now(),
                 closed: false,
             }),
             None => None,

@@ -90,6 +90,7 @@ impl Engine {
                 loads: Vec::new(),
                 mtp: (0.0, 0),
                 started: Instant::now(),
+                cpu_started: crate::CpuTime::now(),
                 closed: false,
             });
         }
@@ -255,6 +256,7 @@ impl Engine {
             loss_sum,
             tokens,
             started,
+            cpu_started,
             loads,
             mtp,
             ..
@@ -327,6 +329,9 @@ impl Engine {
             grad_norm,
             learning_rate: lr,
             seconds: started.elapsed().as_secs_f64(),
+            cpu: cpu_started
+                .zip(crate::CpuTime::now())
+                .map(|(start, end)| end.since(start)),
             skipped,
             epoch: None,
             eval_loss: None,
