@@ -16,8 +16,8 @@
 //!   NR × 2`, zero past `k` and `n`). Row- and column-major operands are packed a slice at a
 //!   time, other strides element by element, to the same words. The packing buffers are the
 //!   thread's, kept between products (up to 16 MiB each).
-//! * Up to [`row::MAX_ROWS`] rows of `a` against a row-major `b` (decoding one token) run
-//!   without packing ([`few_rows`]), to the same bits.
+//! * Up to [`row::MAX_ROWS`] rows of `a` against a row- or column-major `b` (decoding one
+//!   token) run without packing ([`few_rows`]), to the same bits.
 
 use std::arch::x86_64::{
     __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512,
@@ -552,8 +552,8 @@ unsafe fn rounded_tiles(
 }
 
 /// `dst = a · b` (or `+=`, per `store`) as [`gemm`] (the same bits), for at most
-/// [`row::MAX_ROWS`] rows of `a` and a row-major `b`, without packing; `false` (nothing
-/// written) for other shapes. `round`: `dst` holds bf16 rows and each element is rounded as it
+/// [`row::MAX_ROWS`] rows of `a` and a row- or column-major `b`, without packing; `false`
+/// (nothing written) for other shapes. `round`: `dst` holds bf16 rows and each element is rounded as it
 /// is stored, as [`gemm_rounded`] (`store` must be [`Store::Overwrite`] then).
 ///
 /// # Safety
@@ -569,9 +569,18 @@ pub(crate) unsafe fn few_rows(
     b: Operand<bf16>,
     (store, round): (Store, bool),
 ) -> bool {
-    if m > row::MAX_ROWS || b.cs != 1 || (round && store == Store::Accumulate) {
+    let columns = b.cs != 1;
+    if m > row::MAX_ROWS
+        || (columns && (b.rs != 1 || b.cs.unsigned_abs() > (i32::MAX as usize) / 16 || b.cs < 0))
+        || (round && store == Store::Accumulate)
+    {
         return false;
     }
+    let product = if columns {
+        row::row_times_columns
+    } else {
+        row::row_times
+    };
     let mut sums = vec![0.0f32; if round { n } else { 0 }];
     for i in 0..m {
         // SAFETY: row i of `a`, all of `b`, and row i of `dst` (`n` elements of its type), by
@@ -579,12 +588,12 @@ pub(crate) unsafe fn few_rows(
         unsafe {
             let a_row = a.ptr.offset(i as isize * a.rs);
             if round {
-                row::row_times(n, k, a_row, a.cs, b, sums.as_mut_ptr(), false);
+                product(n, k, a_row, a.cs, b, sums.as_mut_ptr(), false);
                 let out = std::slice::from_raw_parts_mut(dst.cast::<bf16>().add(i * ldc), n);
                 super::round_slice(&sums, out);
             } else {
                 let out = dst.cast::<f32>().add(i * ldc);
-                row::row_times(n, k, a_row, a.cs, b, out, store == Store::Accumulate);
+                product(n, k, a_row, a.cs, b, out, store == Store::Accumulate);
             }
         }
     }

@@ -1,6 +1,7 @@
-//! The AVX512_BF16 kernel's product of a few rows (a decoded token's `x·W`): with a row-major
-//! `b`, each row of `a` runs over `b` as stored, two rows of `b` interleaved in registers, with
-//! no packing. Packing `b` for a single row of `a` read and wrote all of `b` once more than the
+//! The AVX512_BF16 kernel's product of a few rows (a decoded token's `x·W`, and `x·Eᵀ` of a
+//! tied head or `q·Kᵀ`): each row of `a` runs over `b` as stored, with no packing. A row-major
+//! `b` has two of its rows interleaved in registers; a column-major one has each column's pair
+//! gathered (16 columns a register). Packing `b` for a single row of `a` read and wrote all of `b` once more than the
 //! product reads it, and cost more than the product (`examples/decode_dtype.rs`).
 //!
 //! Invariant: each element is the chain of [`super::gemm`] — pairs `(2p, 2p + 1)` in order, one
@@ -10,8 +11,10 @@
 //! interleave works within 128-bit lanes); they are put back in order when stored.
 
 use std::arch::x86_64::{
-    __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_maskz_loadu_epi16,
-    _mm512_set1_epi32, _mm512_setzero_si512, _mm512_storeu_ps, _mm512_unpackhi_epi16,
+    __m512, __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_ps, _mm512_loadu_si512,
+    _mm512_mask_i32gather_epi32, _mm512_mask_storeu_ps, _mm512_maskz_loadu_epi16,
+    _mm512_maskz_loadu_ps, _mm512_mullo_epi32, _mm512_set1_epi32, _mm512_setr_epi32,
+    _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps, _mm512_unpackhi_epi16,
     _mm512_unpacklo_epi16,
 };
 
@@ -27,6 +30,25 @@ pub(crate) const MAX_ROWS: usize = 2;
 /// its first four.
 fn column(l: usize, high: bool) -> usize {
     8 * (l / 4) + usize::from(high) * 4 + l % 4
+}
+
+/// The pairs of a row of `a` (`k` elements `acs` apart) as `pack_a` makes them, the last one's
+/// high half zero when `k` is odd.
+///
+/// # Safety
+/// The row's `k` elements are readable.
+unsafe fn row_pairs(k: usize, a_row: *const bf16, acs: isize) -> Vec<i32> {
+    let at = |l: usize| -> u32 {
+        if l < k {
+            // SAFETY: element l of the row (the caller's contract).
+            u32::from(unsafe { *a_row.offset(l as isize * acs) }.to_bits())
+        } else {
+            0
+        }
+    };
+    (0..k.div_ceil(2))
+        .map(|q| (at(2 * q) | (at(2 * q + 1) << 16)) as i32)
+        .collect()
 }
 
 /// `out = a_row · b` (or `out += a_row · b` when `accumulate`) for one bf16 row of `a` (`k`
@@ -45,19 +67,8 @@ pub(crate) unsafe fn row_times(
     out: *mut f32,
     accumulate: bool,
 ) {
-    // The pairs of the row, as `pack_a` makes them (the last one's high half zero when `k` is
-    // odd).
-    let at = |l: usize| -> u32 {
-        if l < k {
-            // SAFETY: element l of the row (the caller's contract).
-            u32::from(unsafe { *a_row.offset(l as isize * acs) }.to_bits())
-        } else {
-            0
-        }
-    };
-    let pairs: Vec<i32> = (0..k.div_ceil(2))
-        .map(|q| (at(2 * q) | (at(2 * q + 1) << 16)) as i32)
-        .collect();
+    // SAFETY: the row's `k` elements are readable (the caller's contract).
+    let pairs = unsafe { row_pairs(k, a_row, acs) };
     for j in (0..n).step_by(32) {
         let cols = 32.min(n - j);
         let mask = if cols == 32 {
@@ -126,5 +137,83 @@ pub(crate) unsafe fn row_times(
                 }
             }
         }
+    }
+}
+
+/// [`row_times`] for a column-major `b` (`b.rs == 1`: each column's `k` elements contiguous,
+/// `b.cs` apart): 16 columns a register, each lane's pair `(b[2q, c], b[2q + 1, c])` gathered
+/// as one word (the last pair of an odd `k` read as one element, its high half zero).
+///
+/// # Safety
+/// As [`row_times`], with `b.rs == 1` and `16 · b.cs` below `2^31`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(crate) unsafe fn row_times_columns(
+    n: usize,
+    k: usize,
+    a_row: *const bf16,
+    acs: isize,
+    b: Operand<bf16>,
+    out: *mut f32,
+    accumulate: bool,
+) {
+    // SAFETY: the row's `k` elements are readable (the caller's contract).
+    let pairs = unsafe { row_pairs(k, a_row, acs) };
+    let whole = k / 2;
+    // Lane c reads column c of the group: `c · cs` elements from the group's first.
+    let offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(b.cs as i32),
+    );
+    for j in (0..n).step_by(16) {
+        let cols = 16.min(n - j);
+        let mask: u16 = if cols == 16 {
+            u16::MAX
+        } else {
+            (1u16 << cols) - 1
+        };
+        let mut acc = if accumulate {
+            // SAFETY: columns j..j + cols of `out` (the mask touches no others), initialised
+            // when accumulating.
+            unsafe { _mm512_maskz_loadu_ps(mask, out.add(j)) }
+        } else {
+            _mm512_setzero_ps()
+        };
+        // SAFETY: column j's first element (inside `b`).
+        let base = unsafe { b.ptr.offset(j as isize * b.cs) };
+        for (q, &pair) in pairs.iter().enumerate() {
+            let words = if q < whole {
+                // SAFETY: elements 2q and 2q + 1 < k of columns j..j + cols (masked lanes read
+                // nothing); offsets in bytes are `2 · (c · cs + 2q)`, scale 2.
+                unsafe {
+                    _mm512_mask_i32gather_epi32::<2>(
+                        _mm512_setzero_si512(),
+                        mask,
+                        offsets,
+                        base.add(2 * q).cast(),
+                    )
+                }
+            } else {
+                // The last pair of an odd `k`: element k - 1 alone.
+                let mut last = [0u32; 16];
+                for (c, slot) in last.iter_mut().enumerate().take(cols) {
+                    // SAFETY: element k - 1 of column j + c.
+                    *slot = u32::from(
+                        unsafe { *base.offset(c as isize * b.cs + 2 * q as isize) }.to_bits(),
+                    );
+                }
+                // SAFETY: 16 words.
+                unsafe { _mm512_loadu_si512(last.as_ptr().cast()) }
+            };
+            // SAFETY: 512-bit integer vectors read as 32 bf16 (the same bits).
+            let (x, w): (__m512bh, __m512bh) = unsafe {
+                (
+                    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair)),
+                    std::mem::transmute::<__m512i, __m512bh>(words),
+                )
+            };
+            acc = _mm512_dpbf16_ps(acc, x, w);
+        }
+        // SAFETY: columns j..j + cols of `out`.
+        unsafe { _mm512_mask_storeu_ps(out.add(j), mask, acc) };
     }
 }

@@ -177,7 +177,8 @@ fn reused_packing_buffers_give_a_fresh_threads_bits() {
 /// One or two rows of `a` against a row-major `b` ([`few_rows`], no packing) give the packed
 /// kernel's bits ([`gemm`], [`gemm_rounded`]), overwriting and accumulating, for `a` stored
 /// either way and `b` with padded rows, on odd contractions and partial 32-column chunks; the
-/// mirrors: accumulating moves the result, and a column-major `b` or three rows are not taken.
+/// mirrors: accumulating moves the result, and a `b` strided both ways or three rows are not
+/// taken.
 #[test]
 fn one_row_is_the_packed_products_bits() {
     if !available() {
@@ -190,11 +191,15 @@ fn one_row_is_the_packed_products_bits() {
         (1, 31, 1030),
         (2, 600, 513),
     ] {
-        let (a, b) = (values(m * k + 3 * k), values(k * (n + 5)));
-        let bop = op(&b, n + 5, 1);
+        let (a, b) = (values(m * k + 3 * k), values((k + 5) * (n + 5)));
         let start: Vec<f32> = (0..m * n).map(|i| (i % 13) as f32 * 0.25 - 1.5).collect();
-        for (ars, acs) in [(k, 1), (1, m + 3)] {
-            let aop = op(&a, ars, acs);
+        let layouts = [
+            ((k, 1), (n + 5, 1)),
+            ((1, m + 3), (1, k + 5)),
+            ((k, 1), (1, k)),
+        ];
+        for ((ars, acs), (brs, bcs)) in layouts {
+            let (aop, bop) = (op(&a, ars, acs), op(&b, brs, bcs));
             for store in [Store::Overwrite, Store::Accumulate] {
                 let (mut packed, mut direct) = (start.clone(), start.clone());
                 // SAFETY: `a` is m×k and `b` k×n with these strides; outputs m×n.
@@ -216,7 +221,7 @@ fn one_row_is_the_packed_products_bits() {
                 assert_eq!(
                     bits(&direct),
                     bits(&packed),
-                    "{m}×{n}×{k} {store:?} a ({ars}, {acs})"
+                    "{m}×{n}×{k} {store:?} a ({ars}, {acs}) b ({brs}, {bcs})"
                 );
                 if store == Store::Accumulate {
                     let mut fresh = start.clone();
@@ -258,19 +263,20 @@ fn one_row_is_the_packed_products_bits() {
             assert_eq!(bits(&direct), bits(&rounded), "rounded {m}×{n}×{k}");
         }
     }
-    let (a, b) = (values(3 * 8), values(8 * 8));
+    let (a, b) = (values(3 * 8), values(16 * 16));
     let mut out = vec![0.0f32; 3 * 8];
-    // SAFETY: `a` 3×8, `b` 8×8 either way; nothing is written when the shape is not taken.
+    // SAFETY: `a` 3×8, `b` 8×8 (every other element of every other row of `b`, or row-major);
+    // nothing is written when the shape is not taken.
     unsafe {
         let overwrite = (Store::Overwrite, false);
-        let column_major = few_rows(
+        let strided = few_rows(
             1,
             8,
             8,
             out.as_mut_ptr().cast(),
             8,
             op(&a, 8, 1),
-            op(&b, 1, 8),
+            op(&b, 32, 2),
             overwrite,
         );
         let three = few_rows(
@@ -283,7 +289,7 @@ fn one_row_is_the_packed_products_bits() {
             op(&b, 8, 1),
             overwrite,
         );
-        assert!(!column_major && !three);
+        assert!(!strided && !three);
     }
     assert!(out.iter().all(|&x| x == 0.0));
 }
