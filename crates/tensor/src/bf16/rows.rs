@@ -6,17 +6,21 @@
 //! `f32`). Inputs are widened a chunk of whole rows at a time (about `nn`'s block of 4096
 //! elements; a causal softmax's whole `[Tq, Tk]` blocks) into a scratch `f32` tensor, so no
 //! `f32` copy of a whole activation is ever made; the `f32` kernels compute each row alike in
-//! any chunk, so chunking does not change a bit. Chunks run on the kernel thread budget.
+//! any chunk, so chunking does not change a bit. SwiGLU, elementwise, needs no scratch: it
+//! calls the `f32` kernel's element function (`nn::swiglu_value`, `nn::swiglu_grads`) on each
+//! widened element and rounds the result as it stores it. Chunks run on the kernel thread
+//! budget.
 
 use std::sync::Mutex;
 
 use half::bf16;
 
-use super::{round_slice, widen_slice, Bf16Tensor};
+use super::{round_bf16, round_slice, widen_bf16, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
+use crate::fastmath::vectorized;
 use crate::nn::{
     causal_softmax, rms_norm, rms_norm_backward, silu, softmax_backward_scaled, softmax_last,
-    swiglu, swiglu_backward,
+    swiglu_grads, swiglu_value,
 };
 use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads, Work};
 use crate::rope::{rope_with, Rope};
@@ -73,51 +77,6 @@ fn by_chunks(
     match first.into_inner().ok().flatten() {
         Some(e) => Err(e),
         None => Bf16Tensor::new(shape.to_vec(), data),
-    }
-}
-
-/// Two tensors of `shape` computed chunk by chunk, as [`by_chunks`] with two outputs.
-fn by_chunks_pair(
-    shape: &[usize],
-    n: usize,
-    chunk: usize,
-    inputs: &[&Bf16Tensor],
-    f: impl Fn(&[Tensor]) -> Result<(Tensor, Tensor), TensorError> + Sync,
-) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
-    let len: usize = shape.iter().product();
-    let (mut a, mut b) = (vec![bf16::ZERO; len], vec![bf16::ZERO; len]);
-    let first = Mutex::new(None);
-    for_each_chunk2(
-        &mut a,
-        chunk,
-        &mut b,
-        chunk,
-        kernel_threads(),
-        Work::Heavy,
-        |c, oa, ob| {
-            let parts: Vec<Tensor> = inputs
-                .iter()
-                .map(|t| widened(t, c * chunk, oa.len(), n))
-                .collect();
-            match f(&parts) {
-                Ok((ya, yb)) if ya.len() == oa.len() && yb.len() == ob.len() => {
-                    round_slice(ya.data(), oa);
-                    round_slice(yb.data(), ob);
-                }
-                Ok(_) => keep(
-                    &first,
-                    TensorError::shape("bf16 rows", format!("a chunk of rows of {n}")),
-                ),
-                Err(e) => keep(&first, e),
-            }
-        },
-    );
-    match first.into_inner().ok().flatten() {
-        Some(e) => Err(e),
-        None => Ok((
-            Bf16Tensor::new(shape.to_vec(), a)?,
-            Bf16Tensor::new(shape.to_vec(), b)?,
-        )),
     }
 }
 
@@ -288,7 +247,22 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
 pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
     let _span = ferrotext_profile::span("swiglu_bf16");
     same(g, u, "swiglu_bf16")?;
-    by_chunks(g.shape(), 1, CHUNK, &[g, u], |p| swiglu(&p[0], &p[1]))
+    // Elementwise: the f32 kernel's own element function on the widened pair, rounded as it is
+    // stored — no scratch tensors.
+    let mut y = vec![bf16::ZERO; g.len()];
+    for_each_chunk(&mut y, CHUNK, kernel_threads(), Work::Heavy, |c, out| {
+        let at = c * CHUNK;
+        let (gs, us) = (&g.data()[at..], &u.data()[at..]);
+        vectorized(
+            #[inline(always)]
+            || {
+                for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
+                    *o = round_bf16(swiglu_value(widen_bf16(a), widen_bf16(b)));
+                }
+            },
+        );
+    });
+    Bf16Tensor::new(g.shape().to_vec(), y)
 }
 
 /// [`swiglu_backward`] on bf16 `g`, `u` and `dy`: `(dg, du)` rounded to bf16.
@@ -303,9 +277,34 @@ pub fn swiglu_backward_bf16(
     let _span = ferrotext_profile::span("swiglu_backward_bf16");
     same(g, u, "swiglu_backward_bf16")?;
     same(g, dy, "swiglu_backward_bf16")?;
-    by_chunks_pair(g.shape(), 1, CHUNK, &[g, u, dy], |p| {
-        swiglu_backward(&p[0], &p[1], &p[2])
-    })
+    let (mut dg, mut du) = (vec![bf16::ZERO; g.len()], vec![bf16::ZERO; g.len()]);
+    for_each_chunk2(
+        &mut dg,
+        CHUNK,
+        &mut du,
+        CHUNK,
+        kernel_threads(),
+        Work::Heavy,
+        |c, dgs, dus| {
+            let at = c * CHUNK;
+            let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
+                        let (a, b) =
+                            swiglu_grads(widen_bf16(gs[i]), widen_bf16(us[i]), widen_bf16(dys[i]));
+                        *dg = round_bf16(a);
+                        *du = round_bf16(b);
+                    }
+                },
+            );
+        },
+    );
+    Ok((
+        Bf16Tensor::new(g.shape().to_vec(), dg)?,
+        Bf16Tensor::new(g.shape().to_vec(), du)?,
+    ))
 }
 
 /// [`softmax_backward_scaled`] on bf16 `y` and `dy` (the row sum in `f32`), `dx` rounded.

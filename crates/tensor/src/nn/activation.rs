@@ -10,6 +10,21 @@ use crate::fastmath::{sigmoid, vectorized};
 use crate::parallel::{filled, for_each_chunk, for_each_chunk2, kernel_threads, Work};
 use crate::tensor::Tensor;
 
+/// One element of [`swiglu`]: `silu(g)·u`. Shared with the bf16 kernel, so both compute the
+/// same bits from the same `f32` inputs.
+#[inline(always)]
+pub(crate) fn swiglu_value(g: f32, u: f32) -> f32 {
+    g * sigmoid(g) * u
+}
+
+/// One element of [`swiglu_backward`]: `(dg, du)` for `g`, `u` and the output cotangent `dy`.
+/// Shared with the bf16 kernel, as [`swiglu_value`].
+#[inline(always)]
+pub(crate) fn swiglu_grads(g: f32, u: f32, dy: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (dy * u * s * (1.0 + g * (1.0 - s)), dy * g * s)
+}
+
 /// The SwiGLU activation `silu(g) ⊙ u`, one pass.
 ///
 /// # Errors
@@ -27,7 +42,7 @@ pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
                     #[inline(always)]
                     || {
                         for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
-                            o.write(a * sigmoid(a) * b);
+                            o.write(swiglu_value(a, b));
                         }
                     },
                 );
@@ -70,10 +85,9 @@ pub fn swiglu_backward(
                         #[inline(always)]
                         || {
                             for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
-                                let (a, b, d) = (gs[i], us[i], dys[i]);
-                                let s = sigmoid(a);
-                                dg.write(d * b * s * (1.0 + a * (1.0 - s)));
-                                du.write(d * a * s);
+                                let (g, u) = swiglu_grads(gs[i], us[i], dys[i]);
+                                dg.write(g);
+                                du.write(u);
                             }
                         },
                     );
