@@ -23,7 +23,7 @@ use ferrotext_tensor::DotDims;
 use crate::array::Array;
 use crate::ctx::Ctx;
 use crate::elementwise::UnaryOp;
-use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind};
+use crate::error::{ShardingTypeError, SpmdError};
 use crate::manual::{enter_region_transpose, exit_region_transpose};
 use crate::rules::BinaryOp;
 
@@ -209,7 +209,7 @@ impl Ctx<'_> {
         let seed = cotangent(self, &out)?;
         let expected = out.ty().to_cotangent();
         if seed.ty() != &expected {
-            return Err(ct_error("vjp", &expected, seed.ty()).into());
+            return Err(ShardingTypeError::cotangent("vjp", &expected, seed.ty()).into());
         }
         let grads = self.backward(
             tape,
@@ -527,7 +527,7 @@ impl Ctx<'_> {
             };
             let expected = tape.nodes[*v].ty.to_cotangent();
             if ict.ty() != &expected {
-                return Err(ct_error("backward", &expected, ict.ty()).into());
+                return Err(ShardingTypeError::cotangent("backward", &expected, ict.ty()).into());
             }
             cts[*v] = Some(match cts[*v].take() {
                 None => ict,
@@ -576,6 +576,7 @@ impl Ctx<'_> {
             (Backward::GroupedMatmul { x, w, group_sizes }, dest) if side == 1 => {
                 self.grouped_matmul_transpose_into(x, w, group_sizes, ct, dest)
             }
+            (Backward::Cast { from }, dest) => self.cast_transpose_into(*from, ct, dest),
             (Backward::Slice { x, dim, start }, [whole]) => {
                 self.slice_transpose_into(x, *dim, *start, ct, whole)?;
                 Ok(true)
@@ -728,7 +729,10 @@ fn all_handed(grads: Vec<Option<Array>>) -> Result<Vec<Array>, SpmdError> {
 fn adds_in_place(backward: &Backward) -> bool {
     matches!(
         backward,
-        Backward::Dot { .. } | Backward::Take { .. } | Backward::GroupedMatmul { .. }
+        Backward::Dot { .. }
+            | Backward::Take { .. }
+            | Backward::GroupedMatmul { .. }
+            | Backward::Cast { .. }
     )
 }
 
@@ -777,24 +781,4 @@ fn retypes_only(backward: &Backward) -> bool {
         } => matches!((from, to), (Reduced, Varying) | (Varying, Unreduced)),
         _ => false,
     }
-}
-
-/// R4.3's check, typed by what differs.
-fn ct_error(op: &str, expected: &ArrayType, got: &ArrayType) -> ShardingTypeError {
-    let (es, gs) = (expected.sharding().spec(), got.sharding().spec());
-    let kind = if es.unreduced() != gs.unreduced() {
-        TypeErrorKind::UnreducedMismatch
-    } else if es.reduced() != gs.reduced() {
-        TypeErrorKind::ReducedConflict
-    } else if expected.shape() != got.shape() {
-        TypeErrorKind::ShapeError
-    } else {
-        TypeErrorKind::ShardingMismatch
-    };
-    ShardingTypeError::new(
-        kind,
-        op,
-        &[got],
-        format!("Expected cotangent type {expected} but got {got}"),
-    )
 }

@@ -81,6 +81,35 @@ impl Ctx<'_> {
         self.casts = CastMemo::default();
     }
 
+    /// The transpose of [`Ctx::cast`] added into a gradient buffer (`dest`: the operand's local
+    /// block in consecutive parts, as `GradientSink::buffer` gives it): each bf16 cotangent
+    /// element widened and added where it lands, with no f32 copy of the cotangent first — the
+    /// bits of adding [`Ctx::cast_transpose`]'s result. Returns whether it did (`false`, `dest`
+    /// untouched: an operand that was not f32, or no data).
+    pub(crate) fn cast_transpose_into(
+        &mut self,
+        from: DType,
+        ct: &Array,
+        dest: &mut [&mut [f32]],
+    ) -> Result<bool, SpmdError> {
+        let Some(src) = ct.local_bf16().filter(|_| from == DType::F32) else {
+            return Ok(false);
+        };
+        if dest.iter().map(|d| d.len()).sum::<usize>() != src.len() {
+            return Err(SpmdError::Internal {
+                op: "cast_transpose_into",
+                invariant: "a buffer holds the operand's whole local block",
+            });
+        }
+        let _span = ferrotext_profile::span("widen_add_bf16");
+        let mut at = 0;
+        for part in dest.iter_mut() {
+            ferrotext_tensor::widen_add_slice(&src.data()[at..at + part.len()], part);
+            at += part.len();
+        }
+        Ok(true)
+    }
+
     /// The transpose of [`Ctx::cast`]: the cotangent cast back to the operand's dtype `from`.
     pub(crate) fn cast_transpose(&mut self, from: DType, ct: &Array) -> Result<Array, SpmdError> {
         self.cast_untracked(ct, from)

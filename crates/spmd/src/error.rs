@@ -84,6 +84,27 @@ pub struct ShardingTypeError {
 }
 
 impl ShardingTypeError {
+    /// R4.3's check failed: a cotangent of type `got` where `expected` was due, typed by what
+    /// differs (unreduced axes, reduced axes, shape, else the sharding).
+    pub(crate) fn cotangent(op: &str, expected: &ArrayType, got: &ArrayType) -> ShardingTypeError {
+        let (es, gs) = (expected.sharding().spec(), got.sharding().spec());
+        let kind = if es.unreduced() != gs.unreduced() {
+            TypeErrorKind::UnreducedMismatch
+        } else if es.reduced() != gs.reduced() {
+            TypeErrorKind::ReducedConflict
+        } else if expected.shape() != got.shape() {
+            TypeErrorKind::ShapeError
+        } else {
+            TypeErrorKind::ShardingMismatch
+        };
+        ShardingTypeError::new(
+            kind,
+            op,
+            &[got],
+            format!("Expected cotangent type {expected} but got {got}"),
+        )
+    }
+
     pub(crate) fn new(
         kind: TypeErrorKind,
         op: &str,

@@ -426,3 +426,41 @@ fn a_gradient_that_needs_a_collective_or_has_no_buffer_is_handed_over() {
         );
     }
 }
+
+/// `Σ (cast(x)·cast(w))²` in bf16 (the square in f32): the weight is used once, by a `cast`.
+fn single_bf16(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdError> {
+    let xb = cx.cast(x, ferrotext_sharding::DType::BF16)?;
+    let wb = cx.cast(&ws[0], ferrotext_sharding::DType::BF16)?;
+    let y = cx.dot_general_preferred(
+        &xb,
+        &wb,
+        &DotDims::matmul(2),
+        None,
+        ferrotext_sharding::DType::F32,
+    )?;
+    let y2 = cx.mul(&y, &y)?;
+    cx.reduce_sum(&y2, &[0, 1], Some(&p(&[], &["x"], &[])))
+}
+
+/// A weight cast to bf16 at use: the cast's transpose widens its bf16 cotangent straight into
+/// the buffer (whole, or in parts of any length: it is elementwise), with the bits of the handed
+/// path — `value_and_grad`'s f32 gradient added to the buffer's start, compared exactly.
+#[test]
+fn a_weight_cast_to_bf16_is_widened_into_the_buffer_with_the_handed_bits() {
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
+    for parts in [1, 4] {
+        let (out, streamed) = run(true, parts, single_bf16, 1);
+        for (((bufs, events, grads, want), trace), plain) in out.iter().zip(&streamed) {
+            assert_eq!(shares(events, grads), [(0, true, false)], "{parts} parts");
+            let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&bufs[0]), bits(&want[0]), "{parts} parts: the handed bits");
+            assert!(grads[0].iter().any(|g| *g != 0.0), "a gradient to add");
+            assert_eq!(kinds(trace), kinds(plain));
+        }
+    }
+    // The mirror: offered no buffer, the gradient is handed over (and the sums still agree).
+    let (out, _) = run(true, 0, single_bf16, 1);
+    for ((_, events, grads, _), _) in &out {
+        assert_eq!(shares(events, grads), [(0, false, true)]);
+    }
+}

@@ -88,6 +88,27 @@ pub fn widen_slice(src: &[bf16], dst: &mut [f32]) {
     }
 }
 
+/// `dst += widen(src)` elementwise, on the kernel thread budget: a bf16 cotangent added into an
+/// f32 gradient without an f32 copy of it first (the same bits as widening, then adding).
+///
+/// # Panics
+/// When the lengths differ (a bug in the caller).
+pub fn widen_add_slice(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len()); // ok: caller's invariant
+    for_each_chunk(
+        dst,
+        CONVERT_BLOCK,
+        kernel_threads(),
+        Work::Light,
+        |c, out| {
+            let (at, len) = (c * CONVERT_BLOCK, out.len());
+            for (d, &s) in out.iter_mut().zip(&src[at..at + len]) {
+                *d += widen_bf16(s);
+            }
+        },
+    );
+}
+
 /// Elements per block when a conversion is split over the kernel threads.
 const CONVERT_BLOCK: usize = 1 << 14;
 
