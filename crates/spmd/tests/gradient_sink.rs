@@ -453,7 +453,11 @@ fn a_weight_cast_to_bf16_is_widened_into_the_buffer_with_the_handed_bits() {
         for (((bufs, events, grads, want), trace), plain) in out.iter().zip(&streamed) {
             assert_eq!(shares(events, grads), [(0, true, false)], "{parts} parts");
             let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&bufs[0]), bits(&want[0]), "{parts} parts: the handed bits");
+            assert_eq!(
+                bits(&bufs[0]),
+                bits(&want[0]),
+                "{parts} parts: the handed bits"
+            );
             assert!(grads[0].iter().any(|g| *g != 0.0), "a gradient to add");
             assert_eq!(kinds(trace), kinds(plain));
         }
