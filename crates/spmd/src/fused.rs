@@ -72,6 +72,27 @@ pub(crate) fn bf16_operands<'a>(out: &ArrayType, xs: &[&'a Array]) -> Option<Vec
     xs.iter().map(|x| x.local_bf16()).collect()
 }
 
+/// `x`'s shard rotated (`rope_tail` at `positions`, turned back when `inverse`) as an array of
+/// `x`'s type: a bf16 shard on the bf16 kernel (no widened copy), else in `f32`.
+fn rope_local(
+    x: &Array,
+    positions: &[usize],
+    rope: &ferrotext_tensor::Rope,
+    inverse: bool,
+    pass: usize,
+) -> Result<Array, SpmdError> {
+    if let Some(b) = bf16_operands(x.ty(), &[x]) {
+        let y = ferrotext_tensor::rope_tail_bf16(b[0], positions, rope, inverse, pass)?;
+        return Array::from_bf16(x.ty().clone(), Some(y));
+    }
+    let local = x
+        .local_opt()
+        .as_deref()
+        .map(|v| ferrotext_tensor::rope_tail(v, positions, rope, inverse, pass))
+        .transpose()?;
+    Ok(Array::new(x.ty().clone(), local))
+}
+
 /// Axes that split the rows of `x` (every dim but the last `skip`), i.e. the axes a row-wise
 /// sum over all rows is partial over.
 fn row_axes(x: &ArrayType) -> AxisSet {
@@ -253,12 +274,7 @@ impl Ctx<'_> {
             }
         }
         let positions: Vec<usize> = (start..start + t.shape()[t.rank() - 3]).collect();
-        let local = x
-            .local_opt()
-            .as_deref()
-            .map(|v| ferrotext_tensor::rope_tail(v, &positions, rope, false, pass))
-            .transpose()?;
-        let out = Array::new(t.clone(), local);
+        let out = rope_local(x, &positions, rope, false, pass)?;
         self.record(
             Backward::Rope {
                 rope: *rope,
@@ -468,12 +484,7 @@ impl Ctx<'_> {
         pass: usize,
         ct: &Array,
     ) -> Result<Array, SpmdError> {
-        let local = ct
-            .local_opt()
-            .as_deref()
-            .map(|c| ferrotext_tensor::rope_tail(c, positions, rope, true, pass))
-            .transpose()?;
-        Ok(Array::new(ct.ty().clone(), local))
+        rope_local(ct, positions, rope, true, pass)
     }
 
     /// The transpose of [`Ctx::softmax`] / [`Ctx::causal_softmax`] (of `scale·x`) from its

@@ -216,9 +216,12 @@ pub(crate) struct Blas {
     pub(crate) bf16: Option<(Cblas<half::bf16>, &'static str)>,
     /// What it is, for run headers: `OpenBLAS 0.3.21 (SkylakeX, one thread per call)`.
     pub(crate) description: String,
+    /// Intel MKL, whose bf16 product runs on AMX tiles where the CPU has them.
+    pub(crate) is_mkl: bool,
     /// Keeps the library mapped while `sgemm` may be called.
     _library: libloading::Library,
 }
+
 
 static KERNEL: OnceLock<Kernel> = OnceLock::new();
 
@@ -285,6 +288,7 @@ pub(crate) fn open_openblas() -> Option<Blas> {
                 sgemm,
                 bf16,
                 description: format!("{version} ({core}, one thread per call)"),
+                is_mkl: false,
                 _library: library,
             })
         }
@@ -323,6 +327,7 @@ pub(crate) fn open_mkl() -> Option<Blas> {
                 sgemm,
                 bf16,
                 description: format!("{version} (sequential, one thread per call)"),
+                is_mkl: true,
                 _library: library,
             })
         }

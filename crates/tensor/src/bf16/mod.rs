@@ -24,6 +24,7 @@ use std::sync::Arc;
 use half::bf16;
 
 use crate::error::TensorError;
+use crate::fastmath::vectorized;
 use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
 
@@ -34,7 +35,7 @@ mod elementwise;
 mod matmul;
 mod rows;
 
-pub(crate) use matmul::product;
+pub(crate) use matmul::{product, products_on_tiles};
 
 pub use attention::{causal_attention_backward_bf16, causal_attention_bf16};
 pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};
@@ -43,7 +44,8 @@ pub use matmul::{
     dot_general_bf16_rounded,
 };
 pub use rows::{
-    add_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, silu_bf16,
+    add_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, rope_tail_bf16,
+    silu_bf16,
     softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16, swiglu_bf16,
 };
 
@@ -72,9 +74,14 @@ pub fn widen_bf16(x: bf16) -> f32 {
 /// When the lengths differ (a bug in the caller).
 pub fn round_slice(src: &[f32], dst: &mut [bf16]) {
     assert_eq!(src.len(), dst.len()); // ok: caller's invariant
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = round_bf16(s);
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = round_bf16(s);
+            }
+        },
+    );
 }
 
 /// Widens `src` into `dst` elementwise ([`widen_bf16`]).
@@ -83,9 +90,14 @@ pub fn round_slice(src: &[f32], dst: &mut [bf16]) {
 /// When the lengths differ (a bug in the caller).
 pub fn widen_slice(src: &[bf16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len()); // ok: caller's invariant
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = widen_bf16(s);
-    }
+    vectorized(
+        #[inline(always)]
+        || {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = widen_bf16(s);
+            }
+        },
+    );
 }
 
 /// `dst += widen(src)` elementwise, on the kernel thread budget: a bf16 cotangent added into an
@@ -102,9 +114,14 @@ pub fn widen_add_slice(src: &[bf16], dst: &mut [f32]) {
         Work::Light,
         |c, out| {
             let (at, len) = (c * CONVERT_BLOCK, out.len());
-            for (d, &s) in out.iter_mut().zip(&src[at..at + len]) {
-                *d += widen_bf16(s);
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (d, &s) in out.iter_mut().zip(&src[at..at + len]) {
+                        *d += widen_bf16(s);
+                    }
+                },
+            );
         },
     );
 }

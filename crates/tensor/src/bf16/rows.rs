@@ -23,7 +23,7 @@ use crate::nn::{
     swiglu_grads, swiglu_value,
 };
 use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads, Work};
-use crate::rope::{rope_with, Rope};
+use crate::rope::{rope_tail, Rope};
 use crate::tensor::Tensor;
 
 /// Elements a chunk of rows is made of, at least (as `nn`'s row kernels group rows).
@@ -348,32 +348,51 @@ pub fn add_bf16(a: &Bf16Tensor, b: &Bf16Tensor) -> Result<Bf16Tensor, TensorErro
     Bf16Tensor::new(a.shape().to_vec(), data)
 }
 
-/// [`rope_with`] on bf16 `x: [.., seq, heads, head_dim]`: the rotation in `f32`, rounded once.
-/// Chunks are whole sequences (one batch row each), so every position meets its table row.
+/// [`rope_with`](crate::rope_with) on bf16 `x: [.., seq, heads, head_dim]`: the rotation in
+/// `f32`, rounded once.
 ///
 /// # Errors
-/// As [`rope_with`].
+/// As [`rope_with`](crate::rope_with).
 pub fn rope_bf16(
     x: &Bf16Tensor,
     positions: &[usize],
     rope: &Rope,
     inverse: bool,
 ) -> Result<Bf16Tensor, TensorError> {
+    rope_tail_bf16(x, positions, rope, inverse, 0)
+}
+
+/// [`rope_tail`] on bf16 `x: [.., seq, heads, head_dim]` (the first `pass` elements of each
+/// head passed through): the rotation in `f32`, rounded once. Chunks are whole sequences, a
+/// thread's share of them each (every chunk computes the rotation table once), so every
+/// position meets its table row.
+///
+/// # Errors
+/// As [`rope_tail`].
+pub fn rope_tail_bf16(
+    x: &Bf16Tensor,
+    positions: &[usize],
+    rope: &Rope,
+    inverse: bool,
+    pass: usize,
+) -> Result<Bf16Tensor, TensorError> {
     let r = x.shape().len();
     if r < 3 || x.is_empty() {
-        // `rope_with` states the layout it needs (or returns the empty tensor).
-        return Ok(Bf16Tensor::from_f32(&rope_with(
+        // `rope_tail` states the layout it needs (or returns the empty tensor).
+        return Ok(Bf16Tensor::from_f32(&rope_tail(
             &x.to_f32(),
             positions,
             rope,
             inverse,
+            pass,
         )?));
     }
     let row: usize = x.shape()[r - 3..].iter().product();
     let inner = x.shape()[r - 3..].to_vec();
-    by_chunks(x.shape(), row, row, &[x], |p| {
+    let per_chunk = (x.len() / row.max(1)).div_ceil(kernel_threads().max(1));
+    by_chunks(x.shape(), row, row * per_chunk.max(1), &[x], |p| {
         let seqs = p[0].len() / row;
         let shape: Vec<usize> = std::iter::once(seqs).chain(inner.iter().copied()).collect();
-        rope_with(&p[0].clone().reshape(&shape)?, positions, rope, inverse)
+        rope_tail(&p[0].clone().reshape(&shape)?, positions, rope, inverse, pass)
     })
 }
