@@ -222,7 +222,6 @@ pub(crate) struct Blas {
     _library: libloading::Library,
 }
 
-
 static KERNEL: OnceLock<Kernel> = OnceLock::new();
 
 /// The kernel `FERROTEXT_MATMUL` asks for (`mkl`, `openblas`, `gemm` or `portable`), else the

@@ -106,7 +106,7 @@ fn cpu() -> Cpu {
     {
         Cpu {
             avx512_bf16: super::dpbf16::available(),
-            amx_bf16: amx_bf16(),
+            amx_bf16: amx_bf16() && mkl_may_use_tiles(),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -133,6 +133,18 @@ fn amx_bf16() -> bool {
     let tiles = edx & (1 << 24) != 0 && edx & (1 << 22) != 0;
     // SAFETY: OSXSAVE is set, so XGETBV may be executed.
     tiles && unsafe { xcr0() } & (0b11 << 17) == 0b11 << 17
+}
+
+/// False when `MKL_ENABLE_INSTRUCTIONS` caps MKL below AMX (`AVX2`, `AVX512`, …): MKL then runs
+/// bf16 products without tiles. AMX comes with `AVX512_E4` and later.
+#[cfg(target_arch = "x86_64")]
+fn mkl_may_use_tiles() -> bool {
+    match std::env::var("MKL_ENABLE_INSTRUCTIONS") {
+        Ok(v) if !v.is_empty() => ["AVX512_E4", "AVX512_E5", "AVX10"]
+            .iter()
+            .any(|with_tiles| v.eq_ignore_ascii_case(with_tiles)),
+        _ => true,
+    }
 }
 
 /// The XCR0 register (which state components the OS saves).
@@ -454,8 +466,9 @@ const ROUNDED_MAX_K: usize = 1024;
 /// AVX512_BF16 kernel and the portable one (the same chains). The AVX512_BF16 kernel rounds each
 /// register tile as it stores it for contractions up to 1024 elements; other contractions
 /// and kernels compute the `f32` product a band of rows at a time on each thread and round the
-/// band while it is in cache (`rounded_by_bands`: at MKL on AMX this took the rounding from 39
-/// to … ms a qwen3-peer step), or, below 128 rows, the whole product and then round it.
+/// band while it is in cache (`rounded_by_bands`: with MKL on AMX, a qwen3-peer bf16 step went
+/// from 206 to 196 ms, the separate rounding pass having taken 13 ms of it), or, below 128 rows,
+/// the whole product and then round it.
 ///
 /// # Errors
 /// As [`dot_general_bf16`].

@@ -393,6 +393,12 @@ pub fn rope_tail_bf16(
     by_chunks(x.shape(), row, row * per_chunk.max(1), &[x], |p| {
         let seqs = p[0].len() / row;
         let shape: Vec<usize> = std::iter::once(seqs).chain(inner.iter().copied()).collect();
-        rope_tail(&p[0].clone().reshape(&shape)?, positions, rope, inverse, pass)
+        rope_tail(
+            &p[0].clone().reshape(&shape)?,
+            positions,
+            rope,
+            inverse,
+            pass,
+        )
     })
 }

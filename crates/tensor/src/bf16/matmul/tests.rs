@@ -198,7 +198,7 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                     }
                 }
                 #[cfg(target_arch = "x86_64")]
-                if own_available() {
+                if cpu().avx512_bf16 {
                     let one = own_product((m, n, k), &a16, sa, &b16, sb, 1, c);
                     for threads in [1, 3] {
                         let got = own_product((m, n, k), &a16, sa, &b16, sb, threads, c);
@@ -273,7 +273,10 @@ fn the_bf16_kernel_follows_the_f32_kernel_and_refuses_only_a_named_one() {
         avx512_bf16: true,
         amx_bf16: true,
     };
-    assert_eq!(choose(&Kernel::Gemm, false, false, tiles), Choice::Own(gemm));
+    assert_eq!(
+        choose(&Kernel::Gemm, false, false, tiles),
+        Choice::Own(gemm)
+    );
     let e = Choice::Refused("OpenBLAS 0.3.21".into())
         .describe()
         .unwrap_err();
@@ -302,7 +305,10 @@ fn the_bf16_kernel_follows_the_f32_kernel_and_refuses_only_a_named_one() {
             choose(&with, false, false, no_tiles(false)),
             Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
         );
-        assert_eq!(choose(&with, false, false, no_tiles(true)), Choice::Own(what.clone()));
+        assert_eq!(
+            choose(&with, false, false, no_tiles(true)),
+            Choice::Own(what.clone())
+        );
         // With AMX tiles, MKL's product (which runs on them) comes before ferrotext's kernel.
         let tiles = Cpu {
             avx512_bf16: true,
@@ -499,11 +505,21 @@ fn the_own_kernel_rounds_what_it_would_store() {
 }
 
 /// `dot_general_bf16_rounded` is `dot_general_bf16` rounded, bit for bit, on whichever kernel
-/// the process chose (a batched attention-like layout, a plain `x·W` and `dy·Wᵀ`, odd sizes,
-/// 1 to 3 threads); and it does round (the mirror: the `f32` product differs from it).
+/// the process chose (a batched attention-like layout, small and with bands of rows that cross
+/// batch entries, a plain `x·W` and `dy·Wᵀ`, a contraction beyond the register-tile rounding's
+/// 1024, odd sizes, 1 to 3 threads); and it does round (the mirror: the `f32` product differs
+/// from it).
 #[test]
 fn dot_general_bf16_rounded_is_the_product_rounded() {
-    let cases: [(Vec<usize>, Vec<usize>, DotDims); 3] = [
+    let batched = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![3],
+        lhs_batch: vec![0, 2],
+        rhs_batch: vec![0, 2],
+    };
+    let cases: [(Vec<usize>, Vec<usize>, DotDims); 5] = [
+        (vec![4, 70, 2, 16], vec![4, 50, 2, 16], batched.clone()),
+        (vec![300, 1100], vec![1100, 40], DotDims::matmul(2)),
         (vec![300, 70], vec![70, 130], DotDims::matmul(2)),
         (
             vec![257, 600],
@@ -514,16 +530,7 @@ fn dot_general_bf16_rounded_is_the_product_rounded() {
                 ..DotDims::default()
             },
         ),
-        (
-            vec![2, 5, 3, 8],
-            vec![2, 5, 3, 8],
-            DotDims {
-                lhs_contracting: vec![3],
-                rhs_contracting: vec![3],
-                lhs_batch: vec![0, 2],
-                rhs_batch: vec![0, 2],
-            },
-        ),
+        (vec![2, 5, 3, 8], vec![2, 5, 3, 8], batched),
     ];
     for (ls, rs, dims) in cases {
         let l = Bf16Tensor::new(ls.clone(), to_bf16(&values(ls.iter().product(), 51))).unwrap();
