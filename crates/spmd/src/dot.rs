@@ -297,6 +297,17 @@ impl Ctx<'_> {
         ct: &Array,
         need: [bool; 2],
     ) -> Result<[Option<Array>; 2], SpmdError> {
+        // A product whose result dtype differs from its operands' (`dot_general_preferred`,
+        // the lm_head's f32 logits): both sides take the cotangent in the operands' dtype, so
+        // it is cast once here rather than once per side.
+        let cast;
+        let ct = match [lhs, rhs].map(|a| a.ty().dtype()) {
+            [l, r] if need == [true, true] && l == r && ct.ty().dtype() != l => {
+                cast = self.cast_untracked(ct, l)?;
+                &cast
+            }
+            _ => ct,
+        };
         let dl = if need[0] {
             Some(self.dot_transpose((lhs, rhs), dims, ct, 0)?)
         } else {

@@ -102,14 +102,19 @@ pub(crate) fn fold_lanes<T: Copy + std::ops::AddAssign, const W: usize>(mut acc:
 /// lanes are one vector add per element group. The order depends only on the length, so the
 /// bits are the same on every thread count and with or without AVX-512.
 #[inline(always)]
-pub(crate) fn lane_sum2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+pub(crate) fn lane_sum2<A: Copy, B: Copy>(a: &[A], b: &[B], f: impl Fn(A, B) -> f32) -> f32 {
     lane_sum3(a, b, b, |x, y, _| f(x, y))
 }
 
 /// `Σᵢ f(aᵢ, bᵢ, cᵢ)` over three equally long slices, in lanes (see [`lane_sum2`]): 16 partial
 /// sums of `f32`, element `i` into sum `i mod 16`, folded by [`fold_lanes`].
 #[inline(always)]
-pub(crate) fn lane_sum3(a: &[f32], b: &[f32], c: &[f32], f: impl Fn(f32, f32, f32) -> f32) -> f32 {
+pub(crate) fn lane_sum3<A: Copy, B: Copy, C: Copy>(
+    a: &[A],
+    b: &[B],
+    c: &[C],
+    f: impl Fn(A, B, C) -> f32,
+) -> f32 {
     let n = a.len().min(b.len()).min(c.len());
     let (a, b, c) = (&a[..n], &b[..n], &c[..n]);
     let mut acc = [0.0f32; LANES];

@@ -156,8 +156,8 @@ pub(crate) fn tasks_for(elements: usize, threads: usize, work: Work) -> usize {
 ///
 /// # Safety
 /// `fill` must write every one of the `len` elements.
-pub(crate) unsafe fn filled(len: usize, fill: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
-    let mut v: Vec<f32> = Vec::with_capacity(len);
+pub(crate) unsafe fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(len);
     fill(&mut v.spare_capacity_mut()[..len]);
     // SAFETY: the caller's contract: all `len` elements are written.
     unsafe { v.set_len(len) };

@@ -20,11 +20,12 @@
 //! * The operand views, batch handling and threading are `dot_general`'s (the same code, generic
 //!   over the element), so the layouts that avoid a copy are the same.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use half::bf16;
 
-use super::{permuted, round_slice, Bf16Tensor};
+use super::{permuted, round_into, Bf16Tensor};
 use crate::blas::{gemm_on, kernel, Kernel, Operand, Store};
 use crate::error::TensorError;
 use crate::matmul::{as_stack_of, products, DotDims, Stacks};
@@ -499,8 +500,12 @@ pub fn dot_general_bf16_rounded(
     if stacks.all_rows().len() >= 2 * MIN_BLOCK_ROWS && stacks.a.cols.0 > 0 {
         let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
         let _span = span(&stacks, lhs.shape(), rhs.shape());
-        let mut out = vec![bf16::ZERO; out_shape.iter().product()];
-        rounded_by_bands(&stacks, threads, &mut out);
+        // SAFETY: `rounded_by_bands` writes every element (its bands cover the output, `k > 0`).
+        let out = unsafe {
+            filled(out_shape.iter().product(), |out| {
+                rounded_by_bands(&stacks, threads, out)
+            })
+        };
         return Bf16Tensor::new(out_shape, out);
     }
     Ok(Bf16Tensor::from_f32(&dot_general_bf16(
@@ -512,17 +517,34 @@ pub fn dot_general_bf16_rounded(
 /// it is still in the core's L2.
 const BAND_BYTES: usize = 256 << 10;
 
-/// Every row of `s`'s products (`[batch · m, n]`) rounded into `out`, a band of rows at a time:
-/// each band's `f32` product goes into scratch on its thread and is rounded from there, so no
-/// `f32` result of the whole output is made and the rounding reads cache rather than memory.
-/// Bands are at least [`MIN_BLOCK_ROWS`] rows (a library's rows of a block are its rows of the
-/// whole product, as `dot_general`'s threads rely on; the portable kernel's by construction), and
-/// at most a `threads`-th of the rows.
-fn rounded_by_bands(s: &Stacks<'_, bf16>, threads: usize, out: &mut [bf16]) {
+/// The fewest rows of a band of [`rounded_by_bands`] where the product has them: each band's
+/// call packs the whole of `b` again, one element of it per `2·band` flops of the band, so
+/// narrower bands spend the products' time re-packing (the qwen3-0.6b lm_head, `[512, 1024] ×
+/// [1024, 151936]`, in bands of 64 rows: each of 8 calls packed all 151936 columns, and it ran
+/// at 248 GFLOP/s against 600 for the layers' products).
+const MIN_BAND_ROWS: usize = 256;
+
+/// Rows per band of a rounded product of `rows × n`: [`BAND_BYTES`] of output but at least
+/// [`MIN_BAND_ROWS`], at most a `threads`-th of the rows and at least [`MIN_BLOCK_ROWS`], in a
+/// multiple of `threads` bands so each thread gets as many.
+fn band_rows(rows: usize, n: usize, threads: usize) -> usize {
+    let threads = threads.max(1);
+    let want = (BAND_BYTES / (4 * n.max(1))).max(MIN_BAND_ROWS);
+    let count = rows.div_ceil(want).div_ceil(threads) * threads;
+    rows.div_ceil(count.max(1))
+        .max(MIN_BLOCK_ROWS.min(rows))
+        .max(1)
+}
+
+/// Every row of `s`'s products (`[batch · m, n]`) rounded into `out`, a band of rows at a time
+/// ([`band_rows`]): each band's `f32` product goes into scratch on its thread and is rounded
+/// from there, so no `f32` result of the whole output is made at once. A band's rows are those
+/// of the whole product: a library's rows of a block are its rows of the whole product, as
+/// `dot_general`'s threads rely on (bands of columns are not: MKL's AVX2 bf16 product gave
+/// other bits for a band of 150 columns); the portable kernel's by construction.
+fn rounded_by_bands(s: &Stacks<'_, bf16>, threads: usize, out: &mut [MaybeUninit<bf16>]) {
     let (rows, n) = (s.all_rows().len(), s.b.cols.0);
-    let band = (BAND_BYTES / (4 * n.max(1)))
-        .min(rows.div_ceil(threads.max(1)))
-        .max(MIN_BLOCK_ROWS);
+    let band = band_rows(rows, n, threads);
     for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
         let first = c * band;
         // SAFETY: `products` writes every element of its rows (`k > 0`, checked by the caller).
@@ -531,7 +553,7 @@ fn rounded_by_bands(s: &Stacks<'_, bf16>, threads: usize, out: &mut [bf16]) {
                 products(s, 1, first..first + out.len() / n, dst, Store::Overwrite);
             })
         };
-        round_slice(&scratch, out);
+        round_into(&scratch, out);
     });
 }
 

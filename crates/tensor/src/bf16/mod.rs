@@ -19,13 +19,14 @@
 //!   kept; a NaN stays a NaN with its sign and top payload bits, made quiet.
 //! * Which product kernel runs for bf16 is chosen once per process ([`bf16_matmul_kernel`]).
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use half::bf16;
 
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
-use crate::parallel::{for_each_chunk, kernel_threads, Work};
+use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
 
 mod attention;
@@ -79,6 +80,39 @@ pub fn round_slice(src: &[f32], dst: &mut [bf16]) {
         || {
             for (d, &s) in dst.iter_mut().zip(src) {
                 *d = round_bf16(s);
+            }
+        },
+    );
+}
+
+/// [`round_slice`] into storage not yet written (a new tensor's, from [`filled`]): every
+/// element of `dst` is written.
+///
+/// # Panics
+/// When the lengths differ (a bug in the caller).
+pub(crate) fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
+    assert_eq!(src.len(), dst.len()); // ok: caller's invariant
+    vectorized(
+        #[inline(always)]
+        || {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                d.write(round_bf16(s));
+            }
+        },
+    );
+}
+
+/// [`widen_slice`] into storage not yet written: every element of `dst` is written.
+///
+/// # Panics
+/// When the lengths differ (a bug in the caller).
+pub(crate) fn widen_into(src: &[bf16], dst: &mut [MaybeUninit<f32>]) {
+    assert_eq!(src.len(), dst.len()); // ok: caller's invariant
+    vectorized(
+        #[inline(always)]
+        || {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                d.write(widen_bf16(s));
             }
         },
     );
@@ -169,18 +203,22 @@ impl Bf16Tensor {
     /// `x` rounded to bf16 ([`round_bf16`] per element), on the kernel thread budget.
     pub fn from_f32(x: &Tensor) -> Bf16Tensor {
         let _span = ferrotext_profile::span("round_bf16");
-        let mut data = vec![bf16::ZERO; x.len()];
         let src = x.data();
-        for_each_chunk(
-            &mut data,
-            CONVERT_BLOCK,
-            kernel_threads(),
-            Work::Light,
-            |c, out| {
-                let at = c * CONVERT_BLOCK;
-                round_slice(&src[at..at + out.len()], out);
-            },
-        );
+        // SAFETY: the chunks cover `data`, and `round_into` writes each of theirs whole.
+        let data = unsafe {
+            filled(x.len(), |data| {
+                for_each_chunk(
+                    data,
+                    CONVERT_BLOCK,
+                    kernel_threads(),
+                    Work::Light,
+                    |c, out| {
+                        let at = c * CONVERT_BLOCK;
+                        round_into(&src[at..at + out.len()], out);
+                    },
+                );
+            })
+        };
         Bf16Tensor {
             shape: x.shape().to_vec(),
             data: Arc::new(data),
@@ -190,17 +228,21 @@ impl Bf16Tensor {
     /// The values widened to `f32` (exact), on the kernel thread budget.
     pub fn to_f32(&self) -> Tensor {
         let _span = ferrotext_profile::span("widen_bf16");
-        let mut out = vec![0.0f32; self.data.len()];
-        for_each_chunk(
-            &mut out,
-            CONVERT_BLOCK,
-            kernel_threads(),
-            Work::Light,
-            |c, out| {
-                let at = c * CONVERT_BLOCK;
-                widen_slice(&self.data[at..at + out.len()], out);
-            },
-        );
+        // SAFETY: the chunks cover `out`, and `widen_into` writes each of theirs whole.
+        let out = unsafe {
+            filled(self.data.len(), |out| {
+                for_each_chunk(
+                    out,
+                    CONVERT_BLOCK,
+                    kernel_threads(),
+                    Work::Light,
+                    |c, out| {
+                        let at = c * CONVERT_BLOCK;
+                        widen_into(&self.data[at..at + out.len()], out);
+                    },
+                );
+            })
+        };
         Tensor::owned(self.shape.clone(), out)
     }
 

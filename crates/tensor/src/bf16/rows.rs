@@ -17,12 +17,13 @@ use half::bf16;
 
 use super::{round_bf16, round_slice, widen_bf16, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
-use crate::fastmath::vectorized;
+use crate::fastmath::{lane_sum2, lane_sum3, vectorized};
 use crate::nn::{
-    causal_softmax, rms_norm, rms_norm_backward, silu, softmax_backward_scaled, softmax_last,
-    swiglu_grads, swiglu_value,
+    causal_softmax, silu, softmax_backward_scaled, softmax_last, swiglu_grads, swiglu_value,
 };
-use crate::parallel::{for_each_chunk, for_each_chunk2, kernel_threads, Work};
+#[cfg(doc)]
+use crate::nn::{rms_norm, rms_norm_backward};
+use crate::parallel::{filled, for_each_chunk, for_each_chunk2, kernel_threads, Work};
 use crate::rope::{rope_tail, Rope};
 use crate::tensor::Tensor;
 
@@ -102,7 +103,8 @@ fn same(a: &Bf16Tensor, b: &Bf16Tensor, op: &'static str) -> Result<(), TensorEr
 }
 
 /// [`rms_norm`] on bf16 rows: `y` rounded to bf16, each row's inverse RMS in `f32`; the mean
-/// square is summed in `f32`, and the scale (a master weight) is `f32`.
+/// square is summed in `f32`, and the scale (a master weight) is `f32`. The `f32` kernel's own
+/// arithmetic, in its order, on each element widened as it is read: no widened copy of a row.
 ///
 /// # Errors
 /// `scale` is not the last dim's length, or an empty last dimension.
@@ -119,34 +121,47 @@ pub fn rms_norm_bf16(
             format!("scale {:?} for rows of {n}", scale.shape()),
         ));
     }
-    let chunk = chunk_elements(n);
-    let mut data = vec![bf16::ZERO; x.len()];
+    let rows = chunk_elements(n) / n;
     let mut inv = vec![0.0f32; x.len() / n];
-    let first = Mutex::new(None);
-    for_each_chunk2(
-        &mut data,
-        chunk,
-        &mut inv,
-        chunk / n,
-        kernel_threads(),
-        Work::Heavy,
-        |c, out, inv| match rms_norm(&widened(x, c * chunk, out.len(), n), scale, eps) {
-            Ok((y, r)) => {
-                round_slice(y.data(), out);
-                inv.copy_from_slice(&r);
-            }
-            Err(e) => keep(&first, e),
-        },
-    );
-    match first.into_inner().ok().flatten() {
-        Some(e) => Err(e),
-        None => Ok((Bf16Tensor::new(x.shape().to_vec(), data)?, inv)),
-    }
+    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
+    let y = unsafe {
+        filled(x.len(), |y| {
+            for_each_chunk2(
+                y,
+                rows * n,
+                &mut inv,
+                rows,
+                kernel_threads(),
+                Work::Light,
+                |c, out, r_out| {
+                    let x = &x.data()[c * rows * n..];
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((out, row), r_out) in
+                                out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
+                            {
+                                let ms = lane_sum2(row, row, |a, b| widen_bf16(a) * widen_bf16(b))
+                                    / n as f32;
+                                let r = 1.0 / (ms + eps).sqrt();
+                                for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
+                                    o.write(round_bf16(widen_bf16(v) * (r * s)));
+                                }
+                                *r_out = r;
+                            }
+                        },
+                    );
+                },
+            )
+        })
+    };
+    Ok((Bf16Tensor::new(x.shape().to_vec(), y)?, inv))
 }
 
 /// [`rms_norm_backward`] for bf16 `x` and `dy`: `dx` rounded to bf16, `dscale` in `f32`
-/// (a master weight's gradient). Chunks are the `f32` kernel's own groups of rows and their
-/// partial `dscale`s are added in group order from zero, as it adds them: the same bits.
+/// (a master weight's gradient). The `f32` kernel's arithmetic on elements widened as they are
+/// read, in its groups of rows, whose partial `dscale`s are added in group order from zero, as
+/// it adds them: the same bits.
 ///
 /// # Errors
 /// Shapes disagree.
@@ -165,36 +180,53 @@ pub fn rms_norm_backward_bf16(
             "row statistics do not fit".into(),
         ));
     }
-    let chunk = chunk_elements(n);
-    let groups = x.len().div_ceil(chunk);
-    let mut dx = vec![bf16::ZERO; x.len()];
+    let s = scale.data();
+    let rows = chunk_elements(n) / n;
+    let groups = inv_rms.len().div_ceil(rows);
     let mut partial = vec![0.0f32; groups * n];
-    let first = Mutex::new(None);
-    for_each_chunk2(
-        &mut dx,
-        chunk,
-        &mut partial,
-        n,
-        kernel_threads(),
-        Work::Heavy,
-        |c, out, ds| {
-            let rows = c * chunk / n..c * chunk / n + out.len() / n;
-            let (xc, dyc) = (
-                widened(x, c * chunk, out.len(), n),
-                widened(dy, c * chunk, out.len(), n),
-            );
-            match rms_norm_backward(&xc, scale, &inv_rms[rows], &dyc) {
-                Ok((d, s)) => {
-                    round_slice(d.data(), out);
-                    ds.copy_from_slice(s.data());
-                }
-                Err(e) => keep(&first, e),
-            }
-        },
-    );
-    if let Some(e) = first.into_inner().ok().flatten() {
-        return Err(e);
-    }
+    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
+    let dx = unsafe {
+        filled(x.len(), |dx| {
+            for_each_chunk2(
+                dx,
+                rows * n,
+                &mut partial,
+                n,
+                kernel_threads(),
+                Work::Light,
+                |c, dxrows, ds| {
+                    let first = c * rows;
+                    let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (((dxrow, xrow), dyrow), &r) in dxrows
+                                .chunks_mut(n)
+                                .zip(x.chunks(n))
+                                .zip(dy.chunks(n))
+                                .zip(&inv_rms[first..])
+                            {
+                                let mean_gn = lane_sum3(dyrow, s, xrow, |d, sc, xv| {
+                                    widen_bf16(d) * sc * (widen_bf16(xv) * r)
+                                }) / n as f32;
+                                for ((((dx, ds), &d), &sc), &xv) in dxrow
+                                    .iter_mut()
+                                    .zip(ds.iter_mut())
+                                    .zip(dyrow)
+                                    .zip(s)
+                                    .zip(xrow)
+                                {
+                                    let (d, xv) = (widen_bf16(d), widen_bf16(xv));
+                                    dx.write(round_bf16(r * (d * sc - xv * r * mean_gn)));
+                                    *ds += d * (xv * r);
+                                }
+                            }
+                        },
+                    );
+                },
+            )
+        })
+    };
     let mut dscale = vec![0.0f32; n];
     for group in partial.chunks(n) {
         for (d, &p) in dscale.iter_mut().zip(group) {

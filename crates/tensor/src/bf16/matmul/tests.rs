@@ -517,19 +517,21 @@ fn dot_general_bf16_rounded_is_the_product_rounded() {
         lhs_batch: vec![0, 2],
         rhs_batch: vec![0, 2],
     };
-    let cases: [(Vec<usize>, Vec<usize>, DotDims); 5] = [
+    let transposed_rhs = DotDims {
+        lhs_contracting: vec![1],
+        rhs_contracting: vec![1],
+        ..DotDims::default()
+    };
+    // Batches, and single products wider than they are tall (`[130, 64] × [64, 1000]`, a
+    // transposed rhs, a long contraction), cut in bands of rows.
+    let cases: [(Vec<usize>, Vec<usize>, DotDims); 8] = [
         (vec![4, 70, 2, 16], vec![4, 50, 2, 16], batched.clone()),
+        (vec![130, 64], vec![64, 1000], DotDims::matmul(2)),
+        (vec![140, 600], vec![700, 600], transposed_rhs.clone()),
+        (vec![128, 1500], vec![1500, 300], DotDims::matmul(2)),
         (vec![300, 1100], vec![1100, 40], DotDims::matmul(2)),
         (vec![300, 70], vec![70, 130], DotDims::matmul(2)),
-        (
-            vec![257, 600],
-            vec![90, 600],
-            DotDims {
-                lhs_contracting: vec![1],
-                rhs_contracting: vec![1],
-                ..DotDims::default()
-            },
-        ),
+        (vec![257, 600], vec![90, 600], transposed_rhs),
         (vec![2, 5, 3, 8], vec![2, 5, 3, 8], batched),
     ];
     for (ls, rs, dims) in cases {
