@@ -21,7 +21,7 @@ use std::mem::MaybeUninit;
 
 use half::bf16;
 
-use super::{round_slice, widen_slice, Bf16Tensor};
+use super::{round_slice, widen_into, Bf16Tensor};
 use crate::attention::{group_sum, head_dk_dv, head_ds_dq, head_forward, Dims, HeadInputs};
 use crate::error::TensorError;
 use crate::matmul::MatView;
@@ -38,12 +38,15 @@ fn widened_head(
     heads: usize,
     w: usize,
 ) -> Vec<f32> {
-    let mut out = vec![0.0f32; d.t * w];
-    for (s, row) in out.chunks_mut(w.max(1)).enumerate() {
-        let at = ((b * d.t + s) * heads + head) * w;
-        widen_slice(&data[at..at + w], row);
+    // SAFETY: the rows cover `out`, and `widen_into` writes each whole.
+    unsafe {
+        filled(d.t * w, |out| {
+            for (s, row) in out.chunks_mut(w.max(1)).enumerate() {
+                let at = ((b * d.t + s) * heads + head) * w;
+                widen_into(&data[at..at + w], row);
+            }
+        })
     }
-    out
 }
 
 /// A contiguous `[T, w]` as a view.
