@@ -517,19 +517,33 @@ pub fn dot_general_bf16_rounded(
 /// it is still in the core's L2.
 const BAND_BYTES: usize = 256 << 10;
 
-/// The fewest rows of a band of [`rounded_by_bands`] where the product has them: each band's
-/// call packs the whole of `b` again, one element of it per `2·band` flops of the band, so
-/// narrower bands spend the products' time re-packing (the qwen3-0.6b lm_head, `[512, 1024] ×
-/// [1024, 151936]`, in bands of 64 rows: each of 8 calls packed all 151936 columns, and it ran
-/// at 248 GFLOP/s against 600 for the layers' products).
+/// The fewest rows of a band of [`rounded_by_bands`] when `b` is too large to stay in cache
+/// between bands ([`CACHED_RHS_BYTES`]): each band's call packs the whole of `b` again, from
+/// memory, so narrow bands spend the products' time re-packing (the qwen3-0.6b lm_head,
+/// `[512, 1024] × [1024, 151936]`, in bands of 64 rows: each of 8 calls packed all 151936
+/// columns, and it ran at 248 GFLOP/s against 600 for the layers' products; with bands of 256
+/// rows a 0.6b bf16 step went from 9.6 to 6.7 s).
 const MIN_BAND_ROWS: usize = 256;
 
-/// Rows per band of a rounded product of `rows × n`: [`BAND_BYTES`] of output but at least
-/// [`MIN_BAND_ROWS`], at most a `threads`-th of the rows and at least [`MIN_BLOCK_ROWS`], in a
-/// multiple of `threads` bands so each thread gets as many.
-fn band_rows(rows: usize, n: usize, threads: usize) -> usize {
+/// The largest `b` (bytes of bf16) that bands of [`MIN_BLOCK_ROWS`] rows may re-pack: it is
+/// re-read from the core's cache. At qwen3-peer (its layers' `b` at most 384 KiB) bands of 64
+/// rows made the forward's products 32 ms a step against 41 ms with bands of 256 (one profiled
+/// run each); at qwen3-0.6b the smallest `b`, the lm_head gradient's 1 MiB `x`, took 234 ms a
+/// micro-batch in bands of 64 rows and 138 ms in bands of 256.
+const CACHED_RHS_BYTES: usize = 512 << 10;
+
+/// Rows per band of a rounded product of `rows × n` with a `k × n` rhs: [`BAND_BYTES`] of
+/// output, but at least [`MIN_BAND_ROWS`] when `b` does not stay in cache, at most a
+/// `threads`-th of the rows and at least [`MIN_BLOCK_ROWS`], in a multiple of `threads` bands
+/// so each thread gets as many.
+fn band_rows(rows: usize, n: usize, k: usize, threads: usize) -> usize {
     let threads = threads.max(1);
-    let want = (BAND_BYTES / (4 * n.max(1))).max(MIN_BAND_ROWS);
+    let floor = if 2 * k * n <= CACHED_RHS_BYTES {
+        MIN_BLOCK_ROWS
+    } else {
+        MIN_BAND_ROWS
+    };
+    let want = (BAND_BYTES / (4 * n.max(1))).max(floor);
     let count = rows.div_ceil(want).div_ceil(threads) * threads;
     rows.div_ceil(count.max(1))
         .max(MIN_BLOCK_ROWS.min(rows))
@@ -544,7 +558,7 @@ fn band_rows(rows: usize, n: usize, threads: usize) -> usize {
 /// other bits for a band of 150 columns); the portable kernel's by construction.
 fn rounded_by_bands(s: &Stacks<'_, bf16>, threads: usize, out: &mut [MaybeUninit<bf16>]) {
     let (rows, n) = (s.all_rows().len(), s.b.cols.0);
-    let band = band_rows(rows, n, threads);
+    let band = band_rows(rows, n, s.a.cols.0, threads);
     for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
         let first = c * band;
         // SAFETY: `products` writes every element of its rows (`k > 0`, checked by the caller).

@@ -523,8 +523,10 @@ fn dot_general_bf16_rounded_is_the_product_rounded() {
         ..DotDims::default()
     };
     // Batches, and single products wider than they are tall (`[130, 64] × [64, 1000]`, a
-    // transposed rhs, a long contraction), cut in bands of rows.
-    let cases: [(Vec<usize>, Vec<usize>, DotDims); 8] = [
+    // transposed rhs, a long contraction), cut in bands of rows; a rhs above the cached size
+    // (`[1100, 600]`: bands of at least 256 rows where the rows allow).
+    let cases: [(Vec<usize>, Vec<usize>, DotDims); 9] = [
+        (vec![600, 1100], vec![1100, 600], DotDims::matmul(2)),
         (vec![4, 70, 2, 16], vec![4, 50, 2, 16], batched.clone()),
         (vec![130, 64], vec![64, 1000], DotDims::matmul(2)),
         (vec![140, 600], vec![700, 600], transposed_rhs.clone()),
@@ -551,4 +553,17 @@ fn dot_general_bf16_rounded_is_the_product_rounded() {
         assert_eq!(got.shape(), whole.shape());
         assert!(got.data().iter().zip(whole.data()).any(|(a, b)| a != b));
     }
+}
+
+#[test]
+fn bands_are_narrow_on_a_cached_rhs_and_wide_on_a_large_one() {
+    // qwen3-peer's mlp_up `x·W` (a 384 KiB rhs): 8 bands of 64 rows on 2 threads.
+    assert_eq!(band_rows(512, 768, 256, 2), 64);
+    // qwen3-0.6b's lm_head and its weight gradient (`b` of 311 MB and 1 MiB): 256 rows.
+    assert_eq!(band_rows(512, 151_936, 1024, 2), 256);
+    assert_eq!(band_rows(151_936, 1024, 512, 2), 256);
+    // Never below 64 rows (nor above the rows), and as many bands on each thread.
+    assert_eq!(band_rows(128, 768, 256, 2), 64);
+    assert_eq!(band_rows(40, 8, 8, 1), 40);
+    assert_eq!(band_rows(600, 600, 1100, 2) * 4, 600);
 }
