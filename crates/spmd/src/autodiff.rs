@@ -542,7 +542,11 @@ impl Ctx<'_> {
     /// two no other array shares, in place (no new buffer; IEEE addition is commutative, so
     /// the bits are those of `acc + ict`), else into a new one.
     fn add_contributions(&mut self, mut acc: Array, mut ict: Array) -> Result<Array, SpmdError> {
-        if acc.ty() == ict.ty() {
+        // In place on `f32` shards only: asking a bf16 shard for its `f32` view widens a copy
+        // of it (two per sum of bf16 contributions, `x`'s from a layer's gate and up products,
+        // before this was checked), and bf16 sums go through the rounding op below anyway.
+        let f32_shards = acc.local_bf16().is_none() && ict.local_bf16().is_none();
+        if acc.ty() == ict.ty() && f32_shards {
             if let (Some(a), Some(b)) = (acc.local_if_unique(), ict.local_opt().as_deref()) {
                 a.add_assign(b)?;
                 return Ok(acc);

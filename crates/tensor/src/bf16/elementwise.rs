@@ -6,12 +6,10 @@
 //! per element, in fixed blocks on the kernel thread budget, compiled for AVX-512 alike. Shapes
 //! must be equal (a broadcast goes through the `f32` op: the callers widen for it).
 
-use half::bf16;
-
 use super::{round_bf16, widen_bf16, Bf16Tensor};
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
-use crate::parallel::{for_each_chunk, kernel_threads, Work};
+use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 
 /// Elements per block on the kernel thread budget (as `f32` maps).
 const BLOCK: usize = 1 << 14;
@@ -19,18 +17,22 @@ const BLOCK: usize = 1 << 14;
 /// `f(x)` for every element of bf16 `x`, in `f32` on the widened value, rounded to bf16.
 pub fn map_bf16(x: &Bf16Tensor, f: impl Fn(f32) -> f32 + Sync) -> Bf16Tensor {
     let _span = ferrotext_profile::span("elementwise_bf16");
-    let mut data = vec![bf16::ZERO; x.len()];
-    for_each_chunk(&mut data, BLOCK, kernel_threads(), Work::Light, |c, run| {
-        let src = &x.data()[c * BLOCK..];
-        vectorized(
-            #[inline(always)]
-            || {
-                for (o, &v) in run.iter_mut().zip(src) {
-                    *o = round_bf16(f(widen_bf16(v)));
-                }
-            },
-        );
-    });
+    // SAFETY: the blocks cover the output, and `x` is as long, so each writes all of its own.
+    let data = unsafe {
+        filled(x.len(), |data| {
+            for_each_chunk(data, BLOCK, kernel_threads(), Work::Light, |c, run| {
+                let src = &x.data()[c * BLOCK..];
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (o, &v) in run.iter_mut().zip(src) {
+                            o.write(round_bf16(f(widen_bf16(v))));
+                        }
+                    },
+                );
+            })
+        })
+    };
     // The data has the shape's element count: it is `x`'s.
     Bf16Tensor {
         shape: x.shape().to_vec(),
@@ -55,18 +57,23 @@ pub fn zip_bf16(
         ));
     }
     let _span = ferrotext_profile::span("elementwise_bf16");
-    let mut data = vec![bf16::ZERO; a.len()];
-    for_each_chunk(&mut data, BLOCK, kernel_threads(), Work::Light, |c, run| {
-        let (x, y) = (&a.data()[c * BLOCK..], &b.data()[c * BLOCK..]);
-        vectorized(
-            #[inline(always)]
-            || {
-                for ((o, &p), &q) in run.iter_mut().zip(x).zip(y) {
-                    *o = round_bf16(f(widen_bf16(p), widen_bf16(q)));
-                }
-            },
-        );
-    });
+    // SAFETY: the blocks cover the output, and `a`, `b` are as long, so each writes all of its
+    // own.
+    let data = unsafe {
+        filled(a.len(), |data| {
+            for_each_chunk(data, BLOCK, kernel_threads(), Work::Light, |c, run| {
+                let (x, y) = (&a.data()[c * BLOCK..], &b.data()[c * BLOCK..]);
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for ((o, &p), &q) in run.iter_mut().zip(x).zip(y) {
+                            o.write(round_bf16(f(widen_bf16(p), widen_bf16(q))));
+                        }
+                    },
+                );
+            })
+        })
+    };
     Bf16Tensor::new(a.shape().to_vec(), data)
 }
 

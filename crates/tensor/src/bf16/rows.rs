@@ -11,11 +11,12 @@
 //! widened element and rounds the result as it stores it. Chunks run on the kernel thread
 //! budget.
 
+use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 use half::bf16;
 
-use super::{round_bf16, round_slice, widen_bf16, widen_slice, Bf16Tensor};
+use super::{round_bf16, round_into, widen_bf16, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
 use crate::fastmath::{lane_sum2, lane_sum3, vectorized};
 use crate::nn::{
@@ -59,22 +60,31 @@ fn by_chunks(
     f: impl Fn(&[Tensor]) -> Result<Tensor, TensorError> + Sync,
 ) -> Result<Bf16Tensor, TensorError> {
     let len: usize = shape.iter().product();
-    let mut data = vec![bf16::ZERO; len];
     let first = Mutex::new(None);
-    for_each_chunk(&mut data, chunk, kernel_threads(), Work::Heavy, |c, out| {
-        let parts: Vec<Tensor> = inputs
-            .iter()
-            .map(|t| widened(t, c * chunk, out.len(), n))
-            .collect();
-        match f(&parts) {
-            Ok(y) if y.len() == out.len() => round_slice(y.data(), out),
-            Ok(y) => keep(
-                &first,
-                TensorError::shape("bf16 rows", format!("a chunk of {} from {}", y.len(), n)),
-            ),
-            Err(e) => keep(&first, e),
-        }
-    });
+    // SAFETY: the chunks cover the output; a chunk whose kernel fails is zeroed, so every
+    // element is written (and the error is returned, the output dropped).
+    let data = unsafe {
+        filled(len, |data| {
+            for_each_chunk(data, chunk, kernel_threads(), Work::Heavy, |c, out| {
+                let parts: Vec<Tensor> = inputs
+                    .iter()
+                    .map(|t| widened(t, c * chunk, out.len(), n))
+                    .collect();
+                match f(&parts) {
+                    Ok(y) if y.len() == out.len() => round_into(y.data(), out),
+                    result => {
+                        out.fill(MaybeUninit::new(bf16::ZERO));
+                        keep(
+                            &first,
+                            result.err().unwrap_or_else(|| {
+                                TensorError::shape("bf16 rows", format!("a chunk from rows of {n}"))
+                            }),
+                        );
+                    }
+                }
+            })
+        })
+    };
     match first.into_inner().ok().flatten() {
         Some(e) => Err(e),
         None => Bf16Tensor::new(shape.to_vec(), data),
@@ -281,19 +291,24 @@ pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorE
     same(g, u, "swiglu_bf16")?;
     // Elementwise: the f32 kernel's own element function on the widened pair, rounded as it is
     // stored — no scratch tensors.
-    let mut y = vec![bf16::ZERO; g.len()];
-    for_each_chunk(&mut y, CHUNK, kernel_threads(), Work::Heavy, |c, out| {
-        let at = c * CHUNK;
-        let (gs, us) = (&g.data()[at..], &u.data()[at..]);
-        vectorized(
-            #[inline(always)]
-            || {
-                for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
-                    *o = round_bf16(swiglu_value(widen_bf16(a), widen_bf16(b)));
-                }
-            },
-        );
-    });
+    // SAFETY: the chunks cover the output, and `g`, `u` are as long, so each writes all of its
+    // own.
+    let y = unsafe {
+        filled(g.len(), |y| {
+            for_each_chunk(y, CHUNK, kernel_threads(), Work::Heavy, |c, out| {
+                let at = c * CHUNK;
+                let (gs, us) = (&g.data()[at..], &u.data()[at..]);
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
+                            o.write(round_bf16(swiglu_value(widen_bf16(a), widen_bf16(b))));
+                        }
+                    },
+                );
+            })
+        })
+    };
     Bf16Tensor::new(g.shape().to_vec(), y)
 }
 
@@ -309,30 +324,44 @@ pub fn swiglu_backward_bf16(
     let _span = ferrotext_profile::span("swiglu_backward_bf16");
     same(g, u, "swiglu_backward_bf16")?;
     same(g, dy, "swiglu_backward_bf16")?;
-    let (mut dg, mut du) = (vec![bf16::ZERO; g.len()], vec![bf16::ZERO; g.len()]);
-    for_each_chunk2(
-        &mut dg,
-        CHUNK,
-        &mut du,
-        CHUNK,
-        kernel_threads(),
-        Work::Heavy,
-        |c, dgs, dus| {
-            let at = c * CHUNK;
-            let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
-            vectorized(
-                #[inline(always)]
-                || {
-                    for (i, (dg, du)) in dgs.iter_mut().zip(dus.iter_mut()).enumerate() {
-                        let (a, b) =
-                            swiglu_grads(widen_bf16(gs[i]), widen_bf16(us[i]), widen_bf16(dys[i]));
-                        *dg = round_bf16(a);
-                        *du = round_bf16(b);
-                    }
+    let n = g.len();
+    let mut du = Vec::with_capacity(n);
+    // SAFETY: the chunks cover both outputs, and `g`, `u`, `dy` are as long, so each chunk
+    // writes all of its own elements of `dg` and of `du` (whose length is set only after).
+    let dg = unsafe {
+        filled(n, |dg| {
+            for_each_chunk2(
+                dg,
+                CHUNK,
+                &mut du.spare_capacity_mut()[..n],
+                CHUNK,
+                kernel_threads(),
+                Work::Heavy,
+                |c, dgs, dus| {
+                    let at = c * CHUNK;
+                    let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (((dg, du), &gv), (&uv, &dyv)) in dgs
+                                .iter_mut()
+                                .zip(dus.iter_mut())
+                                .zip(gs)
+                                .zip(us.iter().zip(dys))
+                            {
+                                let (a, b) =
+                                    swiglu_grads(widen_bf16(gv), widen_bf16(uv), widen_bf16(dyv));
+                                dg.write(round_bf16(a));
+                                du.write(round_bf16(b));
+                            }
+                        },
+                    );
                 },
-            );
-        },
-    );
+            )
+        })
+    };
+    // SAFETY: every element of `du` was written above.
+    unsafe { du.set_len(n) };
     Ok((
         Bf16Tensor::new(g.shape().to_vec(), dg)?,
         Bf16Tensor::new(g.shape().to_vec(), du)?,
@@ -369,14 +398,24 @@ pub fn silu_bf16(x: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
 /// Shapes differ.
 pub fn add_bf16(a: &Bf16Tensor, b: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
     same(a, b, "add_bf16")?;
-    let mut data = vec![bf16::ZERO; a.len()];
-    for_each_chunk(&mut data, CHUNK, kernel_threads(), Work::Light, |c, out| {
-        let at = c * CHUNK;
-        let (x, y) = (&a.data()[at..], &b.data()[at..]);
-        for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
-            *o = super::round_bf16(super::widen_bf16(x) + super::widen_bf16(y));
-        }
-    });
+    // SAFETY: the chunks cover the output, and `a`, `b` are as long, so each writes all of its
+    // own.
+    let data = unsafe {
+        filled(a.len(), |data| {
+            for_each_chunk(data, CHUNK, kernel_threads(), Work::Light, |c, out| {
+                let at = c * CHUNK;
+                let (x, y) = (&a.data()[at..], &b.data()[at..]);
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
+                            o.write(round_bf16(widen_bf16(x) + widen_bf16(y)));
+                        }
+                    },
+                );
+            })
+        })
+    };
     Bf16Tensor::new(a.shape().to_vec(), data)
 }
 
