@@ -17,7 +17,9 @@
 //! against the expected cotangent type and added without communication (R4.4); inputs that
 //! receive no contribution get typed zeros (R4.12).
 
-use ferrotext_sharding::{ArrayType, PartitionSpec};
+use std::collections::HashMap;
+
+use ferrotext_sharding::{ArrayType, DType, PartitionSpec};
 use ferrotext_tensor::DotDims;
 
 use crate::array::Array;
@@ -396,14 +398,33 @@ impl Ctx<'_> {
                             let here = tape.nodes[i].inputs.iter().flatten().filter(|&&u| u == v);
                             let alone =
                                 first_use[v] == Some(i) && cts[v].is_none() && here.count() == 1;
-                            return alone.then_some(Into { side, k, leaf: v });
+                            return alone.then_some(Into {
+                                side,
+                                k,
+                                leaf: v,
+                                through_cast: false,
+                            });
                         }
                         if !adds_in_place(&tape.nodes[i].backward) {
                             return None;
                         }
-                        let leaf = leaf_through_retypes(&tape, &uses, v)?;
+                        // Through ops that only retype, or (a product's operand) through the
+                        // bf16 cast of an `f32` weight, whose rounded cotangent the product's
+                        // transpose then widens into the weight's buffer itself.
+                        let (leaf, through_cast) = match leaf_through_retypes(&tape, &uses, v) {
+                            Some(leaf) => (leaf, false),
+                            None if matches!(tape.nodes[i].backward, Backward::Dot { .. }) => {
+                                (leaf_through_cast(&tape, &uses, &leaf_of, v)?, true)
+                            }
+                            None => return None,
+                        };
                         let k = *leaf_of.get(&leaf)?;
-                        cts[leaf].is_none().then_some(Into { side, k, leaf })
+                        cts[leaf].is_none().then_some(Into {
+                            side,
+                            k,
+                            leaf,
+                            through_cast,
+                        })
                     })
                     .collect();
                 self.backward_node(
@@ -480,12 +501,32 @@ impl Ctx<'_> {
         let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
         if adds_in_place(&node.backward) {
             // A leaf's whole cotangent, into the sink's buffer.
-            for &Into { side, k, leaf } in into {
+            for &Into {
+                side,
+                k,
+                leaf,
+                through_cast,
+            } in into
+            {
                 let expected = tape.nodes[leaf].ty.to_cotangent();
                 let Some(mut dest) = sink.buffer(k, &expected) else {
                     continue;
                 };
-                if self.add_contribution_into(&node.backward, &ct, side, &mut dest)? {
+                let added = match (&node.backward, through_cast) {
+                    (Backward::Dot { lhs, rhs, dims }, true) => self
+                        .dot_general_transpose_rounded_into(
+                            (lhs, rhs),
+                            dims,
+                            &ct,
+                            side,
+                            &mut dest,
+                        )?,
+                    (_, true) => false,
+                    (backward, false) => {
+                        self.add_contribution_into(backward, &ct, side, &mut dest)?
+                    }
+                };
+                if added {
                     sunk[leaf] = true;
                     needed[side] = false;
                 }
@@ -741,12 +782,35 @@ fn adds_in_place(backward: &Backward) -> bool {
 }
 
 /// A leaf whose whole cotangent a node gives through its input `side` (sink parameter `k`,
-/// tape value `leaf`).
+/// tape value `leaf`); `through_cast`: the input is the leaf's bf16 cast ([`leaf_through_cast`]).
 #[derive(Clone, Copy)]
 struct Into {
     side: usize,
     k: usize,
     leaf: usize,
+    through_cast: bool,
+}
+
+/// The `f32` leaf behind value `v` when `v` is its cast to bf16 (a weight cast at use), directly
+/// or through ops that only retype, every value on the way used exactly once: the leaf's
+/// cotangent is then `v`'s, widened.
+fn leaf_through_cast(
+    tape: &Tape,
+    uses: &[usize],
+    leaf_of: &HashMap<usize, usize>,
+    v: usize,
+) -> Option<usize> {
+    let node = &tape.nodes[v];
+    if uses[v] != 1 || !matches!(node.backward, Backward::Cast { from: DType::F32 }) {
+        return None;
+    }
+    let [Some(u)] = node.inputs[..] else {
+        return None;
+    };
+    if leaf_of.contains_key(&u) {
+        return (uses[u] == 1).then_some(u);
+    }
+    leaf_through_retypes(tape, uses, u)
 }
 
 /// The leaf behind value `v` through a chain of ops that only retype ([`retypes_only`]), when

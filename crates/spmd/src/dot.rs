@@ -13,7 +13,7 @@
 use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, PartitionSpec};
 use ferrotext_tensor::{
     dot_general, dot_general_accumulate_parts, dot_general_bf16, dot_general_bf16_rounded,
-    Bf16Tensor, DotDims, Tensor,
+    dot_general_bf16_rounded_accumulate_parts, Bf16Tensor, DotDims, Tensor,
 };
 
 use crate::array::Array;
@@ -362,6 +362,58 @@ impl Ctx<'_> {
         }
         let out_spec = t.out_spec(&target)?;
         self.dot_general_accumulate_untracked(t.lhs, t.rhs, &t.dims, &out_spec, dest)
+    }
+
+    /// [`Ctx::dot_general_transpose_into`] for an operand that is a bf16 cast of an `f32` value
+    /// (a weight cast at use): its cotangent, rounded to bf16 as the ordinary transpose stores
+    /// it, widened and added into `dest` — the `f32` value's buffer — with no bf16 cotangent
+    /// stored in between: the bits of the ordinary transpose followed by the cast's
+    /// ([`Ctx::cast_transpose_into`]). Taken when the ordinary transpose is a rounded product
+    /// on the operands as they stand, in order, with no collective and nothing to convert after;
+    /// returns whether it was (`false`: `dest` untouched, the caller takes the ordinary path).
+    ///
+    /// # Errors
+    /// As [`Ctx::dot_general_transpose`].
+    pub(crate) fn dot_general_transpose_rounded_into(
+        &mut self,
+        (lhs, rhs): (&Array, &Array),
+        dims: &DotDims,
+        ct: &Array,
+        side: usize,
+        dest: &mut [&mut [f32]],
+    ) -> Result<bool, SpmdError> {
+        let t = TransposedDot::of((lhs, rhs), dims, ct, side);
+        let target = t.this.to_cotangent();
+        let bf16 = |ty: &ArrayType| ty.dtype() == DType::BF16;
+        if !t.in_order()
+            || target.is_manual()
+            || !bf16(&target)
+            || !bf16(t.lhs.ty())
+            || !bf16(t.rhs.ty())
+        {
+            return Ok(false);
+        }
+        let out_spec = t.out_spec(&target)?;
+        let out_ty = rules::dot_general_type(t.lhs.ty(), t.rhs.ty(), &t.dims, Some(&out_spec))?;
+        let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(t.lhs.ty(), t.rhs.ty(), &t.dims)?;
+        if !same_layout(t.lhs.ty(), &lhs_ty) || !same_layout(t.rhs.ty(), &rhs_ty) {
+            return Ok(false);
+        }
+        let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), &t.dims, contracted)?;
+        if !same_layout(&natural, &out_ty) {
+            return Ok(false);
+        }
+        match (t.lhs.local_bf16(), t.rhs.local_bf16()) {
+            (Some(l), Some(r)) => Ok(dot_general_bf16_rounded_accumulate_parts(
+                l,
+                r,
+                &t.dims,
+                self.threads(),
+                dest,
+            )?),
+            // Abstract mode: nothing to add.
+            _ => Ok(t.lhs.is_abstract() && t.rhs.is_abstract()),
+        }
     }
 
     /// JAX's `_dot_general_transpose_lhs`, written for either side (see [`TransposedDot`]):

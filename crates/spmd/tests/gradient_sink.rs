@@ -468,3 +468,70 @@ fn a_weight_cast_to_bf16_is_widened_into_the_buffer_with_the_handed_bits() {
         assert_eq!(shares(events, grads), [(0, false, true)]);
     }
 }
+
+/// `Σ cast(cast(x)·cast(w))²`: a bf16 product (its result rounded to bf16, as a layer's
+/// activation is), the square in f32. The weight's cotangent is the transposed product rounded
+/// to bf16, then widened by the cast's transpose.
+fn single_bf16_product(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdError> {
+    let xb = cx.cast(x, ferrotext_sharding::DType::BF16)?;
+    let wb = cx.cast(&ws[0], ferrotext_sharding::DType::BF16)?;
+    let y = cx.dot_general(&xb, &wb, &DotDims::matmul(2), None)?;
+    let y = cx.cast(&y, ferrotext_sharding::DType::F32)?;
+    let y2 = cx.mul(&y, &y)?;
+    cx.reduce_sum(&y2, &[0, 1], Some(&p(&[], &["x"], &[])))
+}
+
+/// Per device, how many `widen_add_bf16` spans (a bf16 cotangent widened into a buffer) the
+/// backward of `f` ran with its one weight's buffer offered whole.
+fn widening_adds(f: fn(&mut Ctx<'_>, &[Array], &Array) -> Result<Array, SpmdError>) -> Vec<usize> {
+    ferrotext_profile::enable();
+    on_devices(&mesh(&[("x", 2)]), |cx| {
+        let w = Tensor::from_fn(&[6, 6], |i| (i % 13) as f32 * 0.05 - 0.3);
+        let w = place(cx, &w, p(&["", ""], &[], &["x"]));
+        let x = Tensor::from_fn(&[8, 6], |i| ((i * 7) % 17) as f32 * 0.1 - 0.8);
+        let x = place(cx, &x, p(&["x", ""], &[], &[]));
+        let mut sink = Recorder {
+            bufs: vec![vec![0.0; 36]],
+            types: vec![w.ty().to_cotangent()],
+            offer: 1,
+            events: Vec::new(),
+        };
+        ferrotext_profile::begin_thread(0);
+        ferrotext_profile::set_step(Some(0));
+        cx.value_and_grad_into(&[w], |cx, ps| f(cx, ps, &x), &mut sink)?;
+        let events = ferrotext_profile::end_thread();
+        assert_eq!(sink.events.len(), 1, "the weight is finished once");
+        Ok(events.iter().filter(|e| e.kind == "widen_add_bf16").count())
+    })
+    .into_iter()
+    .map(|(n, _)| n)
+    .collect()
+}
+
+/// A weight cast to bf16 for a bf16 product: the transposed product rounds its result and adds
+/// it widened into the buffer itself (no bf16 cotangent stored, no separate widening add), with
+/// the bits of the handed path — `value_and_grad`'s gradient (the rounded product, then the
+/// cast's widening) added to the buffer's start, compared exactly — whole or in parts (4
+/// parts cut a row: the cast widens the product's bf16 result into them instead).
+#[test]
+fn a_weight_cast_for_a_bf16_product_takes_the_rounded_product_into_the_buffer() {
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
+    for parts in [1, 2, 4, 6] {
+        let (out, streamed) = run(true, parts, single_bf16_product, 1);
+        for (((bufs, events, grads, want), trace), plain) in out.iter().zip(&streamed) {
+            assert_eq!(shares(events, grads), [(0, true, false)], "{parts} parts");
+            let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&bufs[0]),
+                bits(&want[0]),
+                "{parts} parts: the handed bits"
+            );
+            assert!(grads[0].iter().any(|g| *g != 0.0), "a gradient to add");
+            assert_eq!(kinds(trace), kinds(plain));
+        }
+    }
+    // The probe: no widening add on this path; the mirror, a product kept in f32 (whose
+    // cotangent reaches the weight's cast as bf16 only after the product), has one.
+    assert_eq!(widening_adds(single_bf16_product), [0, 0]);
+    assert_eq!(widening_adds(single_bf16), [1, 1]);
+}

@@ -72,10 +72,10 @@ pub use attention::{causal_attention, causal_attention_backward, Attention};
 pub use bf16::{
     add_bf16, allow_bf16_fallback, bf16_matmul_kernel, causal_attention_backward_bf16,
     causal_attention_bf16, causal_softmax_bf16, dot_general_bf16, dot_general_bf16_accumulate,
-    dot_general_bf16_rounded, map_bf16, mul_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16,
-    rope_tail_bf16, round_bf16, round_slice, scale_bf16, silu_bf16, softmax_backward_bf16,
-    softmax_last_bf16, swiglu_backward_bf16, swiglu_bf16, widen_add_slice, widen_bf16, widen_slice,
-    zip_bf16, Bf16Tensor,
+    dot_general_bf16_rounded, dot_general_bf16_rounded_accumulate_parts, map_bf16, mul_bf16,
+    rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, rope_tail_bf16, round_bf16, round_slice,
+    scale_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16,
+    swiglu_bf16, widen_add_slice, widen_bf16, widen_slice, zip_bf16, Bf16Tensor,
 };
 pub use blas::{matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};

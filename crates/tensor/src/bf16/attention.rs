@@ -14,6 +14,8 @@
 //!   than widening each head into scratch of its own: at qwen3-peer that per-head version took
 //!   20.3 ms a step against 13.6 ms for the `f32` kernel.
 //! * The bits do not depend on `threads` (the `f32` kernel's guarantee).
+//! * The widening and rounding are the kernel's own work, counted in its profiler span (not as
+//!   `widen_bf16` / `round_bf16`, which mark a caller converting a whole value).
 //!
 //! [`causal_attention`]: crate::causal_attention
 //! [`causal_attention_backward`]: crate::causal_attention_backward
@@ -39,8 +41,8 @@ pub fn causal_attention_bf16(
     Dims::of(q.shape(), k.shape(), v.shape(), "causal_attention_bf16")?;
     let _span = ferrotext_profile::span("causal_attention_bf16");
     let Attention { out, probs } =
-        causal_attention(&q.to_f32(), &k.to_f32(), &v.to_f32(), scale, threads)?;
-    Ok((Bf16Tensor::from_f32(&out), probs))
+        causal_attention(&q.widened(), &k.widened(), &v.widened(), scale, threads)?;
+    Ok((Bf16Tensor::rounded(&out), probs))
 }
 
 /// [`causal_attention_backward`](crate::causal_attention_backward) on bf16 `q`, `k`, `v` and
@@ -63,17 +65,17 @@ pub fn causal_attention_backward_bf16(
     d.check_backward_operands(probs.shape(), dout.shape())?;
     let _span = ferrotext_profile::span(op);
     let (dq, dk, dv) = causal_attention_backward(
-        &q.to_f32(),
-        &k.to_f32(),
-        &v.to_f32(),
+        &q.widened(),
+        &k.widened(),
+        &v.widened(),
         probs,
-        &dout.to_f32(),
+        &dout.widened(),
         scale,
         threads,
     )?;
     Ok((
-        Bf16Tensor::from_f32(&dq),
-        Bf16Tensor::from_f32(&dk),
-        Bf16Tensor::from_f32(&dv),
+        Bf16Tensor::rounded(&dq),
+        Bf16Tensor::rounded(&dk),
+        Bf16Tensor::rounded(&dv),
     ))
 }

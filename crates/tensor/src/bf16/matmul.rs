@@ -25,7 +25,7 @@ use std::sync::OnceLock;
 
 use half::bf16;
 
-use super::{permuted, round_into, Bf16Tensor};
+use super::{add_rounded, permuted, round_into, Bf16Tensor};
 use crate::blas::{gemm_on, kernel, Kernel, Operand, Store};
 use crate::error::TensorError;
 use crate::matmul::{as_stack_of, products, DotDims, Stacks};
@@ -511,6 +511,85 @@ pub fn dot_general_bf16_rounded(
     Ok(Bf16Tensor::from_f32(&dot_general_bf16(
         lhs, rhs, dims, threads,
     )?))
+}
+
+/// `parts += widen(dot_general_bf16_rounded(lhs, rhs))`, with `parts` the row-major `f32`
+/// result in consecutive equal parts of whole rows (a gradient buffer, as the `f32`
+/// `dot_general_accumulate_parts` takes it): a bf16 weight copy's gradient, rounded to bf16 as
+/// its cotangent is, added into the master weight's `f32` accumulator without the bf16 result
+/// being stored and read back. Each element gets one addition of exactly the value
+/// [`dot_general_bf16_rounded`] gives it (the products are computed a band of rows at a time
+/// into scratch, as [`rounded_by_bands`] does, each band at least [`MIN_BLOCK_ROWS`] rows, or
+/// the whole product at once where the parts hold fewer than twice that), so the bits are those
+/// of that product followed by a widening add. Returns `false`, touching nothing, where the parts
+/// cut a row or the contraction is empty (the caller takes the unfused path).
+///
+/// # Errors
+/// As [`dot_general_bf16`], and [`TensorError::Shape`] when the parts do not hold the result.
+pub fn dot_general_bf16_rounded_accumulate_parts(
+    lhs: &Bf16Tensor,
+    rhs: &Bf16Tensor,
+    dims: &DotDims,
+    threads: usize,
+    parts: &mut [&mut [f32]],
+) -> Result<bool, TensorError> {
+    choice(false).describe()?;
+    let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
+    let len: usize = out_shape.iter().product();
+    let held: usize = parts.iter().map(|p| p.len()).sum();
+    if held != len {
+        return Err(TensorError::shape(
+            "dot_general_bf16_rounded_accumulate",
+            format!("an output of {held} elements for a result {out_shape:?}"),
+        ));
+    }
+    let stacks = stacks(lhs, rhs, dims)?;
+    let (k, n) = (stacks.a.cols.0, stacks.b.cols.0);
+    let part = parts.first().map_or(0, |p| p.len());
+    if n == 0 || part == 0 {
+        // No elements (every part is empty, since they add up to the result).
+        return Ok(true);
+    }
+    if k == 0 || !part.is_multiple_of(n) || parts.iter().any(|p| p.len() != part) {
+        return Ok(false);
+    }
+    let _span = span(&stacks, lhs.shape(), rhs.shape());
+    let rows = part / n;
+    if rows < 2 * MIN_BLOCK_ROWS {
+        // Small parts: the whole product in one piece, as `dot_general_bf16_rounded` computes
+        // a product this small (a library's rows are its rows of the whole product only in
+        // blocks above its small-matrix kernels: one row at a time, MKL gave other bits).
+        // SAFETY: `products` writes every element of the product (`k > 0`, checked above).
+        let whole = unsafe {
+            filled(len, |dst| {
+                products(&stacks, threads, stacks.all_rows(), dst, Store::Overwrite);
+            })
+        };
+        for (out, src) in parts.iter_mut().zip(whole.chunks(part)) {
+            add_rounded(src, out);
+        }
+        return Ok(true);
+    }
+    let band = band_rows(rows, n, k, threads);
+    for (p, out) in parts.iter_mut().enumerate() {
+        for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
+            let first = p * rows + c * band;
+            // SAFETY: `products` writes every element of its rows (`k > 0`, checked above).
+            let scratch = unsafe {
+                filled(out.len(), |dst| {
+                    products(
+                        &stacks,
+                        1,
+                        first..first + out.len() / n,
+                        dst,
+                        Store::Overwrite,
+                    );
+                })
+            };
+            add_rounded(&scratch, out);
+        });
+    }
+    Ok(true)
 }
 
 /// The `f32` output bytes a band of [`rounded_by_bands`] aims at: its product is rounded while

@@ -42,7 +42,7 @@ pub use attention::{causal_attention_backward_bf16, causal_attention_bf16};
 pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};
 pub use matmul::{
     allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,
-    dot_general_bf16_rounded,
+    dot_general_bf16_rounded, dot_general_bf16_rounded_accumulate_parts,
 };
 pub use rows::{
     add_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16,
@@ -160,6 +160,24 @@ pub fn widen_add_slice(src: &[bf16], dst: &mut [f32]) {
     );
 }
 
+/// `dst += widen(round_bf16(src))` elementwise: an `f32` value rounded to bf16 as it would be
+/// stored, added into an `f32` accumulator (the bits of rounding, storing, then
+/// [`widen_add_slice`]).
+///
+/// # Panics
+/// When the lengths differ (a bug in the caller).
+pub(crate) fn add_rounded(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len()); // ok: caller's invariant
+    vectorized(
+        #[inline(always)]
+        || {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d += widen_bf16(round_bf16(s));
+            }
+        },
+    );
+}
+
 /// Elements per block when a conversion is split over the kernel threads.
 const CONVERT_BLOCK: usize = 1 << 14;
 
@@ -203,6 +221,12 @@ impl Bf16Tensor {
     /// `x` rounded to bf16 ([`round_bf16`] per element), on the kernel thread budget.
     pub fn from_f32(x: &Tensor) -> Bf16Tensor {
         let _span = ferrotext_profile::span("round_bf16");
+        Bf16Tensor::rounded(x)
+    }
+
+    /// [`Bf16Tensor::from_f32`] without a profiler span of its own: a kernel's rounding of
+    /// its `f32` result, counted in the kernel's span.
+    pub(crate) fn rounded(x: &Tensor) -> Bf16Tensor {
         let src = x.data();
         // SAFETY: the chunks cover `data`, and `round_into` writes each of theirs whole.
         let data = unsafe {
@@ -228,6 +252,12 @@ impl Bf16Tensor {
     /// The values widened to `f32` (exact), on the kernel thread budget.
     pub fn to_f32(&self) -> Tensor {
         let _span = ferrotext_profile::span("widen_bf16");
+        self.widened()
+    }
+
+    /// [`Bf16Tensor::to_f32`] without a profiler span of its own: a kernel's widened copy of
+    /// its input, counted in the kernel's span.
+    pub(crate) fn widened(&self) -> Tensor {
         // SAFETY: the chunks cover `out`, and `widen_into` writes each of theirs whole.
         let out = unsafe {
             filled(self.data.len(), |out| {

@@ -567,3 +567,77 @@ fn bands_are_narrow_on_a_cached_rhs_and_wide_on_a_large_one() {
     assert_eq!(band_rows(40, 8, 8, 1), 40);
     assert_eq!(band_rows(600, 600, 1100, 2) * 4, 600);
 }
+
+/// The fused weight-gradient path: each element of the accumulator gets exactly the rounded
+/// product's value, widened — the bits of `dot_general_bf16_rounded` followed by
+/// `widen_add_slice` — whole or in parts of whole rows, on any thread count; parts that cut a
+/// row, and an empty contraction, are declined with the accumulator untouched.
+#[test]
+fn a_rounded_product_accumulated_is_the_rounded_product_widened_and_added() {
+    let cases: [(Vec<usize>, Vec<usize>, DotDims); 4] = [
+        (vec![300, 70], vec![70, 130], DotDims::matmul(2)),
+        (vec![600, 1100], vec![1100, 600], DotDims::matmul(2)),
+        (vec![12, 5], vec![5, 9], DotDims::matmul(2)),
+        (
+            vec![96, 256],
+            vec![96, 40],
+            DotDims {
+                lhs_contracting: vec![0],
+                rhs_contracting: vec![0],
+                ..DotDims::default()
+            },
+        ),
+    ];
+    for (ls, rs, dims) in cases {
+        let l = Bf16Tensor::new(ls.clone(), to_bf16(&values(ls.iter().product(), 61))).unwrap();
+        let r = Bf16Tensor::new(rs.clone(), to_bf16(&values(rs.iter().product(), 62))).unwrap();
+        let Ok(rounded) = dot_general_bf16_rounded(&l, &r, &dims, 1) else {
+            let mut acc = vec![0.0f32; 1];
+            assert!(
+                dot_general_bf16_rounded_accumulate_parts(&l, &r, &dims, 1, &mut [&mut acc])
+                    .is_err()
+            );
+            continue;
+        };
+        let start: Vec<f32> = values(rounded.len(), 63);
+        let mut want = start.clone();
+        crate::widen_add_slice(rounded.data(), &mut want);
+        let n = *rounded.shape().last().unwrap();
+        let rows = rounded.len() / n;
+        for (parts, threads) in [(1, 1), (1, 2), (3, 2), (rows, 3)] {
+            if rows % parts != 0 {
+                continue;
+            }
+            let mut acc = start.clone();
+            let mut split: Vec<&mut [f32]> = acc.chunks_mut(rounded.len() / parts).collect();
+            assert!(
+                dot_general_bf16_rounded_accumulate_parts(&l, &r, &dims, threads, &mut split)
+                    .unwrap(),
+                "{ls:?} x {rs:?}"
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&acc),
+                bits(&want),
+                "{ls:?} x {rs:?}, {parts} parts on {threads}"
+            );
+        }
+        // A part that cuts a row is declined, untouched.
+        let mut acc = start.clone();
+        let (a, b) = acc.split_at_mut(n + 1);
+        let mut split = [a, b];
+        assert!(!dot_general_bf16_rounded_accumulate_parts(&l, &r, &dims, 2, &mut split).unwrap());
+        assert_eq!(acc, start);
+    }
+    // An empty contraction: declined (the unfused path adds its zeros).
+    let (l, r) = (
+        Bf16Tensor::new(vec![4, 0], vec![]).unwrap(),
+        Bf16Tensor::new(vec![0, 3], vec![]).unwrap(),
+    );
+    let mut acc = vec![-0.0f32; 12];
+    match dot_general_bf16_rounded_accumulate_parts(&l, &r, &DotDims::matmul(2), 1, &mut [&mut acc])
+    {
+        Ok(done) => assert!(!done, "an empty contraction is declined"),
+        Err(e) => assert!(matches!(e, TensorError::NoBf16Product { .. }), "{e}"),
+    }
+}
