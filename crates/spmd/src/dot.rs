@@ -214,13 +214,7 @@ impl Ctx<'_> {
             // unrounded here would make the bits depend on the path taken.
             return Ok(false);
         }
-        let out_ty = rules::dot_general_type(lhs.ty(), rhs.ty(), dims, Some(out_sharding))?;
-        let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs.ty(), rhs.ty(), dims)?;
-        if !same_layout(lhs.ty(), &lhs_ty) || !same_layout(rhs.ty(), &rhs_ty) {
-            return Ok(false);
-        }
-        let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), dims, contracted)?;
-        if !same_layout(&natural, &out_ty) {
+        if !natural_as_they_stand(lhs.ty(), rhs.ty(), dims, out_sharding)? {
             return Ok(false);
         }
         match (lhs.local_opt().as_deref(), rhs.local_opt().as_deref()) {
@@ -394,13 +388,7 @@ impl Ctx<'_> {
             return Ok(false);
         }
         let out_spec = t.out_spec(&target)?;
-        let out_ty = rules::dot_general_type(t.lhs.ty(), t.rhs.ty(), &t.dims, Some(&out_spec))?;
-        let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(t.lhs.ty(), t.rhs.ty(), &t.dims)?;
-        if !same_layout(t.lhs.ty(), &lhs_ty) || !same_layout(t.rhs.ty(), &rhs_ty) {
-            return Ok(false);
-        }
-        let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), &t.dims, contracted)?;
-        if !same_layout(&natural, &out_ty) {
+        if !natural_as_they_stand(t.lhs.ty(), t.rhs.ty(), &t.dims, &out_spec)? {
             return Ok(false);
         }
         match (t.lhs.local_bf16(), t.rhs.local_bf16()) {
@@ -452,6 +440,25 @@ impl Ctx<'_> {
         }
         self.transpose_untracked(&r, &perm)
     }
+}
+
+/// Whether the product of operands typed `lhs` and `rhs`, its result typed by `out_sharding`,
+/// is the contraction's natural result on the operands as they stand: no operand moves, no
+/// collective, nothing to convert after — so a kernel can add it into a buffer laid out as the
+/// result's local block.
+fn natural_as_they_stand(
+    lhs: &ArrayType,
+    rhs: &ArrayType,
+    dims: &DotDims,
+    out_sharding: &PartitionSpec,
+) -> Result<bool, SpmdError> {
+    let out_ty = rules::dot_general_type(lhs, rhs, dims, Some(out_sharding))?;
+    let (lhs_ty, rhs_ty, contracted) = aligned_dot_types(lhs, rhs, dims)?;
+    if !same_layout(lhs, &lhs_ty) || !same_layout(rhs, &rhs_ty) {
+        return Ok(false);
+    }
+    let natural = natural_dot_type(&out_ty, (&lhs_ty, &rhs_ty), dims, contracted)?;
+    Ok(same_layout(&natural, &out_ty))
 }
 
 /// The product that gives one operand's cotangent: `ct · other` (`[batch, this kept, this

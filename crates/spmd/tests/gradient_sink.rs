@@ -442,6 +442,27 @@ fn single_bf16(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdE
     cx.reduce_sum(&y2, &[0, 1], Some(&p(&[], &["x"], &[])))
 }
 
+/// Runs `f` (one weight) with its buffer offered in `parts`: the weight is not handed over, and
+/// the buffer ends with exactly the bits of its start plus `value_and_grad`'s gradient (the
+/// handed path), with the same collectives as the streamed run.
+fn into_the_buffer_with_the_handed_bits(
+    f: fn(&mut Ctx<'_>, &[Array], &Array) -> Result<Array, SpmdError>,
+    parts: usize,
+) {
+    let (out, streamed) = run(true, parts, f, 1);
+    for (((bufs, events, grads, want), trace), plain) in out.iter().zip(&streamed) {
+        assert_eq!(shares(events, grads), [(0, true, false)], "{parts} parts");
+        let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&bufs[0]),
+            bits(&want[0]),
+            "{parts} parts: the handed bits"
+        );
+        assert!(grads[0].iter().any(|g| *g != 0.0), "a gradient to add");
+        assert_eq!(kinds(trace), kinds(plain));
+    }
+}
+
 /// A weight cast to bf16 at use: the cast's transpose widens its bf16 cotangent straight into
 /// the buffer (whole, or in parts of any length: it is elementwise), with the bits of the handed
 /// path — `value_and_grad`'s f32 gradient added to the buffer's start, compared exactly.
@@ -449,18 +470,7 @@ fn single_bf16(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdE
 fn a_weight_cast_to_bf16_is_widened_into_the_buffer_with_the_handed_bits() {
     ferrotext_tensor::allow_bf16_fallback().unwrap();
     for parts in [1, 4] {
-        let (out, streamed) = run(true, parts, single_bf16, 1);
-        for (((bufs, events, grads, want), trace), plain) in out.iter().zip(&streamed) {
-            assert_eq!(shares(events, grads), [(0, true, false)], "{parts} parts");
-            let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&bufs[0]),
-                bits(&want[0]),
-                "{parts} parts: the handed bits"
-            );
-            assert!(grads[0].iter().any(|g| *g != 0.0), "a gradient to add");
-            assert_eq!(kinds(trace), kinds(plain));
-        }
+        into_the_buffer_with_the_handed_bits(single_bf16, parts);
     }
     // The mirror: offered no buffer, the gradient is handed over (and the sums still agree).
     let (out, _) = run(true, 0, single_bf16, 1);
@@ -517,18 +527,7 @@ fn widening_adds(f: fn(&mut Ctx<'_>, &[Array], &Array) -> Result<Array, SpmdErro
 fn a_weight_cast_for_a_bf16_product_takes_the_rounded_product_into_the_buffer() {
     ferrotext_tensor::allow_bf16_fallback().unwrap();
     for parts in [1, 2, 4, 6] {
-        let (out, streamed) = run(true, parts, single_bf16_product, 1);
-        for (((bufs, events, grads, want), trace), plain) in out.iter().zip(&streamed) {
-            assert_eq!(shares(events, grads), [(0, true, false)], "{parts} parts");
-            let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&bufs[0]),
-                bits(&want[0]),
-                "{parts} parts: the handed bits"
-            );
-            assert!(grads[0].iter().any(|g| *g != 0.0), "a gradient to add");
-            assert_eq!(kinds(trace), kinds(plain));
-        }
+        into_the_buffer_with_the_handed_bits(single_bf16_product, parts);
     }
     // The probe: no widening add on this path; the mirror, a product kept in f32 (whose
     // cotangent reaches the weight's cast as bf16 only after the product), has one.

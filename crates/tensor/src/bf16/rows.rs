@@ -18,9 +18,10 @@ use half::bf16;
 
 use super::{round_bf16, round_into, widen_bf16, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
-use crate::fastmath::{lane_sum2, lane_sum3, vectorized};
+use crate::fastmath::vectorized;
 use crate::nn::{
-    causal_softmax, silu, softmax_backward_scaled, softmax_last, swiglu_grads, swiglu_value,
+    causal_softmax, rms_norm_backward_rows, rms_norm_rows, silu, softmax_backward_scaled,
+    softmax_last, swiglu_grads, swiglu_value,
 };
 #[cfg(doc)]
 use crate::nn::{rms_norm, rms_norm_backward};
@@ -148,17 +149,14 @@ pub fn rms_norm_bf16(
                     vectorized(
                         #[inline(always)]
                         || {
-                            for ((out, row), r_out) in
-                                out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
-                            {
-                                let ms = lane_sum2(row, row, |a, b| widen_bf16(a) * widen_bf16(b))
-                                    / n as f32;
-                                let r = 1.0 / (ms + eps).sqrt();
-                                for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
-                                    o.write(round_bf16(widen_bf16(v) * (r * s)));
-                                }
-                                *r_out = r;
-                            }
+                            rms_norm_rows(
+                                x,
+                                scale.data(),
+                                eps,
+                                (out, r_out),
+                                widen_bf16,
+                                round_bf16,
+                            )
                         },
                     );
                 },
@@ -210,27 +208,14 @@ pub fn rms_norm_backward_bf16(
                     vectorized(
                         #[inline(always)]
                         || {
-                            for (((dxrow, xrow), dyrow), &r) in dxrows
-                                .chunks_mut(n)
-                                .zip(x.chunks(n))
-                                .zip(dy.chunks(n))
-                                .zip(&inv_rms[first..])
-                            {
-                                let mean_gn = lane_sum3(dyrow, s, xrow, |d, sc, xv| {
-                                    widen_bf16(d) * sc * (widen_bf16(xv) * r)
-                                }) / n as f32;
-                                for ((((dx, ds), &d), &sc), &xv) in dxrow
-                                    .iter_mut()
-                                    .zip(ds.iter_mut())
-                                    .zip(dyrow)
-                                    .zip(s)
-                                    .zip(xrow)
-                                {
-                                    let (d, xv) = (widen_bf16(d), widen_bf16(xv));
-                                    dx.write(round_bf16(r * (d * sc - xv * r * mean_gn)));
-                                    *ds += d * (xv * r);
-                                }
-                            }
+                            rms_norm_backward_rows(
+                                (x, dy),
+                                s,
+                                &inv_rms[first..],
+                                (dxrows, ds),
+                                widen_bf16,
+                                round_bf16,
+                            )
                         },
                     );
                 },

@@ -4,6 +4,8 @@
 //! scale's gradient is summed per fixed group of rows ([`super::rows_per_chunk`]) and the groups
 //! in order, so its bits do not depend on the thread count.
 
+use std::mem::MaybeUninit;
+
 use super::{last_dim, rows_per_chunk, same_shape};
 use crate::error::TensorError;
 use crate::fastmath::{lane_sum2, lane_sum3, vectorized};
@@ -44,18 +46,7 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
                     let x = &x.data()[c * rows * n..];
                     vectorized(
                         #[inline(always)]
-                        || {
-                            for ((out, row), r_out) in
-                                out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
-                            {
-                                let ms = lane_sum2(row, row, |a, b| a * b) / n as f32;
-                                let r = 1.0 / (ms + eps).sqrt();
-                                for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale.data()) {
-                                    o.write(v * (r * s));
-                                }
-                                *r_out = r;
-                            }
-                        },
+                        || rms_norm_rows(x, scale.data(), eps, (out, r_out), |v| v, |v| v),
                     );
                 },
             )
@@ -108,26 +99,14 @@ pub fn rms_norm_backward(
                     vectorized(
                         #[inline(always)]
                         || {
-                            for (((dxrow, xrow), dyrow), &r) in dxrows
-                                .chunks_mut(n)
-                                .zip(x.chunks(n))
-                                .zip(dy.chunks(n))
-                                .zip(&inv_rms[first..])
-                            {
-                                let mean_gn =
-                                    lane_sum3(dyrow, s, xrow, |d, sc, xv| d * sc * (xv * r))
-                                        / n as f32;
-                                for ((((dx, ds), &d), &sc), &xv) in dxrow
-                                    .iter_mut()
-                                    .zip(ds.iter_mut())
-                                    .zip(dyrow)
-                                    .zip(s)
-                                    .zip(xrow)
-                                {
-                                    dx.write(r * (d * sc - xv * r * mean_gn));
-                                    *ds += d * (xv * r);
-                                }
-                            }
+                            rms_norm_backward_rows(
+                                (x, dy),
+                                s,
+                                &inv_rms[first..],
+                                (dxrows, ds),
+                                |v| v,
+                                |v| v,
+                            )
                         },
                     );
                 },
@@ -149,6 +128,66 @@ pub fn rms_norm_backward(
         },
     );
     Ok((dx, Tensor::new(vec![n], dscale)?))
+}
+
+/// RMSNorm's rows, the arithmetic of [`rms_norm`] and of its bf16 form (which differ only in
+/// how an element is read and a result stored: `load` widens, `store` rounds): each row of
+/// `x` (rows of `scale.len()`) normalized into `out.0`, its inverse RMS into `out.1`. Inline
+/// into the caller's vector-compiled closure.
+#[inline(always)]
+pub(crate) fn rms_norm_rows<X: Copy, Y>(
+    x: &[X],
+    scale: &[f32],
+    eps: f32,
+    (out, inv): (&mut [MaybeUninit<Y>], &mut [f32]),
+    load: impl Fn(X) -> f32,
+    store: impl Fn(f32) -> Y,
+) {
+    let n = scale.len();
+    for ((out, row), r_out) in out.chunks_mut(n).zip(x.chunks(n)).zip(inv.iter_mut()) {
+        let ms = lane_sum2(row, row, |a, b| load(a) * load(b)) / n as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale) {
+            o.write(store(load(v) * (r * s)));
+        }
+        *r_out = r;
+    }
+}
+
+/// The backward's rows ([`rms_norm_backward`], and its bf16 form through `load` and `store`):
+/// each row's `dx` into `out.0`, its `dy ⊙ n` added into the group's partial `dscale`, `out.1`,
+/// in row order.
+#[inline(always)]
+pub(crate) fn rms_norm_backward_rows<X: Copy, Y>(
+    (x, dy): (&[X], &[X]),
+    scale: &[f32],
+    inv_rms: &[f32],
+    (dx, dscale): (&mut [MaybeUninit<Y>], &mut [f32]),
+    load: impl Fn(X) -> f32,
+    store: impl Fn(f32) -> Y,
+) {
+    let n = scale.len();
+    for (((dxrow, xrow), dyrow), &r) in dx
+        .chunks_mut(n)
+        .zip(x.chunks(n))
+        .zip(dy.chunks(n))
+        .zip(inv_rms)
+    {
+        let mean_gn = lane_sum3(dyrow, scale, xrow, |d, sc, xv| {
+            load(d) * sc * (load(xv) * r)
+        }) / n as f32;
+        for ((((dx, ds), &d), &sc), &xv) in dxrow
+            .iter_mut()
+            .zip(dscale.iter_mut())
+            .zip(dyrow)
+            .zip(scale)
+            .zip(xrow)
+        {
+            let (d, xv) = (load(d), load(xv));
+            dx.write(store(r * (d * sc - xv * r * mean_gn)));
+            *ds += d * (xv * r);
+        }
+    }
 }
 
 /// Rotary position embedding, rotate-half form with base `theta` (see [`rope_with`]).
