@@ -20,7 +20,7 @@ use super::{round_bf16, round_into, widen_bf16, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::nn::{
-    causal_softmax, rms_norm_backward_rows, rms_norm_rows, silu, softmax_backward_scaled,
+    causal_softmax, rms_norm_backward_slices, rms_norm_slices, silu, softmax_backward_scaled,
     softmax_last, swiglu_grads, swiglu_value,
 };
 #[cfg(doc)]
@@ -115,7 +115,8 @@ fn same(a: &Bf16Tensor, b: &Bf16Tensor, op: &'static str) -> Result<(), TensorEr
 
 /// [`rms_norm`] on bf16 rows: `y` rounded to bf16, each row's inverse RMS in `f32`; the mean
 /// square is summed in `f32`, and the scale (a master weight) is `f32`. The `f32` kernel's own
-/// arithmetic, in its order, on each element widened as it is read: no widened copy of a row.
+/// code (`nn::rms_norm_slices`), each element widened as it is read and rounded as it is
+/// stored: no widened copy of a row.
 ///
 /// # Errors
 /// `scale` is not the last dim's length, or an empty last dimension.
@@ -132,44 +133,14 @@ pub fn rms_norm_bf16(
             format!("scale {:?} for rows of {n}", scale.shape()),
         ));
     }
-    let rows = chunk_elements(n) / n;
-    let mut inv = vec![0.0f32; x.len() / n];
-    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
-    let y = unsafe {
-        filled(x.len(), |y| {
-            for_each_chunk2(
-                y,
-                rows * n,
-                &mut inv,
-                rows,
-                kernel_threads(),
-                Work::Light,
-                |c, out, r_out| {
-                    let x = &x.data()[c * rows * n..];
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            rms_norm_rows(
-                                x,
-                                scale.data(),
-                                eps,
-                                (out, r_out),
-                                widen_bf16,
-                                round_bf16,
-                            )
-                        },
-                    );
-                },
-            )
-        })
-    };
+    let (y, inv) = rms_norm_slices(x.data(), scale.data(), eps, widen_bf16, round_bf16);
     Ok((Bf16Tensor::new(x.shape().to_vec(), y)?, inv))
 }
 
 /// [`rms_norm_backward`] for bf16 `x` and `dy`: `dx` rounded to bf16, `dscale` in `f32`
-/// (a master weight's gradient). The `f32` kernel's arithmetic on elements widened as they are
-/// read, in its groups of rows, whose partial `dscale`s are added in group order from zero, as
-/// it adds them: the same bits.
+/// (a master weight's gradient). The `f32` kernel's own code (`nn::rms_norm_backward_slices`) on
+/// elements widened as they are read: its groups of rows and its order of adding their partial
+/// `dscale`s, so the same bits.
 ///
 /// # Errors
 /// Shapes disagree.
@@ -188,46 +159,13 @@ pub fn rms_norm_backward_bf16(
             "row statistics do not fit".into(),
         ));
     }
-    let s = scale.data();
-    let rows = chunk_elements(n) / n;
-    let groups = inv_rms.len().div_ceil(rows);
-    let mut partial = vec![0.0f32; groups * n];
-    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
-    let dx = unsafe {
-        filled(x.len(), |dx| {
-            for_each_chunk2(
-                dx,
-                rows * n,
-                &mut partial,
-                n,
-                kernel_threads(),
-                Work::Light,
-                |c, dxrows, ds| {
-                    let first = c * rows;
-                    let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            rms_norm_backward_rows(
-                                (x, dy),
-                                s,
-                                &inv_rms[first..],
-                                (dxrows, ds),
-                                widen_bf16,
-                                round_bf16,
-                            )
-                        },
-                    );
-                },
-            )
-        })
-    };
-    let mut dscale = vec![0.0f32; n];
-    for group in partial.chunks(n) {
-        for (d, &p) in dscale.iter_mut().zip(group) {
-            *d += p;
-        }
-    }
+    let (dx, dscale) = rms_norm_backward_slices(
+        (x.data(), dy.data()),
+        scale.data(),
+        inv_rms,
+        widen_bf16,
+        round_bf16,
+    );
     Ok((
         Bf16Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::new(vec![n], dscale)?,

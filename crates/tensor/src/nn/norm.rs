@@ -4,8 +4,6 @@
 //! scale's gradient is summed per fixed group of rows ([`super::rows_per_chunk`]) and the groups
 //! in order, so its bits do not depend on the thread count.
 
-use std::mem::MaybeUninit;
-
 use super::{last_dim, rows_per_chunk, same_shape};
 use crate::error::TensorError;
 use crate::fastmath::{lane_sum2, lane_sum3, vectorized};
@@ -27,31 +25,7 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
             format!("scale {:?} for rows of {n}", scale.shape()),
         ));
     }
-    let mut inv = vec![0.0f32; x.len() / n];
-    // One pass: each row read from `x`, written into the output (no copy of `x` first); rows in
-    // groups of about `BLOCK` elements, one vector-compiled call per group (a QK-norm row is
-    // only `head_dim` long).
-    let rows = rows_per_chunk(n);
-    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
-    let y = unsafe {
-        filled(x.len(), |y| {
-            for_each_chunk2(
-                y,
-                rows * n,
-                &mut inv,
-                rows,
-                kernel_threads(),
-                Work::Light,
-                |c, out, r_out| {
-                    let x = &x.data()[c * rows * n..];
-                    vectorized(
-                        #[inline(always)]
-                        || rms_norm_rows(x, scale.data(), eps, (out, r_out), |v| v, |v| v),
-                    );
-                },
-            )
-        })
-    };
+    let (y, inv) = rms_norm_slices(x.data(), scale.data(), eps, |v| v, |v| v);
     Ok((Tensor::new(x.shape().to_vec(), y)?, inv))
 }
 
@@ -77,9 +51,74 @@ pub fn rms_norm_backward(
             "row statistics do not fit".into(),
         ));
     }
-    let s = scale.data();
-    // One pass: rows in groups (as in `rms_norm`) split across the budget; each group writes its
-    // rows of dx and sums its rows' `dy ⊙ n` into a partial dscale of its own (in row order).
+    let (dx, dscale) =
+        rms_norm_backward_slices((x.data(), dy.data()), scale.data(), inv_rms, |v| v, |v| v);
+    Ok((
+        Tensor::new(x.shape().to_vec(), dx)?,
+        Tensor::new(vec![n], dscale)?,
+    ))
+}
+
+/// RMSNorm over rows of `scale.len()` elements of `x`: `y` and each row's inverse RMS — the
+/// whole of [`rms_norm`] (`load` and `store` the identity) and of its bf16 form (`load` widens,
+/// `store` rounds), so the two share one arithmetic. One pass: each row read from `x`, written
+/// into the output (no copy first); rows in groups of about `BLOCK` elements, one
+/// vector-compiled call per group (a QK-norm row is only `head_dim` long), on the kernel budget.
+pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: Send>(
+    x: &[X],
+    scale: &[f32],
+    eps: f32,
+    load: impl Fn(X) -> f32 + Copy + Sync,
+    store: impl Fn(f32) -> Y + Copy + Sync,
+) -> (Vec<Y>, Vec<f32>) {
+    let n = scale.len().max(1);
+    let rows = rows_per_chunk(n);
+    let mut inv = vec![0.0f32; x.len() / n];
+    // SAFETY: every chunk is visited, and each writes all `n` elements of each of its rows.
+    let y = unsafe {
+        filled(x.len(), |y| {
+            for_each_chunk2(
+                y,
+                rows * n,
+                &mut inv,
+                rows,
+                kernel_threads(),
+                Work::Light,
+                |c, out, r_out| {
+                    let x = &x[c * rows * n..];
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((out, row), r_out) in
+                                out.chunks_mut(n).zip(x.chunks(n)).zip(r_out.iter_mut())
+                            {
+                                let ms = lane_sum2(row, row, |a, b| load(a) * load(b)) / n as f32;
+                                let r = 1.0 / (ms + eps).sqrt();
+                                for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale) {
+                                    o.write(store(load(v) * (r * s)));
+                                }
+                                *r_out = r;
+                            }
+                        },
+                    );
+                },
+            )
+        })
+    };
+    (y, inv)
+}
+
+/// The backward of [`rms_norm_slices`] (of [`rms_norm_backward`] and its bf16 form): `dx`, and
+/// `dscale` summed per group of rows in row order, then the groups in order (a fixed order: the
+/// groups depend only on the shape), so the same bits on any thread budget.
+pub(crate) fn rms_norm_backward_slices<X: Copy + Sync, Y: Send>(
+    (x, dy): (&[X], &[X]),
+    scale: &[f32],
+    inv_rms: &[f32],
+    load: impl Fn(X) -> f32 + Copy + Sync,
+    store: impl Fn(f32) -> Y + Copy + Sync,
+) -> (Vec<Y>, Vec<f32>) {
+    let n = scale.len().max(1);
     let rows = rows_per_chunk(n);
     let groups = inv_rms.len().div_ceil(rows);
     let mut partial = vec![0.0f32; groups * n];
@@ -95,27 +134,37 @@ pub fn rms_norm_backward(
                 Work::Light,
                 |c, dxrows, ds| {
                     let first = c * rows;
-                    let (x, dy) = (&x.data()[first * n..], &dy.data()[first * n..]);
+                    let (x, dy) = (&x[first * n..], &dy[first * n..]);
                     vectorized(
                         #[inline(always)]
                         || {
-                            rms_norm_backward_rows(
-                                (x, dy),
-                                s,
-                                &inv_rms[first..],
-                                (dxrows, ds),
-                                |v| v,
-                                |v| v,
-                            )
+                            for (((dxrow, xrow), dyrow), &r) in dxrows
+                                .chunks_mut(n)
+                                .zip(x.chunks(n))
+                                .zip(dy.chunks(n))
+                                .zip(&inv_rms[first..])
+                            {
+                                let mean_gn = lane_sum3(dyrow, scale, xrow, |d, sc, xv| {
+                                    load(d) * sc * (load(xv) * r)
+                                }) / n as f32;
+                                for ((((dx, ds), &d), &sc), &xv) in dxrow
+                                    .iter_mut()
+                                    .zip(ds.iter_mut())
+                                    .zip(dyrow)
+                                    .zip(scale)
+                                    .zip(xrow)
+                                {
+                                    let (d, xv) = (load(d), load(xv));
+                                    dx.write(store(r * (d * sc - xv * r * mean_gn)));
+                                    *ds += d * (xv * r);
+                                }
+                            }
                         },
                     );
                 },
             )
         })
     };
-    let dx = Tensor::new(x.shape().to_vec(), dx)?;
-    // dscale: the groups' partial sums added in group order (a fixed order: the groups depend
-    // only on the shape).
     let mut dscale = vec![0.0f32; n];
     vectorized(
         #[inline(always)]
@@ -127,67 +176,7 @@ pub fn rms_norm_backward(
             }
         },
     );
-    Ok((dx, Tensor::new(vec![n], dscale)?))
-}
-
-/// RMSNorm's rows, the arithmetic of [`rms_norm`] and of its bf16 form (which differ only in
-/// how an element is read and a result stored: `load` widens, `store` rounds): each row of
-/// `x` (rows of `scale.len()`) normalized into `out.0`, its inverse RMS into `out.1`. Inline
-/// into the caller's vector-compiled closure.
-#[inline(always)]
-pub(crate) fn rms_norm_rows<X: Copy, Y>(
-    x: &[X],
-    scale: &[f32],
-    eps: f32,
-    (out, inv): (&mut [MaybeUninit<Y>], &mut [f32]),
-    load: impl Fn(X) -> f32,
-    store: impl Fn(f32) -> Y,
-) {
-    let n = scale.len();
-    for ((out, row), r_out) in out.chunks_mut(n).zip(x.chunks(n)).zip(inv.iter_mut()) {
-        let ms = lane_sum2(row, row, |a, b| load(a) * load(b)) / n as f32;
-        let r = 1.0 / (ms + eps).sqrt();
-        for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale) {
-            o.write(store(load(v) * (r * s)));
-        }
-        *r_out = r;
-    }
-}
-
-/// The backward's rows ([`rms_norm_backward`], and its bf16 form through `load` and `store`):
-/// each row's `dx` into `out.0`, its `dy ⊙ n` added into the group's partial `dscale`, `out.1`,
-/// in row order.
-#[inline(always)]
-pub(crate) fn rms_norm_backward_rows<X: Copy, Y>(
-    (x, dy): (&[X], &[X]),
-    scale: &[f32],
-    inv_rms: &[f32],
-    (dx, dscale): (&mut [MaybeUninit<Y>], &mut [f32]),
-    load: impl Fn(X) -> f32,
-    store: impl Fn(f32) -> Y,
-) {
-    let n = scale.len();
-    for (((dxrow, xrow), dyrow), &r) in dx
-        .chunks_mut(n)
-        .zip(x.chunks(n))
-        .zip(dy.chunks(n))
-        .zip(inv_rms)
-    {
-        let mean_gn = lane_sum3(dyrow, scale, xrow, |d, sc, xv| {
-            load(d) * sc * (load(xv) * r)
-        }) / n as f32;
-        for ((((dx, ds), &d), &sc), &xv) in dxrow
-            .iter_mut()
-            .zip(dscale.iter_mut())
-            .zip(dyrow)
-            .zip(scale)
-            .zip(xrow)
-        {
-            let (d, xv) = (load(d), load(xv));
-            dx.write(store(r * (d * sc - xv * r * mean_gn)));
-            *ds += d * (xv * r);
-        }
-    }
+    (dx, dscale)
 }
 
 /// Rotary position embedding, rotate-half form with base `theta` (see [`rope_with`]).
