@@ -81,6 +81,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    allocator::huge_pages_or_reexec();
     allocator::keep_freed_memory();
     let cli = Cli::parse();
     // Neither runs as an MPI process: the agent starts daemons for mpirun, emulate starts mpirun.
