@@ -4,7 +4,7 @@
 //! saving and checkpoints all go through [`ParamInfo::to_hf`] / [`ParamInfo::from_hf`]: the
 //! orientation of a weight is declared once, beside its shape, never guessed from its name.
 
-use ferrotext_tensor::{Tensor, TensorError};
+use ferrotext_tensor::{kernel_threads, Tensor, TensorError};
 
 /// How a parameter starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -244,16 +244,13 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0 = self.0.wrapping_add(SPLITMIX_STEP);
+        splitmix(self.0)
     }
 
     /// Uniform in `[0, 1)`.
     pub fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+        unit(self.next_u64())
     }
 
     /// Uniform integer in `0..n`.
@@ -263,24 +260,122 @@ impl Rng {
 
     /// Standard normal (Box–Muller).
     pub fn normal(&mut self) -> f64 {
-        let u1 = self.uniform().max(1e-300);
+        let u1 = self.uniform();
         let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        box_muller(u1, u2)
+    }
+
+    /// The value the `i`-th [`Rng::normal`] call from this state would return (`i = 0` is the
+    /// next one), without advancing the generator: SplitMix64's `j`-th output depends only on
+    /// its state plus `j` steps, so any element of a stream is computed on its own and a long
+    /// stream can be drawn in parallel, bit for bit.
+    pub fn normal_at(&self, i: u64) -> f64 {
+        let call = |j: u64| unit(splitmix(self.0.wrapping_add(j.wrapping_mul(SPLITMIX_STEP))));
+        box_muller(call(2 * i + 1), call(2 * i + 2))
     }
 }
 
-/// The global initial value of `info`, from `seed` and the parameter's index.
+/// SplitMix64's increment (the golden ratio's fraction in 64 bits).
+const SPLITMIX_STEP: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's output function of a state.
+fn splitmix(state: u64) -> u64 {
+    let mut z = state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The top 53 bits of `bits` as a uniform in `[0, 1)`.
+fn unit(bits: u64) -> f64 {
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// A standard normal from two uniforms in `[0, 1)` (Box–Muller's cosine branch).
+fn box_muller(u1: f64, u2: f64) -> f64 {
+    (-2.0 * u1.max(1e-300).ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// The global initial value of `info`, from `seed` and the parameter's index: element `i` of a
+/// normal initialisation is the `i`-th [`Rng::normal`] of the parameter's stream times the
+/// standard deviation. The elements are drawn on this thread's kernel budget
+/// ([`kernel_threads`]) with [`Rng::normal_at`], so the values do not depend on it (a
+/// qwen3-0.6b's 596 M values took most of a minute on one thread).
 pub fn init_normal(info: &ParamInfo, seed: u64, index: usize) -> Tensor {
-    let mut rng = Rng::new(seed, index as u64 + 1);
+    let rng = Rng::new(seed, index as u64 + 1);
+    let normals = |std: f64| {
+        Tensor::from_index_fn(&info.shape, kernel_threads(), |i| {
+            (rng.normal_at(i as u64) * std) as f32
+        })
+    };
     match info.init {
         Init::Ones => Tensor::full(&info.shape, 1.0),
         Init::Zeros => Tensor::full(&info.shape, 0.0),
-        Init::Normal { std } => {
-            Tensor::from_fn(&info.shape, |_| (rng.normal() * std as f64) as f32)
-        }
+        Init::Normal { std } => normals(f64::from(std)),
         Init::FanIn => {
-            let std = 1.0 / (info.shape.first().copied().unwrap_or(1).max(1) as f64).sqrt();
-            Tensor::from_fn(&info.shape, |_| (rng.normal() * std) as f32)
+            normals(1.0 / (info.shape.first().copied().unwrap_or(1).max(1) as f64).sqrt())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotext_tensor::with_kernel_pool;
+
+    #[test]
+    fn a_normal_drawn_by_index_is_the_streams_normal_at_that_place() {
+        for (seed, stream) in [(0, 1), (7, 3), (u64::MAX, 0x5A4D)] {
+            let mut sequential = Rng::new(seed, stream);
+            let start = sequential.clone();
+            for i in 0..2000 {
+                let want = sequential.normal();
+                assert_eq!(
+                    start.normal_at(i).to_bits(),
+                    want.to_bits(),
+                    "seed {seed} i {i}"
+                );
+            }
+            // From a state part-way along (after the 2000 draws and one odd `next_u64`).
+            sequential.next_u64();
+            let mid = sequential.clone();
+            for i in 0..50 {
+                assert_eq!(mid.normal_at(i).to_bits(), sequential.normal().to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn a_parallel_initialisation_has_the_sequential_streams_values() {
+        let param = |shape: Vec<usize>, init| ParamInfo {
+            name: "w".into(),
+            shape,
+            logical: vec![None, None],
+            init,
+            hf: HfLayout::Tensor {
+                name: "w".into(),
+                transposed: false,
+            },
+        };
+        // 60,000 elements: several chunks of the parallel fill, the last one short.
+        for info in [
+            param(vec![300, 200], Init::FanIn),
+            param(vec![200, 300], Init::Normal { std: 0.02 }),
+        ] {
+            let std = match info.init {
+                Init::Normal { std } => f64::from(std),
+                _ => 1.0 / (info.shape[0] as f64).sqrt(),
+            };
+            let mut rng = Rng::new(9, 4 + 1);
+            let want: Vec<u32> = (0..60_000)
+                .map(|_| ((rng.normal() * std) as f32).to_bits())
+                .collect();
+            for threads in [1, 2, 3] {
+                let got =
+                    with_kernel_pool(threads, "init-test", 2 << 20, || init_normal(&info, 9, 4));
+                let got: Vec<u32> = got.data().iter().map(|x| x.to_bits()).collect();
+                assert!(got == want, "{:?} on {threads} threads", info.init);
+            }
         }
     }
 }

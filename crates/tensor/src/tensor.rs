@@ -153,6 +153,36 @@ impl Tensor {
         Tensor::owned(shape.to_vec(), (0..n).map(f).collect())
     }
 
+    /// A tensor whose element `i` (row-major) is `f(i)`, computed in chunks on up to `threads`
+    /// threads of the current rayon pool: the same tensor as [`Tensor::from_fn`] with the same
+    /// `f`, since each element depends on its index alone (a seeded initialisation drawn from a
+    /// counter-based generator, say).
+    pub fn from_index_fn(
+        shape: &[usize],
+        threads: usize,
+        f: impl Fn(usize) -> f32 + Sync,
+    ) -> Tensor {
+        const CHUNK: usize = 1 << 14;
+        let n = shape.iter().product();
+        // SAFETY: every chunk of the output is written, element by element.
+        let data = unsafe {
+            crate::parallel::filled(n, |out| {
+                crate::parallel::for_each_chunk(
+                    out,
+                    CHUNK,
+                    threads,
+                    crate::parallel::Work::Heavy,
+                    |c, chunk| {
+                        for (j, x) in chunk.iter_mut().enumerate() {
+                            x.write(f(c * CHUNK + j));
+                        }
+                    },
+                );
+            })
+        };
+        Tensor::owned(shape.to_vec(), data)
+    }
+
     /// The shape.
     pub fn shape(&self) -> &[usize] {
         &self.shape
