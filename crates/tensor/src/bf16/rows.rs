@@ -153,12 +153,7 @@ pub fn rms_norm_backward_bf16(
     let _span = ferrotext_profile::span("rms_norm_backward_bf16");
     same(x, dy, "rms_norm_backward_bf16")?;
     let n = last(x, "rms_norm_backward_bf16")?;
-    if inv_rms.len() * n != x.len() || scale.shape() != [n] {
-        return Err(TensorError::shape(
-            "rms_norm_backward_bf16",
-            "row statistics do not fit".into(),
-        ));
-    }
+    crate::nn::statistics_fit(x.len(), n, scale, inv_rms, "rms_norm_backward_bf16")?;
     let (dx, dscale) = rms_norm_backward_slices(
         (x.data(), dy.data()),
         scale.data(),

@@ -45,12 +45,7 @@ pub fn rms_norm_backward(
     let _span = ferrotext_profile::span("rms_norm_backward");
     same_shape(x, dy, "rms_norm_backward")?;
     let n = last_dim(x, "rms_norm_backward")?;
-    if inv_rms.len() * n != x.len() || scale.shape() != [n] {
-        return Err(TensorError::shape(
-            "rms_norm_backward",
-            "row statistics do not fit".into(),
-        ));
-    }
+    statistics_fit(x.len(), n, scale, inv_rms, "rms_norm_backward")?;
     let (dx, dscale) =
         rms_norm_backward_slices((x.data(), dy.data()), scale.data(), inv_rms, |v| v, |v| v);
     Ok((
@@ -64,6 +59,21 @@ pub fn rms_norm_backward(
 /// `store` rounds), so the two share one arithmetic. One pass: each row read from `x`, written
 /// into the output (no copy first); rows in groups of about `BLOCK` elements, one
 /// vector-compiled call per group (a QK-norm row is only `head_dim` long), on the kernel budget.
+/// Checks that one row statistic per row of `len` elements in rows of `n`, and a scale of `n`,
+/// go with the rows RMSNorm's backward (`op`) is given.
+pub(crate) fn statistics_fit(
+    len: usize,
+    n: usize,
+    scale: &Tensor,
+    inv_rms: &[f32],
+    op: &'static str,
+) -> Result<(), TensorError> {
+    if inv_rms.len() * n != len || scale.shape() != [n] {
+        return Err(TensorError::shape(op, "row statistics do not fit".into()));
+    }
+    Ok(())
+}
+
 pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: Send>(
     x: &[X],
     scale: &[f32],
