@@ -468,8 +468,9 @@ const ROUNDED_MAX_K: usize = 1024;
 /// register tile as it stores it for contractions up to 1024 elements; other contractions
 /// and kernels compute the `f32` product a band of rows at a time on each thread and round the
 /// band while it is in cache (`rounded_by_bands`: with MKL on AMX, a qwen3-peer bf16 step went
-/// from 206 to 196 ms, the separate rounding pass having taken 13 ms of it), or, below 128 rows,
-/// the whole product and then round it.
+/// from 206 to 196 ms, the separate rounding pass having taken 13 ms of it), or, below 128 rows
+/// and where a band would not have the whole product's bits (`bands_keep_bits`: MKL off its AMX
+/// tiles), the whole product and then round it.
 ///
 /// # Errors
 /// As [`dot_general_bf16`].
@@ -497,7 +498,7 @@ pub fn dot_general_bf16_rounded(
         return Bf16Tensor::new(out_shape, out);
     }
     let stacks = stacks(lhs, rhs, dims)?;
-    if stacks.all_rows().len() >= 2 * MIN_BLOCK_ROWS && stacks.a.cols.0 > 0 {
+    if stacks.all_rows().len() >= 2 * MIN_BLOCK_ROWS && stacks.a.cols.0 > 0 && bands_keep_bits() {
         let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
         let _span = span(&stacks, lhs.shape(), rhs.shape());
         // SAFETY: `rounded_by_bands` writes every element (its bands cover the output, `k > 0`).
@@ -555,10 +556,11 @@ pub fn dot_general_bf16_rounded_accumulate_parts(
     }
     let _span = span(&stacks, lhs.shape(), rhs.shape());
     let rows = part / n;
-    if rows < 2 * MIN_BLOCK_ROWS {
-        // Small parts: the whole product in one piece, as `dot_general_bf16_rounded` computes
-        // a product this small (a library's rows are its rows of the whole product only in
-        // blocks above its small-matrix kernels: one row at a time, MKL gave other bits).
+    if rows < 2 * MIN_BLOCK_ROWS || !bands_keep_bits() {
+        // Small parts, or a kernel whose bands change bits: the whole product in one piece, as
+        // `dot_general_bf16_rounded` computes it (a library's rows are its rows of the whole
+        // product only in blocks above its small-matrix kernels: one row at a time, MKL gave
+        // other bits).
         // SAFETY: `products` writes every element of the product (`k > 0`, checked above).
         let whole = unsafe {
             filled(len, |dst| {
@@ -590,6 +592,16 @@ pub fn dot_general_bf16_rounded_accumulate_parts(
         });
     }
     Ok(true)
+}
+
+/// True when a band of rows computed alone has the bits of those rows of the whole product on
+/// this process's bf16 kernel, so products may be rounded a band at a time: ferrotext's kernels
+/// (each element one chain, by construction) and MKL on AMX tiles (the tests compare bands with
+/// the whole product). Not MKL without tiles: its AVX-512 bf16 product (a processor with
+/// AVX-512 but no AMX, as `MKL_ENABLE_INSTRUCTIONS=AVX512` makes this one) gave a band of rows
+/// other bits than the whole product; nor a library not measured so.
+fn bands_keep_bits() -> bool {
+    !matches!(choice(false), Choice::Library(..)) || products_on_tiles()
 }
 
 /// The `f32` output bytes a band of [`rounded_by_bands`] aims at: its product is rounded while
