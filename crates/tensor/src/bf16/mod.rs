@@ -34,6 +34,8 @@ mod attention;
 mod dpbf16;
 mod elementwise;
 mod matmul;
+#[cfg(target_arch = "x86_64")]
+mod round_avx512;
 mod rows;
 
 pub(crate) use matmul::{product, products_on_tiles};
@@ -74,15 +76,10 @@ pub fn widen_bf16(x: bf16) -> f32 {
 /// # Panics
 /// When the lengths differ (a bug in the caller).
 pub fn round_slice(src: &[f32], dst: &mut [bf16]) {
-    assert_eq!(src.len(), dst.len()); // ok: caller's invariant
-    vectorized(
-        #[inline(always)]
-        || {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = round_bf16(s);
-            }
-        },
-    );
+    // SAFETY: `[bf16]` and `[MaybeUninit<bf16>]` share a layout, and `round_into` writes only
+    // initialised values.
+    let dst = unsafe { &mut *(dst as *mut [bf16] as *mut [MaybeUninit<bf16>]) };
+    round_into(src, dst);
 }
 
 /// [`round_slice`] into storage not yet written (a new tensor's, from [`filled`]): every
@@ -92,6 +89,12 @@ pub fn round_slice(src: &[f32], dst: &mut [bf16]) {
 /// When the lengths differ (a bug in the caller).
 pub(crate) fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
     assert_eq!(src.len(), dst.len()); // ok: caller's invariant
+    #[cfg(target_arch = "x86_64")]
+    if round_avx512::available() {
+        // SAFETY: the CPU has the instructions, checked just above; the lengths are equal.
+        unsafe { round_avx512::round_into(src, dst) };
+        return;
+    }
     vectorized(
         #[inline(always)]
         || {
