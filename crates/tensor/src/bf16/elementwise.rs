@@ -6,7 +6,7 @@
 //! per element, in fixed blocks on the kernel thread budget, compiled for AVX-512 alike. Shapes
 //! must be equal (a broadcast goes through the `f32` op: the callers widen for it).
 
-use super::{round_bf16, widen_bf16, Bf16Tensor};
+use super::{rounded_blocks, widen_bf16, Bf16Tensor};
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
@@ -21,15 +21,17 @@ pub fn map_bf16(x: &Bf16Tensor, f: impl Fn(f32) -> f32 + Sync) -> Bf16Tensor {
     let data = unsafe {
         filled(x.len(), |data| {
             for_each_chunk(data, BLOCK, kernel_threads(), Work::Light, |c, run| {
-                let src = &x.data()[c * BLOCK..];
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for (o, &v) in run.iter_mut().zip(src) {
-                            o.write(round_bf16(f(widen_bf16(v))));
-                        }
-                    },
-                );
+                rounded_blocks(run, |at, block| {
+                    let src = &x.data()[c * BLOCK + at..];
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for (o, &v) in block.iter_mut().zip(src) {
+                                *o = f(widen_bf16(v));
+                            }
+                        },
+                    );
+                });
             })
         })
     };
@@ -62,15 +64,18 @@ pub fn zip_bf16(
     let data = unsafe {
         filled(a.len(), |data| {
             for_each_chunk(data, BLOCK, kernel_threads(), Work::Light, |c, run| {
-                let (x, y) = (&a.data()[c * BLOCK..], &b.data()[c * BLOCK..]);
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for ((o, &p), &q) in run.iter_mut().zip(x).zip(y) {
-                            o.write(round_bf16(f(widen_bf16(p), widen_bf16(q))));
-                        }
-                    },
-                );
+                rounded_blocks(run, |at, block| {
+                    let from = c * BLOCK + at;
+                    let (x, y) = (&a.data()[from..], &b.data()[from..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((o, &p), &q) in block.iter_mut().zip(x).zip(y) {
+                                *o = f(widen_bf16(p), widen_bf16(q));
+                            }
+                        },
+                    );
+                });
             })
         })
     };

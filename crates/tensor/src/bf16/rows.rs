@@ -6,17 +6,19 @@
 //! `f32`). Inputs are widened a chunk of whole rows at a time (about `nn`'s block of 4096
 //! elements; a causal softmax's whole `[Tq, Tk]` blocks) into a scratch `f32` tensor, so no
 //! `f32` copy of a whole activation is ever made; the `f32` kernels compute each row alike in
-//! any chunk, so chunking does not change a bit. SwiGLU, elementwise, needs no scratch: it
-//! calls the `f32` kernel's element function (`nn::swiglu_value`, `nn::swiglu_grads`) on each
-//! widened element and rounds the result as it stores it. Chunks run on the kernel thread
-//! budget.
+//! any chunk, so chunking does not change a bit. SwiGLU and the residual add, elementwise, call
+//! the `f32` kernel's element function (`nn::swiglu_value`, `nn::swiglu_grads`) on each widened
+//! element into a block of 1024 `f32` that is rounded as a whole (`super::rounded_blocks`).
+//! Chunks run on the kernel thread budget.
 
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 use half::bf16;
 
-use super::{round_bf16, round_into, widen_bf16, widen_slice, Bf16Tensor};
+use super::{
+    round_bf16, round_into, rounded_blocks, rounded_blocks2, widen_bf16, widen_slice, Bf16Tensor,
+};
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::nn::{
@@ -214,16 +216,18 @@ pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorE
     let y = unsafe {
         filled(g.len(), |y| {
             for_each_chunk(y, CHUNK, kernel_threads(), Work::Heavy, |c, out| {
-                let at = c * CHUNK;
-                let (gs, us) = (&g.data()[at..], &u.data()[at..]);
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for ((o, &a), &b) in out.iter_mut().zip(gs).zip(us) {
-                            o.write(round_bf16(swiglu_value(widen_bf16(a), widen_bf16(b))));
-                        }
-                    },
-                );
+                rounded_blocks(out, |at, block| {
+                    let from = c * CHUNK + at;
+                    let (gs, us) = (&g.data()[from..], &u.data()[from..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((o, &a), &b) in block.iter_mut().zip(gs).zip(us) {
+                                *o = swiglu_value(widen_bf16(a), widen_bf16(b));
+                            }
+                        },
+                    );
+                });
             })
         })
     };
@@ -256,24 +260,28 @@ pub fn swiglu_backward_bf16(
                 kernel_threads(),
                 Work::Heavy,
                 |c, dgs, dus| {
-                    let at = c * CHUNK;
-                    let (gs, us, dys) = (&g.data()[at..], &u.data()[at..], &dy.data()[at..]);
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            for (((dg, du), &gv), (&uv, &dyv)) in dgs
-                                .iter_mut()
-                                .zip(dus.iter_mut())
-                                .zip(gs)
-                                .zip(us.iter().zip(dys))
-                            {
-                                let (a, b) =
-                                    swiglu_grads(widen_bf16(gv), widen_bf16(uv), widen_bf16(dyv));
-                                dg.write(round_bf16(a));
-                                du.write(round_bf16(b));
-                            }
-                        },
-                    );
+                    rounded_blocks2((dgs, dus), |at, dg_block, du_block| {
+                        let from = c * CHUNK + at;
+                        let (gs, us, dys) =
+                            (&g.data()[from..], &u.data()[from..], &dy.data()[from..]);
+                        vectorized(
+                            #[inline(always)]
+                            || {
+                                for (((dg, du), &gv), (&uv, &dyv)) in dg_block
+                                    .iter_mut()
+                                    .zip(du_block.iter_mut())
+                                    .zip(gs)
+                                    .zip(us.iter().zip(dys))
+                                {
+                                    (*dg, *du) = swiglu_grads(
+                                        widen_bf16(gv),
+                                        widen_bf16(uv),
+                                        widen_bf16(dyv),
+                                    );
+                                }
+                            },
+                        );
+                    });
                 },
             )
         })
@@ -321,16 +329,18 @@ pub fn add_bf16(a: &Bf16Tensor, b: &Bf16Tensor) -> Result<Bf16Tensor, TensorErro
     let data = unsafe {
         filled(a.len(), |data| {
             for_each_chunk(data, CHUNK, kernel_threads(), Work::Light, |c, out| {
-                let at = c * CHUNK;
-                let (x, y) = (&a.data()[at..], &b.data()[at..]);
-                vectorized(
-                    #[inline(always)]
-                    || {
-                        for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
-                            o.write(round_bf16(widen_bf16(x) + widen_bf16(y)));
-                        }
-                    },
-                );
+                rounded_blocks(out, |at, block| {
+                    let from = c * CHUNK + at;
+                    let (x, y) = (&a.data()[from..], &b.data()[from..]);
+                    vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((o, &x), &y) in block.iter_mut().zip(x).zip(y) {
+                                *o = widen_bf16(x) + widen_bf16(y);
+                            }
+                        },
+                    );
+                });
             })
         })
     };
