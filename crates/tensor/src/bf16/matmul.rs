@@ -101,8 +101,15 @@ pub(crate) fn choose(kernel: &Kernel, named: bool, fallback: bool, cpu: Cpu) -> 
     }
 }
 
-/// What this CPU offers bf16 products.
+/// What this CPU offers bf16 products, found once per process: CPUID traps to the hypervisor
+/// in a virtual machine (tens of µs), and a product asks on every call (`bands_keep_bits`).
 fn cpu() -> Cpu {
+    static CPU: OnceLock<Cpu> = OnceLock::new();
+    *CPU.get_or_init(detect_cpu)
+}
+
+/// [`cpu`], asked of the processor (and of `MKL_ENABLE_INSTRUCTIONS`, which MKL reads once too).
+fn detect_cpu() -> Cpu {
     #[cfg(target_arch = "x86_64")]
     {
         Cpu {
