@@ -16,14 +16,12 @@ use std::sync::Mutex;
 
 use half::bf16;
 
-use super::{
-    round_bf16, round_into, rounded_blocks, rounded_blocks2, widen_bf16, widen_slice, Bf16Tensor,
-};
+use super::{round_into, rounded_blocks, rounded_blocks2, widen_bf16, widen_slice, Bf16Tensor};
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::nn::{
     causal_softmax, rms_norm_backward_slices, rms_norm_slices, silu, softmax_backward_scaled,
-    softmax_last, swiglu_grads, swiglu_value,
+    softmax_last, swiglu_grads, swiglu_value, RowOut,
 };
 #[cfg(doc)]
 use crate::nn::{rms_norm, rms_norm_backward};
@@ -115,10 +113,30 @@ fn same(a: &Bf16Tensor, b: &Bf16Tensor, op: &'static str) -> Result<(), TensorEr
     Ok(())
 }
 
+impl RowOut for bf16 {
+    /// The row in `f32`, rounded from there.
+    type Scratch = Vec<MaybeUninit<f32>>;
+
+    #[inline(always)]
+    fn store_row(
+        out: &mut [MaybeUninit<bf16>],
+        scratch: &mut Vec<MaybeUninit<f32>>,
+        fill: impl FnOnce(&mut [MaybeUninit<f32>]),
+    ) {
+        scratch.resize(out.len(), MaybeUninit::new(0.0));
+        let row = &mut scratch[..out.len()];
+        fill(row);
+        // SAFETY: `fill` wrote every element of `row` (the trait's contract), and it started
+        // initialised too; `[MaybeUninit<f32>]` and `[f32]` share a layout.
+        let row = unsafe { &*(row as *const [MaybeUninit<f32>] as *const [f32]) };
+        round_into(row, out);
+    }
+}
+
 /// [`rms_norm`] on bf16 rows: `y` rounded to bf16, each row's inverse RMS in `f32`; the mean
 /// square is summed in `f32`, and the scale (a master weight) is `f32`. The `f32` kernel's own
-/// code (`nn::rms_norm_slices`), each element widened as it is read and rounded as it is
-/// stored: no widened copy of a row.
+/// code (`nn::rms_norm_slices`), each element widened as it is read (no widened copy of a row)
+/// and each output row computed into `f32` scratch and rounded from there.
 ///
 /// # Errors
 /// `scale` is not the last dim's length, or an empty last dimension.
@@ -135,7 +153,7 @@ pub fn rms_norm_bf16(
             format!("scale {:?} for rows of {n}", scale.shape()),
         ));
     }
-    let (y, inv) = rms_norm_slices(x.data(), scale.data(), eps, widen_bf16, round_bf16);
+    let (y, inv) = rms_norm_slices(x.data(), scale.data(), eps, widen_bf16);
     Ok((Bf16Tensor::new(x.shape().to_vec(), y)?, inv))
 }
 
@@ -156,13 +174,8 @@ pub fn rms_norm_backward_bf16(
     same(x, dy, "rms_norm_backward_bf16")?;
     let n = last(x, "rms_norm_backward_bf16")?;
     crate::nn::statistics_fit(x.len(), n, scale, inv_rms, "rms_norm_backward_bf16")?;
-    let (dx, dscale) = rms_norm_backward_slices(
-        (x.data(), dy.data()),
-        scale.data(),
-        inv_rms,
-        widen_bf16,
-        round_bf16,
-    );
+    let (dx, dscale) =
+        rms_norm_backward_slices((x.data(), dy.data()), scale.data(), inv_rms, widen_bf16);
     Ok((
         Bf16Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::new(vec![n], dscale)?,
@@ -209,8 +222,8 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
 pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
     let _span = ferrotext_profile::span("swiglu_bf16");
     same(g, u, "swiglu_bf16")?;
-    // Elementwise: the f32 kernel's own element function on the widened pair, rounded as it is
-    // stored — no scratch tensors.
+    // Elementwise: the f32 kernel's own element function on the widened pair, a block of 1024
+    // at a time, each block rounded at once — no scratch tensors.
     // SAFETY: the chunks cover the output, and `g`, `u` are as long, so each writes all of its
     // own.
     let y = unsafe {

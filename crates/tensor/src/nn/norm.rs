@@ -4,6 +4,8 @@
 //! scale's gradient is summed per fixed group of rows ([`super::rows_per_chunk`]) and the groups
 //! in order, so its bits do not depend on the thread count.
 
+use std::mem::MaybeUninit;
+
 use super::{last_dim, rows_per_chunk, same_shape};
 use crate::error::TensorError;
 use crate::fastmath::{lane_sum2, lane_sum3, vectorized};
@@ -25,7 +27,7 @@ pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32
             format!("scale {:?} for rows of {n}", scale.shape()),
         ));
     }
-    let (y, inv) = rms_norm_slices(x.data(), scale.data(), eps, |v| v, |v| v);
+    let (y, inv) = rms_norm_slices::<f32, f32>(x.data(), scale.data(), eps, |v| v);
     Ok((Tensor::new(x.shape().to_vec(), y)?, inv))
 }
 
@@ -47,18 +49,13 @@ pub fn rms_norm_backward(
     let n = last_dim(x, "rms_norm_backward")?;
     statistics_fit(x.len(), n, scale, inv_rms, "rms_norm_backward")?;
     let (dx, dscale) =
-        rms_norm_backward_slices((x.data(), dy.data()), scale.data(), inv_rms, |v| v, |v| v);
+        rms_norm_backward_slices::<f32, f32>((x.data(), dy.data()), scale.data(), inv_rms, |v| v);
     Ok((
         Tensor::new(x.shape().to_vec(), dx)?,
         Tensor::new(vec![n], dscale)?,
     ))
 }
 
-/// RMSNorm over rows of `scale.len()` elements of `x`: `y` and each row's inverse RMS — the
-/// whole of [`rms_norm`] (`load` and `store` the identity) and of its bf16 form (`load` widens,
-/// `store` rounds), so the two share one arithmetic. One pass: each row read from `x`, written
-/// into the output (no copy first); rows in groups of about `BLOCK` elements, one
-/// vector-compiled call per group (a QK-norm row is only `head_dim` long), on the kernel budget.
 /// Checks that one row statistic per row of `len` elements in rows of `n`, and a scale of `n`,
 /// go with the rows RMSNorm's backward (`op`) is given.
 pub(crate) fn statistics_fit(
@@ -74,12 +71,46 @@ pub(crate) fn statistics_fit(
     Ok(())
 }
 
-pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: Send>(
+/// How a row kernel stores a row of `f32` results: `f32` as they are computed, bf16 (in
+/// `crate::bf16`) computed into scratch and rounded a row at a time (the rounding then runs on
+/// AVX512_BF16 where the CPU has it; the same bits as rounding each element as it is stored).
+pub(crate) trait RowOut: Sized + Send {
+    /// Scratch a chunk of rows keeps between its rows (none for `f32`).
+    type Scratch: Default;
+
+    /// `out` (a row) written from `fill`, which writes every element of the `f32` row it is
+    /// given.
+    fn store_row(
+        out: &mut [MaybeUninit<Self>],
+        scratch: &mut Self::Scratch,
+        fill: impl FnOnce(&mut [MaybeUninit<f32>]),
+    );
+}
+
+impl RowOut for f32 {
+    type Scratch = ();
+
+    #[inline(always)]
+    fn store_row(
+        out: &mut [MaybeUninit<f32>],
+        _: &mut (),
+        fill: impl FnOnce(&mut [MaybeUninit<f32>]),
+    ) {
+        fill(out);
+    }
+}
+
+/// RMSNorm over rows of `scale.len()` elements of `x`: `y` and each row's inverse RMS — the
+/// whole of [`rms_norm`] (`load` the identity, `Y = f32`) and of its bf16 form (`load` widens,
+/// `Y = bf16` rounds), so the two share one arithmetic. One pass: each row read from `x`,
+/// written into the output (no copy first, in `f32`); rows in groups of about `BLOCK`
+/// elements, one vector-compiled call per group (a QK-norm row is only `head_dim` long), on
+/// the kernel budget.
+pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: RowOut>(
     x: &[X],
     scale: &[f32],
     eps: f32,
     load: impl Fn(X) -> f32 + Copy + Sync,
-    store: impl Fn(f32) -> Y + Copy + Sync,
 ) -> (Vec<Y>, Vec<f32>) {
     let n = scale.len().max(1);
     let rows = rows_per_chunk(n);
@@ -96,6 +127,7 @@ pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: Send>(
                 Work::Light,
                 |c, out, r_out| {
                     let x = &x[c * rows * n..];
+                    let mut scratch = Y::Scratch::default();
                     vectorized(
                         #[inline(always)]
                         || {
@@ -104,9 +136,11 @@ pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: Send>(
                             {
                                 let ms = lane_sum2(row, row, |a, b| load(a) * load(b)) / n as f32;
                                 let r = 1.0 / (ms + eps).sqrt();
-                                for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale) {
-                                    o.write(store(load(v) * (r * s)));
-                                }
+                                Y::store_row(out, &mut scratch, |out| {
+                                    for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale) {
+                                        o.write(load(v) * (r * s));
+                                    }
+                                });
                                 *r_out = r;
                             }
                         },
@@ -121,12 +155,11 @@ pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: Send>(
 /// The backward of [`rms_norm_slices`] (of [`rms_norm_backward`] and its bf16 form): `dx`, and
 /// `dscale` summed per group of rows in row order, then the groups in order (a fixed order: the
 /// groups depend only on the shape), so the same bits on any thread budget.
-pub(crate) fn rms_norm_backward_slices<X: Copy + Sync, Y: Send>(
+pub(crate) fn rms_norm_backward_slices<X: Copy + Sync, Y: RowOut>(
     (x, dy): (&[X], &[X]),
     scale: &[f32],
     inv_rms: &[f32],
     load: impl Fn(X) -> f32 + Copy + Sync,
-    store: impl Fn(f32) -> Y + Copy + Sync,
 ) -> (Vec<Y>, Vec<f32>) {
     let n = scale.len().max(1);
     let rows = rows_per_chunk(n);
@@ -145,6 +178,7 @@ pub(crate) fn rms_norm_backward_slices<X: Copy + Sync, Y: Send>(
                 |c, dxrows, ds| {
                     let first = c * rows;
                     let (x, dy) = (&x[first * n..], &dy[first * n..]);
+                    let mut scratch = Y::Scratch::default();
                     vectorized(
                         #[inline(always)]
                         || {
@@ -157,17 +191,19 @@ pub(crate) fn rms_norm_backward_slices<X: Copy + Sync, Y: Send>(
                                 let mean_gn = lane_sum3(dyrow, scale, xrow, |d, sc, xv| {
                                     load(d) * sc * (load(xv) * r)
                                 }) / n as f32;
-                                for ((((dx, ds), &d), &sc), &xv) in dxrow
-                                    .iter_mut()
-                                    .zip(ds.iter_mut())
-                                    .zip(dyrow)
-                                    .zip(scale)
-                                    .zip(xrow)
-                                {
-                                    let (d, xv) = (load(d), load(xv));
-                                    dx.write(store(r * (d * sc - xv * r * mean_gn)));
-                                    *ds += d * (xv * r);
-                                }
+                                Y::store_row(dxrow, &mut scratch, |dxrow| {
+                                    for ((((dx, ds), &d), &sc), &xv) in dxrow
+                                        .iter_mut()
+                                        .zip(ds.iter_mut())
+                                        .zip(dyrow)
+                                        .zip(scale)
+                                        .zip(xrow)
+                                    {
+                                        let (d, xv) = (load(d), load(xv));
+                                        dx.write(r * (d * sc - xv * r * mean_gn));
+                                        *ds += d * (xv * r);
+                                    }
+                                });
                             }
                         },
                     );
