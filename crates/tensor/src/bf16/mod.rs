@@ -210,14 +210,24 @@ pub fn widen_add_slice(src: &[bf16], dst: &mut [f32]) {
 /// When the lengths differ (a bug in the caller).
 pub(crate) fn add_rounded(src: &[f32], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len()); // ok: caller's invariant
-    vectorized(
-        #[inline(always)]
-        || {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d += widen_bf16(round_bf16(s));
-            }
-        },
-    );
+                                      // A block at a time through bf16 scratch: the rounding is [`round_into`]'s (32 an
+                                      // instruction on AVX512_BF16).
+    let mut rounded = [MaybeUninit::new(bf16::ZERO); ROUND_BLOCK];
+    for (s, d) in src.chunks(ROUND_BLOCK).zip(dst.chunks_mut(ROUND_BLOCK)) {
+        let rounded = &mut rounded[..s.len()];
+        round_into(s, rounded);
+        // SAFETY: `round_into` wrote every element (they started initialised too);
+        // `[MaybeUninit<bf16>]` and `[bf16]` share a layout.
+        let rounded = unsafe { &*(rounded as *const [MaybeUninit<bf16>] as *const [bf16]) };
+        vectorized(
+            #[inline(always)]
+            || {
+                for (d, &r) in d.iter_mut().zip(rounded) {
+                    *d += widen_bf16(r);
+                }
+            },
+        );
+    }
 }
 
 /// Elements per block when a conversion is split over the kernel threads.
