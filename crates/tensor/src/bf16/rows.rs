@@ -6,17 +6,19 @@
 //! `f32`). Inputs are widened a chunk of whole rows at a time (about `nn`'s block of 4096
 //! elements; a causal softmax's whole `[Tq, Tk]` blocks) into a scratch `f32` tensor, so no
 //! `f32` copy of a whole activation is ever made; the `f32` kernels compute each row alike in
-//! any chunk, so chunking does not change a bit. SwiGLU and the residual add, elementwise, call
-//! the `f32` kernel's element function (`nn::swiglu_value`, `nn::swiglu_grads`) on each widened
-//! element into a block of 1024 `f32` that is rounded as a whole (`super::rounded_blocks`).
-//! Chunks run on the kernel thread budget.
+//! any chunk, so chunking does not change a bit. SwiGLU, elementwise, calls the `f32` kernel's
+//! element function (`nn::swiglu_value`, `nn::swiglu_grads`) on each widened element into a
+//! block of 1024 `f32` that is rounded as a whole (`super::rounded_blocks`), as `zip_bf16` does
+//! for the residual add. Chunks run on the kernel thread budget.
 
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 use half::bf16;
 
-use super::{round_into, rounded_blocks, rounded_blocks2, widen_bf16, widen_slice, Bf16Tensor};
+use super::{
+    round_into, rounded_blocks, rounded_blocks2, widen_bf16, widen_slice, zip_bf16, Bf16Tensor,
+};
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::nn::{
@@ -337,27 +339,7 @@ pub fn silu_bf16(x: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
 /// Shapes differ.
 pub fn add_bf16(a: &Bf16Tensor, b: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
     same(a, b, "add_bf16")?;
-    // SAFETY: the chunks cover the output, and `a`, `b` are as long, so each writes all of its
-    // own.
-    let data = unsafe {
-        filled(a.len(), |data| {
-            for_each_chunk(data, CHUNK, kernel_threads(), Work::Light, |c, out| {
-                rounded_blocks(out, |at, block| {
-                    let from = c * CHUNK + at;
-                    let (x, y) = (&a.data()[from..], &b.data()[from..]);
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            for ((o, &x), &y) in block.iter_mut().zip(x).zip(y) {
-                                *o = widen_bf16(x) + widen_bf16(y);
-                            }
-                        },
-                    );
-                });
-            })
-        })
-    };
-    Bf16Tensor::new(a.shape().to_vec(), data)
+    zip_bf16(a, b, |x, y| x + y)
 }
 
 /// [`rope_with`](crate::rope_with) on bf16 `x: [.., seq, heads, head_dim]`: the rotation in
