@@ -1,5 +1,5 @@
 //! The native bf16 paths of the spmd ops (docs/design.md §10): on bf16 arrays, RMSNorm, SwiGLU,
-//! the fused attention, the elementwise ops, reshape and transpose run their bf16 kernels
+//! the fused attention, RoPE, the elementwise ops, reshape and transpose run their bf16 kernels
 //! instead of widening each operand and rounding the result. Each must give, bit for bit, what
 //! the widened route gives: the same op on the `f32` arrays of the widened values, rounded once
 //! (`cast` to bf16). Forward and backward (`vjp` with a bf16 cotangent), on a mesh that splits
@@ -207,6 +207,16 @@ fn attention_runs_bf16_with_the_widened_bits() {
         &["causal_attention_bf16", "causal_attention_backward_bf16"],
         &|cx, a| cx.causal_attention(&a[0], &a[1], &a[2], 0.25),
     );
+}
+
+#[test]
+fn rope_runs_bf16_with_the_widened_bits() {
+    let (b, t, h, d) = (4, 7, 3, 8);
+    let x = (values(&[b, t, h, d], 9), split(4), true);
+    let rope = ferrotext_tensor::Rope::standard(10_000.0);
+    check("rope", &[x], &[b, t, h, d], &["rope_bf16"], &|cx, a| {
+        cx.rope_from(&a[0], &rope, 3)
+    });
 }
 
 #[test]

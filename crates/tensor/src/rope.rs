@@ -10,10 +10,12 @@
 //! positions by `factor`, keeps those shorter than `original / high_freq_factor`, and blends
 //! between them by `original / wavelength`. A [`Rope`] has at most one of the two extensions.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
+use crate::nn::RowOut;
 use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;
 
@@ -171,24 +173,40 @@ pub fn rope_tail(
     pass: usize,
 ) -> Result<Tensor, TensorError> {
     let _span = ferrotext_profile::span("rope_with");
-    let r = x.rank();
-    let head_dim = if r < 3 { 0 } else { x.shape()[r - 1] };
+    let y =
+        rope_tail_slices::<f32, f32>(x.data(), x.shape(), positions, rope, (inverse, pass), |v| v)?;
+    Tensor::new(x.shape().to_vec(), y)
+}
+
+/// [`rope_tail`] on the elements of `x` (of `shape`), each read through `load` and each
+/// position's heads stored through [`RowOut`]: the whole of [`rope_tail`] (`f32`) and of its
+/// bf16 form (`load` widens, a position's heads are rounded at once), so the two share one
+/// arithmetic.
+pub(crate) fn rope_tail_slices<X: Copy + Sync, Y: RowOut>(
+    x: &[X],
+    shape: &[usize],
+    positions: &[usize],
+    rope: &Rope,
+    (inverse, pass): (bool, usize),
+    load: impl Fn(X) -> f32 + Copy + Sync,
+) -> Result<Vec<Y>, TensorError> {
+    let r = shape.len();
+    let head_dim = if r < 3 { 0 } else { shape[r - 1] };
     if r < 3
         || pass > head_dim
         || !(head_dim - pass).is_multiple_of(2)
-        || positions.len() != x.shape()[r - 3]
+        || positions.len() != shape[r - 3]
     {
         return Err(TensorError::shape(
             "rope",
             format!(
-                "x {:?} with {} positions, the first {pass} of each head passed through (need \
+                "x {shape:?} with {} positions, the first {pass} of each head passed through (need \
                  [.., seq, heads, head_dim] with an even head_dim − {pass})",
-                x.shape(),
                 positions.len()
             ),
         ));
     }
-    let (seq, heads) = (x.shape()[r - 3], x.shape()[r - 2]);
+    let (seq, heads) = (shape[r - 3], shape[r - 2]);
     let dim = head_dim - pass;
     let half = dim / 2;
     let table = rotation_table(rope, dim, positions, inverse);
@@ -207,48 +225,77 @@ pub fn rope_tail(
                 |c, pos_chunk| {
                     let s = c % seq;
                     let rot = &table[s * half..(s + 1) * half];
-                    let src = &x.data()[c * chunk..(c + 1) * chunk];
+                    let src = &x[c * chunk..(c + 1) * chunk];
+                    let mut scratch = Y::Scratch::default();
                     vectorized(
                         #[inline(always)]
                         || {
-                            for (head, xs) in
-                                pos_chunk.chunks_mut(head_dim).zip(src.chunks(head_dim))
-                            {
-                                let (kept, head) = head.split_at_mut(pass);
-                                let (xkept, xs) = xs.split_at(pass);
-                                for (k, &x) in kept.iter_mut().zip(xkept) {
-                                    k.write(x);
-                                }
-                                if rope.interleaved {
-                                    for ((pair, xp), &(sin, cos)) in
-                                        head.chunks_exact_mut(2).zip(xs.chunks_exact(2)).zip(rot)
+                            // All heads of the position at once (a head is short: 32 at
+                            // qwen3-peer).
+                            Y::store_row(
+                                pos_chunk,
+                                &mut scratch,
+                                #[inline(always)]
+                                |heads| {
+                                    for (head, xs) in
+                                        heads.chunks_mut(head_dim).zip(src.chunks(head_dim))
                                     {
-                                        let (x0, x1) = (xp[0], xp[1]);
-                                        pair[0].write(x0 * cos - x1 * sin);
-                                        pair[1].write(x1 * cos + x0 * sin);
+                                        rotate_head(
+                                            head,
+                                            xs,
+                                            (pass, half),
+                                            rot,
+                                            rope.interleaved,
+                                            load,
+                                        )
                                     }
-                                } else {
-                                    let (lo, hi) = head.split_at_mut(half);
-                                    let (xlo, xhi) = xs.split_at(half);
-                                    for (((a, b), (&x0, &x1)), &(sin, cos)) in lo
-                                        .iter_mut()
-                                        .zip(hi.iter_mut())
-                                        .zip(xlo.iter().zip(xhi))
-                                        .zip(rot)
-                                    {
-                                        a.write(x0 * cos - x1 * sin);
-                                        b.write(x1 * cos + x0 * sin);
-                                    }
-                                }
-                            }
+                                },
+                            );
                         },
                     );
                 },
             )
         })
     };
-    let y = Tensor::new(x.shape().to_vec(), y)?;
     Ok(y)
+}
+
+/// One head of [`rope_tail_slices`]: its first `pass` elements copied, the rest turned pair by
+/// pair by `rot` (rotate-half, or interleaved pairs), every element of `head` written.
+#[inline(always)]
+fn rotate_head<X: Copy>(
+    head: &mut [MaybeUninit<f32>],
+    xs: &[X],
+    (pass, half): (usize, usize),
+    rot: &[(f32, f32)],
+    interleaved: bool,
+    load: impl Fn(X) -> f32,
+) {
+    let (kept, head) = head.split_at_mut(pass);
+    let (xkept, xs) = xs.split_at(pass);
+    for (k, &x) in kept.iter_mut().zip(xkept) {
+        k.write(load(x));
+    }
+    if interleaved {
+        for ((pair, xp), &(sin, cos)) in head.chunks_exact_mut(2).zip(xs.chunks_exact(2)).zip(rot) {
+            let (x0, x1) = (load(xp[0]), load(xp[1]));
+            pair[0].write(x0 * cos - x1 * sin);
+            pair[1].write(x1 * cos + x0 * sin);
+        }
+    } else {
+        let (lo, hi) = head.split_at_mut(half);
+        let (xlo, xhi) = xs.split_at(half);
+        for (((a, b), (&x0, &x1)), &(sin, cos)) in lo
+            .iter_mut()
+            .zip(hi.iter_mut())
+            .zip(xlo.iter().zip(xhi))
+            .zip(rot)
+        {
+            let (x0, x1) = (load(x0), load(x1));
+            a.write(x0 * cos - x1 * sin);
+            b.write(x1 * cos + x0 * sin);
+        }
+    }
 }
 
 /// What a rotation table is computed from.

@@ -28,7 +28,9 @@ use crate::nn::{
 #[cfg(doc)]
 use crate::nn::{rms_norm, rms_norm_backward};
 use crate::parallel::{filled, for_each_chunk, for_each_chunk2, kernel_threads, Work};
-use crate::rope::{rope_tail, Rope};
+#[cfg(doc)]
+use crate::rope::rope_tail;
+use crate::rope::{rope_tail_slices, Rope};
 use crate::tensor::Tensor;
 
 /// Elements a chunk of rows is made of, at least (as `nn`'s row kernels group rows).
@@ -116,7 +118,7 @@ fn same(a: &Bf16Tensor, b: &Bf16Tensor, op: &'static str) -> Result<(), TensorEr
 }
 
 impl RowOut for bf16 {
-    /// The row in `f32`, rounded from there.
+    /// The rows in `f32`, rounded from there.
     type Scratch = Vec<MaybeUninit<f32>>;
 
     #[inline(always)]
@@ -138,7 +140,7 @@ impl RowOut for bf16 {
 /// [`rms_norm`] on bf16 rows: `y` rounded to bf16, each row's inverse RMS in `f32`; the mean
 /// square is summed in `f32`, and the scale (a master weight) is `f32`. The `f32` kernel's own
 /// code (`nn::rms_norm_slices`), each element widened as it is read (no widened copy of a row)
-/// and each output row computed into `f32` scratch and rounded from there.
+/// and a chunk of output rows computed into `f32` scratch and rounded from there.
 ///
 /// # Errors
 /// `scale` is not the last dim's length, or an empty last dimension.
@@ -357,9 +359,9 @@ pub fn rope_bf16(
 }
 
 /// [`rope_tail`] on bf16 `x: [.., seq, heads, head_dim]` (the first `pass` elements of each
-/// head passed through): the rotation in `f32`, rounded once. Chunks are whole sequences, a
-/// thread's share of them each (every chunk computes the rotation table once), so every
-/// position meets its table row.
+/// head passed through): the rotation in `f32`, rounded once. The `f32` kernel's own code
+/// (`rope::rope_tail_slices`), each element widened as it is read and each head rounded at
+/// once.
 ///
 /// # Errors
 /// As [`rope_tail`].
@@ -370,29 +372,14 @@ pub fn rope_tail_bf16(
     inverse: bool,
     pass: usize,
 ) -> Result<Bf16Tensor, TensorError> {
-    let r = x.shape().len();
-    if r < 3 || x.is_empty() {
-        // `rope_tail` states the layout it needs (or returns the empty tensor).
-        return Ok(Bf16Tensor::from_f32(&rope_tail(
-            &x.to_f32(),
-            positions,
-            rope,
-            inverse,
-            pass,
-        )?));
-    }
-    let row: usize = x.shape()[r - 3..].iter().product();
-    let inner = x.shape()[r - 3..].to_vec();
-    let per_chunk = (x.len() / row.max(1)).div_ceil(kernel_threads().max(1));
-    by_chunks(x.shape(), row, row * per_chunk.max(1), &[x], |p| {
-        let seqs = p[0].len() / row;
-        let shape: Vec<usize> = std::iter::once(seqs).chain(inner.iter().copied()).collect();
-        rope_tail(
-            &p[0].clone().reshape(&shape)?,
-            positions,
-            rope,
-            inverse,
-            pass,
-        )
-    })
+    let _span = ferrotext_profile::span("rope_bf16");
+    let y = rope_tail_slices::<bf16, bf16>(
+        x.data(),
+        x.shape(),
+        positions,
+        rope,
+        (inverse, pass),
+        widen_bf16,
+    )?;
+    Bf16Tensor::new(x.shape().to_vec(), y)
 }

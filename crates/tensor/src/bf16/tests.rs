@@ -316,6 +316,16 @@ fn rope_is_its_f32_kernel_rounded() {
             let want = rope_with(&x.to_f32(), &positions, &rope, inverse).unwrap();
             assert_eq!(got, rounded(&want), "{shape:?} inverse {inverse}");
         }
+        // Interleaved pairs, and a head's first elements passed through (DeepSeek's).
+        let interleaved = Rope {
+            interleaved: true,
+            ..rope
+        };
+        for (r, pass) in [(rope, 2), (interleaved, 0), (interleaved, 4)] {
+            let got = rope_tail_bf16(&x, &positions, &r, false, pass).unwrap();
+            let want = crate::rope_tail(&x.to_f32(), &positions, &r, false, pass).unwrap();
+            assert_eq!(got, rounded(&want), "{shape:?} pass {pass}");
+        }
     }
     let e = rope_bf16(&input(&[2, 5, 3, 8], 1), &[0, 1], &rope, false).unwrap_err();
     assert!(e.to_string().contains("2 positions"), "{e}");

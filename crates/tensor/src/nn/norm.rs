@@ -136,11 +136,16 @@ pub(crate) fn rms_norm_slices<X: Copy + Sync, Y: RowOut>(
                             {
                                 let ms = lane_sum2(row, row, |a, b| load(a) * load(b)) / n as f32;
                                 let r = 1.0 / (ms + eps).sqrt();
-                                Y::store_row(out, &mut scratch, |out| {
-                                    for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale) {
-                                        o.write(load(v) * (r * s));
-                                    }
-                                });
+                                Y::store_row(
+                                    out,
+                                    &mut scratch,
+                                    #[inline(always)]
+                                    |out| {
+                                        for ((o, &v), &s) in out.iter_mut().zip(row).zip(scale) {
+                                            o.write(load(v) * (r * s));
+                                        }
+                                    },
+                                );
                                 *r_out = r;
                             }
                         },
@@ -191,19 +196,24 @@ pub(crate) fn rms_norm_backward_slices<X: Copy + Sync, Y: RowOut>(
                                 let mean_gn = lane_sum3(dyrow, scale, xrow, |d, sc, xv| {
                                     load(d) * sc * (load(xv) * r)
                                 }) / n as f32;
-                                Y::store_row(dxrow, &mut scratch, |dxrow| {
-                                    for ((((dx, ds), &d), &sc), &xv) in dxrow
-                                        .iter_mut()
-                                        .zip(ds.iter_mut())
-                                        .zip(dyrow)
-                                        .zip(scale)
-                                        .zip(xrow)
-                                    {
-                                        let (d, xv) = (load(d), load(xv));
-                                        dx.write(r * (d * sc - xv * r * mean_gn));
-                                        *ds += d * (xv * r);
-                                    }
-                                });
+                                Y::store_row(
+                                    dxrow,
+                                    &mut scratch,
+                                    #[inline(always)]
+                                    |dxrow| {
+                                        for ((((dx, ds), &d), &sc), &xv) in dxrow
+                                            .iter_mut()
+                                            .zip(ds.iter_mut())
+                                            .zip(dyrow)
+                                            .zip(scale)
+                                            .zip(xrow)
+                                        {
+                                            let (d, xv) = (load(d), load(xv));
+                                            dx.write(r * (d * sc - xv * r * mean_gn));
+                                            *ds += d * (xv * r);
+                                        }
+                                    },
+                                );
                             }
                         },
                     );
