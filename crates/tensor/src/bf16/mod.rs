@@ -90,8 +90,9 @@ pub fn round_slice(src: &[f32], dst: &mut [bf16]) {
 pub(crate) fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
     assert_eq!(src.len(), dst.len()); // ok: caller's invariant
     #[cfg(target_arch = "x86_64")]
-    if round_avx512::available() {
-        // SAFETY: the CPU has the instructions, checked just above; the lengths are equal.
+    if dpbf16::available() {
+        // SAFETY: the CPU has AVX512_BF16, F and BW (what the product kernel needs too), checked
+        // just above; the lengths are equal.
         unsafe { round_avx512::round_into(src, dst) };
         return;
     }
@@ -210,8 +211,9 @@ pub fn widen_add_slice(src: &[bf16], dst: &mut [f32]) {
 /// When the lengths differ (a bug in the caller).
 pub(crate) fn add_rounded(src: &[f32], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len()); // ok: caller's invariant
-                                      // A block at a time through bf16 scratch: the rounding is [`round_into`]'s (32 an
-                                      // instruction on AVX512_BF16).
+
+    // A block at a time through bf16 scratch: the rounding is [`round_into`]'s (32 an
+    // instruction on AVX512_BF16).
     let mut rounded = [MaybeUninit::new(bf16::ZERO); ROUND_BLOCK];
     for (s, d) in src.chunks(ROUND_BLOCK).zip(dst.chunks_mut(ROUND_BLOCK)) {
         let rounded = &mut rounded[..s.len()];
