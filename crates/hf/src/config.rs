@@ -4,12 +4,15 @@
 //! Invariant: every key a family's transformers config class defines is read, refused when its
 //! value asks for math the decoder does not do (named with the value), or irrelevant to the
 //! math; `keys.rs` lists each with its reason and a test walks transformers' own key lists.
-//! Keys a class does not define are ignored, as transformers ignores them. The RoPE keys, in
-//! either generation, are read in `rope.rs`.
+//! Keys a class does not define are ignored, as transformers ignores them. A key the file leaves
+//! out takes the class's default, as `from_pretrained` gives it (`defaults.rs`). The RoPE keys,
+//! in either generation, are read in `rope.rs`.
 
+mod defaults;
 mod keys;
 mod rope;
 
+pub use defaults::class_defaults;
 pub use keys::{key_use, listed_keys, KeyUse};
 
 use std::path::Path;
@@ -308,6 +311,8 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
              or qwen2)"
         )
     })?;
+    // A key the file leaves out means what it means to transformers: its class's default.
+    let v = &defaults::with_class_defaults(kind, v);
     let mut k = Keys {
         v,
         unsupported: Vec::new(),

@@ -40,7 +40,8 @@ mod read;
 mod write;
 
 pub use config::{
-    config_from_json, hf_config_json, key_use, listed_keys, read_config, KeyUse, ModelType,
+    class_defaults, config_from_json, hf_config_json, key_use, listed_keys, read_config, KeyUse,
+    ModelType,
 };
 pub use error::HfError;
 pub use read::{load_directory, load_file};

@@ -6,7 +6,9 @@
 
 use std::path::Path;
 
-use ferrotext_hf::{config_from_json, hf_config_json, key_use, listed_keys, KeyUse, ModelType};
+use ferrotext_hf::{
+    class_defaults, config_from_json, hf_config_json, key_use, listed_keys, KeyUse, ModelType,
+};
 use ferrotext_models::decoder::Config;
 use serde_json::{json, Value};
 
@@ -327,4 +329,160 @@ fn the_mtp_depth_is_read_and_two_is_refused() {
     qwen.mtp_num_layers = 1;
     let e = hf_config_json(&qwen, "float32").unwrap_err();
     assert!(e.contains("mtp_num_layers=1 in qwen3"), "{e}");
+}
+
+/// transformers' dumps of each family's default config, per generation:
+/// `(stem, kind, defaults)` from `fixtures/transformers/keys/<model_type>-<gen>.json`.
+fn default_dumps() -> Vec<(String, ModelType, Value)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/transformers/keys");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let stem = path.file_stem().unwrap().to_string_lossy().to_string();
+        let Some(kind) = stem
+            .rsplit_once('-')
+            .and_then(|(t, _)| ModelType::from_name(t))
+        else {
+            continue;
+        };
+        let list: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        out.push((stem, kind, list["defaults"].clone()));
+    }
+    assert_eq!(out.len(), 2 * ModelType::ALL.len(), "{out:?}");
+    out
+}
+
+/// The value transformers' dump gives a key under any of its names.
+fn dumped<'a>(dump: &'a Value, names: &[&str]) -> Option<&'a Value> {
+    names.iter().find_map(|n| dump.get(*n))
+}
+
+/// The reader's defaults are transformers' class defaults, in both generations: each listed
+/// value equals the one transformers' own dump holds for the key.
+#[test]
+fn the_class_defaults_are_transformers_own() {
+    for (stem, kind, dump) in default_dumps() {
+        for (names, value) in class_defaults(kind) {
+            let ours: Value = serde_json::from_str(value).unwrap();
+            let theirs = dumped(&dump, names).unwrap_or_else(|| panic!("{stem}: {names:?}"));
+            let equal = match (ours.as_f64(), theirs.as_f64()) {
+                (Some(a), Some(b)) => a == b,
+                _ => ours == *theirs,
+            };
+            assert!(
+                equal,
+                "{stem} {names:?}: ours {ours}, transformers {theirs}"
+            );
+        }
+    }
+}
+
+/// A `config.json` holding only its `model_type` reads as transformers' whole default config
+/// (every key written out, as its dump has them): a key left out means the class default.
+/// The MTP depth is set aside: transformers 5's default declares one layer, which
+/// `read_config` keeps only when the weights hold it, and a config alone cannot say.
+#[test]
+fn a_config_of_its_model_type_alone_reads_as_transformers_default_config() {
+    for (stem, kind, dump) in default_dumps() {
+        let from_dump = config_from_json(&dump).map(|mut c| {
+            c.mtp_num_layers = 0;
+            c
+        });
+        let alone = config_from_json(&json!({ "model_type": kind.name() }));
+        assert_eq!(alone, from_dump, "{stem}");
+        assert!(alone.is_ok(), "{stem}: {alone:?}");
+    }
+}
+
+/// Key by key, on the directories transformers itself wrote (`fixtures/transformers/*/`): a
+/// listed key removed reads as the key written with transformers' default (4.x dump for the
+/// 4.x directories, 5's for 5's), and the default differs from what the directory has where
+/// it can, so the check is not of a key nobody reads.
+#[test]
+fn each_key_left_out_reads_as_transformers_class_default() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/transformers");
+    let dumps = default_dumps();
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+            continue;
+        };
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let written: Value = serde_json::from_str(&text).unwrap();
+        let kind = ModelType::from_name(written["model_type"].as_str().unwrap()).unwrap();
+        let generation = if name.contains("-tf4-") { "tf4" } else { "tf5" };
+        let (_, _, dump) = dumps
+            .iter()
+            .find(|(s, k, _)| *k == kind && s.ends_with(generation))
+            .unwrap();
+        for (names, _) in class_defaults(kind) {
+            let key = names
+                .iter()
+                .find(|n| written.get(**n).is_some())
+                .unwrap_or(&names[0]);
+            let mut with_default = written.clone();
+            with_default[*key] = dumped(dump, names).unwrap().clone();
+            let mut left_out = written.clone();
+            for n in *names {
+                left_out.as_object_mut().unwrap().remove(*n);
+            }
+            assert_eq!(
+                config_from_json(&left_out),
+                config_from_json(&with_default),
+                "{name}: `{key}` left out"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "{checked}");
+}
+
+/// The silent ones the rule fixes (a DeepSeek-V3 or Qwen3 config leaving out a key whose
+/// transformers default is not ferrotext's preset value), and the `null` forms transformers'
+/// `__post_init__` resolves from other keys.
+#[test]
+fn keys_left_out_take_the_class_default_and_null_ones_are_derived() {
+    let mut v = hf_config_json(&baseline(ModelType::DeepseekV3), "float32").unwrap();
+    for key in [
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+        "n_shared_experts",
+        "first_k_dense_replace",
+    ] {
+        v.as_object_mut().unwrap().remove(key);
+    }
+    let m = config_from_json(&v).unwrap().moe.unwrap();
+    assert!(m.norm_topk_prob);
+    assert_eq!(m.routed_scaling_factor, 2.5);
+    assert_eq!(
+        (m.groups.n_routing_groups, m.groups.topk_routing_group),
+        (8, 4)
+    );
+    assert_eq!((m.shared_experts, m.first_num_dense_layers), (1, 3));
+
+    let mut v = hf_config_json(&baseline(ModelType::Qwen3), "float32").unwrap();
+    let heads = v["num_attention_heads"].as_u64().unwrap() as usize;
+    assert_ne!(
+        heads, 32,
+        "the probe needs a head count other than the default"
+    );
+    for key in ["head_dim", "num_key_value_heads"] {
+        v.as_object_mut().unwrap().remove(key);
+    }
+    let cfg = config_from_json(&v).unwrap();
+    assert_eq!((cfg.head_dim, cfg.base_num_kv_heads), (128, 32));
+    v["num_key_value_heads"] = Value::Null;
+    assert_eq!(config_from_json(&v).unwrap().base_num_kv_heads, heads);
+
+    // Llama derives both from the sizes when they are left out.
+    let mut v = hf_config_json(&baseline(ModelType::Llama), "float32").unwrap();
+    for key in ["head_dim", "num_key_value_heads"] {
+        v.as_object_mut().unwrap().remove(key);
+    }
+    let cfg = config_from_json(&v).unwrap();
+    assert_eq!(cfg.head_dim, cfg.base_emb_dim / cfg.base_num_query_heads);
+    assert_eq!(cfg.base_num_kv_heads, cfg.base_num_query_heads);
 }

@@ -243,8 +243,9 @@ const QWEN3_MOE: &[(&str, KeyUse)] = &[
 const DEEPSEEK_V3: &[(&str, KeyUse)] = &[
     ("max_position_embeddings", Refused {
         bad: "12345",
-        reason: "with YaRN, transformers takes the factor from max_position_embeddings / \
-                 original_max_position_embeddings: it must equal the rope factor",
+        reason: "with YaRN, transformers 4.x takes the factor from max_position_embeddings / \
+                 original_max_position_embeddings and 5 the rope factor as written: they must \
+                 agree",
     }),
     ("tie_word_embeddings", Read { probe: "true" }),
     ("head_dim", Irrelevant("transformers sets it to qk_rope_head_dim")),

@@ -207,7 +207,8 @@ fn get_mscale(scale: f32, mscale: f32) -> f32 {
 /// derived (`get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)` when both are set
 /// and nonzero, else `get_mscale(factor, 1)`). Refused: a ramp not truncated to whole dims
 /// (`truncate: false`), and a `max_position_embeddings` other than
-/// `original_max_position_embeddings × factor` (transformers takes the factor from that ratio).
+/// `original_max_position_embeddings × factor` (transformers 4.x takes the factor from that
+/// ratio, 5 the one written, so no one model is what both compute).
 fn yarn(k: &mut Keys<'_>, rk: &Keys<'_>, name: &str) -> Result<Yarn, String> {
     let factor = rk.positive_or("factor", 1.0)?;
     let non_negative = |key: &str| -> Result<f32, String> {
@@ -244,8 +245,9 @@ fn yarn(k: &mut Keys<'_>, rk: &Keys<'_>, name: &str) -> Result<Yarn, String> {
         if (ratio - f64::from(y.factor)).abs() > 1e-6 * ratio.abs().max(1.0) {
             k.unsupported.push(format!(
                 "max_position_embeddings={max} with {name}.factor={} and \
-                 original_max_position_embeddings={} (transformers takes the factor {ratio} \
-                 from their ratio)",
+                 original_max_position_embeddings={} (transformers 4.x takes the factor {ratio} \
+                 from their ratio, transformers 5 the factor as written: the two compute \
+                 different models)",
                 y.factor, y.original_max_position
             ));
         }

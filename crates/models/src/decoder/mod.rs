@@ -167,7 +167,7 @@ pub type ExpertLoads = Vec<Vec<f32>>;
 
 /// Why a config cannot build a model.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid qwen3 config: {0}")]
+#[error("invalid model config: {0}")]
 pub struct ConfigError(pub String);
 
 /// A decoder: its config, checked once, and its weight declarations.
@@ -199,9 +199,11 @@ impl Decoder {
         if sizes.contains(&0) {
             return Err(ConfigError("every model dimension must be positive".into()));
         }
-        if !cfg
-            .base_num_query_heads
-            .is_multiple_of(cfg.base_num_kv_heads)
+        // MLA gives keys and values one head per query head and never reads the count.
+        if cfg.mla.is_none()
+            && !cfg
+                .base_num_query_heads
+                .is_multiple_of(cfg.base_num_kv_heads)
         {
             return Err(ConfigError(format!(
                 "base_num_query_heads ({}) must be a multiple of base_num_kv_heads ({})",
@@ -570,8 +572,30 @@ mod tests {
         let err = Decoder::new(c).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "invalid qwen3 config: MoE needs experts, a positive moe_mlp_dim and 1 ≤ \
+            "invalid model config: MoE needs experts, a positive moe_mlp_dim and 1 ≤ \
              num_experts_per_tok ≤ num_experts; got 3 experts, top-5, width 5"
+        );
+    }
+
+    /// A key/value head count that does not divide the query heads is refused where attention
+    /// groups heads by it, and not for MLA, which never reads it (transformers' DeepSeek-V3
+    /// class defaults it to 128 whatever the head count).
+    #[test]
+    fn the_kv_head_count_is_checked_only_where_attention_reads_it() {
+        let mut mla = tiny_moe_mla();
+        mla.base_num_kv_heads = mla.base_num_query_heads * 32 + 1;
+        let weights = |c: &Config| Decoder::new(c.clone()).map(|d| d.params().len());
+        let mut same = mla.clone();
+        same.base_num_kv_heads = same.base_num_query_heads;
+        assert_eq!(weights(&mla), weights(&same));
+        assert!(weights(&mla).is_ok());
+        let mut dense = mla.clone();
+        dense.mla = None;
+        dense.moe = None;
+        let err = Decoder::new(dense).unwrap_err().to_string();
+        assert!(
+            err.contains("must be a multiple of base_num_kv_heads"),
+            "{err}"
         );
     }
 

@@ -208,7 +208,9 @@ impl TrainConfig {
             ("base_num_kv_heads", model.base_num_kv_heads),
             ("base_mlp_dim", model.base_mlp_dim),
         ] {
-            if n % tensor != 0 {
+            // MLA's keys and values have one head per query head; it never reads the count.
+            let unread = what == "base_num_kv_heads" && model.mla.is_some();
+            if n % tensor != 0 && !unread {
                 return bad(
                     what,
                     format!("{what} = {n} is not divisible by ici_tensor_parallelism = {tensor}"),
