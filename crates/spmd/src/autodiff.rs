@@ -498,6 +498,18 @@ impl Ctx<'_> {
             leaf_cts[i] = Some(ct);
             return Ok(());
         }
+        // A product whose result dtype is not its operands' (the LM head's f32 logits): both
+        // transposes take the cotangent in the operands' dtype, so it is cast once, here —
+        // where `dot_general_transpose` would cast it — and an operand that is a weight's bf16
+        // cast can then take the rounded product into its buffer like any other weight.
+        let ct = match &node.backward {
+            Backward::Dot { lhs, rhs, .. }
+                if lhs.ty().dtype() == rhs.ty().dtype() && ct.ty().dtype() != lhs.ty().dtype() =>
+            {
+                self.cast_untracked(&ct, lhs.ty().dtype())?
+            }
+            _ => ct,
+        };
         let mut needed: Vec<bool> = node.inputs.iter().map(Option::is_some).collect();
         if adds_in_place(&node.backward) {
             // A leaf's whole cotangent, into the sink's buffer.

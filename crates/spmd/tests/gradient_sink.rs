@@ -463,17 +463,18 @@ fn into_the_buffer_with_the_handed_bits(
     }
 }
 
-/// A weight cast to bf16 at use: the cast's transpose widens its bf16 cotangent straight into
-/// the buffer (whole, or in parts of any length: it is elementwise), with the bits of the handed
-/// path — `value_and_grad`'s f32 gradient added to the buffer's start, compared exactly.
+/// A weight cast to bf16 at use by an elementwise op: the cast's transpose widens its bf16
+/// cotangent straight into the buffer (whole, or in parts of any length: it is elementwise),
+/// with the bits of the handed path — `value_and_grad`'s f32 gradient added to the buffer's
+/// start, compared exactly.
 #[test]
 fn a_weight_cast_to_bf16_is_widened_into_the_buffer_with_the_handed_bits() {
     ferrotext_tensor::allow_bf16_fallback().unwrap();
     for parts in [1, 4] {
-        into_the_buffer_with_the_handed_bits(single_bf16, parts);
+        into_the_buffer_with_the_handed_bits(squared_bf16_weight, parts);
     }
     // The mirror: offered no buffer, the gradient is handed over (and the sums still agree).
-    let (out, _) = run(true, 0, single_bf16, 1);
+    let (out, _) = run(true, 0, squared_bf16_weight, 1);
     for ((_, events, grads, _), _) in &out {
         assert_eq!(shares(events, grads), [(0, false, true)]);
     }
@@ -529,8 +530,34 @@ fn a_weight_cast_for_a_bf16_product_takes_the_rounded_product_into_the_buffer() 
     for parts in [1, 2, 4, 6] {
         into_the_buffer_with_the_handed_bits(single_bf16_product, parts);
     }
-    // The probe: no widening add on this path; the mirror, a product kept in f32 (whose
-    // cotangent reaches the weight's cast as bf16 only after the product), has one.
+    // The probe: no widening add on this path; the mirror, a weight whose bf16 cast is used
+    // by an elementwise op (its bf16 cotangent is widened by the cast's transpose), has one.
     assert_eq!(widening_adds(single_bf16_product), [0, 0]);
-    assert_eq!(widening_adds(single_bf16), [1, 1]);
+    assert_eq!(widening_adds(squared_bf16_weight), [1, 1]);
+}
+
+/// `Σ cast(cast(x)·cast(w)²)²`: the weight's bf16 cast is used by an elementwise op (the
+/// square), not by the product, so its bf16 cotangent reaches the cast and is widened there.
+fn squared_bf16_weight(cx: &mut Ctx<'_>, ws: &[Array], x: &Array) -> Result<Array, SpmdError> {
+    let xb = cx.cast(x, ferrotext_sharding::DType::BF16)?;
+    let wb = cx.cast(&ws[0], ferrotext_sharding::DType::BF16)?;
+    let w2 = cx.mul(&wb, &wb)?;
+    let y = cx.dot_general(&xb, &w2, &DotDims::matmul(2), None)?;
+    let y = cx.cast(&y, ferrotext_sharding::DType::F32)?;
+    let y2 = cx.mul(&y, &y)?;
+    cx.reduce_sum(&y2, &[0, 1], Some(&p(&[], &["x"], &[])))
+}
+
+/// A weight cast to bf16 for a product whose result stays f32 (the LM head's logits,
+/// `dot_general_preferred`): its cotangent is cast to bf16 once, before both transposes, so the
+/// weight's transposed product is rounded and added into its buffer like a layer's — no
+/// widening add — with the handed path's bits, whole or in parts (and the handed path, offered
+/// no buffer, still agrees: the other test above).
+#[test]
+fn a_weight_behind_a_product_with_an_f32_result_takes_the_rounded_product_into_the_buffer() {
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
+    for parts in [1, 2, 4, 6] {
+        into_the_buffer_with_the_handed_bits(single_bf16, parts);
+    }
+    assert_eq!(widening_adds(single_bf16), [0, 0]);
 }
