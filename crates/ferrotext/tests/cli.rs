@@ -383,6 +383,9 @@ fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
         // Outputs that cannot be written are found before training.
         (&["metrics_file=/proc/ferrotext.jsonl"], "refuses new files"),
         (&["save_parameters_path=/proc"], "save_parameters_path"),
+        (&["run_name=../outside"], "run_name must name one directory"),
+        // A multi-process job started as one process would run every process's devices.
+        (&["num_processes=2"], "not started by a launcher"),
     ];
     for (args, needle) in cases {
         let mut all = vec!["train", &out];

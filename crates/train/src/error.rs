@@ -280,6 +280,15 @@ pub enum OutputProblem {
         /// The ancestor.
         ancestor: String,
     },
+    /// An existing file that is not one of ferrotext's metrics files: it is not overwritten.
+    #[error(
+        "exists and its line {line} is not a metrics line (a JSON object with a `step`): it is \
+         not overwritten; name another file, or move this one away"
+    )]
+    NotAMetricsFile {
+        /// The first line that is not a metrics line (1-based).
+        line: usize,
+    },
     /// The directory refused a new file (a read-only mount, no permission, a full disk).
     #[error("cannot be written: {dir} refuses new files ({error})")]
     Refused {

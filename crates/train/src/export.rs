@@ -11,7 +11,7 @@ use ferrotext_models::decoder::Decoder;
 
 use crate::checkpoint::{
     checkpoint_name, latest, parse_checkpoint_name, read_manifest, read_params, validate_manifest,
-    CheckpointProblem,
+    verify_listed_files, CheckpointProblem,
 };
 use crate::error::TrainError;
 use ferrotext_hf::{save_directory, selection_bias, ModelType, SaveDtype};
@@ -139,6 +139,9 @@ pub fn export_checkpoint(
     // 1. the manifest and the parameters, verified as a restore verifies them
     let manifest = read_manifest(&dir)?;
     validate_manifest(&dir, &manifest)?;
+    // Every file a restore reads, not only the parameters: a checkpoint a resume refuses is
+    // not exported either.
+    verify_listed_files(&dir, &manifest)?;
     let config = &manifest.config;
     let from = Path::new(&config.load_parameters_path);
     if !config.load_parameters_path.is_empty()

@@ -149,15 +149,15 @@ impl MetricsLog {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
         let kept: String = match ferrotext_files::read_regular_to_string(path) {
-            Ok(old) => old
-                .lines()
-                .filter(|line| {
-                    serde_json::from_str::<serde_json::Value>(line)
-                        .ok()
-                        .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
-                        .is_some_and(|step| (step as usize) < first_step)
-                })
-                .map(|line| format!("{line}\n"))
+            Ok(old) => metrics_steps(&old)
+                .map_err(|problem| TrainError::Output {
+                    key: "metrics_file",
+                    path: path.display().to_string(),
+                    problem,
+                })?
+                .into_iter()
+                .filter(|(step, _)| *step < first_step)
+                .map(|(_, line)| format!("{line}\n"))
                 .collect(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(io(e)),
@@ -200,6 +200,30 @@ impl MetricsLog {
     }
 }
 
+/// The step of each line of a metrics file's `text`, with the line: every line must be a JSON
+/// object with an integer `step` (blank lines aside), except a last line with no newline after
+/// it — a write a kill cut off, which is dropped. Anything else means the file is not a metrics
+/// file (a path given by mistake), and it is refused rather than rewritten.
+fn metrics_steps(text: &str) -> Result<Vec<(usize, &str)>, OutputProblem> {
+    let mut steps = Vec::new();
+    let cut_off = !text.is_empty() && !text.ends_with('\n');
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let step = serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64));
+        match step {
+            Some(step) => steps.push((usize::try_from(step).unwrap_or(usize::MAX), *line)),
+            None if cut_off && i + 1 == lines.len() => {}
+            None => return Err(OutputProblem::NotAMetricsFile { line: i + 1 }),
+        }
+    }
+    Ok(steps)
+}
+
 /// The longest file-name component Linux file systems accept (`NAME_MAX`).
 const NAME_MAX: usize = 255;
 
@@ -240,6 +264,26 @@ pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError>
             path: path.display().to_string(),
             problem,
         })?;
+    }
+    // The metrics file is rewritten at start (the steps a resume repeats dropped): an existing
+    // file must be a metrics file.
+    let metrics = config.metrics_path();
+    match ferrotext_files::read_regular_to_string(&metrics) {
+        Ok(text) => {
+            metrics_steps(&text).map_err(|problem| TrainError::Output {
+                key: "metrics_file",
+                path: metrics.display().to_string(),
+                problem,
+            })?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+            return Err(TrainError::Output {
+                key: "metrics_file",
+                path: metrics.display().to_string(),
+                problem: OutputProblem::NotAMetricsFile { line: 1 },
+            })
+        }
+        Err(_) => {} // absent, or unreadable: opening it says so with the OS's reason
     }
     Ok(())
 }

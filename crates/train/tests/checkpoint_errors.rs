@@ -198,3 +198,73 @@ fn a_latest_outside_its_root_carries_the_name() {
     }
     std::fs::remove_dir_all(root).ok();
 }
+
+/// A parameter set to NaN with every checksum and the seal redone (so only the values are
+/// wrong) is refused by name: no run writes a non-finite parameter (a step that makes one is
+/// not applied), so it can only be a modified file. The mirror: the intact checkpoint loads.
+#[test]
+fn a_non_finite_parameter_is_refused_even_with_every_checksum_redone() {
+    let (root, dir) = saved("nan");
+    assert_loads(&dir);
+    let file = dir.join("params.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let first = 8 + header;
+    bytes[first..first + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&file, &bytes).unwrap();
+    let sum = sha256_hex(&bytes);
+    edit_manifest(&dir, true, |m| m["files"]["params.safetensors"] = sum.into());
+    let err = read_parameters(&dir).unwrap_err();
+    assert!(err.to_string().contains("holds a non-finite value"), "{err}");
+    let (path, problem) = problem(err);
+    assert_eq!(path, file.display().to_string());
+    assert!(
+        matches!(problem, CheckpointProblem::NonFinite { index: 0, .. }),
+        "{problem:?}"
+    );
+    std::fs::remove_dir_all(root).ok();
+}
+
+/// `export` verifies every file a restore reads, not only the parameters it writes: a
+/// truncated optimizer file, or a missing accumulator, refuses the export and writes nothing.
+/// The mirror: the intact checkpoint exports.
+#[test]
+fn export_refuses_a_checkpoint_a_resume_would_refuse() {
+    use ferrotext_train::export::export_checkpoint;
+    let (root, dir) = saved("export");
+    let out = root.join("..").join(format!(
+        "ferrotext-ckpt-export-out-{}",
+        std::process::id()
+    ));
+    std::fs::remove_dir_all(&out).ok();
+    let export = || {
+        export_checkpoint(
+            &dir,
+            None,
+            &out,
+            ferrotext_hf::SaveDtype::F32,
+            ferrotext_hf::DEFAULT_SHARD_BYTES,
+        )
+    };
+    export().expect("the intact checkpoint exports");
+    std::fs::remove_dir_all(&out).unwrap();
+    let optimizer = dir.join("optimizer.safetensors");
+    let whole = std::fs::read(&optimizer).unwrap();
+    std::fs::write(&optimizer, &whole[..whole.len() / 2]).unwrap();
+    let (path, found) = problem(export().unwrap_err());
+    assert_eq!(path, optimizer.display().to_string());
+    assert!(
+        matches!(found, CheckpointProblem::ChecksumMismatch { .. }),
+        "{found:?}"
+    );
+    std::fs::write(&optimizer, &whole).unwrap();
+    std::fs::remove_file(dir.join("accumulator.safetensors")).unwrap();
+    let (path, found) = problem(export().unwrap_err());
+    assert!(path.ends_with("accumulator.safetensors"), "{path}");
+    assert!(
+        matches!(found, CheckpointProblem::Unreadable { .. }),
+        "{found:?}"
+    );
+    assert!(!out.exists(), "nothing written");
+    std::fs::remove_dir_all(root).ok();
+}

@@ -123,3 +123,49 @@ fn unwritable_outputs_are_found_before_the_run_and_nothing_is_left_behind() {
     assert!(!dir.join("not").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A `metrics_file` that names an existing file which is not a metrics file (a path given by
+/// mistake) is refused before the run, and again by the log itself, and its bytes are kept; a
+/// metrics file whose last line a kill cut off (no newline after it) opens, the cut line
+/// dropped — the mirror that the check refuses only what is not a metrics file.
+#[test]
+fn a_file_that_is_not_a_metrics_file_is_never_overwritten() {
+    let dir = scratch("not-metrics");
+    let out = format!("base_output_directory={}", dir.display());
+    let notes = dir.join("notes.md");
+    let bad_line = dir.join("bad-line.jsonl");
+    let binary = dir.join("binary.jsonl");
+    std::fs::write(&notes, "# my notes\n\nimportant text\n").unwrap();
+    let first = serde_json::to_string(&step(0)).unwrap();
+    std::fs::write(
+        &bad_line,
+        format!("{first}\n{{\"step\":1,\"loss\":NaN}}\n{first}\n"),
+    )
+    .unwrap();
+    std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x01]).unwrap();
+    for (path, line) in [(&notes, 1), (&bad_line, 2), (&binary, 1)] {
+        let before = std::fs::read(path).unwrap();
+        let items = [out.clone(), format!("metrics_file={}", path.display())];
+        let err = check_output_paths(&config(&items)).unwrap_err().to_string();
+        assert!(err.contains("metrics_file"), "{err}");
+        assert!(
+            err.contains(&format!("line {line} is not a metrics line")),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+        if path != &binary {
+            let err = MetricsLog::open(path, 0).err().map(|e| e.to_string());
+            assert!(err.is_some_and(|e| e.contains("not overwritten")));
+        }
+        assert_eq!(std::fs::read(path).unwrap(), before, "{}", path.display());
+    }
+
+    let cut = dir.join("cut.jsonl");
+    let second = serde_json::to_string(&step(1)).unwrap();
+    std::fs::write(&cut, format!("{first}\n{second}\n{{\"step\":2,\"lo")).unwrap();
+    let items = [out.clone(), format!("metrics_file={}", cut.display())];
+    check_output_paths(&config(&items)).unwrap();
+    MetricsLog::open(&cut, 2).unwrap();
+    assert_eq!(steps_in(&cut), [0, 1]);
+    std::fs::remove_dir_all(&dir).ok();
+}

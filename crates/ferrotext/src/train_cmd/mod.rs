@@ -64,10 +64,20 @@ fn model_label(config: &TrainConfig) -> String {
 /// The config of one process of the job: the user's, with `num_processes` from the launcher.
 fn load_for(args: &TrainArgs, launch: &Launch) -> Result<RunPlan> {
     let processes = launch.processes();
+    let given = config_args::last_value(&args.args, "num_processes");
     if processes == 1 {
+        // One process alone would run every process's devices itself (and report each step
+        // once for each): a job of several processes is started by a launcher.
+        if let Some(given) = given.filter(|g| g.trim() != "1") {
+            return Err(UsageError(format!(
+                "num_processes={given} but this is one process, not started by a launcher: \
+                 run it under `mpirun -n {given}` (or `ferrotext emulate`), or leave \
+                 num_processes out"
+            ))
+            .into());
+        }
         return load(&args.args);
     }
-    let given = config_args::last_value(&args.args, "num_processes");
     if let Some(given) = given.filter(|g| g.trim() != processes.to_string()) {
         return Err(UsageError(format!(
             "num_processes={given} but the launcher started {processes} processes"

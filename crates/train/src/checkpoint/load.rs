@@ -219,7 +219,7 @@ pub(crate) fn read_params(
         let parts = info
             .hf_tensors()
             .iter()
-            .map(|(name, shape)| tensor(&path, &file, name, shape))
+            .map(|(name, shape)| finite(&path, name, tensor(&path, &file, name, shape)?))
             .collect::<Result<Vec<_>, _>>()?;
         params.push(
             info.from_hf(parts)
@@ -242,20 +242,71 @@ fn read_moments(
     let mut m = Vec::new();
     let mut v = Vec::new();
     for info in infos {
-        m.push(tensor(
-            &path,
-            &file,
-            &format!("m/{}", info.name),
-            &info.shape,
-        )?);
-        v.push(tensor(
-            &path,
-            &file,
-            &format!("v/{}", info.name),
-            &info.shape,
-        )?);
+        for (moments, prefix) in [(&mut m, "m"), (&mut v, "v")] {
+            let name = format!("{prefix}/{}", info.name);
+            moments.push(finite(
+                &path,
+                &name,
+                tensor(&path, &file, &name, &info.shape)?,
+            )?);
+        }
     }
     Ok((m, v))
+}
+
+/// `t` (tensor `name` of `path`) when every value is finite. Parameters and moments only: a
+/// mid-step accumulator may hold a NaN gradient, which the step's end skips.
+fn finite(path: &Path, name: &str, t: Tensor) -> Result<Tensor, TrainError> {
+    match t.data().iter().position(|x| !x.is_finite()) {
+        None => Ok(t),
+        Some(index) => Err(ckpt_err(
+            path,
+            CheckpointProblem::NonFinite {
+                name: name.into(),
+                index,
+            },
+        )),
+    }
+}
+
+/// Checks every file the manifest of checkpoint `dir` lists against its SHA-256, reading each
+/// in pieces (an optimizer file is twice the parameters): what a restore reads is whole.
+///
+/// # Errors
+/// As a restore: a listed file that is missing, unreadable, not a plain name, or whose
+/// checksum differs.
+pub(crate) fn verify_listed_files(dir: &Path, manifest: &Manifest) -> Result<(), TrainError> {
+    for (file, want) in &manifest.files {
+        if !is_plain_name(file) {
+            return Err(ckpt_err(
+                &dir.join("manifest.json"),
+                CheckpointProblem::OutsideDirectory { file: file.clone() },
+            ));
+        }
+        let path = dir.join(file);
+        let unreadable = |e: std::io::Error| {
+            ckpt_err(
+                &path,
+                CheckpointProblem::Unreadable {
+                    error: e.to_string(),
+                },
+            )
+        };
+        let mut reader = ferrotext_files::open_regular(&path).map_err(unreadable)?;
+        let mut hasher = Sha256::new();
+        std::io::copy(&mut reader, &mut hasher).map_err(unreadable)?;
+        let found = hex(&hasher.finalize());
+        if &found != want {
+            return Err(ckpt_err(
+                &path,
+                CheckpointProblem::ChecksumMismatch {
+                    expected: want.clone(),
+                    found,
+                },
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `accumulator.safetensors` of checkpoint `dir` (checksum verified): the totals, and — only

@@ -59,7 +59,7 @@ mod resume;
 mod save;
 
 pub use load::read_parameters;
-pub(crate) use load::read_params;
+pub(crate) use load::{read_params, verify_listed_files};
 pub(crate) use manifest::{read_manifest, validate_manifest};
 pub use manifest::{Manifest, TensorEntry};
 pub use problem::{CheckpointProblem, ConfigChange, LatestProblem, ManifestMismatch};

@@ -228,6 +228,15 @@ pub enum CheckpointProblem {
         /// The shape the model needs.
         expected: Vec<usize>,
     },
+    /// A parameter or optimizer moment holds NaN or ±∞: no run writes one (a step that makes
+    /// one is not applied), so the file was modified.
+    #[error("`{name}` holds a non-finite value (element {index}): the checkpoint was modified")]
+    NonFinite {
+        /// The tensor's name.
+        name: String,
+        /// The first non-finite element's index.
+        index: usize,
+    },
     /// A mid-step checkpoint of a run that updates router biases lacks the step's expert loads.
     #[error(
         "a mid-step checkpoint of a run with routed_bias_update_rate > 0 has no \

@@ -492,6 +492,10 @@ mod tests {
                 &["ici_tensor_parallelism=2", "base_num_kv_heads=1"],
                 "base_num_kv_heads",
             ),
+            (&["run_name=../elsewhere"], "run_name"),
+            (&["run_name=a/b"], "run_name"),
+            (&["run_name="], "run_name"),
+            (&["run_name=.."], "run_name"),
         ] {
             let err = load(items).unwrap_err();
             assert!(err.is_usage(), "{items:?}: {err}");
@@ -500,5 +504,7 @@ mod tests {
                 "{items:?}: {err:?}"
             );
         }
+        // The mirror: a run name with dots and dashes is one directory.
+        assert!(load(&["run_name=run-1.v2..b"]).is_ok());
     }
 }

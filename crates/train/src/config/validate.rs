@@ -121,6 +121,23 @@ impl TrainConfig {
         Ok(a..b.min(self.steps))
     }
 
+    /// `run_name` names one directory under `base_output_directory`: not empty, not `.` or `..`,
+    /// no `/` (or NUL) — a run's outputs never land beside or above its base directory.
+    fn check_run_name(&self) -> Result<(), TrainError> {
+        let name = self.run_name.as_str();
+        if name.is_empty() || name == "." || name == ".." || name.contains(['/', '\0']) {
+            return Err(TrainError::usage(
+                "run_name",
+                format!(
+                    "run_name must name one directory under base_output_directory (no `/`, not \
+                     empty, `.` or `..`), got `{}`",
+                    name.escape_debug()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Counts that must be positive, the floats, and a whole micro-batch.
     pub(crate) fn check_scalars(&self) -> Result<(), TrainError> {
         for (key, v) in [
@@ -139,6 +156,7 @@ impl TrainConfig {
             }
         }
         self.check_floats()?;
+        self.check_run_name()?;
         self.parse_profile_steps()?;
         self.check_eval()?;
         if ferrotext_hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
