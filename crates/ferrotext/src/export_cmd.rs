@@ -36,12 +36,17 @@ pub struct ExportArgs {
 pub fn run(args: &ExportArgs) -> Result<()> {
     let dtype = SaveDtype::parse(&args.dtype)
         .ok_or_else(|| UsageError(format!("--dtype must be f32 or bf16, got `{}`", args.dtype)))?;
+    if args.max_shard_bytes == 0 {
+        return Err(UsageError("--max-shard-bytes must be at least 1".into()).into());
+    }
+    // An output that cannot be written is the user's input, found before anything is read.
+    ferrotext_train::io::check_output_path("OUT_DIR", &args.out, true)?;
     let done = ferrotext_train::export::export_checkpoint(
         &args.checkpoint,
         args.step,
         &args.out,
         dtype,
-        args.max_shard_bytes.max(1),
+        args.max_shard_bytes,
     )
     .map_err(|e| -> anyhow::Error {
         // A checkpoint the user named that cannot be used is their input, as a bad

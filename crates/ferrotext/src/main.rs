@@ -83,7 +83,10 @@ enum Command {
 fn main() -> ExitCode {
     allocator::huge_pages_or_reexec();
     allocator::keep_freed_memory();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return argument_error(&err),
+    };
     // Neither runs as an MPI process: the agent starts daemons for mpirun, emulate starts mpirun.
     match &cli.command {
         Command::EmulateAgent(args) => return finish(emulate::agent(args)),
@@ -115,6 +118,40 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => report(&err, Some(&launch)),
     }
+}
+
+/// A command line the parser refused, as one `error:` line and exit code 2 (its tips folded
+/// into the line); `--help` and `--version` print as the parser prints them.
+fn argument_error(err: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        err.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        err.exit();
+    }
+    // The parser's message: `error: …`, maybe indented lines (the missing arguments) and
+    // `tip:` lines, then the usage, which `--help` repeats.
+    let text = err.render().to_string();
+    let (mut message, mut tips) = (Vec::new(), Vec::new());
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if line.starts_with("Usage:") || line.starts_with("For more information") {
+            break;
+        }
+        match line.strip_prefix("tip: ") {
+            Some(tip) => tips.push(tip),
+            None => message.push(line.strip_prefix("error: ").unwrap_or(line)),
+        }
+    }
+    let tips = if tips.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", tips.join("; "))
+    };
+    eprintln!("error: {}{tips}; see --help", message.join(" "));
+    ExitCode::from(2)
 }
 
 /// The exit code of a command that runs outside MPI.

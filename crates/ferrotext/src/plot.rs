@@ -39,10 +39,16 @@ pub fn run(args: &PlotArgs) -> Result<()> {
         (None, [one]) => one.join("loss.png"),
         (None, _) => PathBuf::from("loss.png"),
     };
+    // An output that cannot be written is the user's input, found before anything is drawn.
+    ferrotext_train::io::check_output_path("--out", &out, false)?;
     let mut series = Vec::new();
     for dir in &args.runs {
         let curves = read_curves(dir).map_err(|e| UsageError(format!("{e:#}")))?;
         series.extend(run_series(&run_label(dir), curves));
+    }
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
     }
     line_chart(
         &out,

@@ -766,3 +766,28 @@ fn deferral_saved_counts_the_deferred_reduction_in_grad_dtype() {
     );
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A command line the parser refuses is one `error:` line and exit code 2, its tips and the
+/// missing arguments folded in; the mirror: `--help` still prints the whole help, exit 0.
+#[test]
+fn argument_errors_are_one_line_with_exit_code_2() {
+    for (args, needle) in [
+        (&["nosuchcmd"][..], "unrecognized subcommand 'nosuchcmd'"),
+        (&["export"], "not provided: <CHECKPOINT> <OUT>"),
+        (
+            &["generate", "--prompt", "a", "--max-new-tokens", "abc"],
+            "invalid value 'abc' for '--max-new-tokens",
+        ),
+        (&["plot", "r", "--no-such-flag"], "--no-such-flag"),
+    ] {
+        let res = ferrotext(args);
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert_eq!(res.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.starts_with("error: "), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+    let help = ferrotext(&["export", "--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&help.stdout).lines().count() > 5);
+}

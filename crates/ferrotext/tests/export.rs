@@ -304,6 +304,17 @@ fn bad_exports_get_one_error_line_exit_2_and_write_nothing() {
             &busy,
             "exists and is not a model directory (no config.json): not replaced",
         ),
+        // An output that cannot be written is found before the checkpoint is read.
+        (
+            vec![s(&run), "/proc/ferrotext-export".into()],
+            Path::new("/proc/ferrotext-export"),
+            "OUT_DIR: /proc/ferrotext-export cannot be written",
+        ),
+        (
+            vec![s(&run), s(&out), "--max-shard-bytes".into(), "0".into()],
+            &out,
+            "--max-shard-bytes must be at least 1",
+        ),
     ];
     for (args, target, needle) in cases {
         let mut argv = vec!["export"];

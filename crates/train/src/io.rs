@@ -288,6 +288,20 @@ pub fn check_output_paths(config: &crate::TrainConfig) -> Result<(), TrainError>
     Ok(())
 }
 
+/// Checks, as [`check_output_paths`] checks a run's outputs, that `path` can be created or
+/// replaced as a file (`is_dir`: a directory), for a command's output named by `key` (a flag or
+/// an argument, such as `OUT_DIR`); nothing is left behind.
+///
+/// # Errors
+/// [`TrainError::Output`] naming `key`, the path and the problem.
+pub fn check_output_path(key: &'static str, path: &Path, is_dir: bool) -> Result<(), TrainError> {
+    check_output(path, is_dir).map_err(|problem| TrainError::Output {
+        key,
+        path: path.display().to_string(),
+        problem,
+    })
+}
+
 /// `path` can be created or replaced as a file (`is_dir`: a directory).
 fn check_output(path: &Path, is_dir: bool) -> Result<(), OutputProblem> {
     if let Some(long) = path

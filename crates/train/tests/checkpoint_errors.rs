@@ -213,9 +213,14 @@ fn a_non_finite_parameter_is_refused_even_with_every_checksum_redone() {
     bytes[first..first + 4].copy_from_slice(&f32::NAN.to_le_bytes());
     std::fs::write(&file, &bytes).unwrap();
     let sum = sha256_hex(&bytes);
-    edit_manifest(&dir, true, |m| m["files"]["params.safetensors"] = sum.into());
+    edit_manifest(&dir, true, |m| {
+        m["files"]["params.safetensors"] = sum.into()
+    });
     let err = read_parameters(&dir).unwrap_err();
-    assert!(err.to_string().contains("holds a non-finite value"), "{err}");
+    assert!(
+        err.to_string().contains("holds a non-finite value"),
+        "{err}"
+    );
     let (path, problem) = problem(err);
     assert_eq!(path, file.display().to_string());
     assert!(
@@ -232,10 +237,9 @@ fn a_non_finite_parameter_is_refused_even_with_every_checksum_redone() {
 fn export_refuses_a_checkpoint_a_resume_would_refuse() {
     use ferrotext_train::export::export_checkpoint;
     let (root, dir) = saved("export");
-    let out = root.join("..").join(format!(
-        "ferrotext-ckpt-export-out-{}",
-        std::process::id()
-    ));
+    let out = root
+        .join("..")
+        .join(format!("ferrotext-ckpt-export-out-{}", std::process::id()));
     std::fs::remove_dir_all(&out).ok();
     let export = || {
         export_checkpoint(
