@@ -298,6 +298,10 @@ fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
         (&["model_name=gpt5"], "is not a preset"),
         (&["dataset_type=text"], "needs dataset_path"),
         (
+            &["dataset_path=/tmp/some.txt"],
+            "dataset_type is corpus, which reads none",
+        ),
+        (
             &["dataset_type=text", "dataset_path=/no/such/file.txt"],
             "cannot open /no/such/file.txt",
         ),

@@ -245,6 +245,22 @@ impl TrainConfig {
                         .to_lowercase(),
                 );
             }
+            // Set without the type that reads it, it would train on other data without a word.
+            DatasetType::Corpus | DatasetType::Synthetic if !self.dataset_path.is_empty() => {
+                return bad(
+                    "dataset_path",
+                    format!(
+                        "dataset_path names the data of dataset_type text, tokens or shards; \
+                         dataset_type is {}, which reads none: set dataset_type, or leave \
+                         dataset_path out",
+                        if self.dataset_type == DatasetType::Corpus {
+                            "corpus"
+                        } else {
+                            "synthetic"
+                        }
+                    ),
+                );
+            }
             DatasetType::Tokens if self.token_dtype != "u16" && self.token_dtype != "u32" => {
                 return bad(
                     "token_dtype",
