@@ -272,3 +272,49 @@ fn export_refuses_a_checkpoint_a_resume_would_refuse() {
     assert!(!out.exists(), "nothing written");
     std::fs::remove_dir_all(root).ok();
 }
+
+/// The manifest's tensor list must describe the files, even with the seal redone: an entry with
+/// another shape, an entry listed twice, and an entry dropped are each refused naming the
+/// tensor. The mirror: the intact checkpoint loads.
+#[test]
+fn a_tensor_list_that_disagrees_with_its_files_is_refused() {
+    let (root, dir) = saved("tensor-list");
+    assert_loads(&dir);
+    let original = std::fs::read(dir.join("manifest.json")).unwrap();
+    let seal = std::fs::read(dir.join("manifest.sha256")).unwrap();
+    type Edit = fn(&mut Vec<serde_json::Value>);
+    let edits: [(Edit, &str); 3] = [
+        (
+            |t| t[0]["shape"] = serde_json::json!([3, 5]),
+            "shape [3, 5]",
+        ),
+        (|t| t.push(t[0].clone()), "twice"),
+        (
+            |t| {
+                t.remove(0);
+            },
+            "does not name",
+        ),
+    ];
+    for (edit, needle) in edits {
+        edit_manifest(&dir, true, |m| {
+            edit(m["tensors"].as_array_mut().unwrap());
+        });
+        let err = read_parameters(&dir).unwrap_err();
+        assert!(err.to_string().contains(needle), "{needle}: {err}");
+        let (_, found) = problem(err);
+        assert!(
+            matches!(
+                found,
+                CheckpointProblem::Manifest(
+                    ferrotext_train::checkpoint::ManifestMismatch::TensorList { .. }
+                )
+            ),
+            "{found:?}"
+        );
+        std::fs::write(dir.join("manifest.json"), &original).unwrap();
+        std::fs::write(dir.join("manifest.sha256"), &seal).unwrap();
+        assert_loads(&dir);
+    }
+    std::fs::remove_dir_all(root).ok();
+}

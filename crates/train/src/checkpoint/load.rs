@@ -20,7 +20,7 @@ use sha2::{Digest, Sha256};
 use super::resume::check_config;
 use super::{
     ckpt_err, device_count, hex, is_plain_name, mesh_description, read_manifest, resolve,
-    sequences_consumed, validate_manifest, CheckpointProblem, Manifest,
+    sequences_consumed, validate_manifest, CheckpointProblem, Manifest, ManifestMismatch,
 };
 use crate::config::TrainConfig;
 use crate::engine::{Engine, EngineState, Restored, RestoredPending, TreeNodeState};
@@ -214,6 +214,7 @@ pub(crate) fn read_params(
     let bytes = read_verified(dir, manifest, "params.safetensors")?;
     let path = dir.join("params.safetensors");
     let file = SafeTensors::deserialize(&bytes).map_err(not_safetensors(&path))?;
+    check_tensor_list(dir, manifest, "params.safetensors", &file)?;
     let mut params = Vec::with_capacity(infos.len());
     for info in infos {
         let parts = info
@@ -239,6 +240,7 @@ fn read_moments(
     let bytes = read_verified(dir, manifest, "optimizer.safetensors")?;
     let path = dir.join("optimizer.safetensors");
     let file = SafeTensors::deserialize(&bytes).map_err(not_safetensors(&path))?;
+    check_tensor_list(dir, manifest, "optimizer.safetensors", &file)?;
     let mut m = Vec::new();
     let mut v = Vec::new();
     for info in infos {
@@ -321,6 +323,7 @@ fn read_accumulator(
     let bytes = read_verified(dir, manifest, "accumulator.safetensors")?;
     let path = dir.join("accumulator.safetensors");
     let file = SafeTensors::deserialize(&bytes).map_err(not_safetensors(&path))?;
+    check_tensor_list(dir, manifest, "accumulator.safetensors", &file)?;
     let totals = infos
         .iter()
         .map(|i| tensor(&path, &file, &format!("acc/{}", i.name), &i.shape))
@@ -410,6 +413,58 @@ fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>,
         ));
     }
     Ok(bytes)
+}
+
+/// The manifest's tensor list against `file` (`name` in checkpoint `dir`): each entry for the
+/// file is a tensor it holds with that shape, none twice, and the file holds no other.
+fn check_tensor_list(
+    dir: &Path,
+    manifest: &Manifest,
+    name: &str,
+    file: &SafeTensors<'_>,
+) -> Result<(), TrainError> {
+    let mismatch = |problem: String| {
+        ckpt_err(
+            &dir.join("manifest.json"),
+            CheckpointProblem::Manifest(ManifestMismatch::TensorList {
+                file: name.into(),
+                problem,
+            }),
+        )
+    };
+    let mut listed = std::collections::HashSet::new();
+    for entry in manifest.tensors.iter().filter(|t| t.file == name) {
+        if !listed.insert(entry.name.as_str()) {
+            return Err(mismatch(format!("names `{}` twice", entry.name)));
+        }
+        match file.tensor(&entry.name) {
+            Ok(view) if view.shape() == entry.shape.as_slice() => {}
+            Ok(view) => {
+                return Err(mismatch(format!(
+                    "gives `{}` shape {:?}; the file holds {:?}",
+                    entry.name,
+                    entry.shape,
+                    view.shape()
+                )))
+            }
+            Err(_) => {
+                return Err(mismatch(format!(
+                    "names `{}`, which the file does not hold",
+                    entry.name
+                )))
+            }
+        }
+    }
+    if let Some(unlisted) = file
+        .names()
+        .into_iter()
+        .find(|n| !listed.contains(n.as_str()))
+    {
+        return Err(mismatch(format!(
+            "does not name `{unlisted}`, which the file holds"
+        )));
+    }
+    Ok(())
 }
 
 /// Maps a safetensors reader's error on `path` to [`CheckpointProblem::NotSafetensors`].

@@ -404,6 +404,15 @@ pub enum ManifestMismatch {
         /// The manifest's micro-steps.
         micro_steps: usize,
     },
+    /// The manifest's tensor list disagrees with a file it describes: an entry the file does
+    /// not hold with that shape, one listed twice, or a tensor of the file not listed.
+    #[error("its tensor list {problem} ({file})")]
+    TensorList {
+        /// The file.
+        file: String,
+        /// What disagrees, naming the tensor.
+        problem: String,
+    },
     /// A file listed that such a checkpoint does not have.
     #[error(
         "lists {file}, which a checkpoint with opt_type {opt_type:?} and micro_steps \

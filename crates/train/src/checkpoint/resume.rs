@@ -126,8 +126,18 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
             LatestProblem::NamesNothing { name: name.into() },
         ));
     }
-    if !dir.join("manifest.json").is_file() {
-        return Err(ckpt_err(&dir, CheckpointProblem::NamedWithoutManifest));
+    match std::fs::metadata(dir.join("manifest.json")) {
+        Ok(meta) if meta.is_file() => {}
+        // A directory it may not read is not one without a manifest: say which.
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return Err(ckpt_err(
+                &dir,
+                CheckpointProblem::Unreadable {
+                    error: e.to_string(),
+                },
+            ))
+        }
+        _ => return Err(ckpt_err(&dir, CheckpointProblem::NamedWithoutManifest)),
     }
     Ok(Some(dir))
 }
