@@ -297,18 +297,23 @@ pub(crate) fn verify_listed_files(dir: &Path, manifest: &Manifest) -> Result<(),
         let mut reader = ferrotext_files::open_regular(&path).map_err(unreadable)?;
         let mut hasher = Sha256::new();
         std::io::copy(&mut reader, &mut hasher).map_err(unreadable)?;
-        let found = hex(&hasher.finalize());
-        if &found != want {
-            return Err(ckpt_err(
-                &path,
-                CheckpointProblem::ChecksumMismatch {
-                    expected: want.clone(),
-                    found,
-                },
-            ));
-        }
+        same_checksum(&path, hex(&hasher.finalize()), want)?;
     }
     Ok(())
+}
+
+/// `found`, the SHA-256 of the file at `path`, is the one the manifest lists (`want`).
+fn same_checksum(path: &Path, found: String, want: &str) -> Result<(), TrainError> {
+    if found == want {
+        return Ok(());
+    }
+    Err(ckpt_err(
+        path,
+        CheckpointProblem::ChecksumMismatch {
+            expected: want.to_string(),
+            found,
+        },
+    ))
 }
 
 /// `accumulator.safetensors` of checkpoint `dir` (checksum verified): the totals, and — only
@@ -402,16 +407,7 @@ fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>,
         .files
         .get(file)
         .ok_or_else(|| ckpt_err(&path, CheckpointProblem::NotListed))?;
-    let found = hex(&Sha256::digest(&bytes));
-    if &found != want {
-        return Err(ckpt_err(
-            &path,
-            CheckpointProblem::ChecksumMismatch {
-                expected: want.clone(),
-                found,
-            },
-        ));
-    }
+    same_checksum(&path, hex(&Sha256::digest(&bytes)), want)?;
     Ok(bytes)
 }
 
