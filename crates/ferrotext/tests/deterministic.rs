@@ -132,3 +132,31 @@ fn deterministic_with_another_kernel_is_refused() {
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(!dir.exists(), "nothing written");
 }
+
+/// A kernel variable naming nothing this build knows (a misspelling) is bad input, not the
+/// default kernel in silence: one line naming the variable, exit 2, no run directory. The
+/// mirror: the known names pass it (the tests above run with `openblas`, `gemm`, `avx2` and
+/// `scalar` and get past it to their own checks).
+#[test]
+fn an_unknown_kernel_name_is_refused() {
+    for (name, value) in [
+        ("FERROTEXT_MATMUL", "openblass"),
+        ("FERROTEXT_PORTABLE_ISA", "sse2"),
+    ] {
+        let dir = temp_dir(&format!("unknown-{value}"));
+        let base = format!("base_output_directory={}", dir.display());
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrotext"))
+            .args(["train", &base, "steps=1"])
+            .env(name, value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.starts_with(&format!("error: {name}={value} names nothing")),
+            "{stderr}"
+        );
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(!dir.exists(), "nothing written");
+    }
+}

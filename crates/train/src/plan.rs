@@ -433,6 +433,13 @@ impl TrainConfig {
                     .into(),
             );
         }
+        if model.moe.as_ref().is_some_and(|m| m.withhold_tags) {
+            return refuse(
+                "cannot take moe_withhold_tags=true: the expert gradients are then all-reduced \
+                 in every micro-batch, outside the step's tree"
+                    .into(),
+            );
+        }
         if self.num_processes > 1 && !self.local_devices.is_power_of_two() {
             return refuse(format!(
                 "over several processes needs a power-of-two local_devices (a process's \

@@ -125,6 +125,7 @@ pub fn train(config: &TrainConfig, options: &RunOptions<'_>) -> Result<TrainRepo
 /// `FERROTEXT_MATMUL` named a library): a usage error naming the key and that kernel; a bf16 run
 /// on a kernel without a bf16 product and no `matmul_bf16_fallback` ([`TrainError::Precision`]).
 pub fn select_matmul_kernel(config: &TrainConfig) -> Result<(), TrainError> {
+    ferrotext_tensor::check_kernel_env().map_err(|e| TrainError::usage("FERROTEXT_MATMUL", e))?;
     if !config.deterministic {
         return config.select_bf16_kernel().map(drop);
     }

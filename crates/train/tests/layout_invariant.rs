@@ -215,6 +215,34 @@ fn a_checkpoint_resumes_on_another_layout_bitwise() {
         assert_eq!(losses, bits(&whole).0, "{to:?}: losses");
         assert!(bits(&rest).2 == bits(&whole).2, "{to:?}: final weights");
     }
+    // The same global batch as one device's micro-batch of 4 sequences: the tree's units are
+    // other sequences, so the resume is refused naming the key (the layouts above, which keep
+    // per_device_batch_size, are the mirror).
+    let name = "to-pdb";
+    train(
+        &with(LAYOUTS[0], name),
+        &RunOptions {
+            stop_after_steps: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let k = keys(name, &base);
+    let mut extra: Vec<&str> = k.iter().map(String::as_str).collect();
+    extra.extend_from_slice(&[
+        "layout_invariant=true",
+        "opt_type=adamw",
+        "enable_checkpointing=true",
+        "checkpoint_period=1",
+        "per_device_batch_size=4",
+    ]);
+    let err = train(&config((1, 1), &extra), &RunOptions::default()).unwrap_err();
+    assert!(err.is_usage(), "{err}");
+    assert!(
+        err.to_string()
+            .contains("per_device_batch_size sequences, 1 when saved, now 4"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&base).ok();
 }
 
@@ -346,6 +374,14 @@ fn what_the_tree_cannot_cover_is_refused_naming_the_key() {
                 "load_balance_loss_weight=0.01",
             ],
             "load_balance_loss_weight",
+        ),
+        (
+            &[
+                "num_experts=4",
+                "num_experts_per_tok=2",
+                "moe_withhold_tags=true",
+            ],
+            "moe_withhold_tags",
         ),
     ];
     for (keys, needle) in cases {

@@ -332,6 +332,21 @@ pub(super) fn check_config(
             ),
         ));
     }
+    // Under `layout_invariant` a unit of the step's tree is one device's micro-batch: its
+    // sequences set the tree, so only the devices and the accumulation may trade places.
+    if now.layout_invariant && saved.per_device_batch_size != now.per_device_batch_size {
+        return Err(TrainError::usage(
+            "per_device_batch_size",
+            format!(
+                "checkpoint {}: under layout_invariant=true a unit of the step's sum is one \
+                 device's micro-batch of per_device_batch_size sequences, {} when saved, now {}; \
+                 keep it and change the devices or gradient_accumulation_steps instead",
+                dir.display(),
+                saved.per_device_batch_size,
+                now.per_device_batch_size
+            ),
+        ));
+    }
     let same_micro_batches = saved.micro_batch_rows() == now.micro_batch_rows()
         && saved.gradient_accumulation_steps == now.gradient_accumulation_steps;
     if micro_steps > 0 && !same_micro_batches {
