@@ -146,7 +146,7 @@ pub const KEYS: &[Key] = &[
     key("checkpoint_keep", Checkpoints, "integer", "checkpoints to keep, newest first (0 keeps all)"),
     key("resume", Checkpoints, "auto|fresh", "continue from latest, or start over moving old checkpoints aside"),
     key("base_output_directory", Output, "path", "directory for run outputs"),
-    key("run_name", Output, "name", "the run's name (outputs go to base_output_directory/run_name)"),
+    key("run_name", Output, "name", "the run's name, one directory (no `/`): outputs go to base_output_directory/run_name"),
     key("tensorboard", Output, "bool", "also write each step's scalars as TensorBoard event files into the run directory's tensorboard/"),
     key("metrics_file", Output, "path", "per-step metrics as JSON lines (empty: the run directory's metrics.jsonl)"),
     key("profile", Output, "true|false", "record every op of the profiled steps: a table and a Chrome trace in the run directory"),
