@@ -134,6 +134,12 @@ fn argument_error(err: &clap::Error) -> ExitCode {
     }
     // The parser's message: `error: …`, maybe indented lines (the missing arguments) and
     // `tip:` lines, then the usage, which `--help` repeats.
+    eprintln!("error: {}", argument_error_line(err));
+    ExitCode::from(2)
+}
+
+/// The parser's refusal as one line (its tips and the missing arguments folded in).
+fn argument_error_line(err: &clap::Error) -> String {
     let text = err.render().to_string();
     let (mut message, mut tips) = (Vec::new(), Vec::new());
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
@@ -150,8 +156,21 @@ fn argument_error(err: &clap::Error) -> ExitCode {
     } else {
         format!(" ({})", tips.join("; "))
     };
-    eprintln!("error: {}{tips}; see --help", message.join(" "));
-    ExitCode::from(2)
+    format!("{}{tips}; see --help", message.join(" "))
+}
+
+/// Checks a job `ferrotext emulate` is to start on every host (the words after `--`) as this
+/// command line's parser reads it, before any network exists: one line saying why it would not
+/// start. A job may not be `emulate` itself.
+pub(crate) fn check_job(job: &[String]) -> Result<(), String> {
+    let argv = std::iter::once("ferrotext".to_string()).chain(job.iter().cloned());
+    match Cli::try_parse_from(argv) {
+        Ok(Cli {
+            command: Command::Emulate(_) | Command::EmulateAgent(_),
+        }) => Err("the job cannot be `emulate` itself: give the command each host runs".into()),
+        Ok(_) => Ok(()),
+        Err(err) => Err(format!("the job after `--`: {}", argument_error_line(&err))),
+    }
 }
 
 /// The exit code of a command that runs outside MPI.

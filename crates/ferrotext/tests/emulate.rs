@@ -326,6 +326,28 @@ fn bad_input_is_one_error_line_and_leaves_nothing() {
             &["--hosts", "2", "--", "train", "local_devices=4"],
             "local_devices=4",
         ),
+        // The job is read as ferrotext reads a command line before any network is made.
+        (
+            &["--hosts", "2", "--", "nonsense"],
+            "the job after `--`: unrecognized subcommand 'nonsense'",
+        ),
+        (
+            &[
+                "--hosts", "2", "--", "emulate", "--hosts", "2", "--", "train",
+            ],
+            "cannot be `emulate` itself",
+        ),
+        (
+            &[
+                "--hosts",
+                "2",
+                "--json",
+                "/proc/ferrotext-emulate/x.json",
+                "--",
+                "train",
+            ],
+            "--json: /proc/ferrotext-emulate/x.json cannot be written",
+        ),
     ];
     for (args, expect) in cases {
         let (out, pid) = run(emulate(args));
@@ -491,4 +513,45 @@ fn nothing_is_left_after_failure_signals_and_a_killed_run() {
     assert_nothing_left(next, "the next run");
     wait_gone(&inside, "the killed run's processes");
     wait_gone(&mpirun, "the killed run's mpirun");
+}
+
+/// Ctrl-C pressed again and again at a terminal (SIGINT to the launcher's whole process group,
+/// every 10 ms, through set-up, training and teardown) still ends with nothing left: the
+/// set-up and teardown helpers run in groups of their own, so the signal never kills one
+/// halfway (before, a namespace or the bridge was left in 3 of 5 tries).
+#[test]
+fn repeated_interrupts_to_the_process_group_leave_nothing() {
+    use std::os::unix::process::CommandExt;
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("emu-interrupts");
+    for delay_ms in [200u64, 1500] {
+        let out = format!("base_output_directory={}", dir.display());
+        let mut child = emulate(&[
+            "--hosts",
+            "2",
+            "--",
+            "train",
+            "model_name=qwen3-tiny",
+            "steps=100000",
+            "resume=fresh",
+            &out,
+        ])
+        .process_group(0)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("emulate starts");
+        let pid = child.id();
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while child.try_wait().expect("wait").is_none() {
+            assert!(Instant::now() < deadline, "emulate did not end");
+            let _ = Command::new("kill")
+                .args(["-INT", "--", &format!("-{pid}")])
+                .stderr(Stdio::null())
+                .status();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_nothing_left(pid, &format!("after interrupts from {delay_ms} ms"));
+    }
 }

@@ -32,6 +32,15 @@ use ferrotext_train::TrainConfig;
 use serde::Serialize;
 
 use crate::common::stats::median;
+
+/// `println!` that ignores a closed standard output (`| head`): the report is a courtesy, the
+/// teardown after it is not, and a panic would skip it.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
 use crate::common::{config_args, usage};
 use net::{LinkSpec, Network};
 use predict::Prediction;
@@ -112,6 +121,7 @@ impl Plan {
                 "no job: give the ferrotext command after `--`, e.g. `-- train steps=6`",
             ));
         };
+        crate::check_job(job).map_err(usage)?;
         let mut job = job.to_vec();
         let mut config = None;
         if command == "train" {
@@ -297,7 +307,8 @@ fn host_wire(net: &Network, host: usize) -> HostWire {
 
 /// Sends `signal` to `pid` (a process this command started).
 fn signal(pid: u32, signal: &str) {
-    let _ = Command::new("kill")
+    // In a group of its own: a Ctrl-C to this process's group must not end it before it sends.
+    let _ = std::os::unix::process::CommandExt::process_group(&mut Command::new("kill"), 0)
         .args([signal, &pid.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -446,8 +457,8 @@ struct Report<'a> {
 }
 
 fn print_table(run: &JobRun, prediction: Option<&Prediction>) {
-    println!("\nbytes on the emulated links per step (differences between step boundaries):");
-    println!(
+    say!("\nbytes on the emulated links per step (differences between step boundaries):");
+    say!(
         "{:<5} {:<15} {:>14} {:>14} {:>12} {:>16} {:>15} {:>10} {:>10}",
         "host",
         "address",
@@ -468,7 +479,7 @@ fn print_table(run: &JobRun, prediction: Option<&Prediction>) {
         } else {
             "-".into()
         };
-        println!(
+        say!(
             "{:<5} {:<15} {:>14} {:>14} {:>12.0} {:>16} {:>15} {:>10} {:>10.1}",
             h.host,
             h.address,
@@ -482,7 +493,7 @@ fn print_table(run: &JobRun, prediction: Option<&Prediction>) {
         );
     }
     if run.hosts.iter().all(|h| h.steps_measured == 0) {
-        println!("(no per-step numbers: they need a `train` job of at least 2 steps)");
+        say!("(no per-step numbers: they need a `train` job of at least 2 steps)");
     }
 }
 
@@ -494,6 +505,10 @@ fn print_table(run: &JobRun, prediction: Option<&Prediction>) {
 pub fn run(args: &EmulateArgs) -> Result<()> {
     let stop = install_signal_flag()?;
     let plan = Plan::new(args.hosts, args.devices_per_host, &args.link, &args.job)?;
+    if let Some(path) = &args.json {
+        // Found before the network is made and the job runs, as a run's own outputs are.
+        ferrotext_train::io::check_output_path("--json", path, false)?;
+    }
     preflight()?;
     let removed = net::remove_leftovers();
     if !removed.is_empty() {
@@ -507,7 +522,7 @@ pub fn run(args: &EmulateArgs) -> Result<()> {
         None => None,
     };
     let mut network = Network::create(plan.hosts, &plan.link)?;
-    println!(
+    say!(
         "emulated cluster: {} hosts × {} devices, link {}, subnet {} (namespaces {}..)",
         plan.hosts,
         plan.local,

@@ -138,7 +138,7 @@ pub fn has_net_admin() -> bool {
 
 /// Runs `program args`, failing with its stderr.
 fn sh(program: &str, args: &[&str]) -> Result<String> {
-    let out = Command::new(program)
+    let out = helper(program)
         .args(args)
         .output()
         .with_context(|| format!("running {program}"))?;
@@ -154,7 +154,18 @@ fn sh(program: &str, args: &[&str]) -> Result<String> {
 
 /// Runs `program args`, ignoring failure (teardown of what may already be gone).
 fn quiet(program: &str, args: &[&str]) {
-    let _ = Command::new(program).args(args).output();
+    let _ = helper(program).args(args).output();
+}
+
+/// A set-up or teardown helper (`ip`, `tc`, `kill`) in a process group of its own: a Ctrl-C
+/// sent to the launcher's group (pressed again while it tears down) reaches the launcher, which
+/// handles it, and not the helper halfway through removing a namespace or listing its
+/// processes — an `ip netns pids` killed there would read as "no processes left".
+fn helper(program: &str) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    cmd.process_group(0);
+    cmd
 }
 
 /// The names of one run's objects.
@@ -195,10 +206,19 @@ fn owner_of(name: &str) -> Option<u32> {
     rest.parse().ok()
 }
 
-/// True when `pid` is a live ferrotext process (a reused PID running something else does not
-/// count).
+/// True when `pid` is a live emulate launcher: a `ferrotext` process, or any binary started as
+/// `… emulate …` (a copy under another name owns its run as much); a reused PID running
+/// something else does not count.
 fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "ferrotext")
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    owns_a_run(comm.trim(), &cmdline)
+}
+
+/// Whether a process named `comm` with NUL-separated `cmdline` may own an emulate run.
+fn owns_a_run(comm: &str, cmdline: &[u8]) -> bool {
+    let subcommand = cmdline.split(|&b| b == 0).nth(1).unwrap_or_default();
+    comm == "ferrotext" || subcommand == b"emulate" || subcommand == b"emulate-agent"
 }
 
 /// Namespaces of emulate runs that exist now (every one, live owner or not).
@@ -609,6 +629,22 @@ fn tbf_burst_bytes(rate_bps: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run's owner is recognised under another binary name when it was started as
+    /// `… emulate`, so a second start does not take a live run's network for leftovers; a
+    /// reused PID running something else (the mirror) is not an owner.
+    #[test]
+    fn an_owner_is_a_ferrotext_or_an_emulate_launcher_under_any_name() {
+        assert!(owns_a_run("ferrotext", b"/x/ferrotext\0train\0"));
+        assert!(owns_a_run(
+            "ferrotext-mpi",
+            b"./ferrotext-mpi\0emulate\0--hosts\x002\0"
+        ));
+        assert!(owns_a_run("ft", b"/opt/ft\0emulate-agent\0"));
+        assert!(!owns_a_run("sleep", b"sleep\x00100\0"));
+        assert!(!owns_a_run("bash", b"bash\0-c\0echo emulate\0"));
+        assert!(!owns_a_run("", b""));
+    }
 
     #[test]
     fn the_bucket_is_a_millisecond_of_traffic_and_at_least_two_gso_packets() {
