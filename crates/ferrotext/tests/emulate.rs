@@ -389,13 +389,11 @@ fn running(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-/// Starts a long job and waits until its processes run inside the namespaces; returns the
-/// emulate child and the PIDs inside its namespaces.
-// The child is returned to the caller, which waits for it (clippy cannot follow it there).
-#[allow(clippy::zombie_processes)]
-fn start_long_job(dir: &Path) -> (Child, Vec<u32>) {
+/// `emulate` of a training job on 2 hosts at 1 Gbit/s that runs until it is stopped, its
+/// outputs under `dir` (not started).
+fn long_job(dir: &Path) -> Command {
     let out = format!("base_output_directory={}", dir.display());
-    let mut child = emulate(&[
+    emulate(&[
         "--hosts",
         "2",
         "--link",
@@ -407,10 +405,18 @@ fn start_long_job(dir: &Path) -> (Child, Vec<u32>) {
         "resume=fresh",
         &out,
     ])
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .spawn()
-    .expect("emulate starts");
+}
+
+/// Starts a long job and waits until its processes run inside the namespaces; returns the
+/// emulate child and the PIDs inside its namespaces.
+// The child is returned to the caller, which waits for it (clippy cannot follow it there).
+#[allow(clippy::zombie_processes)]
+fn start_long_job(dir: &Path) -> (Child, Vec<u32>) {
+    let mut child = long_job(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("emulate starts");
     let pid = child.id();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
@@ -525,22 +531,12 @@ fn repeated_interrupts_to_the_process_group_leave_nothing() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let dir = scratch("emu-interrupts");
     for delay_ms in [200u64, 1500] {
-        let out = format!("base_output_directory={}", dir.display());
-        let mut child = emulate(&[
-            "--hosts",
-            "2",
-            "--",
-            "train",
-            "model_name=qwen3-tiny",
-            "steps=100000",
-            "resume=fresh",
-            &out,
-        ])
-        .process_group(0)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("emulate starts");
+        let mut child = long_job(&dir)
+            .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("emulate starts");
         let pid = child.id();
         std::thread::sleep(Duration::from_millis(delay_ms));
         let deadline = Instant::now() + Duration::from_secs(120);

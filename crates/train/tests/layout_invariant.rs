@@ -182,7 +182,7 @@ fn a_checkpoint_resumes_on_another_layout_bitwise() {
             format!("run_name={run}"),
         ]
     };
-    let with = |layout, run: &str| {
+    let with_keys = |layout, run: &str, more: &[&str]| {
         let k = keys(run, &base);
         let mut extra: Vec<&str> = k.iter().map(String::as_str).collect();
         extra.extend_from_slice(&[
@@ -191,8 +191,10 @@ fn a_checkpoint_resumes_on_another_layout_bitwise() {
             "enable_checkpointing=true",
             "checkpoint_period=1",
         ]);
+        extra.extend_from_slice(more);
         config(layout, &extra)
     };
+    let with = |layout, run: &str| with_keys(layout, run, &[]);
     let whole = run(&with(LAYOUTS[0], "whole"));
     for to in &LAYOUTS[1..] {
         let name = format!("to-{}", to.0);
@@ -227,16 +229,11 @@ fn a_checkpoint_resumes_on_another_layout_bitwise() {
         },
     )
     .unwrap();
-    let k = keys(name, &base);
-    let mut extra: Vec<&str> = k.iter().map(String::as_str).collect();
-    extra.extend_from_slice(&[
-        "layout_invariant=true",
-        "opt_type=adamw",
-        "enable_checkpointing=true",
-        "checkpoint_period=1",
-        "per_device_batch_size=4",
-    ]);
-    let err = train(&config((1, 1), &extra), &RunOptions::default()).unwrap_err();
+    let err = train(
+        &with_keys((1, 1), name, &["per_device_batch_size=4"]),
+        &RunOptions::default(),
+    )
+    .unwrap_err();
     assert!(err.is_usage(), "{err}");
     assert!(
         err.to_string()
