@@ -22,12 +22,12 @@
 
 use ferrotext_sharding::ArrayType;
 
+use crate::array::bf16_operands;
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
-use crate::fused::bf16_operands;
 use crate::rules;
+use crate::tape::Backward;
 
 const OP: &str = "causal_attention";
 

@@ -9,9 +9,9 @@ use ferrotext_sharding::{ArrayType, DType, Mesh, NamedSharding, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
-use crate::autodiff::Tape;
-use crate::convert::CastMemo;
+use crate::cast_memo::CastMemo;
 use crate::error::SpmdError;
+use crate::tape::Tape;
 
 /// Whether ops compute data or only types and the collective trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -17,12 +17,12 @@ use ferrotext_tensor::{
 };
 
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
 use crate::manual::typing::{manual_dot_type, manual_without_out_sharding};
 use crate::reshard::same_layout;
 use crate::rules;
+use crate::tape::Backward;
 
 impl Ctx<'_> {
     /// `dot_general(lhs, rhs)` with output `[batch, lhs free, rhs free]` typed by `out_sharding`
