@@ -110,10 +110,11 @@ impl Ctx<'_> {
                 return self.cast(&out, dtype);
             }
         }
-        let out = if manual {
-            self.dot_general_untracked(lhs, rhs, dims, out_sharding)?
-        } else {
-            self.dot_general_typed(lhs, rhs, dims, out_sharding, preferred)?
+        // In a rematerialized region's replay, a product its policy saved is not recomputed.
+        let out = match self.replayed(&[lhs, rhs]) {
+            Some(saved) => saved,
+            None if manual => self.dot_general_untracked(lhs, rhs, dims, out_sharding)?,
+            None => self.dot_general_typed(lhs, rhs, dims, out_sharding, preferred)?,
         };
         self.record(
             Backward::Dot {

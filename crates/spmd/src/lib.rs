@@ -36,7 +36,8 @@ them.
 | `manual/collectives` | `pcast`, `psum`, `psum_scatter`, `all_gather`, `all_to_all` and their transposes |
 | `bucketed` | fused reshards of many arrays ([`BucketPlan`]) |
 | `flat` | values held in their buckets' flat buffers, accumulated and moved in place ([`BucketBuffers`]) |
-| `tape` | the tape: what each recorded op keeps for its transpose |
+| `tape` | the tape: what each recorded op keeps for its transpose; what a rematerialized region saves ([`SavePolicy`]) |
+| `remat` | rematerialized regions ([`Ctx::remat`], [`Ctx::checkpoint_name`]) and their transpose: the replay |
 | `autodiff` | `vjp`/`value_and_grad`, the reverse walk, gradients streamed to a [`GradientSink`] |
 | [`rules`] | the type rules outside regions |
 
@@ -95,6 +96,7 @@ mod fused;
 mod grouped;
 mod ids;
 mod manual;
+mod remat;
 mod reshard;
 pub mod rules;
 mod shape_ops;
@@ -102,6 +104,7 @@ mod structural;
 mod tape;
 
 pub use array::Array;
+pub use attention::AttentionSpec;
 pub use autodiff::GradientSink;
 pub use bucketed::{BucketPlan, StartedBucket};
 pub use ctx::{on_device, Ctx, Mode};
@@ -110,4 +113,6 @@ pub use flat::BucketBuffers;
 pub use fused::IGNORE_INDEX;
 pub use ids::Ids;
 pub use manual::{AxisState, GatherTo};
+pub use remat::RematFn;
 pub use rules::{BinaryOp, UnaryOp};
+pub use tape::SavePolicy;

@@ -6,8 +6,12 @@
 //! forward op. Every device records the same tape (same program, same types), so the walk
 //! issues the same collectives in the same order everywhere.
 
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use ferrotext_sharding::{ArrayType, DType};
-use ferrotext_tensor::{CrossEntropy, DotDims, Rope, Tensor};
+use ferrotext_tensor::{CrossEntropy, DotDims, KeyRanges, Rope, Scores, Tensor};
 
 use crate::array::Array;
 use crate::ids::Ids;
@@ -99,12 +103,18 @@ pub(crate) enum Backward {
         g: Array,
         u: Array,
     },
-    CausalAttention {
-        q: Array,
-        k: Array,
-        v: Array,
-        probs: Option<Tensor>,
-        scale: f32,
+    /// The tiled attention (boxed: it keeps four operands).
+    Attention(Box<AttentionSaved>),
+    /// A rematerialized region (`crate::remat`): its first output; the region itself is a
+    /// `remat::Region`, held opaquely.
+    Remat {
+        region: Arc<dyn Any + Send + Sync>,
+        outputs: usize,
+    },
+    /// Output `index ≥ 1` of the region whose first output is this node's input: its cotangent
+    /// joins the region's when the walk reaches it.
+    RematOutput {
+        index: usize,
     },
     GroupedMatmul {
         x: Array,
@@ -121,6 +131,20 @@ pub(crate) enum Backward {
         ce: Option<CrossEntropy>,
         z_loss: f32,
     },
+}
+
+/// What the tiled attention keeps for its transpose.
+#[derive(Debug)]
+pub(crate) struct AttentionSaved {
+    pub(crate) q: Array,
+    pub(crate) k: Array,
+    pub(crate) v: Array,
+    /// The output as stored (its row sums with the cotangent enter the backward).
+    pub(crate) out: Array,
+    /// `[B, H, T]` log-sum-exps of this device's rows (`None` in abstract mode).
+    pub(crate) lse: Option<Tensor>,
+    pub(crate) ranges: Option<Arc<KeyRanges>>,
+    pub(crate) scores: Scores,
 }
 
 /// One recorded op: the tape values it read (`None`: an input not being differentiated), what
@@ -144,4 +168,42 @@ impl Tape {
         self.nodes.push(node);
         self.nodes.len() - 1
     }
+}
+
+/// What a rematerialized region keeps from its forward pass (JAX's checkpoint policies, as
+/// MaxText's `remat_policy` names them): nothing (`full`), every product without batch
+/// dimensions (`minimal`: the projections' outputs), and values named by
+/// `Ctx::checkpoint_name` (`query_proj`, `key_proj`, `value_proj`, `out_proj`, `mlpwi`,
+/// `mlpwo`, `context`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SavePolicy {
+    /// Keep the outputs of `dot_general`s without batch dimensions.
+    pub dots_without_batch: bool,
+    /// Keep the values named so.
+    pub names: Vec<&'static str>,
+}
+
+impl SavePolicy {
+    /// Saves nothing: the whole region is recomputed (`full`).
+    pub fn nothing() -> SavePolicy {
+        SavePolicy::default()
+    }
+
+    pub(crate) fn saves_op(&self, backward: &Backward) -> bool {
+        self.dots_without_batch
+            && matches!(backward, Backward::Dot { dims, .. } if dims.lhs_batch.is_empty())
+    }
+}
+
+/// A context's rematerialization state: recording a region's forward (what to save, and what
+/// was), or replaying it (what was saved).
+#[derive(Debug)]
+pub(crate) enum RematState {
+    Forward {
+        policy: SavePolicy,
+        saved: HashMap<usize, Array>,
+    },
+    Replay {
+        saved: HashMap<usize, Array>,
+    },
 }

@@ -27,7 +27,7 @@ use ferrotext_sharding::PartitionSpec;
 use crate::array::Array;
 use crate::ctx::Ctx;
 use crate::error::{ShardingTypeError, SpmdError};
-use crate::tape::{Backward, Node, Tape};
+use crate::tape::{Backward, Node, RematState, Tape};
 
 mod into;
 mod sink;
@@ -49,6 +49,12 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         if let Some(tape) = &mut self.tape {
             if inputs.iter().any(|a| a.var.is_some()) {
+                let at = tape.nodes.len();
+                if let Some(RematState::Forward { policy, saved }) = &mut self.remat {
+                    if policy.saves_op(&backward) {
+                        saved.insert(at, out.with_type(out.ty().clone()));
+                    }
+                }
                 out.var = Some(tape.push(Node {
                     inputs: inputs.iter().map(|a| a.var).collect(),
                     backward,
@@ -59,7 +65,7 @@ impl Ctx<'_> {
         Ok(out)
     }
 
-    fn leaf(&mut self, x: &Array) -> Array {
+    pub(crate) fn leaf(&mut self, x: &Array) -> Array {
         let tape = self.tape.get_or_insert_with(Tape::default);
         let mut leaf = x.clone();
         leaf.var = Some(tape.push(Node {

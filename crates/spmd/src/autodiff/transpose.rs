@@ -22,7 +22,9 @@ impl Ctx<'_> {
         let need = |i: usize| needed.get(i).copied().unwrap_or(false);
         let one = |x: Array| vec![Some(x)];
         Ok(match backward {
-            Backward::Leaf => Vec::new(),
+            // Leaves keep their cotangent; regions are walked by the walk itself (they need the
+            // sink).
+            Backward::Leaf | Backward::Remat { .. } | Backward::RematOutput { .. } => Vec::new(),
             Backward::Unary { op, x, out } => one(self.unary_transpose(*op, x, out, ct)?),
             Backward::Binary { op, a, b, out } => self
                 .binary_transpose(*op, (a, b, out), ct, [need(0), need(1)])?
@@ -62,15 +64,14 @@ impl Ctx<'_> {
                 let [dg, du] = self.swiglu_transpose(g, u, ct)?;
                 vec![Some(dg), Some(du)]
             }
-            Backward::CausalAttention {
-                q,
-                k,
-                v,
-                probs,
-                scale,
-            } => {
-                let [dq, dk, dv] =
-                    self.causal_attention_transpose(q, k, v, probs.as_ref(), *scale, ct)?;
+            Backward::Attention(a) => {
+                let [dq, dk, dv] = self.attention_transpose(
+                    [&a.q, &a.k, &a.v, &a.out],
+                    a.lse.as_ref(),
+                    a.ranges.as_deref(),
+                    a.scores,
+                    ct,
+                )?;
                 vec![Some(dq), Some(dk), Some(dv)]
             }
             Backward::GroupedMatmul { x, w, group_sizes } => {

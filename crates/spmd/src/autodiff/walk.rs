@@ -2,6 +2,8 @@
 //! transpose, contributions of equal type added without communication (R4.4), and each leaf's
 //! gradient given to the sink as soon as no node still to be walked can add to it.
 
+use std::collections::HashMap;
+
 use super::into::{adds_in_place, sink_targets, Into};
 use super::uses::Uses;
 use super::GradientSink;
@@ -20,6 +22,8 @@ struct Walk {
     sunk: Vec<bool>,
     /// Per leaf: the sink was told it is final.
     handed: Vec<bool>,
+    /// Per rematerialized region (its node): the cotangents of its outputs after the first.
+    region_cts: HashMap<usize, Vec<(usize, Array)>>,
 }
 
 impl Ctx<'_> {
@@ -34,6 +38,19 @@ impl Ctx<'_> {
         leaves: &[Array],
         sink: &mut dyn GradientSink,
     ) -> Result<Vec<Option<Array>>, SpmdError> {
+        let seeds = out.var.map(|v| (v, seed)).into_iter().collect();
+        self.backward_from(tape, seeds, leaves, sink)
+    }
+
+    /// [`Ctx::backward`] from several seeds: `(tape value, its cotangent)` each (a
+    /// rematerialized region's outputs).
+    pub(crate) fn backward_from(
+        &mut self,
+        tape: Tape,
+        seeds: Vec<(usize, Array)>,
+        leaves: &[Array],
+        sink: &mut dyn GradientSink,
+    ) -> Result<Vec<Option<Array>>, SpmdError> {
         // Ops recorded by the profiler during the walk count as backward.
         let _phase = ferrotext_profile::phase_scope(ferrotext_profile::Phase::Backward);
         let n = tape.nodes.len();
@@ -43,14 +60,29 @@ impl Ctx<'_> {
             leaf_cts: (0..n).map(|_| None).collect(),
             sunk: vec![false; n],
             handed: vec![false; leaves.len()],
+            region_cts: HashMap::new(),
         };
-        if let Some(v) = out.var {
+        for (v, seed) in seeds {
             walk.cts[v] = Some(seed);
         }
         for i in (0..n).rev() {
-            if let Some(ct) = walk.cts[i].take() {
-                let into = sink_targets(&tape, &uses, &walk.cts, i);
-                self.backward_node(&tape, i, ct, &mut walk, sink, &into)?;
+            let ct = walk.cts[i].take();
+            match &tape.nodes[i].backward {
+                Backward::RematOutput { index } => {
+                    if let (Some(ct), Some(Some(region))) = (ct, tape.nodes[i].inputs.first()) {
+                        walk.region_cts
+                            .entry(*region)
+                            .or_default()
+                            .push((*index, ct));
+                    }
+                }
+                Backward::Remat { .. } => self.region_node(&tape, &uses, i, ct, &mut walk, sink)?,
+                _ => {
+                    if let Some(ct) = ct {
+                        let into = sink_targets(&tape, &uses, &walk.cts, i);
+                        self.backward_node(&tape, i, ct, &mut walk, sink, &into)?;
+                    }
+                }
             }
             self.finish_leaves(&uses, i, &mut walk, sink)?;
         }
@@ -98,6 +130,68 @@ impl Ctx<'_> {
             } else if let Some(ct) = &walk.leaf_cts[v] {
                 sink.finished(self, k, Some(ct))?;
                 walk.handed[k] = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Walks a rematerialized region's node `i` (see `crate::remat`): its outputs' cotangents
+    /// (`ct` the first's), the region replayed and walked, its inputs' cotangents passed on —
+    /// those of parameters whose whole gradient comes from the region offered to `sink`'s
+    /// buffers by the replay's walk.
+    fn region_node(
+        &mut self,
+        tape: &Tape,
+        uses: &Uses,
+        i: usize,
+        ct: Option<Array>,
+        walk: &mut Walk,
+        sink: &mut dyn GradientSink,
+    ) -> Result<(), SpmdError> {
+        let node = &tape.nodes[i];
+        let Backward::Remat { region, outputs } = &node.backward else {
+            return Ok(());
+        };
+        let extra = walk.region_cts.remove(&i).unwrap_or_default();
+        if ct.is_none() && extra.is_empty() {
+            return Ok(());
+        }
+        let mut cts: Vec<Option<Array>> = (0..*outputs).map(|_| None).collect();
+        cts[0] = ct;
+        for (j, c) in extra {
+            if let Some(slot) = cts.get_mut(j) {
+                *slot = Some(c);
+            }
+        }
+        let mut sink_of = vec![None; node.inputs.len()];
+        for t in sink_targets(tape, uses, &walk.cts, i) {
+            if !t.through_cast {
+                sink_of[t.side] = Some(t.k);
+            }
+        }
+        let grads = self.remat_transpose(region, cts, sink, &sink_of)?;
+        for ((input, g), into_sink) in node.inputs.iter().zip(grads).zip(&sink_of) {
+            let Some(v) = *input else {
+                continue;
+            };
+            match g {
+                None if into_sink.is_some() => walk.sunk[v] = true,
+                None => {
+                    return Err(SpmdError::Internal {
+                        op: "remat",
+                        invariant: "only a parameter offered to the sink goes into its buffer",
+                    })
+                }
+                Some(g) => {
+                    let expected = tape.nodes[v].ty.to_cotangent();
+                    if g.ty() != &expected {
+                        return Err(ShardingTypeError::cotangent("remat", &expected, g.ty()).into());
+                    }
+                    walk.cts[v] = Some(match walk.cts[v].take() {
+                        None => g,
+                        Some(acc) => self.add_contributions(acc, g)?,
+                    });
+                }
             }
         }
         Ok(())
