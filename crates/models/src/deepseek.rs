@@ -14,8 +14,9 @@ use ferrotext_tensor::Rope;
 
 use crate::decoder::{matrix, norm_scale, Config};
 use crate::kv_cache::KvSlot;
-use crate::nn::{causal_attention, linear, rms_norm};
+use crate::nn::{causal_attention, linear, linear_named, rms_norm};
 use crate::params::ParamInfo;
+use crate::remat;
 
 /// Multi-head latent attention in place of GQA (DeepSeek; MaxText's MLA keys).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -211,7 +212,7 @@ pub fn mla_attention(
     // 1. queries through their latent: [B, T, H, nope | rope]
     let cq = linear(cx, x, w.wq_a)?;
     let cq = rms_norm(cx, &cq, w.q_norm, dims.eps)?;
-    let q = linear(cx, &cq, w.wq_b)?;
+    let q = linear_named(cx, &cq, w.wq_b, remat::QUERY_PROJ)?;
     let q = cx.reshape(&q, &[b, t, h, nope + rope], None)?;
     let start = cache.as_ref().map_or(0, |c| c.len());
     // RoPE on each head's tail only: the bits of slicing `rope` off, rotating it and
@@ -226,7 +227,8 @@ pub fn mla_attention(
     let k_rope = cx.reshape(&k_rope, &[b, t, rope], None)?;
     let k_rope = cx.broadcast_in_dim(&k_rope, &[b, t, h, rope], &[0, 1, 3], None)?;
     let c = rms_norm(cx, &c, w.kv_norm, dims.eps)?;
-    let kv = linear(cx, &c, w.wkv_b)?;
+    let kv = linear_named(cx, &c, w.wkv_b, remat::KEY_PROJ)?;
+    let kv = cx.checkpoint_name(&kv, remat::VALUE_PROJ);
     let kv = cx.reshape(&kv, &[b, t, h, nope + vd], None)?;
     let k_nope = cx.slice(&kv, 3, 0, nope)?;
     let v = cx.slice(&kv, 3, nope, nope + vd)?;
@@ -244,5 +246,5 @@ pub fn mla_attention(
     } else {
         causal_attention(cx, &q, &k, &v, scale)?
     };
-    linear(cx, &out, w.out)
+    linear_named(cx, &out, w.out, remat::OUT_PROJ)
 }

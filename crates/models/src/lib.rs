@@ -23,7 +23,9 @@ pub mod mtp;
 pub mod nn;
 mod params;
 mod presets;
+pub mod remat;
 pub mod router;
 
 pub use kv_cache::{KvCache, KvSlot};
 pub use params::{init_normal, HfLayout, HfLayoutError, Init, ParamInfo, Rng};
+pub use remat::RematPolicy;

@@ -7,6 +7,7 @@ use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::{DotDims, Rope};
 
 use crate::kv_cache::KvSlot;
+use crate::remat;
 
 /// How activations are laid out: the mesh axes the batch dim is split over.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,7 +73,22 @@ fn linear_out_spec(x: &Array, w: &Array) -> PartitionSpec {
     PartitionSpec::new(dims)
 }
 
-/// [`linear`], plus `bias` (`[out]`) on every row when given. The bias is laid out like the
+/// [`linear`], its product named `name` for the rematerialization policies
+/// ([`Ctx::checkpoint_name`]: a policy that keeps `name` saves it instead of recomputing it).
+///
+/// # Errors
+/// The dot_general type errors.
+pub fn linear_named(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    w: &Array,
+    name: &'static str,
+) -> Result<Array, SpmdError> {
+    let y = linear(cx, x, w)?;
+    Ok(cx.checkpoint_name(&y, name))
+}
+
+/// [`linear_named`], plus `bias` (`[out]`) on every row when given. The bias is laid out like the
 /// product's last dim (its tags kept) and added with broadcasting, so its gradient is the sum
 /// over the leading dims of the product's cotangent: left unreduced over the batch axes when
 /// the bias enters tagged reduced (deferral), all-reduced over them otherwise.
@@ -84,8 +100,9 @@ pub fn linear_bias(
     x: &Array,
     w: &Array,
     bias: Option<&Array>,
+    name: &'static str,
 ) -> Result<Array, SpmdError> {
-    let y = linear(cx, x, w)?;
+    let y = linear_named(cx, x, w, name)?;
     let Some(b) = bias else {
         return Ok(y);
     };
@@ -177,11 +194,11 @@ pub fn attention(
     let (b, t) = (x.shape()[0], x.shape()[1]);
     let (h, kv, hd) = (dims.heads, dims.kv_heads, dims.head_dim);
     // 1. projections: q [B, T, H, hd], k/v [B, T, KV, hd] (heads split over `tensor` if any)
-    let q = linear_bias(cx, x, w.q_proj, w.q_bias)?;
+    let q = linear_bias(cx, x, w.q_proj, w.q_bias, remat::QUERY_PROJ)?;
     let q = cx.reshape(&q, &[b, t, h, hd], None)?;
-    let k = linear_bias(cx, x, w.k_proj, w.k_bias)?;
+    let k = linear_bias(cx, x, w.k_proj, w.k_bias, remat::KEY_PROJ)?;
     let k = cx.reshape(&k, &[b, t, kv, hd], None)?;
-    let v = linear_bias(cx, x, w.v_proj, w.v_bias)?;
+    let v = linear_bias(cx, x, w.v_proj, w.v_bias, remat::VALUE_PROJ)?;
     let v = cx.reshape(&v, &[b, t, kv, hd], None)?;
     // 2. QK-norm (when the family has it), then RoPE (rotate-half)
     let q = match w.q_norm {
@@ -212,7 +229,7 @@ pub fn attention(
     if s == t && cx.attention_fits(&q, &k, &v) {
         let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), None)?;
         let out = cx.reshape(&out, &[b, t, h * hd], None)?;
-        return linear(cx, &out, w.o_proj);
+        return linear_named(cx, &out, w.o_proj, remat::OUT_PROJ);
     }
     // 4. GQA: each kv head serves heads/kv query heads
     let (k, v) = if kv == h {
@@ -228,7 +245,7 @@ pub fn attention(
     };
     // 5. causal attention with the usual 1/√hd scale, then o_proj
     let out = causal_attention(cx, &q, &k, &v, scale)?;
-    linear(cx, &out, w.o_proj)
+    linear_named(cx, &out, w.o_proj, remat::OUT_PROJ)
 }
 
 /// The heads' causal attention: `q` `[B, T, H, qk]`, `k` `[B, S, H, qk]` and `v`
@@ -278,8 +295,8 @@ pub fn swiglu(
     up: &Array,
     down: &Array,
 ) -> Result<Array, SpmdError> {
-    let g = linear(cx, x, gate)?;
-    let u = linear(cx, x, up)?;
+    let g = linear_named(cx, x, gate, remat::MLPWI_0)?;
+    let u = linear_named(cx, x, up, remat::MLPWI_1)?;
     let a = cx.swiglu(&g, &u)?;
-    linear(cx, &a, down)
+    linear_named(cx, &a, down, remat::MLPWO)
 }

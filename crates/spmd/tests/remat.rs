@@ -131,8 +131,16 @@ fn the_region_is_recomputed_in_the_backward_unless_its_product_is_saved() {
         assert_eq!(recomputed_over(&full[device].1, "tensor"), 1);
         // Saved by name: that product is not recomputed, so neither is its collective; the
         // sum still is.
-        assert_eq!(recomputed_over(&saved[device].1, "tensor"), 0, "device {device}");
-        assert_eq!(recomputed_over(&saved[device].1, "data"), 1, "device {device}");
+        assert_eq!(
+            recomputed_over(&saved[device].1, "tensor"),
+            0,
+            "device {device}"
+        );
+        assert_eq!(
+            recomputed_over(&saved[device].1, "data"),
+            1,
+            "device {device}"
+        );
         let all = |t: &Trace| t.count(CollectiveKind::AllReduce, &PhasePattern::any());
         assert_eq!(all(&full[device].1), all(&inline[device].1) + 2);
     }

@@ -84,6 +84,7 @@ impl TrainConfig {
         let precision = self.precision()?;
         let decoder = Decoder::new(self.model()?)
             .and_then(|d| d.with_compute_dtype(precision.dtype.array_dtype()))
+            .map(|d| d.with_remat(self.remat_policy))
             .map_err(|e| TrainError::usage("model_name", e.to_string()))?;
         self.check_scalars()?;
         let mesh = self.mesh()?;

@@ -40,10 +40,12 @@ use crate::moe::{MoeConfig, RouterScore};
 pub use crate::mtp::LossSum;
 use crate::nn::{self, ActivationLayout};
 use crate::params::ParamInfo;
+use crate::remat::RematPolicy;
 pub use crate::router::GroupLimit;
 
 mod forward;
 mod loss;
+mod region;
 mod weights;
 
 use forward::reduced_over;
@@ -177,6 +179,8 @@ pub struct Decoder {
     weights: Weights<ParamInfo>,
     /// The dtype of the activations and matmul inputs (MaxText's `dtype`); weights stay f32.
     compute_dtype: DType,
+    /// What the backward keeps of each layer (MaxText's `remat_policy`).
+    remat: RematPolicy,
 }
 
 impl Decoder {
@@ -262,6 +266,7 @@ impl Decoder {
             cfg,
             weights,
             compute_dtype: DType::F32,
+            remat: RematPolicy::None,
         })
     }
 
@@ -290,6 +295,19 @@ impl Decoder {
     /// said otherwise).
     pub fn compute_dtype(&self) -> DType {
         self.compute_dtype
+    }
+
+    /// This decoder keeping of each layer, for the backward, what `policy` says (MaxText's
+    /// `remat_policy`; [`crate::remat`]): the rest is recomputed from the layer's input, with
+    /// the same bits. Decoding with a key/value cache never recomputes.
+    pub fn with_remat(mut self, policy: RematPolicy) -> Decoder {
+        self.remat = policy;
+        self
+    }
+
+    /// What the backward keeps of each layer.
+    pub fn remat(&self) -> RematPolicy {
+        self.remat
     }
 
     /// The weight declarations, as a structure.
@@ -516,9 +534,15 @@ impl Decoder {
         // 2. the layers: x [B@batch, T, d] each
         let mut aux: Option<Array> = None;
         let mut loads = Vec::new();
+        let save = self.remat.save_policy();
         for (i, layer) in w.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().and_then(|k| k.slot(i));
-            x = layer.forward(cx, &x, c, &mut aux, &mut loads, slot)?;
+            x = match (&save, slot) {
+                (Some(policy), None) => {
+                    self.layer_region(cx, i, layer, &x, policy, (&mut aux, &mut loads))?
+                }
+                (_, slot) => layer.forward(cx, &x, c, &mut aux, &mut loads, slot)?,
+            };
         }
         // the final norm
         let x = nn::rms_norm(cx, &x, w.norm, c.normalization_layer_epsilon)?;

@@ -90,6 +90,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "save_parameters_path",
     "save_parameters_dtype",
     "dtype",
+    "remat_policy",
     "matmul_bf16_fallback",
     "base_output_directory",
     "run_name",

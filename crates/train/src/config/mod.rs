@@ -16,6 +16,7 @@
 //! Invariant: a [`TrainConfig`] is plain data; every check lives in `validate.rs` and runs once,
 //! from [`TrainConfig::plan`], so the rest of the trainer never branches on a bad combination.
 
+use ferrotext_models::RematPolicy;
 use serde::{Deserialize, Serialize};
 
 mod derived;
@@ -157,6 +158,12 @@ pub struct TrainConfig {
     pub moe_withhold_tags: bool,
     /// Weight of the z-loss `(log Z)²` per token (0 disables).
     pub z_loss_multiplier: f64,
+    /// What the backward keeps of each decoder layer (MaxText's `remat_policy`; the rest is
+    /// recomputed from the layer's input, with the same bits). ferrotext's default is `none`,
+    /// not MaxText's `full`: a run that does not fit is refused before it starts, naming the
+    /// policy that would fit, and recomputing costs a third more compute on a machine where
+    /// memory is rarely the limit at the lengths most runs use.
+    pub remat_policy: RematPolicy,
     /// Multi-token-prediction depth (MaxText's `mtp_num_layers`): 0 none, 1 DeepSeek-V3's module
     /// after the last layer, trained beside the main loss.
     pub mtp_num_layers: usize,
@@ -347,6 +354,7 @@ impl Default for TrainConfig {
             routed_bias_update_rate: 0.0,
             moe_withhold_tags: false,
             z_loss_multiplier: 0.0,
+            remat_policy: RematPolicy::None,
             mtp_num_layers: 0,
             mtp_loss_scaling_factor: 0.1,
             local_devices: 4,

@@ -1,0 +1,130 @@
+//! `remat_policy`: every policy gives the loss and every gradient of `none` bit for bit (the
+//! replay repeats the same arithmetic), on data=2 with the weights tagged `{R:data}` (their
+//! gradients per-device partial sums), in f32 and bf16, for a dense Qwen3 (tied and untied) and a
+//! DeepSeek-style model (MLA, YaRN, MoE with a load-balance loss: a layer with two outputs). The
+//! mirror: a model whose layers differ (another seed) gives other bits, so the comparison can
+//! fail.
+
+use std::sync::Arc;
+
+use ferrotext_comm::{run_spmd, SpmdOptions};
+use ferrotext_models::decoder::{Config, Decoder, GroupLimit, MlaSettings, MoeSettings};
+use ferrotext_models::moe::RouterScore;
+use ferrotext_models::{init_normal, RematPolicy};
+use ferrotext_sharding::{DType, Mesh, NamedSharding, PartitionSpec};
+use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_tensor::Yarn;
+
+fn qwen3(tied: bool) -> Config {
+    let mut c = Config::preset("qwen3-tiny").unwrap();
+    c.vocab_size = 17;
+    c.base_emb_dim = 16;
+    c.base_num_decoder_layers = 3;
+    c.base_num_query_heads = 4;
+    c.base_num_kv_heads = 2;
+    c.head_dim = 4;
+    c.base_mlp_dim = 24;
+    c.logits_via_embedding = tied;
+    c
+}
+
+fn deepseek() -> Config {
+    let mut c = qwen3(false);
+    c.qk_norm = false;
+    c.mla = Some(MlaSettings {
+        q_lora_rank: 6,
+        kv_lora_rank: 4,
+        qk_nope_head_dim: 4,
+        qk_rope_head_dim: 4,
+        v_head_dim: 3,
+        rope_interleave: true,
+    });
+    c.rope_yarn = Some(Yarn {
+        factor: 4.0,
+        original_max_position: 8,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: 1.0,
+        attention_factor: 1.0,
+    });
+    c.moe = Some(MoeSettings {
+        num_experts: 4,
+        num_experts_per_tok: 2,
+        moe_mlp_dim: 6,
+        shared_experts: 1,
+        first_num_dense_layers: 1,
+        score: RouterScore::Sigmoid,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.5,
+        load_balance_loss_weight: 0.01,
+        groups: GroupLimit::default(),
+        routed_bias: false,
+        withhold_tags: false,
+    });
+    c
+}
+
+const B: usize = 4;
+const T: usize = 9;
+
+/// Each device's loss bits and its gradients' local bits (partial sums over `data`).
+fn run(model: &Decoder, seed: u64) -> Vec<(u32, Vec<Vec<u32>>)> {
+    let mesh = Arc::new(Mesh::explicit([("data", 2)]).unwrap());
+    let vocab = model.config().vocab_size as u32;
+    run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+        let mut cx = Ctx::new(dev.comm(), 1);
+        let reduced = PartitionSpec::replicated().with_reduced(["data"]).unwrap();
+        let sharding = NamedSharding::new(mesh.clone(), reduced).unwrap();
+        let params: Vec<Array> = model
+            .params()
+            .iter()
+            .enumerate()
+            .map(|(i, p)| cx.from_global(&init_normal(p, seed, i), sharding.clone()))
+            .collect::<Result<_, _>>()?;
+        let tokens: Vec<u32> = (0..B * T).map(|i| (i as u32 * 7 + 3) % vocab).collect();
+        let targets: Vec<u32> = (0..B * T).map(|i| (i as u32 * 5 + 1) % vocab).collect();
+        let batch = PartitionSpec::new([Some("data"), None]);
+        let ids = cx.ids_from_global(&[B, T], batch.clone(), &tokens)?;
+        let tgt = cx.ids_from_global(&[B, T], batch, &targets)?;
+        let (loss, grads) =
+            cx.value_and_grad(&params, |cx, ps| model.loss_sum(cx, ps, &ids, &tgt))?;
+        let bits = |a: &Array| -> Result<Vec<u32>, SpmdError> {
+            Ok(a.local()?.data().iter().map(|v| v.to_bits()).collect())
+        };
+        let grads = grads.iter().map(bits).collect::<Result<_, _>>()?;
+        Ok::<_, SpmdError>((loss.scalar()?.to_bits(), grads))
+    })
+    .unwrap()
+}
+
+fn check(cfg: Config, dtype: DType) {
+    let build = |p| {
+        Decoder::new(cfg.clone())
+            .unwrap()
+            .with_compute_dtype(dtype)
+            .unwrap()
+            .with_remat(p)
+    };
+    let none = run(&build(RematPolicy::None), 3);
+    for policy in RematPolicy::ALL {
+        assert_eq!(
+            run(&build(policy), 3),
+            none,
+            "{policy} differs from none ({dtype})"
+        );
+    }
+    // The mirror: other weights, other bits.
+    assert_ne!(run(&build(RematPolicy::Full), 4), none);
+}
+
+#[test]
+fn every_policy_gives_the_bits_of_none_dense_f32_and_bf16() {
+    check(qwen3(true), DType::F32);
+    check(qwen3(false), DType::BF16);
+}
+
+#[test]
+fn every_policy_gives_the_bits_of_none_mla_moe() {
+    check(deepseek(), DType::F32);
+    check(deepseek(), DType::BF16);
+}
