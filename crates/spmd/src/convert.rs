@@ -37,14 +37,7 @@ impl Ctx<'_> {
         if x.ty().dtype() == dtype {
             return Ok(x.clone());
         }
-        let out = match self.casts.get(x, dtype) {
-            Some(hit) => hit.with_type(rules::cast_type(x.ty(), dtype)?),
-            None => {
-                let out = self.cast_untracked(x, dtype)?;
-                self.casts.keep(x, dtype, &out);
-                out
-            }
-        };
+        let out = self.cast_remembered(x, dtype)?;
         self.record(
             Backward::Cast {
                 from: x.ty().dtype(),
@@ -52,6 +45,19 @@ impl Ctx<'_> {
             &[x],
             out,
         )
+    }
+
+    /// [`Ctx::cast`] without recording: the remembered cast when `x` is a registered source
+    /// ([`Ctx::remember_casts`]), else computed (and remembered when it should be).
+    pub(crate) fn cast_remembered(&mut self, x: &Array, dtype: DType) -> Result<Array, SpmdError> {
+        Ok(match self.casts.get(x, dtype) {
+            Some(hit) => hit.with_type(rules::cast_type(x.ty(), dtype)?),
+            None => {
+                let out = self.cast_untracked(x, dtype)?;
+                self.casts.keep(x, dtype, &out);
+                out
+            }
+        })
     }
 
     pub(crate) fn cast_untracked(&mut self, x: &Array, dtype: DType) -> Result<Array, SpmdError> {

@@ -554,7 +554,7 @@ impl Ctx<'_> {
 
 /// `ids` with [`IGNORE_INDEX`] replaced by 0 (a valid row to read), and the mask that is 0 at
 /// those tokens and 1 elsewhere.
-fn split_ignored(ids: &[u32]) -> (Vec<u32>, Vec<f32>) {
+pub(crate) fn split_ignored(ids: &[u32]) -> (Vec<u32>, Vec<f32>) {
     let safe = ids
         .iter()
         .map(|&i| if i == IGNORE_INDEX { 0 } else { i })

@@ -30,6 +30,7 @@ them.
 | `structural` | `slice`, `concat`, `take`, `select` and their transposes |
 | `ids` | [`Ids`]: index arrays (token ids, targets) |
 | `fused` | RMSNorm, RoPE, softmax, SwiGLU, cross-entropy ([`IGNORE_INDEX`]) and their transposes |
+| `head_loss` | the LM head's cross-entropy tiled over the tokens ([`HeadLoss`]) and its transpose |
 | `grouped` | `take_rows`, `grouped_matmul` (MoE, inside a region) and their transposes |
 | `manual/typing` | the type rules inside a `shard_map` region ([`AxisState`]) |
 | `manual/region` | `shard_map` and the boundary's transposes |
@@ -94,6 +95,7 @@ mod error;
 mod flat;
 mod fused;
 mod grouped;
+mod head_loss;
 mod ids;
 mod manual;
 mod remat;
@@ -111,6 +113,7 @@ pub use ctx::{on_device, Ctx, Mode};
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
 pub use flat::BucketBuffers;
 pub use fused::IGNORE_INDEX;
+pub use head_loss::HeadLoss;
 pub use ids::Ids;
 pub use manual::{AxisState, GatherTo};
 pub use remat::RematFn;

@@ -14,6 +14,7 @@ use ferrotext_sharding::{ArrayType, DType};
 use ferrotext_tensor::{CrossEntropy, DotDims, KeyRanges, Rope, Scores, Tensor};
 
 use crate::array::Array;
+use crate::head_loss::HeadLoss;
 use crate::ids::Ids;
 use crate::manual::op::ManualOp;
 use crate::rules::{BinaryOp, UnaryOp};
@@ -105,6 +106,8 @@ pub(crate) enum Backward {
     },
     /// The tiled attention (boxed: it keeps four operands).
     Attention(Box<AttentionSaved>),
+    /// The LM head's cross-entropy over tiles of tokens (boxed: it keeps its operands).
+    HeadLoss(Box<HeadLossSaved>),
     /// A rematerialized region (`crate::remat`): its first output; the region itself is a
     /// `remat::Region`, held opaquely.
     Remat {
@@ -145,6 +148,15 @@ pub(crate) struct AttentionSaved {
     pub(crate) lse: Option<Tensor>,
     pub(crate) ranges: Option<Arc<KeyRanges>>,
     pub(crate) scores: Scores,
+}
+
+/// What the tiled LM head's cross-entropy keeps for its transpose: its operands (no logits).
+#[derive(Debug)]
+pub(crate) struct HeadLossSaved {
+    pub(crate) h: Array,
+    pub(crate) w: Array,
+    pub(crate) targets: Ids,
+    pub(crate) spec: HeadLoss,
 }
 
 /// One recorded op: the tape values it read (`None`: an input not being differentiated), what

@@ -94,6 +94,7 @@ pub const KEYS: &[Key] = &[
     key("moe_withhold_tags", Model, "true|false", "diagnostic: drop the expert weights' reduced tags (gradients all-reduced every micro-batch)"),
     key("z_loss_multiplier", Model, "float ≥ 0", "weight of the z-loss (log Z)² per token (0 disables)"),
     key("remat_policy", Model, "none|full|minimal|save_dot_except_mlp|save_dot_except_mlpwi|save_qkv_proj|save_out_proj", "what the backward keeps of each layer (the rest is recomputed, same bits): none everything, full only the layer's input, minimal the projections' outputs"),
+    key("num_vocab_tiling", Model, "integer ≥ 1", "tiles of each device's tokens the LM head's loss is computed over: the [tokens, vocab] logits never exist whole (1: untiled)"),
     key("mtp_num_layers", Model, "0|1", "multi-token prediction: 1 trains DeepSeek-V3's module (model.layers.{L}.*) predicting the token two ahead; 0 none"),
     key("mtp_loss_scaling_factor", Model, "float ≥ 0", "weight of the MTP loss (per-token mean) added to the main loss"),
     key("dtype", Precision, "bfloat16|float32", "activations between ops and matmul inputs (MaxText's default: bfloat16); norms' statistics, logits, loss, router scores and the optimizer stay float32"),

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrotext_models::decoder::Decoder;
-use ferrotext_models::ParamInfo;
+use ferrotext_models::{ParamInfo, RematPolicy};
 use ferrotext_sharding::{AxisType, DType, LogicalAxisRules, Mesh, PartitionSpec};
 
 use crate::config::{
@@ -84,7 +84,10 @@ impl TrainConfig {
         let precision = self.precision()?;
         let decoder = Decoder::new(self.model()?)
             .and_then(|d| d.with_compute_dtype(precision.dtype.array_dtype()))
-            .map(|d| d.with_remat(self.remat_policy))
+            .map(|d| {
+                d.with_remat(self.remat_policy)
+                    .with_vocab_tiling(self.num_vocab_tiling)
+            })
             .map_err(|e| TrainError::usage("model_name", e.to_string()))?;
         self.check_scalars()?;
         let mesh = self.mesh()?;
@@ -308,19 +311,41 @@ impl RunPlan {
         let (d, f) = (m.base_emb_dim as f64, m.base_mlp_dim as f64);
         let heads = m.base_num_query_heads as f64;
         let layers = m.base_num_decoder_layers as f64;
-        // Kept for the backward pass per layer: ~16 d-wide and 4 f-wide values per token, and
-        // the attention probabilities; then the logits, their softmax and gradient.
-        let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
-        // In bf16 each weight's bf16 copy (cast at use) is kept for the backward too.
         let dtype = self.precision().dtype.array_dtype();
         let kept = dtype.size_bytes() as f64;
-        let copies = if dtype == DType::F32 {
-            0.0
-        } else {
-            local * kept
+        // What one layer's backward needs: ~16 d-wide and 4 f-wide values per token, and the
+        // tiled attention's log-sum-exps (f32, one per head and token; no T×T scores).
+        let whole_layer = tokens * (16.0 * d + 4.0 * f) * kept + tokens * heads * 4.0;
+        // Kept per layer across the step: all of it without rematerialization; else the
+        // layer's input and what the policy saves, plus one layer's whole set while its
+        // backward recomputes it.
+        let (per_layer, recompute) = match self.decoder().remat() {
+            RematPolicy::None => (whole_layer, 0.0),
+            policy => {
+                let q = (m.base_num_query_heads * m.head_dim) as f64;
+                let kv = (m.base_num_kv_heads * m.head_dim) as f64;
+                let saved = policy.kept_widths(q as usize, kv as usize, d as usize, f as usize);
+                (tokens * (d + saved as f64) * kept, whole_layer)
+            }
         };
-        let activation_bytes =
-            layers * per_layer * kept + 3.0 * tokens * m.vocab_size as f64 * 4.0 + copies;
+        // In bf16 each weight's bf16 copy (cast at use) is kept for the backward too — for
+        // the whole step without rematerialization; with it, a layer's for its region only.
+        let copies = match (dtype, self.decoder().remat()) {
+            (DType::F32, _) => 0.0,
+            (_, RematPolicy::None) => local * kept,
+            _ => (2.0 * m.vocab_size as f64 * d + local / layers) * kept,
+        };
+        // The logits, their softmax and gradient, in f32: whole, or one tile's (logits and
+        // probabilities) at a time, beside the head's weight gradient in f32.
+        let vocab = m.vocab_size as f64;
+        let logits = match self.decoder().vocab_tiles() {
+            1 => 3.0 * tokens * vocab * 4.0,
+            tiles => {
+                let tile = (tokens / tiles as f64).ceil();
+                2.0 * tile * vocab * 4.0 + vocab * d * 4.0
+            }
+        };
+        let activation_bytes = layers * per_layer + recompute + logits + copies;
         let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
         let gradient_bytes = local / zero1 * 4.0;
         let optimizer_bytes = local * moments / zero1 * 4.0;

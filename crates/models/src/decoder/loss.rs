@@ -5,7 +5,7 @@
 //! Invariant: every entry point runs one forward pass; the `_parts` ones alone run the MTP
 //! module, so evaluation and the plain loss are the main model's.
 
-use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
+use ferrotext_spmd::{Array, Ctx, HeadLoss, Ids, SpmdError};
 
 use super::{Decoder, ExpertLoads, LossSum};
 
@@ -106,24 +106,42 @@ impl Decoder {
         partial: bool,
         with_mtp: bool,
     ) -> Result<LossSum, SpmdError> {
-        let (logits, aux, loads, hidden) = self.forward(cx, params, inputs, None)?;
         let z = self.cfg.z_loss_multiplier;
+        let (ce, aux, loads, hidden) = if self.vocab_tiles > 1 {
+            let h = self.hidden_and_head(cx, params, inputs, None)?;
+            let spec = HeadLoss {
+                transposed: h.tied,
+                z_loss: z,
+                tiles: self.vocab_tiles,
+                partial,
+            };
+            let head = super::unsplit(cx, &h.head)?;
+            let ce = cx.head_cross_entropy(&h.x, &head, targets, &spec)?;
+            (ce, h.aux, h.loads, h.x)
+        } else {
+            let (logits, aux, loads, hidden) = self.forward(cx, params, inputs, None)?;
+            let ce = if partial {
+                cx.cross_entropy_partial_sum(&logits, targets, z)?
+            } else {
+                cx.cross_entropy_sum(&logits, targets, z)?
+            };
+            (ce, aux, loads, hidden)
+        };
         let total = match (aux, partial) {
             (Some(_), true) => {
                 return Err(SpmdError::NoPartialSum {
                     op: "loss_partial_sum",
                 })
             }
-            (_, true) => cx.cross_entropy_partial_sum(&logits, targets, z)?,
+            (_, true) => ce,
             // The trainer divides the sum by the step's tokens: an auxiliary loss joins as
             // `aux · tokens` so that it ends up added to the mean.
             (Some(aux), false) => {
-                let ce = cx.cross_entropy_sum(&logits, targets, z)?;
                 let tokens: usize = inputs.ty().shape().iter().product();
                 let aux = cx.scale(&aux, tokens as f32)?;
                 cx.add(&ce, &aux)?
             }
-            (None, false) => cx.cross_entropy_sum(&logits, targets, z)?,
+            (None, false) => ce,
         };
         let (c, w) = (&self.cfg, self.bind(params)?.mtp.filter(|_| with_mtp));
         let m = w.as_ref();

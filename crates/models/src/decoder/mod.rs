@@ -164,6 +164,17 @@ impl Config {
     }
 }
 
+/// The trunk's results: the normed last hidden states `x` `[B@batch, T, d]`, the head's weight
+/// (`[d, V]`, or the embedding table `[V, d]` when `tied`), the summed auxiliary losses and the
+/// expert loads.
+struct Hidden {
+    x: Array,
+    head: Array,
+    tied: bool,
+    aux: Option<Array>,
+    loads: ExpertLoads,
+}
+
 /// Per MoE layer (layer order), one device's tokens routed to each expert: `loads[l][e]`.
 pub type ExpertLoads = Vec<Vec<f32>>;
 
@@ -181,6 +192,9 @@ pub struct Decoder {
     compute_dtype: DType,
     /// What the backward keeps of each layer (MaxText's `remat_policy`).
     remat: RematPolicy,
+    /// Tiles of tokens the head's loss is computed over (MaxText's `num_vocab_tiling`; 1: the
+    /// whole logits at once).
+    vocab_tiles: usize,
 }
 
 impl Decoder {
@@ -267,6 +281,7 @@ impl Decoder {
             weights,
             compute_dtype: DType::F32,
             remat: RematPolicy::None,
+            vocab_tiles: 1,
         })
     }
 
@@ -308,6 +323,19 @@ impl Decoder {
     /// What the backward keeps of each layer.
     pub fn remat(&self) -> RematPolicy {
         self.remat
+    }
+
+    /// This decoder computing its training loss over `tiles` tiles of each device's tokens
+    /// (MaxText's `num_vocab_tiling`; [`ferrotext_spmd::HeadLoss`]): the `[tokens, vocab]` logits
+    /// never exist whole, and the backward recomputes each tile's. 1 (or 0): untiled.
+    pub fn with_vocab_tiling(mut self, tiles: usize) -> Decoder {
+        self.vocab_tiles = tiles.max(1);
+        self
+    }
+
+    /// Tiles of tokens the training loss is computed over (1: untiled).
+    pub fn vocab_tiles(&self) -> usize {
+        self.vocab_tiles
     }
 
     /// The weight declarations, as a structure.
@@ -481,22 +509,21 @@ impl Decoder {
         inputs: &Ids,
         cache: Option<&mut KvCache>,
     ) -> Result<(Array, Option<Array>, ExpertLoads, Array), SpmdError> {
-        let w = self.bind(params)?;
-        let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache)?;
+        let hidden = self.hidden_and_head(cx, params, inputs, cache)?;
+        let (x, aux, loads) = (hidden.x, hidden.aux, hidden.loads);
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
         let layout = ActivationLayout { batch: batch_axes };
         // 3. the LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
-        let logits = match w.lm_head {
-            None => {
-                let dims = DotDims {
-                    lhs_contracting: vec![2],
-                    rhs_contracting: vec![1],
-                    ..Default::default()
-                };
-                let table = cx.cast(&table, x.ty().dtype())?;
-                cx.dot_general_preferred(&x, &table, &dims, None, DType::F32)?
-            }
-            Some(head) => nn::linear_to(cx, &x, head, DType::F32)?,
+        let logits = if hidden.tied {
+            let dims = DotDims {
+                lhs_contracting: vec![2],
+                rhs_contracting: vec![1],
+                ..Default::default()
+            };
+            let table = cx.cast(&hidden.head, x.ty().dtype())?;
+            cx.dot_general_preferred(&x, &table, &dims, None, DType::F32)?
+        } else {
+            nn::linear_to(cx, &x, &hidden.head, DType::F32)?
         };
         // 4. cross-entropy needs whole vocab rows: gather the vocab dim if it is split
         let want = layout.spec(3);
@@ -506,6 +533,29 @@ impl Decoder {
             cx.reshard(&logits, &want)?
         };
         Ok((logits, aux, loads, x))
+    }
+
+    /// Steps 1 and 2 of [`Decoder::forward`] and the head's weight: what the head reads.
+    fn hidden_and_head(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        inputs: &Ids,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Hidden, SpmdError> {
+        let w = self.bind(params)?;
+        let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache)?;
+        let (head, tied) = match w.lm_head {
+            None => (table, true),
+            Some(head) => (head.clone(), false),
+        };
+        Ok(Hidden {
+            x,
+            head,
+            tied,
+            aux,
+            loads,
+        })
     }
 
     /// Steps 1 and 2 of [`Decoder::forward`] and the final norm: the normed hidden states

@@ -74,6 +74,9 @@ impl Ctx<'_> {
                 )?;
                 vec![Some(dq), Some(dk), Some(dv)]
             }
+            Backward::HeadLoss(saved) => self
+                .head_cross_entropy_transpose(saved, ct, need(1))?
+                .into(),
             Backward::GroupedMatmul { x, w, group_sizes } => {
                 self.grouped_matmul_transpose(x, w, group_sizes, ct, [need(0), need(1)])?
             }

@@ -91,6 +91,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "save_parameters_dtype",
     "dtype",
     "remat_policy",
+    "num_vocab_tiling",
     "matmul_bf16_fallback",
     "base_output_directory",
     "run_name",

@@ -164,6 +164,11 @@ pub struct TrainConfig {
     /// policy that would fit, and recomputing costs a third more compute on a machine where
     /// memory is rarely the limit at the lengths most runs use.
     pub remat_policy: RematPolicy,
+    /// Tiles of each device's tokens the LM head's loss is computed over (MaxText's
+    /// `num_vocab_tiling`, which tiles the tokens too): the `[tokens, vocab]` logits never exist
+    /// whole, and the backward recomputes each tile's. 1: untiled. Need not divide the tokens
+    /// (the last tile is shorter).
+    pub num_vocab_tiling: usize,
     /// Multi-token-prediction depth (MaxText's `mtp_num_layers`): 0 none, 1 DeepSeek-V3's module
     /// after the last layer, trained beside the main loss.
     pub mtp_num_layers: usize,
@@ -355,6 +360,7 @@ impl Default for TrainConfig {
             moe_withhold_tags: false,
             z_loss_multiplier: 0.0,
             remat_policy: RematPolicy::None,
+            num_vocab_tiling: 1,
             mtp_num_layers: 0,
             mtp_loss_scaling_factor: 0.1,
             local_devices: 4,

@@ -150,6 +150,7 @@ impl TrainConfig {
             ("max_target_length", self.max_target_length),
             ("steps", self.steps),
             ("checkpoint_period", self.checkpoint_period),
+            ("num_vocab_tiling", self.num_vocab_tiling),
         ] {
             if v == 0 {
                 return Err(TrainError::usage(key, format!("{key} must be at least 1")));
@@ -367,6 +368,7 @@ impl TrainConfig {
         over("local_devices", self.local_devices, MAX_LOCAL_DEVICES)?;
         over("num_processes", self.num_processes, MAX_PROCESSES)?;
         over("max_target_length", self.max_target_length, MAX_DIM)?;
+        over("num_vocab_tiling", self.num_vocab_tiling, MAX_DIM)?;
         over(
             "gradient_accumulation_steps",
             self.gradient_accumulation_steps,

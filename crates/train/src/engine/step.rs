@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferrotext_models::ParamInfo;
+use ferrotext_models::{ParamInfo, RematPolicy};
 use ferrotext_sharding::{ArrayType, PartitionSpec};
 use ferrotext_spmd::{Array, BucketPlan, Ctx, GradientSink, Mode};
 
@@ -73,9 +73,13 @@ impl Engine {
             // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
             let used = self.enter_micro_batches(cx, &self.params)?;
             // The step's weights are written by no one until `update`: each cast the model
-            // makes of one (bf16 compute) is computed once and shared by every micro-batch.
+            // makes of one (bf16 compute) is computed once and shared by every micro-batch —
+            // unless the layers are rematerialized, whose point is to keep only their inputs:
+            // then a weight is cast where it is used, again in the replay, and let go.
             cx.forget_casts();
-            cx.remember_casts(&used);
+            if self.plan.decoder().remat() == RematPolicy::None {
+                cx.remember_casts(&used);
+            }
             let sum = if self.plan.config().layout_invariant {
                 StepSum::Tree(UnitTree::new(std::mem::take(&mut self.unit_spares)))
             } else {
