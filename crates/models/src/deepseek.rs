@@ -13,6 +13,7 @@ use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::Rope;
 
 use crate::decoder::{matrix, norm_scale, Config};
+use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
 use crate::nn::{causal_attention, linear, linear_named, rms_norm};
 use crate::params::ParamInfo;
@@ -120,6 +121,7 @@ impl Mla<&Array> {
         h: &Array,
         c: &Config,
         cache: Option<&mut KvSlot>,
+        docs: Option<&Documents>,
     ) -> Result<Array, SpmdError> {
         let m = c.mla.ok_or(SpmdError::MissingSettings {
             op: "mla",
@@ -144,7 +146,7 @@ impl Mla<&Array> {
             eps: c.normalization_layer_epsilon,
             rope: c.rope(),
         };
-        mla_attention(cx, h, &w, dims, cache)
+        mla_attention(cx, h, &w, dims, cache, docs)
     }
 }
 
@@ -201,6 +203,7 @@ pub fn mla_attention(
     w: &MlaWeights<'_>,
     dims: MlaDims,
     cache: Option<&mut KvSlot>,
+    docs: Option<&Documents>,
 ) -> Result<Array, SpmdError> {
     let (b, t) = (x.ty().shape()[0], x.ty().shape()[1]);
     let h = dims.heads;
@@ -217,13 +220,19 @@ pub fn mla_attention(
     let start = cache.as_ref().map_or(0, |c| c.len());
     // RoPE on each head's tail only: the bits of slicing `rope` off, rotating it and
     // concatenating it back, in one pass.
-    let q = cx.rope_tail_from(&q, &dims.rope, start, nope)?;
+    let q = match docs {
+        Some(d) => cx.rope_tail_at(&q, &dims.rope, &d.positions, nope)?,
+        None => cx.rope_tail_from(&q, &dims.rope, start, nope)?,
+    };
     // 2. keys/values through theirs; the RoPE key is one vector for every head
     let ckv = linear(cx, x, w.wkv_a)?;
     let c = cx.slice(&ckv, 2, 0, dims.kv_lora_rank)?;
     let k_rope = cx.slice(&ckv, 2, dims.kv_lora_rank, dims.kv_lora_rank + rope)?;
     let k_rope = cx.reshape(&k_rope, &[b, t, 1, rope], None)?;
-    let k_rope = cx.rope_from(&k_rope, &dims.rope, start)?;
+    let k_rope = match docs {
+        Some(d) => cx.rope_tail_at(&k_rope, &dims.rope, &d.positions, 0)?,
+        None => cx.rope_from(&k_rope, &dims.rope, start)?,
+    };
     let k_rope = cx.reshape(&k_rope, &[b, t, rope], None)?;
     let k_rope = cx.broadcast_in_dim(&k_rope, &[b, t, h, rope], &[0, 1, 3], None)?;
     let c = rms_norm(cx, &c, w.kv_norm, dims.eps)?;
@@ -241,8 +250,11 @@ pub fn mla_attention(
     let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
     // Training (no cached positions): the tiled op (the composition's values within rounding).
     let out = if k.shape()[1] == t && cx.attention_fits(&q, &k, &v) {
-        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), None)?;
+        let segments = docs.map(|d| &d.segment_ids);
+        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), segments)?;
         cx.reshape(&out, &[b, t, h * vd], None)?
+    } else if docs.is_some() {
+        return Err(crate::nn::packed_needs_tiled(&q));
     } else {
         causal_attention(cx, &q, &k, &v, scale)?
     };

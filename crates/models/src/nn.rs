@@ -6,6 +6,7 @@ use ferrotext_sharding::{DType, DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::{DotDims, Rope};
 
+use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
 use crate::remat;
 
@@ -190,6 +191,7 @@ pub fn attention(
     w: &AttentionWeights<'_>,
     dims: AttentionDims,
     cache: Option<&mut KvSlot>,
+    docs: Option<&Documents>,
 ) -> Result<Array, SpmdError> {
     let (b, t) = (x.shape()[0], x.shape()[1]);
     let (h, kv, hd) = (dims.heads, dims.kv_heads, dims.head_dim);
@@ -214,8 +216,16 @@ pub fn attention(
         interleaved: false,
         ..dims.rope
     };
-    let q = cx.rope_from(&q, &rope, start)?;
-    let k = cx.rope_from(&k, &rope, start)?;
+    let (q, k) = match docs {
+        Some(d) => (
+            cx.rope_tail_at(&q, &rope, &d.positions, 0)?,
+            cx.rope_tail_at(&k, &rope, &d.positions, 0)?,
+        ),
+        None => (
+            cx.rope_from(&q, &rope, start)?,
+            cx.rope_from(&k, &rope, start)?,
+        ),
+    };
     // 3. the cached positions' keys and values before these (when decoding): [B, S, KV, hd]
     let (k, v) = match cache {
         Some(slot) => slot.extend(cx, &k, &v)?,
@@ -227,9 +237,13 @@ pub fn attention(
     // query heads in place and keeps no T×T scores; the composition below computes the same
     // within rounding (it is what a key/value cache decodes with).
     if s == t && cx.attention_fits(&q, &k, &v) {
-        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), None)?;
+        let segments = docs.map(|d| &d.segment_ids);
+        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), segments)?;
         let out = cx.reshape(&out, &[b, t, h * hd], None)?;
         return linear_named(cx, &out, w.o_proj, remat::OUT_PROJ);
+    }
+    if docs.is_some() {
+        return Err(packed_needs_tiled(&q));
     }
     // 4. GQA: each kv head serves heads/kv query heads
     let (k, v) = if kv == h {
@@ -246,6 +260,18 @@ pub fn attention(
     // 5. causal attention with the usual 1/√hd scale, then o_proj
     let out = causal_attention(cx, &q, &k, &v, scale)?;
     linear_named(cx, &out, w.o_proj, remat::OUT_PROJ)
+}
+
+/// Packed documents need the tiled attention op (the composition has no document mask).
+pub(crate) fn packed_needs_tiled(q: &Array) -> SpmdError {
+    SpmdError::WeightShape {
+        op: "attention",
+        name: "packed documents",
+        expected: "q, k and v the tiled attention takes (batch and heads split alike, the \
+                   sequence whole, no key/value cache)"
+            .into(),
+        got: q.ty().to_string(),
+    }
 }
 
 /// The heads' causal attention: `q` `[B, T, H, qk]`, `k` `[B, S, H, qk]` and `v`

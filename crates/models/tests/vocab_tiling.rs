@@ -79,7 +79,10 @@ fn close(a: &[f32], b: &[f32], rel: f32, what: &str) {
         .iter()
         .zip(b)
         .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    assert!(worst <= rel * scale, "{what}: {worst:e} apart, largest {scale:e}");
+    assert!(
+        worst <= rel * scale,
+        "{what}: {worst:e} apart, largest {scale:e}"
+    );
 }
 
 fn check(tied: bool, dtype: DType, rel: f32) {
@@ -100,7 +103,11 @@ fn check(tied: bool, dtype: DType, rel: f32) {
         for (i, (a, b)) in g.iter().zip(&grads).enumerate() {
             close(a, b, rel, &format!("{at}: gradient {i}"));
         }
-        assert_eq!(k, 2 * tiles, "{at}: the kernel once per tile, forward and backward");
+        assert_eq!(
+            k,
+            2 * tiles,
+            "{at}: the kernel once per tile, forward and backward"
+        );
     }
 }
 

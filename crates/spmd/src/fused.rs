@@ -60,27 +60,6 @@ fn check_rowwise(op: &str, x: &ArrayType, dims_from_end: usize) -> Result<(), Sp
     Ok(())
 }
 
-/// `x`'s shard rotated (`rope_tail` at `positions`, turned back when `inverse`) as an array of
-/// `x`'s type: a bf16 shard on the bf16 kernel (no widened copy), else in `f32`.
-fn rope_local(
-    x: &Array,
-    positions: &[usize],
-    rope: &ferrotext_tensor::Rope,
-    inverse: bool,
-    pass: usize,
-) -> Result<Array, SpmdError> {
-    if let Some(b) = bf16_operands(x.ty(), &[x]) {
-        let y = ferrotext_tensor::rope_tail_bf16(b[0], positions, rope, inverse, pass)?;
-        return Array::from_bf16(x.ty().clone(), Some(y));
-    }
-    let local = x
-        .local_opt()
-        .as_deref()
-        .map(|v| ferrotext_tensor::rope_tail(v, positions, rope, inverse, pass))
-        .transpose()?;
-    Ok(Array::new(x.ty().clone(), local))
-}
-
 /// Axes that split the rows of `x` (every dim but the last `skip`), i.e. the axes a row-wise
 /// sum over all rows is partial over.
 fn row_axes(x: &ArrayType) -> AxisSet {
@@ -183,95 +162,6 @@ impl Ctx<'_> {
         )?;
         let dscale = self.convert(dscale, &natural, &target)?;
         Ok((dx, Some(Array::new(target, dscale))))
-    }
-
-    /// Rotary position embedding (rotate-half) on `x: [.., seq, heads, head_dim]` at positions
-    /// `0..seq` with base `theta`. Linear, so tags pass through.
-    ///
-    /// # Errors
-    /// As [`Ctx::rope_with`].
-    pub fn rope(&mut self, x: &Array, theta: f32) -> Result<Array, SpmdError> {
-        self.rope_with(x, &ferrotext_tensor::Rope::standard(theta))
-    }
-
-    /// Rotary position embedding of any variant (YaRN, interleaved pairs) on
-    /// `x: [.., seq, heads, head_dim]` at positions `0..seq`. Linear, so tags pass through.
-    ///
-    /// # Errors
-    /// A sharded seq or head_dim dim; a shape that is not `[.., seq, heads, even head_dim]`.
-    pub fn rope_with(
-        &mut self,
-        x: &Array,
-        rope: &ferrotext_tensor::Rope,
-    ) -> Result<Array, SpmdError> {
-        self.rope_from(x, rope, 0)
-    }
-
-    /// [`Ctx::rope_with`] at positions `start..start + seq`: the new tokens of a sequence whose
-    /// first `start` positions are already in a key/value cache.
-    ///
-    /// # Errors
-    /// As [`Ctx::rope_with`].
-    pub fn rope_from(
-        &mut self,
-        x: &Array,
-        rope: &ferrotext_tensor::Rope,
-        start: usize,
-    ) -> Result<Array, SpmdError> {
-        self.rope_tail_from(x, rope, start, 0)
-    }
-
-    /// [`Ctx::rope_from`] on the last `head_dim − pass` elements of each head, the first `pass`
-    /// passed through unchanged (DeepSeek's `[nope | rope]` query heads): the bits of slicing
-    /// the tail off, rotating it and concatenating it back, in one pass over `x`.
-    ///
-    /// # Errors
-    /// As [`Ctx::rope_with`], or `pass` above head_dim or an odd `head_dim − pass`.
-    pub fn rope_tail_from(
-        &mut self,
-        x: &Array,
-        rope: &ferrotext_tensor::Rope,
-        start: usize,
-        pass: usize,
-    ) -> Result<Array, SpmdError> {
-        const OP: &str = "rope";
-        let t = x.ty();
-        let head_dim = t.shape().last().copied().unwrap_or(0);
-        if t.rank() < 3 || pass > head_dim || !(head_dim - pass).is_multiple_of(2) {
-            return Err(type_error(
-                K::ShapeError,
-                OP,
-                &[t],
-                if pass == 0 {
-                    "needs [.., seq, heads, even head_dim]".to_string()
-                } else {
-                    format!(
-                        "needs [.., seq, heads, head_dim ≥ {pass}] with an even head_dim − {pass}"
-                    )
-                },
-            ));
-        }
-        for d in [t.rank() - 3, t.rank() - 1] {
-            if t.sharding().dim_parts(d)? > 1 {
-                return Err(type_error(
-                    K::ShardingMismatch,
-                    OP,
-                    &[t],
-                    format!("dimension {d} is sharded; reshard it first"),
-                ));
-            }
-        }
-        let positions: Vec<usize> = (start..start + t.shape()[t.rank() - 3]).collect();
-        let out = rope_local(x, &positions, rope, false, pass)?;
-        self.record(
-            Backward::Rope {
-                rope: *rope,
-                positions,
-                pass,
-            },
-            &[x],
-            out,
-        )
     }
 
     /// Softmax over the last dim (stable).
@@ -461,18 +351,6 @@ impl Ctx<'_> {
             &[logits],
             out,
         )
-    }
-
-    /// The transpose of [`Ctx::rope_tail_from`] at `positions`: rotations are orthogonal, so
-    /// the transpose turns the other way (and passes the same elements through).
-    pub(crate) fn rope_transpose(
-        &mut self,
-        rope: &ferrotext_tensor::Rope,
-        positions: &[usize],
-        pass: usize,
-        ct: &Array,
-    ) -> Result<Array, SpmdError> {
-        rope_local(ct, positions, rope, true, pass)
     }
 
     /// The transpose of [`Ctx::softmax`] / [`Ctx::causal_softmax`] (of `scale·x`) from its

@@ -29,7 +29,8 @@ them.
 | `reshard` | `reshard`, the data movement between layouts, and its transpose |
 | `structural` | `slice`, `concat`, `take`, `select` and their transposes |
 | `ids` | [`Ids`]: index arrays (token ids, targets) |
-| `fused` | RMSNorm, RoPE, softmax, SwiGLU, cross-entropy ([`IGNORE_INDEX`]) and their transposes |
+| `rope` | rotary position embeddings (at positions from a start, or per token) and their transpose |
+| `fused` | RMSNorm, softmax, SwiGLU, cross-entropy ([`IGNORE_INDEX`]) and their transposes |
 | `head_loss` | the LM head's cross-entropy tiled over the tokens ([`HeadLoss`]) and its transpose |
 | `grouped` | `take_rows`, `grouped_matmul` (MoE, inside a region) and their transposes |
 | `manual/typing` | the type rules inside a `shard_map` region ([`AxisState`]) |
@@ -100,6 +101,7 @@ mod ids;
 mod manual;
 mod remat;
 mod reshard;
+mod rope;
 pub mod rules;
 mod shape_ops;
 mod structural;

@@ -142,7 +142,7 @@ impl Llama3 {
 }
 
 /// The rotation `rope` on `x: [.., seq, heads, even head_dim]` at `positions` (one per sequence
-/// index), scaled by YaRN's `attention_factor` when it has one. `inverse` turns the other way
+/// index, or one per row and index: packed documents' positions restart at each), scaled by YaRN's `attention_factor` when it has one. `inverse` turns the other way
 /// with the same scale: the transpose, which is the backward (the inverse too when the factor
 /// is 1).
 ///
@@ -192,10 +192,13 @@ pub(crate) fn rope_tail_slices<X: Copy + Sync, Y: RowOut>(
 ) -> Result<Vec<Y>, TensorError> {
     let r = shape.len();
     let head_dim = if r < 3 { 0 } else { shape[r - 1] };
+    // One position per sequence index (every row alike), or one per (row, index): packed
+    // documents restart their positions at each document start.
+    let rows_times_seq: usize = shape[..r.saturating_sub(2)].iter().product();
     if r < 3
         || pass > head_dim
         || !(head_dim - pass).is_multiple_of(2)
-        || positions.len() != shape[r - 3]
+        || (positions.len() != shape[r - 3] && positions.len() != rows_times_seq)
     {
         return Err(TensorError::shape(
             "rope",
@@ -223,7 +226,7 @@ pub(crate) fn rope_tail_slices<X: Copy + Sync, Y: RowOut>(
                 kernel_threads(),
                 Work::Light,
                 |c, pos_chunk| {
-                    let s = c % seq;
+                    let s = if positions.len() == seq { c % seq } else { c };
                     let rot = &table[s * half..(s + 1) * half];
                     let src = &x[c * chunk..(c + 1) * chunk];
                     let mut scratch = Y::Scratch::default();
@@ -384,6 +387,28 @@ mod tests {
             }),
             llama3: None,
         }
+    }
+
+    /// Positions given per (row, index) rotate each row by its own: a row of a packed sequence
+    /// whose second document starts at index 3 equals, there, the rotation at positions from 0.
+    #[test]
+    fn per_row_positions_restart_where_a_row_says() {
+        let x = Tensor::from_fn(&[2, 5, 2, 4], |i| (i as f32 * 0.37).sin());
+        let rope = Rope::standard(10_000.0);
+        let shared = rope_tail(&x, &[0, 1, 2, 3, 4], &rope, false, 0).unwrap();
+        let packed = [0, 1, 2, 3, 4, 0, 1, 2, 0, 1];
+        let per_row = rope_tail(&x, &packed, &rope, false, 0).unwrap();
+        let (row, chunk) = (5 * 8, 8);
+        // Row 0 is the shared rotation; row 1's index 3 (position 0) is x itself, unrotated,
+        // and its index 4 (position 1) is the shared rotation's index 1 of the same values.
+        assert_eq!(&per_row.data()[..row], &shared.data()[..row]);
+        let at = |t: &Tensor, s: usize| t.data()[row + s * chunk..row + (s + 1) * chunk].to_vec();
+        assert_eq!(at(&per_row, 3), at(&x, 3));
+        let moved = Tensor::new(vec![1, 2, 2, 4], [at(&x, 3), at(&x, 4)].concat()).unwrap();
+        let want = rope_tail(&moved, &[0, 1], &rope, false, 0).unwrap();
+        assert_eq!(at(&per_row, 4), want.data()[chunk..].to_vec());
+        assert_ne!(at(&per_row, 4), at(&shared, 4));
+        assert!(rope_tail(&x, &packed[..7], &rope, false, 0).is_err());
     }
 
     /// Hand-computed for Llama 3.2's scaling (factor 32, low 1, high 4, original 8192) at

@@ -119,6 +119,7 @@ pub const KEYS: &[Key] = &[
     key("steps", Data, "integer", "optimizer steps"),
     key("dataset_type", Data, "corpus|synthetic|text|tokens|shards", "where the data comes from (shards: a directory `ferrotext tokenize` wrote)"),
     key("dataset_path", Data, "path", "the file for text and tokens data, the directory for shards"),
+    key("packing", Data, "true|false", "windows hold several documents: attention stays inside each, positions restart at each, the target across a boundary is not scored (needs dataset_type=shards)"),
     key("token_dtype", Data, "u16|u32", "id width of a tokens file"),
     key("tokenizer_path", Data, "path", "an HF tokenizer.json for corpus and text data (empty: byte-level tokens)"),
     key("data_shuffle_seed", Data, "integer", "seed of the data order"),

@@ -274,11 +274,12 @@ impl RunPlan {
         Ok(())
     }
 
-    /// The peak memory of one device, estimated: its parameters, the gradient accumulator, the
-    /// reduced gradients, the optimizer state (÷ `data` under ZeRO-1, as are the reduced
-    /// gradients, which ZeRO-1 reduce-scatters), all `f32`, and one micro-batch's activations:
-    /// the layers' in `dtype` (2 bytes in bf16), the logits' in `f32`, and in bf16 the weights'
-    /// bf16 copies the backward reads.
+    /// The peak memory of one device, estimated: its parameters, the gradient accumulator
+    /// (reduced in place by the update; `layout_invariant`'s tree keeps more sets), the
+    /// optimizer state (÷ `data` under ZeRO-1), all `f32`, and one micro-batch's activations:
+    /// the layers' in `dtype` (2 bytes in bf16) as `remat_policy` keeps them, the logits' in
+    /// `f32` (whole, or one tile's under `num_vocab_tiling`), and in bf16 the weights' bf16
+    /// copies the backward reads.
     /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
     ///
     /// # Errors
@@ -346,8 +347,16 @@ impl RunPlan {
             }
         };
         let activation_bytes = layers * per_layer + recompute + logits + copies;
+        // The micro-batches' partial sums live in flat bucket buffers that the update reduces
+        // in place (all-reduce, or ZeRO-1's reduce-scatter): no second gradient set, except
+        // the tree of `layout_invariant`, which keeps up to log2(GA) more.
         let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
-        let gradient_bytes = local / zero1 * 4.0;
+        let extra_sets = if config.layout_invariant {
+            (config.gradient_accumulation_steps as f64).log2().ceil()
+        } else {
+            0.0
+        };
+        let gradient_bytes = extra_sets * local * 4.0;
         let optimizer_bytes = local * moments / zero1 * 4.0;
         Ok(DeviceMemory {
             parameter_elements: params,

@@ -10,7 +10,7 @@ use ferrotext_spmd::Ctx;
 use ferrotext_tensor::Tensor;
 
 use crate::data::{micro_batch, micro_batch_of_units, TokenSource};
-use crate::engine::{Engine, FwdBwd, StepMetrics};
+use crate::engine::{Batch, Engine, FwdBwd, StepMetrics};
 use crate::error::TrainError;
 use crate::gate::Deferral;
 use crate::plan::RunPlan;
@@ -129,7 +129,7 @@ impl Trainer {
         } else {
             micro_batch(self.source.as_ref(), step, micro, ga, rows, len)
         };
-        let batch = self.engine.batch(cx, &seqs)?;
+        let batch = self.batch(cx, self.source.as_ref(), &seqs)?;
         let out = if micro + 1 < ga {
             self.engine.fwd_bwd(cx, &batch)
         } else {
@@ -137,6 +137,25 @@ impl Trainer {
         }?;
         cx.comm().pop_phase();
         Ok(out)
+    }
+
+    /// A micro-batch of `rows` read from `source`: packed (its documents found by the source's
+    /// EOS) under `packing=true`.
+    fn batch(
+        &self,
+        cx: &Ctx<'_>,
+        source: &dyn TokenSource,
+        rows: &[Vec<u32>],
+    ) -> Result<Batch, TrainError> {
+        match (self.engine.plan().config().packing, source.eos()) {
+            (true, Some(eos)) => self.engine.packed_batch(cx, rows, eos),
+            (true, None) => Err(TrainError::usage(
+                "packing",
+                "packing=true needs data whose documents are delimited (dataset_type=shards); \
+                 this source has no document boundaries",
+            )),
+            (false, _) => self.engine.batch(cx, rows),
+        }
     }
 
     /// The mean token loss of `source`'s first `eval_steps` batches (the same batches at every
@@ -160,7 +179,7 @@ impl Trainer {
         let (mut loss_sum, mut tokens) = (0.0, 0u64);
         for b in 0..batches {
             let seqs = micro_batch(source, 0, b, batches, rows, len);
-            let batch = self.engine.batch(cx, &seqs)?;
+            let batch = self.batch(cx, source, &seqs)?;
             let out = self.engine.eval_step(cx, &batch)?;
             loss_sum += out.loss_sum;
             tokens += out.tokens;

@@ -11,13 +11,14 @@ use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 
 use super::{Attention, Config, DecoderLayer, Gqa, Mlp, SparseMoe};
+use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
 use crate::moe::{self, MoeOptions, MoeWeights};
 use crate::nn::{self, AttentionDims, AttentionWeights};
 
 impl DecoderLayer<&Array> {
     /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; a MoE layer's load-balance loss is added to
-    /// `aux`, its expert loads pushed to `loads`.
+    /// `aux`, its expert loads pushed to `loads`. `docs`: the tokens are packed documents.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
@@ -27,14 +28,15 @@ impl DecoderLayer<&Array> {
         aux: &mut Option<Array>,
         loads: &mut Vec<Vec<f32>>,
         cache: Option<&mut KvSlot>,
+        docs: Option<&Documents>,
     ) -> Result<Array, SpmdError> {
         let eps = c.normalization_layer_epsilon;
         // 1. h = input_layernorm(x): [B@batch, T, d]
         let h = nn::rms_norm(cx, x, self.input_layernorm, eps)?;
         // 2. x = x + self_attn(h): heads split over `tensor` inside, [B@batch, T, d] out
         let a = match &self.self_attn {
-            Attention::Gqa(g) => g.forward(cx, &h, c, cache)?,
-            Attention::Mla(m) => m.forward(cx, &h, c, cache)?,
+            Attention::Gqa(g) => g.forward(cx, &h, c, cache, docs)?,
+            Attention::Mla(m) => m.forward(cx, &h, c, cache, docs)?,
         };
         let x = cx.add(x, &a)?;
         // 3. h = post_attention_layernorm(x)
@@ -55,6 +57,7 @@ impl Gqa<&Array> {
         h: &Array,
         c: &Config,
         cache: Option<&mut KvSlot>,
+        docs: Option<&Documents>,
     ) -> Result<Array, SpmdError> {
         let w = AttentionWeights {
             q_proj: self.q_proj,
@@ -74,7 +77,7 @@ impl Gqa<&Array> {
             rope: c.rope(),
             eps: c.normalization_layer_epsilon,
         };
-        nn::attention(cx, h, &w, dims, cache)
+        nn::attention(cx, h, &w, dims, cache, docs)
     }
 }
 

@@ -8,6 +8,17 @@
 use ferrotext_spmd::{Array, Ctx, HeadLoss, Ids, SpmdError};
 
 use super::{Decoder, ExpertLoads, LossSum};
+use crate::documents::Documents;
+
+/// Which sum [`Decoder::loss`] returns.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LossOptions {
+    /// Each device's own partial sum (`{U:batch axes}`) instead of the plain total.
+    pub partial: bool,
+    /// The training objective: the multi-token-prediction module's term too, when the model
+    /// has it (else the main model's loss, as evaluation scores it).
+    pub with_mtp: bool,
+}
 
 impl Decoder {
     /// [`Decoder::loss_sum`] and this device's expert loads: per MoE layer in layer order, the
@@ -25,7 +36,7 @@ impl Decoder {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<(Array, ExpertLoads), SpmdError> {
-        let parts = self.parts(cx, params, inputs, targets, false, false)?;
+        let parts = self.parts(cx, params, (inputs, None), targets, (false, false))?;
         Ok((parts.total, parts.loads))
     }
 
@@ -42,7 +53,7 @@ impl Decoder {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<LossSum, SpmdError> {
-        self.parts(cx, params, inputs, targets, false, true)
+        self.parts(cx, params, (inputs, None), targets, (false, true))
     }
 
     /// [`Decoder::loss_sum`] left as each device's partial sum over its own tokens, a scalar
@@ -77,7 +88,7 @@ impl Decoder {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<(Array, ExpertLoads), SpmdError> {
-        let parts = self.parts(cx, params, inputs, targets, true, false)?;
+        let parts = self.parts(cx, params, (inputs, None), targets, (true, false))?;
         Ok((parts.total, parts.loads))
     }
 
@@ -92,7 +103,31 @@ impl Decoder {
         inputs: &Ids,
         targets: &Ids,
     ) -> Result<LossSum, SpmdError> {
-        self.parts(cx, params, inputs, targets, true, true)
+        self.parts(cx, params, (inputs, None), targets, (true, true))
+    }
+
+    /// The loss sums of a batch of `inputs` (packed `docs` when given: attention stays inside
+    /// each document and RoPE restarts at each) against `targets`, as `options` say: the
+    /// entry point the other `loss_*` methods specialise.
+    ///
+    /// # Errors
+    /// As [`Decoder::loss_sum`]; as [`Decoder::loss_partial_sum`] for `partial`; packed
+    /// documents on a layout the tiled attention does not take.
+    pub fn loss(
+        &self,
+        cx: &mut Ctx<'_>,
+        params: &[Array],
+        (inputs, docs): (&Ids, Option<&Documents>),
+        targets: &Ids,
+        options: LossOptions,
+    ) -> Result<LossSum, SpmdError> {
+        self.parts(
+            cx,
+            params,
+            (inputs, docs),
+            targets,
+            (options.partial, options.with_mtp),
+        )
     }
 
     /// The loss sums: `partial` as each device's own ([`Ctx::cross_entropy_partial_sum`]);
@@ -101,14 +136,13 @@ impl Decoder {
         &self,
         cx: &mut Ctx<'_>,
         params: &[Array],
-        inputs: &Ids,
+        (inputs, docs): (&Ids, Option<&Documents>),
         targets: &Ids,
-        partial: bool,
-        with_mtp: bool,
+        (partial, with_mtp): (bool, bool),
     ) -> Result<LossSum, SpmdError> {
         let z = self.cfg.z_loss_multiplier;
         let (ce, aux, loads, hidden) = if self.vocab_tiles > 1 {
-            let h = self.hidden_and_head(cx, params, inputs, None)?;
+            let h = self.hidden_and_head(cx, params, inputs, None, docs)?;
             let spec = HeadLoss {
                 transposed: h.tied,
                 z_loss: z,
@@ -119,7 +153,7 @@ impl Decoder {
             let ce = cx.head_cross_entropy(&h.x, &head, targets, &spec)?;
             (ce, h.aux, h.loads, h.x)
         } else {
-            let (logits, aux, loads, hidden) = self.forward(cx, params, inputs, None)?;
+            let (logits, aux, loads, hidden) = self.forward(cx, params, inputs, None, docs)?;
             let ce = if partial {
                 cx.cross_entropy_partial_sum(&logits, targets, z)?
             } else {

@@ -35,6 +35,7 @@ use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
 use ferrotext_tensor::{DotDims, Llama3, Rope, Yarn};
 
 pub use crate::deepseek::MlaSettings;
+use crate::documents::Documents;
 use crate::kv_cache::KvCache;
 use crate::moe::{MoeConfig, RouterScore};
 pub use crate::mtp::LossSum;
@@ -45,6 +46,7 @@ pub use crate::router::GroupLimit;
 
 mod forward;
 mod loss;
+pub use loss::LossOptions;
 mod region;
 mod weights;
 
@@ -441,7 +443,7 @@ impl Decoder {
         inputs: &Ids,
     ) -> Result<Array, SpmdError> {
         let w = self.bind(params)?;
-        Ok(self.trunk(cx, &w, inputs, None)?.0)
+        Ok(self.trunk(cx, &w, inputs, None, None)?.0)
     }
 
     /// Logits `[B, T, vocab]`, split over the batch like the inputs, vocab replicated.
@@ -454,7 +456,7 @@ impl Decoder {
         params: &[Array],
         inputs: &Ids,
     ) -> Result<Array, SpmdError> {
-        Ok(self.forward(cx, params, inputs, None)?.0)
+        Ok(self.forward(cx, params, inputs, None, None)?.0)
     }
 
     /// Incremental decoding: the logits `[B, T, vocab]` of `inputs` (`[B, T]`, the tokens that
@@ -478,7 +480,7 @@ impl Decoder {
                 model: self.weights.layers.len(),
             });
         }
-        Ok(self.forward(cx, params, inputs, Some(cache))?.0)
+        Ok(self.forward(cx, params, inputs, Some(cache), None)?.0)
     }
 
     /// An empty key/value cache for [`Decoder::decode`].
@@ -508,8 +510,9 @@ impl Decoder {
         params: &[Array],
         inputs: &Ids,
         cache: Option<&mut KvCache>,
+        docs: Option<&Documents>,
     ) -> Result<(Array, Option<Array>, ExpertLoads, Array), SpmdError> {
-        let hidden = self.hidden_and_head(cx, params, inputs, cache)?;
+        let hidden = self.hidden_and_head(cx, params, inputs, cache, docs)?;
         let (x, aux, loads) = (hidden.x, hidden.aux, hidden.loads);
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
         let layout = ActivationLayout { batch: batch_axes };
@@ -542,9 +545,10 @@ impl Decoder {
         params: &[Array],
         inputs: &Ids,
         cache: Option<&mut KvCache>,
+        docs: Option<&Documents>,
     ) -> Result<Hidden, SpmdError> {
         let w = self.bind(params)?;
-        let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache)?;
+        let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache, docs)?;
         let (head, tied) = match w.lm_head {
             None => (table, true),
             Some(head) => (head.clone(), false),
@@ -568,6 +572,7 @@ impl Decoder {
         w: &Weights<&Array>,
         inputs: &Ids,
         mut cache: Option<&mut KvCache>,
+        docs: Option<&Documents>,
     ) -> Result<(Array, Array, Option<Array>, ExpertLoads), SpmdError> {
         let c = &self.cfg;
         let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
@@ -589,9 +594,9 @@ impl Decoder {
             let slot = cache.as_deref_mut().and_then(|k| k.slot(i));
             x = match (&save, slot) {
                 (Some(policy), None) => {
-                    self.layer_region(cx, i, layer, &x, policy, (&mut aux, &mut loads))?
+                    self.layer_region(cx, (i, layer), &x, policy, (&mut aux, &mut loads), docs)?
                 }
-                (_, slot) => layer.forward(cx, &x, c, &mut aux, &mut loads, slot)?,
+                (_, slot) => layer.forward(cx, &x, c, &mut aux, &mut loads, slot, docs)?,
             };
         }
         // the final norm

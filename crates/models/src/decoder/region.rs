@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use ferrotext_spmd::{Array, Ctx, RematFn, SavePolicy, SpmdError};
 
 use super::{Decoder, DecoderLayer, ExpertLoads};
+use crate::documents::Documents;
 
 impl Decoder {
     /// Layer `i` (bound to `layer`) on `x` as a region saving what `policy` says: its output;
@@ -18,11 +19,11 @@ impl Decoder {
     pub(super) fn layer_region(
         &self,
         cx: &mut Ctx<'_>,
-        i: usize,
-        layer: &DecoderLayer<&Array>,
+        (i, layer): (usize, &DecoderLayer<&Array>),
         x: &Array,
         policy: &SavePolicy,
         (aux, loads): (&mut Option<Array>, &mut ExpertLoads),
+        docs: Option<&Documents>,
     ) -> Result<Array, SpmdError> {
         let mut inputs = vec![x.clone()];
         let Ok(_) = layer.try_map(&mut |w: &&Array| {
@@ -31,6 +32,7 @@ impl Decoder {
         });
         let template = self.weights.layers[i].clone();
         let cfg = self.cfg.clone();
+        let docs = docs.cloned();
         let forward_loads: Arc<Mutex<Option<ExpertLoads>>> = Arc::default();
         let first_loads = forward_loads.clone();
         let f: RematFn = Arc::new(move |cx, a| {
@@ -44,7 +46,15 @@ impl Decoder {
                 })
             })?;
             let (mut layer_aux, mut layer_loads) = (None, Vec::new());
-            let y = layer.forward(cx, &a[0], &cfg, &mut layer_aux, &mut layer_loads, None)?;
+            let y = layer.forward(
+                cx,
+                &a[0],
+                &cfg,
+                &mut layer_aux,
+                &mut layer_loads,
+                None,
+                docs.as_ref(),
+            )?;
             // The forward run's loads; the replay routes the same tokens the same way.
             if let Ok(mut slot) = first_loads.lock() {
                 slot.get_or_insert(layer_loads);

@@ -31,7 +31,8 @@ pub struct DeviceMemory {
     pub parameter_bytes: f64,
     /// The gradient accumulator (the micro-batches' partial sums).
     pub accumulator_bytes: f64,
-    /// The reduced gradients `update` produces (a slice under ZeRO-1).
+    /// Gradient sets beyond the accumulator (the update reduces the accumulator in place):
+    /// `layout_invariant`'s tree nodes, else none.
     pub gradient_bytes: f64,
     /// The optimizer state (AdamW's two moments; none for SGD; ÷ `data` under ZeRO-1).
     pub optimizer_bytes: f64,

@@ -169,6 +169,10 @@ pub struct TrainConfig {
     /// whole, and the backward recomputes each tile's. 1: untiled. Need not divide the tokens
     /// (the last tile is shorter).
     pub num_vocab_tiling: usize,
+    /// Windows hold several documents (MaxText's `packing`): each token attends only within its
+    /// document, RoPE positions restart at each, and the target that would cross into the next
+    /// document is not scored. Needs delimited documents (`dataset_type=shards`).
+    pub packing: bool,
     /// Multi-token-prediction depth (MaxText's `mtp_num_layers`): 0 none, 1 DeepSeek-V3's module
     /// after the last layer, trained beside the main loss.
     pub mtp_num_layers: usize,
@@ -361,6 +365,7 @@ impl Default for TrainConfig {
             z_loss_multiplier: 0.0,
             remat_policy: RematPolicy::None,
             num_vocab_tiling: 1,
+            packing: false,
             mtp_num_layers: 0,
             mtp_loss_scaling_factor: 0.1,
             local_devices: 4,

@@ -189,6 +189,16 @@ impl TrainConfig {
         mesh: &Mesh,
     ) -> Result<(), TrainError> {
         let bad = |key: &str, m: String| Err(TrainError::usage(key, m));
+        if self.packing && self.dataset_type != DatasetType::Shards {
+            return bad(
+                "packing",
+                format!(
+                    "packing=true needs data whose documents are delimited (dataset_type=shards, \
+                     each document ending in EOS); dataset_type={} has no document boundaries",
+                    format!("{:?}", self.dataset_type).to_lowercase()
+                ),
+            );
+        }
         if self.shard_optimizer_over_data && mesh.axis_size("expert")? > 1 {
             return bad(
                 "shard_optimizer_over_data",

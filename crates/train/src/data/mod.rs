@@ -59,6 +59,11 @@ pub trait TokenSource: Send + Sync {
     fn epoch(&self, _index: u64, _len: usize) -> Option<u64> {
         None
     }
+    /// The id that ends every document, for sources whose documents are delimited (token
+    /// shards): what `packing=true` finds the document boundaries by. `None`: no boundaries.
+    fn eos(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// Arithmetic sequences `start + stride·i mod vocab` with 10% noise (the JAX peer's data).

@@ -241,4 +241,7 @@ impl TokenSource for ShardWindows {
     fn epoch(&self, index: u64, len: usize) -> Option<u64> {
         Some(index / self.windows(len))
     }
+    fn eos(&self) -> Option<u32> {
+        Some(self.stream.set().manifest().eos_id)
+    }
 }

@@ -54,4 +54,7 @@ impl TokenSource for Tapped {
     fn epoch(&self, index: u64, len: usize) -> Option<u64> {
         self.inner.epoch(index, len)
     }
+    fn eos(&self) -> Option<u32> {
+        self.inner.eos()
+    }
 }

@@ -22,8 +22,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferrotext_comm::Wire;
+use ferrotext_models::decoder::LossOptions;
 use ferrotext_models::init_normal;
-use ferrotext_models::ParamInfo;
+use ferrotext_models::{Documents, ParamInfo};
 use ferrotext_sharding::{ArrayType, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
@@ -92,6 +93,15 @@ pub struct Batch {
     inputs: Ids,
     targets: Ids,
     tokens: u64,
+    /// Packed documents' segment ids and positions (`packing=true`).
+    documents: Option<Documents>,
+}
+
+impl Batch {
+    /// The inputs and, packed, their documents: what the model reads.
+    fn tokens(&self) -> (&Ids, Option<&Documents>) {
+        (&self.inputs, self.documents.as_ref())
+    }
 }
 
 /// What [`Engine::fwd_bwd`] reports for one micro-batch.
@@ -400,11 +410,37 @@ impl Engine {
     }
 
     /// A micro-batch from its global rows (each `len + 1` tokens: inputs then shifted targets;
-    /// [`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are ignored). Every device passes the same rows and keeps its block.
+    /// [`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are ignored). Every device passes
+    /// the same rows and keeps its block.
     ///
     /// # Errors
     /// Rows of unequal length, or a count the batch axes do not divide.
     pub fn batch(&self, cx: &Ctx<'_>, rows: &[Vec<u32>]) -> Result<Batch, TrainError> {
+        self.batch_of(cx, rows, None)
+    }
+
+    /// [`Engine::batch`] of packed rows (`packing=true`): each row holds documents that end in
+    /// `eos`; a token's document starts after the last `eos` before it, its position counts
+    /// from there, attention stays inside it, and the target after a document's `eos` (the
+    /// next document's first token) is not scored (MaxText's packing).
+    ///
+    /// # Errors
+    /// As [`Engine::batch`].
+    pub fn packed_batch(
+        &self,
+        cx: &Ctx<'_>,
+        rows: &[Vec<u32>],
+        eos: u32,
+    ) -> Result<Batch, TrainError> {
+        self.batch_of(cx, rows, Some(eos))
+    }
+
+    fn batch_of(
+        &self,
+        cx: &Ctx<'_>,
+        rows: &[Vec<u32>],
+        eos: Option<u32>,
+    ) -> Result<Batch, TrainError> {
         let len = rows.first().map_or(0, |r| r.len().saturating_sub(1));
         if len == 0 || rows.iter().any(|r| r.len() != len + 1) {
             return Err(TrainError::Misuse {
@@ -413,7 +449,8 @@ impl Engine {
             });
         }
         let inputs: Vec<u32> = rows.iter().flat_map(|s| s[..len].iter().copied()).collect();
-        let targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();
+        let mut targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();
+        let packed = eos.map(|eos| pack(&inputs, &mut targets, len, eos));
         let tokens = targets
             .iter()
             .filter(|&&t| t != ferrotext_spmd::IGNORE_INDEX)
@@ -424,10 +461,18 @@ impl Engine {
         } else {
             engine_rules().resolve(&[Some("activation_batch"), None], &shape, cx.mesh())?
         };
+        let documents = match packed {
+            Some((segments, positions)) => Some(Documents {
+                segment_ids: cx.ids_from_global(&shape, spec.clone(), &segments)?,
+                positions: cx.ids_from_global(&shape, spec.clone(), &positions)?,
+            }),
+            None => None,
+        };
         Ok(Batch {
             inputs: cx.ids_from_global(&shape, spec.clone(), &inputs)?,
             targets: cx.ids_from_global(&shape, spec, &targets)?,
             tokens,
+            documents,
         })
     }
 
@@ -436,10 +481,12 @@ impl Engine {
     /// # Errors
     /// An op or collective failure.
     pub fn eval_step(&mut self, cx: &mut Ctx<'_>, batch: &Batch) -> Result<FwdBwd, TrainError> {
+        let main = LossOptions::default();
         let loss = self
             .plan
             .decoder()
-            .loss_sum(cx, &self.params, &batch.inputs, &batch.targets)?;
+            .loss(cx, &self.params, batch.tokens(), &batch.targets, main)?
+            .total;
         let loss_sum = if loss.is_abstract() {
             0.0
         } else {
@@ -492,9 +539,43 @@ fn initial_value(
     Ok(v.clone())
 }
 
+/// The documents of packed rows (`len` inputs each, flat): per input its segment id (the count
+/// of `eos` before it in its row) and its position in its document; the target after an
+/// input that is `eos` (it would cross into the next document) is no longer scored.
+fn pack(inputs: &[u32], targets: &mut [u32], len: usize, eos: u32) -> (Vec<u32>, Vec<u32>) {
+    let (mut segments, mut positions) = (vec![0; inputs.len()], vec![0; inputs.len()]);
+    for (row, ids) in inputs.chunks(len.max(1)).enumerate() {
+        let (mut segment, mut start) = (0u32, 0usize);
+        for (i, &id) in ids.iter().enumerate() {
+            let at = row * len + i;
+            segments[at] = segment;
+            positions[at] = (i - start) as u32;
+            if id == eos {
+                targets[at] = ferrotext_spmd::IGNORE_INDEX;
+                (segment, start) = (segment + 1, i + 1);
+            }
+        }
+    }
+    (segments, positions)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hand-worked: rows `a b E c d | E f g h` (E the EOS): segments count the EOS before each
+    /// token, positions restart after each, and the target after an EOS is not scored.
+    #[test]
+    fn packing_finds_documents_by_their_eos_and_masks_the_crossing_targets() {
+        const E: u32 = 9;
+        let inputs = [1, 2, E, 3, 4, E, 5, 6, 7, 8];
+        let mut targets = [2, E, 3, 4, 5, 5, 6, 7, 8, 0];
+        let (segments, positions) = pack(&inputs, &mut targets, 5, E);
+        assert_eq!(segments, [0, 0, 0, 1, 1, 0, 1, 1, 1, 1]);
+        assert_eq!(positions, [0, 1, 2, 0, 1, 0, 0, 1, 2, 3]);
+        let x = ferrotext_spmd::IGNORE_INDEX;
+        assert_eq!(targets, [2, E, x, 4, 5, x, 6, 7, 8, 0]);
+    }
 
     #[test]
     fn overlapped_buckets_split_a_small_model_and_leave_a_large_one_alone() {

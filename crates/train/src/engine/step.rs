@@ -19,7 +19,7 @@ use crate::gradients::{FinishedTree, Gradients, PartialGradients, UnitTree};
 use crate::optim::{clip_scale, learning_rate};
 use crate::plan::RunPlan;
 use crate::router_bias::RouterBalance;
-use ferrotext_models::decoder::ExpertLoads;
+use ferrotext_models::decoder::{ExpertLoads, LossOptions};
 
 impl Engine {
     /// Forward and backward on one micro-batch; its gradients join the pending accumulator.
@@ -140,12 +140,12 @@ impl Engine {
                     .value_and_grad_into(
                         &pending.used,
                         |cx, ps| {
-                            let parts = model.loss_partial_sum_parts(
-                                cx,
-                                ps,
-                                &batch.inputs,
-                                &batch.targets,
-                            )?;
+                            let options = LossOptions {
+                                partial: true,
+                                with_mtp: true,
+                            };
+                            let parts =
+                                model.loss(cx, ps, batch.tokens(), &batch.targets, options)?;
                             (loads, mtp) = (parts.loads, parts.mtp);
                             Ok(parts.total)
                         },
@@ -218,7 +218,11 @@ impl Engine {
             .value_and_grad_into(
                 used,
                 |cx, ps| {
-                    let parts = model.loss_sum_parts(cx, ps, &batch.inputs, &batch.targets)?;
+                    let options = LossOptions {
+                        partial: false,
+                        with_mtp: true,
+                    };
+                    let parts = model.loss(cx, ps, batch.tokens(), &batch.targets, options)?;
                     (*loads, *mtp) = (parts.loads, parts.mtp);
                     Ok(parts.total)
                 },
