@@ -15,7 +15,7 @@ use ferrotext_tensor::Rope;
 use crate::decoder::{matrix, norm_scale, Config};
 use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
-use crate::nn::{causal_attention, linear, linear_named, rms_norm};
+use crate::nn::{causal_attention, gather_sequence, linear, linear_named, rms_norm};
 use crate::params::ParamInfo;
 use crate::remat;
 
@@ -249,9 +249,10 @@ pub fn mla_attention(
     // 3. causal attention with DeepSeek's scale, then the output projection
     let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
     // Training (no cached positions): the tiled op (the composition's values within rounding).
-    let out = if k.shape()[1] == t && cx.attention_fits(&q, &k, &v) {
-        let segments = docs.map(|d| &d.segment_ids);
-        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), segments)?;
+    let (gk, gv) = (gather_sequence(cx, &k)?, gather_sequence(cx, &v)?);
+    let out = if k.shape()[1] == t && cx.attention_fits(&q, &gk, &gv) {
+        let positions = docs.map(|d| &d.positions);
+        let out = cx.attention(&q, &gk, &gv, &AttentionSpec::causal(scale), positions)?;
         cx.reshape(&out, &[b, t, h * vd], None)?
     } else if docs.is_some() {
         return Err(crate::nn::packed_needs_tiled(&q));

@@ -244,9 +244,7 @@ impl Mtp<&Array> {
         let y = rms_norm(cx, &y, self.shared_head_norm, eps)?;
         // The logits in f32, never rounded (as the main head's).
         let z = crate::nn::linear_to(cx, &y, self.shared_head_head, DType::F32)?;
-        let layout = ActivationLayout {
-            batch: next.ty().sharding().spec().dim(0).axis_names().to_vec(),
-        };
+        let layout = ActivationLayout::of(next);
         let want = layout.spec(3);
         let z = if z.ty().sharding().spec().partitions() == want.partitions() {
             z

@@ -10,20 +10,63 @@ use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
 use crate::remat;
 
-/// How activations are laid out: the mesh axes the batch dim is split over.
+/// How activations are laid out: the mesh axes the batch dim and the sequence dim are split
+/// over (the sequence's under context parallelism).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ActivationLayout {
     /// Mesh axes of the batch dim, major first (empty: replicated).
     pub batch: Vec<String>,
+    /// Mesh axes of the sequence dim (empty: whole on every device).
+    pub length: Vec<String>,
 }
 
 impl ActivationLayout {
-    /// `[batch, None, ...]` for an activation of `rank` dims.
+    /// The layout of activations computed from token ids `[B, T]` laid out as `ids`.
+    pub fn of(ids: &ferrotext_spmd::Ids) -> ActivationLayout {
+        let spec = ids.ty().sharding().spec();
+        ActivationLayout {
+            batch: spec.dim(0).axis_names().to_vec(),
+            length: spec.dim(1).axis_names().to_vec(),
+        }
+    }
+
+    /// `[batch, length, None, ...]` for an activation of `rank ≥ 2` dims.
     pub fn spec(&self, rank: usize) -> PartitionSpec {
-        let mut dims = vec![DimSpec::axes(self.batch.clone())];
+        let mut dims = vec![
+            DimSpec::axes(self.batch.clone()),
+            DimSpec::axes(self.length.clone()),
+        ];
         dims.resize(rank, DimSpec::Replicated);
         PartitionSpec::new(dims)
     }
+
+    /// Every axis the tokens are split over (batch and sequence): what a weight's gradient is
+    /// a partial sum over.
+    pub fn token_axes(&self) -> Vec<String> {
+        self.batch.iter().chain(&self.length).cloned().collect()
+    }
+}
+
+/// `x` (`[B, T, ..]`) with its sequence whole on every device, reduced over the axes it was
+/// split on (context parallelism: every device's queries read every key; the gather's
+/// transpose reduce-scatters the keys' cotangent, each device's partial sum). `x` itself when
+/// its sequence is whole.
+///
+/// # Collectives
+/// An all-gather over the sequence's axes forward; a reduce-scatter backward.
+pub fn gather_sequence(cx: &mut Ctx<'_>, x: &Array) -> Result<Array, SpmdError> {
+    let spec = x.ty().sharding().spec();
+    let axes = spec.dim(1).axis_names().to_vec();
+    if axes.is_empty() {
+        return Ok(x.clone());
+    }
+    let whole = spec
+        .with_partitions((0..x.ty().rank()).map(|d| match d {
+            1 => DimSpec::Replicated,
+            d => spec.dim(d).clone(),
+        }))?
+        .with_reduced(axes)?;
+    cx.reshard(x, &whole)
 }
 
 /// `x · w` over the last dim of `x` and the first of `w`. The output keeps `x`'s layout on its
@@ -235,10 +278,12 @@ pub fn attention(
     let scale = 1.0 / (hd as f32).sqrt();
     // 4–5. Training (no cached positions): the tiled op reads each kv head for its group of
     // query heads in place and keeps no T×T scores; the composition below computes the same
-    // within rounding (it is what a key/value cache decodes with).
-    if s == t && cx.attention_fits(&q, &k, &v) {
-        let segments = docs.map(|d| &d.segment_ids);
-        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), segments)?;
+    // within rounding (it is what a key/value cache decodes with). Under context parallelism
+    // the queries stay split and the keys and values are gathered.
+    let (gk, gv) = (gather_sequence(cx, &k)?, gather_sequence(cx, &v)?);
+    if s == t && cx.attention_fits(&q, &gk, &gv) {
+        let positions = docs.map(|d| &d.positions);
+        let out = cx.attention(&q, &gk, &gv, &AttentionSpec::causal(scale), positions)?;
         let out = cx.reshape(&out, &[b, t, h * hd], None)?;
         return linear_named(cx, &out, w.o_proj, remat::OUT_PROJ);
     }

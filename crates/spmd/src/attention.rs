@@ -7,14 +7,17 @@
 //! multiple of `KV`, query head `h` reads kv head `h / (H/KV)`), out `[B, T, H, dv]` laid out like
 //! `q`. The batch and head dims may be split (alike in all three; a split of the heads keeps
 //! every group on one device, since both head counts split into the same number of contiguous
-//! blocks); the sequence and width dims must be whole; no operand may be unreduced, and the
-//! three carry the same `reduced` tags. Segment ids, when given, are `u32[B, T]` split over the
-//! batch as `q` is. No collective.
+//! blocks); the width dims must be whole; no operand may be unreduced. `q`'s sequence may be
+//! split over axes S (context parallelism) when `k` and `v` hold the whole sequence reduced over
+//! S (the caller gathers them): each device attends its queries to every key, and the keys'
+//! and values' cotangents come back unreduced over S (their gather's transpose reduce-scatters
+//! them); otherwise the three carry the same `reduced` tags. Document positions, when given, are
+//! `u32[B, T]` split as `q`'s batch and sequence. No collective.
 //!
 //! What a query sees ([`AttentionSpec`]): the keys up to its own position (causal), within its
-//! document when segment ids are given (a change of id starts a document: packed sequences'
-//! documents are contiguous runs), at most `window` of them when a sliding window is set; the
-//! logits are `scale·q·k`, soft-capped when asked.
+//! document when document positions are given (a token's document starts its position before
+//! it: packed documents are contiguous runs), at most `window` of them when a sliding window is
+//! set; the logits are `scale·q·k`, soft-capped when asked.
 //!
 //! On bf16 `q`, `k`, `v` the kernel runs in `f32` on the widened shards and rounds its output
 //! and cotangents once; the backward's row sums `rowsum(dout ⊙ out)` read the output as stored
@@ -23,7 +26,7 @@
 
 use std::sync::Arc;
 
-use ferrotext_sharding::ArrayType;
+use ferrotext_sharding::{ArrayType, AxisSet};
 use ferrotext_tensor::{KeyRanges, Scores, Tensor};
 
 use crate::array::{bf16_operands, Array};
@@ -100,17 +103,28 @@ fn attention_type(q: &ArrayType, k: &ArrayType, v: &ArrayType) -> Result<ArrayTy
                 "cannot take an unreduced operand",
             ));
         }
-        for d in [1, 3] {
-            if t.sharding().dim_parts(d)? > 1 {
-                return Err(type_error(
-                    K::ShardingMismatch,
-                    &all,
-                    format!("dimension {d} is sharded; the sequence and widths must be whole"),
-                ));
-            }
+        if t.sharding().dim_parts(3)? > 1 {
+            return Err(type_error(
+                K::ShardingMismatch,
+                &all,
+                "dimension 3 is sharded; the widths must be whole",
+            ));
         }
     }
+    // Context parallelism: q's sequence may be split over axes S when k and v hold the whole
+    // sequence, reduced over S (gathered by the caller): each device attends its queries to
+    // every key, and the keys' and values' cotangents come back unreduced over S.
+    let split: AxisSet = q
+        .sharding()
+        .spec()
+        .dim(1)
+        .axis_names()
+        .iter()
+        .cloned()
+        .collect();
     let spec = |t: &ArrayType, d: usize| t.sharding().spec().dim(d).clone();
+    let mut want_reduced = q.sharding().spec().reduced().clone();
+    want_reduced.extend(split.iter().cloned());
     for t in [k, v] {
         if spec(t, 0) != spec(q, 0) || spec(t, 2) != spec(q, 2) {
             return Err(type_error(
@@ -119,11 +133,18 @@ fn attention_type(q: &ArrayType, k: &ArrayType, v: &ArrayType) -> Result<ArrayTy
                 "q, k and v must split the batch and the heads alike",
             ));
         }
-        if t.sharding().spec().reduced() != q.sharding().spec().reduced() {
+        if t.sharding().dim_parts(1)? > 1 {
             return Err(type_error(
                 K::ShardingMismatch,
                 &all,
-                "q, k and v must carry the same reduced tags",
+                "dimension 1 of k or v is sharded; the keys' sequence must be whole (gather it)",
+            ));
+        }
+        if t.sharding().spec().reduced() != &want_reduced {
+            return Err(type_error(
+                K::ShardingMismatch,
+                &all,
+                "k and v must carry q's reduced tags, plus the axes q's sequence is split over",
             ));
         }
     }
@@ -132,44 +153,43 @@ fn attention_type(q: &ArrayType, k: &ArrayType, v: &ArrayType) -> Result<ArrayTy
     rules::make_type(OP, q, shape, Ok(q.sharding().spec().clone())).map_err(Into::into)
 }
 
-/// Segment ids fit `q`: `[B, T]`, the batch split as `q`'s, the sequence whole.
-fn check_segments(q: &ArrayType, segments: &ArrayType) -> Result<(), SpmdError> {
-    let fits = segments.shape() == &q.shape()[..2]
-        && segments.sharding().spec().dim(0) == q.sharding().spec().dim(0)
-        && segments.sharding().dim_parts(1)? == 1;
+/// Document positions fit `q`: `[B, T]`, split as `q`'s batch and sequence.
+fn check_documents(q: &ArrayType, positions: &ArrayType) -> Result<(), SpmdError> {
+    let spec = |t: &ArrayType, d: usize| t.sharding().spec().dim(d).clone();
+    let fits = positions.shape() == &q.shape()[..2]
+        && spec(positions, 0) == spec(q, 0)
+        && spec(positions, 1) == spec(q, 1);
     if fits {
         Ok(())
     } else {
         Err(type_error(
             K::ShardingMismatch,
-            &[q, segments],
-            "needs segment ids [B, T] with the batch split as q's and the sequence whole",
+            &[q, positions],
+            "needs document positions [B, T] split over the batch and sequence as q is",
         ))
     }
 }
 
-/// Which keys each of this device's query rows sees: `q`'s local batch rows over `t`
-/// positions, within documents when `segments` holds this device's ids.
+/// Which keys each of this device's query rows sees: `rows` batch rows of the queries at
+/// positions `offset..offset + queries` over `keys` positions; within documents when
+/// `positions` holds each query's position in its document (its document starts there
+/// before it).
 fn key_ranges(
-    rows: usize,
-    t: usize,
-    segments: Option<&[u32]>,
+    (rows, queries, keys, offset): (usize, usize, usize, usize),
+    positions: Option<&[u32]>,
     window: Option<usize>,
 ) -> Result<KeyRanges, SpmdError> {
-    let Some(ids) = segments else {
-        return Ok(KeyRanges::causal(rows, t, window));
+    let Some(pos) = positions else {
+        return Ok(KeyRanges::causal(rows, keys, window).query_rows(offset..offset + queries)?);
     };
-    let mut starts = Vec::with_capacity(ids.len());
-    for (n, &id) in ids.iter().enumerate() {
-        let i = n % t;
-        let start = if i == 0 || ids[n - 1] != id {
-            i
-        } else {
-            starts[n - 1] as usize
-        };
-        starts.push(start as u32);
-    }
-    Ok(KeyRanges::documents(rows, t, &starts, window)?)
+    let starts: Vec<u32> = pos
+        .iter()
+        .enumerate()
+        .map(|(n, &p)| (offset + n % queries.max(1)).saturating_sub(p as usize) as u32)
+        .collect();
+    Ok(KeyRanges::query_documents(
+        rows, keys, offset, &starts, window,
+    )?)
 }
 
 impl Ctx<'_> {
@@ -181,8 +201,8 @@ impl Ctx<'_> {
 
     /// Causal grouped-query self-attention `softmax(logits over the visible keys)·v`, tiled, on
     /// `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]`; out `[B, T, H, dv]`.
-    /// `segments` (`u32[B, T]`, packed documents' ids) confines each query to its document.
-    /// See the module docs for the type rule and what is kept.
+    /// `documents` (`u32[B, T]`: each token's position in its packed document) confines each
+    /// query to its document. See the module docs for the type rule and what is kept.
     ///
     /// # Errors
     /// Shapes that do not fit; a split sequence or width dim; batch or heads split differently;
@@ -196,24 +216,23 @@ impl Ctx<'_> {
         k: &Array,
         v: &Array,
         spec: &AttentionSpec,
-        segments: Option<&Ids>,
+        documents: Option<&Ids>,
     ) -> Result<Array, SpmdError> {
         let out_ty = attention_type(q.ty(), k.ty(), v.ty())?;
-        if let Some(s) = segments {
-            check_segments(q.ty(), s.ty())?;
+        if let Some(d) = documents {
+            check_documents(q.ty(), d.ty())?;
         }
         let threads = self.threads();
         let scores = spec.scores();
-        let rows = q.ty().shard_shape()[0];
-        let t = q.shape()[1];
-        let local_ranges = |cx: &Ctx<'_>| -> Result<Option<KeyRanges>, SpmdError> {
-            if cx.mode() == Mode::Abstract {
-                return Ok(None);
-            }
-            let ids = segments.and_then(Ids::local);
-            key_ranges(rows, t, ids, spec.window).map(Some)
+        let ranges = if self.mode() == Mode::Abstract {
+            None
+        } else {
+            let local = q.ty().shard_shape();
+            let offset = q.ty().sharding().shard_ranges(q.shape(), self.device())?[1].start;
+            let sizes = (local[0], local[1], k.shape()[1], offset);
+            let pos = documents.and_then(Ids::local);
+            Some(key_ranges(sizes, pos, spec.window)?)
         };
-        let ranges = local_ranges(self)?;
         let (out, lse) = match (&ranges, bf16_operands(&out_ty, &[q, k, v])) {
             (Some(r), Some(b)) => {
                 let (out, lse) =

@@ -17,7 +17,7 @@ fn type_error(kind: K, op: &str, xs: &[&ArrayType], message: impl Into<String>) 
 }
 
 /// The type rule of a rotation: `[.., seq, heads, head_dim]` with an even `head_dim − pass`,
-/// the sequence and head widths whole.
+/// the head width whole (the sequence may be split: each device rotates its positions).
 fn check_rope(t: &ArrayType, pass: usize) -> Result<(), SpmdError> {
     const OP: &str = "rope";
     let head_dim = t.shape().last().copied().unwrap_or(0);
@@ -33,7 +33,7 @@ fn check_rope(t: &ArrayType, pass: usize) -> Result<(), SpmdError> {
             },
         ));
     }
-    for d in [t.rank() - 3, t.rank() - 1] {
+    for d in [t.rank() - 1] {
         if t.sharding().dim_parts(d)? > 1 {
             return Err(type_error(
                 K::ShardingMismatch,
@@ -119,7 +119,9 @@ impl Ctx<'_> {
     ) -> Result<Array, SpmdError> {
         check_rope(x.ty(), pass)?;
         let t = x.ty();
-        let positions: Vec<usize> = (start..start + t.shape()[t.rank() - 3]).collect();
+        // A sequence split over devices (context parallelism): this device's positions.
+        let seq = t.sharding().shard_ranges(t.shape(), self.device())?[t.rank() - 3].clone();
+        let positions: Vec<usize> = (start + seq.start..start + seq.end).collect();
         self.rope_at_positions(x, rope, positions, pass)
     }
 

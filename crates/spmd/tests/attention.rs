@@ -195,11 +195,17 @@ fn fused_attention_on_a_split_batch_and_split_heads_matches_the_reference_and_th
 #[test]
 fn type_errors_name_the_op_and_print_the_operands() {
     let m = mesh(&[("data", 2)]);
-    let cases: [(PartitionSpec, PartitionSpec, &str); 3] = [
+    let cases: [(PartitionSpec, PartitionSpec, &str); 4] = [
         (
             p(&["", "data", "", ""], &[], &[]),
             p(&["", "data", "", ""], &[], &[]),
-            "dimension 1 is sharded",
+            "dimension 1 of k or v is sharded",
+        ),
+        (
+            // A split query sequence needs whole keys reduced over the split's axes.
+            p(&["", "data", "", ""], &[], &[]),
+            p(&["", "", "", ""], &[], &[]),
+            "plus the axes q's sequence is split over",
         ),
         (
             p(&["data", "", "", ""], &[], &[]),

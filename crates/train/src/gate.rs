@@ -300,11 +300,12 @@ pub fn zero1_spec(
 /// Decides deferral for `mesh` under `rules` in explicit (`explicit_mode`) or auto mode, whole:
 /// open with the axes to tag, or closed with the reason.
 ///
-/// Open only when all hold: explicit mode; every mesh axis `Explicit`; a `data` or `expert`
-/// axis larger than 1; every other axis of size 1 (the blunt rule: `fsdp` breaks the tag through
-/// the batch contraction, `tensor` through the feature contraction, and listing bad axes missed
-/// `tensor` once); and the batch resolves to `data` and/or `expert` alone. (`expert` splits the
-/// batch and the experts only: the engine keeps dense weights whole over it.)
+/// Open only when all hold: explicit mode; every mesh axis `Explicit`; a `data`, `expert` or
+/// `context` axis larger than 1; every other axis of size 1 (the blunt rule: `fsdp` breaks the
+/// tag through the batch contraction, `tensor` through the feature contraction, and listing bad
+/// axes missed `tensor` once); and the batch resolves to `data` and/or `expert` alone (or to no
+/// axis, with `context` splitting the sequence). (`expert` splits the batch and the experts
+/// only, `context` the sequence only: the engine keeps dense weights whole over both.)
 pub fn deferral_gate(explicit_mode: bool, mesh: &Mesh, rules: &LogicalAxisRules) -> Deferral {
     let closed = Deferral::Closed;
     if !explicit_mode {
@@ -320,7 +321,9 @@ pub fn deferral_gate(explicit_mode: bool, mesh: &Mesh, rules: &LogicalAxisRules)
             axis_type: axis.axis_type().to_string(),
         });
     }
-    let batch_like = |name: &str| name == "data" || name == "expert";
+    // `context` splits each sequence (context parallelism): weights stay whole over it, and
+    // their gradients are partial sums over it like over the batch.
+    let batch_like = |name: &str| matches!(name, "data" | "expert" | "context");
     if !mesh
         .axes()
         .iter()
@@ -338,10 +341,17 @@ pub fn deferral_gate(explicit_mode: bool, mesh: &Mesh, rules: &LogicalAxisRules)
             size: axis.size(),
         });
     }
+    let context: Vec<String> = mesh
+        .axis("context")
+        .filter(|a| a.size() > 1)
+        .map(|a| a.name().to_string())
+        .into_iter()
+        .collect();
     match rules.batch_mesh_axes(mesh) {
         Ok(axes) if axes.iter().all(|a| batch_like(a)) => Deferral::Open {
-            axes: axes.into_iter().collect(),
+            axes: axes.into_iter().chain(context).collect(),
         },
+        Err(_) if !context.is_empty() => Deferral::Open { axes: context },
         Ok(axes) => closed(ClosedReason::BatchNotDataAlone {
             axes: axes.into_iter().collect(),
         }),

@@ -69,7 +69,11 @@ struct Inner {
 /// that axis splits the batch and the experts, and dense weights stay whole over it (MaxText
 /// would shard them over it like FSDP, which closes deferral).
 pub(crate) fn engine_rules() -> LogicalAxisRules {
-    LogicalAxisRules::maxtext().without_axis("embed", "expert")
+    LogicalAxisRules::maxtext()
+        .without_axis("embed", "expert")
+        .without_axis("embed", "context")
+        .without_axis("embed_no_exp", "context")
+        .without_axis("embed_moe", "context")
 }
 
 impl TrainConfig {
@@ -149,7 +153,7 @@ impl TrainConfig {
             });
         }
         let batch_spec = rules.resolve(
-            &[Some("activation_batch"), None],
+            &[Some("activation_batch"), Some("activation_length")],
             &[self.micro_batch_rows(), self.max_target_length],
             &compute_mesh,
         )?;
@@ -307,7 +311,8 @@ impl RunPlan {
         };
         let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
         let rows = (config.micro_batch_rows() as f64 / batch_parts).max(1.0);
-        let len = config.max_target_length as f64;
+        // Context parallelism splits each sequence over its devices.
+        let len = config.max_target_length as f64 / mesh.axis_size("context").unwrap_or(1) as f64;
         let tokens = rows * len;
         let (d, f) = (m.base_emb_dim as f64, m.base_mlp_dim as f64);
         let heads = m.base_num_query_heads as f64;

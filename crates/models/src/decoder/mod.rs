@@ -514,8 +514,7 @@ impl Decoder {
     ) -> Result<(Array, Option<Array>, ExpertLoads, Array), SpmdError> {
         let hidden = self.hidden_and_head(cx, params, inputs, cache, docs)?;
         let (x, aux, loads) = (hidden.x, hidden.aux, hidden.loads);
-        let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
-        let layout = ActivationLayout { batch: batch_axes };
+        let layout = ActivationLayout::of(inputs);
         // 3. the LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
         let logits = if hidden.tied {
             let dims = DotDims {
@@ -575,13 +574,12 @@ impl Decoder {
         docs: Option<&Documents>,
     ) -> Result<(Array, Array, Option<Array>, ExpertLoads), SpmdError> {
         let c = &self.cfg;
-        let batch_axes: Vec<String> = inputs.ty().sharding().spec().dim(0).axis_names().to_vec();
-        let layout = ActivationLayout { batch: batch_axes };
+        let layout = ActivationLayout::of(inputs);
         // 1. embedding lookup: x [B@batch, T, d] (the table is gathered first if it is split,
         //    keeping its tags)
         let table = unsplit(cx, w.embed_tokens)?;
         let table = match w.lm_head {
-            None => reduced_over(cx, &table, &layout.batch)?,
+            None => reduced_over(cx, &table, &layout.token_axes())?,
             Some(_) => table,
         };
         let x = cx.take(&table, inputs)?;

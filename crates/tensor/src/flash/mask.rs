@@ -51,20 +51,44 @@ impl KeyRanges {
         starts: &[u32],
         window: Option<usize>,
     ) -> Result<KeyRanges, TensorError> {
-        if starts.len() != batch * t {
+        KeyRanges::query_documents(batch, t, 0, starts, window)
+    }
+
+    /// [`KeyRanges::documents`] for the queries at positions `offset..offset + q` of each row
+    /// (`q = starts.len() / batch`: a device's slice of the sequence under context parallelism)
+    /// over all `keys` positions: `starts` gives each query's document start, a global position.
+    ///
+    /// # Errors
+    /// `starts` not a whole number of rows, queries past the keys, or a start after its
+    /// position.
+    pub fn query_documents(
+        batch: usize,
+        keys: usize,
+        offset: usize,
+        starts: &[u32],
+        window: Option<usize>,
+    ) -> Result<KeyRanges, TensorError> {
+        let queries = starts.len() / batch.max(1);
+        if queries * batch != starts.len() || offset + queries > keys {
             return Err(TensorError::shape(
                 "KeyRanges::documents",
-                format!("{} document starts for {batch} rows of {t}", starts.len()),
+                format!(
+                    "{} document starts for {batch} rows of queries {offset}.. over {keys} keys",
+                    starts.len()
+                ),
             ));
         }
-        let mut lo = Vec::with_capacity(batch * t);
-        let mut hi = Vec::with_capacity(batch * t);
+        let mut lo = Vec::with_capacity(starts.len());
+        let mut hi = Vec::with_capacity(starts.len());
         for (n, &s) in starts.iter().enumerate() {
-            let i = n % t;
+            let i = offset + n % queries.max(1);
             if s as usize > i {
                 return Err(TensorError::shape(
                     "KeyRanges::documents",
-                    format!("position {i} of row {} starts its document at {s}", n / t),
+                    format!(
+                        "position {i} of row {} starts its document at {s}",
+                        n / queries.max(1)
+                    ),
                 ));
             }
             lo.push(first_seen(i, s as usize, window));
@@ -72,8 +96,8 @@ impl KeyRanges {
         }
         Ok(KeyRanges {
             batch,
-            queries: t,
-            keys: t,
+            queries,
+            keys,
             lo,
             hi,
         })

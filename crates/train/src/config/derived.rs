@@ -20,8 +20,8 @@ impl TrainConfig {
         self.num_processes.saturating_mul(self.local_devices)
     }
 
-    /// The mesh `data × fsdp × tensor` over [`TrainConfig::devices`], each −1 filled, every axis typed by
-    /// `shard_mode`.
+    /// The mesh `data × fsdp × [context ×] tensor × expert` over [`TrainConfig::devices`], each
+    /// −1 filled, every axis typed by `shard_mode` (`context` only when larger than 1).
     ///
     /// # Errors
     /// More than one −1, a size that is 0 or below −1, or a product that is not the device count.
@@ -31,6 +31,7 @@ impl TrainConfig {
             ("fsdp", self.ici_fsdp_parallelism),
             ("tensor", self.ici_tensor_parallelism),
             ("expert", self.ici_expert_parallelism),
+            ("context", self.ici_context_parallelism),
         ];
         if named.iter().any(|&(_, s)| s == 0 || s < -1) {
             return Err(TrainError::usage(
@@ -54,17 +55,18 @@ impl TrainConfig {
                 TrainError::usage(
                     "ici_*_parallelism",
                     format!(
-                        "mesh data×fsdp×tensor×expert = {}×{}×{}×{} is larger than the {} devices",
+                        "mesh data×fsdp×tensor×expert×context = {}×{}×{}×{}×{} is larger than the {} devices",
                         named[0].1,
                         named[1].1,
                         named[2].1,
                         named[3].1,
+                        named[4].1,
                         self.devices()
                     ),
                 )
             })?;
         let devices = self.devices() as i64;
-        let sizes: Vec<(String, usize)> = named
+        let mut sizes: Vec<(String, usize)> = named
             .iter()
             .map(|&(n, s)| {
                 (
@@ -87,11 +89,15 @@ impl TrainConfig {
             return Err(TrainError::usage(
                 "ici_*_parallelism",
                 format!(
-                    "mesh data×fsdp×tensor×expert = {}×{}×{}×{} = {product} does not match local_devices = {}{processes}",
-                    sizes[0].1, sizes[1].1, sizes[2].1, sizes[3].1, self.local_devices
+                    "mesh data×fsdp×tensor×expert×context = {}×{}×{}×{}×{} = {product} does not match local_devices = {}{processes}",
+                    sizes[0].1, sizes[1].1, sizes[2].1, sizes[3].1, sizes[4].1, self.local_devices
                 ),
             ));
         }
+        // The context axis joins the mesh only where it splits something (a size-1 axis would
+        // change every mesh's description for nothing); it follows fsdp, as MaxText orders it.
+        let context = sizes.pop().filter(|(_, s)| *s > 1);
+        sizes.splice(2..2, context);
         let axis_type = match self.shard_mode {
             ShardMode::Explicit => AxisType::Explicit,
             ShardMode::Auto => AxisType::Auto,

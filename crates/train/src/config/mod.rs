@@ -187,6 +187,9 @@ pub struct TrainConfig {
     pub ici_data_parallelism: i64,
     /// Size of the `fsdp` axis (−1 fills).
     pub ici_fsdp_parallelism: i64,
+    /// Size of the `context` axis (−1 fills): context parallelism, each sequence split over its
+    /// devices; attention gathers the keys and values over it.
+    pub ici_context_parallelism: i64,
     /// Size of the `tensor` axis (−1 fills).
     pub ici_tensor_parallelism: i64,
     /// Size of the `expert` axis (−1 fills): MoE experts are split over it (expert
@@ -372,6 +375,7 @@ impl Default for TrainConfig {
             num_processes: 1,
             ici_data_parallelism: -1,
             ici_fsdp_parallelism: 1,
+            ici_context_parallelism: 1,
             ici_tensor_parallelism: 1,
             ici_expert_parallelism: 1,
             shard_mode: ShardMode::Explicit,

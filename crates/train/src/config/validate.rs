@@ -199,6 +199,32 @@ impl TrainConfig {
                 ),
             );
         }
+        let context = mesh.axis("context").map_or(1, |a| a.size());
+        if context > 1 {
+            if !self.max_target_length.is_multiple_of(context) {
+                return bad(
+                    "ici_context_parallelism",
+                    format!(
+                        "ici_context_parallelism = {context} must divide max_target_length = {} \
+                         (each device holds an equal part of every sequence)",
+                        self.max_target_length
+                    ),
+                );
+            }
+            if model.moe.is_some() || model.mtp_num_layers > 0 {
+                return bad(
+                    "ici_context_parallelism",
+                    format!(
+                        "ici_context_parallelism = {context} is not supported with {} yet",
+                        if model.moe.is_some() {
+                            "MoE layers"
+                        } else {
+                            "multi-token prediction"
+                        }
+                    ),
+                );
+            }
+        }
         if self.shard_optimizer_over_data && mesh.axis_size("expert")? > 1 {
             return bad(
                 "shard_optimizer_over_data",
