@@ -26,10 +26,12 @@ use std::sync::OnceLock;
 use half::bf16;
 
 use super::{add_rounded, permuted, round_into, Bf16Tensor};
-use crate::blas::{gemm_on, kernel, Kernel, Operand, Store};
+use crate::blas::{gemm_on, kernel, Blas, Cblas, Element, Kernel};
 use crate::error::TensorError;
 use crate::matmul::{as_stack_of, products, DotDims, Stacks};
+use crate::operand::{Operand, Store};
 use crate::parallel::{filled, for_each_chunk, Work};
+use crate::portable;
 use crate::portable::Isa;
 use crate::tensor::Tensor;
 
@@ -714,6 +716,42 @@ fn own_rounded_stacks(s: &Stacks<'_, bf16>, threads: usize, out: &mut [bf16]) {
                     entry(task * per_task + j, dst, 1);
                 }
             });
+    }
+}
+
+/// bf16 operands: the library's bf16 product where it has one, else this file's choice.
+impl Element for half::bf16 {
+    fn cblas(blas: &Blas) -> Option<Cblas<half::bf16>> {
+        blas.bf16.map(|(f, _)| f)
+    }
+    unsafe fn product(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand<half::bf16>,
+        b: Operand<half::bf16>,
+        parallelism: gemm::Parallelism,
+        store: Store,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { product(m, n, k, dst, ldc, a, b, parallelism, store) }
+    }
+    unsafe fn without_blas(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: *mut f32,
+        ldc: usize,
+        a: Operand<half::bf16>,
+        b: Operand<half::bf16>,
+        _parallelism: gemm::Parallelism,
+        store: Store,
+    ) {
+        // SAFETY: the caller's contract, which is the portable kernel's; `detect` gives an
+        // instruction set this CPU has.
+        unsafe { portable::gemm(Isa::detect(), m, n, k, dst, ldc, a, b, store) }
     }
 }
 

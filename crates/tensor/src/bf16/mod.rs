@@ -38,7 +38,7 @@ mod matmul;
 mod round_avx512;
 mod rows;
 
-pub(crate) use matmul::{product, products_on_tiles};
+pub(crate) use matmul::products_on_tiles;
 
 pub use attention::{causal_attention_backward_bf16, causal_attention_bf16};
 pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};

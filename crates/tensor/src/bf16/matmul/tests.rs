@@ -14,7 +14,8 @@
 use half::bf16;
 
 use super::*;
-use crate::blas::{gemm_on, open_mkl, open_openblas, Operand};
+use crate::blas::{gemm_on, open_mkl, open_openblas};
+use crate::operand::Operand;
 use crate::{dot_general, dot_general_accumulate, matmul_order_is_fixed};
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
