@@ -53,11 +53,11 @@ mod run;
 pub mod tensorboard;
 mod trainer;
 
+pub use config::Precision;
 pub use config::{
     gib, machine_memory_bytes, DatasetOrder, DatasetType, DeviceMemory, MemoryEstimate, NanPolicy,
     OptType, ResumeMode, ShardMode, TrainConfig,
 };
-pub use config::{Dtype, Precision};
 pub use cpu_time::CpuTime;
 pub use engine::{Batch, Engine, FwdBwd, StepMetrics};
 pub use error::{ErrorClass, OutputProblem, PrecisionProblem, TrainError};

@@ -83,7 +83,7 @@ impl TrainConfig {
         self.check_sizes()?;
         let precision = self.precision()?;
         let decoder = Decoder::new(self.model()?)
-            .and_then(|d| d.with_compute_dtype(precision.dtype.array_dtype()))
+            .and_then(|d| d.with_compute_dtype(precision.dtype))
             .map_err(|e| TrainError::usage("model_name", e.to_string()))?;
         self.check_scalars()?;
         let mesh = self.mesh()?;
@@ -311,7 +311,7 @@ impl RunPlan {
         // the attention probabilities; then the logits, their softmax and gradient.
         let per_layer = tokens * (16.0 * d + 4.0 * f) + rows * heads * len * len;
         // In bf16 each weight's bf16 copy (cast at use) is kept for the backward too.
-        let dtype = self.precision().dtype.array_dtype();
+        let dtype = self.precision().dtype;
         let kept = dtype.size_bytes() as f64;
         let copies = if dtype == DType::F32 {
             0.0

@@ -51,8 +51,8 @@ use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::Communicator as _;
 use ::mpi::Threading;
 
+use crate::backend::Backend;
 use crate::cluster::Cluster;
-use crate::communicator::Backend;
 use crate::error::CommError;
 use crate::local::LocalBackend;
 

@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use ::mpi::ffi;
 
-use crate::communicator::OpInfo;
+use crate::backend::OpInfo;
 use crate::error::CommError;
 
 use super::buffers::{Outbox, Pool, Received};

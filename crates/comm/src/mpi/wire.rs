@@ -22,7 +22,7 @@
 
 use std::os::raw::c_int;
 
-use crate::communicator::OpInfo;
+use crate::backend::OpInfo;
 use crate::trace::CollectiveKind;
 
 /// Header words before every payload.

@@ -22,10 +22,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
+use ferrotext_sharding::DType;
 use serde::Serialize;
 
 use super::write_json;
 use crate::common::stats::median;
+use crate::common::{dtype_flag, UsageError};
 
 /// Global rows per micro-batch: the peers' `--micro-batch` default.
 const MICRO_BATCH_ROWS: usize = 8;
@@ -61,10 +63,11 @@ pub struct PeersArgs {
     /// Gradient clipping by global norm on every engine (0: off).
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
-    /// The compute dtype on every engine: `f32`, or `bf16` (ferrotext's `dtype=bfloat16`, the
-    /// PyTorch peer's `--dtype bf16`, autocast; the JAX peer has no bf16 mode and is refused).
-    #[arg(long, value_enum, default_value_t = PeerDtype::F32)]
-    dtype: PeerDtype,
+    /// The compute dtype on every engine: `float32`, or `bfloat16` (ferrotext's
+    /// `dtype=bfloat16`, the PyTorch peer's `--dtype bf16`, autocast; the JAX peer has no bf16
+    /// mode and is refused); `f32`, `bf16` also.
+    #[arg(long, default_value = "float32", value_parser = peer_dtype)]
+    dtype: DType,
     /// Extra `key=value` overrides for the ferrotext runs.
     #[arg(long = "set")]
     set: Vec<String>,
@@ -83,32 +86,9 @@ pub struct PeersArgs {
     out: PathBuf,
 }
 
-/// The compute dtype of a comparison.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PeerDtype {
-    /// Everything in f32.
-    F32,
-    /// bf16 activations and matmul inputs, f32 master weights.
-    Bf16,
-}
-
-impl PeerDtype {
-    /// ferrotext's `dtype` value.
-    fn ferrotext(self) -> &'static str {
-        match self {
-            PeerDtype::F32 => "float32",
-            PeerDtype::Bf16 => "bfloat16",
-        }
-    }
-
-    /// The PyTorch peer's `--dtype` value.
-    fn torch(self) -> &'static str {
-        match self {
-            PeerDtype::F32 => "f32",
-            PeerDtype::Bf16 => "bf16",
-        }
-    }
+/// `--dtype`: the words of every command ([`dtype_flag`]), float32 or bfloat16.
+fn peer_dtype(value: &str) -> Result<DType, UsageError> {
+    dtype_flag(value, &[DType::F32, DType::BF16])
 }
 
 /// A training engine.
@@ -211,7 +191,7 @@ impl PeersArgs {
         if !(self.clip.is_finite() && self.clip >= 0.0) {
             bail!("--clip {}: a norm ≥ 0 (0 turns clipping off)", self.clip);
         }
-        if self.dtype == PeerDtype::Bf16 && self.engines.contains(&Engine::Jax) {
+        if self.dtype == DType::BF16 && self.engines.contains(&Engine::Jax) {
             bail!("--dtype bf16: the JAX peer has no bf16 mode; run --engines ferrotext,torch");
         }
         for &engine in &self.engines {
@@ -267,7 +247,7 @@ impl PeersArgs {
                     format!("gradient_accumulation_steps={ga}"),
                     format!("steps={}", self.warmup + self.steps),
                     format!("gradient_clipping_threshold={}", self.clip),
-                    format!("dtype={}", self.dtype.ferrotext()),
+                    format!("dtype={}", self.dtype.name()),
                     format!("base_output_directory={}", self.runs.display()),
                     format!("run_name={run_name}"),
                 ]);
@@ -287,9 +267,10 @@ impl PeersArgs {
                     cmd.args(["--dp", &data, "--defer"]);
                 } else {
                     cmd.args(["--nproc", &data, "--mode", "no_sync"]);
-                    if self.dtype == PeerDtype::Bf16 {
-                        // f32 is the peer's default: said only when it is not.
-                        cmd.args(["--dtype", self.dtype.torch()]);
+                    if self.dtype == DType::BF16 {
+                        // f32 is the peer's default: said only when it is not; the peer takes
+                        // the short name.
+                        cmd.args(["--dtype", self.dtype.short_name()]);
                     }
                 }
                 cmd.args(["--ga", &ga, "--opt", "sgd"])
@@ -510,7 +491,7 @@ pub fn run(args: &PeersArgs) -> Result<()> {
         "cores": super::cores(),
         "micro_batch_rows": MICRO_BATCH_ROWS,
         "clip": args.clip,
-        "dtype": args.dtype,
+        "dtype": args.dtype.short_name(),
         "warmup": args.warmup,
         "steps": args.steps,
         "set": args.set,
@@ -581,7 +562,7 @@ mod tests {
             warmup: 2,
             steps: 8,
             clip: 1.0,
-            dtype: PeerDtype::F32,
+            dtype: DType::F32,
             set: vec![],
             peer_args: vec![],
             timeout: 1,
@@ -638,7 +619,7 @@ mod tests {
         // bf16: ferrotext's and the PyTorch peer's own words; the JAX peer, which has none, is
         // refused before anything runs.
         let bf16 = PeersArgs {
-            dtype: PeerDtype::Bf16,
+            dtype: DType::BF16,
             engines: vec![Engine::Ferrotext, Engine::Torch],
             ..args.clone()
         };

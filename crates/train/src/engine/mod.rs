@@ -21,15 +21,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferrotext_comm::Wire;
 use ferrotext_models::init_normal;
 use ferrotext_models::ParamInfo;
-use ferrotext_sharding::{ArrayType, NamedSharding, PartitionSpec};
+use ferrotext_sharding::{ArrayType, DType, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
-use crate::config::Dtype;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Overlap, Zero1};
 use crate::gradients::{PartialGradients, UnitTree};
@@ -247,11 +245,10 @@ impl Engine {
         // `grad_dtype=bfloat16`: the step's deferred reduction moves bf16 (each device's f32
         // accumulator rounded once as it starts); a reduction in every micro-batch (DDP) stays
         // f32, so a gradient is never rounded per micro-batch.
-        let wire = if plan.precision().grad_dtype == Dtype::Bfloat16 && !overlap.every_micro_batch()
-        {
-            Wire::Bf16
+        let wire = if overlap.every_micro_batch() {
+            DType::F32
         } else {
-            Wire::F32
+            plan.precision().grad_dtype
         };
         let reduce_plan = Arc::new(
             cx.plan_buckets(&promised, reduce_targets, reduce_bucket_bytes, &backwards)?
