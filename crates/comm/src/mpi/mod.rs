@@ -33,6 +33,7 @@ mod backend;
 mod buffers;
 mod calls;
 mod engine;
+mod exchange;
 mod pipeline;
 mod startup;
 mod transport;
