@@ -12,7 +12,7 @@ use ferrotext_models::decoder::ConfigError;
 use ferrotext_models::HfLayoutError;
 use safetensors::tensor::Dtype;
 
-use super::{MANIFEST_SEAL, RESUMABLE_KEYS};
+use super::format::{MANIFEST_SEAL, RESUMABLE_KEYS};
 use crate::config::{DatasetOrder, OptType};
 
 /// The remedy every problem of `latest` ends with.
@@ -111,7 +111,7 @@ pub enum CheckpointProblem {
     NewerFormat {
         /// The manifest's `format_version`.
         found: u64,
-        /// The version this build reads ([`FORMAT_VERSION`](super::FORMAT_VERSION)).
+        /// The version this build reads ([`FORMAT_VERSION`](super::format::FORMAT_VERSION)).
         supported: u32,
     },
     /// The manifest's format is older than this build reads.
@@ -123,7 +123,7 @@ pub enum CheckpointProblem {
     OlderFormat {
         /// The manifest's `format_version`.
         found: u64,
-        /// The version this build reads ([`FORMAT_VERSION`](super::FORMAT_VERSION)).
+        /// The version this build reads ([`FORMAT_VERSION`](super::format::FORMAT_VERSION)).
         supported: u32,
     },
     /// The seal (`manifest.sha256`) cannot be read.
