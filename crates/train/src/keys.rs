@@ -129,7 +129,7 @@ pub const KEYS: &[Key] = &[
     key("learning_rate", Optimizer, "float > 0", "peak learning rate"),
     key("warmup_steps_fraction", Optimizer, "float in [0, 1]", "fraction of the steps in linear warmup"),
     key("learning_rate_final_fraction", Optimizer, "float in [0, 1]", "final learning rate of the cosine decay, as a fraction of the peak"),
-    key("opt_type", Optimizer, "adamw|sgd", "the optimizer"),
+    key("opt_type", Optimizer, crate::optim::OPT_TYPE_FORM, "the optimizer"),
     key("adam_b1", Optimizer, "float in [0, 1)", "AdamW β1"),
     key("adam_b2", Optimizer, "float in [0, 1)", "AdamW β2"),
     key("adam_eps", Optimizer, "float > 0", "AdamW ε"),

@@ -20,8 +20,7 @@ use ferrotext_models::ParamInfo;
 use ferrotext_sharding::{AxisType, DType, LogicalAxisRules, Mesh, PartitionSpec};
 
 use crate::config::{
-    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, OptType, Precision, ShardMode,
-    TrainConfig,
+    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, Precision, ShardMode, TrainConfig,
 };
 use crate::error::TrainError;
 use crate::gate::{deferral_gate, zero1_gate, zero1_spec, Deferral, Overlap, Zero1};
@@ -296,10 +295,7 @@ impl RunPlan {
         } else {
             1.0
         };
-        let moments = match config.opt_type {
-            OptType::Sgd => 0.0,
-            OptType::Adamw => 2.0,
-        };
+        let state_bytes = config.opt_type.state_bytes_per_element() as f64;
         let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
         let rows = (config.micro_batch_rows() as f64 / batch_parts).max(1.0);
         let len = config.max_target_length as f64;
@@ -322,7 +318,7 @@ impl RunPlan {
             layers * per_layer * kept + 3.0 * tokens * m.vocab_size as f64 * 4.0 + copies;
         let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
         let gradient_bytes = local / zero1 * 4.0;
-        let optimizer_bytes = local * moments / zero1 * 4.0;
+        let optimizer_bytes = local * state_bytes / zero1;
         Ok(DeviceMemory {
             parameter_elements: params,
             local_parameter_elements: local,

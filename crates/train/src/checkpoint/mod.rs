@@ -3,7 +3,8 @@
 //!
 //! A checkpoint is a directory `step_SSSSSSSS_micro_MMM` under a root, holding
 //! `params.safetensors` (HF names and orientation, as `load_parameters_path` reads),
-//! `optimizer.safetensors` (AdamW moments `m/<name>`, `v/<name>`), `accumulator.safetensors`
+//! `optimizer.safetensors` (the optimizer's state, slot by slot: AdamW's moments `m/<name>`,
+//! `v/<name>`; none for SGD), `accumulator.safetensors`
 //! (mid-step only: the *reduced* gradient totals `acc/<name>`), and `manifest.json` (format
 //! version, config, step, micro-step count, token denominator, mesh, per-tensor shardings, and
 //! the SHA-256 of every file, the data position), sealed by `manifest.sha256` (the manifest's
@@ -42,6 +43,7 @@
 //! | `format.rs` | the format's constants, [`RESUMABLE_KEYS`] and [`is_layout_key`]: what a checkpoint is and which config changes a resume allows |
 //! | `manifest.rs` | [`Manifest`]: reading it (version, then seal, then fields) and checking its numbers against its files, config and directory |
 //! | `save.rs` | [`Engine::save_checkpoint`](crate::Engine::save_checkpoint): gathering the state, the temporary directory, fsync, rename, `latest`, pruning |
+//! | `verify.rs` | reading a file verified: listed, plain name, checksum, tensor list, dtype, shape, finite values |
 //! | `load.rs` | [`Engine::restore_checkpoint`](crate::Engine::restore_checkpoint) and [`read_parameters`]: verified files → the whole state → the engine |
 //! | `resume.rs` | [`prepare_resume`], [`latest`], [`resolve`]: start-up of a checkpoint root, and which config changes a resume allows |
 //! | `problem.rs` | [`CheckpointProblem`]: what is wrong with a checkpoint, as values (file, checksum, shape, version, step, key) |
@@ -59,14 +61,16 @@ mod manifest;
 pub(crate) mod problem;
 mod resume;
 mod save;
+mod verify;
 
 pub use format::{is_layout_key, FORMAT_VERSION, MANIFEST_SEAL, RESUMABLE_KEYS};
 pub use load::read_parameters;
-pub(crate) use load::{read_params, verify_listed_files};
+pub(crate) use load::read_params;
 pub(crate) use manifest::{read_manifest, validate_manifest};
 pub use manifest::{Manifest, TensorEntry};
 pub use problem::{CheckpointProblem, ConfigChange, LatestProblem, ManifestMismatch};
 pub use resume::{dtype_change, latest, prepare_resume, resolve};
+pub(crate) use verify::verify_listed_files;
 
 /// Maps an I/O failure on `path` to [`TrainError::Io`].
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {

@@ -20,6 +20,8 @@ use ferrotext_data::TokenWidth;
 use ferrotext_sharding::DType;
 use serde::{Deserialize, Serialize};
 
+use crate::optim::OptType;
+
 mod derived;
 mod load;
 mod memory;
@@ -39,16 +41,6 @@ pub enum ShardMode {
     /// Every mesh axis `Auto`. ferrotext has no automatic partitioner: layouts still come from
     /// the logical rules, but the axes are not part of the types, so no tags and no deferral.
     Auto,
-}
-
-/// `opt_type`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OptType {
-    /// AdamW with decoupled weight decay on matrices.
-    Adamw,
-    /// Plain SGD.
-    Sgd,
 }
 
 /// `dataset_type`.
@@ -195,9 +187,9 @@ pub struct TrainConfig {
     pub warmup_steps_fraction: f64,
     /// Final learning rate of the cosine decay, as a fraction of the peak.
     pub learning_rate_final_fraction: f64,
-    /// `adamw` or `sgd`.
+    /// The optimizer (`adamw`, `sgd`, ...: [`OptType`]).
     pub opt_type: OptType,
-    /// AdamW β1.
+    /// AdamW β1 (what each optimizer reads: [`crate::Hyper`]).
     pub adam_b1: f64,
     /// AdamW β2.
     pub adam_b2: f64,

@@ -31,7 +31,7 @@ use serde::Serialize;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Overlap, Zero1};
 use crate::gradients::{PartialGradients, UnitTree};
-use crate::optim::Optimizer;
+use crate::optim::{OptType, Optimizer};
 use crate::plan::{engine_rules, RunPlan};
 use crate::router_bias::RouterBalance;
 
@@ -268,10 +268,11 @@ impl Engine {
         };
         Ok(Engine {
             plan: plan.clone(),
+            // Abstract mode steps nothing: an optimizer without state allocates nothing.
             opt: if cx.mode() == Mode::Abstract {
-                Optimizer::Sgd
+                Optimizer::new(OptType::Sgd, config.optimizer_hyper(), &shapes)
             } else {
-                Optimizer::new(config, &shapes)
+                Optimizer::new(config.opt_type, config.optimizer_hyper(), &shapes)
             },
             inside,
             acc_types,
@@ -356,9 +357,11 @@ impl Engine {
         self.plan.zero1()
     }
 
-    /// This device's optimizer-state shards (AdamW `m` and `v`; `None` for SGD).
-    pub fn optimizer_state(&self) -> Option<(&[Tensor], &[Tensor])> {
-        self.opt.moments().map(|(m, v, _)| (m, v))
+    /// This device's optimizer-state shards, `state[s][p]`: slot `s` of
+    /// [`OptType::slots`] (AdamW: `m`, `v`) for parameter `p`; `None` for an optimizer that
+    /// keeps none (SGD).
+    pub fn optimizer_state(&self) -> Option<&[Vec<Tensor>]> {
+        self.opt.state().map(|(slots, _)| slots)
     }
 
     /// The layout of a micro-batch's `[rows, len]` token arrays.
