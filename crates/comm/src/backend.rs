@@ -34,6 +34,11 @@ pub struct OpInfo {
 }
 
 impl OpInfo {
+    /// Its bytes as the trace records them ([`CollectiveKind::bytes`]).
+    pub fn bytes(&self) -> usize {
+        self.kind.bytes(self.elements, self.dtype)
+    }
+
     /// A short description for error messages: `all_reduce over [data] of 1024 f32`.
     pub fn describe(&self) -> String {
         let root = if self.kind == CollectiveKind::Broadcast {

@@ -20,7 +20,7 @@ use crate::trace::{CollectiveKind, Trace, TraceEvent};
 /// `None` unless the profiler records this thread.
 fn profile_span(op: &OpInfo) -> Option<ferrotext_profile::Span> {
     ferrotext_profile::span_in(op.kind.name(), ferrotext_profile::Phase::Collective).map(|s| {
-        s.bytes((op.elements * op.dtype.size_bytes()) as f64)
+        s.bytes(op.bytes() as f64)
             .shapes(|| format!("{}[{}] over {}", op.dtype, op.elements, op.axes.join(",")))
     })
 }
@@ -453,7 +453,7 @@ impl Communicator {
             axes: op.axes.clone(),
             group_size: op.group.len(),
             elements,
-            bytes: elements * dtype.size_bytes(),
+            bytes: kind.bytes(elements, dtype),
             dtype,
             phase: self.phase(),
         });

@@ -26,14 +26,11 @@ pub fn level_seconds(kind: CollectiveKind, members: usize, bytes: f64, link: &Li
     }
     let n = members as f64;
     let (alpha, beta) = (link.latency_seconds, link.bytes_per_second);
-    match kind {
-        CollectiveKind::AllReduce => 2.0 * (n - 1.0) / n * bytes / beta + 2.0 * (n - 1.0) * alpha,
-        CollectiveKind::ReduceScatter | CollectiveKind::AllGather | CollectiveKind::AllToAll => {
-            (n - 1.0) / n * bytes / beta + (n - 1.0) * alpha
-        }
-        CollectiveKind::Broadcast => bytes / beta + alpha,
-        CollectiveKind::Barrier => 2.0 * (n - 1.0) * alpha,
+    if kind == CollectiveKind::Barrier {
+        // No bytes: latency alone.
+        return kind.ring_steps(n) * alpha;
     }
+    kind.ring_bytes(n, bytes) / beta + kind.ring_steps(n) * alpha
 }
 
 /// How a collective's group lies over the hosts.
