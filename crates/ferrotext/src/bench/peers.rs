@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use ferrotext_sharding::DType;
+use ferrotext_train::{DatasetType, OptType, TrainConfig};
 use serde::Serialize;
 
 use super::write_json;
@@ -235,23 +236,25 @@ impl PeersArgs {
         let mut cmd = match engine {
             Engine::Ferrotext => {
                 let exe = std::env::current_exe().context("locating the ferrotext binary")?;
+                let config = TrainConfig {
+                    model_name: "qwen3-peer".into(),
+                    max_target_length: 64,
+                    dataset_type: DatasetType::Synthetic,
+                    opt_type: OptType::Sgd,
+                    ici_data_parallelism: data as i64,
+                    local_devices: data,
+                    per_device_batch_size: (MICRO_BATCH_ROWS / data) as f64,
+                    gradient_accumulation_steps: ga,
+                    steps: self.warmup + self.steps,
+                    gradient_clipping_threshold: self.clip,
+                    dtype: self.dtype,
+                    base_output_directory: self.runs.display().to_string(),
+                    run_name: run_name.clone(),
+                    ..TrainConfig::default()
+                };
                 let mut cmd = Command::new(exe);
-                cmd.arg("train").args([
-                    "model_name=qwen3-peer".to_string(),
-                    "max_target_length=64".into(),
-                    "dataset_type=synthetic".into(),
-                    "opt_type=sgd".into(),
-                    format!("ici_data_parallelism={data}"),
-                    format!("local_devices={data}"),
-                    format!("per_device_batch_size={}", MICRO_BATCH_ROWS / data),
-                    format!("gradient_accumulation_steps={ga}"),
-                    format!("steps={}", self.warmup + self.steps),
-                    format!("gradient_clipping_threshold={}", self.clip),
-                    format!("dtype={}", self.dtype.name()),
-                    format!("base_output_directory={}", self.runs.display()),
-                    format!("run_name={run_name}"),
-                ]);
-                cmd.args(&self.set);
+                // The user's `--set` items as given, after: the child checks them.
+                cmd.arg("train").args(config.to_overrides()).args(&self.set);
                 cmd
             }
             Engine::Jax | Engine::Torch => {
@@ -595,16 +598,21 @@ mod tests {
         };
         let (ft, dir) = words(Engine::Ferrotext);
         assert_eq!(dir, Path::new("r/data4-ga2-round1"));
-        for item in [
-            "ici_data_parallelism=4",
-            "per_device_batch_size=2",
-            "gradient_accumulation_steps=2",
-            "steps=10",
-            "gradient_clipping_threshold=1",
-            "run_name=data4-ga2-round1",
-        ] {
-            assert!(ft.contains(item), "{item} in {ft}");
-        }
+        // The child reads the config the point means.
+        let items: Vec<String> = ft.split(' ').skip(1).map(str::to_string).collect();
+        let child = TrainConfig::load(None, &items).unwrap();
+        assert_eq!(
+            (
+                child.ici_data_parallelism,
+                child.per_device_batch_size,
+                child.gradient_accumulation_steps,
+                child.steps,
+                child.gradient_clipping_threshold,
+                child.run_name.as_str(),
+                child.opt_type,
+            ),
+            (4, 2.0, 2, 10, 1.0, "data4-ga2-round1", OptType::Sgd)
+        );
         let (jax, _) = words(Engine::Jax);
         assert_eq!(
             jax,
@@ -615,7 +623,7 @@ mod tests {
             torch,
             "train.py --nproc 4 --mode no_sync --ga 2 --opt sgd --warmup 2 --steps 8 --clip 1"
         );
-        assert!(ft.contains("dtype=float32"), "{ft}");
+        assert_eq!(child.dtype, DType::F32);
         // bf16: ferrotext's and the PyTorch peer's own words; the JAX peer, which has none, is
         // refused before anything runs.
         let bf16 = PeersArgs {
