@@ -8,7 +8,7 @@
 //! | file | what it owns |
 //! |---|---|
 //! | `mod.rs` | [`OptType`] and its facts, [`Hyper`], [`Optimizer`]: the state as slots, the step's dispatch |
-//! | `sgd.rs`, `adamw.rs` | one optimizer each: its slots and its step on one device's shards |
+//! | `sgd.rs`, `adamw.rs`, `lion.rs` | one optimizer each: its slots and its step on one device's shards |
 //! | `checked.rs` | the entry points that check what they are given: [`Optimizer::apply`] (reduced gradients only) and [`Optimizer::set_state`] (a checkpoint's state, shapes checked) |
 //!
 //! Invariant: everything outside this folder that depends on the optimizer — the plan's memory
@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 mod adamw;
 mod checked;
+mod lion;
 mod sgd;
 
 /// `opt_type`: the optimizer a run steps with (MaxText's names).
@@ -33,10 +34,12 @@ pub enum OptType {
     Adamw,
     /// Plain SGD.
     Sgd,
+    /// Lion: the sign of an interpolated momentum, one state slot.
+    Lion,
 }
 
 /// The `opt_type` values, as `ferrotext keys` lists them.
-pub const OPT_TYPE_FORM: &str = "adamw|sgd";
+pub const OPT_TYPE_FORM: &str = "adamw|sgd|lion";
 
 /// The checkpoint file an optimizer's state goes to (none for one that keeps no state): each
 /// slot's tensor of parameter `name` as `<slot>/<name>`.
@@ -50,6 +53,7 @@ impl OptType {
         match self {
             OptType::Adamw => adamw::SLOTS,
             OptType::Sgd => sgd::SLOTS,
+            OptType::Lion => lion::SLOTS,
         }
     }
 
@@ -160,6 +164,7 @@ impl Optimizer {
         match self.kind {
             OptType::Adamw => adamw::step(&self.hyper, step, params, grads, state, decay),
             OptType::Sgd => sgd::step(&self.hyper, step, params, grads, state, decay),
+            OptType::Lion => lion::step(&self.hyper, step, params, grads, state, decay),
         }
     }
 
@@ -200,7 +205,7 @@ mod tests {
         assert_eq!(OptType::Adamw.checkpoint_file(), Some(OPTIMIZER_FILE));
         assert_eq!(OptType::Sgd.checkpoint_file(), None);
         // Every variant is in the keys' form, in serde's spelling.
-        for kind in [OptType::Adamw, OptType::Sgd] {
+        for kind in [OptType::Adamw, OptType::Sgd, OptType::Lion] {
             let name = serde_json::to_value(kind).unwrap();
             let name = name.as_str().unwrap();
             assert!(OPT_TYPE_FORM.split('|').any(|n| n == name), "{name}");
