@@ -13,6 +13,7 @@
 
 use half::bf16;
 
+use super::super::choice::{bf16_matmul_kernel, choose, cpu, Choice, Cpu};
 use super::*;
 use crate::blas::{gemm_on, open_mkl, open_openblas};
 use crate::operand::Operand;
