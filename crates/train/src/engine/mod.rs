@@ -268,12 +268,7 @@ impl Engine {
         };
         Ok(Engine {
             plan: plan.clone(),
-            // Abstract mode steps nothing: an optimizer without state allocates nothing.
-            opt: if cx.mode() == Mode::Abstract {
-                Optimizer::new(OptType::Sgd, config.optimizer_hyper(), &shapes)
-            } else {
-                Optimizer::new(config.opt_type, config.optimizer_hyper(), &shapes)
-            },
+            opt: optimizer(cx.mode(), config, &shapes),
             inside,
             acc_types,
             moment_types,
@@ -490,6 +485,17 @@ fn initial_value(
         )));
     }
     Ok(v.clone())
+}
+
+/// The engine's optimizer on shards of `shapes`: the config's, or in abstract mode (which steps
+/// nothing) one without state, so nothing is allocated.
+fn optimizer(mode: Mode, config: &crate::TrainConfig, shapes: &[Vec<usize>]) -> Optimizer {
+    let kind = if mode == Mode::Abstract {
+        OptType::Sgd
+    } else {
+        config.opt_type
+    };
+    Optimizer::new(kind, config.optimizer_hyper(), shapes)
 }
 
 #[cfg(test)]
