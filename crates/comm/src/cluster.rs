@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use crate::communicator::Backend;
+use crate::backend::Backend;
 use crate::error::CommError;
 use crate::local::LocalBackend;
 

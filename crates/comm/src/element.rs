@@ -6,6 +6,9 @@
 use ferrotext_sharding::DType;
 use half::bf16;
 
+use crate::error::CommError;
+use crate::trace::CollectiveKind;
+
 /// A borrowed buffer of one of the supported element types.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -107,5 +110,73 @@ impl Element for bf16 {
     }
     fn buf_mut(s: &mut [bf16]) -> BufMut<'_> {
         BufMut::BF16(s)
+    }
+}
+
+/// Refuses a reduction of `f32` values that would travel as anything but `f32` or `bf16` (the
+/// element types above): checked before anything moves.
+pub(crate) fn check_wire<S: AsRef<str>>(
+    kind: CollectiveKind,
+    axes: &[S],
+    wire: DType,
+) -> Result<(), CommError> {
+    match wire {
+        DType::F32 | DType::BF16 => Ok(()),
+        dtype => Err(CommError::WireDType {
+            kind,
+            axes: axes.iter().map(|a| a.as_ref().to_string()).collect(),
+            dtype,
+        }),
+    }
+}
+
+/// `x` rounded to `bf16` (nearest even).
+pub(crate) fn narrowed(x: &[f32]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+/// `out` = `x` widened (exact).
+pub(crate) fn widen_into(x: &[bf16], out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = v.to_f32();
+    }
+}
+
+/// `x` rounded to `wire` and widened back: the identity for `f32`, each value rounded once to
+/// `bf16` otherwise (what a group of one gives for a reduction as `wire`; [`check_wire`] has
+/// refused any other type).
+pub(crate) fn round_trip(wire: DType, mut x: Vec<f32>) -> Vec<f32> {
+    if wire != DType::F32 {
+        for v in &mut x {
+            *v = bf16::from_f32(*v).to_f32();
+        }
+    }
+    x
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rounding to nearest even, against the bits written out: 1 + 2⁻⁸ is a tie between 1 and
+    /// 1 + 2⁻⁷ and goes to 1 (even); 1 + 3·2⁻⁹ rounds up.
+    #[test]
+    fn the_round_trip_rounds_to_nearest_even_and_f32_is_the_identity() {
+        let x = vec![1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-9), -3.5];
+        assert_eq!(
+            round_trip(DType::BF16, x.clone()),
+            vec![1.0, 1.0 + 2f32.powi(-7), -3.5]
+        );
+        assert_eq!(round_trip(DType::F32, x.clone()), x);
+    }
+
+    #[test]
+    fn a_wire_other_than_f32_or_bf16_is_refused_naming_it() {
+        assert!(check_wire(CollectiveKind::AllReduce, &["data"], DType::BF16).is_ok());
+        let err = check_wire(CollectiveKind::AllReduce, &["data"], DType::F16).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "`all_reduce` over axes [\"data\"]: f32 values travel as f32 or bf16, not f16"
+        );
     }
 }

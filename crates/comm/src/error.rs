@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use ferrotext_sharding::ShardingError;
+use ferrotext_sharding::{DType, ShardingError};
 
 use crate::trace::CollectiveKind;
 
@@ -35,6 +35,17 @@ pub enum CommError {
         group_size: usize,
         /// What does not fit.
         reason: String,
+    },
+    /// A reduction of `f32` values asked to travel as an element type the collectives do not
+    /// move (only `f32` and `bf16`).
+    #[error("`{kind}` over axes {axes:?}: f32 values travel as f32 or bf16, not {dtype}")]
+    WireDType {
+        /// The collective.
+        kind: CollectiveKind,
+        /// The axes given.
+        axes: Vec<String>,
+        /// The element type asked for.
+        dtype: DType,
     },
     /// Members of the group issued different collectives at the same point of the program.
     #[error(

@@ -16,7 +16,7 @@ is recorded in. It must not know about autodiff or models: it moves `f32`/`bf16`
   pairwise tree over the ranks (`tree_sum`), in `f32`, whatever device computes it, so results
   are bitwise identical on every member and from run to run, and a sum over consecutive blocks
   of a power-of-two size first gives the same bits as one over everything. A sum of `f32`
-  values may travel as `bf16` ([`Wire`], `narrow`): each member's value rounded once, the sum
+  values may travel as `bf16` (`narrow`, a wire [`DType`](ferrotext_sharding::DType)): each member's value rounded once, the sum
   added in `f32` and rounded once — half the bytes, two roundings more.
 * **Collectives never hang.** A member that leaves (returns, fails, panics), a member that issues
   a different collective at the same point, or a timeout breaks the group, and every waiting
@@ -44,6 +44,7 @@ assert_eq!(traces[0].count(CollectiveKind::AllReduce, &PhasePattern::new("update
 */
 #![deny(missing_docs)]
 
+mod backend;
 mod cluster;
 mod communicator;
 mod element;
@@ -57,12 +58,12 @@ pub mod stream;
 mod trace;
 pub mod tree_sum;
 
+pub use backend::{Backend, NoTransport, OpInfo, TypedBackend};
 pub use cluster::{started_by_mpi_launcher, Cluster, MPI_LAUNCHER_VARIABLES};
-pub use communicator::{Backend, Communicator, NoTransport, OpInfo, TypedBackend};
+pub use communicator::Communicator;
 pub use element::{Buf, BufMut, Element};
 pub use error::CommError;
 pub use local::LocalBackend;
-pub use narrow::Wire;
 pub use runner::{
     collective_timeout, default_threads_per_device, run_spmd, run_spmd_detachable, run_spmd_in,
     Device, RunError, RunFailure, SpmdOptions, MAX_COLLECTIVE_TIMEOUT,

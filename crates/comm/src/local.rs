@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use ferrotext_sharding::Mesh;
 
-use crate::communicator::{OpInfo, TypedBackend};
+use crate::backend::{OpInfo, TypedBackend};
 use crate::element::Element;
 use crate::error::CommError;
 

@@ -15,72 +15,28 @@
 //! sum is rounded to `bf16` before it crosses to other processes: one rounding more, and bits that
 //! differ from the in-process run's; with one device per process the bits are the same.
 //!
-//! Invariants: `Wire::F32` is the plain `f32` collective, bit for bit and byte for byte; the trace
-//! records a `Wire::Bf16` reduction with its `bf16` element type (2 bytes an element).
+//! The element type on the wire is a [`DType`]: `f32` (the plain collective, bit for bit and byte
+//! for byte) or `bf16`; any other is refused ([`CommError::WireDType`]) before anything moves.
+//! The trace records a `bf16` reduction with its `bf16` element type (2 bytes an element).
 
 use half::bf16;
 
 use ferrotext_sharding::DType;
 
 use crate::communicator::Communicator;
+use crate::element::{check_wire, narrowed, round_trip, widen_into};
 use crate::error::CommError;
 use crate::stream::{Pending, Work};
 use crate::trace::CollectiveKind;
 
-/// The element type a reduction of `f32` values moves (see the module docs).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Wire {
-    /// `f32`: nothing is rounded.
-    #[default]
-    F32,
-    /// `bf16`: each member's value rounded once, the sum in `f32`, rounded once.
-    Bf16,
-}
-
-impl Wire {
-    /// Its element type, as the trace records it.
-    pub fn dtype(self) -> DType {
-        match self {
-            Wire::F32 => DType::F32,
-            Wire::Bf16 => DType::BF16,
-        }
-    }
-
-    /// Bytes of one element on the wire.
-    pub fn bytes(self) -> usize {
-        self.dtype().size_bytes()
-    }
-
-    /// `x` rounded to this type and widened back (the identity for `F32`).
-    pub fn round_trip(self, mut x: Vec<f32>) -> Vec<f32> {
-        if self == Wire::Bf16 {
-            for v in &mut x {
-                *v = bf16::from_f32(*v).to_f32();
-            }
-        }
-        x
-    }
-}
-
-/// `x` rounded to `bf16` (nearest even).
-pub(crate) fn narrowed(x: &[f32]) -> Vec<bf16> {
-    x.iter().map(|&v| bf16::from_f32(v)).collect()
-}
-
-/// `out` = `x` widened (exact).
-pub(crate) fn widen_into(x: &[bf16], out: &mut [f32]) {
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = v.to_f32();
-    }
-}
-
 impl Communicator {
     /// [`Communicator::all_reduce`] of `f32` values moved as `wire` (module docs): with
-    /// `Wire::Bf16`, `buf` is rounded to `bf16`, summed in `f32` in the tree order, and the sum
+    /// `DType::BF16`, `buf` is rounded to `bf16`, summed in `f32` in the tree order, and the sum
     /// rounded once and widened back into `buf`.
     ///
     /// # Errors
-    /// As [`Communicator::all_reduce`].
+    /// As [`Communicator::all_reduce`]; [`CommError::WireDType`] for a `wire` other than `f32` or
+    /// `bf16`.
     ///
     /// # Collectives
     /// One all-reduce of `wire` elements.
@@ -88,23 +44,22 @@ impl Communicator {
         &mut self,
         axes: &[S],
         buf: &mut [f32],
-        wire: Wire,
+        wire: DType,
     ) -> Result<(), CommError> {
-        match wire {
-            Wire::F32 => self.all_reduce(axes, buf),
-            Wire::Bf16 => {
-                let mut narrow = narrowed(buf);
-                self.all_reduce(axes, &mut narrow)?;
-                widen_into(&narrow, buf);
-                Ok(())
-            }
+        check_wire(CollectiveKind::AllReduce, axes, wire)?;
+        if wire == DType::F32 {
+            return self.all_reduce(axes, buf);
         }
+        let mut narrow = narrowed(buf);
+        self.all_reduce(axes, &mut narrow)?;
+        widen_into(&narrow, buf);
+        Ok(())
     }
 
     /// [`Communicator::reduce_scatter`] of `f32` values moved as `wire` (module docs).
     ///
     /// # Errors
-    /// As [`Communicator::reduce_scatter`].
+    /// As [`Communicator::reduce_scatter`]; [`CommError::WireDType`] as above.
     ///
     /// # Collectives
     /// One reduce-scatter of `wire` elements.
@@ -113,18 +68,17 @@ impl Communicator {
         axes: &[S],
         input: &[f32],
         output: &mut [f32],
-        wire: Wire,
+        wire: DType,
     ) -> Result<(), CommError> {
-        match wire {
-            Wire::F32 => self.reduce_scatter(axes, input, output),
-            Wire::Bf16 => {
-                let narrow = narrowed(input);
-                let mut out = vec![bf16::ZERO; output.len()];
-                self.reduce_scatter(axes, &narrow, &mut out)?;
-                widen_into(&out, output);
-                Ok(())
-            }
+        check_wire(CollectiveKind::ReduceScatter, axes, wire)?;
+        if wire == DType::F32 {
+            return self.reduce_scatter(axes, input, output);
         }
+        let narrow = narrowed(input);
+        let mut out = vec![bf16::ZERO; output.len()];
+        self.reduce_scatter(axes, &narrow, &mut out)?;
+        widen_into(&out, output);
+        Ok(())
     }
 
     /// [`Communicator::start_all_reduce`] with `wire` the element type the reduction moves
@@ -140,30 +94,12 @@ impl Communicator {
         &mut self,
         axes: &[S],
         buf: Vec<f32>,
-        wire: Wire,
+        wire: DType,
     ) -> Result<Pending, CommError> {
         let op = self.begin_background(CollectiveKind::AllReduce, axes, buf.len(), wire)?;
         if op.group.len() == 1 {
-            return Ok(Pending::done(Ok(wire.round_trip(buf))));
+            return Ok(Pending::done(Ok(round_trip(wire, buf))));
         }
         Ok(self.submit(op, Work::AllReduce(buf, wire)))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Rounding to nearest even, against the bits written out: 1 + 2⁻⁸ is a tie between 1 and
-    /// 1 + 2⁻⁷ and goes to 1 (even); 1 + 3·2⁻⁹ rounds up.
-    #[test]
-    fn the_round_trip_rounds_to_nearest_even_and_f32_is_the_identity() {
-        let x = vec![1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-9), -3.5];
-        assert_eq!(
-            Wire::Bf16.round_trip(x.clone()),
-            vec![1.0, 1.0 + 2f32.powi(-7), -3.5]
-        );
-        assert_eq!(Wire::F32.round_trip(x.clone()), x);
-        assert_eq!((Wire::F32.bytes(), Wire::Bf16.bytes()), (4, 2));
     }
 }

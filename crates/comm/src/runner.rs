@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use ferrotext_sharding::Mesh;
 
+use crate::backend::Backend;
 use crate::cluster::Cluster;
-use crate::communicator::{Backend, Communicator};
+use crate::communicator::Communicator;
 use crate::error::CommError;
 use crate::local::{LocalBackend, World};
 use crate::stream::Stream;

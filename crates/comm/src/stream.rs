@@ -15,17 +15,18 @@
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use crate::communicator::{Backend, OpInfo};
-use crate::element::Element;
+use ferrotext_sharding::DType;
+
+use crate::backend::{Backend, OpInfo};
+use crate::element::{narrowed, widen_into, Element};
 use crate::error::CommError;
-use crate::narrow::{narrowed, widen_into, Wire};
 use crate::trace::CollectiveKind;
 
 /// What a background job does with its buffer.
 pub(crate) enum Work {
     /// In-place sum, with the element type on the wire (`bf16`: rounded here, on the stream
     /// thread, summed in `f32`, the result rounded once and widened back).
-    AllReduce(Vec<f32>, Wire),
+    AllReduce(Vec<f32>, DType),
     /// Sum, scattered: the output holds `output_len` elements.
     ReduceScatter {
         /// This member's input (group × output).
@@ -33,7 +34,7 @@ pub(crate) enum Work {
         /// Elements of the output.
         output_len: usize,
         /// The element type on the wire, as for [`Work::AllReduce`].
-        wire: Wire,
+        wire: DType,
     },
     /// Concatenation: the output holds `output_len` elements.
     AllGather {
@@ -120,11 +121,12 @@ pub(crate) fn run_work(
     work: Work,
 ) -> Result<Vec<f32>, CommError> {
     match work {
-        Work::AllReduce(mut buf, Wire::F32) => {
+        Work::AllReduce(mut buf, DType::F32) => {
             backend.all_reduce(op, f32::buf_mut(&mut buf))?;
             Ok(buf)
         }
-        Work::AllReduce(mut buf, Wire::Bf16) => {
+        // `check_wire` refused every other type when the job was made.
+        Work::AllReduce(mut buf, _) => {
             let mut wire = narrowed(&buf);
             backend.all_reduce(op, half::bf16::buf_mut(&mut wire))?;
             widen_into(&wire, &mut buf);
@@ -133,16 +135,14 @@ pub(crate) fn run_work(
         Work::ReduceScatter {
             input,
             output_len,
-            wire: Wire::F32,
+            wire: DType::F32,
         } => {
             let mut out = vec![0.0f32; output_len];
             backend.reduce_scatter(op, f32::buf(&input), f32::buf_mut(&mut out))?;
             Ok(out)
         }
         Work::ReduceScatter {
-            input,
-            output_len,
-            wire: Wire::Bf16,
+            input, output_len, ..
         } => {
             let input = narrowed(&input);
             let mut out = vec![half::bf16::ZERO; output_len];

@@ -29,6 +29,16 @@ pub enum CollectiveKind {
 }
 
 impl CollectiveKind {
+    /// Every kind, in the order MPI message headers number them ([`CollectiveKind::code`]).
+    pub const ALL: [CollectiveKind; 6] = [
+        CollectiveKind::AllReduce,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllGather,
+        CollectiveKind::AllToAll,
+        CollectiveKind::Broadcast,
+        CollectiveKind::Barrier,
+    ];
+
     /// The name printed in traces and tables (`all_reduce`, ...).
     pub fn name(self) -> &'static str {
         match self {
@@ -39,6 +49,58 @@ impl CollectiveKind {
             CollectiveKind::Broadcast => "broadcast",
             CollectiveKind::Barrier => "barrier",
         }
+    }
+
+    /// Its code in an MPI message header: its place in [`CollectiveKind::ALL`], from 1 (0
+    /// names no collective).
+    pub fn code(self) -> u8 {
+        CollectiveKind::ALL
+            .iter()
+            .position(|&k| k == self)
+            .map_or(0, |i| i as u8 + 1)
+    }
+
+    /// The kind whose [`CollectiveKind::code`] is `code`.
+    pub fn from_code(code: u8) -> Option<CollectiveKind> {
+        let index = usize::from(code.checked_sub(1)?);
+        CollectiveKind::ALL.get(index).copied()
+    }
+
+    /// The bytes each of `members` devices sends in the bandwidth-optimal (ring) form of this
+    /// collective on a buffer of `bytes` (the trace's full buffer, [`TraceEvent::bytes`]):
+    /// all-reduce `2(n−1)/n·N` (a reduce-scatter then an all-gather), reduce-scatter, all-gather
+    /// and all-to-all `(n−1)/n·N`, broadcast `N` (pipelined), barrier nothing. The cost model
+    /// prices these over a link; the emulator's per-host prediction counts them.
+    pub fn ring_bytes(self, members: f64, bytes: f64) -> f64 {
+        let n = members;
+        match self {
+            CollectiveKind::AllReduce => 2.0 * (n - 1.0) / n * bytes,
+            CollectiveKind::ReduceScatter
+            | CollectiveKind::AllGather
+            | CollectiveKind::AllToAll => (n - 1.0) / n * bytes,
+            CollectiveKind::Broadcast => bytes,
+            CollectiveKind::Barrier => 0.0,
+        }
+    }
+
+    /// The messages one member waits for in turn in the same form (each pays a link's
+    /// latency): all-reduce and barrier `2(n−1)`, reduce-scatter, all-gather and all-to-all
+    /// `n−1`, broadcast 1.
+    pub fn ring_steps(self, members: f64) -> f64 {
+        let n = members;
+        match self {
+            CollectiveKind::AllReduce | CollectiveKind::Barrier => 2.0 * (n - 1.0),
+            CollectiveKind::ReduceScatter
+            | CollectiveKind::AllGather
+            | CollectiveKind::AllToAll => n - 1.0,
+            CollectiveKind::Broadcast => 1.0,
+        }
+    }
+
+    /// Bytes of a collective of `elements` elements of `dtype` as the trace records them
+    /// (`elements` counted as [`TraceEvent`] says, per kind).
+    pub fn bytes(self, elements: usize, dtype: DType) -> usize {
+        elements * dtype.size_bytes()
     }
 }
 
@@ -316,6 +378,39 @@ fn aligned_table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> St
         out += &line(&mut row.iter().map(String::as_str));
     }
     out
+}
+
+#[cfg(test)]
+mod kind_tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_and_name_every_kind_once() {
+        for (i, kind) in CollectiveKind::ALL.into_iter().enumerate() {
+            assert_eq!(kind.code(), i as u8 + 1);
+            assert_eq!(CollectiveKind::from_code(kind.code()), Some(kind));
+        }
+        assert_eq!(CollectiveKind::from_code(0), None);
+        assert_eq!(CollectiveKind::from_code(7), None);
+        let mut names: Vec<_> = CollectiveKind::ALL.iter().map(|k| k.name()).collect();
+        names.dedup();
+        assert_eq!(names.len(), 6);
+    }
+
+    #[test]
+    fn a_ring_all_reduce_moves_a_reduce_scatter_and_an_all_gather() {
+        let (n, bytes) = (4.0, 1024.0);
+        let rs = CollectiveKind::ReduceScatter.ring_bytes(n, bytes);
+        let ag = CollectiveKind::AllGather.ring_bytes(n, bytes);
+        assert_eq!(rs, 768.0);
+        assert_eq!(CollectiveKind::AllReduce.ring_bytes(n, bytes), rs + ag);
+        assert_eq!(
+            CollectiveKind::AllReduce.ring_steps(n),
+            CollectiveKind::ReduceScatter.ring_steps(n) + CollectiveKind::AllGather.ring_steps(n)
+        );
+        assert_eq!(CollectiveKind::Barrier.ring_bytes(n, bytes), 0.0);
+        assert_eq!(CollectiveKind::AllReduce.bytes(10, DType::BF16), 20);
+    }
 }
 
 #[cfg(test)]

@@ -1,12 +1,12 @@
 //! Reductions of f32 values moved as bf16 (`Communicator::all_reduce_as` and its siblings)
 //! against host arithmetic written out here: each member's value rounded to bf16, the four
 //! summed as `(x0 + x1) + (x2 + x3)` in f32, the sum rounded once. The blocking and background
-//! forms agree, the trace records 2 bytes an element, and `Wire::F32` is the plain f32 sum (the
+//! forms agree, the trace records 2 bytes an element, and `DType::F32` is the plain f32 sum (the
 //! mirror).
 
 use std::sync::Arc;
 
-use ferrotext_comm::{run_spmd, CommError, SpmdOptions, Wire};
+use ferrotext_comm::{run_spmd, CommError, SpmdOptions};
 use ferrotext_sharding::{DType, Mesh};
 use half::bf16;
 
@@ -28,16 +28,16 @@ fn a_bf16_reduction_rounds_each_member_and_the_tree_sum_once() {
         let d = comm.device();
         let mine: Vec<f32> = (0..n).map(|i| value(d, i)).collect();
         let mut blocking = mine.clone();
-        comm.all_reduce_as(&["data"], &mut blocking, Wire::Bf16)?;
+        comm.all_reduce_as(&["data"], &mut blocking, DType::BF16)?;
         let background = comm
-            .start_all_reduce_as(&["data"], mine.clone(), Wire::Bf16)?
+            .start_all_reduce_as(&["data"], mine.clone(), DType::BF16)?
             .wait()?;
         let mut plain = mine.clone();
-        comm.all_reduce_as(&["data"], &mut plain, Wire::F32)?;
+        comm.all_reduce_as(&["data"], &mut plain, DType::F32)?;
         let mut scattered = vec![0.0; n / 4];
-        comm.reduce_scatter_as(&["data"], &mine, &mut scattered, Wire::Bf16)?;
+        comm.reduce_scatter_as(&["data"], &mine, &mut scattered, DType::BF16)?;
         let scattered_bg = comm
-            .start_reduce_scatter_as(&["data"], mine, Wire::Bf16)?
+            .start_reduce_scatter_as(&["data"], mine, DType::BF16)?
             .wait()?;
         Ok::<_, CommError>((
             blocking,
@@ -91,9 +91,9 @@ fn a_group_of_one_still_rounds_its_value_once() {
     let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
         let comm = dev.comm();
         let mut x = vec![value(0, 1), value(0, 2)];
-        comm.all_reduce_as(&["data"], &mut x, Wire::Bf16)?;
+        comm.all_reduce_as(&["data"], &mut x, DType::BF16)?;
         let y = comm
-            .start_all_reduce_as(&["data"], vec![value(0, 1), value(0, 2)], Wire::Bf16)?
+            .start_all_reduce_as(&["data"], vec![value(0, 1), value(0, 2)], DType::BF16)?
             .wait()?;
         Ok::<_, CommError>((x, y))
     })

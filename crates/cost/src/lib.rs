@@ -38,7 +38,8 @@
 //!   ([`exposed_after_backward`]: `max(0, a − b)` for many small buckets, all of `a` for one).
 //!   Without overlap everything is exposed.
 //! * **The optimizer** streams the device's parameters, gradients and optimizer state once
-//!   through memory: [`optimizer_bytes_per_element`] bytes per element of the slice it steps
+//!   through memory: [`OptType::step_bytes_per_element`](ferrotext_train::OptType::step_bytes_per_element)
+//!   bytes per element of the slice it steps
 //!   (plus the scale-and-clip pass over the whole local gradient) over
 //!   [`ClusterSpec::memory_bytes_per_second`].
 //! * **A step** is `Σ_micro-batches (compute + their other collectives + exposed reduction) +

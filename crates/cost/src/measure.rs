@@ -37,12 +37,9 @@ pub fn measure_matmul_gflops(n: usize, threads: usize, bf16: bool) -> Result<f64
     Ok(2.0 * (n as f64).powi(3) / best.max(1e-9) / 1e9)
 }
 
-/// True when `config` computes its products in bf16 (`dtype=bfloat16`; an unreadable dtype is
-/// refused by the plan before anything is measured).
+/// True when `config` computes its products in bf16 (`dtype=bfloat16`).
 pub fn products_in_bf16(config: &TrainConfig) -> bool {
-    config
-        .precision()
-        .is_ok_and(|p| p.dtype == ferrotext_train::Dtype::Bfloat16)
+    config.dtype == ferrotext_sharding::DType::BF16
 }
 
 /// How `devices` devices would share this machine's cores (docs/design.md §3).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ferrotext_comm::{CollectiveKind, PhasePattern, Trace, TraceEvent};
 use ferrotext_sharding::Mesh;
-use ferrotext_train::{plan_step, DeviceMemory, OptType, ShardMode, TrainConfig};
+use ferrotext_train::{plan_step, DeviceMemory, ShardMode, TrainConfig};
 
 use crate::CostError;
 use serde::Serialize;
@@ -26,14 +26,11 @@ pub fn level_seconds(kind: CollectiveKind, members: usize, bytes: f64, link: &Li
     }
     let n = members as f64;
     let (alpha, beta) = (link.latency_seconds, link.bytes_per_second);
-    match kind {
-        CollectiveKind::AllReduce => 2.0 * (n - 1.0) / n * bytes / beta + 2.0 * (n - 1.0) * alpha,
-        CollectiveKind::ReduceScatter | CollectiveKind::AllGather | CollectiveKind::AllToAll => {
-            (n - 1.0) / n * bytes / beta + (n - 1.0) * alpha
-        }
-        CollectiveKind::Broadcast => bytes / beta + alpha,
-        CollectiveKind::Barrier => 2.0 * (n - 1.0) * alpha,
+    if kind == CollectiveKind::Barrier {
+        // No bytes: latency alone.
+        return kind.ring_steps(n) * alpha;
     }
+    kind.ring_bytes(n, bytes) / beta + kind.ring_steps(n) * alpha
 }
 
 /// How a collective's group lies over the hosts.
@@ -134,16 +131,6 @@ pub fn collective_cost(
     }
 }
 
-/// Bytes the optimizer streams through memory per element it steps: AdamW reads the parameter,
-/// gradient and both moments and writes the parameter and moments (7 × 4 bytes); SGD reads the
-/// parameter and gradient and writes the parameter (3 × 4).
-pub fn optimizer_bytes_per_element(opt: OptType) -> f64 {
-    match opt {
-        OptType::Adamw => 28.0,
-        OptType::Sgd => 12.0,
-    }
-}
-
 /// Bytes per local gradient element of the pass before the optimizer: dividing by the step's
 /// tokens and clipping (read, write, and the norm's read: 3 × 4).
 pub const SCALE_AND_CLIP_BYTES_PER_ELEMENT: f64 = 12.0;
@@ -218,7 +205,8 @@ pub struct Prediction {
     /// The device throughput the compute was priced at, GFLOP/s.
     pub device_gflops: f64,
     /// Where `device_gflops` came from: `given` ([`predict`]'s argument, its value here),
-    /// `micro_batch` ([`measure_micro_batch`]) or `gemm` ([`measure_matmul_gflops`]); the
+    /// `micro_batch` ([`measure_micro_batch`](crate::measure_micro_batch)) or `gemm`
+    /// ([`measure_matmul_gflops`](crate::measure_matmul_gflops)); the
     /// caller that measured says which.
     pub device_gflops_source: String,
     /// Training FLOPs per token.
@@ -516,7 +504,7 @@ pub fn predict(
 
     let memory = plan.memory_per_device()?;
     let optimizer_ms = (memory.optimizer_stepped_elements
-        * optimizer_bytes_per_element(config.opt_type)
+        * config.opt_type.step_bytes_per_element() as f64
         + memory.local_parameter_elements * SCALE_AND_CLIP_BYTES_PER_ELEMENT)
         / cluster.memory_bytes_per_second
         * 1e3;

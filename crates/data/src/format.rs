@@ -26,28 +26,36 @@ pub const MANIFEST: &str = "manifest.json";
 /// The id width of a shard directory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Dtype {
+pub enum TokenWidth {
     /// Two bytes a token (a vocabulary of at most 65 536).
     U16,
     /// Four bytes a token.
     U32,
 }
 
-impl Dtype {
+impl TokenWidth {
     /// The narrowest width that holds every id of a `vocab`-token vocabulary.
-    pub fn for_vocab(vocab: usize) -> Dtype {
+    pub fn for_vocab(vocab: usize) -> TokenWidth {
         if vocab <= 1 << 16 {
-            Dtype::U16
+            TokenWidth::U16
         } else {
-            Dtype::U32
+            TokenWidth::U32
+        }
+    }
+
+    /// Its name as the `token_dtype` key and the manifest write it (`u16`, `u32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenWidth::U16 => "u16",
+            TokenWidth::U32 => "u32",
         }
     }
 
     /// Bytes a token.
     pub fn width(self) -> usize {
         match self {
-            Dtype::U16 => 2,
-            Dtype::U32 => 4,
+            TokenWidth::U16 => 2,
+            TokenWidth::U32 => 4,
         }
     }
 }
@@ -84,7 +92,7 @@ pub struct ShardManifest {
     /// The id that ends every document.
     pub eos_id: u32,
     /// The id width.
-    pub dtype: Dtype,
+    pub dtype: TokenWidth,
     /// Tokens in all shards.
     pub tokens: u64,
     /// Documents in all shards.

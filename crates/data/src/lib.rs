@@ -47,7 +47,7 @@ mod tokenize;
 mod write;
 
 pub use error::DataError;
-pub use format::{Dtype, ShardEntry, ShardManifest};
+pub use format::{ShardEntry, ShardManifest, TokenWidth};
 pub use order::{permute, Order, Sequences};
 pub use read::{ShardSet, TokenStream};
 pub use tokenize::{

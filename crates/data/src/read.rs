@@ -15,7 +15,7 @@ use memmap2::Mmap;
 
 use crate::error::DataError;
 use crate::format::{
-    is_plain_name, sha256_hex, Dtype, ShardManifest, FORMAT, FORMAT_VERSION, MANIFEST,
+    is_plain_name, sha256_hex, ShardManifest, TokenWidth, FORMAT, FORMAT_VERSION, MANIFEST,
 };
 use ferrotext_files::{open_regular, read_regular};
 
@@ -148,8 +148,10 @@ impl ShardSet {
         let b = self.shards[shard].bytes();
         let i = i as usize;
         match self.manifest.dtype {
-            Dtype::U16 => u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])),
-            Dtype::U32 => u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]),
+            TokenWidth::U16 => u32::from(u16::from_le_bytes([b[2 * i], b[2 * i + 1]])),
+            TokenWidth::U32 => {
+                u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+            }
         }
     }
 }
@@ -177,7 +179,7 @@ fn check_manifest(path: &Path, m: &ShardManifest) -> Result<(), DataError> {
             m.format_version.to_string(),
         ));
     }
-    if m.dtype == Dtype::U16 && m.vocab_size > 1 << 16 {
+    if m.dtype == TokenWidth::U16 && m.vocab_size > 1 << 16 {
         return Err(wrong(
             "dtype",
             format!("u32 for vocab_size {}", m.vocab_size),
@@ -276,8 +278,8 @@ fn check_index(
         }
         let at = (w[1] - 1) as usize * width;
         let id = match m.dtype {
-            Dtype::U16 => u32::from(u16::from_le_bytes([shard[at], shard[at + 1]])),
-            Dtype::U32 => {
+            TokenWidth::U16 => u32::from(u16::from_le_bytes([shard[at], shard[at + 1]])),
+            TokenWidth::U32 => {
                 u32::from_le_bytes([shard[at], shard[at + 1], shard[at + 2], shard[at + 3]])
             }
         };

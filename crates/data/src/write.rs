@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::DataError;
 use crate::format::{
-    hex, shard_names, Dtype, ShardEntry, ShardManifest, FORMAT, FORMAT_VERSION, MANIFEST,
+    hex, shard_names, ShardEntry, ShardManifest, TokenWidth, FORMAT, FORMAT_VERSION, MANIFEST,
 };
 
 /// What the manifest says about the tokenizer.
@@ -43,7 +43,7 @@ pub struct ShardWriter {
     out: PathBuf,
     tmp: PathBuf,
     info: TokenizerInfo,
-    dtype: Dtype,
+    dtype: TokenWidth,
     shard_tokens: u64,
     shards: Vec<ShardEntry>,
     open: Option<OpenShard>,
@@ -89,7 +89,7 @@ impl ShardWriter {
         Ok(ShardWriter {
             out: out.to_path_buf(),
             tmp,
-            dtype: Dtype::for_vocab(info.vocab_size),
+            dtype: TokenWidth::for_vocab(info.vocab_size),
             info,
             shard_tokens: shard_tokens.max(1),
             shards: Vec::new(),
@@ -100,7 +100,7 @@ impl ShardWriter {
     }
 
     /// The id width the shards get.
-    pub fn dtype(&self) -> Dtype {
+    pub fn dtype(&self) -> TokenWidth {
         self.dtype
     }
 
@@ -130,12 +130,12 @@ impl ShardWriter {
         self.buffer.clear();
         let eos = self.info.eos_id;
         match self.dtype {
-            Dtype::U16 => {
+            TokenWidth::U16 => {
                 for &t in ids.iter().chain(std::iter::once(&eos)) {
                     self.buffer.extend_from_slice(&(t as u16).to_le_bytes());
                 }
             }
-            Dtype::U32 => {
+            TokenWidth::U32 => {
                 for &t in ids.iter().chain(std::iter::once(&eos)) {
                     self.buffer.extend_from_slice(&t.to_le_bytes());
                 }

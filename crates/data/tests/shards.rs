@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrotext_data::{
-    tokenize, DataError, Dtype, Order, Sequences, ShardSet, ShardWriter, TokenStream,
+    tokenize, DataError, Order, Sequences, ShardSet, ShardWriter, TokenStream, TokenWidth,
     TokenizeOptions, TokenizerInfo,
 };
 
@@ -102,7 +102,7 @@ fn jsonl_parquet_and_text_become_the_ids_worked_out_by_hand() {
         vec![2, 1, 9, 0],
     ];
     let all: Vec<u32> = docs.concat();
-    assert_eq!(manifest.dtype, Dtype::U16);
+    assert_eq!(manifest.dtype, TokenWidth::U16);
     assert_eq!(manifest.vocab_size, 14);
     assert_eq!(manifest.eos_id, 0);
     assert_eq!(manifest.documents, 5);
@@ -154,8 +154,11 @@ fn a_vocabulary_past_u16_is_stored_as_u32() {
                 .len(),
         )
     };
-    assert_eq!(mk(65_536, "small"), (Dtype::U16, vec![65_535, 7, 3], 6));
-    assert_eq!(mk(70_000, "big"), (Dtype::U32, vec![69_999, 7, 3], 12));
+    assert_eq!(
+        mk(65_536, "small"),
+        (TokenWidth::U16, vec![65_535, 7, 3], 6)
+    );
+    assert_eq!(mk(70_000, "big"), (TokenWidth::U32, vec![69_999, 7, 3], 12));
 }
 
 #[test]

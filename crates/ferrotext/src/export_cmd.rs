@@ -6,12 +6,13 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use ferrotext_hf::{self as hf, SaveDtype};
+use ferrotext_hf as hf;
+use ferrotext_sharding::DType;
 use ferrotext_train::TrainError;
 
-use crate::common::UsageError;
+use crate::common::{dtype_flag, UsageError};
 
-/// `ferrotext export CHECKPOINT OUT_DIR [--dtype f32|bf16] [--step N] [--max-shard-bytes B]`.
+/// `ferrotext export CHECKPOINT OUT_DIR [--dtype float32|bfloat16] [--step N] [--max-shard-bytes B]`.
 #[derive(Args, Debug)]
 pub struct ExportArgs {
     /// A checkpoint directory (`step_SSSSSSSS_micro_MMM`), a checkpoint root (the one `latest`
@@ -21,8 +22,9 @@ pub struct ExportArgs {
     /// The Hugging Face directory to write. An existing one is replaced only if it is a model
     /// directory (holds `config.json`).
     out: PathBuf,
-    /// The dtype of the written tensors: `f32` (exact) or `bf16` (rounded to nearest even).
-    #[arg(long, default_value = "f32")]
+    /// The dtype of the written tensors: `float32` (exact) or `bfloat16` (rounded to nearest
+    /// even); `f32`, `bf16` also.
+    #[arg(long, default_value = "float32")]
     dtype: String,
     /// Export the step-boundary checkpoint of this step instead of the latest.
     #[arg(long)]
@@ -34,8 +36,7 @@ pub struct ExportArgs {
 
 /// Runs `ferrotext export`.
 pub fn run(args: &ExportArgs) -> Result<()> {
-    let dtype = SaveDtype::parse(&args.dtype)
-        .ok_or_else(|| UsageError(format!("--dtype must be f32 or bf16, got `{}`", args.dtype)))?;
+    let dtype = dtype_flag(&args.dtype, &[DType::F32, DType::BF16])?;
     if args.max_shard_bytes == 0 {
         return Err(UsageError("--max-shard-bytes must be at least 1".into()).into());
     }
@@ -67,7 +68,7 @@ pub fn run(args: &ExportArgs) -> Result<()> {
         done.checkpoint.display(),
         args.out.display(),
         done.model_type.name(),
-        dtype.torch_name(),
+        dtype.name(),
         done.tensors
     );
     Ok(())

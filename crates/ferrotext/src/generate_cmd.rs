@@ -18,9 +18,10 @@ use ferrotext_generate::generate::{self, GenerateOptions, Stop};
 use ferrotext_generate::sample::SamplingParams;
 use ferrotext_generate::text::{StreamDecoder, TextCodec};
 use ferrotext_generate::GenerateError;
+use ferrotext_sharding::DType;
 use ferrotext_train::{DatasetType, TrainConfig, TrainError};
 
-use crate::common::{config_args, usage};
+use crate::common::{config_args, dtype_flag, usage};
 
 /// Arguments of `ferrotext generate`.
 #[derive(Args)]
@@ -58,8 +59,8 @@ pub struct GenerateArgs {
     /// slow reference).
     #[arg(long)]
     no_cache: bool,
-    /// The compute dtype, `bfloat16` or `float32` (MaxText's `dtype`): overrides the
-    /// checkpoint's or the `dtype` key's. The weights are read as f32 either way.
+    /// The compute dtype, `bfloat16` or `float32` (MaxText's `dtype`; `bf16`, `f32` also):
+    /// overrides the checkpoint's or the `dtype` key's. The weights are read as f32 either way.
     #[arg(long)]
     dtype: Option<String>,
     /// With bf16 on a `FERROTEXT_MATMUL` kernel without a bf16 product: use ferrotext's own bf16
@@ -168,7 +169,7 @@ fn hf_eos(dir: &Path) -> Vec<u32> {
 fn compute_line(plan: &ferrotext_train::RunPlan) -> String {
     match crate::train_cmd::bf16_kernel(plan) {
         Some(kernel) => format!("dtype bfloat16 on {kernel}"),
-        None => format!("dtype {}", plan.precision().dtype),
+        None => format!("dtype {}", plan.precision().dtype.name()),
     }
 }
 
@@ -187,7 +188,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     }
     let mut source = source(args)?;
     if let Some(dtype) = &args.dtype {
-        source.config.dtype = dtype.clone();
+        source.config.dtype = dtype_flag(dtype, &[DType::BF16, DType::F32])?;
     }
     source.config.matmul_bf16_fallback |= args.matmul_bf16_fallback;
     ferrotext_train::select_matmul_kernel(&source.config)?;

@@ -282,7 +282,7 @@ fn bad_exports_get_one_error_line_exit_2_and_write_nothing() {
         (
             vec![s(&run), s(&out), "--dtype".into(), "f16".into()],
             &out,
-            "--dtype must be f32 or bf16, got `f16`",
+            "--dtype must be float32 or bfloat16 (or f32, bf16), got `f16`",
         ),
         (
             vec![s(&run), s(&inside)],

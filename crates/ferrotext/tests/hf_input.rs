@@ -5,8 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
-use ferrotext_hf::{self as hf, SaveDtype};
+use ferrotext_hf as hf;
 use ferrotext_models::decoder::Decoder;
+use ferrotext_sharding::DType;
 use ferrotext_train::io;
 use serde_json::Value;
 
@@ -110,7 +111,7 @@ fn malformed_hf_directories_get_one_error_line_exit_2_and_no_run_directory() {
         decoder.config(),
         &infos,
         &values,
-        SaveDtype::Bf16,
+        DType::BF16,
         20_000,
     )
     .expect("saved");

@@ -44,9 +44,14 @@ fn is_empty(dir: &Path) -> bool {
 fn refused_precisions_are_one_error_line_exit_2_and_nothing_written() {
     for (extra, gemm, message) in [
         (
-            &["dtype=bf16"][..],
+            &["dtype=half"][..],
             false,
-            "error: dtype must be bfloat16 or float32, got `bf16`",
+            "error: dtype = \"half\": unknown dtype `half`",
+        ),
+        (
+            &["dtype=float16"],
+            false,
+            "error: dtype must be bfloat16 or float32, got `float16`",
         ),
         (
             &["weight_dtype=bfloat16"],
@@ -108,7 +113,8 @@ fn a_bf16_run_names_its_dtypes_and_kernel_and_the_fallback_runs_on_gemm() {
 }
 
 /// `ferrotext generate --dtype`: a checkpoint trained in float32 generates in bf16 (the stderr
-/// line names the dtype and the kernel); an unknown name is one error line, exit 2.
+/// line names the dtype and the kernel), spelled either way; an unknown name is one error line,
+/// exit 2.
 #[test]
 fn generate_takes_a_dtype_and_refuses_an_unknown_name() {
     let dir = scratch("generate");
@@ -142,12 +148,16 @@ fn generate_takes_a_dtype_and_refuses_an_unknown_name() {
     let f32 = generate("float32");
     let stderr = String::from_utf8_lossy(&f32.stderr);
     assert!(stderr.trim_end().ends_with("; dtype float32"), "{stderr}");
-    let bad = generate("bf16");
+    // The short name is the same dtype: the same tokens.
+    let short = generate("bf16");
+    assert!(short.status.success());
+    assert_eq!(short.stdout, bf16.stdout);
+    let bad = generate("half");
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert_eq!(bad.status.code(), Some(2), "{stderr}");
     assert_eq!(
         stderr.trim_end(),
-        "error: dtype must be bfloat16 or float32, got `bf16`"
+        "error: --dtype must be bfloat16 or float32 (or bf16, f32), got `half`"
     );
     assert!(bad.stdout.is_empty(), "nothing generated");
     std::fs::remove_dir_all(&dir).ok();

@@ -157,7 +157,7 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
             decoder.config(),
             &decoder.params(),
             &params,
-            hf::SaveDtype::F32,
+            ferrotext_sharding::DType::F32,
             hf::DEFAULT_SHARD_BYTES,
         )
         .unwrap();

@@ -45,7 +45,7 @@ pub use config::{
 };
 pub use error::HfError;
 pub use read::{load_directory, load_file};
-pub use write::{save_directory, selection_bias, SaveDtype, DEFAULT_SHARD_BYTES};
+pub use write::{save_directory, selection_bias, DEFAULT_SHARD_BYTES};
 
 /// The config file of a HF directory.
 pub const CONFIG_FILE: &str = "config.json";

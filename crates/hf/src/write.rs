@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use ferrotext_models::decoder::Config;
 use ferrotext_models::ParamInfo;
+use ferrotext_sharding::DType;
 use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 
@@ -17,56 +18,32 @@ use crate::error::HfError;
 /// HF's default `max_shard_size` (5 GB): above it, weights are split into shards.
 pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
 
-/// The dtype of saved tensors.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SaveDtype {
-    /// 32-bit floats: exact.
-    #[default]
-    F32,
-    /// bfloat16, rounded to nearest even: half the bytes, 8 bits of mantissa.
-    Bf16,
+/// A dtype the tensors are written in, checked once: `float32` (exact) or `bfloat16` (rounded to
+/// nearest even: half the bytes, 8 bits of mantissa).
+#[derive(Clone, Copy)]
+struct Stored {
+    file: Dtype,
 }
 
-impl SaveDtype {
-    /// `f32` or `bf16`.
-    pub fn parse(s: &str) -> Option<SaveDtype> {
-        match s {
-            "f32" => Some(SaveDtype::F32),
-            "bf16" => Some(SaveDtype::Bf16),
-            _ => None,
-        }
-    }
-
-    /// `config.json`'s `torch_dtype`.
-    pub fn torch_name(self) -> &'static str {
-        match self {
-            SaveDtype::F32 => "float32",
-            SaveDtype::Bf16 => "bfloat16",
-        }
-    }
-
-    fn dtype(self) -> Dtype {
-        match self {
-            SaveDtype::F32 => Dtype::F32,
-            SaveDtype::Bf16 => Dtype::BF16,
-        }
-    }
-
-    fn bytes(self) -> u64 {
-        match self {
-            SaveDtype::F32 => 4,
-            SaveDtype::Bf16 => 2,
-        }
+impl Stored {
+    /// `None` for a dtype an export does not write.
+    fn new(dtype: DType) -> Option<Stored> {
+        let file = match dtype {
+            DType::F32 => Dtype::F32,
+            DType::BF16 => Dtype::BF16,
+            _ => return None,
+        };
+        Some(Stored { file })
     }
 
     /// `values` as little-endian bytes of this dtype.
-    pub(crate) fn encode(self, values: &[f32]) -> Vec<u8> {
-        match self {
-            SaveDtype::F32 => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            SaveDtype::Bf16 => values
+    fn encode(self, values: &[f32]) -> Vec<u8> {
+        match self.file {
+            Dtype::BF16 => values
                 .iter()
                 .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
                 .collect(),
+            _ => values.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
     }
 }
@@ -80,22 +57,30 @@ impl SaveDtype {
 /// `config.json` (a model directory).
 ///
 /// # Errors
-/// [`HfError::Params`] when no HF `model_type` expresses `cfg`, `dir` exists and is not a model
-/// directory, or a value does not fit its parameter; [`HfError::Io`] when writing fails.
+/// [`HfError::Params`] when `dtype` is neither float32 nor bfloat16, no HF `model_type` expresses
+/// `cfg`, `dir` exists and is not a model directory, or a value does not fit its parameter;
+/// [`HfError::Io`] when writing fails.
 /// Nothing is left at `dir` when it fails.
 pub fn save_directory(
     dir: &Path,
     cfg: &Config,
     infos: &[ParamInfo],
     values: &[Tensor],
-    dtype: SaveDtype,
+    dtype: DType,
     shard_bytes: u64,
 ) -> Result<(), HfError> {
     let err = |reason: String| HfError::Params {
         path: dir.display().to_string(),
         reason,
     };
-    let config = hf_config_json(cfg, dtype.torch_name()).map_err(err)?;
+    let written_as = Stored::new(dtype).ok_or_else(|| {
+        err(format!(
+            "tensors are saved as float32 or bfloat16, not {}",
+            dtype.name()
+        ))
+    })?;
+    // `torch_dtype` takes the long name (`bfloat16`).
+    let config = hf_config_json(cfg, dtype.name()).map_err(err)?;
     if infos.len() != values.len() {
         return Err(err(format!(
             "{} values for {} parameters",
@@ -118,7 +103,7 @@ pub fn save_directory(
             .chain(selection_bias(kind, info, infos))
     });
     for (_, shape) in stored {
-        let size = shape.iter().product::<usize>() as u64 * dtype.bytes();
+        let size = (shape.iter().product::<usize>() * dtype.size_bytes()) as u64;
         if filled > 0 && filled + size > shard_bytes {
             shard += 1;
             filled = 0;
@@ -158,7 +143,7 @@ pub fn save_directory(
     }
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let written = write_into(
-        &tmp, &config, kind, infos, values, dtype, &shard_of, &file_name, total,
+        &tmp, &config, kind, infos, values, written_as, &shard_of, &file_name, total,
     );
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -184,7 +169,7 @@ fn write_into(
     kind: ModelType,
     infos: &[ParamInfo],
     values: &[Tensor],
-    dtype: SaveDtype,
+    stored: Stored,
     shard_of: &[usize],
     file_name: &dyn Fn(usize) -> String,
     total: u64,
@@ -213,7 +198,7 @@ fn write_into(
         let views = pending
             .iter()
             .map(|(n, shape, b)| {
-                TensorView::new(dtype.dtype(), shape.clone(), b).map(|v| (n.clone(), v))
+                TensorView::new(stored.file, shape.clone(), b).map(|v| (n.clone(), v))
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| err(e.to_string()))?;
@@ -224,11 +209,11 @@ fn write_into(
     for (info, value) in infos.iter().zip(values) {
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
-            tensors.push((name, t.shape().to_vec(), dtype.encode(t.data())));
+            tensors.push((name, t.shape().to_vec(), stored.encode(t.data())));
         }
         if let Some((name, shape)) = selection_bias(kind, info, infos) {
             let zeros = vec![0.0; shape.iter().product()];
-            tensors.push((name, shape, dtype.encode(&zeros)));
+            tensors.push((name, shape, stored.encode(&zeros)));
         }
         for (name, shape, bytes) in tensors {
             let s = shard_of.get(k).copied().unwrap_or(current);

@@ -12,65 +12,11 @@
 
 use std::fmt;
 
+use crate::dim::AxisSet;
+use crate::dtype::DType;
 use crate::error::ShardingError;
 use crate::mesh::{AxisType, Mesh};
 use crate::named::NamedSharding;
-use crate::spec::AxisSet;
-
-/// Element type of an array. The sharding layer only needs its name and width.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[non_exhaustive]
-pub enum DType {
-    /// 32-bit IEEE float.
-    F32,
-    /// bfloat16.
-    BF16,
-    /// 16-bit IEEE float.
-    F16,
-    /// 32-bit signed integer.
-    I32,
-    /// 32-bit unsigned integer.
-    U32,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::F32 | DType::I32 | DType::U32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
-    }
-
-    /// The short name used in printed types (`f32`, `bf16`, ...).
-    pub fn short_name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            DType::I32 => "i32",
-            DType::U32 => "u32",
-        }
-    }
-
-    /// Parses a short name (`f32`, `bf16`, `f16`, `i32`, `u32`).
-    pub fn from_short_name(name: &str) -> Option<DType> {
-        Some(match name {
-            "f32" => DType::F32,
-            "bf16" => DType::BF16,
-            "f16" => DType::F16,
-            "i32" => DType::I32,
-            "u32" => DType::U32,
-            _ => return None,
-        })
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.short_name())
-    }
-}
 
 /// The per-axis state of a value inside a manual region (JAX's `ManualAxisType`,
 /// docs/sharding-rules.md §1.4, §6.1): varying (devices hold different values), unreduced (partial
@@ -385,7 +331,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::spec::{DimSpec, PartitionSpec};
+    use crate::dim::DimSpec;
+    use crate::spec::PartitionSpec;
 
     fn ty(mesh: &[(&str, usize, AxisType)], shape: &[usize], spec: PartitionSpec) -> String {
         let mesh = Arc::new(Mesh::new(mesh.iter().map(|&(n, s, t)| (n, s, t))).unwrap());

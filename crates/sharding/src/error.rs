@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::spec::{AxisSet, DimSpec, FrozenSetRepr, PartitionsRepr, SetRepr};
+use crate::dim::{AxisSet, DimSpec, FrozenSetRepr, PartitionsRepr, SetRepr};
 
 /// Which of a spec's two tag sets an error is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -38,15 +38,19 @@ assert_eq!(ty.to_cotangent().to_string(), "f32[256,768@tensor]{U:data}");
 #![deny(missing_docs)]
 
 mod array_type;
+mod dim;
+mod dtype;
 mod error;
 mod logical;
 mod mesh;
 mod named;
 mod spec;
 
-pub use array_type::{ArrayType, DType, ManualTags};
+pub use array_type::{ArrayType, ManualTags};
+pub use dim::{AxisSet, DimSpec, PartitionsRepr};
+pub use dtype::DType;
 pub use error::{ShardingError, TagKind};
 pub use logical::{carry_reduced, LogicalAxisRules};
 pub use mesh::{AxisType, Mesh, MeshAxis};
 pub use named::NamedSharding;
-pub use spec::{AxisSet, DimSpec, PartitionSpec, PartitionsRepr};
+pub use spec::PartitionSpec;

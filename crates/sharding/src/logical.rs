@@ -10,9 +10,10 @@
 //! fails with [`ShardingError::RuleConflictsWithTag`]; [`carry_reduced`] copies a value's reduced
 //! axes onto a spec that was rebuilt elsewhere (MaxText's `carry_reduced_axes`).
 
+use crate::dim::{AxisSet, DimSpec};
 use crate::error::{ShardingError, TagKind};
 use crate::mesh::Mesh;
-use crate::spec::{AxisSet, DimSpec, PartitionSpec};
+use crate::spec::PartitionSpec;
 
 /// An ordered table from logical axis names to ordered mesh axes.
 ///

@@ -11,9 +11,10 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::dim::{AxisSet, DimSpec};
 use crate::error::{ShardingError, TagKind};
 use crate::mesh::{AxisType, Mesh};
-use crate::spec::{AxisSet, DimSpec, PartitionSpec};
+use crate::spec::PartitionSpec;
 
 /// A mesh plus a spec that is valid on it. See the module docs for the invariants.
 ///

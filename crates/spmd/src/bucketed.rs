@@ -25,8 +25,8 @@
 //! once, sums in f32 in the tree order and rounds the sum once (`ferrotext_comm::narrow`): half
 //! the bytes, two roundings more, and then no longer bitwise the per-value path.
 
-use ferrotext_comm::{CollectiveKind, Wire};
-use ferrotext_sharding::{ArrayType, PartitionSpec};
+use ferrotext_comm::CollectiveKind;
+use ferrotext_sharding::{ArrayType, DType, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
@@ -135,19 +135,19 @@ pub struct BucketPlan {
     pub(crate) dims: Vec<usize>,
     pub(crate) buckets: Vec<(Fused, Vec<usize>)>,
     /// The element type its reductions move (module docs).
-    pub(crate) wire: Wire,
+    pub(crate) wire: DType,
 }
 
 impl BucketPlan {
     /// This plan with its reductions (all-reduce and reduce-scatter buckets) moving `wire`
     /// elements; all-gathers and values moved alone are unchanged (module docs).
-    pub fn with_reduction_wire(mut self, wire: Wire) -> BucketPlan {
+    pub fn with_reduction_wire(mut self, wire: DType) -> BucketPlan {
         self.wire = wire;
         self
     }
 
     /// The element type the plan's reductions move.
-    pub fn reduction_wire(&self) -> Wire {
+    pub fn reduction_wire(&self) -> DType {
         self.wire
     }
 
@@ -211,7 +211,7 @@ impl Ctx<'_> {
             alone: Vec::new(),
             dims: vec![0; sources.len()],
             buckets: Vec::new(),
-            wire: Wire::F32,
+            wire: DType::F32,
         };
         // (the fused collective, the value indices, the bucket's bytes)
         let mut open: Vec<(Fused, Vec<usize>, usize)> = Vec::new();
@@ -365,7 +365,7 @@ impl Ctx<'_> {
         let (kind, axes, wire) = match fused {
             Fused::AllReduce(a) => (CollectiveKind::AllReduce, a, plan.wire),
             Fused::ReduceScatter(a, _) => (CollectiveKind::ReduceScatter, a, plan.wire),
-            Fused::AllGather(a, _) => (CollectiveKind::AllGather, a, Wire::F32),
+            Fused::AllGather(a, _) => (CollectiveKind::AllGather, a, DType::F32),
         };
         let (_, n) = self.rank_over(axes)?;
         let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
@@ -384,8 +384,7 @@ impl Ctx<'_> {
             } else {
                 total
             };
-            self.comm()
-                .record_abstract(kind, axes, elements, wire.dtype())?;
+            self.comm().record_abstract(kind, axes, elements, wire)?;
             return Ok(started);
         };
         if packed.len() != total {

@@ -203,8 +203,7 @@ pub fn evaluate(case: &Case) -> Result<(Outcome, Option<Outcome>), SpmdError> {
     let mut cx = Ctx::new_abstract(&mut comm);
     let mut args = Vec::new();
     for a in &case.args {
-        let dtype =
-            DType::from_short_name(&a.dtype).ok_or_else(|| bad(format!("dtype {}", a.dtype)))?;
+        let dtype = DType::parse(&a.dtype).ok_or_else(|| bad(format!("dtype {}", a.dtype)))?;
         let ty = to_spec(&a.spec)?
             .and_then(|spec| Ok(rules::array_type(&mesh, dtype, a.shape.clone(), spec)?));
         match ty {

@@ -33,6 +33,7 @@
 use std::ffi::{c_char, c_float, c_int, CStr};
 use std::sync::OnceLock;
 
+use crate::operand::{Operand, Store, Widen};
 use crate::portable::{self, Isa};
 
 /// A CBLAS product with f32 output and `T` inputs: `cblas_sgemm` (`T = f32`), MKL's
@@ -60,9 +61,7 @@ type Sgemm = Cblas<c_float>;
 
 /// An element type a product reads: `f32`, or `bf16` widened exactly to `f32` as it is read.
 /// The output and the accumulation are `f32` either way.
-pub(crate) trait Element: Copy + Send + Sync + 'static {
-    /// The value as an `f32` (exact: every `bf16` is an `f32`).
-    fn widen(self) -> f32;
+pub(crate) trait Element: Widen {
     /// This element type's product in `blas`, if the library has one.
     fn cblas(blas: &Blas) -> Option<Cblas<Self>>;
     /// [`gemm_on`] on the kernel this process uses for this element type: the matrix-product
@@ -102,10 +101,6 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
 }
 
 impl Element for f32 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self
-    }
     fn cblas(blas: &Blas) -> Option<Cblas<f32>> {
         Some(blas.sgemm)
     }
@@ -136,45 +131,6 @@ impl Element for f32 {
     ) {
         // SAFETY: the caller's contract.
         unsafe { sgemm_gemm(m, n, k, dst, ldc, a, b, parallelism, store) }
-    }
-}
-
-impl Element for half::bf16 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        f32::from_bits(u32::from(self.to_bits()) << 16)
-    }
-    fn cblas(blas: &Blas) -> Option<Cblas<half::bf16>> {
-        blas.bf16.map(|(f, _)| f)
-    }
-    unsafe fn product(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand<half::bf16>,
-        b: Operand<half::bf16>,
-        parallelism: gemm::Parallelism,
-        store: Store,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { crate::bf16::product(m, n, k, dst, ldc, a, b, parallelism, store) }
-    }
-    unsafe fn without_blas(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand<half::bf16>,
-        b: Operand<half::bf16>,
-        _parallelism: gemm::Parallelism,
-        store: Store,
-    ) {
-        // SAFETY: the caller's contract, which is the portable kernel's; `detect` gives an
-        // instruction set this CPU has.
-        unsafe { portable::gemm(Isa::detect(), m, n, k, dst, ldc, a, b, store) }
     }
 }
 
@@ -439,31 +395,6 @@ fn cblas_layout(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<(c_int
         return Some((CBLAS_TRANS, fits(ld)?));
     }
     None
-}
-
-/// One strided operand: element `(i, j)` at `ptr + i·rs + j·cs`.
-pub(crate) struct Operand<T = f32> {
-    pub ptr: *const T,
-    pub rs: isize,
-    pub cs: isize,
-}
-
-impl<T> Clone for Operand<T> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T> Copy for Operand<T> {}
-
-/// What a product does with its destination: overwrite it (`dst = a · b`, its contents not
-/// read) or add into it (`dst += a · b`, a BLAS's `beta = 1`: the kernel adds each tile of the
-/// product as it finishes it, so the sum costs no separate pass over `dst`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Store {
-    /// `dst = a · b`.
-    Overwrite,
-    /// `dst += a · b`.
-    Accumulate,
 }
 
 /// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n into `dst`'s `m` rows of `n`

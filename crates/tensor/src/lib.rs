@@ -60,6 +60,7 @@ mod flash;
 mod grouped;
 mod matmul;
 mod nn;
+mod operand;
 mod optim;
 mod parallel;
 mod peak;

@@ -29,7 +29,7 @@
 //! registers (12 AVX-512 registers). No blocking of the contraction: that would split the chain.
 //! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
 
-use crate::blas::{Element, Operand, Store};
+use crate::operand::{Operand, Store, Widen};
 
 /// Rows of `a` a register tile covers.
 const MR: usize = 6;
@@ -93,7 +93,7 @@ impl Isa {
 /// # Safety
 /// As [`crate::blas::sgemm`]; `isa` must be one this CPU has ([`Isa::detect`] gives one).
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm<T: Element>(
+pub(crate) unsafe fn gemm<T: Widen>(
     isa: Isa,
     m: usize,
     n: usize,
@@ -144,7 +144,7 @@ struct Job<T> {
 /// The CPU has AVX-512F and FMA; the job's operands are valid as [`gemm`] requires.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn run_avx512<T: Element>(job: &Job<T>) {
+unsafe fn run_avx512<T: Widen>(job: &Job<T>) {
     let full = |job: &Job<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
         // closure rows and columns inside the job's operands.
@@ -164,7 +164,7 @@ unsafe fn run_avx512<T: Element>(job: &Job<T>) {
 /// As [`avx512_tile`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn avx512_tile_rows<T: Element>(
+unsafe fn avx512_tile_rows<T: Widen>(
     job: &Job<T>,
     rows: usize,
     i0: usize,
@@ -191,7 +191,7 @@ unsafe fn avx512_tile_rows<T: Element>(
 /// The CPU has AVX-512F and FMA; as [`Job::tile`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn avx512_tile<T: Element, const R: usize>(
+unsafe fn avx512_tile<T: Widen, const R: usize>(
     job: &Job<T>,
     i0: usize,
     j0: usize,
@@ -237,12 +237,12 @@ unsafe fn avx512_tile<T: Element, const R: usize>(
 /// The CPU has both; the job's operands are valid as [`gemm`] requires.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T: Element>(job: &Job<T>) {
+unsafe fn run_avx2<T: Widen>(job: &Job<T>) {
     // SAFETY: the caller's contract.
     unsafe { job.run() }
 }
 
-impl<T: Element> Job<T> {
+impl<T: Widen> Job<T> {
     /// Panel by panel of `b`, tile by tile of `a`, with the portable tiles. Inlined into each
     /// instruction set's caller, so the tile loops compile to that set's fused multiply-adds.
     ///

@@ -18,8 +18,9 @@ use std::io::Read;
 use std::path::Path;
 use std::time::Instant;
 
-use ferrotext_hf::{self as hf, SaveDtype};
+use ferrotext_hf as hf;
 use ferrotext_models::decoder::{Config, Decoder};
+use ferrotext_sharding::DType;
 use ferrotext_tensor::Tensor;
 
 fn model() -> Decoder {
@@ -75,7 +76,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect();
             // Two shards: the threshold at 60% of the bf16 bytes.
             let shard = f32_bytes / 2 * 6 / 10;
-            hf::save_directory(dir, model.config(), &infos, &values, SaveDtype::Bf16, shard)?;
+            hf::save_directory(dir, model.config(), &infos, &values, DType::BF16, shard)?;
             println!("wrote {}", dir.display());
         }
         "load" => {

@@ -123,7 +123,7 @@ pub enum TrainError {
         /// The file or directory.
         path: String,
         /// What is wrong, with the values it names.
-        problem: crate::checkpoint::CheckpointProblem,
+        problem: crate::checkpoint::problem::CheckpointProblem,
     },
     /// A gradient arrived typed differently from what the gate promised its accumulator —
     /// typically a helper rebuilt the parameter's spec without its reduced tag — and the step

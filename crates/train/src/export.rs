@@ -14,7 +14,8 @@ use crate::checkpoint::{
     verify_listed_files, CheckpointProblem,
 };
 use crate::error::TrainError;
-use ferrotext_hf::{save_directory, selection_bias, ModelType, SaveDtype};
+use ferrotext_hf::{save_directory, selection_bias, ModelType};
+use ferrotext_sharding::DType;
 
 /// What [`export_checkpoint`] wrote.
 #[derive(Clone, Debug, PartialEq)]
@@ -111,7 +112,7 @@ pub fn export_checkpoint(
     path: &Path,
     step: Option<usize>,
     out: &Path,
-    dtype: SaveDtype,
+    dtype: DType,
     shard_bytes: u64,
 ) -> Result<Exported, TrainError> {
     let dir = find_checkpoint(path, step)?;

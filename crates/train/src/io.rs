@@ -106,19 +106,12 @@ pub fn save_final_parameters(
     if !saves_directory(path) {
         return save_parameters(path, infos, values);
     }
-    let dtype = ferrotext_hf::SaveDtype::parse(&config.save_parameters_dtype).ok_or_else(|| {
-        TrainError::NotAChoice {
-            key: "save_parameters_dtype",
-            value: config.save_parameters_dtype.clone(),
-            choices: "f32 or bf16",
-        }
-    })?;
     Ok(ferrotext_hf::save_directory(
         path,
         &config.model()?,
         infos,
         values,
-        dtype,
+        config.save_parameters_dtype,
         ferrotext_hf::DEFAULT_SHARD_BYTES,
     )?)
 }

@@ -14,9 +14,10 @@ One step, from the config to the optimizer, in the order a run meets it:
 | `gate.rs` | the two gates' answers, whole: `Open { .. }` or `Closed(`[`ClosedReason`]`)` |
 | `run.rs` | [`train`]: one device program per device, and the training loop |
 | `trainer.rs` | [`Trainer`]: a step's two moves, `micro_batch` and `update`; [`plan_step`] (abstract mode) |
-| `engine.rs` | [`Engine`]: `fwd_bwd` per micro-batch, `update` per step |
+| `engine/` | [`Engine`]: `fwd_bwd` per micro-batch, `update` per step |
 | `gradients.rs` | [`PartialGradients`] (the accumulator, reduced once) and [`Gradients`] (what the optimizer takes) |
-| `optim.rs` | [`Optimizer`], [`learning_rate`], [`clip_scale`] |
+| `optim/` | [`OptType`] and everything that depends on it (state slots, bytes, checkpoint file), [`Optimizer`]; one file per optimizer |
+| `schedule.rs` | [`learning_rate`], [`clip_scale`] |
 | `checkpoint/` | checkpoints of an engine's state, mid-step too: `manifest.rs`, `save.rs`, `load.rs`, `resume.rs` |
 | `data/`, `io.rs` | token sources (`shards.rs`: a `ferrotext tokenize` directory); parameter files and the metrics log |
 | `export.rs` | a checkpoint's parameters as a Hugging Face directory (the format itself: `ferrotext-hf`) |
@@ -50,23 +51,25 @@ mod optim;
 mod plan;
 mod router_bias;
 mod run;
+mod schedule;
 pub mod tensorboard;
 mod trainer;
 
+pub use config::Precision;
 pub use config::{
     gib, machine_memory_bytes, DatasetOrder, DatasetType, DeviceMemory, MemoryEstimate, NanPolicy,
-    OptType, ResumeMode, ShardMode, TrainConfig,
+    ResumeMode, ShardMode, TrainConfig,
 };
-pub use config::{Dtype, Precision};
 pub use cpu_time::CpuTime;
 pub use engine::{Batch, Engine, FwdBwd, StepMetrics};
 pub use error::{ErrorClass, OutputProblem, PrecisionProblem, TrainError};
 pub use gate::{deferral_gate, zero1_gate, zero1_spec, ClosedReason, Deferral, Overlap, Zero1};
 pub use gradients::{Gradients, PartialGradients};
-pub use optim::{clip_scale, learning_rate, Optimizer};
+pub use optim::{Hyper, OptType, Optimizer, OPTIMIZER_FILE, OPT_TYPE_FORM};
 pub use plan::{ParamLayout, PlanDecoder, RunPlan};
 pub use router_bias::bias_update;
 #[cfg(feature = "fault-injection")]
 pub use run::Fault;
 pub use run::{select_matmul_kernel, train, train_plan, RunOptions, StepCallback, TrainReport};
+pub use schedule::{clip_scale, learning_rate};
 pub use trainer::{plan_step, Trainer};

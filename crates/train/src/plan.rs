@@ -20,8 +20,7 @@ use ferrotext_models::{ParamInfo, RematPolicy};
 use ferrotext_sharding::{AxisType, DType, LogicalAxisRules, Mesh, PartitionSpec};
 
 use crate::config::{
-    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, OptType, Precision, ShardMode,
-    TrainConfig,
+    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, Precision, ShardMode, TrainConfig,
 };
 use crate::error::TrainError;
 use crate::gate::{deferral_gate, zero1_gate, zero1_spec, Deferral, Overlap, Zero1};
@@ -87,7 +86,7 @@ impl TrainConfig {
         self.check_sizes()?;
         let precision = self.precision()?;
         let decoder = Decoder::new(self.model()?)
-            .and_then(|d| d.with_compute_dtype(precision.dtype.array_dtype()))
+            .and_then(|d| d.with_compute_dtype(precision.dtype))
             .map(|d| {
                 d.with_remat(self.remat_policy)
                     .with_vocab_tiling(self.num_vocab_tiling)
@@ -305,10 +304,7 @@ impl RunPlan {
         } else {
             1.0
         };
-        let moments = match config.opt_type {
-            OptType::Sgd => 0.0,
-            OptType::Adamw => 2.0,
-        };
+        let state_bytes = config.opt_type.state_bytes_per_element() as f64;
         let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
         let rows = (config.micro_batch_rows() as f64 / batch_parts).max(1.0);
         // Context parallelism splits each sequence over its devices.
@@ -317,7 +313,7 @@ impl RunPlan {
         let (d, f) = (m.base_emb_dim as f64, m.base_mlp_dim as f64);
         let heads = m.base_num_query_heads as f64;
         let layers = m.base_num_decoder_layers as f64;
-        let dtype = self.precision().dtype.array_dtype();
+        let dtype = self.precision().dtype;
         let kept = dtype.size_bytes() as f64;
         // What one layer's backward needs: ~16 d-wide and 4 f-wide values per token, and the
         // tiled attention's log-sum-exps (f32, one per head and token; no T×T scores).
@@ -362,7 +358,7 @@ impl RunPlan {
             0.0
         };
         let gradient_bytes = extra_sets * local * 4.0;
-        let optimizer_bytes = local * moments / zero1 * 4.0;
+        let optimizer_bytes = local * state_bytes / zero1;
         Ok(DeviceMemory {
             parameter_elements: params,
             local_parameter_elements: local,

@@ -141,7 +141,7 @@ impl RouterBalance {
         if totals.len() != self.biases.len() * self.experts {
             return Err(TrainError::Checkpoint {
                 path: "manifest.json".into(),
-                problem: crate::checkpoint::CheckpointProblem::ExpertLoadsCount {
+                problem: crate::checkpoint::problem::CheckpointProblem::ExpertLoadsCount {
                     values: totals.len(),
                     layers: self.biases.len(),
                     experts: self.experts,

@@ -471,6 +471,13 @@ fn corrupt_checkpoints_are_clear_errors() {
     }
 }
 
+/// Lion's one state slot is saved, sharded over `data` under ZeRO-1 and restored like AdamW's
+/// two.
+#[test]
+fn mid_step_round_trip_with_lion_and_zero1_is_bitwise_equal() {
+    mid_step_round_trip(&["opt_type=lion", "shard_optimizer_over_data=true"]);
+}
+
 #[test]
 fn mid_step_round_trip_with_zero1_is_bitwise_equal() {
     mid_step_round_trip(&["shard_optimizer_over_data=true"]);

@@ -246,7 +246,7 @@ fn export_refuses_a_checkpoint_a_resume_would_refuse() {
             &dir,
             None,
             &out,
-            ferrotext_hf::SaveDtype::F32,
+            ferrotext_sharding::DType::F32,
             ferrotext_hf::DEFAULT_SHARD_BYTES,
         )
     };

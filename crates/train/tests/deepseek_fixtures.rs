@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_hf::{self as hf, SaveDtype};
+use ferrotext_hf as hf;
 use ferrotext_models::decoder::Decoder;
+use ferrotext_sharding::DType;
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx};
 use ferrotext_tensor::Tensor;
@@ -162,7 +163,7 @@ fn check_groups(name: &str) {
         model.config(),
         &model.params(),
         &values,
-        SaveDtype::F32,
+        DType::F32,
         u64::MAX,
     )
     .unwrap();
@@ -337,15 +338,7 @@ fn a_broken_mtp_layer_is_named() {
     let out = std::env::temp_dir().join(format!("ferrotext-mtp-broken-{}", std::process::id()));
     let save = |infos: &[ferrotext_models::ParamInfo], values: &[Tensor]| {
         std::fs::remove_dir_all(&out).ok();
-        hf::save_directory(
-            &out,
-            model.config(),
-            infos,
-            values,
-            SaveDtype::F32,
-            u64::MAX,
-        )
-        .unwrap();
+        hf::save_directory(&out, model.config(), infos, values, DType::F32, u64::MAX).unwrap();
     };
     // Missing: written without `enorm`.
     let (mut i2, mut v2) = (infos.clone(), values.clone());

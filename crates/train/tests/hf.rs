@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_hf::{self as hf, SaveDtype};
+use ferrotext_hf as hf;
 use ferrotext_models::decoder::{Config, Decoder, MoeSettings};
 use ferrotext_models::deepseek::MlaSettings;
 use ferrotext_models::moe::RouterScore;
 use ferrotext_models::{ParamInfo, Rng};
+use ferrotext_sharding::DType;
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx};
 use ferrotext_tensor::Tensor;
@@ -260,7 +261,7 @@ fn a_saved_moe_mla_file_uses_hf_names_and_orientation() {
 
 fn roundtrip(
     cfg: &Config,
-    dtype: SaveDtype,
+    dtype: DType,
     shard_bytes: u64,
 ) -> (PathBuf, Vec<ParamInfo>, Vec<Tensor>) {
     let dir = scratch(&format!(
@@ -273,8 +274,7 @@ fn roundtrip(
     assert_eq!(hf::read_config(&out).unwrap(), *cfg);
     let loaded = io::load_parameters(&out, &infos).unwrap();
     let expect: Vec<Tensor> = match dtype {
-        SaveDtype::F32 => vals.clone(),
-        SaveDtype::Bf16 => vals
+        DType::BF16 => vals
             .iter()
             .map(|t| {
                 let data = t
@@ -285,6 +285,7 @@ fn roundtrip(
                 Tensor::new(t.shape().to_vec(), data).unwrap()
             })
             .collect(),
+        _ => vals.clone(),
     };
     assert_eq!(loaded, expect);
     (out, infos, vals)
@@ -293,11 +294,11 @@ fn roundtrip(
 #[test]
 fn save_then_load_gives_identical_values_single_and_sharded() {
     for cfg in [dense(), moe(), deepseek()] {
-        let (out, _, _) = roundtrip(&cfg, SaveDtype::F32, hf::DEFAULT_SHARD_BYTES);
+        let (out, _, _) = roundtrip(&cfg, DType::F32, hf::DEFAULT_SHARD_BYTES);
         assert!(out.join("model.safetensors").is_file());
         assert!(!out.join("model.safetensors.index.json").exists());
         // Sharded: every shard at most 4 KB unless one tensor is larger.
-        let (out, _, _) = roundtrip(&cfg, SaveDtype::F32, 4096);
+        let (out, _, _) = roundtrip(&cfg, DType::F32, 4096);
         let index: Value = serde_json::from_str(
             &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
         )
@@ -318,7 +319,7 @@ fn save_then_load_gives_identical_values_single_and_sharded() {
 
 #[test]
 fn bf16_directories_hold_bf16_and_load_as_the_rounded_values() {
-    let (out, _, _) = roundtrip(&moe(), SaveDtype::Bf16, 8192);
+    let (out, _, _) = roundtrip(&moe(), DType::BF16, 8192);
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["model_type"], "qwen3_moe");
@@ -344,7 +345,7 @@ fn a_single_bf16_or_f16_file_loads_as_a_parameter_file() {
     // A lone `model.safetensors` named as a file (not its directory): the same values as the
     // directory gives (bf16 rounding included), through the file path of `load_parameters`.
     for cfg in [dense(), deepseek()] {
-        let (out, infos, _) = roundtrip(&cfg, SaveDtype::Bf16, hf::DEFAULT_SHARD_BYTES);
+        let (out, infos, _) = roundtrip(&cfg, DType::BF16, hf::DEFAULT_SHARD_BYTES);
         let from_dir = io::load_parameters(&out, &infos).unwrap();
         let file = out.join("model.safetensors");
         assert_eq!(io::load_parameters(&file, &infos).unwrap(), from_dir);
@@ -603,7 +604,7 @@ fn check_reference_forward(cfg: &Config) {
     let dir = scratch(&format!("ref-{}", cfg.moe.is_some()));
     let (model, infos, vals) = model(cfg);
     let out = dir.join("model");
-    hf::save_directory(&out, cfg, &infos, &vals, SaveDtype::F32, 4096).unwrap();
+    hf::save_directory(&out, cfg, &infos, &vals, DType::F32, 4096).unwrap();
     let ids = tokens(cfg.vocab_size);
     let want = reference_logits(&out, &ids);
     let got = ferrotext_logits(&model, &vals, &ids);
@@ -652,7 +653,7 @@ fn sharded(name: &str) -> PathBuf {
     let dir = scratch(name);
     let (_, infos, vals) = model(&moe());
     let out = dir.join("model");
-    hf::save_directory(&out, &moe(), &infos, &vals, SaveDtype::F32, 4096).unwrap();
+    hf::save_directory(&out, &moe(), &infos, &vals, DType::F32, 4096).unwrap();
     out
 }
 
@@ -707,7 +708,7 @@ fn malformed_directories_get_one_clear_error_each() {
     let dir = scratch("bad-dtype");
     let (_, infos, vals) = model(&dense());
     let out = dir.join("model");
-    hf::save_directory(&out, &dense(), &infos, &vals, SaveDtype::F32, u64::MAX).unwrap();
+    hf::save_directory(&out, &dense(), &infos, &vals, DType::F32, u64::MAX).unwrap();
     let file = Files::read(&out);
     let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = file
         .tensors
@@ -780,7 +781,7 @@ fn malformed_directories_get_one_clear_error_each() {
     };
     infos.push(extra);
     vals.push(vals[1].clone());
-    hf::save_directory(&out, &dense(), &infos, &vals, SaveDtype::F32, u64::MAX).unwrap();
+    hf::save_directory(&out, &dense(), &infos, &vals, DType::F32, u64::MAX).unwrap();
     let e = load_error(&out);
     assert!(
         e.contains("1 unexpected tensor(s): `model.layers.0.mystery.weight`"),
@@ -808,7 +809,7 @@ fn a_model_no_hf_family_expresses_is_refused_before_anything_is_written() {
     }
     let (_, infos, vals) = model(&cfg);
     let out = dir.join("model");
-    let e = hf::save_directory(&out, &cfg, &infos, &vals, SaveDtype::F32, u64::MAX)
+    let e = hf::save_directory(&out, &cfg, &infos, &vals, DType::F32, u64::MAX)
         .unwrap_err()
         .to_string();
     assert!(e.contains("shared_experts=1 (qwen3_moe has none)"), "{e}");
@@ -858,7 +859,7 @@ fn rewrite_file_of(
 /// router reads as no bias.
 #[test]
 fn deepseek_v3_directories_carry_the_selection_bias_values() {
-    let (out, infos, vals) = roundtrip(&deepseek(), SaveDtype::F32, 4096);
+    let (out, infos, vals) = roundtrip(&deepseek(), DType::F32, 4096);
     let files = Files::read(&out);
     let index: Value = serde_json::from_str(
         &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
@@ -885,11 +886,11 @@ fn deepseek_v3_directories_carry_the_selection_bias_values() {
     }
     let (_, infos, vals) = model(&plain);
     let dir = scratch("no-routed-bias").join("model");
-    hf::save_directory(&dir, &plain, &infos, &vals, SaveDtype::F32, u64::MAX).unwrap();
+    hf::save_directory(&dir, &plain, &infos, &vals, DType::F32, u64::MAX).unwrap();
     let zeros = Files::read(&dir);
     assert_eq!(zeros.get(&bias(2)), [0.0; 4].as_slice());
     // qwen3_moe's router has no such bias.
-    let (qwen, _, _) = roundtrip(&moe(), SaveDtype::F32, u64::MAX);
+    let (qwen, _, _) = roundtrip(&moe(), DType::F32, u64::MAX);
     assert!(!Files::read(&qwen)
         .tensors
         .keys()

@@ -367,7 +367,7 @@ fn a_directory_with_the_layer_trains_exports_and_is_never_dropped() {
         plan.decoder().config(),
         plan.params(),
         &values,
-        ferrotext_hf::SaveDtype::F32,
+        ferrotext_sharding::DType::F32,
         u64::MAX,
     )
     .unwrap();

@@ -7,9 +7,8 @@
 
 use std::path::{Path, PathBuf};
 
-use ferrotext_hf::SaveDtype;
 use ferrotext_sharding::DType;
-use ferrotext_train::{train, Dtype, PrecisionProblem, RunOptions, TrainConfig, TrainError};
+use ferrotext_train::{train, PrecisionProblem, RunOptions, TrainConfig, TrainError};
 
 mod common;
 use common::small_config;
@@ -27,38 +26,70 @@ fn load(items: &[&str]) -> Result<TrainConfig, TrainError> {
     )
 }
 
+/// A name that is no dtype is refused while the config is read, naming the key and the value; a
+/// dtype that is one but not built for the key (`float16`, `int32`) is refused naming both and
+/// the key's choices. Both are one-line usage errors.
 #[test]
-fn an_unknown_dtype_name_lists_the_choices_and_maxtexts_names_are_taken() {
+fn an_unknown_or_unbuilt_dtype_is_refused_naming_key_and_value() {
     for (key, value) in [
-        ("dtype", "bf16"),
-        ("dtype", "float16"),
+        ("dtype", "half"),
         ("weight_dtype", "fp32"),
-        ("grad_dtype", "half"),
+        ("grad_dtype", "BF16"),
+    ] {
+        let item = format!("{key}={value}");
+        let err = load(&[&item]).unwrap_err();
+        assert!(err.is_usage(), "{item}: {err:?}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!("{key} = \"{value}\": unknown dtype `{value}`")),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 1, "{text}");
+    }
+    for (key, value) in [
+        ("dtype", "float16"),
+        ("grad_dtype", "f16"),
+        ("dtype", "int32"),
     ] {
         let item = format!("{key}={value}");
         match load(&[&item]) {
             Err(e @ TrainError::NotAChoice { .. }) => {
                 assert!(e.is_usage());
+                let long = DType::parse(value).unwrap().name();
                 assert_eq!(
                     e.to_string(),
-                    format!("{key} must be bfloat16 or float32, got `{value}`")
+                    format!("{key} must be bfloat16 or float32, got `{long}`")
                 );
             }
             other => panic!("{item}: not NotAChoice: {other:?}"),
         }
     }
-    // The mirrors: MaxText's names.
-    let bf16 = load(&[
+}
+
+/// Either spelling of a dtype is the same value: MaxText's (`bfloat16`) and the short one
+/// (`bf16`), for every precision key.
+#[test]
+fn both_spellings_of_a_dtype_are_one_value() {
+    let long = load(&[
         "dtype=bfloat16",
         "weight_dtype=float32",
-        "grad_dtype=float32",
+        "grad_dtype=bfloat16",
+        "save_parameters_dtype=bfloat16",
     ])
     .unwrap();
-    assert_eq!(bf16.precision().unwrap().dtype, Dtype::Bfloat16);
-    assert_eq!(
-        load(&[]).unwrap().precision().unwrap().dtype,
-        Dtype::Float32
-    );
+    let short = load(&[
+        "dtype=bf16",
+        "weight_dtype=f32",
+        "grad_dtype=bf16",
+        "save_parameters_dtype=bf16",
+    ])
+    .unwrap();
+    assert_eq!(long, short);
+    assert_eq!(long.precision().unwrap().dtype, DType::BF16);
+    assert_eq!(long.save_parameters_dtype, DType::BF16);
+    assert_eq!(load(&[]).unwrap().precision().unwrap().dtype, DType::F32);
+    // The mirror: another value is another config.
+    assert_ne!(load(&["dtype=f32"]).unwrap(), short);
 }
 
 #[test]
@@ -116,7 +147,7 @@ fn grad_dtype_bfloat16_is_refused_with_layout_invariant_and_taken_without() {
     // The mirrors: either key alone is taken.
     assert_eq!(
         load(&["grad_dtype=bfloat16"]).unwrap().grad_dtype,
-        "bfloat16"
+        DType::BF16
     );
     assert!(load(&[
         "grad_dtype=float32",
@@ -130,7 +161,7 @@ fn grad_dtype_bfloat16_is_refused_with_layout_invariant_and_taken_without() {
 fn the_plans_decoder_computes_in_dtype() {
     let bf16 = load(&["dtype=bfloat16"]).unwrap().plan().unwrap();
     assert_eq!(bf16.decoder().compute_dtype(), DType::BF16);
-    assert_eq!(bf16.precision().dtype, Dtype::Bfloat16);
+    assert_eq!(bf16.precision().dtype, DType::BF16);
     let f32 = load(&[]).unwrap().plan().unwrap();
     assert_eq!(f32.decoder().compute_dtype(), DType::F32);
     // bf16 activations halve the layers' share of the estimate; parameters are unchanged.
@@ -253,7 +284,7 @@ fn a_bf16_export_is_the_round_to_nearest_even_of_the_f32_weights_and_reads_back(
     let root = base.join("run/checkpoints");
     let (_, master) = ferrotext_train::checkpoint::read_parameters(&root).unwrap();
     let plan = cfg.plan().unwrap();
-    for dtype in [SaveDtype::Bf16, SaveDtype::F32] {
+    for dtype in [DType::BF16, DType::F32] {
         let out = base.join(format!("hf-{dtype:?}"));
         ferrotext_train::export::export_checkpoint(&root, None, &out, dtype, 1 << 30).unwrap();
         let back = ferrotext_train::io::load_parameters(&out, plan.params()).unwrap();
@@ -261,7 +292,7 @@ fn a_bf16_export_is_the_round_to_nearest_even_of_the_f32_weights_and_reads_back(
         for (m, b) in master.iter().zip(&back) {
             for (&x, &y) in m.data().iter().zip(b.data()) {
                 let want = match dtype {
-                    SaveDtype::Bf16 => f32::from_bits(u32::from(rne_bits(x)) << 16),
+                    DType::BF16 => f32::from_bits(u32::from(rne_bits(x)) << 16),
                     _ => x,
                 };
                 assert_eq!(
@@ -272,14 +303,24 @@ fn a_bf16_export_is_the_round_to_nearest_even_of_the_f32_weights_and_reads_back(
                 rounded_somewhere |= y != x;
             }
         }
-        assert_eq!(rounded_somewhere, dtype == SaveDtype::Bf16, "{dtype:?}");
+        assert_eq!(rounded_somewhere, dtype == DType::BF16, "{dtype:?}");
         let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let want = match dtype {
-            SaveDtype::Bf16 => safetensors::Dtype::BF16,
+            DType::BF16 => safetensors::Dtype::BF16,
             _ => safetensors::Dtype::F32,
         };
         assert!(st.tensors().iter().all(|(_, v)| v.dtype() == want));
     }
+    // A dtype an export does not write is refused before anything is written.
+    let out = base.join("hf-f16");
+    let err = ferrotext_train::export::export_checkpoint(&root, None, &out, DType::F16, 1 << 30)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("tensors are saved as float32 or bfloat16, not float16"),
+        "{err}"
+    );
+    assert!(!out.exists());
     std::fs::remove_dir_all(&base).ok();
 }

@@ -95,7 +95,7 @@ fn zero1_collectives(items: &[&str], buckets: Option<usize>) {
             let sizes: Vec<(usize, usize)> = e
                 .param_infos()
                 .iter()
-                .zip(e.optimizer_state().unwrap().0)
+                .zip(&e.optimizer_state().unwrap()[0])
                 .map(|(p, m)| (p.shape.iter().product::<usize>(), m.len()))
                 .collect();
             Ok((sizes, e.param_infos().len(), cx.comm().take_trace()))

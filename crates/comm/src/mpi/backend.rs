@@ -27,7 +27,7 @@
 //! * Each cross-process stage waits at most the transport's timeout (a hierarchical collective's
 //!   local stages wait under the in-process backend's own).
 
-use crate::communicator::{OpInfo, TypedBackend};
+use crate::backend::{OpInfo, TypedBackend};
 use crate::element::Element;
 use crate::error::CommError;
 use crate::local::{chunk, LocalBackend};

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use ::mpi::ffi;
 
-use crate::communicator::OpInfo;
+use crate::backend::OpInfo;
 use crate::error::CommError;
 
 use super::buffers::{Pool, Received, Staged};

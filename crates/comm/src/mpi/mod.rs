@@ -33,6 +33,7 @@ mod backend;
 mod buffers;
 mod calls;
 mod engine;
+mod exchange;
 mod pipeline;
 mod startup;
 mod transport;
@@ -51,8 +52,8 @@ use ::mpi::topology::SimpleCommunicator;
 use ::mpi::traits::Communicator as _;
 use ::mpi::Threading;
 
+use crate::backend::Backend;
 use crate::cluster::Cluster;
-use crate::communicator::Backend;
 use crate::error::CommError;
 use crate::local::LocalBackend;
 

@@ -40,7 +40,7 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use crate::communicator::OpInfo;
+use crate::backend::OpInfo;
 use crate::element::Element;
 use crate::error::CommError;
 

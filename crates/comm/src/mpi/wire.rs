@@ -22,7 +22,7 @@
 
 use std::os::raw::c_int;
 
-use crate::communicator::OpInfo;
+use crate::backend::OpInfo;
 use crate::trace::CollectiveKind;
 
 /// Header words before every payload.
@@ -53,23 +53,11 @@ pub(crate) fn part_header(
 ) -> Header {
     [
         op.seq,
-        ((part as u64) << 16) | (u64::from(kind_code(op.kind)) << 8) | u64::from(stage),
+        ((part as u64) << 16) | (u64::from(op.kind.code()) << 8) | u64::from(stage),
         payload_bytes as u64,
         sender as u64,
         op.elements as u64,
     ]
-}
-
-/// The code of `kind` in a header's second word.
-fn kind_code(kind: CollectiveKind) -> u8 {
-    match kind {
-        CollectiveKind::AllReduce => 1,
-        CollectiveKind::ReduceScatter => 2,
-        CollectiveKind::AllGather => 3,
-        CollectiveKind::AllToAll => 4,
-        CollectiveKind::Broadcast => 5,
-        CollectiveKind::Barrier => 6,
-    }
 }
 
 /// The part number a header carries.
@@ -98,15 +86,8 @@ pub(crate) fn message_bytes(payload: usize) -> usize {
 
 /// A received header described for a `CommError::Mismatch` (`received`: the message's bytes).
 pub(crate) fn describe_header(h: &Header, received: usize) -> String {
-    let kind = match (h[1] >> 8) & 0xff {
-        1 => "all_reduce",
-        2 => "reduce_scatter",
-        3 => "all_gather",
-        4 => "all_to_all",
-        5 => "broadcast",
-        6 => "barrier",
-        _ => "an unknown collective",
-    };
+    let kind = CollectiveKind::from_code(((h[1] >> 8) & 0xff) as u8)
+        .map_or("an unknown collective", CollectiveKind::name);
     format!(
         "{kind} #{} of {} elements (step {}, part {}, {} payload bytes; message of {received} \
          bytes)",

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use anyhow::Result;
-use ferrotext_train::{ShardMode, TrainConfig};
+use ferrotext_train::{DatasetType, ShardMode, TrainConfig};
 use serde::Serialize;
 
 use super::{paired_training_steps, write_json, Paired};
@@ -71,22 +71,25 @@ fn fit(points: &[(usize, f64, f64)]) -> (f64, f64, f64) {
 
 /// Runs the benchmark and writes JSON to `out`.
 pub fn run(model: &str, gas: &[usize], pairs: usize, extra: &[String], out: &Path) -> Result<()> {
-    let mut base_items = vec![
-        format!("model_name={model}"),
-        "ici_data_parallelism=4".into(),
-        "per_device_batch_size=2".into(),
-        "max_target_length=64".into(),
-        "dataset_type=synthetic".into(),
-        "learning_rate=0.001".into(),
-    ];
-    base_items.extend(extra.iter().cloned());
+    let base = TrainConfig {
+        model_name: model.into(),
+        ici_data_parallelism: 4,
+        per_device_batch_size: 2.0,
+        max_target_length: 64,
+        dataset_type: DatasetType::Synthetic,
+        learning_rate: 0.001,
+        ..TrainConfig::default()
+    }
+    .with_overrides(extra)?;
     let mut points = Vec::new();
     let mut raw = Vec::new();
     for &ga in gas {
-        let mut items = base_items.clone();
-        items.push(format!("gradient_accumulation_steps={ga}"));
-        items.push(format!("steps={}", 2 * pairs + 2));
-        let deferred = TrainConfig::load(None, &items)?;
+        let deferred = TrainConfig {
+            gradient_accumulation_steps: ga,
+            steps: 2 * pairs + 2,
+            ..base.clone()
+        };
+        deferred.validate()?;
         let mut untagged = deferred.clone();
         untagged.shard_mode = ShardMode::Auto;
         let (deferred_plan, untagged_plan) = (deferred.plan()?, untagged.plan()?);

@@ -52,13 +52,11 @@ pub fn run(model: &str, context: usize, new_tokens: usize, pairs: usize, out: &P
             "--new-tokens ({new_tokens}) must be at least 2 and below --context ({context})"
         ))
     );
-    let config = TrainConfig::parse(
-        None,
-        &[
-            format!("model_name={model}"),
-            format!("max_target_length={context}"),
-        ],
-    )?;
+    let config = TrainConfig {
+        model_name: model.into(),
+        max_target_length: context,
+        ..TrainConfig::default()
+    };
     let plan = config.plan()?;
     let decoder = plan.decoder();
     let params: Vec<_> = decoder

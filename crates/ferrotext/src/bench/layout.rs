@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use anyhow::Result;
-use ferrotext_train::TrainConfig;
+use ferrotext_train::{DatasetType, TrainConfig};
 use serde::Serialize;
 
 use super::{paired_training_steps, write_json};
@@ -75,22 +75,25 @@ pub fn run(
 ) -> Result<()> {
     let mut rows = Vec::new();
     for &Point { data, ga } in points {
-        let mut items = vec![
-            format!("model_name={model}"),
-            format!("ici_data_parallelism={data}"),
-            format!("local_devices={data}"),
-            format!("gradient_accumulation_steps={ga}"),
-            "per_device_batch_size=2".into(),
-            "max_target_length=64".into(),
-            "dataset_type=synthetic".into(),
-            "learning_rate=0.001".into(),
-            "deterministic=true".into(),
-            format!("steps={}", 2 * pairs + 2),
-        ];
-        items.extend(extra.iter().cloned());
-        let without = TrainConfig::load(None, &items)?;
-        items.push("layout_invariant=true".into());
-        let with = TrainConfig::load(None, &items)?;
+        let without = TrainConfig {
+            model_name: model.into(),
+            ici_data_parallelism: data as i64,
+            local_devices: data,
+            gradient_accumulation_steps: ga,
+            per_device_batch_size: 2.0,
+            max_target_length: 64,
+            dataset_type: DatasetType::Synthetic,
+            learning_rate: 0.001,
+            deterministic: true,
+            steps: 2 * pairs + 2,
+            ..TrainConfig::default()
+        }
+        .with_overrides(extra)?;
+        let with = TrainConfig {
+            layout_invariant: true,
+            ..without.clone()
+        };
+        with.validate()?;
         let (without_plan, with_plan) = (without.plan()?, with.plan()?);
         let paired = paired_training_steps(&without_plan, &with_plan, pairs)?;
         let sets = gradient_sets(ga);

@@ -18,55 +18,63 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_spmd::on_device;
-use ferrotext_train::{data, ShardMode, TrainConfig, TrainError, Trainer};
+use ferrotext_train::{data, DatasetType, ShardMode, TrainConfig, TrainError, Trainer};
 use serde::Serialize;
 
 use super::{abba_pair, write_file, write_json, Paired, Side, StepPair};
 use crate::common::stats::median;
 
-/// One factor of the sweep and its values (as `key=value` overrides).
+/// One factor of the sweep and its values: the base config with one key changed per point.
 struct Sweep {
     name: &'static str,
-    /// Label and overrides per point.
-    points: Vec<(String, Vec<String>)>,
+    /// Label and config per point.
+    points: Vec<(String, TrainConfig)>,
 }
 
 impl Sweep {
-    /// The sweep `name` over `values`: each point labelled `label(v)`, with the one override
-    /// `item(v)`.
+    /// The sweep `name` over `values`: each point labelled `label(v)`, the base config with
+    /// `set(config, v)` applied.
     fn over(
         name: &'static str,
+        base: &TrainConfig,
         values: [usize; 3],
         label: impl Fn(usize) -> String,
-        item: impl Fn(usize) -> String,
+        set: impl Fn(&mut TrainConfig, usize),
     ) -> Sweep {
+        let point = |v| {
+            let mut config = base.clone();
+            set(&mut config, v);
+            (label(v), config)
+        };
         Sweep {
             name,
-            points: values.iter().map(|&v| (label(v), vec![item(v)])).collect(),
+            points: values.iter().map(|&v| point(v)).collect(),
         }
     }
 }
 
-fn sweeps(base_len: usize, base_layers: usize) -> Vec<Sweep> {
+fn sweeps(base: &TrainConfig, base_len: usize, base_layers: usize) -> Vec<Sweep> {
     let times = |m: usize| format!("x{m}");
     vec![
         Sweep::over(
             "ga",
+            base,
             [2, 4, 8],
             |g| g.to_string(),
-            |g| format!("gradient_accumulation_steps={g}"),
+            |c, g| c.gradient_accumulation_steps = g,
         ),
-        Sweep::over("tokens", [1, 2, 4], times, |m| {
-            format!("max_target_length={}", base_len * m)
+        Sweep::over("tokens", base, [1, 2, 4], times, |c, m| {
+            c.max_target_length = base_len * m
         }),
         Sweep::over(
             "experts",
+            base,
             [8, 16, 32],
             |e| e.to_string(),
-            |e| format!("num_experts={e}"),
+            |c, e| c.num_experts = Some(e),
         ),
-        Sweep::over("depth", [1, 2, 3], times, |m| {
-            format!("base_num_decoder_layers={}", base_layers * m)
+        Sweep::over("depth", base, [1, 2, 3], times, |c, m| {
+            c.base_num_decoder_layers = Some(base_layers * m)
         }),
     ]
 }
@@ -106,10 +114,12 @@ struct Timed {
     parameters: usize,
 }
 
-fn time_config(items: &[String], pairs: usize) -> Result<Timed> {
-    let mut with_steps = items.to_vec();
-    with_steps.push(format!("steps={}", 2 * pairs + 2));
-    let tagged = TrainConfig::load(None, &with_steps)?;
+fn time_config(config: &TrainConfig, pairs: usize) -> Result<Timed> {
+    let tagged = TrainConfig {
+        steps: 2 * pairs + 2,
+        ..config.clone()
+    };
+    tagged.validate()?;
     let mut untagged = tagged.clone();
     untagged.shard_mode = ShardMode::Auto;
     let mut ga1 = tagged.clone();
@@ -172,12 +182,12 @@ fn time_config(items: &[String], pairs: usize) -> Result<Timed> {
     })
 }
 
-/// Peak RSS in MB of a child `ferrotext train` run with `items`.
-fn peak_rss_mb(items: &[String]) -> Result<f64> {
+/// Peak RSS in MB of a child `ferrotext train` run of `config`.
+fn peak_rss_mb(config: &TrainConfig) -> Result<f64> {
     let exe = std::env::current_exe().context("locating the ferrotext binary")?;
     let out = std::process::Command::new(exe)
         .arg("train")
-        .args(items)
+        .args(config.to_overrides())
         .output()
         .context("running a child `ferrotext train`")?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -197,17 +207,18 @@ fn peak_rss_mb(items: &[String]) -> Result<f64> {
 /// Runs the benchmark; writes JSON to `out` and the plot to `svg`.
 pub fn run(model: &str, pairs: usize, extra: &[String], out: &Path, svg: &Path) -> Result<()> {
     let (base_len, base_layers) = (32, 2);
-    let mut base = vec![
-        format!("model_name={model}"),
-        "ici_data_parallelism=4".into(),
-        "per_device_batch_size=1".into(),
-        format!("max_target_length={base_len}"),
-        format!("base_num_decoder_layers={base_layers}"),
-        "gradient_accumulation_steps=4".into(),
-        "dataset_type=synthetic".into(),
-        "learning_rate=0.001".into(),
-    ];
-    base.extend(extra.iter().cloned());
+    let base = TrainConfig {
+        model_name: model.into(),
+        ici_data_parallelism: 4,
+        per_device_batch_size: 1.0,
+        max_target_length: base_len,
+        base_num_decoder_layers: Some(base_layers),
+        gradient_accumulation_steps: 4,
+        dataset_type: DatasetType::Synthetic,
+        learning_rate: 0.001,
+        ..TrainConfig::default()
+    }
+    .with_overrides(extra)?;
     let mut rows = Vec::new();
     println!(
         "{:>8} {:>6} {:>3} {:>9} {:>10} {:>11} {:>8} {:>9} {:>7} {:>7} {:>7} {:>7}",
@@ -224,13 +235,11 @@ pub fn run(model: &str, pairs: usize, extra: &[String], out: &Path, svg: &Path) 
         "c ms",
         "a ms"
     );
-    for sweep in sweeps(base_len, base_layers) {
-        for (label, items) in &sweep.points {
-            let mut all = base.clone();
-            all.extend(items.iter().cloned());
-            let config = TrainConfig::load(None, &all)?;
+    for sweep in sweeps(&base, base_len, base_layers) {
+        for (label, config) in &sweep.points {
+            config.validate()?;
             let n = config.gradient_accumulation_steps;
-            let t = time_config(&all, pairs)?;
+            let t = time_config(config, pairs)?;
             let c = ((t.tagged - t.ga1) / (n as f64 - 1.0)).max(0.0);
             let o = t.ga1 - c - t.a;
             let predicted = (o + n as f64 * (c + t.a)) / t.tagged;
@@ -270,11 +279,13 @@ pub fn run(model: &str, pairs: usize, extra: &[String], out: &Path, svg: &Path) 
             rows.push(row);
         }
     }
-    let mut mem_items = base.clone();
-    mem_items.push("steps=6".into());
-    let tagged_mb = peak_rss_mb(&mem_items)?;
-    mem_items.push("shard_mode=auto".into());
-    let untagged_mb = peak_rss_mb(&mem_items)?;
+    let mut memory = TrainConfig {
+        steps: 6,
+        ..base.clone()
+    };
+    let tagged_mb = peak_rss_mb(&memory)?;
+    memory.shard_mode = ShardMode::Auto;
+    let untagged_mb = peak_rss_mb(&memory)?;
     println!(
         "peak RSS (base point, 6 steps, separate processes): tagged {tagged_mb:.1} MB, untagged \
          {untagged_mb:.1} MB, ratio {:.3}",

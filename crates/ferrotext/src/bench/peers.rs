@@ -22,10 +22,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
+use ferrotext_sharding::DType;
+use ferrotext_train::{DatasetType, OptType, TrainConfig};
 use serde::Serialize;
 
 use super::write_json;
 use crate::common::stats::median;
+use crate::common::{dtype_flag, UsageError};
 
 /// Global rows per micro-batch: the peers' `--micro-batch` default.
 const MICRO_BATCH_ROWS: usize = 8;
@@ -61,10 +64,11 @@ pub struct PeersArgs {
     /// Gradient clipping by global norm on every engine (0: off).
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
-    /// The compute dtype on every engine: `f32`, or `bf16` (ferrotext's `dtype=bfloat16`, the
-    /// PyTorch peer's `--dtype bf16`, autocast; the JAX peer has no bf16 mode and is refused).
-    #[arg(long, value_enum, default_value_t = PeerDtype::F32)]
-    dtype: PeerDtype,
+    /// The compute dtype on every engine: `float32`, or `bfloat16` (ferrotext's
+    /// `dtype=bfloat16`, the PyTorch peer's `--dtype bf16`, autocast; the JAX peer has no bf16
+    /// mode and is refused); `f32`, `bf16` also.
+    #[arg(long, default_value = "float32", value_parser = peer_dtype)]
+    dtype: DType,
     /// Extra `key=value` overrides for the ferrotext runs.
     #[arg(long = "set")]
     set: Vec<String>,
@@ -83,32 +87,9 @@ pub struct PeersArgs {
     out: PathBuf,
 }
 
-/// The compute dtype of a comparison.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PeerDtype {
-    /// Everything in f32.
-    F32,
-    /// bf16 activations and matmul inputs, f32 master weights.
-    Bf16,
-}
-
-impl PeerDtype {
-    /// ferrotext's `dtype` value.
-    fn ferrotext(self) -> &'static str {
-        match self {
-            PeerDtype::F32 => "float32",
-            PeerDtype::Bf16 => "bfloat16",
-        }
-    }
-
-    /// The PyTorch peer's `--dtype` value.
-    fn torch(self) -> &'static str {
-        match self {
-            PeerDtype::F32 => "f32",
-            PeerDtype::Bf16 => "bf16",
-        }
-    }
+/// `--dtype`: the words of every command ([`dtype_flag`]), float32 or bfloat16.
+fn peer_dtype(value: &str) -> Result<DType, UsageError> {
+    dtype_flag(value, &[DType::F32, DType::BF16])
 }
 
 /// A training engine.
@@ -211,7 +192,7 @@ impl PeersArgs {
         if !(self.clip.is_finite() && self.clip >= 0.0) {
             bail!("--clip {}: a norm ≥ 0 (0 turns clipping off)", self.clip);
         }
-        if self.dtype == PeerDtype::Bf16 && self.engines.contains(&Engine::Jax) {
+        if self.dtype == DType::BF16 && self.engines.contains(&Engine::Jax) {
             bail!("--dtype bf16: the JAX peer has no bf16 mode; run --engines ferrotext,torch");
         }
         for &engine in &self.engines {
@@ -255,23 +236,25 @@ impl PeersArgs {
         let mut cmd = match engine {
             Engine::Ferrotext => {
                 let exe = std::env::current_exe().context("locating the ferrotext binary")?;
+                let config = TrainConfig {
+                    model_name: "qwen3-peer".into(),
+                    max_target_length: 64,
+                    dataset_type: DatasetType::Synthetic,
+                    opt_type: OptType::Sgd,
+                    ici_data_parallelism: data as i64,
+                    local_devices: data,
+                    per_device_batch_size: (MICRO_BATCH_ROWS / data) as f64,
+                    gradient_accumulation_steps: ga,
+                    steps: self.warmup + self.steps,
+                    gradient_clipping_threshold: self.clip,
+                    dtype: self.dtype,
+                    base_output_directory: self.runs.display().to_string(),
+                    run_name: run_name.clone(),
+                    ..TrainConfig::default()
+                };
                 let mut cmd = Command::new(exe);
-                cmd.arg("train").args([
-                    "model_name=qwen3-peer".to_string(),
-                    "max_target_length=64".into(),
-                    "dataset_type=synthetic".into(),
-                    "opt_type=sgd".into(),
-                    format!("ici_data_parallelism={data}"),
-                    format!("local_devices={data}"),
-                    format!("per_device_batch_size={}", MICRO_BATCH_ROWS / data),
-                    format!("gradient_accumulation_steps={ga}"),
-                    format!("steps={}", self.warmup + self.steps),
-                    format!("gradient_clipping_threshold={}", self.clip),
-                    format!("dtype={}", self.dtype.ferrotext()),
-                    format!("base_output_directory={}", self.runs.display()),
-                    format!("run_name={run_name}"),
-                ]);
-                cmd.args(&self.set);
+                // The user's `--set` items as given, after: the child checks them.
+                cmd.arg("train").args(config.to_overrides()).args(&self.set);
                 cmd
             }
             Engine::Jax | Engine::Torch => {
@@ -287,9 +270,10 @@ impl PeersArgs {
                     cmd.args(["--dp", &data, "--defer"]);
                 } else {
                     cmd.args(["--nproc", &data, "--mode", "no_sync"]);
-                    if self.dtype == PeerDtype::Bf16 {
-                        // f32 is the peer's default: said only when it is not.
-                        cmd.args(["--dtype", self.dtype.torch()]);
+                    if self.dtype == DType::BF16 {
+                        // f32 is the peer's default: said only when it is not; the peer takes
+                        // the short name.
+                        cmd.args(["--dtype", self.dtype.short_name()]);
                     }
                 }
                 cmd.args(["--ga", &ga, "--opt", "sgd"])
@@ -510,7 +494,7 @@ pub fn run(args: &PeersArgs) -> Result<()> {
         "cores": super::cores(),
         "micro_batch_rows": MICRO_BATCH_ROWS,
         "clip": args.clip,
-        "dtype": args.dtype,
+        "dtype": args.dtype.short_name(),
         "warmup": args.warmup,
         "steps": args.steps,
         "set": args.set,
@@ -581,7 +565,7 @@ mod tests {
             warmup: 2,
             steps: 8,
             clip: 1.0,
-            dtype: PeerDtype::F32,
+            dtype: DType::F32,
             set: vec![],
             peer_args: vec![],
             timeout: 1,
@@ -614,16 +598,21 @@ mod tests {
         };
         let (ft, dir) = words(Engine::Ferrotext);
         assert_eq!(dir, Path::new("r/data4-ga2-round1"));
-        for item in [
-            "ici_data_parallelism=4",
-            "per_device_batch_size=2",
-            "gradient_accumulation_steps=2",
-            "steps=10",
-            "gradient_clipping_threshold=1",
-            "run_name=data4-ga2-round1",
-        ] {
-            assert!(ft.contains(item), "{item} in {ft}");
-        }
+        // The child reads the config the point means.
+        let items: Vec<String> = ft.split(' ').skip(1).map(str::to_string).collect();
+        let child = TrainConfig::load(None, &items).unwrap();
+        assert_eq!(
+            (
+                child.ici_data_parallelism,
+                child.per_device_batch_size,
+                child.gradient_accumulation_steps,
+                child.steps,
+                child.gradient_clipping_threshold,
+                child.run_name.as_str(),
+                child.opt_type,
+            ),
+            (4, 2.0, 2, 10, 1.0, "data4-ga2-round1", OptType::Sgd)
+        );
         let (jax, _) = words(Engine::Jax);
         assert_eq!(
             jax,
@@ -634,11 +623,11 @@ mod tests {
             torch,
             "train.py --nproc 4 --mode no_sync --ga 2 --opt sgd --warmup 2 --steps 8 --clip 1"
         );
-        assert!(ft.contains("dtype=float32"), "{ft}");
+        assert_eq!(child.dtype, DType::F32);
         // bf16: ferrotext's and the PyTorch peer's own words; the JAX peer, which has none, is
         // refused before anything runs.
         let bf16 = PeersArgs {
-            dtype: PeerDtype::Bf16,
+            dtype: DType::BF16,
             engines: vec![Engine::Ferrotext, Engine::Torch],
             ..args.clone()
         };

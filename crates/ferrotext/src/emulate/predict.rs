@@ -29,8 +29,11 @@ pub fn host_bytes(event: &TraceEvent, mesh: &Mesh, local: usize) -> f64 {
         return 0.0;
     }
     match event.kind {
-        CollectiveKind::AllReduce => 2.0 * (p - 1.0) / p * bytes,
-        CollectiveKind::ReduceScatter | CollectiveKind::AllGather => (p - 1.0) / p * bytes,
+        // A ring over the processes (the hierarchical form's cross-process part).
+        CollectiveKind::AllReduce | CollectiveKind::ReduceScatter | CollectiveKind::AllGather => {
+            event.kind.ring_bytes(p, bytes)
+        }
+        // Not a ring: each host's devices send every other host's share directly.
         CollectiveKind::AllToAll => m * (n - m) / n * bytes,
         CollectiveKind::Broadcast => (n - m) * bytes / p,
         _ => 0.0,

@@ -189,7 +189,7 @@ fn print_header(plan: &RunPlan, launch: &Launch) {
 
 /// What computes a bf16 run's products (`select_matmul_kernel` fixed it; `None` for float32).
 pub(crate) fn bf16_kernel(plan: &RunPlan) -> Option<String> {
-    (plan.precision().dtype == ferrotext_train::Dtype::Bfloat16)
+    (plan.precision().dtype == ferrotext_sharding::DType::BF16)
         .then(ferrotext_tensor::bf16_matmul_kernel)
         .and_then(Result::ok)
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use ferrotext_comm::{human_bytes, CollectiveKind, PhasePattern};
-use ferrotext_train::{io, CpuTime, Dtype, RunPlan, StepMetrics, TrainConfig, TrainReport};
+use ferrotext_train::{io, CpuTime, RunPlan, StepMetrics, TrainConfig, TrainReport};
 
 use super::tokens_per_step;
 use crate::common::stats::median;
@@ -138,10 +138,7 @@ fn print_reductions(plan: &RunPlan, report: &TrainReport) {
         .sum();
     // Deferred: one reduction a step in `grad_dtype` where each micro-batch would all-reduce
     // its f32 gradients.
-    let deferred_bytes = match config.precision().map(|p| p.grad_dtype) {
-        Ok(Dtype::Bfloat16) => 2,
-        _ => 4,
-    };
+    let deferred_bytes = plan.precision().grad_dtype.size_bytes();
     let steps = report.metrics.len();
     let saved = if report.gate.is_open() {
         (config.gradient_accumulation_steps * 4).saturating_sub(deferred_bytes)

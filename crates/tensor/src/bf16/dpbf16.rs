@@ -26,7 +26,7 @@ use std::arch::x86_64::{
 
 use half::bf16;
 
-use crate::blas::{Operand, Store};
+use crate::operand::{Operand, Store};
 
 /// Rows of `a` a register tile covers.
 const MR: usize = 8;

@@ -29,6 +29,7 @@ use crate::fastmath::vectorized;
 use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
 
+mod choice;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
 mod elementwise;
@@ -38,13 +39,14 @@ mod matmul;
 mod round_avx512;
 mod rows;
 
-pub(crate) use matmul::{product, products_on_tiles};
+pub(crate) use choice::products_on_tiles;
 
+pub use choice::{allow_bf16_fallback, bf16_matmul_kernel};
 pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};
 pub use flash::{flash_attention_backward_bf16, flash_attention_bf16};
 pub use matmul::{
-    allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,
-    dot_general_bf16_rounded, dot_general_bf16_rounded_accumulate_parts,
+    dot_general_bf16, dot_general_bf16_accumulate, dot_general_bf16_rounded,
+    dot_general_bf16_rounded_accumulate_parts,
 };
 pub use rows::{
     add_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16,

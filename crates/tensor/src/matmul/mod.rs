@@ -14,7 +14,8 @@
 
 use gemm::Parallelism;
 
-use crate::blas::{Element, Operand, Store};
+use crate::blas::Element;
+use crate::operand::{Operand, Store};
 
 use crate::error::TensorError;
 use crate::tensor::{strides, Tensor};

@@ -9,7 +9,7 @@
 use gemm::Parallelism;
 
 use super::GEMM_PARALLEL_MIN;
-use crate::blas::{Operand, Store};
+use crate::operand::{Operand, Store};
 
 /// One strided matrix operand inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]

@@ -13,18 +13,18 @@ use ferrotext_models::ParamInfo;
 use ferrotext_sharding::{ArrayType, NamedSharding};
 use ferrotext_spmd::{Array, Ctx};
 use ferrotext_tensor::Tensor;
-use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
-use sha2::{Digest, Sha256};
 
 use super::resume::check_config;
+use super::verify::{check_tensor_list, finite, not_safetensors, read_verified, tensor};
 use super::{
-    ckpt_err, device_count, hex, is_plain_name, mesh_description, read_manifest, resolve,
-    sequences_consumed, validate_manifest, CheckpointProblem, Manifest, ManifestMismatch,
+    ckpt_err, device_count, mesh_description, read_manifest, resolve, sequences_consumed,
+    validate_manifest, CheckpointProblem, Manifest,
 };
 use crate::config::TrainConfig;
 use crate::engine::{Engine, EngineState, Restored, RestoredPending, TreeNodeState};
 use crate::error::TrainError;
+use crate::optim::OPTIMIZER_FILE;
 use crate::router_bias::RouterBalance;
 
 impl Engine {
@@ -53,11 +53,11 @@ impl Engine {
             let named = NamedSharding::new(cx.mesh().clone(), layout.plain.clone())?;
             params.push(cx.from_global(value, named)?);
         }
-        let moments = match &loaded.moments {
-            Some((m, v)) => {
-                let (lm, lv) = shard_moments(cx, &state, m, v)?;
-                Some((lm, lv, loaded.manifest.optimizer_steps))
-            }
+        let opt_state = match &loaded.opt_state {
+            Some(slots) => Some((
+                shard_opt_state(cx, &state, slots)?,
+                loaded.manifest.optimizer_steps,
+            )),
             None => None,
         };
         let pending = match &loaded.pending {
@@ -69,7 +69,7 @@ impl Engine {
             cx,
             Restored {
                 params,
-                moments,
+                opt_state,
                 pending,
                 step,
             },
@@ -90,8 +90,8 @@ impl Engine {
         let params = read_params(dir, &manifest, infos)?;
         // `validate_manifest` and `check_config` made sure the file is listed when the
         // optimizer keeps state: a missing one is an error, never a silent reset.
-        let moments = if state.moments.is_some() {
-            Some(read_moments(dir, &manifest, infos)?)
+        let opt_state = if state.opt_state.is_some() {
+            Some(read_opt_state(dir, &manifest, infos)?)
         } else {
             None
         };
@@ -103,7 +103,7 @@ impl Engine {
         Ok(Loaded {
             manifest,
             params,
-            moments,
+            opt_state,
             pending,
         })
     }
@@ -129,7 +129,8 @@ pub fn read_parameters(path: &Path) -> Result<(TrainConfig, Vec<Tensor>), TrainE
 struct Loaded {
     manifest: Manifest,
     params: Vec<Tensor>,
-    moments: Option<(Vec<Tensor>, Vec<Tensor>)>,
+    /// The optimizer's state, global, `[slot][parameter]`.
+    opt_state: Option<Vec<Vec<Tensor>>>,
     /// Mid-step: the step's gradients so far.
     pending: Option<LoadedPending>,
 }
@@ -230,90 +231,30 @@ pub(crate) fn read_params(
     Ok(params)
 }
 
-/// `optimizer.safetensors` of checkpoint `dir` (checksum verified): AdamW's moments of the
-/// parameters `infos`, in their order.
-fn read_moments(
+/// [`OPTIMIZER_FILE`] of checkpoint `dir` (checksum verified): the state of the manifest's
+/// optimizer for the parameters `infos`, `[slot][parameter]` in their order.
+fn read_opt_state(
     dir: &Path,
     manifest: &Manifest,
     infos: &[ParamInfo],
-) -> Result<(Vec<Tensor>, Vec<Tensor>), TrainError> {
-    let bytes = read_verified(dir, manifest, "optimizer.safetensors")?;
-    let path = dir.join("optimizer.safetensors");
+) -> Result<Vec<Vec<Tensor>>, TrainError> {
+    let bytes = read_verified(dir, manifest, OPTIMIZER_FILE)?;
+    let path = dir.join(OPTIMIZER_FILE);
     let file = SafeTensors::deserialize(&bytes).map_err(not_safetensors(&path))?;
-    check_tensor_list(dir, manifest, "optimizer.safetensors", &file)?;
-    let mut m = Vec::new();
-    let mut v = Vec::new();
+    check_tensor_list(dir, manifest, OPTIMIZER_FILE, &file)?;
+    let names = manifest.config.opt_type.slots();
+    let mut slots = vec![Vec::with_capacity(infos.len()); names.len()];
     for info in infos {
-        for (moments, prefix) in [(&mut m, "m"), (&mut v, "v")] {
+        for (slot, prefix) in slots.iter_mut().zip(names) {
             let name = format!("{prefix}/{}", info.name);
-            moments.push(finite(
+            slot.push(finite(
                 &path,
                 &name,
                 tensor(&path, &file, &name, &info.shape)?,
             )?);
         }
     }
-    Ok((m, v))
-}
-
-/// `t` (tensor `name` of `path`) when every value is finite. Parameters and moments only: a
-/// mid-step accumulator may hold a NaN gradient, which the step's end skips.
-fn finite(path: &Path, name: &str, t: Tensor) -> Result<Tensor, TrainError> {
-    match t.data().iter().position(|x| !x.is_finite()) {
-        None => Ok(t),
-        Some(index) => Err(ckpt_err(
-            path,
-            CheckpointProblem::NonFinite {
-                name: name.into(),
-                index,
-            },
-        )),
-    }
-}
-
-/// Checks every file the manifest of checkpoint `dir` lists against its SHA-256, reading each
-/// in pieces (an optimizer file is twice the parameters): what a restore reads is whole.
-///
-/// # Errors
-/// As a restore: a listed file that is missing, unreadable, not a plain name, or whose
-/// checksum differs.
-pub(crate) fn verify_listed_files(dir: &Path, manifest: &Manifest) -> Result<(), TrainError> {
-    for (file, want) in &manifest.files {
-        if !is_plain_name(file) {
-            return Err(ckpt_err(
-                &dir.join("manifest.json"),
-                CheckpointProblem::OutsideDirectory { file: file.clone() },
-            ));
-        }
-        let path = dir.join(file);
-        let unreadable = |e: std::io::Error| {
-            ckpt_err(
-                &path,
-                CheckpointProblem::Unreadable {
-                    error: e.to_string(),
-                },
-            )
-        };
-        let mut reader = ferrotext_files::open_regular(&path).map_err(unreadable)?;
-        let mut hasher = Sha256::new();
-        std::io::copy(&mut reader, &mut hasher).map_err(unreadable)?;
-        same_checksum(&path, hex(&hasher.finalize()), want)?;
-    }
-    Ok(())
-}
-
-/// `found`, the SHA-256 of the file at `path`, is the one the manifest lists (`want`).
-fn same_checksum(path: &Path, found: String, want: &str) -> Result<(), TrainError> {
-    if found == want {
-        return Ok(());
-    }
-    Err(ckpt_err(
-        path,
-        CheckpointProblem::ChecksumMismatch {
-            expected: want.to_string(),
-            found,
-        },
-    ))
+    Ok(slots)
 }
 
 /// `accumulator.safetensors` of checkpoint `dir` (checksum verified): the totals, and — only
@@ -385,153 +326,27 @@ fn read_accumulator(
     })
 }
 
-/// The bytes of `file` in checkpoint `dir`: a plain name, listed in the manifest, its SHA-256
-/// the one listed.
-fn read_verified(dir: &Path, manifest: &Manifest, file: &str) -> Result<Vec<u8>, TrainError> {
-    if !is_plain_name(file) {
-        return Err(ckpt_err(
-            &dir.join("manifest.json"),
-            CheckpointProblem::OutsideDirectory { file: file.into() },
-        ));
-    }
-    let path = dir.join(file);
-    let bytes = ferrotext_files::read_regular(&path).map_err(|e| {
-        ckpt_err(
-            &path,
-            CheckpointProblem::Unreadable {
-                error: e.to_string(),
-            },
-        )
-    })?;
-    let want = manifest
-        .files
-        .get(file)
-        .ok_or_else(|| ckpt_err(&path, CheckpointProblem::NotListed))?;
-    same_checksum(&path, hex(&Sha256::digest(&bytes)), want)?;
-    Ok(bytes)
-}
-
-/// The manifest's tensor list against `file` (`name` in checkpoint `dir`): each entry for the
-/// file is a tensor it holds with that shape, none twice, and the file holds no other.
-fn check_tensor_list(
-    dir: &Path,
-    manifest: &Manifest,
-    name: &str,
-    file: &SafeTensors<'_>,
-) -> Result<(), TrainError> {
-    let mismatch = |problem: String| {
-        ckpt_err(
-            &dir.join("manifest.json"),
-            CheckpointProblem::Manifest(ManifestMismatch::TensorList {
-                file: name.into(),
-                problem,
-            }),
-        )
-    };
-    let mut listed = std::collections::HashSet::new();
-    for entry in manifest.tensors.iter().filter(|t| t.file == name) {
-        if !listed.insert(entry.name.as_str()) {
-            return Err(mismatch(format!("names `{}` twice", entry.name)));
-        }
-        match file.tensor(&entry.name) {
-            Ok(view) if view.shape() == entry.shape.as_slice() => {}
-            Ok(view) => {
-                return Err(mismatch(format!(
-                    "gives `{}` shape {:?}; the file holds {:?}",
-                    entry.name,
-                    entry.shape,
-                    view.shape()
-                )))
-            }
-            Err(_) => {
-                return Err(mismatch(format!(
-                    "names `{}`, which the file does not hold",
-                    entry.name
-                )))
-            }
-        }
-    }
-    if let Some(unlisted) = file
-        .names()
-        .into_iter()
-        .find(|n| !listed.contains(n.as_str()))
-    {
-        return Err(mismatch(format!(
-            "does not name `{unlisted}`, which the file holds"
-        )));
-    }
-    Ok(())
-}
-
-/// Maps a safetensors reader's error on `path` to [`CheckpointProblem::NotSafetensors`].
-fn not_safetensors(path: &Path) -> impl Fn(safetensors::SafeTensorError) -> TrainError + '_ {
-    move |e| {
-        ckpt_err(
-            path,
-            CheckpointProblem::NotSafetensors {
-                error: e.to_string(),
-            },
-        )
-    }
-}
-
-/// Tensor `name` of `file` (at `path`): F32 and of `shape`.
-fn tensor(
-    path: &Path,
-    file: &SafeTensors<'_>,
-    name: &str,
-    shape: &[usize],
-) -> Result<Tensor, TrainError> {
-    let view = file
-        .tensor(name)
-        .map_err(|_| ckpt_err(path, CheckpointProblem::NoTensor { name: name.into() }))?;
-    if view.dtype() != Dtype::F32 {
-        return Err(ckpt_err(
-            path,
-            CheckpointProblem::WrongDtype {
-                name: name.into(),
-                found: view.dtype(),
-            },
-        ));
-    }
-    if view.shape() != shape {
-        return Err(ckpt_err(
-            path,
-            CheckpointProblem::WrongShape {
-                name: name.into(),
-                found: view.shape().to_vec(),
-                expected: shape.to_vec(),
-            },
-        ));
-    }
-    let data = view
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Ok(Tensor::new(shape.to_vec(), data)?)
-}
-
-/// AdamW's moments, global, as this device's shards of the optimizer state's types.
-fn shard_moments(
+/// The optimizer's state, global, `[slot][parameter]`, as this device's shards of the
+/// optimizer state's types.
+fn shard_opt_state(
     cx: &mut Ctx<'_>,
     state: &EngineState<'_>,
-    m: &[Tensor],
-    v: &[Tensor],
-) -> Result<(Vec<Tensor>, Vec<Tensor>), TrainError> {
+    slots: &[Vec<Tensor>],
+) -> Result<Vec<Vec<Tensor>>, TrainError> {
     let shard = |cx: &Ctx<'_>, t: &Tensor, ty: &ArrayType| -> Result<Tensor, TrainError> {
         Ok(cx
             .from_global(t, ty.sharding().clone())?
             .local()?
             .into_owned())
     };
-    let mut lm = Vec::new();
-    let mut lv = Vec::new();
-    for ((mi, vi), ty) in m.iter().zip(v).zip(state.moment_types) {
-        lm.push(shard(cx, mi, ty)?);
-        lv.push(shard(cx, vi, ty)?);
+    let mut local = vec![Vec::with_capacity(state.moment_types.len()); slots.len()];
+    // Parameter by parameter, each slot in turn.
+    for (p, ty) in state.moment_types.iter().enumerate() {
+        for (slot, out) in slots.iter().zip(&mut local) {
+            out.push(shard(cx, &slot[p], ty)?);
+        }
     }
-    Ok((lm, lv))
+    Ok(local)
 }
 
 /// The step's gradients so far, as this device's accumulator of the types the current gate

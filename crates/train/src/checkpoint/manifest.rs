@@ -16,7 +16,7 @@ use super::{
     checkpoint_name, ckpt_err, hex, is_plain_name, parse_checkpoint_name, sequences_consumed,
     CheckpointProblem, ManifestMismatch, FORMAT_VERSION, MANIFEST_SEAL,
 };
-use crate::config::{DatasetOrder, OptType, TrainConfig};
+use crate::config::{DatasetOrder, TrainConfig};
 use crate::error::TrainError;
 
 /// One tensor of a checkpoint.
@@ -275,21 +275,24 @@ fn check_optimizer_steps(m: &Manifest) -> Result<(), CheckpointProblem> {
             },
         ));
     }
-    if m.config.opt_type == OptType::Sgd && m.optimizer_steps != 0 {
-        return Err(CheckpointProblem::Manifest(ManifestMismatch::SgdSteps(
-            m.optimizer_steps,
-        )));
+    if !m.config.opt_type.keeps_state() && m.optimizer_steps != 0 {
+        return Err(CheckpointProblem::Manifest(
+            ManifestMismatch::StatelessSteps {
+                optimizer_steps: m.optimizer_steps,
+                opt_type: m.config.opt_type,
+            },
+        ));
     }
     Ok(())
 }
 
 /// The files listed are exactly those this checkpoint needs: the parameters, the optimizer
-/// state under AdamW, the accumulator inside a step.
+/// state when the optimizer keeps one, the accumulator inside a step.
 fn check_files_listed(m: &Manifest) -> Result<(), CheckpointProblem> {
     let cfg = &m.config;
     let mut needed = BTreeSet::from(["params.safetensors"]);
-    if cfg.opt_type == OptType::Adamw {
-        needed.insert("optimizer.safetensors");
+    if let Some(file) = cfg.opt_type.checkpoint_file() {
+        needed.insert(file);
     }
     if m.micro_steps > 0 {
         needed.insert("accumulator.safetensors");

@@ -3,7 +3,8 @@
 //!
 //! A checkpoint is a directory `step_SSSSSSSS_micro_MMM` under a root, holding
 //! `params.safetensors` (HF names and orientation, as `load_parameters_path` reads),
-//! `optimizer.safetensors` (AdamW moments `m/<name>`, `v/<name>`), `accumulator.safetensors`
+//! `optimizer.safetensors` (the optimizer's state, slot by slot: AdamW's moments `m/<name>`,
+//! `v/<name>`; none for SGD), `accumulator.safetensors`
 //! (mid-step only: the *reduced* gradient totals `acc/<name>`), and `manifest.json` (format
 //! version, config, step, micro-step count, token denominator, mesh, per-tensor shardings, and
 //! the SHA-256 of every file, the data position), sealed by `manifest.sha256` (the manifest's
@@ -38,9 +39,11 @@
 //!
 //! | file | what it owns |
 //! |---|---|
-//! | `mod.rs` | the format's constants, [`RESUMABLE_KEYS`] and [`is_layout_key`], checkpoint names, the small I/O helpers every part shares |
+//! | `mod.rs` | checkpoint names, the small I/O helpers every part shares |
+//! | `format.rs` | the format's constants, [`RESUMABLE_KEYS`] and [`is_layout_key`]: what a checkpoint is and which config changes a resume allows |
 //! | `manifest.rs` | [`Manifest`]: reading it (version, then seal, then fields) and checking its numbers against its files, config and directory |
 //! | `save.rs` | [`Engine::save_checkpoint`](crate::Engine::save_checkpoint): gathering the state, the temporary directory, fsync, rename, `latest`, pruning |
+//! | `verify.rs` | reading a file verified: listed, plain name, checksum, tensor list, dtype, shape, finite values |
 //! | `load.rs` | [`Engine::restore_checkpoint`](crate::Engine::restore_checkpoint) and [`read_parameters`]: verified files → the whole state → the engine |
 //! | `resume.rs` | [`prepare_resume`], [`latest`], [`resolve`]: start-up of a checkpoint root, and which config changes a resume allows |
 //! | `problem.rs` | [`CheckpointProblem`]: what is wrong with a checkpoint, as values (file, checksum, shape, version, step, key) |
@@ -52,86 +55,22 @@ use crate::config::TrainConfig;
 use crate::engine::EngineState;
 use crate::error::TrainError;
 
+mod format;
 mod load;
 mod manifest;
-mod problem;
+pub(crate) mod problem;
 mod resume;
 mod save;
+mod verify;
 
+pub use format::{is_layout_key, FORMAT_VERSION, MANIFEST_SEAL, RESUMABLE_KEYS};
 pub use load::read_parameters;
-pub(crate) use load::{read_params, verify_listed_files};
+pub(crate) use load::read_params;
 pub(crate) use manifest::{read_manifest, validate_manifest};
 pub use manifest::{Manifest, TensorEntry};
 pub use problem::{CheckpointProblem, ConfigChange, LatestProblem, ManifestMismatch};
 pub use resume::{dtype_change, latest, prepare_resume, resolve};
-
-/// The manifest format this build writes and the only one it reads (3: every parameter is stored
-/// under its Hugging Face names and orientation, MoE experts unstacked; 2 stored the router and
-/// `kv_a_proj_with_mqa` in ferrotext's own orientation and stacked experts, which a square matrix
-/// would load silently transposed; 1 had no manifest seal). Older formats are refused.
-pub const FORMAT_VERSION: u32 = 3;
-
-/// The manifest's seal: `<sha256 hex>  manifest.json`, as `sha256sum` writes it.
-pub const MANIFEST_SEAL: &str = "manifest.sha256";
-
-/// Config keys that may differ between the run that saved a checkpoint and the run that restores
-/// it: the length and learning-rate schedule, paths and outputs, checkpoint cadence, run
-/// policy, and the compute `dtype` (master weights and optimizer state are float32 in every
-/// dtype; [`dtype_change`] words the change for the run's output). Every other key (model, data, batch, optimizer, seeds, tokenizer) must be equal;
-/// the layout keys ([`is_layout_key`]) may change as long as the global batch of a step stays
-/// the same (and, inside a step, its micro-batches).
-pub const RESUMABLE_KEYS: &[&str] = &[
-    "steps",
-    "learning_rate",
-    "warmup_steps_fraction",
-    "learning_rate_final_fraction",
-    "dataset_path",
-    "load_parameters_path",
-    "save_parameters_path",
-    "save_parameters_dtype",
-    "dtype",
-    "remat_policy",
-    "num_vocab_tiling",
-    "matmul_bf16_fallback",
-    "base_output_directory",
-    "run_name",
-    "metrics_file",
-    "tensorboard",
-    "enable_checkpointing",
-    "checkpoint_period",
-    "checkpoint_micro_batch_period",
-    "checkpoint_keep",
-    "resume",
-    "collective_timeout_seconds",
-    "nan_policy",
-    "grad_bucket_mb",
-    "overlap_grad_reduce",
-    "deterministic",
-    "layout_invariant",
-    "profile",
-    "profile_steps",
-    "eval_interval",
-    "eval_steps",
-    "eval_dataset_path",
-];
-
-/// The layout keys: a checkpoint taken at a step boundary restores onto another mesh, mode or
-/// split of the step into micro-batches as long as the global batch of a step
-/// ([`TrainConfig::micro_batch_rows`] × `gradient_accumulation_steps`) is the same — a job that
-/// lost a host resumes on fewer devices with more micro-batches and reads the same sequences.
-/// A checkpoint taken inside a step also needs the same micro-batches (global micro-batch and
-/// `gradient_accumulation_steps`), since its pending gradients cover the ones already run.
-pub fn is_layout_key(key: &str) -> bool {
-    matches!(
-        key,
-        "local_devices"
-            | "num_processes"
-            | "shard_mode"
-            | "shard_optimizer_over_data"
-            | "per_device_batch_size"
-            | "gradient_accumulation_steps"
-    ) || (key.starts_with("ici_") && key.ends_with("_parallelism"))
-}
+pub(crate) use verify::verify_listed_files;
 
 /// Maps an I/O failure on `path` to [`TrainError::Io`].
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {

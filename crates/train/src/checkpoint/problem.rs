@@ -12,8 +12,9 @@ use ferrotext_models::decoder::ConfigError;
 use ferrotext_models::HfLayoutError;
 use safetensors::tensor::Dtype;
 
-use super::{MANIFEST_SEAL, RESUMABLE_KEYS};
-use crate::config::{DatasetOrder, OptType};
+use super::format::{MANIFEST_SEAL, RESUMABLE_KEYS};
+use crate::config::DatasetOrder;
+use crate::optim::OptType;
 
 /// The remedy every problem of `latest` ends with.
 const START_OVER: &str =
@@ -111,7 +112,7 @@ pub enum CheckpointProblem {
     NewerFormat {
         /// The manifest's `format_version`.
         found: u64,
-        /// The version this build reads ([`FORMAT_VERSION`](super::FORMAT_VERSION)).
+        /// The version this build reads ([`FORMAT_VERSION`](super::format::FORMAT_VERSION)).
         supported: u32,
     },
     /// The manifest's format is older than this build reads.
@@ -123,7 +124,7 @@ pub enum CheckpointProblem {
     OlderFormat {
         /// The manifest's `format_version`.
         found: u64,
-        /// The version this build reads ([`FORMAT_VERSION`](super::FORMAT_VERSION)).
+        /// The version this build reads ([`FORMAT_VERSION`](super::format::FORMAT_VERSION)).
         supported: u32,
     },
     /// The seal (`manifest.sha256`) cannot be read.
@@ -388,9 +389,14 @@ pub enum ManifestMismatch {
         /// The manifest's step.
         step: usize,
     },
-    /// Optimizer steps under SGD.
-    #[error("optimizer_steps {0} for SGD, which keeps no state")]
-    SgdSteps(u64),
+    /// Optimizer steps under an optimizer that keeps no state (SGD).
+    #[error("optimizer_steps {optimizer_steps} for opt_type {opt_type:?}, which keeps no state")]
+    StatelessSteps {
+        /// The manifest's optimizer steps.
+        optimizer_steps: u64,
+        /// Its config's `opt_type`.
+        opt_type: OptType,
+    },
     /// A file the checkpoint needs is not listed.
     #[error(
         "does not list {file}, which this checkpoint needs (opt_type {opt_type:?}, micro_steps \

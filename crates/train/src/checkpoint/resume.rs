@@ -203,9 +203,9 @@ pub fn dtype_change(config: &TrainConfig, root: &Path) -> Option<String> {
              optimizer state are float32 in both and continue exactly; from here activations and \
              matmul inputs are {}",
             dir.display(),
-            saved.dtype,
-            config.dtype,
-            config.dtype
+            saved.dtype.name(),
+            config.dtype.name(),
+            config.dtype.name()
         )
     })
 }

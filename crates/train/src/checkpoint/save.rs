@@ -24,6 +24,7 @@ use super::{
 };
 use crate::engine::{Engine, EngineState, PendingState, PendingSum, TreeNodeState};
 use crate::error::TrainError;
+use crate::optim::{OptType, OPTIMIZER_FILE};
 use crate::router_bias::RouterBalance;
 
 impl Engine {
@@ -90,29 +91,31 @@ impl Engine {
 struct Gathered {
     /// Every parameter, global, in the plan's order.
     params: Vec<Tensor>,
-    /// AdamW's moments, global, and its step count (`None` for SGD).
-    moments: Option<(Vec<Tensor>, Vec<Tensor>, u64)>,
+    /// The optimizer's state, global, `[slot][parameter]`, and its step count (`None` for an
+    /// optimizer that keeps none).
+    opt_state: Option<(Vec<Vec<Tensor>>, u64)>,
     /// The step's gradients so far (`None` at a step boundary).
     pending: Option<GatheredPending>,
 }
 
-/// Gathers the whole state (every device takes part): the parameters, the moments, then the
-/// pending gradients.
+/// Gathers the whole state (every device takes part): the parameters, the optimizer's state
+/// (slot by slot), then the pending gradients.
 fn gather_state(cx: &mut Ctx<'_>, state: &EngineState<'_>) -> Result<Gathered, TrainError> {
     let params: Vec<Tensor> = state
         .params
         .iter()
         .map(|p| cx.to_host(p))
         .collect::<Result<_, _>>()?;
-    let moments = match state.moments {
-        Some((m, v, t)) => {
-            let mut gm = Vec::with_capacity(m.len());
-            let mut gv = Vec::with_capacity(v.len());
-            for (ty, (mi, vi)) in state.moment_types.iter().zip(m.iter().zip(v)) {
-                gm.push(cx.to_host(&cx.from_local(ty.clone(), mi.clone())?)?);
-                gv.push(cx.to_host(&cx.from_local(ty.clone(), vi.clone())?)?);
+    let opt_state = match state.opt_state {
+        Some((slots, steps)) => {
+            let mut global = vec![Vec::new(); slots.len()];
+            // Parameter by parameter, each slot in turn: the order the gathers always had.
+            for (p, ty) in state.moment_types.iter().enumerate() {
+                for (slot, out) in slots.iter().zip(&mut global) {
+                    out.push(cx.to_host(&cx.from_local(ty.clone(), slot[p].clone())?)?);
+                }
             }
-            Some((gm, gv, t))
+            Some((global, steps))
         }
         None => None,
     };
@@ -122,7 +125,7 @@ fn gather_state(cx: &mut Ctx<'_>, state: &EngineState<'_>) -> Result<Gathered, T
     };
     Ok(Gathered {
         params,
-        moments,
+        opt_state,
         pending,
     })
 }
@@ -299,8 +302,8 @@ fn write_temporary(
     let infos = state.plan.params();
     let mut tmp = TempCheckpoint::create(root, name, after_file)?;
     write_params(&mut tmp, infos, &gathered.params, state.params)?;
-    if let Some((m, v, _)) = &gathered.moments {
-        write_moments(&mut tmp, infos, m, v)?;
+    if let Some((slots, _)) = &gathered.opt_state {
+        write_opt_state(&mut tmp, state.plan.config().opt_type, infos, slots)?;
     }
     if let Some(p) = &gathered.pending {
         write_accumulator(&mut tmp, infos, p, devices)?;
@@ -346,19 +349,21 @@ fn write_params(
     tmp.write("params.safetensors", &stored, |i| shardings[i].clone())
 }
 
-/// `optimizer.safetensors`: AdamW's moments `m/<name>` and `v/<name>`, parameter by parameter.
-fn write_moments(
+/// [`OPTIMIZER_FILE`]: the optimizer's state, slot `s` of parameter `p` as `s/p`, parameter by
+/// parameter (AdamW: `m/<name>`, `v/<name>`).
+fn write_opt_state(
     tmp: &mut TempCheckpoint<'_>,
+    opt_type: OptType,
     infos: &[ParamInfo],
-    m: &[Tensor],
-    v: &[Tensor],
+    slots: &[Vec<Tensor>],
 ) -> Result<(), TrainError> {
     let mut stored = Vec::new();
-    for (info, (mi, vi)) in infos.iter().zip(m.iter().zip(v)) {
-        stored.push((format!("m/{}", info.name), mi.clone()));
-        stored.push((format!("v/{}", info.name), vi.clone()));
+    for (p, info) in infos.iter().enumerate() {
+        for (name, slot) in opt_type.slots().iter().zip(slots) {
+            stored.push((format!("{name}/{}", info.name), slot[p].clone()));
+        }
     }
-    tmp.write("optimizer.safetensors", &stored, |_| "replicated".into())
+    tmp.write(OPTIMIZER_FILE, &stored, |_| "replicated".into())
 }
 
 /// `accumulator.safetensors` (mid-step): the reduced totals `acc/<name>`, every device's partial
@@ -408,7 +413,7 @@ fn build_manifest(
         pending_loss_sum,
         pending_loss_sum_bits: pending_loss_sum.to_bits(),
         pending_expert_loads: pending.map_or_else(Vec::new, |p| p.expert_loads.clone()),
-        optimizer_steps: gathered.moments.as_ref().map_or(0, |(_, _, t)| *t),
+        optimizer_steps: gathered.opt_state.as_ref().map_or(0, |(_, t)| *t),
         dataset_order: config.dataset_order,
         sequences_consumed: sequences_consumed(config, state.step, micro),
         data_fingerprint: None,

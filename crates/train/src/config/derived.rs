@@ -12,8 +12,19 @@ use ferrotext_sharding::{AxisType, Mesh};
 
 use super::{ShardMode, TrainConfig};
 use crate::error::TrainError;
+use crate::optim::Hyper;
 
 impl TrainConfig {
+    /// The optimizer keys (`adam_b1`, `adam_b2`, `adam_eps`, `adam_weight_decay`).
+    pub fn optimizer_hyper(&self) -> Hyper {
+        Hyper {
+            b1: self.adam_b1,
+            b2: self.adam_b2,
+            eps: self.adam_eps,
+            weight_decay: self.adam_weight_decay,
+        }
+    }
+
     /// Devices of the whole mesh: `num_processes × local_devices` (saturating; `validate`
     /// bounds both).
     pub fn devices(&self) -> usize {

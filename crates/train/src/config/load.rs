@@ -67,7 +67,7 @@ impl TrainConfig {
     /// [`TrainError::ConfigSyntax`] for a file that cannot be used, [`TrainError::NotKeyValue`]
     /// for an argument that is not `key=value`.
     pub fn parse(file: Option<&Path>, overrides: &[String]) -> Result<TrainConfig, TrainError> {
-        let mut table = match file {
+        let table = match file {
             Some(path) => {
                 let shown = || path.display().to_string();
                 let bytes = ferrotext_files::read_named(path).map_err(|reason| {
@@ -86,21 +86,95 @@ impl TrainConfig {
             }
             None => toml::Table::new(),
         };
-        for item in overrides {
-            let (key, value) = item
-                .split_once('=')
-                .ok_or_else(|| TrainError::NotKeyValue {
-                    argument: item.clone(),
-                })?;
-            table.insert(key.trim().to_string(), parse_value(value.trim()));
-        }
-        let config: TrainConfig =
-            toml::Value::Table(table.clone())
-                .try_into()
-                .map_err(|e: toml::de::Error| {
-                    let (key, reason) = name_the_key(&table, &e);
-                    TrainError::usage(key, reason)
-                })?;
+        overridden(table, overrides)
+    }
+
+    /// This config with `key=value` overrides on top (later ones win), validated as
+    /// [`TrainConfig::load`] validates: how a caller that builds its config as values (a
+    /// benchmark) applies a user's `--set` items.
+    ///
+    /// # Errors
+    /// As [`TrainConfig::load`] for the overrides.
+    pub fn with_overrides(&self, overrides: &[String]) -> Result<TrainConfig, TrainError> {
+        let table = toml::Table::try_from(self)
+            .map_err(|e| TrainError::Internal(format!("a config as TOML: {e}")))?;
+        let config = overridden(table, overrides)?;
+        config.validate()?;
         Ok(config)
+    }
+
+    /// Every key whose value differs from its default, as the `key=value` items that give
+    /// this config back ([`TrainConfig::load`] of them is this config): what a child
+    /// `ferrotext train` is handed to run it. Keys in name order.
+    pub fn to_overrides(&self) -> Vec<String> {
+        let object = |c: &TrainConfig| match serde_json::to_value(c) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        let defaults = object(&TrainConfig::default());
+        object(self)
+            .into_iter()
+            .filter(|(key, value)| defaults.get(key) != Some(value) && !value.is_null())
+            .map(|(key, value)| match value {
+                serde_json::Value::String(s) => format!("{key}={s}"),
+                other => format!("{key}={other}"),
+            })
+            .collect()
+    }
+}
+
+/// `table` with `key=value` `overrides` on top, each value deserialized into its key's type.
+fn overridden(mut table: toml::Table, overrides: &[String]) -> Result<TrainConfig, TrainError> {
+    for item in overrides {
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| TrainError::NotKeyValue {
+                argument: item.clone(),
+            })?;
+        table.insert(key.trim().to_string(), parse_value(value.trim()));
+    }
+    toml::Value::Table(table.clone())
+        .try_into()
+        .map_err(|e: toml::de::Error| {
+            let (key, reason) = name_the_key(&table, &e);
+            TrainError::usage(key, reason)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DatasetType;
+
+    /// A config built as values, handed on as `key=value` items and read back, is the same
+    /// config; and overrides on a built config win over its values.
+    #[test]
+    fn a_built_config_survives_its_overrides_and_takes_new_ones() {
+        let built = TrainConfig {
+            model_name: "qwen3-peer".into(),
+            per_device_batch_size: 1.0,
+            learning_rate: 0.001,
+            dataset_type: DatasetType::Synthetic,
+            dtype: ferrotext_sharding::DType::BF16,
+            base_emb_dim: Some(96),
+            run_name: "a run".into(),
+            ..TrainConfig::default()
+        };
+        let items = built.to_overrides();
+        assert!(
+            items.contains(&"learning_rate=0.001".to_string()),
+            "{items:?}"
+        );
+        assert!(items.contains(&"dtype=bfloat16".to_string()), "{items:?}");
+        assert!(!items.iter().any(|i| i.starts_with("steps=")), "{items:?}");
+        assert_eq!(TrainConfig::parse(None, &items).unwrap(), built);
+        let more = built
+            .with_overrides(&["steps=7".into(), "learning_rate=0.5".into()])
+            .unwrap();
+        assert_eq!((more.steps, more.learning_rate), (7, 0.5));
+        assert_eq!(more.base_emb_dim, Some(96));
+        // The mirror: a bad override is refused as `load` refuses it.
+        let err = built.with_overrides(&["steps=0".into()]).unwrap_err();
+        assert!(err.is_usage(), "{err}");
     }
 }

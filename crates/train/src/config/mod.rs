@@ -16,8 +16,12 @@
 //! Invariant: a [`TrainConfig`] is plain data; every check lives in `validate.rs` and runs once,
 //! from [`TrainConfig::plan`], so the rest of the trainer never branches on a bad combination.
 
+use ferrotext_data::TokenWidth;
 use ferrotext_models::RematPolicy;
+use ferrotext_sharding::DType;
 use serde::{Deserialize, Serialize};
+
+use crate::optim::OptType;
 
 mod derived;
 mod load;
@@ -27,7 +31,7 @@ mod precision;
 mod validate;
 
 pub use memory::{gib, machine_memory_bytes, DeviceMemory, MemoryEstimate};
-pub use precision::{Dtype, Precision};
+pub use precision::Precision;
 
 /// `shard_mode`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,16 +42,6 @@ pub enum ShardMode {
     /// Every mesh axis `Auto`. ferrotext has no automatic partitioner: layouts still come from
     /// the logical rules, but the axes are not part of the types, so no tags and no deferral.
     Auto,
-}
-
-/// `opt_type`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OptType {
-    /// AdamW with decoupled weight decay on matrices.
-    Adamw,
-    /// Plain SGD.
-    Sgd,
 }
 
 /// `dataset_type`.
@@ -212,9 +206,9 @@ pub struct TrainConfig {
     pub warmup_steps_fraction: f64,
     /// Final learning rate of the cosine decay, as a fraction of the peak.
     pub learning_rate_final_fraction: f64,
-    /// `adamw` or `sgd`.
+    /// The optimizer (`adamw`, `sgd`, ...: [`OptType`]).
     pub opt_type: OptType,
-    /// AdamW β1.
+    /// AdamW β1 (what each optimizer reads: [`crate::Hyper`]).
     pub adam_b1: f64,
     /// AdamW β2.
     pub adam_b2: f64,
@@ -231,19 +225,20 @@ pub struct TrainConfig {
     /// The file for `text` and `tokens`.
     pub dataset_path: String,
     /// `u16` or `u32` for `tokens` files.
-    pub token_dtype: String,
+    pub token_dtype: TokenWidth,
     /// An HF `tokenizer.json` for `corpus` and `text` data (empty: byte-level tokens).
     pub tokenizer_path: String,
     /// Seed of the parameter initialisation.
     pub init_weights_seed: u64,
     /// The dtype of the activations between ops and of the matmul inputs: `float32` or
-    /// `bfloat16` (MaxText's names; MaxText's default is `bfloat16`, ferrotext's `float32`).
-    pub dtype: String,
+    /// `bfloat16` (MaxText's names, or `f32`, `bf16`; MaxText's default is `bfloat16`,
+    /// ferrotext's `float32`).
+    pub dtype: DType,
     /// The dtype of the master weights and the optimizer state: `float32` (the only one built).
-    pub weight_dtype: String,
-    /// The dtype of the gradient accumulator and the deferred reduction: `float32` (the only
-    /// one built).
-    pub grad_dtype: String,
+    pub weight_dtype: DType,
+    /// The dtype of the deferred gradient reduction: `float32`, or `bfloat16` on the wire (the
+    /// accumulator is float32 either way).
+    pub grad_dtype: DType,
     /// With `dtype=bfloat16` on a kernel without a bf16 product (`FERROTEXT_MATMUL=gemm`, an
     /// OpenBLAS built without it): run bf16 products on ferrotext's own kernel instead of
     /// refusing the run.
@@ -258,8 +253,8 @@ pub struct TrainConfig {
     /// Where to save the final parameters (empty: don't): a path ending in `.safetensors` is one
     /// F32 file; any other path a Hugging Face model directory (`save_parameters_dtype`).
     pub save_parameters_path: String,
-    /// The dtype of a saved Hugging Face directory's tensors: `f32` or `bf16`.
-    pub save_parameters_dtype: String,
+    /// The dtype of a saved Hugging Face directory's tensors: `float32` or `bfloat16`.
+    pub save_parameters_dtype: DType,
     /// Directory for run outputs (checkpoints, metrics). A relative path is relative to the
     /// current directory of the command, resolved once when the run is planned and printed
     /// absolute ([`crate::RunPlan::output_dir`]).
@@ -395,17 +390,17 @@ impl Default for TrainConfig {
             gradient_clipping_threshold: 1.0,
             dataset_type: DatasetType::Corpus,
             dataset_path: String::new(),
-            token_dtype: "u16".into(),
+            token_dtype: TokenWidth::U16,
             tokenizer_path: String::new(),
             init_weights_seed: 0,
-            dtype: "float32".into(),
-            weight_dtype: "float32".into(),
-            grad_dtype: "float32".into(),
+            dtype: DType::F32,
+            weight_dtype: DType::F32,
+            grad_dtype: DType::F32,
             matmul_bf16_fallback: false,
             data_shuffle_seed: 0,
             load_parameters_path: String::new(),
             save_parameters_path: String::new(),
-            save_parameters_dtype: "f32".into(),
+            save_parameters_dtype: DType::F32,
             base_output_directory: "ferrotext_runs".into(),
             run_name: "default".into(),
             metrics_file: String::new(),

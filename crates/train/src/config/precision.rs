@@ -20,56 +20,22 @@ use ferrotext_sharding::DType;
 use super::TrainConfig;
 use crate::error::{PrecisionProblem, TrainError};
 
-/// A dtype as the precision keys name it (MaxText's `DType` names; its `float16` is not built).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtype {
-    /// `float32`.
-    Float32,
-    /// `bfloat16`.
-    Bfloat16,
-}
-
-/// The choices of every precision key, as the error lists them.
+/// The dtypes a precision key accepts, in words, as its error lists them: `float16` parses (it is
+/// a [`DType`]) but no key builds it.
 pub(crate) const DTYPE_CHOICES: &str = "bfloat16 or float32";
 
-impl Dtype {
-    /// The dtype a key's value names: `bfloat16` or `float32` (MaxText's names, exactly).
-    pub fn parse(name: &str) -> Option<Dtype> {
-        match name {
-            "float32" => Some(Dtype::Float32),
-            "bfloat16" => Some(Dtype::Bfloat16),
-            _ => None,
-        }
-    }
-
-    /// MaxText's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Float32 => "float32",
-            Dtype::Bfloat16 => "bfloat16",
-        }
-    }
-
-    /// The array dtype it means.
-    pub fn array_dtype(self) -> DType {
-        match self {
-            Dtype::Float32 => DType::F32,
-            Dtype::Bfloat16 => DType::BF16,
-        }
-    }
-
-    /// Bits of mantissa kept (f32: 24, bf16: 8): a narrower dtype keeps fewer.
-    fn mantissa_bits(self) -> u32 {
-        match self {
-            Dtype::Float32 => 24,
-            Dtype::Bfloat16 => 8,
-        }
-    }
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+/// `value` of precision key `key` when it is one that is built (`float32`, `bfloat16`).
+///
+/// # Errors
+/// [`TrainError::NotAChoice`] for any other dtype, naming the key and the value.
+pub(crate) fn built(key: &'static str, value: DType) -> Result<DType, TrainError> {
+    match value {
+        DType::F32 | DType::BF16 => Ok(value),
+        other => Err(TrainError::NotAChoice {
+            key,
+            value: other.name().to_string(),
+            choices: DTYPE_CHOICES,
+        }),
     }
 }
 
@@ -77,12 +43,12 @@ impl fmt::Display for Dtype {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Precision {
     /// `dtype`: the activations between ops and the matmul inputs.
-    pub dtype: Dtype,
+    pub dtype: DType,
     /// `weight_dtype`: the master weights and the optimizer state (float32).
-    pub weight_dtype: Dtype,
+    pub weight_dtype: DType,
     /// `grad_dtype`: the deferred reduction (float32, or bfloat16 on the wire; the accumulator
     /// over micro-batches is float32 either way).
-    pub grad_dtype: Dtype,
+    pub grad_dtype: DType,
 }
 
 impl fmt::Display for Precision {
@@ -92,28 +58,21 @@ impl fmt::Display for Precision {
     /// accumulator; bf16 deferred reduction: each device's sum and the total rounded once a
     /// step)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let grads = match self.grad_dtype {
-            Dtype::Float32 => "accumulator, reduction",
-            Dtype::Bfloat16 => {
-                "f32 accumulator; bf16 deferred reduction: each device's sum and the total \
-                 rounded once a step"
-            }
+        let grads = if self.grad_dtype == DType::BF16 {
+            "f32 accumulator; bf16 deferred reduction: each device's sum and the total rounded \
+             once a step"
+        } else {
+            "accumulator, reduction"
         };
         write!(
             f,
             "dtype {} (activations, matmul inputs), weight_dtype {} (master weights, optimizer \
              state), grad_dtype {} ({grads})",
-            self.dtype, self.weight_dtype, self.grad_dtype
+            self.dtype.name(),
+            self.weight_dtype.name(),
+            self.grad_dtype.name()
         )
     }
-}
-
-fn parse_key(key: &'static str, value: &str) -> Result<Dtype, TrainError> {
-    Dtype::parse(value).ok_or_else(|| TrainError::NotAChoice {
-        key,
-        value: value.to_string(),
-        choices: DTYPE_CHOICES,
-    })
 }
 
 impl TrainConfig {
@@ -121,14 +80,14 @@ impl TrainConfig {
     /// `dtype` nor other than float32, `grad_dtype=bfloat16` not with `layout_invariant=true`.
     ///
     /// # Errors
-    /// [`TrainError::NotAChoice`] for a name that is not `bfloat16` or `float32`;
+    /// [`TrainError::NotAChoice`] for a dtype that is not `bfloat16` or `float32`;
     /// [`TrainError::Precision`] for a combination that is not built, naming the key, the value
     /// and why.
     pub fn precision(&self) -> Result<Precision, TrainError> {
-        let dtype = parse_key("dtype", &self.dtype)?;
-        let weight_dtype = parse_key("weight_dtype", &self.weight_dtype)?;
-        let grad_dtype = parse_key("grad_dtype", &self.grad_dtype)?;
-        let refuse = |key: &'static str, value: Dtype, problem: PrecisionProblem| {
+        let dtype = built("dtype", self.dtype)?;
+        let weight_dtype = built("weight_dtype", self.weight_dtype)?;
+        let grad_dtype = built("grad_dtype", self.grad_dtype)?;
+        let refuse = |key: &'static str, value: DType, problem: PrecisionProblem| {
             Err(TrainError::Precision {
                 key,
                 value: value.name().to_string(),
@@ -144,14 +103,14 @@ impl TrainConfig {
                 },
             );
         }
-        if weight_dtype != Dtype::Float32 {
+        if weight_dtype != DType::F32 {
             return refuse(
                 "weight_dtype",
                 weight_dtype,
                 PrecisionProblem::MasterWeightsAreFloat32,
             );
         }
-        if grad_dtype == Dtype::Bfloat16 && self.layout_invariant {
+        if grad_dtype == DType::BF16 && self.layout_invariant {
             return refuse(
                 "grad_dtype",
                 grad_dtype,
@@ -175,7 +134,7 @@ impl TrainConfig {
     /// [`TrainError::Precision`] (`dtype`, [`PrecisionProblem::NoBf16Product`]) naming the
     /// kernel; the precision keys' own errors ([`TrainConfig::precision`]).
     pub fn select_bf16_kernel(&self) -> Result<Option<String>, TrainError> {
-        if self.precision()?.dtype != Dtype::Bfloat16 {
+        if self.precision()?.dtype != DType::BF16 {
             return Ok(None);
         }
         let chosen = if self.matmul_bf16_fallback {
@@ -188,7 +147,7 @@ impl TrainConfig {
             Err(ferrotext_tensor::TensorError::NoBf16Product { kernel }) => {
                 Err(TrainError::Precision {
                     key: "dtype",
-                    value: Dtype::Bfloat16.name().to_string(),
+                    value: DType::BF16.name().to_string(),
                     problem: PrecisionProblem::NoBf16Product { kernel },
                 })
             }
@@ -202,10 +161,11 @@ mod tests {
     use super::*;
 
     fn with(dtype: &str, weight: &str, grad: &str) -> TrainConfig {
+        let parse = |name: &str| DType::parse(name).unwrap();
         TrainConfig {
-            dtype: dtype.into(),
-            weight_dtype: weight.into(),
-            grad_dtype: grad.into(),
+            dtype: parse(dtype),
+            weight_dtype: parse(weight),
+            grad_dtype: parse(grad),
             ..TrainConfig::default()
         }
     }
@@ -213,20 +173,20 @@ mod tests {
     #[test]
     fn the_built_combinations_pass_and_print_their_roles() {
         let p = with("bfloat16", "float32", "float32").precision().unwrap();
-        assert_eq!(p.dtype.array_dtype(), DType::BF16);
+        assert_eq!(p.dtype, DType::BF16);
         assert_eq!(
             p.to_string(),
             "dtype bfloat16 (activations, matmul inputs), weight_dtype float32 (master \
              weights, optimizer state), grad_dtype float32 (accumulator, reduction)"
         );
         let f = with("float32", "float32", "float32").precision().unwrap();
-        assert_eq!(f.dtype.array_dtype(), DType::F32);
+        assert_eq!(f.dtype, DType::F32);
     }
 
     #[test]
     fn bf16_gradients_are_built_but_not_with_layout_invariant() {
         let p = with("bfloat16", "float32", "bfloat16").precision().unwrap();
-        assert_eq!(p.grad_dtype.array_dtype(), DType::BF16);
+        assert_eq!(p.grad_dtype, DType::BF16);
         assert!(p.to_string().ends_with(
             "grad_dtype bfloat16 (f32 accumulator; bf16 deferred reduction: each device's sum and \
              the total rounded once a step)"

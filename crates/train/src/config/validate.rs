@@ -160,15 +160,7 @@ impl TrainConfig {
         self.check_run_name()?;
         self.parse_profile_steps()?;
         self.check_eval()?;
-        if ferrotext_hf::SaveDtype::parse(&self.save_parameters_dtype).is_none() {
-            return Err(TrainError::usage(
-                "save_parameters_dtype",
-                format!(
-                    "save_parameters_dtype must be f32 or bf16, got `{}`",
-                    self.save_parameters_dtype
-                ),
-            ));
-        }
+        super::precision::built("save_parameters_dtype", self.save_parameters_dtype)?;
         let rows = self.per_device_batch_size * self.devices() as f64;
         if !(rows >= 1.0 && (rows - rows.round()).abs() < 1e-9) {
             return Err(TrainError::usage(
@@ -296,12 +288,6 @@ impl TrainConfig {
                             "synthetic"
                         }
                     ),
-                );
-            }
-            DatasetType::Tokens if self.token_dtype != "u16" && self.token_dtype != "u32" => {
-                return bad(
-                    "token_dtype",
-                    format!("token_dtype must be u16 or u32, got `{}`", self.token_dtype),
                 );
             }
             _ => {}

@@ -384,14 +384,14 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
         }
         DatasetType::Tokens => {
             let map = open(&config.dataset_path)?;
-            let width = if config.token_dtype == "u32" { 4 } else { 2 };
+            let width = config.token_dtype.width();
             if map.len() % width != 0 {
                 return Err(DataError::invalid(
                     &config.dataset_path,
                     format!(
                         "has {} bytes, not a whole number of {} tokens",
                         map.len(),
-                        config.token_dtype
+                        config.token_dtype.name()
                     ),
                 )
                 .into());

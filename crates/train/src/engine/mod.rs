@@ -21,20 +21,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferrotext_comm::Wire;
 use ferrotext_models::decoder::LossOptions;
 use ferrotext_models::init_normal;
 use ferrotext_models::{Documents, ParamInfo};
-use ferrotext_sharding::{ArrayType, NamedSharding, PartitionSpec};
+use ferrotext_sharding::{ArrayType, DType, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
 use serde::Serialize;
 
-use crate::config::Dtype;
 use crate::error::TrainError;
 use crate::gate::{Deferral, Overlap, Zero1};
 use crate::gradients::{PartialGradients, UnitTree};
-use crate::optim::Optimizer;
+use crate::optim::{OptType, Optimizer};
 use crate::plan::{engine_rules, RunPlan};
 use crate::router_bias::RouterBalance;
 
@@ -257,11 +255,10 @@ impl Engine {
         // `grad_dtype=bfloat16`: the step's deferred reduction moves bf16 (each device's f32
         // accumulator rounded once as it starts); a reduction in every micro-batch (DDP) stays
         // f32, so a gradient is never rounded per micro-batch.
-        let wire = if plan.precision().grad_dtype == Dtype::Bfloat16 && !overlap.every_micro_batch()
-        {
-            Wire::Bf16
+        let wire = if overlap.every_micro_batch() {
+            DType::F32
         } else {
-            Wire::F32
+            plan.precision().grad_dtype
         };
         let reduce_plan = Arc::new(
             cx.plan_buckets(&promised, reduce_targets, reduce_bucket_bytes, &backwards)?
@@ -281,11 +278,7 @@ impl Engine {
         };
         Ok(Engine {
             plan: plan.clone(),
-            opt: if cx.mode() == Mode::Abstract {
-                Optimizer::Sgd
-            } else {
-                Optimizer::new(config, &shapes)
-            },
+            opt: optimizer(cx.mode(), config, &shapes),
             inside,
             acc_types,
             moment_types,
@@ -369,9 +362,11 @@ impl Engine {
         self.plan.zero1()
     }
 
-    /// This device's optimizer-state shards (AdamW `m` and `v`; `None` for SGD).
-    pub fn optimizer_state(&self) -> Option<(&[Tensor], &[Tensor])> {
-        self.opt.moments().map(|(m, v, _)| (m, v))
+    /// This device's optimizer-state shards, `state[s][p]`: slot `s` of
+    /// [`OptType::slots`] (AdamW: `m`, `v`) for parameter `p`; `None` for an optimizer that
+    /// keeps none (SGD).
+    pub fn optimizer_state(&self) -> Option<&[Vec<Tensor>]> {
+        self.opt.state().map(|(slots, _)| slots)
     }
 
     /// The layout of a micro-batch's `[rows, len]` token arrays.
@@ -537,6 +532,17 @@ fn initial_value(
         )));
     }
     Ok(v.clone())
+}
+
+/// The engine's optimizer on shards of `shapes`: the config's, or in abstract mode (which steps
+/// nothing) one without state, so nothing is allocated.
+fn optimizer(mode: Mode, config: &crate::TrainConfig, shapes: &[Vec<usize>]) -> Optimizer {
+    let kind = if mode == Mode::Abstract {
+        OptType::Sgd
+    } else {
+        config.opt_type
+    };
+    Optimizer::new(kind, config.optimizer_hyper(), shapes)
 }
 
 /// The documents of packed rows (`len` inputs each, flat): per input its segment id (the count

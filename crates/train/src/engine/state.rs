@@ -20,8 +20,9 @@ pub(crate) struct EngineState<'a> {
     pub plan: &'a RunPlan,
     /// The parameters, in their storage layouts.
     pub params: &'a [Array],
-    /// AdamW's moment shards and step count (`None` for SGD).
-    pub moments: Option<(&'a [Tensor], &'a [Tensor], u64)>,
+    /// The optimizer's state shards, `[slot][parameter]`, and its step count (`None` for an
+    /// optimizer that keeps none).
+    pub opt_state: Option<(&'a [Vec<Tensor>], u64)>,
     /// The optimizer state's types.
     pub moment_types: &'a [ArrayType],
     /// The accumulator type of each gradient.
@@ -68,8 +69,8 @@ pub(crate) struct TreeNodeState {
 pub(crate) struct Restored {
     /// Parameters in their storage layouts.
     pub params: Vec<Array>,
-    /// AdamW's moment shards and step count.
-    pub moments: Option<(Vec<Tensor>, Vec<Tensor>, u64)>,
+    /// The optimizer's state shards, `[slot][parameter]`, and its step count.
+    pub opt_state: Option<(Vec<Vec<Tensor>>, u64)>,
     /// The accumulation to continue, if the state was saved mid-step.
     pub pending: Option<RestoredPending>,
     /// Optimizer steps taken.
@@ -128,7 +129,7 @@ impl Engine {
         Ok(EngineState {
             plan: &self.plan,
             params: &self.params,
-            moments: self.opt.moments(),
+            opt_state: self.opt.state(),
             moment_types: &self.moment_types,
             promised: &self.acc_types,
             pending,
@@ -137,11 +138,11 @@ impl Engine {
     }
 
     /// Swaps a whole restored state in (a checkpoint's): the parameters, the optimizer's
-    /// moments, the step, and the accumulation to continue — whose parameters re-enter the
+    /// state, the step, and the accumulation to continue — whose parameters re-enter the
     /// micro-batches in their inside layouts (a free cast). Nothing changes on an error.
     ///
     /// # Errors
-    /// Moments that do not fit the optimizer; a layout error.
+    /// A state that does not fit the optimizer; a layout error.
     pub(crate) fn install(&mut self, cx: &mut Ctx<'_>, state: Restored) -> Result<(), TrainError> {
         let pending = match state.pending {
             Some(p) => Some(Pending {
@@ -160,8 +161,8 @@ impl Engine {
             }),
             None => None,
         };
-        if let Some((m, v, t)) = state.moments {
-            self.opt.set_moments(m, v, t)?;
+        if let Some((slots, steps)) = state.opt_state {
+            self.opt.set_state(slots, steps)?;
         }
         self.params = state.params;
         self.pending = pending;

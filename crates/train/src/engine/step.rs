@@ -16,9 +16,9 @@ use crate::config::NanPolicy;
 use crate::error::TrainError;
 use crate::gate::Overlap;
 use crate::gradients::{FinishedTree, Gradients, PartialGradients, UnitTree};
-use crate::optim::{clip_scale, learning_rate};
 use crate::plan::RunPlan;
 use crate::router_bias::RouterBalance;
+use crate::schedule::{clip_scale, learning_rate};
 use ferrotext_models::decoder::{ExpertLoads, LossOptions};
 
 impl Engine {

@@ -36,16 +36,7 @@ pub fn cost_model(
     let cache = std::sync::Mutex::new(std::collections::BTreeMap::<(usize, String), f64>::new());
     move |spec: &CellSpec, mode: Mode, fitted_compute_ms: Option<f64>| {
         let devices = spec.hosts * spec.devices_per_host;
-        let mut items = vec![
-            format!("model_name={}", spec.model),
-            format!("gradient_accumulation_steps={}", spec.ga),
-            format!("steps={steps}"),
-        ];
-        if let Some(o) = spec.overlap {
-            items.push(format!("overlap_grad_reduce={o}"));
-        }
-        items.extend(set.iter().cloned());
-        let config = ferrotext_train::TrainConfig::load(None, &items).ok()?;
+        let config = spec.config(steps).with_overrides(set).ok()?;
         let cluster: ferrotext_cost::ClusterSpec = format!(
             "hosts={},devices_per_host={},link={}bit,{}us",
             spec.hosts,

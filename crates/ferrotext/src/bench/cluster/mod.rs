@@ -33,6 +33,7 @@ use std::sync::atomic::AtomicBool;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrotext_comm::human_bytes;
+use ferrotext_train::{ShardMode, TrainConfig};
 use serde::Serialize;
 
 use super::{abba_pair, cores, write_json, Side};
@@ -127,6 +128,21 @@ pub struct CellSpec {
     pub overlap: Option<bool>,
 }
 
+impl CellSpec {
+    /// The run a cell trains, before the user's `--set` items: its model and GA, `steps` steps,
+    /// and its `overlap_grad_reduce` when given.
+    pub fn config(&self, steps: usize) -> TrainConfig {
+        let defaults = TrainConfig::default();
+        TrainConfig {
+            model_name: self.model.clone(),
+            gradient_accumulation_steps: self.ga,
+            steps,
+            overlap_grad_reduce: self.overlap.unwrap_or(defaults.overlap_grad_reduce),
+            ..defaults
+        }
+    }
+}
+
 /// A step-time prediction (ms) for a cell and mode, given the compute of one micro-batch fit on
 /// the emulated setup (ms; `None`: the predictor measures the throughput itself); `None` when it
 /// has none. The cost model plugs in here.
@@ -214,29 +230,24 @@ struct Report {
     cells: Vec<Cell>,
 }
 
+/// A cell's `ferrotext train` command line in `mode`: its config as `key=value` items, then the
+/// user's `--set` items as given (the job, which knows its processes, checks them).
 fn job_args(spec: &CellSpec, mode: Mode, steps: usize, set: &[String], dir: &Path) -> Vec<String> {
-    let mut args = vec![
-        "train".to_string(),
-        format!("model_name={}", spec.model),
-        format!("gradient_accumulation_steps={}", spec.ga),
-        format!("steps={steps}"),
-        format!("base_output_directory={}", dir.display()),
-        format!(
-            "run_name=h{}_ga{}_{}",
-            spec.hosts,
-            spec.ga,
-            match mode {
-                Mode::PerMicroBatch => "pmb",
-                Mode::Deferred => "def",
-            }
-        ),
-    ];
-    if mode == Mode::PerMicroBatch {
-        args.push("shard_mode=auto".into());
-    }
-    if let Some(o) = spec.overlap {
-        args.push(format!("overlap_grad_reduce={o}"));
-    }
+    let tag = match mode {
+        Mode::PerMicroBatch => "pmb",
+        Mode::Deferred => "def",
+    };
+    let config = TrainConfig {
+        base_output_directory: dir.display().to_string(),
+        run_name: format!("h{}_ga{}_{tag}", spec.hosts, spec.ga),
+        shard_mode: match mode {
+            Mode::PerMicroBatch => ShardMode::Auto,
+            Mode::Deferred => ShardMode::Explicit,
+        },
+        ..spec.config(steps)
+    };
+    let mut args = vec!["train".to_string()];
+    args.extend(config.to_overrides());
     args.extend(set.iter().cloned());
     args
 }
@@ -537,9 +548,11 @@ fn run_job(
 
 /// The gradient bytes (f32) of `model` under the `set` overrides.
 fn gradient_bytes(model: &str, set: &[String]) -> Result<usize> {
-    let mut items = vec![format!("model_name={model}")];
-    items.extend(set.iter().cloned());
-    let plan = ferrotext_train::TrainConfig::load(None, &items)?.plan()?;
+    let config = TrainConfig {
+        model_name: model.into(),
+        ..TrainConfig::default()
+    };
+    let plan = config.with_overrides(set)?.plan()?;
     Ok(plan
         .params()
         .iter()

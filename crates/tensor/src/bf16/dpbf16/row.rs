@@ -20,7 +20,7 @@ use std::arch::x86_64::{
 
 use half::bf16;
 
-use crate::blas::Operand;
+use crate::operand::Operand;
 
 /// The most rows of `a` this path takes; more amortise packing `b`.
 pub(crate) const MAX_ROWS: usize = 2;

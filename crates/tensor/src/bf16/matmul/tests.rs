@@ -13,8 +13,10 @@
 
 use half::bf16;
 
+use super::super::choice::{bf16_matmul_kernel, choose, cpu, Choice, Cpu};
 use super::*;
-use crate::blas::{gemm_on, open_mkl, open_openblas, Operand};
+use crate::blas::{gemm_on, open_mkl, open_openblas};
+use crate::operand::Operand;
 use crate::{dot_general, dot_general_accumulate, matmul_order_is_fixed};
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
