@@ -14,21 +14,27 @@ use serde_json::{json, Value};
 
 /// The preset each family's probes start from (qwen3_moe without the shared expert it has not).
 fn baseline(kind: ModelType) -> Config {
-    let name = match kind {
-        ModelType::Qwen3 => "qwen3-tiny",
-        ModelType::Qwen3Moe => "qwen3-moe-tiny",
-        ModelType::DeepseekV3 => "deepseek3-tiny",
-        ModelType::Llama => "llama3-tiny",
-        ModelType::Qwen2 => "qwen2-tiny",
+    let name = match kind.name() {
+        "qwen3" => "qwen3-tiny",
+        "qwen3_moe" => "qwen3-moe-tiny",
+        "deepseek_v3" => "deepseek3-tiny",
+        "llama" => "llama3-tiny",
+        "qwen2" => "qwen2-tiny",
+        other => panic!("no baseline preset for {other}"),
     };
     let mut cfg = Config::preset(name).unwrap();
-    if let Some(m) = cfg.moe.as_mut().filter(|_| kind == ModelType::Qwen3Moe) {
+    if let Some(m) = cfg.moe.as_mut().filter(|_| kind.name() == "qwen3_moe") {
         m.shared_experts = 0;
     }
     if let Some(a) = cfg.mla {
         cfg.head_dim = a.qk_rope_head_dim;
     }
     cfg
+}
+
+/// The family named `name`.
+fn family(name: &str) -> ModelType {
+    ModelType::from_name(name).unwrap_or_else(|| panic!("no family {name}"))
 }
 
 /// `v` (4.x form, as ferrotext writes it) in transformers 5's form: `rope_theta` and
@@ -66,7 +72,7 @@ fn to_v5(v: &Value) -> Value {
 /// the default 10000.
 #[test]
 fn qwen3_theta_under_rope_parameters_is_read() {
-    let v4 = hf_config_json(&baseline(ModelType::Qwen3), "float32").unwrap();
+    let v4 = hf_config_json(&baseline(family("qwen3")), "float32").unwrap();
     let v5 = to_v5(&v4);
     assert!(v5.get("rope_theta").is_none());
     assert_eq!(v5["rope_parameters"]["rope_theta"], json!(1_000_000.0));
@@ -87,7 +93,7 @@ fn qwen3_theta_under_rope_parameters_is_read() {
 /// Every family's preset reads the same from its 4.x and its 5 form.
 #[test]
 fn both_generations_read_to_the_same_config() {
-    for kind in ModelType::ALL {
+    for kind in ModelType::all() {
         let cfg = baseline(kind);
         let v4 = hf_config_json(&cfg, "float32").unwrap();
         assert_eq!(config_from_json(&v4).unwrap(), cfg, "{} 4.x", kind.name());
@@ -104,7 +110,7 @@ fn both_generations_read_to_the_same_config() {
 /// The llama3 scaling and DeepSeek's YaRN arrive in full, from either generation.
 #[test]
 fn scaled_rope_keys_arrive_in_full() {
-    let l = baseline(ModelType::Llama).rope_llama3.unwrap();
+    let l = baseline(family("llama")).rope_llama3.unwrap();
     assert_eq!(
         (
             l.factor,
@@ -114,13 +120,13 @@ fn scaled_rope_keys_arrive_in_full() {
         ),
         (32.0, 1.0, 4.0, 8192)
     );
-    let v5 = to_v5(&hf_config_json(&baseline(ModelType::Llama), "float32").unwrap());
+    let v5 = to_v5(&hf_config_json(&baseline(family("llama")), "float32").unwrap());
     assert_eq!(v5["rope_parameters"]["rope_type"], json!("llama3"));
     let cfg = config_from_json(&v5).unwrap();
     assert_eq!(cfg.rope_llama3, Some(l));
     assert_eq!(cfg.rope_max_timescale, 500_000.0);
-    let y = baseline(ModelType::DeepseekV3).rope_yarn.unwrap();
-    let v5 = to_v5(&hf_config_json(&baseline(ModelType::DeepseekV3), "float32").unwrap());
+    let y = baseline(family("deepseek_v3")).rope_yarn.unwrap();
+    let v5 = to_v5(&hf_config_json(&baseline(family("deepseek_v3")), "float32").unwrap());
     assert_eq!(v5["rope_parameters"]["rope_type"], json!("yarn"));
     assert_eq!(config_from_json(&v5).unwrap().rope_yarn, Some(y));
 }
@@ -128,7 +134,7 @@ fn scaled_rope_keys_arrive_in_full() {
 /// `deepseek_v3`'s `rope_interleave` is read (default true, as transformers').
 #[test]
 fn rope_interleave_is_read_with_transformers_default() {
-    let mut v = hf_config_json(&baseline(ModelType::DeepseekV3), "float32").unwrap();
+    let mut v = hf_config_json(&baseline(family("deepseek_v3")), "float32").unwrap();
     v["rope_interleave"] = json!(false);
     let cfg = config_from_json(&v).unwrap();
     assert!(!cfg.mla.unwrap().rope_interleave);
@@ -146,7 +152,7 @@ fn refusal(v: &Value) -> String {
 /// not: each refused, named with its value.
 #[test]
 fn conflicting_or_unknown_rope_keys_are_refused_by_name() {
-    let v4 = hf_config_json(&baseline(ModelType::Qwen3), "float32").unwrap();
+    let v4 = hf_config_json(&baseline(family("qwen3")), "float32").unwrap();
     let mut both = to_v5(&v4);
     both["rope_theta"] = json!(10_000.0);
     assert!(
@@ -163,15 +169,14 @@ fn conflicting_or_unknown_rope_keys_are_refused_by_name() {
     linear["rope_parameters"]["rope_type"] = json!("linear");
     assert!(refusal(&linear)
         .contains("rope_parameters.rope_type=\"linear\" (qwen3 reads default only)"));
-    let mut llama3_in_qwen2 = to_v5(&hf_config_json(&baseline(ModelType::Qwen2), "f").unwrap());
+    let mut llama3_in_qwen2 = to_v5(&hf_config_json(&baseline(family("qwen2")), "f").unwrap());
     llama3_in_qwen2["rope_parameters"] =
-        to_v5(&hf_config_json(&baseline(ModelType::Llama), "f").unwrap())["rope_parameters"]
-            .clone();
+        to_v5(&hf_config_json(&baseline(family("llama")), "f").unwrap())["rope_parameters"].clone();
     assert!(refusal(&llama3_in_qwen2).contains("rope_type=\"llama3\" (qwen2 reads default only)"));
-    let mut moe = to_v5(&hf_config_json(&baseline(ModelType::Qwen3Moe), "f").unwrap());
+    let mut moe = to_v5(&hf_config_json(&baseline(family("qwen3_moe")), "f").unwrap());
     moe["num_experts"] = json!(5);
     assert!(refusal(&moe).contains("num_experts=5 and num_local_experts=8"));
-    let mut ds = hf_config_json(&baseline(ModelType::DeepseekV3), "f").unwrap();
+    let mut ds = hf_config_json(&baseline(family("deepseek_v3")), "f").unwrap();
     ds["rope_scaling"]["truncate"] = json!(false);
     assert!(
         refusal(&ds).contains("rope_scaling.truncate=false"),
@@ -186,7 +191,7 @@ fn conflicting_or_unknown_rope_keys_are_refused_by_name() {
 /// `get_mscale(40, 1)` when either is missing (and then the softmax nothing).
 #[test]
 fn yarn_mscales_split_between_the_softmax_and_the_rotation_as_transformers_does() {
-    let base = hf_config_json(&baseline(ModelType::DeepseekV3), "f").unwrap();
+    let base = hf_config_json(&baseline(family("deepseek_v3")), "f").unwrap();
     let ln40 = 40f32.ln();
     let yarn = |edit: &dyn Fn(&mut serde_json::Map<String, Value>)| {
         let mut v = base.clone();
@@ -234,7 +239,7 @@ fn changed(x: Option<&Value>) -> Value {
 /// refused naming the key, irrelevant keys change nothing.
 #[test]
 fn every_listed_key_does_what_the_table_says() {
-    for kind in ModelType::ALL {
+    for kind in ModelType::all() {
         let cfg = baseline(kind);
         let v4 = hf_config_json(&cfg, "float32").unwrap();
         let v5 = to_v5(&v4);
@@ -299,7 +304,7 @@ fn every_key_transformers_defines_is_pinned() {
         assert!(missing.is_empty(), "{stem}: keys not pinned: {missing:?}");
         seen.push(stem);
     }
-    for kind in ModelType::ALL {
+    for kind in ModelType::all() {
         assert!(
             seen.iter()
                 .any(|s| s.starts_with(&format!("{}-", kind.name()))),
@@ -314,7 +319,7 @@ fn every_key_transformers_defines_is_pinned() {
 /// export writes the model's depth back under the published name.
 #[test]
 fn the_mtp_depth_is_read_and_two_is_refused() {
-    let mut cfg = baseline(ModelType::DeepseekV3);
+    let mut cfg = baseline(family("deepseek_v3"));
     cfg.mtp_num_layers = 1;
     let v4 = hf_config_json(&cfg, "float32").unwrap();
     assert_eq!(v4["num_nextn_predict_layers"], 1);
@@ -325,7 +330,7 @@ fn the_mtp_depth_is_read_and_two_is_refused() {
     let e = config_from_json(&two).unwrap_err();
     assert!(e.contains("num_nextn_predict_layers=2"), "{e}");
     // No other family has the layer in transformers: its export is refused, naming it.
-    let mut qwen = baseline(ModelType::Qwen3);
+    let mut qwen = baseline(family("qwen3"));
     qwen.mtp_num_layers = 1;
     let e = hf_config_json(&qwen, "float32").unwrap_err();
     assert!(e.contains("mtp_num_layers=1 in qwen3"), "{e}");
@@ -348,7 +353,7 @@ fn default_dumps() -> Vec<(String, ModelType, Value)> {
         let list: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         out.push((stem, kind, list["defaults"].clone()));
     }
-    assert_eq!(out.len(), 2 * ModelType::ALL.len(), "{out:?}");
+    assert_eq!(out.len(), 2 * ModelType::all().len(), "{out:?}");
     out
 }
 
@@ -443,7 +448,7 @@ fn each_key_left_out_reads_as_transformers_class_default() {
 /// `__post_init__` resolves from other keys.
 #[test]
 fn keys_left_out_take_the_class_default_and_null_ones_are_derived() {
-    let mut v = hf_config_json(&baseline(ModelType::DeepseekV3), "float32").unwrap();
+    let mut v = hf_config_json(&baseline(family("deepseek_v3")), "float32").unwrap();
     for key in [
         "norm_topk_prob",
         "routed_scaling_factor",
@@ -463,7 +468,7 @@ fn keys_left_out_take_the_class_default_and_null_ones_are_derived() {
     );
     assert_eq!((m.shared_experts, m.first_num_dense_layers), (1, 3));
 
-    let mut v = hf_config_json(&baseline(ModelType::Qwen3), "float32").unwrap();
+    let mut v = hf_config_json(&baseline(family("qwen3")), "float32").unwrap();
     let heads = v["num_attention_heads"].as_u64().unwrap() as usize;
     assert_ne!(
         heads, 32,
@@ -478,7 +483,7 @@ fn keys_left_out_take_the_class_default_and_null_ones_are_derived() {
     assert_eq!(config_from_json(&v).unwrap().base_num_kv_heads, heads);
 
     // Llama derives both from the sizes when they are left out.
-    let mut v = hf_config_json(&baseline(ModelType::Llama), "float32").unwrap();
+    let mut v = hf_config_json(&baseline(family("llama")), "float32").unwrap();
     for key in ["head_dim", "num_key_value_heads"] {
         v.as_object_mut().unwrap().remove(key);
     }

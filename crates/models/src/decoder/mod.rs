@@ -142,6 +142,58 @@ pub struct Config {
     pub mtp_loss_scaling_factor: f32,
 }
 
+/// The one base every preset and reader starts from (`..Config::default()`): a plain pre-norm
+/// dense decoder (Llama's blocks: GQA without QK-norm or biases, SwiGLU, untied head, θ 10000,
+/// ε 1e-6, no RoPE scaling, no MoE, MLA or MTP module, MaxText's `mtp_loss_scaling_factor` 0.1)
+/// at CPU size (vocabulary 256, width 128, 2 layers of 4 query and 2 key/value heads of 32, MLP
+/// 384). A default written once here is the default everywhere.
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            vocab_size: 256,
+            base_emb_dim: 128,
+            base_num_decoder_layers: 2,
+            base_num_query_heads: 4,
+            base_num_kv_heads: 2,
+            head_dim: 32,
+            base_mlp_dim: 384,
+            logits_via_embedding: false,
+            rope_max_timescale: 10_000.0,
+            rope_llama3: None,
+            qk_norm: false,
+            qkv_bias: false,
+            normalization_layer_epsilon: 1e-6,
+            z_loss_multiplier: 0.0,
+            moe: None,
+            mla: None,
+            rope_yarn: None,
+            mtp_num_layers: 0,
+            mtp_loss_scaling_factor: 0.1,
+        }
+    }
+}
+
+/// The base of every MoE preset and reader: 8 routed experts, top-2 by softmax, renormalised,
+/// width 384, no shared experts, every layer MoE, no groups, selection bias or load-balance loss.
+impl Default for MoeSettings {
+    fn default() -> MoeSettings {
+        MoeSettings {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_mlp_dim: 384,
+            shared_experts: 0,
+            first_num_dense_layers: 0,
+            score: RouterScore::Softmax,
+            norm_topk_prob: true,
+            routed_scaling_factor: 1.0,
+            load_balance_loss_weight: 0.0,
+            groups: GroupLimit::default(),
+            routed_bias: false,
+            withhold_tags: false,
+        }
+    }
+}
+
 impl Config {
     /// The RoPE variant: interleaved pairs for MLA models that ask for them
     /// ([`MlaSettings::rope_interleave`]), else rotate-half; YaRN or Llama 3 frequencies when set.

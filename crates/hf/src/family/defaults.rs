@@ -20,13 +20,13 @@
 
 use serde_json::{Map, Value};
 
-use super::ModelType;
+use super::{Family, ModelType};
 
 /// One class default: the names a config may use for the key (4.x's first, then 5.x's alias)
 /// and the value, as JSON.
-type Default = (&'static [&'static str], &'static str);
+pub(crate) type ClassDefault = (&'static [&'static str], &'static str);
 
-/// `[names] => value` entries as [`Default`]s, after the sizes and the keys every family's class
+/// `[names] => value` entries as [`ClassDefault`]s, after the sizes and the keys every family's class
 /// defaults alike: `(vocab_size, hidden_size, intermediate_size, num_hidden_layers,
 /// num_attention_heads)`.
 macro_rules! defaults {
@@ -45,69 +45,21 @@ macro_rules! defaults {
     };
 }
 
-const LLAMA: &[Default] = defaults!(("32000", "4096", "11008", "32", "32"));
-
-const QWEN2: &[Default] = defaults!(
-    ("151936", "4096", "22016", "32", "32"),
-    ["num_key_value_heads"] => "32",
-);
-
-const QWEN3: &[Default] = defaults!(
-    ("151936", "4096", "22016", "32", "32"),
-    ["num_key_value_heads"] => "32",
-    ["head_dim"] => "128",
-);
-
-const QWEN3_MOE: &[Default] = defaults!(
-    ("151936", "2048", "6144", "24", "32"),
-    ["num_key_value_heads"] => "4",
-    ["num_experts", "num_local_experts"] => "128",
-    ["num_experts_per_tok"] => "8",
-    ["moe_intermediate_size"] => "768",
-    ["norm_topk_prob"] => "false",
-);
-
-const DEEPSEEK_V3: &[Default] = defaults!(
-    ("129280", "7168", "18432", "61", "128"),
-    ["q_lora_rank"] => "1536",
-    ["kv_lora_rank"] => "512",
-    ["qk_nope_head_dim"] => "128",
-    ["qk_rope_head_dim"] => "64",
-    ["v_head_dim"] => "128",
-    ["rope_interleave"] => "true",
-    ["n_routed_experts", "num_local_experts"] => "256",
-    ["n_shared_experts"] => "1",
-    ["num_experts_per_tok"] => "8",
-    ["moe_intermediate_size"] => "2048",
-    ["first_k_dense_replace"] => "3",
-    ["norm_topk_prob"] => "true",
-    ["routed_scaling_factor"] => "2.5",
-    ["n_group"] => "8",
-    ["topk_group"] => "4",
-    ["max_position_embeddings"] => "4096",
-);
-
 /// transformers' class defaults of `kind`, as `(names, JSON value)`: what each key means when
 /// `config.json` leaves it out.
 pub fn class_defaults(kind: ModelType) -> &'static [(&'static [&'static str], &'static str)] {
-    match kind {
-        ModelType::Llama => LLAMA,
-        ModelType::Qwen2 => QWEN2,
-        ModelType::Qwen3 => QWEN3,
-        ModelType::Qwen3Moe => QWEN3_MOE,
-        ModelType::DeepseekV3 => DEEPSEEK_V3,
-    }
+    kind.family().defaults
 }
 
 /// `v` with each of `kind`'s class defaults added where the config names the key under none of
 /// its names; everything `v` holds is kept as it is. A `v` that is not an object is returned
 /// unchanged (the reader refuses it).
-pub(super) fn with_class_defaults(kind: ModelType, v: &Value) -> Value {
+pub(super) fn with_class_defaults(family: &Family, v: &Value) -> Value {
     let Some(obj) = v.as_object() else {
         return v.clone();
     };
     let mut out: Map<String, Value> = obj.clone();
-    for (names, value) in class_defaults(kind) {
+    for (names, value) in family.defaults {
         if names.iter().any(|n| obj.contains_key(*n)) {
             continue;
         }
@@ -125,7 +77,7 @@ mod tests {
     /// Every listed value parses as JSON (a typo would otherwise be skipped silently).
     #[test]
     fn every_default_is_json() {
-        for kind in ModelType::ALL {
+        for kind in ModelType::all() {
             for (names, value) in class_defaults(kind) {
                 assert!(
                     serde_json::from_str::<Value>(value).is_ok(),
@@ -140,7 +92,7 @@ mod tests {
     #[test]
     fn defaults_fill_only_absent_keys() {
         let v = serde_json::json!({"num_local_experts": 6, "n_group": null, "vocab_size": 300});
-        let got = with_class_defaults(ModelType::DeepseekV3, &v);
+        let got = with_class_defaults(&super::super::deepseek_v3::FAMILY, &v);
         assert_eq!(got["num_local_experts"], 6);
         assert!(got.get("n_routed_experts").is_none(), "{got}");
         assert!(got["n_group"].is_null());

@@ -5,13 +5,12 @@
 //! Invariants: every key of the RoPE object is read or refused (a key the type does not define,
 //! or a value the decoder does not compute, is recorded as unsupported, named with its value);
 //! when a config carries both generations they must agree, else the disagreement is refused.
-//! Which types a family may use: `default` for all, `llama3` for `llama`, `yarn` for
-//! `deepseek_v3`.
+//! Which types a family may use: `default` for all, and those its file lists (`rope_types`).
 
 use ferrotext_tensor::{Llama3, Yarn};
 use serde_json::{Map, Value};
 
-use super::{Keys, ModelType};
+use super::{Family, Keys};
 
 /// The RoPE of a config: θ and at most one frequency scaling.
 #[derive(Debug, Default)]
@@ -47,12 +46,12 @@ fn type_keys(rope_type: &str) -> &'static [&'static str] {
     }
 }
 
-/// The RoPE of the config in `k` for a `kind` model, in whichever generation it is written;
+/// The RoPE of the config in `k` for a `family` model, in whichever generation it is written;
 /// what the decoder does not compute is recorded in `k.unsupported`.
 ///
 /// # Errors
 /// A mistyped or out-of-range value (a θ that is not a positive number, a factor missing).
-pub(super) fn read(k: &mut Keys<'_>, kind: ModelType) -> Result<RopeRead, String> {
+pub(super) fn read(k: &mut Keys<'_>, family: &Family) -> Result<RopeRead, String> {
     let (object, name) = match rope_object(k)? {
         Some(x) => x,
         None => {
@@ -94,19 +93,15 @@ pub(super) fn read(k: &mut Keys<'_>, kind: ModelType) -> Result<RopeRead, String
             .to_string(),
         (None, None) => "default".to_string(),
     };
-    let allowed = matches!(
-        (kind, rope_type.as_str()),
-        (_, "default") | (ModelType::Llama, "llama3") | (ModelType::DeepseekV3, "yarn")
-    );
+    let allowed = rope_type == "default" || family.rope_types.contains(&rope_type.as_str());
     if !allowed {
+        let reads = match family.rope_types {
+            [] => "default only".to_string(),
+            types => format!("default or {}", types.join(" or ")),
+        };
         k.unsupported.push(format!(
-            "{name}.rope_type=\"{rope_type}\" ({} reads {})",
-            kind.name(),
-            match kind {
-                ModelType::Llama => "default or llama3",
-                ModelType::DeepseekV3 => "default or yarn",
-                _ => "default only",
-            }
+            "{name}.rope_type=\"{rope_type}\" ({} reads {reads})",
+            family.model_type,
         ));
         return Ok(RopeRead::default());
     }
