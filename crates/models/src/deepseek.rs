@@ -9,7 +9,7 @@
 //! whose key half is one vector shared by every head; values have their own width
 //! (`v_head_dim`).
 
-use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::Rope;
 
 use crate::decoder::{matrix, norm_scale, Config};
@@ -237,9 +237,9 @@ pub fn mla_attention(
     };
     // 3. causal attention with DeepSeek's scale, then the output projection
     let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
-    // Training (no cached positions): the fused op, the same bits as the composition.
-    let out = if k.shape()[1] == t && cx.causal_attention_fits(&q, &k, &v) {
-        let out = cx.causal_attention(&q, &k, &v, scale)?;
+    // Training (no cached positions): the tiled op (the composition's values within rounding).
+    let out = if k.shape()[1] == t && cx.attention_fits(&q, &k, &v) {
+        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), None)?;
         cx.reshape(&out, &[b, t, h * vd], None)?
     } else {
         causal_attention(cx, &q, &k, &v, scale)?

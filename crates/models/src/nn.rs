@@ -3,7 +3,7 @@
 //! ([`linear`] keeps the activation's layout and settles what the weight's split requires).
 
 use ferrotext_sharding::{DType, DimSpec, PartitionSpec};
-use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::{DotDims, Rope};
 
 use crate::kv_cache::KvSlot;
@@ -206,10 +206,11 @@ pub fn attention(
     };
     let s = k.shape()[1];
     let scale = 1.0 / (hd as f32).sqrt();
-    // 4–5. Training (no cached positions): the fused op reads each kv head for its group of
-    // query heads in place; the same bits as the composition below.
-    if s == t && cx.causal_attention_fits(&q, &k, &v) {
-        let out = cx.causal_attention(&q, &k, &v, scale)?;
+    // 4–5. Training (no cached positions): the tiled op reads each kv head for its group of
+    // query heads in place and keeps no T×T scores; the composition below computes the same
+    // within rounding (it is what a key/value cache decodes with).
+    if s == t && cx.attention_fits(&q, &k, &v) {
+        let out = cx.attention(&q, &k, &v, &AttentionSpec::causal(scale), None)?;
         let out = cx.reshape(&out, &[b, t, h * hd], None)?;
         return linear(cx, &out, w.o_proj);
     }

@@ -199,3 +199,14 @@ impl Array {
         Ok(t.data()[0])
     }
 }
+
+/// The operands' bf16 shards when the result `out` is stored in bf16 and every operand is too:
+/// then an op runs its bf16 kernel on them (no widening copy, no rounding pass), which gives
+/// the bits the `f32` kernel on the widened shards would once rounded on store (the tensor
+/// crate's invariant). `None` otherwise (and in abstract mode): the op widens.
+pub(crate) fn bf16_operands<'a>(out: &ArrayType, xs: &[&'a Array]) -> Option<Vec<&'a Bf16Tensor>> {
+    if out.dtype() != DType::BF16 {
+        return None;
+    }
+    xs.iter().map(|x| x.local_bf16()).collect()
+}

@@ -1,41 +1,75 @@
-//! Fused causal self-attention as one op on the tape, its transpose beside it (kernels:
-//! `ferrotext_tensor::causal_attention` and its backward).
+//! Memory-efficient attention as one op on the tape, its transpose beside it (kernels:
+//! `ferrotext_tensor::flash_attention` and its backward: tiled, online softmax, only the output
+//! and each row's log-sum-exp kept, the scores recomputed tile by tile in the backward — memory
+//! linear in the sequence).
 //!
 //! Type rule: `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]` (grouped-query: `H` a
 //! multiple of `KV`, query head `h` reads kv head `h / (H/KV)`), out `[B, T, H, dv]` laid out like
 //! `q`. The batch and head dims may be split (alike in all three; a split of the heads keeps
 //! every group on one device, since both head counts split into the same number of contiguous
 //! blocks); the sequence and width dims must be whole; no operand may be unreduced, and the
-//! three carry the same `reduced` tags. No collective: what the unfused composition
-//! (`dot_general`, `causal_softmax`, `dot_general`, with k and v broadcast to `H` heads) would
-//! compute, bit for bit (the kernel's tests), with no broadcast copies and no scores buffer
-//! beside the probabilities. On bf16 q, k, v (and cotangent) the op and its transpose run the
-//! bf16 kernels on the shards as stored (`f32` inside, outputs rounded once, probabilities kept
-//! in `f32`): bitwise the widened route's result.
+//! three carry the same `reduced` tags. Segment ids, when given, are `u32[B, T]` split over the
+//! batch as `q` is. No collective.
 //!
-//! The decoders use it in training (no key/value cache) wherever its type rule holds
-//! ([`Ctx::causal_attention_fits`]), and the composition otherwise. Measured on qwen3-peer, GA 4,
-//! 2-core AVX-512 machine, with the device kernel pools and MKL: steps 2–5% faster at data=4
-//! (286–296 → 273–280 ms) and at data=1 (276–277 → 262–271 ms), the same losses to the bit.
-//! (Before the device pools it was 2–5% slower: one (batch, head) gemm pair per task against
-//! the composition's batched products.)
+//! What a query sees ([`AttentionSpec`]): the keys up to its own position (causal), within its
+//! document when segment ids are given (a change of id starts a document: packed sequences'
+//! documents are contiguous runs), at most `window` of them when a sliding window is set; the
+//! logits are `scale·q·k`, soft-capped when asked.
+//!
+//! On bf16 `q`, `k`, `v` the kernel runs in `f32` on the widened shards and rounds its output
+//! and cotangents once; the backward's row sums `rowsum(dout ⊙ out)` read the output as stored
+//! (rounded), as FlashAttention's do. Memory kept for the backward: the operands (which the
+//! projections' transposes keep anyway), the output and `B·H·T` log-sum-exps — no `T×T` array.
+
+use std::sync::Arc;
 
 use ferrotext_sharding::ArrayType;
+use ferrotext_tensor::{KeyRanges, Scores, Tensor};
 
-use crate::array::Array;
-use crate::autodiff::Backward;
-use crate::ctx::Ctx;
+use crate::array::{bf16_operands, Array};
+use crate::ctx::{Ctx, Mode};
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
-use crate::fused::bf16_operands;
+use crate::ids::Ids;
 use crate::rules;
+use crate::tape::{AttentionSaved, Backward};
 
-const OP: &str = "causal_attention";
+const OP: &str = "attention";
+
+/// How [`Ctx::attention`]'s queries see the keys and how scores become logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// The factor on `q·k` (`1/√dk` usually).
+    pub scale: f32,
+    /// Attention-logit soft-capping: logits `cap·tanh(x/cap)` (Gemma 2); `None`: off.
+    pub softcap: Option<f32>,
+    /// Sliding window: a query sees at most this many keys, its own position included;
+    /// `None`: every earlier key.
+    pub window: Option<usize>,
+}
+
+impl AttentionSpec {
+    /// Plain causal attention with `scale`.
+    pub fn causal(scale: f32) -> AttentionSpec {
+        AttentionSpec {
+            scale,
+            softcap: None,
+            window: None,
+        }
+    }
+
+    fn scores(&self) -> Scores {
+        Scores {
+            scale: self.scale,
+            softcap: self.softcap,
+        }
+    }
+}
 
 fn type_error(kind: K, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
     ShardingTypeError::new(kind, OP, xs, message).into()
 }
 
-/// The output type of [`Ctx::causal_attention`], or why the operands do not fit.
+/// The output type of [`Ctx::attention`], or why the operands do not fit.
 fn attention_type(q: &ArrayType, k: &ArrayType, v: &ArrayType) -> Result<ArrayType, SpmdError> {
     let all = [q, k, v];
     let shapes_fit = match (q.shape(), k.shape(), v.shape()) {
@@ -98,76 +132,139 @@ fn attention_type(q: &ArrayType, k: &ArrayType, v: &ArrayType) -> Result<ArrayTy
     rules::make_type(OP, q, shape, Ok(q.sharding().spec().clone())).map_err(Into::into)
 }
 
+/// Segment ids fit `q`: `[B, T]`, the batch split as `q`'s, the sequence whole.
+fn check_segments(q: &ArrayType, segments: &ArrayType) -> Result<(), SpmdError> {
+    let fits = segments.shape() == &q.shape()[..2]
+        && segments.sharding().spec().dim(0) == q.sharding().spec().dim(0)
+        && segments.sharding().dim_parts(1)? == 1;
+    if fits {
+        Ok(())
+    } else {
+        Err(type_error(
+            K::ShardingMismatch,
+            &[q, segments],
+            "needs segment ids [B, T] with the batch split as q's and the sequence whole",
+        ))
+    }
+}
+
+/// Which keys each of this device's query rows sees: `q`'s local batch rows over `t`
+/// positions, within documents when `segments` holds this device's ids.
+fn key_ranges(
+    rows: usize,
+    t: usize,
+    segments: Option<&[u32]>,
+    window: Option<usize>,
+) -> Result<KeyRanges, SpmdError> {
+    let Some(ids) = segments else {
+        return Ok(KeyRanges::causal(rows, t, window));
+    };
+    let mut starts = Vec::with_capacity(ids.len());
+    for (n, &id) in ids.iter().enumerate() {
+        let i = n % t;
+        let start = if i == 0 || ids[n - 1] != id {
+            i
+        } else {
+            starts[n - 1] as usize
+        };
+        starts.push(start as u32);
+    }
+    Ok(KeyRanges::documents(rows, t, &starts, window)?)
+}
+
 impl Ctx<'_> {
-    /// Whether [`Ctx::causal_attention`] takes these operands (its type rule; see the module
-    /// docs). Callers with a composition to fall back on ask first.
-    pub fn causal_attention_fits(&self, q: &Array, k: &Array, v: &Array) -> bool {
+    /// Whether [`Ctx::attention`] takes these operands (its type rule; see the module docs).
+    /// Callers with a composition to fall back on ask first.
+    pub fn attention_fits(&self, q: &Array, k: &Array, v: &Array) -> bool {
         attention_type(q.ty(), k.ty(), v.ty()).is_ok()
     }
 
-    /// Causal grouped-query self-attention `softmax(scale·q·kᵀ, causal)·v`, fused, on
-    /// `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]`; out `[B, T, H, dv]`. See the
-    /// module docs for the type rule.
+    /// Causal grouped-query self-attention `softmax(logits over the visible keys)·v`, tiled, on
+    /// `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]`; out `[B, T, H, dv]`.
+    /// `segments` (`u32[B, T]`, packed documents' ids) confines each query to its document.
+    /// See the module docs for the type rule and what is kept.
     ///
     /// # Errors
     /// Shapes that do not fit; a split sequence or width dim; batch or heads split differently;
-    /// an unreduced operand; operands inside a manual region.
-    pub fn causal_attention(
+    /// an unreduced operand; operands inside a manual region; segment ids that do not fit.
+    ///
+    /// # Collectives
+    /// None, forward or backward.
+    pub fn attention(
         &mut self,
         q: &Array,
         k: &Array,
         v: &Array,
-        scale: f32,
+        spec: &AttentionSpec,
+        segments: Option<&Ids>,
     ) -> Result<Array, SpmdError> {
         let out_ty = attention_type(q.ty(), k.ty(), v.ty())?;
+        if let Some(s) = segments {
+            check_segments(q.ty(), s.ty())?;
+        }
         let threads = self.threads();
-        let (out, probs) = if let Some(b) = bf16_operands(&out_ty, &[q, k, v]) {
-            let (out, probs) =
-                ferrotext_tensor::causal_attention_bf16(b[0], b[1], b[2], scale, threads)?;
-            (Array::from_bf16(out_ty, Some(out))?, Some(probs))
-        } else {
-            let (local, probs) = match (
-                q.local_opt().as_deref(),
-                k.local_opt().as_deref(),
-                v.local_opt().as_deref(),
-            ) {
-                (Some(a), Some(b), Some(c)) => {
-                    let fused = ferrotext_tensor::causal_attention(a, b, c, scale, threads)?;
-                    (Some(fused.out), Some(fused.probs))
-                }
-                _ => (None, None),
-            };
-            (Array::new(out_ty, local), probs)
+        let scores = spec.scores();
+        let rows = q.ty().shard_shape()[0];
+        let t = q.shape()[1];
+        let local_ranges = |cx: &Ctx<'_>| -> Result<Option<KeyRanges>, SpmdError> {
+            if cx.mode() == Mode::Abstract {
+                return Ok(None);
+            }
+            let ids = segments.and_then(Ids::local);
+            key_ranges(rows, t, ids, spec.window).map(Some)
+        };
+        let ranges = local_ranges(self)?;
+        let (out, lse) = match (&ranges, bf16_operands(&out_ty, &[q, k, v])) {
+            (Some(r), Some(b)) => {
+                let (out, lse) =
+                    ferrotext_tensor::flash_attention_bf16(b[0], b[1], b[2], r, scores, threads)?;
+                (Array::from_bf16(out_ty, Some(out))?, Some(lse))
+            }
+            (Some(r), None) => {
+                let (ql, kl, vl) = (q.local()?, k.local()?, v.local()?);
+                let f = ferrotext_tensor::flash_attention(&ql, &kl, &vl, r, scores, threads)?;
+                (Array::new(out_ty, Some(f.out)), Some(f.lse))
+            }
+            (None, _) => (Array::new(out_ty, None), None),
         };
         self.record(
-            Backward::CausalAttention {
+            Backward::Attention(Box::new(AttentionSaved {
                 q: q.clone(),
                 k: k.clone(),
                 v: v.clone(),
-                probs,
-                scale,
-            },
+                out: out.clone(),
+                lse,
+                ranges: ranges.map(Arc::new),
+                scores,
+            })),
             &[q, k, v],
             out,
         )
     }
 
-    /// The transpose of [`Ctx::causal_attention`]: the cotangents of `q`, `k` and `v` from the
-    /// forward's probabilities (`None` in abstract mode).
-    pub(crate) fn causal_attention_transpose(
+    /// The transpose of [`Ctx::attention`]: the cotangents of `q`, `k` and `v` from the
+    /// forward's output and log-sum-exps (`None` in abstract mode), the scores recomputed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_transpose(
         &mut self,
-        q: &Array,
-        k: &Array,
-        v: &Array,
-        probs: Option<&ferrotext_tensor::Tensor>,
-        scale: f32,
+        [q, k, v, out]: [&Array; 4],
+        lse: Option<&Tensor>,
+        ranges: Option<&KeyRanges>,
+        scores: Scores,
         ct: &Array,
     ) -> Result<[Array; 3], SpmdError> {
         let threads = self.threads();
-        if let (Some(b), Some(p)) = (bf16_operands(&q.ty().to_cotangent(), &[q, k, v, ct]), probs) {
+        let (Some(lse), Some(r)) = (lse, ranges) else {
+            return Ok([
+                Array::new(q.ty().to_cotangent(), None),
+                Array::new(k.ty().to_cotangent(), None),
+                Array::new(v.ty().to_cotangent(), None),
+            ]);
+        };
+        if let Some(b) = bf16_operands(&q.ty().to_cotangent(), &[q, k, v, out, ct]) {
             // k and v hold bf16, so their types (and their cotangents') are bf16 too.
-            let (dq, dk, dv) = ferrotext_tensor::causal_attention_backward_bf16(
-                b[0], b[1], b[2], p, b[3], scale, threads,
+            let (dq, dk, dv) = ferrotext_tensor::flash_attention_backward_bf16(
+                b[0], b[1], b[2], b[3], lse, b[4], r, scores, threads,
             )?;
             return Ok([
                 Array::from_bf16(q.ty().to_cotangent(), Some(dq))?,
@@ -175,24 +272,15 @@ impl Ctx<'_> {
                 Array::from_bf16(v.ty().to_cotangent(), Some(dv))?,
             ]);
         }
-        let (dq, dk, dv) = match (
-            q.local_opt().as_deref(),
-            k.local_opt().as_deref(),
-            v.local_opt().as_deref(),
-            probs,
-            ct.local_opt().as_deref(),
-        ) {
-            (Some(a), Some(b), Some(c), Some(p), Some(d)) => {
-                let (dq, dk, dv) =
-                    ferrotext_tensor::causal_attention_backward(a, b, c, p, d, scale, threads)?;
-                (Some(dq), Some(dk), Some(dv))
-            }
-            _ => (None, None, None),
-        };
+        let (ql, kl, vl) = (q.local()?, k.local()?, v.local()?);
+        let (ol, cl) = (out.local()?, ct.local()?);
+        let (dq, dk, dv) = ferrotext_tensor::flash_attention_backward(
+            &ql, &kl, &vl, &ol, lse, &cl, r, scores, threads,
+        )?;
         Ok([
-            Array::new(q.ty().to_cotangent(), dq),
-            Array::new(k.ty().to_cotangent(), dk),
-            Array::new(v.ty().to_cotangent(), dv),
+            Array::new(q.ty().to_cotangent(), Some(dq)),
+            Array::new(k.ty().to_cotangent(), Some(dk)),
+            Array::new(v.ty().to_cotangent(), Some(dv)),
         ])
     }
 }

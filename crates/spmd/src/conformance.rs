@@ -13,9 +13,9 @@ use serde_json::Value;
 
 use crate::array::Array;
 use crate::ctx::Ctx;
-use crate::elementwise::UnaryOp;
+
 use crate::error::SpmdError;
-use crate::rules::{self, BinaryOp};
+use crate::rules::{self, BinaryOp, UnaryOp};
 
 /// A spec as written in a case: partitions (`null`, a name, or a list of names), unreduced and
 /// reduced axes.

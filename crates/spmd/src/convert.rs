@@ -15,15 +15,14 @@
 //! The memo holds its sources, so a remembered array is never written in place (a write copies
 //! first); [`Ctx::forget_casts`] lets them go before the weights are updated.
 
-use std::collections::HashMap;
-
 use ferrotext_sharding::DType;
 
 use crate::array::Array;
-use crate::autodiff::Backward;
+use crate::cast_memo::CastMemo;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
 use crate::rules;
+use crate::tape::Backward;
 
 impl Ctx<'_> {
     /// `x` in `dtype` (JAX's `convert_element_type`): `f32 → bf16` rounds to nearest even,
@@ -70,9 +69,7 @@ impl Ctx<'_> {
     /// writing one in place before `forget_casts` copies it first. Nothing in abstract mode.
     pub fn remember_casts(&mut self, arrays: &[Array]) {
         for a in arrays {
-            if let Some(id) = a.storage_id() {
-                self.casts.sources.insert(id, a.with_type(a.ty().clone()));
-            }
+            self.casts.register(a);
         }
     }
 
@@ -113,31 +110,5 @@ impl Ctx<'_> {
     /// The transpose of [`Ctx::cast`]: the cotangent cast back to the operand's dtype `from`.
     pub(crate) fn cast_transpose(&mut self, from: DType, ct: &Array) -> Result<Array, SpmdError> {
         self.cast_untracked(ct, from)
-    }
-}
-
-/// The casts a context remembers ([`Ctx::remember_casts`]). Keys are storage addresses of the
-/// registered sources; holding each source keeps its address from being reused while the
-/// entry lives.
-#[derive(Debug, Default)]
-pub(crate) struct CastMemo {
-    /// Registered sources, by storage address.
-    sources: HashMap<usize, Array>,
-    /// Their casts computed so far, by storage address and target dtype.
-    casts: HashMap<(usize, DType), Array>,
-}
-
-impl CastMemo {
-    /// The remembered cast of `x` to `dtype`, when `x` shares a registered source's storage.
-    fn get(&self, x: &Array, dtype: DType) -> Option<&Array> {
-        self.casts.get(&(x.storage_id()?, dtype))
-    }
-
-    /// Remembers `out` as the cast of `x` to `dtype` when `x` is a registered source.
-    fn keep(&mut self, x: &Array, dtype: DType, out: &Array) {
-        if let Some(id) = x.storage_id().filter(|id| self.sources.contains_key(id)) {
-            self.casts
-                .insert((id, dtype), out.with_type(out.ty().clone()));
-        }
     }
 }

@@ -9,9 +9,9 @@ use ferrotext_sharding::{ArrayType, DType, Mesh, NamedSharding, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
-use crate::autodiff::Tape;
-use crate::convert::CastMemo;
+use crate::cast_memo::CastMemo;
 use crate::error::SpmdError;
+use crate::tape::{RematState, Tape};
 
 /// Whether ops compute data or only types and the collective trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +49,8 @@ pub struct Ctx<'c> {
     pub(crate) tape: Option<Tape>,
     /// Casts remembered for reuse ([`Ctx::remember_casts`]).
     pub(crate) casts: CastMemo,
+    /// Inside a rematerialized region: what its forward saves, or what its replay reuses.
+    pub(crate) remat: Option<RematState>,
 }
 
 impl<'c> Ctx<'c> {
@@ -64,6 +66,7 @@ impl<'c> Ctx<'c> {
             threads: threads.max(1),
             tape: None,
             casts: CastMemo::default(),
+            remat: None,
         }
     }
 
@@ -76,6 +79,7 @@ impl<'c> Ctx<'c> {
             threads: 1,
             tape: None,
             casts: CastMemo::default(),
+            remat: None,
         }
     }
 

@@ -17,12 +17,12 @@ use ferrotext_tensor::{
 };
 
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
 use crate::manual::typing::{manual_dot_type, manual_without_out_sharding};
 use crate::reshard::same_layout;
 use crate::rules;
+use crate::tape::Backward;
 
 impl Ctx<'_> {
     /// `dot_general(lhs, rhs)` with output `[batch, lhs free, rhs free]` typed by `out_sharding`
@@ -110,10 +110,11 @@ impl Ctx<'_> {
                 return self.cast(&out, dtype);
             }
         }
-        let out = if manual {
-            self.dot_general_untracked(lhs, rhs, dims, out_sharding)?
-        } else {
-            self.dot_general_typed(lhs, rhs, dims, out_sharding, preferred)?
+        // In a rematerialized region's replay, a product its policy saved is not recomputed.
+        let out = match self.replayed(&[lhs, rhs]) {
+            Some(saved) => saved,
+            None if manual => self.dot_general_untracked(lhs, rhs, dims, out_sharding)?,
+            None => self.dot_general_typed(lhs, rhs, dims, out_sharding, preferred)?,
         };
         self.record(
             Backward::Dot {

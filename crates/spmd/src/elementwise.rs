@@ -17,39 +17,12 @@
 use ferrotext_sharding::{ArrayType, PartitionSpec};
 use ferrotext_tensor::{Bf16Tensor, Tensor};
 
+use crate::array::bf16_operands;
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
-use crate::fused::bf16_operands;
-use crate::rules::{self, BinaryOp};
-
-/// Elementwise unary ops.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UnaryOp {
-    /// `-x` (linear: accepts unreduced, docs/design.md §4.1).
-    Neg,
-    /// `k·x` for a constant `k` that is not differentiated (linear: accepts unreduced).
-    Scale(f32),
-    /// `eˣ`.
-    Exp,
-    /// `ln x`.
-    Log,
-    /// `sin x`.
-    Sin,
-    /// `cos x`.
-    Cos,
-    /// `tanh x`.
-    Tanh,
-    /// `x²`.
-    Square,
-    /// `1/√x`.
-    Rsqrt,
-    /// `x·σ(x)` (SiLU).
-    Silu,
-    /// `σ(x) = 1/(1+e⁻ˣ)` (DeepSeek's router score).
-    Sigmoid,
-}
+use crate::rules::{self, BinaryOp, UnaryOp};
+use crate::tape::Backward;
 
 impl UnaryOp {
     fn name(self) -> &'static str {

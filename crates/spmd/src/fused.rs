@@ -13,15 +13,14 @@
 //! the shards as stored: bitwise the `f32` kernel on the widened shards rounded on store (the
 //! tensor crate's invariant), without the widening copies and the rounding pass.
 
-use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, PartitionSpec};
-use ferrotext_tensor::Bf16Tensor;
+use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
 
-use crate::array::Array;
-use crate::autodiff::Backward;
+use crate::array::{bf16_operands, Array};
 use crate::ctx::Ctx;
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::ids::Ids;
 use crate::rules::{self, BinaryOp};
-use crate::structural::Ids;
+use crate::tape::Backward;
 
 /// The target id of a token that [`Ctx::cross_entropy_sum`] ignores: it adds nothing to the
 /// loss and gets a zero gradient (padding, a prompt token).
@@ -59,17 +58,6 @@ fn check_rowwise(op: &str, x: &ArrayType, dims_from_end: usize) -> Result<(), Sp
         ));
     }
     Ok(())
-}
-
-/// The operands' bf16 shards when the result `out` is stored in bf16 and every operand is too:
-/// then an op runs its bf16 kernel on them (no widening copy, no rounding pass), which gives
-/// the bits the `f32` kernel on the widened shards would once rounded on store (the tensor
-/// crate's invariant). `None` otherwise (and in abstract mode): the op widens.
-pub(crate) fn bf16_operands<'a>(out: &ArrayType, xs: &[&'a Array]) -> Option<Vec<&'a Bf16Tensor>> {
-    if out.dtype() != DType::BF16 {
-        return None;
-    }
-    xs.iter().map(|x| x.local_bf16()).collect()
 }
 
 /// `x`'s shard rotated (`rope_tail` at `positions`, turned back when `inverse`) as an array of

@@ -19,9 +19,9 @@ use ferrotext_tensor::{
 };
 
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::tape::Backward;
 
 fn manual_only(op: &str, xs: &[&ArrayType]) -> Result<(), SpmdError> {
     if xs.iter().all(|t| t.is_manual()) {

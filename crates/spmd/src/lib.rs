@@ -15,18 +15,20 @@ runner.
 # Where things live
 
 Each op family is one file holding the forwards (methods on [`Ctx`]) and, beside each, its
-transpose; `autodiff` holds only the tape and the reverse walk that dispatches to them.
+transpose; `tape` holds what the ops record and `autodiff` the reverse walk that dispatches to
+them.
 
 | file | owns |
 |---|---|
 | `ctx` | [`Ctx`]: construction, arrays from host data, the mode-aware collective helpers |
-| `elementwise` | [`UnaryOp`], the binary ops, and their transposes |
+| `elementwise` | the unary ([`UnaryOp`]) and binary ops, and their transposes |
 | `array` | [`Array`]: a type and this device's shard, stored in the type's dtype (bf16 rounded once where it is made) |
-| `convert` | `cast` between f32 and bf16 (JAX's `convert_element_type`) and its transpose |
+| `convert` | `cast` between f32 and bf16 (JAX's `convert_element_type`) and its transpose; `cast_memo` the casts a context remembers |
 | `dot` | `dot_general`/`matmul` (bf16 operands on the bf16 product, `dot_general_preferred` for an f32 result) and their transposes (where deferral happens) |
 | `shape_ops` | `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose` and their transposes |
 | `reshard` | `reshard`, the data movement between layouts, and its transpose |
-| `structural` | [`Ids`], `slice`, `concat`, `take`, `select` and their transposes |
+| `structural` | `slice`, `concat`, `take`, `select` and their transposes |
+| `ids` | [`Ids`]: index arrays (token ids, targets) |
 | `fused` | RMSNorm, RoPE, softmax, SwiGLU, cross-entropy ([`IGNORE_INDEX`]) and their transposes |
 | `grouped` | `take_rows`, `grouped_matmul` (MoE, inside a region) and their transposes |
 | `manual/typing` | the type rules inside a `shard_map` region ([`AxisState`]) |
@@ -34,7 +36,9 @@ transpose; `autodiff` holds only the tape and the reverse walk that dispatches t
 | `manual/collectives` | `pcast`, `psum`, `psum_scatter`, `all_gather`, `all_to_all` and their transposes |
 | `bucketed` | fused reshards of many arrays ([`BucketPlan`]) |
 | `flat` | values held in their buckets' flat buffers, accumulated and moved in place ([`BucketBuffers`]) |
-| `autodiff` | the tape, `vjp`/`value_and_grad`, the reverse walk, gradients streamed to a [`GradientSink`] |
+| `tape` | the tape: what each recorded op keeps for its transpose; what a rematerialized region saves ([`SavePolicy`]) |
+| `remat` | rematerialized regions ([`Ctx::remat`], [`Ctx::checkpoint_name`]) and their transpose: the replay |
+| `autodiff` | `vjp`/`value_and_grad`, the reverse walk, gradients streamed to a [`GradientSink`] |
 | [`rules`] | the type rules outside regions |
 
 # The key decision: deferral falls out of the types
@@ -80,6 +84,7 @@ mod array;
 mod attention;
 mod autodiff;
 mod bucketed;
+mod cast_memo;
 pub mod conformance;
 mod convert;
 mod ctx;
@@ -89,20 +94,25 @@ mod error;
 mod flat;
 mod fused;
 mod grouped;
+mod ids;
 mod manual;
+mod remat;
 mod reshard;
 pub mod rules;
 mod shape_ops;
 mod structural;
+mod tape;
 
 pub use array::Array;
+pub use attention::AttentionSpec;
 pub use autodiff::GradientSink;
 pub use bucketed::{BucketPlan, StartedBucket};
 pub use ctx::{on_device, Ctx, Mode};
-pub use elementwise::UnaryOp;
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
 pub use flat::BucketBuffers;
 pub use fused::IGNORE_INDEX;
+pub use ids::Ids;
 pub use manual::{AxisState, GatherTo};
-pub use rules::BinaryOp;
-pub use structural::Ids;
+pub use remat::RematFn;
+pub use rules::{BinaryOp, UnaryOp};
+pub use tape::SavePolicy;

@@ -22,10 +22,10 @@ use ferrotext_sharding::{ArrayType, AxisSet, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
 use crate::rules;
+use crate::tape::Backward;
 
 /// True when every device holds the same data under both types: equal partitions and equal
 /// unreduced sets (reduced is physically replicated).

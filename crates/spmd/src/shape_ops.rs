@@ -13,13 +13,13 @@
 
 use ferrotext_sharding::{ArrayType, DimSpec, PartitionSpec};
 
+use crate::array::bf16_operands;
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::SpmdError;
-use crate::fused::bf16_operands;
 use crate::manual::typing::{manual_local, manual_without_out_sharding};
 use crate::rules;
+use crate::tape::Backward;
 
 impl Ctx<'_> {
     /// Sum over `axes` (R3.16–R3.18).

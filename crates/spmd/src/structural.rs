@@ -1,7 +1,7 @@
 //! Structural ops on global arrays and their transposes: `slice` ↔ zero padding, `concat` ↔
 //! slices, `take` (gather along the leading axis by an index array, the embedding lookup) ↔
-//! `scatter_add`, and `select` ↔ a select of the cotangent against zeros. Also [`Ids`], the index
-//! arrays `take` reads.
+//! `scatter_add`, and `select` ↔ a select of the cotangent against zeros; `take` reads
+//! [`Ids`](crate::Ids) index arrays.
 //!
 //! All are linear in their data operands, so unreduced and reduced tags pass through
 //! (docs/sharding-rules.md §3.5); a sliced or concatenated dimension must not be sharded (reshard
@@ -13,29 +13,11 @@ use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, NamedSharding, Part
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::{Ctx, Mode};
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::ids::Ids;
 use crate::rules;
-
-/// An integer index array (token ids): its type (dtype `u32`) and this device's block.
-#[derive(Clone, Debug)]
-pub struct Ids {
-    ty: ArrayType,
-    local: Option<Vec<u32>>,
-}
-
-impl Ids {
-    /// The type.
-    pub fn ty(&self) -> &ArrayType {
-        &self.ty
-    }
-
-    /// This device's ids (`None` in abstract mode).
-    pub fn local(&self) -> Option<&[u32]> {
-        self.local.as_deref()
-    }
-}
+use crate::tape::Backward;
 
 fn type_error(kind: K, op: &str, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
     ShardingTypeError::new(kind, op, xs, message).into()
@@ -78,10 +60,7 @@ impl Ctx<'_> {
                 got: local.len(),
             });
         }
-        Ok(Ids {
-            ty,
-            local: (self.mode() == Mode::Real).then_some(local),
-        })
+        Ok(Ids::new(ty, (self.mode() == Mode::Real).then_some(local)))
     }
 
     /// The index array `global` laid out by `spec` (each device keeps its block).
@@ -246,10 +225,10 @@ impl Ctx<'_> {
                 "the gathered dimension must be replicated; reshard the table first",
             ));
         }
-        let ids_axes = rules::sharded_axes(&ids.ty);
-        let mut shape = ids.ty.shape().to_vec();
+        let ids_axes = rules::sharded_axes(ids.ty());
+        let mut shape = ids.ty().shape().to_vec();
         shape.extend_from_slice(&t.shape()[1..]);
-        let mut partitions: Vec<DimSpec> = ids.ty.sharding().spec().partitions().to_vec();
+        let mut partitions: Vec<DimSpec> = ids.ty().sharding().spec().partitions().to_vec();
         partitions.extend((1..t.rank()).map(|d| t.sharding().spec().dim(d).clone()));
         let reduced: AxisSet = t
             .sharding()
@@ -282,7 +261,7 @@ impl Ctx<'_> {
     /// The type of [`Ctx::take_transpose`]'s natural result: each device adds its own rows,
     /// partial over the ids' axes.
     fn take_transpose_type(&self, table: &ArrayType, ids: &Ids) -> Result<ArrayType, SpmdError> {
-        let ids_axes = rules::sharded_axes(&ids.ty);
+        let ids_axes = rules::sharded_axes(ids.ty());
         let mut partitions = vec![DimSpec::Replicated];
         partitions.extend((1..table.rank()).map(|d| table.sharding().spec().dim(d).clone()));
         let spec = PartitionSpec::tagged(partitions, ids_axes, AxisSet::new())?;

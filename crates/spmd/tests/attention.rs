@@ -1,4 +1,4 @@
-//! The fused `causal_attention` op on a `data × tensor` mesh (batch over `data`, heads over
+//! The tiled `attention` op on a `data × tensor` mesh (batch over `data`, heads over
 //! `tensor`, grouped-query heads): its output against an f64 loop written here, its gradients
 //! against the unfused composition (`dot_general` · `causal_softmax` · `dot_general` with k and
 //! v broadcast to every head) on one device, no collective in either direction; and its type
@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use ferrotext_sharding::PartitionSpec;
-use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::{DotDims, Tensor};
 
 const B: usize = 4;
@@ -105,7 +105,7 @@ fn loss_grads(cx: &mut Ctx<'_>, specs: [PartitionSpec; 4], fused: bool) -> Resul
     let w = place(cx, &w, sw);
     let before = cx.comm().trace().events().len();
     let out = if fused {
-        cx.causal_attention(&q, &k, &v, SCALE)?
+        cx.attention(&q, &k, &v, &AttentionSpec::causal(SCALE), None)?
     } else {
         unfused(cx, &q, &k, &v)?
     };
@@ -118,7 +118,7 @@ fn loss_grads(cx: &mut Ctx<'_>, specs: [PartitionSpec; 4], fused: bool) -> Resul
     let operand_types = [&q, &k, &v].iter().map(|a| a.ty().to_string()).collect();
     let (_, grads) = cx.value_and_grad(&[q, k, v], |cx, p| {
         let y = if fused {
-            cx.causal_attention(&p[0], &p[1], &p[2], SCALE)?
+            cx.attention(&p[0], &p[1], &p[2], &AttentionSpec::causal(SCALE), None)?
         } else {
             unfused(cx, &p[0], &p[1], &p[2])?
         };
@@ -219,15 +219,12 @@ fn type_errors_name_the_op_and_print_the_operands() {
             let k = place_any(cx, &k, kv_spec.clone());
             let v = place_any(cx, &v, kv_spec.clone());
             Ok(cx
-                .causal_attention(&q, &k, &v, SCALE)
+                .attention(&q, &k, &v, &AttentionSpec::causal(SCALE), None)
                 .unwrap_err()
                 .to_string())
         });
         let err = &errors[0].0;
-        assert!(
-            err.contains("causal_attention") && err.contains(says),
-            "{err}"
-        );
+        assert!(err.contains("attention") && err.contains(says), "{err}");
         assert!(err.contains("f32[4"), "operand types printed: {err}");
     }
 }

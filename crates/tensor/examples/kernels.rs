@@ -8,7 +8,7 @@
 //! beside the code it replaced ("old": the serial loop, i.e. the same kernel on one thread, or
 //! the former copy / sort / transpose written out below), in alternating ~1 ms groups in one
 //! process, so the median paired ratio holds on a busy machine even when absolute times do not. The attention block (unfused
-//! with copies, unfused with strided views, fused), the optimizer's kernels (SGD, AdamW and the
+//! with copies, unfused with strided views, tiled), the optimizer's kernels (SGD, AdamW and the
 //! grad norm's sum of squares over qwen3-peer's 3.67 M parameters) and the MoE kernels
 //! (deepseek3-tiny shapes) are timed apart, outside the total. The kernels run as a device runs them: on a pool of
 //! `threads` workers that this thread is one of (`with_kernel_pool`).
@@ -22,10 +22,10 @@ use std::time::Instant;
 
 use ferrotext_tensor::{adamw_update, sgd_update, sum_of_squares, AdamW};
 use ferrotext_tensor::{
-    causal_attention, causal_attention_backward, causal_softmax, cpu_peak, cross_entropy,
-    cross_entropy_backward, dot_general, grouped_matmul, grouped_matmul_backward, kernel_threads,
-    rms_norm, rms_norm_backward, rope, set_kernel_threads, softmax_backward_scaled, softmax_last,
-    swiglu, swiglu_backward, take_rows, top_k, with_kernel_pool, DotDims, Tensor,
+    causal_softmax, cpu_peak, cross_entropy, cross_entropy_backward, dot_general, flash_attention,
+    flash_attention_backward, grouped_matmul, grouped_matmul_backward, kernel_threads, rms_norm,
+    rms_norm_backward, rope, set_kernel_threads, softmax_backward_scaled, softmax_last, swiglu,
+    swiglu_backward, take_rows, top_k, with_kernel_pool, DotDims, KeyRanges, Scores, Tensor,
 };
 
 fn rand(shape: &[usize], seed: u32) -> Tensor {
@@ -611,10 +611,18 @@ fn measure(data: usize, threads: usize, ms: f64) {
                 });
             }
         };
+        let ranges = KeyRanges::causal(b, t, None);
+        let scores = Scores {
+            scale,
+            softcap: None,
+        };
         let mut fused = || {
-            let a = causal_attention(&q, &k, &v, scale, threads).unwrap();
+            let a = flash_attention(&q, &k, &v, &ranges, scores, threads).unwrap();
             black_box(
-                causal_attention_backward(&q, &k, &v, &a.probs, &dout, scale, threads).unwrap(),
+                flash_attention_backward(
+                    &q, &k, &v, &a.out, &a.lse, &dout, &ranges, scores, threads,
+                )
+                .unwrap(),
             );
         };
         att.add(
@@ -625,7 +633,7 @@ fn measure(data: usize, threads: usize, ms: f64) {
             &mut || unfused(false),
         );
         att.add(
-            "fused vs unfused with copies".into(),
+            "tiled vs unfused with copies".into(),
             layers,
             fl,
             Some(&mut || serial(|| unfused(true))),

@@ -14,7 +14,7 @@ bf16 (`dtype=bfloat16`): [`Bf16Tensor`] holds activations and matrix-product inp
 bf16 operands into `f32` on MKL's or OpenBLAS's bf16 product or the portable kernel
 ([`bf16_matmul_kernel`] says which), or rounds it to bf16 as it is stored
 ([`dot_general_bf16_rounded`]); the `*_bf16` row, elementwise and fused-attention kernels
-([`causal_attention_bf16`] and its backward) compute in `f32` inside and equal the `f32`
+([`flash_attention_bf16`] and its backward) compute in `f32` inside and equal the `f32`
 kernels' results rounded.
 
 # The key decision: strided views instead of copies for matrix products
@@ -51,12 +51,12 @@ assert_eq!(y.data(), &[-2., -2.]);
 */
 #![deny(missing_docs)]
 
-mod attention;
 mod bf16;
 mod blas;
 mod elementwise;
 mod error;
 mod fastmath;
+mod flash;
 mod grouped;
 mod matmul;
 mod nn;
@@ -68,18 +68,19 @@ mod reduce;
 mod rope;
 mod tensor;
 
-pub use attention::{causal_attention, causal_attention_backward, Attention};
 pub use bf16::{
-    add_bf16, allow_bf16_fallback, bf16_matmul_kernel, causal_attention_backward_bf16,
-    causal_attention_bf16, causal_softmax_bf16, dot_general_bf16, dot_general_bf16_accumulate,
-    dot_general_bf16_rounded, dot_general_bf16_rounded_accumulate_parts, map_bf16, mul_bf16,
-    rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, rope_tail_bf16, round_bf16, round_slice,
-    scale_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16,
-    swiglu_bf16, widen_add_slice, widen_bf16, widen_slice, zip_bf16, Bf16Tensor,
+    add_bf16, allow_bf16_fallback, bf16_matmul_kernel, causal_softmax_bf16, dot_general_bf16,
+    dot_general_bf16_accumulate, dot_general_bf16_rounded,
+    dot_general_bf16_rounded_accumulate_parts, flash_attention_backward_bf16, flash_attention_bf16,
+    map_bf16, mul_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, rope_tail_bf16,
+    round_bf16, round_slice, scale_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16,
+    swiglu_backward_bf16, swiglu_bf16, widen_add_slice, widen_bf16, widen_slice, zip_bf16,
+    Bf16Tensor,
 };
 pub use blas::{check_kernel_env, matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
+pub use flash::{flash_attention, flash_attention_backward, Flash, KeyRanges, Scores};
 pub use grouped::{
     grouped_matmul, grouped_matmul_backward, grouped_matmul_backward_dw_into,
     grouped_matmul_backward_dx, scatter_rows, take_rows, PAD_ROW,

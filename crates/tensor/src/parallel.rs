@@ -242,6 +242,25 @@ where
         });
 }
 
+/// `f(i)` for every `i < count`, on up to `threads` tasks of consecutive indices, the split
+/// sized as [`tasks_for`] sizes `elements` of `work` (the whole call's, not one index's): for
+/// kernels whose outputs are not one buffer cut in chunks (the tiled attention writes rows
+/// interleaved across heads). Each index sees the same call whatever `threads` is.
+pub(crate) fn for_each_index<F>(count: usize, elements: usize, threads: usize, work: Work, f: F)
+where
+    F: Fn(usize) + Sync,
+{
+    let tasks = tasks_for(elements, threads, work).min(count.max(1));
+    if tasks <= 1 {
+        (0..count).for_each(f);
+        return;
+    }
+    let per_task = count.div_ceil(tasks);
+    (0..tasks).into_par_iter().for_each(|task| {
+        (task * per_task..((task + 1) * per_task).min(count)).for_each(&f);
+    });
+}
+
 /// Like [`for_each_chunk`] over two equally chunked buffers (`a` in chunks of `chunk_a`, `b`
 /// in chunks of `chunk_b`, the same number of chunks).
 pub(crate) fn for_each_chunk2<A, B, F>(

@@ -3,7 +3,7 @@
 //! and the automatic casts an n-ary op inserts for missing varying axes (R6.10,
 //! [`Ctx::match_varying`]).
 //!
-//! Each primitive is one [`ManualOp`]: [`Ctx::manual_untracked`] types it and moves the data,
+//! Each primitive is one [`ManualOp`](super::op::ManualOp): [`Ctx::manual_untracked`] types it and moves the data,
 //! [`Ctx::manual_transpose`] maps it to its transpose primitive — `pvary` ↔ `psum`,
 //! `reduced_vary_cast` ↔ `vary_unreduced_cast`, `psum_scatter` ↔ `all_gather`, `all_to_all` ↔
 //! `all_to_all` with the dims swapped.
@@ -11,57 +11,12 @@
 use ferrotext_sharding::{ArrayType, AxisSet};
 use ferrotext_tensor::Tensor;
 
+use super::op::{GatherTo, ManualOp};
 use super::typing::{manual_type, set, state_of, type_error, with_state, AxisState};
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::{SpmdError, TypeErrorKind as K};
-
-/// What an `all_gather` inside a region produces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GatherTo {
-    /// Gathered and still varying (transpose: `psum_scatter`).
-    Varying,
-    /// Gathered and reduced (transpose: `psum_scatter` of an unreduced cotangent).
-    Reduced,
-    /// Gathered and invarying (transpose: a local slice).
-    Invarying,
-}
-
-/// A manual-region primitive, with what its transpose needs.
-#[derive(Clone, Debug)]
-pub(crate) enum ManualOp {
-    /// `psum` over axes the value is varying on (`psum_invariant`) or unreduced on
-    /// (`unreduced_psum`): an all-reduce; the result is invarying.
-    Psum { axes: Vec<String>, from: AxisState },
-    /// Reduce-scatter along `dim`: unreduced → varying, or varying → varying.
-    PsumScatter {
-        axes: Vec<String>,
-        dim: usize,
-        from: AxisState,
-    },
-    /// All-gather along `dim` from varying.
-    AllGather {
-        axes: Vec<String>,
-        dim: usize,
-        to: GatherTo,
-    },
-    /// All-to-all: chunk `j` of `split` goes to member `j`, received chunks concatenate on
-    /// `concat`. Varying → varying.
-    AllToAll {
-        axes: Vec<String>,
-        split: usize,
-        concat: usize,
-    },
-    /// A free cast (`pvary`, `reduced_vary_cast`, `vary_unreduced_cast`, `preduced`).
-    Pcast {
-        axes: Vec<String>,
-        from: AxisState,
-        to: AxisState,
-    },
-    /// This device's block along `dim`: invarying → varying (transpose of an invarying gather).
-    LocalSlice { axes: Vec<String>, dim: usize },
-}
+use crate::tape::Backward;
 
 impl Ctx<'_> {
     /// `pcast(x, axes, to)`: a free cast between states (docs/sharding-rules.md §6.4): invarying →

@@ -18,15 +18,15 @@
 //!
 //! The files: [`typing`] holds the type rules inside a region (the axis states, the rules of the
 //! local ops, the casts' and collectives' result types); `region` holds `shard_map` itself and
-//! the boundary's transposes; `collectives` holds the casts and collectives (`pcast`, `psum`,
+//! the boundary's transposes; `op` the primitives as the tape records them; `collectives` holds the casts and collectives (`pcast`, `psum`,
 //! `psum_scatter`, `all_gather`, `all_to_all`), the automatic casts of R6.10, and each
 //! primitive's transpose (docs/sharding-rules.md §6.4's table).
 
 mod collectives;
+pub(crate) mod op;
 mod region;
 pub(crate) mod typing;
 
-pub use collectives::GatherTo;
-pub(crate) use collectives::ManualOp;
+pub use op::GatherTo;
 pub(crate) use region::{enter_region_transpose, exit_region_transpose};
 pub use typing::AxisState;

@@ -9,9 +9,9 @@ use ferrotext_sharding::{ArrayType, AxisSet, ManualTags, PartitionSpec};
 
 use super::typing::{manual_mesh, type_error};
 use crate::array::Array;
-use crate::autodiff::Backward;
 use crate::ctx::Ctx;
 use crate::error::{SpmdError, TypeErrorKind as K};
+use crate::tape::Backward;
 
 impl Ctx<'_> {
     /// Runs `body` on this device's blocks of `inputs` (manual over every mesh axis) and returns

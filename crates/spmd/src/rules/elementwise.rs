@@ -32,6 +32,33 @@ pub fn unary_type(op: &str, linear: bool, x: &ArrayType) -> TypeResult<ArrayType
     Ok(x.clone())
 }
 
+/// Elementwise unary ops.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnaryOp {
+    /// `-x` (linear: accepts unreduced, docs/design.md §4.1).
+    Neg,
+    /// `k·x` for a constant `k` that is not differentiated (linear: accepts unreduced).
+    Scale(f32),
+    /// `eˣ`.
+    Exp,
+    /// `ln x`.
+    Log,
+    /// `sin x`.
+    Sin,
+    /// `cos x`.
+    Cos,
+    /// `tanh x`.
+    Tanh,
+    /// `x²`.
+    Square,
+    /// `1/√x`.
+    Rsqrt,
+    /// `x·σ(x)` (SiLU).
+    Silu,
+    /// `σ(x) = 1/(1+e⁻ˣ)` (DeepSeek's router score).
+    Sigmoid,
+}
+
 /// The binary elementwise ops and how they treat unreduced operands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {

@@ -21,7 +21,7 @@ mod elementwise;
 mod shape;
 
 pub use dot::dot_general_type;
-pub use elementwise::{binary_type, unary_type, BinaryOp, BinaryTyping};
+pub use elementwise::{binary_type, unary_type, BinaryOp, BinaryTyping, UnaryOp};
 pub(crate) use shape::local_reshape_partitions;
 pub use shape::{broadcast_in_dim_type, reduce_sum_type, reshape_type};
 

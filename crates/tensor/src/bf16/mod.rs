@@ -29,10 +29,10 @@ use crate::fastmath::vectorized;
 use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
 
-mod attention;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
 mod elementwise;
+mod flash;
 mod matmul;
 #[cfg(target_arch = "x86_64")]
 mod round_avx512;
@@ -40,8 +40,8 @@ mod rows;
 
 pub(crate) use matmul::{product, products_on_tiles};
 
-pub use attention::{causal_attention_backward_bf16, causal_attention_bf16};
 pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};
+pub use flash::{flash_attention_backward_bf16, flash_attention_bf16};
 pub use matmul::{
     allow_bf16_fallback, bf16_matmul_kernel, dot_general_bf16, dot_general_bf16_accumulate,
     dot_general_bf16_rounded, dot_general_bf16_rounded_accumulate_parts,

@@ -5,9 +5,9 @@ use half::bf16;
 
 use super::*;
 use crate::{
-    causal_attention, causal_attention_backward, causal_softmax, rms_norm, rms_norm_backward,
-    rope_with, silu, softmax_backward_scaled, softmax_last, swiglu, swiglu_backward, Attention,
-    Rope, Tensor,
+    causal_softmax, flash_attention, flash_attention_backward, rms_norm, rms_norm_backward,
+    rope_with, silu, softmax_backward_scaled, softmax_last, swiglu, swiglu_backward, KeyRanges,
+    Rope, Scores, Tensor,
 };
 
 fn bits(x: f32) -> u16 {
@@ -238,12 +238,13 @@ fn assert_rounded_across_routes(got: &Bf16Tensor, want: &Tensor, what: &str) {
 /// unrounded `f32` results).
 #[test]
 fn attention_and_its_backward_are_their_f32_kernels_rounded() {
+    let key = crate::flash::KEY_BLOCK;
     for &(b, t, h, kv, dk, dv) in &[
         (1, 1, 1, 1, 1, 1),
         (2, 5, 3, 3, 4, 3),
         (3, 13, 6, 2, 7, 5),
         (2, 70, 4, 2, 16, 16),
-        (1, 150, 2, 2, 24, 8),
+        (1, key + 30, 2, 2, 24, 8),
     ] {
         let (q, k, v) = (
             input(&[b, t, h, dk], 5),
@@ -251,58 +252,73 @@ fn attention_and_its_backward_are_their_f32_kernels_rounded() {
             input(&[b, t, kv, dv], 7),
         );
         let dout = input(&[b, t, h, dv], 8);
-        let scale = 1.0 / (dk as f32).sqrt();
+        let scores = Scores {
+            scale: 1.0 / (dk as f32).sqrt(),
+            softcap: None,
+        };
+        let ranges = KeyRanges::causal(b, t, None);
         let at = format!("{b}×{t}×{h}/{kv}×{dk}/{dv}");
-        let Attention {
-            out: want,
-            probs: want_probs,
-        } = causal_attention(&q.to_f32(), &k.to_f32(), &v.to_f32(), scale, 1).unwrap();
-        let (out, probs) = causal_attention_bf16(&q, &k, &v, scale, 1).unwrap();
-        assert_rounded_across_routes(&out, &want, &format!("out {at}"));
-        crate::portable::assert_equal_across_routes(&probs, &want_probs, &format!("probs {at}"));
         let wide = |x: &Bf16Tensor| x.to_f32();
-        let (wq, wk, wv) = causal_attention_backward(
+        let want = flash_attention(&wide(&q), &wide(&k), &wide(&v), &ranges, scores, 1).unwrap();
+        let (out, lse) = flash_attention_bf16(&q, &k, &v, &ranges, scores, 1).unwrap();
+        assert_rounded_across_routes(&out, &want.out, &format!("out {at}"));
+        crate::portable::assert_equal_across_routes(&lse, &want.lse, &format!("lse {at}"));
+        // The backward reads the output as stored: the rounded one, widened.
+        let (wq, wk, wv) = flash_attention_backward(
             &wide(&q),
             &wide(&k),
             &wide(&v),
-            &probs,
+            &wide(&out),
+            &lse,
             &wide(&dout),
-            scale,
+            &ranges,
+            scores,
             1,
         )
         .unwrap();
-        let grads = causal_attention_backward_bf16(&q, &k, &v, &probs, &dout, scale, 1).unwrap();
+        let backward = |threads| {
+            flash_attention_backward_bf16(&q, &k, &v, &out, &lse, &dout, &ranges, scores, threads)
+                .unwrap()
+        };
+        let grads = backward(1);
         assert_rounded_across_routes(&grads.0, &wq, &format!("dq {at}"));
         assert_rounded_across_routes(&grads.1, &wk, &format!("dk {at}"));
         assert_rounded_across_routes(&grads.2, &wv, &format!("dv {at}"));
         for threads in [2, 3] {
-            let again = causal_attention_bf16(&q, &k, &v, scale, threads).unwrap();
+            let again = flash_attention_bf16(&q, &k, &v, &ranges, scores, threads).unwrap();
             assert_eq!(
                 again,
-                (out.clone(), probs.clone()),
+                (out.clone(), lse.clone()),
                 "forward {at} on {threads}"
             );
-            let g =
-                causal_attention_backward_bf16(&q, &k, &v, &probs, &dout, scale, threads).unwrap();
-            assert_eq!(g, grads, "backward {at} on {threads}");
+            assert_eq!(backward(threads), grads, "backward {at} on {threads}");
         }
         if t > 5 {
             let differs = |x: &Bf16Tensor, y: &Tensor| {
                 x.to_f32().data().iter().zip(y.data()).any(|(a, b)| a != b)
             };
-            assert!(differs(&out, &want) && differs(&grads.0, &wq), "{at}");
+            assert!(differs(&out, &want.out) && differs(&grads.0, &wq), "{at}");
             assert!(differs(&grads.1, &wk) && differs(&grads.2, &wv), "{at}");
         }
     }
     let q = input(&[1, 4, 3, 8], 1);
     let kv = input(&[1, 4, 2, 8], 2);
-    let e = causal_attention_bf16(&q, &kv, &kv, 1.0, 1).unwrap_err();
+    let scores = Scores {
+        scale: 1.0,
+        softcap: None,
+    };
+    let ranges = KeyRanges::causal(1, 4, None);
+    let e = flash_attention_bf16(&q, &kv, &kv, &ranges, scores, 1).unwrap_err();
     assert!(e.to_string().contains("H a multiple of KV"), "{e}");
     let kv = input(&[1, 4, 1, 8], 2);
-    let (_, probs) = causal_attention_bf16(&q, &kv, &kv, 1.0, 1).unwrap();
-    let e = causal_attention_backward_bf16(&q, &kv, &kv, &probs, &input(&[1, 4, 3, 7], 3), 1.0, 1)
+    let (out, lse) = flash_attention_bf16(&q, &kv, &kv, &ranges, scores, 1).unwrap();
+    let bad = input(&[1, 4, 3, 7], 3);
+    let e = flash_attention_backward_bf16(&q, &kv, &kv, &out, &lse, &bad, &ranges, scores, 1)
         .unwrap_err();
-    assert!(e.to_string().contains("dout [1, 4, 3, 8]"), "{e}");
+    assert!(
+        e.to_string().contains("out and dout must be [1, 4, 3, 8]"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -184,3 +184,43 @@ pub(crate) unsafe fn gemm_views_into_rows(
         );
     }
 }
+
+/// `dst += a · b` for views `a` (m×k) and `b` (k×n) into `m` rows of `n` elements `ldc` apart
+/// from `dst`, on the caller's thread: [`gemm_views_into_rows`] adding into what the rows hold
+/// (BLAS `beta = 1`), as the tiled attention's backward adds each tile's `dq`, `dk` and `dv`
+/// into their rows of `[B, T, heads, d]`.
+///
+/// # Safety
+/// `dst` must be valid for reads and writes of `(m − 1)·ldc + n` initialised elements, `ldc ≥
+/// n`, and no one else may access the `m` rows meanwhile.
+///
+/// # Panics
+/// When the views do not fit their slices (a bug in the caller).
+pub(crate) unsafe fn gemm_views_accumulate_rows(
+    dst: *mut f32,
+    ldc: usize,
+    a: MatView<'_>,
+    b: MatView<'_>,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && ldc >= n); // ok: caller's invariant
+    if m == 0 || n == 0 || k == 0 {
+        // An empty product adds nothing.
+        return;
+    }
+    // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
+    // destination rows.
+    unsafe {
+        crate::blas::sgemm(
+            m,
+            n,
+            k,
+            dst,
+            ldc,
+            a.operand(),
+            b.operand(),
+            Parallelism::None,
+            Store::Accumulate,
+        );
+    }
+}

@@ -30,7 +30,6 @@ pub use index::{gather, scatter_add, scatter_add_into, scatter_add_into_parts, t
 pub use norm::{rms_norm, rms_norm_backward, rope};
 pub(crate) use norm::{rms_norm_backward_slices, rms_norm_slices, statistics_fit, RowOut};
 pub use softmax::{causal_softmax, softmax_backward_scaled, softmax_last, softmax_last_backward};
-pub(crate) use softmax::{causal_softmax_row, softmax_backward_row};
 
 fn last_dim(x: &Tensor, op: &'static str) -> Result<usize, TensorError> {
     match x.shape().last() {

@@ -66,7 +66,7 @@ pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
 }
 
 /// One row of [`causal_softmax`] in place: softmax of `scale·row[..keep]`, zeros after.
-pub(crate) fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
+fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
     let (live, masked) = row.split_at_mut(keep);
     vectorized(
         #[inline(always)]
@@ -112,7 +112,7 @@ pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Te
 }
 
 /// One row of [`softmax_backward_scaled`]: `drow` holds dy and becomes dx.
-pub(crate) fn softmax_backward_row(drow: &mut [f32], yrow: &[f32], scale: f32) {
+fn softmax_backward_row(drow: &mut [f32], yrow: &[f32], scale: f32) {
     vectorized(
         #[inline(always)]
         || {

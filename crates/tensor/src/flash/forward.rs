@@ -1,0 +1,188 @@
+//! The forward pass: per (batch, query head), per query block, the online softmax over the key
+//! tiles its rows see (see the module docs of `flash`).
+
+use super::{block_view, logit, t, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
+use crate::error::TensorError;
+use crate::fastmath::{exp, lane_max, lane_sum, vectorized};
+use crate::matmul::{gemm_views_accumulate_rows, gemm_views_into_rows};
+use crate::parallel::{for_each_index, Work};
+use crate::tensor::Tensor;
+
+/// What [`flash_attention`] returns.
+#[derive(Clone, Debug)]
+pub struct Flash {
+    /// `softmax(logits over the visible keys)·v`, `[B, Tq, H, dv]`.
+    pub out: Tensor,
+    /// Each row's log-sum-exp of its logits, `[B, H, Tq]`: all the backward keeps besides the
+    /// operands and the output.
+    pub lse: Tensor,
+}
+
+/// Attention of `q: [B, Tq, H, dk]` over `k: [B, Tk, KV, dk]`, `v: [B, Tk, KV, dv]`, each query
+/// row seeing the keys `ranges` gives it, with logits as `scores` says: the output and the
+/// rows' log-sum-exp (see the module docs). One (batch, query head) per task on up to
+/// `threads` threads; the result does not depend on `threads`.
+///
+/// # Errors
+/// Shapes that do not fit the layouts or `ranges`.
+pub fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ranges: &KeyRanges,
+    scores: Scores,
+    threads: usize,
+) -> Result<Flash, TensorError> {
+    let op = "flash_attention";
+    let d = Dims::of(q.shape(), k.shape(), v.shape(), op)?;
+    ranges.check(d.b, d.tq, d.tk, op)?;
+    let _span = ferrotext_profile::span(op).map(|s| s.flops(d.tile_flops(ranges, d.dk + d.dv)));
+    let mut out = vec![0.0f32; d.b * d.tq * d.h * d.dv];
+    let mut lse = vec![0.0f32; d.b * d.h * d.tq];
+    let (out_at, lse_at) = (out.as_mut_ptr() as usize, lse.as_mut_ptr() as usize);
+    for_each_index(d.b * d.h, d.cells(), threads, Work::Heavy, |bh| {
+        let (b, h) = (bh / d.h, bh % d.h);
+        let head = Head {
+            d,
+            b,
+            h,
+            q: q.data(),
+            k: k.data(),
+            v: v.data(),
+        };
+        // SAFETY: `lse` holds `B·H·Tq` elements; those of (b, h) belong to this task alone.
+        let lse_rows =
+            unsafe { std::slice::from_raw_parts_mut((lse_at as *mut f32).add(bh * d.tq), d.tq) };
+        // SAFETY: `out` holds `B·Tq·H·dv` elements; rows `(b, ·, h)` belong to this task alone.
+        unsafe { head.forward(ranges, scores, out_at as *mut f32, lse_rows) };
+    });
+    Ok(Flash {
+        out: Tensor::new(vec![d.b, d.tq, d.h, d.dv], out)?,
+        lse: Tensor::new(vec![d.b, d.h, d.tq], lse)?,
+    })
+}
+
+/// One (batch, query head) of a call: its operands.
+struct Head<'a> {
+    d: Dims,
+    b: usize,
+    h: usize,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
+/// The online softmax's state for one query block: per row, the running maximum logit and the
+/// running sum of `exp(logit − max)`, and the unnormalised output rows `[rows, dv]`.
+struct Running {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+impl Head<'_> {
+    /// The forward of this head: every output row and its log-sum-exp.
+    ///
+    /// # Safety
+    /// `out` is the whole `[B, Tq, H, dv]` output; this head's rows are written by no one else
+    /// meanwhile.
+    unsafe fn forward(&self, ranges: &KeyRanges, scores: Scores, out: *mut f32, lse: &mut [f32]) {
+        let d = self.d;
+        let kvh = self.h / d.group();
+        let mut tile = vec![0.0f32; QUERY_BLOCK * KEY_BLOCK];
+        let mut run = Running {
+            max: vec![0.0; QUERY_BLOCK],
+            sum: vec![0.0; QUERY_BLOCK],
+            acc: vec![0.0; QUERY_BLOCK * d.dv],
+        };
+        for rows in d.query_blocks() {
+            let n = rows.len();
+            run.max[..n].fill(f32::NEG_INFINITY);
+            run.sum[..n].fill(0.0);
+            run.acc[..n * d.dv].fill(0.0);
+            let qv = Dims::rows(self.q, d.tq, d.h, d.dk, self.b, self.h, rows.clone());
+            let (lo, hi) = ranges.span(self.b, rows.clone());
+            let mut c0 = lo - lo % KEY_BLOCK;
+            while c0 < hi {
+                let cols = c0.max(lo)..(c0 + KEY_BLOCK).min(hi);
+                let w = cols.len();
+                let kv = Dims::rows(self.k, d.tk, d.kv, d.dk, self.b, kvh, cols.clone());
+                // scores [rows, w] = q_rows · k_colsᵀ
+                // SAFETY: `tile` holds `QUERY_BLOCK·KEY_BLOCK ≥ n·w` elements.
+                unsafe { gemm_views_into_rows(tile.as_mut_ptr(), w, qv, t(kv)) };
+                for (r, row) in tile[..n * w].chunks_mut(w).enumerate() {
+                    let (a, z) = ranges.range(self.b, rows.start + r);
+                    let visible = a.max(cols.start).min(cols.end) - cols.start
+                        ..z.min(cols.end).max(cols.start) - cols.start;
+                    let acc_row = &mut run.acc[r * d.dv..(r + 1) * d.dv];
+                    online_row(
+                        row,
+                        visible,
+                        scores,
+                        &mut run.max[r],
+                        &mut run.sum[r],
+                        acc_row,
+                    );
+                }
+                // acc[rows] += P[rows, w] · v_cols
+                let vv = Dims::rows(self.v, d.tk, d.kv, d.dv, self.b, kvh, cols.clone());
+                // SAFETY: `run.acc` holds `n` rows of `dv`, initialised.
+                unsafe {
+                    gemm_views_accumulate_rows(
+                        run.acc.as_mut_ptr(),
+                        d.dv,
+                        block_view(&tile, n, w, w),
+                        vv,
+                    )
+                };
+                c0 += KEY_BLOCK;
+            }
+            for r in 0..n {
+                let i = rows.start + r;
+                let inv = 1.0 / run.sum[r];
+                let at = Dims::row_at(d.tq, d.h, d.dv, self.b, self.h, i);
+                // SAFETY: row `(b, i, h)` of the output, this task's (the caller's contract).
+                let dst = unsafe { std::slice::from_raw_parts_mut(out.add(at), d.dv) };
+                for (o, a) in dst.iter_mut().zip(&run.acc[r * d.dv..(r + 1) * d.dv]) {
+                    *o = a * inv;
+                }
+                lse[i] = run.max[r] + run.sum[r].ln();
+            }
+        }
+    }
+}
+
+/// One row of a tile through the online softmax: its scores `row` become `P = exp(logit −
+/// max)` over the `visible` columns (0 elsewhere), the row's running maximum and sum are
+/// updated, and its partial output `acc` rescaled to the new maximum.
+#[inline]
+fn online_row(
+    row: &mut [f32],
+    visible: std::ops::Range<usize>,
+    scores: Scores,
+    max: &mut f32,
+    sum: &mut f32,
+    acc: &mut [f32],
+) {
+    if visible.is_empty() {
+        row.fill(0.0);
+        return;
+    }
+    vectorized(
+        #[inline(always)]
+        || {
+            let live = &mut row[visible.clone()];
+            live.iter_mut().for_each(|s| *s = logit(*s, scores).0);
+            let new_max = max.max(lane_max(live));
+            live.iter_mut().for_each(|x| *x = exp(*x - new_max));
+            let correction = exp(*max - new_max);
+            *sum = *sum * correction + lane_sum(live);
+            if correction != 1.0 {
+                acc.iter_mut().for_each(|a| *a *= correction);
+            }
+            *max = new_max;
+        },
+    );
+    row[..visible.start].fill(0.0);
+    row[visible.end..].fill(0.0);
+}
