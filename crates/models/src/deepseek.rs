@@ -1,6 +1,6 @@
 //! DeepSeek-V3's pieces of the decoder: multi-head latent attention (DeepSeek-V2/V3, MaxText
 //! `attention_type: mla`) with its weights ([`Mla`]) and settings ([`MlaSettings`]). Its YaRN
-//! RoPE is [`ferrotext_tensor::Yarn`] (chosen by [`Config::rope`]) and its sigmoid router is
+//! RoPE is [`ferrotext_tensor::Yarn`] (chosen by `Config::rope`) and its sigmoid router is
 //! [`crate::moe::RouterScore::Sigmoid`]; its rotation pairs are interleaved or rotate-half as
 //! [`MlaSettings::rope_interleave`] says.
 //!
@@ -12,10 +12,9 @@
 use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::Rope;
 
-use crate::decoder::{matrix, norm_scale, Config};
 use crate::kv_cache::KvSlot;
 use crate::nn::{causal_attention, linear, rms_norm};
-use crate::params::ParamInfo;
+use crate::params::{matrix, norm_scale, ParamInfo};
 
 /// Multi-head latent attention in place of GQA (DeepSeek; MaxText's MLA keys).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -108,42 +107,6 @@ impl Mla<ParamInfo> {
                 [Some("q_heads"), Some("embed")],
             ),
         }
-    }
-}
-
-impl Mla<&Array> {
-    /// MLA self-attention of `h: [B@batch, T, d]` under `c`'s dims (see [`mla_attention`]).
-    pub(crate) fn forward(
-        &self,
-        cx: &mut Ctx<'_>,
-        h: &Array,
-        c: &Config,
-        cache: Option<&mut KvSlot>,
-    ) -> Result<Array, SpmdError> {
-        let m = c.mla.ok_or(SpmdError::MissingSettings {
-            op: "mla",
-            block: "MLA",
-        })?;
-        let w = MlaWeights {
-            wq_a: self.q_a_proj,
-            q_norm: self.q_a_layernorm,
-            wq_b: self.q_b_proj,
-            wkv_a: self.kv_a_proj_with_mqa,
-            kv_norm: self.kv_a_layernorm,
-            wkv_b: self.kv_b_proj,
-            out: self.o_proj,
-        };
-        let dims = MlaDims {
-            heads: c.base_num_query_heads,
-            q_lora_rank: m.q_lora_rank,
-            kv_lora_rank: m.kv_lora_rank,
-            qk_nope_head_dim: m.qk_nope_head_dim,
-            qk_rope_head_dim: m.qk_rope_head_dim,
-            v_head_dim: m.v_head_dim,
-            eps: c.normalization_layer_epsilon,
-            rope: c.rope(),
-        };
-        mla_attention(cx, h, &w, dims, cache)
     }
 }
 

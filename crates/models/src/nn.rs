@@ -283,3 +283,13 @@ pub fn swiglu(
     let a = cx.swiglu(&g, &u)?;
     linear(cx, &a, down)
 }
+
+/// `w` with every partition removed but its tags kept (an all-gather when it was split).
+pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
+    let spec = w.ty().sharding().spec();
+    if spec.partitions().iter().all(|p| p.is_replicated()) {
+        return Ok(w.clone());
+    }
+    let target = PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?;
+    cx.reshard(w, &target)
+}

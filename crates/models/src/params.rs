@@ -318,6 +318,48 @@ pub fn init_normal(info: &ParamInfo, seed: u64, index: usize) -> Tensor {
     }
 }
 
+// The declaration helpers every weight map uses.
+
+/// A `[in, out]` matrix initialised `N(0, 1/in)`; HF stores it `[out, in]` under `name`.
+pub(crate) fn matrix(
+    name: String,
+    shape: [usize; 2],
+    logical: [Option<&'static str>; 2],
+) -> ParamInfo {
+    ParamInfo {
+        hf: HfLayout::Tensor {
+            name: name.clone(),
+            transposed: true,
+        },
+        name,
+        shape: shape.to_vec(),
+        logical: logical.to_vec(),
+        init: Init::FanIn,
+    }
+}
+
+/// An RMSNorm scale `[n]` of ones, as HF stores it.
+pub(crate) fn norm_scale(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
+    ParamInfo {
+        hf: HfLayout::Tensor {
+            name: name.clone(),
+            transposed: false,
+        },
+        name,
+        shape: vec![n],
+        logical: vec![logical],
+        init: Init::Ones,
+    }
+}
+
+/// A bias `[n]` of zeros, as HF stores it under `name`.
+pub(crate) fn bias(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
+    ParamInfo {
+        init: Init::Zeros,
+        ..norm_scale(name, n, logical)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

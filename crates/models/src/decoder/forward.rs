@@ -7,10 +7,11 @@
 //! device's expert loads to `loads` in layer order; a router selection bias is read as data
 //! (replicated), never through an op, so no gradient reaches it.
 
-use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 
-use super::{Attention, Config, DecoderLayer, Gqa, Mlp, SparseMoe};
+use super::config::Config;
+use super::weights::{Attention, DecoderLayer, Gqa, Mlp, SparseMoe};
+use crate::deepseek::{mla_attention, Mla, MlaDims, MlaWeights};
 use crate::kv_cache::KvSlot;
 use crate::moe::{self, MoeOptions, MoeWeights};
 use crate::nn::{self, AttentionDims, AttentionWeights};
@@ -78,6 +79,42 @@ impl Gqa<&Array> {
     }
 }
 
+impl Mla<&Array> {
+    /// MLA self-attention of `h: [B@batch, T, d]` under `c`'s dims (see [`mla_attention`]).
+    fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        h: &Array,
+        c: &Config,
+        cache: Option<&mut KvSlot>,
+    ) -> Result<Array, SpmdError> {
+        let m = c.mla.ok_or(SpmdError::MissingSettings {
+            op: "mla",
+            block: "MLA",
+        })?;
+        let w = MlaWeights {
+            wq_a: self.q_a_proj,
+            q_norm: self.q_a_layernorm,
+            wq_b: self.q_b_proj,
+            wkv_a: self.kv_a_proj_with_mqa,
+            kv_norm: self.kv_a_layernorm,
+            wkv_b: self.kv_b_proj,
+            out: self.o_proj,
+        };
+        let dims = MlaDims {
+            heads: c.base_num_query_heads,
+            q_lora_rank: m.q_lora_rank,
+            kv_lora_rank: m.kv_lora_rank,
+            qk_nope_head_dim: m.qk_nope_head_dim,
+            qk_rope_head_dim: m.qk_rope_head_dim,
+            v_head_dim: m.v_head_dim,
+            eps: c.normalization_layer_epsilon,
+            rope: c.rope(),
+        };
+        mla_attention(cx, h, &w, dims, cache)
+    }
+}
+
 impl SparseMoe<&Array> {
     fn forward(
         &self,
@@ -136,16 +173,6 @@ fn selection_bias(b: &Array) -> Result<Option<Vec<f32>>, SpmdError> {
         });
     }
     Ok(b.local().ok().map(|t| t.data().to_vec()))
-}
-
-/// `w` with every partition removed but its tags kept (an all-gather when it was split).
-pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
-    let spec = w.ty().sharding().spec();
-    if spec.partitions().iter().all(|p| p.is_replicated()) {
-        return Ok(w.clone());
-    }
-    let target = PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?;
-    cx.reshard(w, &target)
 }
 
 /// `table` cast to reduced over those of `axes` it is replicated on and not yet reduced on

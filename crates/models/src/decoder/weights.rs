@@ -7,10 +7,9 @@
 //! field changes checkpoints; matrices are declared `[in, out]` with `HfLayout::Tensor {
 //! transposed: true }`, norms and biases `[n]` untransposed.
 
-use super::Config;
+use super::config::Config;
 use crate::deepseek::Mla;
-use crate::mtp::Mtp;
-use crate::params::{HfLayout, Init, ParamInfo};
+use crate::params::{bias, matrix, norm_scale, HfLayout, Init, ParamInfo};
 
 /// The whole model's weights (HF `Qwen3ForCausalLM`: `model.{embed_tokens, layers, norm}`, then
 /// `lm_head`).
@@ -203,46 +202,6 @@ impl<W> DenseMlp<W> {
 // ---------------------------------------------------------------------------------------------
 // The declarations.
 
-/// A `[in, out]` matrix initialised `N(0, 1/in)`; HF stores it `[out, in]` under `name`.
-pub(crate) fn matrix(
-    name: String,
-    shape: [usize; 2],
-    logical: [Option<&'static str>; 2],
-) -> ParamInfo {
-    ParamInfo {
-        hf: HfLayout::Tensor {
-            name: name.clone(),
-            transposed: true,
-        },
-        name,
-        shape: shape.to_vec(),
-        logical: logical.to_vec(),
-        init: Init::FanIn,
-    }
-}
-
-/// An RMSNorm scale `[n]` of ones, as HF stores it.
-pub(crate) fn norm_scale(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
-    ParamInfo {
-        hf: HfLayout::Tensor {
-            name: name.clone(),
-            transposed: false,
-        },
-        name,
-        shape: vec![n],
-        logical: vec![logical],
-        init: Init::Ones,
-    }
-}
-
-/// A bias `[n]` of zeros, as HF stores it under `name`.
-pub(crate) fn bias(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
-    ParamInfo {
-        init: Init::Zeros,
-        ..norm_scale(name, n, logical)
-    }
-}
-
 impl Gqa<ParamInfo> {
     /// Layer `i`'s GQA declarations under `prefix` (`model.layers.{i}.self_attn`).
     fn declare(c: &Config, prefix: &str) -> Gqa<ParamInfo> {
@@ -417,5 +376,88 @@ impl Weights<ParamInfo> {
             }),
             mtp: (c.mtp_num_layers > 0).then(|| Mtp::declare(c)),
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeepSeek-V3's multi-token-prediction module (its math is in `crate::mtp`).
+
+/// The weights of a depth-1 MTP module (`model.layers.{L}.*`, HF names), matrices `[in, out]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mtp<W> {
+    /// `embed_tokens.weight` `[vocab, d]` (the published layer's copy of the embedding).
+    pub embed_tokens: W,
+    /// `enorm.weight` `[d]`: the RMSNorm of the next token's embedding.
+    pub enorm: W,
+    /// `hnorm.weight` `[d]`: the RMSNorm of the main model's hidden state.
+    pub hnorm: W,
+    /// `eh_proj.weight` `[2d, d]`.
+    pub eh_proj: W,
+    /// The decoder layer (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`).
+    pub layer: DecoderLayer<W>,
+    /// `shared_head.norm.weight` `[d]`.
+    pub shared_head_norm: W,
+    /// `shared_head.head.weight` `[d, vocab]`.
+    pub shared_head_head: W,
+}
+
+impl<W> Mtp<W> {
+    /// This structure with every weight replaced by `f(weight)`, in field order (the flat order
+    /// of [`Mtp::declare`]'s parameters).
+    ///
+    /// # Errors
+    /// The first error of `f`.
+    pub fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<Mtp<U>, E> {
+        Ok(Mtp {
+            embed_tokens: f(&self.embed_tokens)?,
+            enorm: f(&self.enorm)?,
+            hnorm: f(&self.hnorm)?,
+            eh_proj: f(&self.eh_proj)?,
+            layer: self.layer.try_map(f)?,
+            shared_head_norm: f(&self.shared_head_norm)?,
+            shared_head_head: f(&self.shared_head_head)?,
+        })
+    }
+}
+
+impl Mtp<ParamInfo> {
+    /// The declarations of `c`'s MTP layer, `model.layers.{num layers}.*`.
+    pub fn declare(c: &Config) -> Mtp<ParamInfo> {
+        let i = c.base_num_decoder_layers;
+        let l = |s: &str| format!("model.layers.{i}.{s}");
+        let d = c.base_emb_dim;
+        let embed = l("embed_tokens.weight");
+        Mtp {
+            embed_tokens: ParamInfo {
+                hf: HfLayout::Tensor {
+                    name: embed.clone(),
+                    transposed: false,
+                },
+                name: embed,
+                shape: vec![c.vocab_size, d],
+                logical: vec![Some("vocab"), Some("embed")],
+                init: Init::Normal { std: 0.02 },
+            },
+            enorm: norm_scale(l("enorm.weight"), d, Some("norm")),
+            hnorm: norm_scale(l("hnorm.weight"), d, Some("norm")),
+            eh_proj: matrix(l("eh_proj.weight"), [2 * d, d], [None, Some("embed")]),
+            layer: DecoderLayer::declare(c, i),
+            shared_head_norm: norm_scale(l("shared_head.norm.weight"), d, Some("norm")),
+            shared_head_head: matrix(
+                l("shared_head.head.weight"),
+                [d, c.vocab_size],
+                [Some("embed"), Some("vocab")],
+            ),
+        }
+    }
+
+    /// Every parameter, in [`Mtp::try_map`] order.
+    pub fn params(&self) -> Vec<ParamInfo> {
+        let mut out = Vec::new();
+        let Ok(_) = self.try_map(&mut |p| {
+            out.push(p.clone());
+            Ok::<(), std::convert::Infallible>(())
+        });
+        out
     }
 }
