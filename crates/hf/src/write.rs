@@ -222,6 +222,7 @@ fn write_into(
     for (info, value) in infos.iter().zip(values) {
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
+            let name = (kind.family().rename)(&name).unwrap_or(name);
             tensors.push((name, t.shape().to_vec(), dtype.encode(t.data())));
         }
         if let Some((name, shape)) = selection_bias(kind, info, infos) {

@@ -39,12 +39,15 @@ pub struct MlaSettings {
 /// MLA weights (`self_attn.*`, HF DeepSeek-V3 names), matrices `[in, out]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mla<W> {
-    /// `q_a_proj.weight` `[d, q_lora]`.
-    pub q_a_proj: W,
+    /// `q_proj.weight` `[d, heads·(nope+rope)]`: the queries in one projection, when there is
+    /// no query latent (`q_lora_rank` 0; DeepSeek-V2-Lite, Moonlight).
+    pub q_proj: Option<W>,
+    /// `q_a_proj.weight` `[d, q_lora]` (with a query latent; likewise the next two).
+    pub q_a_proj: Option<W>,
     /// `q_a_layernorm.weight` `[q_lora]`.
-    pub q_a_layernorm: W,
+    pub q_a_layernorm: Option<W>,
     /// `q_b_proj.weight` `[q_lora, heads·(nope+rope)]`.
-    pub q_b_proj: W,
+    pub q_b_proj: Option<W>,
     /// `kv_a_proj_with_mqa.weight` `[d, kv_lora + rope]`.
     pub kv_a_proj_with_mqa: W,
     /// `kv_a_layernorm.weight` `[kv_lora]`.
@@ -62,9 +65,10 @@ impl<W> Mla<W> {
         f: &mut impl FnMut(&W) -> Result<U, E>,
     ) -> Result<Mla<U>, E> {
         Ok(Mla {
-            q_a_proj: f(&self.q_a_proj)?,
-            q_a_layernorm: f(&self.q_a_layernorm)?,
-            q_b_proj: f(&self.q_b_proj)?,
+            q_proj: self.q_proj.as_ref().map(&mut *f).transpose()?,
+            q_a_proj: self.q_a_proj.as_ref().map(&mut *f).transpose()?,
+            q_a_layernorm: self.q_a_layernorm.as_ref().map(&mut *f).transpose()?,
+            q_b_proj: self.q_b_proj.as_ref().map(&mut *f).transpose()?,
             kv_a_proj_with_mqa: f(&self.kv_a_proj_with_mqa)?,
             kv_a_layernorm: f(&self.kv_a_layernorm)?,
             kv_b_proj: f(&self.kv_b_proj)?,
@@ -78,18 +82,31 @@ impl Mla<ParamInfo> {
     pub(crate) fn declare(prefix: &str, d: usize, heads: usize, m: &MlaSettings) -> Mla<ParamInfo> {
         let n = |s: &str| format!("{prefix}.{s}.weight");
         let (qk, v) = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim);
+        let (direct, latent) = (m.q_lora_rank == 0, m.q_lora_rank > 0);
         Mla {
-            q_a_proj: matrix(
-                n("q_a_proj"),
-                [d, m.q_lora_rank],
-                [Some("embed"), Some("q_lora")],
-            ),
-            q_a_layernorm: norm_scale(n("q_a_layernorm"), m.q_lora_rank, Some("q_lora")),
-            q_b_proj: matrix(
-                n("q_b_proj"),
-                [m.q_lora_rank, heads * qk],
-                [Some("q_lora"), Some("q_heads")],
-            ),
+            q_proj: direct.then(|| {
+                matrix(
+                    n("q_proj"),
+                    [d, heads * qk],
+                    [Some("embed"), Some("q_heads")],
+                )
+            }),
+            q_a_proj: latent.then(|| {
+                matrix(
+                    n("q_a_proj"),
+                    [d, m.q_lora_rank],
+                    [Some("embed"), Some("q_lora")],
+                )
+            }),
+            q_a_layernorm: latent
+                .then(|| norm_scale(n("q_a_layernorm"), m.q_lora_rank, Some("q_lora"))),
+            q_b_proj: latent.then(|| {
+                matrix(
+                    n("q_b_proj"),
+                    [m.q_lora_rank, heads * qk],
+                    [Some("q_lora"), Some("q_heads")],
+                )
+            }),
             kv_a_proj_with_mqa: matrix(
                 n("kv_a_proj_with_mqa"),
                 [d, m.kv_lora_rank + m.qk_rope_head_dim],
@@ -131,14 +148,25 @@ pub struct MlaDims {
     pub rope: Rope,
 }
 
+/// How an MLA block makes its queries (`[in, out]` matrices; HF names in brackets).
+pub enum MlaQueries<'a> {
+    /// Through a latent with its own RMSNorm (DeepSeek-V2/V3).
+    Latent {
+        /// `[d, q_lora]` (`q_a_proj`).
+        wq_a: &'a Array,
+        /// `[q_lora]` (`q_a_layernorm`).
+        q_norm: &'a Array,
+        /// `[q_lora, heads·(nope+rope)]` (`q_b_proj`).
+        wq_b: &'a Array,
+    },
+    /// In one projection `[d, heads·(nope+rope)]` (`q_proj`; `q_lora_rank: null`).
+    Direct(&'a Array),
+}
+
 /// The weights of one MLA block (`[in, out]` matrices; HF DeepSeek names in brackets).
 pub struct MlaWeights<'a> {
-    /// `[d, q_lora]` (`q_a_proj`).
-    pub wq_a: &'a Array,
-    /// `[q_lora]` (`q_a_layernorm`).
-    pub q_norm: &'a Array,
-    /// `[q_lora, heads·(nope+rope)]` (`q_b_proj`).
-    pub wq_b: &'a Array,
+    /// The queries' projections.
+    pub queries: MlaQueries<'a>,
     /// `[d, kv_lora + rope]` (`kv_a_proj_with_mqa`).
     pub wkv_a: &'a Array,
     /// `[kv_lora]` (`kv_a_layernorm`).
@@ -171,10 +199,15 @@ pub fn mla_attention(
         dims.qk_rope_head_dim,
         dims.v_head_dim,
     );
-    // 1. queries through their latent: [B, T, H, nope | rope]
-    let cq = linear(cx, x, w.wq_a)?;
-    let cq = rms_norm(cx, &cq, w.q_norm, dims.eps)?;
-    let q = linear(cx, &cq, w.wq_b)?;
+    // 1. queries, through their latent or not: [B, T, H, nope | rope]
+    let q = match w.queries {
+        MlaQueries::Latent { wq_a, q_norm, wq_b } => {
+            let cq = linear(cx, x, wq_a)?;
+            let cq = rms_norm(cx, &cq, q_norm, dims.eps)?;
+            linear(cx, &cq, wq_b)?
+        }
+        MlaQueries::Direct(wq) => linear(cx, x, wq)?,
+    };
     let q = cx.reshape(&q, &[b, t, h, nope + rope], None)?;
     let start = cache.as_ref().map_or(0, |c| c.len());
     // RoPE on each head's tail only: the bits of slicing `rope` off, rotating it and

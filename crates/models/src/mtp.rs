@@ -157,7 +157,10 @@ impl Mtp<&Array> {
         // 2. the decoder layer (its MoE loads and auxiliary loss are not the main model's:
         //    dropped)
         let (mut aux, mut loads) = (None, Vec::new());
-        let y = self.layer.forward(cx, &x, c, &mut aux, &mut loads, None)?;
+        let i = c.base_num_decoder_layers;
+        let y = self
+            .layer
+            .forward(cx, &x, (c, i), &mut aux, &mut loads, None)?;
         // 3. the shared head [B@batch, T, vocab], whole vocab rows, and the cross-entropy
         //    against the tokens two ahead
         let y = rms_norm(cx, &y, self.shared_head_norm, eps)?;

@@ -112,6 +112,7 @@ fn tiny_deepseek() -> Decoder {
         groups: ferrotext_models::decoder::GroupLimit::default(),
         routed_bias: false,
         withhold_tags: false,
+        ..MoeSettings::default()
     });
     Decoder::new(cfg).unwrap()
 }

@@ -747,11 +747,11 @@ fn malformed_directories_get_one_clear_error_each() {
     );
     edit_json(&out.join("config.json"), |v| {
         v["model_type"] = "qwen3_moe".into();
-        v["decoder_sparse_step"] = 2.into();
+        v["layer_types"] = serde_json::json!(["sliding_attention", "full_attention"]);
     });
     let e = load_error(&out);
     assert!(
-        e.contains("features the decoder does not have: decoder_sparse_step=2"),
+        e.contains("features the decoder does not have: layer_types="),
         "{e}"
     );
     // an unexpected tensor

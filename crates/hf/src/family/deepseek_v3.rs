@@ -4,8 +4,10 @@
 //! over groups scored by their best two, shared experts, the first `first_k_dense_replace` layers
 //! dense; the multi-token-prediction layer when the weights hold it.
 //!
+//! Queries without a latent (`q_lora_rank: null`, Moonlight's layout) come through `q_proj`.
+//!
 //! Refused: a softmax router, MoE layers other than after a leading dense run, MTP depths above
-//! 1, queries without a latent (`q_lora_rank: null`).
+//! 1.
 
 use ferrotext_models::decoder::{Config, GroupLimit, MoeSettings};
 use ferrotext_models::deepseek::MlaSettings;
@@ -13,10 +15,10 @@ use ferrotext_models::moe::RouterScore;
 use ferrotext_models::ParamInfo;
 use serde_json::{json, Value};
 
-use super::common::{common_config, no_llama3};
+use super::common::{block_misfit, common_config, no_llama3};
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
-use super::{Family, KeyUse, Keys};
+use super::{same_rope_view, Family, KeyUse, Keys};
 use crate::{ROUTER, SELECTION_BIAS};
 use KeyUse::{Irrelevant, Read, Refused};
 
@@ -26,10 +28,13 @@ pub(super) const FAMILY: Family = Family {
     keys: &[KEYS, DECODER, GENERIC],
     defaults: DEFAULTS,
     rope_types: &["yarn"],
+    deepseek_yarn: true,
+    rope_view: same_rope_view,
     read,
     misfit,
     write,
     extra_tensor: selection_bias,
+    rename: super::no_rename,
 };
 
 const KEYS: &[(&str, KeyUse)] = &[
@@ -128,13 +133,10 @@ fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
     }
     cfg.mtp_num_layers = mtp;
     k.only("moe_layer_freq", json!(1));
-    if k.get("q_lora_rank").is_none() {
-        k.unsupported
-            .push("q_lora_rank=null (queries without a latent)".into());
-    }
     let qk_rope_head_dim = k.usize("qk_rope_head_dim")?;
     cfg.head_dim = qk_rope_head_dim;
     cfg.mla = Some(MlaSettings {
+        // `null`: queries in one projection, `q_proj` (0, as MaxText writes it).
         q_lora_rank: k.usize_or("q_lora_rank", 0)?,
         kv_lora_rank: k.usize("kv_lora_rank")?,
         qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
@@ -157,9 +159,10 @@ fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
         groups: GroupLimit {
             n_routing_groups: k.usize_or("n_group", 1)?,
             topk_routing_group: k.usize_or("topk_group", 1)?,
+            ..GroupLimit::default()
         },
         routed_bias: true,
-        withhold_tags: false,
+        ..MoeSettings::default()
     });
     Ok(())
 }
@@ -177,6 +180,10 @@ fn misfit(cfg: &Config) -> Vec<String> {
         Some(_) => {}
     }
     no_llama3(cfg, "deepseek_v3", &mut out);
+    if cfg.rope_scaling.is_some() {
+        out.push("linear or dynamic RoPE (deepseek_v3 reads YaRN)".into());
+    }
+    block_misfit(cfg, "deepseek_v3", &[], &mut out);
     out
 }
 
@@ -209,7 +216,7 @@ fn deepseek_v3_extra(cfg: &Config, m: &MoeSettings, a: &MlaSettings) -> Value {
         "attention_bias": false,
         "max_position_embeddings": max_pos,
         "rope_scaling": rope_scaling,
-        "q_lora_rank": a.q_lora_rank,
+        "q_lora_rank": (a.q_lora_rank > 0).then_some(a.q_lora_rank),
         "kv_lora_rank": a.kv_lora_rank,
         "qk_nope_head_dim": a.qk_nope_head_dim,
         "qk_rope_head_dim": a.qk_rope_head_dim,

@@ -1,39 +1,38 @@
-//! `llama` (`LlamaForCausalLM`, Llama 3.x): a dense decoder of GQA without QK-norm or biases,
-//! SwiGLU, Llama 3's RoPE frequency scaling (`rope_type: llama3`).
-//!
-//! Refused: biases (`attention_bias`, `mlp_bias`), RoPE types other than `default` and `llama3`.
+//! `llama` (`LlamaForCausalLM`, Llama 2/3.x): a dense decoder of GQA without QK-norm, SwiGLU;
+//! q/k/v/o biases with `attention_bias` and MLP biases with `mlp_bias`; RoPE `llama3`,
+//! `linear`, `dynamic` and `yarn`.
 
 use ferrotext_models::decoder::Config;
 use serde_json::{json, Value};
 
-use super::common::{common_config, dense_misfit};
-use super::reader::num;
+use super::common::{
+    block_misfit, dense_misfit, gqa_json, merged, read_biases, refuse_windows, sizes,
+};
+use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, Family, KeyUse, Keys};
-use KeyUse::{Read, Refused};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use KeyUse::Read;
 
 /// The family.
 pub(super) const FAMILY: Family = Family {
     model_type: "llama",
     keys: &[KEYS, DECODER, GENERIC],
     defaults: DEFAULTS,
-    rope_types: &["llama3"],
+    rope_types: GQA_ROPE_TYPES,
+    deepseek_yarn: false,
+    rope_view: same_rope_view,
     read,
     misfit,
     write,
     extra_tensor: no_extra_tensor,
+    rename: super::no_rename,
 };
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("head_dim", Read { probe: "16" }),
     ("tie_word_embeddings", Read { probe: "false" }),
-    (
-        "mlp_bias",
-        Refused {
-            bad: "true",
-            reason: "MLP biases are not built (Llama 3 has none)",
-        },
-    ),
+    ("attention_bias", Read { probe: "true" }),
+    ("mlp_bias", Read { probe: "true" }),
     (
         "rope_scaling",
         Read {
@@ -55,35 +54,27 @@ const DEFAULTS: &[super::defaults::ClassDefault] =
     defaults!(("32000", "4096", "11008", "32", "32"));
 
 fn read(k: &mut Keys<'_>) -> Result<Config, String> {
-    common_config(k)
+    let mut cfg = sizes(k)?;
+    k.only("hidden_act", json!("silu"));
+    read_biases(k, &mut cfg)?;
+    refuse_windows(k);
+    Ok(cfg)
 }
 
 fn misfit(cfg: &Config) -> Vec<String> {
-    dense_misfit(cfg, "llama", false, false)
+    let mut out = dense_misfit(cfg, "llama", false, cfg.attention_out_bias);
+    block_misfit(cfg, "llama", &["out_bias", "mlp_bias"], &mut out);
+    out
 }
 
-/// Its Llama 3 rope scaling and bias flags.
+/// Its RoPE scaling and bias flags.
 fn write(cfg: &Config) -> Value {
-    let (rope_scaling, max_pos) = match &cfg.rope_llama3 {
-        None => (Value::Null, 8192),
-        Some(l) => (
-            json!({
-                "rope_type": "llama3",
-                "factor": num(l.factor),
-                "low_freq_factor": num(l.low_freq_factor),
-                "high_freq_factor": num(l.high_freq_factor),
-                "original_max_position_embeddings": l.original_max_position,
-            }),
-            (l.original_max_position as f64 * f64::from(l.factor)) as usize,
-        ),
-    };
-    json!({
-        "architectures": ["LlamaForCausalLM"],
-        "attention_bias": false,
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": max_pos,
-        "rope_scaling": rope_scaling,
-        "mlp_bias": false,
-        "pretraining_tp": 1,
-    })
+    merged(&[
+        json!({
+            "architectures": ["LlamaForCausalLM"],
+            "mlp_bias": cfg.mlp_bias,
+            "pretraining_tp": 1,
+        }),
+        gqa_json(cfg, 8192),
+    ])
 }

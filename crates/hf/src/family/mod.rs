@@ -35,9 +35,16 @@ mod rope;
 mod table;
 
 // The families, one file each; [`FAMILIES`] lists them.
+mod deepseek_v2;
 mod deepseek_v3;
+mod gemma2;
+mod gemma3_text;
 mod llama;
+mod mistral;
+mod mixtral;
+mod olmo2;
 mod qwen2;
+mod qwen2_moe;
 mod qwen3;
 mod qwen3_moe;
 
@@ -61,6 +68,13 @@ const FAMILIES: &[&Family] = &[
     &deepseek_v3::FAMILY,
     &llama::FAMILY,
     &qwen2::FAMILY,
+    &mistral::FAMILY,
+    &mixtral::FAMILY,
+    &qwen2_moe::FAMILY,
+    &olmo2::FAMILY,
+    &gemma2::FAMILY,
+    &gemma3_text::FAMILY,
+    &deepseek_v2::FAMILY,
 ];
 
 /// One family: what its file declares (see the module docs).
@@ -74,6 +88,12 @@ pub(crate) struct Family {
     pub defaults: &'static [defaults::ClassDefault],
     /// The RoPE types it reads besides `default`.
     pub rope_types: &'static [&'static str],
+    /// Its YaRN is DeepSeek's (4.x takes the factor from the positions' ratio: refused unless
+    /// the two agree).
+    pub deepseek_yarn: bool,
+    /// The config whose RoPE keys hold the full-attention layers' RoPE, when it is not the
+    /// config itself (Gemma 3's per-layer-type `rope_parameters`); `None`: the config.
+    pub rope_view: fn(&Value) -> Option<Value>,
     /// The decoder config of a `config.json` of this family (its RoPE keys are read after, by
     /// `rope.rs`, for every family alike); what the decoder does not compute goes to
     /// `Keys::unsupported`.
@@ -86,11 +106,37 @@ pub(crate) struct Family {
     /// A tensor its checkpoints store after `info` that no parameter declares (`info`, all the
     /// parameters): DeepSeek-V3's zero router selection bias.
     pub extra_tensor: ExtraTensor,
+    /// Its checkpoints' name of a tensor the decoder names `name` (HF's usual names), `None`
+    /// where they are the same (Mixtral's `block_sparse_moe.experts.{e}.w1`, ...).
+    pub rename: fn(&str) -> Option<String>,
 }
 
 /// A family's [`Family::extra_tensor`]: the `(name, shape)` of a tensor its checkpoints store
 /// after a parameter (`info`, all the parameters) that no parameter declares.
 pub(crate) type ExtraTensor = fn(&ParamInfo, &[ParamInfo]) -> Option<(String, Vec<usize>)>;
+
+/// The config itself holds the RoPE keys (every family but Gemma 3).
+pub(crate) fn same_rope_view(_: &Value) -> Option<Value> {
+    None
+}
+
+/// The decoder's names are the checkpoints' (every family but Mixtral).
+pub(crate) fn no_rename(_: &str) -> Option<String> {
+    None
+}
+
+/// The checkpoint names of the HF directory `dir`'s family (read from its `config.json`'s
+/// `model_type`): the decoder's names unless its family renames them. A directory without a
+/// readable `config.json` or of no known family keeps the decoder's names.
+pub(crate) fn checkpoint_names(dir: &Path) -> fn(&str) -> Option<String> {
+    let text = ferrotext_files::read_regular_to_string(&dir.join(super::CONFIG_FILE)).ok();
+    let model_type = text
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v.get("model_type")?.as_str().map(str::to_string));
+    model_type
+        .and_then(|t| ModelType::from_name(&t))
+        .map_or(no_rename, |k| k.family().rename)
+}
 
 /// No tensor beyond the declared ones (most families).
 pub(crate) fn no_extra_tensor(_: &ParamInfo, _: &[ParamInfo]) -> Option<(String, Vec<usize>)> {
@@ -225,10 +271,23 @@ fn decoder_config(v: &Value) -> Result<Config, String> {
         unsupported: Vec::new(),
     };
     let mut cfg = (family.read)(&mut k)?;
-    let rope = rope::read(&mut k, family)?;
+    let view = (family.rope_view)(v);
+    let rope = match &view {
+        None => rope::read(&mut k, family)?,
+        Some(view) => {
+            let mut rk = Keys {
+                v: view,
+                unsupported: Vec::new(),
+            };
+            let rope = rope::read(&mut rk, family)?;
+            k.unsupported.append(&mut rk.unsupported);
+            rope
+        }
+    };
     cfg.rope_max_timescale = rope.theta.unwrap_or(cfg.rope_max_timescale);
     cfg.rope_yarn = rope.yarn;
     cfg.rope_llama3 = rope.llama3;
+    cfg.rope_scaling = rope.scaling;
 
     if !k.unsupported.is_empty() {
         return Err(format!(
@@ -304,12 +363,16 @@ mod tests {
             "{err}"
         );
         assert!(err.ends_with(')'), "{err}");
-        let mut v = hf_config_json(&Config::preset("qwen3-tiny").unwrap(), "float32").unwrap();
+        let mut moe = Config::preset("qwen3-moe-tiny").unwrap();
+        if let Some(m) = moe.moe.as_mut() {
+            m.shared_experts = 0;
+        }
+        let mut v = hf_config_json(&moe, "float32").unwrap();
         v["attention_bias"] = json!(true);
         v["use_sliding_window"] = json!(true);
         assert_eq!(
             decoder_config(&v).unwrap_err(),
-            "model_type `qwen3` with features the decoder does not have: attention_bias=true \
+            "model_type `qwen3_moe` with features the decoder does not have: attention_bias=true \
              (biases on q, k, v and o: the output projection's bias is not built), \
              use_sliding_window=true"
         );

@@ -1,26 +1,33 @@
 //! `qwen2` (`Qwen2ForCausalLM`, Qwen2 and Qwen2.5): a dense decoder of GQA without QK-norm,
 //! with biases on the q, k and v projections (not a key: `Qwen2Attention` always has them).
-//!
-//! Refused: sliding windows, RoPE scaling (Qwen2.5's long-context YaRN).
+//! Sliding windows with `use_sliding_window` (as `qwen3`); RoPE `linear`, `dynamic`, `yarn`
+//! (Qwen2.5's long-context recipe) and `llama3`.
 
 use ferrotext_models::decoder::Config;
 use serde_json::{json, Value};
 
-use super::common::{common_config, dense_misfit, no_llama3};
+use super::common::{
+    block_misfit, dense_misfit, gqa_json, merged, qwen_window_json, qwen_windows, refuse_biases,
+    sizes,
+};
+use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC, QWEN_WINDOW};
-use super::{no_extra_tensor, Family, KeyUse, Keys};
-use KeyUse::{Read, Refused};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use KeyUse::Read;
 
 /// The family.
 pub(super) const FAMILY: Family = Family {
     model_type: "qwen2",
     keys: &[KEYS, QWEN_WINDOW, DECODER, GENERIC],
     defaults: DEFAULTS,
-    rope_types: &[],
+    rope_types: GQA_ROPE_TYPES,
+    deepseek_yarn: false,
+    rope_view: same_rope_view,
     read,
     misfit,
     write,
     extra_tensor: no_extra_tensor,
+    rename: super::no_rename,
 };
 
 const KEYS: &[(&str, KeyUse)] = &[
@@ -28,10 +35,9 @@ const KEYS: &[(&str, KeyUse)] = &[
     ("tie_word_embeddings", Read { probe: "false" }),
     (
         "rope_scaling",
-        Refused {
-            bad:
-                "{\"type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}",
-            reason: "qwen2 reads default RoPE only (Qwen2.5's long-context YaRN is not built)",
+        Read {
+            probe: "{\"type\": \"yarn\", \"factor\": 4.0, \
+                \"original_max_position_embeddings\": 32768}",
         },
     ),
     (
@@ -48,24 +54,29 @@ const DEFAULTS: &[super::defaults::ClassDefault] = defaults!(
 );
 
 fn read(k: &mut Keys<'_>) -> Result<Config, String> {
-    Ok(Config {
-        qkv_bias: true,
-        ..common_config(k)?
-    })
+    let mut cfg = sizes(k)?;
+    k.only("hidden_act", json!("silu"));
+    cfg.qkv_bias = true;
+    refuse_biases(k);
+    qwen_windows(k, &mut cfg)?;
+    Ok(cfg)
 }
 
 fn misfit(cfg: &Config) -> Vec<String> {
     let mut out = dense_misfit(cfg, "qwen2", false, true);
-    no_llama3(cfg, "qwen2", &mut out);
+    block_misfit(cfg, "qwen2", &["window"], &mut out);
     out
 }
 
 fn write(cfg: &Config) -> Value {
-    json!({
-        "architectures": ["Qwen2ForCausalLM"],
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": 32768,
-        "rope_scaling": null,
-        "use_sliding_window": false,
-    })
+    let mut v = merged(&[
+        json!({"architectures": ["Qwen2ForCausalLM"]}),
+        gqa_json(cfg, 32768),
+        qwen_window_json(cfg),
+    ]);
+    // Qwen2's q/k/v biases are not a key: `Qwen2Attention` always has them.
+    if let Some(o) = v.as_object_mut() {
+        o.remove("attention_bias");
+    }
+    v
 }

@@ -2,29 +2,35 @@
 //! feed-forward: softmax router, top-k, renormalised when `norm_topk_prob`, no shared expert;
 //! dense layers only as a leading run (`mlp_only_layers`).
 //!
-//! Refused: `decoder_sparse_step` other than 1, dense layers other than a leading run, the
-//! router's load-balance loss through `output_router_logits`.
+//! MoE layers every `decoder_sparse_step`-th layer; RoPE `linear`, `dynamic`, `yarn`, `llama3`.
+//!
+//! Refused: dense layers other than a leading run, biases, sliding windows, the router's
+//! load-balance loss through `output_router_logits`.
 
 use ferrotext_models::decoder::{Config, MoeSettings};
 use ferrotext_models::moe::RouterScore;
 use serde_json::{json, Value};
 
-use super::common::{common_config, gqa_misfit, no_llama3};
+use super::common::{block_misfit, common_config, gqa_json, gqa_misfit, merged};
 use super::reader::num;
-use super::table::{DECODER, GENERIC, QWEN_WINDOW};
-use super::{no_extra_tensor, Family, KeyUse, Keys};
+use super::rope::GQA_ROPE_TYPES;
+use super::table::{DECODER, GENERIC, QWEN_MOE_WINDOW};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
 use KeyUse::{Irrelevant, Read, Refused};
 
 /// The family.
 pub(super) const FAMILY: Family = Family {
     model_type: "qwen3_moe",
-    keys: &[KEYS, super::qwen3::KEYS, QWEN_WINDOW, DECODER, GENERIC],
+    keys: &[KEYS, QWEN_MOE_WINDOW, super::qwen3::KEYS, DECODER, GENERIC],
     defaults: DEFAULTS,
-    rope_types: &[],
+    rope_types: GQA_ROPE_TYPES,
+    deepseek_yarn: false,
+    rope_view: same_rope_view,
     read,
     misfit,
     write,
     extra_tensor: no_extra_tensor,
+    rename: super::no_rename,
 };
 
 const KEYS: &[(&str, KeyUse)] = &[
@@ -34,11 +40,18 @@ const KEYS: &[(&str, KeyUse)] = &[
     ("moe_intermediate_size", Read { probe: "40" }),
     ("norm_topk_prob", Read { probe: "false" }),
     ("mlp_only_layers", Read { probe: "[]" }),
+    ("decoder_sparse_step", Read { probe: "2" }),
     (
-        "decoder_sparse_step",
+        "attention_bias",
         Refused {
-            bad: "2",
-            reason: "MoE layers only after a leading run of dense ones",
+            bad: "true",
+            reason: "biases are read for the dense Qwen families only",
+        },
+    ),
+    (
+        "rope_scaling",
+        Read {
+            probe: "{\"rope_type\": \"linear\", \"factor\": 2.0}",
         },
     ),
     (
@@ -58,7 +71,6 @@ const DEFAULTS: &[super::defaults::ClassDefault] = defaults!(
 
 fn read(k: &mut Keys<'_>) -> Result<Config, String> {
     let cfg = common_config(k)?;
-    k.only("decoder_sparse_step", json!(1));
     let dense = match k.get("mlp_only_layers") {
         None => 0,
         Some(list) => {
@@ -82,6 +94,7 @@ fn read(k: &mut Keys<'_>) -> Result<Config, String> {
         first_num_dense_layers: dense,
         score: RouterScore::Softmax,
         norm_topk_prob: k.bool_or("norm_topk_prob", false)?,
+        interleave_moe_layer_step: k.usize_or("decoder_sparse_step", 1)?.max(1),
         ..MoeSettings::default()
     };
     Ok(Config {
@@ -126,7 +139,7 @@ fn misfit(cfg: &Config) -> Vec<String> {
         }
     }
     gqa_misfit(cfg, "qwen3_moe", true, false, &mut out);
-    no_llama3(cfg, "qwen3_moe", &mut out);
+    block_misfit(cfg, "qwen3_moe", &["moe_step"], &mut out);
     out
 }
 
@@ -134,20 +147,19 @@ fn write(cfg: &Config) -> Value {
     let Some(m) = &cfg.moe else {
         return json!({});
     };
-    json!({
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "attention_bias": false,
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": 40960,
-        "rope_scaling": null,
-        "use_sliding_window": false,
+    let base = merged(&[
+        json!({"architectures": ["Qwen3MoeForCausalLM"], "use_sliding_window": false}),
+        gqa_json(cfg, 40960),
+    ]);
+    let moe = json!({
         "num_experts": m.num_experts,
         "num_experts_per_tok": m.num_experts_per_tok,
         "moe_intermediate_size": m.moe_mlp_dim,
-        "decoder_sparse_step": 1,
+        "decoder_sparse_step": m.interleave_moe_layer_step,
         "mlp_only_layers": (0..m.first_num_dense_layers).collect::<Vec<_>>(),
         "norm_topk_prob": m.norm_topk_prob,
         "router_aux_loss_coef": num(m.load_balance_loss_weight),
         "output_router_logits": false,
-    })
+    });
+    merged(&[base, moe])
 }

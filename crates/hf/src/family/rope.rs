@@ -5,9 +5,11 @@
 //! Invariants: every key of the RoPE object is read or refused (a key the type does not define,
 //! or a value the decoder does not compute, is recorded as unsupported, named with its value);
 //! when a config carries both generations they must agree, else the disagreement is refused.
-//! Which types a family may use: `default` for all, and those its file lists (`rope_types`).
+//! Which types a family may use: `default` for all, and those its file lists (`rope_types`:
+//! every GQA family reads transformers' `linear`, `dynamic`, `yarn` and `llama3`, as its rotary
+//! embedding does through `ROPE_INIT_FUNCTIONS`).
 
-use ferrotext_tensor::{Llama3, Yarn};
+use ferrotext_tensor::{Llama3, PositionScaling, Yarn};
 use serde_json::{Map, Value};
 
 use super::{Family, Keys};
@@ -19,13 +21,20 @@ pub(super) struct RopeRead {
     pub theta: Option<f32>,
     /// YaRN (`deepseek_v3`).
     pub yarn: Option<Yarn>,
-    /// Llama 3 scaling (`llama`).
+    /// Llama 3 scaling.
     pub llama3: Option<Llama3>,
+    /// `linear` or `dynamic` scaling.
+    pub scaling: Option<PositionScaling>,
 }
+
+/// The RoPE types of transformers' `ROPE_INIT_FUNCTIONS` that the decoder computes, for the
+/// families whose rotary embedding reads them (every GQA family).
+pub(super) const GQA_ROPE_TYPES: &[&str] = &["linear", "dynamic", "yarn", "llama3"];
 
 /// The keys each RoPE type defines (besides `rope_type`/`type` and `rope_theta`).
 fn type_keys(rope_type: &str) -> &'static [&'static str] {
     match rope_type {
+        "linear" | "dynamic" => &["factor"],
         "llama3" => &[
             "factor",
             "low_freq_factor",
@@ -120,7 +129,18 @@ pub(super) fn read(k: &mut Keys<'_>, family: &Family) -> Result<RopeRead, String
     };
     match rope_type.as_str() {
         "llama3" => out.llama3 = Some(llama3(&rk)?),
-        "yarn" => out.yarn = Some(yarn(k, &rk, name)?),
+        "yarn" => out.yarn = Some(yarn(k, &rk, name, family.deepseek_yarn)?),
+        "linear" => {
+            out.scaling = Some(PositionScaling::Linear {
+                factor: need_factor(&rk, "linear")?,
+            })
+        }
+        "dynamic" => {
+            out.scaling = Some(PositionScaling::Dynamic {
+                factor: need_factor(&rk, "dynamic")?,
+                max_position: k.usize("max_position_embeddings")?,
+            })
+        }
         _ => {}
     }
     Ok(out)
@@ -164,6 +184,14 @@ fn rope_object(k: &mut Keys<'_>) -> Result<Option<(Value, &'static str)>, String
     }
 }
 
+/// The `factor` a `linear` or `dynamic` RoPE requires, as transformers requires it.
+fn need_factor(rk: &Keys<'_>, rope_type: &str) -> Result<f32, String> {
+    if rk.get("factor").is_none() {
+        return Err(format!("rope_type {rope_type} needs `factor`"));
+    }
+    rk.positive_or("factor", 1.0)
+}
+
 /// Llama 3's scaling: every key required, as transformers requires them.
 fn llama3(rk: &Keys<'_>) -> Result<Llama3, String> {
     let need = |key: &str| -> Result<f32, String> {
@@ -196,15 +224,15 @@ fn get_mscale(scale: f32, mscale: f32) -> f32 {
     }
 }
 
-/// `deepseek_v3`'s YaRN, as transformers computes it (`_compute_yarn_parameters` and
-/// `DeepseekV3Attention`): the softmax scale times `get_mscale(factor, mscale_all_dim)²` when
-/// `mscale_all_dim` is set and nonzero; `sin` and `cos` times `attention_factor`, given or
-/// derived (`get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)` when both are set
-/// and nonzero, else `get_mscale(factor, 1)`). Refused: a ramp not truncated to whole dims
-/// (`truncate: false`), and a `max_position_embeddings` other than
-/// `original_max_position_embeddings × factor` (transformers 4.x takes the factor from that
-/// ratio, 5 the one written, so no one model is what both compute).
-fn yarn(k: &mut Keys<'_>, rk: &Keys<'_>, name: &str) -> Result<Yarn, String> {
+/// YaRN as transformers computes it (`_compute_yarn_parameters`): `sin` and `cos` times
+/// `attention_factor`, given or derived (`get_mscale(factor, mscale) / get_mscale(factor,
+/// mscale_all_dim)` when both are set and nonzero, else `get_mscale(factor, 1)`); `mscale_all_dim`
+/// kept for DeepSeek's attention, whose softmax scale it multiplies by `get_mscale(factor,
+/// mscale_all_dim)²` (GQA attention never reads it). Refused: a ramp not truncated to whole dims
+/// (`truncate: false`), and for DeepSeek (`deepseek`) a `max_position_embeddings` other than
+/// `original_max_position_embeddings × factor` (its 4.x code takes the factor from that ratio,
+/// 5 the one written, so no one model is what both compute).
+fn yarn(k: &mut Keys<'_>, rk: &Keys<'_>, name: &str, deepseek: bool) -> Result<Yarn, String> {
     let factor = rk.positive_or("factor", 1.0)?;
     let non_negative = |key: &str| -> Result<f32, String> {
         let v = rk.f32_or(key, 0.0)?;
@@ -229,13 +257,23 @@ fn yarn(k: &mut Keys<'_>, rk: &Keys<'_>, name: &str) -> Result<Yarn, String> {
     }
     let y = Yarn {
         factor,
-        original_max_position: rk.usize("original_max_position_embeddings")?,
+        // transformers falls back on `max_position_embeddings` when the object has none.
+        original_max_position: match rk.get("original_max_position_embeddings") {
+            Some(_) => rk.usize("original_max_position_embeddings")?,
+            None => k.usize("max_position_embeddings")?,
+        },
         beta_fast: rk.positive_or("beta_fast", 32.0)?,
         beta_slow: rk.positive_or("beta_slow", 1.0)?,
         mscale: mscale_all_dim,
         attention_factor,
     };
-    if let Some(max) = k.get("max_position_embeddings").and_then(Value::as_f64) {
+    // DeepSeek's own 4.x code takes the factor from the positions' ratio; the generic YaRN of
+    // both generations reads the factor as written.
+    if let Some(max) = k
+        .get("max_position_embeddings")
+        .and_then(Value::as_f64)
+        .filter(|_| deepseek)
+    {
         let ratio = max / y.original_max_position as f64;
         if (ratio - f64::from(y.factor)).abs() > 1e-6 * ratio.abs().max(1.0) {
             k.unsupported.push(format!(

@@ -141,11 +141,31 @@ pub(super) const DECODER: &[(&str, KeyUse)] = &[
     }),
 ];
 
-/// The Qwen families' sliding-window keys.
+/// The Qwen families' sliding-window keys, read (`qwen2`, `qwen3`).
 pub(super) const QWEN_WINDOW: &[(&str, KeyUse)] = &[
+    ("use_sliding_window", Read { probe: "true" }),
+    (
+        "sliding_window",
+        Irrelevant("read only with use_sliding_window (a probe of it alone changes nothing)"),
+    ),
+    (
+        "max_window_layers",
+        Irrelevant("read only with use_sliding_window and no layer_types"),
+    ),
+    (
+        "layer_types",
+        Refused {
+            bad: "[\"sliding_attention\", \"full_attention\"]",
+            reason: "sliding layers without use_sliding_window: transformers then has no window",
+        },
+    ),
+];
+
+/// The Qwen MoE families' sliding-window keys, refused (`qwen3_moe`, `qwen2_moe`).
+pub(super) const QWEN_MOE_WINDOW: &[(&str, KeyUse)] = &[
     ("use_sliding_window", Refused {
         bad: "true",
-        reason: "sliding-window attention is not built",
+        reason: "sliding windows are read for the dense Qwen families only",
     }),
     ("sliding_window", Irrelevant(
         "read by transformers only for sliding layers (use_sliding_window / layer_types), refused",

@@ -1,7 +1,7 @@
 //! The decoder's [`Config`] (named like MaxText's model keys), its MoE settings, and their one
 //! base ([`Default`]) that every preset and reader starts from.
 
-use ferrotext_tensor::{Llama3, Rope, Yarn};
+use ferrotext_tensor::{Llama3, PositionScaling, Rope, Yarn};
 
 use crate::deepseek::MlaSettings;
 use crate::moe::{MoeConfig, RouterScore};
@@ -36,6 +36,15 @@ pub struct MoeSettings {
     /// Diagnostic mirror: drop the expert weights' tags before the MoE region (see
     /// [`MoeOptions::withhold_tags`](crate::moe::MoeOptions::withhold_tags)).
     pub withhold_tags: bool,
+    /// The shared experts' width when it is not `shared_experts × moe_mlp_dim` (Qwen2-MoE's
+    /// `shared_expert_intermediate_size`).
+    pub shared_mlp_dim: Option<usize>,
+    /// The shared experts' output times `sigmoid(x·w)` of a `[d, 1]` gate (Qwen2-MoE's
+    /// `shared_expert_gate`).
+    pub shared_expert_gate: bool,
+    /// Past the leading dense layers, layer `i` is MoE when `(i + 1)` is a multiple of this
+    /// (MaxText's `interleave_moe_layer_step`; HF `decoder_sparse_step`); 1: every layer.
+    pub interleave_moe_layer_step: usize,
 }
 
 impl MoeSettings {
@@ -51,6 +60,43 @@ impl MoeSettings {
             groups: self.groups,
         }
     }
+}
+
+/// Where a layer's RMSNorms sit around its two sub-layers (attention, MLP).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormPlacement {
+    /// `x + f(norm(x))` (Llama, Qwen, DeepSeek, Mistral): `input_layernorm` before attention,
+    /// `post_attention_layernorm` before the MLP.
+    #[default]
+    Pre,
+    /// `x + norm₂(f(norm₁(x)))` (Gemma 2/3): `input_layernorm` / `post_attention_layernorm`
+    /// around attention, `pre_feedforward_layernorm` / `post_feedforward_layernorm` around the
+    /// MLP.
+    PrePost,
+    /// `x + norm(f(x))` (OLMo 2): `post_attention_layernorm` after attention,
+    /// `post_feedforward_layernorm` after the MLP, nothing before either.
+    Post,
+}
+
+/// The gate activation of the MLP: `act(x·gate) ⊙ x·up`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MlpActivation {
+    /// SiLU: SwiGLU (Llama, Qwen, DeepSeek, Mistral, OLMo 2).
+    #[default]
+    Silu,
+    /// GELU with the tanh approximation: GeGLU (Gemma; HF `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// Sliding-window attention: on the layers it covers, a query at position `i` sees the keys at
+/// `i − size < j ≤ i`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlidingWindow {
+    /// The window (`sliding_window`), its own position included.
+    pub size: usize,
+    /// Which layers slide (HF `layer_types`: `true` for `sliding_attention`), one per layer;
+    /// empty: every layer (Mistral).
+    pub layers: Vec<bool>,
 }
 
 /// Model dimensions, named like MaxText's model keys.
@@ -97,6 +143,35 @@ pub struct Config {
     /// Weight of the MTP loss (per-token mean) added to the main loss's mean
     /// (`mtp_loss_scaling_factor`, MaxText's default 0.1).
     pub mtp_loss_scaling_factor: f32,
+    /// `linear` or `dynamic` RoPE position scaling (HF `rope_type`; `None`: neither).
+    pub rope_scaling: Option<PositionScaling>,
+    /// A bias on the attention's output projection (HF `attention_bias` with `qkv_bias`; GQA).
+    pub attention_out_bias: bool,
+    /// Biases on the dense MLP's three projections (HF `mlp_bias`).
+    pub mlp_bias: bool,
+    /// QK-norm over all heads at once, before the heads are split (OLMo 2: `q_norm` is
+    /// `[heads·head_dim]`), instead of per head; needs `qk_norm`.
+    pub qk_norm_all_heads: bool,
+    /// Where the layers' norms sit ([`NormPlacement`]).
+    pub norm_placement: NormPlacement,
+    /// Every RMSNorm scales by `1 + w` instead of `w` (Gemma; its weights are stored so).
+    pub norm_plus_one: bool,
+    /// The embedding rows times `√base_emb_dim` (Gemma's `normalizer`).
+    pub scale_embedding: bool,
+    /// The MLP's gate activation.
+    pub mlp_activation: MlpActivation,
+    /// The attention's scale is `query_pre_attn_scalar^−½` instead of `head_dim^−½` (Gemma).
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Attention-logit soft-capping: logits `cap·tanh(s/cap)` before the softmax (Gemma 2).
+    pub attn_logit_softcapping: Option<f32>,
+    /// Final-logit soft-capping: the LM head's logits `cap·tanh(z/cap)` (Gemma 2).
+    pub final_logit_softcapping: Option<f32>,
+    /// Sliding-window attention on some or all layers (Mistral, Gemma 2/3, Qwen's
+    /// `use_sliding_window`).
+    pub sliding_window: Option<SlidingWindow>,
+    /// RoPE θ of the sliding layers when it is not the full layers' (Gemma 3's
+    /// `rope_local_base_freq`; plain RoPE there, whatever scaling the full layers have).
+    pub sliding_rope_theta: Option<f32>,
 }
 
 /// The one base every preset and reader starts from (`..Config::default()`): a plain pre-norm
@@ -126,6 +201,19 @@ impl Default for Config {
             rope_yarn: None,
             mtp_num_layers: 0,
             mtp_loss_scaling_factor: 0.1,
+            rope_scaling: None,
+            attention_out_bias: false,
+            mlp_bias: false,
+            qk_norm_all_heads: false,
+            norm_placement: NormPlacement::Pre,
+            norm_plus_one: false,
+            scale_embedding: false,
+            mlp_activation: MlpActivation::Silu,
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
+            sliding_window: None,
+            sliding_rope_theta: None,
         }
     }
 }
@@ -147,11 +235,59 @@ impl Default for MoeSettings {
             groups: GroupLimit::default(),
             routed_bias: false,
             withhold_tags: false,
+            shared_mlp_dim: None,
+            shared_expert_gate: false,
+            interleave_moe_layer_step: 1,
         }
     }
 }
 
 impl Config {
+    /// The building blocks' settings of `c` checked: windows, soft-caps and scales in range, each
+    /// block only where the decoder builds it.
+    pub(crate) fn check_blocks(&self) -> Result<(), String> {
+        let c = self;
+        if let Some(w) = &c.sliding_window {
+            if w.size == 0 {
+                return Err("sliding_window must be at least 1".into());
+            }
+            if !w.layers.is_empty() && w.layers.len() != c.base_num_decoder_layers {
+                return Err(format!(
+                    "the sliding layers list {} entries for {} layers",
+                    w.layers.len(),
+                    c.base_num_decoder_layers
+                ));
+            }
+        }
+        if c.sliding_rope_theta.is_some() && c.sliding_window.is_none() {
+            return Err("sliding_rope_theta needs a sliding window".into());
+        }
+        let positive = [
+            ("attn_logit_softcapping", c.attn_logit_softcapping),
+            ("final_logit_softcapping", c.final_logit_softcapping),
+            ("query_pre_attn_scalar", c.query_pre_attn_scalar),
+            ("sliding_rope_theta", c.sliding_rope_theta),
+        ];
+        for (key, v) in positive {
+            if let Some(x) = v.filter(|x| !(x.is_finite() && *x > 0.0)) {
+                return Err(format!("{key} must be a positive number, got {x}"));
+            }
+        }
+        if c.rope_scaling.is_some() && (c.rope_yarn.is_some() || c.rope_llama3.is_some()) {
+            return Err(
+                "a RoPE table has one frequency scaling: rope_scaling, rope_yarn or rope_llama3"
+                    .into(),
+            );
+        }
+        if c.mla.is_some() && (c.attention_out_bias || c.qk_norm_all_heads) {
+            return Err("attention_out_bias and qk_norm_all_heads are GQA settings".into());
+        }
+        if c.qk_norm_all_heads && !c.qk_norm {
+            return Err("qk_norm_all_heads needs qk_norm".into());
+        }
+        Ok(())
+    }
+
     /// The RoPE variant: interleaved pairs for MLA models that ask for them
     /// ([`MlaSettings::rope_interleave`]), else rotate-half; YaRN or Llama 3 frequencies when set.
     pub fn rope(&self) -> Rope {
@@ -160,14 +296,49 @@ impl Config {
             interleaved: self.mla.as_ref().is_some_and(|m| m.rope_interleave),
             yarn: self.rope_yarn,
             llama3: self.rope_llama3,
+            scaling: self.rope_scaling,
         }
     }
 
-    /// True when layer `i` has the MoE feed-forward.
+    /// The RoPE of layer `i`: [`Config::rope`], or plain RoPE of `sliding_rope_theta` on a
+    /// sliding layer when that is set (Gemma 3).
+    pub fn layer_rope(&self, i: usize) -> Rope {
+        match self.sliding_rope_theta {
+            Some(theta) if self.window_of(i).is_some() => Rope::standard(theta),
+            _ => self.rope(),
+        }
+    }
+
+    /// The sliding window of layer `i`, `None` on a full-attention layer.
+    pub fn window_of(&self, i: usize) -> Option<usize> {
+        let w = self.sliding_window.as_ref()?;
+        (w.layers.is_empty() || w.layers.get(i).copied().unwrap_or(false)).then_some(w.size)
+    }
+
+    /// The attention's scale on `q·k` for query/key heads of width `qk`: `qk^−½`, or
+    /// `query_pre_attn_scalar^−½` when set.
+    pub fn attention_scale(&self, qk: usize) -> f32 {
+        match self.query_pre_attn_scalar {
+            Some(s) => 1.0 / s.sqrt(),
+            None => 1.0 / (qk as f32).sqrt(),
+        }
+    }
+
+    /// True when layer `i` has the MoE feed-forward: past the leading dense layers, every
+    /// `interleave_moe_layer_step`-th layer (counting from 1).
     pub fn is_moe_layer(&self, i: usize) -> bool {
-        self.moe
-            .as_ref()
-            .is_some_and(|m| i >= m.first_num_dense_layers)
+        self.moe.as_ref().is_some_and(|m| {
+            i >= m.first_num_dense_layers
+                && (i + 1).is_multiple_of(m.interleave_moe_layer_step.max(1))
+        })
+    }
+
+    /// The shared experts' width (0: none).
+    pub fn shared_mlp_dim(&self) -> usize {
+        self.moe.as_ref().map_or(0, |m| match m.shared_mlp_dim {
+            Some(w) if m.shared_experts > 0 => w,
+            _ => m.shared_experts * m.moe_mlp_dim,
+        })
     }
 }
 

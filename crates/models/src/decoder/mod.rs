@@ -32,7 +32,7 @@
 //! weights. The layering is one way: `config` ← `weights` ← `forward`/`mtp` ← here.
 
 use ferrotext_sharding::DType;
-use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
+use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, UnaryOp};
 use ferrotext_tensor::DotDims;
 
 pub use crate::deepseek::MlaSettings;
@@ -47,7 +47,9 @@ mod forward;
 mod loss;
 pub(crate) mod weights;
 
-pub use config::{Config, ConfigError, ExpertLoads, MoeSettings};
+pub use config::{
+    Config, ConfigError, ExpertLoads, MlpActivation, MoeSettings, NormPlacement, SlidingWindow,
+};
 use forward::reduced_over;
 pub use weights::{Attention, DecoderLayer, DenseMlp, Experts, Gqa, Mlp, SparseMoe, Weights};
 
@@ -108,8 +110,8 @@ impl Decoder {
             ));
         }
         if let Some(m) = &cfg.mla {
+            // A zero `q_lora_rank` is MaxText's "no query latent" (HF `q_lora_rank: null`).
             let dims = [
-                m.q_lora_rank,
                 m.kv_lora_rank,
                 m.qk_nope_head_dim,
                 m.qk_rope_head_dim,
@@ -136,8 +138,19 @@ impl Decoder {
             m.groups
                 .check(m.num_experts, m.num_experts_per_tok)
                 .map_err(ConfigError)?;
+            if m.interleave_moe_layer_step == 0 {
+                return Err(ConfigError(
+                    "interleave_moe_layer_step must be at least 1".into(),
+                ));
+            }
+            if m.shared_expert_gate && m.shared_experts == 0 {
+                return Err(ConfigError(
+                    "a shared expert gate needs shared_experts > 0".into(),
+                ));
+            }
         }
         crate::mtp::check(&cfg).map_err(ConfigError)?;
+        cfg.check_blocks().map_err(ConfigError)?;
         let weights = Weights::declare(&cfg);
         Ok(Decoder {
             cfg,
@@ -204,24 +217,23 @@ impl Decoder {
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let c = &self.cfg;
         let embedding = c.vocab_size * c.base_emb_dim;
-        let attention_norms = match &c.mla {
-            Some(m) => m.q_lora_rank + m.kv_lora_rank,
-            None if c.qk_norm => 2 * c.head_dim,
-            None => 0,
-        };
-        // Biases are added, not multiplied: they count no matmul FLOPs.
-        let biases = match (&c.mla, c.qkv_bias) {
-            (None, true) => {
-                c.base_num_decoder_layers
-                    * (c.base_num_query_heads + 2 * c.base_num_kv_heads)
-                    * c.head_dim
+        // The matrices (rank ≥ 2) of the main model but the embedding; norms, biases and the
+        // routers' selection biases are added, not multiplied, and count nothing.
+        let mtp = c.mtp_num_layers > 0;
+        let main: Vec<ParamInfo> = match (mtp, &self.weights.mtp) {
+            (true, Some(m)) => {
+                let skip = m.params().len();
+                let all = self.params();
+                all[..all.len() - skip].to_vec()
             }
-            _ => 0,
+            _ => self.params(),
         };
-        let norms =
-            c.base_num_decoder_layers * (2 * c.base_emb_dim + attention_norms) + c.base_emb_dim;
-        let lm_head = embedding;
-        let untied_extra = if c.logits_via_embedding { 0 } else { embedding };
+        let matrices: usize = main
+            .iter()
+            .filter(|p| p.shape.len() >= 2 && p.name != self.weights.embed_tokens.name)
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum();
+        let lm_head = if c.logits_via_embedding { embedding } else { 0 };
         // A token runs k of the E routed experts: only their weights count.
         let idle_experts: usize = match &c.moe {
             Some(m) => {
@@ -233,17 +245,17 @@ impl Decoder {
             }
             None => 0,
         };
-        let main_params = self.param_count() - crate::mtp::param_count(c);
-        let matmul_weights =
-            main_params - embedding - norms - biases - untied_extra - idle_experts + lm_head;
-        // Scores (q·k over the query/key width) and values, forward and backward: 6 each.
+        let matmul_weights = matrices - idle_experts + lm_head;
+        // Scores (q·k over the query/key width) and values, forward and backward: 6 each; a
+        // sliding layer's query sees at most its window.
         let (qk_width, v_width) = match &c.mla {
             Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
             None => (c.head_dim, c.head_dim),
         };
-        let attention = 6.0
-            * (c.base_num_decoder_layers * seq * c.base_num_query_heads * (qk_width + v_width))
-                as f64;
+        let keys: usize = (0..c.base_num_decoder_layers)
+            .map(|i| c.window_of(i).map_or(seq, |w| w.min(seq)))
+            .sum();
+        let attention = 6.0 * (keys * c.base_num_query_heads * (qk_width + v_width)) as f64;
         6.0 * matmul_weights as f64 + attention + crate::mtp::flops_per_token(c, seq)
     }
 
@@ -361,6 +373,10 @@ impl Decoder {
             }
             Some(head) => nn::linear_to(cx, &x, head, DType::F32)?,
         };
+        let logits = match self.cfg.final_logit_softcapping {
+            Some(cap) => cx.unary(UnaryOp::Softcap(cap), &logits)?,
+            None => logits,
+        };
         // 4. cross-entropy needs whole vocab rows: gather the vocab dim if it is split
         let want = layout.spec(3);
         let logits = if logits.ty().sharding().spec().partitions() == want.partitions() {
@@ -394,15 +410,25 @@ impl Decoder {
         };
         let x = cx.take(&table, inputs)?;
         let mut x = cx.cast(&x, self.compute_dtype)?;
+        if c.scale_embedding {
+            // Gemma's `normalizer`: √d, in the activations' dtype.
+            x = cx.scale(&x, (c.base_emb_dim as f32).sqrt())?;
+        }
         // 2. the layers: x [B@batch, T, d] each
         let mut aux: Option<Array> = None;
         let mut loads = Vec::new();
         for (i, layer) in w.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().and_then(|k| k.slot(i));
-            x = layer.forward(cx, &x, c, &mut aux, &mut loads, slot)?;
+            x = layer.forward(cx, &x, (c, i), &mut aux, &mut loads, slot)?;
         }
         // the final norm
-        let x = nn::rms_norm(cx, &x, w.norm, c.normalization_layer_epsilon)?;
+        let x = nn::norm(
+            cx,
+            &x,
+            w.norm,
+            c.normalization_layer_epsilon,
+            c.norm_plus_one,
+        )?;
         Ok((x, table, aux, loads))
     }
 }
@@ -411,7 +437,6 @@ impl Decoder {
 mod tests {
     use super::*;
     use crate::moe::RouterScore;
-    use crate::params::{HfLayout, Init};
 
     fn tiny_moe_mla() -> Config {
         let mut c = Config::preset("qwen3-tiny").unwrap();
@@ -439,6 +464,7 @@ mod tests {
             groups: GroupLimit::default(),
             routed_bias: false,
             withhold_tags: false,
+            ..MoeSettings::default()
         });
         c
     }
@@ -559,28 +585,5 @@ mod tests {
             find("model.norm.weight"),
             vec![("model.norm.weight".to_string(), vec![128])]
         );
-    }
-
-    /// `to_hf` against indices written out by hand, and `from_hf` inverts it.
-    #[test]
-    fn experts_unstack_transposed_and_come_back() {
-        let info = ParamInfo {
-            name: "x".into(),
-            shape: vec![2, 3, 4],
-            logical: vec![None; 3],
-            init: Init::Ones,
-            hf: HfLayout::Experts {
-                prefix: "p".into(),
-                suffix: "w".into(),
-            },
-        };
-        let v = ferrotext_tensor::Tensor::from_fn(&[2, 3, 4], |i| i as f32);
-        let parts = info.to_hf(&v).unwrap();
-        assert_eq!(parts[1].0, "p.1.w");
-        assert_eq!(parts[1].1.shape(), &[4, 3]);
-        // HF[e=1][o=2][i=1] = ours[e=1][i=1][o=2] = 12 + 4 + 2.
-        assert_eq!(parts[1].1.data()[2 * 3 + 1], 18.0);
-        let tensors: Vec<_> = parts.into_iter().map(|(_, t)| t).collect();
-        assert_eq!(info.from_hf(tensors).unwrap(), v);
     }
 }
