@@ -177,8 +177,13 @@ pub(super) fn gemma_json(cfg: &Config) -> Value {
     merged(&[
         gqa_json(cfg, 8192),
         json!({
+            "hidden_act": "gelu_pytorch_tanh",
             "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar.map(num),
+            // An int in transformers' class (5.x validates the type).
+            "query_pre_attn_scalar": cfg.query_pre_attn_scalar.map(|q| match q.fract() {
+                0.0 => json!(q as u64),
+                _ => num(q),
+            }),
             "sliding_window": window.map(|w| w.size),
             "layer_types": layer_types_json(cfg),
             "attn_logit_softcapping": cfg.attn_logit_softcapping.map(num),
