@@ -2,10 +2,11 @@
 //!
 //! A HF directory holds `config.json` (the model's `model_type` and dimensions) and its weights
 //! as one `model.safetensors`, or as shards listed by `model.safetensors.index.json`.
-//! [`read_config`] maps `config.json` to the decoder's [`Config`] (`qwen3`, `qwen3_moe`,
-//! `deepseek_v3`, `llama`, `qwen2`, as transformers 4.x or 5 writes them; anything else is
-//! refused in one error naming it, and so is every key whose value asks for math the decoder
-//! does not do: [`key_use`] says what happens to each key), [`load_directory`] reads
+//! [`read_config`] maps `config.json` to the decoder's [`Config`] through the file of its
+//! family (`family/<model_type>.rs`: `qwen3`, `qwen3_moe`, `deepseek_v3`, `llama`, `qwen2`, as
+//! transformers 4.x or 5 writes them; see [`ModelType::all`]; anything else is refused in one
+//! error naming it, and so is every key whose value asks for math the decoder does not do:
+//! [`key_use`] says what happens to each key), [`load_directory`] reads
 //! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
 //! the same layout back (a checkpoint's export lives in `ferrotext-train`, which knows
 //! checkpoints). Every file is opened by `ferrotext_files`' rule (no FIFO,
@@ -33,17 +34,17 @@
 //! [`Config`]: ferrotext_models::decoder::Config
 //! [`ParamInfo::hf`]: ferrotext_models::ParamInfo::hf
 
-mod config;
 mod convert;
 mod error;
+mod family;
 mod read;
 mod write;
 
-pub use config::{
+pub use error::HfError;
+pub use family::{
     class_defaults, config_from_json, hf_config_json, key_use, listed_keys, read_config, KeyUse,
     ModelType,
 };
-pub use error::HfError;
 pub use read::{load_directory, load_file};
 pub use write::{save_directory, selection_bias, DEFAULT_SHARD_BYTES};
 

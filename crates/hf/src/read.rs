@@ -15,6 +15,7 @@ use safetensors::SafeTensors;
 use super::convert::{self, NonFinite, Stored};
 use super::{listed, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE};
 use crate::error::HfError;
+use crate::family::no_rename;
 
 /// Loads every parameter of `infos` from the HF directory `dir`, each from the HF tensors its
 /// [`ParamInfo::hf_tensors`] names, converted to f32.
@@ -37,7 +38,8 @@ pub fn load_directory(dir: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, Hf
         path: dir.display().to_string(),
         reason,
     })?;
-    load_files(dir, dir, &files, index, "config.json", infos)
+    let rename = crate::family::checkpoint_names(dir);
+    load_files(dir, dir, &files, index, ("config.json", rename), infos)
 }
 
 /// Loads every parameter of `infos` from one safetensors file (a ferrotext parameter file, or
@@ -58,11 +60,12 @@ pub fn load_file(path: &Path, infos: &[ParamInfo]) -> Result<Vec<Tensor>, HfErro
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    load_files(path, dir, &[name], None, "the model", infos)
+    load_files(path, dir, &[name], None, ("the model", no_rename), infos)
 }
 
 /// The load itself: `files` of `dir` (with the index's name → file map when sharded); errors
-/// name `origin`; `model` names where the expected shapes come from.
+/// name `origin`; `model` names where the expected shapes come from, and `rename` gives the
+/// stored name of each declared HF name (the family's, `None`: the same).
 ///
 /// Every check runs before anything is converted: the files mapped and their headers parsed,
 /// the index against the shards, the names (missing and unexpected listed together), every
@@ -72,7 +75,7 @@ fn load_files(
     dir: &Path,
     files: &[String],
     index: Option<BTreeMap<String, String>>,
-    model: &str,
+    (model, rename): (&str, fn(&str) -> Option<String>),
     infos: &[ParamInfo],
 ) -> Result<Vec<Tensor>, HfError> {
     let err = |reason: String| HfError::Params {
@@ -84,7 +87,15 @@ fn load_files(
     let shards = parse_headers(&maps, files).map_err(err)?;
     let located = locate(&shards, files, index.as_ref()).map_err(err)?;
     // 2. names: what the model needs against what the directory has, listed together
-    let wanted: Vec<Vec<(String, Vec<usize>)>> = infos.iter().map(ParamInfo::hf_tensors).collect();
+    let wanted: Vec<Vec<(String, Vec<usize>)>> = infos
+        .iter()
+        .map(|i| {
+            i.hf_tensors()
+                .into_iter()
+                .map(|(n, shape)| (rename(&n).unwrap_or(n), shape))
+                .collect()
+        })
+        .collect();
     let place = match (&index, files.first()) {
         (Some(_), _) => INDEX_FILE,
         (None, Some(file)) => file.as_str(),

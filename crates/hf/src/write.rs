@@ -10,9 +10,7 @@ use ferrotext_sharding::DType;
 use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::{
-    hf_config_json, ModelType, CONFIG_FILE, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE,
-};
+use super::{hf_config_json, ModelType, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
 use crate::error::HfError;
 
 /// HF's default `max_shard_size` (5 GB): above it, weights are split into shards.
@@ -209,6 +207,7 @@ fn write_into(
     for (info, value) in infos.iter().zip(values) {
         let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
+            let name = (kind.family().rename)(&name).unwrap_or(name);
             tensors.push((name, t.shape().to_vec(), stored.encode(t.data())));
         }
         if let Some((name, shape)) = selection_bias(kind, info, infos) {
@@ -238,26 +237,15 @@ fn write_into(
     Ok(())
 }
 
-/// The tensor HF stores after `info` that no ferrotext parameter holds: for `deepseek_v3`, each
-/// router's selection bias `mlp.gate.e_score_correction_bias` (`[n_routed_experts]`), which
-/// `DeepseekV3TopkRouter` adds to the sigmoid scores to pick the top-k experts (`noaux_tc`) and
-/// its checkpoints carry. A model with `routed_bias` declares it among `all` (then it is written
-/// as that parameter, and this returns `None`); one without has no such bias, and it is written
-/// as zeros, under which both routers pick the same experts.
+/// The tensor HF stores after `info` that no ferrotext parameter holds (`all`: every
+/// parameter): for `deepseek_v3`, each router's selection bias
+/// `mlp.gate.e_score_correction_bias` (`[n_routed_experts]`), written as zeros when the model
+/// has no such bias (under which both routers pick the same experts); `None` for every other
+/// family, and for a model that declares the bias as a parameter.
 pub fn selection_bias(
     kind: ModelType,
     info: &ParamInfo,
     all: &[ParamInfo],
 ) -> Option<(String, Vec<usize>)> {
-    if kind != ModelType::DeepseekV3 {
-        return None;
-    }
-    let (name, shape) = info.hf_tensors().into_iter().next()?;
-    let layer = name.strip_suffix(ROUTER)?;
-    let experts = *shape.first()?;
-    let bias = format!("{layer}{SELECTION_BIAS}");
-    let declared = all
-        .iter()
-        .any(|p| p.hf_tensors().iter().any(|(n, _)| *n == bias));
-    (!declared).then(|| (bias, vec![experts]))
+    (kind.family().extra_tensor)(info, all)
 }

@@ -1,6 +1,6 @@
 //! DeepSeek-V3's pieces of the decoder: multi-head latent attention (DeepSeek-V2/V3, MaxText
 //! `attention_type: mla`) with its weights ([`Mla`]) and settings ([`MlaSettings`]). Its YaRN
-//! RoPE is [`ferrotext_tensor::Yarn`] (chosen by [`Config::rope`]) and its sigmoid router is
+//! RoPE is [`ferrotext_tensor::Yarn`] (chosen by `Config::rope`) and its sigmoid router is
 //! [`crate::moe::RouterScore::Sigmoid`]; its rotation pairs are interleaved or rotate-half as
 //! [`MlaSettings::rope_interleave`] says.
 //!
@@ -12,11 +12,10 @@
 use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::Rope;
 
-use crate::decoder::{matrix, norm_scale, Config};
 use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
 use crate::nn::{causal_attention, gather_sequence, linear, linear_named, rms_norm};
-use crate::params::ParamInfo;
+use crate::params::{matrix, norm_scale, ParamInfo};
 use crate::remat;
 
 /// Multi-head latent attention in place of GQA (DeepSeek; MaxText's MLA keys).
@@ -42,12 +41,15 @@ pub struct MlaSettings {
 /// MLA weights (`self_attn.*`, HF DeepSeek-V3 names), matrices `[in, out]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mla<W> {
-    /// `q_a_proj.weight` `[d, q_lora]`.
-    pub q_a_proj: W,
+    /// `q_proj.weight` `[d, heads·(nope+rope)]`: the queries in one projection, when there is
+    /// no query latent (`q_lora_rank` 0; DeepSeek-V2-Lite, Moonlight).
+    pub q_proj: Option<W>,
+    /// `q_a_proj.weight` `[d, q_lora]` (with a query latent; likewise the next two).
+    pub q_a_proj: Option<W>,
     /// `q_a_layernorm.weight` `[q_lora]`.
-    pub q_a_layernorm: W,
+    pub q_a_layernorm: Option<W>,
     /// `q_b_proj.weight` `[q_lora, heads·(nope+rope)]`.
-    pub q_b_proj: W,
+    pub q_b_proj: Option<W>,
     /// `kv_a_proj_with_mqa.weight` `[d, kv_lora + rope]`.
     pub kv_a_proj_with_mqa: W,
     /// `kv_a_layernorm.weight` `[kv_lora]`.
@@ -65,9 +67,10 @@ impl<W> Mla<W> {
         f: &mut impl FnMut(&W) -> Result<U, E>,
     ) -> Result<Mla<U>, E> {
         Ok(Mla {
-            q_a_proj: f(&self.q_a_proj)?,
-            q_a_layernorm: f(&self.q_a_layernorm)?,
-            q_b_proj: f(&self.q_b_proj)?,
+            q_proj: self.q_proj.as_ref().map(&mut *f).transpose()?,
+            q_a_proj: self.q_a_proj.as_ref().map(&mut *f).transpose()?,
+            q_a_layernorm: self.q_a_layernorm.as_ref().map(&mut *f).transpose()?,
+            q_b_proj: self.q_b_proj.as_ref().map(&mut *f).transpose()?,
             kv_a_proj_with_mqa: f(&self.kv_a_proj_with_mqa)?,
             kv_a_layernorm: f(&self.kv_a_layernorm)?,
             kv_b_proj: f(&self.kv_b_proj)?,
@@ -81,18 +84,31 @@ impl Mla<ParamInfo> {
     pub(crate) fn declare(prefix: &str, d: usize, heads: usize, m: &MlaSettings) -> Mla<ParamInfo> {
         let n = |s: &str| format!("{prefix}.{s}.weight");
         let (qk, v) = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim);
+        let (direct, latent) = (m.q_lora_rank == 0, m.q_lora_rank > 0);
         Mla {
-            q_a_proj: matrix(
-                n("q_a_proj"),
-                [d, m.q_lora_rank],
-                [Some("embed"), Some("q_lora")],
-            ),
-            q_a_layernorm: norm_scale(n("q_a_layernorm"), m.q_lora_rank, Some("q_lora")),
-            q_b_proj: matrix(
-                n("q_b_proj"),
-                [m.q_lora_rank, heads * qk],
-                [Some("q_lora"), Some("q_heads")],
-            ),
+            q_proj: direct.then(|| {
+                matrix(
+                    n("q_proj"),
+                    [d, heads * qk],
+                    [Some("embed"), Some("q_heads")],
+                )
+            }),
+            q_a_proj: latent.then(|| {
+                matrix(
+                    n("q_a_proj"),
+                    [d, m.q_lora_rank],
+                    [Some("embed"), Some("q_lora")],
+                )
+            }),
+            q_a_layernorm: latent
+                .then(|| norm_scale(n("q_a_layernorm"), m.q_lora_rank, Some("q_lora"))),
+            q_b_proj: latent.then(|| {
+                matrix(
+                    n("q_b_proj"),
+                    [m.q_lora_rank, heads * qk],
+                    [Some("q_lora"), Some("q_heads")],
+                )
+            }),
             kv_a_proj_with_mqa: matrix(
                 n("kv_a_proj_with_mqa"),
                 [d, m.kv_lora_rank + m.qk_rope_head_dim],
@@ -110,43 +126,6 @@ impl Mla<ParamInfo> {
                 [Some("q_heads"), Some("embed")],
             ),
         }
-    }
-}
-
-impl Mla<&Array> {
-    /// MLA self-attention of `h: [B@batch, T, d]` under `c`'s dims (see [`mla_attention`]).
-    pub(crate) fn forward(
-        &self,
-        cx: &mut Ctx<'_>,
-        h: &Array,
-        c: &Config,
-        cache: Option<&mut KvSlot>,
-        docs: Option<&Documents>,
-    ) -> Result<Array, SpmdError> {
-        let m = c.mla.ok_or(SpmdError::MissingSettings {
-            op: "mla",
-            block: "MLA",
-        })?;
-        let w = MlaWeights {
-            wq_a: self.q_a_proj,
-            q_norm: self.q_a_layernorm,
-            wq_b: self.q_b_proj,
-            wkv_a: self.kv_a_proj_with_mqa,
-            kv_norm: self.kv_a_layernorm,
-            wkv_b: self.kv_b_proj,
-            out: self.o_proj,
-        };
-        let dims = MlaDims {
-            heads: c.base_num_query_heads,
-            q_lora_rank: m.q_lora_rank,
-            kv_lora_rank: m.kv_lora_rank,
-            qk_nope_head_dim: m.qk_nope_head_dim,
-            qk_rope_head_dim: m.qk_rope_head_dim,
-            v_head_dim: m.v_head_dim,
-            eps: c.normalization_layer_epsilon,
-            rope: c.rope(),
-        };
-        mla_attention(cx, h, &w, dims, cache, docs)
     }
 }
 
@@ -171,14 +150,25 @@ pub struct MlaDims {
     pub rope: Rope,
 }
 
+/// How an MLA block makes its queries (`[in, out]` matrices; HF names in brackets).
+pub enum MlaQueries<'a> {
+    /// Through a latent with its own RMSNorm (DeepSeek-V2/V3).
+    Latent {
+        /// `[d, q_lora]` (`q_a_proj`).
+        wq_a: &'a Array,
+        /// `[q_lora]` (`q_a_layernorm`).
+        q_norm: &'a Array,
+        /// `[q_lora, heads·(nope+rope)]` (`q_b_proj`).
+        wq_b: &'a Array,
+    },
+    /// In one projection `[d, heads·(nope+rope)]` (`q_proj`; `q_lora_rank: null`).
+    Direct(&'a Array),
+}
+
 /// The weights of one MLA block (`[in, out]` matrices; HF DeepSeek names in brackets).
 pub struct MlaWeights<'a> {
-    /// `[d, q_lora]` (`q_a_proj`).
-    pub wq_a: &'a Array,
-    /// `[q_lora]` (`q_a_layernorm`).
-    pub q_norm: &'a Array,
-    /// `[q_lora, heads·(nope+rope)]` (`q_b_proj`).
-    pub wq_b: &'a Array,
+    /// The queries' projections.
+    pub queries: MlaQueries<'a>,
     /// `[d, kv_lora + rope]` (`kv_a_proj_with_mqa`).
     pub wkv_a: &'a Array,
     /// `[kv_lora]` (`kv_a_layernorm`).
@@ -212,10 +202,15 @@ pub fn mla_attention(
         dims.qk_rope_head_dim,
         dims.v_head_dim,
     );
-    // 1. queries through their latent: [B, T, H, nope | rope]
-    let cq = linear(cx, x, w.wq_a)?;
-    let cq = rms_norm(cx, &cq, w.q_norm, dims.eps)?;
-    let q = linear_named(cx, &cq, w.wq_b, remat::QUERY_PROJ)?;
+    // 1. queries, through their latent or not: [B, T, H, nope | rope]
+    let q = match w.queries {
+        MlaQueries::Latent { wq_a, q_norm, wq_b } => {
+            let cq = linear(cx, x, wq_a)?;
+            let cq = rms_norm(cx, &cq, q_norm, dims.eps)?;
+            linear_named(cx, &cq, wq_b, remat::QUERY_PROJ)?
+        }
+        MlaQueries::Direct(wq) => linear_named(cx, x, wq, remat::QUERY_PROJ)?,
+    };
     let q = cx.reshape(&q, &[b, t, h, nope + rope], None)?;
     let start = cache.as_ref().map_or(0, |c| c.len());
     // RoPE on each head's tail only: the bits of slicing `rope` off, rotating it and

@@ -93,6 +93,8 @@ pub struct MoeWeights {
     pub wo: Array,
     /// Shared experts as one SwiGLU: gate `[d, s]`, up `[d, s]`, down `[s, d]`.
     pub shared: Option<[Array; 3]>,
+    /// The shared experts' gate `[d, 1]`: their output times `sigmoid(x·gate)` (Qwen2-MoE).
+    pub shared_gate: Option<Array>,
 }
 
 /// Diagnostics.
@@ -207,6 +209,7 @@ fn weight_list(w: &MoeWeights) -> Vec<Array> {
     if let Some(shared) = &w.shared {
         list.extend(shared.iter().cloned());
     }
+    list.extend(w.shared_gate.iter().cloned());
     list
 }
 
@@ -278,7 +281,11 @@ pub fn moe_sparse(
         }
     }
     let out_spec = x.ty().sharding().spec().clone();
-    let has_shared = weights.shared.is_some();
+    let has_shared = match (&weights.shared, &weights.shared_gate) {
+        (None, _) => Shared::None,
+        (Some(_), None) => Shared::Plain,
+        (Some(_), Some(_)) => Shared::Gated,
+    };
     let bias = weights.router_bias.clone();
     let ep: Vec<&str> = ep_axes.iter().map(String::as_str).collect();
     let with_loss = config.load_balance_loss_weight > 0.0;
@@ -329,6 +336,14 @@ fn gather_except(cx: &mut Ctx<'_>, w: &Array, keep_dim0: bool) -> Result<Array, 
     }
 }
 
+/// The shared experts of a block: none, a plain SwiGLU, or one gated by `sigmoid(x·g)`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shared {
+    None,
+    Plain,
+    Gated,
+}
+
 /// What [`sparse_body`] returns on one device: the output, the load-balance loss (when on),
 /// the expert loads (none in abstract mode).
 type BodyOut = (Array, Option<Array>, Option<Vec<f32>>);
@@ -342,7 +357,7 @@ fn sparse_body(
     config: &MoeConfig,
     x: &Array,
     w: &[Array],
-    has_shared: bool,
+    has_shared: Shared,
     bias: Option<&[f32]>,
     ep_axes: &[&str],
     sequences: usize,
@@ -420,7 +435,7 @@ fn sparse_body(
     let gates = cx.cast(&gates, copies.ty().dtype())?;
     let weighted = cx.mul(&copies, &gates)?;
     let mut y = cx.reduce_sum(&weighted, &[1], None)?;
-    if has_shared {
+    if has_shared != Shared::None {
         let dtype = xf.ty().dtype();
         let (wg, wu, wo) = (
             cx.cast(&w[4], dtype)?,
@@ -430,7 +445,17 @@ fn sparse_body(
         let g = cx.matmul(&xf, &wg, None)?;
         let u = cx.matmul(&xf, &wu, None)?;
         let a = cx.swiglu(&g, &u)?;
-        let s = cx.matmul(&a, &wo, None)?;
+        let mut s = cx.matmul(&a, &wo, None)?;
+        if has_shared == Shared::Gated {
+            // sigmoid(x·gate) [n, 1] on every row of the shared output [n, d]
+            let gate = cx.cast(&w[7], dtype)?;
+            let z = cx.dot_general_preferred(&xf, &gate, &DotDims::matmul(2), None, DType::F32)?;
+            let z = cx.unary(UnaryOp::Sigmoid, &z)?;
+            let z = cx.reshape(&z, &[n], None)?;
+            let z = cx.broadcast_in_dim(&z, &[n, d], &[0], None)?;
+            let z = cx.cast(&z, s.ty().dtype())?;
+            s = cx.mul(&s, &z)?;
+        }
         y = cx.add(&y, &s)?;
     }
     Ok((cx.reshape(&y, &shape, None)?, loss, load))
@@ -652,7 +677,16 @@ pub fn moe_dense(
         invariant: "no experts",
     })?;
     if let Some([gate, up, down]) = &weights.shared {
-        let s = crate::nn::swiglu(cx, x, gate, up, down)?;
+        let mut s = crate::nn::swiglu(cx, x, gate, up, down)?;
+        if let Some(g) = &weights.shared_gate {
+            let z = crate::nn::linear_to(cx, x, g, DType::F32)?;
+            let z = cx.unary(UnaryOp::Sigmoid, &z)?;
+            let z = cx.reshape(&z, &shape[..rank - 1], None)?;
+            let dims: Vec<usize> = (0..rank - 1).collect();
+            let z = cx.broadcast_in_dim(&z, &shape, &dims, None)?;
+            let z = cx.cast(&z, s.ty().dtype())?;
+            s = cx.mul(&s, &z)?;
+        }
         y = cx.add(&y, &s)?;
     }
     Ok(MoeOutput {

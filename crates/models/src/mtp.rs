@@ -37,9 +37,10 @@
 use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, IGNORE_INDEX};
 
-use crate::decoder::{matrix, norm_scale, Config, DecoderLayer, ExpertLoads};
-use crate::nn::{linear, rms_norm, ActivationLayout};
-use crate::params::{HfLayout, Init, ParamInfo};
+use crate::decoder::config::{Config, ExpertLoads};
+pub use crate::decoder::weights::Mtp;
+use crate::nn::{linear, rms_norm, unsplit, ActivationLayout};
+use crate::params::ParamInfo;
 
 /// The MTP settings of `c` checked (what [`Decoder::new`](crate::decoder::Decoder::new) runs).
 ///
@@ -60,86 +61,6 @@ pub fn check(c: &Config) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// The weights of a depth-1 MTP module (`model.layers.{L}.*`, HF names), matrices `[in, out]`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Mtp<W> {
-    /// `embed_tokens.weight` `[vocab, d]` (the published layer's copy of the embedding).
-    pub embed_tokens: W,
-    /// `enorm.weight` `[d]`: the RMSNorm of the next token's embedding.
-    pub enorm: W,
-    /// `hnorm.weight` `[d]`: the RMSNorm of the main model's hidden state.
-    pub hnorm: W,
-    /// `eh_proj.weight` `[2d, d]`.
-    pub eh_proj: W,
-    /// The decoder layer (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`).
-    pub layer: DecoderLayer<W>,
-    /// `shared_head.norm.weight` `[d]`.
-    pub shared_head_norm: W,
-    /// `shared_head.head.weight` `[d, vocab]`.
-    pub shared_head_head: W,
-}
-
-impl<W> Mtp<W> {
-    /// This structure with every weight replaced by `f(weight)`, in field order (the flat order
-    /// of [`Mtp::declare`]'s parameters).
-    ///
-    /// # Errors
-    /// The first error of `f`.
-    pub fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<Mtp<U>, E> {
-        Ok(Mtp {
-            embed_tokens: f(&self.embed_tokens)?,
-            enorm: f(&self.enorm)?,
-            hnorm: f(&self.hnorm)?,
-            eh_proj: f(&self.eh_proj)?,
-            layer: self.layer.try_map(f)?,
-            shared_head_norm: f(&self.shared_head_norm)?,
-            shared_head_head: f(&self.shared_head_head)?,
-        })
-    }
-}
-
-impl Mtp<ParamInfo> {
-    /// The declarations of `c`'s MTP layer, `model.layers.{num layers}.*`.
-    pub fn declare(c: &Config) -> Mtp<ParamInfo> {
-        let i = c.base_num_decoder_layers;
-        let l = |s: &str| format!("model.layers.{i}.{s}");
-        let d = c.base_emb_dim;
-        let embed = l("embed_tokens.weight");
-        Mtp {
-            embed_tokens: ParamInfo {
-                hf: HfLayout::Tensor {
-                    name: embed.clone(),
-                    transposed: false,
-                },
-                name: embed,
-                shape: vec![c.vocab_size, d],
-                logical: vec![Some("vocab"), Some("embed")],
-                init: Init::Normal { std: 0.02 },
-            },
-            enorm: norm_scale(l("enorm.weight"), d, Some("norm")),
-            hnorm: norm_scale(l("hnorm.weight"), d, Some("norm")),
-            eh_proj: matrix(l("eh_proj.weight"), [2 * d, d], [None, Some("embed")]),
-            layer: DecoderLayer::declare(c, i),
-            shared_head_norm: norm_scale(l("shared_head.norm.weight"), d, Some("norm")),
-            shared_head_head: matrix(
-                l("shared_head.head.weight"),
-                [d, c.vocab_size],
-                [Some("embed"), Some("vocab")],
-            ),
-        }
-    }
-
-    /// Every parameter, in [`Mtp::try_map`] order.
-    pub fn params(&self) -> Vec<ParamInfo> {
-        let mut out = Vec::new();
-        let Ok(_) = self.try_map(&mut |p| {
-            out.push(p.clone());
-            Ok::<(), std::convert::Infallible>(())
-        });
-        out
-    }
 }
 
 /// The parameter count of `c`'s MTP module (0 without it).
@@ -225,7 +146,7 @@ impl Mtp<&Array> {
         let eps = c.normalization_layer_epsilon;
         // 1. x = eh_proj · [enorm(Emb(next)); hnorm(h)]: [B@batch, T, 2d] → [B@batch, T, d]
         //    (the table gathered first if it is split, as the main embedding is)
-        let table = crate::decoder::unsplit(cx, self.embed_tokens)?;
+        let table = unsplit(cx, self.embed_tokens)?;
         let e = cx.take(&table, next)?;
         // The embedding rows in the main model's compute dtype (bf16 under `dtype=bfloat16`).
         let e = cx.cast(&e, hidden.ty().dtype())?;
@@ -236,9 +157,10 @@ impl Mtp<&Array> {
         // 2. the decoder layer (its MoE loads and auxiliary loss are not the main model's:
         //    dropped)
         let (mut aux, mut loads) = (None, Vec::new());
+        let i = c.base_num_decoder_layers;
         let y = self
             .layer
-            .forward(cx, &x, c, &mut aux, &mut loads, None, None)?;
+            .forward(cx, &x, (c, i), &mut aux, &mut loads, None, None)?;
         // 3. the shared head [B@batch, T, vocab], whole vocab rows, and the cross-entropy
         //    against the tokens two ahead
         let y = rms_norm(cx, &y, self.shared_head_norm, eps)?;

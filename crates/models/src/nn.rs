@@ -1,10 +1,12 @@
-//! Layers shared by the model families: linear maps (with an optional bias), RMSNorm, GQA
-//! attention (QK-norm and q/k/v biases as the family has them) with RoPE, the SwiGLU MLP. Each is a function of `spmd` arrays; shardings come from the operands
+//! Layers shared by the model families: linear maps (with an optional bias), RMSNorm (`w` or
+//! `1 + w`), GQA attention (QK-norm per head or over all heads, biases, scale, soft-cap and
+//! sliding window as the family has them) with RoPE, the gated MLP (SwiGLU or GeGLU). Each is a
+//! function of `spmd` arrays; shardings come from the operands
 //! ([`linear`] keeps the activation's layout and settles what the weight's split requires).
 
 use ferrotext_sharding::{DType, DimSpec, PartitionSpec};
-use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
-use ferrotext_tensor::{DotDims, Rope};
+use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError, UnaryOp};
+use ferrotext_tensor::{DotDims, Rope, Tensor};
 
 use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
@@ -183,6 +185,26 @@ pub fn rms_norm(cx: &mut Ctx<'_>, x: &Array, scale: &Array, eps: f32) -> Result<
     cx.rms_norm(x, &scale, eps)
 }
 
+/// [`rms_norm`] with the scale applied as `1 + scale` when `plus_one` (Gemma's norms, whose
+/// weights are stored so): the shift is an op on the `[n]` scale, so the scale's gradient is the
+/// same as [`rms_norm`]'s.
+///
+/// # Errors
+/// The rms_norm type errors.
+pub fn norm(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    scale: &Array,
+    eps: f32,
+    plus_one: bool,
+) -> Result<Array, SpmdError> {
+    if !plus_one {
+        return rms_norm(cx, x, scale, eps);
+    }
+    let shifted = cx.unary(UnaryOp::Shift(1.0), scale)?;
+    rms_norm(cx, x, &shifted, eps)
+}
+
 /// Attention hyper-parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDims {
@@ -196,6 +218,12 @@ pub struct AttentionDims {
     pub rope: Rope,
     /// RMSNorm epsilon of the QK-norm.
     pub eps: f32,
+    /// The scale on `q·k`, the logits' soft-cap and the sliding window.
+    pub spec: AttentionSpec,
+    /// The QK-norm's scales apply as `1 + w` (Gemma 3).
+    pub norm_plus_one: bool,
+    /// The QK-norm is over all heads at once, before they are split (OLMo 2).
+    pub qk_norm_all_heads: bool,
 }
 
 /// The weights of one GQA attention block (`[in, out]` matrices; biases and QK-norm scales as
@@ -215,6 +243,8 @@ pub struct AttentionWeights<'a> {
     pub v_bias: Option<&'a Array>,
     /// `[heads·head_dim, d]`.
     pub o_proj: &'a Array,
+    /// `[d]` (`attention_bias`).
+    pub o_bias: Option<&'a Array>,
     /// `[head_dim]` RMSNorm scale of the queries (QK-norm, Qwen3).
     pub q_norm: Option<&'a Array>,
     /// `[head_dim]` RMSNorm scale of the keys.
@@ -238,22 +268,27 @@ pub fn attention(
 ) -> Result<Array, SpmdError> {
     let (b, t) = (x.shape()[0], x.shape()[1]);
     let (h, kv, hd) = (dims.heads, dims.kv_heads, dims.head_dim);
-    // 1. projections: q [B, T, H, hd], k/v [B, T, KV, hd] (heads split over `tensor` if any)
+    // 1. projections, q [B, T, H·hd], k/v [B, T, KV·hd] (heads split over `tensor` if any);
+    //    a QK-norm over all heads (OLMo 2) runs here, on whole rows
     let q = linear_bias(cx, x, w.q_proj, w.q_bias, remat::QUERY_PROJ)?;
-    let q = cx.reshape(&q, &[b, t, h, hd], None)?;
     let k = linear_bias(cx, x, w.k_proj, w.k_bias, remat::KEY_PROJ)?;
-    let k = cx.reshape(&k, &[b, t, kv, hd], None)?;
     let v = linear_bias(cx, x, w.v_proj, w.v_bias, remat::VALUE_PROJ)?;
+    let all_heads = |cx: &mut Ctx<'_>, y: Array, scale: Option<&Array>| match scale {
+        Some(s) if dims.qk_norm_all_heads => whole_rows_norm(cx, &y, s, dims.eps),
+        _ => Ok(y),
+    };
+    let q = all_heads(cx, q, w.q_norm)?;
+    let k = all_heads(cx, k, w.k_norm)?;
+    let q = cx.reshape(&q, &[b, t, h, hd], None)?;
+    let k = cx.reshape(&k, &[b, t, kv, hd], None)?;
     let v = cx.reshape(&v, &[b, t, kv, hd], None)?;
-    // 2. QK-norm (when the family has it), then RoPE (rotate-half)
-    let q = match w.q_norm {
-        Some(scale) => rms_norm(cx, &q, scale, dims.eps)?,
-        None => q,
+    // 2. a per-head QK-norm (when the family has it), then RoPE (rotate-half)
+    let per_head = |cx: &mut Ctx<'_>, y: Array, scale: Option<&Array>| match scale {
+        Some(s) if !dims.qk_norm_all_heads => norm(cx, &y, s, dims.eps, dims.norm_plus_one),
+        _ => Ok(y),
     };
-    let k = match w.k_norm {
-        Some(scale) => rms_norm(cx, &k, scale, dims.eps)?,
-        None => k,
-    };
+    let q = per_head(cx, q, w.q_norm)?;
+    let k = per_head(cx, k, w.k_norm)?;
     let start = cache.as_ref().map_or(0, |c| c.len());
     let rope = Rope {
         interleaved: false,
@@ -275,7 +310,6 @@ pub fn attention(
         None => (k, v),
     };
     let s = k.shape()[1];
-    let scale = 1.0 / (hd as f32).sqrt();
     // 4–5. Training (no cached positions): the tiled op reads each kv head for its group of
     // query heads in place and keeps no T×T scores; the composition below computes the same
     // within rounding (it is what a key/value cache decodes with). Under context parallelism
@@ -283,9 +317,9 @@ pub fn attention(
     let (gk, gv) = (gather_sequence(cx, &k)?, gather_sequence(cx, &v)?);
     if s == t && cx.attention_fits(&q, &gk, &gv) {
         let positions = docs.map(|d| &d.positions);
-        let out = cx.attention(&q, &gk, &gv, &AttentionSpec::causal(scale), positions)?;
+        let out = cx.attention(&q, &gk, &gv, &dims.spec, positions)?;
         let out = cx.reshape(&out, &[b, t, h * hd], None)?;
-        return linear_named(cx, &out, w.o_proj, remat::OUT_PROJ);
+        return linear_bias(cx, &out, w.o_proj, w.o_bias, remat::OUT_PROJ);
     }
     if docs.is_some() {
         return Err(packed_needs_tiled(&q));
@@ -302,9 +336,9 @@ pub fn attention(
             cx.reshape(&v5, &[b, s, h, hd], None)?,
         )
     };
-    // 5. causal attention with the usual 1/√hd scale, then o_proj
-    let out = causal_attention(cx, &q, &k, &v, scale)?;
-    linear_named(cx, &out, w.o_proj, remat::OUT_PROJ)
+    // 5. causal attention (windowed and soft-capped as the spec says), then o_proj
+    let out = spec_attention(cx, &q, &k, &v, &dims.spec)?;
+    linear_bias(cx, &out, w.o_proj, w.o_bias, remat::OUT_PROJ)
 }
 
 /// Packed documents need the tiled attention op (the composition has no document mask).
@@ -317,6 +351,89 @@ pub(crate) fn packed_needs_tiled(q: &Array) -> SpmdError {
             .into(),
         got: q.ty().to_string(),
     }
+}
+
+/// RMSNorm of `y` (`[B, T, n]`) over whole rows with `scale` (`[n]`): the rows gathered first
+/// when their last dim is split (under tensor parallelism the statistic needs every head), laid
+/// out again as they came.
+fn whole_rows_norm(
+    cx: &mut Ctx<'_>,
+    y: &Array,
+    scale: &Array,
+    eps: f32,
+) -> Result<Array, SpmdError> {
+    let spec = y.ty().sharding().spec().clone();
+    let last = y.ty().rank() - 1;
+    if spec.dim(last).axis_names().is_empty() {
+        return rms_norm(cx, y, scale, eps);
+    }
+    let mut dims: Vec<DimSpec> = (0..last).map(|d| spec.dim(d).clone()).collect();
+    dims.push(DimSpec::Replicated);
+    let whole = cx.reshard(y, &spec.with_partitions(dims)?)?;
+    let normed = rms_norm(cx, &whole, scale, eps)?;
+    cx.reshard(&normed, &spec)
+}
+
+/// [`causal_attention`] as `spec` says: its scale, and when set its soft-cap and sliding
+/// window, composed from products, a mask and a softmax (the key/value cache's path; the tiled
+/// op computes the same in training).
+///
+/// # Errors
+/// Any type error of the ops.
+pub fn spec_attention(
+    cx: &mut Ctx<'_>,
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    spec: &AttentionSpec,
+) -> Result<Array, SpmdError> {
+    if spec.softcap.is_none() && spec.window.is_none() {
+        return causal_attention(cx, q, k, v, spec.scale);
+    }
+    let (b, t, h, vd) = (q.shape()[0], q.shape()[1], v.shape()[2], v.shape()[3]);
+    let s = k.shape()[1];
+    // scores [B, H, T, S] in f32, scaled, soft-capped
+    let qk = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![3],
+        lhs_batch: vec![0, 2],
+        rhs_batch: vec![0, 2],
+    };
+    let scores = cx.dot_general_preferred(q, k, &qk, None, DType::F32)?;
+    let mut logits = cx.scale(&scores, spec.scale)?;
+    if let Some(cap) = spec.softcap {
+        logits = cx.unary(UnaryOp::Softcap(cap), &logits)?;
+    }
+    // the mask: query `i` (position S − T + i) sees keys `j ≤ S − T + i` within the window
+    let ty = cx.array_type(
+        logits.ty().shape(),
+        logits.ty().sharding().spec().without_tags(),
+    )?;
+    let shard = ty.shard_shape();
+    let window = spec.window.unwrap_or(usize::MAX);
+    let mask = Tensor::from_fn(&shard, |at| {
+        let (i, j) = ((at / s) % t, at % s);
+        let pos = s - t + i;
+        if j <= pos && pos - j < window {
+            0.0
+        } else {
+            f32::NEG_INFINITY
+        }
+    });
+    let mask = cx.from_local(ty, mask)?;
+    let logits = cx.add(&logits, &mask)?;
+    let probs = cx.softmax(&logits)?;
+    let probs = cx.cast(&probs, v.ty().dtype())?;
+    // out [B, H, T, vd] = probs·v → [B, T, H·vd]
+    let pv = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![1],
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+    };
+    let out = cx.dot_general(&probs, v, &pv, None)?;
+    let out = cx.transpose(&out, &[0, 2, 1, 3])?;
+    cx.reshape(&out, &[b, t, h * vd], None)
 }
 
 /// The heads' causal attention: `q` `[B, T, H, qk]`, `k` `[B, S, H, qk]` and `v`
@@ -370,4 +487,46 @@ pub fn swiglu(
     let u = linear_named(cx, x, up, remat::MLPWI_1)?;
     let a = cx.swiglu(&g, &u)?;
     linear_named(cx, &a, down, remat::MLPWO)
+}
+
+/// The weights of a gated MLP (`[in, out]` matrices, biases when the family has them).
+pub struct GluWeights<'a> {
+    /// `[d, f]` and its `[f]` bias.
+    pub gate: (&'a Array, Option<&'a Array>),
+    /// `[d, f]` and its `[f]` bias.
+    pub up: (&'a Array, Option<&'a Array>),
+    /// `[f, d]` and its `[d]` bias.
+    pub down: (&'a Array, Option<&'a Array>),
+}
+
+/// The gated MLP `(act(x·gate + b) ⊙ (x·up + b))·down + b`: SwiGLU (`gelu` false, the fused
+/// kernel) or GeGLU with the tanh GELU (`gelu` true).
+///
+/// # Errors
+/// Any type error of the ops.
+pub fn glu(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    w: &GluWeights<'_>,
+    gelu: bool,
+) -> Result<Array, SpmdError> {
+    let g = linear_bias(cx, x, w.gate.0, w.gate.1, remat::MLPWI_0)?;
+    let u = linear_bias(cx, x, w.up.0, w.up.1, remat::MLPWI_1)?;
+    let a = if gelu {
+        let g = cx.unary(UnaryOp::GeluTanh, &g)?;
+        cx.mul(&g, &u)?
+    } else {
+        cx.swiglu(&g, &u)?
+    };
+    linear_bias(cx, &a, w.down.0, w.down.1, remat::MLPWO)
+}
+
+/// `w` with every partition removed but its tags kept (an all-gather when it was split).
+pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
+    let spec = w.ty().sharding().spec();
+    if spec.partitions().iter().all(|p| p.is_replicated()) {
+        return Ok(w.clone());
+    }
+    let target = PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?;
+    cx.reshard(w, &target)
 }

@@ -318,9 +318,75 @@ pub fn init_normal(info: &ParamInfo, seed: u64, index: usize) -> Tensor {
     }
 }
 
+// The declaration helpers every weight map uses.
+
+/// A `[in, out]` matrix initialised `N(0, 1/in)`; HF stores it `[out, in]` under `name`.
+pub(crate) fn matrix(
+    name: String,
+    shape: [usize; 2],
+    logical: [Option<&'static str>; 2],
+) -> ParamInfo {
+    ParamInfo {
+        hf: HfLayout::Tensor {
+            name: name.clone(),
+            transposed: true,
+        },
+        name,
+        shape: shape.to_vec(),
+        logical: logical.to_vec(),
+        init: Init::FanIn,
+    }
+}
+
+/// An RMSNorm scale `[n]` of ones, as HF stores it.
+pub(crate) fn norm_scale(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
+    ParamInfo {
+        hf: HfLayout::Tensor {
+            name: name.clone(),
+            transposed: false,
+        },
+        name,
+        shape: vec![n],
+        logical: vec![logical],
+        init: Init::Ones,
+    }
+}
+
+/// A bias `[n]` of zeros, as HF stores it under `name`.
+pub(crate) fn bias(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
+    ParamInfo {
+        init: Init::Zeros,
+        ..norm_scale(name, n, logical)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `to_hf` against indices written out by hand, and `from_hf` inverts it.
+    #[test]
+    fn experts_unstack_transposed_and_come_back() {
+        let info = ParamInfo {
+            name: "x".into(),
+            shape: vec![2, 3, 4],
+            logical: vec![None; 3],
+            init: Init::Ones,
+            hf: HfLayout::Experts {
+                prefix: "p".into(),
+                suffix: "w".into(),
+            },
+        };
+        let v = ferrotext_tensor::Tensor::from_fn(&[2, 3, 4], |i| i as f32);
+        let parts = info.to_hf(&v).unwrap();
+        assert_eq!(parts[1].0, "p.1.w");
+        assert_eq!(parts[1].1.shape(), &[4, 3]);
+        // HF[e=1][o=2][i=1] = ours[e=1][i=1][o=2] = 12 + 4 + 2.
+        assert_eq!(parts[1].1.data()[2 * 3 + 1], 18.0);
+        let tensors: Vec<_> = parts.into_iter().map(|(_, t)| t).collect();
+        assert_eq!(info.from_hf(tensors).unwrap(), v);
+    }
+
     use ferrotext_tensor::with_kernel_pool;
 
     #[test]

@@ -3,7 +3,7 @@
 //! shapes of Llama 3.2 1B and Qwen2.5 0.5B as configs). Each is a [`Config`]; nothing here is checked until
 //! [`Decoder::new`](crate::decoder::Decoder::new).
 
-use crate::decoder::{Config, GroupLimit, MlaSettings, MoeSettings};
+use crate::decoder::{Config, MlaSettings, MoeSettings};
 use crate::moe::RouterScore;
 use ferrotext_tensor::{Llama3, Yarn};
 
@@ -111,25 +111,10 @@ impl Config {
     /// `qwen3-tiny`: CPU-sized, byte vocabulary, tied head; the base the other Qwen3 presets modify.
     fn qwen3_tiny() -> Config {
         Config {
-            vocab_size: 256,
-            base_emb_dim: 128,
-            base_num_decoder_layers: 2,
-            base_num_query_heads: 4,
-            base_num_kv_heads: 2,
-            head_dim: 32,
-            base_mlp_dim: 384,
             logits_via_embedding: true,
             rope_max_timescale: 1_000_000.0,
-            rope_llama3: None,
             qk_norm: true,
-            qkv_bias: false,
-            normalization_layer_epsilon: 1e-6,
-            z_loss_multiplier: 0.0,
-            moe: None,
-            mla: None,
-            rope_yarn: None,
-            mtp_num_layers: 0,
-            mtp_loss_scaling_factor: 0.1,
+            ..Config::default()
         }
     }
 
@@ -161,13 +146,6 @@ impl Config {
             base_num_kv_heads: 4,
             head_dim: 128,
             base_mlp_dim: 64,
-            logits_via_embedding: false,
-            rope_max_timescale: 10_000.0,
-            rope_llama3: None,
-            qk_norm: false,
-            qkv_bias: false,
-            normalization_layer_epsilon: 1e-6,
-            z_loss_multiplier: 0.0,
             moe: Some(MoeSettings {
                 num_experts: 16,
                 num_experts_per_tok: 8,
@@ -175,12 +153,9 @@ impl Config {
                 shared_experts: 1,
                 first_num_dense_layers: 3,
                 score: RouterScore::Sigmoid,
-                norm_topk_prob: true,
                 routed_scaling_factor: 2.5,
-                load_balance_loss_weight: 0.0,
-                groups: GroupLimit::default(),
                 routed_bias: true,
-                withhold_tags: false,
+                ..MoeSettings::default()
             }),
             mla: Some(MlaSettings {
                 q_lora_rank: 32,
@@ -198,26 +173,17 @@ impl Config {
                 mscale: 1.0,
                 attention_factor: 1.0,
             }),
-            mtp_num_layers: 0,
-            mtp_loss_scaling_factor: 0.1,
+            ..Config::default()
         }
     }
 
     /// The experts of `qwen3-moe-tiny`: 8 routed, top-2 softmax-routed, one shared, the first layer dense.
     fn qwen3_moe_tiny_experts() -> MoeSettings {
         MoeSettings {
-            num_experts: 8,
-            num_experts_per_tok: 2,
             moe_mlp_dim: 96,
             shared_experts: 1,
             first_num_dense_layers: 1,
-            score: RouterScore::Softmax,
-            norm_topk_prob: true,
-            routed_scaling_factor: 1.0,
-            load_balance_loss_weight: 0.0,
-            groups: GroupLimit::default(),
-            routed_bias: false,
-            withhold_tags: false,
+            ..MoeSettings::default()
         }
     }
 

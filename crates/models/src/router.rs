@@ -5,7 +5,8 @@
 //! 1. `choice = scores + bias`: the selection-only bias (`e_score_correction_bias`, state moved
 //!    by the aux-loss-free balancing, never a trained weight);
 //! 2. with `n_routing_groups = G > 1`, the `E` experts form `G` consecutive groups of `E/G`; a
-//!    group's score is the sum of its two best `choice` values, and only the `topk_routing_group`
+//!    group's score is the sum of its two best `choice` values (DeepSeek-V2's
+//!    `group_limited_greedy`: its best one, [`GroupScore::Max`]), and only the `topk_routing_group`
 //!    best groups stay eligible: the other experts' `choice` is set to **0** (transformers'
 //!    `masked_fill(.., 0.0)`, not −∞: an eligible expert whose biased score is negative can lose
 //!    to an ineligible one, as it does in transformers);
@@ -30,6 +31,18 @@ pub struct GroupLimit {
     pub n_routing_groups: usize,
     /// Groups a token may use (`topk_routing_group`).
     pub topk_routing_group: usize,
+    /// How a group is scored.
+    pub score: GroupScore,
+}
+
+/// How a group of experts is scored for the group limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GroupScore {
+    /// The sum of its two best choices (DeepSeek-V3's `noaux_tc`).
+    #[default]
+    TopTwoSum,
+    /// Its best choice (DeepSeek-V2's `group_limited_greedy`).
+    Max,
 }
 
 impl Default for GroupLimit {
@@ -37,6 +50,7 @@ impl Default for GroupLimit {
         GroupLimit {
             n_routing_groups: 1,
             topk_routing_group: 1,
+            score: GroupScore::TopTwoSum,
         }
     }
 }
@@ -63,7 +77,7 @@ impl GroupLimit {
                 "topk_routing_group ({tg}) must be between 1 and n_routing_groups ({g})"
             ));
         }
-        if g > 1 && experts / g < 2 {
+        if g > 1 && experts / g < 2 && self.score == GroupScore::TopTwoSum {
             return Err(format!(
                 "n_routing_groups ({g}) leaves {} expert(s) per group; a group is scored by its \
                  best two",
@@ -118,7 +132,13 @@ pub fn select_experts(
     if groups.is_active() && e > 0 {
         let (g, per) = (groups.n_routing_groups, e / groups.n_routing_groups);
         for row in choice.chunks_mut(e) {
-            let group_scores: Vec<f32> = row.chunks(per).map(best_two_sum).collect();
+            let group_scores: Vec<f32> = match groups.score {
+                GroupScore::TopTwoSum => row.chunks(per).map(best_two_sum).collect(),
+                GroupScore::Max => row
+                    .chunks(per)
+                    .map(|m| m.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+                    .collect(),
+            };
             let gs = Tensor::new(vec![g], group_scores)?;
             let (_, keep) = ferrotext_tensor::top_k(&gs, groups.topk_routing_group)?;
             for (group, members) in row.chunks_mut(per).enumerate() {
@@ -183,6 +203,7 @@ mod tests {
         let groups = GroupLimit {
             n_routing_groups: 4,
             topk_routing_group: 2,
+            ..GroupLimit::default()
         };
         let got = select_experts(&scores, 3, Some(&bias), groups).unwrap();
         // Token 0: choice = [.9 .1 | .5 .5 | .2 .2 | .2 .7]; group scores 1.0, 1.0, 0.4, 0.9 →
@@ -204,6 +225,7 @@ mod tests {
         let groups = GroupLimit {
             n_routing_groups: 2,
             topk_routing_group: 1,
+            ..GroupLimit::default()
         };
         // choice [.1 −.4 | .05 .05]: group scores −.3, .1 → group 1 only; masked [0 0 .05 .05];
         // top-3 = 2, 3 then expert 0 (a masked 0 beats nothing else; lower index wins the tie).
@@ -231,6 +253,7 @@ mod tests {
         let g = |n, t| GroupLimit {
             n_routing_groups: n,
             topk_routing_group: t,
+            ..GroupLimit::default()
         };
         assert!(g(3, 1).check(8, 2).unwrap_err().contains("divide the 8"));
         assert!(g(4, 5)

@@ -58,6 +58,7 @@ fn config(score: RouterScore) -> MoeConfig {
             RouterScore::Sigmoid => ferrotext_models::router::GroupLimit {
                 n_routing_groups: 2,
                 topk_routing_group: 1,
+                ..Default::default()
             },
             RouterScore::Softmax => ferrotext_models::router::GroupLimit::default(),
         },
@@ -160,6 +161,7 @@ fn run_on(layout: Layout, path: Path, score: RouterScore, tagged: bool, vals: &[
                 wi_1: p[3].clone(),
                 wo: p[4].clone(),
                 shared: Some([p[5].clone(), p[6].clone(), p[7].clone()]),
+                shared_gate: None,
             };
             let out = match path {
                 Path::Sparse { withhold_tags } => {

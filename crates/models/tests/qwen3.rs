@@ -23,17 +23,9 @@ fn tiny(tied: bool) -> Decoder {
         head_dim: 4,
         base_mlp_dim: 12,
         logits_via_embedding: tied,
-        rope_max_timescale: 10_000.0,
-        rope_llama3: None,
         qk_norm: true,
-        qkv_bias: false,
-        normalization_layer_epsilon: 1e-6,
         z_loss_multiplier: 1e-2,
-        moe: None,
-        mla: None,
-        rope_yarn: None,
-        mtp_num_layers: 0,
-        mtp_loss_scaling_factor: 0.1,
+        ..Config::default()
     })
     .unwrap()
 }
@@ -120,6 +112,7 @@ fn tiny_deepseek() -> Decoder {
         groups: ferrotext_models::decoder::GroupLimit::default(),
         routed_bias: false,
         withhold_tags: false,
+        ..MoeSettings::default()
     });
     Decoder::new(cfg).unwrap()
 }

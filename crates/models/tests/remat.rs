@@ -60,6 +60,7 @@ fn deepseek() -> Config {
         groups: GroupLimit::default(),
         routed_bias: false,
         withhold_tags: false,
+        ..MoeSettings::default()
     });
     c
 }

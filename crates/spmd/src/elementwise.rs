@@ -24,6 +24,21 @@ use crate::error::SpmdError;
 use crate::rules::{self, BinaryOp, UnaryOp};
 use crate::tape::Backward;
 
+/// `√(2/π)`, GELU's tanh approximation's factor.
+const GELU_K: f32 = 0.797_884_6;
+
+/// GELU, tanh approximation: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, as torch's
+/// `gelu(approximate="tanh")` writes it.
+fn gelu_tanh(x: f32) -> f32 {
+    0.5 * x * (1.0 + (GELU_K * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// d/dx of [`gelu_tanh`]: `½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²)`, `t` the tanh.
+fn gelu_tanh_derivative(x: f32) -> f32 {
+    let t = (GELU_K * (x + 0.044_715 * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * 0.044_715 * x * x)
+}
+
 impl UnaryOp {
     fn name(self) -> &'static str {
         match self {
@@ -38,6 +53,9 @@ impl UnaryOp {
             UnaryOp::Rsqrt => "rsqrt",
             UnaryOp::Silu => "silu",
             UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Shift(_) => "shift",
+            UnaryOp::GeluTanh => "gelu_tanh",
+            UnaryOp::Softcap(_) => "softcap",
         }
     }
 
@@ -59,6 +77,9 @@ impl UnaryOp {
             UnaryOp::Rsqrt => t.map(|x| 1.0 / x.sqrt()),
             UnaryOp::Silu => t.map(|x| x / (1.0 + (-x).exp())),
             UnaryOp::Sigmoid => t.map(|x| 1.0 / (1.0 + (-x).exp())),
+            UnaryOp::Shift(c) => t.map(|x| x + c),
+            UnaryOp::GeluTanh => t.map(gelu_tanh),
+            UnaryOp::Softcap(c) => t.map(|x| c * (x / c).tanh()),
         }
     }
 
@@ -78,6 +99,9 @@ impl UnaryOp {
             UnaryOp::Rsqrt => m(t, |x| 1.0 / x.sqrt()),
             UnaryOp::Silu => m(t, |x| x / (1.0 + (-x).exp())),
             UnaryOp::Sigmoid => m(t, |x| 1.0 / (1.0 + (-x).exp())),
+            UnaryOp::Shift(c) => m(t, |x| x + c),
+            UnaryOp::GeluTanh => m(t, gelu_tanh),
+            UnaryOp::Softcap(c) => m(t, |x| c * (x / c).tanh()),
         }
     }
 
@@ -98,6 +122,9 @@ impl UnaryOp {
                 s * (1.0 + v * (1.0 - s))
             }),
             UnaryOp::Sigmoid => y.map(|s| s * (1.0 - s)),
+            UnaryOp::Shift(_) => x.map(|_| 1.0),
+            UnaryOp::GeluTanh => x.map(gelu_tanh_derivative),
+            UnaryOp::Softcap(c) => y.map(|v| 1.0 - (v / c) * (v / c)),
         })
     }
 }
@@ -135,6 +162,9 @@ impl UnaryOp {
                 s * (1.0 + v * (1.0 - s))
             }),
             UnaryOp::Sigmoid => m(y, |s| s * (1.0 - s)),
+            UnaryOp::Shift(_) => m(x, |_| 1.0),
+            UnaryOp::GeluTanh => m(x, gelu_tanh_derivative),
+            UnaryOp::Softcap(c) => m(y, |v| 1.0 - (v / c) * (v / c)),
         }
     }
 }

@@ -96,5 +96,5 @@ pub use nn::{
 pub use optim::{adamw_update, sgd_update, sum_of_squares, AdamW};
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};
 pub use peak::{cpu_peak, CpuPeak};
-pub use rope::{rope_tail, rope_with, Llama3, Rope, Yarn};
+pub use rope::{rope_tail, rope_with, Llama3, PositionScaling, Rope, Yarn};
 pub use tensor::{strides, written_zeros, Tensor};

@@ -51,6 +51,28 @@ pub struct Llama3 {
     pub original_max_position: usize,
 }
 
+/// The position scalings of transformers' `rope_type: linear` and `dynamic` (any family whose
+/// rotary embedding reads `ROPE_INIT_FUNCTIONS`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PositionScaling {
+    /// `linear`: every frequency divided by `factor` (positions interpolated).
+    Linear {
+        /// The divisor (`factor`).
+        factor: f32,
+    },
+    /// `dynamic` (NTK-aware): for a call whose last position is `L − 1`, θ becomes
+    /// `θ·(factor·L'/max − (factor − 1))^(dim/(dim − 2))` with `L' = max(L, max)`: plain RoPE up
+    /// to `max` positions, a larger θ past them, recomputed for each call's length as
+    /// transformers' `dynamic_rope_update` does (positions already in a key/value cache keep the
+    /// rotation they were given).
+    Dynamic {
+        /// `factor`.
+        factor: f32,
+        /// `max_position_embeddings`.
+        max_position: usize,
+    },
+}
+
 /// A RoPE variant.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Rope {
@@ -62,6 +84,8 @@ pub struct Rope {
     pub yarn: Option<Yarn>,
     /// Llama 3 frequency scaling, if any (never together with `yarn`).
     pub llama3: Option<Llama3>,
+    /// `linear` or `dynamic` position scaling, if any (never with `yarn` or `llama3`).
+    pub scaling: Option<PositionScaling>,
 }
 
 impl Rope {
@@ -72,15 +96,41 @@ impl Rope {
             interleaved: false,
             yarn: None,
             llama3: None,
+            scaling: None,
         }
     }
 
-    /// The frequency of each of the `dim/2` pairs.
+    /// The frequency of each of the `dim/2` pairs (for `dynamic` scaling: at lengths up to
+    /// `max_position`; see [`Rope::frequencies_at`]).
     pub fn frequencies(&self, dim: usize) -> Vec<f32> {
+        self.frequencies_at(dim, 0)
+    }
+
+    /// The frequency of each of the `dim/2` pairs in a call whose positions end at `len − 1`
+    /// (only `dynamic` scaling reads `len`).
+    pub fn frequencies_at(&self, dim: usize, len: usize) -> Vec<f32> {
         let half = dim / 2;
+        let theta = match self.scaling {
+            Some(PositionScaling::Dynamic {
+                factor,
+                max_position,
+            }) => {
+                let (f, max) = (f64::from(factor), max_position.max(1) as f64);
+                let len = (len as f64).max(max);
+                let grow = (f * len / max - (f - 1.0)).powf(dim as f64 / (dim as f64 - 2.0));
+                f64::from(self.theta) * grow
+            }
+            _ => f64::from(self.theta),
+        };
         let base: Vec<f64> = (0..half)
-            .map(|i| f64::from(self.theta).powf(-((2 * i) as f64) / dim as f64))
+            .map(|i| theta.powf(-((2 * i) as f64) / dim as f64))
             .collect();
+        if let Some(PositionScaling::Linear { factor }) = self.scaling {
+            return base
+                .iter()
+                .map(|&f| (f / f64::from(factor)) as f32)
+                .collect();
+        }
         if let Some(l) = self.llama3 {
             return base.iter().map(|&f| l.scale(f) as f32).collect();
         }
@@ -339,7 +389,8 @@ fn rotation_table(rope: &Rope, dim: usize, positions: &[usize], inverse: bool) -
     if let Some(table) = hit {
         return table;
     }
-    let freqs = rope.frequencies(dim);
+    let len = positions.iter().max().map_or(0, |p| p + 1);
+    let freqs = rope.frequencies_at(dim, len);
     let sign = if inverse { -1.0 } else { 1.0 };
     let scale = rope.yarn.map_or(1.0, |y| y.attention_factor);
     let table: Table = positions
@@ -386,6 +437,7 @@ mod tests {
                 attention_factor: 1.0,
             }),
             llama3: None,
+            scaling: None,
         }
     }
 
@@ -409,6 +461,33 @@ mod tests {
         assert_eq!(at(&per_row, 4), want.data()[chunk..].to_vec());
         assert_ne!(at(&per_row, 4), at(&shared, 4));
         assert!(rope_tail(&x, &packed[..7], &rope, false, 0).is_err());
+    }
+
+    /// transformers' `linear` (every frequency over the factor) and `dynamic` (θ grown past
+    /// `max_position` by `(factor·L/max − (factor − 1))^(dim/(dim−2))`), by hand at dim 8.
+    #[test]
+    fn linear_and_dynamic_scalings_move_the_frequencies_as_transformers_does() {
+        let plain = Rope::standard(1e4).frequencies(8);
+        let linear = Rope {
+            scaling: Some(PositionScaling::Linear { factor: 2.0 }),
+            ..Rope::standard(1e4)
+        };
+        for (a, b) in linear.frequencies(8).iter().zip(&plain) {
+            assert_eq!(*a, b / 2.0);
+        }
+        let dynamic = Rope {
+            scaling: Some(PositionScaling::Dynamic {
+                factor: 2.0,
+                max_position: 16,
+            }),
+            ..Rope::standard(1e4)
+        };
+        assert_eq!(dynamic.frequencies_at(8, 16), plain, "up to max: plain");
+        let theta = 1e4f64 * (2.0f64 * 24.0 / 16.0 - 1.0).powf(8.0 / 6.0);
+        let want: Vec<f32> = (0..4)
+            .map(|i| theta.powf(-(2.0 * i as f64) / 8.0) as f32)
+            .collect();
+        assert_eq!(dynamic.frequencies_at(8, 24), want);
     }
 
     /// Hand-computed for Llama 3.2's scaling (factor 32, low 1, high 4, original 8192) at

@@ -7,55 +7,86 @@
 //! device's expert loads to `loads` in layer order; a router selection bias is read as data
 //! (replicated), never through an op, so no gradient reaches it.
 
-use ferrotext_sharding::PartitionSpec;
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 
-use super::{Attention, Config, DecoderLayer, Gqa, Mlp, SparseMoe};
+use ferrotext_spmd::AttentionSpec;
+
+use super::config::{Config, MlpActivation, NormPlacement};
+use super::weights::{Attention, DecoderLayer, DenseMlp, Gqa, Mlp, SparseMoe};
+use crate::deepseek::{mla_attention, Mla, MlaDims, MlaQueries, MlaWeights};
 use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
 use crate::moe::{self, MoeOptions, MoeWeights};
 use crate::nn::{self, AttentionDims, AttentionWeights};
 
 impl DecoderLayer<&Array> {
-    /// `x + attn(norm(x))`, then `+ mlp(norm(·))`; a MoE layer's load-balance loss is added to
-    /// `aux`, its expert loads pushed to `loads`. `docs`: the tokens are packed documents.
+    /// Layer `i`: `x + attn(norm(x))`, then `+ mlp(norm(·))`, each norm where
+    /// [`NormPlacement`](super::NormPlacement) puts it (a missing one is the identity); a MoE
+    /// layer's load-balance loss is added to `aux`, its expert loads pushed to `loads`.
+    /// `docs`: the tokens are packed documents.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         cx: &mut Ctx<'_>,
         x: &Array,
-        c: &Config,
+        (c, i): (&Config, usize),
         aux: &mut Option<Array>,
         loads: &mut Vec<Vec<f32>>,
         cache: Option<&mut KvSlot>,
         docs: Option<&Documents>,
     ) -> Result<Array, SpmdError> {
-        let eps = c.normalization_layer_epsilon;
+        let (eps, one) = (c.normalization_layer_epsilon, c.norm_plus_one);
+        let normed = |cx: &mut Ctx<'_>, y: &Array, w: Option<&Array>| match w {
+            Some(w) => nn::norm(cx, y, w, eps, one),
+            None => Ok(y.clone()),
+        };
+        let pre = c.norm_placement == NormPlacement::Pre;
         // 1. h = input_layernorm(x): [B@batch, T, d]
-        let h = nn::rms_norm(cx, x, self.input_layernorm, eps)?;
-        // 2. x = x + self_attn(h): heads split over `tensor` inside, [B@batch, T, d] out
+        let h = normed(cx, x, self.input_layernorm)?;
+        // 2. x = x + post_norm(self_attn(h)): heads split over `tensor` inside, [B@batch, T, d]
         let a = match &self.self_attn {
-            Attention::Gqa(g) => g.forward(cx, &h, c, cache, docs)?,
+            Attention::Gqa(g) => g.forward(cx, &h, (c, i), cache, docs)?,
             Attention::Mla(m) => m.forward(cx, &h, c, cache, docs)?,
         };
+        let a = normed(cx, &a, (!pre).then_some(self.post_attention_layernorm))?;
         let x = cx.add(x, &a)?;
-        // 3. h = post_attention_layernorm(x)
-        let h = nn::rms_norm(cx, &x, self.post_attention_layernorm, eps)?;
-        // 4. x = x + mlp(h): SwiGLU, or the MoE block (experts split over `expert` inside)
+        // 3. h = the norm before the MLP (Llama's is named post_attention_layernorm)
+        let before_mlp = if pre {
+            Some(self.post_attention_layernorm)
+        } else {
+            self.pre_feedforward_layernorm
+        };
+        let h = normed(cx, &x, before_mlp)?;
+        // 4. x = x + post_norm(mlp(h)): a gated MLP, or the MoE block (experts split over
+        //    `expert` inside)
         let m = match &self.mlp {
-            Mlp::Dense(m) => nn::swiglu(cx, &h, m.gate_proj, m.up_proj, m.down_proj)?,
+            Mlp::Dense(m) => m.forward(cx, &h, c)?,
             Mlp::Moe(m) => m.forward(cx, &h, c, aux, loads)?,
         };
+        let m = normed(cx, &m, self.post_feedforward_layernorm)?;
         cx.add(&x, &m)
     }
 }
 
+impl DenseMlp<&Array> {
+    /// The gated MLP of `h` (SwiGLU or GeGLU as `c` says, biases when declared).
+    fn forward(&self, cx: &mut Ctx<'_>, h: &Array, c: &Config) -> Result<Array, SpmdError> {
+        let w = nn::GluWeights {
+            gate: (self.gate_proj, self.gate_bias),
+            up: (self.up_proj, self.up_bias),
+            down: (self.down_proj, self.down_bias),
+        };
+        nn::glu(cx, h, &w, c.mlp_activation == MlpActivation::GeluTanh)
+    }
+}
+
 impl Gqa<&Array> {
+    /// Layer `i`'s GQA self-attention of `h` (its window and RoPE are the layer's).
     fn forward(
         &self,
         cx: &mut Ctx<'_>,
         h: &Array,
-        c: &Config,
+        (c, i): (&Config, usize),
         cache: Option<&mut KvSlot>,
         docs: Option<&Documents>,
     ) -> Result<Array, SpmdError> {
@@ -67,6 +98,7 @@ impl Gqa<&Array> {
             v_proj: self.v_proj,
             v_bias: self.v_bias,
             o_proj: self.o_proj,
+            o_bias: self.o_bias,
             q_norm: self.q_norm,
             k_norm: self.k_norm,
         };
@@ -74,10 +106,69 @@ impl Gqa<&Array> {
             heads: c.base_num_query_heads,
             kv_heads: c.base_num_kv_heads,
             head_dim: c.head_dim,
-            rope: c.rope(),
+            rope: c.layer_rope(i),
             eps: c.normalization_layer_epsilon,
+            spec: AttentionSpec {
+                scale: c.attention_scale(c.head_dim),
+                softcap: c.attn_logit_softcapping,
+                window: c.window_of(i),
+            },
+            norm_plus_one: c.norm_plus_one,
+            qk_norm_all_heads: c.qk_norm_all_heads,
         };
         nn::attention(cx, h, &w, dims, cache, docs)
+    }
+}
+
+impl Mla<&Array> {
+    /// MLA self-attention of `h: [B@batch, T, d]` under `c`'s dims (see [`mla_attention`]).
+    fn forward(
+        &self,
+        cx: &mut Ctx<'_>,
+        h: &Array,
+        c: &Config,
+        cache: Option<&mut KvSlot>,
+        docs: Option<&Documents>,
+    ) -> Result<Array, SpmdError> {
+        let m = c.mla.ok_or(SpmdError::MissingSettings {
+            op: "mla",
+            block: "MLA",
+        })?;
+        let queries = match (
+            self.q_proj,
+            self.q_a_proj,
+            self.q_a_layernorm,
+            self.q_b_proj,
+        ) {
+            (Some(wq), ..) => MlaQueries::Direct(wq),
+            (None, Some(wq_a), Some(q_norm), Some(wq_b)) => {
+                MlaQueries::Latent { wq_a, q_norm, wq_b }
+            }
+            _ => {
+                return Err(SpmdError::MissingSettings {
+                    op: "mla",
+                    block: "query projections",
+                })
+            }
+        };
+        let w = MlaWeights {
+            queries,
+            wkv_a: self.kv_a_proj_with_mqa,
+            kv_norm: self.kv_a_layernorm,
+            wkv_b: self.kv_b_proj,
+            out: self.o_proj,
+        };
+        let dims = MlaDims {
+            heads: c.base_num_query_heads,
+            q_lora_rank: m.q_lora_rank,
+            kv_lora_rank: m.kv_lora_rank,
+            qk_nope_head_dim: m.qk_nope_head_dim,
+            qk_rope_head_dim: m.qk_rope_head_dim,
+            v_head_dim: m.v_head_dim,
+            eps: c.normalization_layer_epsilon,
+            rope: c.rope(),
+        };
+        mla_attention(cx, h, &w, dims, cache, docs)
     }
 }
 
@@ -108,6 +199,7 @@ impl SparseMoe<&Array> {
                 .shared_expert
                 .as_ref()
                 .map(|s| [s.gate_proj.clone(), s.up_proj.clone(), s.down_proj.clone()]),
+            shared_gate: self.shared_expert_gate.cloned(),
         };
         let options = MoeOptions {
             withhold_tags: settings.withhold_tags,
@@ -139,16 +231,6 @@ fn selection_bias(b: &Array) -> Result<Option<Vec<f32>>, SpmdError> {
         });
     }
     Ok(b.local().ok().map(|t| t.data().to_vec()))
-}
-
-/// `w` with every partition removed but its tags kept (an all-gather when it was split).
-pub(crate) fn unsplit(cx: &mut Ctx<'_>, w: &Array) -> Result<Array, SpmdError> {
-    let spec = w.ty().sharding().spec();
-    if spec.partitions().iter().all(|p| p.is_replicated()) {
-        return Ok(w.clone());
-    }
-    let target = PartitionSpec::replicated().with_reduced_set(spec.reduced().clone())?;
-    cx.reshard(w, &target)
 }
 
 /// `table` cast to reduced over those of `axes` it is replicated on and not yet reduced on

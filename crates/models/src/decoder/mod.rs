@@ -25,146 +25,38 @@
 //! a bias is a parameter of its own (`[out]`, logical axis of the projection's output), added
 //! after the matmul. Left out: output-projection and MLP biases, sliding windows, dropout.
 //!
-//! Files: here the [`Config`] and the [`Decoder`] (checked once in [`Decoder::new`], then the
-//! loss, logits and decode entry points); `loss` the loss sums (the main model's, and the
-//! training objective with the MTP module's term); `weights` the weight map and its
-//! declarations; `forward` one layer's forward pass on bound weights.
+//! Files: here the [`Decoder`] (checked once in [`Decoder::new`], then the loss, logits and
+//! decode entry points); `config` the [`Config`] and its base; `loss` the loss sums (the main
+//! model's, and the training objective with the MTP module's term); `weights` the weight map
+//! (the MTP module's included) and its declarations; `forward` one layer's forward pass on bound
+//! weights. The layering is one way: `config` ← `weights` ← `forward`/`mtp` ← here.
 
 use ferrotext_sharding::DType;
-use ferrotext_spmd::{Array, Ctx, Ids, SpmdError};
-use ferrotext_tensor::{DotDims, Llama3, Rope, Yarn};
+use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, UnaryOp};
+use ferrotext_tensor::DotDims;
 
 pub use crate::deepseek::MlaSettings;
 use crate::documents::Documents;
 use crate::kv_cache::KvCache;
-use crate::moe::{MoeConfig, RouterScore};
 pub use crate::mtp::LossSum;
-use crate::nn::{self, ActivationLayout};
+use crate::nn::{self, unsplit, ActivationLayout};
 use crate::params::ParamInfo;
 use crate::remat::RematPolicy;
 pub use crate::router::GroupLimit;
 
+pub(crate) mod config;
 mod forward;
 mod loss;
-pub use loss::LossOptions;
 mod region;
-mod weights;
+pub(crate) mod weights;
 
+pub use loss::LossOptions;
+
+pub use config::{
+    Config, ConfigError, ExpertLoads, MlpActivation, MoeSettings, NormPlacement, SlidingWindow,
+};
 use forward::reduced_over;
-pub(crate) use forward::unsplit;
-pub(crate) use weights::{matrix, norm_scale};
 pub use weights::{Attention, DecoderLayer, DenseMlp, Experts, Gqa, Mlp, SparseMoe, Weights};
-
-/// The mixture-of-experts feed-forward of a [`Config`] (MaxText's MoE keys).
-#[derive(Clone, Debug, PartialEq)]
-pub struct MoeSettings {
-    /// Routed experts (`num_experts`).
-    pub num_experts: usize,
-    /// Experts per token (`num_experts_per_tok`).
-    pub num_experts_per_tok: usize,
-    /// Hidden width of each expert (`moe_mlp_dim`).
-    pub moe_mlp_dim: usize,
-    /// Shared experts, run on every token as one SwiGLU of `shared_experts × moe_mlp_dim`.
-    pub shared_experts: usize,
-    /// Leading dense layers (`first_num_dense_layers`).
-    pub first_num_dense_layers: usize,
-    /// Router score.
-    pub score: RouterScore,
-    /// Renormalise the chosen scores (`norm_topk_prob`).
-    pub norm_topk_prob: bool,
-    /// Factor on the routed output (`routed_scaling_factor`).
-    pub routed_scaling_factor: f32,
-    /// Weight of the load-balance loss (`load_balance_loss_weight`; 0 disables).
-    pub load_balance_loss_weight: f32,
-    /// Group-limited routing (`n_routing_groups`, `topk_routing_group`).
-    pub groups: GroupLimit,
-    /// A selection-only router bias per MoE layer (`routed_bias`; HF
-    /// `mlp.gate.e_score_correction_bias`), declared as a zero-initialised `[experts]` weight.
-    pub routed_bias: bool,
-    /// Diagnostic mirror: drop the expert weights' tags before the MoE region (see
-    /// [`MoeOptions::withhold_tags`](crate::moe::MoeOptions::withhold_tags)).
-    pub withhold_tags: bool,
-}
-
-impl MoeSettings {
-    fn block(&self) -> MoeConfig {
-        MoeConfig {
-            num_experts: self.num_experts,
-            num_experts_per_tok: self.num_experts_per_tok,
-            score: self.score,
-            norm_topk_prob: self.norm_topk_prob,
-            routed_scaling_factor: self.routed_scaling_factor,
-            load_balance_loss_weight: self.load_balance_loss_weight,
-            groups: self.groups,
-        }
-    }
-}
-
-/// Model dimensions, named like MaxText's model keys.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Config {
-    /// Vocabulary size.
-    pub vocab_size: usize,
-    /// Model width (`base_emb_dim`).
-    pub base_emb_dim: usize,
-    /// Decoder layers (`base_num_decoder_layers`).
-    pub base_num_decoder_layers: usize,
-    /// Query heads (`base_num_query_heads`).
-    pub base_num_query_heads: usize,
-    /// Key/value heads (`base_num_kv_heads`).
-    pub base_num_kv_heads: usize,
-    /// Per-head width (`head_dim`).
-    pub head_dim: usize,
-    /// SwiGLU hidden width (`base_mlp_dim`).
-    pub base_mlp_dim: usize,
-    /// Tied LM head (`logits_via_embedding`).
-    pub logits_via_embedding: bool,
-    /// RoPE θ (`rope_max_timescale`).
-    pub rope_max_timescale: f32,
-    /// Llama 3's RoPE frequency scaling (HF `rope_type: llama3`; `None`: plain frequencies).
-    pub rope_llama3: Option<Llama3>,
-    /// Per-head RMSNorm of the queries and keys before RoPE (Qwen3's QK-norm; Llama and Qwen2
-    /// have none). GQA only: MLA has its own latent norms.
-    pub qk_norm: bool,
-    /// Biases on the q, k and v projections (Qwen2's; GQA only).
-    pub qkv_bias: bool,
-    /// RMSNorm epsilon (`normalization_layer_epsilon`).
-    pub normalization_layer_epsilon: f32,
-    /// Weight of the z-loss `(log Z)²` per token (`z_loss_multiplier`; 0 disables).
-    pub z_loss_multiplier: f32,
-    /// Mixture-of-experts feed-forward layers (`None`: every layer dense).
-    pub moe: Option<MoeSettings>,
-    /// Multi-head latent attention (`None`: GQA with QK-norm).
-    pub mla: Option<MlaSettings>,
-    /// YaRN RoPE extension (MLA models; `None`: plain RoPE).
-    pub rope_yarn: Option<Yarn>,
-    /// Multi-token-prediction depth (`mtp_num_layers`): 0 none, 1 DeepSeek-V3's module
-    /// ([`crate::mtp`]) after the last layer, trained beside the main loss.
-    pub mtp_num_layers: usize,
-    /// Weight of the MTP loss (per-token mean) added to the main loss's mean
-    /// (`mtp_loss_scaling_factor`, MaxText's default 0.1).
-    pub mtp_loss_scaling_factor: f32,
-}
-
-impl Config {
-    /// The RoPE variant: interleaved pairs for MLA models that ask for them
-    /// ([`MlaSettings::rope_interleave`]), else rotate-half; YaRN or Llama 3 frequencies when set.
-    pub fn rope(&self) -> Rope {
-        Rope {
-            theta: self.rope_max_timescale,
-            interleaved: self.mla.as_ref().is_some_and(|m| m.rope_interleave),
-            yarn: self.rope_yarn,
-            llama3: self.rope_llama3,
-        }
-    }
-
-    /// True when layer `i` has the MoE feed-forward.
-    pub fn is_moe_layer(&self, i: usize) -> bool {
-        self.moe
-            .as_ref()
-            .is_some_and(|m| i >= m.first_num_dense_layers)
-    }
-}
 
 /// The trunk's results: the normed last hidden states `x` `[B@batch, T, d]`, the head's weight
 /// (`[d, V]`, or the embedding table `[V, d]` when `tied`), the summed auxiliary losses and the
@@ -176,14 +68,6 @@ struct Hidden {
     aux: Option<Array>,
     loads: ExpertLoads,
 }
-
-/// Per MoE layer (layer order), one device's tokens routed to each expert: `loads[l][e]`.
-pub type ExpertLoads = Vec<Vec<f32>>;
-
-/// Why a config cannot build a model.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid model config: {0}")]
-pub struct ConfigError(pub String);
 
 /// A decoder: its config, checked once, and its weight declarations.
 #[derive(Clone, Debug)]
@@ -247,8 +131,8 @@ impl Decoder {
             ));
         }
         if let Some(m) = &cfg.mla {
+            // A zero `q_lora_rank` is MaxText's "no query latent" (HF `q_lora_rank: null`).
             let dims = [
-                m.q_lora_rank,
                 m.kv_lora_rank,
                 m.qk_nope_head_dim,
                 m.qk_rope_head_dim,
@@ -275,8 +159,19 @@ impl Decoder {
             m.groups
                 .check(m.num_experts, m.num_experts_per_tok)
                 .map_err(ConfigError)?;
+            if m.interleave_moe_layer_step == 0 {
+                return Err(ConfigError(
+                    "interleave_moe_layer_step must be at least 1".into(),
+                ));
+            }
+            if m.shared_expert_gate && m.shared_experts == 0 {
+                return Err(ConfigError(
+                    "a shared expert gate needs shared_experts > 0".into(),
+                ));
+            }
         }
         crate::mtp::check(&cfg).map_err(ConfigError)?;
+        cfg.check_blocks().map_err(ConfigError)?;
         let weights = Weights::declare(&cfg);
         Ok(Decoder {
             cfg,
@@ -371,24 +266,23 @@ impl Decoder {
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let c = &self.cfg;
         let embedding = c.vocab_size * c.base_emb_dim;
-        let attention_norms = match &c.mla {
-            Some(m) => m.q_lora_rank + m.kv_lora_rank,
-            None if c.qk_norm => 2 * c.head_dim,
-            None => 0,
-        };
-        // Biases are added, not multiplied: they count no matmul FLOPs.
-        let biases = match (&c.mla, c.qkv_bias) {
-            (None, true) => {
-                c.base_num_decoder_layers
-                    * (c.base_num_query_heads + 2 * c.base_num_kv_heads)
-                    * c.head_dim
+        // The matrices (rank ≥ 2) of the main model but the embedding; norms, biases and the
+        // routers' selection biases are added, not multiplied, and count nothing.
+        let mtp = c.mtp_num_layers > 0;
+        let main: Vec<ParamInfo> = match (mtp, &self.weights.mtp) {
+            (true, Some(m)) => {
+                let skip = m.params().len();
+                let all = self.params();
+                all[..all.len() - skip].to_vec()
             }
-            _ => 0,
+            _ => self.params(),
         };
-        let norms =
-            c.base_num_decoder_layers * (2 * c.base_emb_dim + attention_norms) + c.base_emb_dim;
-        let lm_head = embedding;
-        let untied_extra = if c.logits_via_embedding { 0 } else { embedding };
+        let matrices: usize = main
+            .iter()
+            .filter(|p| p.shape.len() >= 2 && p.name != self.weights.embed_tokens.name)
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum();
+        let lm_head = if c.logits_via_embedding { embedding } else { 0 };
         // A token runs k of the E routed experts: only their weights count.
         let idle_experts: usize = match &c.moe {
             Some(m) => {
@@ -400,17 +294,17 @@ impl Decoder {
             }
             None => 0,
         };
-        let main_params = self.param_count() - crate::mtp::param_count(c);
-        let matmul_weights =
-            main_params - embedding - norms - biases - untied_extra - idle_experts + lm_head;
-        // Scores (q·k over the query/key width) and values, forward and backward: 6 each.
+        let matmul_weights = matrices - idle_experts + lm_head;
+        // Scores (q·k over the query/key width) and values, forward and backward: 6 each; a
+        // sliding layer's query sees at most its window.
         let (qk_width, v_width) = match &c.mla {
             Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
             None => (c.head_dim, c.head_dim),
         };
-        let attention = 6.0
-            * (c.base_num_decoder_layers * seq * c.base_num_query_heads * (qk_width + v_width))
-                as f64;
+        let keys: usize = (0..c.base_num_decoder_layers)
+            .map(|i| c.window_of(i).map_or(seq, |w| w.min(seq)))
+            .sum();
+        let attention = 6.0 * (keys * c.base_num_query_heads * (qk_width + v_width)) as f64;
         6.0 * matmul_weights as f64 + attention + crate::mtp::flops_per_token(c, seq)
     }
 
@@ -527,6 +421,10 @@ impl Decoder {
         } else {
             nn::linear_to(cx, &x, &hidden.head, DType::F32)?
         };
+        let logits = match self.cfg.final_logit_softcapping {
+            Some(cap) => cx.unary(UnaryOp::Softcap(cap), &logits)?,
+            None => logits,
+        };
         // 4. cross-entropy needs whole vocab rows: gather the vocab dim if it is split
         let want = layout.spec(3);
         let logits = if logits.ty().sharding().spec().partitions() == want.partitions() {
@@ -584,6 +482,10 @@ impl Decoder {
         };
         let x = cx.take(&table, inputs)?;
         let mut x = cx.cast(&x, self.compute_dtype)?;
+        if c.scale_embedding {
+            // Gemma's `normalizer`: √d, in the activations' dtype.
+            x = cx.scale(&x, (c.base_emb_dim as f32).sqrt())?;
+        }
         // 2. the layers: x [B@batch, T, d] each
         let mut aux: Option<Array> = None;
         let mut loads = Vec::new();
@@ -594,11 +496,17 @@ impl Decoder {
                 (Some(policy), None) => {
                     self.layer_region(cx, (i, layer), &x, policy, (&mut aux, &mut loads), docs)?
                 }
-                (_, slot) => layer.forward(cx, &x, c, &mut aux, &mut loads, slot, docs)?,
+                (_, slot) => layer.forward(cx, &x, (c, i), &mut aux, &mut loads, slot, docs)?,
             };
         }
         // the final norm
-        let x = nn::rms_norm(cx, &x, w.norm, c.normalization_layer_epsilon)?;
+        let x = nn::norm(
+            cx,
+            &x,
+            w.norm,
+            c.normalization_layer_epsilon,
+            c.norm_plus_one,
+        )?;
         Ok((x, table, aux, loads))
     }
 }
@@ -607,7 +515,6 @@ impl Decoder {
 mod tests {
     use super::*;
     use crate::moe::RouterScore;
-    use crate::params::{HfLayout, Init};
 
     fn tiny_moe_mla() -> Config {
         let mut c = Config::preset("qwen3-tiny").unwrap();
@@ -635,6 +542,7 @@ mod tests {
             groups: GroupLimit::default(),
             routed_bias: false,
             withhold_tags: false,
+            ..MoeSettings::default()
         });
         c
     }
@@ -755,28 +663,5 @@ mod tests {
             find("model.norm.weight"),
             vec![("model.norm.weight".to_string(), vec![128])]
         );
-    }
-
-    /// `to_hf` against indices written out by hand, and `from_hf` inverts it.
-    #[test]
-    fn experts_unstack_transposed_and_come_back() {
-        let info = ParamInfo {
-            name: "x".into(),
-            shape: vec![2, 3, 4],
-            logical: vec![None; 3],
-            init: Init::Ones,
-            hf: HfLayout::Experts {
-                prefix: "p".into(),
-                suffix: "w".into(),
-            },
-        };
-        let v = ferrotext_tensor::Tensor::from_fn(&[2, 3, 4], |i| i as f32);
-        let parts = info.to_hf(&v).unwrap();
-        assert_eq!(parts[1].0, "p.1.w");
-        assert_eq!(parts[1].1.shape(), &[4, 3]);
-        // HF[e=1][o=2][i=1] = ours[e=1][i=1][o=2] = 12 + 4 + 2.
-        assert_eq!(parts[1].1.data()[2 * 3 + 1], 18.0);
-        let tensors: Vec<_> = parts.into_iter().map(|(_, t)| t).collect();
-        assert_eq!(info.from_hf(tensors).unwrap(), v);
     }
 }

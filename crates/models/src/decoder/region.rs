@@ -49,7 +49,7 @@ impl Decoder {
             let y = layer.forward(
                 cx,
                 &a[0],
-                &cfg,
+                (&cfg, i),
                 &mut layer_aux,
                 &mut layer_loads,
                 None,

@@ -7,10 +7,9 @@
 //! field changes checkpoints; matrices are declared `[in, out]` with `HfLayout::Tensor {
 //! transposed: true }`, norms and biases `[n]` untransposed.
 
-use super::Config;
+use super::config::{Config, NormPlacement};
 use crate::deepseek::Mla;
-use crate::mtp::Mtp;
-use crate::params::{HfLayout, Init, ParamInfo};
+use crate::params::{bias, matrix, norm_scale, HfLayout, Init, ParamInfo};
 
 /// The whole model's weights (HF `Qwen3ForCausalLM`: `model.{embed_tokens, layers, norm}`, then
 /// `lm_head`).
@@ -33,14 +32,21 @@ pub struct Weights<W> {
 /// One decoder layer (`model.layers.{i}`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecoderLayer<W> {
-    /// `input_layernorm.weight` `[d]`.
-    pub input_layernorm: W,
+    /// `input_layernorm.weight` `[d]`, before attention (absent under
+    /// [`NormPlacement::Post`](super::NormPlacement::Post)).
+    pub input_layernorm: Option<W>,
     /// `self_attn.*`.
     pub self_attn: Attention<W>,
-    /// `post_attention_layernorm.weight` `[d]`.
+    /// `post_attention_layernorm.weight` `[d]`: before the MLP under
+    /// [`NormPlacement::Pre`](super::NormPlacement::Pre) (HF's name for Llama's second norm),
+    /// on attention's output otherwise.
     pub post_attention_layernorm: W,
+    /// `pre_feedforward_layernorm.weight` `[d]`, before the MLP (Gemma's `PrePost`).
+    pub pre_feedforward_layernorm: Option<W>,
     /// `mlp.*`.
     pub mlp: Mlp<W>,
+    /// `post_feedforward_layernorm.weight` `[d]`, on the MLP's output (`PrePost`, `Post`).
+    pub post_feedforward_layernorm: Option<W>,
 }
 
 /// A layer's attention.
@@ -70,9 +76,11 @@ pub struct Gqa<W> {
     pub v_bias: Option<W>,
     /// `o_proj.weight` `[heads·head_dim, d]`.
     pub o_proj: W,
-    /// `q_norm.weight` `[head_dim]`.
+    /// `o_proj.bias` `[d]` (`attention_out_bias`).
+    pub o_bias: Option<W>,
+    /// `q_norm.weight` `[head_dim]` (`[heads·head_dim]` under `qk_norm_all_heads`).
     pub q_norm: Option<W>,
-    /// `k_norm.weight` `[head_dim]`.
+    /// `k_norm.weight` `[head_dim]` (`[kv_heads·head_dim]` under `qk_norm_all_heads`).
     pub k_norm: Option<W>,
 }
 
@@ -85,15 +93,22 @@ pub enum Mlp<W> {
     Moe(SparseMoe<W>),
 }
 
-/// SwiGLU weights: `(silu(x·gate_proj) ⊙ x·up_proj)·down_proj`.
+/// Gated-MLP weights: `(act(x·gate_proj) ⊙ x·up_proj)·down_proj` (SwiGLU or GeGLU), biases
+/// present exactly when `mlp_bias` is set (and never on shared experts).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DenseMlp<W> {
     /// `gate_proj.weight` `[d, f]`.
     pub gate_proj: W,
+    /// `gate_proj.bias` `[f]`.
+    pub gate_bias: Option<W>,
     /// `up_proj.weight` `[d, f]`.
     pub up_proj: W,
+    /// `up_proj.bias` `[f]`.
+    pub up_bias: Option<W>,
     /// `down_proj.weight` `[f, d]`.
     pub down_proj: W,
+    /// `down_proj.bias` `[d]`.
+    pub down_bias: Option<W>,
 }
 
 /// Mixture-of-experts weights (`mlp.*`).
@@ -110,6 +125,9 @@ pub struct SparseMoe<W> {
     /// The shared experts as one SwiGLU of width `shared_experts × moe_mlp_dim` (HF:
     /// `shared_expert.*` for Qwen, `shared_experts.*` for DeepSeek).
     pub shared_expert: Option<DenseMlp<W>>,
+    /// `shared_expert_gate.weight` `[d, 1]`: the shared experts' output times its sigmoid
+    /// (Qwen2-MoE, `shared_expert_gate`).
+    pub shared_expert_gate: Option<W>,
 }
 
 /// Routed experts' weights, stacked along a leading expert dim.
@@ -153,7 +171,7 @@ impl<W> DecoderLayer<W> {
         f: &mut impl FnMut(&W) -> Result<U, E>,
     ) -> Result<DecoderLayer<U>, E> {
         Ok(DecoderLayer {
-            input_layernorm: f(&self.input_layernorm)?,
+            input_layernorm: self.input_layernorm.as_ref().map(&mut *f).transpose()?,
             self_attn: match &self.self_attn {
                 Attention::Gqa(a) => Attention::Gqa(Gqa {
                     q_proj: f(&a.q_proj)?,
@@ -163,12 +181,18 @@ impl<W> DecoderLayer<W> {
                     v_proj: f(&a.v_proj)?,
                     v_bias: a.v_bias.as_ref().map(&mut *f).transpose()?,
                     o_proj: f(&a.o_proj)?,
+                    o_bias: a.o_bias.as_ref().map(&mut *f).transpose()?,
                     q_norm: a.q_norm.as_ref().map(&mut *f).transpose()?,
                     k_norm: a.k_norm.as_ref().map(&mut *f).transpose()?,
                 }),
                 Attention::Mla(a) => Attention::Mla(a.try_map(f)?),
             },
             post_attention_layernorm: f(&self.post_attention_layernorm)?,
+            pre_feedforward_layernorm: self
+                .pre_feedforward_layernorm
+                .as_ref()
+                .map(&mut *f)
+                .transpose()?,
             mlp: match &self.mlp {
                 Mlp::Dense(m) => Mlp::Dense(m.try_map(f)?),
                 Mlp::Moe(m) => Mlp::Moe(SparseMoe {
@@ -184,8 +208,14 @@ impl<W> DecoderLayer<W> {
                         down_proj: f(&m.experts.down_proj)?,
                     },
                     shared_expert: m.shared_expert.as_ref().map(|s| s.try_map(f)).transpose()?,
+                    shared_expert_gate: m.shared_expert_gate.as_ref().map(&mut *f).transpose()?,
                 }),
             },
+            post_feedforward_layernorm: self
+                .post_feedforward_layernorm
+                .as_ref()
+                .map(&mut *f)
+                .transpose()?,
         })
     }
 }
@@ -194,54 +224,17 @@ impl<W> DenseMlp<W> {
     fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<DenseMlp<U>, E> {
         Ok(DenseMlp {
             gate_proj: f(&self.gate_proj)?,
+            gate_bias: self.gate_bias.as_ref().map(&mut *f).transpose()?,
             up_proj: f(&self.up_proj)?,
+            up_bias: self.up_bias.as_ref().map(&mut *f).transpose()?,
             down_proj: f(&self.down_proj)?,
+            down_bias: self.down_bias.as_ref().map(&mut *f).transpose()?,
         })
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The declarations.
-
-/// A `[in, out]` matrix initialised `N(0, 1/in)`; HF stores it `[out, in]` under `name`.
-pub(crate) fn matrix(
-    name: String,
-    shape: [usize; 2],
-    logical: [Option<&'static str>; 2],
-) -> ParamInfo {
-    ParamInfo {
-        hf: HfLayout::Tensor {
-            name: name.clone(),
-            transposed: true,
-        },
-        name,
-        shape: shape.to_vec(),
-        logical: logical.to_vec(),
-        init: Init::FanIn,
-    }
-}
-
-/// An RMSNorm scale `[n]` of ones, as HF stores it.
-pub(crate) fn norm_scale(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
-    ParamInfo {
-        hf: HfLayout::Tensor {
-            name: name.clone(),
-            transposed: false,
-        },
-        name,
-        shape: vec![n],
-        logical: vec![logical],
-        init: Init::Ones,
-    }
-}
-
-/// A bias `[n]` of zeros, as HF stores it under `name`.
-pub(crate) fn bias(name: String, n: usize, logical: Option<&'static str>) -> ParamInfo {
-    ParamInfo {
-        init: Init::Zeros,
-        ..norm_scale(name, n, logical)
-    }
-}
 
 impl Gqa<ParamInfo> {
     /// Layer `i`'s GQA declarations under `prefix` (`model.layers.{i}.self_attn`).
@@ -253,7 +246,12 @@ impl Gqa<ParamInfo> {
             c.base_num_kv_heads * c.head_dim,
         );
         let b = |s: &str, n, logical| c.qkv_bias.then(|| bias(l(s), n, Some(logical)));
-        let norm = |s: &str| c.qk_norm.then(|| norm_scale(l(s), c.head_dim, None));
+        // A norm over all heads at once is replicated: its statistic needs every head.
+        let (qn, kn) = match c.qk_norm_all_heads {
+            true => (hq, hkv),
+            false => (c.head_dim, c.head_dim),
+        };
+        let norm = |s: &str, n| c.qk_norm.then(|| layer_norm(c, l(s), n, None));
         Gqa {
             q_proj: matrix(
                 l("q_proj.weight"),
@@ -278,15 +276,43 @@ impl Gqa<ParamInfo> {
                 [hq, d],
                 [Some("q_heads"), Some("embed")],
             ),
-            q_norm: norm("q_norm.weight"),
-            k_norm: norm("k_norm.weight"),
+            o_bias: c
+                .attention_out_bias
+                .then(|| bias(l("o_proj.bias"), d, Some("embed"))),
+            q_norm: norm("q_norm.weight", qn),
+            k_norm: norm("k_norm.weight", kn),
         }
     }
 }
 
+/// An RMSNorm scale of `c`'s layers: ones, or zeros when the norm scales by `1 + w` (Gemma's
+/// weights are stored so, and start at zero).
+pub(crate) fn layer_norm(
+    c: &Config,
+    name: String,
+    n: usize,
+    logical: Option<&'static str>,
+) -> ParamInfo {
+    let p = norm_scale(name, n, logical);
+    match c.norm_plus_one {
+        true => ParamInfo {
+            init: Init::Zeros,
+            ..p
+        },
+        false => p,
+    }
+}
+
 impl DenseMlp<ParamInfo> {
-    /// `{prefix}.{gate,up,down}_proj.weight` of width `f` (HF names under `hf_prefix`).
-    fn declare(prefix: &str, hf_prefix: &str, d: usize, f: usize) -> DenseMlp<ParamInfo> {
+    /// `{prefix}.{gate,up,down}_proj.weight` of width `f` (HF names under `hf_prefix`), and
+    /// their biases when `biased`.
+    fn declare(
+        prefix: &str,
+        hf_prefix: &str,
+        d: usize,
+        f: usize,
+        biased: bool,
+    ) -> DenseMlp<ParamInfo> {
         let m = |proj: &str, shape, logical| {
             let mut p = matrix(format!("{prefix}.{proj}.weight"), shape, logical);
             p.hf = HfLayout::Tensor {
@@ -295,10 +321,23 @@ impl DenseMlp<ParamInfo> {
             };
             p
         };
+        let b = |proj: &str, n, logical| {
+            biased.then(|| {
+                let mut p = bias(format!("{prefix}.{proj}.bias"), n, Some(logical));
+                p.hf = HfLayout::Tensor {
+                    name: format!("{hf_prefix}.{proj}.bias"),
+                    transposed: false,
+                };
+                p
+            })
+        };
         DenseMlp {
             gate_proj: m("gate_proj", [d, f], [Some("embed"), Some("mlp")]),
+            gate_bias: b("gate_proj", f, "mlp"),
             up_proj: m("up_proj", [d, f], [Some("embed"), Some("mlp")]),
+            up_bias: b("up_proj", f, "mlp"),
             down_proj: m("down_proj", [f, d], [Some("mlp"), Some("embed")]),
+            down_bias: b("down_proj", d, "embed"),
         }
     }
 }
@@ -313,7 +352,13 @@ impl DecoderLayer<ParamInfo> {
             None => Attention::Gqa(Gqa::declare(c, &l("self_attn"))),
         };
         let mlp = match c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
-            None => Mlp::Dense(DenseMlp::declare(&l("mlp"), &l("mlp"), d, c.base_mlp_dim)),
+            None => Mlp::Dense(DenseMlp::declare(
+                &l("mlp"),
+                &l("mlp"),
+                d,
+                c.base_mlp_dim,
+                c.mlp_bias,
+            )),
             Some(m) => {
                 let (e, fe) = (m.num_experts, m.moe_mlp_dim);
                 let experts =
@@ -370,21 +415,33 @@ impl DecoderLayer<ParamInfo> {
                             &l("mlp.shared_expert"),
                             &l(shared_hf),
                             d,
-                            m.shared_experts * fe,
+                            c.shared_mlp_dim(),
+                            false,
+                        )
+                    }),
+                    shared_expert_gate: (m.shared_experts > 0 && m.shared_expert_gate).then(|| {
+                        matrix(
+                            l("mlp.shared_expert_gate.weight"),
+                            [d, 1],
+                            [Some("embed"), None],
                         )
                     }),
                 })
             }
         };
+        let norm = |s: &str| layer_norm(c, l(&format!("{s}.weight")), d, Some("norm"));
+        let (pre, pre_post) = match c.norm_placement {
+            NormPlacement::Pre => (true, false),
+            NormPlacement::PrePost => (true, true),
+            NormPlacement::Post => (false, true),
+        };
         DecoderLayer {
-            input_layernorm: norm_scale(l("input_layernorm.weight"), d, Some("norm")),
+            input_layernorm: pre.then(|| norm("input_layernorm")),
             self_attn,
-            post_attention_layernorm: norm_scale(
-                l("post_attention_layernorm.weight"),
-                d,
-                Some("norm"),
-            ),
+            post_attention_layernorm: norm("post_attention_layernorm"),
+            pre_feedforward_layernorm: (pre && pre_post).then(|| norm("pre_feedforward_layernorm")),
             mlp,
+            post_feedforward_layernorm: pre_post.then(|| norm("post_feedforward_layernorm")),
         }
     }
 }
@@ -407,7 +464,7 @@ impl Weights<ParamInfo> {
             layers: (0..c.base_num_decoder_layers)
                 .map(|i| DecoderLayer::declare(c, i))
                 .collect(),
-            norm: norm_scale("model.norm.weight".into(), c.base_emb_dim, Some("norm")),
+            norm: layer_norm(c, "model.norm.weight".into(), c.base_emb_dim, Some("norm")),
             lm_head: (!c.logits_via_embedding).then(|| {
                 matrix(
                     "lm_head.weight".into(),
@@ -417,5 +474,88 @@ impl Weights<ParamInfo> {
             }),
             mtp: (c.mtp_num_layers > 0).then(|| Mtp::declare(c)),
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeepSeek-V3's multi-token-prediction module (its math is in `crate::mtp`).
+
+/// The weights of a depth-1 MTP module (`model.layers.{L}.*`, HF names), matrices `[in, out]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mtp<W> {
+    /// `embed_tokens.weight` `[vocab, d]` (the published layer's copy of the embedding).
+    pub embed_tokens: W,
+    /// `enorm.weight` `[d]`: the RMSNorm of the next token's embedding.
+    pub enorm: W,
+    /// `hnorm.weight` `[d]`: the RMSNorm of the main model's hidden state.
+    pub hnorm: W,
+    /// `eh_proj.weight` `[2d, d]`.
+    pub eh_proj: W,
+    /// The decoder layer (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`).
+    pub layer: DecoderLayer<W>,
+    /// `shared_head.norm.weight` `[d]`.
+    pub shared_head_norm: W,
+    /// `shared_head.head.weight` `[d, vocab]`.
+    pub shared_head_head: W,
+}
+
+impl<W> Mtp<W> {
+    /// This structure with every weight replaced by `f(weight)`, in field order (the flat order
+    /// of [`Mtp::declare`]'s parameters).
+    ///
+    /// # Errors
+    /// The first error of `f`.
+    pub fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<Mtp<U>, E> {
+        Ok(Mtp {
+            embed_tokens: f(&self.embed_tokens)?,
+            enorm: f(&self.enorm)?,
+            hnorm: f(&self.hnorm)?,
+            eh_proj: f(&self.eh_proj)?,
+            layer: self.layer.try_map(f)?,
+            shared_head_norm: f(&self.shared_head_norm)?,
+            shared_head_head: f(&self.shared_head_head)?,
+        })
+    }
+}
+
+impl Mtp<ParamInfo> {
+    /// The declarations of `c`'s MTP layer, `model.layers.{num layers}.*`.
+    pub fn declare(c: &Config) -> Mtp<ParamInfo> {
+        let i = c.base_num_decoder_layers;
+        let l = |s: &str| format!("model.layers.{i}.{s}");
+        let d = c.base_emb_dim;
+        let embed = l("embed_tokens.weight");
+        Mtp {
+            embed_tokens: ParamInfo {
+                hf: HfLayout::Tensor {
+                    name: embed.clone(),
+                    transposed: false,
+                },
+                name: embed,
+                shape: vec![c.vocab_size, d],
+                logical: vec![Some("vocab"), Some("embed")],
+                init: Init::Normal { std: 0.02 },
+            },
+            enorm: norm_scale(l("enorm.weight"), d, Some("norm")),
+            hnorm: norm_scale(l("hnorm.weight"), d, Some("norm")),
+            eh_proj: matrix(l("eh_proj.weight"), [2 * d, d], [None, Some("embed")]),
+            layer: DecoderLayer::declare(c, i),
+            shared_head_norm: norm_scale(l("shared_head.norm.weight"), d, Some("norm")),
+            shared_head_head: matrix(
+                l("shared_head.head.weight"),
+                [d, c.vocab_size],
+                [Some("embed"), Some("vocab")],
+            ),
+        }
+    }
+
+    /// Every parameter, in [`Mtp::try_map`] order.
+    pub fn params(&self) -> Vec<ParamInfo> {
+        let mut out = Vec::new();
+        let Ok(_) = self.try_map(&mut |p| {
+            out.push(p.clone());
+            Ok::<(), std::convert::Infallible>(())
+        });
+        out
     }
 }

@@ -57,6 +57,14 @@ pub enum UnaryOp {
     Silu,
     /// `σ(x) = 1/(1+e⁻ˣ)` (DeepSeek's router score).
     Sigmoid,
+    /// `x + c` for a constant `c` that is not differentiated (Gemma's `1 + w` norm scale). Not
+    /// linear: `c` would be added once per partial sum, so an unreduced operand is refused.
+    Shift(f32),
+    /// GELU with the tanh approximation, `½x(1 + tanh(√(2/π)(x + 0.044715x³)))` (Gemma's
+    /// `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// Soft-capping `c·tanh(x/c)` for a constant `c > 0` (Gemma 2's logits).
+    Softcap(f32),
 }
 
 /// The binary elementwise ops and how they treat unreduced operands.

@@ -501,6 +501,7 @@ fn threaded_rope_matches_a_serial_loop_bitwise() {
                 interleaved,
                 yarn: None,
                 llama3: None,
+                scaling: None,
             };
             let freqs = rope.frequencies(dim);
             let half = dim / 2;

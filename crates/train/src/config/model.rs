@@ -87,18 +87,8 @@ impl TrainConfig {
             return Ok(());
         }
         let mut moe = m.moe.clone().unwrap_or(decoder::MoeSettings {
-            num_experts: 8,
-            num_experts_per_tok: 2,
             moe_mlp_dim: m.base_mlp_dim,
-            shared_experts: 0,
-            first_num_dense_layers: 0,
-            score: ferrotext_models::moe::RouterScore::Softmax,
-            norm_topk_prob: true,
-            routed_scaling_factor: 1.0,
-            load_balance_loss_weight: 0.0,
-            groups: ferrotext_models::decoder::GroupLimit::default(),
-            routed_bias: false,
-            withhold_tags: false,
+            ..decoder::MoeSettings::default()
         });
         let set = |field: &mut usize, v: Option<usize>| {
             if let Some(v) = v {

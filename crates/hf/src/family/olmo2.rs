@@ -1,0 +1,95 @@
+//! `olmo2` (`Olmo2ForCausalLM`): GQA with a QK-norm over all heads at once (`q_norm` is
+//! `[heads·head_dim]`, applied before the heads are split), post-norms only (`x + norm(f(x))`,
+//! `post_attention_layernorm` and `post_feedforward_layernorm`), SwiGLU; q/k/v/o biases with
+//! `attention_bias`; RoPE `linear`, `dynamic`, `yarn`, `llama3`.
+
+use ferrotext_models::decoder::{Config, NormPlacement};
+use serde_json::{json, Value};
+
+use super::common::{block_misfit, dense_misfit, gqa_json, merged, read_biases, sizes};
+use super::rope::GQA_ROPE_TYPES;
+use super::table::{DECODER, GENERIC};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use KeyUse::{Irrelevant, Read};
+
+/// The family.
+pub(super) const FAMILY: Family = Family {
+    model_type: "olmo2",
+    keys: &[KEYS, DECODER, GENERIC],
+    defaults: DEFAULTS,
+    rope_types: GQA_ROPE_TYPES,
+    deepseek_yarn: false,
+    rope_view: same_rope_view,
+    read,
+    misfit,
+    write,
+    extra_tensor: no_extra_tensor,
+    rename: super::no_rename,
+};
+
+const KEYS: &[(&str, KeyUse)] = &[
+    ("tie_word_embeddings", Read { probe: "true" }),
+    ("attention_bias", Read { probe: "true" }),
+    (
+        "head_dim",
+        Irrelevant("not a key of OLMo 2's class: the head is hidden_size / heads"),
+    ),
+    (
+        "rope_scaling",
+        Read {
+            probe: "{\"rope_type\": \"linear\", \"factor\": 2.0}",
+        },
+    ),
+    (
+        "rope_parameters",
+        Read {
+            probe: "{\"rope_type\": \"default\", \"rope_theta\": 12345.0}",
+        },
+    ),
+];
+
+const DEFAULTS: &[super::defaults::ClassDefault] = &[
+    (&["vocab_size"], "50304"),
+    (&["hidden_size"], "4096"),
+    (&["intermediate_size"], "11008"),
+    (&["num_hidden_layers"], "32"),
+    (&["num_attention_heads"], "32"),
+    (&["rms_norm_eps"], "1e-5"),
+    (&["tie_word_embeddings"], "false"),
+    (&["attention_bias"], "false"),
+];
+
+fn read(k: &mut Keys<'_>) -> Result<Config, String> {
+    let mut cfg = sizes(k)?;
+    k.only("hidden_act", json!("silu"));
+    cfg.head_dim = cfg.base_emb_dim / cfg.base_num_query_heads.max(1);
+    read_biases(k, &mut cfg)?;
+    cfg.mlp_bias = false;
+    cfg.qk_norm = true;
+    cfg.qk_norm_all_heads = true;
+    cfg.norm_placement = NormPlacement::Post;
+    Ok(cfg)
+}
+
+fn misfit(cfg: &Config) -> Vec<String> {
+    let mut out = dense_misfit(cfg, "olmo2", true, cfg.attention_out_bias);
+    if !cfg.qk_norm_all_heads || cfg.norm_placement != NormPlacement::Post {
+        out.push("norms other than OLMo 2's post-norms and QK-norm over all heads".into());
+    }
+    if cfg.head_dim * cfg.base_num_query_heads != cfg.base_emb_dim {
+        out.push("a head_dim other than hidden_size / heads (olmo2 derives it)".into());
+    }
+    block_misfit(cfg, "olmo2", &["out_bias", "post_norm"], &mut out);
+    out
+}
+
+fn write(cfg: &Config) -> Value {
+    let mut v = merged(&[
+        json!({"architectures": ["Olmo2ForCausalLM"]}),
+        gqa_json(cfg, 4096),
+    ]);
+    if let Some(o) = v.as_object_mut() {
+        o.remove("head_dim");
+    }
+    v
+}
