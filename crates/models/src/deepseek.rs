@@ -12,10 +12,10 @@
 use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
 use ferrotext_tensor::Rope;
 
-use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
-use crate::nn::{causal_attention, gather_sequence, linear, linear_named, rms_norm};
+use crate::nn::{causal_attention, keys_for_queries, linear, linear_named, query_places, rms_norm};
 use crate::params::{matrix, norm_scale, ParamInfo};
+use crate::positions::Positions;
 use crate::remat;
 
 /// Multi-head latent attention in place of GQA (DeepSeek; MaxText's MLA keys).
@@ -193,7 +193,7 @@ pub fn mla_attention(
     w: &MlaWeights<'_>,
     dims: MlaDims,
     cache: Option<&mut KvSlot>,
-    docs: Option<&Documents>,
+    docs: Option<&Positions>,
 ) -> Result<Array, SpmdError> {
     let (b, t) = (x.ty().shape()[0], x.ty().shape()[1]);
     let h = dims.heads;
@@ -216,7 +216,7 @@ pub fn mla_attention(
     // RoPE on each head's tail only: the bits of slicing `rope` off, rotating it and
     // concatenating it back, in one pass.
     let q = match docs {
-        Some(d) => cx.rope_tail_at(&q, &dims.rope, &d.positions, nope)?,
+        Some(d) => cx.rope_tail_at(&q, &dims.rope, &d.in_document, nope)?,
         None => cx.rope_tail_from(&q, &dims.rope, start, nope)?,
     };
     // 2. keys/values through theirs; the RoPE key is one vector for every head
@@ -225,7 +225,7 @@ pub fn mla_attention(
     let k_rope = cx.slice(&ckv, 2, dims.kv_lora_rank, dims.kv_lora_rank + rope)?;
     let k_rope = cx.reshape(&k_rope, &[b, t, 1, rope], None)?;
     let k_rope = match docs {
-        Some(d) => cx.rope_tail_at(&k_rope, &dims.rope, &d.positions, 0)?,
+        Some(d) => cx.rope_tail_at(&k_rope, &dims.rope, &d.in_document, 0)?,
         None => cx.rope_from(&k_rope, &dims.rope, start)?,
     };
     let k_rope = cx.reshape(&k_rope, &[b, t, rope], None)?;
@@ -244,10 +244,10 @@ pub fn mla_attention(
     // 3. causal attention with DeepSeek's scale, then the output projection
     let scale = dims.rope.attention_scale_factor() / ((nope + rope) as f32).sqrt();
     // Training (no cached positions): the tiled op (the composition's values within rounding).
-    let (gk, gv) = (gather_sequence(cx, &k)?, gather_sequence(cx, &v)?);
+    let (gk, gv) = keys_for_queries(cx, &k, &v, docs)?;
     let out = if k.shape()[1] == t && cx.attention_fits(&q, &gk, &gv) {
-        let positions = docs.map(|d| &d.positions);
-        let out = cx.attention(&q, &gk, &gv, &AttentionSpec::causal(scale), positions)?;
+        let spec = AttentionSpec::causal(scale);
+        let out = cx.attention(&q, &gk, &gv, &spec, query_places(docs))?;
         cx.reshape(&out, &[b, t, h * vd], None)?
     } else if docs.is_some() {
         return Err(crate::nn::packed_needs_tiled(&q));

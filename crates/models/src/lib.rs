@@ -17,17 +17,17 @@ gradients `{U:data}`) and the untagged one, and nothing here can drop a tag.
 
 pub mod decoder;
 pub mod deepseek;
-mod documents;
 pub mod kv_cache;
 pub mod moe;
 pub mod mtp;
 pub mod nn;
 mod params;
+mod positions;
 mod presets;
 pub mod remat;
 pub mod router;
 
-pub use documents::Documents;
 pub use kv_cache::{KvCache, KvSlot};
 pub use params::{init_normal, HfLayout, HfLayoutError, Init, ParamInfo, Rng};
+pub use positions::{Balanced, Positions};
 pub use remat::RematPolicy;

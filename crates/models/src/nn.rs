@@ -5,11 +5,11 @@
 //! ([`linear`] keeps the activation's layout and settles what the weight's split requires).
 
 use ferrotext_sharding::{DType, DimSpec, PartitionSpec};
-use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError, UnaryOp};
+use ferrotext_spmd::{Array, AttentionSpec, Ctx, QueryPlaces, SpmdError, UnaryOp};
 use ferrotext_tensor::{DotDims, Rope, Tensor};
 
-use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
+use crate::positions::{Balanced, Positions};
 use crate::remat;
 
 /// How activations are laid out: the mesh axes the batch dim and the sequence dim are split
@@ -264,7 +264,7 @@ pub fn attention(
     w: &AttentionWeights<'_>,
     dims: AttentionDims,
     cache: Option<&mut KvSlot>,
-    docs: Option<&Documents>,
+    docs: Option<&Positions>,
 ) -> Result<Array, SpmdError> {
     let (b, t) = (x.shape()[0], x.shape()[1]);
     let (h, kv, hd) = (dims.heads, dims.kv_heads, dims.head_dim);
@@ -296,8 +296,8 @@ pub fn attention(
     };
     let (q, k) = match docs {
         Some(d) => (
-            cx.rope_tail_at(&q, &rope, &d.positions, 0)?,
-            cx.rope_tail_at(&k, &rope, &d.positions, 0)?,
+            cx.rope_tail_at(&q, &rope, &d.in_document, 0)?,
+            cx.rope_tail_at(&k, &rope, &d.in_document, 0)?,
         ),
         None => (
             cx.rope_from(&q, &rope, start)?,
@@ -314,10 +314,9 @@ pub fn attention(
     // query heads in place and keeps no T×T scores; the composition below computes the same
     // within rounding (it is what a key/value cache decodes with). Under context parallelism
     // the queries stay split and the keys and values are gathered.
-    let (gk, gv) = (gather_sequence(cx, &k)?, gather_sequence(cx, &v)?);
+    let (gk, gv) = keys_for_queries(cx, &k, &v, docs)?;
     if s == t && cx.attention_fits(&q, &gk, &gv) {
-        let positions = docs.map(|d| &d.positions);
-        let out = cx.attention(&q, &gk, &gv, &dims.spec, positions)?;
+        let out = cx.attention(&q, &gk, &gv, &dims.spec, query_places(docs))?;
         let out = cx.reshape(&out, &[b, t, h * hd], None)?;
         return linear_bias(cx, &out, w.o_proj, w.o_bias, remat::OUT_PROJ);
     }
@@ -339,6 +338,44 @@ pub fn attention(
     // 5. causal attention (windowed and soft-capped as the spec says), then o_proj
     let out = spec_attention(cx, &q, &k, &v, &dims.spec)?;
     linear_bias(cx, &out, w.o_proj, w.o_bias, remat::OUT_PROJ)
+}
+
+/// The keys (or values) every query of this device reads: gathered over the sequence's axes
+/// ([`gather_sequence`]) and, after a load-balanced split ([`Balanced`]), put back in the rows'
+/// order (slices and a concatenation: their transposes reorder the cotangents back).
+///
+/// # Errors
+/// Any type error of the ops.
+pub fn keys_for_queries(
+    cx: &mut Ctx<'_>,
+    k: &Array,
+    v: &Array,
+    places: Option<&Positions>,
+) -> Result<(Array, Array), SpmdError> {
+    let (k, v) = (gather_sequence(cx, k)?, gather_sequence(cx, v)?);
+    let Some(b) = places.and_then(|p| p.balanced.as_ref()) else {
+        return Ok((k, v));
+    };
+    let in_order = |cx: &mut Ctx<'_>, x: &Array| -> Result<Array, SpmdError> {
+        let size = x.shape()[1] / b.chunks.max(1);
+        let parts = (0..b.chunks)
+            .map(|j| {
+                let at = Balanced::slot_of(j, b.chunks) * size;
+                cx.slice(x, 1, at, at + size)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        cx.concat(&parts.iter().collect::<Vec<_>>(), 1)
+    };
+    Ok((in_order(cx, &k)?, in_order(cx, &v)?))
+}
+
+/// Where this device's queries sit among the keys and in their documents (see
+/// [`ferrotext_spmd::QueryPlaces`]); nothing given when the tokens are simply in order.
+pub fn query_places(places: Option<&Positions>) -> QueryPlaces<'_> {
+    QueryPlaces {
+        index: places.and_then(|p| p.balanced.as_ref()).map(|b| &b.index),
+        in_document: places.map(|p| &p.in_document),
+    }
 }
 
 /// Packed documents need the tiled attention op (the composition has no document mask).

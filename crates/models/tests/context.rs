@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, CollectiveKind, PhasePattern, SpmdOptions, Trace};
 use ferrotext_models::decoder::{Config, Decoder, LossOptions, MlaSettings};
-use ferrotext_models::{init_normal, Documents};
+use ferrotext_models::{init_normal, Balanced, Positions};
 use ferrotext_sharding::{Mesh, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 
@@ -45,7 +45,12 @@ const T: usize = 16;
 
 /// The loss and the gradients (summed over the devices' partials) on a `context`-way split
 /// of the sequence, with the weights reduced over it when `tagged`; device 0's trace.
-fn run(model: &Decoder, context: usize, tagged: bool, packed: bool) -> (f32, Vec<Vec<f32>>, Trace) {
+fn run(
+    model: &Decoder,
+    context: usize,
+    tagged: bool,
+    (packed, balanced): (bool, bool),
+) -> (f32, Vec<Vec<f32>>, Trace) {
     let mesh = Arc::new(Mesh::explicit([("context", context)]).unwrap());
     let vocab = model.config().vocab_size as u32;
     let mut out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
@@ -68,22 +73,52 @@ fn run(model: &Decoder, context: usize, tagged: bool, packed: bool) -> (f32, Vec
             .collect::<Result<_, _>>()?;
         let tokens: Vec<u32> = (0..B * T).map(|i| (i as u32 * 7 + 3) % vocab).collect();
         let targets: Vec<u32> = (0..B * T).map(|i| (i as u32 * 5 + 1) % vocab).collect();
-        let split = PartitionSpec::new([None, Some("context")]);
-        let ids = cx.ids_from_global(&[B, T], split.clone(), &tokens)?;
-        let tgt = cx.ids_from_global(&[B, T], split.clone(), &targets)?;
-        // Two documents a row: 0..5 and 5..16 in row 0, 0..11 and 11..16 in row 1.
-        let docs = if packed {
-            let pos: Vec<u32> = (0..B * T)
-                .map(|n| {
-                    let (r, i) = (n / T, n % T);
-                    let start = if r == 0 { [0, 5] } else { [0, 11] };
-                    (i - start.iter().filter(|&&s| s <= i).max().unwrap()) as u32
+        // Two documents a row when packed: 0..5 and 5..16 in row 0, 0..11 and 11..16 in row 1.
+        let in_document: Vec<u32> = (0..B * T)
+            .map(|n| {
+                let (r, i) = (n / T, n % T);
+                let start = if r == 0 { [0, 5] } else { [0, 11] };
+                let start = if packed {
+                    *start.iter().filter(|&&s| s <= i).max().unwrap()
+                } else {
+                    0
+                };
+                (i - start) as u32
+            })
+            .collect();
+        let index: Vec<u32> = (0..B * T).map(|n| (n % T) as u32).collect();
+        // Balanced: each row's 2n chunks reordered so device i holds chunks i and 2n−1−i.
+        let chunks = 2 * context;
+        let order = |v: &[u32]| -> Vec<u32> {
+            if !balanced {
+                return v.to_vec();
+            }
+            let size = T / chunks;
+            v.chunks(T)
+                .flat_map(|row| {
+                    (0..chunks).flat_map(move |slot| {
+                        let j = (0..chunks)
+                            .find(|&j| Balanced::slot_of(j, chunks) == slot)
+                            .unwrap();
+                        row[j * size..(j + 1) * size].to_vec()
+                    })
                 })
-                .collect();
-            let seg: Vec<u32> = pos.iter().map(|&p| u32::from(p == 0)).collect();
-            Some(Documents {
-                segment_ids: cx.ids_from_global(&[B, T], split.clone(), &seg)?,
-                positions: cx.ids_from_global(&[B, T], split.clone(), &pos)?,
+                .collect()
+        };
+        let split = PartitionSpec::new([None, Some("context")]);
+        let ids = cx.ids_from_global(&[B, T], split.clone(), &order(&tokens))?;
+        let tgt = cx.ids_from_global(&[B, T], split.clone(), &order(&targets))?;
+        let docs = if packed || balanced {
+            Some(Positions {
+                in_document: cx.ids_from_global(&[B, T], split.clone(), &order(&in_document))?,
+                balanced: balanced
+                    .then(|| -> Result<Balanced, SpmdError> {
+                        Ok(Balanced {
+                            index: cx.ids_from_global(&[B, T], split.clone(), &order(&index))?,
+                            chunks,
+                        })
+                    })
+                    .transpose()?,
             })
         } else {
             None
@@ -129,10 +164,15 @@ fn close(a: &[f32], b: &[f32], rel: f32, what: &str) {
 
 fn check(cfg: Config, packed: bool) {
     let model = Decoder::new(cfg).unwrap();
-    let (loss, grads, _) = run(&model, 1, false, packed);
-    for (context, tagged) in [(2, false), (4, false), (4, true)] {
-        let (l, g, trace) = run(&model, context, tagged, packed);
-        let at = format!("context={context} tagged={tagged} packed={packed}");
+    let (loss, grads, _) = run(&model, 1, false, (packed, false));
+    for (context, tagged, balanced) in [
+        (2, false, false),
+        (4, false, true),
+        (4, true, false),
+        (2, true, true),
+    ] {
+        let (l, g, trace) = run(&model, context, tagged, (packed, balanced));
+        let at = format!("context={context} tagged={tagged} packed={packed} balanced={balanced}");
         close(&[l], &[loss], 1e-6, &format!("{at}: loss"));
         // The gradients add each device's tokens' terms in another order: f32 rounding.
         for (i, (a, b)) in g.iter().zip(&grads).enumerate() {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_models::decoder::{Config, Decoder, LossOptions, MlaSettings};
-use ferrotext_models::{init_normal, Documents};
+use ferrotext_models::{init_normal, Positions};
 use ferrotext_sharding::{Mesh, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, IGNORE_INDEX};
 
@@ -73,9 +73,9 @@ fn loss(
         let ids = cx.ids_from_global(&[b, t], batch.clone(), &flat(inputs))?;
         let tgt = cx.ids_from_global(&[b, t], batch.clone(), &flat(targets))?;
         let docs = match docs {
-            Some((seg, pos)) => Some(Documents {
-                segment_ids: cx.ids_from_global(&[b, t], batch.clone(), &flat(seg))?,
-                positions: cx.ids_from_global(&[b, t], batch.clone(), &flat(pos))?,
+            Some((_, pos)) => Some(Positions {
+                in_document: cx.ids_from_global(&[b, t], batch.clone(), &flat(pos))?,
+                balanced: None,
             }),
             None => None,
         };

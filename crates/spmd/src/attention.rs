@@ -11,13 +11,14 @@
 //! split over axes S (context parallelism) when `k` and `v` hold the whole sequence reduced over
 //! S (the caller gathers them): each device attends its queries to every key, and the keys'
 //! and values' cotangents come back unreduced over S (their gather's transpose reduce-scatters
-//! them); otherwise the three carry the same `reduced` tags. Document positions, when given, are
-//! `u32[B, T]` split as `q`'s batch and sequence. No collective.
+//! them); otherwise the three carry the same `reduced` tags. Query places ([`QueryPlaces`]),
+//! when given, are `u32[B, T]` split as `q`'s batch and sequence. No collective.
 //!
-//! What a query sees ([`AttentionSpec`]): the keys up to its own position (causal), within its
-//! document when document positions are given (a token's document starts its position before
-//! it: packed documents are contiguous runs), at most `window` of them when a sliding window is
-//! set; the logits are `scale·q·k`, soft-capped when asked.
+//! What a query sees ([`AttentionSpec`]): the keys up to its own index (causal), within its
+//! document when its position in it is given (its document starts that many keys before it:
+//! packed documents are contiguous runs), at most `window` of them when a sliding window is set;
+//! the logits are `scale·q·k`, soft-capped when asked. A query's index is its place in this
+//! device's slice of the sequence unless given (a load-balanced split reorders the rows).
 //!
 //! On bf16 `q`, `k`, `v` the kernel runs in `f32` on the widened shards and rounds its output
 //! and cotangents once; the backward's row sums `rowsum(dout ⊙ out)` read the output as stored
@@ -153,43 +154,56 @@ fn attention_type(q: &ArrayType, k: &ArrayType, v: &ArrayType) -> Result<ArrayTy
     rules::make_type(OP, q, shape, Ok(q.sharding().spec().clone())).map_err(Into::into)
 }
 
-/// Document positions fit `q`: `[B, T]`, split as `q`'s batch and sequence.
-fn check_documents(q: &ArrayType, positions: &ArrayType) -> Result<(), SpmdError> {
-    let spec = |t: &ArrayType, d: usize| t.sharding().spec().dim(d).clone();
-    let fits = positions.shape() == &q.shape()[..2]
-        && spec(positions, 0) == spec(q, 0)
-        && spec(positions, 1) == spec(q, 1);
-    if fits {
-        Ok(())
-    } else {
-        Err(type_error(
-            K::ShardingMismatch,
-            &[q, positions],
-            "needs document positions [B, T] split over the batch and sequence as q is",
-        ))
-    }
+/// Where each of [`Ctx::attention`]'s query rows sits in the sequence its keys hold: its
+/// index there (`None`: the rows are in order, this device's slice starting where its split
+/// puts it) and its position in its document (`None`: one document from index 0). Each is
+/// `u32[B, T]`, split as `q`'s batch and sequence.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QueryPlaces<'a> {
+    /// Each query's index among the keys (a load-balanced split reorders the rows).
+    pub index: Option<&'a Ids>,
+    /// Each query's position in its packed document (its document starts that many keys
+    /// before it).
+    pub in_document: Option<&'a Ids>,
 }
 
-/// Which keys each of this device's query rows sees: `rows` batch rows of the queries at
-/// positions `offset..offset + queries` over `keys` positions; within documents when
-/// `positions` holds each query's position in its document (its document starts there
-/// before it).
+/// Query places fit `q`: `[B, T]`, split as `q`'s batch and sequence.
+fn check_places(q: &ArrayType, places: &QueryPlaces<'_>) -> Result<(), SpmdError> {
+    let spec = |t: &ArrayType, d: usize| t.sharding().spec().dim(d).clone();
+    for ids in [places.index, places.in_document].into_iter().flatten() {
+        let p = ids.ty();
+        if p.shape() != &q.shape()[..2] || spec(p, 0) != spec(q, 0) || spec(p, 1) != spec(q, 1) {
+            return Err(type_error(
+                K::ShardingMismatch,
+                &[q, p],
+                "needs query indices and document positions [B, T] split over the batch and \
+                 sequence as q is",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Which keys each of this device's query rows sees: `rows` batch rows of `queries` queries
+/// over `keys` keys, the queries at `offset..offset + queries` unless `index` gives each one's
+/// index; within documents when `in_document` gives each one's position in its document.
 fn key_ranges(
     (rows, queries, keys, offset): (usize, usize, usize, usize),
-    positions: Option<&[u32]>,
+    (index, in_document): (Option<&[u32]>, Option<&[u32]>),
     window: Option<usize>,
 ) -> Result<KeyRanges, SpmdError> {
-    let Some(pos) = positions else {
+    if index.is_none() && in_document.is_none() {
         return Ok(KeyRanges::causal(rows, keys, window).query_rows(offset..offset + queries)?);
-    };
-    let starts: Vec<u32> = pos
-        .iter()
-        .enumerate()
-        .map(|(n, &p)| (offset + n % queries.max(1)).saturating_sub(p as usize) as u32)
+    }
+    let at = |n: usize| index.map_or(offset + n % queries.max(1), |ix| ix[n] as usize);
+    let places: Vec<(u32, u32)> = (0..rows * queries)
+        .map(|n| {
+            let i = at(n);
+            let back = in_document.map_or(i, |p| p[n] as usize);
+            (i as u32, i.saturating_sub(back) as u32)
+        })
         .collect();
-    Ok(KeyRanges::query_documents(
-        rows, keys, offset, &starts, window,
-    )?)
+    Ok(KeyRanges::places(rows, keys, &places, window)?)
 }
 
 impl Ctx<'_> {
@@ -201,8 +215,8 @@ impl Ctx<'_> {
 
     /// Causal grouped-query self-attention `softmax(logits over the visible keys)·v`, tiled, on
     /// `q: [B, T, H, dk]`, `k: [B, T, KV, dk]`, `v: [B, T, KV, dv]`; out `[B, T, H, dv]`.
-    /// `documents` (`u32[B, T]`: each token's position in its packed document) confines each
-    /// query to its document. See the module docs for the type rule and what is kept.
+    /// `places` says where each query sits among the keys and in its packed document (each
+    /// query sees only its document). See the module docs for the type rule and what is kept.
     ///
     /// # Errors
     /// Shapes that do not fit; a split sequence or width dim; batch or heads split differently;
@@ -216,12 +230,10 @@ impl Ctx<'_> {
         k: &Array,
         v: &Array,
         spec: &AttentionSpec,
-        documents: Option<&Ids>,
+        places: QueryPlaces<'_>,
     ) -> Result<Array, SpmdError> {
         let out_ty = attention_type(q.ty(), k.ty(), v.ty())?;
-        if let Some(d) = documents {
-            check_documents(q.ty(), d.ty())?;
-        }
+        check_places(q.ty(), &places)?;
         let threads = self.threads();
         let scores = spec.scores();
         let ranges = if self.mode() == Mode::Abstract {
@@ -230,8 +242,11 @@ impl Ctx<'_> {
             let local = q.ty().shard_shape();
             let offset = q.ty().sharding().shard_ranges(q.shape(), self.device())?[1].start;
             let sizes = (local[0], local[1], k.shape()[1], offset);
-            let pos = documents.and_then(Ids::local);
-            Some(key_ranges(sizes, pos, spec.window)?)
+            let local = (
+                places.index.and_then(Ids::local),
+                places.in_document.and_then(Ids::local),
+            );
+            Some(key_ranges(sizes, local, spec.window)?)
         };
         let (out, lse) = match (&ranges, bf16_operands(&out_ty, &[q, k, v])) {
             (Some(r), Some(b)) => {

@@ -108,7 +108,7 @@ mod structural;
 mod tape;
 
 pub use array::Array;
-pub use attention::AttentionSpec;
+pub use attention::{AttentionSpec, QueryPlaces};
 pub use autodiff::GradientSink;
 pub use bucketed::{BucketPlan, StartedBucket};
 pub use ctx::{on_device, Ctx, Mode};

@@ -107,6 +107,7 @@ pub const KEYS: &[Key] = &[
     key("ici_fsdp_parallelism", Mesh, "integer, -1 fills", "size of the fsdp axis"),
     key("ici_tensor_parallelism", Mesh, "integer, -1 fills", "size of the tensor axis"),
     key("ici_context_parallelism", Mesh, "integer, -1 fills", "size of the context axis (each sequence split over it; attention gathers the keys and values)"),
+    key("context_parallel_load_balance", Mesh, "true|false", "under context parallelism, give each device two chunks of every sequence, one from each end (causal attention then costs every device the same)"),
     key("ici_expert_parallelism", Mesh, "integer, -1 fills", "size of the expert axis (experts and the batch split over it)"),
     key("shard_mode", Mesh, "explicit|auto", "explicit: shardings are types and gradients may stay unreduced; auto: no tags, no deferral"),
     key("collective_timeout_seconds", Mesh, "float > 0", "seconds a device waits in a collective before the run fails"),

@@ -14,10 +14,10 @@ use ferrotext_spmd::AttentionSpec;
 use super::config::{Config, MlpActivation, NormPlacement};
 use super::weights::{Attention, DecoderLayer, DenseMlp, Gqa, Mlp, SparseMoe};
 use crate::deepseek::{mla_attention, Mla, MlaDims, MlaQueries, MlaWeights};
-use crate::documents::Documents;
 use crate::kv_cache::KvSlot;
 use crate::moe::{self, MoeOptions, MoeWeights};
 use crate::nn::{self, AttentionDims, AttentionWeights};
+use crate::positions::Positions;
 
 impl DecoderLayer<&Array> {
     /// Layer `i`: `x + attn(norm(x))`, then `+ mlp(norm(·))`, each norm where
@@ -33,7 +33,7 @@ impl DecoderLayer<&Array> {
         aux: &mut Option<Array>,
         loads: &mut Vec<Vec<f32>>,
         cache: Option<&mut KvSlot>,
-        docs: Option<&Documents>,
+        docs: Option<&Positions>,
     ) -> Result<Array, SpmdError> {
         let (eps, one) = (c.normalization_layer_epsilon, c.norm_plus_one);
         let normed = |cx: &mut Ctx<'_>, y: &Array, w: Option<&Array>| match w {
@@ -88,7 +88,7 @@ impl Gqa<&Array> {
         h: &Array,
         (c, i): (&Config, usize),
         cache: Option<&mut KvSlot>,
-        docs: Option<&Documents>,
+        docs: Option<&Positions>,
     ) -> Result<Array, SpmdError> {
         let w = AttentionWeights {
             q_proj: self.q_proj,
@@ -128,7 +128,7 @@ impl Mla<&Array> {
         h: &Array,
         c: &Config,
         cache: Option<&mut KvSlot>,
-        docs: Option<&Documents>,
+        docs: Option<&Positions>,
     ) -> Result<Array, SpmdError> {
         let m = c.mla.ok_or(SpmdError::MissingSettings {
             op: "mla",

@@ -8,7 +8,7 @@
 use ferrotext_spmd::{Array, Ctx, HeadLoss, Ids, SpmdError};
 
 use super::{Decoder, ExpertLoads, LossSum};
-use crate::documents::Documents;
+use crate::positions::Positions;
 
 /// Which sum [`Decoder::loss`] returns.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -117,7 +117,7 @@ impl Decoder {
         &self,
         cx: &mut Ctx<'_>,
         params: &[Array],
-        (inputs, docs): (&Ids, Option<&Documents>),
+        (inputs, docs): (&Ids, Option<&Positions>),
         targets: &Ids,
         options: LossOptions,
     ) -> Result<LossSum, SpmdError> {
@@ -136,7 +136,7 @@ impl Decoder {
         &self,
         cx: &mut Ctx<'_>,
         params: &[Array],
-        (inputs, docs): (&Ids, Option<&Documents>),
+        (inputs, docs): (&Ids, Option<&Positions>),
         targets: &Ids,
         (partial, with_mtp): (bool, bool),
     ) -> Result<LossSum, SpmdError> {

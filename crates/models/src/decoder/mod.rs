@@ -36,11 +36,11 @@ use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, UnaryOp};
 use ferrotext_tensor::DotDims;
 
 pub use crate::deepseek::MlaSettings;
-use crate::documents::Documents;
 use crate::kv_cache::KvCache;
 pub use crate::mtp::LossSum;
 use crate::nn::{self, unsplit, ActivationLayout};
 use crate::params::ParamInfo;
+use crate::positions::Positions;
 use crate::remat::RematPolicy;
 pub use crate::router::GroupLimit;
 
@@ -404,7 +404,7 @@ impl Decoder {
         params: &[Array],
         inputs: &Ids,
         cache: Option<&mut KvCache>,
-        docs: Option<&Documents>,
+        docs: Option<&Positions>,
     ) -> Result<(Array, Option<Array>, ExpertLoads, Array), SpmdError> {
         let hidden = self.hidden_and_head(cx, params, inputs, cache, docs)?;
         let (x, aux, loads) = (hidden.x, hidden.aux, hidden.loads);
@@ -442,7 +442,7 @@ impl Decoder {
         params: &[Array],
         inputs: &Ids,
         cache: Option<&mut KvCache>,
-        docs: Option<&Documents>,
+        docs: Option<&Positions>,
     ) -> Result<Hidden, SpmdError> {
         let w = self.bind(params)?;
         let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache, docs)?;
@@ -469,7 +469,7 @@ impl Decoder {
         w: &Weights<&Array>,
         inputs: &Ids,
         mut cache: Option<&mut KvCache>,
-        docs: Option<&Documents>,
+        docs: Option<&Positions>,
     ) -> Result<(Array, Array, Option<Array>, ExpertLoads), SpmdError> {
         let c = &self.cfg;
         let layout = ActivationLayout::of(inputs);

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use ferrotext_spmd::{Array, Ctx, RematFn, SavePolicy, SpmdError};
 
 use super::{Decoder, DecoderLayer, ExpertLoads};
-use crate::documents::Documents;
+use crate::positions::Positions;
 
 impl Decoder {
     /// Layer `i` (bound to `layer`) on `x` as a region saving what `policy` says: its output;
@@ -23,7 +23,7 @@ impl Decoder {
         x: &Array,
         policy: &SavePolicy,
         (aux, loads): (&mut Option<Array>, &mut ExpertLoads),
-        docs: Option<&Documents>,
+        docs: Option<&Positions>,
     ) -> Result<Array, SpmdError> {
         let mut inputs = vec![x.clone()];
         let Ok(_) = layer.try_map(&mut |w: &&Array| {

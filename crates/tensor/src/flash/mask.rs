@@ -51,49 +51,51 @@ impl KeyRanges {
         starts: &[u32],
         window: Option<usize>,
     ) -> Result<KeyRanges, TensorError> {
-        KeyRanges::query_documents(batch, t, 0, starts, window)
-    }
-
-    /// [`KeyRanges::documents`] for the queries at positions `offset..offset + q` of each row
-    /// (`q = starts.len() / batch`: a device's slice of the sequence under context parallelism)
-    /// over all `keys` positions: `starts` gives each query's document start, a global position.
-    ///
-    /// # Errors
-    /// `starts` not a whole number of rows, queries past the keys, or a start after its
-    /// position.
-    pub fn query_documents(
-        batch: usize,
-        keys: usize,
-        offset: usize,
-        starts: &[u32],
-        window: Option<usize>,
-    ) -> Result<KeyRanges, TensorError> {
-        let queries = starts.len() / batch.max(1);
-        if queries * batch != starts.len() || offset + queries > keys {
+        if starts.len() != batch * t {
             return Err(TensorError::shape(
                 "KeyRanges::documents",
+                format!("{} document starts for {batch} rows of {t}", starts.len()),
+            ));
+        }
+        let places: Vec<(u32, u32)> = starts
+            .iter()
+            .enumerate()
+            .map(|(n, &s)| ((n % t.max(1)) as u32, s))
+            .collect();
+        KeyRanges::places(batch, t, &places, window)
+    }
+
+    /// Each query's own index `hi` and the first key it may see `lo` (`places`, `[batch ×
+    /// queries]` pairs `(hi, lo)`: its document's start), over `keys` keys, at most `window`
+    /// keys each: the general form (a load-balanced context split's reordered rows, packed
+    /// documents).
+    ///
+    /// # Errors
+    /// `places` not a whole number of rows, an index past the keys, or a start after its index.
+    pub fn places(
+        batch: usize,
+        keys: usize,
+        places: &[(u32, u32)],
+        window: Option<usize>,
+    ) -> Result<KeyRanges, TensorError> {
+        let queries = places.len() / batch.max(1);
+        let bad = places
+            .iter()
+            .find(|&&(hi, lo)| hi as usize >= keys || lo > hi);
+        if queries * batch != places.len() || bad.is_some() {
+            return Err(TensorError::shape(
+                "KeyRanges::places",
                 format!(
-                    "{} document starts for {batch} rows of queries {offset}.. over {keys} keys",
-                    starts.len()
+                    "{} query places for {batch} rows over {keys} keys (first bad: {bad:?})",
+                    places.len()
                 ),
             ));
         }
-        let mut lo = Vec::with_capacity(starts.len());
-        let mut hi = Vec::with_capacity(starts.len());
-        for (n, &s) in starts.iter().enumerate() {
-            let i = offset + n % queries.max(1);
-            if s as usize > i {
-                return Err(TensorError::shape(
-                    "KeyRanges::documents",
-                    format!(
-                        "position {i} of row {} starts its document at {s}",
-                        n / queries.max(1)
-                    ),
-                ));
-            }
-            lo.push(first_seen(i, s as usize, window));
-            hi.push(i as u32);
-        }
+        let lo = places
+            .iter()
+            .map(|&(hi, lo)| first_seen(hi as usize, lo as usize, window))
+            .collect();
+        let hi = places.iter().map(|&(hi, _)| hi).collect();
         Ok(KeyRanges {
             batch,
             queries,

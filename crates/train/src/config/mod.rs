@@ -184,6 +184,11 @@ pub struct TrainConfig {
     /// Size of the `context` axis (−1 fills): context parallelism, each sequence split over its
     /// devices; attention gathers the keys and values over it.
     pub ici_context_parallelism: i64,
+    /// Under context parallelism, cut every row into `2 × context` chunks and give device `i`
+    /// chunks `i` and `2·context − 1 − i` (MaxText's `context_parallel_load_balance`): causal
+    /// attention then costs every device the same (in order, the last device's queries see
+    /// every key and the first's only its own).
+    pub context_parallel_load_balance: bool,
     /// Size of the `tensor` axis (−1 fills).
     pub ici_tensor_parallelism: i64,
     /// Size of the `expert` axis (−1 fills): MoE experts are split over it (expert
@@ -371,6 +376,7 @@ impl Default for TrainConfig {
             ici_data_parallelism: -1,
             ici_fsdp_parallelism: 1,
             ici_context_parallelism: 1,
+            context_parallel_load_balance: true,
             ici_tensor_parallelism: 1,
             ici_expert_parallelism: 1,
             shard_mode: ShardMode::Explicit,

@@ -193,13 +193,24 @@ impl TrainConfig {
         }
         let context = mesh.axis("context").map_or(1, |a| a.size());
         if context > 1 {
-            if !self.max_target_length.is_multiple_of(context) {
+            let parts = if self.context_parallel_load_balance {
+                2 * context
+            } else {
+                context
+            };
+            if !self.max_target_length.is_multiple_of(parts) {
                 return bad(
                     "ici_context_parallelism",
                     format!(
-                        "ici_context_parallelism = {context} must divide max_target_length = {} \
-                         (each device holds an equal part of every sequence)",
-                        self.max_target_length
+                        "ici_context_parallelism = {context} needs max_target_length = {} to \
+                         split into {parts} equal chunks (each device holds an equal part of \
+                         every sequence{})",
+                        self.max_target_length,
+                        if self.context_parallel_load_balance {
+                            ", two chunks under context_parallel_load_balance"
+                        } else {
+                            ""
+                        }
                     ),
                 );
             }

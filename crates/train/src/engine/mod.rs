@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use ferrotext_models::decoder::LossOptions;
 use ferrotext_models::init_normal;
-use ferrotext_models::{Documents, ParamInfo};
+use ferrotext_models::{Balanced, ParamInfo, Positions};
 use ferrotext_sharding::{ArrayType, DType, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, BucketPlan, Ctx, Ids, Mode};
 use ferrotext_tensor::Tensor;
@@ -91,13 +91,14 @@ pub struct Batch {
     inputs: Ids,
     targets: Ids,
     tokens: u64,
-    /// Packed documents' segment ids and positions (`packing=true`).
-    documents: Option<Documents>,
+    /// Where the tokens sit, when that is not their index in their row: packed documents
+    /// (`packing=true`) and a load-balanced context split.
+    documents: Option<Positions>,
 }
 
 impl Batch {
     /// The inputs and, packed, their documents: what the model reads.
-    fn tokens(&self) -> (&Ids, Option<&Documents>) {
+    fn tokens(&self) -> (&Ids, Option<&Positions>) {
         (&self.inputs, self.documents.as_ref())
     }
 }
@@ -443,7 +444,7 @@ impl Engine {
                 reason: "a batch needs rows of equal length ≥ 2".into(),
             });
         }
-        let inputs: Vec<u32> = rows.iter().flat_map(|s| s[..len].iter().copied()).collect();
+        let mut inputs: Vec<u32> = rows.iter().flat_map(|s| s[..len].iter().copied()).collect();
         let mut targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();
         let packed = eos.map(|eos| pack(&inputs, &mut targets, len, eos));
         let tokens = targets
@@ -454,12 +455,36 @@ impl Engine {
         let spec = if rows.len() == self.plan.config().micro_batch_rows() {
             self.plan.batch_spec().clone()
         } else {
-            engine_rules().resolve(&[Some("activation_batch"), None], &shape, cx.mesh())?
+            engine_rules().resolve(
+                &[Some("activation_batch"), Some("activation_length")],
+                &shape,
+                cx.mesh(),
+            )?
         };
-        let documents = match packed {
-            Some((segments, positions)) => Some(Documents {
-                segment_ids: cx.ids_from_global(&shape, spec.clone(), &segments)?,
-                positions: cx.ids_from_global(&shape, spec.clone(), &positions)?,
+        // A load-balanced context split: every row reordered so that device `i` holds chunks
+        // `i` and `2n − 1 − i` of it; the model reads each token's original index.
+        let context = cx.mesh().axis("context").map_or(1, |a| a.size());
+        let chunks = (context > 1 && self.plan.config().context_parallel_load_balance)
+            .then_some(2 * context);
+        let index: Vec<u32> = (0..inputs.len()).map(|n| (n % len) as u32).collect();
+        let in_document = packed.unwrap_or_else(|| index.clone());
+        let place = |v: &[u32]| cx.ids_from_global(&shape, spec.clone(), v);
+        let documents = match chunks {
+            Some(chunks) => {
+                for v in [&mut inputs, &mut targets] {
+                    *v = balanced_order(v, len, chunks);
+                }
+                Some(Positions {
+                    in_document: place(&balanced_order(&in_document, len, chunks))?,
+                    balanced: Some(Balanced {
+                        index: place(&balanced_order(&index, len, chunks))?,
+                        chunks,
+                    }),
+                })
+            }
+            None if eos.is_some() => Some(Positions {
+                in_document: place(&in_document)?,
+                balanced: None,
             }),
             None => None,
         };
@@ -545,39 +570,60 @@ fn optimizer(mode: Mode, config: &crate::TrainConfig, shapes: &[Vec<usize>]) -> 
     Optimizer::new(kind, config.optimizer_hyper(), shapes)
 }
 
-/// The documents of packed rows (`len` inputs each, flat): per input its segment id (the count
-/// of `eos` before it in its row) and its position in its document; the target after an
-/// input that is `eos` (it would cross into the next document) is no longer scored.
-fn pack(inputs: &[u32], targets: &mut [u32], len: usize, eos: u32) -> (Vec<u32>, Vec<u32>) {
-    let (mut segments, mut positions) = (vec![0; inputs.len()], vec![0; inputs.len()]);
+/// `v` (rows of `len`, flat) with each row's `chunks` equal chunks reordered as a
+/// load-balanced context split holds them: original chunk `j` at slot
+/// [`Balanced::slot_of`]`(j, chunks)`.
+fn balanced_order(v: &[u32], len: usize, chunks: usize) -> Vec<u32> {
+    let size = len / chunks.max(1);
+    let mut out = vec![0; v.len()];
+    for (src, dst) in v.chunks(len).zip(out.chunks_mut(len)) {
+        for j in 0..chunks {
+            let at = Balanced::slot_of(j, chunks) * size;
+            dst[at..at + size].copy_from_slice(&src[j * size..(j + 1) * size]);
+        }
+    }
+    out
+}
+
+/// The documents of packed rows (`len` inputs each, flat): each input's position in its
+/// document (a document starts after each `eos`); the target after an input that is `eos`
+/// (it would cross into the next document) is no longer scored.
+fn pack(inputs: &[u32], targets: &mut [u32], len: usize, eos: u32) -> Vec<u32> {
+    let mut positions = vec![0; inputs.len()];
     for (row, ids) in inputs.chunks(len.max(1)).enumerate() {
-        let (mut segment, mut start) = (0u32, 0usize);
+        let mut start = 0usize;
         for (i, &id) in ids.iter().enumerate() {
             let at = row * len + i;
-            segments[at] = segment;
             positions[at] = (i - start) as u32;
             if id == eos {
                 targets[at] = ferrotext_spmd::IGNORE_INDEX;
-                (segment, start) = (segment + 1, i + 1);
+                start = i + 1;
             }
         }
     }
-    (segments, positions)
+    positions
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Hand-worked: rows `a b E c d | E f g h` (E the EOS): segments count the EOS before each
-    /// token, positions restart after each, and the target after an EOS is not scored.
+    /// Rows of 8 in 4 chunks: chunk 0 at slot 0, chunk 3 at 1, chunk 1 at 2, chunk 2 at 3.
+    #[test]
+    fn a_balanced_row_holds_its_chunks_from_both_ends() {
+        let v: Vec<u32> = (0..16).collect();
+        let b = balanced_order(&v, 8, 4);
+        assert_eq!(b, [0, 1, 6, 7, 2, 3, 4, 5, 8, 9, 14, 15, 10, 11, 12, 13]);
+    }
+
+    /// Hand-worked: rows `a b E c d | E f g h` (E the EOS): positions restart after each EOS,
+    /// and the target after an EOS is not scored.
     #[test]
     fn packing_finds_documents_by_their_eos_and_masks_the_crossing_targets() {
         const E: u32 = 9;
         let inputs = [1, 2, E, 3, 4, E, 5, 6, 7, 8];
         let mut targets = [2, E, 3, 4, 5, 5, 6, 7, 8, 0];
-        let (segments, positions) = pack(&inputs, &mut targets, 5, E);
-        assert_eq!(segments, [0, 0, 0, 1, 1, 0, 1, 1, 1, 1]);
+        let positions = pack(&inputs, &mut targets, 5, E);
         assert_eq!(positions, [0, 1, 2, 0, 1, 0, 0, 1, 2, 3]);
         let x = ferrotext_spmd::IGNORE_INDEX;
         assert_eq!(targets, [2, E, x, 4, 5, x, 6, 7, 8, 0]);
