@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use ferrotext_sharding::PartitionSpec;
-use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError};
+use ferrotext_spmd::{Array, AttentionSpec, Ctx, QueryPlaces, SpmdError};
 use ferrotext_tensor::{DotDims, Tensor};
 
 const B: usize = 4;
@@ -105,7 +105,13 @@ fn loss_grads(cx: &mut Ctx<'_>, specs: [PartitionSpec; 4], fused: bool) -> Resul
     let w = place(cx, &w, sw);
     let before = cx.comm().trace().events().len();
     let out = if fused {
-        cx.attention(&q, &k, &v, &AttentionSpec::causal(SCALE), None)?
+        cx.attention(
+            &q,
+            &k,
+            &v,
+            &AttentionSpec::causal(SCALE),
+            QueryPlaces::default(),
+        )?
     } else {
         unfused(cx, &q, &k, &v)?
     };
@@ -118,7 +124,13 @@ fn loss_grads(cx: &mut Ctx<'_>, specs: [PartitionSpec; 4], fused: bool) -> Resul
     let operand_types = [&q, &k, &v].iter().map(|a| a.ty().to_string()).collect();
     let (_, grads) = cx.value_and_grad(&[q, k, v], |cx, p| {
         let y = if fused {
-            cx.attention(&p[0], &p[1], &p[2], &AttentionSpec::causal(SCALE), None)?
+            cx.attention(
+                &p[0],
+                &p[1],
+                &p[2],
+                &AttentionSpec::causal(SCALE),
+                QueryPlaces::default(),
+            )?
         } else {
             unfused(cx, &p[0], &p[1], &p[2])?
         };
@@ -225,7 +237,13 @@ fn type_errors_name_the_op_and_print_the_operands() {
             let k = place_any(cx, &k, kv_spec.clone());
             let v = place_any(cx, &v, kv_spec.clone());
             Ok(cx
-                .attention(&q, &k, &v, &AttentionSpec::causal(SCALE), None)
+                .attention(
+                    &q,
+                    &k,
+                    &v,
+                    &AttentionSpec::causal(SCALE),
+                    QueryPlaces::default(),
+                )
                 .unwrap_err()
                 .to_string())
         });

@@ -12,7 +12,7 @@ mod common;
 
 use common::*;
 use ferrotext_sharding::{DType, PartitionSpec};
-use ferrotext_spmd::{Array, AttentionSpec, Ctx, SpmdError, UnaryOp};
+use ferrotext_spmd::{Array, AttentionSpec, Ctx, QueryPlaces, SpmdError, UnaryOp};
 use ferrotext_tensor::{round_bf16, widen_bf16, Tensor};
 
 /// Values with a spread of magnitudes (the seed shifts them).
@@ -230,7 +230,15 @@ fn attention_runs_bf16_with_the_widened_bits() {
         &[q, k, v],
         &[b, t, h, dk],
         &["flash_attention_bf16", "flash_attention_backward_bf16"],
-        &|cx, a| cx.attention(&a[0], &a[1], &a[2], &AttentionSpec::causal(0.25), None),
+        &|cx, a| {
+            cx.attention(
+                &a[0],
+                &a[1],
+                &a[2],
+                &AttentionSpec::causal(0.25),
+                QueryPlaces::default(),
+            )
+        },
     );
 }
 

@@ -10,7 +10,11 @@ use ferrotext_comm::{CollectiveKind, PhasePattern};
 use ferrotext_train::{train, RunOptions, TrainReport};
 
 fn run(extra: &[&str]) -> TrainReport {
-    let mut all = vec!["steps=3", "gradient_accumulation_steps=2", "max_target_length=32"];
+    let mut all = vec![
+        "steps=3",
+        "gradient_accumulation_steps=2",
+        "max_target_length=32",
+    ];
     all.extend_from_slice(extra);
     train(&small_config(&all), &RunOptions::default()).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -40,15 +44,27 @@ fn four_way_context_trains_the_one_device_losses() {
         four.push(&key);
         let split = run(&four);
         for (a, b) in losses(&split).iter().zip(losses(&one)) {
-            assert!((a - b).abs() <= 1e-6 * b.abs(), "balance={balance}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "balance={balance}: {a} vs {b}"
+            );
         }
         let micro = PhasePattern::new("micro_batch*");
         let t = &split.trace;
-        assert!(t.count(CollectiveKind::AllGather, &micro) > 0, "the keys' gathers");
-        assert!(t.count(CollectiveKind::ReduceScatter, &micro) > 0, "their cotangents'");
+        assert!(
+            t.count(CollectiveKind::AllGather, &micro) > 0,
+            "the keys' gathers"
+        );
+        assert!(
+            t.count(CollectiveKind::ReduceScatter, &micro) > 0,
+            "their cotangents'"
+        );
         // Deferred over `context`: no weight gradient is reduced inside a micro-batch (only
         // the loss's one-element all-reduce), and the update reduces them.
-        assert!(t.all_reduces_larger_than(1, &micro).is_empty(), "balance={balance}");
+        assert!(
+            t.all_reduces_larger_than(1, &micro).is_empty(),
+            "balance={balance}"
+        );
         let update = PhasePattern::new("update*");
         assert!(!t.all_reduces_larger_than(1, &update).is_empty());
     }
@@ -81,7 +97,11 @@ fn sizes_that_do_not_split_are_refused_by_name() {
     let msg = refused(&["max_target_length=36"]);
     assert!(msg.starts_with("ici_context_parallelism"), "{msg}");
     assert!(msg.contains("8 equal chunks"), "{msg}");
-    assert!(load(&["max_target_length=36", "context_parallel_load_balance=false"]).is_ok());
+    assert!(load(&[
+        "max_target_length=36",
+        "context_parallel_load_balance=false"
+    ])
+    .is_ok());
     let msg = refused(&["num_experts=4", "num_experts_per_tok=2", "moe_mlp_dim=8"]);
     assert!(msg.contains("MoE"), "{msg}");
 }
