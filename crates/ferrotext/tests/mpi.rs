@@ -765,3 +765,48 @@ fn bf16_gradients_over_mpi_equal_the_in_process_run_bitwise() {
         );
     }
 }
+
+/// Context parallelism across processes: one sequence split over 2 processes × 2 devices
+/// (`ici_context_parallelism=4`, load-balanced) logs the one-device run's losses and gradient
+/// norms (within 1e-6), and its keys' gathers and their cotangents' reduce-scatters cross the
+/// processes inside the micro-batches.
+#[test]
+fn a_sequence_split_over_processes_trains_the_one_device_losses() {
+    let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = scratch("mpi-context");
+    let out_dir = format!("base_output_directory={}", dir.display());
+    let args = |extra: &[&str], run: &str| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "train",
+            "steps=3",
+            "max_target_length=64",
+            "ici_data_parallelism=1",
+            &out_dir,
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+        v.push(format!("run_name={run}"));
+        v
+    };
+    let split = [
+        "local_devices=2",
+        "ici_context_parallelism=4",
+        "per_device_batch_size=0.5",
+    ];
+    let mpi = succeeded(&mpirun(2, &refs(&args(&split, "mpi"))));
+    let one = ["local_devices=1", "per_device_batch_size=2"];
+    let _ = succeeded(&local(&refs(&args(&one, "one"))));
+    assert!(mpi.contains("'context': 4"), "{mpi}");
+    assert_close(
+        &metrics(&dir, "mpi"),
+        &metrics(&dir, "one"),
+        "context=4 over MPI",
+    );
+    let table = schedule(&mpi);
+    assert!(
+        table.contains("all_gather") && table.contains("reduce_scatter"),
+        "{table}"
+    );
+}
