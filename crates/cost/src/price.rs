@@ -209,7 +209,8 @@ pub struct Prediction {
     /// ([`measure_matmul_gflops`](crate::measure_matmul_gflops)); the
     /// caller that measured says which.
     pub device_gflops_source: String,
-    /// Training FLOPs per token.
+    /// Training FLOPs per token, what the backward recomputes included (`remat_policy`,
+    /// `num_vocab_tiling`).
     pub flops_per_token: f64,
     /// Tokens of one micro-batch per device (the micro-batch's tokens ÷ devices).
     pub tokens_per_device_per_micro_batch: f64,
@@ -497,7 +498,9 @@ pub fn predict(
     let (closed_gate, closed_trace) = plan_step(&closed_plan, source)?;
 
     let ga = config.gradient_accumulation_steps;
-    let flops_per_token = model.flops_per_token(config.max_target_length);
+    // The model's FLOPs, and what rematerialization and vocabulary tiling compute again.
+    let flops_per_token = model.flops_per_token(config.max_target_length)
+        + model.recompute_flops_per_token(config.max_target_length);
     let tokens =
         (config.micro_batch_rows() * config.max_target_length) as f64 / config.devices() as f64;
     let compute_ms = flops_per_token * tokens / (device_gflops * 1e9) * 1e3;

@@ -109,19 +109,33 @@ impl RematPolicy {
         })
     }
 
+    /// Which of a dense GQA layer's products the policy keeps: `[q, k, v, o, gate, up, down]`.
+    pub fn saved_products(self) -> [bool; 7] {
+        let attention = [true, true, true, true, false, false, false];
+        match self {
+            RematPolicy::None | RematPolicy::Minimal => [true; 7],
+            RematPolicy::Full => [false; 7],
+            RematPolicy::SaveDotExceptMlp => attention,
+            RematPolicy::SaveDotExceptMlpwi => [true, true, true, true, false, false, true],
+            RematPolicy::SaveQkvProj => [true, true, true, false, false, false, false],
+            RematPolicy::SaveOutProj => [false, false, false, true, false, false, false],
+        }
+    }
+
     /// Elements per token a policy keeps of a dense layer's products, for a layer whose query
     /// projection is `q` wide, key and value projections `kv` each, model `d` and MLP `f`
     /// (what the memory plan counts besides the layer's input).
     pub fn kept_widths(self, q: usize, kv: usize, d: usize, f: usize) -> usize {
-        match self {
-            RematPolicy::None => 0,
-            RematPolicy::Full => 0,
-            RematPolicy::Minimal => q + 2 * kv + d + 2 * f + d,
-            RematPolicy::SaveDotExceptMlp => q + 2 * kv + d,
-            RematPolicy::SaveDotExceptMlpwi => q + 2 * kv + d + d,
-            RematPolicy::SaveQkvProj => q + 2 * kv,
-            RematPolicy::SaveOutProj => d,
+        if self == RematPolicy::None {
+            return 0;
         }
+        let widths = [q, kv, kv, d, f, f, d];
+        self.saved_products()
+            .iter()
+            .zip(widths)
+            .filter(|(kept, _)| **kept)
+            .map(|(_, w)| w)
+            .sum()
     }
 }
 

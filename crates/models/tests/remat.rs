@@ -129,3 +129,31 @@ fn every_policy_gives_the_bits_of_none_mla_moe() {
     check(deepseek(), DType::F32);
     check(deepseek(), DType::BF16);
 }
+
+/// What the backward recomputes, counted by hand for a dense layer (d 16, q 16, kv 8, f 24,
+/// 3 layers, vocab 17, at 9 tokens): `full` the seven projections' forward (2 per weight) and
+/// the attention's forward products; `minimal` the attention's only; `none` nothing; and a
+/// tiled head its logits again.
+#[test]
+fn recomputed_flops_are_the_unsaved_forward_products() {
+    let cfg = qwen3(false);
+    let (d, q, kv, f, layers) = (16usize, 16, 8, 24, 3);
+    let per_layer = d * q + 2 * d * kv + q * d + 3 * d * f;
+    let attention = 2 * layers * 9 * 4 * (4 + 4);
+    let flops = |p: RematPolicy, tiles: usize| {
+        Decoder::new(cfg.clone())
+            .unwrap()
+            .with_remat(p)
+            .with_vocab_tiling(tiles)
+            .recompute_flops_per_token(9)
+    };
+    assert_eq!(flops(RematPolicy::None, 1), 0.0);
+    assert_eq!(
+        flops(RematPolicy::Full, 1),
+        (2 * layers * per_layer + attention) as f64
+    );
+    assert_eq!(flops(RematPolicy::Minimal, 1), attention as f64);
+    let out_proj_saved = 2 * layers * (per_layer - q * d) + attention;
+    assert_eq!(flops(RematPolicy::SaveOutProj, 1), out_proj_saved as f64);
+    assert_eq!(flops(RematPolicy::None, 3), (2 * 17 * d) as f64);
+}

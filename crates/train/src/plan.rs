@@ -262,19 +262,49 @@ impl RunPlan {
             return Ok(());
         };
         let estimate = self.memory_estimate()?;
-        if estimate.total() > total {
-            return Err(TrainError::usage(
-                "per_device_batch_size",
-                format!(
-                    "this run needs about {} per process ({} of parameters and optimizer state, {} of activations for one micro-batch), more than this machine's {}; reduce per_device_batch_size, max_target_length or the model",
-                    gib(estimate.total()),
-                    gib(estimate.parameter_and_optimizer_bytes),
-                    gib(estimate.activation_bytes),
-                    gib(total)
-                ),
-            ));
+        if estimate.total() <= total {
+            return Ok(());
         }
-        Ok(())
+        let lean = self.leanest();
+        let remedy = match lean {
+            Some((keys, need)) if need <= total => {
+                format!("{keys} would need about {}", gib(need))
+            }
+            Some((keys, need)) => format!(
+                "even {keys} needs about {}; reduce per_device_batch_size, max_target_length or \
+                 the model",
+                gib(need)
+            ),
+            None => "reduce per_device_batch_size, max_target_length or the model".into(),
+        };
+        Err(TrainError::usage(
+            "per_device_batch_size",
+            format!(
+                "this run needs about {} per process ({} of parameters and optimizer state, {} \
+                 of activations for one micro-batch), more than this machine's {}; {remedy}",
+                gib(estimate.total()),
+                gib(estimate.parameter_and_optimizer_bytes),
+                gib(estimate.activation_bytes),
+                gib(total)
+            ),
+        ))
+    }
+
+    /// The memory-leanest settings of the long-sequence keys for this run — `remat_policy=full`
+    /// and a `num_vocab_tiling` giving tiles of about 1,024 tokens — as `key=value` text with
+    /// their estimate; `None` when this run already uses them (or they do not plan).
+    fn leanest(&self) -> Option<(String, f64)> {
+        let config = self.config();
+        let tokens = config.micro_batch_rows() * config.max_target_length / config.devices().max(1);
+        let tiles = tokens.div_ceil(1024).max(config.num_vocab_tiling);
+        if config.remat_policy == RematPolicy::Full && tiles == config.num_vocab_tiling {
+            return None;
+        }
+        let mut lean = config.clone();
+        lean.remat_policy = RematPolicy::Full;
+        lean.num_vocab_tiling = tiles;
+        let need = lean.plan().ok()?.memory_estimate().ok()?.total();
+        Some((format!("remat_policy=full num_vocab_tiling={tiles}"), need))
     }
 
     /// The peak memory of one device, estimated: its parameters, the gradient accumulator

@@ -308,6 +308,52 @@ impl Decoder {
         6.0 * matmul_weights as f64 + attention + crate::mtp::flops_per_token(c, seq)
     }
 
+    /// FLOPs per token the backward spends recomputing what it did not keep, at sequence length
+    /// `seq` (on top of [`Decoder::flops_per_token`], which counts the model's own):
+    /// under a `remat_policy`, each layer's forward products the policy does not save (2 per
+    /// weight) and its attention's forward products (the tiled attention's output is never
+    /// saved); with `num_vocab_tiling > 1`, the head's logits again (2 per head weight).
+    pub fn recompute_flops_per_token(&self, seq: usize) -> f64 {
+        let c = &self.cfg;
+        let head = if self.vocab_tiles > 1 {
+            2.0 * (c.vocab_size * c.base_emb_dim) as f64
+        } else {
+            0.0
+        };
+        if self.remat == RematPolicy::None {
+            return head;
+        }
+        let (qk, v) = match &c.mla {
+            Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
+            None => (c.head_dim, c.head_dim),
+        };
+        let keys: usize = (0..c.base_num_decoder_layers)
+            .map(|i| c.window_of(i).map_or(seq, |w| w.min(seq)))
+            .sum();
+        let attention = 2.0 * (keys * c.base_num_query_heads * (qk + v)) as f64;
+        // The layers' products per token, forward (2 per weight), less those the policy saves
+        // (counted for a dense GQA layer's seven projections; MoE experts' grouped products
+        // and MLA's latents are recomputed under every policy but `none`).
+        let layer_forward = (self.flops_per_token(seq) - 3.0 * attention) / 3.0
+            - 2.0 * (c.vocab_size * c.base_emb_dim) as f64;
+        let (d, f) = (c.base_emb_dim, c.base_mlp_dim);
+        let (q, kv) = (
+            c.base_num_query_heads * c.head_dim,
+            c.base_num_kv_heads * c.head_dim,
+        );
+        let sizes = [d * q, d * kv, d * kv, q * d, d * f, d * f, f * d];
+        let dense = c.mla.is_none() && c.moe.is_none();
+        let saved: usize = match dense {
+            true => (self.remat.saved_products().iter().zip(sizes))
+                .filter(|(kept, _)| **kept)
+                .map(|(_, n)| n)
+                .sum(),
+            false => 0,
+        };
+        let products = (layer_forward - 2.0 * (saved * c.base_num_decoder_layers) as f64).max(0.0);
+        head + products + attention
+    }
+
     /// The cross-entropy *sum* over the target tokens of a batch ([`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are
     /// ignored), as a plain scalar. `params` are in [`Decoder::params`] order, laid out and
     /// tagged by the caller; `inputs` and `targets` are `[B, T]`.
