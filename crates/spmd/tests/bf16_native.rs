@@ -1,9 +1,9 @@
 //! The native bf16 paths of the spmd ops (docs/design.md §10): on bf16 arrays, RMSNorm, SwiGLU,
-//! the tiled attention (its output; its cotangents read the stored output), RoPE, the
-//! elementwise ops, reshape and transpose run their bf16 kernels instead of widening each
-//! operand and rounding the result. Each must give, bit for bit, what
+//! the tiled attention, RoPE, the elementwise ops, reshape and transpose run their bf16 kernels
+//! instead of widening each operand and rounding the result. Each must give, bit for bit, what
 //! the widened route gives: the same op on the `f32` arrays of the widened values, rounded once
-//! (`cast` to bf16). Forward and backward (`vjp` with a bf16 cotangent), on a mesh that splits
+//! (`cast` to bf16) — but the attention, within bf16's resolution (its products round the
+//! probabilities, as FlashAttention's do). Forward and backward (`vjp` with a bf16 cotangent), on a mesh that splits
 //! the batch. And the bf16 kernels are what runs: the profiler sees their spans, and no
 //! widening of a bf16 shard, on bf16 arrays; and (the mirror) the widening and none of those
 //! kernels on the widened route.
@@ -138,11 +138,12 @@ fn check(
         assert!(r.out_type.starts_with("bf16["), "{what}: {}", r.out_type);
         assert_eq!(r.native.len(), r.widened.len());
         for (i, (n, w)) in r.native.iter().zip(&r.widened).enumerate() {
-            if i > 0 && what == "attention" {
-                // The backward's row sums read the output as stored: rounded on the native
-                // route, not on the widened one (the tensor crate's bf16 tests check these
-                // cotangents bitwise against the f32 kernel on the rounded output).
-                assert_close_bits(n, w, 0.02, &format!("{what}: cotangent {i}"));
+            if what == "attention" {
+                // The tiled attention on bf16 multiplies bf16 values: its probabilities and dS
+                // are rounded for their products (as FlashAttention's), and its backward's row
+                // sums read the stored output; the widened route does neither. The tensor
+                // crate's tests hold both to the f32 kernel's values.
+                assert_close_bits(n, w, 0.03, &format!("{what}: result {i}"));
                 continue;
             }
             let first = n.iter().zip(w).position(|(a, b)| a != b);
@@ -220,7 +221,7 @@ fn rms_norm_and_swiglu_run_bf16_with_the_widened_bits() {
 }
 
 #[test]
-fn attention_runs_bf16_with_the_widened_bits() {
+fn attention_runs_bf16_kernels_close_to_the_widened_route() {
     let (b, t, h, kv, dk) = (4, 70, 4, 2, 16);
     let q = (values(&[b, t, h, dk], 4), split(4), true);
     let k = (values(&[b, t, kv, dk], 5), split(4), true);

@@ -1,23 +1,25 @@
-//! Memory-efficient attention on bf16 `q`, `k`, `v` (and the output cotangent): the `f32`
-//! kernel ([`flash_attention`], [`flash_attention_backward`]) on the widened inputs, its
-//! results rounded to bf16.
+//! Memory-efficient attention on bf16 `q`, `k`, `v` (and the output cotangent): the tiled
+//! kernel ([`flash_attention`], [`flash_attention_backward`]) reading the bf16 operands as
+//! stored, its products on the bf16 product kernel.
 //!
 //! Invariants:
-//! * The output is, bit for bit, `round_bf16` of the `f32` kernel's on the widened inputs; the
-//!   log-sum-exps are that kernel's, in `f32`. The cotangents are `round_bf16` of the `f32`
-//!   backward on the widened inputs and the widened stored (rounded) output, whose row sums
-//!   with the cotangent enter `dS` — as FlashAttention reads its stored output.
-//! * Inside, everything is `f32`: the products, the online softmax, the tiles' sums.
-//! * The widened inputs are transient `f32` copies made and dropped inside the call: linear in
-//!   the sequence, like everything the kernel keeps.
-//! * The bits do not depend on `threads` (the `f32` kernel's guarantee).
+//! * Every product multiplies bf16 values into `f32` (each term exact): `q·kᵀ` and `dout·vᵀ`
+//!   on the operands as stored; the probabilities and `dS` computed in `f32` and rounded to
+//!   bf16 for their products (`P·v`, `Pᵀ·dout`, `dS·k`, `dSᵀ·q`), as FlashAttention does in
+//!   half precision. The online softmax, the row sums `rowsum(dout ⊙ out)` (of the stored,
+//!   rounded output), the log-sum-exps and every accumulation are `f32`; the output and the
+//!   cotangents are rounded to bf16 once, on store.
+//! * No widened copy of an operand: the kernel reads bf16 (half the bytes of the `f32`
+//!   kernel's operands), and its products run at the bf16 kernel's rate.
+//! * The bits do not depend on `threads` (each output element is one task's, in a fixed
+//!   order); on the portable product kernel not on the processor either.
 //!
 //! [`flash_attention`]: crate::flash_attention
 //! [`flash_attention_backward`]: crate::flash_attention_backward
 
 use super::Bf16Tensor;
 use crate::error::TensorError;
-use crate::flash::{flash_attention, flash_attention_backward, Flash, KeyRanges, Scores};
+use crate::flash::{backward, forward, Dims, Flash, KeyRanges, Scores};
 use crate::tensor::Tensor;
 
 /// [`flash_attention`](crate::flash_attention) on bf16 `q: [B, Tq, H, dk]`, `k: [B, Tk, KV,
@@ -34,14 +36,15 @@ pub fn flash_attention_bf16(
     scores: Scores,
     threads: usize,
 ) -> Result<(Bf16Tensor, Tensor), TensorError> {
-    let _span = ferrotext_profile::span("flash_attention_bf16");
-    let Flash { out, lse } = flash_attention(
-        &q.widened(),
-        &k.widened(),
-        &v.widened(),
+    let op = "flash_attention_bf16";
+    let d = Dims::of(q.shape(), k.shape(), v.shape(), op)?;
+    let Flash { out, lse } = forward(
+        d,
+        [q.data(), k.data(), v.data()],
         ranges,
         scores,
         threads,
+        op,
     )?;
     Ok((Bf16Tensor::rounded(&out), lse))
 }
@@ -64,18 +67,11 @@ pub fn flash_attention_backward_bf16(
     scores: Scores,
     threads: usize,
 ) -> Result<(Bf16Tensor, Bf16Tensor, Bf16Tensor), TensorError> {
-    let _span = ferrotext_profile::span("flash_attention_backward_bf16");
-    let (dq, dk, dv) = flash_attention_backward(
-        &q.widened(),
-        &k.widened(),
-        &v.widened(),
-        &out.widened(),
-        lse,
-        &dout.widened(),
-        ranges,
-        scores,
-        threads,
-    )?;
+    let op = "flash_attention_backward_bf16";
+    let d = Dims::of(q.shape(), k.shape(), v.shape(), op)?;
+    d.check_backward([out.shape(), dout.shape(), lse.shape()], op)?;
+    let operands = [q.data(), k.data(), v.data(), out.data(), dout.data()];
+    let (dq, dk, dv) = backward(d, operands, lse.data(), ranges, scores, threads, op)?;
     Ok((
         Bf16Tensor::rounded(&dq),
         Bf16Tensor::rounded(&dk),

@@ -40,6 +40,7 @@ mod round_avx512;
 mod rows;
 
 pub(crate) use choice::products_on_tiles;
+pub(crate) use matmul::product;
 
 pub use choice::{allow_bf16_fallback, bf16_matmul_kernel};
 pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};

@@ -3,10 +3,11 @@
 //! module docs of `flash`). The task owns its kv head's `dk`, `dv` rows and its query heads'
 //! `dq` rows, and adds each tile into them in that fixed order.
 
-use super::{block_view, logit, t, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
+use super::elem::{Elem, View};
+use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_sum2, vectorized};
-use crate::matmul::{gemm_views_accumulate_rows, gemm_views_into_rows, MatView};
+use crate::operand::Store;
 use crate::parallel::{for_each_index, Work};
 use crate::tensor::Tensor;
 
@@ -32,22 +33,32 @@ pub fn flash_attention_backward(
 ) -> Result<(Tensor, Tensor, Tensor), TensorError> {
     let op = "flash_attention_backward";
     let d = Dims::of(q.shape(), k.shape(), v.shape(), op)?;
+    d.check_backward([out.shape(), dout.shape(), lse.shape()], op)?;
+    backward(
+        d,
+        [q.data(), k.data(), v.data(), out.data(), dout.data()],
+        lse.data(),
+        ranges,
+        scores,
+        threads,
+        op,
+    )
+}
+
+/// The backward on operands of any [`Elem`] (shapes checked as `d`; `out` and `dout` are
+/// `[B, Tq, H, dv]`, `lse` `[B, H, Tq]`), under a profiler span named `op`: the `f32`
+/// cotangents.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<T: Elem>(
+    d: Dims,
+    [q, k, v, out, dout]: [&[T]; 5],
+    lse: &[f32],
+    ranges: &KeyRanges,
+    scores: Scores,
+    threads: usize,
+    op: &'static str,
+) -> Result<(Tensor, Tensor, Tensor), TensorError> {
     ranges.check(d.b, d.tq, d.tk, op)?;
-    let out_shape = [d.b, d.tq, d.h, d.dv];
-    if out.shape() != out_shape || dout.shape() != out_shape || lse.shape() != [d.b, d.h, d.tq] {
-        return Err(TensorError::shape(
-            op,
-            format!(
-                "out and dout must be {out_shape:?} and lse [{}, {}, {}], got {:?}, {:?}, {:?}",
-                d.b,
-                d.h,
-                d.tq,
-                out.shape(),
-                dout.shape(),
-                lse.shape()
-            ),
-        ));
-    }
     let _span =
         ferrotext_profile::span(op).map(|s| s.flops(d.tile_flops(ranges, 3 * d.dk + 2 * d.dv)));
     let mut dq = vec![0.0f32; q.len()];
@@ -72,24 +83,48 @@ pub fn flash_attention_backward(
             d,
             b: bk / d.kv,
             kvh: bk % d.kv,
-            q: q.data(),
-            k: k.data(),
-            v: v.data(),
-            dout: dout.data(),
-            lse: lse.data(),
+            q,
+            k,
+            v,
+            dout,
+            lse,
             ranges,
             scores,
         };
-        task.row_dots(out.data(), dots);
+        task.row_dots(out, dots);
         // SAFETY: the gradients hold `q`'s, `k`'s and `v`'s lengths; this task's rows of
         // them (its kv head's, its query heads') are written by no other task.
         unsafe { task.run(dots, grads) };
     });
     Ok((
-        Tensor::new(q.shape().to_vec(), dq)?,
-        Tensor::new(k.shape().to_vec(), dk)?,
-        Tensor::new(v.shape().to_vec(), dv)?,
+        Tensor::new(vec![d.b, d.tq, d.h, d.dk], dq)?,
+        Tensor::new(vec![d.b, d.tk, d.kv, d.dk], dk)?,
+        Tensor::new(vec![d.b, d.tk, d.kv, d.dv], dv)?,
     ))
+}
+
+impl Dims {
+    /// `out` and `dout` are `[B, Tq, H, dv]` and `lse` `[B, H, Tq]`, as the backward named `op`
+    /// needs.
+    pub(crate) fn check_backward(
+        &self,
+        [out, dout, lse]: [&[usize]; 3],
+        op: &'static str,
+    ) -> Result<(), TensorError> {
+        let d = self;
+        let out_shape = [d.b, d.tq, d.h, d.dv];
+        if out != out_shape || dout != out_shape || lse != [d.b, d.h, d.tq] {
+            return Err(TensorError::shape(
+                op,
+                format!(
+                    "out and dout must be {out_shape:?} and lse [{}, {}, {}], got {out:?}, \
+                     {dout:?}, {lse:?}",
+                    d.b, d.h, d.tq
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The gradient buffers' addresses (shared by the tasks, each writing rows of its own).
@@ -101,31 +136,33 @@ struct Grads {
 }
 
 /// One (batch, kv head) of the backward: its operands.
-struct Task<'a> {
+struct Task<'a, T> {
     d: Dims,
     b: usize,
     kvh: usize,
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    dout: &'a [f32],
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    dout: &'a [T],
     lse: &'a [f32],
     ranges: &'a KeyRanges,
     scores: Scores,
 }
 
-/// A tile's scratch: `P` and `dP`/`dS` (`QUERY_BLOCK × KEY_BLOCK` each), and the logits'
-/// derivative under soft-capping.
-struct Scratch {
+/// A tile's scratch: `P` and `dP`/`dS` (`QUERY_BLOCK × KEY_BLOCK` each), the logits'
+/// derivative under soft-capping, and `P` and `dS` as the products read them.
+struct Scratch<T> {
     p: Vec<f32>,
     ds: Vec<f32>,
     slope: Vec<f32>,
+    p_elem: Vec<T>,
+    ds_elem: Vec<T>,
 }
 
-impl Task<'_> {
+impl<T: Elem> Task<'_, T> {
     /// `D = rowsum(dout ⊙ out)` for each query head of the group and each row, into `dots`
     /// (`[group, Tq]`).
-    fn row_dots(&self, out: &[f32], dots: &mut [f32]) {
+    fn row_dots(&self, out: &[T], dots: &mut [f32]) {
         let d = self.d;
         for (g, head_dots) in dots.chunks_mut(d.tq).enumerate() {
             let h = self.kvh * d.group() + g;
@@ -134,7 +171,7 @@ impl Task<'_> {
                 let (o, g) = (&out[at..at + d.dv], &self.dout[at..at + d.dv]);
                 *dot = vectorized(
                     #[inline(always)]
-                    || lane_sum2(o, g, |a, b| a * b),
+                    || lane_sum2(o, g, |a: T, b: T| a.widen() * b.widen()),
                 );
             }
         }
@@ -151,6 +188,8 @@ impl Task<'_> {
             p: vec![0.0; QUERY_BLOCK * KEY_BLOCK],
             ds: vec![0.0; QUERY_BLOCK * KEY_BLOCK],
             slope: vec![1.0; QUERY_BLOCK * KEY_BLOCK],
+            p_elem: Vec::new(),
+            ds_elem: Vec::new(),
         };
         for c0 in (0..d.tk).step_by(KEY_BLOCK) {
             let block = c0..(c0 + KEY_BLOCK).min(d.tk);
@@ -180,7 +219,7 @@ impl Task<'_> {
         rows: std::ops::Range<usize>,
         cols: std::ops::Range<usize>,
         dots: &[f32],
-        s: &mut Scratch,
+        s: &mut Scratch<T>,
         grads: Grads,
     ) {
         let d = self.d;
@@ -188,13 +227,13 @@ impl Task<'_> {
         let view = |data, heads, dw, head, r: std::ops::Range<usize>, tlen| {
             Dims::rows(data, tlen, heads, dw, self.b, head, r)
         };
-        let qv: MatView = view(self.q, d.h, d.dk, h, rows.clone(), d.tq);
-        let gv: MatView = view(self.dout, d.h, d.dv, h, rows.clone(), d.tq);
-        let kv: MatView = view(self.k, d.kv, d.dk, self.kvh, cols.clone(), d.tk);
-        let vv: MatView = view(self.v, d.kv, d.dv, self.kvh, cols.clone(), d.tk);
+        let qv: View<T> = view(self.q, d.h, d.dk, h, rows.clone(), d.tq);
+        let gv: View<T> = view(self.dout, d.h, d.dv, h, rows.clone(), d.tq);
+        let kv: View<T> = view(self.k, d.kv, d.dk, self.kvh, cols.clone(), d.tk);
+        let vv: View<T> = view(self.v, d.kv, d.dv, self.kvh, cols.clone(), d.tk);
         // P [n, w] = exp(logit(q·kᵀ) − lse), 0 where a row does not see the key
         // SAFETY: the scratch holds `QUERY_BLOCK·KEY_BLOCK ≥ n·w` elements.
-        unsafe { gemm_views_into_rows(s.p.as_mut_ptr(), w, qv, t(kv)) };
+        unsafe { T::product(s.p.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
         let lse = &self.lse[(self.b * d.h + h) * d.tq..];
         for r in 0..n {
             let i = rows.start + r;
@@ -205,16 +244,16 @@ impl Task<'_> {
             let slope = &mut s.slope[r * w..(r + 1) * w];
             probabilities(row, slope, visible, self.scores, lse[i]);
         }
-        let p = block_view(&s.p, n, w, w);
+        let p = View::block(T::tile(&s.p[..n * w], &mut s.p_elem), n, w, w);
         let row_at = |heads, dw, head, row| Dims::row_at(d.tk, heads, dw, self.b, head, row);
         // SAFETY: rows of this task's kv head's `dv` (the caller's contract); the scratch holds
         // the tile.
         unsafe {
             // dv[cols] += Pᵀ · dout_rows
             let dv = (grads.dv as *mut f32).add(row_at(d.kv, d.dv, self.kvh, cols.start));
-            gemm_views_accumulate_rows(dv, d.kv * d.dv, t(p), gv);
+            T::product(dv, d.kv * d.dv, p.t(), gv, Store::Accumulate);
             // dP [n, w] = dout_rows · v_colsᵀ
-            gemm_views_into_rows(s.ds.as_mut_ptr(), w, gv, t(vv));
+            T::product(s.ds.as_mut_ptr(), w, gv, vv.t(), Store::Overwrite);
         }
         // dS = scale · slope ⊙ P ⊙ (dP − D)
         let scale = self.scores.scale;
@@ -230,16 +269,22 @@ impl Task<'_> {
                 },
             );
         }
-        let ds = block_view(&s.ds, n, w, w);
+        let ds = View::block(T::tile(&s.ds[..n * w], &mut s.ds_elem), n, w, w);
         // SAFETY: rows of this task's kv head's `dk` and of its query head's `dq` (the caller's
         // contract); the scratch holds the tile.
         unsafe {
             // dk[cols] += dSᵀ · q_rows
             let dk = (grads.dk as *mut f32).add(row_at(d.kv, d.dk, self.kvh, cols.start));
-            gemm_views_accumulate_rows(dk, d.kv * d.dk, t(ds), qv);
+            T::product(dk, d.kv * d.dk, ds.t(), qv, Store::Accumulate);
             // dq[rows] += dS · k_cols
             let dq_at = Dims::row_at(d.tq, d.h, d.dk, self.b, h, rows.start);
-            gemm_views_accumulate_rows((grads.dq as *mut f32).add(dq_at), d.h * d.dk, ds, kv);
+            T::product(
+                (grads.dq as *mut f32).add(dq_at),
+                d.h * d.dk,
+                ds,
+                kv,
+                Store::Accumulate,
+            );
         }
     }
 }

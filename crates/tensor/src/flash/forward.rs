@@ -1,10 +1,11 @@
 //! The forward pass: per (batch, query head), per query block, the online softmax over the key
 //! tiles its rows see (see the module docs of `flash`).
 
-use super::{block_view, logit, t, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
+use super::elem::{Elem, View};
+use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_max, lane_sum, vectorized};
-use crate::matmul::{gemm_views_accumulate_rows, gemm_views_into_rows};
+use crate::operand::Store;
 use crate::parallel::{for_each_index, Work};
 use crate::tensor::Tensor;
 
@@ -20,7 +21,7 @@ pub struct Flash {
 
 /// Attention of `q: [B, Tq, H, dk]` over `k: [B, Tk, KV, dk]`, `v: [B, Tk, KV, dv]`, each query
 /// row seeing the keys `ranges` gives it, with logits as `scores` says: the output and the
-/// rows' log-sum-exp (see the module docs). One (batch, query head) per task on up to
+/// rows' log-sum-exps (see the module docs). One (batch, query head) per task on up to
 /// `threads` threads; the result does not depend on `threads`.
 ///
 /// # Errors
@@ -35,6 +36,26 @@ pub fn flash_attention(
 ) -> Result<Flash, TensorError> {
     let op = "flash_attention";
     let d = Dims::of(q.shape(), k.shape(), v.shape(), op)?;
+    forward(
+        d,
+        [q.data(), k.data(), v.data()],
+        ranges,
+        scores,
+        threads,
+        op,
+    )
+}
+
+/// The forward on operands of any [`Elem`] (their shapes checked as `d`), under a profiler
+/// span named `op`.
+pub(crate) fn forward<T: Elem>(
+    d: Dims,
+    [q, k, v]: [&[T]; 3],
+    ranges: &KeyRanges,
+    scores: Scores,
+    threads: usize,
+    op: &'static str,
+) -> Result<Flash, TensorError> {
     ranges.check(d.b, d.tq, d.tk, op)?;
     let _span = ferrotext_profile::span(op).map(|s| s.flops(d.tile_flops(ranges, d.dk + d.dv)));
     let mut out = vec![0.0f32; d.b * d.tq * d.h * d.dv];
@@ -42,14 +63,7 @@ pub fn flash_attention(
     let (out_at, lse_at) = (out.as_mut_ptr() as usize, lse.as_mut_ptr() as usize);
     for_each_index(d.b * d.h, d.cells(), threads, Work::Heavy, |bh| {
         let (b, h) = (bh / d.h, bh % d.h);
-        let head = Head {
-            d,
-            b,
-            h,
-            q: q.data(),
-            k: k.data(),
-            v: v.data(),
-        };
+        let head = Head { d, b, h, q, k, v };
         // SAFETY: `lse` holds `B·H·Tq` elements; those of (b, h) belong to this task alone.
         let lse_rows =
             unsafe { std::slice::from_raw_parts_mut((lse_at as *mut f32).add(bh * d.tq), d.tq) };
@@ -63,13 +77,13 @@ pub fn flash_attention(
 }
 
 /// One (batch, query head) of a call: its operands.
-struct Head<'a> {
+struct Head<'a, T> {
     d: Dims,
     b: usize,
     h: usize,
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
 }
 
 /// The online softmax's state for one query block: per row, the running maximum logit and the
@@ -80,7 +94,7 @@ struct Running {
     acc: Vec<f32>,
 }
 
-impl Head<'_> {
+impl<T: Elem> Head<'_, T> {
     /// The forward of this head: every output row and its log-sum-exp.
     ///
     /// # Safety
@@ -90,6 +104,7 @@ impl Head<'_> {
         let d = self.d;
         let kvh = self.h / d.group();
         let mut tile = vec![0.0f32; QUERY_BLOCK * KEY_BLOCK];
+        let mut probs: Vec<T> = Vec::new();
         let mut run = Running {
             max: vec![0.0; QUERY_BLOCK],
             sum: vec![0.0; QUERY_BLOCK],
@@ -109,7 +124,7 @@ impl Head<'_> {
                 let kv = Dims::rows(self.k, d.tk, d.kv, d.dk, self.b, kvh, cols.clone());
                 // scores [rows, w] = q_rows · k_colsᵀ
                 // SAFETY: `tile` holds `QUERY_BLOCK·KEY_BLOCK ≥ n·w` elements.
-                unsafe { gemm_views_into_rows(tile.as_mut_ptr(), w, qv, t(kv)) };
+                unsafe { T::product(tile.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
                 for (r, row) in tile[..n * w].chunks_mut(w).enumerate() {
                     let (a, z) = ranges.range(self.b, rows.start + r);
                     let visible = a.max(cols.start).min(cols.end) - cols.start
@@ -126,15 +141,9 @@ impl Head<'_> {
                 }
                 // acc[rows] += P[rows, w] · v_cols
                 let vv = Dims::rows(self.v, d.tk, d.kv, d.dv, self.b, kvh, cols.clone());
+                let p = View::block(T::tile(&tile[..n * w], &mut probs), n, w, w);
                 // SAFETY: `run.acc` holds `n` rows of `dv`, initialised.
-                unsafe {
-                    gemm_views_accumulate_rows(
-                        run.acc.as_mut_ptr(),
-                        d.dv,
-                        block_view(&tile, n, w, w),
-                        vv,
-                    )
-                };
+                unsafe { T::product(run.acc.as_mut_ptr(), d.dv, p, vv, Store::Accumulate) };
                 c0 += KEY_BLOCK;
             }
             for r in 0..n {

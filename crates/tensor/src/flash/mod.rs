@@ -30,15 +30,18 @@
 //! forward is then the plain two-pass softmax on one tile.
 
 mod backward;
+mod elem;
 mod forward;
 mod mask;
 
+pub(crate) use backward::backward;
 pub use backward::flash_attention_backward;
+pub(crate) use forward::forward;
 pub use forward::{flash_attention, Flash};
 pub use mask::KeyRanges;
 
 use crate::error::TensorError;
-use crate::matmul::MatView;
+use elem::View;
 
 /// Query rows per tile: the online softmax's row block.
 pub(crate) const QUERY_BLOCK: usize = 64;
@@ -111,16 +114,16 @@ impl Dims {
     /// Rows `rows` of head `head` of batch row `b` in a `[B, T, heads, d]` tensor (`t` rows a
     /// batch row), as a view.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn rows<'a>(
-        data: &'a [f32],
+    pub(crate) fn rows<T>(
+        data: &[T],
         t: usize,
         heads: usize,
         d: usize,
         b: usize,
         head: usize,
         rows: std::ops::Range<usize>,
-    ) -> MatView<'a> {
-        MatView {
+    ) -> View<'_, T> {
+        View {
             data: &data[((b * t + rows.start) * heads + head) * d..],
             rows: rows.len(),
             cols: d,
@@ -166,28 +169,6 @@ impl Dims {
             }
         }
         2.0 * (self.h * cells) as f64 * width as f64
-    }
-}
-
-/// The transpose of a view.
-pub(crate) fn t(m: MatView<'_>) -> MatView<'_> {
-    MatView {
-        rows: m.cols,
-        cols: m.rows,
-        rs: m.cs,
-        cs: m.rs,
-        ..m
-    }
-}
-
-/// Rows `rows` and columns `0..cols` of a row-major matrix whose rows are `stride` apart.
-pub(crate) fn block_view(data: &[f32], rows: usize, cols: usize, stride: usize) -> MatView<'_> {
-    MatView {
-        data,
-        rows,
-        cols,
-        rs: stride,
-        cs: 1,
     }
 }
 

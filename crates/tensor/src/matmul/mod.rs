@@ -24,10 +24,7 @@ use crate::tensor::{strides, Tensor};
 mod tests;
 mod views;
 
-pub(crate) use views::{
-    gemm_views_accumulate, gemm_views_accumulate_rows, gemm_views_into_rows, gemm_views_uninit,
-    MatView,
-};
+pub(crate) use views::{gemm_views_accumulate, gemm_views_uninit, MatView};
 
 /// Which dimensions of each operand are batch and contracting dimensions (XLA's
 /// `DotDimensionNumbers`); every other dimension is free.

@@ -1,0 +1,172 @@
+//! The element types the tiled attention reads its operands as ([`Elem`]: `f32`, or bf16 on the
+//! bf16 product kernel) and the strided views its tile products take ([`View`]).
+//!
+//! On bf16 operands every product multiplies bf16 values into an `f32` result: `q·kᵀ` and
+//! `dout·vᵀ` read the operands as stored; the probabilities (for `P·v` and `Pᵀ·dout`) and `dS`
+//! (for `dS·k` and `dSᵀ·q`) are computed in `f32` and rounded to bf16 for their products, as
+//! FlashAttention does in half precision. The online softmax, the row sums, the log-sum-exps and
+//! every accumulation stay `f32`.
+
+use half::bf16;
+
+use crate::operand::{Operand, Store, Widen};
+
+/// One strided matrix inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct View<'a, T> {
+    pub(crate) data: &'a [T],
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
+}
+
+impl<'a, T> View<'a, T> {
+    /// Rows `0..rows` and columns `0..cols` of a row-major block whose rows are `stride` apart.
+    pub(crate) fn block(data: &'a [T], rows: usize, cols: usize, stride: usize) -> View<'a, T> {
+        View {
+            data,
+            rows,
+            cols,
+            rs: stride,
+            cs: 1,
+        }
+    }
+
+    /// The transpose.
+    pub(crate) fn t(self) -> View<'a, T> {
+        View {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// True when every element's offset lies inside `data`.
+    fn fits(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < self.data.len()
+    }
+
+    fn operand(&self) -> Operand<T> {
+        Operand {
+            ptr: self.data.as_ptr(),
+            rs: self.rs as isize,
+            cs: self.cs as isize,
+        }
+    }
+}
+
+/// An element type the tiled attention reads `q`, `k`, `v` and `dout` as (see the module docs).
+pub(crate) trait Elem: Widen {
+    /// `dst = a · b` (`Overwrite`) or `dst += a · b` (`Accumulate`) into `a.rows` rows of
+    /// `b.cols` `f32` elements `ldc` apart, on the caller's thread.
+    ///
+    /// # Safety
+    /// `dst` is valid for `(a.rows − 1)·ldc + b.cols` elements (initialised when accumulating),
+    /// `ldc ≥ b.cols`, and no one else touches those rows meanwhile.
+    ///
+    /// # Panics
+    /// When a view does not fit its slice or the shapes disagree (a bug in the caller).
+    unsafe fn product(
+        dst: *mut f32,
+        ldc: usize,
+        a: View<'_, Self>,
+        b: View<'_, Self>,
+        store: Store,
+    );
+
+    /// An `f32` tile (probabilities, `dS`) as this element type: itself for `f32`, rounded into
+    /// `scratch` for bf16.
+    fn tile<'s>(tile: &'s [f32], scratch: &'s mut Vec<Self>) -> &'s [Self];
+}
+
+/// The shared checks and the zero-width case of [`Elem::product`]; `None` when there is
+/// nothing to multiply.
+fn dims<T>(a: &View<'_, T>, b: &View<'_, T>, ldc: usize) -> Option<(usize, usize, usize)> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(a.fits() && b.fits() && b.rows == k && ldc >= n); // ok: caller's invariant
+    (m > 0 && n > 0 && k > 0).then_some((m, n, k))
+}
+
+impl Elem for f32 {
+    unsafe fn product(dst: *mut f32, ldc: usize, a: View<'_, f32>, b: View<'_, f32>, store: Store) {
+        let Some((m, n, k)) = dims(&a, &b, ldc) else {
+            if store == Store::Overwrite && a.rows > 0 && b.cols > 0 {
+                // SAFETY: the caller's contract: the rows are writable.
+                unsafe { zero_rows(dst, ldc, a.rows, b.cols) };
+            }
+            return;
+        };
+        // SAFETY: `dims` checked every operand offset; the caller guarantees the rows.
+        unsafe {
+            crate::blas::sgemm(
+                m,
+                n,
+                k,
+                dst,
+                ldc,
+                a.operand(),
+                b.operand(),
+                gemm::Parallelism::None,
+                store,
+            );
+        }
+    }
+
+    fn tile<'s>(tile: &'s [f32], _: &'s mut Vec<f32>) -> &'s [f32] {
+        tile
+    }
+}
+
+impl Elem for bf16 {
+    unsafe fn product(
+        dst: *mut f32,
+        ldc: usize,
+        a: View<'_, bf16>,
+        b: View<'_, bf16>,
+        store: Store,
+    ) {
+        let Some((m, n, k)) = dims(&a, &b, ldc) else {
+            if store == Store::Overwrite && a.rows > 0 && b.cols > 0 {
+                // SAFETY: the caller's contract: the rows are writable.
+                unsafe { zero_rows(dst, ldc, a.rows, b.cols) };
+            }
+            return;
+        };
+        // SAFETY: `dims` checked every operand offset; the caller guarantees the rows.
+        unsafe {
+            crate::bf16::product(
+                m,
+                n,
+                k,
+                dst,
+                ldc,
+                a.operand(),
+                b.operand(),
+                gemm::Parallelism::None,
+                store,
+            );
+        }
+    }
+
+    fn tile<'s>(tile: &'s [f32], scratch: &'s mut Vec<bf16>) -> &'s [bf16] {
+        scratch.resize(tile.len(), bf16::ZERO);
+        crate::bf16::round_slice(tile, scratch);
+        scratch
+    }
+}
+
+/// Writes zeros into `rows` rows of `cols` elements `ldc` apart.
+///
+/// # Safety
+/// As [`Elem::product`]'s destination.
+unsafe fn zero_rows(dst: *mut f32, ldc: usize, rows: usize, cols: usize) {
+    for i in 0..rows {
+        // SAFETY: row `i` of the caller's rows.
+        unsafe { std::slice::from_raw_parts_mut(dst.add(i * ldc), cols) }.fill(0.0);
+    }
+}
