@@ -16,14 +16,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ferrotext_models::decoder::Decoder;
-use ferrotext_models::{ParamInfo, RematPolicy};
-use ferrotext_sharding::{AxisType, DType, LogicalAxisRules, Mesh, PartitionSpec};
+use ferrotext_models::ParamInfo;
+use ferrotext_sharding::{AxisType, LogicalAxisRules, Mesh, PartitionSpec};
 
-use crate::config::{
-    gib, machine_memory_bytes, DeviceMemory, MemoryEstimate, Precision, ShardMode, TrainConfig,
-};
+use crate::config::{Precision, ShardMode, TrainConfig};
 use crate::error::TrainError;
 use crate::gate::{deferral_gate, zero1_gate, zero1_spec, Deferral, Overlap, Zero1};
+
+mod memory;
 
 /// The decoder type a plan holds (one name to change when the model types are renamed).
 pub type PlanDecoder = Decoder;
@@ -249,177 +249,6 @@ impl RunPlan {
     /// [`RunPlan::output_dir`]`/metrics.jsonl`.
     pub fn metrics_path(&self) -> &Path {
         &self.inner.metrics_path
-    }
-
-    /// Refuses a run whose [`RunPlan::memory_estimate`] exceeds this machine's memory
-    /// (`MemTotal` of `/proc/meminfo`; no check where that cannot be read), before anything is
-    /// allocated.
-    ///
-    /// # Errors
-    /// [`TrainError::Usage`] with the estimate and the machine's memory.
-    pub fn check_fits_in_memory(&self) -> Result<(), TrainError> {
-        let Some(total) = machine_memory_bytes() else {
-            return Ok(());
-        };
-        let estimate = self.memory_estimate()?;
-        if estimate.total() <= total {
-            return Ok(());
-        }
-        let lean = self.leanest();
-        let remedy = match lean {
-            Some((keys, need)) if need <= total => {
-                format!("{keys} would need about {}", gib(need))
-            }
-            Some((keys, need)) => format!(
-                "even {keys} needs about {}; reduce per_device_batch_size, max_target_length or \
-                 the model",
-                gib(need)
-            ),
-            None => "reduce per_device_batch_size, max_target_length or the model".into(),
-        };
-        Err(TrainError::usage(
-            "per_device_batch_size",
-            format!(
-                "this run needs about {} per process ({} of parameters and optimizer state, {} \
-                 of activations for one micro-batch), more than this machine's {}; {remedy}",
-                gib(estimate.total()),
-                gib(estimate.parameter_and_optimizer_bytes),
-                gib(estimate.activation_bytes),
-                gib(total)
-            ),
-        ))
-    }
-
-    /// The memory-leanest settings of the long-sequence keys for this run — `remat_policy=full`
-    /// and a `num_vocab_tiling` giving tiles of about 1,024 tokens — as `key=value` text with
-    /// their estimate; `None` when this run already uses them (or they do not plan).
-    fn leanest(&self) -> Option<(String, f64)> {
-        let config = self.config();
-        let tokens = config.micro_batch_rows() * config.max_target_length / config.devices().max(1);
-        let tiles = tokens.div_ceil(1024).max(config.num_vocab_tiling);
-        if config.remat_policy == RematPolicy::Full && tiles == config.num_vocab_tiling {
-            return None;
-        }
-        let mut lean = config.clone();
-        lean.remat_policy = RematPolicy::Full;
-        lean.num_vocab_tiling = tiles;
-        let need = lean.plan().ok()?.memory_estimate().ok()?.total();
-        Some((format!("remat_policy=full num_vocab_tiling={tiles}"), need))
-    }
-
-    /// The peak memory of one device, estimated: its parameters, the gradient accumulator
-    /// (reduced in place by the update; `layout_invariant`'s tree keeps more sets), the
-    /// optimizer state (÷ `data` under ZeRO-1), all `f32`, and one micro-batch's activations:
-    /// the layers' in `dtype` (2 bytes in bf16) as `remat_policy` keeps them, the logits' in
-    /// `f32` (whole, or one tile's under `num_vocab_tiling`), and in bf16 the weights' bf16
-    /// copies the backward reads.
-    /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
-    ///
-    /// # Errors
-    /// None for a plan's mesh; typed for safety.
-    pub fn memory_per_device(&self) -> Result<DeviceMemory, TrainError> {
-        let config = self.config();
-        let mesh = self.mesh();
-        let m = self.decoder().config();
-        let params: f64 = self
-            .params()
-            .iter()
-            .map(|p| p.shape.iter().map(|&d| d as f64).product::<f64>())
-            .sum();
-        let split = mesh.axes_size(&["fsdp", "tensor"])? as f64;
-        let data = mesh.axis_size("data")? as f64;
-        let local = params / split;
-        let zero1 = if config.shard_optimizer_over_data {
-            data
-        } else {
-            1.0
-        };
-        let state_bytes = config.opt_type.state_bytes_per_element() as f64;
-        let batch_parts = mesh.axes_size(&["data", "fsdp", "expert"])? as f64;
-        let rows = (config.micro_batch_rows() as f64 / batch_parts).max(1.0);
-        // Context parallelism splits each sequence over its devices.
-        let len = config.max_target_length as f64 / mesh.axis_size("context").unwrap_or(1) as f64;
-        let tokens = rows * len;
-        let (d, f) = (m.base_emb_dim as f64, m.base_mlp_dim as f64);
-        let heads = m.base_num_query_heads as f64;
-        let layers = m.base_num_decoder_layers as f64;
-        let dtype = self.precision().dtype;
-        let kept = dtype.size_bytes() as f64;
-        // What one layer's backward needs: ~16 d-wide and 4 f-wide values per token, and the
-        // tiled attention's log-sum-exps (f32, one per head and token; no T×T scores).
-        let whole_layer = tokens * (16.0 * d + 4.0 * f) * kept + tokens * heads * 4.0;
-        // Kept per layer across the step: all of it without rematerialization; else the
-        // layer's input and what the policy saves, plus one layer's whole set while its
-        // backward recomputes it.
-        let (per_layer, recompute) = match self.decoder().remat() {
-            RematPolicy::None => (whole_layer, 0.0),
-            policy => {
-                let q = (m.base_num_query_heads * m.head_dim) as f64;
-                let kv = (m.base_num_kv_heads * m.head_dim) as f64;
-                let saved = policy.kept_widths(q as usize, kv as usize, d as usize, f as usize);
-                (tokens * (d + saved as f64) * kept, whole_layer)
-            }
-        };
-        // In bf16 each weight's bf16 copy (cast at use) is kept for the backward too — for
-        // the whole step without rematerialization; with it, a layer's for its region only.
-        let copies = match (dtype, self.decoder().remat()) {
-            (DType::F32, _) => 0.0,
-            (_, RematPolicy::None) => local * kept,
-            _ => (2.0 * m.vocab_size as f64 * d + local / layers) * kept,
-        };
-        // The logits, their softmax and gradient, in f32: whole, or one tile's (logits and
-        // probabilities) at a time, beside the head's weight gradient in f32.
-        let vocab = m.vocab_size as f64;
-        let logits = match self.decoder().vocab_tiles() {
-            1 => 3.0 * tokens * vocab * 4.0,
-            tiles => {
-                let tile = (tokens / tiles as f64).ceil();
-                2.0 * tile * vocab * 4.0 + vocab * d * 4.0
-            }
-        };
-        let activation_bytes = layers * per_layer + recompute + logits + copies;
-        // The micro-batches' partial sums live in flat bucket buffers that the update reduces
-        // in place (all-reduce, or ZeRO-1's reduce-scatter): no second gradient set, except
-        // the tree of `layout_invariant`, which keeps up to log2(GA) more.
-        let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
-        let extra_sets = if config.layout_invariant {
-            (config.gradient_accumulation_steps as f64).log2().ceil()
-        } else {
-            0.0
-        };
-        let gradient_bytes = extra_sets * local * 4.0;
-        let optimizer_bytes = local * state_bytes / zero1;
-        Ok(DeviceMemory {
-            parameter_elements: params,
-            local_parameter_elements: local,
-            optimizer_stepped_elements: local / zero1,
-            parameter_bytes,
-            accumulator_bytes,
-            gradient_bytes,
-            optimizer_bytes,
-            activation_bytes,
-            total_bytes: parameter_bytes
-                + accumulator_bytes
-                + gradient_bytes
-                + optimizer_bytes
-                + activation_bytes,
-        })
-    }
-
-    /// The memory one process of this run needs, estimated: [`RunPlan::memory_per_device`]
-    /// times the devices of the process, plus the host copies of the parameters. A lower bound
-    /// in spirit: it counts what must exist, not allocator slack.
-    ///
-    /// # Errors
-    /// As [`RunPlan::memory_per_device`].
-    pub fn memory_estimate(&self) -> Result<MemoryEstimate, TrainError> {
-        let device = self.memory_per_device()?;
-        let local = self.config().local_devices as f64;
-        Ok(MemoryEstimate {
-            parameter_and_optimizer_bytes: (device.total_bytes - device.activation_bytes) * local
-                + device.parameter_elements * 4.0,
-            activation_bytes: device.activation_bytes * local,
-        })
     }
 }
 
