@@ -10,7 +10,7 @@ One step, from the config to the optimizer, in the order a run meets it:
 | file | what it owns |
 |---|---|
 | `config/` | [`TrainConfig`]: every key, its default (`mod.rs`), loading (`load.rs`), the checks on values alone (`validate.rs`), derived quantities and memory (`derived.rs`, `memory.rs`) |
-| `plan.rs` | [`RunPlan`]: the config checked once → decoder, mesh, [`Deferral`], [`Zero1`], each parameter's [`ParamLayout`] |
+| `plan/` | [`RunPlan`]: the config checked once → decoder, mesh, [`Deferral`], [`Zero1`], each parameter's [`ParamLayout`]; `plan/memory.rs` the memory estimate |
 | `gate.rs` | the two gates' answers, whole: `Open { .. }` or `Closed(`[`ClosedReason`]`)` |
 | `run.rs` | [`train`]: one device program per device, and the training loop |
 | `trainer.rs` | [`Trainer`]: a step's two moves, `micro_batch` and `update`; [`plan_step`] (abstract mode) |
