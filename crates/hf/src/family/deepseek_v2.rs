@@ -13,7 +13,9 @@ use ferrotext_models::moe::RouterScore;
 use ferrotext_models::router::GroupScore;
 use serde_json::{json, Value};
 
-use super::common::{block_misfit, common_config, no_llama3, no_mtp};
+use super::common::{
+    block_misfit, common_config, latent_eps_misfit, no_llama3, no_mtp, MLA_LATENT_NORM_EPS,
+};
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
 use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
@@ -112,7 +114,8 @@ fn read(k: &mut Keys<'_>) -> Result<Config, String> {
         qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
         qk_rope_head_dim,
         v_head_dim: k.usize("v_head_dim")?,
-        rope_interleave: true,
+        rope_interleave: true, // Not `rms_norm_eps`: transformers builds the latent norms with RMSNorm's default.
+        latent_norm_eps: MLA_LATENT_NORM_EPS,
     });
     let groups = match k.get("topk_method").and_then(Value::as_str) {
         None | Some("greedy") => GroupLimit::default(),
@@ -169,6 +172,7 @@ fn misfit(cfg: &Config) -> Vec<String> {
         }
     }
     no_llama3(cfg, "deepseek_v2", &mut out);
+    latent_eps_misfit(cfg, "deepseek_v2", &mut out);
     no_mtp(cfg, "deepseek_v2", &mut out);
     if cfg.rope_scaling.is_some() {
         out.push("linear or dynamic RoPE (deepseek_v2 reads YaRN)".into());

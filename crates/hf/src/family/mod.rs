@@ -392,4 +392,26 @@ mod tests {
             .unwrap_err()
             .contains("shared_experts=1 (qwen3_moe has none)"));
     }
+
+    /// transformers' latent norms keep RMSNorm's default ε whatever `rms_norm_eps` says (the
+    /// `deepseek_v*-eps` fixtures hold the losses); a model whose latent ε differs is no
+    /// DeepSeek of transformers', and export says so rather than writing it silently wrong.
+    #[test]
+    fn mla_latent_norms_keep_transformers_epsilon() {
+        let mut ds = Config::preset("deepseek3-tiny").unwrap();
+        ds.head_dim = ds.mla.unwrap().qk_rope_head_dim;
+        let mut v = hf_config_json(&ds, "float32").unwrap();
+        v["rms_norm_eps"] = json!(0.1);
+        let mut cfg = decoder_config(&v).unwrap();
+        assert_eq!(cfg.normalization_layer_epsilon, 0.1);
+        assert_eq!(cfg.mla.unwrap().latent_norm_eps, 1e-6);
+        if let Some(m) = cfg.mla.as_mut() {
+            m.latent_norm_eps = 0.1;
+        }
+        let err = ModelType::of(&cfg).unwrap_err();
+        assert!(
+            err.contains("deepseek_v3: latent_norm_eps=0.1 (deepseek_v3 fixes the latent norms' epsilon at 1e-6)"),
+            "{err}"
+        );
+    }
 }

@@ -528,6 +528,7 @@ mod tests {
             qk_rope_head_dim: 2,
             v_head_dim: 3,
             rope_interleave: true,
+            latent_norm_eps: 1e-6,
         });
         c.moe = Some(MoeSettings {
             num_experts: 3,
