@@ -18,7 +18,7 @@ use super::common::{
 };
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read, Refused};
 
 /// The family.
@@ -34,7 +34,39 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: PRESETS,
 };
+
+/// DeepSeek-V2-Lite's shape (queries without a latent, 64 experts top-6, YaRN 40×), and the
+/// same blocks at CPU size.
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "deepseek2-lite",
+        about: "DeepSeek-V2-Lite's config.json",
+        config: r#"{"vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "q_lora_rank": null, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": false, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "tie_word_embeddings": false}"#,
+    },
+    Preset {
+        name: "deepseek2-tiny",
+        about: "CPU-sized (byte vocabulary): MLA without the query latent, 8 experts top-2 and a shared one, the first layer dense",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+        "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "q_lora_rank": null, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "topk_method": "greedy", "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "tie_word_embeddings": false}"#,
+    },
+];
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("tie_word_embeddings", Read { probe: "true" }),

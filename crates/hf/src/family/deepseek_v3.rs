@@ -37,6 +37,7 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: selection_bias,
     rename: super::no_rename,
+    presets: &[],
 };
 
 const KEYS: &[(&str, KeyUse)] = &[

@@ -30,6 +30,7 @@
 #[macro_use]
 mod defaults;
 mod common;
+mod preset;
 mod reader;
 mod rope;
 mod table;
@@ -49,6 +50,8 @@ mod qwen3;
 mod qwen3_moe;
 
 pub use defaults::class_defaults;
+pub(crate) use preset::Preset;
+pub use preset::{preset, presets, PresetInfo};
 pub(crate) use reader::Keys;
 pub use table::{key_use, listed_keys, KeyUse};
 
@@ -109,6 +112,8 @@ pub(crate) struct Family {
     /// Its checkpoints' name of a tensor the decoder names `name` (HF's usual names), `None`
     /// where they are the same (Mixtral's `block_sparse_moe.experts.{e}.w1`, ...).
     pub rename: fn(&str) -> Option<String>,
+    /// Its named models (`model_name=`), as `config.json` keys its reader reads.
+    pub presets: &'static [Preset],
 }
 
 /// A family's [`Family::extra_tensor`]: the `(name, shape)` of a tensor its checkpoints store
