@@ -253,3 +253,105 @@ fn dense_families_train_under_tensor_fsdp_and_context_parallelism() {
         }
     }
 }
+
+/// Training FLOPs per token computed here from the config's dimensions alone (not from the
+/// declared weights, as `flops_per_token` counts them): 6 per multiply-add of each matrix a
+/// token goes through (the head included, the embedding lookup not; biases, norms, soft-caps
+/// and the gates' activations none; GeGLU's three products as SwiGLU's; of the routed experts
+/// the k a token uses) and `6·heads·(qk + v)` per key a query sees, a window's keys counted as
+/// the share of causal (query, key) pairs it leaves, query by query.
+fn flops_from_dims(c: &ferrotext_models::decoder::Config, seq: usize) -> f64 {
+    let (d, h, kv) = (c.base_emb_dim, c.base_num_query_heads, c.base_num_kv_heads);
+    let mut matmul = d * c.vocab_size;
+    let mut attention = 0.0;
+    for i in 0..c.base_num_decoder_layers {
+        let (qk, v) = match &c.mla {
+            Some(m) => {
+                let (qk, r) = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank);
+                matmul += match m.q_lora_rank {
+                    0 => d * h * qk,
+                    q => d * q + q * h * qk,
+                };
+                matmul +=
+                    d * (r + m.qk_rope_head_dim) + r * h * (m.qk_nope_head_dim + m.v_head_dim);
+                matmul += h * m.v_head_dim * d;
+                (qk, m.v_head_dim)
+            }
+            None => {
+                matmul += d * h * c.head_dim + 2 * d * kv * c.head_dim + h * c.head_dim * d;
+                (c.head_dim, c.head_dim)
+            }
+        };
+        matmul += match c.moe.as_ref().filter(|_| c.is_moe_layer(i)) {
+            None => 3 * d * c.base_mlp_dim,
+            Some(m) => {
+                let gate = usize::from(m.shared_expert_gate) * d;
+                d * m.num_experts
+                    + 3 * d * (m.num_experts_per_tok * m.moe_mlp_dim)
+                    + 3 * d * c.shared_mlp_dim()
+                    + gate
+            }
+        };
+        let window = c.window_of(i).unwrap_or(usize::MAX);
+        let visited: usize = (0..seq).map(|q| (q + 1).min(window)).sum();
+        let keys = seq as f64 * visited as f64 / (seq * (seq + 1) / 2) as f64;
+        attention += 6.0 * (h * (qk + v)) as f64 * keys;
+    }
+    6.0 * matmul as f64 + attention
+}
+
+/// `plan` counts each new block as the dimensions say, for every family preset (published
+/// shapes at their own context lengths, windows shorter than it: Mistral's and Gemma's) and the
+/// decoder's own with biases (Qwen2) and MLA with the query latent (DeepSeek-V3).
+#[test]
+fn plan_counts_the_flops_of_every_new_block() {
+    let mut names: Vec<&str> = ferrotext_hf::presets().iter().map(|p| p.name).collect();
+    names.extend_from_slice(&["qwen2.5-0.5b", "deepseek3-tiny", "llama3.2-1b"]);
+    for name in names {
+        for seq in [16, 8192] {
+            let len = format!("max_target_length={seq}");
+            let plan = config(name, &[&len]).plan().unwrap();
+            let got = plan.decoder().flops_per_token(seq);
+            let want = flops_from_dims(plan.decoder().config(), seq);
+            let rel = (got - want).abs() / want;
+            assert!(rel < 1e-12, "{name} at {seq}: {got} vs {want}");
+        }
+    }
+    // Mistral 7B at 8192 tokens: its 4096 window costs 3/4 of full attention, not 1/2.
+    let plan = config("mistral-7b", &["max_target_length=8192"])
+        .plan()
+        .unwrap();
+    let windowed = plan.decoder().flops_per_token(8192);
+    let mut full = plan.decoder().config().clone();
+    full.sliding_window = None;
+    let full = flops_from_dims(&full, 8192);
+    let attention_full = 6.0 * 32.0 * 256.0 * 8192.0 * 32.0;
+    let share = 1.0 - (full - windowed) / attention_full;
+    assert!((share - 0.75).abs() < 1e-3, "{share}");
+}
+
+/// Gemma 2's final soft-cap keeps the capped logits beside the raw ones: the plan counts one
+/// more `[tokens, vocab]` f32 array (one tile's under `num_vocab_tiling`) than the same model
+/// without the cap.
+#[test]
+fn plan_counts_the_final_soft_cap_s_logits() {
+    let dir = scratch("softcap-memory");
+    let gemma = ferrotext_hf::preset("gemma2-tiny").unwrap().unwrap();
+    let capped = ferrotext_hf::hf_config_json(&gemma, "float32").unwrap();
+    let mut plain = capped.clone();
+    plain["final_logit_softcapping"] = serde_json::Value::Null;
+    let activations = |json: &serde_json::Value, name: &str, tiles: &str| {
+        let at = dir.join(name);
+        std::fs::create_dir_all(&at).unwrap();
+        std::fs::write(at.join("config.json"), json.to_string()).unwrap();
+        let load = format!("load_parameters_path={}", at.display());
+        let plan = config("gemma2-tiny", &[&load, tiles]).plan().unwrap();
+        plan.memory_per_device().unwrap().activation_bytes
+    };
+    // 16 tokens a device, a vocabulary of 256, f32; 4 tiles of 4 tokens.
+    for (tiles, extra) in [("num_vocab_tiling=1", 16.0), ("num_vocab_tiling=4", 4.0)] {
+        let more = activations(&capped, "capped", tiles) - activations(&plain, "plain", tiles);
+        assert_eq!(more, extra * 256.0 * 4.0, "{tiles}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

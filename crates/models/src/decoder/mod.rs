@@ -21,15 +21,16 @@
 //!
 //! Matrices are stored `[in, out]` (the transpose of HF's `[out, in]`), so `x·W` needs no
 //! transpose, and routed experts are stacked `[E, in, out]`; each [`ParamInfo::hf`] says how the
-//! weight maps to HF tensors. Biases exist only on the q, k, v projections (`qkv_bias`, Qwen2's):
-//! a bias is a parameter of its own (`[out]`, logical axis of the projection's output), added
-//! after the matmul. Left out: output-projection and MLP biases, sliding windows, dropout.
+//! weight maps to HF tensors. A bias (on q, k, v, o or the MLP, as the family has them) is a
+//! parameter of its own (`[out]`, logical axis of the projection's output), added after the
+//! matmul. Left out: dropout.
 //!
 //! Files: here the [`Decoder`] (checked once in [`Decoder::new`], then the loss, logits and
 //! decode entry points); `config` the [`Config`] and its base; `loss` the loss sums (the main
 //! model's, and the training objective with the MTP module's term); `weights` the weight map
 //! (the MTP module's included) and its declarations; `forward` one layer's forward pass on bound
-//! weights. The layering is one way: `config` ← `weights` ← `forward`/`mtp` ← here.
+//! weights; `flops` the training FLOPs a token costs. The layering is one way: `config` ←
+//! `weights` ← `forward`/`mtp` ← here.
 
 use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, UnaryOp};
@@ -45,6 +46,7 @@ use crate::remat::RematPolicy;
 pub use crate::router::GroupLimit;
 
 pub(crate) mod config;
+mod flops;
 mod forward;
 mod loss;
 mod region;
@@ -258,56 +260,6 @@ impl Decoder {
             .sum()
     }
 
-    /// Training FLOPs per token at sequence length `seq`: 6 per matmul weight (forward and both
-    /// backward products; the LM head counts the vocabulary projection, the embedding lookup
-    /// counts nothing; of the routed experts only the k a token uses) plus the attention score and
-    /// value products (12·layers·seq·heads·head_dim), plus the MTP module's
-    /// ([`crate::mtp::flops_per_token`]).
-    pub fn flops_per_token(&self, seq: usize) -> f64 {
-        let c = &self.cfg;
-        let embedding = c.vocab_size * c.base_emb_dim;
-        // The matrices (rank ≥ 2) of the main model but the embedding; norms, biases and the
-        // routers' selection biases are added, not multiplied, and count nothing.
-        let mtp = c.mtp_num_layers > 0;
-        let main: Vec<ParamInfo> = match (mtp, &self.weights.mtp) {
-            (true, Some(m)) => {
-                let skip = m.params().len();
-                let all = self.params();
-                all[..all.len() - skip].to_vec()
-            }
-            _ => self.params(),
-        };
-        let matrices: usize = main
-            .iter()
-            .filter(|p| p.shape.len() >= 2 && p.name != self.weights.embed_tokens.name)
-            .map(|p| p.shape.iter().product::<usize>())
-            .sum();
-        let lm_head = if c.logits_via_embedding { embedding } else { 0 };
-        // A token runs k of the E routed experts: only their weights count.
-        let idle_experts: usize = match &c.moe {
-            Some(m) => {
-                let layers = (0..c.base_num_decoder_layers)
-                    .filter(|&i| c.is_moe_layer(i))
-                    .count();
-                let per_expert = 3 * c.base_emb_dim * m.moe_mlp_dim;
-                layers * (m.num_experts - m.num_experts_per_tok) * per_expert
-            }
-            None => 0,
-        };
-        let matmul_weights = matrices - idle_experts + lm_head;
-        // Scores (q·k over the query/key width) and values, forward and backward: 6 each; a
-        // sliding layer's query sees at most its window.
-        let (qk_width, v_width) = match &c.mla {
-            Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
-            None => (c.head_dim, c.head_dim),
-        };
-        let keys: usize = (0..c.base_num_decoder_layers)
-            .map(|i| c.window_of(i).map_or(seq, |w| w.min(seq)))
-            .sum();
-        let attention = 6.0 * (keys * c.base_num_query_heads * (qk_width + v_width)) as f64;
-        6.0 * matmul_weights as f64 + attention + crate::mtp::flops_per_token(c, seq)
-    }
-
     /// The cross-entropy *sum* over the target tokens of a batch ([`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are
     /// ignored), as a plain scalar. `params` are in [`Decoder::params`] order, laid out and
     /// tagged by the caller; `inputs` and `targets` are `[B, T]`.
@@ -512,157 +464,4 @@ impl Decoder {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::moe::RouterScore;
-
-    fn tiny_moe_mla() -> Config {
-        let mut c = Config::preset("qwen3-tiny").unwrap();
-        c.base_num_decoder_layers = 2;
-        c.logits_via_embedding = false;
-        c.qk_norm = false;
-        c.mla = Some(MlaSettings {
-            q_lora_rank: 6,
-            kv_lora_rank: 4,
-            qk_nope_head_dim: 4,
-            qk_rope_head_dim: 2,
-            v_head_dim: 3,
-            rope_interleave: true,
-            latent_norm_eps: 1e-6,
-        });
-        c.moe = Some(MoeSettings {
-            num_experts: 3,
-            num_experts_per_tok: 2,
-            moe_mlp_dim: 5,
-            shared_experts: 1,
-            first_num_dense_layers: 1,
-            score: RouterScore::Sigmoid,
-            norm_topk_prob: true,
-            routed_scaling_factor: 1.0,
-            load_balance_loss_weight: 0.0,
-            groups: GroupLimit::default(),
-            routed_bias: false,
-            withhold_tags: false,
-            ..MoeSettings::default()
-        });
-        c
-    }
-
-    /// Regression (issue 13): the message had a run of stray spaces from a broken line.
-    #[test]
-    fn moe_range_error_reads_as_one_sentence() {
-        let mut c = tiny_moe_mla();
-        if let Some(m) = c.moe.as_mut() {
-            m.num_experts_per_tok = 5;
-        }
-        let err = Decoder::new(c).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "invalid model config: MoE needs experts, a positive moe_mlp_dim and 1 ≤ \
-             num_experts_per_tok ≤ num_experts; got 3 experts, top-5, width 5"
-        );
-    }
-
-    /// A key/value head count that does not divide the query heads is refused where attention
-    /// groups heads by it, and not for MLA, which never reads it (transformers' DeepSeek-V3
-    /// class defaults it to 128 whatever the head count).
-    #[test]
-    fn the_kv_head_count_is_checked_only_where_attention_reads_it() {
-        let mut mla = tiny_moe_mla();
-        mla.base_num_kv_heads = mla.base_num_query_heads * 32 + 1;
-        let weights = |c: &Config| Decoder::new(c.clone()).map(|d| d.params().len());
-        let mut same = mla.clone();
-        same.base_num_kv_heads = same.base_num_query_heads;
-        assert_eq!(weights(&mla), weights(&same));
-        assert!(weights(&mla).is_ok());
-        let mut dense = mla.clone();
-        dense.mla = None;
-        dense.moe = None;
-        let err = Decoder::new(dense).unwrap_err().to_string();
-        assert!(
-            err.contains("must be a multiple of base_num_kv_heads"),
-            "{err}"
-        );
-    }
-
-    /// The flat order is the one the trainer has always used (written out by hand here).
-    #[test]
-    fn params_come_in_the_historical_order() {
-        let names: Vec<String> = Decoder::new(tiny_moe_mla())
-            .unwrap()
-            .params()
-            .into_iter()
-            .map(|p| p.name)
-            .collect();
-        let mut want = vec!["model.embed_tokens.weight".to_string()];
-        for i in 0..2 {
-            let l = |s: &str| format!("model.layers.{i}.{s}");
-            want.push(l("input_layernorm.weight"));
-            for s in [
-                "q_a_proj",
-                "q_a_layernorm",
-                "q_b_proj",
-                "kv_a_proj_with_mqa",
-                "kv_a_layernorm",
-                "kv_b_proj",
-                "o_proj",
-            ] {
-                want.push(l(&format!("self_attn.{s}.weight")));
-            }
-            want.push(l("post_attention_layernorm.weight"));
-            if i == 0 {
-                for s in ["gate_proj", "up_proj", "down_proj"] {
-                    want.push(l(&format!("mlp.{s}.weight")));
-                }
-            } else {
-                want.push(l("mlp.gate.weight"));
-                for s in ["gate_proj", "up_proj", "down_proj"] {
-                    want.push(l(&format!("mlp.experts.{s}")));
-                }
-                for s in ["gate_proj", "up_proj", "down_proj"] {
-                    want.push(l(&format!("mlp.shared_expert.{s}.weight")));
-                }
-            }
-        }
-        want.push("model.norm.weight".into());
-        want.push("lm_head.weight".into());
-        assert_eq!(names, want);
-    }
-
-    /// Every matrix is HF `[out, in]`, including the two the old suffix rule missed, and the
-    /// stacked experts unstack to one `[out, in]` tensor per expert.
-    #[test]
-    fn hf_layouts_declare_orientation_and_unstacked_experts() {
-        let d = Decoder::new(tiny_moe_mla()).unwrap();
-        let params = d.params();
-        let find = |n: &str| params.iter().find(|p| p.name == n).unwrap().hf_tensors();
-        assert_eq!(
-            find("model.layers.1.self_attn.kv_a_proj_with_mqa.weight"),
-            vec![(
-                "model.layers.1.self_attn.kv_a_proj_with_mqa.weight".to_string(),
-                vec![6, 128]
-            )]
-        );
-        assert_eq!(
-            find("model.layers.1.mlp.gate.weight"),
-            vec![("model.layers.1.mlp.gate.weight".to_string(), vec![3, 128])]
-        );
-        assert_eq!(
-            find("model.layers.1.mlp.experts.down_proj"),
-            (0..3)
-                .map(|e| (
-                    format!("model.layers.1.mlp.experts.{e}.down_proj.weight"),
-                    vec![128, 5]
-                ))
-                .collect::<Vec<_>>()
-        );
-        assert_eq!(
-            find("model.layers.1.mlp.shared_expert.up_proj.weight")[0].0,
-            "model.layers.1.mlp.shared_experts.up_proj.weight"
-        );
-        assert_eq!(
-            find("model.norm.weight"),
-            vec![("model.norm.weight".to_string(), vec![128])]
-        );
-    }
-}
+mod tests;

@@ -25,7 +25,7 @@ use crate::optim::OptType;
 
 mod derived;
 mod load;
-mod memory;
+pub(crate) mod memory;
 mod model;
 mod precision;
 mod validate;
