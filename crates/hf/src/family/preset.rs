@@ -57,7 +57,7 @@ pub fn presets() -> Vec<PresetInfo> {
 pub fn preset(name: &str) -> Result<Option<Config>, HfError> {
     let Some((family, p)) = FAMILIES
         .iter()
-        .find_map(|f| f.presets.iter().find(|p| p.name == name).map(|p| (f, p)))
+        .find_map(|f| f.presets.iter().find(|p| p.name == name).map(|p| (*f, p)))
     else {
         return Ok(None);
     };
@@ -79,6 +79,14 @@ mod tests {
     use super::*;
     use ferrotext_models::decoder::Decoder;
 
+    fn find(name: &str) -> &'static Preset {
+        FAMILIES
+            .iter()
+            .flat_map(|f| f.presets.iter())
+            .find(|p| p.name == name)
+            .unwrap()
+    }
+
     /// Every preset reads, builds a model, and names no other preset (of either kind).
     #[test]
     fn every_family_preset_reads_and_builds_under_a_name_of_its_own() {
@@ -91,6 +99,17 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), n, "a preset name used twice");
         for p in &all {
+            // Every key is one the family's tables list: a misspelt key would be ignored (as
+            // transformers ignores keys its class does not define) and its default taken.
+            let kind = super::super::ModelType::from_name(p.model_type).unwrap();
+            let keys: Value = serde_json::from_str(find(p.name).config).unwrap();
+            for key in keys.as_object().unwrap().keys() {
+                assert!(
+                    super::super::key_use(kind, key).is_some(),
+                    "{}: {key}",
+                    p.name
+                );
+            }
             let cfg = preset(p.name).unwrap().unwrap();
             Decoder::new(cfg.clone()).unwrap_or_else(|e| panic!("{}: {e}", p.name));
             // Export writes it as its own family.
