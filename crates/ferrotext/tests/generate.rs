@@ -203,3 +203,61 @@ fn refused(out: &Output, says: &str, case: &str) {
         "{case}: {stderr}"
     );
 }
+
+/// A word-level `tokenizer.json` whose word `t{i}` is token `i`, for `vocab` tokens: prompts and
+/// continuations of a fixture's token ids as text.
+fn id_words_tokenizer(vocab: usize) -> String {
+    let words: Vec<String> = (0..vocab).map(|i| format!("\"t{i}\": {i}")).collect();
+    format!(
+        r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+  "normalizer": null, "pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null,
+  "decoder": null, "model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "t0"}}}}"#,
+        words.join(", ")
+    )
+}
+
+/// Sliding-window models written by transformers (Mistral: a window of 6 on every layer;
+/// Gemma 2: on every other layer, with soft-capping): `ferrotext generate` continues the
+/// fixture's 8-token prompt past the window with transformers' own 16 greedy tokens, with the
+/// key/value cache and without it (`--no-cache`, the full recomputation).
+#[test]
+fn sliding_window_directories_generate_transformers_greedy_tokens() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../hf/tests/fixtures/transformers");
+    let dir =
+        std::env::temp_dir().join(format!("ferrotext-generate-window-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for variant in ["mistral-tf5-f32-single", "gemma2-tf4-f32-single"] {
+        let hf = fixtures.join(variant);
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap())
+                .unwrap();
+        let expected: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(hf.join("expected.json")).unwrap())
+                .unwrap();
+        let words = |key: &str| -> Vec<String> {
+            let ids = expected[key].as_array().unwrap();
+            ids.iter()
+                .map(|i| format!("t{}", i.as_u64().unwrap()))
+                .collect()
+        };
+        let tokenizer = dir.join(format!("{variant}.json"));
+        let vocab = config["vocab_size"].as_u64().unwrap() as usize;
+        std::fs::write(&tokenizer, id_words_tokenizer(vocab)).unwrap();
+        let prompt = words("prompt").join(" ");
+        for cache in [None, Some("--no-cache")] {
+            let mut args = vec![
+                "generate".to_string(),
+                format!("load_parameters_path={}", hf.display()),
+                format!("--tokenizer={}", tokenizer.display()),
+                format!("--prompt={prompt}"),
+                "--max-new-tokens=16".to_string(),
+            ];
+            args.extend(cache.map(str::to_string));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let text = continuation(&ferrotext(&args), &prompt);
+            let got: Vec<&str> = text.split_whitespace().collect();
+            assert_eq!(got, words("greedy_tokens"), "{variant} {cache:?}: {text:?}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

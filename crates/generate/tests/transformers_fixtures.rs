@@ -303,6 +303,16 @@ fn turning_off_each_new_block_misses_transformers_loss() {
                 m.groups.score = GroupScore::TopTwoSum;
             }
         }),
+        ("deepseek_v2-eps", "latent norms at rms_norm_eps", |c| {
+            if let Some(m) = c.mla.as_mut() {
+                m.latent_norm_eps = c.normalization_layer_epsilon;
+            }
+        }),
+        ("deepseek_v3-eps", "latent norms at rms_norm_eps", |c| {
+            if let Some(m) = c.mla.as_mut() {
+                m.latent_norm_eps = c.normalization_layer_epsilon;
+            }
+        }),
         ("deepseek_v2-lite", "sigmoid instead of softmax", |c| {
             if let Some(m) = c.moe.as_mut() {
                 m.score = ferrotext_models::moe::RouterScore::Sigmoid;

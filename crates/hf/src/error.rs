@@ -15,6 +15,14 @@ pub enum HfError {
         /// What is wrong.
         reason: String,
     },
+    /// A family preset whose `config.json` keys do not read (a defect of the preset).
+    #[error("model preset `{name}`: {reason}")]
+    Preset {
+        /// The preset's `model_name`.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {

@@ -42,8 +42,8 @@ mod write;
 
 pub use error::HfError;
 pub use family::{
-    class_defaults, config_from_json, hf_config_json, key_use, listed_keys, read_config, KeyUse,
-    ModelType,
+    class_defaults, config_from_json, hf_config_json, key_use, listed_keys, preset, presets,
+    read_config, KeyUse, ModelType, PresetInfo,
 };
 pub use read::{load_directory, load_file};
 pub use write::{save_directory, selection_bias, DEFAULT_SHARD_BYTES};

@@ -36,6 +36,10 @@ pub struct MlaSettings {
     /// de-interleaves, then rotates half: the same scores as rotating the pairs in place, since
     /// queries and keys are permuted alike.
     pub rope_interleave: bool,
+    /// RMSNorm epsilon of the latent norms (`q_a_layernorm`, `kv_a_layernorm`). transformers'
+    /// DeepSeek-V2 and V3, like DeepSeek's own code, build them with RMSNorm's default 1e-6,
+    /// whatever `rms_norm_eps` the decoder's other norms take.
+    pub latent_norm_eps: f32,
 }
 
 /// MLA weights (`self_attn.*`, HF DeepSeek-V3 names), matrices `[in, out]`.

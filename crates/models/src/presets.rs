@@ -164,6 +164,7 @@ impl Config {
                 qk_rope_head_dim: 64,
                 v_head_dim: 128,
                 rope_interleave: true,
+                latent_norm_eps: 1e-6,
             }),
             rope_yarn: Some(Yarn {
                 factor: 40.0,

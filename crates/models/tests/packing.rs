@@ -33,6 +33,7 @@ fn mla() -> Config {
         qk_rope_head_dim: 4,
         v_head_dim: 3,
         rope_interleave: true,
+        latent_norm_eps: 1e-6,
     });
     c
 }

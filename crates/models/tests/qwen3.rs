@@ -90,6 +90,7 @@ fn tiny_deepseek() -> Decoder {
         qk_rope_head_dim: 4,
         v_head_dim: 3,
         rope_interleave: true,
+        latent_norm_eps: 1e-6,
     });
     cfg.rope_yarn = Some(Yarn {
         factor: 4.0,

@@ -38,6 +38,7 @@ fn deepseek() -> Config {
         qk_rope_head_dim: 4,
         v_head_dim: 3,
         rope_interleave: true,
+        latent_norm_eps: 1e-6,
     });
     c.rope_yarn = Some(Yarn {
         factor: 4.0,

@@ -47,6 +47,9 @@ pub struct HeadLoss {
     pub tiles: usize,
     /// Each device's own sum (`{U:batch axes}`) instead of the plain total.
     pub partial: bool,
+    /// Final-logit soft-capping: each tile's logits become `cap·tanh(z/cap)` before the loss
+    /// (Gemma 2), as [`UnaryOp::Softcap`](crate::UnaryOp::Softcap) on the untiled logits.
+    pub softcap: Option<f32>,
 }
 
 fn type_error(kind: K, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
@@ -221,6 +224,7 @@ impl Ctx<'_> {
                 for range in tiles(rows.len(), spec.tiles) {
                     let logits =
                         self.tile_logits(&rows, range.clone(), &weight, spec.transposed)?;
+                    let logits = capped(logits, spec.softcap);
                     let (safe, mask) = split_ignored(&ids[range]);
                     let ce = ferrotext_tensor::cross_entropy(&logits, &safe, &mask, spec.z_loss)?;
                     sum += f64::from(ce.loss_sum);
@@ -358,11 +362,13 @@ impl Ctx<'_> {
         };
         for range in tiles(n, spec.tiles) {
             let logits = self.tile_logits(rows, range.clone(), &weight, spec.transposed)?;
+            let logits = capped(logits, spec.softcap);
             let (safe, mask) = split_ignored(&ids[range.clone()]);
             let ce = ferrotext_tensor::cross_entropy(&logits, &safe, &mask, spec.z_loss)?;
-            drop(logits);
             let dl = ferrotext_tensor::cross_entropy_backward(&ce, &safe, &mask, spec.z_loss, ct)?;
             drop(ce);
+            let dl = capped_backward(dl, &logits, spec.softcap)?;
+            drop(logits);
             let out = &mut dh[range.start * d..range.end * d];
             match (rows.tile(range)?, &weight) {
                 (Rows::F32(ht), Weight::F32(wt)) => {
@@ -415,6 +421,29 @@ impl Ctx<'_> {
             .transpose()?;
         Ok((dh, dw))
     }
+}
+
+/// `logits` soft-capped (`cap·tanh(z/cap)`), the formula of the untiled `softcap` op.
+fn capped(logits: Tensor, cap: Option<f32>) -> Tensor {
+    match cap {
+        Some(c) => logits.map(|x| c * (x / c).tanh()),
+        None => logits,
+    }
+}
+
+/// The cotangent of the uncapped logits from the capped ones `y` and their cotangent `dl`:
+/// `d(cap·tanh(z/cap))/dz = 1 − (y/cap)²`, the untiled `softcap` op's transpose.
+fn capped_backward(dl: Tensor, y: &Tensor, cap: Option<f32>) -> Result<Tensor, SpmdError> {
+    let Some(c) = cap else {
+        return Ok(dl);
+    };
+    let data = dl
+        .data()
+        .iter()
+        .zip(y.data())
+        .map(|(g, v)| g * (1.0 - (v / c) * (v / c)))
+        .collect();
+    Ok(Tensor::new(dl.shape().to_vec(), data)?)
 }
 
 /// `n` rows cut into `tiles` consecutive ranges of `⌈n / tiles⌉` (the last shorter; none empty).

@@ -69,7 +69,7 @@ use Group::{Checkpoints, Data, Mesh, Model, Optimizer, Output, Precision};
 
 /// Every key `ferrotext train` accepts, grouped.
 pub const KEYS: &[Key] = &[
-    key("model_name", Model, "preset name", "model preset (qwen3-tiny, qwen3-peer, qwen3-0.6b, qwen3-moe-tiny, deepseek3-tiny, deepseek3-1.3b, ...)"),
+    key("model_name", Model, "preset name", "model preset (qwen3-tiny, qwen3-0.6b, qwen3-moe-tiny, deepseek3-tiny, llama3.2-1b, mistral-7b, mixtral-8x7b, gemma2-2b, gemma3-1b, deepseek2-lite, qwen1.5-moe-a2.7b, olmo2-1b, each family's <name>-tiny, ...)"),
     key("vocab_size", Model, "integer", "override of the preset's vocabulary size"),
     key("base_emb_dim", Model, "integer", "override of the model width"),
     key("base_num_decoder_layers", Model, "integer", "override of the layer count"),

@@ -71,6 +71,7 @@ fn deepseek() -> Config {
         qk_rope_head_dim: 2,
         v_head_dim: 3,
         rope_interleave: true,
+        latent_norm_eps: 1e-6,
     });
     if let Some(m) = c.moe.as_mut() {
         m.score = RouterScore::Sigmoid;

@@ -401,3 +401,28 @@ fn what_the_tree_cannot_cover_is_refused_naming_the_key() {
         assert!(text.contains(needle), "{keys:?}: {text}");
     }
 }
+
+/// The families of issue 44 keep the bits too: Gemma 3 (sandwich norms, GeGLU, a sliding layer
+/// with its own RoPE, the `1 + w` QK-norm) and Qwen2-MoE (softmax top-k unnormalised, a
+/// sigmoid-gated shared expert), from their `-tiny` presets at `small_config`'s sizes.
+#[test]
+fn new_families_keep_the_bits_on_every_layout() {
+    if kernel_forced_elsewhere() {
+        return;
+    }
+    for model in ["model_name=gemma3-tiny", "model_name=qwen2-moe-tiny"] {
+        let extra = [
+            model,
+            "layout_invariant=true",
+            "opt_type=adamw",
+            "gradient_clipping_threshold=0.5",
+        ];
+        let want = bits(&run(&config(LAYOUTS[0], &extra)));
+        for layout in &LAYOUTS[1..] {
+            assert!(
+                bits(&run(&config(*layout, &extra))) == want,
+                "{model} {layout:?}"
+            );
+        }
+    }
+}

@@ -132,3 +132,39 @@ fn packing_without_document_boundaries_is_refused_by_name() {
     assert!(msg.starts_with("packing"), "{msg}");
     assert!(msg.contains("dataset_type=synthetic"), "{msg}");
 }
+
+/// `rope_type: dynamic` grows θ with the rotated sequence's last position: packed documents
+/// restart their positions, and a context device holds a slice of them, so both are refused by
+/// name (the mirror: the same model unpacked on one context device is taken).
+#[test]
+fn dynamic_rope_is_refused_with_packing_and_with_context_parallelism() {
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures/transformers/llama-dynamic-tf5-f32-single");
+    let load = format!("load_parameters_path={}", hf.display());
+    let refused = |extra: &[&str]| {
+        let mut all = vec![
+            "dataset_type=shards",
+            "dataset_path=unused",
+            "max_target_length=24",
+        ];
+        all.extend_from_slice(extra);
+        let all: Vec<String> = all.iter().map(|s| s.to_string()).collect();
+        let err = TrainConfig::load(None, &all).unwrap_err();
+        assert!(err.is_usage(), "{err}");
+        err.to_string()
+    };
+    assert_eq!(
+        refused(&[&load, "packing=true"]),
+        "packing=true cannot be used with dynamic RoPE scaling (rope_type `dynamic`): its \
+         frequencies follow the sequence's last position, which packed documents restart"
+    );
+    let context = refused(&[&load, "ici_context_parallelism=2", "ici_data_parallelism=2"]);
+    assert!(
+        context.starts_with("ici_context_parallelism = 2 cannot be used with dynamic RoPE"),
+        "{context}"
+    );
+    config(&PathBuf::from("unused"), &[&load, "packing=false"]);
+    // Another scaling (linear) is position by position: packing takes it.
+    let linear = load.replace("llama-dynamic", "llama-linear");
+    config(&PathBuf::from("unused"), &[&linear, "packing=true"]);
+}

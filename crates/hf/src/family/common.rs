@@ -243,6 +243,20 @@ pub(super) fn block_misfit(cfg: &Config, name: &str, has: &[&str], out: &mut Vec
     );
 }
 
+/// The ε of MLA's latent norms (`q_a_layernorm`, `kv_a_layernorm`) in transformers' DeepSeek-V2
+/// and V3: RMSNorm's default, never `rms_norm_eps` (both generations build them without it).
+pub(super) const MLA_LATENT_NORM_EPS: f32 = 1e-6;
+
+/// MLA latent norms with another ε than transformers' fixed [`MLA_LATENT_NORM_EPS`].
+pub(super) fn latent_eps_misfit(cfg: &Config, name: &str, out: &mut Vec<String>) {
+    if let Some(a) = cfg.mla.filter(|a| a.latent_norm_eps != MLA_LATENT_NORM_EPS) {
+        out.push(format!(
+            "latent_norm_eps={} ({name} fixes the latent norms' epsilon at 1e-6)",
+            a.latent_norm_eps
+        ));
+    }
+}
+
 /// No multi-token-prediction module: transformers has one only in `deepseek_v3`.
 pub(super) fn no_mtp(cfg: &Config, name: &str, out: &mut Vec<String>) {
     if cfg.mtp_num_layers > 0 {

@@ -13,10 +13,12 @@ use ferrotext_models::moe::RouterScore;
 use ferrotext_models::router::GroupScore;
 use serde_json::{json, Value};
 
-use super::common::{block_misfit, common_config, no_llama3, no_mtp};
+use super::common::{
+    block_misfit, common_config, latent_eps_misfit, no_llama3, no_mtp, MLA_LATENT_NORM_EPS,
+};
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read, Refused};
 
 /// The family.
@@ -32,7 +34,39 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: PRESETS,
 };
+
+/// DeepSeek-V2-Lite's shape (queries without a latent, 64 experts top-6, YaRN 40×), and the
+/// same blocks at CPU size.
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "deepseek2-lite",
+        about: "DeepSeek-V2-Lite's config.json",
+        config: r#"{"vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "q_lora_rank": null, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": false, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 163840, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+        "tie_word_embeddings": false}"#,
+    },
+    Preset {
+        name: "deepseek2-tiny",
+        about: "CPU-sized (byte vocabulary): MLA without the query latent, 8 experts top-2 and a shared one, the first layer dense",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+        "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "q_lora_rank": null, "kv_lora_rank": 32, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "topk_method": "greedy", "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "tie_word_embeddings": false}"#,
+    },
+];
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("tie_word_embeddings", Read { probe: "true" }),
@@ -112,7 +146,8 @@ fn read(k: &mut Keys<'_>) -> Result<Config, String> {
         qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
         qk_rope_head_dim,
         v_head_dim: k.usize("v_head_dim")?,
-        rope_interleave: true,
+        rope_interleave: true, // Not `rms_norm_eps`: transformers builds the latent norms with RMSNorm's default.
+        latent_norm_eps: MLA_LATENT_NORM_EPS,
     });
     let groups = match k.get("topk_method").and_then(Value::as_str) {
         None | Some("greedy") => GroupLimit::default(),
@@ -169,6 +204,7 @@ fn misfit(cfg: &Config) -> Vec<String> {
         }
     }
     no_llama3(cfg, "deepseek_v2", &mut out);
+    latent_eps_misfit(cfg, "deepseek_v2", &mut out);
     no_mtp(cfg, "deepseek_v2", &mut out);
     if cfg.rope_scaling.is_some() {
         out.push("linear or dynamic RoPE (deepseek_v2 reads YaRN)".into());

@@ -15,7 +15,9 @@ use ferrotext_models::moe::RouterScore;
 use ferrotext_models::ParamInfo;
 use serde_json::{json, Value};
 
-use super::common::{block_misfit, common_config, no_llama3};
+use super::common::{
+    block_misfit, common_config, latent_eps_misfit, no_llama3, MLA_LATENT_NORM_EPS,
+};
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
 use super::{same_rope_view, Family, KeyUse, Keys};
@@ -35,6 +37,7 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: selection_bias,
     rename: super::no_rename,
+    presets: &[],
 };
 
 const KEYS: &[(&str, KeyUse)] = &[
@@ -142,7 +145,8 @@ fn deepseek_v3(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), String> {
         qk_nope_head_dim: k.usize("qk_nope_head_dim")?,
         qk_rope_head_dim,
         v_head_dim: k.usize("v_head_dim")?,
-        rope_interleave: k.bool_or("rope_interleave", true)?,
+        rope_interleave: k.bool_or("rope_interleave", true)?, // Not `rms_norm_eps`: transformers builds the latent norms with RMSNorm's default.
+        latent_norm_eps: MLA_LATENT_NORM_EPS,
     });
     cfg.moe = Some(MoeSettings {
         num_experts: k.usize_alias("n_routed_experts", "num_local_experts")?,
@@ -180,6 +184,7 @@ fn misfit(cfg: &Config) -> Vec<String> {
         Some(_) => {}
     }
     no_llama3(cfg, "deepseek_v3", &mut out);
+    latent_eps_misfit(cfg, "deepseek_v3", &mut out);
     if cfg.rope_scaling.is_some() {
         out.push("linear or dynamic RoPE (deepseek_v3 reads YaRN)".into());
     }

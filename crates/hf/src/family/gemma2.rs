@@ -18,7 +18,7 @@ use super::common::{
 use super::reader::num;
 use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read, Refused};
 
 /// The family.
@@ -34,7 +34,34 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: PRESETS,
 };
+
+/// Gemma 2 2B's shape (soft-caps 50 and 30, a window of 4096 on every other layer), and the
+/// same blocks at CPU size with a window of 8 and soft-caps of 5 and 3 (small, so that each
+/// changes the numbers of a random model at that size).
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "gemma2-2b",
+        about: "gemma-2-2b's config.json",
+        config: r#"{"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true}"#,
+    },
+    Preset {
+        name: "gemma2-tiny",
+        about: "CPU-sized (byte vocabulary): window 8 on the first layer, soft-caps 5 and 3",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": true}"#,
+    },
+];
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("attn_logit_softcapping", Read { probe: "20.0" }),

@@ -15,7 +15,7 @@ use super::gemma2::{gemma, gemma_json, gemma_misfit, optional, GEMMA};
 use super::reader::num;
 use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, Family, KeyUse, Keys};
+use super::{no_extra_tensor, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read};
 
 /// The family.
@@ -31,7 +31,34 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: PRESETS,
 };
+
+/// Gemma 3 1B's shape (five sliding layers of window 512 to one full, a local θ of its own),
+/// and the same blocks at CPU size.
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "gemma3-1b",
+        about: "gemma-3-1b-pt's config.json",
+        config: r#"{"vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+        "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512,
+        "sliding_window_pattern": 6, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": null,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true}"#,
+    },
+    Preset {
+        name: "gemma3-tiny",
+        about:
+            "CPU-sized (byte vocabulary): a sliding layer (window 8, θ 10⁴) then a full one (θ 10⁶)",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8,
+        "sliding_window_pattern": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": true}"#,
+    },
+];
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("attn_logit_softcapping", Read { probe: "20.0" }),

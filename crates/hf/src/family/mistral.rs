@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use super::common::{block_misfit, dense_misfit, gqa_json, merged, sizes};
 use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read};
 
 /// The family.
@@ -27,7 +27,29 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: PRESETS,
 };
+
+/// Mistral 7B v0.1's shape (its sliding window of 4096 on every layer), and the same blocks at
+/// CPU size with a window of 8 (a window shorter than the test sequences, so it matters there).
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "mistral-7b",
+        about: "Mistral-7B-v0.1's config.json",
+        config: r#"{"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": false}"#,
+    },
+    Preset {
+        name: "mistral-tiny",
+        about: "CPU-sized (byte vocabulary), a window of 8 on every layer",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": 8,
+        "tie_word_embeddings": false}"#,
+    },
+];
 
 /// `MistralConfig`'s own keys (the Mixtral class shares them).
 pub(super) const KEYS: &[(&str, KeyUse)] = &[

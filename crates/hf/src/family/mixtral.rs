@@ -15,7 +15,7 @@ use super::common::{block_misfit, gqa_json, gqa_misfit, merged, sizes};
 use super::reader::num;
 use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, Family, KeyUse, Keys};
+use super::{no_extra_tensor, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read, Refused};
 
 /// The family.
@@ -31,7 +31,29 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename,
+    presets: PRESETS,
 };
+
+/// Mixtral 8x7B's shape, and the same blocks at CPU size.
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "mixtral-8x7b",
+        about: "Mixtral-8x7B-v0.1's config.json",
+        config: r#"{"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": null,
+        "tie_word_embeddings": false}"#,
+    },
+    Preset {
+        name: "mixtral-tiny",
+        about: "CPU-sized (byte vocabulary): 8 experts of width 96, top-2",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "sliding_window": null, "tie_word_embeddings": false}"#,
+    },
+];
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("num_local_experts", Read { probe: "6" }),

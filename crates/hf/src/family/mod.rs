@@ -30,6 +30,7 @@
 #[macro_use]
 mod defaults;
 mod common;
+mod preset;
 mod reader;
 mod rope;
 mod table;
@@ -49,6 +50,8 @@ mod qwen3;
 mod qwen3_moe;
 
 pub use defaults::class_defaults;
+pub(crate) use preset::Preset;
+pub use preset::{preset, presets, PresetInfo};
 pub(crate) use reader::Keys;
 pub use table::{key_use, listed_keys, KeyUse};
 
@@ -109,6 +112,8 @@ pub(crate) struct Family {
     /// Its checkpoints' name of a tensor the decoder names `name` (HF's usual names), `None`
     /// where they are the same (Mixtral's `block_sparse_moe.experts.{e}.w1`, ...).
     pub rename: fn(&str) -> Option<String>,
+    /// Its named models (`model_name=`), as `config.json` keys its reader reads.
+    pub presets: &'static [Preset],
 }
 
 /// A family's [`Family::extra_tensor`]: the `(name, shape)` of a tensor its checkpoints store
@@ -391,5 +396,27 @@ mod tests {
         assert!(ModelType::of(&moe)
             .unwrap_err()
             .contains("shared_experts=1 (qwen3_moe has none)"));
+    }
+
+    /// transformers' latent norms keep RMSNorm's default ε whatever `rms_norm_eps` says (the
+    /// `deepseek_v*-eps` fixtures hold the losses); a model whose latent ε differs is no
+    /// DeepSeek of transformers', and export says so rather than writing it silently wrong.
+    #[test]
+    fn mla_latent_norms_keep_transformers_epsilon() {
+        let mut ds = Config::preset("deepseek3-tiny").unwrap();
+        ds.head_dim = ds.mla.unwrap().qk_rope_head_dim;
+        let mut v = hf_config_json(&ds, "float32").unwrap();
+        v["rms_norm_eps"] = json!(0.1);
+        let mut cfg = decoder_config(&v).unwrap();
+        assert_eq!(cfg.normalization_layer_epsilon, 0.1);
+        assert_eq!(cfg.mla.unwrap().latent_norm_eps, 1e-6);
+        if let Some(m) = cfg.mla.as_mut() {
+            m.latent_norm_eps = 0.1;
+        }
+        let err = ModelType::of(&cfg).unwrap_err();
+        assert!(
+            err.contains("deepseek_v3: latent_norm_eps=0.1 (deepseek_v3 fixes the latent norms' epsilon at 1e-6)"),
+            "{err}"
+        );
     }
 }

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use super::common::{block_misfit, dense_misfit, gqa_json, merged, read_biases, sizes};
 use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC};
-use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read};
 
 /// The family.
@@ -25,7 +25,27 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: PRESETS,
 };
+
+/// OLMo 2 1B's shape (OLMo-2-0425-1B), and the same blocks at CPU size.
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "olmo2-1b",
+        about: "OLMo-2-0425-1B's config.json",
+        config: r#"{"vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 500000.0,
+        "attention_bias": false, "tie_word_embeddings": false}"#,
+    },
+    Preset {
+        name: "olmo2-tiny",
+        about: "CPU-sized (byte vocabulary)",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "tie_word_embeddings": false}"#,
+    },
+];
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("tie_word_embeddings", Read { probe: "true" }),

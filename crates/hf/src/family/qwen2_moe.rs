@@ -15,7 +15,7 @@ use super::common::{block_misfit, common_config, gqa_json, gqa_misfit, merged};
 use super::reader::num;
 use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC, QWEN_MOE_WINDOW};
-use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys};
+use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
 use KeyUse::{Irrelevant, Read, Refused};
 
 /// The family.
@@ -31,7 +31,33 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: PRESETS,
 };
+
+/// Qwen1.5-MoE-A2.7B's shape (60 experts top-4 and a gated shared expert), and the same blocks
+/// at CPU size.
+const PRESETS: &[Preset] = &[
+    Preset {
+        name: "qwen1.5-moe-a2.7b",
+        about: "Qwen1.5-MoE-A2.7B's config.json",
+        config: r#"{"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": false,
+        "decoder_sparse_step": 1, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "use_sliding_window": false, "tie_word_embeddings": false}"#,
+    },
+    Preset {
+        name: "qwen2-moe-tiny",
+        about: "CPU-sized (byte vocabulary): 8 experts of width 64, top-2, a gated shared expert of width 96",
+        config: r#"{"vocab_size": 256, "hidden_size": 128, "intermediate_size": 384,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": false,
+        "decoder_sparse_step": 1, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": false}"#,
+    },
+];
 
 const KEYS: &[(&str, KeyUse)] = &[
     ("tie_word_embeddings", Read { probe: "true" }),

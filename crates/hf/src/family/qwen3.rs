@@ -29,6 +29,7 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: &[],
 };
 
 /// `Qwen3Config`'s own keys.

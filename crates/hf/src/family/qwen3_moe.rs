@@ -31,6 +31,7 @@ pub(super) const FAMILY: Family = Family {
     write,
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
+    presets: &[],
 };
 
 const KEYS: &[(&str, KeyUse)] = &[

@@ -1,17 +1,21 @@
-//! What a decoder computes, counted: training FLOPs per token (the model's own, and what the
-//! backward recomputes under `remat_policy` and `num_vocab_tiling`), for the plan, the cost
-//! model and the MFU a run prints.
+//! What a token costs to train, in FLOPs ([`Decoder::flops_per_token`]): the matrix products,
+//! counted from the declared weights, and the attention's score and value products, counted from
+//! the keys each query sees; and what the backward recomputes under `remat_policy` and
+//! `num_vocab_tiling` ([`Decoder::recompute_flops_per_token`]).
 
-use super::Decoder;
+use super::{Config, Decoder};
 use crate::params::ParamInfo;
 use crate::remat::RematPolicy;
 
 impl Decoder {
     /// Training FLOPs per token at sequence length `seq`: 6 per matmul weight (forward and both
     /// backward products; the LM head counts the vocabulary projection, the embedding lookup
-    /// counts nothing; of the routed experts only the k a token uses) plus the attention score and
-    /// value products (12·layers·seq·heads·head_dim), plus the MTP module's
-    /// ([`crate::mtp::flops_per_token`]).
+    /// counts nothing; of the routed experts only the k a token uses) plus the attention score
+    /// and value products (`6·heads·(qk + v)` per key a query sees; see [`attended_keys`]), plus
+    /// the MTP module's ([`crate::mtp::flops_per_token`]). Biases, norms, soft-caps, the RoPE and
+    /// the gates' activations are elementwise and count nothing; GeGLU and SwiGLU cost the same
+    /// three products; MLA counts its projections as declared (one `q_proj` without the query
+    /// latent, `q_a_proj` and `q_b_proj` with it).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         let c = &self.cfg;
         let embedding = c.vocab_size * c.base_emb_dim;
@@ -44,16 +48,15 @@ impl Decoder {
             None => 0,
         };
         let matmul_weights = matrices - idle_experts + lm_head;
-        // Scores (q·k over the query/key width) and values, forward and backward: 6 each; a
-        // sliding layer's query sees at most its window.
+        // Scores (q·k over the query/key width) and values, forward and backward: 6 each.
         let (qk_width, v_width) = match &c.mla {
             Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
             None => (c.head_dim, c.head_dim),
         };
-        let keys: usize = (0..c.base_num_decoder_layers)
-            .map(|i| c.window_of(i).map_or(seq, |w| w.min(seq)))
+        let keys: f64 = (0..c.base_num_decoder_layers)
+            .map(|i| attended_keys(c, i, seq))
             .sum();
-        let attention = 6.0 * (keys * c.base_num_query_heads * (qk_width + v_width)) as f64;
+        let attention = 6.0 * keys * (c.base_num_query_heads * (qk_width + v_width)) as f64;
         6.0 * matmul_weights as f64 + attention + crate::mtp::flops_per_token(c, seq)
     }
 
@@ -76,10 +79,10 @@ impl Decoder {
             Some(m) => (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim),
             None => (c.head_dim, c.head_dim),
         };
-        let keys: usize = (0..c.base_num_decoder_layers)
-            .map(|i| c.window_of(i).map_or(seq, |w| w.min(seq)))
+        let keys: f64 = (0..c.base_num_decoder_layers)
+            .map(|i| attended_keys(c, i, seq))
             .sum();
-        let attention = 2.0 * (keys * c.base_num_query_heads * (qk + v)) as f64;
+        let attention = 2.0 * keys * (c.base_num_query_heads * (qk + v)) as f64;
         // The layers' products per token, forward (2 per weight), less those the policy saves
         // (counted for a dense GQA layer's seven projections; MoE experts' grouped products
         // and MLA's latents are recomputed under every policy but `none`).
@@ -101,5 +104,55 @@ impl Decoder {
         };
         let products = (layer_forward - 2.0 * (saved * c.base_num_decoder_layers) as f64).max(0.0);
         head + products + attention
+    }
+}
+
+/// The keys a query of layer `i` is counted to see in a sequence of `seq`: `seq` on a
+/// full-attention layer (the usual convention, MaxText's and PaLM's, which does not halve for
+/// causality), and on a sliding layer `seq` times the share of the (query, key) pairs the window
+/// leaves, so that a window costs what the tiled kernel does (it visits only each row's keys):
+/// `w(w+1)/2 + (seq − w)·w` of the `seq(seq+1)/2` causal pairs for a window `w < seq`. (Counting
+/// `w` keys, as before, undercounted a window of half the sequence by 1.5×.)
+pub(crate) fn attended_keys(c: &Config, i: usize, seq: usize) -> f64 {
+    let n = seq as f64;
+    match c.window_of(i) {
+        Some(w) if w < seq => {
+            let w = w as f64;
+            let pairs = w * (w + 1.0) / 2.0 + (n - w) * w;
+            n * pairs / (n * (n + 1.0) / 2.0)
+        }
+        _ => n,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decoder::SlidingWindow;
+
+    /// The window's share is the share of causal (query, key) pairs the kernel visits, counted
+    /// one query at a time.
+    #[test]
+    fn a_window_costs_the_pairs_it_leaves() {
+        let c = Config {
+            sliding_window: Some(SlidingWindow {
+                size: 6,
+                layers: vec![true, false],
+            }),
+            ..Config::default()
+        };
+        let seq = 16;
+        let visited: usize = (0..seq).map(|q| (q + 1).min(6)).sum();
+        let all: usize = (0..seq).map(|q| q + 1).sum();
+        let want = seq as f64 * visited as f64 / all as f64;
+        assert!((attended_keys(&c, 0, seq) - want).abs() < 1e-12);
+        assert_eq!(attended_keys(&c, 1, seq), 16.0, "a full layer: seq");
+        assert_eq!(
+            attended_keys(&c, 0, 4),
+            4.0,
+            "a window past the sequence: seq"
+        );
+        // Half the sequence: 57 of the 78 pairs, 0.73 of a full layer (counting w keys: 0.5).
+        assert!((attended_keys(&c, 0, 12) - 12.0 * 57.0 / 78.0).abs() < 1e-12);
     }
 }

@@ -165,7 +165,7 @@ impl Mla<&Array> {
             qk_nope_head_dim: m.qk_nope_head_dim,
             qk_rope_head_dim: m.qk_rope_head_dim,
             v_head_dim: m.v_head_dim,
-            eps: c.normalization_layer_epsilon,
+            eps: m.latent_norm_eps,
             rope: c.rope(),
         };
         mla_attention(cx, h, &w, dims, cache, docs)

@@ -148,6 +148,7 @@ impl Decoder {
                 z_loss: z,
                 tiles: self.vocab_tiles,
                 partial,
+                softcap: self.cfg.final_logit_softcapping,
             };
             let head = super::unsplit(cx, &h.head)?;
             let ce = cx.head_cross_entropy(&h.x, &head, targets, &spec)?;

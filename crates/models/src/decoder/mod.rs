@@ -21,15 +21,16 @@
 //!
 //! Matrices are stored `[in, out]` (the transpose of HF's `[out, in]`), so `x·W` needs no
 //! transpose, and routed experts are stacked `[E, in, out]`; each [`ParamInfo::hf`] says how the
-//! weight maps to HF tensors. Biases exist only on the q, k, v projections (`qkv_bias`, Qwen2's):
-//! a bias is a parameter of its own (`[out]`, logical axis of the projection's output), added
-//! after the matmul. Left out: output-projection and MLP biases, sliding windows, dropout.
+//! weight maps to HF tensors. A bias (on q, k, v, o or the MLP, as the family has them) is a
+//! parameter of its own (`[out]`, logical axis of the projection's output), added after the
+//! matmul. Left out: dropout.
 //!
 //! Files: here the [`Decoder`] (checked once in [`Decoder::new`], then the loss, logits and
 //! decode entry points); `config` the [`Config`] and its base; `loss` the loss sums (the main
 //! model's, and the training objective with the MTP module's term); `weights` the weight map
 //! (the MTP module's included) and its declarations; `forward` one layer's forward pass on bound
-//! weights. The layering is one way: `config` ← `weights` ← `forward`/`mtp` ← here.
+//! weights; `flops` the training FLOPs a token costs. The layering is one way: `config` ←
+//! `weights` ← `forward`/`mtp` ← here.
 
 use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, UnaryOp};

@@ -1,3 +1,5 @@
+//! The decoder's unit tests: its checks in `Decoder::new`, its parameter order and layouts.
+
 use super::*;
 use crate::moe::RouterScore;
 
@@ -13,6 +15,7 @@ fn tiny_moe_mla() -> Config {
         qk_rope_head_dim: 2,
         v_head_dim: 3,
         rope_interleave: true,
+        latent_norm_eps: 1e-6,
     });
     c.moe = Some(MoeSettings {
         num_experts: 3,

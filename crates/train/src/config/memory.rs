@@ -1,9 +1,39 @@
-//! Memory figures: what the run plan's estimates count, and how they are printed.
+//! Memory figures: what the run plan's estimates count, the terms a model's blocks add to them,
+//! and how they are printed.
 //!
 //! Invariant: plain numbers (bytes as `f64`); the estimates themselves are computed by the run
-//! plan.
+//! plan, from these terms.
 
+use ferrotext_models::decoder::{self, NormPlacement};
 use serde::Serialize;
+
+/// The d-wide values per token one layer's backward keeps beyond the usual ~16: 4 for Gemma's
+/// two extra sandwich norms (each its input and output), none otherwise.
+pub(crate) fn sandwich_norm_widths(m: &decoder::Config) -> f64 {
+    if m.norm_placement == NormPlacement::PrePost {
+        4.0
+    } else {
+        0.0
+    }
+}
+
+/// The logits' bytes (f32) for `tokens` tokens of a device: the logits, their softmax and
+/// gradient whole, plus the soft-capped logits beside the raw ones under a final soft-cap
+/// (Gemma 2); or under `tiles` > 1 one tile's logits and probabilities at a time (plus its
+/// capped logits, kept for the cap's derivative), beside the head's weight gradient.
+pub(crate) fn logits_bytes(m: &decoder::Config, tiles: usize, tokens: f64) -> f64 {
+    let (vocab, d) = (m.vocab_size as f64, m.base_emb_dim as f64);
+    let capped = if m.final_logit_softcapping.is_some() {
+        1.0
+    } else {
+        0.0
+    };
+    if tiles <= 1 {
+        return (3.0 + capped) * tokens * vocab * 4.0;
+    }
+    let tile = (tokens / tiles as f64).ceil();
+    (2.0 + capped) * tile * vocab * 4.0 + vocab * d * 4.0
+}
 
 /// What [`crate::RunPlan::memory_estimate`] counts, in bytes per process.
 #[derive(Clone, Copy, Debug, PartialEq)]

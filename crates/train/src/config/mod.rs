@@ -25,7 +25,7 @@ use crate::optim::OptType;
 
 mod derived;
 mod load;
-mod memory;
+pub(crate) mod memory;
 mod model;
 mod precision;
 mod validate;
@@ -100,7 +100,8 @@ pub enum ResumeMode {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    /// Model preset (`qwen3-tiny`, `qwen3-peer`, `qwen3-0.6b`).
+    /// Model preset: the decoder's (`qwen3-tiny`, `qwen3-peer`, `qwen3-0.6b`, ...) or a model
+    /// family's (`mistral-7b`, `gemma2-tiny`, ...; `ferrotext_hf::presets`).
     pub model_name: String,
     /// Override of the preset's vocabulary size.
     pub vocab_size: Option<usize>,

@@ -1,4 +1,5 @@
-//! The decoder's config a [`TrainConfig`] asks for: the preset named by `model_name` (or the
+//! The decoder's config a [`TrainConfig`] asks for: the preset named by `model_name` (the
+//! decoder's own or a model family's, see [`TrainConfig::preset`]), or the
 //! `config.json` of a Hugging Face directory in `load_parameters_path`) with the model and MoE
 //! keys applied on top.
 //!
@@ -24,16 +25,7 @@ impl TrainConfig {
         let mut m = if !self.load_parameters_path.is_empty() && hf_dir.is_dir() {
             ferrotext_hf::read_config(hf_dir)?
         } else {
-            decoder::Config::preset(&self.model_name).ok_or_else(|| {
-                TrainError::usage(
-                    "model_name",
-                    format!(
-                        "model_name `{}` is not a preset (one of {})",
-                        self.model_name,
-                        decoder::Config::PRESETS.join(", ")
-                    ),
-                )
-            })?
+            self.preset()?
         };
         let set = |field: &mut usize, v: Option<usize>| {
             if let Some(v) = v {
@@ -55,6 +47,28 @@ impl TrainConfig {
         m.mtp_loss_scaling_factor = self.mtp_loss_scaling_factor as f32;
         self.apply_moe(&mut m)?;
         Ok(m)
+    }
+
+    /// The preset `model_name` names: one of the decoder's own ([`decoder::Config::preset`]) or
+    /// a model family's (`mistral-7b`, `gemma2-tiny`, ...; [`ferrotext_hf::presets`]), read from
+    /// its `config.json` keys by the family's reader.
+    fn preset(&self) -> Result<decoder::Config, TrainError> {
+        let name = &self.model_name;
+        if let Some(m) = decoder::Config::preset(name) {
+            return Ok(m);
+        }
+        ferrotext_hf::preset(name)?.ok_or_else(|| {
+            let families = ferrotext_hf::presets();
+            let mut all: Vec<&str> = decoder::Config::PRESETS.to_vec();
+            all.extend(families.iter().map(|p| p.name));
+            TrainError::usage(
+                "model_name",
+                format!(
+                    "model_name `{name}` is not a preset (one of {})",
+                    all.join(", ")
+                ),
+            )
+        })
     }
 
     /// The MoE keys on top of the preset's feed-forward.

@@ -6,6 +6,7 @@
 
 use ferrotext_models::decoder;
 use ferrotext_sharding::Mesh;
+use ferrotext_tensor::PositionScaling;
 
 use super::{DatasetType, TrainConfig};
 use crate::error::TrainError;
@@ -173,6 +174,37 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// `rope_type: dynamic` grows θ with the length of the sequence it rotates (transformers:
+    /// the largest position + 1); packed documents restart their positions and a context
+    /// device rotates only its slice of them, so neither sees the sequence's length.
+    fn check_dynamic_rope(
+        &self,
+        model: &decoder::Config,
+        context: usize,
+    ) -> Result<(), TrainError> {
+        if !matches!(model.rope_scaling, Some(PositionScaling::Dynamic { .. })) {
+            return Ok(());
+        }
+        let why = "dynamic RoPE scaling (rope_type `dynamic`): its frequencies follow the \
+                   sequence's last position";
+        if self.packing {
+            return Err(TrainError::usage(
+                "packing",
+                format!("packing=true cannot be used with {why}, which packed documents restart"),
+            ));
+        }
+        if context > 1 {
+            return Err(TrainError::usage(
+                "ici_context_parallelism",
+                format!(
+                    "ici_context_parallelism = {context} cannot be used with {why}, which a \
+                     device holding a slice of the sequence does not see"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The combinations that need the model and the mesh: ZeRO-1 and expert parallelism, the
     /// batch over its axes, heads over `tensor`, the data source.
     pub(crate) fn check_combinations(
@@ -192,6 +224,7 @@ impl TrainConfig {
             );
         }
         let context = mesh.axis("context").map_or(1, |a| a.size());
+        self.check_dynamic_rope(model, context)?;
         if context > 1 {
             let parts = if self.context_parallel_load_balance {
                 2 * context

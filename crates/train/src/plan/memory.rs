@@ -7,7 +7,7 @@ use ferrotext_models::RematPolicy;
 use ferrotext_sharding::DType;
 
 use super::RunPlan;
-use crate::config::{gib, machine_memory_bytes, DeviceMemory, MemoryEstimate};
+use crate::config::{gib, machine_memory_bytes, memory, DeviceMemory, MemoryEstimate};
 use crate::error::TrainError;
 
 impl RunPlan {
@@ -105,9 +105,11 @@ impl RunPlan {
         let layers = m.base_num_decoder_layers as f64;
         let dtype = self.precision().dtype;
         let kept = dtype.size_bytes() as f64;
-        // What one layer's backward needs: ~16 d-wide and 4 f-wide values per token, and the
-        // tiled attention's log-sum-exps (f32, one per head and token; no T×T scores).
-        let whole_layer = tokens * (16.0 * d + 4.0 * f) * kept + tokens * heads * 4.0;
+        // What one layer's backward needs: ~16 d-wide and 4 f-wide values per token (and
+        // Gemma's sandwich norms'), and the tiled attention's log-sum-exps (f32, one per head
+        // and token; no T×T scores).
+        let d_wide = 16.0 + memory::sandwich_norm_widths(m);
+        let whole_layer = tokens * (d_wide * d + 4.0 * f) * kept + tokens * heads * 4.0;
         // Kept per layer across the step: all of it without rematerialization; else the
         // layer's input and what the policy saves, plus one layer's whole set while its
         // backward recomputes it.
@@ -127,16 +129,7 @@ impl RunPlan {
             (_, RematPolicy::None) => local * kept,
             _ => (2.0 * m.vocab_size as f64 * d + local / layers) * kept,
         };
-        // The logits, their softmax and gradient, in f32: whole, or one tile's (logits and
-        // probabilities) at a time, beside the head's weight gradient in f32.
-        let vocab = m.vocab_size as f64;
-        let logits = match self.decoder().vocab_tiles() {
-            1 => 3.0 * tokens * vocab * 4.0,
-            tiles => {
-                let tile = (tokens / tiles as f64).ceil();
-                2.0 * tile * vocab * 4.0 + vocab * d * 4.0
-            }
-        };
+        let logits = memory::logits_bytes(m, self.decoder().vocab_tiles(), tokens);
         let activation_bytes = layers * per_layer + recompute + logits + copies;
         // The micro-batches' partial sums live in flat bucket buffers that the update reduces
         // in place (all-reduce, or ZeRO-1's reduce-scatter): no second gradient set, except
