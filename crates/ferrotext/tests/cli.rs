@@ -390,6 +390,38 @@ fn train_rejects_bad_input_with_exit_code_2_and_writes_nothing() {
         (&["run_name=../outside"], "run_name must name one directory"),
         // A multi-process job started as one process would run every process's devices.
         (&["num_processes=2"], "not started by a launcher"),
+        // The long-sequence keys.
+        (
+            &["remat_policy=most"],
+            "remat_policy = \"most\": unknown variant `most`",
+        ),
+        (
+            &["num_vocab_tiling=0"],
+            "num_vocab_tiling must be at least 1",
+        ),
+        (
+            &["packing=true"],
+            "packing=true needs data whose documents are delimited",
+        ),
+        (
+            &[
+                "ici_data_parallelism=1",
+                "ici_context_parallelism=4",
+                "max_target_length=100",
+            ],
+            "ici_context_parallelism = 4 needs max_target_length = 100 to split into 8",
+        ),
+        (
+            &[
+                "model_name=qwen3-0.6b",
+                "local_devices=1",
+                "ici_data_parallelism=1",
+                "per_device_batch_size=1",
+                "max_target_length=4096",
+                "dtype=bfloat16",
+            ],
+            "remat_policy=full num_vocab_tiling=4 would need",
+        ),
     ];
     for (args, needle) in cases {
         let mut all = vec!["train", &out];
