@@ -212,6 +212,8 @@ pub struct Prediction {
     /// Training FLOPs per token, what the backward recomputes included (`remat_policy`,
     /// `num_vocab_tiling`).
     pub flops_per_token: f64,
+    /// Of [`Prediction::flops_per_token`], what the backward recomputes.
+    pub recompute_flops_per_token: f64,
     /// Tokens of one micro-batch per device (the micro-batch's tokens ÷ devices).
     pub tokens_per_device_per_micro_batch: f64,
     /// Compute of one micro-batch on one device.
@@ -499,8 +501,9 @@ pub fn predict(
 
     let ga = config.gradient_accumulation_steps;
     // The model's FLOPs, and what rematerialization and vocabulary tiling compute again.
-    let flops_per_token = model.flops_per_token(config.max_target_length)
-        + model.recompute_flops_per_token(config.max_target_length);
+    let recompute_flops_per_token = model.recompute_flops_per_token(config.max_target_length);
+    let flops_per_token =
+        model.flops_per_token(config.max_target_length) + recompute_flops_per_token;
     let tokens =
         (config.micro_batch_rows() * config.max_target_length) as f64 / config.devices() as f64;
     let compute_ms = flops_per_token * tokens / (device_gflops * 1e9) * 1e3;
@@ -546,6 +549,7 @@ pub fn predict(
         device_gflops,
         device_gflops_source: "given".into(),
         flops_per_token,
+        recompute_flops_per_token,
         tokens_per_device_per_micro_batch: tokens,
         compute_ms_per_micro_batch: compute_ms,
         collectives: rows,

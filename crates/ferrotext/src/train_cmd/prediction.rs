@@ -144,6 +144,12 @@ fn print_compute(p: &Prediction) {
         p.tokens_per_device_per_micro_batch,
         p.compute_ms_per_micro_batch
     );
+    if p.recompute_flops_per_token > 0.0 {
+        println!(
+            "  recomputed           {:.3} MFLOP/token of it (remat_policy, num_vocab_tiling)",
+            p.recompute_flops_per_token / 1e6
+        );
+    }
     println!(
         "  overlap_grad_reduce  {}{}",
         p.overlap_grad_reduce,
