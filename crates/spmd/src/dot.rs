@@ -627,67 +627,29 @@ fn aligned_dot_types(
     let rf = DotDims::free(rhs.rank(), &dims.rhs_batch, &dims.rhs_contracting);
     let mut lparts: Vec<DimSpec> = (0..lhs.rank()).map(|d| ls.dim(d).clone()).collect();
     let mut rparts: Vec<DimSpec> = (0..rhs.rank()).map(|d| rs.dim(d).clone()).collect();
-    let axes_of = |parts: &[DimSpec], skip: usize| -> AxisSet {
-        parts
-            .iter()
-            .enumerate()
-            .filter(|(d, _)| *d != skip)
-            .flat_map(|(_, p)| p.axis_names().iter().cloned())
-            .collect()
-    };
     // Batch dims meet on the lhs's partition (the rhs's when the lhs is replicated there: the
     // lhs is sliced for free and each device computes its batch slice). When the output type
     // keeps the lhs's replicated batch dim (R3.9), the natural result is sharded where the
     // output is not, and the final reshard all-gathers it.
     for (&l, &r) in dims.lhs_batch.iter().zip(&dims.rhs_batch) {
-        let target = if !lparts[l].is_replicated() {
-            lparts[l].clone()
-        } else {
-            rparts[r].clone()
-        };
-        let clash = target
-            .axis_names()
-            .iter()
-            .any(|a| axes_of(&lparts, l).contains(a) || axes_of(&rparts, r).contains(a));
-        let target = if clash { DimSpec::Replicated } else { target };
-        lparts[l] = target.clone();
-        rparts[r] = target;
+        meet(&mut lparts, &mut rparts, l, r);
     }
+    // Contracting dims meet the same way; the axes they meet on are what the result is a
+    // partial sum over.
     let mut contracted = AxisSet::new();
     for (&l, &r) in dims.lhs_contracting.iter().zip(&dims.rhs_contracting) {
-        let target = if !lparts[l].is_replicated() {
-            lparts[l].clone()
-        } else {
-            rparts[r].clone()
-        };
-        let clash = target
-            .axis_names()
-            .iter()
-            .any(|a| axes_of(&lparts, l).contains(a) || axes_of(&rparts, r).contains(a));
-        let target = if clash { DimSpec::Replicated } else { target };
+        let target = meet(&mut lparts, &mut rparts, l, r);
         contracted.extend(target.axis_names().iter().cloned());
-        lparts[l] = target.clone();
-        rparts[r] = target;
     }
     // Free dims may not use contraction axes, and the rhs's free dims may not use the lhs's axes.
     for &d in &lf {
-        let keep: Vec<String> = lparts[d]
-            .axis_names()
-            .iter()
-            .take_while(|a| !contracted.contains(*a))
-            .cloned()
-            .collect();
-        lparts[d] = DimSpec::axes(keep);
+        lparts[d] = leading_axes(&lparts[d], |a| !contracted.contains(a));
     }
     let lhs_axes = axes_of(&lparts, usize::MAX);
     for &d in &rf {
-        let keep: Vec<String> = rparts[d]
-            .axis_names()
-            .iter()
-            .take_while(|a| !contracted.contains(*a) && !lhs_axes.contains(*a))
-            .cloned()
-            .collect();
-        rparts[d] = DimSpec::axes(keep);
+        rparts[d] = leading_axes(&rparts[d], |a| {
+            !contracted.contains(a) && !lhs_axes.contains(a)
+        });
     }
     let retag = |t: &ArrayType, parts: Vec<DimSpec>| -> Result<ArrayType, SpmdError> {
         let used: AxisSet = parts
@@ -710,4 +672,44 @@ fn aligned_dot_types(
         )?)
     };
     Ok((retag(lhs, lparts)?, retag(rhs, rparts)?, contracted))
+}
+
+/// The axes of every dim of `parts` but `skip`.
+fn axes_of(parts: &[DimSpec], skip: usize) -> AxisSet {
+    parts
+        .iter()
+        .enumerate()
+        .filter(|(d, _)| *d != skip)
+        .flat_map(|(_, p)| p.axis_names().iter().cloned())
+        .collect()
+}
+
+/// Dim `l` of the lhs and dim `r` of the rhs meet on one partition, which both take and which
+/// is returned: the lhs's, or the rhs's where the lhs is replicated; replicated when its axes
+/// are used by another dim of either operand.
+fn meet(lparts: &mut [DimSpec], rparts: &mut [DimSpec], l: usize, r: usize) -> DimSpec {
+    let target = if !lparts[l].is_replicated() {
+        lparts[l].clone()
+    } else {
+        rparts[r].clone()
+    };
+    let clash = target
+        .axis_names()
+        .iter()
+        .any(|a| axes_of(lparts, l).contains(a) || axes_of(rparts, r).contains(a));
+    let target = if clash { DimSpec::Replicated } else { target };
+    lparts[l] = target.clone();
+    rparts[r] = target.clone();
+    target
+}
+
+/// The leading axes of `part` that `keep` accepts, up to the first it refuses.
+fn leading_axes(part: &DimSpec, keep: impl Fn(&str) -> bool) -> DimSpec {
+    DimSpec::axes(
+        part.axis_names()
+            .iter()
+            .take_while(|a| keep(a.as_str()))
+            .cloned()
+            .collect::<Vec<String>>(),
+    )
 }

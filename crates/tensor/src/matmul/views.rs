@@ -9,7 +9,7 @@
 use gemm::Parallelism;
 
 use super::GEMM_PARALLEL_MIN;
-use crate::operand::{Operand, Store};
+use crate::operand::{Operand, Product, Store};
 
 /// One strided matrix operand inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
@@ -119,17 +119,17 @@ unsafe fn gemm_views_store(
     };
     // SAFETY: the caller's contract.
     unsafe {
-        crate::blas::sgemm(
+        let p = Product {
             m,
             n,
             k,
+            a: a.operand(),
+            b: b.operand(),
             dst,
-            n,
-            a.operand(),
-            b.operand(),
-            parallelism,
+            ldc: n,
             store,
-        );
+        };
+        crate::blas::sgemm(p, parallelism);
     }
 }
 
@@ -171,17 +171,17 @@ pub(crate) unsafe fn gemm_views_into_rows(
     // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
     // destination rows.
     unsafe {
-        crate::blas::sgemm(
+        let p = Product {
             m,
             n,
             k,
+            a: a.operand(),
+            b: b.operand(),
             dst,
             ldc,
-            a.operand(),
-            b.operand(),
-            Parallelism::None,
-            Store::Overwrite,
-        );
+            store: Store::Overwrite,
+        };
+        crate::blas::sgemm(p, Parallelism::None);
     }
 }
 
@@ -211,16 +211,16 @@ pub(crate) unsafe fn gemm_views_accumulate_rows(
     // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
     // destination rows.
     unsafe {
-        crate::blas::sgemm(
+        let p = Product {
             m,
             n,
             k,
+            a: a.operand(),
+            b: b.operand(),
             dst,
             ldc,
-            a.operand(),
-            b.operand(),
-            Parallelism::None,
-            Store::Accumulate,
-        );
+            store: Store::Accumulate,
+        };
+        crate::blas::sgemm(p, Parallelism::None);
     }
 }

@@ -15,8 +15,9 @@ use half::bf16;
 
 use super::super::choice::{bf16_matmul_kernel, choose, cpu, Choice, Cpu};
 use super::*;
+use crate::blas::tests::strided_product;
 use crate::blas::{gemm_on, open_mkl, open_openblas};
-use crate::operand::Operand;
+use crate::operand::{Operand, Product};
 use crate::{dot_general, dot_general_accumulate, matmul_order_is_fixed};
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
@@ -47,94 +48,35 @@ fn kernels() -> Vec<Kernel> {
 }
 
 /// `dst (+)= a·b` on `kernel` for operands of `T` with the given strides.
-#[allow(clippy::too_many_arguments)]
 fn run<T: crate::blas::Element>(
     kernel: &Kernel,
-    (m, n, k): (usize, usize, usize),
-    a: &[T],
-    (ars, acs): (usize, usize),
-    b: &[T],
-    (brs, bcs): (usize, usize),
+    mnk: (usize, usize, usize),
+    a: (&[T], (usize, usize)),
+    b: (&[T], (usize, usize)),
     threads: usize,
     start: Option<&[f32]>,
 ) -> Vec<f32> {
-    let (mut dst, store) = match start {
-        Some(c) => (c.to_vec(), Store::Accumulate),
-        None => (vec![f32::NAN; m * n], Store::Overwrite),
-    };
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the strides address only elements inside `a` and `b`; `dst` is m×n.
-    unsafe {
-        gemm_on(
-            kernel,
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            n,
-            Operand {
-                ptr: a.as_ptr(),
-                rs: ars as isize,
-                cs: acs as isize,
-            },
-            Operand {
-                ptr: b.as_ptr(),
-                rs: brs as isize,
-                cs: bcs as isize,
-            },
-            parallelism,
-            store,
-        )
-    };
-    dst
+    strided_product(mnk, a, b, (threads, start), |p, parallelism| {
+        // SAFETY: the caller's strides address only elements inside `a` and `b`; the
+        // destination is m×n.
+        unsafe { gemm_on(kernel, p, parallelism) }
+    })
 }
 
-/// [`run`] on the AVX512_BF16 kernel.
+/// [`run`] on the AVX512_BF16 kernel; the caller checked the CPU has AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 fn own_product(
-    (m, n, k): (usize, usize, usize),
-    a: &[bf16],
-    (ars, acs): (usize, usize),
-    b: &[bf16],
-    (brs, bcs): (usize, usize),
+    mnk: (usize, usize, usize),
+    a: (&[bf16], (usize, usize)),
+    b: (&[bf16], (usize, usize)),
     threads: usize,
     start: Option<&[f32]>,
 ) -> Vec<f32> {
-    let (mut dst, store) = match start {
-        Some(c) => (c.to_vec(), Store::Accumulate),
-        None => (vec![f32::NAN; m * n], Store::Overwrite),
-    };
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    let op = |p: &[bf16], rs: usize, cs: usize| Operand {
-        ptr: p.as_ptr(),
-        rs: rs as isize,
-        cs: cs as isize,
-    };
-    // SAFETY: the strides address only elements inside `a` and `b`; `dst` is m×n; the caller
-    // checked the CPU has AVX512_BF16.
-    unsafe {
-        own(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            n,
-            op(a, ars, acs),
-            op(b, brs, bcs),
-            parallelism,
-            store,
-        )
-    };
-    dst
+    strided_product(mnk, a, b, (threads, start), |p, parallelism| {
+        // SAFETY: the caller's strides address only elements inside `a` and `b`; the
+        // destination is m×n; the CPU has AVX512_BF16.
+        unsafe { own(p, parallelism) }
+    })
 }
 
 #[test]
@@ -175,10 +117,10 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                 .collect();
             let start = values(m * n, 3);
             for c in [None, Some(start.as_slice())] {
-                let same_on_portable = run(&portable, (m, n, k), &a, sa, &b, sb, 1, c);
+                let same_on_portable = run(&portable, (m, n, k), (&a, sa), (&b, sb), 1, c);
                 for kernel in &kernels() {
                     for threads in [1, 3] {
-                        let got = run(kernel, (m, n, k), &a16, sa, &b16, sb, threads, c);
+                        let got = run(kernel, (m, n, k), (&a16, sa), (&b16, sb), threads, c);
                         for i in 0..m {
                             for j in 0..n {
                                 let (exact, size) = reference[i * n + j];
@@ -201,9 +143,9 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                 }
                 #[cfg(target_arch = "x86_64")]
                 if cpu().avx512_bf16 {
-                    let one = own_product((m, n, k), &a16, sa, &b16, sb, 1, c);
+                    let one = own_product((m, n, k), (&a16, sa), (&b16, sb), 1, c);
                     for threads in [1, 3] {
-                        let got = own_product((m, n, k), &a16, sa, &b16, sb, threads, c);
+                        let got = own_product((m, n, k), (&a16, sa), (&b16, sb), threads, c);
                         assert_eq!(got, one, "AVX512_BF16 bits on {threads} threads");
                         for i in 0..m {
                             for j in 0..n {
@@ -474,7 +416,7 @@ fn the_own_kernel_rounds_what_it_would_store() {
             if lt { (1, m) } else { (k, 1) },
             if rt { (1, k) } else { (n, 1) },
         );
-        let want = own_product((m, n, k), &a, astr, &b, bstr, 1, None);
+        let want = own_product((m, n, k), (&a, astr), (&b, bstr), 1, None);
         let want: Vec<bf16> = want.iter().map(|&x| crate::round_bf16(x)).collect();
         for threads in [1, 2] {
             let mut got = vec![bf16::from_bits(0x7fc1); m * n];
@@ -483,20 +425,19 @@ fn the_own_kernel_rounds_what_it_would_store() {
                 rs: rs as isize,
                 cs: cs as isize,
             };
+            let p = Product {
+                m,
+                n,
+                k,
+                a: op(&a, astr),
+                b: op(&b, bstr),
+                dst: got.as_mut_ptr(),
+                ldc: n,
+                store: Store::Overwrite,
+            };
             // SAFETY: the strides address only elements inside `a` and `b`; `got` is m×n; the
             // CPU has AVX512_BF16 (checked above).
-            unsafe {
-                own_rounded(
-                    m,
-                    n,
-                    k,
-                    got.as_mut_ptr(),
-                    n,
-                    op(&a, astr),
-                    op(&b, bstr),
-                    threads,
-                )
-            };
+            unsafe { own_rounded(p, threads) };
             let diff = got
                 .iter()
                 .zip(&want)
