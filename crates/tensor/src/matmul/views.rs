@@ -150,39 +150,8 @@ pub(crate) unsafe fn gemm_views_into_rows(
     a: MatView<'_>,
     b: MatView<'_>,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    assert!(a.fits() && b.fits() && b.rows == k && ldc >= n); // ok: caller's invariant
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        for i in 0..m {
-            // SAFETY: row `i` of the caller's rows (written, not read: uninitialised is fine).
-            let row = unsafe {
-                std::slice::from_raw_parts_mut(
-                    dst.add(i * ldc).cast::<std::mem::MaybeUninit<f32>>(),
-                    n,
-                )
-            };
-            row.fill(std::mem::MaybeUninit::new(0.0));
-        }
-        return;
-    }
-    // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
-    // destination rows.
-    unsafe {
-        let p = Product {
-            m,
-            n,
-            k,
-            a: a.operand(),
-            b: b.operand(),
-            dst,
-            ldc,
-            store: Store::Overwrite,
-        };
-        crate::blas::sgemm(p, Parallelism::None);
-    }
+    // SAFETY: the caller's contract.
+    unsafe { gemm_views_rows(dst, ldc, a, b, Store::Overwrite) }
 }
 
 /// `dst += a · b` for views `a` (m×k) and `b` (k×n) into `m` rows of `n` elements `ldc` apart
@@ -202,25 +171,51 @@ pub(crate) unsafe fn gemm_views_accumulate_rows(
     a: MatView<'_>,
     b: MatView<'_>,
 ) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_views_rows(dst, ldc, a, b, Store::Accumulate) }
+}
+
+/// [`gemm_views_into_rows`] (`Overwrite`) or [`gemm_views_accumulate_rows`] (`Accumulate`).
+///
+/// # Safety
+/// As the one `store` names.
+///
+/// # Panics
+/// When the views do not fit their slices (a bug in the caller).
+unsafe fn gemm_views_rows(dst: *mut f32, ldc: usize, a: MatView<'_>, b: MatView<'_>, store: Store) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert!(a.fits() && b.fits() && b.rows == k && ldc >= n); // ok: caller's invariant
-    if m == 0 || n == 0 || k == 0 {
-        // An empty product adds nothing.
+    if m == 0 || n == 0 {
         return;
     }
+    if k == 0 {
+        // An empty contraction: a zero product, which adds nothing.
+        if store == Store::Overwrite {
+            for i in 0..m {
+                // SAFETY: row `i` of the caller's rows (written, not read: uninitialised is
+                // fine).
+                let row = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        dst.add(i * ldc).cast::<std::mem::MaybeUninit<f32>>(),
+                        n,
+                    )
+                };
+                row.fill(std::mem::MaybeUninit::new(0.0));
+            }
+        }
+        return;
+    }
+    let p = Product {
+        m,
+        n,
+        k,
+        a: a.operand(),
+        b: b.operand(),
+        dst,
+        ldc,
+        store,
+    };
     // SAFETY: `fits` checked every operand offset against its slice; the caller guarantees the
     // destination rows.
-    unsafe {
-        let p = Product {
-            m,
-            n,
-            k,
-            a: a.operand(),
-            b: b.operand(),
-            dst,
-            ldc,
-            store: Store::Accumulate,
-        };
-        crate::blas::sgemm(p, Parallelism::None);
-    }
+    unsafe { crate::blas::sgemm(p, Parallelism::None) };
 }
