@@ -1,4 +1,5 @@
 use super::*;
+use crate::mpi::eager::{part_message_bytes, DEFAULT_EAGER_LIMIT_BYTES};
 
 #[test]
 fn large_blocks_take_eager_sized_parts_and_small_ones_stay_pipelined() {
