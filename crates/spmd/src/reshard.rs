@@ -18,7 +18,7 @@
 //! Reduced is physically replicated, so plain ↔ R is free. Sums stay exact: every step keeps the
 //! invariant "the sum over the unreduced axes of the per-device blocks is the value".
 
-use ferrotext_sharding::{ArrayType, AxisSet, PartitionSpec};
+use ferrotext_sharding::{ArrayType, AxisSet, Mesh, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
@@ -103,18 +103,7 @@ impl Ctx<'_> {
         let want = parts_of(dst);
         let mut cur_u: AxisSet = src.sharding().spec().unreduced().clone();
         let dst_u = dst.sharding().spec().unreduced().clone();
-        let local_shape = |parts: &[Vec<String>]| -> Vec<usize> {
-            parts
-                .iter()
-                .zip(&shape)
-                .map(|(axes, &n)| {
-                    n / axes
-                        .iter()
-                        .filter_map(|a| mesh.axis(a).map(|x| x.size()))
-                        .product::<usize>()
-                })
-                .collect()
-        };
+        let local_shape = |parts: &[Vec<String>]| shard_shape(&mesh, &shape, parts);
         let in_mesh_order = |set: &AxisSet| -> Vec<String> {
             mesh.axis_names()
                 .filter(|a| set.contains(*a))
@@ -215,4 +204,18 @@ impl Ctx<'_> {
             .collect();
         Ok(Some(Tensor::concat(&blocks, dim)?))
     }
+}
+
+/// A device's block of an array of `shape` whose dim `d` is split over the axes `parts[d]`.
+fn shard_shape(mesh: &Mesh, shape: &[usize], parts: &[Vec<String>]) -> Vec<usize> {
+    parts
+        .iter()
+        .zip(shape)
+        .map(|(axes, &n)| {
+            n / axes
+                .iter()
+                .filter_map(|a| mesh.axis(a).map(|x| x.size()))
+                .product::<usize>()
+        })
+        .collect()
 }
