@@ -290,36 +290,30 @@ pub fn matmul_order_is_fixed() -> bool {
 
 /// The kernel environment variables, checked: `FERROTEXT_MATMUL` names a kernel this build
 /// knows (`mkl`, `openblas`, `gemm` or `portable`) and `FERROTEXT_PORTABLE_ISA` an instruction
-/// set (`avx512`, `avx2` or `scalar`), each when set and not empty. A misspelt value would
-/// otherwise run the default kernel without a word.
+/// set (`avx512`, `avx2` or `scalar`) this processor has, each when set and not empty. A
+/// misspelt value would otherwise run the default kernel, and a set the processor lacks
+/// another set, without a word.
 ///
 /// # Errors
 /// The variable, its value and the values it takes, as one line.
 pub fn check_kernel_env() -> Result<(), String> {
-    for (name, known) in [
-        (
-            "FERROTEXT_MATMUL",
-            &["mkl", "openblas", "gemm", "portable"][..],
-        ),
-        ("FERROTEXT_PORTABLE_ISA", &["avx512", "avx2", "scalar"][..]),
-    ] {
-        match std::env::var(name) {
-            Ok(v) if !v.is_empty() && !known.contains(&v.as_str()) => {
-                return Err(format!(
-                    "{name}={v} names nothing this build knows; it takes {}",
-                    known.join(", ")
-                ));
-            }
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(format!(
-                    "{name} is not UTF-8; it takes {}",
-                    known.join(", ")
-                ));
-            }
-            _ => {}
+    let known = ["mkl", "openblas", "gemm", "portable"];
+    match std::env::var("FERROTEXT_MATMUL") {
+        Ok(v) if !v.is_empty() && !known.contains(&v.as_str()) => {
+            return Err(format!(
+                "FERROTEXT_MATMUL={v} names nothing this build knows; it takes {}",
+                known.join(", ")
+            ));
         }
+        Err(std::env::VarError::NotUnicode(_)) => {
+            return Err(format!(
+                "FERROTEXT_MATMUL is not UTF-8; it takes {}",
+                known.join(", ")
+            ));
+        }
+        _ => {}
     }
-    Ok(())
+    crate::isa::forced().map(|_| ())
 }
 
 /// Makes the portable kernel this process's matrix-product kernel, before any product runs

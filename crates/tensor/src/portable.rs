@@ -29,62 +29,13 @@
 //! registers (12 AVX-512 registers). No blocking of the contraction: that would split the chain.
 //! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
 
+pub(crate) use crate::isa::Isa;
 use crate::operand::{Operand, Product, Store, Widen};
 
 /// Rows of `a` a register tile covers.
 const MR: usize = 6;
 /// Columns of `b` a packed panel (and a register tile) covers: two AVX-512 registers.
 const NR: usize = 32;
-
-/// The instruction set the portable kernel runs on. Every one gives the same bits; forcing one
-/// (`FERROTEXT_PORTABLE_ISA=avx512|avx2|scalar`) is how a test shows it on one machine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    /// AVX-512F with FMA.
-    Avx512,
-    /// AVX2 with FMA.
-    Avx2,
-    /// Plain Rust: `f32::mul_add` (a hardware FMA where the target has one, else libm's).
-    Scalar,
-}
-
-impl Isa {
-    /// The widest this CPU has, or the one `FERROTEXT_PORTABLE_ISA` asks for when the CPU has it.
-    pub(crate) fn detect() -> Isa {
-        let best = Isa::best();
-        match std::env::var("FERROTEXT_PORTABLE_ISA").as_deref() {
-            Ok("scalar") => Isa::Scalar,
-            Ok("avx2") if best != Isa::Scalar => Isa::Avx2,
-            _ => best,
-        }
-    }
-
-    fn best() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    }
-
-    /// For run headers: `AVX-512`, `AVX2` or `scalar`.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Isa::Avx512 => "AVX-512",
-            Isa::Avx2 => "AVX2",
-            Isa::Scalar => "scalar",
-        }
-    }
-}
 
 /// The product `job` on this thread, on `isa`, with the operands' elements widened to f32 as
 /// they are read. The bits are this module's invariants'.
@@ -413,22 +364,26 @@ mod tests {
         unsafe { gemm(isa, p) };
     }
 
-    fn isas() -> Vec<Isa> {
-        let mut all = vec![Isa::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                all.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                all.push(Isa::Avx512);
-            }
+    /// Every instruction set this CPU runs; the ones it lacks are reported skipped (`test`
+    /// names the check).
+    fn isas(test: &str) -> Vec<Isa> {
+        let all = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+        let best = Isa::best();
+        let here: Vec<Isa> = all
+            .into_iter()
+            .filter(|&isa| match (isa, best) {
+                (Isa::Scalar, _) | (_, Isa::Avx512) => true,
+                (Isa::Avx2, best) => best == Isa::Avx2,
+                (Isa::Avx512, _) => false,
+            })
+            .collect();
+        for isa in all.iter().filter(|i| !here.contains(i)) {
+            crate::report_skipped(
+                &format!("tensor portable::tests::{test} on {}", isa.name()),
+                "this processor does not have it",
+            );
         }
-        all
+        here
     }
 
     /// Every instruction set gives the chains' bits, on sizes that leave partial tiles and
@@ -439,7 +394,7 @@ mod tests {
             let (a, b) = (data(m * k, 1), data(k * n, 2));
             let want = chains(m, n, k, &a, &b);
             let bt: Vec<f32> = (0..n * k).map(|x| b[(x % k) * n + x / k]).collect();
-            for isa in isas() {
+            for isa in isas("every_instruction_set_gives_the_chains_bits") {
                 let a_op = Operand {
                     ptr: a.as_ptr(),
                     rs: k as isize,
@@ -477,7 +432,7 @@ mod tests {
             rs: rs as isize,
             cs: 1,
         };
-        for isa in isas() {
+        for isa in isas("row_blocks_zero_padding_and_accumulation_keep_the_bits") {
             // Rows 5..12 alone.
             let mut block = vec![0.0; 7 * n];
             run(isa, (7, n, k), op(&a[5 * k..], k), op(&b, n), &mut block);

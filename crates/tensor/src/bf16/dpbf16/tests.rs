@@ -40,6 +40,19 @@ fn prod<D>(
     }
 }
 
+/// Whether this CPU runs the kernel (AVX512_BF16); when not, the test `name` reports itself
+/// skipped (the kernel's instructions have no other route to check them on).
+fn runs_here(name: &str) -> bool {
+    let here = available();
+    if !here {
+        crate::report_skipped(
+            &format!("tensor bf16::dpbf16::tests::{name}"),
+            "this processor has no AVX512_BF16",
+        );
+    }
+    here
+}
+
 /// A buffer of `len` words of garbage, so a word a packing leaves unwritten shows.
 fn garbage(len: usize) -> Vec<u32> {
     vec![0xDEAD_BEEF; len]
@@ -47,7 +60,7 @@ fn garbage(len: usize) -> Vec<u32> {
 
 #[test]
 fn packing_a_hand_made_block_gives_its_pairs() {
-    if !available() {
+    if !runs_here("packing_a_hand_made_block_gives_its_pairs") {
         return;
     }
     // b is 3×2 row-major [[1, 2], [3, 4], [5, 6]]; packed: pair 0 of column c is
@@ -87,7 +100,7 @@ fn packing_a_hand_made_block_gives_its_pairs() {
 /// the mirror: reading the operand with its strides swapped packs other words.
 #[test]
 fn packing_is_the_element_wise_packing() {
-    if !available() {
+    if !runs_here("packing_is_the_element_wise_packing") {
         return;
     }
     for (rows, cols, l0, kc, j0, nc) in [
@@ -168,7 +181,7 @@ fn product(m: usize, n: usize, k: usize, a: &[bf16], b: &[bf16], rounded: bool) 
 /// so stale words would show.
 #[test]
 fn reused_packing_buffers_give_a_fresh_threads_bits() {
-    if !available() {
+    if !runs_here("reused_packing_buffers_give_a_fresh_threads_bits") {
         return;
     }
     let (big, small) = ((70, 600, 530), (9, 33, 7));
@@ -199,7 +212,7 @@ fn reused_packing_buffers_give_a_fresh_threads_bits() {
 /// taken.
 #[test]
 fn one_row_is_the_packed_products_bits() {
-    if !available() {
+    if !runs_here("one_row_is_the_packed_products_bits") {
         return;
     }
     for (m, n, k) in [

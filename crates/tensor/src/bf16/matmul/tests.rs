@@ -82,6 +82,10 @@ fn own_product(
 #[test]
 fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
     let portable = Kernel::Portable(Isa::detect());
+    let own = own_kernel_runs_here(
+        "every_kernel_gives_the_widened_f32_product_within_the_summation_bound (the \
+         AVX512_BF16 kernel's part)",
+    );
     // One row (decode), odd contractions, partial tiles and panels, a split over threads, and
     // k past one block of the AVX512_BF16 kernel (512) and n past one of its column blocks.
     for (m, n, k) in [
@@ -142,7 +146,7 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                     }
                 }
                 #[cfg(target_arch = "x86_64")]
-                if cpu().avx512_bf16 {
+                if own {
                     let one = own_product((m, n, k), (&a16, sa), (&b16, sb), 1, c);
                     for threads in [1, 3] {
                         let got = own_product((m, n, k), (&a16, sa), (&b16, sb), threads, c);
@@ -166,6 +170,19 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
             }
         }
     }
+}
+
+/// Whether this CPU runs ferrotext's AVX512_BF16 kernel; when not, the check `name` reports
+/// itself skipped (the instructions have no other route to check them on).
+fn own_kernel_runs_here(name: &str) -> bool {
+    let here = cpu().avx512_bf16;
+    if !here {
+        crate::report_skipped(
+            &format!("tensor bf16::matmul::tests::{name}"),
+            "this processor has no AVX512_BF16",
+        );
+    }
+    here
 }
 
 /// A CPU without AMX, with or without AVX512_BF16.
@@ -234,52 +251,65 @@ fn the_bf16_kernel_follows_the_f32_kernel_and_refuses_only_a_named_one() {
         e.to_string().starts_with("OpenBLAS 0.3.21 has no bf16"),
         "{e}"
     );
-    if let Some(mkl) = open_mkl() {
-        // MKL has had `cblas_gemm_bf16bf16f32` since 2020.
-        let what = mkl.description.clone();
-        let with = Kernel::Blas(mkl);
-        // Named: its own product, AVX512_BF16 or not; automatic: ferrotext's kernel first.
-        for own in [false, true] {
-            assert_eq!(
-                choose(&with, true, false, no_tiles(own)),
-                Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
-            );
-        }
+}
+
+/// MKL's place in the choice: named, its own bf16 product; automatic, ferrotext's kernel first
+/// unless the CPU has AMX tiles; without its bf16 product, refused when named and replaced by
+/// the portable kernel otherwise. Needs MKL (`.ci/install-mkl`); reports itself skipped without.
+#[test]
+fn mkl_runs_bf16_products_where_its_product_is_the_best_choice() {
+    let isa = Isa::detect();
+    let Some(mkl) = open_mkl() else {
+        crate::report_skipped(
+            "tensor bf16::matmul::tests::mkl_runs_bf16_products_where_its_product_is_the_best_choice",
+            "MKL is not installed (.ci/install-mkl)",
+        );
+        return;
+    };
+    // MKL has had `cblas_gemm_bf16bf16f32` since 2020.
+    let what = mkl.description.clone();
+    let with = Kernel::Blas(mkl);
+    // Named: its own product, AVX512_BF16 or not; automatic: ferrotext's kernel first.
+    for own in [false, true] {
         assert_eq!(
-            choose(&with, false, false, no_tiles(false)),
+            choose(&with, true, false, no_tiles(own)),
             Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
-        );
-        assert_eq!(
-            choose(&with, false, false, no_tiles(true)),
-            Choice::Own(what.clone())
-        );
-        // With AMX tiles, MKL's product (which runs on them) comes before ferrotext's kernel.
-        let tiles = Cpu {
-            avx512_bf16: true,
-            amx_bf16: true,
-        };
-        assert_eq!(
-            choose(&with, false, false, tiles),
-            Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
-        );
-        let Kernel::Blas(mut mkl) = with else {
-            unreachable!() // ok: built just above
-        };
-        mkl.bf16 = None;
-        let without = Kernel::Blas(mkl);
-        assert_eq!(
-            choose(&without, true, false, no_tiles(true)),
-            Choice::Refused(what.clone())
-        );
-        assert_eq!(
-            choose(&without, true, true, no_tiles(false)),
-            Choice::Portable(isa, Some(what.clone()))
-        );
-        assert_eq!(
-            choose(&without, false, false, no_tiles(false)),
-            Choice::Portable(isa, Some(what))
         );
     }
+    assert_eq!(
+        choose(&with, false, false, no_tiles(false)),
+        Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
+    );
+    assert_eq!(
+        choose(&with, false, false, no_tiles(true)),
+        Choice::Own(what.clone())
+    );
+    // With AMX tiles, MKL's product (which runs on them) comes before ferrotext's kernel.
+    let tiles = Cpu {
+        avx512_bf16: true,
+        amx_bf16: true,
+    };
+    assert_eq!(
+        choose(&with, false, false, tiles),
+        Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
+    );
+    let Kernel::Blas(mut mkl) = with else {
+        unreachable!() // ok: built just above
+    };
+    mkl.bf16 = None;
+    let without = Kernel::Blas(mkl);
+    assert_eq!(
+        choose(&without, true, false, no_tiles(true)),
+        Choice::Refused(what.clone())
+    );
+    assert_eq!(
+        choose(&without, true, true, no_tiles(false)),
+        Choice::Portable(isa, Some(what.clone()))
+    );
+    assert_eq!(
+        choose(&without, false, false, no_tiles(false)),
+        Choice::Portable(isa, Some(what))
+    );
 }
 
 /// A bf16 `[B, T, H, d]` attention-like product batched over B and H, `x·Wᵀ`, `xᵀ·dy` and a
@@ -401,7 +431,7 @@ fn dot_general_bf16_refuses_shapes_that_do_not_fit() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn the_own_kernel_rounds_what_it_would_store() {
-    if !super::super::dpbf16::available() {
+    if !own_kernel_runs_here("the_own_kernel_rounds_what_it_would_store") {
         return;
     }
     for &(m, n, k, lt, rt) in &[
