@@ -56,6 +56,7 @@ mod blas;
 mod elementwise;
 mod error;
 mod fastmath;
+mod fixed_math;
 mod flash;
 mod grouped;
 mod isa;
@@ -83,6 +84,7 @@ pub use bf16::{
 pub use blas::{check_kernel_env, matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
+pub use fixed_math::softcap;
 pub use flash::{flash_attention, flash_attention_backward, Flash, KeyRanges, Scores};
 pub use grouped::{
     grouped_matmul, grouped_matmul_backward, grouped_matmul_backward_dw_into,
