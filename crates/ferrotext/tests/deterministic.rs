@@ -61,7 +61,7 @@ fn deterministic_runs_have_the_same_bits_on_every_code_path() {
     let dir = temp_dir("deterministic");
     let native = native_set();
     // (run, environment, the set its header must name)
-    let paths: [(&str, &[(&str, &str)], &str); 4] = [
+    let paths: [CodePath; 4] = [
         ("native", &[], native),
         (
             "avx2",
@@ -112,6 +112,13 @@ fn deterministic_runs_have_the_same_bits_on_every_code_path() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A run: its name, its environment, the set its header must name.
+type CodePath = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static str,
+);
 
 /// The widest instruction set this processor has, as a run header names it.
 fn native_set() -> &'static str {

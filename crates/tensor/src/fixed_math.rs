@@ -40,7 +40,7 @@ pub(crate) fn ln(x: f64) -> f64 {
 }
 
 /// The soft-capped logit `cap · tanh(x / cap)` (Gemma 2's attention and final logits), on
-/// [`tanh`]: the same bits on every processor. Public for the `spmd` layer's elementwise op.
+/// `tanh` (`fixed_math`): the same bits on every processor. Public for the `spmd` layer's elementwise op.
 #[inline]
 pub fn softcap(x: f32, cap: f32) -> f32 {
     cap * tanh(x / cap)

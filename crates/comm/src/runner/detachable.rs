@@ -17,7 +17,7 @@ use crate::cluster::Cluster;
 /// Why a [`run_spmd_detachable`] run failed.
 #[derive(Debug)]
 pub struct RunFailure<E> {
-    /// The first device to fail (as [`run_spmd_in`] reports it).
+    /// The first device to fail (as [`run_spmd_in`](super::run_spmd_in) reports it).
     pub error: RunError<E>,
     /// This process's devices whose threads were still running a collective timeout after the
     /// failure: they were detached (left running) and the call returned without them.
@@ -46,7 +46,7 @@ impl<E: std::error::Error + 'static> std::error::Error for RunFailure<E> {
     }
 }
 
-/// [`run_spmd_in`] for an owned (`'static`) program, which lets it return once the run has
+/// [`run_spmd_in`](super::run_spmd_in) for an owned (`'static`) program, which lets it return once the run has
 /// failed even while a device thread is still busy: after the first failure it waits one more
 /// collective timeout (and a quarter) for the other devices (those blocked in a collective get
 /// their error by then), then detaches the threads still running and reports them in
@@ -55,7 +55,7 @@ impl<E: std::error::Error + 'static> std::error::Error for RunFailure<E> {
 /// rather than tear the cluster down under it.
 ///
 /// # Errors
-/// As [`run_spmd_in`], wrapped in a [`RunFailure`].
+/// As [`run_spmd_in`](super::run_spmd_in), wrapped in a [`RunFailure`].
 pub fn run_spmd_detachable<T, E, F>(
     cluster: Option<&dyn Cluster>,
     mesh: &Arc<Mesh>,

@@ -58,7 +58,7 @@ pub struct EmulateArgs {
     /// Devices per host (`local_devices` of the job: device threads of its process).
     #[arg(long, default_value_t = 1)]
     devices_per_host: usize,
-    /// Each host's egress link: RATE[,DELAY], e.g. `1gbit`, `10gbit,100us`.
+    /// Each host's egress link: `RATE[,DELAY]`, e.g. `1gbit`, `10gbit,100us`.
     #[arg(long, default_value = "1gbit")]
     link: String,
     /// Also write the report as JSON here.

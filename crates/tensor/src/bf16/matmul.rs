@@ -156,13 +156,13 @@ fn span(s: &Stacks<'_, bf16>, lhs: &[usize], rhs: &[usize]) -> Option<ferrotext_
 }
 
 /// `dot_general` of bf16 operands, accumulated and returned in `f32`: the output is `[batch...,
-/// lhs free..., rhs free...]`, on up to `threads` threads, on [`bf16_matmul_kernel`]'s kernel.
+/// lhs free..., rhs free...]`, on up to `threads` threads, on [`bf16_matmul_kernel`](crate::bf16_matmul_kernel)'s kernel.
 /// Each element differs from the `f32` `dot_general` of the widened operands only by the order
 /// of addition (every widened product is exact in `f32`); on the portable kernel not at all.
 ///
 /// # Errors
 /// [`TensorError::Shape`] when the dimension numbers do not fit the shapes;
-/// [`TensorError::NoBf16Product`] as [`bf16_matmul_kernel`].
+/// [`TensorError::NoBf16Product`] as [`bf16_matmul_kernel`](crate::bf16_matmul_kernel).
 pub fn dot_general_bf16(
     lhs: &Bf16Tensor,
     rhs: &Bf16Tensor,
@@ -289,7 +289,7 @@ pub fn dot_general_bf16_rounded(
 /// its cotangent is, added into the master weight's `f32` accumulator without the bf16 result
 /// being stored and read back. Each element gets one addition of exactly the value
 /// [`dot_general_bf16_rounded`] gives it (the products are computed a band of rows at a time
-/// into scratch, as [`rounded_by_bands`] does, each band at least [`MIN_BLOCK_ROWS`] rows, or
+/// into scratch, as `rounded_by_bands` does, each band at least `MIN_BLOCK_ROWS` rows, or
 /// the whole product at once where the parts hold fewer than twice that), so the bits are those
 /// of that product followed by a widening add. Returns `false`, touching nothing, where the parts
 /// cut a row or the contraction is empty (the caller takes the unfused path).

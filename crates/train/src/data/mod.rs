@@ -399,7 +399,7 @@ fn token_windows(
 ) -> Result<Windows, TrainError> {
     let (seed, order) = (config.data_shuffle_seed, config.dataset_order);
     let width = config.token_dtype.width();
-    if data.len() % width != 0 {
+    if !data.len().is_multiple_of(width) {
         return Err(DataError::invalid(
             &config.dataset_path,
             format!(

@@ -66,7 +66,7 @@ pub struct ClusterArgs {
     /// Devices per host.
     #[arg(long, default_value_t = 1)]
     devices_per_host: usize,
-    /// Links (RATE[,DELAY]; a list separated by `;` or given several times).
+    /// Links (`RATE[,DELAY]`; a list separated by `;` or given several times).
     #[arg(long, value_delimiter = ';', default_value = "1gbit;10gbit")]
     links: Vec<String>,
     /// GA values.
@@ -372,7 +372,7 @@ struct GridRun<'a> {
 
 impl GridRun<'_> {
     /// One network (`hosts` hosts on `link`): created, calibrated (`a` and the latency), its
-    /// cells run and appended to `cells`, torn down; returns its fit (see [`calibrate`]).
+    /// cells run and appended to `cells`, torn down; returns its fit (see [`calibrate()`]).
     fn network(&self, hosts: usize, link: &str, cells: &mut Vec<Cell>) -> Result<NetworkFit> {
         let args = self.args;
         let spec_link = emulate::net::LinkSpec::parse(link)?;
