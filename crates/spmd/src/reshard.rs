@@ -91,9 +91,7 @@ impl Ctx<'_> {
         src: &ArrayType,
         dst: &ArrayType,
     ) -> Result<Option<Tensor>, SpmdError> {
-        let mesh = src.mesh().clone();
-        let rank = src.rank();
-        let shape = src.shape().to_vec();
+        let (mesh, rank, shape) = (src.mesh().clone(), src.rank(), src.shape().to_vec());
         let parts_of = |t: &ArrayType| -> Vec<Vec<String>> {
             (0..rank)
                 .map(|d| t.sharding().spec().dim(d).axis_names().to_vec())
