@@ -25,7 +25,7 @@ pub struct OpInfo {
     pub group: Vec<usize>,
     /// This device's rank in `group`.
     pub rank: usize,
-    /// Elements of the full buffer (as in [`TraceEvent::elements`]).
+    /// Elements of the full buffer (as in [`TraceEvent::elements`](crate::TraceEvent::elements)).
     pub elements: usize,
     /// Element type.
     pub dtype: DType,
@@ -231,7 +231,7 @@ impl<B: TypedBackend> Backend for B {
 }
 
 /// A backend for abstract (shape-only) programs: it moves nothing, and any data-carrying call is
-/// an error. Pair it with [`Communicator::record_abstract`].
+/// an error. Pair it with [`Communicator::record_abstract`](crate::Communicator::record_abstract).
 pub struct NoTransport;
 
 impl NoTransport {

@@ -1,12 +1,12 @@
 //! `ferrotext tokenize` and `dataset_type=shards` through the binary: a corpus becomes shards
 //! that training reads; a run resumed from a checkpoint (at a step boundary, and inside a step)
 //! reads exactly the tokens the uninterrupted run reads — compared token by token through the
-//! `FERROTEXT_DATA_TAP` hook of the `fault-injection` build — and moved shards resume while
-//! changed shards are refused; bad input is one `error:` line, exit 2, nothing written.
+//! `FERROTEXT_DATA_TAP` hook of the `fault-injection` build (so that test is compiled with the
+//! feature only; the README's test command turns it on) — and moved shards resume while changed
+//! shards are refused; bad input is one `error:` line, exit 2, nothing written.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 mod common;
 use common::ferrotext;
@@ -21,24 +21,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
     dir
-}
-
-/// `n` documents of varied sentences from the fixture's words, as jsonl.
-fn corpus(path: &Path, n: usize, salt: usize) {
-    const WORDS: [&str; 12] = [
-        "the", "cat", "dog", "sees", "a", "bird", "and", "runs", ".", "red", "old", "man",
-    ];
-    let mut out = String::new();
-    for d in 0..n {
-        let words: Vec<&str> = (0..6 + (d * 7 + salt) % 9)
-            .map(|i| WORDS[(d * 31 + i * 17 + salt * 5 + i * i) % WORDS.len()])
-            .collect();
-        out.push_str(&format!(
-            "{{\"text\": \"{}\", \"id\": {d}}}\n",
-            words.join(" ")
-        ));
-    }
-    std::fs::write(path, out).expect("corpus");
 }
 
 fn stderr(out: &Output) -> String {
@@ -133,131 +115,160 @@ fn bad_input_is_one_error_line_exit_2_and_nothing_written() {
     assert_usage(&res, "is 4 bytes, expected 6 (truncated");
 }
 
-/// Trains the small model on `shards` into `root/run` with `extra` keys, recording the tokens
-/// read into `tap`; asserts success.
-fn train(root: &Path, shards: &Path, tap: &Path, extra: &[&str]) -> Output {
-    let mut args: Vec<String> = vec![
-        "train".into(),
-        "dataset_type=shards".into(),
-        format!("dataset_path={}", shards.display()),
-        "vocab_size=64".into(),
-        "base_emb_dim=32".into(),
-        "base_mlp_dim=64".into(),
-        "head_dim=8".into(),
-        "max_target_length=16".into(),
-        "data_shuffle_seed=7".into(),
-        "enable_checkpointing=true".into(),
-        "checkpoint_period=1".into(),
-        format!("base_output_directory={}", root.display()),
-        "run_name=run".into(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    Command::new(env!("CARGO_BIN_EXE_ferrotext"))
-        .args(&args)
-        .env("FERROTEXT_DATA_TAP", tap)
-        .output()
-        .expect("the ferrotext binary runs")
-}
+/// The exact-resume test reads the tokens through the `FERROTEXT_DATA_TAP` hook, which only the
+/// `fault-injection` build has.
+#[cfg(feature = "fault-injection")]
+mod resume {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::path::Path;
+    use std::process::{Command, Output};
 
-/// The tap's lines as index → tokens (each index once: devices that compute the same rows
-/// write the same line; a different line for one index would be a bug and fails here).
-fn read_tap(tap: &Path) -> BTreeMap<u64, String> {
-    let mut seen = BTreeMap::new();
-    for line in std::fs::read_to_string(tap).unwrap_or_default().lines() {
-        let (index, ids) = line.split_once(": ").expect("index: ids");
-        let index: u64 = index.parse().expect("an index");
-        let before = seen.insert(index, ids.to_string());
-        assert!(
-            before.is_none_or(|b| b == ids),
-            "index {index} read two ways"
+    use super::{assert_usage, scratch, stderr, tokenize};
+
+    /// `n` documents of varied sentences from the fixture's words, as jsonl.
+    fn corpus(path: &Path, n: usize, salt: usize) {
+        const WORDS: [&str; 12] = [
+            "the", "cat", "dog", "sees", "a", "bird", "and", "runs", ".", "red", "old", "man",
+        ];
+        let mut out = String::new();
+        for d in 0..n {
+            let words: Vec<&str> = (0..6 + (d * 7 + salt) % 9)
+                .map(|i| WORDS[(d * 31 + i * 17 + salt * 5 + i * i) % WORDS.len()])
+                .collect();
+            out.push_str(&format!(
+                "{{\"text\": \"{}\", \"id\": {d}}}\n",
+                words.join(" ")
+            ));
+        }
+        std::fs::write(path, out).expect("corpus");
+    }
+
+    /// Trains the small model on `shards` into `root/run` with `extra` keys, recording the tokens
+    /// read into `tap`; asserts success.
+    fn train(root: &Path, shards: &Path, tap: &Path, extra: &[&str]) -> Output {
+        let mut args: Vec<String> = vec![
+            "train".into(),
+            "dataset_type=shards".into(),
+            format!("dataset_path={}", shards.display()),
+            "vocab_size=64".into(),
+            "base_emb_dim=32".into(),
+            "base_mlp_dim=64".into(),
+            "head_dim=8".into(),
+            "max_target_length=16".into(),
+            "data_shuffle_seed=7".into(),
+            "enable_checkpointing=true".into(),
+            "checkpoint_period=1".into(),
+            format!("base_output_directory={}", root.display()),
+            "run_name=run".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Command::new(env!("CARGO_BIN_EXE_ferrotext"))
+            .args(&args)
+            .env("FERROTEXT_DATA_TAP", tap)
+            .output()
+            .expect("the ferrotext binary runs")
+    }
+
+    /// The tap's lines as index → tokens (each index once: devices that compute the same rows
+    /// write the same line; a different line for one index would be a bug and fails here).
+    fn read_tap(tap: &Path) -> BTreeMap<u64, String> {
+        let mut seen = BTreeMap::new();
+        for line in std::fs::read_to_string(tap).unwrap_or_default().lines() {
+            let (index, ids) = line.split_once(": ").expect("index: ids");
+            let index: u64 = index.parse().expect("an index");
+            let before = seen.insert(index, ids.to_string());
+            assert!(
+                before.is_none_or(|b| b == ids),
+                "index {index} read two ways"
+            );
+        }
+        seen
+    }
+
+    #[test]
+    fn a_resumed_run_reads_exactly_the_tokens_of_the_uninterrupted_run() {
+        let dir = scratch("resume");
+        let jsonl = dir.join("corpus.jsonl");
+        corpus(&jsonl, 300, 0);
+        let shards = dir.join("shards");
+        let res = tokenize(
+            &[&jsonl.display().to_string()],
+            &shards,
+            &["--shard-tokens", "700"],
         );
+        assert!(res.status.success(), "{}", stderr(&res));
+        // The uninterrupted run: 4 steps of 4 devices × 2 rows × GA 4 = 32 sequences.
+        let whole = dir.join("whole");
+        let tap = dir.join("whole.tap");
+        let res = train(&whole, &shards, &tap, &["steps=4"]);
+        assert!(res.status.success(), "{}", stderr(&res));
+        let want = read_tap(&tap);
+        assert_eq!(
+            want.keys().copied().collect::<Vec<_>>(),
+            (0..128).collect::<Vec<_>>()
+        );
+        // Interrupted after step 2, resumed to step 4 from shards moved to another path.
+        let cut = dir.join("cut");
+        let (tap1, tap2) = (dir.join("cut1.tap"), dir.join("cut2.tap"));
+        let res = train(&cut, &shards, &tap1, &["steps=2"]);
+        assert!(res.status.success(), "{}", stderr(&res));
+        let moved = dir.join("moved");
+        std::fs::rename(&shards, &moved).unwrap();
+        let res = train(&cut, &moved, &tap2, &["steps=4"]);
+        assert!(res.status.success(), "{}", stderr(&res));
+        let (first, second) = (read_tap(&tap1), read_tap(&tap2));
+        assert_eq!(
+            first.keys().copied().collect::<BTreeSet<_>>(),
+            (0..64).collect()
+        );
+        assert_eq!(
+            second.keys().copied().collect::<BTreeSet<_>>(),
+            (64..128).collect()
+        );
+        let mut joined = first.clone();
+        joined.extend(second);
+        assert_eq!(joined, want, "the resumed run read other tokens");
+        // Inside a step: resume from step 1 micro-batch 2 (16 + 32 sequences consumed).
+        let mid = dir.join("mid");
+        let tap3 = dir.join("mid.tap");
+        let res = train(
+            &mid,
+            &moved,
+            &dir.join("mid0.tap"),
+            &["steps=2", "checkpoint_micro_batch_period=1"],
+        );
+        assert!(res.status.success(), "{}", stderr(&res));
+        let root = mid.join("run/checkpoints");
+        std::fs::remove_dir_all(root.join("step_00000002_micro_000")).unwrap();
+        std::fs::write(root.join("latest"), "step_00000001_micro_002").unwrap();
+        let res = train(
+            &mid,
+            &moved,
+            &tap3,
+            &["steps=4", "checkpoint_micro_batch_period=1"],
+        );
+        assert!(res.status.success(), "{}", stderr(&res));
+        let resumed = read_tap(&tap3);
+        assert_eq!(
+            resumed.len(),
+            128 - 48,
+            "reads every sequence not yet consumed, once"
+        );
+        for (index, ids) in &resumed {
+            assert_eq!(Some(ids), want.get(index), "sequence {index}");
+        }
+        // The mirror: shards that changed under the checkpoint are refused, nothing trained.
+        corpus(&jsonl, 300, 1);
+        let other = dir.join("other");
+        let res = tokenize(
+            &[&jsonl.display().to_string()],
+            &other,
+            &["--shard-tokens", "700"],
+        );
+        assert!(res.status.success(), "{}", stderr(&res));
+        let tap4 = dir.join("changed.tap");
+        let res = train(&cut, &other, &tap4, &["steps=6"]);
+        assert_usage(&res, "the data changed");
+        assert!(read_tap(&tap4).is_empty(), "a refused resume read data");
     }
-    seen
-}
-
-#[test]
-fn a_resumed_run_reads_exactly_the_tokens_of_the_uninterrupted_run() {
-    let dir = scratch("resume");
-    let jsonl = dir.join("corpus.jsonl");
-    corpus(&jsonl, 300, 0);
-    let shards = dir.join("shards");
-    let res = tokenize(
-        &[&jsonl.display().to_string()],
-        &shards,
-        &["--shard-tokens", "700"],
-    );
-    assert!(res.status.success(), "{}", stderr(&res));
-    // The uninterrupted run: 4 steps of 4 devices × 2 rows × GA 4 = 32 sequences.
-    let whole = dir.join("whole");
-    let tap = dir.join("whole.tap");
-    let res = train(&whole, &shards, &tap, &["steps=4"]);
-    assert!(res.status.success(), "{}", stderr(&res));
-    let want = read_tap(&tap);
-    assert_eq!(
-        want.keys().copied().collect::<Vec<_>>(),
-        (0..128).collect::<Vec<_>>()
-    );
-    // Interrupted after step 2, resumed to step 4 from shards moved to another path.
-    let cut = dir.join("cut");
-    let (tap1, tap2) = (dir.join("cut1.tap"), dir.join("cut2.tap"));
-    let res = train(&cut, &shards, &tap1, &["steps=2"]);
-    assert!(res.status.success(), "{}", stderr(&res));
-    let moved = dir.join("moved");
-    std::fs::rename(&shards, &moved).unwrap();
-    let res = train(&cut, &moved, &tap2, &["steps=4"]);
-    assert!(res.status.success(), "{}", stderr(&res));
-    let (first, second) = (read_tap(&tap1), read_tap(&tap2));
-    assert_eq!(
-        first.keys().copied().collect::<BTreeSet<_>>(),
-        (0..64).collect()
-    );
-    assert_eq!(
-        second.keys().copied().collect::<BTreeSet<_>>(),
-        (64..128).collect()
-    );
-    let mut joined = first.clone();
-    joined.extend(second);
-    assert_eq!(joined, want, "the resumed run read other tokens");
-    // Inside a step: resume from step 1 micro-batch 2 (16 + 32 sequences consumed).
-    let mid = dir.join("mid");
-    let tap3 = dir.join("mid.tap");
-    let res = train(
-        &mid,
-        &moved,
-        &dir.join("mid0.tap"),
-        &["steps=2", "checkpoint_micro_batch_period=1"],
-    );
-    assert!(res.status.success(), "{}", stderr(&res));
-    let root = mid.join("run/checkpoints");
-    std::fs::remove_dir_all(root.join("step_00000002_micro_000")).unwrap();
-    std::fs::write(root.join("latest"), "step_00000001_micro_002").unwrap();
-    let res = train(
-        &mid,
-        &moved,
-        &tap3,
-        &["steps=4", "checkpoint_micro_batch_period=1"],
-    );
-    assert!(res.status.success(), "{}", stderr(&res));
-    let resumed = read_tap(&tap3);
-    assert_eq!(
-        resumed.len(),
-        128 - 48,
-        "reads every sequence not yet consumed, once"
-    );
-    for (index, ids) in &resumed {
-        assert_eq!(Some(ids), want.get(index), "sequence {index}");
-    }
-    // The mirror: shards that changed under the checkpoint are refused, nothing trained.
-    corpus(&jsonl, 300, 1);
-    let other = dir.join("other");
-    let res = tokenize(
-        &[&jsonl.display().to_string()],
-        &other,
-        &["--shard-tokens", "700"],
-    );
-    assert!(res.status.success(), "{}", stderr(&res));
-    let tap4 = dir.join("changed.tap");
-    let res = train(&cut, &other, &tap4, &["steps=6"]);
-    assert_usage(&res, "the data changed");
-    assert!(read_tap(&tap4).is_empty(), "a refused resume read data");
 }

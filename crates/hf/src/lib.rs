@@ -38,6 +38,7 @@ mod convert;
 mod error;
 mod family;
 mod read;
+mod shards;
 mod write;
 
 pub use error::HfError;

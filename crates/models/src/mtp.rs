@@ -20,7 +20,7 @@
 //! `mtp_num_layers = 1` ([`Config::mtp_num_layers`]) puts the module in the decoder's weight map
 //! ([`Weights::mtp`](crate::decoder::Weights::mtp), last in the flat order), so loading,
 //! export, checkpoints and ZeRO-1 carry its parameters as any other. The decoder's loss sums
-//! ([`Decoder::loss_sum_parts`](crate::decoder::Decoder::loss_sum_parts)) then add
+//! ([`Decoder::loss`](crate::decoder::Decoder::loss) with `with_mtp`) then add
 //! `mtp_loss_scaling_factor × MTP sum × T / (T − 1)` for `[B, T]` inputs: after the trainer's
 //! division by the step's tokens that is `factor × the MTP loss's per-token mean` (MaxText's
 //! `calculate_mtp_loss`, whose mean is over the `B·(T − 1)` positions that have a token two
@@ -181,8 +181,7 @@ impl Mtp<&Array> {
     }
 }
 
-/// A batch's loss sum in its parts
-/// ([`Decoder::loss_sum_parts`](crate::decoder::Decoder::loss_sum_parts)).
+/// A batch's loss sum in its parts ([`Decoder::loss`](crate::decoder::Decoder::loss)).
 #[derive(Clone, Debug)]
 pub struct LossSum {
     /// What the trainer differentiates: the cross-entropy sum (z-loss included), the auxiliary
@@ -190,8 +189,8 @@ pub struct LossSum {
     pub total: Array,
     /// The MTP module's cross-entropy sum over its positions, unscaled (`None` without it).
     pub mtp: Option<Array>,
-    /// This device's expert loads (as
-    /// [`Decoder::loss_sum_and_loads`](crate::decoder::Decoder::loss_sum_and_loads)).
+    /// This device's expert loads: per MoE layer in layer order, the tokens of this device's
+    /// block of the batch routed to each expert (`[experts]` counts; empty in abstract mode).
     pub loads: ExpertLoads,
 }
 

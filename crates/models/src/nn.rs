@@ -411,6 +411,37 @@ fn whole_rows_norm(
     cx.reshard(&normed, &spec)
 }
 
+/// The scores' product: `q [B, T, H, qk]` · `k [B, S, H, qk]` → `[B, H, T, S]`.
+fn qk_dims() -> DotDims {
+    DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![3],
+        lhs_batch: vec![0, 2],
+        rhs_batch: vec![0, 2],
+    }
+}
+
+/// The heads' outputs: `probs [B, H, T, S]` · `v [B, S, H, vd]` → `[B, T, H·vd]` (heads
+/// concatenated, ready for the output projection).
+fn heads_times_v(cx: &mut Ctx<'_>, probs: &Array, v: &Array) -> Result<Array, SpmdError> {
+    let (b, t, h, vd) = (
+        probs.shape()[0],
+        probs.shape()[2],
+        v.shape()[2],
+        v.shape()[3],
+    );
+    // out [B, H, T, vd] = probs·v → [B, T, H·vd]
+    let pv = DotDims {
+        lhs_contracting: vec![3],
+        rhs_contracting: vec![1],
+        lhs_batch: vec![0, 1],
+        rhs_batch: vec![0, 2],
+    };
+    let out = cx.dot_general(probs, v, &pv, None)?;
+    let out = cx.transpose(&out, &[0, 2, 1, 3])?;
+    cx.reshape(&out, &[b, t, h * vd], None)
+}
+
 /// [`causal_attention`] as `spec` says: its scale, and when set its soft-cap and sliding
 /// window, composed from products, a mask and a softmax (the key/value cache's path; the tiled
 /// op computes the same in training).
@@ -427,16 +458,10 @@ pub fn spec_attention(
     if spec.softcap.is_none() && spec.window.is_none() {
         return causal_attention(cx, q, k, v, spec.scale);
     }
-    let (b, t, h, vd) = (q.shape()[0], q.shape()[1], v.shape()[2], v.shape()[3]);
+    let t = q.shape()[1];
     let s = k.shape()[1];
     // scores [B, H, T, S] in f32, scaled, soft-capped
-    let qk = DotDims {
-        lhs_contracting: vec![3],
-        rhs_contracting: vec![3],
-        lhs_batch: vec![0, 2],
-        rhs_batch: vec![0, 2],
-    };
-    let scores = cx.dot_general_preferred(q, k, &qk, None, DType::F32)?;
+    let scores = cx.dot_general_preferred(q, k, &qk_dims(), None, DType::F32)?;
     let mut logits = cx.scale(&scores, spec.scale)?;
     if let Some(cap) = spec.softcap {
         logits = cx.unary(UnaryOp::Softcap(cap), &logits)?;
@@ -461,16 +486,7 @@ pub fn spec_attention(
     let logits = cx.add(&logits, &mask)?;
     let probs = cx.softmax(&logits)?;
     let probs = cx.cast(&probs, v.ty().dtype())?;
-    // out [B, H, T, vd] = probs·v → [B, T, H·vd]
-    let pv = DotDims {
-        lhs_contracting: vec![3],
-        rhs_contracting: vec![1],
-        lhs_batch: vec![0, 1],
-        rhs_batch: vec![0, 2],
-    };
-    let out = cx.dot_general(&probs, v, &pv, None)?;
-    let out = cx.transpose(&out, &[0, 2, 1, 3])?;
-    cx.reshape(&out, &[b, t, h * vd], None)
+    heads_times_v(cx, &probs, v)
 }
 
 /// The heads' causal attention: `q` `[B, T, H, qk]`, `k` `[B, S, H, qk]` and `v`
@@ -487,26 +503,10 @@ pub fn causal_attention(
     v: &Array,
     scale: f32,
 ) -> Result<Array, SpmdError> {
-    let (b, t, h, vd) = (q.shape()[0], q.shape()[1], v.shape()[2], v.shape()[3]);
     // scores [B, H, T, S]
-    let qk = DotDims {
-        lhs_contracting: vec![3],
-        rhs_contracting: vec![3],
-        lhs_batch: vec![0, 2],
-        rhs_batch: vec![0, 2],
-    };
-    let scores = cx.dot_general(q, k, &qk, None)?;
+    let scores = cx.dot_general(q, k, &qk_dims(), None)?;
     let probs = cx.causal_softmax(&scores, scale)?;
-    // out [B, H, T, vd] = probs·v → [B, T, H·vd]
-    let pv = DotDims {
-        lhs_contracting: vec![3],
-        rhs_contracting: vec![1],
-        lhs_batch: vec![0, 1],
-        rhs_batch: vec![0, 2],
-    };
-    let out = cx.dot_general(&probs, v, &pv, None)?;
-    let out = cx.transpose(&out, &[0, 2, 1, 3])?;
-    cx.reshape(&out, &[b, t, h * vd], None)
+    heads_times_v(cx, &probs, v)
 }
 
 /// The SwiGLU MLP: `(silu(x·w_gate) ⊙ (x·w_up))·w_down`.

@@ -126,15 +126,7 @@ impl ParamInfo {
                 got: value.shape().to_vec(),
             });
         }
-        let transposed = matches!(
-            self.hf,
-            HfLayout::Experts { .. }
-                | HfLayout::Tensor {
-                    transposed: true,
-                    ..
-                }
-        );
-        let (rows, cols) = matrix_dims(&self.shape, &self.hf);
+        let (transposed, (rows, cols)) = self.stored_matrix();
         let block = rows * cols;
         self.hf_tensors()
             .into_iter()
@@ -151,6 +143,20 @@ impl ParamInfo {
             .collect()
     }
 
+    /// Whether each stored HF tensor is the transpose of the parameter's matrix (a linear
+    /// weight stored `[out, in]`, stacked experts), and that matrix's `(rows, cols)`.
+    fn stored_matrix(&self) -> (bool, (usize, usize)) {
+        let transposed = matches!(
+            self.hf,
+            HfLayout::Experts { .. }
+                | HfLayout::Tensor {
+                    transposed: true,
+                    ..
+                }
+        );
+        (transposed, matrix_dims(&self.shape, &self.hf))
+    }
+
     /// The parameter's value from its HF tensors, given in [`ParamInfo::hf_tensors`] order.
     ///
     /// # Errors
@@ -165,15 +171,7 @@ impl ParamInfo {
                 got: parts.len(),
             });
         }
-        let transposed = matches!(
-            self.hf,
-            HfLayout::Experts { .. }
-                | HfLayout::Tensor {
-                    transposed: true,
-                    ..
-                }
-        );
-        let (rows, cols) = matrix_dims(&self.shape, &self.hf);
+        let (transposed, (rows, cols)) = self.stored_matrix();
         for (part, (name, shape)) in parts.iter().zip(&wanted) {
             if part.shape() != shape.as_slice() {
                 return Err(HfLayoutError::Shape {

@@ -15,7 +15,7 @@
 //! the `f32` function of the widened inputs rounded once: bitwise the widened route's result.
 
 use ferrotext_sharding::{ArrayType, PartitionSpec};
-use ferrotext_tensor::{Bf16Tensor, Tensor};
+use ferrotext_tensor::{softcap, Bf16Tensor, Tensor};
 
 use crate::array::bf16_operands;
 use crate::array::Array;
@@ -79,7 +79,7 @@ impl UnaryOp {
             UnaryOp::Sigmoid => t.map(|x| 1.0 / (1.0 + (-x).exp())),
             UnaryOp::Shift(c) => t.map(|x| x + c),
             UnaryOp::GeluTanh => t.map(gelu_tanh),
-            UnaryOp::Softcap(c) => t.map(|x| c * (x / c).tanh()),
+            UnaryOp::Softcap(c) => t.map(|x| softcap(x, c)),
         }
     }
 
@@ -101,7 +101,7 @@ impl UnaryOp {
             UnaryOp::Sigmoid => m(t, |x| 1.0 / (1.0 + (-x).exp())),
             UnaryOp::Shift(c) => m(t, |x| x + c),
             UnaryOp::GeluTanh => m(t, gelu_tanh),
-            UnaryOp::Softcap(c) => m(t, |x| c * (x / c).tanh()),
+            UnaryOp::Softcap(c) => m(t, |x| softcap(x, c)),
         }
     }
 

@@ -28,33 +28,12 @@ use ferrotext_tensor::{Bf16Tensor, DotDims, Tensor};
 
 use crate::array::Array;
 use crate::ctx::Ctx;
-use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
+use crate::error::SpmdError;
 use crate::fused::split_ignored;
 use crate::ids::Ids;
 use crate::rules;
+use crate::rules::head_loss::{check_types, HeadLoss, OP};
 use crate::tape::{Backward, HeadLossSaved};
-
-const OP: &str = "head_cross_entropy";
-
-/// How [`Ctx::head_cross_entropy`] reads its weight and tiles its tokens.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct HeadLoss {
-    /// The weight is `[V, d]` (a tied embedding table) rather than `[d, V]`.
-    pub transposed: bool,
-    /// Weight of the z-loss `(log Z)²` per token (0: none).
-    pub z_loss: f32,
-    /// Tiles the tokens are cut into (each device's rows, the last tile shorter; at least 1).
-    pub tiles: usize,
-    /// Each device's own sum (`{U:batch axes}`) instead of the plain total.
-    pub partial: bool,
-    /// Final-logit soft-capping: each tile's logits become `cap·tanh(z/cap)` before the loss
-    /// (Gemma 2), as [`UnaryOp::Softcap`](crate::UnaryOp::Softcap) on the untiled logits.
-    pub softcap: Option<f32>,
-}
-
-fn type_error(kind: K, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
-    ShardingTypeError::new(kind, OP, xs, message).into()
-}
 
 /// The axes `h`'s rows are split over (what the loss is partial over).
 fn row_axes(h: &ArrayType) -> AxisSet {
@@ -63,66 +42,6 @@ fn row_axes(h: &ArrayType) -> AxisSet {
         .partition_axes()
         .map(str::to_string)
         .collect()
-}
-
-fn check_types(
-    h: &ArrayType,
-    w: &ArrayType,
-    targets: &ArrayType,
-    spec: &HeadLoss,
-) -> Result<(), SpmdError> {
-    let all = [h, w, targets];
-    let d = *h.shape().last().unwrap_or(&0);
-    let width = if spec.transposed { 1 } else { 0 };
-    if h.rank() < 2
-        || w.rank() != 2
-        || w.shape()[width] != d
-        || targets.shape() != &h.shape()[..h.rank() - 1]
-    {
-        return Err(type_error(
-            K::ShapeError,
-            &all,
-            "needs h [.., d], w [d, V] (or [V, d] transposed) and targets of h's leading shape",
-        ));
-    }
-    if w.dtype() != DType::F32 {
-        return Err(type_error(
-            K::ShapeError,
-            &all,
-            "takes the f32 master weight (it casts it to h's dtype itself)",
-        ));
-    }
-    if h.sharding().dim_parts(h.rank() - 1)? > 1
-        || w.sharding()
-            .spec()
-            .partitions()
-            .iter()
-            .any(|p| !p.is_replicated())
-    {
-        return Err(type_error(
-            K::ShardingMismatch,
-            &all,
-            "needs h's width and the whole weight on every device; gather them first",
-        ));
-    }
-    if !h.sharding().spec().unreduced().is_empty() || !w.sharding().spec().unreduced().is_empty() {
-        return Err(type_error(
-            K::UnreducedOperand,
-            &all,
-            "cannot take an unreduced operand",
-        ));
-    }
-    let lead = |t: &ArrayType, n: usize| -> Vec<DimSpec> {
-        (0..n).map(|i| t.sharding().spec().dim(i).clone()).collect()
-    };
-    if lead(h, h.rank() - 1) != lead(targets, targets.rank()) {
-        return Err(type_error(
-            K::ShardingMismatch,
-            &all,
-            "targets must have h's leading shape and sharding",
-        ));
-    }
-    Ok(())
 }
 
 /// The product dims: logits `[rows, V]` from `h [rows, d]` and the weight.

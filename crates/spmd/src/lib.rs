@@ -31,7 +31,7 @@ them.
 | `ids` | [`Ids`]: index arrays (token ids, targets) |
 | `rope` | rotary position embeddings (at positions from a start, or per token) and their transpose |
 | `fused` | RMSNorm, softmax, SwiGLU, cross-entropy ([`IGNORE_INDEX`]) and their transposes |
-| `head_loss` | the LM head's cross-entropy tiled over the tokens ([`HeadLoss`]) and its transpose |
+| `head_loss` | the LM head's cross-entropy tiled over the tokens ([`HeadLoss`], its type rule in `rules/head_loss.rs`) and its transpose |
 | `grouped` | `take_rows`, `grouped_matmul` (MoE, inside a region) and their transposes |
 | `manual/typing` | the type rules inside a `shard_map` region ([`AxisState`]) |
 | `manual/region` | `shard_map` and the boundary's transposes |
@@ -115,9 +115,9 @@ pub use ctx::{on_device, Ctx, Mode};
 pub use error::{ShardingTypeError, SpmdError, TypeErrorKind};
 pub use flat::BucketBuffers;
 pub use fused::IGNORE_INDEX;
-pub use head_loss::HeadLoss;
 pub use ids::Ids;
 pub use manual::{AxisState, GatherTo};
 pub use remat::RematFn;
+pub use rules::head_loss::HeadLoss;
 pub use rules::{BinaryOp, UnaryOp};
 pub use tape::SavePolicy;

@@ -18,7 +18,7 @@
 //! Reduced is physically replicated, so plain ↔ R is free. Sums stay exact: every step keeps the
 //! invariant "the sum over the unreduced axes of the per-device blocks is the value".
 
-use ferrotext_sharding::{ArrayType, AxisSet, PartitionSpec};
+use ferrotext_sharding::{ArrayType, AxisSet, Mesh, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
 use crate::array::Array;
@@ -91,9 +91,7 @@ impl Ctx<'_> {
         src: &ArrayType,
         dst: &ArrayType,
     ) -> Result<Option<Tensor>, SpmdError> {
-        let mesh = src.mesh().clone();
-        let rank = src.rank();
-        let shape = src.shape().to_vec();
+        let (mesh, rank, shape) = (src.mesh().clone(), src.rank(), src.shape().to_vec());
         let parts_of = |t: &ArrayType| -> Vec<Vec<String>> {
             (0..rank)
                 .map(|d| t.sharding().spec().dim(d).axis_names().to_vec())
@@ -103,18 +101,7 @@ impl Ctx<'_> {
         let want = parts_of(dst);
         let mut cur_u: AxisSet = src.sharding().spec().unreduced().clone();
         let dst_u = dst.sharding().spec().unreduced().clone();
-        let local_shape = |parts: &[Vec<String>]| -> Vec<usize> {
-            parts
-                .iter()
-                .zip(&shape)
-                .map(|(axes, &n)| {
-                    n / axes
-                        .iter()
-                        .filter_map(|a| mesh.axis(a).map(|x| x.size()))
-                        .product::<usize>()
-                })
-                .collect()
-        };
+        let local_shape = |parts: &[Vec<String>]| shard_shape(&mesh, &shape, parts);
         let in_mesh_order = |set: &AxisSet| -> Vec<String> {
             mesh.axis_names()
                 .filter(|a| set.contains(*a))
@@ -215,4 +202,18 @@ impl Ctx<'_> {
             .collect();
         Ok(Some(Tensor::concat(&blocks, dim)?))
     }
+}
+
+/// A device's block of an array of `shape` whose dim `d` is split over the axes `parts[d]`.
+fn shard_shape(mesh: &Mesh, shape: &[usize], parts: &[Vec<String>]) -> Vec<usize> {
+    parts
+        .iter()
+        .zip(shape)
+        .map(|(axes, &n)| {
+            n / axes
+                .iter()
+                .filter_map(|a| mesh.axis(a).map(|x| x.size()))
+                .product::<usize>()
+        })
+        .collect()
 }

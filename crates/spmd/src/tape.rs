@@ -14,9 +14,9 @@ use ferrotext_sharding::{ArrayType, DType};
 use ferrotext_tensor::{CrossEntropy, DotDims, KeyRanges, Rope, Scores, Tensor};
 
 use crate::array::Array;
-use crate::head_loss::HeadLoss;
 use crate::ids::Ids;
 use crate::manual::op::ManualOp;
+use crate::rules::head_loss::HeadLoss;
 use crate::rules::{BinaryOp, UnaryOp};
 
 /// What a recorded op needs for its transpose.

@@ -33,7 +33,7 @@
 use std::ffi::{c_char, c_float, c_int, CStr};
 use std::sync::OnceLock;
 
-use crate::operand::{Operand, Store, Widen};
+use crate::operand::{Product, Store, Widen};
 use crate::portable::{self, Isa};
 
 /// A CBLAS product with f32 output and `T` inputs: `cblas_sgemm` (`T = f32`), MKL's
@@ -69,68 +69,26 @@ pub(crate) trait Element: Widen {
     ///
     /// # Safety
     /// As [`sgemm`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn product(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand<Self>,
-        b: Operand<Self>,
-        parallelism: gemm::Parallelism,
-        store: Store,
-    );
+    unsafe fn product(p: Product<Self>, parallelism: gemm::Parallelism);
     /// The product when no BLAS takes it (no library, no product for this type, or a layout
     /// CBLAS refuses): the `gemm` crate for `f32`, the portable kernel for `bf16`.
     ///
     /// # Safety
     /// As [`sgemm`].
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn without_blas(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand<Self>,
-        b: Operand<Self>,
-        parallelism: gemm::Parallelism,
-        store: Store,
-    );
+    unsafe fn without_blas(p: Product<Self>, parallelism: gemm::Parallelism);
 }
 
 impl Element for f32 {
     fn cblas(blas: &Blas) -> Option<Cblas<f32>> {
         Some(blas.sgemm)
     }
-    unsafe fn product(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand,
-        b: Operand,
-        parallelism: gemm::Parallelism,
-        store: Store,
-    ) {
+    unsafe fn product(p: Product, parallelism: gemm::Parallelism) {
         // SAFETY: the caller's contract.
-        unsafe { sgemm(m, n, k, dst, ldc, a, b, parallelism, store) }
+        unsafe { sgemm(p, parallelism) }
     }
-    unsafe fn without_blas(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand,
-        b: Operand,
-        parallelism: gemm::Parallelism,
-        store: Store,
-    ) {
+    unsafe fn without_blas(p: Product, parallelism: gemm::Parallelism) {
         // SAFETY: the caller's contract.
-        unsafe { sgemm_gemm(m, n, k, dst, ldc, a, b, parallelism, store) }
+        unsafe { sgemm_gemm(p, parallelism) }
     }
 }
 
@@ -332,36 +290,30 @@ pub fn matmul_order_is_fixed() -> bool {
 
 /// The kernel environment variables, checked: `FERROTEXT_MATMUL` names a kernel this build
 /// knows (`mkl`, `openblas`, `gemm` or `portable`) and `FERROTEXT_PORTABLE_ISA` an instruction
-/// set (`avx512`, `avx2` or `scalar`), each when set and not empty. A misspelt value would
-/// otherwise run the default kernel without a word.
+/// set (`avx512`, `avx2` or `scalar`) this processor has, each when set and not empty. A
+/// misspelt value would otherwise run the default kernel, and a set the processor lacks
+/// another set, without a word.
 ///
 /// # Errors
 /// The variable, its value and the values it takes, as one line.
 pub fn check_kernel_env() -> Result<(), String> {
-    for (name, known) in [
-        (
-            "FERROTEXT_MATMUL",
-            &["mkl", "openblas", "gemm", "portable"][..],
-        ),
-        ("FERROTEXT_PORTABLE_ISA", &["avx512", "avx2", "scalar"][..]),
-    ] {
-        match std::env::var(name) {
-            Ok(v) if !v.is_empty() && !known.contains(&v.as_str()) => {
-                return Err(format!(
-                    "{name}={v} names nothing this build knows; it takes {}",
-                    known.join(", ")
-                ));
-            }
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(format!(
-                    "{name} is not UTF-8; it takes {}",
-                    known.join(", ")
-                ));
-            }
-            _ => {}
+    let known = ["mkl", "openblas", "gemm", "portable"];
+    match std::env::var("FERROTEXT_MATMUL") {
+        Ok(v) if !v.is_empty() && !known.contains(&v.as_str()) => {
+            return Err(format!(
+                "FERROTEXT_MATMUL={v} names nothing this build knows; it takes {}",
+                known.join(", ")
+            ));
         }
+        Err(std::env::VarError::NotUnicode(_)) => {
+            return Err(format!(
+                "FERROTEXT_MATMUL is not UTF-8; it takes {}",
+                known.join(", ")
+            ));
+        }
+        _ => {}
     }
-    Ok(())
+    crate::isa::forced().map(|_| ())
 }
 
 /// Makes the portable kernel this process's matrix-product kernel, before any product runs
@@ -397,9 +349,7 @@ fn cblas_layout(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<(c_int
     None
 }
 
-/// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n into `dst`'s `m` rows of `n`
-/// elements, `ldc ≥ n` apart (`ldc = n`: a row-major m×n output; more: a block of a larger
-/// output, as attention's heads interleaved per position), on this process's kernel. With
+/// The product `p` (`dst = a · b`, or `+=`, per its `store`) on this process's kernel. With
 /// `parallelism = Rayon(t)`, `gemm` splits the product itself; a BLAS gets up to `t` row blocks
 /// of a product large enough (see [`REGULAR_KERNEL_MIN`]), one call each on the rayon pool.
 /// Either way the bits do not depend on `parallelism` or `ldc`.
@@ -408,61 +358,45 @@ fn cblas_layout(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<(c_int
 /// Every element `(i, j)` of `a` (i < m, j < k) and `b` (i < k, j < n) is readable at its
 /// offset, and `dst`'s `m` rows of `n` elements `ldc` apart are writable (initialised under
 /// [`Store::Accumulate`]), alias neither, and are touched by no one else meanwhile.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand,
-    b: Operand,
-    parallelism: gemm::Parallelism,
-    store: Store,
-) {
+pub(crate) unsafe fn sgemm(p: Product, parallelism: gemm::Parallelism) {
     // SAFETY: the caller's contract.
-    unsafe { gemm_on(kernel(), m, n, k, dst, ldc, a, b, parallelism, store) }
+    unsafe { gemm_on(kernel(), p, parallelism) }
 }
 
-/// [`sgemm`] on `kernel` for operands of `T` (f32, or bf16 widened), into `dst` with row stride
-/// `ldc ≥ n`: a BLAS's product for `T` when it has one and takes the layouts, else
-/// [`Element::without_blas`].
+/// [`sgemm`] on `kernel` for operands of `T` (f32, or bf16 widened): a BLAS's product for `T`
+/// when it has one and takes the layouts, else [`Element::without_blas`].
 ///
 /// # Safety
-/// As [`sgemm`], with `dst`'s rows `ldc` elements apart.
-#[allow(clippy::too_many_arguments)]
+/// As [`sgemm`].
 pub(crate) unsafe fn gemm_on<T: Element>(
     kernel: &Kernel,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<T>,
-    b: Operand<T>,
+    p: Product<T>,
     parallelism: gemm::Parallelism,
-    store: Store,
 ) {
-    if let Some(rows_per) = row_blocks(kernel, m, n, k, parallelism) {
-        // SAFETY: the caller's contract.
-        unsafe { gemm_row_blocks(kernel, rows_per, m, n, k, dst, ldc, a, b, store) };
+    if let Some(rows) = row_blocks(kernel, p.m, p.n, p.k, parallelism) {
+        let block = |block| {
+            // SAFETY: a block of rows of the caller's product.
+            unsafe { gemm_on(kernel, block, gemm::Parallelism::None) }
+        };
+        // SAFETY: the caller's contract; each block writes its own rows of `dst`.
+        unsafe { p.for_each_row_block(rows, block) };
         return;
     }
     if let Kernel::Portable(isa) = kernel {
         // SAFETY: the caller's contract, which is the portable kernel's.
-        unsafe { portable::gemm(*isa, m, n, k, dst, ldc, a, b, store) };
+        unsafe { portable::gemm(*isa, p) };
         return;
     }
     if let Kernel::Blas(blas) = kernel {
         if let Some(product) = T::cblas(blas) {
             // SAFETY: the caller's contract.
-            if unsafe { gemm_blas(product, m, n, k, dst, ldc, a, b, store) } {
+            if unsafe { gemm_blas(product, p) } {
                 return;
             }
         }
     }
     // SAFETY: the caller's contract.
-    unsafe { T::without_blas(m, n, k, dst, ldc, a, b, parallelism, store) }
+    unsafe { T::without_blas(p, parallelism) }
 }
 
 /// How many rows each block of a product split across threads takes, or `None` to make one
@@ -493,79 +427,22 @@ fn row_blocks(
     }
 }
 
-/// [`gemm_on`] as blocks of `rows_per` rows, one call each, in parallel.
-///
-/// # Safety
-/// As [`gemm_on`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_row_blocks<T: Element>(
-    kernel: &Kernel,
-    rows_per: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<T>,
-    b: Operand<T>,
-    store: Store,
-) {
-    let starts: Vec<usize> = (0..m).step_by(rows_per).collect();
-    // Pointers cross threads as addresses: each block reads its rows of `a` (and all of
-    // `b`) and writes its own rows of `dst`.
-    let (a_at, b_at, dst_at) = (a.ptr as usize, b.ptr as usize, dst as usize);
-    let (ars, acs, brs, bcs) = (a.rs, a.cs, b.rs, b.cs);
-    let block = move |start: usize| {
-        let rows = rows_per.min(m - start);
-        let a = Operand {
-            ptr: (a_at as *const T).wrapping_offset(start as isize * ars),
-            rs: ars,
-            cs: acs,
-        };
-        let b = Operand {
-            ptr: b_at as *const T,
-            rs: brs,
-            cs: bcs,
-        };
-        let dst = (dst_at as *mut f32).wrapping_add(start * ldc);
-        // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
-        // blocks of `dst` are disjoint.
-        unsafe {
-            gemm_on(
-                kernel,
-                rows,
-                n,
-                k,
-                dst,
-                ldc,
-                a,
-                b,
-                gemm::Parallelism::None,
-                store,
-            )
-        };
-    };
-    use rayon::prelude::*;
-    starts.into_par_iter().with_max_len(1).for_each(block);
-}
-
 /// [`gemm_on`] on an opened BLAS's `product`: false, having done nothing, when the operands'
 /// layouts or sizes do not fit CBLAS (the caller then uses [`Element::without_blas`]).
 ///
 /// # Safety
 /// As [`gemm_on`]; `product` is a library's CBLAS product for `T`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_blas<T: Element>(
-    product: Cblas<T>,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<T>,
-    b: Operand<T>,
-    store: Store,
-) -> bool {
+unsafe fn gemm_blas<T: Element>(product: Cblas<T>, p: Product<T>) -> bool {
+    let Product {
+        m,
+        n,
+        k,
+        a,
+        b,
+        dst,
+        ldc,
+        store,
+    } = p;
     let dims = (
         c_int::try_from(m),
         c_int::try_from(n),
@@ -606,18 +483,17 @@ unsafe fn gemm_blas<T: Element>(
 ///
 /// # Safety
 /// As [`gemm_on`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn sgemm_gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand,
-    b: Operand,
-    parallelism: gemm::Parallelism,
-    store: Store,
-) {
+unsafe fn sgemm_gemm(p: Product, parallelism: gemm::Parallelism) {
+    let Product {
+        m,
+        n,
+        k,
+        a,
+        b,
+        dst,
+        ldc,
+        store,
+    } = p;
     // SAFETY: the caller's contract; `dst` is read only under `Store::Accumulate`, when the
     // caller has initialised it (`gemm` then computes `1·dst + 1·a·b`).
     unsafe {
@@ -646,4 +522,4 @@ unsafe fn sgemm_gemm(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

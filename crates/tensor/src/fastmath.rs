@@ -8,6 +8,8 @@
 //! `f64::exp` at every 997th f32 bit pattern in [−87.3, 88.7]); NaN in, NaN out; `+∞` above 88.72, `0` below
 //! −87.33 (the libm result is a subnormal there; nothing in a softmax or a sigmoid can tell).
 
+use crate::isa::Isa;
+
 /// `e^x` in f32 (see the module docs for its error).
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
@@ -49,22 +51,24 @@ pub(crate) fn exp(x: f32) -> f32 {
     }
 }
 
-/// Runs `f` compiled for AVX-512 when the CPU has it, so the loops inside use 16 lanes instead of
-/// baseline x86-64's 4; otherwise runs it as it is. The bits are the same either way: the same
-/// IEEE operations in the same order (Rust never fuses a multiply and an add on its own).
+/// Runs `f` compiled for this process's instruction set ([`Isa::detect`]: the widest the CPU
+/// has, or the one `FERROTEXT_PORTABLE_ISA` forces), so the loops inside use 16 lanes (AVX-512)
+/// or 8 (AVX2) instead of baseline x86-64's 4. The bits are the same on every set: the same IEEE
+/// operations in the same order (Rust never fuses a multiply and an add on its own).
 ///
-/// Write the closure `#[inline(always)] || …`: the AVX-512 code is what gets inlined into the
-/// wrapper below, and a closure the compiler leaves out of line is compiled once, for baseline
+/// Write the closure `#[inline(always)] || …`: the vector code is what gets inlined into the
+/// wrappers below, and a closure the compiler leaves out of line is compiled once, for baseline
 /// x86-64 (seen in `perf annotate`: the causal-softmax, softmax-backward, RMSNorm-backward and
 /// GQA-sum closures ran on `xmm` registers until they were marked).
 #[inline(always)]
 pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F, checked just above.
-            return unsafe { with_avx512(f) };
-        }
+    match Isa::detect() {
+        // SAFETY: `detect` gives only a set this CPU has.
+        Isa::Avx512 => return unsafe { with_avx512(f) },
+        // SAFETY: as above.
+        Isa::Avx2 => return unsafe { with_avx2(f) },
+        Isa::Scalar => {}
     }
     f()
 }
@@ -76,6 +80,16 @@ pub(crate) fn vectorized<R>(f: impl FnOnce() -> R) -> R {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+/// `f`, inlined into a function compiled for AVX2.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 

@@ -56,8 +56,10 @@ mod blas;
 mod elementwise;
 mod error;
 mod fastmath;
+mod fixed_math;
 mod flash;
 mod grouped;
+mod isa;
 mod matmul;
 mod nn;
 mod operand;
@@ -67,6 +69,7 @@ mod peak;
 mod portable;
 mod reduce;
 mod rope;
+mod skip;
 mod tensor;
 
 pub use bf16::{
@@ -81,11 +84,13 @@ pub use bf16::{
 pub use blas::{check_kernel_env, matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
+pub use fixed_math::softcap;
 pub use flash::{flash_attention, flash_attention_backward, Flash, KeyRanges, Scores};
 pub use grouped::{
     grouped_matmul, grouped_matmul_backward, grouped_matmul_backward_dw_into,
     grouped_matmul_backward_dx, scatter_rows, take_rows, PAD_ROW,
 };
+pub use isa::instruction_set;
 pub use matmul::{dot_general, dot_general_accumulate, dot_general_accumulate_parts, DotDims};
 pub use nn::{
     causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,
@@ -97,4 +102,5 @@ pub use optim::{adamw_update, sgd_update, sum_of_squares, AdamW};
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};
 pub use peak::{cpu_peak, CpuPeak};
 pub use rope::{rope_tail, rope_with, Llama3, PositionScaling, Rope, Yarn};
+pub use skip::{report_skipped, SKIPPED_ENV};
 pub use tensor::{strides, written_zeros, Tensor};

@@ -47,3 +47,96 @@ pub(crate) enum Store {
     /// `dst += a · b`.
     Accumulate,
 }
+
+/// One matrix product as every kernel takes it: `dst = a · b` (or `+=`, per `store`) for `a`
+/// m×k and `b` k×n into `dst`'s `m` rows of `n` elements, `ldc ≥ n` apart (`ldc = n`: a
+/// row-major m×n output; more: a block of a larger output). `D` is the destination's element:
+/// `f32`, or `bf16` for a product rounded as it is stored.
+pub(crate) struct Product<T = f32, D = f32> {
+    /// Rows of `a` and of `dst`.
+    pub m: usize,
+    /// Columns of `b` and of `dst`.
+    pub n: usize,
+    /// The contraction: columns of `a`, rows of `b`.
+    pub k: usize,
+    /// The left operand, m×k.
+    pub a: Operand<T>,
+    /// The right operand, k×n.
+    pub b: Operand<T>,
+    /// The destination's first element.
+    pub dst: *mut D,
+    /// Elements between the destination's rows.
+    pub ldc: usize,
+    /// Overwrite or add into the destination.
+    pub store: Store,
+}
+
+impl<T, D> Clone for Product<T, D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T, D> Copy for Product<T, D> {}
+
+impl<T, D> Product<T, D> {
+    /// Rows `start..start + rows` of this product: the same `b`, `a`'s and `dst`'s rows from
+    /// `start` (pointer arithmetic only; nothing is read).
+    pub(crate) fn rows(self, start: usize, rows: usize) -> Self {
+        Product {
+            m: rows,
+            a: Operand {
+                ptr: self.a.ptr.wrapping_offset(start as isize * self.a.rs),
+                ..self.a
+            },
+            dst: self.dst.wrapping_add(start * self.ldc),
+            ..self
+        }
+    }
+
+    /// This product with its destination seen as bytes (for a kernel that stores either
+    /// element type, as its own flag says).
+    pub(crate) fn into_bytes(self) -> Product<T, u8> {
+        Product {
+            dst: self.dst.cast(),
+            m: self.m,
+            n: self.n,
+            k: self.k,
+            a: self.a,
+            b: self.b,
+            ldc: self.ldc,
+            store: self.store,
+        }
+    }
+
+    /// This product's blocks of `rows` rows (the last one shorter), each a product of its own,
+    /// run by `f` on the rayon pool, one block a task.
+    ///
+    /// # Safety
+    /// The product's operands and destination are valid as the kernels require (see
+    /// `crate::blas::sgemm`); `f` touches only its block's rows of `dst`, so the blocks write
+    /// disjoint rows while they read all of `b` and their own rows of `a`.
+    pub(crate) unsafe fn for_each_row_block(self, rows: usize, f: impl Fn(Self) + Sync)
+    where
+        T: Sync,
+        D: Send,
+    {
+        /// The product crossing threads: every block reads its rows of `a`, all of `b`, and
+        /// writes its own rows of `dst` (the caller's contract).
+        struct Shared<T, D>(Product<T, D>);
+        // SAFETY: see the struct's doc; the pointers are only read through or written
+        // through disjoint row ranges.
+        unsafe impl<T: Sync, D: Send> Sync for Shared<T, D> {}
+        let shared = Shared(self);
+        let block = |start: usize| {
+            let whole = &shared;
+            f(whole.0.rows(start, rows.min(whole.0.m - start)));
+        };
+        use rayon::prelude::*;
+        (0..self.m)
+            .step_by(rows.max(1))
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .with_max_len(1)
+            .for_each(block);
+    }
+}

@@ -127,16 +127,18 @@ pub fn sum_of_squares(xs: &[f32]) -> f64 {
     partials.iter().sum()
 }
 
-/// One block's `Σ xᵢ²` (see [`lane_sum_of_squares`]), compiled for AVX-512 where the CPU has it
-/// (a function of its own: through [`vectorized`] the compiler left the loop out of line, at
-/// baseline x86-64's two `f64` lanes an instruction).
+/// One block's `Σ xᵢ²` (see [`lane_sum_of_squares`]), compiled for this process's instruction
+/// set (the same bits on each; see `crate::isa`): a function of its own, since through
+/// `vectorized` the compiler left the loop out of line, at baseline x86-64's two `f64` lanes an
+/// instruction.
 fn block_sum_of_squares(xs: &[f32]) -> f64 {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F, checked just above.
-            return unsafe { block_sum_of_squares_avx512(xs) };
-        }
+    match crate::isa::Isa::detect() {
+        // SAFETY: `detect` gives only a set this CPU has.
+        crate::isa::Isa::Avx512 => return unsafe { block_sum_of_squares_avx512(xs) },
+        // SAFETY: as above.
+        crate::isa::Isa::Avx2 => return unsafe { block_sum_of_squares_avx2(xs) },
+        crate::isa::Isa::Scalar => {}
     }
     lane_sum_of_squares(xs)
 }
@@ -148,6 +150,16 @@ fn block_sum_of_squares(xs: &[f32]) -> f64 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn block_sum_of_squares_avx512(xs: &[f32]) -> f64 {
+    lane_sum_of_squares(xs)
+}
+
+/// [`lane_sum_of_squares`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn block_sum_of_squares_avx2(xs: &[f32]) -> f64 {
     lane_sum_of_squares(xs)
 }
 

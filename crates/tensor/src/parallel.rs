@@ -42,7 +42,7 @@ pub fn kernel_threads() -> usize {
 /// the workers its kernels split over: a parallel kernel runs one part on that thread and
 /// hands the rest to the pool's other workers, instead of handing every part to the global
 /// pool and sleeping until they finish. While `f` runs, the other workers stay awake
-/// ([`KeepAwake`]). The calling thread waits meanwhile. When the pool cannot be made (no
+/// (`KeepAwake`). The calling thread waits meanwhile. When the pool cannot be made (no
 /// threads left), `f` runs here on the global pool, with the same results: results never
 /// depend on the pool.
 pub fn with_kernel_pool<R, F>(threads: usize, name: &str, stack_bytes: usize, f: F) -> R

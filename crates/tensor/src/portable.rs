@@ -29,91 +29,20 @@
 //! registers (12 AVX-512 registers). No blocking of the contraction: that would split the chain.
 //! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
 
-use crate::operand::{Operand, Store, Widen};
+pub(crate) use crate::isa::Isa;
+use crate::operand::{Operand, Product, Store, Widen};
 
 /// Rows of `a` a register tile covers.
 const MR: usize = 6;
 /// Columns of `b` a packed panel (and a register tile) covers: two AVX-512 registers.
 const NR: usize = 32;
 
-/// The instruction set the portable kernel runs on. Every one gives the same bits; forcing one
-/// (`FERROTEXT_PORTABLE_ISA=avx512|avx2|scalar`) is how a test shows it on one machine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    /// AVX-512F with FMA.
-    Avx512,
-    /// AVX2 with FMA.
-    Avx2,
-    /// Plain Rust: `f32::mul_add` (a hardware FMA where the target has one, else libm's).
-    Scalar,
-}
-
-impl Isa {
-    /// The widest this CPU has, or the one `FERROTEXT_PORTABLE_ISA` asks for when the CPU has it.
-    pub(crate) fn detect() -> Isa {
-        let best = Isa::best();
-        match std::env::var("FERROTEXT_PORTABLE_ISA").as_deref() {
-            Ok("scalar") => Isa::Scalar,
-            Ok("avx2") if best != Isa::Scalar => Isa::Avx2,
-            _ => best,
-        }
-    }
-
-    fn best() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Scalar
-    }
-
-    /// For run headers: `AVX-512`, `AVX2` or `scalar`.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Isa::Avx512 => "AVX-512",
-            Isa::Avx2 => "AVX2",
-            Isa::Scalar => "scalar",
-        }
-    }
-}
-
-/// `dst = a · b` (or `+=`, per `store`) for `a` m×k and `b` k×n into `dst`'s `m` rows of `n`
-/// elements `ldc` apart, on this thread, on `isa`, with the operands' elements widened to f32
-/// as they are read. The bits are this module's invariants'.
+/// The product `job` on this thread, on `isa`, with the operands' elements widened to f32 as
+/// they are read. The bits are this module's invariants'.
 ///
 /// # Safety
 /// As [`crate::blas::sgemm`]; `isa` must be one this CPU has ([`Isa::detect`] gives one).
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm<T: Widen>(
-    isa: Isa,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<T>,
-    b: Operand<T>,
-    store: Store,
-) {
-    let job = Job {
-        m,
-        n,
-        k,
-        dst,
-        ldc,
-        a,
-        b,
-        store,
-    };
+pub(crate) unsafe fn gemm<T: Widen>(isa: Isa, job: Product<T>) {
     // SAFETY: the caller's contract; each path needs only the features `isa` names.
     unsafe {
         match isa {
@@ -126,31 +55,19 @@ pub(crate) unsafe fn gemm<T: Widen>(
     }
 }
 
-/// One product's operands and destination.
-struct Job<T> {
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<T>,
-    b: Operand<T>,
-    store: Store,
-}
-
-/// [`Job::run`] with the AVX-512 register tile.
+/// [`Product::run`] with the AVX-512 register tile.
 ///
 /// # Safety
 /// The CPU has AVX-512F and FMA; the job's operands are valid as [`gemm`] requires.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn run_avx512<T: Widen>(job: &Job<T>) {
-    let full = |job: &Job<T>, i0, j0, cols, panel: &[f32]| {
+unsafe fn run_avx512<T: Widen>(job: &Product<T>) {
+    let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
         // closure rows and columns inside the job's operands.
         unsafe { avx512_tile::<T, MR>(job, i0, j0, cols, panel) }
     };
-    let rest = |job: &Job<T>, rows, i0, j0, cols, panel: &[f32]| {
+    let rest = |job: &Product<T>, rows, i0, j0, cols, panel: &[f32]| {
         // SAFETY: as for `full`.
         unsafe { avx512_tile_rows(job, rows, i0, j0, cols, panel) }
     };
@@ -165,7 +82,7 @@ unsafe fn run_avx512<T: Widen>(job: &Job<T>) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn avx512_tile_rows<T: Widen>(
-    job: &Job<T>,
+    job: &Product<T>,
     rows: usize,
     i0: usize,
     j0: usize,
@@ -184,15 +101,15 @@ unsafe fn avx512_tile_rows<T: Widen>(
     }
 }
 
-/// [`Job::tile`] in AVX-512 registers: `R × 2` accumulators of 16 lanes, one
+/// [`Product::tile`] in AVX-512 registers: `R × 2` accumulators of 16 lanes, one
 /// `_mm512_fmadd_ps` per (row, half, `l`) — the same chain per element as `f32::mul_add`.
 ///
 /// # Safety
-/// The CPU has AVX-512F and FMA; as [`Job::tile`].
+/// The CPU has AVX-512F and FMA; as [`Product::tile`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn avx512_tile<T: Widen, const R: usize>(
-    job: &Job<T>,
+    job: &Product<T>,
     i0: usize,
     j0: usize,
     cols: usize,
@@ -231,18 +148,18 @@ unsafe fn avx512_tile<T: Widen, const R: usize>(
     unsafe { job.store(i0, j0, cols, &out) };
 }
 
-/// [`Job::run`] compiled for AVX2 and FMA.
+/// [`Product::run`] compiled for AVX2 and FMA.
 ///
 /// # Safety
 /// The CPU has both; the job's operands are valid as [`gemm`] requires.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T: Widen>(job: &Job<T>) {
+unsafe fn run_avx2<T: Widen>(job: &Product<T>) {
     // SAFETY: the caller's contract.
     unsafe { job.run() }
 }
 
-impl<T: Widen> Job<T> {
+impl<T: Widen> Product<T> {
     /// Panel by panel of `b`, tile by tile of `a`, with the portable tiles. Inlined into each
     /// instruction set's caller, so the tile loops compile to that set's fused multiply-adds.
     ///
@@ -250,12 +167,12 @@ impl<T: Widen> Job<T> {
     /// As [`gemm`].
     #[inline(always)]
     unsafe fn run(&self) {
-        let full = |job: &Job<T>, i0, j0, cols, panel: &[f32]| {
+        let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
             // SAFETY: `run_with` hands this closure rows and columns inside the job's
             // operands, by the caller's contract.
             unsafe { job.tile::<MR>(i0, j0, cols, panel) }
         };
-        let rest = |job: &Job<T>, rows, i0, j0, cols, panel: &[f32]| {
+        let rest = |job: &Product<T>, rows, i0, j0, cols, panel: &[f32]| {
             // SAFETY: as for `full`.
             unsafe {
                 match rows {
@@ -276,12 +193,12 @@ impl<T: Widen> Job<T> {
     ///
     /// # Safety
     /// As [`gemm`]; `full` and `rest` compute the rows and columns they are given, as
-    /// [`Job::tile`] does.
+    /// [`Product::tile`] does.
     #[inline(always)]
     unsafe fn run_with(
         &self,
-        full: impl Fn(&Job<T>, usize, usize, usize, &[f32]),
-        rest: impl Fn(&Job<T>, usize, usize, usize, usize, &[f32]),
+        full: impl Fn(&Product<T>, usize, usize, usize, &[f32]),
+        rest: impl Fn(&Product<T>, usize, usize, usize, usize, &[f32]),
     ) {
         if self.m == 0 || self.n == 0 {
             return;
@@ -421,27 +338,52 @@ mod tests {
         out
     }
 
-    fn run(isa: Isa, m: usize, n: usize, k: usize, a: Operand, b: Operand, dst: &mut [f32]) {
-        // SAFETY: callers pass operands covering m×k and k×n, and a dst of m×n.
-        unsafe { gemm(isa, m, n, k, dst.as_mut_ptr(), n, a, b, Store::Overwrite) };
+    fn run(isa: Isa, (m, n, k): (usize, usize, usize), a: Operand, b: Operand, dst: &mut [f32]) {
+        run_stored(isa, (m, n, k), (a, b), dst, Store::Overwrite);
     }
 
-    fn isas() -> Vec<Isa> {
-        let mut all = vec![Isa::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                all.push(Isa::Avx2);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                all.push(Isa::Avx512);
-            }
+    fn run_stored(
+        isa: Isa,
+        (m, n, k): (usize, usize, usize),
+        (a, b): (Operand, Operand),
+        dst: &mut [f32],
+        store: Store,
+    ) {
+        assert!(dst.len() >= m * n);
+        let p = Product {
+            m,
+            n,
+            k,
+            a,
+            b,
+            dst: dst.as_mut_ptr(),
+            ldc: n,
+            store,
+        };
+        // SAFETY: callers pass operands covering m×k and k×n, and `dst` holds m×n.
+        unsafe { gemm(isa, p) };
+    }
+
+    /// Every instruction set this CPU runs; the ones it lacks are reported skipped (`test`
+    /// names the check).
+    fn isas(test: &str) -> Vec<Isa> {
+        let all = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+        let best = Isa::best();
+        let here: Vec<Isa> = all
+            .into_iter()
+            .filter(|&isa| match (isa, best) {
+                (Isa::Scalar, _) | (_, Isa::Avx512) => true,
+                (Isa::Avx2, best) => best == Isa::Avx2,
+                (Isa::Avx512, _) => false,
+            })
+            .collect();
+        for isa in all.iter().filter(|i| !here.contains(i)) {
+            crate::report_skipped(
+                &format!("tensor portable::tests::{test} on {}", isa.name()),
+                "this processor does not have it",
+            );
         }
-        all
+        here
     }
 
     /// Every instruction set gives the chains' bits, on sizes that leave partial tiles and
@@ -452,7 +394,7 @@ mod tests {
             let (a, b) = (data(m * k, 1), data(k * n, 2));
             let want = chains(m, n, k, &a, &b);
             let bt: Vec<f32> = (0..n * k).map(|x| b[(x % k) * n + x / k]).collect();
-            for isa in isas() {
+            for isa in isas("every_instruction_set_gives_the_chains_bits") {
                 let a_op = Operand {
                     ptr: a.as_ptr(),
                     rs: k as isize,
@@ -471,7 +413,7 @@ mod tests {
                     },
                 ] {
                     let mut out = vec![f32::NAN; m * n];
-                    run(isa, m, n, k, a_op, b_op, &mut out);
+                    run(isa, (m, n, k), a_op, b_op, &mut out);
                     assert_eq!(out, want, "{isa:?} {m}×{n}×{k}");
                 }
             }
@@ -490,10 +432,10 @@ mod tests {
             rs: rs as isize,
             cs: 1,
         };
-        for isa in isas() {
+        for isa in isas("row_blocks_zero_padding_and_accumulation_keep_the_bits") {
             // Rows 5..12 alone.
             let mut block = vec![0.0; 7 * n];
-            run(isa, 7, n, k, op(&a[5 * k..], k), op(&b, n), &mut block);
+            run(isa, (7, n, k), op(&a[5 * k..], k), op(&b, n), &mut block);
             assert_eq!(block, want[5 * n..12 * n], "{isa:?} rows 5..12");
             // Zeros before and after the contraction: a padded with zero columns, b with rows.
             let pad = 9;
@@ -505,25 +447,13 @@ mod tests {
             }
             bp[pad * n..(pad + k) * n].copy_from_slice(&b);
             let mut padded = vec![0.0; m * n];
-            run(isa, m, n, kp, op(&ap, kp), op(&bp, n), &mut padded);
+            run(isa, (m, n, kp), op(&ap, kp), op(&bp, n), &mut padded);
             assert_eq!(padded, want, "{isa:?} zero-padded contraction");
             // Accumulating: dst + (the product), one rounding.
             let start = data(m * n, 5);
             let mut acc = start.clone();
-            // SAFETY: a is m×k, b is k×n, acc is m×n.
-            unsafe {
-                gemm(
-                    isa,
-                    m,
-                    n,
-                    k,
-                    acc.as_mut_ptr(),
-                    n,
-                    op(&a, k),
-                    op(&b, n),
-                    Store::Accumulate,
-                )
-            };
+            let ops = (op(&a, k), op(&b, n));
+            run_stored(isa, (m, n, k), ops, &mut acc, Store::Accumulate);
             let added: Vec<f32> = start.iter().zip(&want).map(|(s, w)| s + w).collect();
             assert_eq!(acc, added, "{isa:?} accumulate");
         }

@@ -4,7 +4,7 @@
 //! than the mean, down for one that got more, unchanged at the mean.
 //!
 //! The loads are the step's: every micro-batch's routing counted on each device
-//! ([`Decoder::loss_sum_and_loads`]), summed locally across micro-batches, then summed over the
+//! ([`Decoder::loss`]'s `loads`), summed locally across micro-batches, then summed over the
 //! devices **once per step** — one all-reduce of `layers × experts` f32 values (4 bytes each:
 //! 58 × 16 × 4 = 3.7 KB for `deepseek3-tiny`), in `update`, beside the gradients' reduction.
 //! Devices that share a block of the batch (tensor or any non-batch axis) route the same tokens,
@@ -16,7 +16,7 @@
 //! since every device holds the same reduced loads. A skipped step (`nan_policy=skip_step`)
 //! moves nothing.
 //!
-//! [`Decoder::loss_sum_and_loads`]: ferrotext_models::decoder::Decoder::loss_sum_and_loads
+//! [`Decoder::loss`]: ferrotext_models::decoder::Decoder::loss
 
 use ferrotext_models::decoder::{Decoder, ExpertLoads, Mlp};
 use ferrotext_sharding::{DimSpec, PartitionSpec};

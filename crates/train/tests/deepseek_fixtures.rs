@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_hf as hf;
-use ferrotext_models::decoder::Decoder;
+use ferrotext_models::decoder::{Decoder, LossOptions};
 use ferrotext_sharding::DType;
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx};
@@ -202,7 +202,11 @@ fn loss_parts(model: &Decoder, values: &[Tensor], rows: &[Vec<u32>]) -> (f64, f6
         let inputs = cx.ids_from_global(&[b, t], spec.clone(), &inputs)?;
         let targets = cx.ids_from_global(&[b, t], spec, &targets)?;
         let main = model.loss_sum(&mut cx, &params, &inputs, &targets)?;
-        let parts = model.loss_sum_parts(&mut cx, &params, &inputs, &targets)?;
+        let with_mtp = LossOptions {
+            partial: false,
+            with_mtp: true,
+        };
+        let parts = model.loss(&mut cx, &params, (&inputs, None), &targets, with_mtp)?;
         let mtp = match &parts.mtp {
             Some(m) => m.scalar()?,
             None => f32::NAN,

@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use ferrotext_comm::{run_spmd, PhasePattern, SpmdOptions};
+use ferrotext_models::decoder::LossOptions;
 use ferrotext_sharding::{NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::Tensor;
@@ -18,6 +19,12 @@ use ferrotext_train::{train, Engine, RunOptions, TrainConfig, TrainError, TrainR
 mod common;
 
 use common::small_config;
+
+/// The training objective: the module's term too.
+const MTP: LossOptions = LossOptions {
+    partial: false,
+    with_mtp: true,
+};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("ferrotext-mtp-{}-{name}", std::process::id()));
@@ -69,17 +76,17 @@ fn value_and_grad(
         let spec = PartitionSpec::new([Some("data"), None]);
         let inputs = cx.ids_from_global(&[b, t], spec.clone(), &inputs)?;
         let targets = cx.ids_from_global(&[b, t], spec, &targets)?;
-        let (v, g) =
-            cx.value_and_grad(&params, |cx, ps| match of {
-                Of::Total => Ok(model.loss_sum_parts(cx, ps, &inputs, &targets)?.total),
-                Of::Main => model.loss_sum(cx, ps, &inputs, &targets),
-                Of::Mtp => model.loss_sum_parts(cx, ps, &inputs, &targets)?.mtp.ok_or(
-                    SpmdError::Internal {
-                        op: "mtp test",
-                        invariant: "the model has the module",
-                    },
-                ),
-            })?;
+        let (v, g) = cx.value_and_grad(&params, |cx, ps| match of {
+            Of::Total => Ok(model.loss(cx, ps, (&inputs, None), &targets, MTP)?.total),
+            Of::Main => model.loss_sum(cx, ps, &inputs, &targets),
+            Of::Mtp => model
+                .loss(cx, ps, (&inputs, None), &targets, MTP)?
+                .mtp
+                .ok_or(SpmdError::Internal {
+                    op: "mtp test",
+                    invariant: "the model has the module",
+                }),
+        })?;
         let grads = g
             .iter()
             .map(|a| cx.to_host(a))

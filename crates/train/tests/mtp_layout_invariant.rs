@@ -23,12 +23,29 @@ fn run(extra: &[&str]) -> TrainReport {
 /// same global batch on data=4 × GA 1, data=2 × GA 2 and data=1 × GA 4 gives the same losses
 /// and weights, bit for bit (the module's partial sums join the tree with the main loss's). The
 /// reported `mtp_loss` is a metric summed outside the tree: equal to rounding only.
+///
+/// Where `FERROTEXT_MATMUL` forces a library (`.ci/kernel-paths`), `deterministic=true` is
+/// refused in this process (tests/layout_invariant.rs checks the refusal); the same check then
+/// runs in a child process of this test binary on the portable kernel.
 #[test]
 fn the_layout_invariant_path_keeps_its_bits_with_the_module() {
     let forced = std::env::var("FERROTEXT_MATMUL").unwrap_or_default();
     if !forced.is_empty() && forced != "portable" {
-        // deterministic=true is refused on a forced library kernel (tests/layout_invariant.rs
-        // checks that refusal).
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "the_layout_invariant_path_keeps_its_bits_with_the_module",
+                "--test-threads=1",
+            ])
+            .env("FERROTEXT_MATMUL", "portable")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "the check on the portable kernel: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         return;
     }
     let run_on = |data: usize, ga: usize| {

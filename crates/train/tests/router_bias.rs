@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, PhasePattern, SpmdOptions};
+use ferrotext_models::decoder::LossOptions;
 use ferrotext_sharding::{NamedSharding, PartitionSpec};
 use ferrotext_spmd::Ctx;
 use ferrotext_train::data::{micro_batch, source_for, TokenSource};
@@ -87,9 +88,11 @@ fn one_step_moves_each_bias_by_the_rate_against_the_load() {
                 let shape = [rows.len(), len];
                 let inputs = cx.ids_from_global(&shape, spec.clone(), &inputs)?;
                 let targets = cx.ids_from_global(&shape, spec, &targets)?;
-                let (_, l) = plan
+                let options = LossOptions::default();
+                let l = plan
                     .decoder()
-                    .loss_sum_and_loads(&mut cx, &params, &inputs, &targets)?;
+                    .loss(&mut cx, &params, (&inputs, None), &targets, options)?
+                    .loads;
                 for (a, b) in loads.iter_mut().zip(&l[0]) {
                     *a += b;
                 }

@@ -32,6 +32,7 @@
 mod backend;
 mod buffers;
 mod calls;
+mod eager;
 mod engine;
 mod exchange;
 mod pipeline;
@@ -130,10 +131,10 @@ impl MpiCluster {
             detail,
         };
         // Parts of pipelined collectives are sent eagerly only under the TCP transport's eager
-        // limit (see `pipeline::part_message_bytes`); ask for ours unless the user set one. This
+        // limit (see `eager::part_message_bytes`); ask for ours unless the user set one. This
         // runs before MPI starts and, in the binary, before any other thread does (`main`
         // detects the launch first), as changing the environment requires.
-        pipeline::default_eager_limit();
+        eager::default_eager_limit();
         let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple)
             .ok_or_else(|| fail("MPI is already initialised in this process".into()))?;
         if threading != Threading::Multiple {

@@ -38,60 +38,16 @@
 //! part of 64–256 KiB: 0.06–0.02 %).
 
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use crate::backend::OpInfo;
 use crate::element::Element;
 use crate::error::CommError;
 
 use super::buffers::Received;
+use super::eager::{part_message_bytes, PML_HEADER_ALLOWANCE};
 use super::engine::{Event, Flight};
 use super::transport::Transport;
 use super::wire::{part_header, HEADER_BYTES};
-
-/// The TCP transport's eager limit ferrotext asks Open MPI for (`btl_tcp_eager_limit`, set
-/// before `MPI_Init` unless the environment already sets one), and so its parts' largest size.
-/// Open MPI's own default is 64 KiB.
-const DEFAULT_EAGER_LIMIT_BYTES: usize = 256 << 10;
-
-/// The environment variable Open MPI reads `btl_tcp_eager_limit` from.
-const EAGER_LIMIT_ENV: &str = "OMPI_MCA_btl_tcp_eager_limit";
-
-/// Bytes of the PML's own header that an eager message must leave room for.
-const PML_HEADER_ALLOWANCE: usize = 256;
-
-/// Sets `btl_tcp_eager_limit` to [`DEFAULT_EAGER_LIMIT_BYTES`] in this process's environment
-/// unless it is already set. Call before `MPI_Init` and before any other thread starts.
-pub(crate) fn default_eager_limit() {
-    if std::env::var_os(EAGER_LIMIT_ENV).is_none() {
-        std::env::set_var(EAGER_LIMIT_ENV, DEFAULT_EAGER_LIMIT_BYTES.to_string());
-    }
-}
-
-/// The largest message of one part, header included: just under the eager limit in force (the
-/// environment's `btl_tcp_eager_limit`, between 4 KiB and 4 MiB; [`DEFAULT_EAGER_LIMIT_BYTES`]
-/// when it does not say), so every part is sent eagerly. A larger one waits for a rendezvous
-/// handshake whose reply, on a link whose queue is full of the other direction's data, waits
-/// behind that data: 1 MiB parts reached 56 % of an emulated 1 Gbit/s link, eager parts 95 %.
-/// Every process reads the same environment (`mpirun` passes it on), so all agree on the parts.
-///
-/// Why 256 KiB and not Open MPI's 64 KiB, measured on 2 emulated hosts at 10 Gbit/s (`bench
-/// collectives`, bus bandwidth / link rate): 4 MiB 88 → 96 %, 16 MiB 76 → 89 %; at 1 Gbit/s
-/// unchanged (95–96 %). Whole qwen3-peer steps at GA 4 (`bench cluster --hosts 2 --links
-/// 10gbit`, four runs each, alternated): the gradient all-reduce 13.4–16.2 → 12.7–13.3 ms, the
-/// deferred step 239–270 vs 259–266 ms and the per-micro-batch step 303–344 vs 319–345 ms, both
-/// within this machine's run-to-run noise (an earlier pair of runs that showed the per-micro-
-/// batch step 10–18 % slower did not replicate).
-fn part_message_bytes() -> usize {
-    static BYTES: OnceLock<usize> = OnceLock::new();
-    *BYTES.get_or_init(|| {
-        let limit = std::env::var(EAGER_LIMIT_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(DEFAULT_EAGER_LIMIT_BYTES);
-        limit.clamp(4 << 10, 4 << 20) - PML_HEADER_ALLOWANCE
-    })
-}
 
 /// Bytes sent ahead to each member (and of summed parts being gathered) before their sends
 /// complete. On 2 emulated hosts at 10 Gbit/s a window of 256 KiB (200 µs of the link) drained
@@ -603,77 +559,4 @@ pub(crate) fn sum_in_tree_order<T: Element>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn large_blocks_take_eager_sized_parts_and_small_ones_stay_pipelined() {
-        // Under the default limit (256 KiB messages): an 8 MiB block of f32 takes parts at the
-        // limit; a 400 KB block (a parameter's all-reduce between 2 hosts) stays in 64 KiB parts,
-        // 7 of them; a 1.6 MB block is cut in 8.
-        let raised = DEFAULT_EAGER_LIMIT_BYTES - PML_HEADER_ALLOWANCE;
-        assert_eq!(
-            part_elements_within(raised, 4, 2 << 20),
-            (raised - HEADER_BYTES) / 4
-        );
-        let p = part_elements_within(raised, 4, 100_000);
-        assert!(HEADER_BYTES + p * 4 <= MIN_PART_MESSAGE_BYTES);
-        assert_eq!(100_000usize.div_ceil(p), 7);
-        assert_eq!(
-            400_000usize.div_ceil(part_elements_within(raised, 4, 400_000)),
-            8
-        );
-        // Under the limit in force every part is one eager message; never an empty part.
-        assert!(HEADER_BYTES + part_elements(4, 2 << 20) * 4 <= part_message_bytes());
-        assert!(part_elements(4, 3) >= 1);
-        assert!(part_elements(2, 0) >= 1);
-    }
-
-    #[test]
-    fn parts_cover_every_block_once_in_order() {
-        for elem in [2, 4] {
-            for len in [0, 1, 15, 4096, 100_000, 3_000_000] {
-                for n in 1..6 {
-                    let blocks: Vec<Range<usize>> =
-                        (0..n).map(|k| crate::local::chunk(len, n, k)).collect();
-                    let largest = blocks.iter().map(|b| b.len()).max().unwrap_or(0);
-                    let p = part_elements(elem, largest);
-                    assert!(HEADER_BYTES + p * elem <= part_message_bytes());
-
-                    for b in &blocks {
-                        let mut at = b.start;
-                        for s in 0..parts(b.len(), p) {
-                            let range = part(b, p, s);
-                            assert_eq!(range.start, at, "len {len} n {n} part {s}");
-                            assert!(!range.is_empty() || b.is_empty());
-                            at = range.end;
-                        }
-                        assert_eq!(at, b.end);
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn sums_follow_the_tree_order_with_own_part_inserted() {
-        // 1e8 + 1 - 1e8 + 1 depends on the order in f32: the tree (a + b) + (c + d) gives 0,
-        // rank order 1.
-        let a = [1e8f32; 5000];
-        let b = [1f32; 5000];
-        let c = [-1e8f32; 5000];
-        let d = [1f32; 5000];
-        let reference: Vec<f32> = (0..5000).map(|i| (a[i] + b[i]) + (c[i] + d[i])).collect();
-        assert_ne!(reference[0], ((a[0] + b[0]) + c[0]) + d[0]);
-        for r in 0..4 {
-            let parts = [&a[..], &b[..], &c[..], &d[..]];
-            let others: Vec<&[f32]> = (0..4).filter(|&k| k != r).map(|k| parts[k]).collect();
-            let mut out = parts[r].to_vec();
-            sum_in_tree_order(&mut out, None, r, &others);
-            assert_eq!(out, reference, "in place, r = {r}");
-            let mut out = vec![7f32; 5000];
-            sum_in_tree_order(&mut out, Some(parts[r]), r, &others);
-            assert_eq!(out, reference, "from input, r = {r}");
-        }
-    }
-}
+mod tests;

@@ -175,6 +175,19 @@ pub(super) fn run(
     if !launch.is_leader() {
         return Ok(());
     }
+    print_rows(&rows);
+    let report = Report {
+        benchmark: "all_reduce",
+        cores: cores(),
+        rows,
+    };
+    write_json(out, &report)?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// The benchmark's table on stdout.
+fn print_rows(rows: &[Row]) {
     println!(
         "{:>9}  {:>7}  {:>9}  {:>12}  {:>11}  {:>11}  {:>11}  {:>8}",
         "processes",
@@ -186,7 +199,7 @@ pub(super) fn run(
         "memcpy GB/s",
         "ratio"
     );
-    for r in &rows {
+    for r in rows {
         println!(
             "{:>9}  {:>7}  {:>9}  {:>9.1} us  {:>11.2}  {:>11.2}  {:>11.2}  {:>8.2}",
             r.processes,
@@ -199,12 +212,4 @@ pub(super) fn run(
             r.ratio_to_memcpy
         );
     }
-    let report = Report {
-        benchmark: "all_reduce",
-        cores: cores(),
-        rows,
-    };
-    write_json(out, &report)?;
-    println!("wrote {}", out.display());
-    Ok(())
 }

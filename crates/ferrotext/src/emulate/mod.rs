@@ -15,6 +15,7 @@
 //!   behind (namespaces, links, run directories named after a PID that is no longer a live
 //!   ferrotext). `mpirun` gets SIGTERM if this process dies (`PR_SET_PDEATHSIG`).
 
+mod mpirun;
 pub mod net;
 pub mod predict;
 pub mod probe;
@@ -57,7 +58,7 @@ pub struct EmulateArgs {
     /// Devices per host (`local_devices` of the job: device threads of its process).
     #[arg(long, default_value_t = 1)]
     devices_per_host: usize,
-    /// Each host's egress link: RATE[,DELAY], e.g. `1gbit`, `10gbit,100us`.
+    /// Each host's egress link: `RATE[,DELAY]`, e.g. `1gbit`, `10gbit,100us`.
     #[arg(long, default_value = "1gbit")]
     link: String,
     /// Also write the report as JSON here.
@@ -345,57 +346,12 @@ pub fn run_job(
     limit: Option<Duration>,
 ) -> Result<JobRun> {
     let started = Instant::now();
-    let exe = std::env::current_exe().context("finding this executable")?;
-    let exe = exe
-        .to_str()
-        .filter(|e| !e.contains(char::is_whitespace))
-        .ok_or_else(|| usage("emulate needs this executable's path without spaces"))?
-        .to_string();
     let dir = net.run_dir();
     for host in 0..net.hosts() {
         let _ = std::fs::remove_file(probe::file_for(&dir, host));
         let _ = std::fs::remove_file(probe::started_file(&dir, host));
     }
-    let hosts: Vec<String> = (0..net.hosts())
-        .map(|h| format!("{}:{local}", net.address(h)))
-        .collect();
-    let map: Vec<String> = (0..net.hosts())
-        .map(|h| format!("{}={}", net.address(h), net.namespace(h)))
-        .collect();
-    let cidr = net.cidr();
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["-n", &net.hosts().to_string(), "--host", &hosts.join(",")])
-        .args(["--map-by", "ppr:1:node", "--bind-to", "none"])
-        .args(["--mca", "plm_rsh_agent", &format!("{exe} emulate-agent")])
-        .args(["--mca", "plm_rsh_no_tree_spawn", "1"])
-        .args(["--mca", "btl", "tcp,self"])
-        .args(["--mca", "btl_tcp_if_include", &cidr])
-        .args(["--mca", "oob_tcp_if_include", &cidr])
-        // The two workarounds: orted's hwloc topology write segfaults now and then; a direct
-        // route avoids the routing tree for a handful of daemons.
-        .args(["--mca", "rtc", "^hwloc", "--mca", "routed", "direct"])
-        .args(["-x", &format!("{}={}", probe::ENV_IF, net::HOST_IF)])
-        .args(["-x", &format!("{}={}", probe::ENV_DIR, dir.display())])
-        .arg(&exe)
-        .args(job)
-        .env(ENV_HOSTS, map.join(","))
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdin(Stdio::null());
-    if quiet {
-        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
-    }
-    // mpirun ends its job when this process dies, even by SIGKILL.
-    // SAFETY: `prctl` is async-signal-safe and touches no memory of the parent; the closure runs
-    // between fork and exec and only makes that call.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    let mut cmd = mpirun::command(net, local, job, quiet)?;
     let mut child = cmd.spawn().context("starting mpirun")?;
     // For the clean-up of a later start, should this process be killed.
     let _ = std::fs::write(dir.join(net::MPIRUN_PID_FILE), child.id().to_string());
@@ -600,25 +556,4 @@ pub fn agent(args: &AgentArgs) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A process that heeds SIGTERM ends at once; one that ignores it is killed after the grace
-    /// period. Either way its status comes back and it is reaped.
-    #[test]
-    fn stop_child_ends_a_process_that_would_run_on() {
-        let mut polite = Command::new("sleep").arg("100").spawn().expect("sleep");
-        let started = Instant::now();
-        let status = stop_child(&mut polite).expect("stopped");
-        assert!(!status.success());
-        assert!(started.elapsed() < Duration::from_secs(4));
-        let mut stubborn = Command::new("sh")
-            .args(["-c", "trap '' TERM; exec sleep 100"])
-            .spawn()
-            .expect("sh");
-        std::thread::sleep(Duration::from_millis(200));
-        let status = stop_child(&mut stubborn).expect("killed");
-        assert!(!status.success());
-        assert!(stubborn.try_wait().expect("reaped").is_some());
-    }
-}
+mod tests;

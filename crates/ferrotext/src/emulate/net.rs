@@ -9,7 +9,6 @@
 //!   jobs' traffic can only go to the namespaces' addresses (and the bridge's `.254`).
 //! * [`Network`] tears everything down when dropped (and [`Network::teardown`] is idempotent).
 
-use std::fmt;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::Command;
@@ -18,6 +17,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::common::UsageError;
+
+mod link;
+
+pub use link::LinkSpec;
 
 /// Namespace names: `ftxemu-<pid>-h<i>`.
 const NS_PREFIX: &str = "ftxemu-";
@@ -33,86 +36,6 @@ pub const MPIRUN_PID_FILE: &str = "mpirun.pid";
 pub const HOST_IF: &str = "ftx0";
 /// The run directory (agent map, probe files): `<tmp>/ferrotext-emulate-<pid>`.
 const RUN_DIR_PREFIX: &str = "ferrotext-emulate-";
-
-/// A link: egress rate and optional one-way delay (`1gbit`, `10gbit,100us`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct LinkSpec {
-    /// Bits per second.
-    pub rate_bps: u64,
-    /// One-way delay added to every packet a host sends.
-    pub delay: Option<Duration>,
-    text: String,
-}
-
-impl fmt::Display for LinkSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.text)
-    }
-}
-
-fn split_number(s: &str) -> Option<(f64, &str)> {
-    let end = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let value: f64 = s[..end].parse().ok()?;
-    (value.is_finite() && value > 0.0).then_some((value, &s[end..]))
-}
-
-impl LinkSpec {
-    /// Parses `RATE[,DELAY]`: RATE a number with `bit`, `kbit`, `mbit`, `gbit` or `tbit`
-    /// (`tc`'s units, decimal), DELAY a number with `us`, `ms` or `s`.
-    ///
-    /// # Errors
-    /// A [`UsageError`] naming what does not parse.
-    pub fn parse(text: &str) -> Result<LinkSpec> {
-        let bad = |why: &str| -> anyhow::Error {
-            UsageError(format!(
-                "--link {text:?}: {why} (expected RATE[,DELAY], e.g. 1gbit or 10gbit,100us)"
-            ))
-            .into()
-        };
-        let text = text.trim();
-        let (rate, delay) = match text.split_once(',') {
-            Some((r, d)) => (r.trim(), Some(d.trim())),
-            None => (text, None),
-        };
-        let (value, unit) = split_number(rate).ok_or_else(|| bad("the rate is not a number"))?;
-        let scale = match unit.to_ascii_lowercase().as_str() {
-            "bit" => 1.0,
-            "kbit" => 1e3,
-            "mbit" => 1e6,
-            "gbit" => 1e9,
-            "tbit" => 1e12,
-            _ => return Err(bad("the rate's unit is not bit, kbit, mbit, gbit or tbit")),
-        };
-        let rate_bps = (value * scale).round();
-        if !(8_000.0..=1e13).contains(&rate_bps) {
-            return Err(bad("the rate must be between 8kbit and 10tbit"));
-        }
-        let delay = match delay {
-            None => None,
-            Some(d) => {
-                let (value, unit) =
-                    split_number(d).ok_or_else(|| bad("the delay is not a number"))?;
-                let seconds = match unit.to_ascii_lowercase().as_str() {
-                    "us" => value * 1e-6,
-                    "ms" => value * 1e-3,
-                    "s" => value,
-                    _ => return Err(bad("the delay's unit is not us, ms or s")),
-                };
-                if seconds > 10.0 {
-                    return Err(bad("the delay must be at most 10s"));
-                }
-                Some(Duration::from_secs_f64(seconds))
-            }
-        };
-        Ok(LinkSpec {
-            rate_bps: rate_bps as u64,
-            delay,
-            text: text.to_string(),
-        })
-    }
-}
 
 /// Finds `tool` on `PATH`.
 pub fn find_tool(tool: &str) -> Option<PathBuf> {
@@ -627,79 +550,4 @@ fn tbf_burst_bytes(rate_bps: u64) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A run's owner is recognised under another binary name when it was started as
-    /// `… emulate`, so a second start does not take a live run's network for leftovers; a
-    /// reused PID running something else (the mirror) is not an owner.
-    #[test]
-    fn an_owner_is_a_ferrotext_or_an_emulate_launcher_under_any_name() {
-        assert!(owns_a_run("ferrotext", b"/x/ferrotext\0train\0"));
-        assert!(owns_a_run(
-            "ferrotext-mpi",
-            b"./ferrotext-mpi\0emulate\0--hosts\x002\0"
-        ));
-        assert!(owns_a_run("ft", b"/opt/ft\0emulate-agent\0"));
-        assert!(!owns_a_run("sleep", b"sleep\x00100\0"));
-        assert!(!owns_a_run("bash", b"bash\0-c\0echo emulate\0"));
-        assert!(!owns_a_run("", b""));
-    }
-
-    #[test]
-    fn the_bucket_is_a_millisecond_of_traffic_and_at_least_two_gso_packets() {
-        assert_eq!(tbf_burst_bytes(10_000_000_000), 1_250_000);
-        assert_eq!(tbf_burst_bytes(1_000_000_000), 128 * 1024);
-        assert_eq!(tbf_burst_bytes(100_000_000), 128 * 1024);
-    }
-
-    #[test]
-    fn link_specs_parse() {
-        let l = LinkSpec::parse("1gbit,100us").unwrap();
-        assert_eq!(l.rate_bps, 1_000_000_000);
-        assert_eq!(l.delay, Some(Duration::from_micros(100)));
-        assert_eq!(LinkSpec::parse("10gbit").unwrap().rate_bps, 10_000_000_000);
-        assert_eq!(LinkSpec::parse("2.5Gbit").unwrap().rate_bps, 2_500_000_000);
-        for bad in [
-            "",
-            "fast",
-            "1gb",
-            "0gbit",
-            "1gbit,",
-            "1gbit,5parsecs",
-            "-1mbit",
-        ] {
-            assert!(LinkSpec::parse(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn names_carry_their_owner() {
-        let n = Names { pid: 4_194_303 };
-        for name in [n.namespace(3), n.bridge(), n.veth(12), n.peer(12)] {
-            assert_eq!(owner_of(&name), Some(4_194_303), "{name}");
-            assert!(name.len() <= 15 || name.starts_with(NS_PREFIX), "{name}");
-        }
-        assert_eq!(owner_of("fxbridge"), None);
-        assert_eq!(owner_of("eth0"), None);
-    }
-
-    #[test]
-    fn the_subnet_avoids_every_route() {
-        let taken: Vec<Prefix> = ["10.128.0.0/16", "10.129.7.0/24", "192.0.2.0/24"]
-            .iter()
-            .filter_map(|p| Prefix::parse(p))
-            .collect();
-        for seed in 0..200 {
-            let s = free_subnet(&taken, seed).unwrap();
-            let p = Prefix {
-                net: u32::from(s),
-                len: 24,
-            };
-            assert!(!taken.iter().any(|t| t.overlaps(&p)), "{s}");
-        }
-        // A /9 route over the whole range leaves nothing.
-        let all = [Prefix::parse("10.128.0.0/9").unwrap()];
-        assert_eq!(free_subnet(&all, 1), None);
-    }
-}
+mod tests;

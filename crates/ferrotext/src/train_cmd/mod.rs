@@ -177,6 +177,9 @@ fn print_header(plan: &RunPlan, launch: &Launch) {
     );
     println!("outputs: {}", plan.output_dir().display());
     println!("matmul: {}", ferrotext_tensor::matmul_kernel());
+    // The set the portable kernel and the row kernels ran on: what a claim of equal bits
+    // across processors is checked against (tests/deterministic.rs).
+    println!("instruction set: {}", ferrotext_tensor::instruction_set());
     println!("precision: {}", plan.precision());
     if let Some(kernel) = bf16_kernel(plan) {
         println!("bf16 matmul: {kernel}");

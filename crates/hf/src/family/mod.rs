@@ -233,7 +233,7 @@ pub fn read_config(dir: &Path) -> Result<Config, HfError> {
     let mut cfg = decoder_config(&value).map_err(err)?;
     if cfg.mtp_num_layers > 0 {
         let prefix = format!("model.layers.{}.", cfg.base_num_decoder_layers);
-        let names = crate::read::tensor_names(dir).map_err(|reason| HfError::Params {
+        let names = crate::shards::tensor_names(dir).map_err(|reason| HfError::Params {
             path: dir.display().to_string(),
             reason,
         })?;

@@ -2,12 +2,13 @@
 //! auxiliary losses) as a plain scalar or as each device's partial sum, and the training
 //! objective, which adds the multi-token-prediction module's term ([`crate::mtp`]).
 //!
-//! Invariant: every entry point runs one forward pass; the `_parts` ones alone run the MTP
-//! module, so evaluation and the plain loss are the main model's.
+//! Invariant: one entry point, [`Decoder::loss`], runs one forward pass; only
+//! [`LossOptions::with_mtp`] runs the MTP module, so evaluation and the plain loss are the main
+//! model's. [`Decoder::loss_sum`] is its plain total, for tests and callers that want no more.
 
 use ferrotext_spmd::{Array, Ctx, HeadLoss, Ids, SpmdError};
 
-use super::{Decoder, ExpertLoads, LossSum};
+use super::{Decoder, LossSum};
 use crate::positions::Positions;
 
 /// Which sum [`Decoder::loss`] returns.
@@ -21,50 +22,16 @@ pub struct LossOptions {
 }
 
 impl Decoder {
-    /// [`Decoder::loss_sum`] and this device's expert loads: per MoE layer in layer order, the
-    /// tokens of this device's block of the batch routed to each expert (`[experts]` counts, the
-    /// selection bias applied; empty in abstract mode) — what the aux-loss-free balancing sums
-    /// over micro-batches and devices. The main model's loss: an MTP module is not run (see
-    /// [`Decoder::loss_sum_parts`]).
+    /// The cross-entropy *sum* over the target tokens of a batch ([`IGNORE_INDEX`] targets are
+    /// ignored), as a plain scalar: the main model's loss of [`Decoder::loss`] with the default
+    /// [`LossOptions`]. `params` are in [`Decoder::params`] order, laid out and tagged by the
+    /// caller; `inputs` and `targets` are `[B, T]`.
     ///
     /// # Errors
-    /// As [`Decoder::loss_sum`].
-    pub fn loss_sum_and_loads(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<(Array, ExpertLoads), SpmdError> {
-        let parts = self.parts(cx, params, (inputs, None), targets, (false, false))?;
-        Ok((parts.total, parts.loads))
-    }
-
-    /// The training objective's sum: [`Decoder::loss_sum_and_loads`] plus, when the model has
-    /// the multi-token-prediction module, its term scaled as [`crate::mtp`] says, and the
-    /// module's own cross-entropy sum apart (`mtp`).
+    /// As [`Decoder::loss`].
     ///
-    /// # Errors
-    /// As [`Decoder::loss_sum`]; a sequence dim split over devices when the module is on.
-    pub fn loss_sum_parts(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<LossSum, SpmdError> {
-        self.parts(cx, params, (inputs, None), targets, (false, true))
-    }
-
-    /// [`Decoder::loss_sum`] left as each device's partial sum over its own tokens, a scalar
-    /// unreduced over the batch axes (`f32[]{U:data}`, [`Ctx::cross_entropy_partial_sum`]): for
-    /// a trainer that adds the partial sums of its micro-batches and devices in an order of its
-    /// own before one reduction.
-    ///
-    /// # Errors
-    /// As [`Decoder::loss_sum`]; a model with an auxiliary loss (`load_balance_loss_weight` >
-    /// 0), whose value is a function of the whole micro-batch's routing, not a sum over devices.
-    pub fn loss_partial_sum(
+    /// [`IGNORE_INDEX`]: ferrotext_spmd::IGNORE_INDEX
+    pub fn loss_sum(
         &self,
         cx: &mut Ctx<'_>,
         params: &[Array],
@@ -72,47 +39,30 @@ impl Decoder {
         targets: &Ids,
     ) -> Result<Array, SpmdError> {
         Ok(self
-            .loss_partial_sum_and_loads(cx, params, inputs, targets)?
-            .0)
-    }
-
-    /// [`Decoder::loss_partial_sum`] and this device's expert loads (as
-    /// [`Decoder::loss_sum_and_loads`]).
-    ///
-    /// # Errors
-    /// As [`Decoder::loss_partial_sum`].
-    pub fn loss_partial_sum_and_loads(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<(Array, ExpertLoads), SpmdError> {
-        let parts = self.parts(cx, params, (inputs, None), targets, (true, false))?;
-        Ok((parts.total, parts.loads))
-    }
-
-    /// [`Decoder::loss_sum_parts`] as partial sums (as [`Decoder::loss_partial_sum`]).
-    ///
-    /// # Errors
-    /// As [`Decoder::loss_partial_sum`].
-    pub fn loss_partial_sum_parts(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<LossSum, SpmdError> {
-        self.parts(cx, params, (inputs, None), targets, (true, true))
+            .loss(cx, params, (inputs, None), targets, LossOptions::default())?
+            .total)
     }
 
     /// The loss sums of a batch of `inputs` (packed `docs` when given: attention stays inside
     /// each document and RoPE restarts at each) against `targets`, as `options` say: the
-    /// entry point the other `loss_*` methods specialise.
+    /// cross-entropy sum (z-loss included) and the MoE auxiliary losses (`total`), this
+    /// device's expert loads (`loads`: per MoE layer in layer order, the tokens of this device's
+    /// block of the batch routed to each expert, the selection bias applied; empty in abstract
+    /// mode — what the aux-loss-free balancing sums over micro-batches and devices), and with
+    /// [`LossOptions::with_mtp`] the multi-token-prediction module's term in `total`, scaled as
+    /// [`crate::mtp`] says, and its own cross-entropy sum apart (`mtp`).
+    ///
+    /// With [`LossOptions::partial`] every sum is each device's own over its tokens, a scalar
+    /// unreduced over the batch axes (`f32[]{U:data}`, [`Ctx::cross_entropy_partial_sum`]): for
+    /// a trainer that adds the partial sums of its micro-batches and devices in an order of its
+    /// own before one reduction.
     ///
     /// # Errors
-    /// As [`Decoder::loss_sum`]; as [`Decoder::loss_partial_sum`] for `partial`; packed
-    /// documents on a layout the tiled attention does not take.
+    /// A type error of the ops (a layout the model cannot run), or too few parameters; with
+    /// `with_mtp` and the module on, a sequence dim split over devices; with `partial`, a model
+    /// with an auxiliary loss (`load_balance_loss_weight` > 0), whose value is a function of the
+    /// whole micro-batch's routing, not a sum over devices; packed documents on a layout the
+    /// tiled attention does not take.
     pub fn loss(
         &self,
         cx: &mut Ctx<'_>,
@@ -121,25 +71,7 @@ impl Decoder {
         targets: &Ids,
         options: LossOptions,
     ) -> Result<LossSum, SpmdError> {
-        self.parts(
-            cx,
-            params,
-            (inputs, docs),
-            targets,
-            (options.partial, options.with_mtp),
-        )
-    }
-
-    /// The loss sums: `partial` as each device's own ([`Ctx::cross_entropy_partial_sum`]);
-    /// `with_mtp`: the MTP module's term too, when the model has it.
-    fn parts(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        (inputs, docs): (&Ids, Option<&Positions>),
-        targets: &Ids,
-        (partial, with_mtp): (bool, bool),
-    ) -> Result<LossSum, SpmdError> {
+        let LossOptions { partial, with_mtp } = options;
         let z = self.cfg.z_loss_multiplier;
         let (ce, aux, loads, hidden) = if self.vocab_tiles > 1 {
             let h = self.hidden_and_head(cx, params, inputs, None, docs)?;
@@ -165,7 +97,7 @@ impl Decoder {
         let total = match (aux, partial) {
             (Some(_), true) => {
                 return Err(SpmdError::NoPartialSum {
-                    op: "loss_partial_sum",
+                    op: "Decoder::loss (partial)",
                 })
             }
             (_, true) => ce,

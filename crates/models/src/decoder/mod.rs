@@ -260,22 +260,6 @@ impl Decoder {
             .sum()
     }
 
-    /// The cross-entropy *sum* over the target tokens of a batch ([`IGNORE_INDEX`](ferrotext_spmd::IGNORE_INDEX) targets are
-    /// ignored), as a plain scalar. `params` are in [`Decoder::params`] order, laid out and
-    /// tagged by the caller; `inputs` and `targets` are `[B, T]`.
-    ///
-    /// # Errors
-    /// A type error of the ops (a layout the model cannot run), or too few parameters.
-    pub fn loss_sum(
-        &self,
-        cx: &mut Ctx<'_>,
-        params: &[Array],
-        inputs: &Ids,
-        targets: &Ids,
-    ) -> Result<Array, SpmdError> {
-        Ok(self.loss_sum_and_loads(cx, params, inputs, targets)?.0)
-    }
-
     /// The last hidden states `[B, T, d]` after the final norm (transformers'
     /// `last_hidden_state`; what DeepSeek-V3's multi-token prediction reads,
     /// [`crate::mtp`]).

@@ -87,30 +87,7 @@ impl Ctx<'_> {
         }
         let mut results = Vec::with_capacity(outputs.len());
         for (y, spec) in outputs.iter().zip(out_specs) {
-            let m = y.ty().manual_tags();
-            let sharded: AxisSet = spec.partition_axes().map(str::to_string).collect();
-            if m.unreduced() != spec.unreduced() || m.reduced() != spec.reduced() {
-                return Err(type_error(
-                    K::UnreducedMismatch,
-                    "shard_map",
-                    y.ty(),
-                    format!(
-                        "out_specs passed to shard_map should be equal to the unreduced and reduced \
-                         present on the out_aval. Got out_specs={spec} (R6.6; cast with `pcast` first)"
-                    ),
-                ));
-            }
-            if m.varying() != &sharded {
-                return Err(type_error(
-                    K::ShardingMismatch,
-                    "shard_map",
-                    y.ty(),
-                    format!(
-                        "out_specs {spec} must shard exactly on the axes the output is varying on \
-                         (an unmentioned varying axis cannot be replicated, R6.6)"
-                    ),
-                ));
-            }
+            check_region_output(y, spec)?;
             let mut shape = y.ty().shape().to_vec();
             for (d, dim) in spec.partitions().iter().enumerate() {
                 if let Some(n) = shape.get_mut(d) {
@@ -131,6 +108,36 @@ impl Ctx<'_> {
         }
         Ok(results)
     }
+}
+
+/// R6.6: a region output `y` leaves under `spec` only with `spec`'s unreduced and reduced axes,
+/// and sharded exactly on the axes it is varying on.
+fn check_region_output(y: &Array, spec: &PartitionSpec) -> Result<(), SpmdError> {
+    let m = y.ty().manual_tags();
+    let sharded: AxisSet = spec.partition_axes().map(str::to_string).collect();
+    if m.unreduced() != spec.unreduced() || m.reduced() != spec.reduced() {
+        return Err(type_error(
+            K::UnreducedMismatch,
+            "shard_map",
+            y.ty(),
+            format!(
+                "out_specs passed to shard_map should be equal to the unreduced and reduced \
+                 present on the out_aval. Got out_specs={spec} (R6.6; cast with `pcast` first)"
+            ),
+        ));
+    }
+    if m.varying() != &sharded {
+        return Err(type_error(
+            K::ShardingMismatch,
+            "shard_map",
+            y.ty(),
+            format!(
+                "out_specs {spec} must shard exactly on the axes the output is varying on \
+                 (an unmentioned varying axis cannot be replicated, R6.6)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The transpose of entering a region from `outside`: the cotangent leaves typed as `outside`'s

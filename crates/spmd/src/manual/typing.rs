@@ -134,6 +134,12 @@ pub(crate) fn manual_unary_type(
     Ok(x.clone())
 }
 
+/// The type of the elementwise `op` of `a` and `b` inside a region: equal varying axes (R6.9),
+/// the reduced rules of R3.1/R3.2, and the unreduced rules of R6.12 per op.
+///
+/// # Errors
+/// `shape_error`, `sharding_mismatch`, `reduced_conflict`, `unreduced_mismatch` or
+/// `unreduced_operand`, naming the op.
 pub(crate) fn manual_binary_type(
     op: BinaryOp,
     a: &ArrayType,
@@ -154,33 +160,7 @@ pub(crate) fn manual_binary_type(
         .into());
     }
     // R3.1/R3.2 inside (R6.11).
-    let nonempty: Vec<&AxisSet> = [ma.reduced(), mb.reduced()]
-        .into_iter()
-        .filter(|s| !s.is_empty())
-        .collect();
-    if nonempty.len() == 2 && nonempty[0] != nonempty[1] {
-        return Err(ShardingTypeError::new(
-            K::ReducedConflict,
-            name,
-            &[a, b],
-            "All inputs should be reduced across the same mesh axes",
-        )
-        .into());
-    }
-    let r: AxisSet = nonempty.first().map(|s| (*s).clone()).unwrap_or_default();
-    for m in [ma, mb] {
-        if r.iter()
-            .any(|x| !m.reduced().contains(x) && !m.unreduced().contains(x))
-        {
-            return Err(ShardingTypeError::new(
-                K::ReducedConflict,
-                name,
-                &[a, b],
-                "Inputs cannot be replicated on the same axes that another input is reduced on",
-            )
-            .into());
-        }
-    }
+    let r = common_reduced(name, (a, b), (ma, mb))?;
     let (ua, ub) = (ma.unreduced(), mb.unreduced());
     let (u, r) = match op {
         BinaryOp::Add | BinaryOp::Sub => {
@@ -235,6 +215,44 @@ pub(crate) fn manual_binary_type(
         }
     };
     manual_type(a, shape, ManualTags::new(ma.varying().clone(), u, r)?)
+}
+
+/// The reduced axes of a binary op's result inside a region (R3.1/R3.2 via R6.11): the
+/// operands' nonempty reduced sets must agree, and no operand may be replicated (neither
+/// reduced nor unreduced) on an axis the other is reduced on.
+fn common_reduced(
+    name: &str,
+    (a, b): (&ArrayType, &ArrayType),
+    (ma, mb): (&ManualTags, &ManualTags),
+) -> Result<AxisSet, SpmdError> {
+    let nonempty: Vec<&AxisSet> = [ma.reduced(), mb.reduced()]
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect();
+    if nonempty.len() == 2 && nonempty[0] != nonempty[1] {
+        return Err(ShardingTypeError::new(
+            K::ReducedConflict,
+            name,
+            &[a, b],
+            "All inputs should be reduced across the same mesh axes",
+        )
+        .into());
+    }
+    let r: AxisSet = nonempty.first().map(|s| (*s).clone()).unwrap_or_default();
+    for m in [ma, mb] {
+        if r.iter()
+            .any(|x| !m.reduced().contains(x) && !m.unreduced().contains(x))
+        {
+            return Err(ShardingTypeError::new(
+                K::ReducedConflict,
+                name,
+                &[a, b],
+                "Inputs cannot be replicated on the same axes that another input is reduced on",
+            )
+            .into());
+        }
+    }
+    Ok(r)
 }
 
 /// The type of `dot_general(lhs, rhs, dims)` inside a region: neither operand unreduced, equal

@@ -52,7 +52,7 @@ pub fn dot_general_type(
     // sharded on one side only is accepted, and the output takes the *lhs*'s batch partition,
     // replicated when only the rhs is sharded there (checked on JAX 0.10.2:
     // `[4,8@fsdp,8]·[4@data,8,4]` → `f32[4,8@fsdp,4]`). The op computes such a batch slice by
-    // slice and gathers it (ops::aligned_dot_types).
+    // slice and gathers it (`aligned_dot_types` in `dot/layout.rs`).
     let conflicting = bl
         .iter()
         .zip(&br)

@@ -18,6 +18,7 @@ use crate::error::{ShardingTypeError, TypeErrorKind as K};
 
 mod dot;
 mod elementwise;
+pub(crate) mod head_loss;
 mod shape;
 
 pub use dot::dot_general_type;

@@ -182,3 +182,6 @@ pub(crate) fn products_on_tiles() -> bool {
 pub fn allow_bf16_fallback() -> Result<String, TensorError> {
     choice(true).describe()
 }
+
+#[cfg(test)]
+mod tests;

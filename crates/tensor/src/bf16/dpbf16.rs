@@ -26,7 +26,7 @@ use std::arch::x86_64::{
 
 use half::bf16;
 
-use crate::operand::{Operand, Store};
+use crate::operand::{Operand, Product, Store};
 
 /// Rows of `a` a register tile covers.
 const MR: usize = 8;
@@ -44,22 +44,13 @@ pub(crate) fn available() -> bool {
         && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
-/// `dst = a · b` (or `+=`, per `store`) for bf16 `a` m×k and `b` k×n into `dst`'s `m` rows of
-/// `n` `f32` elements `ldc` apart, on this thread.
+/// The bf16 product `p` (`dst = a · b`, or `+=`, per its `store`) into `f32` rows, on this
+/// thread.
 ///
 /// # Safety
 /// As [`crate::blas::sgemm`]; the CPU has AVX512_BF16 ([`available`]).
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<bf16>,
-    b: Operand<bf16>,
-    store: Store,
-) {
+pub(crate) unsafe fn gemm(p: Product<bf16>) {
+    let (m, n, k) = (p.m, p.n, p.k);
     if m == 0 || n == 0 {
         return;
     }
@@ -69,7 +60,7 @@ pub(crate) unsafe fn gemm(
     with_scratch(&B_SCRATCH, b_len, |bpack| {
         with_scratch(&A_SCRATCH, kp_max * MR * tiles, |apack| {
             // SAFETY: the caller's contract; the buffers hold a block of each operand.
-            unsafe { gemm_blocks(m, n, k, dst, ldc, (a, apack), (b, bpack), store) }
+            unsafe { gemm_blocks(p, apack, bpack) }
         })
     });
 }
@@ -117,17 +108,17 @@ fn keep(key: &'static std::thread::LocalKey<std::cell::Cell<Vec<u32>>>, buffer: 
 ///
 /// # Safety
 /// As [`gemm`].
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_blocks(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    (a, apack): (Operand<bf16>, &mut [u32]),
-    (b, bpack): (Operand<bf16>, &mut [u32]),
-    store: Store,
-) {
+unsafe fn gemm_blocks(p: Product<bf16>, apack: &mut [u32], bpack: &mut [u32]) {
+    let Product {
+        m,
+        n,
+        k,
+        a,
+        b,
+        dst,
+        ldc,
+        store,
+    } = p;
     let tiles = m.div_ceil(MR);
     for l0 in (0..k.max(1)).step_by(KC) {
         let kc = KC.min(k - l0.min(k));
@@ -558,17 +549,17 @@ unsafe fn rounded_tiles(
 ///
 /// # Safety
 /// As [`gemm`] (with `dst` bf16 when `round`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn few_rows(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut u8,
-    ldc: usize,
-    a: Operand<bf16>,
-    b: Operand<bf16>,
-    (store, round): (Store, bool),
-) -> bool {
+pub(crate) unsafe fn few_rows(p: Product<bf16, u8>, round: bool) -> bool {
+    let Product {
+        m,
+        n,
+        k,
+        a,
+        b,
+        dst,
+        ldc,
+        store,
+    } = p;
     let columns = b.cs != 1;
     if m > row::MAX_ROWS
         || (columns && (b.rs != 1 || b.cs.unsigned_abs() > (i32::MAX as usize) / 16 || b.cs < 0))

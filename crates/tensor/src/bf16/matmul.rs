@@ -30,7 +30,7 @@ use super::{add_rounded, permuted, round_into, Bf16Tensor};
 use crate::blas::{gemm_on, kernel, Blas, Cblas, Element, Kernel};
 use crate::error::TensorError;
 use crate::matmul::{as_stack_of, products, DotDims, Stacks};
-use crate::operand::{Operand, Store};
+use crate::operand::{Operand, Product, Store};
 use crate::parallel::{filled, for_each_chunk, Work};
 use crate::portable;
 use crate::portable::Isa;
@@ -44,38 +44,27 @@ const MIN_BLOCK_ROWS: usize = 64;
 ///
 /// # Safety
 /// As [`crate::blas::sgemm`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn product(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<bf16>,
-    b: Operand<bf16>,
-    parallelism: gemm::Parallelism,
-    store: Store,
-) {
+pub(crate) unsafe fn product(p: Product<bf16>, parallelism: gemm::Parallelism) {
     match choice(false) {
         Choice::Library(..) => {
             // SAFETY: the caller's contract.
-            unsafe { gemm_on(kernel(), m, n, k, dst, ldc, a, b, parallelism, store) }
+            unsafe { gemm_on(kernel(), p, parallelism) }
         }
         #[cfg(target_arch = "x86_64")]
         Choice::Own(_) => {
             // SAFETY: the caller's contract; `Own` is chosen only where the CPU has
             // AVX512_BF16.
-            unsafe { own(m, n, k, dst, ldc, a, b, parallelism, store) }
+            unsafe { own(p, parallelism) }
         }
         Choice::Portable(isa, _) => {
             let portable = Kernel::Portable(*isa);
             // SAFETY: the caller's contract.
-            unsafe { gemm_on(&portable, m, n, k, dst, ldc, a, b, parallelism, store) }
+            unsafe { gemm_on(&portable, p, parallelism) }
         }
         _ => {
             let portable = Kernel::Portable(Isa::detect());
             // SAFETY: the caller's contract.
-            unsafe { gemm_on(&portable, m, n, k, dst, ldc, a, b, parallelism, store) }
+            unsafe { gemm_on(&portable, p, parallelism) }
         }
     }
 }
@@ -86,109 +75,54 @@ pub(crate) unsafe fn product(
 /// # Safety
 /// As [`crate::blas::sgemm`]; the CPU has AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn own(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ldc: usize,
-    a: Operand<bf16>,
-    b: Operand<bf16>,
-    parallelism: gemm::Parallelism,
-    store: Store,
-) {
+pub(crate) unsafe fn own(p: Product<bf16>, parallelism: gemm::Parallelism) {
     // SAFETY: the caller's contract.
-    if unsafe { super::dpbf16::few_rows(m, n, k, dst.cast(), ldc, a, b, (store, false)) } {
+    if unsafe { super::dpbf16::few_rows(p.into_bytes(), false) } {
         return;
     }
     let t = match parallelism {
-        gemm::Parallelism::Rayon(t) => t.min(m / MIN_BLOCK_ROWS),
+        gemm::Parallelism::Rayon(t) => t.min(p.m / MIN_BLOCK_ROWS),
         gemm::Parallelism::None => 1,
     };
     if t <= 1 {
         // SAFETY: the caller's contract.
-        unsafe { super::dpbf16::gemm(m, n, k, dst, ldc, a, b, store) };
+        unsafe { super::dpbf16::gemm(p) };
         return;
     }
-    let rows = m.div_ceil(t);
-    // Pointers cross threads as addresses: each block reads its rows of `a` (and all of `b`)
-    // and writes its own rows of `dst`.
-    let (a_at, b_at, dst_at) = (a.ptr as usize, b.ptr as usize, dst as usize);
-    let (ars, acs, brs, bcs) = (a.rs, a.cs, b.rs, b.cs);
-    use rayon::prelude::*;
-    (0..m)
-        .step_by(rows)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .with_max_len(1)
-        .for_each(|start| {
-            let a = Operand {
-                ptr: (a_at as *const bf16).wrapping_offset(start as isize * ars),
-                rs: ars,
-                cs: acs,
-            };
-            let b = Operand {
-                ptr: b_at as *const bf16,
-                rs: brs,
-                cs: bcs,
-            };
-            let dst = (dst_at as *mut f32).wrapping_add(start * ldc);
-            // SAFETY: rows `start..start + rows` of the caller's operands and of `dst`; the
-            // blocks of `dst` are disjoint.
-            unsafe { super::dpbf16::gemm(rows.min(m - start), n, k, dst, ldc, a, b, store) };
-        });
+    let block = |block| {
+        // SAFETY: a block of rows of the caller's product.
+        unsafe { super::dpbf16::gemm(block) }
+    };
+    // SAFETY: the caller's contract; each block writes its own rows of `dst`.
+    unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
 }
 
 /// `dst = round_bf16(a · b)` on the AVX512_BF16 kernel: `b` packed once, the rows in up to
 /// `threads` blocks on the rayon pool (each element's chain does not depend on its block).
 ///
 /// # Safety
-/// As [`own`], with `dst` the bf16 rows (`ldc` apart); the CPU has AVX512_BF16.
+/// As [`own`], with `dst` the bf16 rows (`ldc` apart) and `store` [`Store::Overwrite`]; the CPU
+/// has AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn own_rounded(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut bf16,
-    ldc: usize,
-    a: Operand<bf16>,
-    b: Operand<bf16>,
-    threads: usize,
-) {
-    let one = (Store::Overwrite, true);
+unsafe fn own_rounded(p: Product<bf16, bf16>, threads: usize) {
     // SAFETY: the caller's contract.
-    if unsafe { super::dpbf16::few_rows(m, n, k, dst.cast(), ldc, a, b, one) } {
+    if unsafe { super::dpbf16::few_rows(p.into_bytes(), true) } {
         return;
     }
     // SAFETY: the caller's contract (`b` is k×n).
-    let packed = unsafe { super::dpbf16::pack_b_whole(b, k, n) };
-    let t = threads.min(m / MIN_BLOCK_ROWS).max(1);
-    let rows = m.div_ceil(t);
+    let packed = unsafe { super::dpbf16::pack_b_whole(p.b, p.k, p.n) };
+    let t = threads.min(p.m / MIN_BLOCK_ROWS).max(1);
     if t == 1 {
         // SAFETY: the caller's contract.
-        unsafe { super::dpbf16::gemm_rounded(m, a, &packed, dst, ldc) };
+        unsafe { super::dpbf16::gemm_rounded(p.m, p.a, &packed, p.dst, p.ldc) };
         return;
     }
-    let (a_at, dst_at, (ars, acs)) = (a.ptr as usize, dst as usize, (a.rs, a.cs));
-    use rayon::prelude::*;
-    (0..m)
-        .step_by(rows)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .with_max_len(1)
-        .for_each(|start| {
-            let a = Operand {
-                ptr: (a_at as *const bf16).wrapping_offset(start as isize * ars),
-                rs: ars,
-                cs: acs,
-            };
-            let dst = (dst_at as *mut bf16).wrapping_add(start * ldc);
-            // SAFETY: rows `start..start + rows` of the caller's `a` and `dst`; the blocks of
-            // `dst` are disjoint.
-            unsafe { super::dpbf16::gemm_rounded(rows.min(m - start), a, &packed, dst, ldc) };
-        });
+    let block = |block: Product<bf16, bf16>| {
+        // SAFETY: a block of rows of the caller's `a` and `dst`.
+        unsafe { super::dpbf16::gemm_rounded(block.m, block.a, &packed, block.dst, block.ldc) }
+    };
+    // SAFETY: the caller's contract; each block writes its own rows of `dst`.
+    unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
 }
 
 /// Both operands as matrix stacks, views where the layouts allow (as `dot_general`).
@@ -222,13 +156,13 @@ fn span(s: &Stacks<'_, bf16>, lhs: &[usize], rhs: &[usize]) -> Option<ferrotext_
 }
 
 /// `dot_general` of bf16 operands, accumulated and returned in `f32`: the output is `[batch...,
-/// lhs free..., rhs free...]`, on up to `threads` threads, on [`bf16_matmul_kernel`]'s kernel.
+/// lhs free..., rhs free...]`, on up to `threads` threads, on [`bf16_matmul_kernel`](crate::bf16_matmul_kernel)'s kernel.
 /// Each element differs from the `f32` `dot_general` of the widened operands only by the order
 /// of addition (every widened product is exact in `f32`); on the portable kernel not at all.
 ///
 /// # Errors
 /// [`TensorError::Shape`] when the dimension numbers do not fit the shapes;
-/// [`TensorError::NoBf16Product`] as [`bf16_matmul_kernel`].
+/// [`TensorError::NoBf16Product`] as [`bf16_matmul_kernel`](crate::bf16_matmul_kernel).
 pub fn dot_general_bf16(
     lhs: &Bf16Tensor,
     rhs: &Bf16Tensor,
@@ -355,7 +289,7 @@ pub fn dot_general_bf16_rounded(
 /// its cotangent is, added into the master weight's `f32` accumulator without the bf16 result
 /// being stored and read back. Each element gets one addition of exactly the value
 /// [`dot_general_bf16_rounded`] gives it (the products are computed a band of rows at a time
-/// into scratch, as [`rounded_by_bands`] does, each band at least [`MIN_BLOCK_ROWS`] rows, or
+/// into scratch, as `rounded_by_bands` does, each band at least `MIN_BLOCK_ROWS` rows, or
 /// the whole product at once where the parts hold fewer than twice that), so the bits are those
 /// of that product followed by a widening add. Returns `false`, touching nothing, where the parts
 /// cut a row or the contraction is empty (the caller takes the unfused path).
@@ -523,9 +457,19 @@ fn own_rounded_stacks(s: &Stacks<'_, bf16>, threads: usize, out: &mut [bf16]) {
             rs: s.b.rows.1,
             cs: s.b.cols.1,
         };
+        let p = Product {
+            m,
+            n,
+            k,
+            a,
+            b,
+            dst: dst.as_mut_ptr(),
+            ldc: n,
+            store: Store::Overwrite,
+        };
         // SAFETY: `own_rounded` is called only when the CPU has AVX512_BF16 (`Choice::Own`);
         // entry `i`'s operands are m×k and k×n inside their stacks, and `dst` holds its m×n.
-        unsafe { own_rounded(m, n, k, dst.as_mut_ptr(), n, a, b, threads) };
+        unsafe { own_rounded(p, threads) };
     };
     let block = m * n;
     if s.batch == 1 || m >= 2 * MIN_BLOCK_ROWS {
@@ -550,34 +494,14 @@ impl Element for half::bf16 {
     fn cblas(blas: &Blas) -> Option<Cblas<half::bf16>> {
         blas.bf16.map(|(f, _)| f)
     }
-    unsafe fn product(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand<half::bf16>,
-        b: Operand<half::bf16>,
-        parallelism: gemm::Parallelism,
-        store: Store,
-    ) {
+    unsafe fn product(p: Product<half::bf16>, parallelism: gemm::Parallelism) {
         // SAFETY: the caller's contract.
-        unsafe { product(m, n, k, dst, ldc, a, b, parallelism, store) }
+        unsafe { product(p, parallelism) }
     }
-    unsafe fn without_blas(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: *mut f32,
-        ldc: usize,
-        a: Operand<half::bf16>,
-        b: Operand<half::bf16>,
-        _parallelism: gemm::Parallelism,
-        store: Store,
-    ) {
+    unsafe fn without_blas(p: Product<half::bf16>, _parallelism: gemm::Parallelism) {
         // SAFETY: the caller's contract, which is the portable kernel's; `detect` gives an
         // instruction set this CPU has.
-        unsafe { portable::gemm(Isa::detect(), m, n, k, dst, ldc, a, b, store) }
+        unsafe { portable::gemm(Isa::detect(), p) }
     }
 }
 

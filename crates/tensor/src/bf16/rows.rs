@@ -219,7 +219,7 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
     })
 }
 
-/// [`swiglu`] (`silu(g) ⊙ u`) on bf16 inputs.
+/// [`swiglu`](crate::swiglu) (`silu(g) ⊙ u`) on bf16 inputs.
 ///
 /// # Errors
 /// Shapes differ.
@@ -251,7 +251,7 @@ pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorE
     Bf16Tensor::new(g.shape().to_vec(), y)
 }
 
-/// [`swiglu_backward`] on bf16 `g`, `u` and `dy`: `(dg, du)` rounded to bf16.
+/// [`swiglu_backward`](crate::swiglu_backward) on bf16 `g`, `u` and `dy`: `(dg, du)` rounded to bf16.
 ///
 /// # Errors
 /// Shapes differ.

@@ -3,11 +3,8 @@
 use super::*;
 
 /// `a · b` in f64 from strided operands.
-#[allow(clippy::too_many_arguments)]
 fn reference(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     a: &[f32],
     (ars, acs): (usize, usize),
     b: &[f32],
@@ -24,25 +21,24 @@ fn reference(
     out
 }
 
-#[allow(clippy::too_many_arguments)]
-fn product(
-    kernel: &Kernel,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    sa: (usize, usize),
-    b: &[f32],
-    sb: (usize, usize),
-    threads: usize,
-    start: Option<&[f32]>,
+/// `dst (+)= a·b` for `(m, n, k)` and operands of `T` with strides `(rows, columns)`, computed
+/// by `kernel` (a kernel function given the product and the parallelism of `threads`): into a
+/// destination of NaNs (a read of it would show), or added into `start`.
+///
+/// `kernel` is handed a product whose operands lie inside `a` and `b` (the caller's strides
+/// must address only their elements) and whose destination is an m×n buffer of its own.
+pub(crate) fn strided_product<T>(
+    (m, n, k): (usize, usize, usize),
+    (a, (ars, acs)): (&[T], (usize, usize)),
+    (b, (brs, bcs)): (&[T], (usize, usize)),
+    (threads, start): (usize, Option<&[f32]>),
+    kernel: impl FnOnce(Product<T>, gemm::Parallelism),
 ) -> Vec<f32> {
-    // Overwrite a destination of NaNs (a read of it would show), or add into `start`.
     let (mut dst, store) = match start {
         Some(c) => (c.to_vec(), Store::Accumulate),
         None => (vec![f32::NAN; m * n], Store::Overwrite),
     };
-    let op = |data: &[f32], (rs, cs): (usize, usize)| Operand {
+    let op = |data: &[T], rs: usize, cs: usize| crate::operand::Operand {
         ptr: data.as_ptr(),
         rs: rs as isize,
         cs: cs as isize,
@@ -52,22 +48,34 @@ fn product(
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the strides below address only elements inside `a` and `b`; `dst` is m×n.
-    unsafe {
-        gemm_on(
-            kernel,
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            n,
-            op(a, sa),
-            op(b, sb),
-            parallelism,
-            store,
-        )
+    let p = Product {
+        m,
+        n,
+        k,
+        a: op(a, ars, acs),
+        b: op(b, brs, bcs),
+        dst: dst.as_mut_ptr(),
+        ldc: n,
+        store,
     };
+    kernel(p, parallelism);
     dst
+}
+
+/// [`strided_product`] on `kernel`.
+fn product(
+    kernel: &Kernel,
+    mnk: (usize, usize, usize),
+    a: (&[f32], (usize, usize)),
+    b: (&[f32], (usize, usize)),
+    threads: usize,
+    start: Option<&[f32]>,
+) -> Vec<f32> {
+    strided_product(mnk, a, b, (threads, start), |p, parallelism| {
+        // SAFETY: the caller's strides address only elements inside `a` and `b`; the
+        // destination is m×n.
+        unsafe { gemm_on(kernel, p, parallelism) }
+    })
 }
 
 /// Every kernel this machine has (`gemm`, MKL, OpenBLAS, the portable kernel) against an
@@ -116,7 +124,7 @@ fn every_kernel_matches_an_f64_product_on_every_layout() {
         for kernel in &libraries {
             let fixed = matches!(kernel, Kernel::Portable(_));
             for &(sa, sb) in &layouts {
-                let want = reference(m, n, k, &a, sa, &b, sb);
+                let want = reference((m, n, k), &a, sa, &b, sb);
                 let start = data(m * n, 3);
                 let added: Vec<f64> = want
                     .iter()
@@ -124,9 +132,9 @@ fn every_kernel_matches_an_f64_product_on_every_layout() {
                     .map(|(w, c)| w + f64::from(*c))
                     .collect();
                 for (c, want) in [(None, &want), (Some(start.as_slice()), &added)] {
-                    let one = product(kernel, m, n, k, &a, sa, &b, sb, 1, c);
+                    let one = product(kernel, (m, n, k), (&a, sa), (&b, sb), 1, c);
                     for threads in [1, 2, 3] {
-                        let got = product(kernel, m, n, k, &a, sa, &b, sb, threads, c);
+                        let got = product(kernel, (m, n, k), (&a, sa), (&b, sb), threads, c);
                         for (x, y) in got.iter().zip(want) {
                             assert!(
                                 (f64::from(*x) - y).abs() <= 1e-4 * (1.0 + y.abs()),

@@ -9,7 +9,7 @@
 
 use half::bf16;
 
-use crate::operand::{Operand, Store, Widen};
+use crate::operand::{Operand, Product, Store, Widen};
 
 /// One strided matrix inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
@@ -101,20 +101,18 @@ impl Elem for f32 {
             }
             return;
         };
+        let p = Product {
+            m,
+            n,
+            k,
+            a: a.operand(),
+            b: b.operand(),
+            dst,
+            ldc,
+            store,
+        };
         // SAFETY: `dims` checked every operand offset; the caller guarantees the rows.
-        unsafe {
-            crate::blas::sgemm(
-                m,
-                n,
-                k,
-                dst,
-                ldc,
-                a.operand(),
-                b.operand(),
-                gemm::Parallelism::None,
-                store,
-            );
-        }
+        unsafe { crate::blas::sgemm(p, gemm::Parallelism::None) }
     }
 
     fn tile<'s>(tile: &'s [f32], _: &'s mut Vec<f32>) -> &'s [f32] {
@@ -137,20 +135,18 @@ impl Elem for bf16 {
             }
             return;
         };
+        let p = Product {
+            m,
+            n,
+            k,
+            a: a.operand(),
+            b: b.operand(),
+            dst,
+            ldc,
+            store,
+        };
         // SAFETY: `dims` checked every operand offset; the caller guarantees the rows.
-        unsafe {
-            crate::bf16::product(
-                m,
-                n,
-                k,
-                dst,
-                ldc,
-                a.operand(),
-                b.operand(),
-                gemm::Parallelism::None,
-                store,
-            );
-        }
+        unsafe { crate::bf16::product(p, gemm::Parallelism::None) }
     }
 
     fn tile<'s>(tile: &'s [f32], scratch: &'s mut Vec<bf16>) -> &'s [bf16] {

@@ -180,7 +180,8 @@ pub(crate) fn logit(s: f32, scores: Scores) -> (f32, f32) {
     match scores.softcap {
         None => (x, 1.0),
         Some(cap) => {
-            let th = (x / cap).tanh();
+            // `fixed_math`'s tanh: the same bits on every processor (the C library's is not).
+            let th = crate::fixed_math::tanh(x / cap);
             (cap * th, 1.0 - th * th)
         }
     }

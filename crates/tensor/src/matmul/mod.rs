@@ -15,7 +15,7 @@
 use gemm::Parallelism;
 
 use crate::blas::Element;
-use crate::operand::{Operand, Store};
+use crate::operand::{Operand, Product, Store};
 
 use crate::error::TensorError;
 use crate::tensor::{strides, Tensor};
@@ -387,13 +387,11 @@ pub(crate) fn products<T: Element>(
         // block of the output, which the kernel only writes (`Overwrite`) or reads initialised
         // and writes (`Accumulate`).
         unsafe {
-            T::product(
-                entry_rows.len(),
+            let p = Product {
+                m: entry_rows.len(),
                 n,
                 k,
-                dst.as_mut_ptr().cast::<f32>(),
-                n,
-                Operand {
+                a: Operand {
                     ptr: a
                         .data
                         .as_ptr()
@@ -401,14 +399,16 @@ pub(crate) fn products<T: Element>(
                     rs: a.rows.1,
                     cs: a.cols.1,
                 },
-                Operand {
+                b: Operand {
                     ptr: b.data.as_ptr().offset(b.offset(i)),
                     rs: b.rows.1,
                     cs: b.cols.1,
                 },
-                parallelism,
+                dst: dst.as_mut_ptr().cast::<f32>(),
+                ldc: n,
                 store,
-            );
+            };
+            T::product(p, parallelism);
         }
     };
     let inside = |r: usize| {

@@ -9,7 +9,7 @@
 use gemm::Parallelism;
 
 use super::GEMM_PARALLEL_MIN;
-use crate::operand::{Operand, Store};
+use crate::operand::{Operand, Product, Store};
 
 /// One strided matrix operand inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
@@ -119,16 +119,16 @@ unsafe fn gemm_views_store(
     };
     // SAFETY: the caller's contract.
     unsafe {
-        crate::blas::sgemm(
+        let p = Product {
             m,
             n,
             k,
+            a: a.operand(),
+            b: b.operand(),
             dst,
-            n,
-            a.operand(),
-            b.operand(),
-            parallelism,
+            ldc: n,
             store,
-        );
+        };
+        crate::blas::sgemm(p, parallelism);
     }
 }

@@ -511,7 +511,7 @@ fn threaded_rope_matches_a_serial_loop_bitwise() {
                     for h in 0..heads {
                         let at = ((bi * seq + s) * heads + h) * dim;
                         for (i, &f) in freqs.iter().enumerate() {
-                            let (sin, cos) = (p as f32 * f).sin_cos();
+                            let (sin, cos) = crate::fixed_math::sin_cos(p as f32 * f);
                             let (j0, j1) = if interleaved {
                                 (at + 2 * i, at + 2 * i + 1)
                             } else {

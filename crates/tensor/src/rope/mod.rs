@@ -9,12 +9,16 @@
 //! (`rope_type: llama3`) divides the pairs whose wavelength exceeds `original / low_freq_factor`
 //! positions by `factor`, keeps those shorter than `original / high_freq_factor`, and blends
 //! between them by `original / wavelength`. A [`Rope`] has at most one of the two extensions.
+//!
+//! The frequencies, the rotation tables' sines and cosines and YaRN's scale come from
+//! `fixed_math` (pure Rust), never the C library: their bits are the same on every processor.
 
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
+use crate::fixed_math::{ln, pow};
 use crate::nn::RowOut;
 use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;
@@ -117,13 +121,13 @@ impl Rope {
             }) => {
                 let (f, max) = (f64::from(factor), max_position.max(1) as f64);
                 let len = (len as f64).max(max);
-                let grow = (f * len / max - (f - 1.0)).powf(dim as f64 / (dim as f64 - 2.0));
+                let grow = pow(f * len / max - (f - 1.0), dim as f64 / (dim as f64 - 2.0));
                 f64::from(self.theta) * grow
             }
             _ => f64::from(self.theta),
         };
         let base: Vec<f64> = (0..half)
-            .map(|i| theta.powf(-((2 * i) as f64) / dim as f64))
+            .map(|i| pow(theta, -((2 * i) as f64) / dim as f64))
             .collect();
         if let Some(PositionScaling::Linear { factor }) = self.scaling {
             return base
@@ -140,8 +144,8 @@ impl Rope {
         // The pair index at which a wavelength makes `rotations` turns over the original context.
         let correction = |rotations: f32| -> f64 {
             let max = y.original_max_position as f64;
-            dim as f64 * (max / (f64::from(rotations) * 2.0 * std::f64::consts::PI)).ln()
-                / (2.0 * f64::from(self.theta).ln())
+            dim as f64 * ln(max / (f64::from(rotations) * 2.0 * std::f64::consts::PI))
+                / (2.0 * ln(f64::from(self.theta)))
         };
         let low = correction(y.beta_fast).floor().max(0.0);
         let high = correction(y.beta_slow).ceil().min(dim as f64 - 1.0);
@@ -161,7 +165,7 @@ impl Rope {
     pub fn attention_scale_factor(&self) -> f32 {
         match self.yarn {
             Some(y) if y.factor > 1.0 => {
-                let m = 0.1 * y.mscale * y.factor.ln() + 1.0;
+                let m = 0.1 * y.mscale * ln(f64::from(y.factor)) as f32 + 1.0;
                 m * m
             }
             _ => 1.0,
@@ -397,7 +401,7 @@ fn rotation_table(rope: &Rope, dim: usize, positions: &[usize], inverse: bool) -
         .iter()
         .flat_map(|&p| {
             freqs.iter().map(move |&f| {
-                let (sin, cos) = (sign * p as f32 * f).sin_cos();
+                let (sin, cos) = crate::fixed_math::sin_cos(sign * p as f32 * f);
                 if scale == 1.0 {
                     (sin, cos)
                 } else {

@@ -88,6 +88,18 @@ fn ckpt_err(path: &Path, problem: CheckpointProblem) -> TrainError {
     }
 }
 
+/// The bytes of the checkpoint file `path`, opened by `ferrotext_files`' rule (a regular file).
+fn read_file(path: &Path) -> Result<Vec<u8>, TrainError> {
+    ferrotext_files::read_regular(path).map_err(|e| {
+        ckpt_err(
+            path,
+            CheckpointProblem::Unreadable {
+                error: e.to_string(),
+            },
+        )
+    })
+}
+
 /// Writes `bytes` to `path` and fsyncs the file.
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     let mut f = std::fs::File::create(path).map_err(io_err(path))?;

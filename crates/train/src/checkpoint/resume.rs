@@ -92,14 +92,7 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>, TrainError> {
     if !meta.is_file() {
         return Err(latest_err(&path, LatestProblem::NotAFile));
     }
-    let bytes = ferrotext_files::read_regular(&path).map_err(|e| {
-        ckpt_err(
-            &path,
-            CheckpointProblem::Unreadable {
-                error: e.to_string(),
-            },
-        )
-    })?;
+    let bytes = super::read_file(&path)?;
     let Ok(text) = std::str::from_utf8(&bytes) else {
         return Err(latest_err(&path, LatestProblem::NotText));
     };

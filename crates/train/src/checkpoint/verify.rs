@@ -86,14 +86,7 @@ pub(super) fn read_verified(
         ));
     }
     let path = dir.join(file);
-    let bytes = ferrotext_files::read_regular(&path).map_err(|e| {
-        ckpt_err(
-            &path,
-            CheckpointProblem::Unreadable {
-                error: e.to_string(),
-            },
-        )
-    })?;
+    let bytes = super::read_file(&path)?;
     let want = manifest
         .files
         .get(file)

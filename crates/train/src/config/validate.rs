@@ -223,44 +223,7 @@ impl TrainConfig {
                 ),
             );
         }
-        let context = mesh.axis("context").map_or(1, |a| a.size());
-        self.check_dynamic_rope(model, context)?;
-        if context > 1 {
-            let parts = if self.context_parallel_load_balance {
-                2 * context
-            } else {
-                context
-            };
-            if !self.max_target_length.is_multiple_of(parts) {
-                return bad(
-                    "ici_context_parallelism",
-                    format!(
-                        "ici_context_parallelism = {context} needs max_target_length = {} to \
-                         split into {parts} equal chunks (each device holds an equal part of \
-                         every sequence{})",
-                        self.max_target_length,
-                        if self.context_parallel_load_balance {
-                            ", two chunks under context_parallel_load_balance"
-                        } else {
-                            ""
-                        }
-                    ),
-                );
-            }
-            if model.moe.is_some() || model.mtp_num_layers > 0 {
-                return bad(
-                    "ici_context_parallelism",
-                    format!(
-                        "ici_context_parallelism = {context} is not supported with {} yet",
-                        if model.moe.is_some() {
-                            "MoE layers"
-                        } else {
-                            "multi-token prediction"
-                        }
-                    ),
-                );
-            }
-        }
+        self.check_context(model, mesh)?;
         if self.shard_optimizer_over_data && mesh.axis_size("expert")? > 1 {
             return bad(
                 "shard_optimizer_over_data",
@@ -308,6 +271,58 @@ impl TrainConfig {
                 );
             }
         }
+        self.check_data_source(model)
+    }
+
+    /// Context parallelism: its axis divides the sequence, and the model has no MoE layer or
+    /// multi-token prediction.
+    fn check_context(&self, model: &decoder::Config, mesh: &Mesh) -> Result<(), TrainError> {
+        let bad = |key: &str, m: String| Err(TrainError::usage(key, m));
+        let context = mesh.axis("context").map_or(1, |a| a.size());
+        self.check_dynamic_rope(model, context)?;
+        if context > 1 {
+            let parts = if self.context_parallel_load_balance {
+                2 * context
+            } else {
+                context
+            };
+            if !self.max_target_length.is_multiple_of(parts) {
+                return bad(
+                    "ici_context_parallelism",
+                    format!(
+                        "ici_context_parallelism = {context} needs max_target_length = {} to \
+                         split into {parts} equal chunks (each device holds an equal part of \
+                         every sequence{})",
+                        self.max_target_length,
+                        if self.context_parallel_load_balance {
+                            ", two chunks under context_parallel_load_balance"
+                        } else {
+                            ""
+                        }
+                    ),
+                );
+            }
+            if model.moe.is_some() || model.mtp_num_layers > 0 {
+                return bad(
+                    "ici_context_parallelism",
+                    format!(
+                        "ici_context_parallelism = {context} is not supported with {} yet",
+                        if model.moe.is_some() {
+                            "MoE layers"
+                        } else {
+                            "multi-token prediction"
+                        }
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The data source: a path exactly for the types that read one, and byte-level data on a
+    /// vocabulary of at least 256.
+    fn check_data_source(&self, model: &decoder::Config) -> Result<(), TrainError> {
+        let bad = |key: &str, m: String| Err(TrainError::usage(key, m));
         match self.dataset_type {
             DatasetType::Text | DatasetType::Tokens | DatasetType::Shards
                 if self.dataset_path.is_empty() =>

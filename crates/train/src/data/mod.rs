@@ -384,40 +384,52 @@ fn build(config: &TrainConfig, vocab: usize) -> Result<Built, TrainError> {
         }
         DatasetType::Tokens => {
             let map = open(&config.dataset_path)?;
-            let width = config.token_dtype.width();
-            if map.len() % width != 0 {
-                return Err(DataError::invalid(
-                    &config.dataset_path,
-                    format!(
-                        "has {} bytes, not a whole number of {} tokens",
-                        map.len(),
-                        config.token_dtype.name()
-                    ),
-                )
-                .into());
-            }
-            let w = Windows {
-                seed,
-                data: map,
-                width,
-                vocab,
-                order,
-            };
-            check_len(w.len(), &config.dataset_path)?;
-            if let Some(bad) = (0..w.len())
-                .map(|i| w.token(i))
-                .find(|&t| t as usize >= vocab)
-            {
-                return Err(DataError::TokenOutOfRange {
-                    path: config.dataset_path.clone().into(),
-                    id: u64::from(bad),
-                    vocab,
-                }
-                .into());
-            }
-            Built::Windows(w)
+            Built::Windows(token_windows(config, vocab, map, check_len)?)
         }
     })
+}
+
+/// The windows of a token file's bytes `data` (`dataset_type=tokens`): whole tokens of
+/// `token_dtype`, each below `vocab`, at least one sequence of them (`check_len`).
+fn token_windows(
+    config: &TrainConfig,
+    vocab: usize,
+    data: Vec<u8>,
+    check_len: impl Fn(usize, &str) -> Result<(), TrainError>,
+) -> Result<Windows, TrainError> {
+    let (seed, order) = (config.data_shuffle_seed, config.dataset_order);
+    let width = config.token_dtype.width();
+    if !data.len().is_multiple_of(width) {
+        return Err(DataError::invalid(
+            &config.dataset_path,
+            format!(
+                "has {} bytes, not a whole number of {} tokens",
+                data.len(),
+                config.token_dtype.name()
+            ),
+        )
+        .into());
+    }
+    let w = Windows {
+        seed,
+        data,
+        width,
+        vocab,
+        order,
+    };
+    check_len(w.len(), &config.dataset_path)?;
+    if let Some(bad) = (0..w.len())
+        .map(|i| w.token(i))
+        .find(|&t| t as usize >= vocab)
+    {
+        return Err(DataError::TokenOutOfRange {
+            path: config.dataset_path.clone().into(),
+            id: u64::from(bad),
+            vocab,
+        }
+        .into());
+    }
+    Ok(w)
 }
 
 /// `text` encoded with the HF tokenizer at `path` (the `tokenizers` crate: BPE, WordPiece,

@@ -70,33 +70,7 @@ impl Engine {
         overlap: bool,
     ) -> Result<FwdBwd, TrainError> {
         if self.pending.is_none() {
-            // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
-            let used = self.enter_micro_batches(cx, &self.params)?;
-            // The step's weights are written by no one until `update`: each cast the model
-            // makes of one (bf16 compute) is computed once and shared by every micro-batch —
-            // unless the layers are rematerialized, whose point is to keep only their inputs:
-            // then a weight is cast where it is used, again in the replay, and let go.
-            cx.forget_casts();
-            if self.plan.decoder().remat() == RematPolicy::None {
-                cx.remember_casts(&used);
-            }
-            let sum = if self.plan.config().layout_invariant {
-                StepSum::Tree(UnitTree::new(std::mem::take(&mut self.unit_spares)))
-            } else {
-                StepSum::Accumulator(PartialGradients::zeros(cx, self.acc_plan.clone())?)
-            };
-            self.pending = Some(Pending {
-                used,
-                sum,
-                loss_sum: 0.0,
-                tokens: 0,
-                micro_steps: 0,
-                loads: Vec::new(),
-                mtp: (0.0, 0),
-                started: Instant::now(),
-                cpu_started: crate::CpuTime::now(),
-                closed: false,
-            });
+            self.open_step(cx)?;
         }
         let pending = self
             .pending
@@ -167,15 +141,7 @@ impl Engine {
             RouterBalance::add(&mut pending.loads, loads);
         }
         if let Some(m) = mtp {
-            // A partial sum (layout_invariant) is completed by a one-element all-reduce.
-            let m = cx.reshard(&m, &PartitionSpec::replicated())?;
-            let shape = batch.inputs.ty().shape();
-            let positions = shape.first().copied().unwrap_or(0)
-                * shape.get(1).copied().unwrap_or(1).saturating_sub(1);
-            if !m.is_abstract() {
-                pending.mtp.0 += f64::from(m.scalar()?);
-            }
-            pending.mtp.1 += positions as u64;
+            Self::add_mtp(cx, pending, &m, batch)?;
         }
         pending.loss_sum += loss_sum;
         pending.tokens += batch.tokens;
@@ -184,6 +150,59 @@ impl Engine {
             loss_sum,
             tokens: batch.tokens,
         })
+    }
+
+    /// Opens a step: the parameters enter its micro-batches (typed for deferral), the casts
+    /// they share are remembered, and an empty accumulator (or unit tree) waits for gradients.
+    fn open_step(&mut self, cx: &mut Ctx<'_>) -> Result<(), TrainError> {
+        // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
+        let used = self.enter_micro_batches(cx, &self.params)?;
+        // The step's weights are written by no one until `update`: each cast the model
+        // makes of one (bf16 compute) is computed once and shared by every micro-batch —
+        // unless the layers are rematerialized, whose point is to keep only their inputs:
+        // then a weight is cast where it is used, again in the replay, and let go.
+        cx.forget_casts();
+        if self.plan.decoder().remat() == RematPolicy::None {
+            cx.remember_casts(&used);
+        }
+        let sum = if self.plan.config().layout_invariant {
+            StepSum::Tree(UnitTree::new(std::mem::take(&mut self.unit_spares)))
+        } else {
+            StepSum::Accumulator(PartialGradients::zeros(cx, self.acc_plan.clone())?)
+        };
+        self.pending = Some(Pending {
+            used,
+            sum,
+            loss_sum: 0.0,
+            tokens: 0,
+            micro_steps: 0,
+            loads: Vec::new(),
+            mtp: (0.0, 0),
+            started: Instant::now(),
+            cpu_started: crate::CpuTime::now(),
+            closed: false,
+        });
+        Ok(())
+    }
+
+    /// Adds a micro-batch's MTP cross-entropy sum `m` (this device's partial sum under
+    /// `layout_invariant`) and its positions to the step's.
+    fn add_mtp(
+        cx: &mut Ctx<'_>,
+        pending: &mut Pending,
+        m: &Array,
+        batch: &Batch,
+    ) -> Result<(), TrainError> {
+        // A partial sum (layout_invariant) is completed by a one-element all-reduce.
+        let m = cx.reshard(m, &PartitionSpec::replicated())?;
+        let shape = batch.inputs.ty().shape();
+        let positions = shape.first().copied().unwrap_or(0)
+            * shape.get(1).copied().unwrap_or(1).saturating_sub(1);
+        if !m.is_abstract() {
+            pending.mtp.0 += f64::from(m.scalar()?);
+        }
+        pending.mtp.1 += positions as u64;
+        Ok(())
     }
 
     /// One micro-batch's forward and backward into the step's accumulator `acc` (the default

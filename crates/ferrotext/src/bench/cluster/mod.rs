@@ -22,10 +22,11 @@
 //! scheduling on the shared cores cost far more than a wire's delay here).
 //!
 //! Files: this one runs the grid; `calibrate.rs` fits each network; `cost_model.rs` is the
-//! prediction function the cost model provides.
+//! prediction function the cost model provides; `plot.rs` draws the speedups.
 
 mod calibrate;
 mod cost_model;
+mod plot;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -37,7 +38,6 @@ use ferrotext_train::{ShardMode, TrainConfig};
 use serde::Serialize;
 
 use super::{abba_pair, cores, write_json, Side};
-use crate::common::chart::{line_chart, Series};
 use crate::common::stats::median;
 use crate::common::UsageError;
 use crate::emulate::{self, net::Network, JobRun, Plan};
@@ -45,6 +45,7 @@ use calibrate::{
     calibrate, fitted_latency_s, measure_all_reduce_ms, print_fitted, LATENCY_PROBE_BYTES,
 };
 pub use cost_model::cost_model;
+use plot::plot;
 
 /// Arguments of `ferrotext bench cluster`.
 #[derive(Args)]
@@ -65,7 +66,7 @@ pub struct ClusterArgs {
     /// Devices per host.
     #[arg(long, default_value_t = 1)]
     devices_per_host: usize,
-    /// Links (RATE[,DELAY]; a list separated by `;` or given several times).
+    /// Links (`RATE[,DELAY]`; a list separated by `;` or given several times).
     #[arg(long, value_delimiter = ';', default_value = "1gbit;10gbit")]
     links: Vec<String>,
     /// GA values.
@@ -371,7 +372,7 @@ struct GridRun<'a> {
 
 impl GridRun<'_> {
     /// One network (`hosts` hosts on `link`): created, calibrated (`a` and the latency), its
-    /// cells run and appended to `cells`, torn down; returns its fit (see [`calibrate`]).
+    /// cells run and appended to `cells`, torn down; returns its fit (see [`calibrate()`]).
     fn network(&self, hosts: usize, link: &str, cells: &mut Vec<Cell>) -> Result<NetworkFit> {
         let args = self.args;
         let spec_link = emulate::net::LinkSpec::parse(link)?;
@@ -558,44 +559,4 @@ fn gradient_bytes(model: &str, set: &[String]) -> Result<usize> {
         .iter()
         .map(|p| p.shape.iter().product::<usize>() * 4)
         .sum())
-}
-
-/// Paired speedup against GA, one line per hosts × link (× overlap), and the break-even line.
-fn plot(cells: &[Cell], path: &Path) -> Result<()> {
-    let mut series: Vec<Series> = Vec::new();
-    for c in cells {
-        let name = format!(
-            "{} hosts, {}{}",
-            c.spec.hosts,
-            c.spec.link,
-            c.spec
-                .overlap
-                .map_or(String::new(), |o| format!(", overlap={o}"))
-        );
-        let point = (c.spec.ga as f64, c.paired_speedup);
-        match series.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.points.push(point),
-            None => series.push(Series {
-                name,
-                points: vec![point],
-                dashed: false,
-            }),
-        }
-    }
-    for s in &mut series {
-        s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
-    }
-    let max_ga = cells.iter().map(|c| c.spec.ga).max().unwrap_or(1) as f64;
-    series.push(Series {
-        name: "break-even".into(),
-        points: vec![(0.0, 1.0), (max_ga + 1.0, 1.0)],
-        dashed: true,
-    });
-    line_chart(
-        path,
-        "deferred vs per-micro-batch gradient reduction on emulated hosts",
-        "gradient accumulation steps",
-        "speedup (per-micro-batch ms / deferred ms)",
-        &series,
-    )
 }

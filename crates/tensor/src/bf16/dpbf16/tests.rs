@@ -20,6 +20,39 @@ fn op(data: &[bf16], rs: usize, cs: usize) -> Operand<bf16> {
     }
 }
 
+/// The product `dst = a · b` (or `+=`) of `(m, n, k)` into `dst`'s row-major m×n.
+fn prod<D>(
+    (m, n, k): (usize, usize, usize),
+    a: Operand<bf16>,
+    b: Operand<bf16>,
+    dst: *mut D,
+    store: Store,
+) -> Product<bf16, D> {
+    Product {
+        m,
+        n,
+        k,
+        a,
+        b,
+        dst,
+        ldc: n,
+        store,
+    }
+}
+
+/// Whether this CPU runs the kernel (AVX512_BF16); when not, the test `name` reports itself
+/// skipped (the kernel's instructions have no other route to check them on).
+fn runs_here(name: &str) -> bool {
+    let here = available();
+    if !here {
+        crate::report_skipped(
+            &format!("tensor bf16::dpbf16::tests::{name}"),
+            "this processor has no AVX512_BF16",
+        );
+    }
+    here
+}
+
 /// A buffer of `len` words of garbage, so a word a packing leaves unwritten shows.
 fn garbage(len: usize) -> Vec<u32> {
     vec![0xDEAD_BEEF; len]
@@ -27,7 +60,7 @@ fn garbage(len: usize) -> Vec<u32> {
 
 #[test]
 fn packing_a_hand_made_block_gives_its_pairs() {
-    if !available() {
+    if !runs_here("packing_a_hand_made_block_gives_its_pairs") {
         return;
     }
     // b is 3×2 row-major [[1, 2], [3, 4], [5, 6]]; packed: pair 0 of column c is
@@ -67,7 +100,7 @@ fn packing_a_hand_made_block_gives_its_pairs() {
 /// the mirror: reading the operand with its strides swapped packs other words.
 #[test]
 fn packing_is_the_element_wise_packing() {
-    if !available() {
+    if !runs_here("packing_is_the_element_wise_packing") {
         return;
     }
     for (rows, cols, l0, kc, j0, nc) in [
@@ -130,16 +163,14 @@ fn product(m: usize, n: usize, k: usize, a: &[bf16], b: &[bf16], rounded: bool) 
             gemm_rounded(m, op(a, k, 1), &packed, out.as_mut_ptr(), n);
             dst = out.iter().map(|x| x.to_f32()).collect();
         } else {
-            gemm(
-                m,
-                n,
-                k,
-                dst.as_mut_ptr(),
-                n,
+            let whole = (m, n, k);
+            gemm(prod(
+                whole,
                 op(a, k, 1),
                 op(b, n, 1),
+                dst.as_mut_ptr(),
                 Store::Overwrite,
-            );
+            ));
         }
     }
     dst
@@ -150,7 +181,7 @@ fn product(m: usize, n: usize, k: usize, a: &[bf16], b: &[bf16], rounded: bool) 
 /// so stale words would show.
 #[test]
 fn reused_packing_buffers_give_a_fresh_threads_bits() {
-    if !available() {
+    if !runs_here("reused_packing_buffers_give_a_fresh_threads_bits") {
         return;
     }
     let (big, small) = ((70, 600, 530), (9, 33, 7));
@@ -181,7 +212,7 @@ fn reused_packing_buffers_give_a_fresh_threads_bits() {
 /// taken.
 #[test]
 fn one_row_is_the_packed_products_bits() {
-    if !available() {
+    if !runs_here("one_row_is_the_packed_products_bits") {
         return;
     }
     for (m, n, k) in [
@@ -204,16 +235,10 @@ fn one_row_is_the_packed_products_bits() {
                 let (mut packed, mut direct) = (start.clone(), start.clone());
                 // SAFETY: `a` is m×k and `b` k×n with these strides; outputs m×n.
                 let taken = unsafe {
-                    gemm(m, n, k, packed.as_mut_ptr(), n, aop, bop, store);
+                    gemm(prod((m, n, k), aop, bop, packed.as_mut_ptr(), store));
                     few_rows(
-                        m,
-                        n,
-                        k,
-                        direct.as_mut_ptr().cast(),
-                        n,
-                        aop,
-                        bop,
-                        (store, false),
+                        prod((m, n, k), aop, bop, direct.as_mut_ptr().cast(), store),
+                        false,
                     )
                 };
                 assert!(taken);
@@ -227,16 +252,8 @@ fn one_row_is_the_packed_products_bits() {
                     let mut fresh = start.clone();
                     // SAFETY: as above.
                     unsafe {
-                        few_rows(
-                            m,
-                            n,
-                            k,
-                            fresh.as_mut_ptr().cast(),
-                            n,
-                            aop,
-                            bop,
-                            (Store::Overwrite, false),
-                        )
+                        let dst = fresh.as_mut_ptr().cast();
+                        few_rows(prod((m, n, k), aop, bop, dst, Store::Overwrite), false)
                     };
                     assert_ne!(bits(&fresh), bits(&direct), "accumulating moves the result");
                 }
@@ -247,16 +264,10 @@ fn one_row_is_the_packed_products_bits() {
             unsafe {
                 let packed = pack_b_whole(bop, k, n);
                 gemm_rounded(m, aop, &packed, rounded.as_mut_ptr(), n);
-                let one = (Store::Overwrite, true);
+                let dst = direct.as_mut_ptr().cast();
                 assert!(few_rows(
-                    m,
-                    n,
-                    k,
-                    direct.as_mut_ptr().cast(),
-                    n,
-                    aop,
-                    bop,
-                    one
+                    prod((m, n, k), aop, bop, dst, Store::Overwrite),
+                    true
                 ));
             }
             let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -268,27 +279,10 @@ fn one_row_is_the_packed_products_bits() {
     // SAFETY: `a` 3×8, `b` 8×8 (every other element of every other row of `b`, or row-major);
     // nothing is written when the shape is not taken.
     unsafe {
-        let overwrite = (Store::Overwrite, false);
-        let strided = few_rows(
-            1,
-            8,
-            8,
-            out.as_mut_ptr().cast(),
-            8,
-            op(&a, 8, 1),
-            op(&b, 32, 2),
-            overwrite,
-        );
-        let three = few_rows(
-            3,
-            8,
-            8,
-            out.as_mut_ptr().cast(),
-            8,
-            op(&a, 8, 1),
-            op(&b, 8, 1),
-            overwrite,
-        );
+        let dst = out.as_mut_ptr().cast::<u8>();
+        let (a, strided_b, b) = (op(&a, 8, 1), op(&b, 32, 2), op(&b, 8, 1));
+        let strided = few_rows(prod((1, 8, 8), a, strided_b, dst, Store::Overwrite), false);
+        let three = few_rows(prod((3, 8, 8), a, b, dst, Store::Overwrite), false);
         assert!(!strided && !three);
     }
     assert!(out.iter().all(|&x| x == 0.0));

@@ -13,10 +13,11 @@
 
 use half::bf16;
 
-use super::super::choice::{bf16_matmul_kernel, choose, cpu, Choice, Cpu};
+use super::super::choice::{bf16_matmul_kernel, cpu};
 use super::*;
+use crate::blas::tests::strided_product;
 use crate::blas::{gemm_on, open_mkl, open_openblas};
-use crate::operand::Operand;
+use crate::operand::{Operand, Product};
 use crate::{dot_general, dot_general_accumulate, matmul_order_is_fixed};
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
@@ -47,99 +48,44 @@ fn kernels() -> Vec<Kernel> {
 }
 
 /// `dst (+)= a·b` on `kernel` for operands of `T` with the given strides.
-#[allow(clippy::too_many_arguments)]
 fn run<T: crate::blas::Element>(
     kernel: &Kernel,
-    (m, n, k): (usize, usize, usize),
-    a: &[T],
-    (ars, acs): (usize, usize),
-    b: &[T],
-    (brs, bcs): (usize, usize),
+    mnk: (usize, usize, usize),
+    a: (&[T], (usize, usize)),
+    b: (&[T], (usize, usize)),
     threads: usize,
     start: Option<&[f32]>,
 ) -> Vec<f32> {
-    let (mut dst, store) = match start {
-        Some(c) => (c.to_vec(), Store::Accumulate),
-        None => (vec![f32::NAN; m * n], Store::Overwrite),
-    };
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the strides address only elements inside `a` and `b`; `dst` is m×n.
-    unsafe {
-        gemm_on(
-            kernel,
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            n,
-            Operand {
-                ptr: a.as_ptr(),
-                rs: ars as isize,
-                cs: acs as isize,
-            },
-            Operand {
-                ptr: b.as_ptr(),
-                rs: brs as isize,
-                cs: bcs as isize,
-            },
-            parallelism,
-            store,
-        )
-    };
-    dst
+    strided_product(mnk, a, b, (threads, start), |p, parallelism| {
+        // SAFETY: the caller's strides address only elements inside `a` and `b`; the
+        // destination is m×n.
+        unsafe { gemm_on(kernel, p, parallelism) }
+    })
 }
 
-/// [`run`] on the AVX512_BF16 kernel.
+/// [`run`] on the AVX512_BF16 kernel; the caller checked the CPU has AVX512_BF16.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 fn own_product(
-    (m, n, k): (usize, usize, usize),
-    a: &[bf16],
-    (ars, acs): (usize, usize),
-    b: &[bf16],
-    (brs, bcs): (usize, usize),
+    mnk: (usize, usize, usize),
+    a: (&[bf16], (usize, usize)),
+    b: (&[bf16], (usize, usize)),
     threads: usize,
     start: Option<&[f32]>,
 ) -> Vec<f32> {
-    let (mut dst, store) = match start {
-        Some(c) => (c.to_vec(), Store::Accumulate),
-        None => (vec![f32::NAN; m * n], Store::Overwrite),
-    };
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    let op = |p: &[bf16], rs: usize, cs: usize| Operand {
-        ptr: p.as_ptr(),
-        rs: rs as isize,
-        cs: cs as isize,
-    };
-    // SAFETY: the strides address only elements inside `a` and `b`; `dst` is m×n; the caller
-    // checked the CPU has AVX512_BF16.
-    unsafe {
-        own(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            n,
-            op(a, ars, acs),
-            op(b, brs, bcs),
-            parallelism,
-            store,
-        )
-    };
-    dst
+    strided_product(mnk, a, b, (threads, start), |p, parallelism| {
+        // SAFETY: the caller's strides address only elements inside `a` and `b`; the
+        // destination is m×n; the CPU has AVX512_BF16.
+        unsafe { own(p, parallelism) }
+    })
 }
 
 #[test]
 fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
     let portable = Kernel::Portable(Isa::detect());
+    let own = own_kernel_runs_here(
+        "every_kernel_gives_the_widened_f32_product_within_the_summation_bound (the \
+         AVX512_BF16 kernel's part)",
+    );
     // One row (decode), odd contractions, partial tiles and panels, a split over threads, and
     // k past one block of the AVX512_BF16 kernel (512) and n past one of its column blocks.
     for (m, n, k) in [
@@ -175,10 +121,10 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                 .collect();
             let start = values(m * n, 3);
             for c in [None, Some(start.as_slice())] {
-                let same_on_portable = run(&portable, (m, n, k), &a, sa, &b, sb, 1, c);
+                let same_on_portable = run(&portable, (m, n, k), (&a, sa), (&b, sb), 1, c);
                 for kernel in &kernels() {
                     for threads in [1, 3] {
-                        let got = run(kernel, (m, n, k), &a16, sa, &b16, sb, threads, c);
+                        let got = run(kernel, (m, n, k), (&a16, sa), (&b16, sb), threads, c);
                         for i in 0..m {
                             for j in 0..n {
                                 let (exact, size) = reference[i * n + j];
@@ -200,10 +146,10 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
                     }
                 }
                 #[cfg(target_arch = "x86_64")]
-                if cpu().avx512_bf16 {
-                    let one = own_product((m, n, k), &a16, sa, &b16, sb, 1, c);
+                if own {
+                    let one = own_product((m, n, k), (&a16, sa), (&b16, sb), 1, c);
                     for threads in [1, 3] {
-                        let got = own_product((m, n, k), &a16, sa, &b16, sb, threads, c);
+                        let got = own_product((m, n, k), (&a16, sa), (&b16, sb), threads, c);
                         assert_eq!(got, one, "AVX512_BF16 bits on {threads} threads");
                         for i in 0..m {
                             for j in 0..n {
@@ -226,118 +172,17 @@ fn every_kernel_gives_the_widened_f32_product_within_the_summation_bound() {
     }
 }
 
-/// A CPU without AMX, with or without AVX512_BF16.
-fn no_tiles(avx512_bf16: bool) -> Cpu {
-    Cpu {
-        avx512_bf16,
-        amx_bf16: false,
-    }
-}
-
-/// Which kernel computes bf16 products for each f32 kernel, named or picked automatically,
-/// with and without the fallback.
-#[test]
-fn the_bf16_kernel_follows_the_f32_kernel_and_refuses_only_a_named_one() {
-    let isa = Isa::detect();
-    for own in [false, true] {
-        assert_eq!(
-            choose(&Kernel::Portable(isa), true, false, no_tiles(own)),
-            Choice::Portable(isa, None)
-        );
-        assert_eq!(
-            choose(&Kernel::Portable(isa), false, true, no_tiles(own)),
-            Choice::Portable(isa, None)
+/// Whether this CPU runs ferrotext's AVX512_BF16 kernel; when not, the check `name` reports
+/// itself skipped (the instructions have no other route to check them on).
+fn own_kernel_runs_here(name: &str) -> bool {
+    let here = cpu().avx512_bf16;
+    if !here {
+        crate::report_skipped(
+            &format!("tensor bf16::matmul::tests::{name}"),
+            "this processor has no AVX512_BF16",
         );
     }
-    let gemm = "the gemm crate".to_string();
-    assert_eq!(
-        choose(&Kernel::Gemm, true, false, no_tiles(true)),
-        Choice::Refused(gemm.clone())
-    );
-    assert_eq!(
-        choose(&Kernel::Gemm, true, true, no_tiles(false)),
-        Choice::Portable(isa, Some(gemm.clone()))
-    );
-    assert_eq!(
-        choose(&Kernel::Gemm, true, true, no_tiles(true)),
-        Choice::Own(gemm.clone())
-    );
-    assert_eq!(
-        choose(&Kernel::Gemm, false, false, no_tiles(false)),
-        Choice::Portable(isa, Some(gemm.clone()))
-    );
-    assert_eq!(
-        choose(&Kernel::Gemm, false, false, no_tiles(true)),
-        Choice::Own(gemm.clone())
-    );
-    // AMX helps only MKL's product: without it, ferrotext's kernel still runs.
-    let tiles = Cpu {
-        avx512_bf16: true,
-        amx_bf16: true,
-    };
-    assert_eq!(
-        choose(&Kernel::Gemm, false, false, tiles),
-        Choice::Own(gemm)
-    );
-    let e = Choice::Refused("OpenBLAS 0.3.21".into())
-        .describe()
-        .unwrap_err();
-    assert_eq!(
-        e,
-        TensorError::NoBf16Product {
-            kernel: "OpenBLAS 0.3.21".into()
-        }
-    );
-    assert!(
-        e.to_string().starts_with("OpenBLAS 0.3.21 has no bf16"),
-        "{e}"
-    );
-    if let Some(mkl) = open_mkl() {
-        // MKL has had `cblas_gemm_bf16bf16f32` since 2020.
-        let what = mkl.description.clone();
-        let with = Kernel::Blas(mkl);
-        // Named: its own product, AVX512_BF16 or not; automatic: ferrotext's kernel first.
-        for own in [false, true] {
-            assert_eq!(
-                choose(&with, true, false, no_tiles(own)),
-                Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
-            );
-        }
-        assert_eq!(
-            choose(&with, false, false, no_tiles(false)),
-            Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
-        );
-        assert_eq!(
-            choose(&with, false, false, no_tiles(true)),
-            Choice::Own(what.clone())
-        );
-        // With AMX tiles, MKL's product (which runs on them) comes before ferrotext's kernel.
-        let tiles = Cpu {
-            avx512_bf16: true,
-            amx_bf16: true,
-        };
-        assert_eq!(
-            choose(&with, false, false, tiles),
-            Choice::Library(what.clone(), "cblas_gemm_bf16bf16f32")
-        );
-        let Kernel::Blas(mut mkl) = with else {
-            unreachable!() // ok: built just above
-        };
-        mkl.bf16 = None;
-        let without = Kernel::Blas(mkl);
-        assert_eq!(
-            choose(&without, true, false, no_tiles(true)),
-            Choice::Refused(what.clone())
-        );
-        assert_eq!(
-            choose(&without, true, true, no_tiles(false)),
-            Choice::Portable(isa, Some(what.clone()))
-        );
-        assert_eq!(
-            choose(&without, false, false, no_tiles(false)),
-            Choice::Portable(isa, Some(what))
-        );
-    }
+    here
 }
 
 /// A bf16 `[B, T, H, d]` attention-like product batched over B and H, `x·Wᵀ`, `xᵀ·dy` and a
@@ -459,7 +304,7 @@ fn dot_general_bf16_refuses_shapes_that_do_not_fit() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn the_own_kernel_rounds_what_it_would_store() {
-    if !super::super::dpbf16::available() {
+    if !own_kernel_runs_here("the_own_kernel_rounds_what_it_would_store") {
         return;
     }
     for &(m, n, k, lt, rt) in &[
@@ -474,7 +319,7 @@ fn the_own_kernel_rounds_what_it_would_store() {
             if lt { (1, m) } else { (k, 1) },
             if rt { (1, k) } else { (n, 1) },
         );
-        let want = own_product((m, n, k), &a, astr, &b, bstr, 1, None);
+        let want = own_product((m, n, k), (&a, astr), (&b, bstr), 1, None);
         let want: Vec<bf16> = want.iter().map(|&x| crate::round_bf16(x)).collect();
         for threads in [1, 2] {
             let mut got = vec![bf16::from_bits(0x7fc1); m * n];
@@ -483,20 +328,19 @@ fn the_own_kernel_rounds_what_it_would_store() {
                 rs: rs as isize,
                 cs: cs as isize,
             };
+            let p = Product {
+                m,
+                n,
+                k,
+                a: op(&a, astr),
+                b: op(&b, bstr),
+                dst: got.as_mut_ptr(),
+                ldc: n,
+                store: Store::Overwrite,
+            };
             // SAFETY: the strides address only elements inside `a` and `b`; `got` is m×n; the
             // CPU has AVX512_BF16 (checked above).
-            unsafe {
-                own_rounded(
-                    m,
-                    n,
-                    k,
-                    got.as_mut_ptr(),
-                    n,
-                    op(&a, astr),
-                    op(&b, bstr),
-                    threads,
-                )
-            };
+            unsafe { own_rounded(p, threads) };
             let diff = got
                 .iter()
                 .zip(&want)

@@ -30,9 +30,15 @@
 
 use ferrotext_sharding::{carry_reduced, ArrayType, DType, DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError, UnaryOp};
-use ferrotext_tensor::{DotDims, Tensor, PAD_ROW};
+use ferrotext_tensor::{DotDims, Tensor};
 
 use crate::router::{self, GroupLimit};
+
+mod dense;
+mod experts;
+
+pub use dense::moe_dense;
+use experts::{experts_local, experts_parallel};
 
 /// How router logits become scores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -387,35 +393,13 @@ fn sparse_body(
         .map(|(i, &ex)| ((i / k) * e) as u32 + ex)
         .collect();
     let loss = if config.load_balance_loss_weight > 0.0 {
-        let seq = shape[shape.len() - 2];
-        let rows = n / seq.max(1);
-        // density[b, e]: the fraction of sequence b's tokens that chose expert e (data).
-        let mut density = vec![0f32; rows * e];
-        for (copy, &ex) in experts.iter().enumerate() {
-            density[(copy / k / seq) * e + ex as usize] += 1.0 / seq as f32;
-        }
-        let ty = ArrayType::manual(
-            scores.ty().dtype(),
-            vec![rows, e],
-            scores.ty().sharding().mesh().clone(),
-            scores.ty().manual_tags().clone(),
-        )?;
-        let density = cx.from_local(ty, Tensor::new(vec![rows, e], density)?)?;
-        let per_seq = cx.reshape(&scores, &[rows, seq, e], None)?;
-        let mean_prob = cx.reduce_sum(&per_seq, &[1], None)?;
-        let both = cx.mul(&mean_prob, &density)?;
-        let local = cx.reduce_sum(&both, &[0, 1], None)?;
-        // weight · E² · mean over (sequences, experts) = weight · E / sequences · Σ, with the
-        // 1/seq of the mean score folded in.
-        let factor = config.load_balance_loss_weight * e as f32 / (sequences * seq) as f32;
-        let local = cx.scale(&local, factor)?;
-        let varying: Vec<String> = local.ty().manual_tags().varying().iter().cloned().collect();
-        let axes: Vec<&str> = varying.iter().map(String::as_str).collect();
-        Some(if axes.is_empty() {
-            local
-        } else {
-            cx.psum(&local, &axes)?
-        })
+        Some(load_balance_loss(
+            cx,
+            config,
+            &scores,
+            &experts,
+            (&shape, sequences),
+        )?)
     } else {
         None
     };
@@ -436,262 +420,84 @@ fn sparse_body(
     let weighted = cx.mul(&copies, &gates)?;
     let mut y = cx.reduce_sum(&weighted, &[1], None)?;
     if has_shared != Shared::None {
-        let dtype = xf.ty().dtype();
-        let (wg, wu, wo) = (
-            cx.cast(&w[4], dtype)?,
-            cx.cast(&w[5], dtype)?,
-            cx.cast(&w[6], dtype)?,
-        );
-        let g = cx.matmul(&xf, &wg, None)?;
-        let u = cx.matmul(&xf, &wu, None)?;
-        let a = cx.swiglu(&g, &u)?;
-        let mut s = cx.matmul(&a, &wo, None)?;
-        if has_shared == Shared::Gated {
-            // sigmoid(x·gate) [n, 1] on every row of the shared output [n, d]
-            let gate = cx.cast(&w[7], dtype)?;
-            let z = cx.dot_general_preferred(&xf, &gate, &DotDims::matmul(2), None, DType::F32)?;
-            let z = cx.unary(UnaryOp::Sigmoid, &z)?;
-            let z = cx.reshape(&z, &[n], None)?;
-            let z = cx.broadcast_in_dim(&z, &[n, d], &[0], None)?;
-            let z = cx.cast(&z, s.ty().dtype())?;
-            s = cx.mul(&s, &z)?;
-        }
+        let s = shared_experts(cx, &xf, w, has_shared)?;
         y = cx.add(&y, &s)?;
     }
     Ok((cx.reshape(&y, &shape, None)?, loss, load))
 }
 
-/// Every copy's expert output `[n·k, d]` (token-major), all experts on this device.
-fn experts_local(
-    cx: &mut Ctx<'_>,
-    xf: &Array,
-    w: &[Array],
-    experts: &[u32],
-    e: usize,
-    k: usize,
-) -> Result<Array, SpmdError> {
-    // Sort the token copies by expert (stable), remember where each copy went.
-    let mut order: Vec<usize> = (0..experts.len()).collect();
-    order.sort_by_key(|&c| experts[c]);
-    let sorted_tokens: Vec<u32> = order.iter().map(|&c| (c / k) as u32).collect();
-    let mut back = vec![0u32; experts.len()];
-    for (position, &c) in order.iter().enumerate() {
-        back[c] = position as u32;
-    }
-    let mut group_sizes = vec![0usize; e];
-    for &ex in experts {
-        group_sizes[ex as usize] += 1;
-    }
-    let xs = cx.take_rows(xf, &sorted_tokens)?;
-    let ys = expert_swiglu(cx, &xs, w, &group_sizes)?;
-    cx.take_rows(&ys, &back)
-}
-
-/// `swiglu(x·wi_0[g], x·wi_1[g])·wo[g]` per group of rows.
-fn expert_swiglu(
-    cx: &mut Ctx<'_>,
-    xs: &Array,
-    w: &[Array],
-    group_sizes: &[usize],
-) -> Result<Array, SpmdError> {
-    // The expert weights (f32 masters) in the activations' dtype, cast at use.
-    let dtype = xs.ty().dtype();
-    let (wi_0, wi_1, wo) = (
-        cx.cast(&w[1], dtype)?,
-        cx.cast(&w[2], dtype)?,
-        cx.cast(&w[3], dtype)?,
-    );
-    let g = cx.grouped_matmul(xs, &wi_0, group_sizes)?;
-    let u = cx.grouped_matmul(xs, &wi_1, group_sizes)?;
-    let a = cx.swiglu(&g, &u)?;
-    cx.grouped_matmul(&a, &wo, group_sizes)
-}
-
-/// [`experts_local`] with the experts split over `ep_axes`: copies travel to their expert's
-/// device and back by `all_to_all` (see the module docs).
-fn experts_parallel(
-    cx: &mut Ctx<'_>,
-    xf: &Array,
-    w: &[Array],
-    experts: &[u32],
-    e: usize,
-    k: usize,
-    ep_axes: &[&str],
-) -> Result<Array, SpmdError> {
-    let (_, ep) = cx.axis_index(ep_axes)?;
-    let local_experts = w[1].ty().shape()[0];
-    if local_experts * ep != e {
-        return Err(SpmdError::ExpertsIndivisible {
-            op: "moe",
-            experts: e,
-            devices: ep,
-            axes: ep_axes.iter().map(|a| a.to_string()).collect(),
-        });
-    }
-    let copies = experts.len();
-    let cap = copies; // worst case: every copy goes to one device
-                      // 1. the send buffer: chunk j holds the copies for device j, sorted by expert, then padding.
-    let mut order: Vec<usize> = (0..copies).collect();
-    order.sort_by_key(|&c| experts[c]);
-    let mut send_rows = vec![PAD_ROW; ep * cap];
-    let mut slot_of_copy = vec![0u32; copies];
-    let mut filled = vec![0usize; ep];
-    let mut counts = vec![0f32; ep * local_experts];
-    for &c in &order {
-        let ex = experts[c] as usize;
-        let j = ex / local_experts;
-        let slot = j * cap + filled[j];
-        filled[j] += 1;
-        send_rows[slot] = (c / k) as u32;
-        slot_of_copy[c] = slot as u32;
-        counts[ex] += 1.0; // = counts[j * local_experts + ex % local_experts]
-    }
-    // 2. counts and rows to the experts' devices.
-    let counts_ty = ArrayType::manual(
-        xf.ty().dtype(),
-        vec![ep * local_experts],
-        xf.ty().sharding().mesh().clone(),
-        xf.ty().manual_tags().clone(),
-    )?;
-    let counts = cx.from_local(counts_ty, Tensor::new(vec![ep * local_experts], counts)?)?;
-    let received_counts = cx.all_to_all(&counts, ep_axes, 0, 0)?;
-    let xs_send = cx.take_rows(xf, &send_rows)?;
-    let xs_recv = cx.all_to_all(&xs_send, ep_axes, 0, 0)?;
-    // 3. here: rows grouped by local expert across the sources, padding last.
-    let received: Vec<usize> = match received_counts.local() {
-        Ok(t) => t.data().iter().map(|&c| c as usize).collect(),
-        Err(_) => vec![0; ep * local_experts], // abstract mode: shapes only
-    };
-    let mut local_rows = Vec::with_capacity(ep * cap);
-    let mut group_sizes = vec![0usize; local_experts];
-    for (l, size) in group_sizes.iter_mut().enumerate() {
-        for source in 0..ep {
-            let before: usize = received[source * local_experts..source * local_experts + l]
-                .iter()
-                .sum();
-            let count = received[source * local_experts + l];
-            local_rows.extend((0..count).map(|r| (source * cap + before + r) as u32));
-            *size += count;
-        }
-    }
-    let mut back = vec![PAD_ROW; ep * cap];
-    for (position, &row) in local_rows.iter().enumerate() {
-        back[row as usize] = position as u32;
-    }
-    local_rows.resize(ep * cap, PAD_ROW);
-    let xs = cx.take_rows(&xs_recv, &local_rows)?;
-    let ys = expert_swiglu(cx, &xs, w, &group_sizes)?;
-    // 4. results back to the devices the copies came from, then into token-major order.
-    let ys_recv_layout = cx.take_rows(&ys, &back)?;
-    let ys_home = cx.all_to_all(&ys_recv_layout, ep_axes, 0, 0)?;
-    cx.take_rows(&ys_home, &slot_of_copy)
-}
-
-/// The reference: every expert on every token, each output masked by its gate weight (zero for
-/// experts not chosen). Global ops only; the same routing rule as [`moe_sparse`].
-///
-/// # Errors
-/// As [`moe_sparse`].
-pub fn moe_dense(
+/// The load-balance loss of one device's tokens, summed over the devices its routing varies
+/// over: `weight · E / sequences · Σ density · mean score` (`shape`: the block's input shape,
+/// `sequences`: the global batch); `experts` the chosen expert of each token copy.
+fn load_balance_loss(
     cx: &mut Ctx<'_>,
     config: &MoeConfig,
-    x: &Array,
-    weights: &MoeWeights,
-) -> Result<MoeOutput, SpmdError> {
-    config.check(weights)?;
-    let shape = x.ty().shape().to_vec();
-    let rank = shape.len();
-    let (e, k) = (config.num_experts, config.num_experts_per_tok);
-    let logits = crate::nn::linear_to(cx, x, &weights.router, DType::F32)?;
-    let scores = config.scores(cx, &logits)?;
-    // The chosen experts' scores, everything else zero (a constant mask from this device's rows).
-    let (mask_local, expert_load) = match scores.local().ok() {
-        Some(s) => {
-            let rows = s.len() / e;
-            let shape = s.shape().to_vec();
-            let flat = s.into_owned().reshape(&[rows, e])?;
-            let routing = config.route(&flat, weights.router_bias.as_deref())?;
-            let mut m = vec![0f32; rows * e];
-            for (i, &ex) in routing.experts.iter().enumerate() {
-                m[(i / k) * e + ex as usize] = 1.0;
-            }
-            let load = router::expert_load(&routing.experts, e);
-            (Tensor::new(shape, m)?, Some(load))
-        }
-        None => (Tensor::zeros(&scores.ty().shard_shape()), None),
-    };
-    let mask_ty = cx.array_type(
-        scores.ty().shape(),
-        scores.ty().sharding().spec().without_tags(),
+    scores: &Array,
+    experts: &[u32],
+    (shape, sequences): (&[usize], usize),
+) -> Result<Array, SpmdError> {
+    let e = config.num_experts;
+    let k = config.num_experts_per_tok;
+    let n: usize = shape[..shape.len() - 1].iter().product();
+    let seq = shape[shape.len() - 2];
+    let rows = n / seq.max(1);
+    // density[b, e]: the fraction of sequence b's tokens that chose expert e (data).
+    let mut density = vec![0f32; rows * e];
+    for (copy, &ex) in experts.iter().enumerate() {
+        density[(copy / k / seq) * e + ex as usize] += 1.0 / seq as f32;
+    }
+    let ty = ArrayType::manual(
+        scores.ty().dtype(),
+        vec![rows, e],
+        scores.ty().sharding().mesh().clone(),
+        scores.ty().manual_tags().clone(),
     )?;
-    let mask = cx.from_local(mask_ty, mask_local)?;
-    let load_balance_loss = if config.load_balance_loss_weight > 0.0 && rank == 3 {
-        let (b, t) = (shape[0], shape[1]);
-        let density = cx.reduce_sum(&mask, &[1], None)?;
-        let mean_prob = cx.reduce_sum(&scores, &[1], None)?;
-        let both = cx.mul(&density, &mean_prob)?;
-        let total = cx.reduce_sum(&both, &[0, 1], Some(&PartitionSpec::replicated()))?;
-        // density and mean score are each a mean over t: divide by t².
-        let factor = config.load_balance_loss_weight * (e * e) as f32 / (b * e * t * t) as f32;
-        Some(cx.scale(&total, factor)?)
+    let density = cx.from_local(ty, Tensor::new(vec![rows, e], density)?)?;
+    let per_seq = cx.reshape(scores, &[rows, seq, e], None)?;
+    let mean_prob = cx.reduce_sum(&per_seq, &[1], None)?;
+    let both = cx.mul(&mean_prob, &density)?;
+    let local = cx.reduce_sum(&both, &[0, 1], None)?;
+    // weight · E² · mean over (sequences, experts) = weight · E / sequences · Σ, with the
+    // 1/seq of the mean score folded in.
+    let factor = config.load_balance_loss_weight * e as f32 / (sequences * seq) as f32;
+    let local = cx.scale(&local, factor)?;
+    let varying: Vec<String> = local.ty().manual_tags().varying().iter().cloned().collect();
+    let axes: Vec<&str> = varying.iter().map(String::as_str).collect();
+    if axes.is_empty() {
+        Ok(local)
     } else {
-        None
-    };
-    let chosen = cx.mul(&scores, &mask)?;
-    let mut gates = if config.norm_topk_prob {
-        let sum = cx.reduce_sum(&chosen, &[rank - 1], None)?;
-        let dims: Vec<usize> = (0..rank - 1).collect();
-        let sum = cx.broadcast_in_dim(&sum, chosen.ty().shape(), &dims, None)?;
-        cx.div(&chosen, &sum)?
-    } else {
-        chosen
-    };
-    if config.routed_scaling_factor != 1.0 {
-        gates = cx.scale(&gates, config.routed_scaling_factor)?;
+        cx.psum(&local, &axes)
     }
-    let mut y: Option<Array> = None;
-    let dims: Vec<usize> = (0..rank).collect();
-    for expert in 0..e {
-        let pick = |cx: &mut Ctx<'_>, w: &Array| -> Result<Array, SpmdError> {
-            let s = cx.slice(w, 0, expert, expert + 1)?;
-            let rest = w.ty().shape()[1..].to_vec();
-            cx.reshape(&s, &rest, None)
-        };
-        let (w0, w1, w2) = (
-            pick(cx, &weights.wi_0)?,
-            pick(cx, &weights.wi_1)?,
-            pick(cx, &weights.wo)?,
-        );
-        let h = crate::nn::swiglu(cx, x, &w0, &w1, &w2)?;
-        let gate = cx.slice(&gates, rank - 1, expert, expert + 1)?;
-        let gate = cx.broadcast_in_dim(&gate, &shape, &dims, None)?;
-        let gate = cx.cast(&gate, h.ty().dtype())?;
-        let part = cx.mul(&h, &gate)?;
-        y = Some(match y {
-            Some(acc) => cx.add(&acc, &part)?,
-            None => part,
-        });
+}
+
+/// The shared experts' output `[n, d]` on the rows `xf` (weights 4..6 of `w`; 7, its sigmoid
+/// gate, when `Gated`).
+fn shared_experts(
+    cx: &mut Ctx<'_>,
+    xf: &Array,
+    w: &[Array],
+    has_shared: Shared,
+) -> Result<Array, SpmdError> {
+    let (n, d) = (xf.ty().shape()[0], xf.ty().shape()[1]);
+    let dtype = xf.ty().dtype();
+    let (wg, wu, wo) = (
+        cx.cast(&w[4], dtype)?,
+        cx.cast(&w[5], dtype)?,
+        cx.cast(&w[6], dtype)?,
+    );
+    let g = cx.matmul(xf, &wg, None)?;
+    let u = cx.matmul(xf, &wu, None)?;
+    let a = cx.swiglu(&g, &u)?;
+    let mut s = cx.matmul(&a, &wo, None)?;
+    if has_shared == Shared::Gated {
+        // sigmoid(x·gate) [n, 1] on every row of the shared output [n, d]
+        let gate = cx.cast(&w[7], dtype)?;
+        let z = cx.dot_general_preferred(xf, &gate, &DotDims::matmul(2), None, DType::F32)?;
+        let z = cx.unary(UnaryOp::Sigmoid, &z)?;
+        let z = cx.reshape(&z, &[n], None)?;
+        let z = cx.broadcast_in_dim(&z, &[n, d], &[0], None)?;
+        let z = cx.cast(&z, s.ty().dtype())?;
+        s = cx.mul(&s, &z)?;
     }
-    let mut y = y.ok_or(SpmdError::Internal {
-        op: "moe",
-        invariant: "no experts",
-    })?;
-    if let Some([gate, up, down]) = &weights.shared {
-        let mut s = crate::nn::swiglu(cx, x, gate, up, down)?;
-        if let Some(g) = &weights.shared_gate {
-            let z = crate::nn::linear_to(cx, x, g, DType::F32)?;
-            let z = cx.unary(UnaryOp::Sigmoid, &z)?;
-            let z = cx.reshape(&z, &shape[..rank - 1], None)?;
-            let dims: Vec<usize> = (0..rank - 1).collect();
-            let z = cx.broadcast_in_dim(&z, &shape, &dims, None)?;
-            let z = cx.cast(&z, s.ty().dtype())?;
-            s = cx.mul(&s, &z)?;
-        }
-        y = cx.add(&y, &s)?;
-    }
-    Ok(MoeOutput {
-        y,
-        load_balance_loss,
-        expert_load,
-    })
+    Ok(s)
 }

@@ -1,0 +1,74 @@
+use super::*;
+
+/// A run's owner is recognised under another binary name when it was started as
+/// `… emulate`, so a second start does not take a live run's network for leftovers; a
+/// reused PID running something else (the mirror) is not an owner.
+#[test]
+fn an_owner_is_a_ferrotext_or_an_emulate_launcher_under_any_name() {
+    assert!(owns_a_run("ferrotext", b"/x/ferrotext\0train\0"));
+    assert!(owns_a_run(
+        "ferrotext-mpi",
+        b"./ferrotext-mpi\0emulate\0--hosts\x002\0"
+    ));
+    assert!(owns_a_run("ft", b"/opt/ft\0emulate-agent\0"));
+    assert!(!owns_a_run("sleep", b"sleep\x00100\0"));
+    assert!(!owns_a_run("bash", b"bash\0-c\0echo emulate\0"));
+    assert!(!owns_a_run("", b""));
+}
+
+#[test]
+fn the_bucket_is_a_millisecond_of_traffic_and_at_least_two_gso_packets() {
+    assert_eq!(tbf_burst_bytes(10_000_000_000), 1_250_000);
+    assert_eq!(tbf_burst_bytes(1_000_000_000), 128 * 1024);
+    assert_eq!(tbf_burst_bytes(100_000_000), 128 * 1024);
+}
+
+#[test]
+fn link_specs_parse() {
+    let l = LinkSpec::parse("1gbit,100us").unwrap();
+    assert_eq!(l.rate_bps, 1_000_000_000);
+    assert_eq!(l.delay, Some(Duration::from_micros(100)));
+    assert_eq!(LinkSpec::parse("10gbit").unwrap().rate_bps, 10_000_000_000);
+    assert_eq!(LinkSpec::parse("2.5Gbit").unwrap().rate_bps, 2_500_000_000);
+    for bad in [
+        "",
+        "fast",
+        "1gb",
+        "0gbit",
+        "1gbit,",
+        "1gbit,5parsecs",
+        "-1mbit",
+    ] {
+        assert!(LinkSpec::parse(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn names_carry_their_owner() {
+    let n = Names { pid: 4_194_303 };
+    for name in [n.namespace(3), n.bridge(), n.veth(12), n.peer(12)] {
+        assert_eq!(owner_of(&name), Some(4_194_303), "{name}");
+        assert!(name.len() <= 15 || name.starts_with(NS_PREFIX), "{name}");
+    }
+    assert_eq!(owner_of("fxbridge"), None);
+    assert_eq!(owner_of("eth0"), None);
+}
+
+#[test]
+fn the_subnet_avoids_every_route() {
+    let taken: Vec<Prefix> = ["10.128.0.0/16", "10.129.7.0/24", "192.0.2.0/24"]
+        .iter()
+        .filter_map(|p| Prefix::parse(p))
+        .collect();
+    for seed in 0..200 {
+        let s = free_subnet(&taken, seed).unwrap();
+        let p = Prefix {
+            net: u32::from(s),
+            len: 24,
+        };
+        assert!(!taken.iter().any(|t| t.overlaps(&p)), "{s}");
+    }
+    // A /9 route over the whole range leaves nothing.
+    let all = [Prefix::parse("10.128.0.0/9").unwrap()];
+    assert_eq!(free_subnet(&all, 1), None);
+}
