@@ -116,7 +116,10 @@ fn a_run_too_large_names_the_long_sequence_keys_that_would_fit() {
     assert!(lean_need < 0.6 * need, "{lean_need} vs {need}");
     if need <= total || lean_need > total {
         // A machine of another size: the check's branch this test is about does not arise.
-        eprintln!("skipped: {need} / {lean_need} against {total} bytes");
+        ferrotext_tensor::report_skipped(
+            "remat::a_run_too_large_names_the_long_sequence_keys_that_would_fit",
+            &format!("needs {need} B, {lean_need} B lean, against this machine's {total} B"),
+        );
         return;
     }
     let err = plan.check_fits_in_memory().unwrap_err().to_string();

@@ -1,6 +1,8 @@
 //! Helpers shared by the train integration tests.
 #![allow(dead_code)]
 
+pub mod packed;
+
 use ferrotext_spmd::Ctx;
 use ferrotext_train::data::{micro_batch, TokenSource};
 use ferrotext_train::{train, Engine, RunOptions, TrainConfig, TrainError, TrainReport};
