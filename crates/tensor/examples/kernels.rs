@@ -241,7 +241,7 @@ fn main() {
 /// The measurements of `main`, on the device pool.
 fn measure(data: usize, threads: usize, ms: f64) {
     let peak = cpu_peak();
-    println!("stated peak: {peak}");
+    println!("peak: {peak}");
     let (b, t, d, h, kv, hd, mlp, vocab, layers) = (8 / data, 64, 256, 8, 4, 32, 768, 2048, 4);
     let n = b * t;
     println!(
@@ -815,7 +815,7 @@ fn report(rows: &[Row], peak_flops: f64) {
         flops / 1e9,
         flops / total / 1e9,
         if peak_flops > 0.0 && flops > 0.0 {
-            format!(" = {:.1}% of the stated peak", 100.0 * flops / total / peak_flops)
+            format!(" = {:.1}% of the peak", 100.0 * flops / total / peak_flops)
         } else {
             String::new()
         }

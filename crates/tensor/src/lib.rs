@@ -37,8 +37,10 @@ across chunks run in order, so every result of this crate's own kernels has the 
 thread count; a product's does on the portable kernel, and on a BLAS where the library computes a
 block of rows as it computes the whole product ([`matmul_order_is_fixed`]).
 
-[`cpu_peak`] states the CPU's peak FLOP/s from its description (cores × FMA units × lanes ×
-clock), a figure that does not move with how busy the machine is.
+[`cpu_peak`] is the CPU's peak FLOP/s per dtype: cores × one core's FMA throughput, probed once
+per process (an EPYC's split 512-bit FMA and a Xeon's two full units report the same features,
+so a table cannot tell them apart), best of short windows, so it does not move with how busy
+the machine is.
 
 # Example
 ```
@@ -100,7 +102,7 @@ pub use nn::{
 };
 pub use optim::{adamw_update, sgd_update, sum_of_squares, AdamW};
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};
-pub use peak::{cpu_peak, CpuPeak};
+pub use peak::{cpu_peak, snap_units, CpuPeak, FmaProbe, Probes};
 pub use rope::{rope_tail, rope_with, Llama3, PositionScaling, Rope, Yarn};
 pub use skip::{report_skipped, SKIPPED_ENV};
 pub use tensor::{strides, written_zeros, Tensor};

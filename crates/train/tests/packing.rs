@@ -4,6 +4,8 @@
 //! is refused by name. Layout invariance and resumption of packed runs are in
 //! `packing_layout_invariant.rs`, a binary of its own.
 
+use std::path::{Path, PathBuf};
+
 use ferrotext_train::{train, RunOptions, TrainConfig};
 mod common;
 

@@ -50,4 +50,3 @@ fn packed_runs_keep_layout_invariance_and_resume_bit_for_bit() {
     resumed.extend(losses(&rest));
     assert_eq!(resumed, losses(&one));
 }
-

@@ -63,6 +63,7 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     if let Some(kernel) = bf16 {
         println!("bf16 matmul: {kernel}");
     }
+    print_peak(&plan);
     println!("deferral: {}", gate.describe());
     println!("overlap: {}", plan.overlap().describe());
     let mb = PhasePattern::new("micro_batch*");
@@ -73,6 +74,22 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     );
     println!("\ncollectives of one device:\n{}", trace.summary_table());
     Ok(())
+}
+
+/// The peak a run's MFU divides by, and the step's FLOPs against it: the least time a step
+/// could take on this machine's cores.
+fn print_peak(plan: &ferrotext_train::RunPlan) {
+    let config = plan.config();
+    let bf16 = cost::products_in_bf16(config);
+    let peak = ferrotext_tensor::cpu_peak();
+    let step_flops = plan.decoder().flops_per_token(config.max_target_length)
+        * super::tokens_per_step(config) as f64;
+    println!(
+        "peak of this machine (MFU's denominator): {}\nmodel FLOPs a step: {:.2} GFLOP, {:.1} ms at that peak",
+        peak.describe_for(bf16),
+        step_flops / 1e9,
+        step_flops / peak.flops_for(bf16) * 1e3
+    );
 }
 
 /// `ferrotext plan --cluster ...`: the cost model's predicted step (`ferrotext_cost`).
@@ -160,6 +177,7 @@ fn device_throughput(
                     cores,
                     devices,
                     share,
+                    bf16: cost::products_in_bf16(config),
                     run,
                 };
                 (gflops, measured)

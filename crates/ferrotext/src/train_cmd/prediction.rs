@@ -25,6 +25,8 @@ pub(super) enum Throughput {
         cores: usize,
         devices: usize,
         share: f64,
+        /// The products run in bf16 (`dtype=bfloat16`).
+        bf16: bool,
         run: MicroBatchMeasurement,
     },
 }
@@ -44,6 +46,7 @@ impl Throughput {
 pub(super) fn print_prediction(p: &Prediction, source: &Throughput) {
     print_cluster(p);
     println!("{}", throughput_line(p.device_gflops, source));
+    println!("{}", peak_line(p.device_gflops, source));
     print_compute(p);
     for (title, rows) in [
         (
@@ -115,6 +118,7 @@ fn throughput_line(gflops: f64, source: &Throughput) -> String {
             devices,
             share,
             run,
+            ..
         } => format!(
             "  device throughput    {gflops:.1} GFLOP/s measured here from a micro-batch (forward + backward of this model, {} tokens per device on {} thread(s), the budget of one of {devices} devices sharing this machine's {cores} cores, {} device(s) side by side: median of {} after {} warm-up, {:.1} ms = {:.1} GFLOP/s{}); emulated hosts share these {cores} cores",
             run.tokens,
@@ -134,6 +138,40 @@ fn throughput_line(gflops: f64, source: &Throughput) -> String {
             }
         ),
     }
+}
+
+/// The measured throughput against this machine's peak (the probe MFU divides by); nothing for
+/// a given throughput.
+fn peak_line(gflops: f64, source: &Throughput) -> String {
+    let (bf16, threads, cores, devices) = match source {
+        Throughput::Given => return String::new(),
+        Throughput::Measured {
+            dtype,
+            threads,
+            cores,
+            devices,
+            ..
+        } => (*dtype == "bf16", *threads, *cores, *devices),
+        Throughput::MicroBatch {
+            run,
+            cores,
+            devices,
+            bf16,
+            ..
+        } => (*bf16, run.threads, *cores, *devices),
+    };
+    let peak = ferrotext_tensor::cpu_peak();
+    // A device's share of the machine's (logical) CPUs: its threads, or cores ÷ devices when
+    // the devices outnumber them (the throughput above is scaled the same way).
+    let (cores, devices) = (cores.max(1), devices.max(1));
+    let share = (threads * devices).min(cores) as f64 / (cores * devices) as f64;
+    let device_peak = peak.flops_for(bf16) * share / 1e9;
+    format!(
+        "  device peak          {device_peak:.1} GFLOP/s ({:.3} of the peak of this machine's {cores} CPUs, {}): the throughput above is {:.1}% of it",
+        share,
+        peak.describe_for(bf16),
+        100.0 * gflops / device_peak.max(1e-9)
+    )
 }
 
 /// A micro-batch's compute, and whether the reductions overlap it.

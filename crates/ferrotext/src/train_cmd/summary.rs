@@ -90,25 +90,20 @@ fn print_losses(m: &[StepMetrics]) {
 /// The median step, tokens per second, the model FLOPs utilisation and the peak memory.
 fn print_speed(config: &TrainConfig, report: &TrainReport, step_seconds: f64, wall: f64) {
     let tok_s = tokens_per_step(config) as f64 / step_seconds.max(1e-12);
-    // The stated peak (from the CPU's description), so the figure does not move with how busy
-    // the machine was at start-up; `bench kernels` measures the achieved gemm rate.
+    // The probed peak (this processor's FMA throughput, measured once per process in short
+    // windows whose best counts, so it does not move with how busy the machine is), against
+    // the products' dtype: a bf16 run's products may run at twice the f32 rate (AVX512_BF16).
     let peak = ferrotext_tensor::cpu_peak();
-    // Against the peak of the products' dtype: a bf16 run's matmuls may run at twice the f32
-    // rate (AVX512_BF16), so its utilisation is measured against that.
     let bf16 = ferrotext_cost::products_in_bf16(config);
-    let peak_flops = if bf16 {
-        peak.bf16_flops()
-    } else {
-        peak.flops()
-    };
-    let mfu = report.flops_per_token * tok_s / peak_flops;
+    let achieved = report.flops_per_token * tok_s;
     println!(
         "  median step      {:.1} ms  ({tok_s:.0} tokens/s; whole run {wall:.1} s)",
         step_seconds * 1e3
     );
     println!(
-        "  model FLOPs util {:.1}% of the stated peak {}",
-        mfu * 100.0,
+        "  model FLOPs util {:.1}% = {:.1} GFLOP/s achieved (model FLOPs × tokens/s) ÷ the peak {}",
+        achieved / peak.flops_for(bf16) * 100.0,
+        achieved / 1e9,
         peak.describe_for(bf16)
     );
     if let Some(cpu) = mean_step_cpu(&report.metrics) {

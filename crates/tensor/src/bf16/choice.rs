@@ -164,7 +164,7 @@ pub fn bf16_matmul_kernel() -> Result<String, TensorError> {
 }
 
 /// True when this process's bf16 products run on AMX tiles: MKL's product was chosen (the
-/// choice is read, not made) and the CPU has AMX-BF16. For the stated peak
+/// choice is read, not made) and the CPU has AMX-BF16. For the peak
 /// ([`crate::cpu_peak`]).
 pub(crate) fn products_on_tiles() -> bool {
     matches!(CHOICE.get(), Some(Choice::Library(..)))

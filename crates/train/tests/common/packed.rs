@@ -61,4 +61,3 @@ pub fn config(data: &Path, extra: &[&str]) -> TrainConfig {
 pub fn losses(r: &TrainReport) -> Vec<u64> {
     r.metrics.iter().map(|m| m.loss.to_bits()).collect()
 }
-
