@@ -11,8 +11,8 @@ impl Decoder {
     /// Training FLOPs per token at sequence length `seq`: 6 per matmul weight (forward and both
     /// backward products; the LM head counts the vocabulary projection, the embedding lookup
     /// counts nothing; of the routed experts only the k a token uses) plus the attention score
-    /// and value products (`6·heads·(qk + v)` per key a query sees; see [`attended_keys`]), plus
-    /// the MTP module's ([`crate::mtp::flops_per_token`]). Biases, norms, soft-caps, the RoPE and
+    /// and value products (`6·heads·(qk + v)` per key a query sees; a sliding layer counts only
+    /// the keys its window leaves), plus the MTP module's ([`crate::mtp::flops_per_token`]). Biases, norms, soft-caps, the RoPE and
     /// the gates' activations are elementwise and count nothing; GeGLU and SwiGLU cost the same
     /// three products; MLA counts its projections as declared (one `q_proj` without the query
     /// latent, `q_a_proj` and `q_b_proj` with it).

@@ -45,7 +45,7 @@ pub struct CpuPeak {
     /// This process's bf16 products run on AMX tiles (MKL's product on a CPU with AMX-BF16),
     /// whose multiply unit does 512 bf16 multiply-adds a cycle per core.
     pub bf16_tiles: bool,
-    /// The measured throughput of the `f32` and bf16 instructions ([`probe`]).
+    /// The measured throughput of the `f32` and bf16 instructions ([`FmaProbe`]).
     pub probes: Probes,
 }
 
@@ -171,7 +171,7 @@ impl fmt::Display for CpuPeak {
 }
 
 /// The peak of the CPUs this process may use: their description read from `/proc/cpuinfo` and
-/// CPUID, and their FMA throughput probed on the first call ([`probe`], about 20 ms on an idle
+/// CPUID, and their FMA throughput probed on the first call ([`FmaProbe`], about 20 ms on an idle
 /// machine; later calls reuse it). Never fails (a clock it cannot find is taken as 2 GHz and
 /// says so in `clock_source`; a CPU without a probe gets the stated figures).
 pub fn cpu_peak() -> CpuPeak {
