@@ -132,11 +132,11 @@ fn tiles_give_the_untiled_loss_and_gradients_in_bf16() {
 }
 
 /// Gemma 2's final-logit soft-cap is applied to each tile's logits (and its derivative to
-/// their cotangent) as to the untiled logits: the same loss, and gradients within 1e-5 relative
-/// (the products over tiles round in another order, as above; under this strong cap the
-/// gradients are small and the worst is 3.8e-6; a skipped cap or a wrong derivative is off by
-/// O(1)). The
-/// mirror: the cap (small on purpose) moves the loss by 7.5e-4 relative, far past the 1e-6 a
+/// their cotangent) as to the untiled logits: the same loss, and gradients within 3e-5 of the
+/// largest (the products over tiles round in another order, as above; under this strong cap
+/// the gradients are sums of terms that mostly cancel, so their rounding is large beside them:
+/// the worst measured is 3.8e-6 on MKL and 1.03e-5 on OpenBLAS's Haswell kernel; a skipped cap
+/// or a wrong derivative is off by O(1)). The mirror: the cap (small on purpose) moves the loss by 7.5e-4 relative, far past the 1e-6 a
 /// tiled head that skipped it would have to hide in.
 #[test]
 fn tiles_keep_the_final_logit_softcap() {
@@ -144,8 +144,8 @@ fn tiles_keep_the_final_logit_softcap() {
         final_logit_softcapping: Some(0.05),
         ..config(tied)
     };
-    check_config(capped(true), DType::F32, 1e-5);
-    check_config(capped(false), DType::F32, 1e-5);
+    check_config(capped(true), DType::F32, 3e-5);
+    check_config(capped(false), DType::F32, 3e-5);
     check_config(capped(false), DType::BF16, 1e-2);
     let loss = |cfg: Config| run(&Decoder::new(cfg).unwrap()).0;
     let (with, without) = (loss(capped(true)), loss(config(true)));
