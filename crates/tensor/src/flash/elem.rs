@@ -84,35 +84,47 @@ pub(crate) trait Elem: Widen {
     fn tile<'s>(tile: &'s [f32], scratch: &'s mut Vec<Self>) -> &'s [Self];
 }
 
-/// The shared checks and the zero-width case of [`Elem::product`]; `None` when there is
+/// The shared part of [`Elem::product`]: checks the views, zeroes the destination of an empty
+/// contraction (when overwriting), and returns the product to run, `None` when there is
 /// nothing to multiply.
-fn dims<T>(a: &View<'_, T>, b: &View<'_, T>, ldc: usize) -> Option<(usize, usize, usize)> {
+///
+/// # Safety
+/// As [`Elem::product`]'s.
+unsafe fn prepare<T>(
+    dst: *mut f32,
+    ldc: usize,
+    a: View<'_, T>,
+    b: View<'_, T>,
+    store: Store,
+) -> Option<Product<T>> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert!(a.fits() && b.fits() && b.rows == k && ldc >= n); // ok: caller's invariant
-    (m > 0 && n > 0 && k > 0).then_some((m, n, k))
+    if m == 0 || n == 0 || k == 0 {
+        if store == Store::Overwrite && m > 0 && n > 0 {
+            // SAFETY: the caller's contract: the rows are writable.
+            unsafe { zero_rows(dst, ldc, m, n) };
+        }
+        return None;
+    }
+    Some(Product {
+        m,
+        n,
+        k,
+        a: a.operand(),
+        b: b.operand(),
+        dst,
+        ldc,
+        store,
+    })
 }
 
 impl Elem for f32 {
     unsafe fn product(dst: *mut f32, ldc: usize, a: View<'_, f32>, b: View<'_, f32>, store: Store) {
-        let Some((m, n, k)) = dims(&a, &b, ldc) else {
-            if store == Store::Overwrite && a.rows > 0 && b.cols > 0 {
-                // SAFETY: the caller's contract: the rows are writable.
-                unsafe { zero_rows(dst, ldc, a.rows, b.cols) };
-            }
-            return;
-        };
-        let p = Product {
-            m,
-            n,
-            k,
-            a: a.operand(),
-            b: b.operand(),
-            dst,
-            ldc,
-            store,
-        };
-        // SAFETY: `dims` checked every operand offset; the caller guarantees the rows.
-        unsafe { crate::blas::sgemm(p, gemm::Parallelism::None) }
+        // SAFETY: the caller's contract, passed on.
+        if let Some(p) = unsafe { prepare(dst, ldc, a, b, store) } {
+            // SAFETY: `prepare` checked every operand offset; the caller guarantees the rows.
+            unsafe { crate::blas::sgemm(p, gemm::Parallelism::None) }
+        }
     }
 
     fn tile<'s>(tile: &'s [f32], _: &'s mut Vec<f32>) -> &'s [f32] {
@@ -128,25 +140,11 @@ impl Elem for bf16 {
         b: View<'_, bf16>,
         store: Store,
     ) {
-        let Some((m, n, k)) = dims(&a, &b, ldc) else {
-            if store == Store::Overwrite && a.rows > 0 && b.cols > 0 {
-                // SAFETY: the caller's contract: the rows are writable.
-                unsafe { zero_rows(dst, ldc, a.rows, b.cols) };
-            }
-            return;
-        };
-        let p = Product {
-            m,
-            n,
-            k,
-            a: a.operand(),
-            b: b.operand(),
-            dst,
-            ldc,
-            store,
-        };
-        // SAFETY: `dims` checked every operand offset; the caller guarantees the rows.
-        unsafe { crate::bf16::product(p, gemm::Parallelism::None) }
+        // SAFETY: the caller's contract, passed on.
+        if let Some(p) = unsafe { prepare(dst, ldc, a, b, store) } {
+            // SAFETY: `prepare` checked every operand offset; the caller guarantees the rows.
+            unsafe { crate::bf16::product(p, gemm::Parallelism::None) }
+        }
     }
 
     fn tile<'s>(tile: &'s [f32], scratch: &'s mut Vec<bf16>) -> &'s [bf16] {
