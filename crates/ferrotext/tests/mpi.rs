@@ -51,6 +51,17 @@ fn succeeded(out: &Output) -> String {
     stdout
 }
 
+/// `train`'s arguments: `base`, then `extra`, then `run_name=run`.
+fn train_args(base: &[&str], extra: &[&str], run: &str) -> Vec<String> {
+    let mut v: Vec<String> = std::iter::once(&"train")
+        .chain(base)
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+    v.push(format!("run_name={run}"));
+    v
+}
+
 fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -489,21 +500,18 @@ fn per_micro_batch_overlap_across_processes_equals_the_untagged_local_run() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let dir = scratch("mpi-ddp");
     let out_dir = format!("base_output_directory={}", dir.display());
-    let args = |extra: &[&str], run: &str| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "train",
-            "steps=3",
-            "gradient_accumulation_steps=2",
-            "shard_mode=auto",
-            "grad_bucket_mb=0.1",
-            &out_dir,
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string())
-        .collect();
-        v.push(format!("run_name={run}"));
-        v
+    let args = |extra: &[&str], run: &str| {
+        train_args(
+            &[
+                "steps=3",
+                "gradient_accumulation_steps=2",
+                "shard_mode=auto",
+                "grad_bucket_mb=0.1",
+                &out_dir,
+            ],
+            extra,
+            run,
+        )
     };
     let ddp = succeeded(&mpirun(
         4,
@@ -704,20 +712,17 @@ fn bf16_gradients_over_mpi_equal_the_in_process_run_bitwise() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let dir = scratch("mpi-bf16-grads");
     let out_dir = format!("base_output_directory={}", dir.display());
-    let args = |extra: &[&str], run: &str| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "train",
-            "steps=3",
-            "gradient_accumulation_steps=2",
-            "deterministic=true",
-            &out_dir,
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string())
-        .collect();
-        v.push(format!("run_name={run}"));
-        v
+    let args = |extra: &[&str], run: &str| {
+        train_args(
+            &[
+                "steps=3",
+                "gradient_accumulation_steps=2",
+                "deterministic=true",
+                &out_dir,
+            ],
+            extra,
+            run,
+        )
     };
     let mpi = succeeded(&mpirun(
         2,
@@ -775,20 +780,17 @@ fn a_sequence_split_over_processes_trains_the_one_device_losses() {
     let _job = JOBS.lock().unwrap_or_else(|p| p.into_inner());
     let dir = scratch("mpi-context");
     let out_dir = format!("base_output_directory={}", dir.display());
-    let args = |extra: &[&str], run: &str| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "train",
-            "steps=3",
-            "max_target_length=64",
-            "ici_data_parallelism=1",
-            &out_dir,
-        ]
-        .iter()
-        .chain(extra)
-        .map(|s| s.to_string())
-        .collect();
-        v.push(format!("run_name={run}"));
-        v
+    let args = |extra: &[&str], run: &str| {
+        train_args(
+            &[
+                "steps=3",
+                "max_target_length=64",
+                "ici_data_parallelism=1",
+                &out_dir,
+            ],
+            extra,
+            run,
+        )
     };
     let split = [
         "local_devices=2",

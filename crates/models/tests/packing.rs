@@ -6,36 +6,20 @@
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_models::decoder::{Config, Decoder, LossOptions, MlaSettings};
+use ferrotext_models::decoder::{Config, Decoder, LossOptions};
 use ferrotext_models::{init_normal, Positions};
 use ferrotext_sharding::{Mesh, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, IGNORE_INDEX};
+mod common;
+
+use common::{tiny_gqa, with_mla};
 
 fn gqa() -> Config {
-    let mut c = Config::preset("qwen3-tiny").unwrap();
-    c.vocab_size = 31;
-    c.base_emb_dim = 16;
-    c.base_num_decoder_layers = 2;
-    c.base_num_query_heads = 4;
-    c.base_num_kv_heads = 2;
-    c.head_dim = 4;
-    c.base_mlp_dim = 24;
-    c
+    tiny_gqa(31, 2)
 }
 
 fn mla() -> Config {
-    let mut c = gqa();
-    c.qk_norm = false;
-    c.mla = Some(MlaSettings {
-        q_lora_rank: 6,
-        kv_lora_rank: 4,
-        qk_nope_head_dim: 4,
-        qk_rope_head_dim: 4,
-        v_head_dim: 3,
-        rope_interleave: true,
-        latent_norm_eps: 1e-6,
-    });
-    c
+    with_mla(gqa())
 }
 
 /// One row of tokens with its documents: `(start, end)` of each, end exclusive.

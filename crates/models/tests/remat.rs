@@ -8,38 +8,24 @@
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_models::decoder::{Config, Decoder, GroupLimit, MlaSettings, MoeSettings};
+use ferrotext_models::decoder::{Config, Decoder, GroupLimit, MoeSettings};
 use ferrotext_models::moe::RouterScore;
 use ferrotext_models::{init_normal, RematPolicy};
 use ferrotext_sharding::{DType, Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::Yarn;
+mod common;
+
+use common::{tiny_gqa, with_mla};
 
 fn qwen3(tied: bool) -> Config {
-    let mut c = Config::preset("qwen3-tiny").unwrap();
-    c.vocab_size = 17;
-    c.base_emb_dim = 16;
-    c.base_num_decoder_layers = 3;
-    c.base_num_query_heads = 4;
-    c.base_num_kv_heads = 2;
-    c.head_dim = 4;
-    c.base_mlp_dim = 24;
+    let mut c = tiny_gqa(17, 3);
     c.logits_via_embedding = tied;
     c
 }
 
 fn deepseek() -> Config {
-    let mut c = qwen3(false);
-    c.qk_norm = false;
-    c.mla = Some(MlaSettings {
-        q_lora_rank: 6,
-        kv_lora_rank: 4,
-        qk_nope_head_dim: 4,
-        qk_rope_head_dim: 4,
-        v_head_dim: 3,
-        rope_interleave: true,
-        latent_norm_eps: 1e-6,
-    });
+    let mut c = with_mla(qwen3(false));
     c.rope_yarn = Some(Yarn {
         factor: 4.0,
         original_max_position: 8,

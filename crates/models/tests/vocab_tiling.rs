@@ -12,16 +12,12 @@ use ferrotext_models::decoder::{Config, Decoder};
 use ferrotext_models::init_normal;
 use ferrotext_sharding::{DType, Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
+mod common;
+
+use common::tiny_gqa;
 
 fn config(tied: bool) -> Config {
-    let mut c = Config::preset("qwen3-tiny").unwrap();
-    c.vocab_size = 97;
-    c.base_emb_dim = 16;
-    c.base_num_decoder_layers = 2;
-    c.base_num_query_heads = 4;
-    c.base_num_kv_heads = 2;
-    c.head_dim = 4;
-    c.base_mlp_dim = 24;
+    let mut c = tiny_gqa(97, 2);
     c.logits_via_embedding = tied;
     c.z_loss_multiplier = 1e-3;
     c
