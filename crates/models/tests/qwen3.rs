@@ -5,13 +5,14 @@
 use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
-use ferrotext_models::decoder::{Config, Decoder, MlaSettings, MoeSettings};
+use ferrotext_models::decoder::{Config, Decoder, MoeSettings};
 use ferrotext_models::init_normal;
 use ferrotext_models::moe::RouterScore;
 use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
 use ferrotext_spmd::{Array, Ctx, SpmdError};
 use ferrotext_tensor::Tensor;
 use ferrotext_tensor::Yarn;
+mod common;
 
 fn tiny(tied: bool) -> Decoder {
     Decoder::new(Config {
@@ -80,18 +81,8 @@ fn loss_and_grads(model: &Decoder, values: &[Tensor], devices: usize) -> (f32, V
 /// MLA (low-rank q/kv, decoupled rope dims, interleaved YaRN) and MoE layers (sigmoid router,
 /// top-2 of 4, a shared expert) after one dense layer; untied head.
 fn tiny_deepseek() -> Decoder {
-    let mut cfg = tiny(false).config().clone();
+    let mut cfg = common::with_mla(tiny(false).config().clone());
     cfg.base_num_decoder_layers = 2;
-    cfg.qk_norm = false;
-    cfg.mla = Some(MlaSettings {
-        q_lora_rank: 6,
-        kv_lora_rank: 4,
-        qk_nope_head_dim: 4,
-        qk_rope_head_dim: 4,
-        v_head_dim: 3,
-        rope_interleave: true,
-        latent_norm_eps: 1e-6,
-    });
     cfg.rope_yarn = Some(Yarn {
         factor: 4.0,
         original_max_position: 8,
