@@ -23,7 +23,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 pub use chrome::chrome_trace;
-pub use report::{Report, Row, Totals, STEP_KIND};
+pub use report::{Report, Roofline, Row, Totals, STEP_KIND};
 
 /// What part of a step an op belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

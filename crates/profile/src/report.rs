@@ -4,6 +4,12 @@
 //! (devices × steps), so a 4-device run and a 1-device run read alike. Time is *exclusive* time
 //! (see the crate docs), so the rows and the phase totals add up to the steps' wall time; the
 //! `step` spans' own exclusive time is what no instrumented op accounts for, reported as idle.
+//!
+//! With a [`Roofline`] (the machine's peak FLOP/s and memory bandwidth), each row also shows the
+//! least time its FLOPs and bytes allow, `max(FLOPs ÷ peak, bytes ÷ bandwidth)`, and that as a
+//! share of its time: the gap to the roofline, per op. The bytes are what the op must read and
+//! write once (its operands and result), as each kernel's span states them; data that stays in
+//! cache between ops can beat the memory side of the roof.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -50,6 +56,36 @@ fn rate(amount: f64, ms: f64) -> f64 {
     }
 }
 
+/// What bounds an op's time on a machine: its peak FLOP rate per product dtype and its memory
+/// bandwidth.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Roofline {
+    /// Peak `f32` FLOP/s of the threads one device runs on.
+    pub flops: f64,
+    /// Peak bf16 FLOP/s, for ops whose kind ends in `_bf16` (the bf16 kernels' spans).
+    pub bf16_flops: f64,
+    /// Memory bandwidth of those threads, bytes a second.
+    pub bytes_per_second: f64,
+}
+
+impl Roofline {
+    /// The least time `row`'s FLOPs and bytes take at this roofline, milliseconds.
+    pub fn ms(&self, row: &Row) -> f64 {
+        let peak = if row.kind.ends_with("_bf16") {
+            self.bf16_flops
+        } else {
+            self.flops
+        };
+        let compute = if peak > 0.0 { row.flops / peak } else { 0.0 };
+        let memory = if self.bytes_per_second > 0.0 {
+            row.bytes / self.bytes_per_second
+        } else {
+            0.0
+        };
+        compute.max(memory) * 1e3
+    }
+}
+
 /// Per-phase milliseconds per step and device.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Totals {
@@ -80,6 +116,8 @@ pub struct Report {
     pub rows: Vec<Row>,
     /// Phase totals.
     pub totals: Totals,
+    /// The machine's roofline, when the caller gave one ([`Report::with_roofline`]).
+    pub roofline: Option<Roofline>,
 }
 
 impl Report {
@@ -127,6 +165,15 @@ impl Report {
             steps,
             rows,
             totals,
+            roofline: None,
+        }
+    }
+
+    /// This report with each row's time set against `roofline` (two more columns).
+    pub fn with_roofline(self, roofline: Roofline) -> Report {
+        Report {
+            roofline: Some(roofline),
+            ..self
         }
     }
 }
@@ -154,23 +201,54 @@ impl fmt::Display for Report {
             write!(f, " {} {:.1} ms ({:.1}%),", phase.name(), ms, share(*ms))?;
         }
         writeln!(f, " idle {:.1} ms ({:.1}%)", t.idle_ms, share(t.idle_ms))?;
-        writeln!(
-            f,
-            "  {:<24} {:<10} {:>7} {:>9} {:>6} {:>9} {:>8}",
-            "op", "phase", "calls", "ms", "share", "GFLOP/s", "GB/s"
-        )?;
-        for row in &self.rows {
+        if let Some(roof) = &self.roofline {
             writeln!(
                 f,
-                "  {:<24} {:<10} {:>7.1} {:>9.2} {:>5.1}% {:>9.1} {:>8.2}",
+                "  roofline: {:.1} GFLOP/s f32, {:.1} GFLOP/s bf16, {:.1} GB/s memory; `roof ms` is max(FLOPs ÷ peak, bytes ÷ bandwidth), `of roof` that ÷ ms",
+                roof.flops / 1e9,
+                roof.bf16_flops / 1e9,
+                roof.bytes_per_second / 1e9
+            )?;
+        }
+        writeln!(
+            f,
+            "  {:<30} {:<10} {:>7} {:>9} {:>6} {:>9} {:>8} {:>9}{}",
+            "op",
+            "phase",
+            "calls",
+            "ms",
+            "share",
+            "GFLOP/s",
+            "GB/s",
+            "MB",
+            if self.roofline.is_some() {
+                format!(" {:>8} {:>7}", "roof ms", "of roof")
+            } else {
+                String::new()
+            }
+        )?;
+        for row in &self.rows {
+            write!(
+                f,
+                "  {:<30} {:<10} {:>7.1} {:>9.2} {:>5.1}% {:>9.1} {:>8.2} {:>9.2}",
                 row.kind,
                 row.phase.name(),
                 row.calls,
                 row.ms,
                 share(row.ms),
                 row.gflops(),
-                row.gbytes()
+                row.gbytes(),
+                row.bytes / 1e6
             )?;
+            if let Some(roof) = &self.roofline {
+                let floor = roof.ms(row);
+                if row.ms > 0.0 && floor > 0.0 {
+                    write!(f, " {:>8.2} {:>6.1}%", floor, 100.0 * floor / row.ms)?;
+                } else {
+                    write!(f, " {:>8} {:>7}", "-", "-")?;
+                }
+            }
+            writeln!(f)?;
         }
         Ok(())
     }
@@ -238,5 +316,53 @@ mod tests {
         let text = report.to_string();
         assert!(text.contains("collective 1.0 ms"), "{text}");
         assert!(text.contains("idle 2.5 ms"), "{text}");
+    }
+
+    #[test]
+    fn the_roofline_bounds_each_row_by_its_flops_or_its_bytes() {
+        let row = |kind, flops: f64, bytes: f64| Row {
+            kind,
+            phase: Phase::Forward,
+            calls: 1.0,
+            ms: 10.0,
+            flops,
+            bytes,
+        };
+        let roof = Roofline {
+            flops: 100e9,
+            bf16_flops: 200e9,
+            bytes_per_second: 10e9,
+        };
+        // 1 GFLOP at 100 GFLOP/s: 10 ms; its 1 MB would take 0.1 ms.
+        assert!((roof.ms(&row("dot_general", 1e9, 1e6)) - 10.0).abs() < 1e-9);
+        // The same in bf16: twice the peak, half the time.
+        assert!((roof.ms(&row("dot_general_bf16", 1e9, 1e6)) - 5.0).abs() < 1e-9);
+        // No FLOPs, 50 MB at 10 GB/s: 5 ms, memory-bound.
+        assert!((roof.ms(&row("rms_norm_bf16", 0.0, 50e6)) - 5.0).abs() < 1e-9);
+        let mut events = vec![Event {
+            device: 0,
+            kind: "rms_norm_bf16",
+            phase: Phase::Forward,
+            step: Some(0),
+            shapes: String::new(),
+            start_ns: 0,
+            dur_ns: 10_000_000,
+            self_ns: 10_000_000,
+            flops: 0.0,
+            bytes: 50e6,
+            depth: 1,
+        }];
+        events.push(Event {
+            kind: STEP_KIND,
+            depth: 0,
+            bytes: 0.0,
+            ..events[0].clone()
+        });
+        let plain = Report::from_events(&events);
+        assert!(!plain.to_string().contains("of roof"));
+        let text = plain.with_roofline(roof).to_string();
+        assert!(text.contains("of roof"), "{text}");
+        // 10 ms taken, 5 ms at the roof: 50%.
+        assert!(text.contains("5.00   50.0%"), "{text}");
     }
 }

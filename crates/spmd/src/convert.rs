@@ -104,7 +104,8 @@ impl Ctx<'_> {
                 invariant: "a buffer holds the operand's whole local block",
             });
         }
-        let _span = ferrotext_profile::span("widen_add_bf16");
+        let _span =
+            ferrotext_profile::span("widen_add_bf16").map(|s| s.bytes((10 * src.len()) as f64));
         let mut at = 0;
         for part in dest.iter_mut() {
             ferrotext_tensor::widen_add_slice(&src.data()[at..at + part.len()], part);

@@ -13,7 +13,8 @@ impl Tensor {
     /// `f` applied to every element, in fixed blocks on the kernel thread budget (each element
     /// computed alike, so the bits do not depend on it).
     pub fn map(&self, f: impl Fn(f32) -> f32 + Sync) -> Tensor {
-        let _span = ferrotext_profile::span("elementwise");
+        let _span =
+            ferrotext_profile::span("elementwise").map(|s| s.bytes((8 * self.len()) as f64));
         // SAFETY: every block is visited and `self` is as long as the output, so each block
         // writes all its elements.
         let y = unsafe {
@@ -47,7 +48,8 @@ impl Tensor {
         other: &Tensor,
         f: impl Fn(f32, f32) -> f32 + Sync,
     ) -> Result<Tensor, TensorError> {
-        let _span = ferrotext_profile::span("elementwise");
+        let _span = ferrotext_profile::span("elementwise")
+            .map(|s| s.bytes((12 * self.len().max(other.len())) as f64));
         if self.shape() != other.shape() {
             let shape = broadcast_shapes(self.shape(), other.shape())?;
             let a = self.broadcast_to(&shape)?;
@@ -79,7 +81,8 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when it does not broadcast.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor, TensorError> {
-        let _span = ferrotext_profile::span("broadcast");
+        let _span = ferrotext_profile::span("broadcast")
+            .map(|s| s.bytes((4 * (self.len() + shape.iter().product::<usize>())) as f64));
         if self.rank() > shape.len() {
             return Err(TensorError::shape(
                 "broadcast_to",
@@ -170,7 +173,7 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, TensorEr
 /// budget's threads: the accumulation kernel of [`Tensor::add_assign`], for buffers that are not
 /// tensors (a gradient bucket's flat buffer).
 pub fn add_assign_slice(dst: &mut [f32], src: &[f32]) {
-    let _span = ferrotext_profile::span("elementwise");
+    let _span = ferrotext_profile::span("elementwise").map(|s| s.bytes((12 * src.len()) as f64));
     for_each_chunk(dst, BLOCK, kernel_threads(), Work::Light, |c, run| {
         let src = &src[c * BLOCK..];
         vectorized(
@@ -192,7 +195,7 @@ pub fn add_assign_slice(dst: &mut [f32], src: &[f32]) {
 /// When the rows do not fit (`offset + w > dst_row`, or `src` has another number of rows): a
 /// bug in the caller.
 pub fn add_assign_rows(dst: &mut [f32], dst_row: usize, offset: usize, src: &[f32], w: usize) {
-    let _span = ferrotext_profile::span("elementwise");
+    let _span = ferrotext_profile::span("elementwise").map(|s| s.bytes((12 * src.len()) as f64));
     let rows = dst.len().checked_div(dst_row).unwrap_or(0);
     // A caller's bug otherwise: the shapes are checked where the slice was typed.
     let fits = offset + w <= dst_row && src.len() == rows * w && dst.len() == rows * dst_row;

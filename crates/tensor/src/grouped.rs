@@ -24,7 +24,8 @@ pub const PAD_ROW: u32 = u32::MAX;
 /// # Errors
 /// A rank-0 `x` or an index past its rows.
 pub fn take_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("take_rows");
+    let _span = ferrotext_profile::span("take_rows")
+        .map(|s| s.bytes((8 * rows.len() * x.shape().last().copied().unwrap_or(0)) as f64));
     let (&n, rest) = x
         .shape()
         .split_first()
@@ -58,7 +59,8 @@ pub fn take_rows(x: &Tensor, rows: &[u32]) -> Result<Tensor, TensorError> {
 /// # Errors
 /// `src` not `[rows.len(), shape[1..]]`, or an index past `shape[0]`.
 pub fn scatter_rows(shape: &[usize], rows: &[u32], src: &Tensor) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("scatter_rows");
+    let _span = ferrotext_profile::span("scatter_rows")
+        .map(|s| s.bytes((4 * (shape.iter().product::<usize>() + 2 * src.len())) as f64));
     let n = shape.first().copied().unwrap_or(0);
     let width: usize = shape.iter().skip(1).product();
     if src.len() != rows.len() * width || rows.iter().any(|&r| r != PAD_ROW && r as usize >= n) {

@@ -14,7 +14,7 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] for an axis out of range or repeated.
     pub fn sum_axes(&self, axes: &[usize]) -> Result<Tensor, TensorError> {
-        let _span = ferrotext_profile::span("sum_axes");
+        let _span = ferrotext_profile::span("sum_axes").map(|s| s.bytes((4 * self.len()) as f64));
         let rank = self.rank();
         let mut reduced = vec![false; rank];
         for &a in axes {

@@ -138,7 +138,8 @@ impl Tensor {
 
     /// Every element `value`.
     pub fn full(shape: &[usize], value: f32) -> Tensor {
-        let _span = ferrotext_profile::span("fill");
+        let _span = ferrotext_profile::span("fill")
+            .map(|s| s.bytes((4 * shape.iter().product::<usize>()) as f64));
         Tensor::owned(shape.to_vec(), vec![value; shape.iter().product()])
     }
 
@@ -271,7 +272,8 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] for a wrong number of ranges or a range out of bounds.
     pub fn slice(&self, ranges: &[Range<usize>]) -> Result<Tensor, TensorError> {
-        let _span = ferrotext_profile::span("slice");
+        let _span = ferrotext_profile::span("slice")
+            .map(|s| s.bytes((8 * ranges.iter().map(|r| r.len()).product::<usize>()) as f64));
         if ranges.len() != self.rank()
             || ranges
                 .iter()
@@ -373,7 +375,7 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when `dim` is not a dimension.
     pub fn pad_dim(&self, dim: usize, before: usize, after: usize) -> Result<Tensor, TensorError> {
-        let _span = ferrotext_profile::span("pad");
+        let _span = ferrotext_profile::span("pad").map(|s| s.bytes((8 * self.len) as f64));
         let Some(&n) = self.shape.get(dim) else {
             return Err(TensorError::shape(
                 "pad_dim",
@@ -434,7 +436,8 @@ impl Tensor {
     /// # Errors
     /// [`TensorError::Shape`] when `dims` does not map `self` into `shape`.
     pub fn broadcast_in_dim(&self, shape: &[usize], dims: &[usize]) -> Result<Tensor, TensorError> {
-        let _span = ferrotext_profile::span("broadcast");
+        let _span = ferrotext_profile::span("broadcast")
+            .map(|s| s.bytes((4 * (self.len + shape.iter().product::<usize>())) as f64));
         let bad = dims.len() != self.rank()
             || dims.windows(2).any(|w| w[0] >= w[1])
             || dims

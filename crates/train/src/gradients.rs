@@ -376,7 +376,15 @@ impl Gradients {
     /// over (none when nothing is split).
     pub fn squared_norm(&self, cx: &mut Ctx<'_>) -> Result<f64, TrainError> {
         // Part of the update: the profiler counts it with the optimizer.
-        let _span = ferrotext_profile::span_in("grad_norm", ferrotext_profile::Phase::Optimizer);
+        let _span = ferrotext_profile::span_in("grad_norm", ferrotext_profile::Phase::Optimizer)
+            .map(|s| {
+                let elements: usize = self
+                    .arrays()
+                    .iter()
+                    .map(|g| g.ty().shard_shape().iter().product::<usize>())
+                    .sum();
+                s.bytes((4 * elements) as f64)
+            });
         let mut by_axes: std::collections::BTreeMap<Vec<String>, f64> = Default::default();
         for g in self.arrays() {
             let axes: Vec<String> = g

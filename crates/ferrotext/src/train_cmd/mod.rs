@@ -120,7 +120,7 @@ pub fn run(args: &TrainArgs, launch: &Launch) -> Result<()> {
     }
     let step_seconds = summary::print_summary(&plan, &report, wall);
     if config.profile {
-        summary::report_profile(&metrics_path, launch.process(), step_seconds)?;
+        summary::report_profile(config, &metrics_path, launch.process(), step_seconds)?;
     }
     summary::deliver_outputs(config, &report, &metrics_path, launch)
 }

@@ -155,6 +155,22 @@ fn print_reductions(plan: &RunPlan, report: &TrainReport) {
     );
 }
 
+/// One device's roofline: the machine's probed peaks and memory bandwidth times the device's
+/// share of the cores (its `cores / local_devices` kernel threads, or a `1 / local_devices`
+/// share of them when the devices outnumber the cores).
+fn device_roofline(config: &TrainConfig) -> ferrotext_profile::Roofline {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let devices = config.local_devices.max(1);
+    let threads = (cores / devices).max(1);
+    let share = (threads * devices).min(cores) as f64 / (cores * devices) as f64;
+    let peak = ferrotext_tensor::cpu_peak();
+    ferrotext_profile::Roofline {
+        flops: peak.flops() * share,
+        bf16_flops: peak.bf16_flops() * share,
+        bytes_per_second: ferrotext_tensor::memory_bandwidth(cores) * share,
+    }
+}
+
 /// This process's peak resident memory so far (Linux `VmHWM`), in MB.
 fn peak_rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -196,10 +212,17 @@ pub(super) fn deliver_outputs(
 
 /// Prints the profile of this process's devices, beside the loop's median step time, and writes
 /// the table (`profile.txt`) and a Chrome trace (`profile-trace.json`, or
-/// `profile-trace.p{N}.json` for process N > 0) into the run directory.
-pub(super) fn report_profile(metrics_path: &Path, process: usize, step_seconds: f64) -> Result<()> {
+/// `profile-trace.p{N}.json` for process N > 0) into the run directory. Each op is set against
+/// one device's roofline ([`device_roofline`]).
+pub(super) fn report_profile(
+    config: &TrainConfig,
+    metrics_path: &Path,
+    process: usize,
+    step_seconds: f64,
+) -> Result<()> {
     let events = ferrotext_profile::take_collected();
-    let table = ferrotext_profile::Report::from_events(&events);
+    let table =
+        ferrotext_profile::Report::from_events(&events).with_roofline(device_roofline(config));
     let text = format!(
         "{table}  the loop measured a median step of {:.1} ms (the table's steps are the profiled ones)\n",
         step_seconds * 1e3

@@ -16,7 +16,7 @@ const BLOCK: usize = 1 << 14;
 
 /// `f(x)` for every element of bf16 `x`, in `f32` on the widened value, rounded to bf16.
 pub fn map_bf16(x: &Bf16Tensor, f: impl Fn(f32) -> f32 + Sync) -> Bf16Tensor {
-    let _span = ferrotext_profile::span("elementwise_bf16");
+    let _span = ferrotext_profile::span("elementwise_bf16").map(|s| s.bytes((4 * x.len()) as f64));
     // SAFETY: the blocks cover the output, and `x` is as long, so each writes all of its own.
     let data = unsafe {
         filled(x.len(), |data| {
@@ -58,7 +58,8 @@ pub fn zip_bf16(
             format!("{:?} vs {:?} (equal shapes only)", a.shape(), b.shape()),
         ));
     }
-    let _span = ferrotext_profile::span("elementwise_bf16");
+    let _span = ferrotext_profile::span("elementwise_bf16")
+        .map(|s| s.bytes((6 * a.len().max(b.len())) as f64));
     // SAFETY: the blocks cover the output, and `a`, `b` are as long, so each writes all of its
     // own.
     let data = unsafe {

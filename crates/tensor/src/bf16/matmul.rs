@@ -145,12 +145,19 @@ fn stacks<'a>(
     })
 }
 
-/// The profiler's span for a bf16 product (2 bytes an operand element, 4 an output one).
-fn span(s: &Stacks<'_, bf16>, lhs: &[usize], rhs: &[usize]) -> Option<ferrotext_profile::Span> {
+/// The profiler's span for a bf16 product: 2 bytes an operand element read once, `out_bytes`
+/// an output element (4 stored in `f32`, 2 rounded to bf16, 8 added into an `f32`
+/// accumulator: read and written).
+fn span(
+    s: &Stacks<'_, bf16>,
+    lhs: &[usize],
+    rhs: &[usize],
+    out_bytes: usize,
+) -> Option<ferrotext_profile::Span> {
     let (m, k, n, batch) = (s.a.rows.0, s.a.cols.0, s.b.cols.0, s.batch);
     ferrotext_profile::span("dot_general_bf16").map(|span| {
         span.flops(2.0 * (batch * m * n) as f64 * k as f64)
-            .bytes((batch * (2 * (m * k + k * n) + 4 * m * n)) as f64)
+            .bytes((batch * (2 * (m * k + k * n) + out_bytes * m * n)) as f64)
             .shapes(|| format!("bf16{lhs:?} x bf16{rhs:?}"))
     })
 }
@@ -173,7 +180,7 @@ pub fn dot_general_bf16(
     let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
     let len: usize = out_shape.iter().product();
     let stacks = stacks(lhs, rhs, dims)?;
-    let _span = span(&stacks, lhs.shape(), rhs.shape());
+    let _span = span(&stacks, lhs.shape(), rhs.shape(), 4);
     // SAFETY: `products` runs the kernel on every block of the output, and the kernel writes
     // every element of its block (or the whole output is zero-filled for an empty contraction).
     let out = unsafe {
@@ -210,7 +217,7 @@ pub fn dot_general_bf16_accumulate(
         ));
     }
     let stacks = stacks(lhs, rhs, dims)?;
-    let _span = span(&stacks, lhs.shape(), rhs.shape());
+    let _span = span(&stacks, lhs.shape(), rhs.shape(), 8);
     // SAFETY: `[f32]` and `[MaybeUninit<f32>]` have one layout; under `Store::Accumulate` the
     // kernel reads each element before it writes it, and every element is initialised.
     let dst = unsafe {
@@ -261,7 +268,7 @@ pub fn dot_general_bf16_rounded(
     {
         let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
         let stacks = stacks(lhs, rhs, dims)?;
-        let _span = span(&stacks, lhs.shape(), rhs.shape());
+        let _span = span(&stacks, lhs.shape(), rhs.shape(), 2);
         let mut out = vec![bf16::ZERO; out_shape.iter().product()];
         own_rounded_stacks(&stacks, threads, &mut out);
         return Bf16Tensor::new(out_shape, out);
@@ -269,7 +276,7 @@ pub fn dot_general_bf16_rounded(
     let stacks = stacks(lhs, rhs, dims)?;
     if stacks.all_rows().len() >= 2 * MIN_BLOCK_ROWS && stacks.a.cols.0 > 0 && bands_keep_bits() {
         let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
-        let _span = span(&stacks, lhs.shape(), rhs.shape());
+        let _span = span(&stacks, lhs.shape(), rhs.shape(), 2);
         // SAFETY: `rounded_by_bands` writes every element (its bands cover the output, `k > 0`).
         let out = unsafe {
             filled(out_shape.iter().product(), |out| {
@@ -323,7 +330,7 @@ pub fn dot_general_bf16_rounded_accumulate_parts(
     if k == 0 || !part.is_multiple_of(n) || parts.iter().any(|p| p.len() != part) {
         return Ok(false);
     }
-    let _span = span(&stacks, lhs.shape(), rhs.shape());
+    let _span = span(&stacks, lhs.shape(), rhs.shape(), 8);
     let rows = part / n;
     if rows < 2 * MIN_BLOCK_ROWS || !bands_keep_bits() {
         // Small parts, or a kernel whose bands change bits: the whole product in one piece, as

@@ -277,7 +277,7 @@ impl Bf16Tensor {
 
     /// `x` rounded to bf16 ([`round_bf16`] per element), on the kernel thread budget.
     pub fn from_f32(x: &Tensor) -> Bf16Tensor {
-        let _span = ferrotext_profile::span("round_bf16");
+        let _span = ferrotext_profile::span("round_bf16").map(|s| s.bytes((6 * x.len()) as f64));
         Bf16Tensor::rounded(x)
     }
 
@@ -308,7 +308,7 @@ impl Bf16Tensor {
 
     /// The values widened to `f32` (exact), on the kernel thread budget.
     pub fn to_f32(&self) -> Tensor {
-        let _span = ferrotext_profile::span("widen_bf16");
+        let _span = ferrotext_profile::span("widen_bf16").map(|s| s.bytes((6 * self.len()) as f64));
         self.widened()
     }
 

@@ -149,7 +149,7 @@ pub fn rms_norm_bf16(
     scale: &Tensor,
     eps: f32,
 ) -> Result<(Bf16Tensor, Vec<f32>), TensorError> {
-    let _span = ferrotext_profile::span("rms_norm_bf16");
+    let _span = ferrotext_profile::span("rms_norm_bf16").map(|s| s.bytes((4 * x.len()) as f64));
     let n = last(x, "rms_norm_bf16")?;
     if scale.shape() != [n] {
         return Err(TensorError::shape(
@@ -174,7 +174,8 @@ pub fn rms_norm_backward_bf16(
     inv_rms: &[f32],
     dy: &Bf16Tensor,
 ) -> Result<(Bf16Tensor, Tensor), TensorError> {
-    let _span = ferrotext_profile::span("rms_norm_backward_bf16");
+    let _span =
+        ferrotext_profile::span("rms_norm_backward_bf16").map(|s| s.bytes((6 * x.len()) as f64));
     same(x, dy, "rms_norm_backward_bf16")?;
     let n = last(x, "rms_norm_backward_bf16")?;
     crate::nn::statistics_fit(x.len(), n, scale, inv_rms, "rms_norm_backward_bf16")?;
@@ -224,7 +225,7 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
 /// # Errors
 /// Shapes differ.
 pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
-    let _span = ferrotext_profile::span("swiglu_bf16");
+    let _span = ferrotext_profile::span("swiglu_bf16").map(|s| s.bytes((6 * g.len()) as f64));
     same(g, u, "swiglu_bf16")?;
     // Elementwise: the f32 kernel's own element function on the widened pair, a block of 1024
     // at a time, each block rounded at once — no scratch tensors.
@@ -260,7 +261,8 @@ pub fn swiglu_backward_bf16(
     u: &Bf16Tensor,
     dy: &Bf16Tensor,
 ) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
-    let _span = ferrotext_profile::span("swiglu_backward_bf16");
+    let _span =
+        ferrotext_profile::span("swiglu_backward_bf16").map(|s| s.bytes((10 * g.len()) as f64));
     same(g, u, "swiglu_backward_bf16")?;
     same(g, dy, "swiglu_backward_bf16")?;
     let n = g.len();
@@ -372,7 +374,7 @@ pub fn rope_tail_bf16(
     inverse: bool,
     pass: usize,
 ) -> Result<Bf16Tensor, TensorError> {
-    let _span = ferrotext_profile::span("rope_bf16");
+    let _span = ferrotext_profile::span("rope_bf16").map(|s| s.bytes((4 * x.len()) as f64));
     let y = rope_tail_slices::<bf16, bf16>(
         x.data(),
         x.shape(),

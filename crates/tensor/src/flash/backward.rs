@@ -59,8 +59,15 @@ pub(crate) fn backward<T: Elem>(
     op: &'static str,
 ) -> Result<(Tensor, Tensor, Tensor), TensorError> {
     ranges.check(d.b, d.tq, d.tk, op)?;
-    let _span =
-        ferrotext_profile::span(op).map(|s| s.flops(d.tile_flops(ranges, 3 * d.dk + 2 * d.dv)));
+    // Bytes: the operands, output, its cotangent and log-sum-exp read once, the three `f32`
+    // cotangents written once.
+    let _span = ferrotext_profile::span(op).map(|s| {
+        let read = q.len() + k.len() + v.len() + out.len() + dout.len();
+        s.flops(d.tile_flops(ranges, 3 * d.dk + 2 * d.dv)).bytes(
+            (std::mem::size_of::<T>() * read + 4 * (lse.len() + q.len() + k.len() + v.len()))
+                as f64,
+        )
+    });
     let mut dq = vec![0.0f32; q.len()];
     let mut dk = vec![0.0f32; k.len()];
     let mut dv = vec![0.0f32; v.len()];

@@ -57,7 +57,14 @@ pub(crate) fn forward<T: Elem>(
     op: &'static str,
 ) -> Result<Flash, TensorError> {
     ranges.check(d.b, d.tq, d.tk, op)?;
-    let _span = ferrotext_profile::span(op).map(|s| s.flops(d.tile_flops(ranges, d.dk + d.dv)));
+    // Bytes: each operand read once, the output and log-sum-exp written once (the least a
+    // fused attention moves; its tiles re-read keys and values from cache).
+    let _span = ferrotext_profile::span(op).map(|s| {
+        s.flops(d.tile_flops(ranges, d.dk + d.dv)).bytes(
+            (std::mem::size_of::<T>() * (q.len() + k.len() + v.len())
+                + 4 * d.b * d.h * d.tq * (d.dv + 1)) as f64,
+        )
+    });
     let mut out = vec![0.0f32; d.b * d.tq * d.h * d.dv];
     let mut lse = vec![0.0f32; d.b * d.h * d.tq];
     let (out_at, lse_at) = (out.as_mut_ptr() as usize, lse.as_mut_ptr() as usize);

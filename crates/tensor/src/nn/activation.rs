@@ -30,7 +30,7 @@ pub(crate) fn swiglu_grads(g: f32, u: f32, dy: f32) -> (f32, f32) {
 /// # Errors
 /// Shapes differ.
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("swiglu");
+    let _span = ferrotext_profile::span("swiglu").map(|s| s.bytes((12 * g.len()) as f64));
     same_shape(g, u, "swiglu")?;
     // SAFETY: every block is visited, and `g` and `u` are as long as the output, so each
     // writes all its elements.
@@ -61,7 +61,7 @@ pub fn swiglu_backward(
     u: &Tensor,
     dy: &Tensor,
 ) -> Result<(Tensor, Tensor), TensorError> {
-    let _span = ferrotext_profile::span("swiglu_backward");
+    let _span = ferrotext_profile::span("swiglu_backward").map(|s| s.bytes((20 * g.len()) as f64));
     same_shape(g, u, "swiglu_backward")?;
     same_shape(g, dy, "swiglu_backward")?;
     let n = g.len();
@@ -105,7 +105,7 @@ pub fn swiglu_backward(
 
 /// `silu(x) = x·σ(x)`.
 pub fn silu(x: &Tensor) -> Tensor {
-    let _span = ferrotext_profile::span("silu");
+    let _span = ferrotext_profile::span("silu").map(|s| s.bytes((8 * x.len()) as f64));
     let mut y = x.clone();
     for_each_chunk(
         y.data_mut(),
@@ -124,7 +124,7 @@ pub fn silu(x: &Tensor) -> Tensor {
 /// # Errors
 /// Shapes differ.
 pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("silu_backward");
+    let _span = ferrotext_profile::span("silu_backward").map(|s| s.bytes((12 * x.len()) as f64));
     let f = |v: f32, d: f32| {
         let s = sigmoid(v);
         d * s * (1.0 + v * (1.0 - s))

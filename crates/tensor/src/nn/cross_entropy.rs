@@ -37,7 +37,8 @@ pub fn cross_entropy(
     mask: &[f32],
     z_loss: f32,
 ) -> Result<CrossEntropy, TensorError> {
-    let _span = ferrotext_profile::span("cross_entropy");
+    let _span =
+        ferrotext_profile::span("cross_entropy").map(|s| s.bytes((8 * logits.len()) as f64));
     let v = last_dim(logits, "cross_entropy")?;
     let n = logits.len() / v;
     if logits.rank() != 2 || targets.len() != n || mask.len() != n {
@@ -134,7 +135,8 @@ pub fn cross_entropy_backward(
     z_loss: f32,
     dloss: f32,
 ) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("cross_entropy_backward");
+    let _span = ferrotext_profile::span("cross_entropy_backward")
+        .map(|s| s.bytes((8 * ce.probs.len()) as f64));
     let probs = &ce.probs;
     let v = last_dim(probs, "cross_entropy_backward")?;
     if targets.len() * v != probs.len()

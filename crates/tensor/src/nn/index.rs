@@ -14,7 +14,13 @@ use crate::tensor::Tensor;
 /// # Errors
 /// `axis` out of range or an index out of bounds.
 pub fn gather(x: &Tensor, axis: usize, indices: &[u32]) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("gather");
+    let _span = ferrotext_profile::span("gather").map(|s| {
+        s.bytes(
+            (x.shape()
+                .get(axis)
+                .map_or(0, |&e| 8 * indices.len() * (x.len() / e.max(1)))) as f64,
+        )
+    });
     let extent = *x
         .shape()
         .get(axis)
@@ -50,7 +56,8 @@ pub fn scatter_add(
     indices: &[u32],
     src: &Tensor,
 ) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("scatter_add");
+    let _span = ferrotext_profile::span("scatter_add")
+        .map(|s| s.bytes((4 * (shape.iter().product::<usize>() + 2 * src.len())) as f64));
     let extent = *shape
         .get(axis)
         .ok_or_else(|| TensorError::shape("scatter_add", format!("no axis {axis}")))?;
@@ -117,7 +124,7 @@ pub fn scatter_add_into_parts(
     indices: &[u32],
     src: &[f32],
 ) -> Result<bool, TensorError> {
-    let _span = ferrotext_profile::span("scatter_add");
+    let _span = ferrotext_profile::span("scatter_add").map(|s| s.bytes((12 * src.len()) as f64));
     let part = parts.first().map_or(0, |p| p.len());
     let len: usize = parts.iter().map(|p| p.len()).sum();
     if width == 0 && len == 0 && src.is_empty() {
@@ -176,7 +183,7 @@ const TOP_K_INSERTION_MAX: usize = 16;
 /// # Errors
 /// `k` is 0 or larger than the row.
 pub fn top_k(x: &Tensor, k: usize) -> Result<(Tensor, Vec<u32>), TensorError> {
-    let _span = ferrotext_profile::span("top_k");
+    let _span = ferrotext_profile::span("top_k").map(|s| s.bytes((4 * x.len()) as f64));
     let n = last_dim(x, "top_k")?;
     if k == 0 || k > n {
         return Err(TensorError::shape(

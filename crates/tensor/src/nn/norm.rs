@@ -19,7 +19,7 @@ use crate::tensor::Tensor;
 /// # Errors
 /// `scale` is not the last dim's length.
 pub fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<(Tensor, Vec<f32>), TensorError> {
-    let _span = ferrotext_profile::span("rms_norm");
+    let _span = ferrotext_profile::span("rms_norm").map(|s| s.bytes((8 * x.len()) as f64));
     let n = last_dim(x, "rms_norm")?;
     if scale.shape() != [n] {
         return Err(TensorError::shape(
@@ -44,7 +44,8 @@ pub fn rms_norm_backward(
     inv_rms: &[f32],
     dy: &Tensor,
 ) -> Result<(Tensor, Tensor), TensorError> {
-    let _span = ferrotext_profile::span("rms_norm_backward");
+    let _span =
+        ferrotext_profile::span("rms_norm_backward").map(|s| s.bytes((12 * x.len()) as f64));
     same_shape(x, dy, "rms_norm_backward")?;
     let n = last_dim(x, "rms_norm_backward")?;
     statistics_fit(x.len(), n, scale, inv_rms, "rms_norm_backward")?;

@@ -16,7 +16,7 @@ use crate::tensor::Tensor;
 /// # Errors
 /// An empty last dimension.
 pub fn softmax_last(x: &Tensor) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("softmax_last");
+    let _span = ferrotext_profile::span("softmax_last").map(|s| s.bytes((8 * x.len()) as f64));
     let n = last_dim(x, "softmax")?;
     let mut y = x.clone();
     for_each_chunk(y.data_mut(), n, kernel_threads(), Work::Heavy, |_, row| {
@@ -48,7 +48,7 @@ fn softmax_row(row: &mut [f32]) {
 /// # Errors
 /// Rank below 2, or fewer keys than queries.
 pub fn causal_softmax(x: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("causal_softmax");
+    let _span = ferrotext_profile::span("causal_softmax").map(|s| s.bytes((8 * x.len()) as f64));
     let r = x.rank();
     if r < 2 || x.shape()[r - 1] < x.shape()[r - 2] {
         return Err(TensorError::shape(
@@ -86,7 +86,8 @@ fn causal_softmax_row(row: &mut [f32], keep: usize, scale: f32) {
 /// # Errors
 /// Shapes differ.
 pub fn softmax_last_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("softmax_last_backward");
+    let _span =
+        ferrotext_profile::span("softmax_last_backward").map(|s| s.bytes((12 * y.len()) as f64));
     softmax_backward_scaled(y, dy, 1.0)
 }
 
@@ -95,7 +96,8 @@ pub fn softmax_last_backward(y: &Tensor, dy: &Tensor) -> Result<Tensor, TensorEr
 /// # Errors
 /// Shapes differ.
 pub fn softmax_backward_scaled(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("softmax_backward_scaled");
+    let _span =
+        ferrotext_profile::span("softmax_backward_scaled").map(|s| s.bytes((12 * y.len()) as f64));
     same_shape(y, dy, "softmax_backward")?;
     let n = last_dim(y, "softmax_backward")?;
     let mut dx = dy.clone();

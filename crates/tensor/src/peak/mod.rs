@@ -21,10 +21,12 @@
 //! The probe measures instructions, not products: the fastest product of `bench kernels`
 //! reaches 85–95% of it, and a step's MFU is the rest of the story.
 
+mod memory;
 mod probe;
 
 use std::fmt;
 
+pub use memory::memory_bandwidth;
 pub use probe::{snap_units, FmaProbe, Probes};
 
 /// The CPU's peak and the figures it is made of (see the module docs for their sources).

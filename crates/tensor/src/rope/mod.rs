@@ -226,7 +226,7 @@ pub fn rope_tail(
     inverse: bool,
     pass: usize,
 ) -> Result<Tensor, TensorError> {
-    let _span = ferrotext_profile::span("rope_with");
+    let _span = ferrotext_profile::span("rope_with").map(|s| s.bytes((8 * x.len()) as f64));
     let y =
         rope_tail_slices::<f32, f32>(x.data(), x.shape(), positions, rope, (inverse, pass), |v| v)?;
     Tensor::new(x.shape().to_vec(), y)

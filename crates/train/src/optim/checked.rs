@@ -56,7 +56,17 @@ impl Optimizer {
         grads: &Gradients,
         decay: &[bool],
     ) -> Result<(), TrainError> {
-        let _span = ferrotext_profile::span_in("optimizer", ferrotext_profile::Phase::Optimizer);
+        // Bytes: each parameter, gradient and state slot read once, the parameter and the slots
+        // written once (4 bytes an element each).
+        let _span = ferrotext_profile::span_in("optimizer", ferrotext_profile::Phase::Optimizer)
+            .map(|s| {
+                let elements: usize = grads
+                    .arrays()
+                    .iter()
+                    .map(|g| g.ty().shard_shape().iter().product::<usize>())
+                    .sum();
+                s.bytes((4 * elements * (3 + 2 * self.slots.len())) as f64)
+            });
         let grad_owned: Vec<Cow<'_, Tensor>> = grads
             .arrays()
             .iter()
