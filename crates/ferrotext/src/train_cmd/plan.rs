@@ -90,6 +90,13 @@ fn print_peak(plan: &ferrotext_train::RunPlan) {
         step_flops / 1e9,
         step_flops / peak.flops_for(bf16) * 1e3
     );
+    if let Some(products) = ferrotext_tensor::product_peak(bf16, peak.cores) {
+        println!(
+            "the products' rate here: {}, {:.1} ms a step at that rate",
+            products.describe(bf16),
+            step_flops / products.flops * 1e3
+        );
+    }
 }
 
 /// `ferrotext plan --cluster ...`: the cost model's predicted step (`ferrotext_cost`).

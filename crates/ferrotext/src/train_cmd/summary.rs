@@ -106,6 +106,15 @@ fn print_speed(config: &TrainConfig, report: &TrainReport, step_seconds: f64, wa
         achieved / 1e9,
         peak.describe_for(bf16)
     );
+    // The same rate against what this process's product kernel reaches here: the step's gap
+    // alone, without the kernel's own gap to the instructions.
+    if let Some(products) = ferrotext_tensor::product_peak(bf16, peak.cores) {
+        println!(
+            "  of products      {:.1}% of {}",
+            achieved / products.flops * 100.0,
+            products.describe(bf16)
+        );
+    }
     if let Some(cpu) = mean_step_cpu(&report.metrics) {
         println!(
             "  CPU a step       {:.2} s user, {:.2} s system ({:.1}% in the kernel)",

@@ -19,15 +19,19 @@
 //!   `/sys/.../cpufreq/base_frequency`, then `/proc/cpuinfo`'s "cpu MHz".
 //!
 //! The probe measures instructions, not products: the fastest product of `bench kernels`
-//! reaches 85–95% of it, and a step's MFU is the rest of the story.
+//! reaches 75–95% of it, and a step's MFU is the rest of the story. [`product_peak`] measures
+//! the products themselves (this process's kernel, every core at once), the other figure a
+//! run's summary sets its rate against.
 
 mod memory;
 mod probe;
+mod product;
 
 use std::fmt;
 
 pub use memory::memory_bandwidth;
 pub use probe::{snap_units, FmaProbe, Probes};
+pub use product::{product_peak, ProductProbe};
 
 /// The CPU's peak and the figures it is made of (see the module docs for their sources).
 #[derive(Clone, Debug, PartialEq)]
