@@ -109,9 +109,9 @@ unsafe fn own_rounded(p: Product<bf16, bf16>, threads: usize) {
     if unsafe { super::dpbf16::few_rows(p.into_bytes(), true) } {
         return;
     }
-    // SAFETY: the caller's contract (`b` is k×n).
-    let packed = unsafe { super::dpbf16::pack_b_whole(p.b, p.k, p.n) };
     let t = threads.min(p.m / MIN_BLOCK_ROWS).max(1);
+    // SAFETY: the caller's contract (`b` is k×n).
+    let packed = unsafe { super::dpbf16::pack_b_whole(p.b, p.k, p.n, t) };
     if t == 1 {
         // SAFETY: the caller's contract.
         unsafe { super::dpbf16::gemm_rounded(p.m, p.a, &packed, p.dst, p.ldc) };

@@ -158,7 +158,7 @@ fn product(m: usize, n: usize, k: usize, a: &[bf16], b: &[bf16], rounded: bool) 
     // SAFETY: `a` is m×k and `b` k×n row-major, `dst` m×n; the CPU has the features.
     unsafe {
         if rounded {
-            let packed = pack_b_whole(op(b, n, 1), k, n);
+            let packed = pack_b_whole(op(b, n, 1), k, n, 1);
             let mut out = vec![bf16::NAN; m * n];
             gemm_rounded(m, op(a, k, 1), &packed, out.as_mut_ptr(), n);
             dst = out.iter().map(|x| x.to_f32()).collect();
@@ -179,6 +179,33 @@ fn product(m: usize, n: usize, k: usize, a: &[bf16], b: &[bf16], rounded: bool) 
 /// A product after a larger one on the same thread (its packing buffers hold the larger one's
 /// words) gives the bits it gives on a fresh thread; and the mirror: the two products differ,
 /// so stale words would show.
+#[test]
+fn packing_on_several_threads_gives_one_threads_words() {
+    if !runs_here("packing_on_several_threads_gives_one_threads_words") {
+        return;
+    }
+    // Widths that split into runs of whole panels and not (a last panel part empty), odd
+    // contractions, and both layouts a rounded product's `b` comes in.
+    for (k, n) in [(7usize, 70usize), (64, 32), (33, 97), (130, 257)] {
+        let data = values(k * n);
+        for (rs, cs) in [(n, 1), (1, k)] {
+            let one = {
+                // SAFETY: `data` holds k×n elements at these strides.
+                let packed = unsafe { pack_b_whole(op(&data, rs, cs), k, n, 1) };
+                packed.data.clone()
+            };
+            for threads in [2, 3, 8] {
+                // SAFETY: as above.
+                let packed = unsafe { pack_b_whole(op(&data, rs, cs), k, n, threads) };
+                assert_eq!(
+                    packed.data, one,
+                    "{k}×{n}, strides ({rs}, {cs}), {threads} threads"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn reused_packing_buffers_give_a_fresh_threads_bits() {
     if !runs_here("reused_packing_buffers_give_a_fresh_threads_bits") {
@@ -262,7 +289,7 @@ fn one_row_is_the_packed_products_bits() {
             let mut direct = vec![bf16::NAN; m * n];
             // SAFETY: as above, bf16 outputs.
             unsafe {
-                let packed = pack_b_whole(bop, k, n);
+                let packed = pack_b_whole(bop, k, n, 1);
                 gemm_rounded(m, aop, &packed, rounded.as_mut_ptr(), n);
                 let dst = direct.as_mut_ptr().cast();
                 assert!(few_rows(
