@@ -60,9 +60,40 @@ pub(crate) unsafe fn gemm(p: Product<bf16>) {
     with_scratch(&B_SCRATCH, b_len, |bpack| {
         with_scratch(&A_SCRATCH, kp_max * MR * tiles, |apack| {
             // SAFETY: the caller's contract; the buffers hold a block of each operand.
-            unsafe { gemm_blocks(p, apack, bpack) }
+            unsafe { gemm_blocks(p, apack, Rhs::Blocks(bpack)) }
         })
     });
+}
+
+/// [`gemm`] with `p.b` already packed whole ([`pack_b_whole`] of the same `b`, `k` and `n`):
+/// the row blocks of one product share one packing instead of each packing all of `b`. The
+/// same bits as [`gemm`] (the same words reach the same tiles in the same order).
+///
+/// # Safety
+/// As [`gemm`]; `b` is `p.b` packed by [`pack_b_whole`] (`b.k == p.k`, `b.n == p.n`).
+pub(crate) unsafe fn gemm_packed(p: Product<bf16>, b: &PackedB) {
+    debug_assert!(b.k == p.k && b.n == p.n, "a packing of this product's b");
+    if p.m == 0 || p.n == 0 {
+        return;
+    }
+    let kp_max = KC.min(p.k).div_ceil(2);
+    with_scratch(&A_SCRATCH, kp_max * MR * p.m.div_ceil(MR), |apack| {
+        // SAFETY: the caller's contract; the buffer holds a block of `a`.
+        unsafe { gemm_blocks(p, apack, Rhs::Whole(b)) }
+    });
+}
+
+/// Words [`pack_b_whole`] makes of a `k`×`n` operand.
+pub(crate) fn whole_words(k: usize, n: usize) -> usize {
+    k.div_ceil(2) * n.div_ceil(NR) * NR
+}
+
+/// Where [`gemm_blocks`] finds its panels of `b`.
+enum Rhs<'a> {
+    /// Packed a block at a time into this buffer (a block of `b`'s panels).
+    Blocks(&'a mut [u32]),
+    /// Packed whole beforehand: a block's panel is a slice of the whole panel.
+    Whole(&'a PackedB),
 }
 
 thread_local! {
@@ -94,7 +125,7 @@ fn with_scratch<R>(
 }
 
 /// The most words a thread keeps in a packing buffer between products (16 MiB).
-const KEEP_WORDS: usize = 1 << 22;
+pub(crate) const KEEP_WORDS: usize = 1 << 22;
 
 /// Returns `buffer` to this thread's `key` unless it is larger than [`KEEP_WORDS`].
 fn keep(key: &'static std::thread::LocalKey<std::cell::Cell<Vec<u32>>>, buffer: Vec<u32>) {
@@ -104,11 +135,11 @@ fn keep(key: &'static std::thread::LocalKey<std::cell::Cell<Vec<u32>>>, buffer: 
 }
 
 /// [`gemm`] with its packing buffers: `apack` a block of the contraction for all of `a`'s row
-/// tiles, `bpack` one block of `b`.
+/// tiles, and `b`'s panels ([`Rhs`]).
 ///
 /// # Safety
-/// As [`gemm`].
-unsafe fn gemm_blocks(p: Product<bf16>, apack: &mut [u32], bpack: &mut [u32]) {
+/// As [`gemm`] (and [`gemm_packed`] for a whole packing).
+unsafe fn gemm_blocks(p: Product<bf16>, apack: &mut [u32], mut rhs: Rhs<'_>) {
     let Product {
         m,
         n,
@@ -133,14 +164,24 @@ unsafe fn gemm_blocks(p: Product<bf16>, apack: &mut [u32], bpack: &mut [u32]) {
         let first = l0 == 0 && store == Store::Overwrite;
         for j0 in (0..n).step_by(NC) {
             let nc = NC.min(n - j0);
-            // SAFETY: rows l0..l0+kc and columns j0..j0+nc of `b` are inside the operand.
-            unsafe { pack_b(b, l0, kc, j0, nc, bpack) };
+            if let Rhs::Blocks(bpack) = &mut rhs {
+                // SAFETY: rows l0..l0+kc and columns j0..j0+nc of `b` are inside the operand.
+                unsafe { pack_b(b, l0, kc, j0, nc, bpack) };
+            }
             for (t, tile_pack) in apack.chunks(kp * MR).take(tiles).enumerate() {
                 let i0 = t * MR;
                 let rows = MR.min(m - i0);
                 for (p, jp) in (0..nc).step_by(NR).enumerate() {
                     let cols = NR.min(nc - jp);
-                    let panel = &bpack[p * kp * NR..(p + 1) * kp * NR];
+                    let panel = match &rhs {
+                        Rhs::Blocks(bpack) => &bpack[p * kp * NR..(p + 1) * kp * NR],
+                        // The whole panel's pairs from `l0 / 2` (`KC` is even, so a block's
+                        // pairs are the whole packing's, its last pair zero-padded alike).
+                        Rhs::Whole(whole) => {
+                            let at = ((j0 + jp) / NR) * k.div_ceil(2) * NR + (l0 / 2) * NR;
+                            &whole.data[at..at + kp * NR]
+                        }
+                    };
                     // SAFETY: the CPU has the features (the caller's contract); rows
                     // i0..i0+rows, columns j0+jp..+cols of `dst` are the caller's.
                     unsafe {

@@ -89,12 +89,41 @@ pub(crate) unsafe fn own(p: Product<bf16>, parallelism: gemm::Parallelism) {
         unsafe { super::dpbf16::gemm(p) };
         return;
     }
+    // SAFETY: the caller's contract (`b` is k×n).
+    let Some(packed) = (unsafe { shared_packing(p.b, p.k, p.n, t) }) else {
+        let block = |block| {
+            // SAFETY: a block of rows of the caller's product.
+            unsafe { super::dpbf16::gemm(block) }
+        };
+        // SAFETY: the caller's contract; each block writes its own rows of `dst`.
+        unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
+        return;
+    };
     let block = |block| {
-        // SAFETY: a block of rows of the caller's product.
-        unsafe { super::dpbf16::gemm(block) }
+        // SAFETY: a block of rows of the caller's product; `packed` is its `b`'s packing.
+        unsafe { super::dpbf16::gemm_packed(block, &packed) }
     };
     // SAFETY: the caller's contract; each block writes its own rows of `dst`.
     unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
+}
+
+/// `b` (k×n) packed whole on up to `threads` threads, for the row blocks or bands of one
+/// product to share (each packed all of `b` for itself before: as many packings as blocks);
+/// `None` when the packing would not stay in a thread's kept buffer (an LM head's `b`: each
+/// block then packs a block of it at a time).
+///
+/// # Safety
+/// `b`'s `k` rows of `n` elements are readable; the CPU has AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+unsafe fn shared_packing(
+    b: Operand<bf16>,
+    k: usize,
+    n: usize,
+    threads: usize,
+) -> Option<super::dpbf16::PackedB> {
+    (k > 0 && super::dpbf16::whole_words(k, n) <= super::dpbf16::KEEP_WORDS)
+        // SAFETY: the caller's contract.
+        .then(|| unsafe { super::dpbf16::pack_b_whole(b, k, n, threads) })
 }
 
 /// `dst = round_bf16(a · b)` on the AVX512_BF16 kernel: `b` packed once, the rows in up to
@@ -349,21 +378,12 @@ pub fn dot_general_bf16_rounded_accumulate_parts(
         return Ok(true);
     }
     let band = band_rows(rows, n, k, threads);
+    let bands = Bands::new(&stacks, threads);
     for (p, out) in parts.iter_mut().enumerate() {
         for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
             let first = p * rows + c * band;
-            // SAFETY: `products` writes every element of its rows (`k > 0`, checked above).
-            let scratch = unsafe {
-                filled(out.len(), |dst| {
-                    products(
-                        &stacks,
-                        1,
-                        first..first + out.len() / n,
-                        dst,
-                        Store::Overwrite,
-                    );
-                })
-            };
+            // SAFETY: `band` writes every element of its rows (`k > 0`, checked above).
+            let scratch = unsafe { filled(out.len(), |dst| bands.band(first, dst)) };
             add_rounded(&scratch, out);
         });
     }
@@ -426,16 +446,96 @@ fn band_rows(rows: usize, n: usize, k: usize, threads: usize) -> usize {
 fn rounded_by_bands(s: &Stacks<'_, bf16>, threads: usize, out: &mut [MaybeUninit<bf16>]) {
     let (rows, n) = (s.all_rows().len(), s.b.cols.0);
     let band = band_rows(rows, n, s.a.cols.0, threads);
+    let bands = Bands::new(s, threads);
     for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
         let first = c * band;
-        // SAFETY: `products` writes every element of its rows (`k > 0`, checked by the caller).
-        let scratch = unsafe {
-            filled(out.len(), |dst| {
-                products(s, 1, first..first + out.len() / n, dst, Store::Overwrite);
-            })
-        };
+        // SAFETY: `band` writes every element of its rows (`k > 0`, checked by the caller).
+        let scratch = unsafe { filled(out.len(), |dst| bands.band(first, dst)) };
         round_into(&scratch, out);
     });
+}
+
+/// How a product's bands of rows are computed: each by `products` on its thread, or, on the
+/// AVX512_BF16 kernel with one matrix of `b`, against `b` packed once for all the bands
+/// ([`shared_packing`]): the same bits either way (each element's chain does not depend on its
+/// band or on who packed `b`).
+struct Bands<'s, 'a> {
+    stacks: &'s Stacks<'a, bf16>,
+    #[cfg(target_arch = "x86_64")]
+    packed: Option<super::dpbf16::PackedB>,
+}
+
+impl<'s, 'a> Bands<'s, 'a> {
+    fn new(stacks: &'s Stacks<'a, bf16>, threads: usize) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (k, n) = (stacks.a.cols.0, stacks.b.cols.0);
+            let own = matches!(choice(false), Choice::Own(_)) && stacks.batch == 1;
+            let b = Operand {
+                // SAFETY: batch entry 0's offset lies inside the stack's data (as in
+                // `products`).
+                ptr: unsafe { stacks.b.data.as_ptr().offset(stacks.b.offset(0)) },
+                rs: stacks.b.rows.1,
+                cs: stacks.b.cols.1,
+            };
+            let packed = if own {
+                // SAFETY: batch entry 0 of `b` is a k×n matrix at these strides inside its
+                // data (the stack's invariant, as `products` relies on); `Own` is chosen only
+                // where the CPU has AVX512_BF16.
+                unsafe { shared_packing(b, k, n, threads) }
+            } else {
+                None
+            };
+            Bands { stacks, packed }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = threads;
+            Bands { stacks }
+        }
+    }
+
+    /// Rows `first..first + dst.len() / n` of the product into `dst`, overwritten.
+    ///
+    /// # Safety
+    /// `dst` holds whole rows of the product inside it; `k > 0`.
+    unsafe fn band(&self, first: usize, dst: &mut [MaybeUninit<f32>]) {
+        let s = self.stacks;
+        let (k, n) = (s.a.cols.0, s.b.cols.0);
+        let rows = dst.len() / n.max(1);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(packed) = &self.packed {
+            let p = Product {
+                m: rows,
+                n,
+                k,
+                a: Operand {
+                    // SAFETY: rows `first..first + rows` of the one batch entry lie inside `a`
+                    // (the caller's contract).
+                    ptr: unsafe {
+                        s.a.data
+                            .as_ptr()
+                            .offset(s.a.offset(0) + first as isize * s.a.rows.1)
+                    },
+                    rs: s.a.rows.1,
+                    cs: s.a.cols.1,
+                },
+                b: Operand {
+                    // SAFETY: as in `Bands::new`.
+                    ptr: unsafe { s.b.data.as_ptr().offset(s.b.offset(0)) },
+                    rs: s.b.rows.1,
+                    cs: s.b.cols.1,
+                },
+                dst: dst.as_mut_ptr().cast::<f32>(),
+                ldc: n,
+                store: Store::Overwrite,
+            };
+            // SAFETY: as above; `packed` is this `b`'s packing; `dst` holds the rows.
+            unsafe { super::dpbf16::gemm_packed(p, packed) };
+            return;
+        }
+        products(s, 1, first..first + rows, dst, Store::Overwrite);
+    }
 }
 
 /// Every batch entry of `stacks` rounded into `out` (`[batch, m, n]`, row-major) on the

@@ -207,6 +207,51 @@ fn packing_on_several_threads_gives_one_threads_words() {
 }
 
 #[test]
+fn a_shared_whole_packing_gives_the_blockwise_products_bits() {
+    if !runs_here("a_shared_whole_packing_gives_the_blockwise_products_bits") {
+        return;
+    }
+    // Several blocks of the contraction (`KC`, the last one odd) and of the columns (`NC`,
+    // the last panel part empty), rows not a multiple of `MR`; row- and column-major `b`;
+    // overwriting and accumulating; rows taken from inside the product, as a band is.
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (m, n, k) in [(19usize, 545usize, 1031usize), (8, 32, 2), (70, 97, 512)] {
+        let (a, b) = (values(m * k), values(k * n));
+        let aop = op(&a, k, 1);
+        for (rs, cs) in [(n, 1), (1, k)] {
+            let bop = op(&b, rs, cs);
+            for store in [Store::Overwrite, Store::Accumulate] {
+                let start: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
+                let (mut blockwise, mut shared) = (start.clone(), start.clone());
+                // SAFETY: `a` m×k row-major, `b` k×n at these strides, `dst` m×n; the CPU has
+                // the features (`runs_here`).
+                unsafe {
+                    gemm(prod((m, n, k), aop, bop, blockwise.as_mut_ptr(), store));
+                    let packed = pack_b_whole(bop, k, n, 2);
+                    // Two bands of rows, as a product's row blocks share the packing.
+                    let half = m / 2;
+                    for (first, rows) in [(0, half), (half, m - half)] {
+                        let band = prod(
+                            (rows, n, k),
+                            op(&a[first * k..], k, 1),
+                            bop,
+                            shared.as_mut_ptr().add(first * n),
+                            store,
+                        );
+                        gemm_packed(band, &packed);
+                    }
+                }
+                assert_eq!(
+                    bits(&shared),
+                    bits(&blockwise),
+                    "{m}×{n}×{k}, strides ({rs}, {cs}), {store:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn reused_packing_buffers_give_a_fresh_threads_bits() {
     if !runs_here("reused_packing_buffers_give_a_fresh_threads_bits") {
         return;
