@@ -4,7 +4,7 @@
 //! `dq` rows, and adds each tile into them in that fixed order.
 
 use super::elem::{Elem, View};
-use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
+use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_sum2, vectorized};
 use crate::operand::Store;
@@ -156,7 +156,7 @@ struct Task<'a, T> {
     scores: Scores,
 }
 
-/// A tile's scratch: `P` and `dP`/`dS` (`QUERY_BLOCK × KEY_BLOCK` each), the logits'
+/// A tile's scratch: `P` and `dP`/`dS` (`Dims::tile_len` each), the logits'
 /// derivative under soft-capping, and `P` and `dS` as the products read them.
 struct Scratch<T> {
     p: Vec<f32>,
@@ -192,9 +192,9 @@ impl<T: Elem> Task<'_, T> {
     unsafe fn run(&self, dots: &[f32], grads: Grads) {
         let d = self.d;
         let mut scratch = Scratch {
-            p: vec![0.0; QUERY_BLOCK * KEY_BLOCK],
-            ds: vec![0.0; QUERY_BLOCK * KEY_BLOCK],
-            slope: vec![1.0; QUERY_BLOCK * KEY_BLOCK],
+            p: vec![0.0; d.tile_len()],
+            ds: vec![0.0; d.tile_len()],
+            slope: vec![1.0; d.tile_len()],
             p_elem: Vec::new(),
             ds_elem: Vec::new(),
         };
@@ -239,7 +239,7 @@ impl<T: Elem> Task<'_, T> {
         let kv: View<T> = view(self.k, d.kv, d.dk, self.kvh, cols.clone(), d.tk);
         let vv: View<T> = view(self.v, d.kv, d.dv, self.kvh, cols.clone(), d.tk);
         // P [n, w] = exp(logit(q·kᵀ) − lse), 0 where a row does not see the key
-        // SAFETY: the scratch holds `QUERY_BLOCK·KEY_BLOCK ≥ n·w` elements.
+        // SAFETY: the scratch holds `tile_len() ≥ n·w` elements.
         unsafe { T::product(s.p.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
         let lse = &self.lse[(self.b * d.h + h) * d.tq..];
         for r in 0..n {

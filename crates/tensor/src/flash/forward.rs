@@ -2,7 +2,7 @@
 //! tiles its rows see (see the module docs of `flash`).
 
 use super::elem::{Elem, View};
-use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
+use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_max, lane_sum, vectorized};
 use crate::operand::Store;
@@ -110,12 +110,12 @@ impl<T: Elem> Head<'_, T> {
     unsafe fn forward(&self, ranges: &KeyRanges, scores: Scores, out: *mut f32, lse: &mut [f32]) {
         let d = self.d;
         let kvh = self.h / d.group();
-        let mut tile = vec![0.0f32; QUERY_BLOCK * KEY_BLOCK];
+        let mut tile = vec![0.0f32; d.tile_len()];
         let mut probs: Vec<T> = Vec::new();
         let mut run = Running {
-            max: vec![0.0; QUERY_BLOCK],
-            sum: vec![0.0; QUERY_BLOCK],
-            acc: vec![0.0; QUERY_BLOCK * d.dv],
+            max: vec![0.0; d.block_rows()],
+            sum: vec![0.0; d.block_rows()],
+            acc: vec![0.0; d.block_rows() * d.dv],
         };
         for rows in d.query_blocks() {
             let n = rows.len();
@@ -130,7 +130,8 @@ impl<T: Elem> Head<'_, T> {
                 let w = cols.len();
                 let kv = Dims::rows(self.k, d.tk, d.kv, d.dk, self.b, kvh, cols.clone());
                 // scores [rows, w] = q_rows · k_colsᵀ
-                // SAFETY: `tile` holds `QUERY_BLOCK·KEY_BLOCK ≥ n·w` elements.
+                // SAFETY: `tile` holds `tile_len() ≥ n·w` elements (`n` rows of a block, `w` keys of
+                // one).
                 unsafe { T::product(tile.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
                 for (r, row) in tile[..n * w].chunks_mut(w).enumerate() {
                     let (a, z) = ranges.range(self.b, rows.start + r);

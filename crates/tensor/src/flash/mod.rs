@@ -150,6 +150,18 @@ impl Dims {
         self.b * self.h * self.tq * self.tk.min(KEY_BLOCK)
     }
 
+    /// Rows of the largest query block: `QUERY_BLOCK`, or all of `Tq` when shorter.
+    pub(crate) fn block_rows(&self) -> usize {
+        QUERY_BLOCK.min(self.tq)
+    }
+
+    /// Elements of the largest tile (`block_rows × min(KEY_BLOCK, Tk)`): a task's scratch is
+    /// sized by it, not by the fixed `QUERY_BLOCK × KEY_BLOCK` (64 KiB of `f32` a buffer, zeroed
+    /// once per task: at 64 tokens, 16 times the tile, and about half of a head's forward).
+    pub(crate) fn tile_len(&self) -> usize {
+        self.block_rows() * KEY_BLOCK.min(self.tk)
+    }
+
     /// The query blocks: `QUERY_BLOCK` rows each from 0, the last shorter.
     pub(crate) fn query_blocks(&self) -> impl Iterator<Item = std::ops::Range<usize>> {
         let tq = self.tq;
