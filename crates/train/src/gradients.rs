@@ -358,6 +358,14 @@ impl Gradients {
         Ok(Gradients { grads })
     }
 
+    /// Elements of this device's shards of every gradient (the profiler's byte counts).
+    pub(crate) fn local_elements(&self) -> usize {
+        self.arrays()
+            .iter()
+            .map(|g| g.ty().shard_shape().iter().product::<usize>())
+            .sum()
+    }
+
     /// Σ of the squares of every gradient, in f64 and the same whatever the layout (so ZeRO-1,
     /// FSDP and replicated runs clip by the same factor): each device sums its own shard of
     /// each gradient in f64; shards of the gradients split over the same mesh axes are combined
@@ -377,14 +385,7 @@ impl Gradients {
     pub fn squared_norm(&self, cx: &mut Ctx<'_>) -> Result<f64, TrainError> {
         // Part of the update: the profiler counts it with the optimizer.
         let _span = ferrotext_profile::span_in("grad_norm", ferrotext_profile::Phase::Optimizer)
-            .map(|s| {
-                let elements: usize = self
-                    .arrays()
-                    .iter()
-                    .map(|g| g.ty().shard_shape().iter().product::<usize>())
-                    .sum();
-                s.bytes((4 * elements) as f64)
-            });
+            .map(|s| s.bytes((4 * self.local_elements()) as f64));
         let mut by_axes: std::collections::BTreeMap<Vec<String>, f64> = Default::default();
         for g in self.arrays() {
             let axes: Vec<String> = g

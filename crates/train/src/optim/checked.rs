@@ -59,14 +59,7 @@ impl Optimizer {
         // Bytes: each parameter, gradient and state slot read once, the parameter and the slots
         // written once (4 bytes an element each).
         let _span = ferrotext_profile::span_in("optimizer", ferrotext_profile::Phase::Optimizer)
-            .map(|s| {
-                let elements: usize = grads
-                    .arrays()
-                    .iter()
-                    .map(|g| g.ty().shard_shape().iter().product::<usize>())
-                    .sum();
-                s.bytes((4 * elements * (3 + 2 * self.slots.len())) as f64)
-            });
+            .map(|s| s.bytes((4 * grads.local_elements() * (3 + 2 * self.slots.len())) as f64));
         let grad_owned: Vec<Cow<'_, Tensor>> = grads
             .arrays()
             .iter()
