@@ -18,7 +18,7 @@ const BYTES: usize = 256 << 20;
 const WINDOWS: usize = 6;
 
 /// This machine's streaming memory bandwidth over `cores` threads, bytes a second, measured on
-/// the first call (about a quarter of a second and [`BYTES`] of memory, freed after) and kept
+/// the first call (about a quarter of a second and 256 MiB of memory, freed after) and kept
 /// for the process.
 pub fn memory_bandwidth(cores: usize) -> f64 {
     static BANDWIDTH: OnceLock<f64> = OnceLock::new();
