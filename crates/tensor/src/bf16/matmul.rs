@@ -406,7 +406,8 @@ const BAND_BYTES: usize = 256 << 10;
 
 /// The fewest rows of a band of [`rounded_by_bands`] when `b` is too large to stay in cache
 /// between bands ([`CACHED_RHS_BYTES`]): each band's call packs the whole of `b` again, from
-/// memory, so narrow bands spend the products' time re-packing (the qwen3-0.6b lm_head,
+/// memory (on a library's kernel, or on ferrotext's when `b` is over the 16 MiB a shared packing
+/// takes: [`Bands`]), so narrow bands spend the products' time re-packing (the qwen3-0.6b lm_head,
 /// `[512, 1024] × [1024, 151936]`, in bands of 64 rows: each of 8 calls packed all 151936
 /// columns, and it ran at 248 GFLOP/s against 600 for the layers' products; with bands of 256
 /// rows a 0.6b bf16 step went from 9.6 to 6.7 s).
