@@ -54,13 +54,13 @@ pub(crate) unsafe fn gemm(p: Product<bf16>) {
     if m == 0 || n == 0 {
         return;
     }
-    let tiles = m.div_ceil(MR);
     let kp_max = KC.min(k).div_ceil(2);
     let b_len = kp_max * NC.min(n).div_ceil(NR) * NR;
     with_scratch(&B_SCRATCH, b_len, |bpack| {
-        with_scratch(&A_SCRATCH, kp_max * MR * tiles, |apack| {
-            // SAFETY: the caller's contract; the buffers hold a block of each operand.
-            unsafe { gemm_blocks(p, apack, Rhs::Blocks(bpack)) }
+        let whole_a = packs_a_whole(m, k);
+        with_scratch(&A_SCRATCH, a_words(m, k, whole_a), |apack| {
+            // SAFETY: the caller's contract; the buffers hold `a`'s packing and a block of `b`.
+            unsafe { gemm_blocks(p, (apack, whole_a), Rhs::Blocks(bpack)) }
         })
     });
 }
@@ -76,10 +76,10 @@ pub(crate) unsafe fn gemm_packed(p: Product<bf16>, b: &PackedB) {
     if p.m == 0 || p.n == 0 {
         return;
     }
-    let kp_max = KC.min(p.k).div_ceil(2);
-    with_scratch(&A_SCRATCH, kp_max * MR * p.m.div_ceil(MR), |apack| {
-        // SAFETY: the caller's contract; the buffer holds a block of `a`.
-        unsafe { gemm_blocks(p, apack, Rhs::Whole(b)) }
+    let whole_a = packs_a_whole(p.m, p.k);
+    with_scratch(&A_SCRATCH, a_words(p.m, p.k, whole_a), |apack| {
+        // SAFETY: the caller's contract; the buffer holds `a`'s packing.
+        unsafe { gemm_blocks(p, (apack, whole_a), Rhs::Whole(b)) }
     });
 }
 
@@ -100,8 +100,8 @@ thread_local! {
     /// A thread's packing buffers, kept between products: a fresh one per call was a large
     /// zeroed allocation that the allocator returned to the kernel each time, and faulting its
     /// pages in again cost as much as packing a small product (`examples/bf16.rs`, 128 rows).
-    /// Each holds at most a block of an operand (`b`: 512 KiB; `a`: 2 KiB per row, or 2 bytes per
-    /// element for [`gemm_rounded`], whose contraction is at most 1024).
+    /// Each holds a block of `b` (512 KiB) or all of `a` (2 bytes an element; one block of the
+    /// contraction, 2 KiB a row, where all of it is over [`KEEP_WORDS`]).
     static A_SCRATCH: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
     /// As [`A_SCRATCH`], for `b`'s blocks.
     static B_SCRATCH: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
@@ -134,12 +134,37 @@ fn keep(key: &'static std::thread::LocalKey<std::cell::Cell<Vec<u32>>>, buffer: 
     }
 }
 
-/// [`gemm`] with its packing buffers: `apack` a block of the contraction for all of `a`'s row
-/// tiles, and `b`'s panels ([`Rhs`]).
+/// Words of [`gemm_blocks`]'s packing of `a` (m×k): all of `a` (`whole`), else one block of
+/// the contraction.
+fn a_words(m: usize, k: usize, whole: bool) -> usize {
+    let rows = m.div_ceil(MR) * MR;
+    if whole {
+        k.div_ceil(2) * rows
+    } else {
+        KC.min(k).div_ceil(2) * rows
+    }
+}
+
+/// Whether [`gemm_blocks`] packs all of `a` (m×k) at once: when it stays in a thread's kept
+/// buffer ([`KEEP_WORDS`]).
+fn packs_a_whole(m: usize, k: usize) -> bool {
+    k.div_ceil(2) * m.div_ceil(MR) * MR <= KEEP_WORDS
+}
+
+/// [`gemm`] with its packing buffers: `apack` ([`a_words`]: all of `a`'s row tiles over the
+/// whole contraction, block after block, when `whole_a`, else one block of it), and `b`'s
+/// panels ([`Rhs`]).
+///
+/// Columns run outer and the contraction's blocks inner, so the destination's block of
+/// [`NC`] columns is still in cache when the next block of the contraction continues its
+/// chains, rather than back from memory for every block of the contraction, as a wide one's
+/// was (on one core, 512×1024 by 1024×3072 and 1024×18992: 3–5% faster). `a` is packed once
+/// when whole, else again for each block of columns (only where `a` is over 16 MiB and `b`
+/// wider than [`NC`]). Each element's chain is the same blocks in the same order either way.
 ///
 /// # Safety
 /// As [`gemm`] (and [`gemm_packed`] for a whole packing).
-unsafe fn gemm_blocks(p: Product<bf16>, apack: &mut [u32], mut rhs: Rhs<'_>) {
+unsafe fn gemm_blocks(p: Product<bf16>, (apack, whole_a): (&mut [u32], bool), mut rhs: Rhs<'_>) {
     let Product {
         m,
         n,
@@ -151,24 +176,41 @@ unsafe fn gemm_blocks(p: Product<bf16>, apack: &mut [u32], mut rhs: Rhs<'_>) {
         store,
     } = p;
     let tiles = m.div_ceil(MR);
-    for l0 in (0..k.max(1)).step_by(KC) {
-        let kc = KC.min(k - l0.min(k));
-        let kp = kc.div_ceil(2);
-        // All of `a`'s rows for this block of the contraction, packed once, tile after tile.
-        for (t, tile_pack) in apack.chunks_mut(kp * MR).take(tiles).enumerate() {
+    // Packs all of `a`'s rows for the block of the contraction from `l0`, tile after tile.
+    let pack_block = |l0: usize, out: &mut [u32]| {
+        let kp = KC.min(k - l0.min(k)).div_ceil(2);
+        for (t, tile_pack) in out.chunks_mut(kp * MR).take(tiles).enumerate() {
             let i0 = t * MR;
             // SAFETY: rows i0..i0+rows, columns l0..l0+kc of `a` are inside the operand.
-            unsafe { pack_a(a, i0, MR.min(m - i0), l0, kc, tile_pack) };
+            unsafe { pack_a(a, i0, MR.min(m - i0), l0, KC.min(k - l0.min(k)), tile_pack) };
         }
-        // The first block stores per `store`; later ones continue the chain in `dst`.
-        let first = l0 == 0 && store == Store::Overwrite;
-        for j0 in (0..n).step_by(NC) {
-            let nc = NC.min(n - j0);
+    };
+    // Where the block from `l0` starts in a whole packing (every earlier block has `KC / 2`
+    // pairs).
+    let block_at = |l0: usize| (l0 / 2) * MR * tiles;
+    if whole_a {
+        for l0 in (0..k).step_by(KC) {
+            pack_block(l0, &mut apack[block_at(l0)..]);
+        }
+    }
+    for j0 in (0..n).step_by(NC) {
+        let nc = NC.min(n - j0);
+        for l0 in (0..k.max(1)).step_by(KC) {
+            let kc = KC.min(k - l0.min(k));
+            let kp = kc.div_ceil(2);
+            let ablock = if whole_a {
+                &apack[block_at(l0)..block_at(l0) + kp * MR * tiles]
+            } else {
+                pack_block(l0, apack);
+                &apack[..kp * MR * tiles]
+            };
+            // The first block stores per `store`; later ones continue the chain in `dst`.
+            let first = l0 == 0 && store == Store::Overwrite;
             if let Rhs::Blocks(bpack) = &mut rhs {
                 // SAFETY: rows l0..l0+kc and columns j0..j0+nc of `b` are inside the operand.
                 unsafe { pack_b(b, l0, kc, j0, nc, bpack) };
             }
-            for (t, tile_pack) in apack.chunks(kp * MR).take(tiles).enumerate() {
+            for (t, tile_pack) in ablock.chunks(kp * MR).take(tiles).enumerate() {
                 let i0 = t * MR;
                 let rows = MR.min(m - i0);
                 for (p, jp) in (0..nc).step_by(NR).enumerate() {
@@ -236,15 +278,37 @@ unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, o
                 slot[cols..].fill(0);
             }
         } else {
+            // A column's pairs are consecutive words: whole groups of 8 columns by 8 pairs are
+            // transposed as blocks, the rest (a group's last pairs, the last columns) by pairs.
+            let (groups, vector_pairs) = (cols / 8, kc / 2 / 8 * 8);
+            for g in 0..groups {
+                // SAFETY: columns jp+8g.. of `b` from row l0, contiguous as `rs` is 1.
+                let columns: [*const u32; 8] = std::array::from_fn(|c| unsafe {
+                    b.ptr
+                        .offset((jp + 8 * g + c) as isize * b.cs + l0 as isize)
+                        .cast()
+                });
+                for q0 in (0..vector_pairs).step_by(8) {
+                    let out = &mut panel[q0 * NR + 8 * g..(q0 + 7) * NR + 8 * g + 8];
+                    // SAFETY: pairs q0..q0+8 of those columns are inside the block (`2·(q0 +
+                    // 8) ≤ kc`); `out` holds 8 rows of `NR` from its start.
+                    unsafe { transpose8(columns.map(|c| c.add(q0)), out, NR) };
+                }
+            }
             for c in 0..cols {
-                // SAFETY: column jp+c, rows l0..l0+kc of `b`, contiguous as `rs` is 1.
+                let from = if c < 8 * groups { vector_pairs } else { 0 };
+                if kc == 2 * from {
+                    continue;
+                }
+                // SAFETY: column jp+c, rows l0+2·from..l0+kc of `b`, contiguous as `rs` is 1.
                 let line = unsafe {
                     std::slice::from_raw_parts(
-                        b.ptr.offset((jp + c) as isize * b.cs + l0 as isize),
-                        kc,
+                        b.ptr
+                            .offset((jp + c) as isize * b.cs + (l0 + 2 * from) as isize),
+                        kc - 2 * from,
                     )
                 };
-                pair_line(line, &mut panel[c..], NR);
+                pair_line(line, &mut panel[from * NR + c..], NR);
             }
             for slot in panel.chunks_mut(NR) {
                 slot[cols..].fill(0);
@@ -307,6 +371,59 @@ fn interleave(first: &[bf16], second: Option<&[bf16]>, out: &mut [u32]) {
     }
 }
 
+/// `out[j·stride + i] = words[i][j]` for `i, j < 8`: eight runs of eight 32-bit words (pairs
+/// of bf16, read unaligned) transposed, each output row one 256-bit store (the element-wise
+/// loop stored one word at a time, strided: a sixth of a bf16 step's time at qwen3-peer went to
+/// packing).
+///
+/// # Safety
+/// Each of `words` points at 8 readable words; the CPU has AVX2.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose8(words: [*const u32; 8], out: &mut [u32], stride: usize) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_loadu_si256, _mm256_permute2x128_si256, _mm256_storeu_si256,
+        _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpacklo_epi32, _mm256_unpacklo_epi64,
+    };
+    assert!(out.len() >= 7 * stride + 8); // ok: the callers' slices are sized for it
+                                          // SAFETY: the caller's contract: 8 words (256 bits) at each pointer.
+    let r = words.map(|w| unsafe { _mm256_loadu_si256(w.cast::<__m256i>()) });
+    // Pairs of runs interleaved by words, then by pairs of words: `u[j]` holds word j of runs
+    // 0–3 in its low 128 bits and word j + 4 in its high; `u[4 + j]` the same of runs 4–7.
+    let lo = |x, y| _mm256_unpacklo_epi32(x, y);
+    let hi = |x, y| _mm256_unpackhi_epi32(x, y);
+    let t = [
+        lo(r[0], r[1]),
+        hi(r[0], r[1]),
+        lo(r[2], r[3]),
+        hi(r[2], r[3]),
+        lo(r[4], r[5]),
+        hi(r[4], r[5]),
+        lo(r[6], r[7]),
+        hi(r[6], r[7]),
+    ];
+    let u = [
+        _mm256_unpacklo_epi64(t[0], t[2]),
+        _mm256_unpackhi_epi64(t[0], t[2]),
+        _mm256_unpacklo_epi64(t[1], t[3]),
+        _mm256_unpackhi_epi64(t[1], t[3]),
+        _mm256_unpacklo_epi64(t[4], t[6]),
+        _mm256_unpackhi_epi64(t[4], t[6]),
+        _mm256_unpacklo_epi64(t[5], t[7]),
+        _mm256_unpackhi_epi64(t[5], t[7]),
+    ];
+    for j in 0..4 {
+        // Word j of all eight runs (low halves), and word j + 4 (high halves).
+        let low = _mm256_permute2x128_si256::<0x20>(u[j], u[4 + j]);
+        let high = _mm256_permute2x128_si256::<0x31>(u[j], u[4 + j]);
+        // SAFETY: rows j and j + 4 of `out` hold 8 words each (asserted above).
+        unsafe {
+            _mm256_storeu_si256(out[j * stride..].as_mut_ptr().cast::<__m256i>(), low);
+            _mm256_storeu_si256(out[(j + 4) * stride..].as_mut_ptr().cast::<__m256i>(), high);
+        }
+    }
+}
+
 /// `out[q·stride] = (line[2q], line[2q + 1])` for each pair of `line`, the last one's high
 /// half zero when `line` is odd.
 #[inline]
@@ -332,12 +449,38 @@ fn pair_line(line: &[bf16], out: &mut [u32], stride: usize) {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_a(a: Operand<bf16>, i0: usize, rows: usize, l0: usize, kc: usize, out: &mut [u32]) {
     if a.cs == 1 {
-        for r in 0..rows {
-            // SAFETY: row i0+r, columns l0..l0+kc of `a`, contiguous as `cs` is 1.
-            let line = unsafe {
-                std::slice::from_raw_parts(a.ptr.offset((i0 + r) as isize * a.rs + l0 as isize), kc)
+        // A row's pairs are consecutive words: a whole tile's rows are transposed in blocks of
+        // 8 pairs, the rest (the last pairs, a partial tile) by pairs.
+        let from = if rows == MR { kc / 2 / 8 * 8 } else { 0 };
+        // Rows i0..i0+MR of `a` from column l0 (read only when `from > 0`, when all of a
+        // tile's rows are the caller's).
+        let lines: [*const u32; MR] = std::array::from_fn(|r| {
+            a.ptr
+                .wrapping_offset((i0 + r) as isize * a.rs + l0 as isize)
+                .cast()
+        });
+        for q0 in (0..from).step_by(8) {
+            // SAFETY: pairs q0..q0+8 of those rows are inside the block (`2·(q0 + 8) ≤ kc`);
+            // `out` holds the tile's pairs.
+            unsafe {
+                transpose8(
+                    lines.map(|l| l.add(q0)),
+                    &mut out[q0 * MR..(q0 + 8) * MR],
+                    MR,
+                )
             };
-            pair_line(line, &mut out[r..], MR);
+        }
+        let tail = if kc > 2 * from { 0..rows } else { 0..0 };
+        for r in tail {
+            // SAFETY: row i0+r, columns l0+2·from..l0+kc of `a`, contiguous as `cs` is 1.
+            let line = unsafe {
+                std::slice::from_raw_parts(
+                    a.ptr
+                        .offset((i0 + r) as isize * a.rs + (l0 + 2 * from) as isize),
+                    kc - 2 * from,
+                )
+            };
+            pair_line(line, &mut out[from * MR + r..], MR);
         }
     } else if a.rs == 1 {
         for (q, pairs) in out.chunks_mut(MR).take(kc.div_ceil(2)).enumerate() {
@@ -349,7 +492,11 @@ unsafe fn pack_a(a: Operand<bf16>, i0: usize, rows: usize, l0: usize, kc: usize,
                     rows,
                 )
             };
-            let second = (2 * q + 1 < kc).then(|| column(2 * q + 1));
+            let second = if 2 * q + 1 < kc {
+                Some(column(2 * q + 1))
+            } else {
+                None
+            };
             interleave(column(2 * q), second, &mut pairs[..rows]);
         }
     } else {

@@ -108,6 +108,9 @@ fn packing_is_the_element_wise_packing() {
         (40, 100, 0, 40, 0, 100),
         (1, 33, 0, 1, 1, 32),
         (600, 530, 512, 88, 0, 530),
+        // Whole blocks of 8 pairs and of 8 columns, odd offsets, an odd pair at the end.
+        (24, 64, 1, 17, 5, 48),
+        (32, 40, 0, 32, 0, 40),
     ] {
         // `b`: `rows` × `cols` (contraction × columns), row-major, column-major and padded.
         let data = values((rows + 3) * (cols + 5));
@@ -358,4 +361,59 @@ fn one_row_is_the_packed_products_bits() {
         assert!(!strided && !three);
     }
     assert!(out.iter().all(|&x| x == 0.0));
+}
+
+/// `a` packed whole (columns outer, the contraction's blocks inner) and packed one block of the
+/// contraction at a time (again for each block of columns) give the same bits, and each is, bit
+/// for bit, the widening of [`gemm_rounded`]'s product, whose tiles run the whole contraction
+/// in one chain (a loop written apart); the mirror: accumulating onto a start moves the result.
+#[test]
+fn packing_a_whole_or_a_block_at_a_time_gives_one_chain() {
+    if !runs_here("packing_a_whole_or_a_block_at_a_time_gives_one_chain") {
+        return;
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Several blocks of the contraction (the last odd) and of the columns, rows not a multiple
+    // of `MR`; a row- and a column-major `b`.
+    for (m, n, k) in [(19usize, 1100usize, 1031usize), (9, 600, 513)] {
+        let (a, b) = (values(m * k), values(k * n));
+        for (rs, cs) in [(n, 1), (1, k)] {
+            let bop = op(&b, rs, cs);
+            let run = |whole_a: bool, store: Store, start: f32| {
+                let mut dst = vec![start; m * n];
+                let mut apack = garbage(a_words(m, k, whole_a));
+                let mut bpack = garbage(KC.div_ceil(2) * NC);
+                // SAFETY: `a` m×k row-major, `b` k×n at these strides, `dst` m×n; the buffers
+                // hold `a`'s packing and a block of `b`; the CPU has the features.
+                unsafe {
+                    let p = prod((m, n, k), op(&a, k, 1), bop, dst.as_mut_ptr(), store);
+                    gemm_blocks(p, (&mut apack, whole_a), Rhs::Blocks(&mut bpack));
+                }
+                dst
+            };
+            let whole = run(true, Store::Overwrite, f32::NAN);
+            let blockwise = run(false, Store::Overwrite, f32::NAN);
+            let label = format!("{m}×{n}×{k}, strides ({rs}, {cs})");
+            assert_eq!(bits(&whole), bits(&blockwise), "{label}");
+            let mut rounded = vec![bf16::NAN; m * n];
+            // SAFETY: as above; `rounded` is m×n.
+            unsafe {
+                let packed = pack_b_whole(bop, k, n, 1);
+                gemm_rounded(m, op(&a, k, 1), &packed, rounded.as_mut_ptr(), n);
+            }
+            let widened: Vec<bf16> = whole.iter().map(|&x| bf16::from_f32(x)).collect();
+            assert_eq!(widened, rounded, "{label}");
+            let moved = run(false, Store::Accumulate, 1.0e3);
+            assert_ne!(
+                bits(&moved),
+                bits(&whole),
+                "{label}: accumulating onto a start"
+            );
+            assert_eq!(
+                bits(&moved),
+                bits(&run(true, Store::Accumulate, 1.0e3)),
+                "{label}: accumulating"
+            );
+        }
+    }
 }
