@@ -428,6 +428,30 @@ unsafe fn transpose8(words: [*const u32; 8], out: &mut [u32], stride: usize) {
     }
 }
 
+/// [`interleave`] of two runs of 8 (`first` and `second` hold at least 8, `out` 8 words), as
+/// two 128-bit unpacks: a column-major `a` (`xᵀ·dy`) packed 1.4 words a ns element-wise.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn interleave8(first: &[bf16], second: &[bf16], out: &mut [u32]) {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpacklo_epi16,
+    };
+    let (first, second, out) = (&first[..8], &second[..8], &mut out[..8]);
+    // SAFETY: each slice holds 128 bits (checked by the slicing above).
+    unsafe {
+        let x = _mm_loadu_si128(first.as_ptr().cast::<__m128i>());
+        let y = _mm_loadu_si128(second.as_ptr().cast::<__m128i>());
+        _mm_storeu_si128(out.as_mut_ptr().cast::<__m128i>(), _mm_unpacklo_epi16(x, y));
+        _mm_storeu_si128(
+            out[4..].as_mut_ptr().cast::<__m128i>(),
+            _mm_unpackhi_epi16(x, y),
+        );
+    }
+}
+
 /// `out[q·stride] = (line[2q], line[2q + 1])` for each pair of `line`, the last one's high
 /// half zero when `line` is odd.
 #[inline]
@@ -496,6 +520,11 @@ unsafe fn pack_a(a: Operand<bf16>, i0: usize, rows: usize, l0: usize, kc: usize,
                     rows,
                 )
             };
+            if rows == MR && 2 * q + 1 < kc {
+                // SAFETY: both columns hold the tile's `MR` rows (as above).
+                unsafe { interleave8(column(2 * q), column(2 * q + 1), pairs) };
+                continue;
+            }
             let second = if 2 * q + 1 < kc {
                 Some(column(2 * q + 1))
             } else {
