@@ -12,7 +12,8 @@
 //! `target/bench/bf16.json`.
 //!
 //! `tokens=` sets the rows of a micro-batch (512; 128 is a device's share at data=4) and
-//! `threads=` the threads of each product (1; 2 is the machine's cores). The same shapes through
+//! `threads=` the threads of each product (1; 2 is the machine's cores), on a kernel pool as a
+//! device's, with the allocator set as the `ferrotext` binary sets it. The same shapes through
 //! PyTorch: `crates/ferrotext/bench/matmul_torch.py`; both in one sitting:
 //! `crates/ferrotext/bench/matmul_sitting.sh`.
 //!
@@ -151,8 +152,18 @@ fn measure_rounded(
     (flops / median(a) / 1e9, flops / median(b) / 1e9)
 }
 
-/// The child: this process's library, every shape, JSON rows on stdout.
+/// The child: this process's library, every shape, JSON rows on stdout. The products run on
+/// a kernel pool of `threads` workers with this thread one of them, as a device's do
+/// (`with_kernel_pool`): called from outside a pool, a split product handed every part to the
+/// global pool and slept, and two threads ran qwen3-peer's shapes at 0.8–1.1× one thread.
 fn child(models: &[String], pairs: usize, tokens: usize, threads: usize) {
+    ferrotext_tensor::with_kernel_pool(threads, "bench", 16 << 20, || {
+        child_on_pool(models, pairs, tokens, threads)
+    });
+}
+
+/// [`child`] on its pool.
+fn child_on_pool(models: &[String], pairs: usize, tokens: usize, threads: usize) {
     let f32_kernel = matmul_kernel();
     let bf16_kernel = allow_bf16_fallback().unwrap_or_else(|e| e.to_string());
     eprintln!("f32: {f32_kernel}\nbf16: {bf16_kernel}");
@@ -205,6 +216,10 @@ fn child(models: &[String], pairs: usize, tokens: usize, threads: usize) {
     );
 }
 
+/// glibc's tunables for the child: one arena, no `mmap`ed blocks, never trimmed, 2 MiB pages.
+const ALLOCATOR_TUNABLES: &str = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:\
+glibc.malloc.trim_threshold=18446744073709551615:glibc.malloc.hugetlb=1";
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut libs = "auto,mkl,openblas,portable".to_string();
     let (mut pairs, mut models) = (5usize, "peer,0.6b".to_string());
@@ -236,6 +251,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cmd.args(std::env::args().skip(1))
             .env("FERROTEXT_BF16_BENCH_CHILD", "1")
             .stderr(std::process::Stdio::inherit());
+        // The allocator as the `ferrotext` binary sets it (`crates/ferrotext/src/allocator.rs`):
+        // no `mmap`ed blocks and no trimming, so a large result does not fault its pages in
+        // again on every call (an LM head's column block: ~25% of its time on glibc's
+        // defaults). A `GLIBC_TUNABLES` already set is left as it is.
+        if std::env::var_os("GLIBC_TUNABLES").is_none() {
+            cmd.env("GLIBC_TUNABLES", ALLOCATOR_TUNABLES);
+        }
         // `auto`: the process's own choice (f32 on the first library found, bf16 on the
         // AVX512_BF16 kernel where the CPU has it).
         match lib {
