@@ -279,7 +279,11 @@ unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, o
                     None
                 };
                 interleave(row(2 * q), second, &mut slot[..cols]);
-                slot[cols..].fill(0);
+                // Only a last, partial panel has columns to zero: `fill` on an empty slice
+                // still called `memset`, once a pair (a tenth of a qwen3-peer step's packing).
+                if cols < NR {
+                    slot[cols..].fill(0);
+                }
             }
         } else {
             // A column's pairs are consecutive words: whole groups of 8 columns by 8 pairs are
@@ -314,8 +318,10 @@ unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, o
                 };
                 pair_line(line, &mut panel[from * NR + c..], NR);
             }
-            for slot in panel.chunks_mut(NR) {
-                slot[cols..].fill(0);
+            if cols < NR {
+                for slot in panel.chunks_mut(NR) {
+                    slot[cols..].fill(0);
+                }
             }
         }
     }
