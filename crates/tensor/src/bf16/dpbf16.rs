@@ -398,30 +398,25 @@ unsafe fn transpose8(words: [*const u32; 8], out: &mut [u32], stride: usize) {
     assert!(out.len() >= 7 * stride + 8); // ok: the callers' slices are sized for it
                                           // SAFETY: the caller's contract: 8 words (256 bits) at each pointer.
     let r = words.map(|w| unsafe { _mm256_loadu_si256(w.cast::<__m256i>()) });
-    // Pairs of runs interleaved by words, then by pairs of words: `u[j]` holds word j of runs
+    // Pairs of runs interleaved by words (`t[2p]`, `t[2p + 1]`: runs 2p and 2p + 1, low and high
+    // words of each 128-bit lane), then those by pairs of words: `u[j]` holds word j of runs
     // 0–3 in its low 128 bits and word j + 4 in its high; `u[4 + j]` the same of runs 4–7.
-    let lo = |x, y| _mm256_unpacklo_epi32(x, y);
-    let hi = |x, y| _mm256_unpackhi_epi32(x, y);
-    let t = [
-        lo(r[0], r[1]),
-        hi(r[0], r[1]),
-        lo(r[2], r[3]),
-        hi(r[2], r[3]),
-        lo(r[4], r[5]),
-        hi(r[4], r[5]),
-        lo(r[6], r[7]),
-        hi(r[6], r[7]),
-    ];
-    let u = [
-        _mm256_unpacklo_epi64(t[0], t[2]),
-        _mm256_unpackhi_epi64(t[0], t[2]),
-        _mm256_unpacklo_epi64(t[1], t[3]),
-        _mm256_unpackhi_epi64(t[1], t[3]),
-        _mm256_unpacklo_epi64(t[4], t[6]),
-        _mm256_unpackhi_epi64(t[4], t[6]),
-        _mm256_unpacklo_epi64(t[5], t[7]),
-        _mm256_unpackhi_epi64(t[5], t[7]),
-    ];
+    let t: [__m256i; 8] = std::array::from_fn(|i| {
+        let (x, y) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_epi32(x, y)
+        } else {
+            _mm256_unpackhi_epi32(x, y)
+        }
+    });
+    let u: [__m256i; 8] = std::array::from_fn(|i| {
+        let at = i / 4 * 4 + i % 4 / 2;
+        if i % 2 == 0 {
+            _mm256_unpacklo_epi64(t[at], t[at + 2])
+        } else {
+            _mm256_unpackhi_epi64(t[at], t[at + 2])
+        }
+    });
     for j in 0..4 {
         // Word j of all eight runs (low halves), and word j + 4 (high halves).
         let low = _mm256_permute2x128_si256::<0x20>(u[j], u[4 + j]);
