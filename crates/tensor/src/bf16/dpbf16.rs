@@ -762,6 +762,7 @@ pub(crate) unsafe fn gemm_rounded(
 ///
 /// # Safety
 /// As [`gemm_rounded`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn rounded_tiles(
     m: usize,
     a: Operand<bf16>,
@@ -784,12 +785,16 @@ unsafe fn rounded_tiles(
             // SAFETY: the CPU has the features (the caller's contract); `acc` holds `MR` rows
             // of `NR`.
             unsafe { tile(rows, kp, tile_pack, panel, acc.as_mut_ptr(), NR, cols, true) };
-            for (r, row) in acc.chunks(NR).take(rows).enumerate() {
-                // SAFETY: row t·MR + r, columns j0..j0+cols of the caller's `dst`.
-                let out = unsafe {
-                    std::slice::from_raw_parts_mut(dst.add((t * MR + r) * ldc + j0), cols)
-                };
-                super::round_slice(&row[..cols], out);
+            for (r, row) in acc.as_chunks::<NR>().0.iter().take(rows).enumerate() {
+                // SAFETY: row t·MR + r, columns j0..j0+cols of the caller's `dst`, as
+                // `MaybeUninit` (the same layout); the CPU has the features.
+                unsafe {
+                    let out = std::slice::from_raw_parts_mut(
+                        dst.add((t * MR + r) * ldc + j0).cast(),
+                        cols,
+                    );
+                    super::round_avx512::round_row(row, out);
+                }
             }
         }
     }

@@ -9,7 +9,8 @@
 
 use std::arch::x86_64::{
     __m512, __m512i, _mm512_castps_si512, _mm512_cvtne2ps_pbh, _mm512_loadu_ps,
-    _mm512_mask_test_epi32_mask, _mm512_set1_epi32, _mm512_storeu_si512, _mm512_testn_epi32_mask,
+    _mm512_mask_storeu_epi16, _mm512_mask_test_epi32_mask, _mm512_set1_epi32, _mm512_storeu_si512,
+    _mm512_testn_epi32_mask,
 };
 use std::mem::MaybeUninit;
 
@@ -60,6 +61,50 @@ pub(super) unsafe fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
     }
     for (o, &x) in dst[whole..].iter_mut().zip(&src[whole..]) {
         o.write(round_bf16(x));
+    }
+}
+
+/// A tile's row of `f32` (`src`: 32 elements, the first `dst.len() ≤ 32` of them live)
+/// rounded into `dst`, with [`round_into`]'s bits (the instruction, or `round_bf16` element by
+/// element when a live lane holds a subnormal), in one masked store: `gemm_rounded` called
+/// [`round_into`] on each tile row, a call and its setup for 32 elements.
+///
+/// # Safety
+/// The CPU has AVX512_BF16, AVX-512F and BW (`super::dpbf16::available`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn round_row(src: &[f32; STEP], dst: &mut [MaybeUninit<bf16>]) {
+    let cols = dst.len();
+    assert!(cols <= STEP); // ok: a tile's row
+    let live: u32 = if cols == STEP {
+        u32::MAX
+    } else {
+        (1 << cols) - 1
+    };
+    let exponent = _mm512_set1_epi32(0x7f80_0000);
+    let mantissa = _mm512_set1_epi32(0x007f_ffff);
+    let subnormal = |x: __m512| {
+        let bits = _mm512_castps_si512(x);
+        _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(bits, exponent), bits, mantissa)
+    };
+    // SAFETY: `src` holds 32 readable `f32`.
+    let (lo, hi) = unsafe {
+        (
+            _mm512_loadu_ps(src.as_ptr()),
+            _mm512_loadu_ps(src.as_ptr().add(16)),
+        )
+    };
+    if (u32::from(subnormal(lo)) | u32::from(subnormal(hi)) << 16) & live != 0 {
+        for (o, &x) in dst.iter_mut().zip(src) {
+            o.write(round_bf16(x));
+        }
+        return;
+    }
+    // SAFETY: a 512-bit value reinterpreted as another; the mask keeps the store to `dst`'s
+    // `cols` elements.
+    unsafe {
+        let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_mask_storeu_epi16(dst.as_mut_ptr().cast(), live, rounded);
     }
 }
 
@@ -118,5 +163,44 @@ mod tests {
         let mut out = [bf16::ZERO; STEP];
         round(&lone, &mut out);
         assert!(out.iter().all(|x| x.to_bits() == 0x0001), "{out:?}");
+
+        // A tile's row: the same patterns 32 at a time, cut to widths from 0 to 32, give
+        // `round_bf16`'s bits in the live lanes and leave the rest as they were; and a live
+        // subnormal is caught (the instruction alone would flush it).
+        let sentinel = bf16::from_bits(0x7e57);
+        for (r, row) in src.chunks_exact(STEP).enumerate().step_by(97) {
+            let row: &[f32; STEP] = row.try_into().expect("32 elements");
+            for cols in [0, 1, 7, 16, 17, 31, 32] {
+                let mut out = [sentinel; STEP];
+                // SAFETY: the CPU has the features (checked above); `out` holds `cols` bf16,
+                // laid out as `MaybeUninit<bf16>`.
+                unsafe {
+                    round_row(
+                        row,
+                        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), cols),
+                    )
+                };
+                for (i, (x, &s)) in out.iter().zip(row).enumerate() {
+                    let want = if i < cols { round_bf16(s) } else { sentinel };
+                    assert_eq!(x.to_bits(), want.to_bits(), "row {r}, {cols} live, [{i}]");
+                }
+            }
+        }
+        let mut row = [1.5f32; STEP];
+        row[20] = f32::from_bits(0x0000_8001);
+        let mut out = [sentinel; STEP];
+        // SAFETY: as above.
+        unsafe {
+            round_row(
+                &row,
+                std::slice::from_raw_parts_mut(out.as_mut_ptr().cast(), 21),
+            )
+        };
+        assert_eq!(
+            out[20].to_bits(),
+            0x0001,
+            "a live subnormal rounds as round_bf16"
+        );
+        assert_eq!(out[21], sentinel);
     }
 }
