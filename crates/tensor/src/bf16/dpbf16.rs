@@ -735,8 +735,9 @@ impl Drop for PackedB {
 /// contraction and is rounded as it is stored: no `f32` result. Its chain is [`gemm`]'s (pairs
 /// in order from `+0`; [`gemm`] continues it through `dst` at each block of [`KC`], an exact
 /// store and load, and [`KC`] is even so the pairs are the same), so each element is, bit for
-/// bit, `round_bf16` of what [`gemm`] stores. `a` is packed whole once; then per panel of `b`
-/// (kept in L2) every row tile runs over it.
+/// bit, `round_bf16` of what [`gemm`] stores. `a` is packed [`ROUNDED_CHUNK_WORDS`] at a time
+/// (whole tiles over the whole contraction); per chunk, per panel of `b`, every row tile of the
+/// chunk runs over it.
 ///
 /// # Safety
 /// As [`gemm`], with `dst` bf16; the CPU has AVX512_BF16 ([`available`]); `k > 0`.
@@ -751,36 +752,71 @@ pub(crate) unsafe fn gemm_rounded(
     if m == 0 || n == 0 || k == 0 {
         return;
     }
-    let (kp, tiles) = (k.div_ceil(2), m.div_ceil(MR));
-    with_scratch(&A_SCRATCH, kp * MR * tiles, |apack| {
-        // SAFETY: the caller's contract.
-        unsafe { rounded_tiles(m, a, b, apack, dst, ldc) }
+    let tile_words = k.div_ceil(2) * MR;
+    let chunk = (ROUNDED_CHUNK_WORDS / tile_words).clamp(1, m.div_ceil(MR));
+    with_scratch(&A_SCRATCH, chunk * tile_words, |apack| {
+        // SAFETY: the caller's contract; `apack` holds `chunk` tiles.
+        unsafe { rounded_tiles(m, a, b, (apack, chunk), dst, ldc) }
     });
 }
 
-/// [`gemm_rounded`] with `apack` (all of `a`'s row tiles over the whole contraction).
+/// Words of `a`'s packing [`gemm_rounded`] holds at once (256 KiB: a quarter of a core's L2,
+/// re-read for every panel of `b`). All of `a` at once was streamed from memory once a panel
+/// where it was large: the tied qwen3-0.6b head's weight gradient (151,936 rows, 78 MB packed
+/// on each of 2 threads, 32 panels) ran at 330–340 GFLOP/s against 383–425 for the same
+/// product stored in `f32`.
+const ROUNDED_CHUNK_WORDS: usize = 1 << 16;
+
+/// [`gemm_rounded`] with `apack` holding `chunk` row tiles over the whole contraction: the rows
+/// in chunks of that many tiles, each packed, then per panel of `b` every tile of the chunk
+/// (each tile's chain is the whole contraction, so the order of tiles changes no bits).
 ///
 /// # Safety
-/// As [`gemm_rounded`].
+/// As [`gemm_rounded`]; `apack` holds `chunk ≥ 1` tiles' words.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn rounded_tiles(
     m: usize,
     a: Operand<bf16>,
     b: &PackedB,
-    apack: &mut [u32],
+    (apack, chunk): (&mut [u32], usize),
+    dst: *mut bf16,
+    ldc: usize,
+) {
+    let kp = b.k.div_ceil(2);
+    for first in (0..m.div_ceil(MR)).step_by(chunk) {
+        let tiles = chunk.min(m.div_ceil(MR) - first);
+        let packed = &mut apack[..tiles * kp * MR];
+        for (t, tile_pack) in packed.chunks_mut(kp * MR).enumerate() {
+            let i0 = (first + t) * MR;
+            // SAFETY: rows i0.., all columns of `a` are inside the operand.
+            unsafe { pack_a(a, i0, MR.min(m - i0), 0, b.k, tile_pack) };
+        }
+        // SAFETY: the caller's contract, for the chunk's rows.
+        unsafe { rounded_chunk(m, first, packed, b, dst, ldc) };
+    }
+}
+
+/// The tiles from `first` whose packing is `packed`, against every panel of `b`, rounded into
+/// `dst` (see [`rounded_tiles`]).
+///
+/// # Safety
+/// As [`rounded_tiles`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn rounded_chunk(
+    m: usize,
+    first: usize,
+    packed: &[u32],
+    b: &PackedB,
     dst: *mut bf16,
     ldc: usize,
 ) {
     let (k, n) = (b.k, b.n);
     let kp = k.div_ceil(2);
-    for (t, tile_pack) in apack.chunks_mut(kp * MR).enumerate() {
-        // SAFETY: rows t·MR.., all columns of `a` are inside the operand.
-        unsafe { pack_a(a, t * MR, MR.min(m - t * MR), 0, k, tile_pack) };
-    }
     let mut acc = [0.0f32; MR * NR];
     for (p, panel) in b.data.chunks(kp * NR).enumerate() {
         let (j0, cols) = (p * NR, NR.min(n - p * NR));
-        for (t, tile_pack) in apack.chunks(kp * MR).enumerate() {
+        for (t, tile_pack) in packed.chunks(kp * MR).enumerate() {
+            let t = first + t;
             let rows = MR.min(m - t * MR);
             // SAFETY: the CPU has the features (the caller's contract); `acc` holds `MR` rows
             // of `NR`.

@@ -417,3 +417,57 @@ fn packing_a_whole_or_a_block_at_a_time_gives_one_chain() {
         }
     }
 }
+
+/// A rounded product's rows packed and run a chunk of tiles at a time (one tile, three, or all
+/// of them at once) give the same bits, and they are `gemm`'s widened product rounded (a loop
+/// written apart: blocks of the contraction continued through its `f32` destination); the
+/// mirror: a product with one element of `a` changed moves its row.
+#[test]
+fn a_rounded_product_in_chunks_of_tiles_gives_gemms_bits() {
+    if !runs_here("a_rounded_product_in_chunks_of_tiles_gives_gemms_bits") {
+        return;
+    }
+    for (m, n, k) in [(43usize, 70usize, 1031usize), (17, 33, 6)] {
+        let (a, b) = (values(m * k), values(k * n));
+        let tiles = m.div_ceil(MR);
+        let rounded = |a: &[bf16], chunk: usize| {
+            let mut out = vec![bf16::NAN; m * n];
+            let mut apack = garbage(chunk * k.div_ceil(2) * MR);
+            // SAFETY: `a` m×k and `b` k×n row-major, `out` m×n; `apack` holds `chunk` tiles;
+            // the CPU has the features.
+            unsafe {
+                let packed = pack_b_whole(op(&b, n, 1), k, n, 1);
+                rounded_tiles(
+                    m,
+                    op(a, k, 1),
+                    &packed,
+                    (&mut apack, chunk),
+                    out.as_mut_ptr(),
+                    n,
+                );
+            }
+            out
+        };
+        let whole = rounded(&a, tiles);
+        let want: Vec<bf16> = product(m, n, k, &a, &b, false)
+            .iter()
+            .map(|&x| bf16::from_f32(x))
+            .collect();
+        assert_eq!(whole, want, "{m}×{n}×{k}: against gemm");
+        for chunk in [1, 3] {
+            assert_eq!(
+                rounded(&a, chunk),
+                whole,
+                "{m}×{n}×{k}, chunks of {chunk} tiles"
+            );
+        }
+        let mut moved = a.clone();
+        moved[(m - 1) * k] = bf16::from_f32(1000.0);
+        let other = rounded(&moved, 3);
+        assert_ne!(
+            other[(m - 1) * n..],
+            whole[(m - 1) * n..],
+            "{m}×{n}×{k}: the mirror"
+        );
+    }
+}
