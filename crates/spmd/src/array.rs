@@ -83,6 +83,20 @@ impl Array {
         }
     }
 
+    /// This array (no copy) with its bf16 shard keeping the packings that products make of it
+    /// as their right operand ([`Bf16Tensor::keeping_packings`]); the same array for another
+    /// dtype or in abstract mode.
+    pub(crate) fn keeping_packings(&self) -> Array {
+        match self.local.as_deref() {
+            Some(Local::Bf16(t)) => Array {
+                ty: self.ty.clone(),
+                local: Some(Arc::new(Local::Bf16(t.keeping_packings()))),
+                var: None,
+            },
+            _ => self.with_type(self.ty.clone()),
+        }
+    }
+
     /// The address of this device's shard storage, shared by every array that shares the storage
     /// (`None` in abstract mode): an identity for memos that hold the array, so the address is
     /// not reused while they do.

@@ -1,5 +1,7 @@
 //! [`CastMemo`]: the casts a context remembers for reuse (`Ctx::remember_casts`, in `convert`):
-//! each registered source's casts, keyed by the source's storage address.
+//! each registered source's casts, keyed by the source's storage address, and, when asked
+//! (`Ctx::remember_casts_and_packings`), each bf16 cast keeping the packings its products make
+//! of it.
 
 use std::collections::HashMap;
 
@@ -16,6 +18,9 @@ pub(crate) struct CastMemo {
     sources: HashMap<usize, Array>,
     /// Their casts computed so far, by storage address and target dtype.
     casts: HashMap<(usize, DType), Array>,
+    /// Whether a remembered bf16 cast keeps its products' packings
+    /// ([`Array::keeping_packings`]).
+    packings: bool,
 }
 
 impl CastMemo {
@@ -31,11 +36,24 @@ impl CastMemo {
         self.casts.get(&(x.storage_id()?, dtype))
     }
 
-    /// Remembers `out` as the cast of `x` to `dtype` when `x` is a registered source.
-    pub(crate) fn keep(&mut self, x: &Array, dtype: DType, out: &Array) {
-        if let Some(id) = x.storage_id().filter(|id| self.sources.contains_key(id)) {
-            self.casts
-                .insert((id, dtype), out.with_type(out.ty().clone()));
-        }
+    /// From now on, a remembered bf16 cast keeps its products' packings.
+    pub(crate) fn keep_packings(&mut self) {
+        self.packings = true;
+    }
+
+    /// Remembers `out` as the cast of `x` to `dtype` when `x` is a registered source, and
+    /// returns the cast to use: `out`, keeping its packings when the memo keeps them.
+    pub(crate) fn keep(&mut self, x: &Array, dtype: DType, out: Array) -> Array {
+        let Some(id) = x.storage_id().filter(|id| self.sources.contains_key(id)) else {
+            return out;
+        };
+        let out = if self.packings {
+            out.keeping_packings()
+        } else {
+            out
+        };
+        self.casts
+            .insert((id, dtype), out.with_type(out.ty().clone()));
+        out
     }
 }

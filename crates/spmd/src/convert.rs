@@ -54,8 +54,7 @@ impl Ctx<'_> {
             Some(hit) => hit.with_type(rules::cast_type(x.ty(), dtype)?),
             None => {
                 let out = self.cast_untracked(x, dtype)?;
-                self.casts.keep(x, dtype, &out);
-                out
+                self.casts.keep(x, dtype, out)
             }
         })
     }
@@ -77,6 +76,16 @@ impl Ctx<'_> {
         for a in arrays {
             self.casts.register(a);
         }
+    }
+
+    /// [`Ctx::remember_casts`], and each bf16 cast remembered keeps the packings its products
+    /// make of it as their right operand (`Bf16Tensor::keeping_packings`): a step whose
+    /// micro-batches multiply by the same weights packs each weight's bf16 copy once per
+    /// layout (`x·W`, `dy·Wᵀ`) instead of once per micro-batch, holding about twice the copy's
+    /// size until [`Ctx::forget_casts`]. The same bits either way.
+    pub fn remember_casts_and_packings(&mut self, arrays: &[Array]) {
+        self.remember_casts(arrays);
+        self.casts.keep_packings();
     }
 
     /// Drops every remembered cast and its source ([`Ctx::remember_casts`]).

@@ -1,7 +1,9 @@
 //! Remembered casts (`Ctx::remember_casts`): a step's weights, cast to bf16 in every
 //! micro-batch, are converted once and the later casts share that storage; the values and the
 //! gradients are those of casting afresh each time (the baseline here: the same program with no
-//! memo), and nothing is shared where no array was registered or after `forget_casts`.
+//! memo), and nothing is shared where no array was registered or after `forget_casts`. With
+//! `Ctx::remember_casts_and_packings` the remembered cast also keeps its products' packing of
+//! it (one, for `x·w`), to the same bits.
 
 mod common;
 
@@ -18,16 +20,26 @@ fn x_value(micro: usize) -> Tensor {
     Tensor::from_fn(&[8, 16], |i| ((i * 37 % 23 + micro) as f32 - 11.0) * 0.0731)
 }
 
+/// What a run of [`micro_batches`] registers.
+#[derive(Clone, Copy, PartialEq)]
+enum Remember {
+    Nothing,
+    Casts,
+    CastsAndPackings,
+}
+
 /// Three micro-batches of `Σ (cast(x)·cast(w))²`, the weight `{R:data}` on data=2: each
-/// micro-batch's gradient (f32, unreduced) and whether each micro-batch's cast of `w` shared
-/// the first one's storage.
+/// micro-batch's gradient (f32, unreduced), whether each micro-batch's cast of `w` shared
+/// the first one's storage, and how many packings the last cast of `w` keeps.
 fn micro_batches(
     cx: &mut Ctx<'_>,
-    remember: bool,
-) -> Result<(Vec<Vec<f32>>, Vec<bool>), SpmdError> {
+    remember: Remember,
+) -> Result<(Vec<Vec<f32>>, Vec<bool>, usize), SpmdError> {
     let w = place(cx, &w_value(), p(&["", ""], &[], &["data"]));
-    if remember {
-        cx.remember_casts(std::slice::from_ref(&w));
+    match remember {
+        Remember::Nothing => {}
+        Remember::Casts => cx.remember_casts(std::slice::from_ref(&w)),
+        Remember::CastsAndPackings => cx.remember_casts_and_packings(std::slice::from_ref(&w)),
     }
     let mut first: Option<Array> = None;
     let (mut grads, mut shared) = (Vec::new(), Vec::new());
@@ -50,17 +62,22 @@ fn micro_batches(
         first.get_or_insert(wb);
         grads.push(g[0].local()?.data().to_vec());
     }
+    let kept = first
+        .as_ref()
+        .and_then(Array::local_bf16)
+        .map_or(0, |w| w.kept_packings());
     cx.forget_casts();
-    Ok((grads, shared))
+    Ok((grads, shared, kept))
 }
 
 #[test]
 fn a_remembered_weight_is_cast_once_and_trains_as_if_cast_each_time() {
     ferrotext_tensor::allow_bf16_fallback().unwrap();
     let m = mesh(&[("data", 2)]);
-    let memo = on_devices(&m, |cx| micro_batches(cx, true));
-    let fresh = on_devices(&m, |cx| micro_batches(cx, false));
-    for (((g_memo, shared_memo), _), ((g_fresh, shared_fresh), _)) in memo.iter().zip(&fresh) {
+    let memo = on_devices(&m, |cx| micro_batches(cx, Remember::Casts));
+    let fresh = on_devices(&m, |cx| micro_batches(cx, Remember::Nothing));
+    for (((g_memo, shared_memo, _), _), ((g_fresh, shared_fresh, _), _)) in memo.iter().zip(&fresh)
+    {
         assert_eq!(
             shared_memo,
             &vec![false, true, true],
@@ -114,5 +131,46 @@ fn forgetting_casts_computes_them_again_and_a_retyped_source_hits() {
             "after forget_casts the cast is computed again"
         );
         assert!(same_bits, "to the same values");
+    }
+}
+
+/// `remember_casts_and_packings`: the remembered cast keeps the forward product's packing of
+/// it where the bf16 kernel packs (ferrotext's AVX512_BF16 kernel), and the gradients keep the
+/// bits of casting afresh; the mirror, `remember_casts` alone, keeps none.
+#[test]
+fn a_remembered_weight_keeps_its_packing_when_asked_to_the_same_bits() {
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
+    let m = mesh(&[("data", 2)]);
+    let packed = on_devices(&m, |cx| micro_batches(cx, Remember::CastsAndPackings));
+    let casts = on_devices(&m, |cx| micro_batches(cx, Remember::Casts));
+    let fresh = on_devices(&m, |cx| micro_batches(cx, Remember::Nothing));
+    let packs = ferrotext_tensor::bf16_products_keep_packings();
+    for (((g_packed, shared, kept), _), (((_, _, kept_casts), _), ((g_fresh, _, _), _))) in
+        packed.iter().zip(casts.iter().zip(&fresh))
+    {
+        assert_eq!(
+            shared,
+            &vec![false, true, true],
+            "the cast is remembered too"
+        );
+        assert_eq!(
+            *kept,
+            usize::from(packs),
+            "x·w's packing of w, where the kernel packs"
+        );
+        assert_eq!(
+            *kept_casts, 0,
+            "the mirror: remembered casts alone keep no packing"
+        );
+        let bits = |g: &[Vec<f32>]| -> Vec<Vec<u32>> {
+            g.iter()
+                .map(|v| v.iter().map(|x| x.to_bits()).collect())
+                .collect()
+        };
+        assert_eq!(
+            bits(g_packed),
+            bits(g_fresh),
+            "the gradients of casting afresh"
+        );
     }
 }

@@ -75,8 +75,8 @@ mod skip;
 mod tensor;
 
 pub use bf16::{
-    add_bf16, allow_bf16_fallback, bf16_matmul_kernel, causal_softmax_bf16, dot_general_bf16,
-    dot_general_bf16_accumulate, dot_general_bf16_rounded,
+    add_bf16, allow_bf16_fallback, bf16_matmul_kernel, bf16_products_keep_packings,
+    causal_softmax_bf16, dot_general_bf16, dot_general_bf16_accumulate, dot_general_bf16_rounded,
     dot_general_bf16_rounded_accumulate_parts, flash_attention_backward_bf16, flash_attention_bf16,
     map_bf16, mul_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, rope_tail_bf16,
     round_bf16, round_slice, scale_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16,

@@ -324,3 +324,42 @@ fn a_bf16_export_is_the_round_to_nearest_even_of_the_f32_weights_and_reads_back(
     assert!(!out.exists());
     std::fs::remove_dir_all(&base).ok();
 }
+
+/// A bf16 step of several micro-batches keeps its weights' packings (the casts are remembered
+/// and reused), and the memory estimate counts them — two more of the bf16 copies' size —
+/// where this process's bf16 kernel packs; a single micro-batch, rematerialized layers (whose
+/// copies are let go) and f32 keep none, and their estimates add nothing.
+#[test]
+fn a_bf16_step_of_several_micro_batches_keeps_packings_and_the_estimate_counts_them() {
+    // Fix the process's bf16 kernel first, as a bf16 run does before it plans memory.
+    let _ = load(&["dtype=bfloat16"]).unwrap().select_bf16_kernel();
+    let plan = |keys: &[&str]| load(keys).unwrap().plan().unwrap();
+    let ga = |n: usize| format!("gradient_accumulation_steps={n}");
+    let (ga1, ga2) = (ga(1), ga(2));
+    let several = plan(&["dtype=bfloat16", &ga2]);
+    let one = plan(&["dtype=bfloat16", &ga1]);
+    let remat = plan(&["dtype=bfloat16", &ga2, "remat_policy=full"]);
+    let remat_one = plan(&["dtype=bfloat16", &ga1, "remat_policy=full"]);
+    let f32 = plan(&[&ga2]);
+    let f32_one = plan(&[&ga1]);
+    assert!(several.keeps_weight_packings());
+    for other in [&one, &remat, &f32] {
+        assert!(!other.keeps_weight_packings());
+    }
+    let activations =
+        |p: &ferrotext_train::RunPlan| p.memory_per_device().unwrap().activation_bytes;
+    let copies = several
+        .memory_per_device()
+        .unwrap()
+        .local_parameter_elements
+        * 2.0;
+    let extra = activations(&several) - activations(&one);
+    let packs = ferrotext_tensor::bf16_products_keep_packings();
+    let want = if packs { 2.0 * copies } else { 0.0 };
+    assert!(
+        (extra - want).abs() <= 1e-9 * want.max(1.0),
+        "packings {extra} bytes, want {want} (the kernel packs: {packs})"
+    );
+    assert_eq!(activations(&remat), activations(&remat_one));
+    assert_eq!(activations(&f32), activations(&f32_one));
+}

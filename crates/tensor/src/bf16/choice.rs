@@ -163,6 +163,13 @@ pub fn bf16_matmul_kernel() -> Result<String, TensorError> {
     choice(false).describe()
 }
 
+/// True when this process's bf16 products pack their right operand in a form a tensor can keep
+/// (`Bf16Tensor::keeping_packings`): ferrotext's AVX512_BF16 kernel was chosen. The choice is
+/// read, not made: `false` before the first bf16 product (or [`bf16_matmul_kernel`]) fixes it.
+pub fn bf16_products_keep_packings() -> bool {
+    matches!(CHOICE.get(), Some(Choice::Own(_)))
+}
+
 /// True when this process's bf16 products run on AMX tiles: MKL's product was chosen (the
 /// choice is read, not made) and the CPU has AMX-BF16. For the peak
 /// ([`crate::cpu_peak`]).

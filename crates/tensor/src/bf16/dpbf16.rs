@@ -678,11 +678,14 @@ unsafe fn tile_r<const R: usize>(
 
 /// `b` (k×n) packed whole for [`gemm_rounded`]: each [`NR`]-column panel over the whole
 /// contraction in pairs (`k/2 × NR × 2`, zero past `k` and `n`), panel after panel, in the
-/// packing thread's `b` buffer, which it returns there when dropped.
+/// packing thread's `b` buffer, which it returns there when dropped ([`pack_b_whole`]), or in a
+/// buffer of its own ([`pack_b_kept`]).
 pub(crate) struct PackedB {
     data: Vec<u32>,
     k: usize,
     n: usize,
+    /// Whether `data` is a thread's `b` buffer, returned to the dropping thread's.
+    scratch: bool,
 }
 
 /// Packs all of `b` (k×n) once, for every row block of a product to share, its panels shared
@@ -694,8 +697,35 @@ pub(crate) struct PackedB {
 /// # Safety
 /// `b`'s `k` rows of `n` elements are readable.
 pub(crate) unsafe fn pack_b_whole(b: Operand<bf16>, k: usize, n: usize, threads: usize) -> PackedB {
+    // SAFETY: the caller's contract.
+    unsafe { pack_b_into(b, k, n, threads, B_SCRATCH.take(), true) }
+}
+
+/// [`pack_b_whole`] into a buffer of its own, for a tensor to keep
+/// ([`super::packings::Packings`]): none of a thread's buffers is held meanwhile, nor grows to
+/// the packing's size when it is dropped.
+///
+/// # Safety
+/// As [`pack_b_whole`].
+pub(crate) unsafe fn pack_b_kept(b: Operand<bf16>, k: usize, n: usize, threads: usize) -> PackedB {
+    // SAFETY: the caller's contract.
+    unsafe { pack_b_into(b, k, n, threads, Vec::new(), false) }
+}
+
+/// [`pack_b_whole`] into `data` (resized), which the packing returns to a thread's buffer
+/// when dropped if `scratch`.
+///
+/// # Safety
+/// As [`pack_b_whole`].
+unsafe fn pack_b_into(
+    b: Operand<bf16>,
+    k: usize,
+    n: usize,
+    threads: usize,
+    mut data: Vec<u32>,
+    scratch: bool,
+) -> PackedB {
     let (kp, panels) = (k.div_ceil(2), n.div_ceil(NR));
-    let mut data = B_SCRATCH.take();
     data.resize(kp * panels * NR, 0);
     let per_task = panels.div_ceil(threads.max(1)).max(1);
     if threads <= 1 || panels < 2 || kp == 0 {
@@ -720,13 +750,20 @@ pub(crate) unsafe fn pack_b_whole(b: Operand<bf16>, k: usize, n: usize, threads:
                 unsafe { pack_b(b.0, 0, k, j0, (per_task * NR).min(n - j0), out) };
             });
     }
-    PackedB { data, k, n }
+    PackedB {
+        data,
+        k,
+        n,
+        scratch,
+    }
 }
 
 impl Drop for PackedB {
-    /// The buffer goes back to the thread's `b` scratch, for the next product.
+    /// A thread's buffer goes back to the dropping thread's `b` scratch, for the next product.
     fn drop(&mut self) {
-        keep(&B_SCRATCH, std::mem::take(&mut self.data));
+        if self.scratch {
+            keep(&B_SCRATCH, std::mem::take(&mut self.data));
+        }
     }
 }
 

@@ -39,6 +39,7 @@ pub fn map_bf16(x: &Bf16Tensor, f: impl Fn(f32) -> f32 + Sync) -> Bf16Tensor {
     Bf16Tensor {
         shape: x.shape().to_vec(),
         data: std::sync::Arc::new(data),
+        packings: None,
     }
 }
 

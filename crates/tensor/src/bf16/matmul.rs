@@ -20,8 +20,13 @@
 //!     the portable kernel.
 //! * The operand views, batch handling and threading are `dot_general`'s (the same code, generic
 //!   over the element), so the layouts that avoid a copy are the same.
+//! * On the AVX512_BF16 kernel a right operand that keeps its packings
+//!   ([`Bf16Tensor::keeping_packings`]) is packed once per matrix and layout, the packing kept
+//!   with it (`kept_packing`); the words, and so the bits, are the ones a product packs itself.
 
 use std::mem::MaybeUninit;
+#[cfg(target_arch = "x86_64")]
+use std::sync::Arc;
 
 use half::bf16;
 
@@ -99,12 +104,99 @@ pub(crate) unsafe fn own(p: Product<bf16>, parallelism: gemm::Parallelism) {
         unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
         return;
     };
+    // SAFETY: the caller's contract; `packed` is `p.b`'s packing.
+    unsafe { own_packed(p, &packed, t) };
+}
+
+/// [`own`] against `b` already packed whole, in up to `threads` row blocks of at least
+/// [`MIN_BLOCK_ROWS`] (the same bits: each element's chain does not depend on its block).
+///
+/// # Safety
+/// As [`own`]; `packed` is `p.b`'s packing ([`super::dpbf16::pack_b_whole`] or
+/// [`super::dpbf16::pack_b_kept`]).
+#[cfg(target_arch = "x86_64")]
+unsafe fn own_packed(p: Product<bf16>, packed: &super::dpbf16::PackedB, threads: usize) {
+    let t = threads.min(p.m / MIN_BLOCK_ROWS).max(1);
+    if t == 1 {
+        // SAFETY: the caller's contract.
+        unsafe { super::dpbf16::gemm_packed(p, packed) };
+        return;
+    }
     let block = |block| {
         // SAFETY: a block of rows of the caller's product; `packed` is its `b`'s packing.
-        unsafe { super::dpbf16::gemm_packed(block, &packed) }
+        unsafe { super::dpbf16::gemm_packed(block, packed) }
     };
     // SAFETY: the caller's contract; each block writes its own rows of `dst`.
     unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
+}
+
+/// The product of batch entry 0 of `s` (all its rows) into `dst` (`m` rows of `n`), stored per
+/// `store`.
+///
+/// # Safety
+/// `dst` holds `m × n` elements; the stacks' views are in bounds (their invariant).
+#[cfg(target_arch = "x86_64")]
+unsafe fn entry_product<D>(s: &Stacks<'_, bf16>, dst: *mut D, store: Store) -> Product<bf16, D> {
+    let operand = |stack: &crate::matmul::MatStack<'_, bf16>| Operand {
+        // SAFETY: entry 0's offset lies inside the stack's data (as in `products`).
+        ptr: unsafe { stack.data.as_ptr().offset(stack.offset(0)) },
+        rs: stack.rows.1,
+        cs: stack.cols.1,
+    };
+    Product {
+        m: s.a.rows.0,
+        n: s.b.cols.0,
+        k: s.a.cols.0,
+        a: operand(&s.a),
+        b: operand(&s.b),
+        dst,
+        ldc: s.b.cols.0,
+        store,
+    }
+}
+
+/// The packing of `s.b` that `rhs` keeps ([`Bf16Tensor::keeping_packings`]), packed now on up
+/// to `threads` threads if it is not kept yet: on the AVX512_BF16 kernel, for one matrix of
+/// `b` read in place from `rhs`'s storage, against more rows of `a` than the kernel takes
+/// without packing (`few_rows`: a decoded token). `None` otherwise: the product packs as it
+/// would.
+#[cfg(target_arch = "x86_64")]
+fn kept_packing(
+    rhs: &Bf16Tensor,
+    s: &Stacks<'_, bf16>,
+    threads: usize,
+) -> Option<Arc<super::dpbf16::PackedB>> {
+    let packings = rhs.packings()?;
+    let (m, k, n) = (s.a.rows.0, s.a.cols.0, s.b.cols.0);
+    let in_place =
+        matches!(&s.b.data, std::borrow::Cow::Borrowed(d) if d.as_ptr() == rhs.data().as_ptr());
+    if !matches!(choice(false), Choice::Own(_))
+        || s.batch != 1
+        || !in_place
+        || k == 0
+        || n == 0
+        || m <= super::dpbf16::row::MAX_ROWS
+    {
+        return None;
+    }
+    let at = super::packings::MatrixAt {
+        offset: s.b.offset(0),
+        rs: s.b.rows.1,
+        cs: s.b.cols.1,
+        k,
+        n,
+    };
+    let b = Operand {
+        // SAFETY: batch entry 0's offset lies inside the stack's data (as in `products`).
+        ptr: unsafe { s.b.data.as_ptr().offset(at.offset) },
+        rs: at.rs,
+        cs: at.cs,
+    };
+    // SAFETY: `b` is a k×n matrix at these strides inside `rhs`'s storage (the stack's
+    // invariant); `Own` is chosen only where the CPU has AVX512_BF16.
+    Some(packings.get_or_pack(at, || unsafe {
+        super::dpbf16::pack_b_kept(b, k, n, threads)
+    }))
 }
 
 /// `b` (k×n) packed whole on up to `threads` threads, for the row blocks or bands of one
@@ -126,29 +218,41 @@ unsafe fn shared_packing(
         .then(|| unsafe { super::dpbf16::pack_b_whole(b, k, n, threads) })
 }
 
-/// `dst = round_bf16(a · b)` on the AVX512_BF16 kernel: `b` packed once, the rows in up to
-/// `threads` blocks on the rayon pool (each element's chain does not depend on its block).
+/// `dst = round_bf16(a · b)` on the AVX512_BF16 kernel: `b` packed once (or its `kept`
+/// packing), the rows in up to `threads` blocks on the rayon pool (each element's chain does
+/// not depend on its block).
 ///
 /// # Safety
 /// As [`own`], with `dst` the bf16 rows (`ldc` apart) and `store` [`Store::Overwrite`]; the CPU
-/// has AVX512_BF16.
+/// has AVX512_BF16; `kept` is `p.b`'s packing.
 #[cfg(target_arch = "x86_64")]
-unsafe fn own_rounded(p: Product<bf16, bf16>, threads: usize) {
+unsafe fn own_rounded(
+    p: Product<bf16, bf16>,
+    threads: usize,
+    kept: Option<&super::dpbf16::PackedB>,
+) {
     // SAFETY: the caller's contract.
     if unsafe { super::dpbf16::few_rows(p.into_bytes(), true) } {
         return;
     }
     let t = threads.min(p.m / MIN_BLOCK_ROWS).max(1);
-    // SAFETY: the caller's contract (`b` is k×n).
-    let packed = unsafe { super::dpbf16::pack_b_whole(p.b, p.k, p.n, t) };
+    let fresh;
+    let packed = match kept {
+        Some(kept) => kept,
+        None => {
+            // SAFETY: the caller's contract (`b` is k×n).
+            fresh = unsafe { super::dpbf16::pack_b_whole(p.b, p.k, p.n, t) };
+            &fresh
+        }
+    };
     if t == 1 {
         // SAFETY: the caller's contract.
-        unsafe { super::dpbf16::gemm_rounded(p.m, p.a, &packed, p.dst, p.ldc) };
+        unsafe { super::dpbf16::gemm_rounded(p.m, p.a, packed, p.dst, p.ldc) };
         return;
     }
     let block = |block: Product<bf16, bf16>| {
         // SAFETY: a block of rows of the caller's `a` and `dst`.
-        unsafe { super::dpbf16::gemm_rounded(block.m, block.a, &packed, block.dst, block.ldc) }
+        unsafe { super::dpbf16::gemm_rounded(block.m, block.a, packed, block.dst, block.ldc) }
     };
     // SAFETY: the caller's contract; each block writes its own rows of `dst`.
     unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
@@ -210,6 +314,18 @@ pub fn dot_general_bf16(
     let len: usize = out_shape.iter().product();
     let stacks = stacks(lhs, rhs, dims)?;
     let _span = span(&stacks, lhs.shape(), rhs.shape(), 4);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(packed) = kept_packing(rhs, &stacks, threads) {
+        // SAFETY: the one matrix of each operand (`kept_packing` checked `batch == 1`) and the
+        // output's `m × n`, which `own_packed` writes whole; `packed` is `b`'s packing.
+        let out = unsafe {
+            filled(len, |dst| {
+                let p = entry_product(&stacks, dst.as_mut_ptr().cast::<f32>(), Store::Overwrite);
+                own_packed(p, &packed, threads);
+            })
+        };
+        return Tensor::new(out_shape, out);
+    }
     // SAFETY: `products` runs the kernel on every block of the output, and the kernel writes
     // every element of its block (or the whole output is zero-filled for an empty contraction).
     let out = unsafe {
@@ -299,7 +415,8 @@ pub fn dot_general_bf16_rounded(
         let stacks = stacks(lhs, rhs, dims)?;
         let _span = span(&stacks, lhs.shape(), rhs.shape(), 2);
         let mut out = vec![bf16::ZERO; out_shape.iter().product()];
-        own_rounded_stacks(&stacks, threads, &mut out);
+        let kept = kept_packing(rhs, &stacks, threads);
+        own_rounded_stacks(&stacks, threads, &mut out, kept.as_deref());
         return Bf16Tensor::new(out_shape, out);
     }
     let stacks = stacks(lhs, rhs, dims)?;
@@ -309,7 +426,7 @@ pub fn dot_general_bf16_rounded(
         // SAFETY: `rounded_by_bands` writes every element (its bands cover the output, `k > 0`).
         let out = unsafe {
             filled(out_shape.iter().product(), |out| {
-                rounded_by_bands(&stacks, threads, out)
+                rounded_by_bands(&stacks, threads, out, rhs)
             })
         };
         return Bf16Tensor::new(out_shape, out);
@@ -378,7 +495,7 @@ pub fn dot_general_bf16_rounded_accumulate_parts(
         return Ok(true);
     }
     let band = band_rows(rows, n, k, threads);
-    let bands = Bands::new(&stacks, threads);
+    let bands = Bands::new(&stacks, threads, None);
     for (p, out) in parts.iter_mut().enumerate() {
         for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
             let first = p * rows + c * band;
@@ -443,11 +560,17 @@ fn band_rows(rows: usize, n: usize, k: usize, threads: usize) -> usize {
 /// from there, so no `f32` result of the whole output is made at once. A band's rows are those
 /// of the whole product: a library's rows of a block are its rows of the whole product, as
 /// `dot_general`'s threads rely on (bands of columns are not: MKL's AVX2 bf16 product gave
-/// other bits for a band of 150 columns); the portable kernel's by construction.
-fn rounded_by_bands(s: &Stacks<'_, bf16>, threads: usize, out: &mut [MaybeUninit<bf16>]) {
+/// other bits for a band of 150 columns); the portable kernel's by construction. `rhs` is
+/// `s.b`'s tensor, whose kept packing the bands share when it keeps one.
+fn rounded_by_bands(
+    s: &Stacks<'_, bf16>,
+    threads: usize,
+    out: &mut [MaybeUninit<bf16>],
+    rhs: &Bf16Tensor,
+) {
     let (rows, n) = (s.all_rows().len(), s.b.cols.0);
     let band = band_rows(rows, n, s.a.cols.0, threads);
-    let bands = Bands::new(s, threads);
+    let bands = Bands::new(s, threads, Some(rhs));
     for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
         let first = c * band;
         // SAFETY: `band` writes every element of its rows (`k > 0`, checked by the caller).
@@ -458,16 +581,25 @@ fn rounded_by_bands(s: &Stacks<'_, bf16>, threads: usize, out: &mut [MaybeUninit
 
 /// How a product's bands of rows are computed: each by `products` on its thread, or, on the
 /// AVX512_BF16 kernel with one matrix of `b`, against `b` packed once for all the bands
-/// ([`shared_packing`]): the same bits either way (each element's chain does not depend on its
-/// band or on who packed `b`).
+/// ([`shared_packing`], or the packing `b`'s tensor keeps: `kept_packing`): the same bits
+/// either way (each element's chain does not depend on its band or on who packed `b`).
 struct Bands<'s, 'a> {
     stacks: &'s Stacks<'a, bf16>,
     #[cfg(target_arch = "x86_64")]
-    packed: Option<super::dpbf16::PackedB>,
+    packed: Option<Arc<super::dpbf16::PackedB>>,
 }
 
 impl<'s, 'a> Bands<'s, 'a> {
-    fn new(stacks: &'s Stacks<'a, bf16>, threads: usize) -> Self {
+    /// The bands of `stacks`' product on up to `threads` threads; `rhs`, when given, is `b`'s
+    /// tensor (its kept packing is used where it keeps one).
+    fn new(stacks: &'s Stacks<'a, bf16>, threads: usize, rhs: Option<&Bf16Tensor>) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(kept) = rhs.and_then(|rhs| kept_packing(rhs, stacks, threads)) {
+            return Bands {
+                stacks,
+                packed: Some(kept),
+            };
+        }
         #[cfg(target_arch = "x86_64")]
         {
             let (k, n) = (stacks.a.cols.0, stacks.b.cols.0);
@@ -483,7 +615,7 @@ impl<'s, 'a> Bands<'s, 'a> {
                 // SAFETY: batch entry 0 of `b` is a k×n matrix at these strides inside its
                 // data (the stack's invariant, as `products` relies on); `Own` is chosen only
                 // where the CPU has AVX512_BF16.
-                unsafe { shared_packing(b, k, n, threads) }
+                unsafe { shared_packing(b, k, n, threads) }.map(Arc::new)
             } else {
                 None
             };
@@ -491,7 +623,7 @@ impl<'s, 'a> Bands<'s, 'a> {
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = threads;
+            let _ = (threads, rhs);
             Bands { stacks }
         }
     }
@@ -541,9 +673,15 @@ impl<'s, 'a> Bands<'s, 'a> {
 
 /// Every batch entry of `stacks` rounded into `out` (`[batch, m, n]`, row-major) on the
 /// AVX512_BF16 kernel: one entry at a time on up to `threads` row blocks when an entry is large,
-/// else the entries shared out over the threads in runs.
+/// else the entries shared out over the threads in runs. `kept`: `b`'s packing, for a stack of
+/// one entry.
 #[cfg(target_arch = "x86_64")]
-fn own_rounded_stacks(s: &Stacks<'_, bf16>, threads: usize, out: &mut [bf16]) {
+fn own_rounded_stacks(
+    s: &Stacks<'_, bf16>,
+    threads: usize,
+    out: &mut [bf16],
+    kept: Option<&super::dpbf16::PackedB>,
+) {
     let (m, k, n) = (s.a.rows.0, s.a.cols.0, s.b.cols.0);
     if out.is_empty() {
         return;
@@ -577,7 +715,7 @@ fn own_rounded_stacks(s: &Stacks<'_, bf16>, threads: usize, out: &mut [bf16]) {
         };
         // SAFETY: `own_rounded` is called only when the CPU has AVX512_BF16 (`Choice::Own`);
         // entry `i`'s operands are m×k and k×n inside their stacks, and `dst` holds its m×n.
-        unsafe { own_rounded(p, threads) };
+        unsafe { own_rounded(p, threads, kept) };
     };
     let block = m * n;
     if s.batch == 1 || m >= 2 * MIN_BLOCK_ROWS {

@@ -28,6 +28,7 @@ use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
+use packings::Packings;
 
 mod choice;
 #[cfg(target_arch = "x86_64")]
@@ -35,6 +36,7 @@ mod dpbf16;
 mod elementwise;
 mod flash;
 mod matmul;
+mod packings;
 #[cfg(target_arch = "x86_64")]
 mod round_avx512;
 mod rows;
@@ -42,7 +44,7 @@ mod rows;
 pub(crate) use choice::products_on_tiles;
 pub(crate) use matmul::product;
 
-pub use choice::{allow_bf16_fallback, bf16_matmul_kernel};
+pub use choice::{allow_bf16_fallback, bf16_matmul_kernel, bf16_products_keep_packings};
 pub use elementwise::{map_bf16, mul_bf16, scale_bf16, zip_bf16};
 pub use flash::{flash_attention_backward_bf16, flash_attention_bf16};
 pub use matmul::{
@@ -240,11 +242,20 @@ const CONVERT_BLOCK: usize = 1 << 14;
 
 /// A dense row-major bfloat16 tensor: activations and matrix-product inputs in `dtype=bf16`.
 /// Its elements are the `shape.iter().product()` values of its storage, in order. The storage
-/// is shared: a clone or a [`Bf16Tensor::reshaped`] copies no element.
-#[derive(Clone, PartialEq)]
+/// is shared: a clone or a [`Bf16Tensor::reshaped`] copies no element, and never changes.
+#[derive(Clone)]
 pub struct Bf16Tensor {
     shape: Vec<usize>,
     data: Arc<Vec<bf16>>,
+    /// The packings its products keep, when it keeps them ([`Bf16Tensor::keeping_packings`]).
+    packings: Option<Arc<Packings>>,
+}
+
+impl PartialEq for Bf16Tensor {
+    /// Equal shapes and elements (whether packings are kept does not count).
+    fn eq(&self, other: &Self) -> bool {
+        self.shape == other.shape && self.data == other.data
+    }
 }
 
 impl std::fmt::Debug for Bf16Tensor {
@@ -252,6 +263,7 @@ impl std::fmt::Debug for Bf16Tensor {
         f.debug_struct("Bf16Tensor")
             .field("shape", &self.shape)
             .field("data", &self.data)
+            .field("packings", &self.packings)
             .finish()
     }
 }
@@ -272,6 +284,7 @@ impl Bf16Tensor {
         Ok(Bf16Tensor {
             shape,
             data: Arc::new(data),
+            packings: None,
         })
     }
 
@@ -303,6 +316,7 @@ impl Bf16Tensor {
         Bf16Tensor {
             shape: x.shape().to_vec(),
             data: Arc::new(data),
+            packings: None,
         }
     }
 
@@ -375,7 +389,32 @@ impl Bf16Tensor {
         Ok(Bf16Tensor {
             shape: shape.to_vec(),
             data: Arc::clone(&self.data),
+            packings: self.packings.clone(),
         })
+    }
+
+    /// This tensor (its storage shared, not copied) keeping the packings that products make of
+    /// it as their right operand, for as long as any clone of the result lives: a product on
+    /// a kernel that packs its operands (ferrotext's AVX512_BF16 kernel) packs each matrix of
+    /// it once and reuses the packing after — for a step's bf16 weight copy, which every
+    /// micro-batch multiplies by (`x·W` and `dy·Wᵀ`: two packings, each about the tensor's
+    /// size). The products' bits are the same either way.
+    pub fn keeping_packings(&self) -> Bf16Tensor {
+        Bf16Tensor {
+            packings: Some(self.packings.clone().unwrap_or_default()),
+            ..self.clone()
+        }
+    }
+
+    /// How many packings of this tensor its products keep ([`Bf16Tensor::keeping_packings`];
+    /// 0 when it keeps none).
+    pub fn kept_packings(&self) -> usize {
+        self.packings.as_ref().map_or(0, |p| p.len())
+    }
+
+    /// The packings kept, when this tensor keeps them.
+    pub(crate) fn packings(&self) -> Option<&Packings> {
+        self.packings.as_deref()
     }
 
     /// The elements, row-major (copied only when the storage is shared).
@@ -405,6 +444,7 @@ impl Bf16Tensor {
         Ok(Bf16Tensor {
             shape: perm.iter().map(|&d| self.shape[d]).collect(),
             data: Arc::new(permuted(&self.shape, &self.data, perm)),
+            packings: None,
         })
     }
 }

@@ -160,9 +160,12 @@ impl Engine {
         // The step's weights are written by no one until `update`: each cast the model
         // makes of one (bf16 compute) is computed once and shared by every micro-batch —
         // unless the layers are rematerialized, whose point is to keep only their inputs:
-        // then a weight is cast where it is used, again in the replay, and let go.
+        // then a weight is cast where it is used, again in the replay, and let go. With more
+        // than one micro-batch, each copy's packings for the products are kept too.
         cx.forget_casts();
-        if self.plan.decoder().remat() == RematPolicy::None {
+        if self.plan.keeps_weight_packings() {
+            cx.remember_casts_and_packings(&used);
+        } else if self.plan.decoder().remat() == RematPolicy::None {
             cx.remember_casts(&used);
         }
         let sum = if self.plan.config().layout_invariant {

@@ -72,7 +72,8 @@ impl RunPlan {
     /// optimizer state (÷ `data` under ZeRO-1), all `f32`, and one micro-batch's activations:
     /// the layers' in `dtype` (2 bytes in bf16) as `remat_policy` keeps them, the logits' in
     /// `f32` (whole, or one tile's under `num_vocab_tiling`), and in bf16 the weights' bf16
-    /// copies the backward reads.
+    /// copies the backward reads (and their packings, where a step keeps them:
+    /// [`RunPlan::keeps_weight_packings`]).
     /// Parameters count once per device over the axes that split them (`fsdp × tensor`).
     ///
     /// # Errors
@@ -124,9 +125,17 @@ impl RunPlan {
         };
         // In bf16 each weight's bf16 copy (cast at use) is kept for the backward too — for
         // the whole step without rematerialization; with it, a layer's for its region only.
+        // A step that keeps its weights' packings holds two more of about the copy's size
+        // each (`x·W`'s and `dy·Wᵀ`'s), where this process's kernel packs them.
+        let packings =
+            if self.keeps_weight_packings() && ferrotext_tensor::bf16_products_keep_packings() {
+                2.0
+            } else {
+                0.0
+            };
         let copies = match (dtype, self.decoder().remat()) {
             (DType::F32, _) => 0.0,
-            (_, RematPolicy::None) => local * kept,
+            (_, RematPolicy::None) => local * kept * (1.0 + packings),
             _ => (2.0 * m.vocab_size as f64 * d + local / layers) * kept,
         };
         let logits = memory::logits_bytes(m, self.decoder().vocab_tiles(), tokens);

@@ -187,6 +187,16 @@ impl RunPlan {
         self.inner.precision
     }
 
+    /// Whether a step keeps its weights' bf16 packings for all its micro-batches
+    /// (`Ctx::remember_casts_and_packings`): in bf16, with the casts remembered (no
+    /// rematerialization, which lets each copy go after its use), and more than one
+    /// micro-batch a step to reuse them.
+    pub fn keeps_weight_packings(&self) -> bool {
+        self.precision().dtype == ferrotext_sharding::DType::BF16
+            && self.decoder().remat() == ferrotext_models::RematPolicy::None
+            && self.config().gradient_accumulation_steps > 1
+    }
+
     /// The decoder (its config checked; its compute dtype the config's `dtype`).
     pub fn decoder(&self) -> &PlanDecoder {
         &self.inner.decoder

@@ -340,7 +340,7 @@ fn the_own_kernel_rounds_what_it_would_store() {
             };
             // SAFETY: the strides address only elements inside `a` and `b`; `got` is m×n; the
             // CPU has AVX512_BF16 (checked above).
-            unsafe { own_rounded(p, threads) };
+            unsafe { own_rounded(p, threads, None) };
             let diff = got
                 .iter()
                 .zip(&want)
@@ -485,5 +485,87 @@ fn a_rounded_product_accumulated_is_the_rounded_product_widened_and_added() {
     {
         Ok(done) => assert!(!done, "an empty contraction is declined"),
         Err(e) => assert!(matches!(e, TensorError::NoBf16Product { .. }), "{e}"),
+    }
+}
+
+/// A right operand that keeps its packings (`Bf16Tensor::keeping_packings`) gives every
+/// product the bits of the same tensor without them — forward and transposed layouts, rounded
+/// (in registers and in bands) or not, on one and two threads, the packing made by the first
+/// product and used by the later ones — and keeps one packing per matrix and layout where the
+/// AVX512_BF16 kernel runs, none for a batched `b` or a product of a decoded token's rows. The
+/// mirror: the same tensor without `keeping_packings` keeps none.
+#[test]
+fn a_kept_packing_gives_the_products_bits_and_is_made_once_per_layout() {
+    let transposed = DotDims {
+        lhs_contracting: vec![1],
+        rhs_contracting: vec![1],
+        ..DotDims::default()
+    };
+    let batched = DotDims {
+        lhs_contracting: vec![2],
+        rhs_contracting: vec![1],
+        lhs_batch: vec![0],
+        rhs_batch: vec![0],
+    };
+    let bits = |t: &Tensor| t.data().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let packs = cpu().avx512_bf16 && bf16_matmul_kernel().is_ok() && {
+        // The process's choice is made by now (the products above fixed it).
+        crate::bf16_products_keep_packings()
+    };
+    // (lhs, rhs, dims, packings kept after it): `x·W`, `dy·Wᵀ` on the same `W` (a second
+    // layout), a long contraction (rounded in bands), a reshaped `W` (another matrix of the
+    // same storage), a decoded token (no packing), a batched rhs (none).
+    let w = Bf16Tensor::new(vec![96, 200], to_bf16(&values(96 * 200, 61))).unwrap();
+    let long = Bf16Tensor::new(vec![1100, 600], to_bf16(&values(1100 * 600, 62))).unwrap();
+    let stack = Bf16Tensor::new(vec![2, 40, 30], to_bf16(&values(2 * 40 * 30, 63))).unwrap();
+    let cases: Vec<(Vec<usize>, Bf16Tensor, DotDims, usize)> = vec![
+        (vec![130, 96], w.clone(), DotDims::matmul(2), 1),
+        (vec![300, 200], w.clone(), transposed.clone(), 2),
+        (vec![300, 1100], long.clone(), DotDims::matmul(2), 1),
+        (
+            vec![140, 200],
+            w.reshaped(&[200, 96]).unwrap(),
+            DotDims::matmul(2),
+            3,
+        ),
+        (vec![2, 96], w.clone(), DotDims::matmul(2), 3),
+        (vec![2, 7, 40], stack.clone(), batched, 0),
+    ];
+    // One keeping tensor per storage, shared by its cases (as a step's weight copy is).
+    let keeping = [
+        w.keeping_packings(),
+        long.keeping_packings(),
+        stack.keeping_packings(),
+    ];
+    let keeper = |r: &Bf16Tensor| {
+        let k = keeping
+            .iter()
+            .find(|k| k.data().as_ptr() == r.data().as_ptr())
+            .unwrap();
+        k.reshaped(r.shape()).unwrap()
+    };
+    for (ls, plain, dims, want_kept) in cases {
+        let l = Bf16Tensor::new(ls.clone(), to_bf16(&values(ls.iter().product(), 64))).unwrap();
+        let kept = keeper(&plain);
+        let Ok(want) = dot_general_bf16(&l, &plain, &dims, 1) else {
+            assert!(dot_general_bf16(&l, &kept, &dims, 1).is_err());
+            return;
+        };
+        let want_rounded = dot_general_bf16_rounded(&l, &plain, &dims, 1).unwrap();
+        for threads in [1, 2, 1] {
+            let what = format!("{ls:?} x {:?} on {threads}", plain.shape());
+            let got = dot_general_bf16(&l, &kept, &dims, threads).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{what}");
+            let got = dot_general_bf16_rounded(&l, &kept, &dims, threads).unwrap();
+            assert_eq!(got, want_rounded, "{what} rounded");
+        }
+        let expected = if packs { want_kept } else { 0 };
+        assert_eq!(
+            kept.kept_packings(),
+            expected,
+            "{ls:?} x {:?}",
+            plain.shape()
+        );
+        assert_eq!(plain.kept_packings(), 0);
     }
 }
