@@ -414,9 +414,13 @@ pub fn dot_general_bf16_rounded(
         let out_shape = dims.output_shape(lhs.shape(), rhs.shape())?;
         let stacks = stacks(lhs, rhs, dims)?;
         let _span = span(&stacks, lhs.shape(), rhs.shape(), 2);
-        let mut out = vec![bf16::ZERO; out_shape.iter().product()];
         let kept = kept_packing(rhs, &stacks, threads);
-        own_rounded_stacks(&stacks, threads, &mut out, kept.as_deref());
+        // SAFETY: `own_rounded_stacks` writes every element (zeros for an empty contraction).
+        let out = unsafe {
+            filled(out_shape.iter().product(), |out| {
+                own_rounded_stacks(&stacks, threads, out, kept.as_deref())
+            })
+        };
         return Bf16Tensor::new(out_shape, out);
     }
     let stacks = stacks(lhs, rhs, dims)?;
@@ -674,12 +678,13 @@ impl<'s, 'a> Bands<'s, 'a> {
 /// Every batch entry of `stacks` rounded into `out` (`[batch, m, n]`, row-major) on the
 /// AVX512_BF16 kernel: one entry at a time on up to `threads` row blocks when an entry is large,
 /// else the entries shared out over the threads in runs. `kept`: `b`'s packing, for a stack of
-/// one entry.
+/// one entry. Every element of `out` is written (not read first: the output is allocated
+/// uninitialised, no zeroing pass over it).
 #[cfg(target_arch = "x86_64")]
 fn own_rounded_stacks(
     s: &Stacks<'_, bf16>,
     threads: usize,
-    out: &mut [bf16],
+    out: &mut [MaybeUninit<bf16>],
     kept: Option<&super::dpbf16::PackedB>,
 ) {
     let (m, k, n) = (s.a.rows.0, s.a.cols.0, s.b.cols.0);
@@ -687,10 +692,11 @@ fn own_rounded_stacks(
         return;
     }
     if k == 0 {
-        // An empty contraction: the product is zero (`out` is zero already).
+        // An empty contraction: the product is zero.
+        out.fill(MaybeUninit::new(bf16::ZERO));
         return;
     }
-    let entry = |i: usize, dst: &mut [bf16], threads: usize| {
+    let entry = |i: usize, dst: &mut [MaybeUninit<bf16>], threads: usize| {
         let a = Operand {
             // SAFETY: entry `i`'s offset lies inside the stack's data (as in `products`).
             ptr: unsafe { s.a.data.as_ptr().offset(s.a.offset(i)) },
@@ -709,7 +715,7 @@ fn own_rounded_stacks(
             k,
             a,
             b,
-            dst: dst.as_mut_ptr(),
+            dst: dst.as_mut_ptr().cast::<bf16>(),
             ldc: n,
             store: Store::Overwrite,
         };
