@@ -130,16 +130,22 @@ unsafe fn own_packed(p: Product<bf16>, packed: &super::dpbf16::PackedB, threads:
     unsafe { p.for_each_row_block(p.m.div_ceil(t), block) };
 }
 
-/// The product of batch entry 0 of `s` (all its rows) into `dst` (`m` rows of `n`), stored per
-/// `store`.
+/// The product of batch entry `i` of `s` (all its rows) into `dst` (`m` rows of `n`), stored
+/// per `store`.
 ///
 /// # Safety
-/// `dst` holds `m × n` elements; the stacks' views are in bounds (their invariant).
+/// `i < s.batch`; `dst` holds `m × n` elements; the stacks' views are in bounds (their
+/// invariant).
 #[cfg(target_arch = "x86_64")]
-unsafe fn entry_product<D>(s: &Stacks<'_, bf16>, dst: *mut D, store: Store) -> Product<bf16, D> {
+unsafe fn entry_product<D>(
+    s: &Stacks<'_, bf16>,
+    i: usize,
+    dst: *mut D,
+    store: Store,
+) -> Product<bf16, D> {
     let operand = |stack: &crate::matmul::MatStack<'_, bf16>| Operand {
-        // SAFETY: entry 0's offset lies inside the stack's data (as in `products`).
-        ptr: unsafe { stack.data.as_ptr().offset(stack.offset(0)) },
+        // SAFETY: entry `i`'s offset lies inside the stack's data (as in `products`).
+        ptr: unsafe { stack.data.as_ptr().offset(stack.offset(i)) },
         rs: stack.rows.1,
         cs: stack.cols.1,
     };
@@ -320,7 +326,7 @@ pub fn dot_general_bf16(
         // output's `m × n`, which `own_packed` writes whole; `packed` is `b`'s packing.
         let out = unsafe {
             filled(len, |dst| {
-                let p = entry_product(&stacks, dst.as_mut_ptr().cast::<f32>(), Store::Overwrite);
+                let p = entry_product(&stacks, 0, dst.as_mut_ptr().cast::<f32>(), Store::Overwrite);
                 own_packed(p, &packed, threads);
             })
         };
@@ -697,31 +703,12 @@ fn own_rounded_stacks(
         return;
     }
     let entry = |i: usize, dst: &mut [MaybeUninit<bf16>], threads: usize| {
-        let a = Operand {
-            // SAFETY: entry `i`'s offset lies inside the stack's data (as in `products`).
-            ptr: unsafe { s.a.data.as_ptr().offset(s.a.offset(i)) },
-            rs: s.a.rows.1,
-            cs: s.a.cols.1,
-        };
-        let b = Operand {
-            // SAFETY: as above.
-            ptr: unsafe { s.b.data.as_ptr().offset(s.b.offset(i)) },
-            rs: s.b.rows.1,
-            cs: s.b.cols.1,
-        };
-        let p = Product {
-            m,
-            n,
-            k,
-            a,
-            b,
-            dst: dst.as_mut_ptr().cast::<bf16>(),
-            ldc: n,
-            store: Store::Overwrite,
-        };
         // SAFETY: `own_rounded` is called only when the CPU has AVX512_BF16 (`Choice::Own`);
         // entry `i`'s operands are m×k and k×n inside their stacks, and `dst` holds its m×n.
-        unsafe { own_rounded(p, threads, kept) };
+        unsafe {
+            let p = entry_product(s, i, dst.as_mut_ptr().cast::<bf16>(), Store::Overwrite);
+            own_rounded(p, threads, kept)
+        };
     };
     let block = m * n;
     if s.batch == 1 || m >= 2 * MIN_BLOCK_ROWS {
