@@ -12,7 +12,7 @@
 //! `target/bench/flash.json`.
 //!
 //! ```text
-//! cargo run --release -p ferrotext-tensor --example flash -- [threads=1] [reps=200]
+//! cargo run --release -p ferrotext-tensor --example flash -- [threads=1] [reps=200] [shape=NAME]
 //! ```
 
 use std::hint::black_box;
@@ -52,18 +52,22 @@ fn tile_scores(t: usize) -> usize {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (mut threads, mut reps) = (1usize, 200usize);
+    let (mut threads, mut reps, mut only) = (1usize, 200usize, None::<String>);
     for arg in std::env::args().skip(1) {
         match arg.split_once('=') {
             Some(("threads", v)) => threads = v.parse()?,
             Some(("reps", v)) => reps = v.parse()?,
-            _ => return Err(format!("unknown argument {arg:?} (threads=, reps=)").into()),
+            Some(("shape", v)) => only = Some(v.to_string()),
+            _ => return Err(format!("unknown argument {arg:?} (threads=, reps=, shape=)").into()),
         }
     }
     let peak = product_peak(true, threads).ok_or("the bf16 product kernel is refused here")?;
     eprintln!("products: {}", peak.describe(true));
     let mut rows = Vec::new();
     for (name, b, t, h, kv, d) in SHAPES {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
         let operand = |shape: &[usize], seed: usize| {
             Bf16Tensor::from_f32(&Tensor::from_fn(shape, |i| {
                 ((i * 7 + seed) % 101) as f32 * 0.02 - 1.0

@@ -4,7 +4,7 @@
 //! `dq` rows, and adds each tile into them in that fixed order.
 
 use super::elem::{Elem, View};
-use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK};
+use super::{logit, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_sum2, vectorized};
 use crate::operand::Store;
@@ -156,11 +156,12 @@ struct Task<'a, T> {
     scores: Scores,
 }
 
-/// A tile's scratch: `P` and `dP`/`dS` (`Dims::tile_len` each), the logits'
-/// derivative under soft-capping, and `P` and `dS` as the products read them.
-struct Scratch<T> {
-    p: Vec<f32>,
-    ds: Vec<f32>,
+/// A tile's scratch: `P` and `dP`/`dS` (`Dims::tile_len` each, from the thread's kept tiles),
+/// the logits' derivative under soft-capping (empty without it), and `P` and `dS` as the
+/// products read them.
+struct Scratch<'a, T> {
+    p: &'a mut [f32],
+    ds: &'a mut [f32],
     slope: Vec<f32>,
     p_elem: Vec<T>,
     ds_elem: Vec<T>,
@@ -190,14 +191,32 @@ impl<T: Elem> Task<'_, T> {
     /// `grads` point at whole zero-initialised `dq`, `dk`, `dv` buffers of `q`'s, `k`'s and
     /// `v`'s shapes; this task's rows are written by no one else meanwhile.
     unsafe fn run(&self, dots: &[f32], grads: Grads) {
+        let len = self.d.tile_len();
+        with_tiles(2 * len, |tiles| {
+            let (p, ds) = tiles.split_at_mut(len);
+            let mut scratch = Scratch {
+                p,
+                ds,
+                slope: match self.scores.softcap {
+                    Some(_) => vec![1.0; len],
+                    None => Vec::new(),
+                },
+                p_elem: Vec::new(),
+                ds_elem: Vec::new(),
+            };
+            T::size_stored(&mut scratch.p_elem, len);
+            T::size_stored(&mut scratch.ds_elem, len);
+            // SAFETY: the caller's contract.
+            unsafe { self.run_in(dots, grads, &mut scratch) }
+        })
+    }
+
+    /// [`Task::run`] on `scratch`.
+    ///
+    /// # Safety
+    /// As [`Task::run`].
+    unsafe fn run_in(&self, dots: &[f32], grads: Grads, scratch: &mut Scratch<'_, T>) {
         let d = self.d;
-        let mut scratch = Scratch {
-            p: vec![0.0; d.tile_len()],
-            ds: vec![0.0; d.tile_len()],
-            slope: vec![1.0; d.tile_len()],
-            p_elem: Vec::new(),
-            ds_elem: Vec::new(),
-        };
         for c0 in (0..d.tk).step_by(KEY_BLOCK) {
             let block = c0..(c0 + KEY_BLOCK).min(d.tk);
             for g in 0..d.group() {
@@ -210,7 +229,7 @@ impl<T: Elem> Task<'_, T> {
                     }
                     let dots = &dots[g * d.tq + rows.start..g * d.tq + rows.end];
                     // SAFETY: the caller's contract.
-                    unsafe { self.tile(h, rows, cols, dots, &mut scratch, grads) };
+                    unsafe { self.tile(h, rows, cols, dots, scratch, grads) };
                 }
             }
         }
@@ -226,7 +245,7 @@ impl<T: Elem> Task<'_, T> {
         rows: std::ops::Range<usize>,
         cols: std::ops::Range<usize>,
         dots: &[f32],
-        s: &mut Scratch<T>,
+        s: &mut Scratch<'_, T>,
         grads: Grads,
     ) {
         let d = self.d;
@@ -248,10 +267,11 @@ impl<T: Elem> Task<'_, T> {
             let visible = a.max(cols.start).min(cols.end) - cols.start
                 ..z.min(cols.end).max(cols.start) - cols.start;
             let row = &mut s.p[r * w..(r + 1) * w];
-            let slope = &mut s.slope[r * w..(r + 1) * w];
+            let slope = s.slope.get_mut(r * w..(r + 1) * w).unwrap_or_default();
             probabilities(row, slope, visible, self.scores, lse[i]);
+            T::store_row(row, &mut s.p_elem, r);
         }
-        let p = View::block(T::tile(&s.p[..n * w], &mut s.p_elem), n, w, w);
+        let p = View::block(T::stored(s.p, &s.p_elem, n * w), n, w, w);
         let row_at = |heads, dw, head, row| Dims::row_at(d.tk, heads, dw, self.b, head, row);
         // SAFETY: rows of this task's kv head's `dv` (the caller's contract); the scratch holds
         // the tile.
@@ -262,21 +282,33 @@ impl<T: Elem> Task<'_, T> {
             // dP [n, w] = dout_rows · v_colsᵀ
             T::product(s.ds.as_mut_ptr(), w, gv, vv.t(), Store::Overwrite);
         }
-        // dS = scale · slope ⊙ P ⊙ (dP − D)
+        // dS = scale · slope ⊙ P ⊙ (dP − D); without soft-capping the slope is 1, and
+        // `scale · 1` is `scale` exactly: the same bits without reading it.
         let scale = self.scores.scale;
         for (r, &dot) in dots.iter().enumerate().take(n) {
             let at = r * w..(r + 1) * w;
-            let (ds, pr, sl) = (&mut s.ds[at.clone()], &s.p[at.clone()], &s.slope[at]);
-            vectorized(
-                #[inline(always)]
-                || {
-                    for ((x, &pv), &sv) in ds.iter_mut().zip(pr).zip(sl) {
-                        *x = scale * sv * pv * (*x - dot);
-                    }
-                },
-            );
+            let (ds, pr) = (&mut s.ds[at.clone()], &s.p[at.clone()]);
+            match s.slope.get(at) {
+                Some(sl) => vectorized(
+                    #[inline(always)]
+                    || {
+                        for ((x, &pv), &sv) in ds.iter_mut().zip(pr).zip(sl) {
+                            *x = scale * sv * pv * (*x - dot);
+                        }
+                    },
+                ),
+                None => vectorized(
+                    #[inline(always)]
+                    || {
+                        for (x, &pv) in ds.iter_mut().zip(pr) {
+                            *x = scale * pv * (*x - dot);
+                        }
+                    },
+                ),
+            }
+            T::store_row(ds, &mut s.ds_elem, r);
         }
-        let ds = View::block(T::tile(&s.ds[..n * w], &mut s.ds_elem), n, w, w);
+        let ds = View::block(T::stored(s.ds, &s.ds_elem, n * w), n, w, w);
         // SAFETY: rows of this task's kv head's `dk` and of its query head's `dq` (the caller's
         // contract); the scratch holds the tile.
         unsafe {
@@ -297,8 +329,8 @@ impl<T: Elem> Task<'_, T> {
 }
 
 /// A tile row's scores become its probabilities `exp(logit − lse)` over the `visible` columns
-/// (0 elsewhere), and `slope` the logits' derivative there (soft-capping's `1 − tanh²`; left
-/// at 1 without it).
+/// (0 elsewhere), and `slope` the logits' derivative there under soft-capping (`1 − tanh²`;
+/// empty, and untouched, without it).
 #[inline]
 fn probabilities(
     row: &mut [f32],

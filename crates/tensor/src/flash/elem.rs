@@ -4,7 +4,7 @@
 //! On bf16 operands every product multiplies bf16 values into an `f32` result: `q·kᵀ` and
 //! `dout·vᵀ` read the operands as stored; the probabilities (for `P·v` and `Pᵀ·dout`) and `dS`
 //! (for `dS·k` and `dSᵀ·q`) are computed in `f32` and rounded to bf16 for their products, as
-//! FlashAttention does in half precision. The online softmax, the row sums, the log-sum-exps and
+//! FlashAttention does in half precision, a row at a time as each is computed. The online softmax, the row sums, the log-sum-exps and
 //! every accumulation stay `f32`.
 
 use half::bf16;
@@ -79,9 +79,18 @@ pub(crate) trait Elem: Widen {
         store: Store,
     );
 
-    /// An `f32` tile (probabilities, `dS`) as this element type: itself for `f32`, rounded into
-    /// `scratch` for bf16.
-    fn tile<'s>(tile: &'s [f32], scratch: &'s mut Vec<Self>) -> &'s [Self];
+    /// Sizes `stored` to hold `len` elements of a tile as the products read it: bf16 rows are
+    /// rounded into it; `f32` keeps none (the products read the `f32` tile itself).
+    fn size_stored(stored: &mut Vec<Self>, len: usize);
+
+    /// Row `r` of an `f32` tile (probabilities, `dS`) of rows `row.len()` long, as the products
+    /// read it: rounded into `stored` for bf16 while the row is still in the core's L1 cache (a
+    /// pass over the whole tile after it read it back from L2); nothing for `f32`.
+    fn store_row(row: &[f32], stored: &mut [Self], r: usize);
+
+    /// The tile's first `len` elements as the products read them: the `f32` tile itself, or the
+    /// bf16 rows [`Elem::store_row`] stored.
+    fn stored<'s>(tile: &'s [f32], stored: &'s [Self], len: usize) -> &'s [Self];
 }
 
 /// The shared part of [`Elem::product`]: checks the views, zeroes the destination of an empty
@@ -127,8 +136,12 @@ impl Elem for f32 {
         }
     }
 
-    fn tile<'s>(tile: &'s [f32], _: &'s mut Vec<f32>) -> &'s [f32] {
-        tile
+    fn size_stored(_: &mut Vec<f32>, _: usize) {}
+
+    fn store_row(_: &[f32], _: &mut [f32], _: usize) {}
+
+    fn stored<'s>(tile: &'s [f32], _: &'s [f32], len: usize) -> &'s [f32] {
+        &tile[..len]
     }
 }
 
@@ -147,10 +160,19 @@ impl Elem for bf16 {
         }
     }
 
-    fn tile<'s>(tile: &'s [f32], scratch: &'s mut Vec<bf16>) -> &'s [bf16] {
-        scratch.resize(tile.len(), bf16::ZERO);
-        crate::bf16::round_slice(tile, scratch);
-        scratch
+    fn size_stored(stored: &mut Vec<bf16>, len: usize) {
+        if stored.len() < len {
+            stored.resize(len, bf16::ZERO);
+        }
+    }
+
+    fn store_row(row: &[f32], stored: &mut [bf16], r: usize) {
+        let w = row.len();
+        crate::bf16::round_slice(row, &mut stored[r * w..(r + 1) * w]);
+    }
+
+    fn stored<'s>(_: &'s [f32], stored: &'s [bf16], len: usize) -> &'s [bf16] {
+        &stored[..len]
     }
 }
 

@@ -1,12 +1,14 @@
 //! The forward pass: per (batch, query head), per query block, the online softmax over the key
 //! tiles its rows see (see the module docs of `flash`).
 
+use std::mem::MaybeUninit;
+
 use super::elem::{Elem, View};
-use super::{logit, Dims, KeyRanges, Scores, KEY_BLOCK};
+use super::{logit, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_max, lane_sum, vectorized};
 use crate::operand::Store;
-use crate::parallel::{for_each_index, Work};
+use crate::parallel::{filled, for_each_index, Work};
 use crate::tensor::Tensor;
 
 /// What [`flash_attention`] returns.
@@ -65,18 +67,27 @@ pub(crate) fn forward<T: Elem>(
                 + 4 * d.b * d.h * d.tq * (d.dv + 1)) as f64,
         )
     });
-    let mut out = vec![0.0f32; d.b * d.tq * d.h * d.dv];
-    let mut lse = vec![0.0f32; d.b * d.h * d.tq];
-    let (out_at, lse_at) = (out.as_mut_ptr() as usize, lse.as_mut_ptr() as usize);
-    for_each_index(d.b * d.h, d.cells(), threads, Work::Heavy, |bh| {
-        let (b, h) = (bh / d.h, bh % d.h);
-        let head = Head { d, b, h, q, k, v };
-        // SAFETY: `lse` holds `B·H·Tq` elements; those of (b, h) belong to this task alone.
-        let lse_rows =
-            unsafe { std::slice::from_raw_parts_mut((lse_at as *mut f32).add(bh * d.tq), d.tq) };
-        // SAFETY: `out` holds `B·Tq·H·dv` elements; rows `(b, ·, h)` belong to this task alone.
-        unsafe { head.forward(ranges, scores, out_at as *mut f32, lse_rows) };
-    });
+    let (out_len, lse_len) = (d.b * d.tq * d.h * d.dv, d.b * d.h * d.tq);
+    let mut lse = Vec::with_capacity(lse_len);
+    let lse_at = lse.spare_capacity_mut().as_mut_ptr() as usize;
+    let heads = |out: &mut [MaybeUninit<f32>]| {
+        let out_at = out.as_mut_ptr() as usize;
+        for_each_index(d.b * d.h, d.cells(), threads, Work::Heavy, |bh| {
+            let (b, h) = (bh / d.h, bh % d.h);
+            let head = Head { d, b, h, q, k, v };
+            // SAFETY: `lse` holds `B·H·Tq` elements, those of (b, h) this task's alone; `out`
+            // holds `B·Tq·H·dv`, rows `(b, ·, h)` this task's alone.
+            unsafe {
+                let lse_rows = (lse_at as *mut f32).add(bh * d.tq);
+                head.forward(ranges, scores, out_at as *mut f32, lse_rows)
+            };
+        });
+    };
+    // SAFETY: every head writes each of its output rows and log-sum-exps (`Head::forward`), and
+    // the heads cover every (batch, query head): all `out_len` elements are written.
+    let out = unsafe { filled(out_len, heads) };
+    // SAFETY: the heads wrote all `B·H·Tq` log-sum-exps (above).
+    unsafe { lse.set_len(lse_len) };
     Ok(Flash {
         out: Tensor::new(vec![d.b, d.tq, d.h, d.dv], out)?,
         lse: Tensor::new(vec![d.b, d.h, d.tq], lse)?,
@@ -102,16 +113,34 @@ struct Running {
 }
 
 impl<T: Elem> Head<'_, T> {
-    /// The forward of this head: every output row and its log-sum-exp.
+    /// The forward of this head: every output row and its log-sum-exp, each written once
+    /// (neither needs to be initialised).
     ///
     /// # Safety
-    /// `out` is the whole `[B, Tq, H, dv]` output; this head's rows are written by no one else
-    /// meanwhile.
-    unsafe fn forward(&self, ranges: &KeyRanges, scores: Scores, out: *mut f32, lse: &mut [f32]) {
+    /// `out` is the whole `[B, Tq, H, dv]` output and `lse` this head's `Tq` log-sum-exps; this
+    /// head's rows of both are written by no one else meanwhile.
+    unsafe fn forward(&self, ranges: &KeyRanges, scores: Scores, out: *mut f32, lse: *mut f32) {
+        with_tiles(self.d.tile_len(), |tile| {
+            // SAFETY: the caller's contract.
+            unsafe { self.forward_in(ranges, scores, (out, lse), tile) }
+        })
+    }
+
+    /// [`Head::forward`] with `tile` (`tile_len()` elements) for the scores and probabilities.
+    ///
+    /// # Safety
+    /// As [`Head::forward`].
+    unsafe fn forward_in(
+        &self,
+        ranges: &KeyRanges,
+        scores: Scores,
+        (out, lse): (*mut f32, *mut f32),
+        tile: &mut [f32],
+    ) {
         let d = self.d;
         let kvh = self.h / d.group();
-        let mut tile = vec![0.0f32; d.tile_len()];
         let mut probs: Vec<T> = Vec::new();
+        T::size_stored(&mut probs, d.tile_len());
         let mut run = Running {
             max: vec![0.0; d.block_rows()],
             sum: vec![0.0; d.block_rows()],
@@ -146,10 +175,11 @@ impl<T: Elem> Head<'_, T> {
                         &mut run.sum[r],
                         acc_row,
                     );
+                    T::store_row(row, &mut probs, r);
                 }
                 // acc[rows] += P[rows, w] · v_cols
                 let vv = Dims::rows(self.v, d.tk, d.kv, d.dv, self.b, kvh, cols.clone());
-                let p = View::block(T::tile(&tile[..n * w], &mut probs), n, w, w);
+                let p = View::block(T::stored(tile, &probs, n * w), n, w, w);
                 // SAFETY: `run.acc` holds `n` rows of `dv`, initialised.
                 unsafe { T::product(run.acc.as_mut_ptr(), d.dv, p, vv, Store::Accumulate) };
                 c0 += KEY_BLOCK;
@@ -159,11 +189,14 @@ impl<T: Elem> Head<'_, T> {
                 let inv = 1.0 / run.sum[r];
                 let at = Dims::row_at(d.tq, d.h, d.dv, self.b, self.h, i);
                 // SAFETY: row `(b, i, h)` of the output, this task's (the caller's contract).
-                let dst = unsafe { std::slice::from_raw_parts_mut(out.add(at), d.dv) };
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(out.add(at).cast::<MaybeUninit<f32>>(), d.dv)
+                };
                 for (o, a) in dst.iter_mut().zip(&run.acc[r * d.dv..(r + 1) * d.dv]) {
-                    *o = a * inv;
+                    *o = MaybeUninit::new(a * inv);
                 }
-                lse[i] = run.max[r] + run.sum[r].ln();
+                // SAFETY: this head's log-sum-exp of row `i < Tq` (the caller's contract).
+                unsafe { lse.add(i).write(run.max[r] + run.sum[r].ln()) };
             }
         }
     }

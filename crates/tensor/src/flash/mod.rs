@@ -156,8 +156,7 @@ impl Dims {
     }
 
     /// Elements of the largest tile (`block_rows × min(KEY_BLOCK, Tk)`): a task's scratch is
-    /// sized by it, not by the fixed `QUERY_BLOCK × KEY_BLOCK` (64 KiB of `f32` a buffer, zeroed
-    /// once per task: at 64 tokens, 16 times the tile, and about half of a head's forward).
+    /// sized by it, not by the fixed `QUERY_BLOCK × KEY_BLOCK` (64 KiB of `f32` a buffer).
     pub(crate) fn tile_len(&self) -> usize {
         self.block_rows() * KEY_BLOCK.min(self.tk)
     }
@@ -182,6 +181,26 @@ impl Dims {
         }
         2.0 * (self.h * cells) as f64 * width as f64
     }
+}
+
+thread_local! {
+    /// A thread's `f32` tiles (scores and probabilities, `dP` and `dS`), kept between calls:
+    /// zeroed afresh for every task they were a `memset` of up to 128 KiB a task, which no tile
+    /// needs (a product writes each element of a tile before anything reads it).
+    static TILES: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Runs `f` on `len` `f32` elements of this thread's kept tile buffer ([`TILES`], grown as
+/// needed). Their contents are whatever the buffer's last use left: every tile is written by a
+/// product before it is read. A nested use gets a buffer of its own.
+pub(crate) fn with_tiles<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut buffer = TILES.take();
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+    let out = f(&mut buffer[..len]);
+    TILES.set(buffer);
+    out
 }
 
 /// The logit of a raw score `s = q·k`: `scale·s`, soft-capped when asked. Also returns

@@ -257,6 +257,63 @@ fn bits_do_not_depend_on_threads() {
     }
 }
 
+/// A thread's kept tiles hold nothing a call reads: after they are filled with NaN (what any
+/// stale element would carry into a result), the forward and backward give, in `f32` and in
+/// bf16 and with soft-capping (its slopes are made per call), the bits of a thread that never
+/// ran one.
+#[test]
+fn kept_tiles_carry_nothing_into_the_next_call() {
+    let (b, t, h, kv, dk) = (1, KEY_BLOCK + 21, 4, 2, 16);
+    let (q, k, v, g) = (
+        rand(&[b, t, h, dk], 9),
+        rand(&[b, t, kv, dk], 10),
+        rand(&[b, t, kv, dk], 11),
+        rand(&[b, t, h, dk], 12),
+    );
+    let r = KeyRanges::causal(b, t, Some(90));
+    let capped = Scores {
+        scale: 0.5,
+        softcap: Some(3.0),
+    };
+    let run = |poison: bool| {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                if poison {
+                    with_tiles(1 << 16, |tiles| tiles.fill(f32::NAN));
+                    // The mirror: the next use of the buffer does see the poison.
+                    with_tiles(1 << 16, |tiles| assert!(tiles.iter().all(|x| x.is_nan())));
+                }
+                let mut bits = Vec::new();
+                for scores in [PLAIN, capped] {
+                    let f = flash_attention(&q, &k, &v, &r, scores, 1).unwrap();
+                    let (dq, dk, dv) =
+                        flash_attention_backward(&q, &k, &v, &f.out, &f.lse, &g, &r, scores, 1)
+                            .unwrap();
+                    let w = |x: &Tensor| crate::Bf16Tensor::from_f32(x);
+                    let (qb, kb, vb, gb) = (w(&q), w(&k), w(&v), w(&g));
+                    let (out, lse) =
+                        crate::flash_attention_bf16(&qb, &kb, &vb, &r, scores, 1).unwrap();
+                    let (bq, bk, bv) = crate::flash_attention_backward_bf16(
+                        &qb, &kb, &vb, &out, &lse, &gb, &r, scores, 1,
+                    )
+                    .unwrap();
+                    for x in [f.out, f.lse, dq, dk, dv, out.to_f32(), lse]
+                        .into_iter()
+                        .chain([bq, bk, bv].iter().map(crate::Bf16Tensor::to_f32))
+                    {
+                        assert!(x.data().iter().all(|e| e.is_finite()));
+                        bits.extend(x.data().iter().map(|e| e.to_bits()));
+                    }
+                }
+                bits
+            })
+            .join()
+            .unwrap()
+        })
+    };
+    assert_eq!(run(false), run(true));
+}
+
 /// Shapes and ranges that do not fit are errors naming the op, and a document start after its
 /// position is refused.
 #[test]
