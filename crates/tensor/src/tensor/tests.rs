@@ -201,3 +201,30 @@ fn reshape_keeps_data_and_checks_counts() {
     assert!(t.reshape(&[4]).is_err());
     assert!(Tensor::new(vec![2], vec![1.0]).is_err());
 }
+
+/// `written_zeros` writes every element, shared over a kernel pool's threads or on one: `+0.0`
+/// in each, at lengths that end inside a task's chunk and on its edge, and none. Each call
+/// follows the freeing of a block of NaN of its size, which the allocator hands back to it
+/// (its thread's cache, `mmap` off in the binary and a reused heap block otherwise), so an
+/// element the writes missed would read NaN.
+#[test]
+fn written_zeros_writes_every_element_on_any_budget() {
+    let lengths = [
+        0,
+        1,
+        ZERO_CHUNK - 1,
+        ZERO_CHUNK,
+        3 * ZERO_CHUNK + 5,
+        1 << 20,
+    ];
+    for threads in [1, 2] {
+        crate::with_kernel_pool(threads, "zeros-test", 1 << 20, || {
+            for &len in &lengths {
+                drop(std::hint::black_box(vec![f32::NAN; len]));
+                let z = written_zeros(len);
+                assert_eq!(z.len(), len);
+                assert!(z.iter().all(|x| x.to_bits() == 0), "{len} on {threads}");
+            }
+        });
+    }
+}
