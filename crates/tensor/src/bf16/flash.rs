@@ -38,15 +38,15 @@ pub fn flash_attention_bf16(
 ) -> Result<(Bf16Tensor, Tensor), TensorError> {
     let op = "flash_attention_bf16";
     let d = Dims::of(q.shape(), k.shape(), v.shape(), op)?;
-    let Flash { out, lse } = forward(
+    let round = |Flash { out, lse }| (Bf16Tensor::rounded(&out), lse);
+    forward(
         d,
         [q.data(), k.data(), v.data()],
         ranges,
         scores,
         threads,
-        op,
-    )?;
-    Ok((Bf16Tensor::rounded(&out), lse))
+        (op, round),
+    )
 }
 
 /// [`flash_attention_backward`](crate::flash_attention_backward) on bf16 `q`, `k`, `v`, the
@@ -71,10 +71,20 @@ pub fn flash_attention_backward_bf16(
     let d = Dims::of(q.shape(), k.shape(), v.shape(), op)?;
     d.check_backward([out.shape(), dout.shape(), lse.shape()], op)?;
     let operands = [q.data(), k.data(), v.data(), out.data(), dout.data()];
-    let (dq, dk, dv) = backward(d, operands, lse.data(), ranges, scores, threads, op)?;
-    Ok((
-        Bf16Tensor::rounded(&dq),
-        Bf16Tensor::rounded(&dk),
-        Bf16Tensor::rounded(&dv),
-    ))
+    let round = |(dq, dk, dv): (Tensor, Tensor, Tensor)| {
+        (
+            Bf16Tensor::rounded(&dq),
+            Bf16Tensor::rounded(&dk),
+            Bf16Tensor::rounded(&dv),
+        )
+    };
+    backward(
+        d,
+        operands,
+        lse.data(),
+        ranges,
+        scores,
+        threads,
+        (op, round),
+    )
 }

@@ -41,23 +41,23 @@ pub fn flash_attention_backward(
         ranges,
         scores,
         threads,
-        op,
+        (op, |grads| grads),
     )
 }
 
 /// The backward on operands of any [`Elem`] (shapes checked as `d`; `out` and `dout` are
-/// `[B, Tq, H, dv]`, `lse` `[B, H, Tq]`), under a profiler span named `op`: the `f32`
-/// cotangents.
+/// `[B, Tq, H, dv]`, `lse` `[B, H, Tq]`), under a profiler span named `op`: `finish` of the
+/// `f32` cotangents, inside the span (a bf16 caller's rounding of them).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<T: Elem>(
+pub(crate) fn backward<T: Elem, R>(
     d: Dims,
     [q, k, v, out, dout]: [&[T]; 5],
     lse: &[f32],
     ranges: &KeyRanges,
     scores: Scores,
     threads: usize,
-    op: &'static str,
-) -> Result<(Tensor, Tensor, Tensor), TensorError> {
+    (op, finish): (&'static str, impl FnOnce((Tensor, Tensor, Tensor)) -> R),
+) -> Result<R, TensorError> {
     ranges.check(d.b, d.tq, d.tk, op)?;
     // Bytes: the operands, output, its cotangent and log-sum-exp read once, the three `f32`
     // cotangents written once.
@@ -103,11 +103,11 @@ pub(crate) fn backward<T: Elem>(
         // them (its kv head's, its query heads') are written by no other task.
         unsafe { task.run(dots, grads) };
     });
-    Ok((
+    Ok(finish((
         Tensor::new(vec![d.b, d.tq, d.h, d.dk], dq)?,
         Tensor::new(vec![d.b, d.tk, d.kv, d.dk], dk)?,
         Tensor::new(vec![d.b, d.tk, d.kv, d.dv], dv)?,
-    ))
+    )))
 }
 
 impl Dims {

@@ -44,20 +44,21 @@ pub fn flash_attention(
         ranges,
         scores,
         threads,
-        op,
+        (op, |flash| flash),
     )
 }
 
 /// The forward on operands of any [`Elem`] (their shapes checked as `d`), under a profiler
-/// span named `op`.
-pub(crate) fn forward<T: Elem>(
+/// span named `op` that also covers `finish`, which makes the caller's result of it (a bf16
+/// output's rounding: the op's own work, not time between ops).
+pub(crate) fn forward<T: Elem, R>(
     d: Dims,
     [q, k, v]: [&[T]; 3],
     ranges: &KeyRanges,
     scores: Scores,
     threads: usize,
-    op: &'static str,
-) -> Result<Flash, TensorError> {
+    (op, finish): (&'static str, impl FnOnce(Flash) -> R),
+) -> Result<R, TensorError> {
     ranges.check(d.b, d.tq, d.tk, op)?;
     // Bytes: each operand read once, the output and log-sum-exp written once (the least a
     // fused attention moves; its tiles re-read keys and values from cache).
@@ -88,10 +89,10 @@ pub(crate) fn forward<T: Elem>(
     let out = unsafe { filled(out_len, heads) };
     // SAFETY: the heads wrote all `B·H·Tq` log-sum-exps (above).
     unsafe { lse.set_len(lse_len) };
-    Ok(Flash {
+    Ok(finish(Flash {
         out: Tensor::new(vec![d.b, d.tq, d.h, d.dv], out)?,
         lse: Tensor::new(vec![d.b, d.h, d.tq], lse)?,
-    })
+    }))
 }
 
 /// One (batch, query head) of a call: its operands.
