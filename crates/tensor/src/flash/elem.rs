@@ -4,8 +4,8 @@
 //! On bf16 operands every product multiplies bf16 values into an `f32` result: `q·kᵀ` and
 //! `dout·vᵀ` read the operands as stored; the probabilities (for `P·v` and `Pᵀ·dout`) and `dS`
 //! (for `dS·k` and `dSᵀ·q`) are computed in `f32` and rounded to bf16 for their products, as
-//! FlashAttention does in half precision, a row at a time as each is computed. The online softmax, the row sums, the log-sum-exps and
-//! every accumulation stay `f32`.
+//! FlashAttention does in half precision, a row at a time as each is computed. The online
+//! softmax, the row sums, the log-sum-exps and every accumulation stay `f32`.
 
 use half::bf16;
 
@@ -84,8 +84,8 @@ pub(crate) trait Elem: Widen {
     fn size_stored(stored: &mut Vec<Self>, len: usize);
 
     /// Row `r` of an `f32` tile (probabilities, `dS`) of rows `row.len()` long, as the products
-    /// read it: rounded into `stored` for bf16 while the row is still in the core's L1 cache (a
-    /// pass over the whole tile after it read it back from L2); nothing for `f32`.
+    /// read it: rounded into `stored` for bf16 while the row is still in the core's L1 cache
+    /// (not in a pass over the whole tile, read back from L2); nothing for `f32`.
     fn store_row(row: &[f32], stored: &mut [Self], r: usize);
 
     /// The tile's first `len` elements as the products read them: the `f32` tile itself, or the
