@@ -28,13 +28,17 @@ enum Remember {
     CastsAndPackings,
 }
 
+/// What [`micro_batches`] observes: each micro-batch's gradient, whether each micro-batch's
+/// cast shared the first one's storage, and how many packings the last cast keeps.
+type Observed = (Vec<Vec<f32>>, Vec<bool>, usize);
+
 /// Three micro-batches of `Σ (cast(x)·cast(w))²`, the weight `{R:data}` on data=2: each
 /// micro-batch's gradient (f32, unreduced), whether each micro-batch's cast of `w` shared
 /// the first one's storage, and how many packings the last cast of `w` keeps.
 fn micro_batches(
     cx: &mut Ctx<'_>,
     remember: Remember,
-) -> Result<(Vec<Vec<f32>>, Vec<bool>, usize), SpmdError> {
+) -> Result<Observed, SpmdError> {
     let w = place(cx, &w_value(), p(&["", ""], &[], &["data"]));
     match remember {
         Remember::Nothing => {}
