@@ -35,10 +35,7 @@ type Observed = (Vec<Vec<f32>>, Vec<bool>, usize);
 /// Three micro-batches of `Σ (cast(x)·cast(w))²`, the weight `{R:data}` on data=2: each
 /// micro-batch's gradient (f32, unreduced), whether each micro-batch's cast of `w` shared
 /// the first one's storage, and how many packings the last cast of `w` keeps.
-fn micro_batches(
-    cx: &mut Ctx<'_>,
-    remember: Remember,
-) -> Result<Observed, SpmdError> {
+fn micro_batches(cx: &mut Ctx<'_>, remember: Remember) -> Result<Observed, SpmdError> {
     let w = place(cx, &w_value(), p(&["", ""], &[], &["data"]));
     match remember {
         Remember::Nothing => {}
