@@ -258,6 +258,21 @@ impl Ctx<'_> {
         )
     }
 
+    /// The type of a take's rows as its transpose adds them into the table's cotangent in
+    /// place ([`Ctx::take_transpose_into`]), `None` when they need a collective first (their
+    /// layout is not the cotangent's).
+    ///
+    /// # Errors
+    /// A type the rules refuse.
+    pub(crate) fn take_transpose_in_place(
+        &self,
+        table: &ArrayType,
+        ids: &Ids,
+    ) -> Result<Option<ArrayType>, SpmdError> {
+        let natural = self.take_transpose_type(table, ids)?;
+        Ok(crate::reshard::same_layout(&natural, &table.to_cotangent()).then_some(natural))
+    }
+
     /// The type of [`Ctx::take_transpose`]'s natural result: each device adds its own rows,
     /// partial over the ids' axes.
     fn take_transpose_type(&self, table: &ArrayType, ids: &Ids) -> Result<ArrayType, SpmdError> {
@@ -312,10 +327,9 @@ impl Ctx<'_> {
         ids: &Ids,
         dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
-        let natural = self.take_transpose_type(table, ids)?;
-        if !crate::reshard::same_layout(&natural, &table.to_cotangent()) {
+        let Some(natural) = self.take_transpose_in_place(table, ids)? else {
             return Ok(false);
-        }
+        };
         match (ct.local_opt().as_deref(), ids.local()) {
             (Some(c), Some(ix)) => {
                 let width: usize = natural.shard_shape()[1..].iter().product();

@@ -293,6 +293,99 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
     }
 }
 
+/// `Σ (cast(take(t, ids)) · cast(t)ᵀ)²` with `f32` logits: a tied table as the decoder uses it
+/// in bf16 — the lookup reads the `f32` table and casts its rows, the head reads the table's
+/// bf16 cast (`dot_general_preferred`, as the LM head).
+fn tied_bf16(cx: &mut Ctx<'_>, ts: &[Array], ids: &Ids) -> Result<Array, SpmdError> {
+    use ferrotext_sharding::DType;
+    let rows = cx.take(&ts[0], ids)?;
+    let rows = cx.cast(&rows, DType::BF16)?;
+    let table = cx.cast(&ts[0], DType::BF16)?;
+    let head = DotDims {
+        lhs_contracting: vec![2],
+        rhs_contracting: vec![1],
+        ..DotDims::default()
+    };
+    let logits = cx.dot_general_preferred(&rows, &table, &head, None, DType::F32)?;
+    let l2 = cx.mul(&logits, &logits)?;
+    cx.reduce_sum(&l2, &[0, 1, 2], Some(&p(&[], &["x"], &[])))
+}
+
+/// A tied table in bf16 (a lookup of the `f32` table, a head on its bf16 cast) goes into a
+/// buffer offered whole with the handed path's bits: the head's rounded product into every
+/// row, the lookup's rows (ids repeat, and rows stay untouched) summed with it first on the
+/// rows they touch — the buffer's start `+ (w + rows)` there, its signed zeros included. The
+/// mirrors: offered in parts, or with a second micro-batch's start, it is handed or sunk with
+/// the same sums; the `f32` tied table above is handed.
+#[test]
+fn a_tied_bf16_table_goes_into_the_buffer_with_the_handed_bits() {
+    ferrotext_tensor::allow_bf16_fallback().unwrap();
+    let m = mesh(&[("x", 2)]);
+    let out = on_devices(&m, |cx| {
+        let table = place(
+            cx,
+            &Tensor::from_fn(&[6, 4], |i| ((i * 7) % 11) as f32 * 0.13 - 0.6),
+            p(&["", ""], &[], &["x"]),
+        );
+        let ids =
+            cx.ids_from_global(&[2, 4], p(&["x", ""], &[], &[]), &[4, 0, 4, 2, 1, 1, 3, 0])?;
+        let ws = [table];
+        let f = |cx: &mut Ctx<'_>, ts: &[Array]| tied_bf16(cx, ts, &ids);
+        // Touched rows start at +0.0, -0.0 and values whose last place is above the gradient's
+        // (so that `(start + w) + rows` and `start + (w + rows)` round apart); row 5 is never
+        // looked up.
+        let starts: [Vec<f32>; 2] = [
+            (0..24)
+                .map(|i| match i % 5 {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => (i as f32 * 91.731 - 700.37) * if i % 2 == 0 { 1e4 } else { -1e4 },
+                })
+                .collect(),
+            vec![0.0; 24],
+        ];
+        let mut results = Vec::new();
+        for (start, offer) in [(&starts[0], 1), (&starts[1], 1), (&starts[0], 4)] {
+            let (_, g) = cx.value_and_grad(&ws, f)?;
+            let mut sink = Recorder {
+                bufs: vec![start.clone()],
+                types: vec![ws[0].ty().to_cotangent()],
+                offer,
+                events: Vec::new(),
+            };
+            cx.value_and_grad_into(&ws, f, &mut sink)?;
+            let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
+            let sunk: Vec<(usize, bool)> =
+                sink.events.iter().map(|(k, h)| (*k, h.is_none())).collect();
+            results.push((sink.bufs.remove(0), want, sunk));
+        }
+        Ok(results)
+    });
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (results, _) in out {
+        for (case, (bufs, want, sunk)) in results.iter().enumerate() {
+            let whole = case < 2;
+            assert_eq!(
+                sunk,
+                &[(0, whole)],
+                "case {case}: into the buffer when offered whole"
+            );
+            assert_eq!(
+                bits(bufs),
+                bits(want),
+                "case {case}: the handed path's bits"
+            );
+        }
+        let (bufs, want, _) = &results[0];
+        assert!(
+            bufs.iter()
+                .zip(want)
+                .any(|(b, w)| *b != 0.0 && b.to_bits() == w.to_bits()),
+            "a gradient to add"
+        );
+    }
+}
+
 /// `Σ y²` for `y = body(x, w)` computed inside a `shard_map` region that takes `x` and `w` with
 /// the specs they carry (so a `{R:x}` weight is cast varying before use), out `{U:x}`.
 fn squares_in_region(

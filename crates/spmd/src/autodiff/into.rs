@@ -5,6 +5,15 @@
 //! operand) through the bf16 cast of an `f32` weight — can have that node's transpose add it
 //! straight into the sink's buffer, with no cotangent array stored and read back. A leaf with
 //! several contributions is handed their sum instead, so the buffer's sum is the handed path's.
+//!
+//! One exception keeps the handed path's bits with two contributions: a tied embedding table,
+//! read by a `take` (the lookup) and, through its bf16 cast, by a product (the LM head). The
+//! handed path adds `acc + (w + rows)`: the head's rounded product `w` widened, the lookup's
+//! rows added into it, the sum into the buffer. Into the buffer, the product adds `w` to every
+//! row the lookup does not touch (`acc + w`, the same bits); the touched rows are saved and set
+//! to `-0.0` first (`-0.0 + w` is `w` for every `w`), the lookup's rows are added into them when
+//! the walk reaches it, and the saved rows are added back when the table's cotangent is final
+//! (see `walk.rs`).
 
 use std::collections::HashMap;
 
@@ -17,13 +26,16 @@ use crate::error::SpmdError;
 use crate::tape::{Backward, Tape};
 
 /// A leaf whose whole cotangent a node gives through its input `side` (sink parameter `k`,
-/// tape value `leaf`); `through_cast`: the input is the leaf's bf16 cast ([`leaf_through_cast`]).
+/// tape value `leaf`); `through_cast`: the input is the leaf's bf16 cast ([`leaf_through_cast`]);
+/// `tied_take`: the leaf's other contribution comes later in the walk from this `take` node
+/// ([`tied_through_cast`]; only with `through_cast`).
 #[derive(Clone, Copy)]
 pub(super) struct Into {
     pub(super) side: usize,
     pub(super) k: usize,
     pub(super) leaf: usize,
     pub(super) through_cast: bool,
+    pub(super) tied_take: Option<usize>,
 }
 
 /// The leaves whose whole cotangent node `i` gives (see the module docs), given the
@@ -43,6 +55,7 @@ pub(super) fn sink_targets(tape: &Tape, uses: &Uses, cts: &[Option<Array>], i: u
                     k,
                     leaf: v,
                     through_cast: false,
+                    tied_take: None,
                 });
             }
             if !adds_in_place(&node.backward) {
@@ -51,10 +64,16 @@ pub(super) fn sink_targets(tape: &Tape, uses: &Uses, cts: &[Option<Array>], i: u
             // Through ops that only retype, or (a product's operand) through the bf16 cast of
             // an `f32` weight, whose rounded cotangent the product's transpose then widens into
             // the weight's buffer itself.
-            let (leaf, through_cast) = match leaf_through_retypes(tape, &uses.uses, v) {
-                Some(leaf) => (leaf, false),
+            let (leaf, through_cast, tied_take) = match leaf_through_retypes(tape, &uses.uses, v) {
+                Some(leaf) => (leaf, false, None),
                 None if matches!(node.backward, Backward::Dot { .. }) => {
-                    (leaf_through_cast(tape, &uses.uses, &uses.leaf_of, v)?, true)
+                    match leaf_through_cast(tape, &uses.uses, &uses.leaf_of, v) {
+                        Some(leaf) => (leaf, true, None),
+                        None => {
+                            let (leaf, take) = tied_through_cast(tape, uses, v)?;
+                            (leaf, true, Some(take))
+                        }
+                    }
                 }
                 None => return None,
             };
@@ -64,6 +83,7 @@ pub(super) fn sink_targets(tape: &Tape, uses: &Uses, cts: &[Option<Array>], i: u
                 k,
                 leaf,
                 through_cast,
+                tied_take,
             })
         })
         .collect()
@@ -133,6 +153,34 @@ fn leaf_through_cast(
         return (uses[u] == 1).then_some(u);
     }
     leaf_through_retypes(tape, uses, u)
+}
+
+/// The tied table behind value `v` and the `take` that also reads it: `v` is the bf16 cast of
+/// an `f32` leaf, used once, and the leaf's only other use is as the table of a `take` earlier
+/// on the tape (walked after `v`'s reader), which reads it once (see the module docs).
+fn tied_through_cast(tape: &Tape, uses: &Uses, v: usize) -> Option<(usize, usize)> {
+    let node = &tape.nodes[v];
+    if uses.uses[v] != 1 || !matches!(node.backward, Backward::Cast { from: DType::F32 }) {
+        return None;
+    }
+    let [Some(leaf)] = node.inputs[..] else {
+        return None;
+    };
+    if !uses.leaf_of.contains_key(&leaf) || uses.uses[leaf] != 2 {
+        return None;
+    }
+    let take = uses.first_use[leaf].filter(|&t| t < v)?;
+    let reader = &tape.nodes[take];
+    let reads = reader
+        .inputs
+        .iter()
+        .flatten()
+        .filter(|&&u| u == leaf)
+        .count();
+    (matches!(reader.backward, Backward::Take { .. })
+        && reader.inputs.first() == Some(&Some(leaf))
+        && reads == 1)
+        .then_some((leaf, take))
 }
 
 /// The leaf behind value `v` through a chain of ops that only retype ([`retypes_only`]), when

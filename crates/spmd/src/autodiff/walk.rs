@@ -4,7 +4,10 @@
 
 use std::collections::HashMap;
 
+use ferrotext_sharding::ArrayType;
+
 use super::into::{adds_in_place, sink_targets, Into};
+use super::tied::TiedRows;
 use super::uses::Uses;
 use super::GradientSink;
 use crate::array::Array;
@@ -24,6 +27,9 @@ struct Walk {
     handed: Vec<bool>,
     /// Per rematerialized region (its node): the cotangents of its outputs after the first.
     region_cts: HashMap<usize, Vec<(usize, Array)>>,
+    /// Per tied table (tape value) whose head went into the sink's buffer: the rows set aside
+    /// until its cotangent is final, and the buffer's type.
+    tied: HashMap<usize, (TiedRows, ArrayType)>,
 }
 
 impl Ctx<'_> {
@@ -61,6 +67,7 @@ impl Ctx<'_> {
             sunk: vec![false; n],
             handed: vec![false; leaves.len()],
             region_cts: HashMap::new(),
+            tied: HashMap::new(),
         };
         for (v, seed) in seeds {
             walk.cts[v] = Some(seed);
@@ -124,6 +131,19 @@ impl Ctx<'_> {
             let Some(&k) = uses.leaf_of.get(&v) else {
                 continue;
             };
+            if let Some((rows, expected)) = walk.tied.remove(&v) {
+                if walk.leaf_cts[v].is_some() {
+                    return Err(SpmdError::Internal {
+                        op: "backward",
+                        invariant: "a tied table's lookup adds its rows into the buffer",
+                    });
+                }
+                let mut dest = sink.buffer(k, &expected).ok_or(SpmdError::Internal {
+                    op: "backward",
+                    invariant: "a tied table's buffer is offered until its cotangent is final",
+                })?;
+                rows.add_back(&mut dest)?;
+            }
             if walk.sunk[v] {
                 sink.finished(self, k, None)?;
                 walk.handed[k] = true;
@@ -272,11 +292,23 @@ impl Ctx<'_> {
             k,
             leaf,
             through_cast,
+            tied_take,
         } in into
         {
             let expected = tape.nodes[leaf].ty.to_cotangent();
             let Some(mut dest) = sink.buffer(k, &expected) else {
                 continue;
+            };
+            // A tied table: the lookup's rows set aside first (see `tied`), or handed.
+            let tied = match tied_take.map(|t| &tape.nodes[t].backward) {
+                Some(Backward::Take { table, ids }) => {
+                    match TiedRows::set_aside(self, (table, ids), &mut dest)? {
+                        Some(rows) => Some(rows),
+                        None => continue,
+                    }
+                }
+                Some(_) => continue,
+                None => None,
             };
             let added = match (&node.backward, through_cast) {
                 (Backward::Dot { lhs, rhs, dims }, true) => {
@@ -285,6 +317,13 @@ impl Ctx<'_> {
                 (_, true) => false,
                 (backward, false) => self.add_contribution_into(backward, ct, side, &mut dest)?,
             };
+            if let Some(rows) = tied {
+                if added {
+                    walk.tied.insert(leaf, (rows, expected.clone()));
+                } else {
+                    rows.restore(&mut dest)?;
+                }
+            }
             if added {
                 walk.sunk[leaf] = true;
                 needed[side] = false;
