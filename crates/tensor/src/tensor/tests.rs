@@ -203,19 +203,25 @@ fn reshape_keeps_data_and_checks_counts() {
 }
 
 /// `written_zeros` writes every element, shared over a kernel pool's threads or on one: `+0.0`
-/// in each, at lengths that end inside a task's chunk and on its edge, and none. Each call
+/// in each, at lengths one task zeroes, lengths split over two tasks (evenly and not), runs
+/// streamed, and none. Each call
 /// follows the freeing of a block of NaN of its size, which the allocator hands back to it
 /// (its thread's cache, `mmap` off in the binary and a reused heap block otherwise), so an
 /// element the writes missed would read NaN.
 #[test]
 fn written_zeros_writes_every_element_on_any_budget() {
+    // One task's run (below two of `Work::Light`'s least part), runs split over two tasks
+    // with an odd length (the second run shorter), and runs streamed (from `STREAMED_ZEROS`;
+    // the second run of an odd split starts off a 16-byte boundary).
     let lengths = [
         0,
         1,
-        ZERO_CHUNK - 1,
-        ZERO_CHUNK,
-        3 * ZERO_CHUNK + 5,
-        1 << 20,
+        (1 << 16) - 1,
+        1 << 16,
+        3 * (1 << 16) + 5,
+        super::STREAMED_ZEROS,
+        (1 << 20) + 1,
+        (1 << 20) + 7,
     ];
     for threads in [1, 2] {
         crate::with_kernel_pool(threads, "zeros-test", 1 << 20, || {
