@@ -63,10 +63,10 @@ pub fn strides(shape: &[usize]) -> Vec<usize> {
 /// with writes: one plain fault per page. The writes are shared over this thread's kernel
 /// budget ([`kernel_threads`]): a step's gradient accumulator is zeroed when the step opens,
 /// before any kernel, and on one thread the other cores waited (2.4 GB a step for a 0.6B
-/// model, 14.7 MB for qwen3-peer), a run a task. A run of at least [`STREAMED_ZEROS`] is
-/// written with non-temporal stores ([`stream_zeros`]): an accumulator is first read long
-/// after it is zeroed (after the forward), so caching its lines only costs reading each one
-/// before it is written. Under a profiler span `zeros`.
+/// model, 14.7 MB for qwen3-peer), a run a task. A run of at least 1 MiB is written with
+/// non-temporal stores: an accumulator is first read long after it is zeroed (after the
+/// forward), so caching its lines only costs reading each one before it is written. Under a
+/// profiler span `zeros`.
 pub fn written_zeros(len: usize) -> Vec<f32> {
     let _span = ferrotext_profile::span("zeros").map(|s| s.bytes((4 * len) as f64));
     let threads = kernel_threads();
