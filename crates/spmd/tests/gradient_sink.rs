@@ -234,6 +234,33 @@ fn only_sole_contributions_go_into_buffers_and_the_order_is_the_streamed_one() {
     }
 }
 
+/// The sink's buffer, the handed path's sum, and per finished parameter whether it went into
+/// the buffer.
+type AgainstHanded = (Vec<f32>, Vec<f32>, Vec<(usize, bool)>);
+
+/// The sink's buffer after `value_and_grad_into` of `f` on the one table `ws[0]`, starting at
+/// `start` and offered in `offer` parts; what the handed path gives (`start` plus
+/// `value_and_grad`'s gradient); and whether the table went into the buffer.
+fn against_the_handed_path(
+    cx: &mut Ctx<'_>,
+    ws: &[Array],
+    f: &LossFn<'_>,
+    start: &[f32],
+    offer: usize,
+) -> Result<AgainstHanded, SpmdError> {
+    let (_, g) = cx.value_and_grad(ws, f)?;
+    let mut sink = Recorder {
+        bufs: vec![start.to_vec()],
+        types: vec![ws[0].ty().to_cotangent()],
+        offer,
+        events: Vec::new(),
+    };
+    cx.value_and_grad_into(ws, f, &mut sink)?;
+    let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
+    let sunk = sink.events.iter().map(|(k, h)| (*k, h.is_none())).collect();
+    Ok((sink.bufs.remove(0), want, sunk))
+}
+
 /// A table only a `take` reads (ids repeat) goes into the buffer with the bits of the handed
 /// path, whole or in parts of whole rows (5 parts of one row); in parts that cut a row (3 of
 /// 5 elements) it is handed; a tied one (a `take` and a product) is handed the sum.
@@ -261,18 +288,7 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
         let models: [(&LossFn<'_>, usize); 4] =
             [(&lookup, 1), (&tied_head, 1), (&lookup, 5), (&lookup, 3)];
         for (f, offer) in models {
-            let (_, g) = cx.value_and_grad(&ws, f)?;
-            let mut sink = Recorder {
-                bufs: vec![start.clone()],
-                types: vec![ws[0].ty().to_cotangent()],
-                offer,
-                events: Vec::new(),
-            };
-            cx.value_and_grad_into(&ws, f, &mut sink)?;
-            let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
-            let sunk: Vec<(usize, bool)> =
-                sink.events.iter().map(|(k, h)| (*k, h.is_none())).collect();
-            results.push((sink.bufs.remove(0), want, sunk));
+            results.push(against_the_handed_path(cx, &ws, f, &start, offer)?);
         }
         Ok(results)
     });
@@ -346,18 +362,7 @@ fn a_tied_bf16_table_goes_into_the_buffer_with_the_handed_bits() {
         ];
         let mut results = Vec::new();
         for (start, offer) in [(&starts[0], 1), (&starts[1], 1), (&starts[0], 4)] {
-            let (_, g) = cx.value_and_grad(&ws, f)?;
-            let mut sink = Recorder {
-                bufs: vec![start.clone()],
-                types: vec![ws[0].ty().to_cotangent()],
-                offer,
-                events: Vec::new(),
-            };
-            cx.value_and_grad_into(&ws, f, &mut sink)?;
-            let want: Vec<f32> = start.iter().zip(local(&g[0])).map(|(a, b)| a + b).collect();
-            let sunk: Vec<(usize, bool)> =
-                sink.events.iter().map(|(k, h)| (*k, h.is_none())).collect();
-            results.push((sink.bufs.remove(0), want, sunk));
+            results.push(against_the_handed_path(cx, &ws, &f, start, offer)?);
         }
         Ok(results)
     });
