@@ -103,15 +103,38 @@ impl ManualTags {
 /// assert_eq!(ty.to_string(), "f32[4@fsdp,4]{U:data}");
 /// assert_eq!(ty.shard_shape(), vec![2, 4]);
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct ArrayType {
+///
+/// Its parts are shared (`Arc`): a type is cloned, moved and dropped a few times for every op
+/// a device records and transposes (the tape, the type rules, the arrays), and each of those
+/// was a deep copy of a shape, a spec and its axis sets; now it is a reference count.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct ArrayType(std::sync::Arc<Parts>);
+
+/// What an [`ArrayType`] is made of.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Parts {
     dtype: DType,
     shape: Vec<usize>,
     sharding: NamedSharding,
     manual: ManualTags,
 }
 
+impl fmt::Debug for ArrayType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ArrayType")
+            .field("dtype", &self.0.dtype)
+            .field("shape", &self.0.shape)
+            .field("sharding", &self.0.sharding)
+            .field("manual", &self.0.manual)
+            .finish()
+    }
+}
+
 impl ArrayType {
+    fn of(parts: Parts) -> ArrayType {
+        ArrayType(std::sync::Arc::new(parts))
+    }
+
     /// Checks `sharding` against `shape` and pads its spec to the rank.
     ///
     /// # Errors
@@ -124,12 +147,12 @@ impl ArrayType {
         sharding.check_shape(&shape)?;
         let padded = sharding.spec().truncated_to_rank(shape.len());
         let sharding = sharding.with_spec(padded)?;
-        Ok(ArrayType {
+        Ok(ArrayType::of(Parts {
             dtype,
             shape,
             sharding,
             manual: ManualTags::default(),
-        })
+        }))
     }
 
     /// The type of a per-device value inside a manual region over every axis of `mesh`: `shape`
@@ -168,17 +191,17 @@ impl ArrayType {
         }
         let sharding = NamedSharding::replicated(mesh)
             .with_spec(crate::spec::PartitionSpec::replicated().truncated_to_rank(shape.len()))?;
-        Ok(ArrayType {
+        Ok(ArrayType::of(Parts {
             dtype,
             shape,
             sharding,
             manual: tags,
-        })
+        }))
     }
 
     /// The manual-region tags (empty outside a region).
     pub fn manual_tags(&self) -> &ManualTags {
-        &self.manual
+        &self.0.manual
     }
 
     /// True for the type of a value inside a manual region.
@@ -191,39 +214,40 @@ impl ArrayType {
 
     /// The element type.
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.0.dtype
     }
 
     /// The global shape.
     pub fn shape(&self) -> &[usize] {
-        &self.shape
+        &self.0.shape
     }
 
     /// The sharding (its spec has exactly `rank` partitions).
     pub fn sharding(&self) -> &NamedSharding {
-        &self.sharding
+        &self.0.sharding
     }
 
     /// The mesh.
     pub fn mesh(&self) -> &Mesh {
-        self.sharding.mesh()
+        self.0.sharding.mesh()
     }
 
     /// Number of dimensions.
     pub fn rank(&self) -> usize {
-        self.shape.len()
+        self.0.shape.len()
     }
 
     /// Number of elements of the global array.
     pub fn element_count(&self) -> usize {
-        self.shape.iter().product()
+        self.0.shape.iter().product()
     }
 
     /// The shape of one device's shard (tags do not shrink it, R1.20).
     pub fn shard_shape(&self) -> Vec<usize> {
-        self.shape
+        self.0
+            .shape
             .iter()
-            .zip(self.sharding.spec().partitions())
+            .zip(self.0.sharding.spec().partitions())
             .map(|(&n, dim)| {
                 let parts: usize = dim
                     .axis_names()
@@ -237,21 +261,23 @@ impl ArrayType {
 
     /// The cotangent's type: same dtype and shape, tags swapped (R4.2).
     pub fn to_cotangent(&self) -> ArrayType {
-        ArrayType {
-            dtype: self.dtype,
-            shape: self.shape.clone(),
-            sharding: self.sharding.to_cotangent(),
-            manual: self.manual.to_cotangent(),
-        }
+        ArrayType::of(Parts {
+            dtype: self.0.dtype,
+            shape: self.0.shape.clone(),
+            sharding: self.0.sharding.to_cotangent(),
+            manual: self.0.manual.to_cotangent(),
+        })
     }
 
     /// The same array in another dtype: shape, sharding and manual tags unchanged (JAX's
     /// `convert_element_type` changes nothing else).
     pub fn with_dtype(&self, dtype: DType) -> ArrayType {
-        ArrayType {
+        ArrayType::of(Parts {
             dtype,
-            ..self.clone()
-        }
+            shape: self.0.shape.clone(),
+            sharding: self.0.sharding.clone(),
+            manual: self.0.manual.clone(),
+        })
     }
 
     /// Axis names of `set` in mesh order, as printing wants them (R1.4).
@@ -268,11 +294,12 @@ impl ArrayType {
 /// `R:` in mesh order, each one name or a parenthesised list; no braces when untagged.
 impl fmt::Display for ArrayType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}[", self.dtype)?;
+        write!(f, "{}[", self.0.dtype)?;
         for (i, (n, dim)) in self
+            .0
             .shape
             .iter()
-            .zip(self.sharding.spec().partitions())
+            .zip(self.0.sharding.spec().partitions())
             .enumerate()
         {
             if i > 0 {
@@ -292,13 +319,13 @@ impl fmt::Display for ArrayType {
             write_axes(f, "@", &explicit)?;
         }
         f.write_str("]")?;
-        let spec = self.sharding.spec();
+        let spec = self.0.sharding.spec();
         let union = |a: &AxisSet, b: &AxisSet| -> AxisSet { a.union(b).cloned().collect() };
         let (u, r) = (
-            union(spec.unreduced(), &self.manual.unreduced),
-            union(spec.reduced(), &self.manual.reduced),
+            union(spec.unreduced(), &self.0.manual.unreduced),
+            union(spec.reduced(), &self.0.manual.reduced),
         );
-        let tags: Vec<(&str, Vec<&str>)> = [("V:", &self.manual.varying), ("U:", &u), ("R:", &r)]
+        let tags: Vec<(&str, Vec<&str>)> = [("V:", &self.0.manual.varying), ("U:", &u), ("R:", &r)]
             .into_iter()
             .map(|(label, set)| (label, self.in_mesh_order(set)))
             .filter(|(_, axes)| !axes.is_empty())
