@@ -259,8 +259,13 @@ impl ArrayType {
             .collect()
     }
 
-    /// The cotangent's type: same dtype and shape, tags swapped (R4.2).
+    /// The cotangent's type: same dtype and shape, tags swapped (R4.2). Without tags to swap,
+    /// this type itself (shared, not rebuilt).
     pub fn to_cotangent(&self) -> ArrayType {
+        let (spec, manual) = (self.0.sharding.spec(), &self.0.manual);
+        if spec.unreduced() == spec.reduced() && manual.unreduced() == manual.reduced() {
+            return self.clone();
+        }
         ArrayType::of(Parts {
             dtype: self.0.dtype,
             shape: self.0.shape.clone(),
