@@ -13,7 +13,7 @@
 //! row the lookup does not touch (`acc + w`, the same bits); the touched rows are saved and set
 //! to `-0.0` first (`-0.0 + w` is `w` for every `w`), the lookup's rows are added into them when
 //! the walk reaches it, and the saved rows are added back when the table's cotangent is final
-//! (see `walk.rs`).
+//! (`tied`, called from `walk`).
 
 use std::collections::HashMap;
 

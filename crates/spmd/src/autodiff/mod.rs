@@ -20,8 +20,8 @@
 //!
 //! Files: here the entry points and recording; `walk` the reverse walk; `into` which leaves a
 //! node's transpose may add into a gradient buffer in place, and `tied` the one pair of
-//! contributions that may (a tied table's); `transpose` the dispatch of a node
-//! to its op's transpose; `sink` where gradients go ([`GradientSink`]).
+//! contributions that may (a tied table's); `transpose` the dispatch of a node to its op's
+//! transpose; `sink` where gradients go ([`GradientSink`]).
 
 use ferrotext_sharding::PartitionSpec;
 

@@ -43,7 +43,10 @@ impl TiedRows {
         let Some(natural) = cx.take_transpose_in_place(table, ids)? else {
             return Ok(None);
         };
-        let width: usize = natural.shard_shape()[1..].iter().product();
+        let width: usize = natural
+            .shard_shape()
+            .get(1..)
+            .map_or(0, |row| row.iter().product());
         let count = whole.len().checked_div(width).unwrap_or(0);
         if width == 0 || count * width != whole.len() || local.iter().any(|&r| r as usize >= count)
         {
