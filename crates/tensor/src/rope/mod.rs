@@ -267,35 +267,39 @@ pub(crate) fn rope_tail_slices<X: Copy + Sync, Y: RowOut>(
     let dim = head_dim - pass;
     let half = dim / 2;
     let table = rotation_table(rope, dim, positions, inverse);
-    let chunk = heads * head_dim;
-    // One chunk per (batch row, position): all its heads turn by the same table row, each
-    // written from `x` into the output (no copy of `x` first).
+    let per_position = heads * head_dim;
+    // A chunk is a run of (batch row, position)s, about `ROTATION_CHUNK` elements: every head
+    // of a position turns by the same table row, each written from `x` into the output (no
+    // copy of `x` first). A chunk is one vector-compiled call with one scratch (a head is
+    // short: 32 elements at qwen3-peer, so a call a position cost more than its arithmetic).
+    let positions_per_chunk = (ROTATION_CHUNK / per_position.max(1)).max(1);
+    let chunk = positions_per_chunk * per_position;
     // SAFETY: every chunk is visited, and each writes all of its elements (the passed-through
     // head of every head and every pair of its tail).
     let y = unsafe {
         crate::parallel::filled(x.len(), |y| {
-            for_each_chunk(
-                y,
-                chunk.max(1),
-                kernel_threads(),
-                Work::Light,
-                |c, pos_chunk| {
-                    let s = if positions.len() == seq { c % seq } else { c };
-                    let rot = &table[s * half..(s + 1) * half];
-                    let src = &x[c * chunk..(c + 1) * chunk];
-                    let mut scratch = Y::Scratch::default();
-                    vectorized(
-                        #[inline(always)]
-                        || {
-                            // All heads of the position at once (a head is short: 32 at
-                            // qwen3-peer).
-                            Y::store_row(
-                                pos_chunk,
-                                &mut scratch,
-                                #[inline(always)]
-                                |heads| {
+            for_each_chunk(y, chunk.max(1), kernel_threads(), Work::Light, |c, out| {
+                let src = &x[c * chunk..];
+                let mut scratch = Y::Scratch::default();
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        Y::store_row(
+                            out,
+                            &mut scratch,
+                            #[inline(always)]
+                            |out| {
+                                for (i, (position, xs)) in out
+                                    .chunks_mut(per_position)
+                                    .zip(src.chunks(per_position))
+                                    .enumerate()
+                                {
+                                    let at = c * positions_per_chunk + i;
+                                    let s = if positions.len() == seq { at % seq } else { at };
+                                    let row = s * half..(s + 1) * half;
+                                    let rot = (&table.sin[row.clone()], &table.cos[row]);
                                     for (head, xs) in
-                                        heads.chunks_mut(head_dim).zip(src.chunks(head_dim))
+                                        position.chunks_mut(head_dim).zip(xs.chunks(head_dim))
                                     {
                                         rotate_head(
                                             head,
@@ -306,25 +310,30 @@ pub(crate) fn rope_tail_slices<X: Copy + Sync, Y: RowOut>(
                                             load,
                                         )
                                     }
-                                },
-                            );
-                        },
-                    );
-                },
-            )
+                                }
+                            },
+                        );
+                    },
+                );
+            })
         })
     };
     Ok(y)
 }
 
+/// Elements a chunk of [`rope_tail_slices`] rotates, about (whole positions, at least one).
+const ROTATION_CHUNK: usize = 4096;
+
 /// One head of [`rope_tail_slices`]: its first `pass` elements copied, the rest turned pair by
-/// pair by `rot` (rotate-half, or interleaved pairs), every element of `head` written.
+/// pair by `(sin, cos)` (rotate-half, or interleaved pairs), every element of `head` written.
+/// Each element is its pair's formula alone (`x0·cos − x1·sin`, `x1·cos + x0·sin`), so how
+/// the pairs are grouped into vectors does not change a bit.
 #[inline(always)]
 fn rotate_head<X: Copy>(
     head: &mut [MaybeUninit<f32>],
     xs: &[X],
     (pass, half): (usize, usize),
-    rot: &[(f32, f32)],
+    (sin, cos): (&[f32], &[f32]),
     interleaved: bool,
     load: impl Fn(X) -> f32,
 ) {
@@ -334,25 +343,74 @@ fn rotate_head<X: Copy>(
         k.write(load(x));
     }
     if interleaved {
-        for ((pair, xp), &(sin, cos)) in head.chunks_exact_mut(2).zip(xs.chunks_exact(2)).zip(rot) {
+        for ((pair, xp), (&sin, &cos)) in head
+            .chunks_exact_mut(2)
+            .zip(xs.chunks_exact(2))
+            .zip(sin.iter().zip(cos))
+        {
             let (x0, x1) = (load(xp[0]), load(xp[1]));
             pair[0].write(x0 * cos - x1 * sin);
             pair[1].write(x1 * cos + x0 * sin);
         }
-    } else {
-        let (lo, hi) = head.split_at_mut(half);
-        let (xlo, xhi) = xs.split_at(half);
-        for (((a, b), (&x0, &x1)), &(sin, cos)) in lo
-            .iter_mut()
-            .zip(hi.iter_mut())
-            .zip(xlo.iter().zip(xhi))
-            .zip(rot)
-        {
-            let (x0, x1) = (load(x0), load(x1));
-            a.write(x0 * cos - x1 * sin);
-            b.write(x1 * cos + x0 * sin);
+        return;
+    }
+    let (lo, hi) = head.split_at_mut(half);
+    let (xlo, xhi) = xs.split_at(half);
+    // Whole blocks of `LANES` pairs computed into arrays (a vector each, with no alias checks
+    // against the output: a head is one or a few blocks, and those checks, made per head, cost
+    // more than its arithmetic), then the pairs left over one at a time.
+    let blocks = half / LANES * LANES;
+    let (lo_blocks, lo_rest) = lo.split_at_mut(blocks);
+    let (hi_blocks, hi_rest) = hi.split_at_mut(blocks);
+    for (at, (a, b)) in lo_blocks
+        .chunks_exact_mut(LANES)
+        .zip(hi_blocks.chunks_exact_mut(LANES))
+        .enumerate()
+    {
+        let block = at * LANES..(at + 1) * LANES;
+        let (ya, yb) = rotate_block(
+            (&xlo[block.clone()], &xhi[block.clone()]),
+            (&sin[block.clone()], &cos[block]),
+            &load,
+        );
+        for (o, v) in a.iter_mut().zip(ya) {
+            o.write(v);
+        }
+        for (o, v) in b.iter_mut().zip(yb) {
+            o.write(v);
         }
     }
+    for (((a, b), (&x0, &x1)), (&sin, &cos)) in lo_rest
+        .iter_mut()
+        .zip(hi_rest.iter_mut())
+        .zip(xlo[blocks..].iter().zip(&xhi[blocks..]))
+        .zip(sin[blocks..].iter().zip(&cos[blocks..]))
+    {
+        let (x0, x1) = (load(x0), load(x1));
+        a.write(x0 * cos - x1 * sin);
+        b.write(x1 * cos + x0 * sin);
+    }
+}
+
+/// The pairs per block of [`rotate_head`]: an AVX-512 vector of `f32`.
+const LANES: usize = 16;
+
+/// `LANES` rotate-half pairs: `(x0·cos − x1·sin, x1·cos + x0·sin)`, each slice at least
+/// `LANES` long.
+#[inline(always)]
+fn rotate_block<X: Copy>(
+    (x0, x1): (&[X], &[X]),
+    (sin, cos): (&[f32], &[f32]),
+    load: &impl Fn(X) -> f32,
+) -> ([f32; LANES], [f32; LANES]) {
+    let (x0, x1, sin, cos) = (&x0[..LANES], &x1[..LANES], &sin[..LANES], &cos[..LANES]);
+    let (mut a, mut b) = ([0.0f32; LANES], [0.0f32; LANES]);
+    for i in 0..LANES {
+        let (p, q) = (load(x0[i]), load(x1[i]));
+        a[i] = p * cos[i] - q * sin[i];
+        b[i] = q * cos[i] + p * sin[i];
+    }
+    (a, b)
 }
 
 /// What a rotation table is computed from.
@@ -368,15 +426,22 @@ struct TableKey {
 /// and back dozens of times (every layer, queries and keys), so it computes each table once.
 const CACHED_TABLES: usize = 4;
 
-/// A table of `(sin, cos)` per position × pair.
-type Table = Arc<[(f32, f32)]>;
+/// The `sin` and `cos` of every position × pair (`positions × dim/2`, row-major), apart, so a
+/// block of pairs loads each as one vector.
+struct Rotations {
+    sin: Box<[f32]>,
+    cos: Box<[f32]>,
+}
+
+/// A shared [`Rotations`] table.
+type Table = Arc<Rotations>;
 
 thread_local! {
     static TABLES: std::cell::RefCell<Vec<(TableKey, Table)>> =
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The `(sin, cos)` of every position × pair (`positions.len() × dim/2`, row-major), shared by
+/// The `sin` and `cos` of every position × pair (`positions.len() × dim/2`, row-major), shared by
 /// every head and batch row; from this thread's cache when it computed the same table lately.
 /// A cached table has the same bits as a fresh one: it is the same computation.
 fn rotation_table(rope: &Rope, dim: usize, positions: &[usize], inverse: bool) -> Table {
@@ -397,7 +462,7 @@ fn rotation_table(rope: &Rope, dim: usize, positions: &[usize], inverse: bool) -
     let freqs = rope.frequencies_at(dim, len);
     let sign = if inverse { -1.0 } else { 1.0 };
     let scale = rope.yarn.map_or(1.0, |y| y.attention_factor);
-    let table: Table = positions
+    let (sin, cos): (Vec<f32>, Vec<f32>) = positions
         .iter()
         .flat_map(|&p| {
             freqs.iter().map(move |&f| {
@@ -409,7 +474,11 @@ fn rotation_table(rope: &Rope, dim: usize, positions: &[usize], inverse: bool) -
                 }
             })
         })
-        .collect();
+        .unzip();
+    let table: Table = Arc::new(Rotations {
+        sin: sin.into(),
+        cos: cos.into(),
+    });
     TABLES.with(|t| {
         let mut t = t.borrow_mut();
         t.truncate(CACHED_TABLES - 1);

@@ -238,3 +238,91 @@ fn a_rotated_tail_has_the_bits_of_the_tail_rotated_alone_and_the_head_passes_thr
         "past the head"
     );
 }
+
+/// Every rotated element is its pair's formula, to the bit: `x0·cos − x1·sin` and
+/// `x1·cos + x0·sin` with `(sin, cos)` of `sign·p·f` (scaled by YaRN's factor), computed here
+/// one element at a time, over head widths around the kernel's vector blocks (a short tail, a
+/// whole block, blocks and a rest), both pairings, both directions, passed-through heads,
+/// shared and per-row positions, on 1 and 2 threads.
+#[test]
+fn every_element_is_its_pairs_formula_to_the_bit() {
+    let mut scaled = deepseek();
+    if let Some(y) = scaled.yarn.as_mut() {
+        y.attention_factor = 1.25;
+    }
+    let ropes = [
+        Rope::standard(10_000.0),
+        Rope {
+            interleaved: true,
+            ..Rope::standard(500.0)
+        },
+        scaled,
+    ];
+    // (head width, passed through, tokens, heads): the last is large enough to be split
+    // over two threads.
+    for (dim, pass, t, h) in [
+        (2, 0, 5, 3),
+        (8, 0, 5, 3),
+        (32, 0, 5, 3),
+        (34, 2, 5, 3),
+        (40, 0, 5, 3),
+        (64, 0, 5, 3),
+        (96, 32, 5, 3),
+        (128, 0, 5, 3),
+        (100, 0, 5, 3),
+        (32, 0, 128, 8),
+    ] {
+        let b = 2;
+        let x = Tensor::from_fn(&[b, t, h, dim], |i| {
+            ((i * 37 % 101) as f32 * 0.19).sin() * 3.0
+        });
+        let shared: Vec<usize> = (4..4 + t).collect();
+        let per_row: Vec<usize> = (0..b * t).map(|i| (i * 3) % 11).collect();
+        for rope in &ropes {
+            for inverse in [false, true] {
+                for positions in [&shared, &per_row] {
+                    for threads in [1, 2] {
+                        let y = crate::with_kernel_pool(threads, "rope-test", 1 << 20, || {
+                            rope_tail(&x, positions, rope, inverse, pass)
+                        })
+                        .unwrap();
+                        let tail = dim - pass;
+                        let freqs =
+                            rope.frequencies_at(tail, positions.iter().max().map_or(0, |p| p + 1));
+                        let sign = if inverse { -1.0 } else { 1.0 };
+                        let factor = rope.yarn.map_or(1.0, |y| y.attention_factor);
+                        for (head, (ys, xs)) in
+                            y.data().chunks(dim).zip(x.data().chunks(dim)).enumerate()
+                        {
+                            let s = head / h;
+                            let p = positions[if positions.len() == t { s % t } else { s }];
+                            assert_eq!(ys[..pass], xs[..pass]);
+                            let (xs, ys) = (&xs[pass..], &ys[pass..]);
+                            for (i, &f) in freqs.iter().enumerate() {
+                                let (sin, cos) = crate::fixed_math::sin_cos(sign * p as f32 * f);
+                                let (sin, cos) = if factor == 1.0 {
+                                    (sin, cos)
+                                } else {
+                                    (sin * factor, cos * factor)
+                                };
+                                let (a, b) = if rope.interleaved {
+                                    (2 * i, 2 * i + 1)
+                                } else {
+                                    (i, i + tail / 2)
+                                };
+                                let (x0, x1) = (xs[a], xs[b]);
+                                let want = [x0 * cos - x1 * sin, x1 * cos + x0 * sin];
+                                assert_eq!(
+                                    [ys[a].to_bits(), ys[b].to_bits()],
+                                    want.map(f32::to_bits),
+                                    "dim {dim} pass {pass} {rope:?} inverse {inverse} head \
+                                     {head} pair {i} on {threads} threads"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
