@@ -127,11 +127,17 @@ impl RowOut for bf16 {
         scratch: &mut Vec<MaybeUninit<f32>>,
         fill: impl FnOnce(&mut [MaybeUninit<f32>]),
     ) {
-        scratch.resize(out.len(), MaybeUninit::new(0.0));
+        // Grown uninitialised: `fill` writes every element before it is read (a zeroing
+        // `resize` was one more pass over each chunk's rows).
+        if scratch.len() < out.len() {
+            scratch.reserve(out.len() - scratch.len());
+            // SAFETY: the capacity was reserved, and `MaybeUninit` needs no initialisation.
+            unsafe { scratch.set_len(out.len()) };
+        }
         let row = &mut scratch[..out.len()];
         fill(row);
-        // SAFETY: `fill` wrote every element of `row` (the trait's contract), and it started
-        // initialised too; `[MaybeUninit<f32>]` and `[f32]` share a layout.
+        // SAFETY: `fill` wrote every element of `row` (the trait's contract);
+        // `[MaybeUninit<f32>]` and `[f32]` share a layout.
         let row = unsafe { &*(row as *const [MaybeUninit<f32>] as *const [f32]) };
         round_into(row, out);
     }
