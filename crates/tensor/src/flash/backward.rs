@@ -348,13 +348,16 @@ fn probabilities(
                     .for_each(|s| *s = exp(logit(*s, scores).0 - lse))
             },
         ),
-        Some(_) => {
-            for (s, sl) in live.iter_mut().zip(&mut slope[visible.clone()]) {
-                let (x, dx) = logit(*s, scores);
-                *s = exp(x - lse);
-                *sl = dx;
-            }
-        }
+        Some(_) => vectorized(
+            #[inline(always)]
+            || {
+                for (s, sl) in live.iter_mut().zip(&mut slope[visible.clone()]) {
+                    let (x, dx) = logit(*s, scores);
+                    *s = exp(x - lse);
+                    *sl = dx;
+                }
+            },
+        ),
     }
     row[..visible.start].fill(0.0);
     row[visible.end..].fill(0.0);

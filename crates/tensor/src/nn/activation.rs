@@ -113,7 +113,10 @@ pub fn silu(x: &Tensor) -> Tensor {
         kernel_threads(),
         Work::Heavy,
         |_, c| {
-            c.iter_mut().for_each(|v| *v *= sigmoid(*v));
+            vectorized(
+                #[inline(always)]
+                || c.iter_mut().for_each(|v| *v *= sigmoid(*v)),
+            )
         },
     );
     y
@@ -139,9 +142,14 @@ pub fn silu_backward(x: &Tensor, dy: &Tensor) -> Result<Tensor, TensorError> {
         kernel_threads(),
         Work::Heavy,
         |c, ds| {
-            for (d, &v) in ds.iter_mut().zip(&x.data()[c * BLOCK..]) {
-                *d = f(v, *d);
-            }
+            vectorized(
+                #[inline(always)]
+                || {
+                    for (d, &v) in ds.iter_mut().zip(&x.data()[c * BLOCK..]) {
+                        *d = f(v, *d);
+                    }
+                },
+            )
         },
     );
     Ok(dx)
