@@ -3,7 +3,7 @@
 //! module docs of `flash`). The task owns its kv head's `dk`, `dv` rows and its query heads'
 //! `dq` rows, and adds each tile into them in that fixed order.
 
-use super::elem::{Elem, View};
+use super::elem::{rows_per_store, Elem, View};
 use super::{logit, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_sum2, vectorized};
@@ -261,6 +261,7 @@ impl<T: Elem> Task<'_, T> {
         // SAFETY: the scratch holds `tile_len() ≥ n·w` elements.
         unsafe { T::product(s.p.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
         let lse = &self.lse[(self.b * d.h + h) * d.tq..];
+        let group = rows_per_store(w);
         for r in 0..n {
             let i = rows.start + r;
             let (a, z) = self.ranges.range(self.b, i);
@@ -269,7 +270,10 @@ impl<T: Elem> Task<'_, T> {
             let row = &mut s.p[r * w..(r + 1) * w];
             let slope = s.slope.get_mut(r * w..(r + 1) * w).unwrap_or_default();
             probabilities(row, slope, visible, self.scores, lse[i]);
-            T::store_row(row, &mut s.p_elem, r);
+            if (r + 1) % group == 0 || r + 1 == n {
+                let first = r - r % group;
+                T::store_rows(&s.p[first * w..(r + 1) * w], &mut s.p_elem, first * w);
+            }
         }
         let p = View::block(T::stored(s.p, &s.p_elem, n * w), n, w, w);
         let row_at = |heads, dw, head, row| Dims::row_at(d.tk, heads, dw, self.b, head, row);
@@ -306,7 +310,10 @@ impl<T: Elem> Task<'_, T> {
                     },
                 ),
             }
-            T::store_row(ds, &mut s.ds_elem, r);
+            if (r + 1) % group == 0 || r + 1 == n {
+                let first = r - r % group;
+                T::store_rows(&s.ds[first * w..(r + 1) * w], &mut s.ds_elem, first * w);
+            }
         }
         let ds = View::block(T::stored(s.ds, &s.ds_elem, n * w), n, w, w);
         // SAFETY: rows of this task's kv head's `dk` and of its query head's `dq` (the caller's

@@ -83,14 +83,22 @@ pub(crate) trait Elem: Widen {
     /// rounded into it; `f32` keeps none (the products read the `f32` tile itself).
     fn size_stored(stored: &mut Vec<Self>, len: usize);
 
-    /// Row `r` of an `f32` tile (probabilities, `dS`) of rows `row.len()` long, as the products
-    /// read it: rounded into `stored` for bf16 while the row is still in the core's L1 cache
-    /// (not in a pass over the whole tile, read back from L2); nothing for `f32`.
-    fn store_row(row: &[f32], stored: &mut [Self], r: usize);
+    /// Whole rows of an `f32` tile (probabilities, `dS`) that start at its element `at`, as the
+    /// products read them: rounded into `stored` for bf16 while the rows are still in the
+    /// core's L1 cache (not in a pass over the whole tile, read back from L2); nothing for
+    /// `f32`. Callers hand over [`rows_per_store`] rows at a time.
+    fn store_rows(rows: &[f32], stored: &mut [Self], at: usize);
 
     /// The tile's first `len` elements as the products read them: the `f32` tile itself, or the
     /// bf16 rows [`Elem::store_row`] stored.
     fn stored<'s>(tile: &'s [f32], stored: &'s [Self], len: usize) -> &'s [Self];
+}
+
+/// Tile rows of `w` rounded by one [`Elem::store_rows`]: about 256 elements (1 KiB of `f32`),
+/// at least one row. A rounding call per row of a small head's tile (64 keys) was a call, its
+/// setup and a wait on the row's softmax before it.
+pub(crate) fn rows_per_store(w: usize) -> usize {
+    (256 / w.max(1)).max(1)
 }
 
 /// The shared part of [`Elem::product`]: checks the views, zeroes the destination of an empty
@@ -138,7 +146,7 @@ impl Elem for f32 {
 
     fn size_stored(_: &mut Vec<f32>, _: usize) {}
 
-    fn store_row(_: &[f32], _: &mut [f32], _: usize) {}
+    fn store_rows(_: &[f32], _: &mut [f32], _: usize) {}
 
     fn stored<'s>(tile: &'s [f32], _: &'s [f32], len: usize) -> &'s [f32] {
         &tile[..len]
@@ -166,9 +174,8 @@ impl Elem for bf16 {
         }
     }
 
-    fn store_row(row: &[f32], stored: &mut [bf16], r: usize) {
-        let w = row.len();
-        crate::bf16::round_slice(row, &mut stored[r * w..(r + 1) * w]);
+    fn store_rows(rows: &[f32], stored: &mut [bf16], at: usize) {
+        crate::bf16::round_slice(rows, &mut stored[at..at + rows.len()]);
     }
 
     fn stored<'s>(_: &'s [f32], stored: &'s [bf16], len: usize) -> &'s [bf16] {

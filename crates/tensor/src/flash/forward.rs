@@ -3,7 +3,7 @@
 
 use std::mem::MaybeUninit;
 
-use super::elem::{Elem, View};
+use super::elem::{rows_per_store, Elem, View};
 use super::{logit, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_max, lane_sum, vectorized};
@@ -163,20 +163,24 @@ impl<T: Elem> Head<'_, T> {
                 // SAFETY: `tile` holds `tile_len() ≥ n·w` elements (`n` rows of a block, `w` keys of
                 // one).
                 unsafe { T::product(tile.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
-                for (r, row) in tile[..n * w].chunks_mut(w).enumerate() {
+                let group = rows_per_store(w);
+                for r in 0..n {
                     let (a, z) = ranges.range(self.b, rows.start + r);
                     let visible = a.max(cols.start).min(cols.end) - cols.start
                         ..z.min(cols.end).max(cols.start) - cols.start;
                     let acc_row = &mut run.acc[r * d.dv..(r + 1) * d.dv];
                     online_row(
-                        row,
+                        &mut tile[r * w..(r + 1) * w],
                         visible,
                         scores,
                         &mut run.max[r],
                         &mut run.sum[r],
                         acc_row,
                     );
-                    T::store_row(row, &mut probs, r);
+                    if (r + 1) % group == 0 || r + 1 == n {
+                        let first = r - r % group;
+                        T::store_rows(&tile[first * w..(r + 1) * w], &mut probs, first * w);
+                    }
                 }
                 // acc[rows] += P[rows, w] · v_cols
                 let vv = Dims::rows(self.v, d.tk, d.kv, d.dv, self.b, kvh, cols.clone());
