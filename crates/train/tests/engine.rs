@@ -150,3 +150,77 @@ fn a_micro_batch_after_the_final_one_is_an_error_until_update() {
         .as_deref()
         .is_some_and(|e| e.contains("fwd_bwd after fwd_bwd_final")));
 }
+
+/// A micro-batch with a token past the vocabulary (an input, then the last target) is refused
+/// by `batch` on every device at once, and changes nothing: the step's other micro-batches give
+/// the weights and loss of a step that never saw it, bit for bit. Made by hand past `batch`'s
+/// check, the same rows failed in one device's lookup only and left the others waiting in a
+/// collective (a mismatch error for the whole mesh).
+#[test]
+fn a_batch_past_the_vocabulary_is_refused_on_every_device_and_loses_nothing() {
+    let cfg = config();
+    let plan = cfg.plan().unwrap();
+    let mesh = plan.compute_mesh().clone();
+    assert!(
+        mesh.device_count() > 1,
+        "the bad row sits on one device of several"
+    );
+    let vocab = plan.decoder().config().vocab_size as u32;
+    let source: Arc<dyn TokenSource> = Arc::from(source_for(&cfg, 256).unwrap());
+    let run = |with_bad_batches: bool| {
+        run_spmd(
+            &mesh,
+            &SpmdOptions::default(),
+            |dev| -> Result<_, TrainError> {
+                let mut cx = Ctx::new(dev.comm(), 1);
+                let mut engine = Engine::new(&mut cx, &plan, None)?;
+                let rows = |micro| {
+                    micro_batch(
+                        source.as_ref(),
+                        0,
+                        micro,
+                        3,
+                        cfg.micro_batch_rows(),
+                        cfg.max_target_length,
+                    )
+                };
+                let mut errors = Vec::new();
+                for micro in 0..3 {
+                    if with_bad_batches && micro == 1 {
+                        for at in [0, cfg.max_target_length] {
+                            let mut bad = rows(micro);
+                            bad[0][at] = vocab + 7;
+                            let err = engine.batch(&cx, &bad).err().map(|e| e.to_string());
+                            errors.push((err, engine.pending_micro_steps()));
+                        }
+                    }
+                    let batch = engine.batch(&cx, &rows(micro))?;
+                    engine.fwd_bwd(&mut cx, &batch)?;
+                }
+                let loss = engine.update(&mut cx)?.loss;
+                Ok((errors, loss, engine.params_to_host(&mut cx)?))
+            },
+        )
+        .unwrap()
+    };
+    let with_bad = run(true);
+    let clean = run(false);
+    for (device, ((errors, loss, params), (_, clean_loss, clean_params))) in
+        with_bad.iter().zip(&clean).enumerate()
+    {
+        assert_eq!(errors.len(), 2);
+        for ((err, pending), role) in errors.iter().zip(["an input", "a target"]) {
+            let err = err.as_deref().unwrap_or_default();
+            assert!(
+                err.contains(&format!("token {} ({role}) is past", vocab + 7)),
+                "device {device}: {err}"
+            );
+            assert_eq!(*pending, 1, "the refused batch is not counted");
+        }
+        assert_eq!(loss, clean_loss);
+        assert_eq!(
+            params, clean_params,
+            "bitwise the step without the refused batch"
+        );
+    }
+}

@@ -36,7 +36,10 @@ impl Engine {
     /// the same rows and keeps its block.
     ///
     /// # Errors
-    /// Rows of unequal length, or a count the batch axes do not divide.
+    /// Rows of unequal length, a token past the model's vocabulary (one read as an input, or a
+    /// last target that is not ignored), or a count the batch axes do not divide. Every device checks the same
+    /// global rows, so all refuse a bad batch together, before any of them computes (a token
+    /// caught by one device's lookup alone left the others waiting in a collective).
     pub fn batch(&self, cx: &Ctx<'_>, rows: &[Vec<u32>]) -> Result<Batch, TrainError> {
         self.batch_of(cx, rows, None)
     }
@@ -69,6 +72,24 @@ impl Engine {
                 call: "Engine::batch",
                 reason: "a batch needs rows of equal length ≥ 2".into(),
             });
+        }
+        let vocab = self.plan.decoder().config().vocab_size;
+        for (r, row) in rows.iter().enumerate() {
+            // Index `len` is only a target, which may be ignored; every other token is read
+            // as an input.
+            let past = |(i, &t): &(usize, &u32)| {
+                t as usize >= vocab && !(*i == len && t == ferrotext_spmd::IGNORE_INDEX)
+            };
+            if let Some((i, t)) = row.iter().enumerate().find(past) {
+                let role = if i == len { "a target" } else { "an input" };
+                return Err(TrainError::Misuse {
+                    call: "Engine::batch",
+                    reason: format!(
+                        "row {r}, index {i}: token {t} ({role}) is past the model's vocabulary \
+                         of {vocab}"
+                    ),
+                });
+            }
         }
         let mut inputs: Vec<u32> = rows.iter().flat_map(|s| s[..len].iter().copied()).collect();
         let mut targets: Vec<u32> = rows.iter().flat_map(|s| s[1..].iter().copied()).collect();
