@@ -5,7 +5,9 @@
 //! Shapes: a layer's weight products at 512 tokens (a micro-batch) for qwen3-peer (d 256, 8 q
 //! / 4 kv heads of 32, MLP 768, vocab 2048) and qwen3-0.6b (d 1024, 16 q / 8 kv heads of 128,
 //! MLP 3072, vocab 151936 in 8 column blocks of 18992), each as the forward `x·W`, `dx = dy·Wᵀ`
-//! and `dW = xᵀ·dy`. Each library runs in a child process of its own (`FERROTEXT_MATMUL` is
+//! and `dW = xᵀ·dy` (activation products also stored as bf16, rounded after or as stored; the
+//! weight gradient also rounded and added into an `f32` accumulator, as a step computes it).
+//! Each library runs in a child process of its own (`FERROTEXT_MATMUL` is
 //! read once per process); a library without a bf16 product runs bf16 on the portable kernel
 //! (the fallback, named in the output); `auto` lets the process choose (f32 on the first library
 //! found, bf16 on ferrotext's AVX512_BF16 kernel where the CPU has it). Writes
@@ -25,8 +27,8 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use ferrotext_tensor::{
-    allow_bf16_fallback, dot_general, dot_general_bf16, dot_general_bf16_rounded, matmul_kernel,
-    Bf16Tensor, DotDims, Tensor,
+    allow_bf16_fallback, dot_general, dot_general_bf16, dot_general_bf16_rounded,
+    dot_general_bf16_rounded_accumulate_parts, matmul_kernel, Bf16Tensor, DotDims, Tensor,
 };
 
 /// One weight: its name, fan-in and fan-out.
@@ -106,6 +108,53 @@ fn measure(
     (flops / median(a) / 1e9, flops / median(b) / 1e9)
 }
 
+/// Times a weight gradient as a step computes it, `dot_general_bf16_rounded_accumulate_parts`
+/// (the product rounded to bf16 and added into an `f32` accumulator, a band of rows at a time),
+/// against the product alone into a new `f32` result, in alternating pairs; returns their
+/// GFLOP/s (alone, accumulated).
+fn measure_accumulated(
+    ls: &[usize],
+    rs: &[usize],
+    dims: &DotDims,
+    flops: f64,
+    (pairs, threads): (usize, usize),
+) -> (f64, f64) {
+    let l = Bf16Tensor::from_f32(&Tensor::from_fn(ls, |i| {
+        ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5
+    }));
+    let r = Bf16Tensor::from_f32(&Tensor::from_fn(rs, |i| {
+        ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5
+    }));
+    let len: usize = dims.output_shape(ls, rs).map_or(0, |s| s.iter().product());
+    let acc = std::cell::RefCell::new(vec![0.0f32; len]);
+    let time = |f: &dyn Fn()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let alone = || {
+        black_box(dot_general_bf16(&l, &r, dims, threads).ok());
+    };
+    let accumulated = || {
+        let mut acc = acc.borrow_mut();
+        let ok = dot_general_bf16_rounded_accumulate_parts(&l, &r, dims, threads, &mut [&mut acc]);
+        black_box(ok.ok());
+    };
+    alone();
+    accumulated();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for p in 0..pairs {
+        if p % 2 == 0 {
+            a.push(time(&alone));
+            b.push(time(&accumulated));
+        } else {
+            b.push(time(&accumulated));
+            a.push(time(&alone));
+        }
+    }
+    (flops / median(a) / 1e9, flops / median(b) / 1e9)
+}
+
 /// Times a bf16 product stored as bf16 two ways in alternating pairs: the `f32` result then a
 /// rounding pass (`Bf16Tensor::from_f32`), and the product rounded as it is stored
 /// (`dot_general_bf16_rounded`); returns their GFLOP/s (separate, fused).
@@ -179,15 +228,30 @@ fn child_on_pool(models: &[String], pairs: usize, tokens: usize, threads: usize)
                 let (ls, rs, dims) = layout(m, n, k, lt, rt);
                 let flops = 2.0 * (m * n * k) as f64;
                 let (f, b) = measure(&ls, &rs, &dims, flops, (pairs, threads));
-                // Activation products (not the weight gradient, which stays f32) stored as
-                // bf16: rounded after, or as the product is stored.
-                let (sep, fused) = if product == "xᵀ·dy" {
-                    (f64::NAN, f64::NAN)
+                // Activation products stored as bf16: rounded after, or as the product is
+                // stored. The weight gradient: alone into a new f32 result, or rounded and added
+                // into the step's accumulator as a step computes it.
+                let gradient = product == "xᵀ·dy";
+                let (sep, fused) = if gradient {
+                    measure_accumulated(&ls, &rs, &dims, flops, (pairs, threads))
                 } else {
                     measure_rounded(&ls, &rs, &dims, flops, (pairs, threads))
                 };
+                let (first, second, keys) = if gradient {
+                    (
+                        "into f32: alone",
+                        "accumulated",
+                        ("bf16_alone_gflops", "bf16_accumulated_gflops"),
+                    )
+                } else {
+                    (
+                        "to bf16: then round",
+                        "fused",
+                        ("bf16_then_round_gflops", "bf16_rounded_gflops"),
+                    )
+                };
                 eprintln!(
-                    "{model:>5} {name:<10} {product:<6} {m:>5}×{n:>5}×{k:>5}  f32 {f:>6.1}  bf16 {b:>6.1} GFLOP/s  ×{:.2}  to bf16: then round {sep:>6.1}  fused {fused:>6.1}  ×{:.2}",
+                    "{model:>5} {name:<10} {product:<6} {m:>5}×{n:>5}×{k:>5}  f32 {f:>6.1}  bf16 {b:>6.1} GFLOP/s  ×{:.2}  {first} {sep:>6.1}  {second} {fused:>6.1}  ×{:.2}",
                     b / f,
                     fused / sep
                 );
@@ -199,9 +263,11 @@ fn child_on_pool(models: &[String], pairs: usize, tokens: usize, threads: usize)
                     }
                 };
                 rows.push(format!(
-                    "{{\"model\":\"{model}\",\"weight\":\"{name}\",\"product\":\"{product}\",\"m\":{m},\"n\":{n},\"k\":{k},\"f32_gflops\":{f:.2},\"bf16_gflops\":{b:.2},\"bf16_over_f32\":{:.3},\"bf16_then_round_gflops\":{},\"bf16_rounded_gflops\":{}}}",
+                    "{{\"model\":\"{model}\",\"weight\":\"{name}\",\"product\":\"{product}\",\"m\":{m},\"n\":{n},\"k\":{k},\"f32_gflops\":{f:.2},\"bf16_gflops\":{b:.2},\"bf16_over_f32\":{:.3},\"{}\":{},\"{}\":{}}}",
                     b / f,
+                    keys.0,
                     num(sep),
+                    keys.1,
                     num(fused)
                 ));
             }
