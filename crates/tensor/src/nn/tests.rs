@@ -595,3 +595,26 @@ fn causal_softmax_over_a_cache_is_the_last_rows_of_the_square_mask() {
         .to_string();
     assert!(err.contains("Tk ≥ Tq"), "{err}");
 }
+
+/// Cross-entropy on long rows (the other tests' rows are at most 131 long) whose exponentials
+/// span the whole `f32` range, a length with a tail of the 8 `f64` lanes and one without: log Z
+/// and the probabilities equal the serial reference's, bit for bit.
+#[test]
+fn cross_entropy_of_long_wide_rows_is_the_serial_reference() {
+    for n in [1000usize, 1003] {
+        let logits = Tensor::from_fn(&[2, n], |i| {
+            let j = i % n;
+            -((j * 7919 % n) as f32) * 0.087 + (j % 3) as f32 * 1e-3
+        });
+        let (targets, mask) = (vec![3u32, 7], vec![1.0f32, 1.0]);
+        let ce = cross_entropy(&logits, &targets, &mask, 0.0).unwrap();
+        for (i, row) in logits.data().chunks(n).enumerate() {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = row.iter().map(|&v| exp(v - max)).collect();
+            let sum = reference::lanes_f64(e.iter().copied());
+            assert_eq!(ce.log_z[i], (max as f64 + sum.ln()) as f32, "log Z, n {n}");
+            let probs: Vec<f32> = e.iter().map(|&v| v * (1.0 / sum) as f32).collect();
+            assert_eq!(&ce.probs.data()[i * n..][..n], probs, "probs, n {n}");
+        }
+    }
+}
