@@ -71,6 +71,38 @@ fn layout(m: usize, n: usize, k: usize, lt: bool, rt: bool) -> (Vec<usize>, Vec<
     (ls, rs, dims)
 }
 
+/// The two operands of a product of these shapes, in `f32` (deterministic values in
+/// [−0.5, 0.5]).
+fn operands(ls: &[usize], rs: &[usize]) -> (Tensor, Tensor) {
+    (
+        Tensor::from_fn(ls, |i| ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5),
+        Tensor::from_fn(rs, |i| ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5),
+    )
+}
+
+/// Runs `first` and `second` once each, then times them in `pairs` alternating pairs (the
+/// order swapped every pair); returns each one's GFLOP/s at `flops` a call, from its median.
+fn alternated(pairs: usize, flops: f64, first: &dyn Fn(), second: &dyn Fn()) -> (f64, f64) {
+    let time = |f: &dyn Fn()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    first();
+    second();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for p in 0..pairs {
+        if p % 2 == 0 {
+            a.push(time(first));
+            b.push(time(second));
+        } else {
+            b.push(time(second));
+            a.push(time(first));
+        }
+    }
+    (flops / median(a) / 1e9, flops / median(b) / 1e9)
+}
+
 /// Times f32 and bf16 of one product in alternating pairs; returns (f32, bf16) GFLOP/s.
 fn measure(
     ls: &[usize],
@@ -79,33 +111,15 @@ fn measure(
     flops: f64,
     (pairs, threads): (usize, usize),
 ) -> (f64, f64) {
-    let l = Tensor::from_fn(ls, |i| ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5);
-    let r = Tensor::from_fn(rs, |i| ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5);
+    let (l, r) = operands(ls, rs);
     let (l16, r16) = (Bf16Tensor::from_f32(&l), Bf16Tensor::from_f32(&r));
-    let time = |f: &dyn Fn()| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    };
     let f32_run = || {
         black_box(dot_general(&l, &r, dims, threads).ok());
     };
     let bf16_run = || {
         black_box(dot_general_bf16(&l16, &r16, dims, threads).ok());
     };
-    f32_run();
-    bf16_run();
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for p in 0..pairs {
-        if p % 2 == 0 {
-            a.push(time(&f32_run));
-            b.push(time(&bf16_run));
-        } else {
-            b.push(time(&bf16_run));
-            a.push(time(&f32_run));
-        }
-    }
-    (flops / median(a) / 1e9, flops / median(b) / 1e9)
+    alternated(pairs, flops, &f32_run, &bf16_run)
 }
 
 /// Times a weight gradient as a step computes it, `dot_general_bf16_rounded_accumulate_parts`
@@ -119,19 +133,10 @@ fn measure_accumulated(
     flops: f64,
     (pairs, threads): (usize, usize),
 ) -> (f64, f64) {
-    let l = Bf16Tensor::from_f32(&Tensor::from_fn(ls, |i| {
-        ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5
-    }));
-    let r = Bf16Tensor::from_f32(&Tensor::from_fn(rs, |i| {
-        ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5
-    }));
+    let (l, r) = operands(ls, rs);
+    let (l, r) = (Bf16Tensor::from_f32(&l), Bf16Tensor::from_f32(&r));
     let len: usize = dims.output_shape(ls, rs).map_or(0, |s| s.iter().product());
     let acc = std::cell::RefCell::new(vec![0.0f32; len]);
-    let time = |f: &dyn Fn()| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    };
     let alone = || {
         black_box(dot_general_bf16(&l, &r, dims, threads).ok());
     };
@@ -140,19 +145,7 @@ fn measure_accumulated(
         let ok = dot_general_bf16_rounded_accumulate_parts(&l, &r, dims, threads, &mut [&mut acc]);
         black_box(ok.ok());
     };
-    alone();
-    accumulated();
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for p in 0..pairs {
-        if p % 2 == 0 {
-            a.push(time(&alone));
-            b.push(time(&accumulated));
-        } else {
-            b.push(time(&accumulated));
-            a.push(time(&alone));
-        }
-    }
-    (flops / median(a) / 1e9, flops / median(b) / 1e9)
+    alternated(pairs, flops, &alone, &accumulated)
 }
 
 /// Times a bf16 product stored as bf16 two ways in alternating pairs: the `f32` result then a
@@ -165,17 +158,8 @@ fn measure_rounded(
     flops: f64,
     (pairs, threads): (usize, usize),
 ) -> (f64, f64) {
-    let l = Bf16Tensor::from_f32(&Tensor::from_fn(ls, |i| {
-        ((i * 7 + 3) % 101) as f32 * 0.01 - 0.5
-    }));
-    let r = Bf16Tensor::from_f32(&Tensor::from_fn(rs, |i| {
-        ((i * 5 + 1) % 97) as f32 * 0.01 - 0.5
-    }));
-    let time = |f: &dyn Fn()| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    };
+    let (l, r) = operands(ls, rs);
+    let (l, r) = (Bf16Tensor::from_f32(&l), Bf16Tensor::from_f32(&r));
     let separate = || {
         black_box(
             dot_general_bf16(&l, &r, dims, threads)
@@ -186,19 +170,7 @@ fn measure_rounded(
     let fused = || {
         black_box(dot_general_bf16_rounded(&l, &r, dims, threads).ok());
     };
-    separate();
-    fused();
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for p in 0..pairs {
-        if p % 2 == 0 {
-            a.push(time(&separate));
-            b.push(time(&fused));
-        } else {
-            b.push(time(&fused));
-            a.push(time(&separate));
-        }
-    }
-    (flops / median(a) / 1e9, flops / median(b) / 1e9)
+    alternated(pairs, flops, &separate, &fused)
 }
 
 /// The child: this process's library, every shape, JSON rows on stdout. The products run on
