@@ -196,6 +196,40 @@ pub(crate) fn lane_max(xs: &[f32]) -> f32 {
     acc.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// Each element `x` of `xs`, at index `i`, replaced by `f(i, x)`, and the sum of the new values
+/// returned from the same pass: bit for bit [`lane_sum`] of them (element `i` into lane `i mod
+/// 16`, added in index order, the same fold). A last partial chunk runs as a whole one on a
+/// padded copy (its extra lanes computed and dropped: `f` may see indices up to the next
+/// multiple of 16), so the lanes stay in a register instead of being indexed one by one in
+/// memory; the padding adds `+0.0`, which leaves a lane's bits as they are (a lane that starts
+/// at `+0.0` is never `−0.0`).
+#[inline(always)]
+pub(crate) fn map_sum(xs: &mut [f32], f: impl Fn(usize, f32) -> f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    let mut base = 0;
+    for c in &mut chunks {
+        for j in 0..LANES {
+            let y = f(base + j, c[j]);
+            c[j] = y;
+            acc[j] += y;
+        }
+        base += LANES;
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        let mut pad = [0.0f32; LANES];
+        pad[..tail.len()].copy_from_slice(tail);
+        for j in 0..LANES {
+            let y = f(base + j, pad[j]);
+            pad[j] = y;
+            acc[j] += if j < tail.len() { y } else { 0.0 };
+        }
+        tail.copy_from_slice(&pad[..tail.len()]);
+    }
+    fold_lanes(acc)
+}
+
 /// `1 / (1 + e^{−x})`, on [`exp`].
 #[inline(always)]
 pub(crate) fn sigmoid(x: f32) -> f32 {
@@ -266,7 +300,7 @@ mod tests {
     /// the sequential fold, NaN ignored.
     #[test]
     fn lane_reductions_match_plain_loops() {
-        for n in 0..70usize {
+        for n in 0..150usize {
             let xs: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
             let want: f64 = xs.iter().map(|&x| f64::from(x)).sum();
             assert!((f64::from(lane_sum(&xs)) - want).abs() < 1e-5, "n {n}");
@@ -280,9 +314,23 @@ mod tests {
             );
             let seq = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             assert_eq!(lane_max(&xs).to_bits(), seq.to_bits(), "n {n}");
+            // The fused passes: the mapped values, and their lane reduction's bits.
+            let f = |x: f32| exp(0.7 * x - 0.1);
+            let mapped: Vec<f32> = xs.iter().map(|&x| f(x)).collect();
+            let mut b = xs.clone();
+            let sum = map_sum(&mut b, |_, x| f(x));
+            assert_eq!(sum.to_bits(), lane_sum(&mapped).to_bits(), "n {n}");
+            assert_eq!(b, mapped, "n {n}");
         }
         assert_eq!(lane_max(&[1.0, f32::NAN, 3.0, -2.0]), 3.0);
         assert_eq!(lane_max(&[]), f32::NEG_INFINITY);
+        // The index each element is handed: its own.
+        let mut at = vec![0.0f32; 37];
+        assert_eq!(
+            map_sum(&mut at, |i, _| i as f32),
+            (0..37).sum::<usize>() as f32
+        );
+        assert!(at.iter().enumerate().all(|(i, &x)| x == i as f32));
         // Exact where the order cannot matter: 1000 ones.
         assert_eq!(lane_sum(&[1.0; 1000]), 1000.0);
     }

@@ -4,9 +4,9 @@
 use std::mem::MaybeUninit;
 
 use super::elem::{rows_per_store, Elem, View};
-use super::{logit, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK};
+use super::{logit, masked, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
 use crate::error::TensorError;
-use crate::fastmath::{exp, lane_max, lane_sum, vectorized};
+use crate::fastmath::{exp, lane_max, map_sum, vectorized};
 use crate::operand::Store;
 use crate::parallel::{filled, for_each_index, Work};
 use crate::tensor::Tensor;
@@ -163,24 +163,17 @@ impl<T: Elem> Head<'_, T> {
                 // SAFETY: `tile` holds `tile_len() ≥ n·w` elements (`n` rows of a block, `w` keys of
                 // one).
                 unsafe { T::product(tile.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
-                let group = rows_per_store(w);
-                for r in 0..n {
+                let visible = |r: usize| {
                     let (a, z) = ranges.range(self.b, rows.start + r);
-                    let visible = a.max(cols.start).min(cols.end) - cols.start
-                        ..z.min(cols.end).max(cols.start) - cols.start;
-                    let acc_row = &mut run.acc[r * d.dv..(r + 1) * d.dv];
-                    online_row(
-                        &mut tile[r * w..(r + 1) * w],
-                        visible,
-                        scores,
-                        &mut run.max[r],
-                        &mut run.sum[r],
-                        acc_row,
-                    );
-                    if (r + 1) % group == 0 || r + 1 == n {
-                        let first = r - r % group;
-                        T::store_rows(&tile[first * w..(r + 1) * w], &mut probs, first * w);
-                    }
+                    a.max(cols.start).min(cols.end) - cols.start
+                        ..z.min(cols.end).max(cols.start) - cols.start
+                };
+                online_tile(&mut tile[..n * w], w, visible, scores, (&mut run, d.dv));
+                // Rounded after the whole tile: the same bits as row by row, and measured
+                // faster than rounding each group of rows inside the sweeps.
+                let group = rows_per_store(w) * w;
+                for (i, done) in tile[..n * w].chunks(group).enumerate() {
+                    T::store_rows(done, &mut probs, i * group);
                 }
                 // acc[rows] += P[rows, w] · v_cols
                 let vv = Dims::rows(self.v, d.tk, d.kv, d.dv, self.b, kvh, cols.clone());
@@ -207,37 +200,75 @@ impl<T: Elem> Head<'_, T> {
     }
 }
 
-/// One row of a tile through the online softmax: its scores `row` become `P = exp(logit −
-/// max)` over the `visible` columns (0 elsewhere), the row's running maximum and sum are
-/// updated, and its partial output `acc` rescaled to the new maximum.
-#[inline]
-fn online_row(
-    row: &mut [f32],
-    visible: std::ops::Range<usize>,
+/// One tile through the online softmax: its scores (`rows × w`, row-major) become `P =
+/// exp(logit − max)` over each row's `visible` columns (0 elsewhere), each row's running
+/// maximum and sum in `run` are updated, and its partial output (`dv` wide) rescaled to the new
+/// maximum. Three sweeps, all in one [`vectorized`] call (a row is a few vectors of work, which
+/// a call and a loop set-up per row outweighed): per row the logits, masked by index (`−∞`
+/// where the row does not see the key), and their maximum; then each whole row's exponentials
+/// (`exp(−∞) = 0` where masked: cheaper, measured, than a visible slice's tail and zero fills)
+/// and their sum; then per row the running state.
+#[inline(always)]
+fn online_tile(
+    tile: &mut [f32],
+    w: usize,
+    visible: impl Fn(usize) -> std::ops::Range<usize>,
     scores: Scores,
-    max: &mut f32,
-    sum: &mut f32,
-    acc: &mut [f32],
+    (run, dv): (&mut Running, usize),
 ) {
-    if visible.is_empty() {
-        row.fill(0.0);
-        return;
-    }
+    let n = tile.len() / w;
     vectorized(
         #[inline(always)]
         || {
-            let live = &mut row[visible.clone()];
-            live.iter_mut().for_each(|s| *s = logit(*s, scores).0);
-            let new_max = max.max(lane_max(live));
-            live.iter_mut().for_each(|x| *x = exp(*x - new_max));
-            let correction = exp(*max - new_max);
-            *sum = *sum * correction + lane_sum(live);
-            if correction != 1.0 {
-                acc.iter_mut().for_each(|a| *a *= correction);
+            // What each row's exponentials subtract: its new maximum, or `+∞` for a row that
+            // sees none of these keys (its logits are `−∞`: every `P` is 0).
+            let mut shift = [0.0f32; QUERY_BLOCK];
+            for (r, row) in tile.chunks_exact_mut(w).enumerate() {
+                let visible = visible(r);
+                shift[r] = if visible.is_empty() {
+                    row.fill(f32::NEG_INFINITY);
+                    f32::INFINITY
+                } else {
+                    match scores.softcap {
+                        None => {
+                            let scale = scores.scale;
+                            for (i, s) in row.iter_mut().enumerate() {
+                                *s = masked(i, &visible, scale * *s);
+                            }
+                        }
+                        Some(_) => {
+                            for (i, s) in row.iter_mut().enumerate() {
+                                *s = masked(i, &visible, logit(*s, scores).0);
+                            }
+                        }
+                    }
+                    run.max[r].max(lane_max(row))
+                };
             }
-            *max = new_max;
+            let mut sums = [0.0f32; QUERY_BLOCK];
+            for (r, row) in tile.chunks_exact_mut(w).enumerate() {
+                let m = shift[r];
+                sums[r] = map_sum(row, |_, x| exp(x - m));
+            }
+            for r in 0..n {
+                let (max, new_max) = (run.max[r], shift[r]);
+                if new_max == f32::INFINITY {
+                    continue;
+                }
+                if max == f32::NEG_INFINITY && new_max != f32::NEG_INFINITY {
+                    // The row's first visible keys: its sum and output so far are zero, and
+                    // `exp(−∞ − new_max)` would be 0, so there is nothing to rescale.
+                    run.sum[r] = sums[r];
+                } else {
+                    let correction = exp(max - new_max);
+                    run.sum[r] = run.sum[r] * correction + sums[r];
+                    if correction != 1.0 {
+                        let acc = &mut run.acc[r * dv..(r + 1) * dv];
+                        acc.iter_mut().for_each(|a| *a *= correction);
+                    }
+                }
+                run.max[r] = new_max;
+            }
         },
     );
-    row[..visible.start].fill(0.0);
-    row[visible.end..].fill(0.0);
 }

@@ -218,5 +218,20 @@ pub(crate) fn logit(s: f32, scores: Scores) -> (f32, f32) {
     }
 }
 
+/// A tile row's value at column `i`: `x` where the row sees the key (`i` in `visible`), `−∞`
+/// where it does not, so that `exp(x − m)` is exactly 0 there for any finite `m`. Lets a tile's
+/// row be computed whole, in vector lanes, instead of its visible part and zero fills.
+#[inline(always)]
+pub(crate) fn masked(i: usize, visible: &std::ops::Range<usize>, x: f32) -> f32 {
+    // One unsigned comparison on 32-bit lanes (a tile row is at most `KEY_BLOCK` wide): `i −
+    // start` wraps past `len` below the range.
+    let (start, len) = (visible.start as u32, visible.len() as u32);
+    if (i as u32).wrapping_sub(start) < len {
+        x
+    } else {
+        f32::NEG_INFINITY
+    }
+}
+
 #[cfg(test)]
 mod tests;
