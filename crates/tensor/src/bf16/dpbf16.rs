@@ -57,12 +57,27 @@ pub(crate) unsafe fn gemm(p: Product<bf16>) {
     let kp_max = KC.min(k).div_ceil(2);
     let b_len = kp_max * NC.min(n).div_ceil(NR) * NR;
     with_scratch(&B_SCRATCH, b_len, |bpack| {
+        if reads_a_in_place(&p) {
+            // SAFETY: the caller's contract; the buffer holds a block of `b`.
+            return unsafe { gemm_blocks(p, Lhs::InPlace, Rhs::Blocks(bpack)) };
+        }
         let whole_a = packs_a_whole(m, k);
         with_scratch(&A_SCRATCH, a_words(m, k, whole_a), |apack| {
             // SAFETY: the caller's contract; the buffers hold `a`'s packing and a block of `b`.
-            unsafe { gemm_blocks(p, (apack, whole_a), Rhs::Blocks(bpack)) }
+            unsafe { gemm_blocks(p, Lhs::Packed(apack, whole_a), Rhs::Blocks(bpack)) }
         })
     });
+}
+
+/// Whether [`gemm_blocks`] reads `a`'s pairs where they are stored instead of packing them:
+/// a row-major `a` (whose pairs are adjacent elements) over an even contraction (no last pair
+/// to pad with zero), in a product of one column block ([`NC`]), whose row tiles each run over
+/// at most `NC / NR` panels. There a packing is copied once and read a few times: the tiled
+/// attention's products (`q·kᵀ`, `P·v`, `dout·vᵀ`, `dS·k`: 64 rows by a head's 32–256), where
+/// `pack_a` took a tenth of the time (`perf record` of `examples/flash`). The same words reach
+/// the same tiles in the same order: the same bits.
+fn reads_a_in_place(p: &Product<bf16>) -> bool {
+    p.a.cs == 1 && p.k.is_multiple_of(2) && p.n <= NC
 }
 
 /// [`gemm`] with `p.b` already packed whole ([`pack_b_whole`] of the same `b`, `k` and `n`):
@@ -76,11 +91,24 @@ pub(crate) unsafe fn gemm_packed(p: Product<bf16>, b: &PackedB) {
     if p.m == 0 || p.n == 0 {
         return;
     }
+    if reads_a_in_place(&p) {
+        // SAFETY: the caller's contract.
+        return unsafe { gemm_blocks(p, Lhs::InPlace, Rhs::Whole(b)) };
+    }
     let whole_a = packs_a_whole(p.m, p.k);
     with_scratch(&A_SCRATCH, a_words(p.m, p.k, whole_a), |apack| {
         // SAFETY: the caller's contract; the buffer holds `a`'s packing.
-        unsafe { gemm_blocks(p, (apack, whole_a), Rhs::Whole(b)) }
+        unsafe { gemm_blocks(p, Lhs::Packed(apack, whole_a), Rhs::Whole(b)) }
     });
+}
+
+/// Where [`gemm_blocks`] reads `a`'s pairs.
+enum Lhs<'a> {
+    /// Packed into this buffer ([`a_words`]): all of `a` when the flag is set, else a block
+    /// of the contraction at a time.
+    Packed(&'a mut [u32], bool),
+    /// Where they are stored ([`reads_a_in_place`]).
+    InPlace,
 }
 
 /// Words [`pack_b_whole`] makes of a `k`×`n` operand.
@@ -164,7 +192,7 @@ fn packs_a_whole(m: usize, k: usize) -> bool {
 ///
 /// # Safety
 /// As [`gemm`] (and [`gemm_packed`] for a whole packing).
-unsafe fn gemm_blocks(p: Product<bf16>, (apack, whole_a): (&mut [u32], bool), mut rhs: Rhs<'_>) {
+unsafe fn gemm_blocks(p: Product<bf16>, lhs: Lhs<'_>, mut rhs: Rhs<'_>) {
     let Product {
         m,
         n,
@@ -188,6 +216,10 @@ unsafe fn gemm_blocks(p: Product<bf16>, (apack, whole_a): (&mut [u32], bool), mu
     // Where the block from `l0` starts in a whole packing (every earlier block has `KC / 2`
     // pairs).
     let block_at = |l0: usize| (l0 / 2) * MR * tiles;
+    let (apack, whole_a, in_place): (&mut [u32], bool, bool) = match lhs {
+        Lhs::Packed(apack, whole) => (apack, whole, false),
+        Lhs::InPlace => (&mut [], false, true),
+    };
     if whole_a {
         for l0 in (0..k).step_by(KC) {
             pack_block(l0, &mut apack[block_at(l0)..]);
@@ -198,7 +230,9 @@ unsafe fn gemm_blocks(p: Product<bf16>, (apack, whole_a): (&mut [u32], bool), mu
         for l0 in (0..k.max(1)).step_by(KC) {
             let kc = KC.min(k - l0.min(k));
             let kp = kc.div_ceil(2);
-            let ablock = if whole_a {
+            let ablock: &[u32] = if in_place {
+                &[]
+            } else if whole_a {
                 &apack[block_at(l0)..block_at(l0) + kp * MR * tiles]
             } else {
                 pack_block(l0, apack);
@@ -210,9 +244,10 @@ unsafe fn gemm_blocks(p: Product<bf16>, (apack, whole_a): (&mut [u32], bool), mu
                 // SAFETY: rows l0..l0+kc and columns j0..j0+nc of `b` are inside the operand.
                 unsafe { pack_b(b, l0, kc, j0, nc, bpack) };
             }
-            for (t, tile_pack) in ablock.chunks(kp * MR).take(tiles).enumerate() {
+            for t in 0..tiles {
                 let i0 = t * MR;
                 let rows = MR.min(m - i0);
+                let tile_pack = ablock.get(t * kp * MR..(t + 1) * kp * MR).unwrap_or(&[]);
                 for (p, jp) in (0..nc).step_by(NR).enumerate() {
                     let cols = NR.min(nc - jp);
                     let panel = match &rhs {
@@ -224,19 +259,18 @@ unsafe fn gemm_blocks(p: Product<bf16>, (apack, whole_a): (&mut [u32], bool), mu
                             &whole.data[at..at + kp * NR]
                         }
                     };
+                    let out = (dst.wrapping_add(i0 * ldc + j0 + jp), ldc);
                     // SAFETY: the CPU has the features (the caller's contract); rows
-                    // i0..i0+rows, columns j0+jp..+cols of `dst` are the caller's.
+                    // i0..i0+rows, columns j0+jp..+cols of `dst` are the caller's; in place,
+                    // rows i0..i0+rows and columns l0..l0+kc (`kc` even) of `a` are inside it.
                     unsafe {
-                        tile(
-                            rows,
-                            kp,
-                            tile_pack,
-                            panel,
-                            dst.add(i0 * ldc + j0 + jp),
-                            ldc,
-                            cols,
-                            first,
-                        )
+                        if in_place {
+                            let row0 = a.ptr.wrapping_offset(i0 as isize * a.rs + l0 as isize);
+                            let a = InPlace { row0, rs: a.rs };
+                            tile_from(rows, kp, a, panel, out, cols, first)
+                        } else {
+                            tile_from(rows, kp, Packed(tile_pack), panel, out, cols, first)
+                        }
                     };
                 }
             }
@@ -589,17 +623,79 @@ unsafe fn tile(
     cols: usize,
     first: bool,
 ) {
+    // SAFETY: the caller's contract.
+    unsafe { tile_from(rows, kp, Packed(apack), panel, (dst, ldc), cols, first) }
+}
+
+/// Where a register tile reads `a`'s pairs: `word(q, r)` is `(a[r, 2q], a[r, 2q + 1])` of the
+/// tile's rows as one 32-bit word, low half first.
+trait APairs: Copy {
+    /// Pair `q` of row `r`.
+    ///
+    /// # Safety
+    /// `r` is one of the tile's rows and `q` one of its pairs.
+    unsafe fn word(self, q: usize, r: usize) -> u32;
+}
+
+/// A tile of [`pack_a`]'s packing: pair `q` of row `r` at `q·MR + r`.
+#[derive(Clone, Copy)]
+struct Packed<'a>(&'a [u32]);
+
+impl APairs for Packed<'_> {
+    #[inline(always)]
+    unsafe fn word(self, q: usize, r: usize) -> u32 {
+        self.0[q * MR + r]
+    }
+}
+
+/// A row-major `a`'s tile read where it is stored (its first row at `row0`, rows `rs` elements
+/// apart): a pair is two adjacent elements, one unaligned 32-bit load, the very word
+/// [`pack_a`] would have copied.
+#[derive(Clone, Copy)]
+struct InPlace {
+    row0: *const bf16,
+    rs: isize,
+}
+
+impl APairs for InPlace {
+    #[inline(always)]
+    unsafe fn word(self, q: usize, r: usize) -> u32 {
+        // SAFETY: the caller's contract: elements 2q and 2q + 1 of row r are inside `a`.
+        unsafe {
+            self.row0
+                .offset(r as isize * self.rs + 2 * q as isize)
+                .cast::<u32>()
+                .read_unaligned()
+        }
+    }
+}
+
+/// [`tile`] over any [`APairs`] source.
+///
+/// # Safety
+/// As [`tile`]; `a` holds the tile's `rows` rows over `kp` pairs.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile_from<A: APairs>(
+    rows: usize,
+    kp: usize,
+    a: A,
+    panel: &[u32],
+    (dst, ldc): (*mut f32, usize),
+    cols: usize,
+    first: bool,
+) {
     // SAFETY: the caller's contract; each arm's `R` is `rows`.
     unsafe {
         match rows {
-            8 => tile_r::<8>(kp, apack, panel, dst, ldc, cols, first),
-            7 => tile_r::<7>(kp, apack, panel, dst, ldc, cols, first),
-            6 => tile_r::<6>(kp, apack, panel, dst, ldc, cols, first),
-            5 => tile_r::<5>(kp, apack, panel, dst, ldc, cols, first),
-            4 => tile_r::<4>(kp, apack, panel, dst, ldc, cols, first),
-            3 => tile_r::<3>(kp, apack, panel, dst, ldc, cols, first),
-            2 => tile_r::<2>(kp, apack, panel, dst, ldc, cols, first),
-            _ => tile_r::<1>(kp, apack, panel, dst, ldc, cols, first),
+            8 => tile_r::<8, A>(kp, a, panel, dst, ldc, cols, first),
+            7 => tile_r::<7, A>(kp, a, panel, dst, ldc, cols, first),
+            6 => tile_r::<6, A>(kp, a, panel, dst, ldc, cols, first),
+            5 => tile_r::<5, A>(kp, a, panel, dst, ldc, cols, first),
+            4 => tile_r::<4, A>(kp, a, panel, dst, ldc, cols, first),
+            3 => tile_r::<3, A>(kp, a, panel, dst, ldc, cols, first),
+            2 => tile_r::<2, A>(kp, a, panel, dst, ldc, cols, first),
+            _ => tile_r::<1, A>(kp, a, panel, dst, ldc, cols, first),
         }
     }
 }
@@ -610,9 +706,9 @@ unsafe fn tile(
 /// As [`tile`], with `R = rows`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn tile_r<const R: usize>(
+unsafe fn tile_r<const R: usize, A: APairs>(
     kp: usize,
-    apack: &[u32],
+    a: A,
     panel: &[u32],
     dst: *mut f32,
     ldc: usize,
@@ -655,11 +751,10 @@ unsafe fn tile_r<const R: usize>(
         };
         for (r, acc) in acc.iter_mut().enumerate() {
             // The pair (a[r, 2q], a[r, 2q+1]) in every 32-bit lane.
-            // SAFETY: a 512-bit integer vector read as 32 bf16, as above.
+            // SAFETY: row r < R and pair q < kp of the tile (the caller's contract); a 512-bit
+            // integer vector read as 32 bf16, as above.
             let x: __m512bh = unsafe {
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
-                    apack[q * MR + r] as i32,
-                ))
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(a.word(q, r) as i32))
             };
             acc[0] = _mm512_dpbf16_ps(acc[0], x, b0);
             acc[1] = _mm512_dpbf16_ps(acc[1], x, b1);

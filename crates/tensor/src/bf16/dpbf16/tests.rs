@@ -387,7 +387,7 @@ fn packing_a_whole_or_a_block_at_a_time_gives_one_chain() {
                 // hold `a`'s packing and a block of `b`; the CPU has the features.
                 unsafe {
                     let p = prod((m, n, k), op(&a, k, 1), bop, dst.as_mut_ptr(), store);
-                    gemm_blocks(p, (&mut apack, whole_a), Rhs::Blocks(&mut bpack));
+                    gemm_blocks(p, Lhs::Packed(&mut apack, whole_a), Rhs::Blocks(&mut bpack));
                 }
                 dst
             };
@@ -416,6 +416,74 @@ fn packing_a_whole_or_a_block_at_a_time_gives_one_chain() {
             );
         }
     }
+}
+
+/// A row-major `a` read where it is stored gives the packed route's bits: over several blocks
+/// of the contraction and of the columns, rows not a multiple of `MR`, rows further apart than
+/// the contraction (a head's rows inside `[T, H, d]`, as the tiled attention reads them),
+/// overwriting and accumulating, against `b` packed a block at a time and whole. And the
+/// public entry takes that route exactly where `reads_a_in_place` says.
+#[test]
+fn reading_a_in_place_gives_the_packed_bits() {
+    if !runs_here("reading_a_in_place_gives_the_packed_bits") {
+        return;
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (m, n, k, rs) in [
+        (19usize, 600usize, 1030usize, 1030usize),
+        (64, 64, 32, 256),
+        (61, 128, 64, 200),
+        (3, 40, 2, 7),
+    ] {
+        let (a, b) = (values(m * rs), values(k * n));
+        let (aop, bop) = (op(&a, rs, 1), op(&b, n, 1));
+        let run = |lhs_in_place: bool, whole_b: bool, store: Store| {
+            let mut dst: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32).collect();
+            let mut apack = garbage(a_words(m, k, false));
+            let mut bpack = garbage(KC.div_ceil(2) * NC);
+            let lhs = if lhs_in_place {
+                Lhs::InPlace
+            } else {
+                Lhs::Packed(&mut apack, false)
+            };
+            // SAFETY: `a` m×k at row stride `rs`, `b` k×n row-major, `dst` m×n; the buffers
+            // hold a block of `a`'s and `b`'s packings; `k` is even; the CPU has the features.
+            unsafe {
+                let p = prod((m, n, k), aop, bop, dst.as_mut_ptr(), store);
+                if whole_b {
+                    let packed = pack_b_whole(bop, k, n, 1);
+                    gemm_blocks(p, lhs, Rhs::Whole(&packed));
+                } else {
+                    gemm_blocks(p, lhs, Rhs::Blocks(&mut bpack));
+                }
+            }
+            dst
+        };
+        for store in [Store::Overwrite, Store::Accumulate] {
+            for whole_b in [false, true] {
+                let label = format!("{m}×{n}×{k}, row stride {rs}, {store:?}, whole b {whole_b}");
+                let packed = run(false, whole_b, store);
+                assert!(packed.iter().any(|&x| x != 0.0), "{label}");
+                assert_eq!(bits(&run(true, whole_b, store)), bits(&packed), "{label}");
+            }
+        }
+    }
+    let (a, b) = (values(64 * 32), values(32 * 64));
+    let dst = std::ptr::null_mut::<f32>();
+    let with = |a, n, k| prod((64, n, k), a, op(&b, n, 1), dst, Store::Overwrite);
+    assert!(reads_a_in_place(&with(op(&a, 32, 1), 64, 32)));
+    assert!(
+        !reads_a_in_place(&with(op(&a, 32, 1), 64, 31)),
+        "an odd contraction"
+    );
+    assert!(
+        !reads_a_in_place(&with(op(&a, 1, 64), 64, 32)),
+        "a column-major a"
+    );
+    assert!(
+        !reads_a_in_place(&with(op(&a, 32, 1), NC + 1, 32)),
+        "more than one column block"
+    );
 }
 
 /// A rounded product's rows packed and run a chunk of tiles at a time (one tile, three, or all
