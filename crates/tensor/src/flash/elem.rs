@@ -4,8 +4,10 @@
 //! On bf16 operands every product multiplies bf16 values into an `f32` result: `q·kᵀ` and
 //! `dout·vᵀ` read the operands as stored; the probabilities (for `P·v` and `Pᵀ·dout`) and `dS`
 //! (for `dS·k` and `dSᵀ·q`) are computed in `f32` and rounded to bf16 for their products, as
-//! FlashAttention does in half precision, a row at a time as each is computed. The online
-//! softmax, the row sums, the log-sum-exps and every accumulation stay `f32`.
+//! FlashAttention does in half precision: in groups of rows as they are computed (the
+//! backward), or after the whole tile (the forward's softmax, whose sweeps run over the tile).
+//! Rounding is elementwise, so when changes no bit. The online softmax, the row sums, the
+//! log-sum-exps and every accumulation stay `f32`.
 
 use half::bf16;
 
@@ -84,9 +86,9 @@ pub(crate) trait Elem: Widen {
     fn size_stored(stored: &mut Vec<Self>, len: usize);
 
     /// Whole rows of an `f32` tile (probabilities, `dS`) that start at its element `at`, as the
-    /// products read them: rounded into `stored` for bf16 while the rows are still in the
-    /// core's L1 cache (not in a pass over the whole tile, read back from L2); nothing for
-    /// `f32`. Callers hand over [`rows_per_store`] rows at a time.
+    /// products read them: rounded into `stored` for bf16; nothing for `f32`. Callers hand over
+    /// [`rows_per_store`] rows at a time (about 1 KiB of `f32`: in the backward, while they are
+    /// still in the core's L1 cache).
     fn store_rows(rows: &[f32], stored: &mut [Self], at: usize);
 
     /// The tile's first `len` elements as the products read them: the `f32` tile itself, or the
