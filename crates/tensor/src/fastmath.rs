@@ -148,8 +148,21 @@ pub(crate) fn lane_sum3<A: Copy, B: Copy, C: Copy>(
             acc[j] += f(x[j], y[j], z[j]);
         }
     }
-    for (j, ((&x, &y), &z)) in at.iter().zip(bt).zip(ct).enumerate() {
-        acc[j] += f(x, y, z);
+    if !at.is_empty() {
+        // The last partial chunk as a whole one, its missing lanes repeating the last element
+        // and adding `+0.0` (a lane that starts at `+0.0` is never `−0.0`, so its bits stay):
+        // no lane indexed at run time, so the lanes stay in a register (a QK-norm row is two
+        // chunks: its sums' lanes had lived in memory for a tail it never has).
+        let last = at.len() - 1;
+        let (pa, pb, pc): ([A; LANES], [B; LANES], [C; LANES]) = (
+            std::array::from_fn(|j| at[j.min(last)]),
+            std::array::from_fn(|j| bt[j.min(last)]),
+            std::array::from_fn(|j| ct[j.min(last)]),
+        );
+        for j in 0..LANES {
+            let y = f(pa[j], pb[j], pc[j]);
+            acc[j] += if j <= last { y } else { 0.0 };
+        }
     }
     fold_lanes(acc)
 }
@@ -339,6 +352,14 @@ mod tests {
             );
             let seq = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             assert_eq!(lane_max(&xs), seq, "n {n}");
+            // The lanes' order, written out: element i into lane i mod 16, in index order,
+            // then the tree fold; the padded last chunk must leave exactly these bits.
+            let mut lanes = [0.0f32; LANES];
+            for (i, &x) in xs.iter().enumerate() {
+                lanes[i % LANES] += x * x;
+            }
+            let written_out = fold_lanes(lanes);
+            assert_eq!(dot.to_bits(), written_out.to_bits(), "n {n}");
             // The fused passes: the mapped values, and their lane reduction's bits.
             let f = |x: f32| exp(0.7 * x - 0.1);
             let mapped: Vec<f32> = xs.iter().map(|&x| f(x)).collect();
