@@ -35,13 +35,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     // gives a meaningless `n`, whose result the NaN check below discards.
     let n_int = (shifted.to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
     let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, clamped));
-    let p = 1.987_569_1e-4_f32;
-    let p = p.mul_add(r, 1.398_199_9e-3);
-    let p = p.mul_add(r, 8.333_452e-3);
-    let p = p.mul_add(r, 4.166_579_6e-2);
-    let p = p.mul_add(r, 1.666_666_5e-1);
-    let p = p.mul_add(r, 0.5);
-    let e_r = (p * r).mul_add(r, r) + 1.0;
+    let e_r = exp_reduced(r);
     // 2^n as 2^h · 2^(n−h), h = ⌊n/2⌋: both halves stay normal for n in [−126, 128].
     let h = n_int >> 1;
     let two_to = |e: i32| f32::from_bits((e.wrapping_add(127) as u32) << 23);
@@ -53,6 +47,19 @@ pub(crate) fn exp(x: f32) -> f32 {
     } else {
         y
     }
+}
+
+/// `e^r` for the reduced argument `|r| ≤ ln 2 / 2` of [`exp`]: Cephes' degree-5 polynomial for
+/// `e^r − 1 − r`, its multiply-adds fused.
+#[inline(always)]
+fn exp_reduced(r: f32) -> f32 {
+    let p = 1.987_569_1e-4_f32;
+    let p = p.mul_add(r, 1.398_199_9e-3);
+    let p = p.mul_add(r, 8.333_452e-3);
+    let p = p.mul_add(r, 4.166_579_6e-2);
+    let p = p.mul_add(r, 1.666_666_5e-1);
+    let p = p.mul_add(r, 0.5);
+    (p * r).mul_add(r, r) + 1.0
 }
 
 /// Runs `f` compiled for this process's instruction set ([`Isa::detect`]: the widest the CPU
@@ -291,13 +298,8 @@ mod tests {
             let clamped = x.clamp(-87.336_55, 88.722_83);
             let n = clamped.mul_add(std::f32::consts::LOG2_E, 12_582_912.0) - 12_582_912.0;
             let r = (-n).mul_add(-2.121_944_4e-4, (-n).mul_add(0.693_359_4, clamped));
-            let p = 1.987_569_1e-4_f32;
-            let p = p.mul_add(r, 1.398_199_9e-3);
-            let p = p.mul_add(r, 8.333_452e-3);
-            let p = p.mul_add(r, 4.166_579_6e-2);
-            let p = p.mul_add(r, 1.666_666_5e-1);
-            let p = p.mul_add(r, 0.5);
-            let e_r = (p * r).mul_add(r, r) + 1.0;
+            // The polynomial is shared: what differs is how `n` becomes an integer.
+            let e_r = exp_reduced(r);
             let n = n as i32;
             let h = n >> 1;
             let two_to = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
