@@ -24,6 +24,8 @@ use std::arch::x86_64::{
     _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_epi32, _mm512_setzero_ps,
 };
 
+use std::mem::MaybeUninit;
+
 use half::bf16;
 
 use crate::operand::{Operand, Product, Store};
@@ -242,7 +244,7 @@ unsafe fn gemm_blocks(p: Product<bf16>, lhs: Lhs<'_>, mut rhs: Rhs<'_>) {
             let first = l0 == 0 && store == Store::Overwrite;
             if let Rhs::Blocks(bpack) = &mut rhs {
                 // SAFETY: rows l0..l0+kc and columns j0..j0+nc of `b` are inside the operand.
-                unsafe { pack_b(b, l0, kc, j0, nc, bpack) };
+                unsafe { pack_b(b, l0, kc, j0, nc, slots(bpack)) };
             }
             for t in 0..tiles {
                 let i0 = t * MR;
@@ -283,12 +285,21 @@ unsafe fn gemm_blocks(p: Product<bf16>, lhs: Lhs<'_>, mut rhs: Rhs<'_>) {
 /// A row-major `b` (`x·W`) interleaves two rows at a time and a column-major one (`dy·Wᵀ`, a
 /// tied head) reads each column's pairs in place, both as whole slices the compiler
 /// vectorises; other strides take the element-wise [`pack_b_strided`]. All three write the
-/// same words (`tests::packing_is_the_element_wise_packing`).
+/// same words (`tests::packing_is_the_element_wise_packing`). Every word of the
+/// `nc.div_ceil(NR)` panels of `kc.div_ceil(2) · NR` words at the start of `out` is written
+/// (none is read), so `out` may be uninitialised.
 ///
 /// # Safety
 /// Those elements of `b` are readable; the CPU has AVX-512F/BW ([`available`]).
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, out: &mut [u32]) {
+unsafe fn pack_b(
+    b: Operand<bf16>,
+    l0: usize,
+    kc: usize,
+    j0: usize,
+    nc: usize,
+    out: &mut [MaybeUninit<u32>],
+) {
     let kp = kc.div_ceil(2);
     if b.cs != 1 && b.rs != 1 {
         // SAFETY: the caller's contract.
@@ -316,7 +327,7 @@ unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, o
                 // Only a last, partial panel has columns to zero: `fill` on an empty slice
                 // still called `memset`, once a pair (a tenth of a qwen3-peer step's packing).
                 if cols < NR {
-                    slot[cols..].fill(0);
+                    slot[cols..].fill(MaybeUninit::new(0));
                 }
             }
         } else {
@@ -354,7 +365,7 @@ unsafe fn pack_b(b: Operand<bf16>, l0: usize, kc: usize, j0: usize, nc: usize, o
             }
             if cols < NR {
                 for slot in panel.chunks_mut(NR) {
-                    slot[cols..].fill(0);
+                    slot[cols..].fill(MaybeUninit::new(0));
                 }
             }
         }
@@ -371,7 +382,7 @@ unsafe fn pack_b_strided(
     kc: usize,
     j0: usize,
     nc: usize,
-    out: &mut [u32],
+    out: &mut [MaybeUninit<u32>],
 ) {
     let kp = kc.div_ceil(2);
     let at = |l: usize, j: usize| -> u32 {
@@ -392,7 +403,7 @@ unsafe fn pack_b_strided(
         for (q, row) in panel.chunks_mut(NR).enumerate() {
             for (c, slot) in row.iter_mut().enumerate() {
                 let j = p * NR + c;
-                *slot = at(2 * q, j) | (at(2 * q + 1, j) << 16);
+                *slot = MaybeUninit::new(at(2 * q, j) | (at(2 * q + 1, j) << 16));
             }
         }
     }
@@ -400,19 +411,27 @@ unsafe fn pack_b_strided(
 
 /// `out[c] = (first[c], second[c])` as one word (the low half first), `second` zero when absent.
 #[inline]
-fn interleave(first: &[bf16], second: Option<&[bf16]>, out: &mut [u32]) {
+fn interleave(first: &[bf16], second: Option<&[bf16]>, out: &mut [MaybeUninit<u32>]) {
     match second {
         Some(second) => {
             for ((o, x), y) in out.iter_mut().zip(first).zip(second) {
-                *o = u32::from(x.to_bits()) | (u32::from(y.to_bits()) << 16);
+                *o = MaybeUninit::new(u32::from(x.to_bits()) | (u32::from(y.to_bits()) << 16));
             }
         }
         None => {
             for (o, x) in out.iter_mut().zip(first) {
-                *o = u32::from(x.to_bits());
+                *o = MaybeUninit::new(u32::from(x.to_bits()));
             }
         }
     }
+}
+
+/// `words` as slots to write: only initialised words are written through the view, so `words`
+/// stays initialised (the packers take slots so a new buffer need not be zeroed first).
+fn slots(words: &mut [u32]) -> &mut [MaybeUninit<u32>] {
+    // SAFETY: `MaybeUninit<u32>` has `u32`'s layout, and every write through the view is of
+    // an initialised `u32` (the packers never write `MaybeUninit::uninit()`).
+    unsafe { &mut *(std::ptr::from_mut(words) as *mut [MaybeUninit<u32>]) }
 }
 
 /// `out[j·stride + i] = words[i][j]` for `i, j < 8`: eight runs of eight 32-bit words (pairs
@@ -424,7 +443,7 @@ fn interleave(first: &[bf16], second: Option<&[bf16]>, out: &mut [u32]) {
 /// Each of `words` points at 8 readable words; the CPU has AVX2.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn transpose8(words: [*const u32; 8], out: &mut [u32], stride: usize) {
+unsafe fn transpose8(words: [*const u32; 8], out: &mut [MaybeUninit<u32>], stride: usize) {
     use std::arch::x86_64::{
         __m256i, _mm256_loadu_si256, _mm256_permute2x128_si256, _mm256_storeu_si256,
         _mm256_unpackhi_epi32, _mm256_unpackhi_epi64, _mm256_unpacklo_epi32, _mm256_unpacklo_epi64,
@@ -490,15 +509,16 @@ unsafe fn interleave8(first: &[bf16], second: &[bf16], out: &mut [u32]) {
 /// `out[q·stride] = (line[2q], line[2q + 1])` for each pair of `line`, the last one's high
 /// half zero when `line` is odd.
 #[inline]
-fn pair_line(line: &[bf16], out: &mut [u32], stride: usize) {
+fn pair_line(line: &[bf16], out: &mut [MaybeUninit<u32>], stride: usize) {
     let pairs = line.chunks_exact(2);
     let last = pairs.remainder().first().map(|x| u32::from(x.to_bits()));
     let mut slots = out.iter_mut().step_by(stride);
     for (pair, slot) in pairs.zip(slots.by_ref()) {
-        *slot = u32::from(pair[0].to_bits()) | (u32::from(pair[1].to_bits()) << 16);
+        *slot =
+            MaybeUninit::new(u32::from(pair[0].to_bits()) | (u32::from(pair[1].to_bits()) << 16));
     }
     if let (Some(x), Some(slot)) = (last, slots.next()) {
-        *slot = x;
+        *slot = MaybeUninit::new(x);
     }
 }
 
@@ -528,7 +548,7 @@ unsafe fn pack_a(a: Operand<bf16>, i0: usize, rows: usize, l0: usize, kc: usize,
             unsafe {
                 transpose8(
                     lines.map(|l| l.add(q0)),
-                    &mut out[q0 * MR..(q0 + 8) * MR],
+                    slots(&mut out[q0 * MR..(q0 + 8) * MR]),
                     MR,
                 )
             };
@@ -543,7 +563,7 @@ unsafe fn pack_a(a: Operand<bf16>, i0: usize, rows: usize, l0: usize, kc: usize,
                     kc - 2 * from,
                 )
             };
-            pair_line(line, &mut out[from * MR + r..], MR);
+            pair_line(line, slots(&mut out[from * MR + r..]), MR);
         }
     } else if a.rs == 1 {
         for (q, pairs) in out.chunks_mut(MR).take(kc.div_ceil(2)).enumerate() {
@@ -565,7 +585,7 @@ unsafe fn pack_a(a: Operand<bf16>, i0: usize, rows: usize, l0: usize, kc: usize,
             } else {
                 None
             };
-            interleave(column(2 * q), second, &mut pairs[..rows]);
+            interleave(column(2 * q), second, slots(&mut pairs[..rows]));
         }
     } else {
         // SAFETY: the caller's contract.
@@ -822,18 +842,54 @@ unsafe fn pack_b_into(
     scratch: bool,
 ) -> PackedB {
     let (kp, panels) = (k.div_ceil(2), n.div_ceil(NR));
-    // Grown only: a buffer cut to a smaller product's packing and grown again for a larger
-    // one zeroed the difference each time (`memset`, 0.4% of a qwen3-0.6b step), though the
-    // packing writes every word.
     let words = kp * panels * NR;
-    if data.len() < words {
-        data.resize(words, 0);
+    // A buffer too short is grown without zeroing (the packing writes every word: zeroing a
+    // kept packing first was `memset`, 0.4% of a qwen3-peer bf16 step's CPU time). Its length
+    // only grows: a thread's buffer cut to a smaller packing and grown again by
+    // `with_scratch` zeroed the difference each time (0.4% of a qwen3-0.6b step).
+    let grown = data.len() < words;
+    if grown {
+        data.clear();
+        data.reserve(words);
     }
+    let out: &mut [MaybeUninit<u32>] = if grown {
+        &mut data.spare_capacity_mut()[..words]
+    } else {
+        slots(&mut data[..words])
+    };
+    // SAFETY: rows 0..k and columns 0..n of `b` are inside the operand (the caller's
+    // contract); `out` holds the packing's `words`.
+    unsafe { pack_b_slots(b, (k, n), threads, out) };
+    if grown {
+        // SAFETY: `pack_b_slots` wrote every one of the first `words` words (`pack_b`'s
+        // contract, over its panels), within the capacity reserved above.
+        unsafe { data.set_len(words) };
+    }
+    PackedB {
+        data,
+        k,
+        n,
+        scratch,
+    }
+}
+
+/// Every panel of `b` (k×n) into `out` (`k.div_ceil(2) · n.div_ceil(NR) · NR` words, each
+/// written), shared out over up to `threads` tasks in runs of whole panels.
+///
+/// # Safety
+/// As [`pack_b_whole`]; `out` holds the packing's words.
+unsafe fn pack_b_slots(
+    b: Operand<bf16>,
+    (k, n): (usize, usize),
+    threads: usize,
+    out: &mut [MaybeUninit<u32>],
+) {
+    let (kp, panels) = (k.div_ceil(2), n.div_ceil(NR));
     let per_task = panels.div_ceil(threads.max(1)).max(1);
     if threads <= 1 || panels < 2 || kp == 0 {
         // SAFETY: rows 0..k and columns 0..n of `b` are inside the operand (the caller's
         // contract).
-        unsafe { pack_b(b, 0, k, 0, n, &mut data[..words]) };
+        unsafe { pack_b(b, 0, k, 0, n, out) };
     } else {
         /// The operand crossing threads: only read, each task its own columns.
         struct Shared(Operand<bf16>);
@@ -841,8 +897,7 @@ unsafe fn pack_b_into(
         unsafe impl Sync for Shared {}
         let shared = Shared(b);
         use rayon::prelude::*;
-        data[..words]
-            .par_chunks_mut(per_task * kp * NR)
+        out.par_chunks_mut(per_task * kp * NR)
             .with_max_len(1)
             .enumerate()
             .for_each(|(task, out)| {
@@ -852,12 +907,6 @@ unsafe fn pack_b_into(
                 // holds this run's panels.
                 unsafe { pack_b(b.0, 0, k, j0, (per_task * NR).min(n - j0), out) };
             });
-    }
-    PackedB {
-        data,
-        k,
-        n,
-        scratch,
     }
 }
 

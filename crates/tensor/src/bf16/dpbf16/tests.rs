@@ -82,7 +82,7 @@ fn packing_a_hand_made_block_gives_its_pairs() {
     for (data, rs, cs) in [(&b, 2, 1), (&bt, 1, 3)] {
         let mut out = garbage(2 * NR);
         // SAFETY: the CPU has the features; the block is the whole 3×2 matrix.
-        unsafe { pack_b(op(data, rs, cs), 0, 3, 0, 2, &mut out) };
+        unsafe { pack_b(op(data, rs, cs), 0, 3, 0, 2, slots(&mut out)) };
         assert_eq!(out, expected, "b with strides ({rs}, {cs})");
     }
     // a is 2×3 row-major [[1, 2, 3], [4, 5, 6]]: pair q of row r at q·MR + r.
@@ -120,8 +120,8 @@ fn packing_is_the_element_wise_packing() {
             let (mut fast, mut slow) = (garbage(len), garbage(len));
             // SAFETY: the block lies inside `data` with these strides; the CPU has the features.
             unsafe {
-                pack_b(op(&data, rs, cs), l0, kc, j0, nc, &mut fast);
-                pack_b_strided(op(&data, rs, cs), l0, kc, j0, nc, &mut slow);
+                pack_b(op(&data, rs, cs), l0, kc, j0, nc, slots(&mut fast));
+                pack_b_strided(op(&data, rs, cs), l0, kc, j0, nc, slots(&mut slow));
             }
             assert_eq!(fast, slow, "b {rows}×{cols} strides ({rs}, {cs})");
         }
@@ -149,8 +149,8 @@ fn packing_is_the_element_wise_packing() {
     let (mut one, mut other) = (garbage(8 * NR), garbage(8 * NR));
     // SAFETY: both are 16×16 views of `data`.
     unsafe {
-        pack_b(op(&data, 16, 1), 0, 16, 0, 16, &mut one);
-        pack_b(op(&data, 1, 16), 0, 16, 0, 16, &mut other);
+        pack_b(op(&data, 16, 1), 0, 16, 0, 16, slots(&mut one));
+        pack_b(op(&data, 1, 16), 0, 16, 0, 16, slots(&mut other));
     }
     assert_ne!(one, other);
 }
@@ -204,6 +204,36 @@ fn packing_on_several_threads_gives_one_threads_words() {
                     packed.data, one,
                     "{k}×{n}, strides ({rs}, {cs}), {threads} threads"
                 );
+            }
+        }
+    }
+}
+
+/// A packing into a new buffer (a kept packing's: grown without being zeroed first) and into
+/// a thread's buffer grown past an earlier, smaller packing hold exactly the words `pack_b`
+/// writes over a buffer of garbage (which shows any word it does not write), and no more.
+#[test]
+fn a_packing_into_a_grown_buffer_holds_the_packed_words() {
+    if !runs_here("a_packing_into_a_grown_buffer_holds_the_packed_words") {
+        return;
+    }
+    for (k, n) in [(7usize, 70usize), (64, 32), (33, 97), (130, 257)] {
+        let data = values(k * n);
+        for (rs, cs) in [(n, 1), (1, k)] {
+            let len = k.div_ceil(2) * n.div_ceil(NR) * NR;
+            let mut expected = garbage(len);
+            // SAFETY: `data` holds k×n elements at these strides; the CPU has the features.
+            unsafe { pack_b(op(&data, rs, cs), 0, k, 0, n, slots(&mut expected)) };
+            for threads in [1, 2] {
+                // SAFETY: as above.
+                let kept = unsafe { pack_b_kept(op(&data, rs, cs), k, n, threads) };
+                assert_eq!(kept.data, expected, "kept {k}×{n} ({rs}, {cs}), {threads}");
+                // A thread's buffer after a packing of 1×1 (shorter: grown for this one).
+                // SAFETY: as above; the 1×1 block is inside `data`.
+                drop(unsafe { pack_b_whole(op(&data, rs, cs), 1, 1, threads) });
+                // SAFETY: as above.
+                let whole = unsafe { pack_b_whole(op(&data, rs, cs), k, n, threads) };
+                assert_eq!(whole.data[..len], expected, "whole {k}×{n} ({rs}, {cs})");
             }
         }
     }
