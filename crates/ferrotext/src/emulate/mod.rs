@@ -256,6 +256,33 @@ pub struct JobRun {
 /// hosts starts every process within a few seconds on this 2-core machine.
 pub const LAUNCH_DEADLINE: Duration = Duration::from_secs(60);
 
+/// How many times a job is launched while Open MPI loses a host's daemon at launch: by both
+/// `emulate` ([`relaunched`]) and `bench cluster`. Such a launch runs nothing of the job (no
+/// process gets past MPI's start-up), so launching it again changes nothing but the time.
+pub const LAUNCH_ATTEMPTS: usize = 3;
+
+/// `launch(attempt)` (from 1) until every host's process started, at most [`LAUNCH_ATTEMPTS`]
+/// times, with a warning before each new launch; the last run is returned as it is (its
+/// [`JobRun::never_started`] then names the hosts). An error from `launch` ends it at once.
+fn relaunched(mut launch: impl FnMut(usize) -> Result<JobRun>) -> Result<JobRun> {
+    let mut attempt = 1;
+    loop {
+        let run = launch(attempt)?;
+        if run.never_started.is_empty() || attempt >= LAUNCH_ATTEMPTS {
+            return Ok(run);
+        }
+        eprintln!(
+            "warning: the job never started on host(s) {:?} within {} s (Open MPI lost their \
+             daemon at launch) and was stopped; launching it again (attempt {} of {})",
+            run.never_started,
+            LAUNCH_DEADLINE.as_secs(),
+            attempt + 1,
+            LAUNCH_ATTEMPTS
+        );
+        attempt += 1;
+    }
+}
+
 impl JobRun {
     /// Median step time in ms, the first (warm-up) step left out when there are others.
     pub fn median_step_ms(&self) -> f64 {
@@ -486,15 +513,17 @@ pub fn run(args: &EmulateArgs) -> Result<()> {
         network.cidr(),
         network.namespace(0)
     );
-    let run = run_job(&network, plan.local, &plan.job, &stop, false, None);
+    let run = relaunched(|_| run_job(&network, plan.local, &plan.job, &stop, false, None));
     network.teardown();
     let run = run?;
     if !run.never_started.is_empty() {
         return Err(anyhow!(
-            "the job never started on host(s) {:?} within {} s: Open MPI lost their daemon at \
-             launch, so the job was stopped and the emulated network removed; run it again",
+            "the job never started on host(s) {:?} within {} s in {} launches: Open MPI lost \
+             their daemon at launch each time, so the job was stopped and the emulated network \
+             removed",
             run.never_started,
-            LAUNCH_DEADLINE.as_secs()
+            LAUNCH_DEADLINE.as_secs(),
+            LAUNCH_ATTEMPTS
         ));
     }
     if plan.config.is_some() {

@@ -511,8 +511,9 @@ fn run_cell(
 /// (4 hosts at 1 Gbit/s, GA 8, 5 steps) takes under a minute.
 const JOB_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// How many times a job is launched when Open MPI keeps losing a daemon and the job hangs.
-const JOB_ATTEMPTS: usize = 3;
+/// How many times a job is launched when Open MPI keeps losing a daemon or the job hangs: as
+/// many as `emulate` launches a lost one.
+const JOB_ATTEMPTS: usize = emulate::LAUNCH_ATTEMPTS;
 
 /// [`emulate::run_job`] quietly, started again when a host's process never started (a launch
 /// whose daemon Open MPI lost) or it runs past [`JOB_LIMIT`], at most [`JOB_ATTEMPTS`] times.
