@@ -180,9 +180,10 @@ pub(crate) fn lane_sum(xs: &[f32]) -> f32 {
     lane_sum2(xs, xs, |x, _| x)
 }
 
-/// `Σᵢ xᵢ` in `f64`, in 8 interleaved partial sums folded in a fixed tree (as [`lane_sum2`]).
-#[inline(always)]
-pub(crate) fn lane_sum_f64(xs: &[f32]) -> f64 {
+/// `Σᵢ xᵢ` in `f64`, in 8 interleaved partial sums folded in a fixed tree (as [`lane_sum2`]):
+/// the order `write_sum_f64` keeps (its tests' reference).
+#[cfg(test)]
+fn lane_sum_f64(xs: &[f32]) -> f64 {
     const W: usize = 8;
     let mut acc = [0.0f64; W];
     let chunks = xs.chunks_exact(W);
@@ -194,6 +195,47 @@ pub(crate) fn lane_sum_f64(xs: &[f32]) -> f64 {
     }
     for (j, &x) in tail.iter().enumerate() {
         acc[j] += f64::from(x);
+    }
+    fold_lanes(acc)
+}
+
+/// `out[i] = f(xs[i])` for each element, and the sum of the new values in `f64` from the same
+/// pass, in 8 interleaved partial sums folded in a fixed tree (as [`lane_sum2`]): element `i`
+/// into lane `i mod 8`, added in index order (its tests compare it with the sum taken apart). `out` holds `xs.len()` elements; each is written (it may start
+/// uninitialised).
+#[inline(always)]
+pub(crate) fn write_sum_f64(
+    xs: &[f32],
+    out: &mut [std::mem::MaybeUninit<f32>],
+    f: impl Fn(f32) -> f32,
+) -> f64 {
+    const W: usize = 8;
+    assert_eq!(xs.len(), out.len()); // ok: the callers' rows
+    let mut acc = [0.0f64; W];
+    // Two lanes' worth of `f32` at a time (a vector of 16 computed as one), each half added
+    // into the 8 `f64` lanes in index order.
+    let chunks = xs.chunks_exact(2 * W);
+    let tail = chunks.remainder();
+    let mut outs = out.chunks_exact_mut(2 * W);
+    for (c, o) in chunks.zip(&mut outs) {
+        let mut y = [0.0f32; 2 * W];
+        for j in 0..2 * W {
+            y[j] = f(c[j]);
+        }
+        for j in 0..2 * W {
+            o[j].write(y[j]);
+        }
+        for j in 0..W {
+            acc[j] += f64::from(y[j]);
+        }
+        for j in 0..W {
+            acc[j] += f64::from(y[W + j]);
+        }
+    }
+    for ((j, &x), o) in tail.iter().enumerate().zip(outs.into_remainder()) {
+        let y = f(x);
+        o.write(y);
+        acc[j % W] += f64::from(y);
     }
     fold_lanes(acc)
 }
@@ -333,6 +375,48 @@ mod tests {
         }
         assert!(checked > 1_000_000, "{checked}");
         assert!(worst <= 2, "worst {worst} ulp");
+    }
+
+    /// `write_sum_f64` writes `f` of every element and returns, bit for bit, `lane_sum_f64` of
+    /// what it wrote, at every length up to 150 (tails of every size) and on values whose
+    /// order of addition shows (a sum in another order differs: the mirror).
+    #[test]
+    fn write_sum_f64_is_the_lane_sum_of_what_it_writes() {
+        for n in 0..150usize {
+            let xs: Vec<f32> = (0..n)
+                .map(|i| {
+                    ((i * 7919 % 97) as f32 - 48.0) * 0.731 * if i % 5 == 0 { 1e7 } else { 1.0 }
+                })
+                .collect();
+            let f = |x: f32| x * 1.5 - 0.25;
+            let mut out = vec![std::mem::MaybeUninit::new(f32::NAN); n];
+            let sum = write_sum_f64(&xs, &mut out, f);
+            // SAFETY: every element was initialised (to NaN) before the call.
+            let written: Vec<f32> = out.iter().map(|o| unsafe { o.assume_init() }).collect();
+            let want: Vec<f32> = xs.iter().map(|&x| f(x)).collect();
+            assert_eq!(written, want, "n {n}");
+            assert_eq!(sum.to_bits(), lane_sum_f64(&want).to_bits(), "n {n}");
+        }
+        // The mirror: these values' sum depends on its order (a sequential f64 sum differs).
+        let xs: Vec<f32> = (0..64)
+            .map(|i| {
+                if i % 8 == 0 {
+                    1e30
+                } else {
+                    1.0 + i as f32 * 1e-7
+                }
+            })
+            .collect();
+        let xs: Vec<f32> = xs
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| if i % 16 == 8 { -x } else { x })
+            .collect();
+        let sequential: f64 = xs.iter().map(|&x| f64::from(x)).sum();
+        let mut out = vec![std::mem::MaybeUninit::new(0.0); xs.len()];
+        let lanes = write_sum_f64(&xs, &mut out, |x| x);
+        assert_eq!(lanes.to_bits(), lane_sum_f64(&xs).to_bits());
+        assert_ne!(lanes.to_bits(), sequential.to_bits());
     }
 
     /// Lane sums against an f64 loop on every length up to a few lanes (tails of every size),

@@ -6,12 +6,13 @@
 
 use super::last_dim;
 use crate::error::TensorError;
-use crate::fastmath::{exp, lane_max, lane_sum_f64, vectorized};
+use crate::fastmath::{exp, lane_max, vectorized, write_sum_f64};
 use crate::parallel::{filled, for_each_chunk, for_each_chunk2, kernel_threads, Work};
 use crate::tensor::Tensor;
 
 /// What [`cross_entropy`] returns: the masked loss sum (cross-entropy plus z-loss), the token
-/// count (sum of the mask), and what the backward needs (softmax probabilities, each row's
+/// count (sum of the mask), and what the backward needs (the softmax probabilities, kept as
+/// each row's exponentials and the inverse of their sum: [`CrossEntropy::probs`]; each row's
 /// log-partition `log Z`).
 #[derive(Clone, Debug)]
 pub struct CrossEntropy {
@@ -19,10 +20,29 @@ pub struct CrossEntropy {
     pub loss_sum: f32,
     /// Σ mask.
     pub count: f32,
-    /// softmax(logits).
-    pub probs: Tensor,
+    /// `exp(logit − max)` per element, its row's maximum subtracted.
+    exps: Tensor,
+    /// Per row, `1 / Σ exp(logit − max)` (the sum in `f64`, its inverse rounded to `f32`).
+    inv_sums: Vec<f32>,
     /// log Z per row.
     pub log_z: Vec<f32>,
+}
+
+impl CrossEntropy {
+    /// softmax(logits): each element is its exponential times its row's inverse sum, the
+    /// product [`cross_entropy_backward`] computes from them (so its `probs · k` is this
+    /// tensor's element times `k`, bit for bit).
+    pub fn probs(&self) -> Tensor {
+        let v = self.exps.shape().last().copied().unwrap_or(0).max(1);
+        let mut probs = self.exps.clone();
+        for (row, &inv) in probs.data_mut().chunks_mut(v).zip(&self.inv_sums) {
+            vectorized(
+                #[inline(always)]
+                || row.iter_mut().for_each(|p| *p *= inv),
+            );
+        }
+        probs
+    }
 }
 
 /// Cross-entropy of `logits: [N, V]` against `targets` (N class ids), weighted by `mask` (N
@@ -58,36 +78,29 @@ pub fn cross_entropy(
             format!("target {t} out of range for {v} classes"),
         ));
     }
-    // Per row, in parallel: the probabilities (f32, as softmax_last), log Z and the row's loss
-    // term (f64); the terms are then summed in row order. Each row's exponentials are written
-    // straight from the logits into the output (no copy of the logits first).
-    let mut stats = vec![(0.0f32, 0.0f64); n];
-    // SAFETY: every chunk is visited, and each writes all `v` elements of its row first.
-    let probs = unsafe {
-        filled(logits.len(), |probs| {
+    // Per row, in parallel: the exponentials (written straight from the logits, no copy of
+    // them first) and their sum from the same pass, log Z, the inverse sum, and the row's loss
+    // term (f64); the terms are then summed in row order. The probabilities are not formed here:
+    // the backward multiplies each exponential by its row's inverse sum as it reads it (a pass
+    // over the `[N, V]` logits' size less: 311 MB a micro-batch at qwen3-0.6b).
+    let mut stats = vec![(0.0f32, 0.0f32, 0.0f64); n];
+    // SAFETY: every chunk is visited, and each writes all `v` elements of its row.
+    let exps = unsafe {
+        filled(logits.len(), |exps| {
             for_each_chunk2(
-                probs,
+                exps,
                 v,
                 &mut stats,
                 1,
                 kernel_threads(),
                 Work::Heavy,
-                |i, prow, stat| {
+                |i, erow, stat| {
                     let row = &logits.data()[i * v..(i + 1) * v];
-                    // One vectorised pass of exponentials, summed in f64 (in lanes) for log Z
-                    // and normalised into the probabilities.
-                    let (max, sum, prow) = vectorized(
+                    let (max, sum) = vectorized(
                         #[inline(always)]
                         || {
                             let max = lane_max(row);
-                            for (p, &x) in prow.iter_mut().zip(row) {
-                                p.write(exp(x - max));
-                            }
-                            // SAFETY (inside `filled`'s block): the loop above wrote every element
-                            // of the row.
-                            let prow =
-                                std::slice::from_raw_parts_mut(prow.as_mut_ptr().cast::<f32>(), v);
-                            (max, lane_sum_f64(prow), prow)
+                            (max, write_sum_f64(row, erow, |x| exp(x - max)))
                         },
                     );
                     let lz = max as f64 + sum.ln();
@@ -97,29 +110,24 @@ pub fn cross_entropy(
                     } else {
                         0.0
                     };
-                    stat[0] = (lz as f32, term);
-                    let inv = (1.0 / sum) as f32;
-                    vectorized(
-                        #[inline(always)]
-                        || prow.iter_mut().for_each(|p| *p *= inv),
-                    );
+                    stat[0] = (lz as f32, (1.0 / sum) as f32, term);
                 },
             )
         })
     };
-    let probs = Tensor::new(logits.shape().to_vec(), probs)?;
+    let exps = Tensor::new(logits.shape().to_vec(), exps)?;
     let mut loss = 0.0f64;
-    for (&(_, term), &m) in stats.iter().zip(mask) {
+    for (&(_, _, term), &m) in stats.iter().zip(mask) {
         if m != 0.0 {
             loss += term;
         }
     }
-    let log_z = stats.iter().map(|&(lz, _)| lz).collect();
     Ok(CrossEntropy {
         loss_sum: loss as f32,
         count: mask.iter().sum(),
-        probs,
-        log_z,
+        exps,
+        inv_sums: stats.iter().map(|&(_, inv, _)| inv).collect(),
+        log_z: stats.iter().map(|&(lz, _, _)| lz).collect(),
     })
 }
 
@@ -136,12 +144,13 @@ pub fn cross_entropy_backward(
     dloss: f32,
 ) -> Result<Tensor, TensorError> {
     let _span = ferrotext_profile::span("cross_entropy_backward")
-        .map(|s| s.bytes((8 * ce.probs.len()) as f64));
-    let probs = &ce.probs;
-    let v = last_dim(probs, "cross_entropy_backward")?;
-    if targets.len() * v != probs.len()
+        .map(|s| s.bytes((8 * ce.exps.len()) as f64));
+    let exps = &ce.exps;
+    let v = last_dim(exps, "cross_entropy_backward")?;
+    if targets.len() * v != exps.len()
         || mask.len() != targets.len()
         || ce.log_z.len() != targets.len()
+        || ce.inv_sums.len() != targets.len()
     {
         return Err(TensorError::shape(
             "cross_entropy_backward",
@@ -154,27 +163,28 @@ pub fn cross_entropy_backward(
             format!("target {t} out of range for {v} classes"),
         ));
     }
-    // Each row written from the probabilities (no copy of them first).
-    // SAFETY: every chunk is visited, and each writes all `v` elements of its row before it
-    // reads one back.
+    // Each row written from the exponentials, each made its probability (`e · inv`, as
+    // `CrossEntropy::probs` gives it) and scaled in one pass, no copy of them first.
+    // SAFETY: every chunk is visited, and each writes all `v` elements of its row.
     let d = unsafe {
-        filled(probs.len(), |d| {
+        filled(exps.len(), |d| {
             for_each_chunk(d, v, kernel_threads(), Work::Light, |i, row| {
                 let k = dloss * mask[i];
                 let kp = k * (1.0 + 2.0 * z_loss * ce.log_z[i]);
-                let prow = &probs.data()[i * v..(i + 1) * v];
+                let inv = ce.inv_sums[i];
+                let erow = &exps.data()[i * v..(i + 1) * v];
                 vectorized(
                     #[inline(always)]
                     || {
-                        for (x, &p) in row.iter_mut().zip(prow) {
-                            x.write(p * kp);
+                        for (x, &e) in row.iter_mut().zip(erow) {
+                            x.write(e * inv * kp);
                         }
                     },
                 );
                 let t = targets[i] as usize;
-                row[t].write(prow[t] * kp - k);
+                row[t].write(erow[t] * inv * kp - k);
             })
         })
     };
-    Tensor::new(probs.shape().to_vec(), d)
+    Tensor::new(exps.shape().to_vec(), d)
 }

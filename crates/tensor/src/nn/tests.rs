@@ -462,7 +462,7 @@ fn threaded_row_kernels_match_serial_references_bitwise() {
                     let e: Vec<f32> = row.iter().map(|&v| exp(v - max)).collect();
                     let sum = reference::lanes_f64(e.iter().copied());
                     let probs: Vec<f32> = e.iter().map(|&v| v * (1.0 / sum) as f32).collect();
-                    assert_eq!(&ce.probs.data()[i * n..][..n], probs, "ce probs {at}");
+                    assert_eq!(&ce.probs().data()[i * n..][..n], probs, "ce probs {at}");
                     let lz = max as f64 + sum.ln();
                     assert_eq!(ce.log_z[i], lz as f32, "log Z {at}");
                     if mask[i] != 0.0 {
@@ -476,7 +476,7 @@ fn threaded_row_kernels_match_serial_references_bitwise() {
                     let k = 0.5 * mask[i];
                     let kp = k * (1.0 + 2.0 * z * ce.log_z[i]);
                     for (j, &g) in row.iter().enumerate() {
-                        let mut want = ce.probs.data()[i * n + j] * kp;
+                        let mut want = ce.probs().data()[i * n + j] * kp;
                         if j == targets[i] as usize {
                             want -= k;
                         }
@@ -614,7 +614,7 @@ fn cross_entropy_of_long_wide_rows_is_the_serial_reference() {
             let sum = reference::lanes_f64(e.iter().copied());
             assert_eq!(ce.log_z[i], (max as f64 + sum.ln()) as f32, "log Z, n {n}");
             let probs: Vec<f32> = e.iter().map(|&v| v * (1.0 / sum) as f32).collect();
-            assert_eq!(&ce.probs.data()[i * n..][..n], probs, "probs, n {n}");
+            assert_eq!(&ce.probs().data()[i * n..][..n], probs, "probs, n {n}");
         }
     }
 }
