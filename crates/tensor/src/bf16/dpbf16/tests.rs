@@ -179,6 +179,11 @@ fn product(m: usize, n: usize, k: usize, a: &[bf16], b: &[bf16], rounded: bool) 
     dst
 }
 
+/// `(k, n)` of the whole packings the tests make, in each of the two layouts a rounded
+/// product's `b` comes in: widths that split into runs of whole panels and not (a last panel
+/// part empty), odd contractions, each larger than the one before.
+const WHOLE_PACKINGS: [(usize, usize); 4] = [(7, 70), (64, 32), (33, 97), (130, 257)];
+
 /// A product after a larger one on the same thread (its packing buffers hold the larger one's
 /// words) gives the bits it gives on a fresh thread; and the mirror: the two products differ,
 /// so stale words would show.
@@ -187,9 +192,7 @@ fn packing_on_several_threads_gives_one_threads_words() {
     if !runs_here("packing_on_several_threads_gives_one_threads_words") {
         return;
     }
-    // Widths that split into runs of whole panels and not (a last panel part empty), odd
-    // contractions, and both layouts a rounded product's `b` comes in.
-    for (k, n) in [(7usize, 70usize), (64, 32), (33, 97), (130, 257)] {
+    for (k, n) in WHOLE_PACKINGS {
         let data = values(k * n);
         for (rs, cs) in [(n, 1), (1, k)] {
             let one = {
@@ -209,15 +212,16 @@ fn packing_on_several_threads_gives_one_threads_words() {
     }
 }
 
-/// A packing into a new buffer (a kept packing's: grown without being zeroed first) and into
-/// a thread's buffer grown past an earlier, smaller packing hold exactly the words `pack_b`
-/// writes over a buffer of garbage (which shows any word it does not write), and no more.
+/// A packing into a new buffer (a kept packing's: grown without being zeroed first, and holding
+/// no more words than the packing) and into a thread's buffer (grown by each larger shape, after
+/// a packing of 1×1) hold exactly the words `pack_b` writes over a buffer of garbage, which
+/// shows any word it does not write.
 #[test]
 fn a_packing_into_a_grown_buffer_holds_the_packed_words() {
     if !runs_here("a_packing_into_a_grown_buffer_holds_the_packed_words") {
         return;
     }
-    for (k, n) in [(7usize, 70usize), (64, 32), (33, 97), (130, 257)] {
+    for (k, n) in WHOLE_PACKINGS {
         let data = values(k * n);
         for (rs, cs) in [(n, 1), (1, k)] {
             let len = k.div_ceil(2) * n.div_ceil(NR) * NR;
