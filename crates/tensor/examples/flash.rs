@@ -5,8 +5,8 @@
 //! share of the second, the time goes to what surrounds the products (the online softmax's
 //! passes, rounding and packing), not to the products.
 //!
-//! Shapes: qwen3-peer (batch 2 × 128 tokens, 8 query / 4 kv heads of 32) and qwen3-0.6b (2 ×
-//! 256, 16 / 8 heads of 128). The tiles' FLOPs count every score a query block's key tiles
+//! Shapes: qwen3-peer (batch 2 × 128 tokens, 8 query / 4 kv heads of 32), qwen3-0.6b (2 ×
+//! 256, 16 / 8 heads of 128) and qwen3-0.6b-2k (1 × 2048, a long-sequence step's). The tiles' FLOPs count every score a query block's key tiles
 //! cover (blocks of 64 query rows against every key up to their last row: key tiles are clipped
 //! there), two products a score forward and five backward. Writes
 //! `target/bench/flash.json`.
@@ -26,9 +26,10 @@ use ferrotext_tensor::{
 /// One attention shape: its name, batch, tokens, query heads, kv heads and head dimension.
 type Shape = (&'static str, usize, usize, usize, usize, usize);
 
-const SHAPES: [Shape; 2] = [
+const SHAPES: [Shape; 3] = [
     ("qwen3-peer", 2, 128, 8, 4, 32),
     ("qwen3-0.6b", 2, 256, 16, 8, 128),
+    ("qwen3-0.6b-2k", 1, 2048, 16, 8, 128),
 ];
 
 /// Query rows of a tile (the kernel's `QUERY_BLOCK`).
@@ -84,8 +85,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             scale: 1.0 / (d as f32).sqrt(),
             softcap: None,
         };
-        // Fewer repetitions at the larger shape (each call ~50× longer).
-        let reps = (reps * 32 * 128 / (d * t)).max(3);
+        // Fewer repetitions at the larger shapes (a call's work grows with `d·t²`).
+        let reps = (reps * 32 * 128 * 128 / (d * t * t)).max(3);
         let run = || -> Result<(f64, f64), ferrotext_tensor::TensorError> {
             let (mut forward, mut backward) = (Vec::new(), Vec::new());
             for _ in 0..reps {

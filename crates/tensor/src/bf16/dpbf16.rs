@@ -15,7 +15,10 @@
 //!   rows once, [`MR`]-row tiles of pairs; `b` a [`NC`]-column block at a time in pairs (`k/2 ×
 //!   NR × 2`, zero past `k` and `n`). Row- and column-major operands are packed a slice at a
 //!   time, other strides element by element, to the same words. The packing buffers are the
-//!   thread's, kept between products (up to 16 MiB each).
+//!   thread's, kept between products (up to 16 MiB each). A `b` packed whole beforehand
+//!   ([`pack_b_whole`], [`pack_b_kept`]) is read in place of a block's packing, whole or a
+//!   [`Window`] of it (a block of the packed operand starting at a pair and a panel), to the
+//!   same words.
 //! * Up to [`row::MAX_ROWS`] rows of `a` against a row- or column-major `b` (decoding one
 //!   token) run without packing ([`few_rows`]), to the same bits.
 
@@ -90,6 +93,20 @@ fn reads_a_in_place(p: &Product<bf16>) -> bool {
 /// As [`gemm`]; `b` is `p.b` packed by [`pack_b_whole`] (`b.k == p.k`, `b.n == p.n`).
 pub(crate) unsafe fn gemm_packed(p: Product<bf16>, b: &PackedB) {
     debug_assert!(b.k == p.k && b.n == p.n, "a packing of this product's b");
+    // SAFETY: the caller's contract; the whole packing is a window of itself.
+    unsafe { gemm_window(p, Window::whole(b)) }
+}
+
+/// [`gemm`] with `p.b` read from a [`Window`] of a packing made once for many products (the
+/// tiled attention's keys and values, packed once per head instead of once per tile). The same
+/// bits as [`gemm`]: the window's words are those [`pack_b`] makes of `p.b` in every column the
+/// product stores ([`PackedB::window`]).
+///
+/// # Safety
+/// As [`gemm`]; `b` is a window of a packing of `p.b`'s matrix: `p.b` is rows `b.row0..` and
+/// columns `b.col0..` of the `k`×`n` operand packed, and `b` came from
+/// [`PackedB::window`]`(row0, col0, p.k, p.n)`.
+pub(crate) unsafe fn gemm_window(p: Product<bf16>, b: Window<'_>) {
     if p.m == 0 || p.n == 0 {
         return;
     }
@@ -102,6 +119,36 @@ pub(crate) unsafe fn gemm_packed(p: Product<bf16>, b: &PackedB) {
         // SAFETY: the caller's contract; the buffer holds `a`'s packing.
         unsafe { gemm_blocks(p, Lhs::Packed(apack, whole_a), Rhs::Whole(b)) }
     });
+}
+
+/// Rows from an even `2·pair0` and columns from panel `panel0` of a [`PackedB`]: the `b` of a
+/// product over a block of the packed operand, read where the packing holds it.
+#[derive(Clone, Copy)]
+pub(crate) struct Window<'a> {
+    packed: &'a PackedB,
+    /// The window's first pair of rows.
+    pair0: usize,
+    /// The window's first panel of [`NR`] columns.
+    panel0: usize,
+}
+
+impl<'a> Window<'a> {
+    /// All of `packed`.
+    fn whole(packed: &'a PackedB) -> Window<'a> {
+        Window {
+            packed,
+            pair0: 0,
+            panel0: 0,
+        }
+    }
+
+    /// The window's words of pair `pair` (of the product's contraction) in the panel of
+    /// columns from `col` (of the product's, a multiple of [`NR`]): `kp · NR` words.
+    fn panel(&self, col: usize, pair: usize, kp: usize) -> &'a [u32] {
+        let stride = self.packed.k.div_ceil(2) * NR;
+        let at = (self.panel0 + col / NR) * stride + (self.pair0 + pair) * NR;
+        &self.packed.data[at..at + kp * NR]
+    }
 }
 
 /// Where [`gemm_blocks`] reads `a`'s pairs.
@@ -122,8 +169,8 @@ pub(crate) fn whole_words(k: usize, n: usize) -> usize {
 enum Rhs<'a> {
     /// Packed a block at a time into this buffer (a block of `b`'s panels).
     Blocks(&'a mut [u32]),
-    /// Packed whole beforehand: a block's panel is a slice of the whole panel.
-    Whole(&'a PackedB),
+    /// Packed whole beforehand: a block's panel is a slice of a window's panel.
+    Whole(Window<'a>),
 }
 
 thread_local! {
@@ -254,12 +301,10 @@ unsafe fn gemm_blocks(p: Product<bf16>, lhs: Lhs<'_>, mut rhs: Rhs<'_>) {
                     let cols = NR.min(nc - jp);
                     let panel = match &rhs {
                         Rhs::Blocks(bpack) => &bpack[p * kp * NR..(p + 1) * kp * NR],
-                        // The whole panel's pairs from `l0 / 2` (`KC` is even, so a block's
-                        // pairs are the whole packing's, its last pair zero-padded alike).
-                        Rhs::Whole(whole) => {
-                            let at = ((j0 + jp) / NR) * k.div_ceil(2) * NR + (l0 / 2) * NR;
-                            &whole.data[at..at + kp * NR]
-                        }
+                        // The window's panel's pairs from `l0 / 2` (`KC` is even, so a
+                        // block's pairs are the whole packing's, its last pair zero-padded
+                        // alike: see `PackedB::window`).
+                        Rhs::Whole(window) => window.panel(j0 + jp, l0 / 2, kp),
                     };
                     let out = (dst.wrapping_add(i0 * ldc + j0 + jp), ldc);
                     // SAFETY: the CPU has the features (the caller's contract); rows
@@ -907,6 +952,32 @@ unsafe fn pack_b_slots(
                 // holds this run's panels.
                 unsafe { pack_b(b.0, 0, k, j0, (per_task * NR).min(n - j0), out) };
             });
+    }
+}
+
+impl PackedB {
+    /// The window of rows `row0..row0 + k` and columns `col0..col0 + n` of the packed operand,
+    /// as [`gemm_window`] reads it, where its words are [`pack_b`]'s of that block in every
+    /// column a product stores: `row0` even (its pairs are the packing's), `col0` a multiple of
+    /// [`NR`] (its panels are), and `k` even or reaching the last row (a last odd row's pair
+    /// is padded with zero there, as [`pack_b`] pads it, not with the next row). Columns past
+    /// `n` in its last panel hold the packing's next columns, which only lanes a tile does not
+    /// store read. `None` otherwise, or outside the operand.
+    pub(crate) fn window(
+        &self,
+        row0: usize,
+        col0: usize,
+        k: usize,
+        n: usize,
+    ) -> Option<Window<'_>> {
+        let aligned = row0.is_multiple_of(2) && col0.is_multiple_of(NR);
+        let inside = row0 + k <= self.k && col0 + n <= self.n;
+        let pairs_match = k.is_multiple_of(2) || row0 + k == self.k;
+        (aligned && inside && pairs_match).then_some(Window {
+            packed: self,
+            pair0: row0 / 2,
+            panel0: col0 / NR,
+        })
     }
 }
 

@@ -30,6 +30,7 @@ use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
 use packings::Packings;
 
+mod block_packing;
 mod choice;
 #[cfg(target_arch = "x86_64")]
 mod dpbf16;
@@ -41,6 +42,7 @@ mod packings;
 mod round_avx512;
 mod rows;
 
+pub(crate) use block_packing::{product_in, BlockPacking};
 pub(crate) use choice::products_on_tiles;
 pub(crate) use matmul::product;
 

@@ -4,7 +4,7 @@
 //! `dq` rows, and adds each tile into them in that fixed order.
 
 use super::elem::{rows_per_store, Elem, View};
-use super::{logit, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK};
+use super::{logit, packs_once, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_sum2, vectorized};
 use crate::operand::Store;
@@ -156,6 +156,27 @@ struct Task<'a, T> {
     scores: Scores,
 }
 
+/// Where a product's `b` is a block of a packed operand: its packing (if any) and the block's
+/// first row and column in it.
+fn at<P>(packing: &Option<P>, first: (usize, usize)) -> Option<(&P, (usize, usize))> {
+    packing.as_ref().map(|p| (p, first))
+}
+
+/// A task's operands packed once for its tiles ([`Task::packings`]); `None` (or empty) where
+/// each tile packs its block itself.
+struct Packed<T: Elem> {
+    /// The kv head's keys as `kᵀ` (`[dk, Tk]`), for the scores.
+    keys_t: Option<T::Packing>,
+    /// Its values as `vᵀ` (`[dv, Tk]`), for `dP`.
+    values_t: Option<T::Packing>,
+    /// Its keys (`[Tk, dk]`), for `dq`.
+    keys: Option<T::Packing>,
+    /// Each of the group's heads' queries (`[Tq, dk]`), for `dk`.
+    queries: Vec<Option<T::Packing>>,
+    /// Each of the group's heads' output cotangents (`[Tq, dv]`), for `dv`.
+    douts: Vec<Option<T::Packing>>,
+}
+
 /// A tile's scratch: `P` and `dP`/`dS` (`Dims::tile_len` each, from the thread's kept tiles),
 /// the logits' derivative under soft-capping (empty without it), and `P` and `dS` as the
 /// products read them.
@@ -217,10 +238,10 @@ impl<T: Elem> Task<'_, T> {
     /// As [`Task::run`].
     unsafe fn run_in(&self, dots: &[f32], grads: Grads, scratch: &mut Scratch<'_, T>) {
         let d = self.d;
+        let packed = self.packings();
         for c0 in (0..d.tk).step_by(KEY_BLOCK) {
             let block = c0..(c0 + KEY_BLOCK).min(d.tk);
             for g in 0..d.group() {
-                let h = self.kvh * d.group() + g;
                 for rows in d.query_blocks() {
                     let (lo, hi) = self.ranges.span(self.b, rows.clone());
                     let cols = block.start.max(lo)..block.end.min(hi);
@@ -229,26 +250,62 @@ impl<T: Elem> Task<'_, T> {
                     }
                     let dots = &dots[g * d.tq + rows.start..g * d.tq + rows.end];
                     // SAFETY: the caller's contract.
-                    unsafe { self.tile(h, rows, cols, dots, scratch, grads) };
+                    unsafe { self.tile((g, rows), cols, dots, (scratch, &packed), grads) };
                 }
             }
         }
     }
 
-    /// One tile: query rows `rows` of head `h` against keys `cols`.
+    /// The operands this task's tiles read blocks of, packed once where several tiles read
+    /// each block ([`packs_once`]): the kv head's keys and values by every query block of the
+    /// group's heads, each head's queries and output cotangent by every key block.
+    fn packings(&self) -> Packed<T> {
+        let d = self.d;
+        let whole = |data, heads, dw, head, t| Dims::rows(data, t, heads, dw, self.b, head, 0..t);
+        let keys = whole(self.k, d.kv, d.dk, self.kvh, d.tk);
+        let values = whole(self.v, d.kv, d.dv, self.kvh, d.tk);
+        let mut packed = Packed {
+            keys_t: None,
+            values_t: None,
+            keys: None,
+            queries: Vec::new(),
+            douts: Vec::new(),
+        };
+        if packs_once(d.group() * d.tq.div_ceil(QUERY_BLOCK)) {
+            packed.keys_t = T::pack(keys.t());
+            packed.values_t = T::pack(values.t());
+            packed.keys = T::pack(keys);
+        }
+        if packs_once(d.tk.div_ceil(KEY_BLOCK)) {
+            for g in 0..d.group() {
+                let h = self.kvh * d.group() + g;
+                packed
+                    .queries
+                    .push(T::pack(whole(self.q, d.h, d.dk, h, d.tq)));
+                packed
+                    .douts
+                    .push(T::pack(whole(self.dout, d.h, d.dv, h, d.tq)));
+            }
+        }
+        packed
+    }
+
+    /// One tile: query rows `rows` of the group's head `g` against keys `cols`.
     ///
     /// # Safety
     /// As [`Task::run`].
     unsafe fn tile(
         &self,
-        h: usize,
-        rows: std::ops::Range<usize>,
+        (g, rows): (usize, std::ops::Range<usize>),
         cols: std::ops::Range<usize>,
         dots: &[f32],
-        s: &mut Scratch<'_, T>,
+        (s, packed): (&mut Scratch<'_, T>, &Packed<T>),
         grads: Grads,
     ) {
         let d = self.d;
+        let h = self.kvh * d.group() + g;
+        // The query rows' block of the head's packed queries and output cotangent.
+        let query_rows = (rows.start, 0);
         let (n, w) = (rows.len(), cols.len());
         let view = |data, heads, dw, head, r: std::ops::Range<usize>, tlen| {
             Dims::rows(data, tlen, heads, dw, self.b, head, r)
@@ -259,7 +316,10 @@ impl<T: Elem> Task<'_, T> {
         let vv: View<T> = view(self.v, d.kv, d.dv, self.kvh, cols.clone(), d.tk);
         // P [n, w] = exp(logit(q·kᵀ) − lse), 0 where a row does not see the key
         // SAFETY: the scratch holds `tile_len() ≥ n·w` elements.
-        unsafe { T::product(s.p.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
+        unsafe {
+            let keys_t = at(&packed.keys_t, (0, cols.start));
+            T::product_from(s.p.as_mut_ptr(), w, (qv, kv.t()), Store::Overwrite, keys_t)
+        };
         let lse = &self.lse[(self.b * d.h + h) * d.tq..];
         let group = rows_per_store(w);
         for r in 0..n {
@@ -282,9 +342,17 @@ impl<T: Elem> Task<'_, T> {
         unsafe {
             // dv[cols] += Pᵀ · dout_rows
             let dv = (grads.dv as *mut f32).add(row_at(d.kv, d.dv, self.kvh, cols.start));
-            T::product(dv, d.kv * d.dv, p.t(), gv, Store::Accumulate);
+            let douts = packed.douts.get(g).and_then(|p| at(p, query_rows));
+            T::product_from(dv, d.kv * d.dv, (p.t(), gv), Store::Accumulate, douts);
             // dP [n, w] = dout_rows · v_colsᵀ
-            T::product(s.ds.as_mut_ptr(), w, gv, vv.t(), Store::Overwrite);
+            let values_t = at(&packed.values_t, (0, cols.start));
+            T::product_from(
+                s.ds.as_mut_ptr(),
+                w,
+                (gv, vv.t()),
+                Store::Overwrite,
+                values_t,
+            );
         }
         // dS = scale · slope ⊙ P ⊙ (dP − D); without soft-capping the slope is 1, and
         // `scale · 1` is `scale` exactly: the same bits without reading it.
@@ -321,16 +389,13 @@ impl<T: Elem> Task<'_, T> {
         unsafe {
             // dk[cols] += dSᵀ · q_rows
             let dk = (grads.dk as *mut f32).add(row_at(d.kv, d.dk, self.kvh, cols.start));
-            T::product(dk, d.kv * d.dk, ds.t(), qv, Store::Accumulate);
+            let queries = packed.queries.get(g).and_then(|p| at(p, query_rows));
+            T::product_from(dk, d.kv * d.dk, (ds.t(), qv), Store::Accumulate, queries);
             // dq[rows] += dS · k_cols
-            let dq_at = Dims::row_at(d.tq, d.h, d.dk, self.b, h, rows.start);
-            T::product(
-                (grads.dq as *mut f32).add(dq_at),
-                d.h * d.dk,
-                ds,
-                kv,
-                Store::Accumulate,
-            );
+            let dq =
+                (grads.dq as *mut f32).add(Dims::row_at(d.tq, d.h, d.dk, self.b, h, rows.start));
+            let keys = at(&packed.keys, (cols.start, 0));
+            T::product_from(dq, d.h * d.dk, (ds, kv), Store::Accumulate, keys);
         }
     }
 }

@@ -11,6 +11,7 @@
 
 use half::bf16;
 
+use crate::bf16::BlockPacking;
 use crate::operand::{Operand, Product, Store, Widen};
 
 /// One strided matrix inside a slice: element `(i, j)` is `data[i·rs + j·cs]`.
@@ -81,6 +82,36 @@ pub(crate) trait Elem: Widen {
         store: Store,
     );
 
+    /// An operand of many tile products packed once ([`Elem::pack`]).
+    type Packing;
+
+    /// `b` packed once for the tile products that each read a block of it, where this type's
+    /// product kernel packs its operands (bf16 on the AVX512_BF16 kernel); `None` where each
+    /// product reads its operands as stored (`f32`'s kernel; bf16 on a library's or the
+    /// portable kernel).
+    fn pack(b: View<'_, Self>) -> Option<Self::Packing>;
+
+    /// [`Elem::product`] with `b` rows `at.0..` and columns `at.1..` of the view `packing` was
+    /// made of: read from the packing where it holds the block's words, else as
+    /// [`Elem::product`]. The same bits either way.
+    ///
+    /// # Safety
+    /// As [`Elem::product`]; `b` is that block of `packing`'s view.
+    ///
+    /// # Panics
+    /// As [`Elem::product`].
+    unsafe fn product_from(
+        dst: *mut f32,
+        ldc: usize,
+        (a, b): (View<'_, Self>, View<'_, Self>),
+        store: Store,
+        from: Option<(&Self::Packing, (usize, usize))>,
+    ) {
+        let _ = from;
+        // SAFETY: the caller's contract.
+        unsafe { Self::product(dst, ldc, a, b, store) }
+    }
+
     /// Sizes `stored` to hold `len` elements of a tile as the products read it: bf16 rows are
     /// rounded into it; `f32` keeps none (the products read the `f32` tile itself).
     fn size_stored(stored: &mut Vec<Self>, len: usize);
@@ -146,6 +177,12 @@ impl Elem for f32 {
         }
     }
 
+    type Packing = ();
+
+    fn pack(_: View<'_, f32>) -> Option<()> {
+        None
+    }
+
     fn size_stored(_: &mut Vec<f32>, _: usize) {}
 
     fn store_rows(_: &[f32], _: &mut [f32], _: usize) {}
@@ -167,6 +204,35 @@ impl Elem for bf16 {
         if let Some(p) = unsafe { prepare(dst, ldc, a, b, store) } {
             // SAFETY: `prepare` checked every operand offset; the caller guarantees the rows.
             unsafe { crate::bf16::product(p, gemm::Parallelism::None) }
+        }
+    }
+
+    type Packing = BlockPacking;
+
+    fn pack(b: View<'_, bf16>) -> Option<BlockPacking> {
+        assert!(b.fits()); // ok: caller's invariant
+                           // SAFETY: every element of the view lies inside its slice (checked above).
+        unsafe { BlockPacking::of(b.operand(), b.rows, b.cols) }
+    }
+
+    unsafe fn product_from(
+        dst: *mut f32,
+        ldc: usize,
+        (a, b): (View<'_, bf16>, View<'_, bf16>),
+        store: Store,
+        from: Option<(&BlockPacking, (usize, usize))>,
+    ) {
+        // SAFETY: the caller's contract, passed on.
+        let Some(p) = (unsafe { prepare(dst, ldc, a, b, store) }) else {
+            return;
+        };
+        // SAFETY: `prepare` checked every operand offset; the caller guarantees the rows and
+        // that `b` is the block `at` of the packing's view.
+        unsafe {
+            match from {
+                Some((packing, at)) => crate::bf16::product_in(p, packing, at),
+                None => crate::bf16::product(p, gemm::Parallelism::None),
+            }
         }
     }
 

@@ -4,7 +4,9 @@
 use std::mem::MaybeUninit;
 
 use super::elem::{rows_per_store, Elem, View};
-use super::{logit, masked, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK};
+use super::{
+    logit, masked, packs_once, with_tiles, Dims, KeyRanges, Scores, KEY_BLOCK, QUERY_BLOCK,
+};
 use crate::error::TensorError;
 use crate::fastmath::{exp, lane_max, map_sum, vectorized};
 use crate::operand::Store;
@@ -140,6 +142,15 @@ impl<T: Elem> Head<'_, T> {
     ) {
         let d = self.d;
         let kvh = self.h / d.group();
+        // The keys (as `kᵀ`, `[dk, Tk]`) and values (`[Tk, dv]`) packed once for every query
+        // block's tiles, where there are several.
+        let keys = Dims::rows(self.k, d.tk, d.kv, d.dk, self.b, kvh, 0..d.tk).t();
+        let values = Dims::rows(self.v, d.tk, d.kv, d.dv, self.b, kvh, 0..d.tk);
+        let (keys, values) = if packs_once(d.tq.div_ceil(QUERY_BLOCK)) {
+            (T::pack(keys), T::pack(values))
+        } else {
+            (None, None)
+        };
         let mut probs: Vec<T> = Vec::new();
         T::size_stored(&mut probs, d.tile_len());
         let mut run = Running {
@@ -162,7 +173,10 @@ impl<T: Elem> Head<'_, T> {
                 // scores [rows, w] = q_rows · k_colsᵀ
                 // SAFETY: `tile` holds `tile_len() ≥ n·w` elements (`n` rows of a block, `w` keys of
                 // one).
-                unsafe { T::product(tile.as_mut_ptr(), w, qv, kv.t(), Store::Overwrite) };
+                unsafe {
+                    let keys = keys.as_ref().map(|p| (p, (0, cols.start)));
+                    T::product_from(tile.as_mut_ptr(), w, (qv, kv.t()), Store::Overwrite, keys)
+                };
                 let visible = |r: usize| {
                     let (a, z) = ranges.range(self.b, rows.start + r);
                     a.max(cols.start).min(cols.end) - cols.start
@@ -179,7 +193,16 @@ impl<T: Elem> Head<'_, T> {
                 let vv = Dims::rows(self.v, d.tk, d.kv, d.dv, self.b, kvh, cols.clone());
                 let p = View::block(T::stored(tile, &probs, n * w), n, w, w);
                 // SAFETY: `run.acc` holds `n` rows of `dv`, initialised.
-                unsafe { T::product(run.acc.as_mut_ptr(), d.dv, p, vv, Store::Accumulate) };
+                unsafe {
+                    let values = values.as_ref().map(|p| (p, (cols.start, 0)));
+                    T::product_from(
+                        run.acc.as_mut_ptr(),
+                        d.dv,
+                        (p, vv),
+                        Store::Accumulate,
+                        values,
+                    )
+                };
                 c0 += KEY_BLOCK;
             }
             for r in 0..n {

@@ -27,7 +27,12 @@
 //!
 //! Cost: the forward's two products per live tile; the backward's five (the scores again, and
 //! `dP`, `dv`, `dk`, `dq`). A sequence of at most [`KEY_BLOCK`] keys is one key block: the
-//! forward is then the plain two-pass softmax on one tile.
+//! forward is then the plain two-pass softmax on one tile. An operand that several of a task's
+//! tiles read (the keys and values by every query block, backward also a head's queries and
+//! output cotangent by every key block) is packed for the product kernel once per task where
+//! its kernel packs ([`packs_once`]), and each tile reads its block from there: the same bits
+//! as a tile packing its own block, which a tile whose keys start inside a pair or panel of the
+//! packing still does.
 
 mod backward;
 mod elem;
@@ -183,6 +188,13 @@ impl Dims {
     }
 }
 
+/// Whether a task packs an operand once for its tiles ([`elem::Elem::pack`]) rather than each
+/// tile packing its block of it: where `tiles` tiles read each block (a causal head's keys at
+/// 2,048 tokens: 16 query blocks on average). Off in tests that compare the two.
+pub(crate) fn packs_once(tiles: usize) -> bool {
+    tiles > 1 && !tests::tiles_pack_alone()
+}
+
 thread_local! {
     /// A thread's `f32` tiles (scores and probabilities, `dP` and `dS`), kept between calls:
     /// zeroed afresh for every task they were a `memset` of up to 128 KiB a task, which no tile
@@ -235,3 +247,11 @@ pub(crate) fn masked(i: usize, visible: &std::ops::Range<usize>, x: f32) -> f32 
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(not(test))]
+mod tests {
+    /// Tests may make every tile pack its own operands; a build without tests never does.
+    pub(super) fn tiles_pack_alone() -> bool {
+        false
+    }
+}

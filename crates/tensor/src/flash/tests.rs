@@ -329,3 +329,104 @@ fn shapes_that_do_not_fit_are_errors() {
     assert!(e.to_string().contains("key ranges"), "{e}");
     assert!(KeyRanges::documents(1, 3, &[0, 2, 1], None).is_err());
 }
+
+/// When set, every tile packs its own operands ([`packs_once`] is false): the route a task's
+/// whole-operand packings replace, which [`operands_packed_once_give_each_tiles_bits`] compares
+/// them with. Another test running meanwhile may take that route too: the same bits.
+static TILES_PACK_ALONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(super) fn tiles_pack_alone() -> bool {
+    TILES_PACK_ALONE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// bf16 attention with its keys, values, queries and output cotangent packed once per task
+/// has, bit for bit, the output, log-sum-exps and cotangents of every tile packing its own
+/// blocks: over several query and key blocks, grouped heads, odd head dimensions, causal
+/// masks, windows and documents (tiles whose keys start inside a panel or pair read them
+/// where they are stored), a query slice of a longer sequence, soft-capping, 1 and 2 threads.
+#[test]
+fn operands_packed_once_give_each_tiles_bits() {
+    use crate::bf16::{flash_attention_backward_bf16, flash_attention_bf16, Bf16Tensor};
+    use std::sync::atomic::Ordering;
+    let t = 2 * KEY_BLOCK + 70;
+    // Documents starting at 0, 50, 51 and 300 in the first row, at 0 and 129 in the second.
+    let starts: Vec<u32> = (0..2 * t)
+        .map(|n| {
+            let (row, i) = (n / t, n % t);
+            let firsts: &[usize] = if row == 0 {
+                &[0, 50, 51, 300]
+            } else {
+                &[0, 129]
+            };
+            *firsts.iter().filter(|&&s| s <= i).max().unwrap() as u32
+        })
+        .collect();
+    let cases = [
+        // (b, tq, tk, h, kv, dk, dv), the key ranges, soft-capping
+        (
+            (2, 130, 130, 4, 2, 32, 32),
+            KeyRanges::causal(2, 130, None),
+            None,
+        ),
+        (
+            (1, t, t, 2, 1, 24, 16),
+            KeyRanges::causal(1, t, None),
+            Some(5.0),
+        ),
+        (
+            (1, 300, 300, 3, 3, 7, 5),
+            KeyRanges::causal(1, 300, None),
+            None,
+        ),
+        (
+            (2, t, t, 2, 2, 16, 8),
+            KeyRanges::causal(2, t, Some(37)),
+            None,
+        ),
+        (
+            (2, t, t, 4, 1, 8, 8),
+            KeyRanges::documents(2, t, &starts, None).unwrap(),
+            None,
+        ),
+        (
+            (1, QUERY_BLOCK + 67, t, 2, 1, 16, 16),
+            KeyRanges::causal(1, t, None)
+                .query_rows(200..200 + QUERY_BLOCK + 67)
+                .unwrap(),
+            None,
+        ),
+    ];
+    for (i, ((b, tq, tk, h, kv, dk, dv), ranges, softcap)) in cases.into_iter().enumerate() {
+        let seed = 10 * i as u32;
+        let bf16 = |shape: &[usize], s| Bf16Tensor::from_f32(&rand(shape, seed + s));
+        let (q, k, v) = (
+            bf16(&[b, tq, h, dk], 1),
+            bf16(&[b, tk, kv, dk], 2),
+            bf16(&[b, tk, kv, dv], 3),
+        );
+        let dout = bf16(&[b, tq, h, dv], 4);
+        let scores = Scores {
+            scale: 1.0 / (dk as f32).sqrt(),
+            softcap,
+        };
+        let run = |threads| {
+            let (out, lse) = flash_attention_bf16(&q, &k, &v, &ranges, scores, threads).unwrap();
+            let grads = flash_attention_backward_bf16(
+                &q, &k, &v, &out, &lse, &dout, &ranges, scores, threads,
+            )
+            .unwrap();
+            (out, lse, grads)
+        };
+        for threads in [1, 2] {
+            let packed = run(threads);
+            TILES_PACK_ALONE.store(true, Ordering::Relaxed);
+            let alone = run(threads);
+            TILES_PACK_ALONE.store(false, Ordering::Relaxed);
+            assert!(
+                packed.0.to_f32().data().iter().any(|&x| x != 0.0),
+                "case {i}"
+            );
+            assert_eq!(packed, alone, "case {i} on {threads} threads");
+        }
+    }
+}

@@ -289,6 +289,79 @@ fn a_shared_whole_packing_gives_the_blockwise_products_bits() {
 }
 
 #[test]
+fn a_window_of_a_packing_gives_its_blocks_bits() {
+    if !runs_here("a_window_of_a_packing_gives_its_blocks_bits") {
+        return;
+    }
+    // An operand over several blocks of the contraction (`KC`) and panels (`NR`), row- and
+    // column-major; windows from its first row and panel and from inside it, as wide as it or
+    // narrower, a last panel part used, an odd last row at the operand's end; overwriting and
+    // accumulating. Each against `gemm` of the same block read where it is stored.
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (rows, cols) = (1101usize, 150usize);
+    let b = values(rows * cols);
+    let windows = [
+        (0, 0, rows, cols),
+        (2, 32, 1098, 118),
+        (64, 64, 256, 33),
+        (10, 96, 1090, 1),
+        (1096, 0, 5, 150),
+        (0, 128, 64, 22),
+    ];
+    for (rs, cs) in [(cols, 1), (1, rows)] {
+        let whole = op(&b, rs, cs);
+        // SAFETY: `b` is rows×cols at these strides; the CPU has the features (`runs_here`).
+        let packed = unsafe { pack_b_whole(whole, rows, cols, 2) };
+        for (row0, col0, k, n) in windows {
+            let m = 19;
+            let a = values(m * k);
+            let block = op(&b[row0 * rs + col0 * cs..], rs, cs);
+            let window = packed.window(row0, col0, k, n).expect("an aligned window");
+            for store in [Store::Overwrite, Store::Accumulate] {
+                let start: Vec<f32> = (0..m * n).map(|i| (i % 5) as f32 - 2.0).collect();
+                let (mut stored, mut windowed) = (start.clone(), start.clone());
+                // SAFETY: `a` m×k row-major, the block k×n inside `b`, `dst` m×n; the window
+                // is that block's; the CPU has the features.
+                unsafe {
+                    gemm(prod(
+                        (m, n, k),
+                        op(&a, k, 1),
+                        block,
+                        stored.as_mut_ptr(),
+                        store,
+                    ));
+                    let p = prod((m, n, k), op(&a, k, 1), block, windowed.as_mut_ptr(), store);
+                    gemm_window(p, window);
+                }
+                let label = format!("window {row0}+{k} × {col0}+{n}, strides ({rs}, {cs})");
+                assert_eq!(bits(&windowed), bits(&stored), "{label}, {store:?}");
+            }
+        }
+    }
+    // Windows whose words are not the block's packing are refused: an odd first row or a
+    // first column inside a panel (the packing's pairs and panels start elsewhere), an odd
+    // last row inside the operand (its pair holds the next row, not pack_b's zero), and any
+    // past the operand.
+    // SAFETY: as above.
+    let packed = unsafe { pack_b_whole(op(&b, cols, 1), rows, cols, 1) };
+    for (row0, col0, k, n) in [
+        (1, 0, 2, 32),
+        (0, 16, 2, 32),
+        (0, 0, 3, 32),
+        (1098, 0, 4, 32),
+        (0, 128, 2, 23),
+    ] {
+        let label = format!("window {row0}+{k} × {col0}+{n}");
+        assert!(packed.window(row0, col0, k, n).is_none(), "{label}");
+    }
+    assert!(packed.window(1097, 0, 4, 32).is_none(), "an odd first row");
+    assert!(
+        packed.window(1096, 0, 5, 32).is_some(),
+        "the mirror: the last rows, odd"
+    );
+}
+
+#[test]
 fn reused_packing_buffers_give_a_fresh_threads_bits() {
     if !runs_here("reused_packing_buffers_give_a_fresh_threads_bits") {
         return;
@@ -486,7 +559,7 @@ fn reading_a_in_place_gives_the_packed_bits() {
                 let p = prod((m, n, k), aop, bop, dst.as_mut_ptr(), store);
                 if whole_b {
                     let packed = pack_b_whole(bop, k, n, 1);
-                    gemm_blocks(p, lhs, Rhs::Whole(&packed));
+                    gemm_blocks(p, lhs, Rhs::Whole(Window::whole(&packed)));
                 } else {
                     gemm_blocks(p, lhs, Rhs::Blocks(&mut bpack));
                 }
