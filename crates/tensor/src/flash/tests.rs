@@ -346,8 +346,19 @@ pub(super) fn tiles_pack_alone() -> bool {
 /// where they are stored), a query slice of a longer sequence, soft-capping, 1 and 2 threads.
 #[test]
 fn operands_packed_once_give_each_tiles_bits() {
+    use super::elem::{Elem, View};
     use crate::bf16::{flash_attention_backward_bf16, flash_attention_bf16, Bf16Tensor};
     use std::sync::atomic::Ordering;
+    // Where this process's bf16 product does not pack (not the AVX512_BF16 kernel), both
+    // routes are the tiles' own packings: the comparison below still runs, but checks nothing
+    // of the packings.
+    let zeros = [half::bf16::ZERO; 4];
+    if <half::bf16 as Elem>::pack(View::block(&zeros, 2, 2, 2)).is_none() {
+        crate::report_skipped(
+            "tensor flash::tests::operands_packed_once_give_each_tiles_bits",
+            "this process's bf16 product kernel packs no operand once (not the AVX512_BF16 kernel)",
+        );
+    }
     let t = 2 * KEY_BLOCK + 70;
     // Documents starting at 0, 50, 51 and 300 in the first row, at 0 and 129 in the second.
     let starts: Vec<u32> = (0..2 * t)
