@@ -192,7 +192,11 @@ impl Dims {
 /// tile packing its block of it: where `tiles` tiles read each block (a causal head's keys at
 /// 2,048 tokens: 16 query blocks on average). Off in tests that compare the two.
 pub(crate) fn packs_once(tiles: usize) -> bool {
-    tiles > 1 && !tests::tiles_pack_alone()
+    #[cfg(test)]
+    if tests::tiles_pack_alone() {
+        return false;
+    }
+    tiles > 1
 }
 
 thread_local! {
@@ -247,11 +251,3 @@ pub(crate) fn masked(i: usize, visible: &std::ops::Range<usize>, x: f32) -> f32 
 
 #[cfg(test)]
 mod tests;
-
-#[cfg(not(test))]
-mod tests {
-    /// Tests may make every tile pack its own operands; a build without tests never does.
-    pub(super) fn tiles_pack_alone() -> bool {
-        false
-    }
-}
