@@ -317,6 +317,37 @@ mod tests {
         assert!(p.to_string().contains("GFLOP/s"));
     }
 
+    /// The probe reads what the FMA units do, so no product runs faster than it: measured in
+    /// alternation with this process's `f32` product on one core, the best product is below
+    /// the best probe (with 10% for noise; a sound probe sits 5–25% above the product). A probe
+    /// loop whose chains spill to the stack reads low: with 16 AVX2 chains an AMD EPYC (Zen 1)
+    /// probed 26 GFLOP/s a core against a product's 38, and this fails.
+    #[test]
+    fn no_product_outruns_the_probe() {
+        let (mut probed, mut product) = (0.0f64, 0.0f64);
+        for _ in 0..3 {
+            if let Some(f) = probe::measure(1).f32 {
+                probed = probed.max(f.flops_per_core);
+            }
+            let p = product::measure(false, 1).expect("the f32 product runs everywhere");
+            product = product.max(p.flops);
+        }
+        if probed == 0.0 {
+            crate::report_skipped(
+                "tensor peak::tests::no_product_outruns_the_probe",
+                "this processor has no FMA probe",
+            );
+            return;
+        }
+        assert!(
+            product <= 1.1 * probed,
+            "the product ({}) ran at {:.1} GFLOP/s, the probe read {:.1}",
+            crate::matmul_kernel(),
+            product / 1e9,
+            probed / 1e9
+        );
+    }
+
     /// A probe of `units` instructions a cycle of `flops` FLOPs each at `ghz`, 2% slow (what a
     /// timed loop finds).
     fn probe(instruction: &'static str, flops: usize, units: f64, ghz: f64) -> FmaProbe {

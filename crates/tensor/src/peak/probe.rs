@@ -3,9 +3,13 @@
 //!
 //! A table cannot know that an AMD EPYC (Zen 4) runs a 512-bit FMA as two 256-bit halves (one
 //! `vfmadd231ps zmm` a cycle) while a Xeon Gold has two full 512-bit units (two a cycle): both
-//! report AVX-512F. So each instruction a product may run on is timed in a loop of 16
-//! independent accumulator chains (more than the FMA latency × units of any x86 core, so the
-//! loop is bound by throughput, never latency), on every core at once (all-core clocks, not one
+//! report AVX-512F. So each instruction a product may run on is timed in a loop of independent
+//! accumulator chains, at least the FMA latency × units of any x86 core (10 at most: Haswell's
+//! 5 cycles × 2 units), so the loop is bound by throughput, never latency, and few enough that
+//! the chains and the loop's two constants stay in registers: [`ZMM_CHAINS`] of AVX-512's 32,
+//! [`YMM_CHAINS`] of AVX2's 16 (with 16 the compiler spilled two chains to the stack and
+//! shuffled the rest through moves, and an AMD EPYC (Zen 1) probed 26 GFLOP/s a core where its
+//! products ran at 38). The loops run on every core at once (all-core clocks, not one
 //! core's boost), best of [`WINDOWS`] short windows per core: a window another process
 //! preempted is slower, never faster, so the best one is what the core does when it is ours.
 //! The clock is measured the same way, by a chain of dependent register adds (one cycle each on
@@ -27,8 +31,11 @@ const WINDOW: Duration = Duration::from_micros(100);
 /// Dependent adds an iteration of [`clock_loop`].
 const CLOCK_ADDS: usize = 64;
 
-/// Independent accumulator chains in a probe loop.
-const CHAINS: usize = 16;
+/// Independent accumulator chains in the AVX-512 probe loops (of 32 registers).
+const ZMM_CHAINS: usize = 16;
+
+/// Independent accumulator chains in the AVX2 probe loop (of 16 registers: 2 hold constants).
+const YMM_CHAINS: usize = 12;
 
 /// One instruction's measured throughput on this machine's cores.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -85,11 +92,11 @@ pub struct Probes {
 /// every result (so nothing is optimised away).
 type Kernel = fn(usize) -> f32;
 
-/// One instruction to probe: its name, FLOPs per instruction, and its loop (of [`CHAINS`]
-/// instructions an iteration).
-type Candidate = (&'static str, usize, Kernel);
+/// One instruction to probe: its name, FLOPs per instruction, the instructions an iteration of
+/// its loop runs (its chains), and its loop.
+type Candidate = (&'static str, usize, usize, Kernel);
 
-fn measure(cores: usize) -> Probes {
+pub(super) fn measure(cores: usize) -> Probes {
     let cores = cores.max(1);
     let (f32_candidates, bf16_candidate) = candidates();
     let all: Vec<Candidate> = f32_candidates
@@ -108,7 +115,9 @@ fn measure(cores: usize) -> Probes {
                     let clock = best_rate(clock_loop, CLOCK_ADDS as f64);
                     let rates = all
                         .iter()
-                        .map(|&(_, flops, kernel)| best_rate(kernel, (flops * CHAINS) as f64))
+                        .map(|&(_, flops, chains, kernel)| {
+                            best_rate(kernel, (flops * chains) as f64)
+                        })
                         .collect::<Vec<_>>();
                     (clock, rates)
                 })
@@ -119,7 +128,7 @@ fn measure(cores: usize) -> Probes {
     let n = per_core.len().max(1) as f64;
     let clock_hz = per_core.iter().map(|c| c.0).sum::<f64>() / n;
     let probe = |i: usize| {
-        let (instruction, flops_per_instruction, _) = all[i];
+        let (instruction, flops_per_instruction, _, _) = all[i];
         FmaProbe {
             instruction,
             flops_per_instruction,
@@ -157,15 +166,26 @@ fn time(kernel: Kernel, iters: usize) -> Duration {
 fn candidates() -> (Vec<Candidate>, Option<Candidate>) {
     let mut f32: Vec<Candidate> = Vec::new();
     if is_x86_feature_detected!("avx512f") {
-        f32.push(("vfmadd231ps zmm (avx512f)", 32, x86::fma_zmm_safe));
+        f32.push((
+            "vfmadd231ps zmm (avx512f)",
+            32,
+            ZMM_CHAINS,
+            x86::fma_zmm_safe,
+        ));
     }
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        f32.push(("vfmadd231ps ymm (avx2+fma)", 16, x86::fma_ymm_safe));
+        f32.push((
+            "vfmadd231ps ymm (avx2+fma)",
+            16,
+            YMM_CHAINS,
+            x86::fma_ymm_safe,
+        ));
     }
     let bf16 = (is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f"))
         .then_some((
             "vdpbf16ps zmm (avx512_bf16)",
             64,
+            ZMM_CHAINS,
             x86::dpbf16_zmm_safe as Kernel,
         ));
     (f32, bf16)
@@ -206,7 +226,7 @@ fn clock_loop(iters: usize) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::CHAINS;
+    use super::{YMM_CHAINS, ZMM_CHAINS};
 
     /// [`fma_zmm`] where the CPU has AVX-512F (checked by the caller, [`super::candidates`]).
     pub(super) fn fma_zmm_safe(iters: usize) -> f32 {
@@ -229,12 +249,12 @@ mod x86 {
         unsafe { dpbf16_zmm(iters) }
     }
 
-    /// `acc = acc · ½ + 1` on [`CHAINS`] registers: the values stay near 2 (no overflow, no
+    /// `acc = acc · ½ + 1` on [`ZMM_CHAINS`] registers: the values stay near 2 (no overflow, no
     /// subnormals, which some cores run slowly).
     #[target_feature(enable = "avx512f")]
     unsafe fn fma_zmm(iters: usize) -> f32 {
         let (half, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(1.0));
-        let mut acc = [one; CHAINS];
+        let mut acc = [one; ZMM_CHAINS];
         for _ in 0..iters {
             for r in acc.iter_mut() {
                 *r = _mm512_fmadd_ps(*r, half, one);
@@ -243,11 +263,11 @@ mod x86 {
         acc.iter().map(|&r| _mm512_reduce_add_ps(r)).sum()
     }
 
-    /// As [`fma_zmm`] on 256-bit registers.
+    /// As [`fma_zmm`] on [`YMM_CHAINS`] 256-bit registers.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn fma_ymm(iters: usize) -> f32 {
         let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
-        let mut acc = [one; CHAINS];
+        let mut acc = [one; YMM_CHAINS];
         for _ in 0..iters {
             for r in acc.iter_mut() {
                 *r = _mm256_fmadd_ps(*r, half, one);
@@ -263,14 +283,14 @@ mod x86 {
         total
     }
 
-    /// `acc += a₀b₀ + a₁b₁` per lane on [`CHAINS`] registers, with `a = b = 2⁻⁸` in bf16
+    /// `acc += a₀b₀ + a₁b₁` per lane on [`ZMM_CHAINS`] registers, with `a = b = 2⁻⁸` in bf16
     /// (`0x3b80`): each instruction adds 2⁻¹⁵ a lane, so a long window stays far from overflow.
     #[target_feature(enable = "avx512bf16,avx512f")]
     unsafe fn dpbf16_zmm(iters: usize) -> f32 {
         // SAFETY: `__m512bh` is the same 512 bits as `__m512i`, any pattern valid.
         let pair =
             unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3b80_3b80)) };
-        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        let mut acc = [_mm512_setzero_ps(); ZMM_CHAINS];
         for _ in 0..iters {
             for r in acc.iter_mut() {
                 *r = _mm512_dpbf16_ps(*r, pair, pair);
@@ -287,22 +307,22 @@ mod x86 {
         /// claims): `x ← x/2 + 1` from 1, and `x += 2·2⁻¹⁶` from 0, per lane.
         #[test]
         fn probe_loops_compute_what_a_plain_loop_does() {
-            let plain_fma = |iters: usize, lanes: usize| {
+            let plain_fma = |iters: usize, lanes: usize, chains: usize| {
                 let mut x = 1f32;
                 for _ in 0..iters {
                     x = x.mul_add(0.5, 1.0);
                 }
-                x * (lanes * CHAINS) as f32
+                x * (lanes * chains) as f32
             };
             if is_x86_feature_detected!("avx512f") {
-                assert_eq!(fma_zmm_safe(7), plain_fma(7, 16));
+                assert_eq!(fma_zmm_safe(7), plain_fma(7, 16, ZMM_CHAINS));
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                assert_eq!(fma_ymm_safe(7), plain_fma(7, 8));
+                assert_eq!(fma_ymm_safe(7), plain_fma(7, 8, YMM_CHAINS));
             }
             if is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512f") {
-                // 2⁻⁸ · 2⁻⁸ · 2 products · 5 iterations, 16 lanes × CHAINS registers.
-                let want = 5.0 * 2.0 * 2f32.powi(-16) * (16 * CHAINS) as f32;
+                // 2⁻⁸ · 2⁻⁸ · 2 products · 5 iterations, 16 lanes × ZMM_CHAINS registers.
+                let want = 5.0 * 2.0 * 2f32.powi(-16) * (16 * ZMM_CHAINS) as f32;
                 assert_eq!(dpbf16_zmm_safe(5), want);
             }
         }

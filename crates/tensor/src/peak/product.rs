@@ -64,7 +64,7 @@ pub fn product_peak(bf16: bool, cores: usize) -> Option<ProductProbe> {
     cell.get_or_init(|| measure(bf16, cores.max(1))).clone()
 }
 
-fn measure(bf16: bool, cores: usize) -> Option<ProductProbe> {
+pub(super) fn measure(bf16: bool, cores: usize) -> Option<ProductProbe> {
     let kernel = if bf16 {
         crate::bf16_matmul_kernel().ok()?
     } else {
