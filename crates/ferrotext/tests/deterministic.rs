@@ -135,7 +135,7 @@ fn native_set() -> &'static str {
 }
 
 /// The mirror: without the key the products run on the machine's BLAS, and its code path for
-/// another processor (OpenBLAS's Haswell kernel against its SkylakeX one) changes the logged
+/// another processor (two of OpenBLAS's kernels, [`two_openblas_kernels`]) changes the logged
 /// numbers — the comparison above can see a difference when there is one. Needs OpenBLAS
 /// (`.ci/run` installs it).
 #[test]
@@ -147,21 +147,36 @@ fn without_the_key_another_processors_code_path_changes_the_bits() {
             ("OPENBLAS_CORETYPE", core),
         ]
     };
-    let (skylake, header) = run(&dir, "skylakex", &[], &openblas("SkylakeX"));
+    let (wide, narrow) = two_openblas_kernels();
+    let (first, header) = run(&dir, wide, &[], &openblas(wide));
     assert!(
-        header.contains("OpenBLAS"),
-        "this test needs OpenBLAS (libopenblas0-pthread; .ci/run installs it): {header}"
+        header.contains("OpenBLAS") && header.contains(wide),
+        "this test needs OpenBLAS (libopenblas0-pthread; .ci/run installs it) running its \
+         {wide} kernel: {header}"
     );
-    let (haswell, _) = run(&dir, "haswell", &[], &openblas("Haswell"));
+    let (second, header) = run(&dir, narrow, &[], &openblas(narrow));
+    assert!(header.contains(narrow), "{narrow}: {header}");
     assert_ne!(
-        skylake, haswell,
-        "OpenBLAS's two kernels gave the same bits"
+        first, second,
+        "OpenBLAS's {wide} and {narrow} kernels gave the same bits"
     );
     // And the two runs agree as numbers: the difference is rounding.
-    for ((a, _), (b, _)) in skylake.iter().zip(&haswell) {
+    for ((a, _), (b, _)) in first.iter().zip(&second) {
         assert!((a - b).abs() < 1e-3 * a.abs(), "{a} vs {b}");
     }
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// Two OpenBLAS kernels this processor can run whose sums differ: SkylakeX's (AVX-512) and
+/// Haswell's (AVX2 with FMA) where it has AVX-512, else Haswell's and Sandybridge's (AVX, its
+/// multiplies and adds apart). Forcing a kernel the processor lacks ends the run on an illegal
+/// instruction (SkylakeX on an AMD EPYC with AVX2 alone did).
+fn two_openblas_kernels() -> (&'static str, &'static str) {
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        ("SkylakeX", "Haswell")
+    } else {
+        ("Haswell", "Sandybridge")
+    }
 }
 
 /// `deterministic=true` in a process whose products another kernel already computes
