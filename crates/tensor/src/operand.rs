@@ -5,11 +5,16 @@
 
 /// An element type a product reads: `f32`, or `bf16` widened exactly to `f32` as it is read.
 pub(crate) trait Widen: Copy + Send + Sync + 'static {
+    /// True when reading an element takes more than a load (`bf16`: a shift into an `f32`).
+    const WIDENS: bool;
+
     /// The value as an `f32` (exact: every `bf16` is an `f32`).
     fn widen(self) -> f32;
 }
 
 impl Widen for f32 {
+    const WIDENS: bool = false;
+
     #[inline(always)]
     fn widen(self) -> f32 {
         self
@@ -17,6 +22,8 @@ impl Widen for f32 {
 }
 
 impl Widen for half::bf16 {
+    const WIDENS: bool = true;
+
     #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits(u32::from(self.to_bits()) << 16)

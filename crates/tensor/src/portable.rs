@@ -27,7 +27,8 @@
 //! Where the time goes: `b` is packed [`NR`] columns at a time (`k × NR`, contiguous, zero past
 //! `n`), then every [`MR`]-row tile of `a` runs over that panel with `MR × NR` accumulators in
 //! registers (12 AVX-512 registers; on AVX2 the tile makes two passes of 16 columns, 12
-//! registers each). No blocking of the contraction: that would split the chain.
+//! registers each). Where `b` spans several panels, the vector tiles read `a` from a row-major
+//! `f32` copy when it is bf16 or transposed (`RowMajorA`), made once per product. No blocking of the contraction: that would split the chain.
 //! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
 
 pub(crate) use crate::isa::Isa;
@@ -67,14 +68,30 @@ pub(crate) unsafe fn gemm<T: Widen>(isa: Isa, job: Product<T>) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn run_avx512<T: Widen>(job: &Product<T>) {
+    // SAFETY: the caller's contract; `a` (the copy's or the job's) holds the job's `a`.
+    unsafe {
+        match RowMajorA::of(job) {
+            Some(copy) => run_avx512_on(copy.operand(), job),
+            None => run_avx512_on(job.a, job),
+        }
+    }
+}
+
+/// [`run_avx512`] reading the left operand from `a` (the job's, or its [`RowMajorA`]).
+///
+/// # Safety
+/// As [`run_avx512`]; `a` holds the values of the job's `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn run_avx512_on<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
     let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
-        // closure rows and columns inside the job's operands.
-        unsafe { avx512_tile::<T, MR>(job, i0, j0, cols, panel) }
+        // closure rows and columns inside the job's operands, which `a` holds.
+        unsafe { avx512_tile::<A, T, MR>(a, job, i0, j0, cols, panel) }
     };
     let rest = |job: &Product<T>, rows, i0, j0, cols, panel: &[f32]| {
         // SAFETY: as for `full`.
-        unsafe { avx512_tile_rows(job, rows, i0, j0, cols, panel) }
+        unsafe { avx512_tile_rows(a, job, rows, i0, j0, cols, panel) }
     };
     // SAFETY: the caller's contract.
     unsafe { job.run_with(full, rest) }
@@ -86,7 +103,8 @@ unsafe fn run_avx512<T: Widen>(job: &Product<T>) {
 /// As [`avx512_tile`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn avx512_tile_rows<T: Widen>(
+unsafe fn avx512_tile_rows<A: Widen, T: Widen>(
+    a: Operand<A>,
     job: &Product<T>,
     rows: usize,
     i0: usize,
@@ -97,23 +115,25 @@ unsafe fn avx512_tile_rows<T: Widen>(
     // SAFETY: the caller's contract.
     unsafe {
         match rows {
-            5 => avx512_tile::<T, 5>(job, i0, j0, cols, panel),
-            4 => avx512_tile::<T, 4>(job, i0, j0, cols, panel),
-            3 => avx512_tile::<T, 3>(job, i0, j0, cols, panel),
-            2 => avx512_tile::<T, 2>(job, i0, j0, cols, panel),
-            _ => avx512_tile::<T, 1>(job, i0, j0, cols, panel),
+            5 => avx512_tile::<A, T, 5>(a, job, i0, j0, cols, panel),
+            4 => avx512_tile::<A, T, 4>(a, job, i0, j0, cols, panel),
+            3 => avx512_tile::<A, T, 3>(a, job, i0, j0, cols, panel),
+            2 => avx512_tile::<A, T, 2>(a, job, i0, j0, cols, panel),
+            _ => avx512_tile::<A, T, 1>(a, job, i0, j0, cols, panel),
         }
     }
 }
 
-/// [`Product::tile`] in AVX-512 registers: `R × 2` accumulators of 16 lanes, one
-/// `_mm512_fmadd_ps` per (row, half, `l`) — the same chain per element as `f32::mul_add`.
+/// [`Product::tile`] in AVX-512 registers, reading the left operand from `a`: `R × 2`
+/// accumulators of 16 lanes, one `_mm512_fmadd_ps` per (row, half, `l`) — the same chain per
+/// element as `f32::mul_add`.
 ///
 /// # Safety
-/// The CPU has AVX-512F and FMA; as [`Product::tile`].
+/// The CPU has AVX-512F and FMA; as [`Product::tile`], with `a` holding the job's `a`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn avx512_tile<T: Widen, const R: usize>(
+unsafe fn avx512_tile<A: Widen, T: Widen, const R: usize>(
+    a: Operand<A>,
     job: &Product<T>,
     i0: usize,
     j0: usize,
@@ -123,9 +143,9 @@ unsafe fn avx512_tile<T: Widen, const R: usize>(
     use std::arch::x86_64::{
         _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
     };
-    let Operand { ptr, rs, cs } = job.a;
+    let Operand { ptr, rs, cs } = a;
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    let rows: [*const T; R] = std::array::from_fn(|r| ptr.wrapping_offset((i0 + r) as isize * rs));
+    let rows: [*const A; R] = std::array::from_fn(|r| ptr.wrapping_offset((i0 + r) as isize * rs));
     for (l, brow) in panel.chunks_exact(NR).enumerate() {
         // SAFETY: `brow` holds NR = 32 floats: two unaligned 16-lane loads.
         let (b0, b1) = unsafe {
@@ -160,20 +180,36 @@ unsafe fn avx512_tile<T: Widen, const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn run_avx2<T: Widen>(job: &Product<T>) {
+    // SAFETY: the caller's contract; `a` (the copy's or the job's) holds the job's `a`.
+    unsafe {
+        match RowMajorA::of(job) {
+            Some(copy) => run_avx2_on(copy.operand(), job),
+            None => run_avx2_on(job.a, job),
+        }
+    }
+}
+
+/// [`run_avx2`] reading the left operand from `a` (the job's, or its [`RowMajorA`]).
+///
+/// # Safety
+/// As [`run_avx2`]; `a` holds the values of the job's `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2_on<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
     let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
-        // closure rows and columns inside the job's operands.
-        unsafe { avx2_tile::<T, MR>(job, i0, j0, cols, panel) }
+        // closure rows and columns inside the job's operands, which `a` holds.
+        unsafe { avx2_tile::<A, T, MR>(a, job, i0, j0, cols, panel) }
     };
     let rest = |job: &Product<T>, rows, i0, j0, cols, panel: &[f32]| {
         // SAFETY: as for `full`.
         unsafe {
             match rows {
-                5 => avx2_tile::<T, 5>(job, i0, j0, cols, panel),
-                4 => avx2_tile::<T, 4>(job, i0, j0, cols, panel),
-                3 => avx2_tile::<T, 3>(job, i0, j0, cols, panel),
-                2 => avx2_tile::<T, 2>(job, i0, j0, cols, panel),
-                _ => avx2_tile::<T, 1>(job, i0, j0, cols, panel),
+                5 => avx2_tile::<A, T, 5>(a, job, i0, j0, cols, panel),
+                4 => avx2_tile::<A, T, 4>(a, job, i0, j0, cols, panel),
+                3 => avx2_tile::<A, T, 3>(a, job, i0, j0, cols, panel),
+                2 => avx2_tile::<A, T, 2>(a, job, i0, j0, cols, panel),
+                _ => avx2_tile::<A, T, 1>(a, job, i0, j0, cols, panel),
             }
         }
     };
@@ -181,16 +217,17 @@ unsafe fn run_avx2<T: Widen>(job: &Product<T>) {
     unsafe { job.run_with(full, rest) }
 }
 
-/// [`Product::tile`] in AVX2 registers, one half of the panel ([`HALF`] columns) at a time:
+/// [`Product::tile`] in AVX2 registers, reading the left operand from `a`, one half of the panel ([`HALF`] columns) at a time:
 /// `R × 2` accumulators of 8 lanes (12 of the 16 registers at `R = MR`), one
 /// `_mm256_fmadd_ps` per (row, quarter, `l`) — the same chain per element as `f32::mul_add`.
 /// The second half is skipped when the panel's columns past `n` are all it would compute.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; as [`Product::tile`].
+/// The CPU has AVX2 and FMA; as [`Product::tile`], with `a` holding the job's `a`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn avx2_tile<T: Widen, const R: usize>(
+unsafe fn avx2_tile<A: Widen, T: Widen, const R: usize>(
+    a: Operand<A>,
     job: &Product<T>,
     i0: usize,
     j0: usize,
@@ -200,8 +237,8 @@ unsafe fn avx2_tile<T: Widen, const R: usize>(
     use std::arch::x86_64::{
         _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_setzero_ps, _mm256_storeu_ps,
     };
-    let Operand { ptr, rs, cs } = job.a;
-    let rows: [*const T; R] = std::array::from_fn(|r| ptr.wrapping_offset((i0 + r) as isize * rs));
+    let Operand { ptr, rs, cs } = a;
+    let rows: [*const A; R] = std::array::from_fn(|r| ptr.wrapping_offset((i0 + r) as isize * rs));
     let mut out = [[0.0f32; NR]; R];
     for half in 0..cols.div_ceil(HALF) {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
@@ -232,6 +269,62 @@ unsafe fn avx2_tile<T: Widen, const R: usize>(
     }
     // SAFETY: the caller's contract.
     unsafe { job.store(i0, j0, cols, &out) };
+}
+
+/// A product's left operand copied once, widened to `f32` and row-major, for the vector tiles
+/// to read in place of the operand itself: a tile reads each element of `a` once per panel of
+/// `b`, so a `bf16` element is widened (four instructions before its broadcast, against one
+/// load for an `f32`) and a transposed `a` is read across rows (a cache line for every `l`)
+/// once per panel. Made only where `b` has more than one panel; the values, and so the bits,
+/// are the operand's.
+#[cfg(target_arch = "x86_64")]
+struct RowMajorA {
+    values: Vec<f32>,
+    k: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowMajorA {
+    /// The copy of `job`'s `a`, or `None` when the tiles read the operand as cheaply (an `f32`
+    /// operand whose rows are contiguous) or read it only once (`b` is one panel).
+    ///
+    /// # Safety
+    /// `job.a` is readable for `m` rows and `k` columns.
+    #[inline(always)]
+    unsafe fn of<T: Widen>(job: &Product<T>) -> Option<RowMajorA> {
+        let Operand { ptr, rs, cs } = job.a;
+        if job.n <= NR || (!T::WIDENS && cs == 1) || job.k == 0 {
+            return None;
+        }
+        let (m, k) = (job.m, job.k);
+        let mut values = vec![0.0f32; m * k];
+        if cs == 1 {
+            for (i, row) in values.chunks_exact_mut(k).enumerate() {
+                for (l, v) in row.iter_mut().enumerate() {
+                    // SAFETY: (i, l) is inside `a`, by the caller's contract.
+                    *v = unsafe { *ptr.offset(i as isize * rs + l as isize) }.widen();
+                }
+            }
+        } else {
+            // Down each column of the copy, along a row of a transposed `a`'s memory.
+            for l in 0..k {
+                for (i, v) in values.iter_mut().skip(l).step_by(k).enumerate() {
+                    // SAFETY: (i, l) is inside `a`, by the caller's contract.
+                    *v = unsafe { *ptr.offset(i as isize * rs + l as isize * cs) }.widen();
+                }
+            }
+        }
+        Some(RowMajorA { values, k })
+    }
+
+    /// The copy as an operand: row `i` at `i · k`, contiguous.
+    fn operand(&self) -> Operand<f32> {
+        Operand {
+            ptr: self.values.as_ptr(),
+            rs: self.k as isize,
+            cs: 1,
+        }
+    }
 }
 
 impl<T: Widen> Product<T> {
@@ -464,35 +557,72 @@ mod tests {
         here
     }
 
+    /// `x` (rows × cols, row-major) transposed.
+    fn transposed<T: Copy>(x: &[T], rows: usize, cols: usize) -> Vec<T> {
+        (0..rows * cols)
+            .map(|i| x[(i % rows) * cols + i / rows])
+            .collect()
+    }
+
+    /// The operands reading a rows × cols matrix from `x` (row-major) and `xt` (its transpose).
+    fn layouts<T>(x: &[T], xt: &[T], rows: usize, cols: usize) -> [Operand<T>; 2] {
+        [
+            Operand {
+                ptr: x.as_ptr(),
+                rs: cols as isize,
+                cs: 1,
+            },
+            Operand {
+                ptr: xt.as_ptr(),
+                rs: 1,
+                cs: rows as isize,
+            },
+        ]
+    }
+
     /// Every instruction set gives the chains' bits, on sizes that leave partial tiles and
-    /// panels, with `b` row-major and transposed.
+    /// panels (and span several panels, where the vector tiles read a copy of `a` when it is
+    /// transposed or bf16), with `a` and `b` row-major and transposed, in `f32` and in bf16
+    /// (whose chains are the `f32` chains of the widened values).
     #[test]
     fn every_instruction_set_gives_the_chains_bits() {
         for (m, n, k) in [(1, 1, 1), (7, 33, 5), (13, 70, 129), (64, 96, 300)] {
-            let (a, b) = (data(m * k, 1), data(k * n, 2));
+            let bf16 = |x: Vec<f32>| -> Vec<half::bf16> {
+                x.into_iter().map(half::bf16::from_f32).collect()
+            };
+            let (a16, b16) = (bf16(data(m * k, 1)), bf16(data(k * n, 2)));
+            let (a, b): (Vec<f32>, Vec<f32>) = (
+                a16.iter().map(|x| x.to_f32()).collect(),
+                b16.iter().map(|x| x.to_f32()).collect(),
+            );
             let want = chains(m, n, k, &a, &b);
-            let bt: Vec<f32> = (0..n * k).map(|x| b[(x % k) * n + x / k]).collect();
+            let (at, bt) = (transposed(&a, m, k), transposed(&b, k, n));
+            let (at16, bt16) = (transposed(&a16, m, k), transposed(&b16, k, n));
             for isa in isas("every_instruction_set_gives_the_chains_bits") {
-                let a_op = Operand {
-                    ptr: a.as_ptr(),
-                    rs: k as isize,
-                    cs: 1,
-                };
-                for b_op in [
-                    Operand {
-                        ptr: b.as_ptr(),
-                        rs: n as isize,
-                        cs: 1,
-                    },
-                    Operand {
-                        ptr: bt.as_ptr(),
-                        rs: 1,
-                        cs: k as isize,
-                    },
-                ] {
-                    let mut out = vec![f32::NAN; m * n];
-                    run(isa, (m, n, k), a_op, b_op, &mut out);
-                    assert_eq!(out, want, "{isa:?} {m}×{n}×{k}");
+                for (i, a_op) in layouts(&a, &at, m, k).into_iter().enumerate() {
+                    for (j, b_op) in layouts(&b, &bt, k, n).into_iter().enumerate() {
+                        let mut out = vec![f32::NAN; m * n];
+                        run(isa, (m, n, k), a_op, b_op, &mut out);
+                        assert_eq!(out, want, "{isa:?} f32 {m}×{n}×{k}, layouts {i} {j}");
+                    }
+                }
+                for (i, a_op) in layouts(&a16, &at16, m, k).into_iter().enumerate() {
+                    for (j, b_op) in layouts(&b16, &bt16, k, n).into_iter().enumerate() {
+                        let mut out = vec![f32::NAN; m * n];
+                        let p = Product {
+                            m,
+                            n,
+                            k,
+                            a: a_op,
+                            b: b_op,
+                            dst: out.as_mut_ptr(),
+                            ldc: n,
+                            store: Store::Overwrite,
+                        };
+                        // SAFETY: the operands cover m×k and k×n, and `out` holds m×n.
+                        unsafe { gemm(isa, p) };
+                        assert_eq!(out, want, "{isa:?} bf16 {m}×{n}×{k}, layouts {i} {j}");
+                    }
                 }
             }
         }
