@@ -42,6 +42,17 @@ pub fn run(extra: &[&str]) -> TrainReport {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// The largest absolute difference between two runs' weights, over every element of every
+/// parameter.
+pub fn max_abs_diff(a: &TrainReport, b: &TrainReport) -> f64 {
+    let (va, vb) = (a.values.as_ref().unwrap(), b.values.as_ref().unwrap());
+    va.iter()
+        .zip(vb)
+        .flat_map(|(x, y)| x.data().iter().zip(y.data()).map(|(p, q)| (p - q).abs()))
+        .fold(0.0f32, f32::max)
+        .into()
+}
+
 /// The largest per-tensor relative difference `‖a − b‖∞ / ‖b‖∞` of two runs' final weights.
 pub fn max_rel_diff(a: &TrainReport, b: &TrainReport) -> f64 {
     let (va, vb) = (a.values.as_ref().unwrap(), b.values.as_ref().unwrap());
