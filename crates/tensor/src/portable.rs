@@ -28,7 +28,8 @@
 //! `n`), then every [`MR`]-row tile of `a` runs over that panel with `MR × NR` accumulators in
 //! registers (12 AVX-512 registers; on AVX2 the tile makes two passes of 16 columns, 12
 //! registers each). Where `b` spans several panels, the vector tiles read `a` from a row-major
-//! `f32` copy when it is bf16 or transposed (`RowMajorA`), made once per product. No blocking of the contraction: that would split the chain.
+//! `f32` copy when it is bf16 or transposed (`RowMajorA`, up to 32 MiB), made once per product.
+//! No blocking of the contraction: that would split the chain.
 //! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
 
 pub(crate) use crate::isa::Isa;
@@ -271,6 +272,12 @@ unsafe fn avx2_tile<A: Widen, T: Widen, const R: usize>(
     unsafe { job.store(i0, j0, cols, &out) };
 }
 
+/// The largest [`RowMajorA`] a product makes: its memory is outside what a run's plan counts,
+/// so it stays small beside a step's (a bf16 logits gradient, 512 tokens × a 151,936-word
+/// vocabulary, would be a 311 MB copy; it is read in place instead).
+#[cfg(target_arch = "x86_64")]
+const ROW_MAJOR_A_MAX_BYTES: usize = 32 << 20;
+
 /// A product's left operand copied once, widened to `f32` and row-major, for the vector tiles
 /// to read in place of the operand itself: a tile reads each element of `a` once per panel of
 /// `b`, so a `bf16` element is widened (four instructions before its broadcast, against one
@@ -286,14 +293,16 @@ struct RowMajorA {
 #[cfg(target_arch = "x86_64")]
 impl RowMajorA {
     /// The copy of `job`'s `a`, or `None` when the tiles read the operand as cheaply (an `f32`
-    /// operand whose rows are contiguous) or read it only once (`b` is one panel).
+    /// operand whose rows are contiguous), read it only once (`b` is one panel), or the copy
+    /// would take more than [`ROW_MAJOR_A_MAX_BYTES`].
     ///
     /// # Safety
     /// `job.a` is readable for `m` rows and `k` columns.
     #[inline(always)]
     unsafe fn of<T: Widen>(job: &Product<T>) -> Option<RowMajorA> {
         let Operand { ptr, rs, cs } = job.a;
-        if job.n <= NR || (!T::WIDENS && cs == 1) || job.k == 0 {
+        let bytes = job.m.saturating_mul(job.k).saturating_mul(size_of::<f32>());
+        if job.n <= NR || (!T::WIDENS && cs == 1) || job.k == 0 || bytes > ROW_MAJOR_A_MAX_BYTES {
             return None;
         }
         let (m, k) = (job.m, job.k);
