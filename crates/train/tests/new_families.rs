@@ -16,7 +16,7 @@ use ferrotext_train::data::{source_for, TokenSource};
 use ferrotext_train::{train, Engine, RunOptions, TrainConfig, TrainError, TrainReport};
 
 mod common;
-use common::{feed, max_abs_diff, max_rel_diff};
+use common::{adamw_weight_bound, feed, max_abs_diff, max_rel_diff, COMPARABLE_ADAM_EPS};
 
 /// The dense new families' CPU-sized presets.
 const DENSE: [&str; 4] = ["mistral-tiny", "gemma2-tiny", "gemma3-tiny", "olmo2-tiny"];
@@ -172,25 +172,24 @@ fn a_mid_step_resume_is_bitwise_dense_and_moe() {
     mid_step_round_trip("mixtral-tiny", &["shard_optimizer_over_data=true"]);
 }
 
-/// ZeRO-1's weights are the replicated optimizer's. Bitwise where a product's bits depend on
+/// ZeRO-1's weights are the replicated optimizer's: bitwise where a product's bits depend on
 /// its operands alone (the portable kernel: `layout_invariant.rs` checks that; MKL and `gemm`
-/// give 0 here too). OpenBLAS's AVX2 kernels also follow where the buffers lie in memory, which
-/// ZeRO-1's smaller optimizer state moves: on an AMD EPYC (Zen 1) the gradients differed in
-/// their last bits. AdamW divides a gradient by its running size plus ε, so a gradient far below
-/// ε moves its weight by `learning_rate × g / ε`: with the default ε = 1e-8 such a difference
-/// became 3.5e-5 in deepseek2-tiny's weights. With ε = 1e-3 that factor is 10 rather than 10⁶
-/// (OpenBLAS there: at most 1.4e-7), while a weight whose gradient is above 1e-3 still moves by
-/// about the learning rate each step, so a shard updated wrongly, twice or not at all shows at
-/// the order of 1e-2. The bound, a ten-thousandth of the learning rate, is checked to see a
-/// learning rate 1% off (the mirror).
+/// give 0 here too), within [`adamw_weight_bound`] on a kernel whose bits follow where the
+/// buffers lie (see [`COMPARABLE_ADAM_EPS`]). The bound sees a learning rate 1% off (the
+/// mirror).
 #[test]
 fn zero1_gives_the_replicated_optimizer_weights() {
-    const LEARNING_RATE: f64 = 0.01;
-    let bound = 1e-4 * LEARNING_RATE;
+    let bound = adamw_weight_bound(0.01);
+    let adamw = |lr| ["opt_type=adamw", lr, COMPARABLE_ADAM_EPS];
     for model in ["gemma2-tiny", "mixtral-tiny", "deepseek2-tiny"] {
-        let adamw = ["opt_type=adamw", "learning_rate=0.01", "adam_eps=1e-3"];
-        let plain = run(model, &adamw);
-        let zero1 = run(model, &with(&adamw, &["shard_optimizer_over_data=true"]));
+        let plain = run(model, &adamw("learning_rate=0.01"));
+        let zero1 = run(
+            model,
+            &with(
+                &adamw("learning_rate=0.01"),
+                &["shard_optimizer_over_data=true"],
+            ),
+        );
         assert!(zero1.zero1.is_open(), "{model}");
         let update = PhasePattern::new("update*");
         let scatters = zero1.trace.count(CollectiveKind::ReduceScatter, &update);
@@ -203,7 +202,6 @@ fn zero1_gives_the_replicated_optimizer_weights() {
         eprintln!("{model}: ZeRO-1 vs replicated {d:.1e}");
         assert!(d <= bound, "{model}: max absolute weight difference {d}");
     }
-    let adamw = |lr| ["opt_type=adamw", lr, "adam_eps=1e-3"];
     let plain = run("gemma2-tiny", &adamw("learning_rate=0.01"));
     let off = run("gemma2-tiny", &adamw("learning_rate=0.0101"));
     let d = max_abs_diff(&off, &plain);

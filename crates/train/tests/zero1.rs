@@ -11,7 +11,7 @@ use ferrotext_train::{Deferral, Engine, TrainConfig, TrainError, TrainReport, Ze
 
 mod common;
 
-use common::{max_rel_diff, small_config};
+use common::{adamw_weight_bound, max_abs_diff, max_rel_diff, small_config, COMPARABLE_ADAM_EPS};
 
 const BASE: [&str; 3] = [
     "gradient_accumulation_steps=2",
@@ -31,12 +31,17 @@ fn run(extra: &[&str]) -> TrainReport {
     common::run(&all)
 }
 
+/// ZeRO-1's AdamW gives the replicated optimizer's weights (within [`adamw_weight_bound`], for
+/// kernels whose bits follow where the buffers lie: [`COMPARABLE_ADAM_EPS`]) and its grad norms.
 #[test]
 fn zero1_adamw_matches_the_replicated_optimizer() {
-    let plain = run(&[]);
-    let zero1 = run(&["shard_optimizer_over_data=true"]);
-    let d = max_rel_diff(&zero1, &plain);
-    assert!(d <= 1e-6, "max relative weight difference {d}");
+    let plain = run(&[COMPARABLE_ADAM_EPS]);
+    let zero1 = run(&[COMPARABLE_ADAM_EPS, "shard_optimizer_over_data=true"]);
+    let d = max_abs_diff(&zero1, &plain);
+    assert!(
+        d <= adamw_weight_bound(0.01),
+        "max absolute weight difference {d}"
+    );
     for (a, b) in zero1.metrics.iter().zip(&plain.metrics) {
         assert!(
             (a.grad_norm - b.grad_norm).abs() <= 1e-6 * b.grad_norm,
