@@ -50,41 +50,43 @@ const HALF: usize = NR / 2;
 /// # Safety
 /// As [`crate::blas::sgemm`]; `isa` must be one this CPU has ([`Isa::detect`] gives one).
 pub(crate) unsafe fn gemm<T: Widen>(isa: Isa, job: Product<T>) {
-    // SAFETY: the caller's contract; each path needs only the features `isa` names.
+    // SAFETY: the caller's contract; each path needs only the features `isa` names, and `a`
+    // (the copy's or the job's) holds the job's `a`.
     unsafe {
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => run_avx512(&job),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => run_avx2(&job),
+            Isa::Avx512 | Isa::Avx2 => match RowMajorA::of(&job) {
+                Some(copy) => run_vector(isa, copy.operand(), &job),
+                None => run_vector(isa, job.a, &job),
+            },
             _ => job.run(),
         }
     }
 }
 
-/// [`Product::run`] with the AVX-512 register tile.
+/// [`Product::run`] with `isa`'s register tile (AVX-512, else AVX2), reading the left operand
+/// from `a` (the job's, or its [`RowMajorA`]).
 ///
 /// # Safety
-/// The CPU has AVX-512F and FMA; the job's operands are valid as [`gemm`] requires.
+/// As [`gemm`]; `isa` is a vector set this CPU has; `a` holds the values of the job's `a`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn run_avx512<T: Widen>(job: &Product<T>) {
-    // SAFETY: the caller's contract; `a` (the copy's or the job's) holds the job's `a`.
+unsafe fn run_vector<A: Widen, T: Widen>(isa: Isa, a: Operand<A>, job: &Product<T>) {
+    // SAFETY: the caller's contract.
     unsafe {
-        match RowMajorA::of(job) {
-            Some(copy) => run_avx512_on(copy.operand(), job),
-            None => run_avx512_on(job.a, job),
+        match isa {
+            Isa::Avx512 => run_avx512(a, job),
+            _ => run_avx2(a, job),
         }
     }
 }
 
-/// [`run_avx512`] reading the left operand from `a` (the job's, or its [`RowMajorA`]).
+/// [`run_vector`] on AVX-512.
 ///
 /// # Safety
-/// As [`run_avx512`]; `a` holds the values of the job's `a`.
+/// The CPU has AVX-512F and FMA; as [`run_vector`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn run_avx512_on<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
+unsafe fn run_avx512<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
     let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
         // closure rows and columns inside the job's operands, which `a` holds.
@@ -174,29 +176,13 @@ unsafe fn avx512_tile<A: Widen, T: Widen, const R: usize>(
     unsafe { job.store(i0, j0, cols, &out) };
 }
 
-/// [`Product::run`] with the AVX2 register tile.
+/// [`run_vector`] on AVX2.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; the job's operands are valid as [`gemm`] requires.
+/// The CPU has AVX2 and FMA; as [`run_vector`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<T: Widen>(job: &Product<T>) {
-    // SAFETY: the caller's contract; `a` (the copy's or the job's) holds the job's `a`.
-    unsafe {
-        match RowMajorA::of(job) {
-            Some(copy) => run_avx2_on(copy.operand(), job),
-            None => run_avx2_on(job.a, job),
-        }
-    }
-}
-
-/// [`run_avx2`] reading the left operand from `a` (the job's, or its [`RowMajorA`]).
-///
-/// # Safety
-/// As [`run_avx2`]; `a` holds the values of the job's `a`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2_on<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
+unsafe fn run_avx2<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
     let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
         // closure rows and columns inside the job's operands, which `a` holds.
@@ -298,7 +284,6 @@ impl RowMajorA {
     ///
     /// # Safety
     /// `job.a` is readable for `m` rows and `k` columns.
-    #[inline(always)]
     unsafe fn of<T: Widen>(job: &Product<T>) -> Option<RowMajorA> {
         let Operand { ptr, rs, cs } = job.a;
         let bytes = job.m.saturating_mul(job.k).saturating_mul(size_of::<f32>());
