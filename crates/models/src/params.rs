@@ -291,7 +291,11 @@ fn unit(bits: u64) -> f64 {
 
 /// A standard normal from two uniforms in `[0, 1)` (Box–Muller's cosine branch).
 fn box_muller(u1: f64, u2: f64) -> f64 {
-    (-2.0 * u1.max(1e-300).ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    let (ln, cos) = (
+        ferrotext_tensor::fixed_math::ln_f64,
+        ferrotext_tensor::fixed_math::cos_f64,
+    );
+    (-2.0 * ln(u1.max(1e-300))).sqrt() * cos(std::f64::consts::TAU * u2)
 }
 
 /// The global initial value of `info`, from `seed` and the parameter's index: element `i` of a

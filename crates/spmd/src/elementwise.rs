@@ -15,7 +15,7 @@
 //! the `f32` function of the widened inputs rounded once: bitwise the widened route's result.
 
 use ferrotext_sharding::{ArrayType, PartitionSpec};
-use ferrotext_tensor::{softcap, Bf16Tensor, Tensor};
+use ferrotext_tensor::{fixed_math, softcap, Bf16Tensor, Tensor};
 
 use crate::array::bf16_operands;
 use crate::array::Array;
@@ -30,12 +30,12 @@ const GELU_K: f32 = 0.797_884_6;
 /// GELU, tanh approximation: `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`, as torch's
 /// `gelu(approximate="tanh")` writes it.
 fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + (GELU_K * (x + 0.044_715 * x * x * x)).tanh())
+    0.5 * x * (1.0 + fixed_math::tanh(GELU_K * (x + 0.044_715 * x * x * x)))
 }
 
 /// d/dx of [`gelu_tanh`]: `½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²)`, `t` the tanh.
 fn gelu_tanh_derivative(x: f32) -> f32 {
-    let t = (GELU_K * (x + 0.044_715 * x * x * x)).tanh();
+    let t = fixed_math::tanh(GELU_K * (x + 0.044_715 * x * x * x));
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * 0.044_715 * x * x)
 }
 
@@ -68,15 +68,15 @@ impl UnaryOp {
         match self {
             UnaryOp::Neg => t.map(|x| -x),
             UnaryOp::Scale(k) => t.map(|x| k * x),
-            UnaryOp::Exp => t.map(f32::exp),
-            UnaryOp::Log => t.map(f32::ln),
-            UnaryOp::Sin => t.map(f32::sin),
-            UnaryOp::Cos => t.map(f32::cos),
-            UnaryOp::Tanh => t.map(f32::tanh),
+            UnaryOp::Exp => t.map(fixed_math::exp),
+            UnaryOp::Log => t.map(fixed_math::ln),
+            UnaryOp::Sin => t.map(fixed_math::sin),
+            UnaryOp::Cos => t.map(fixed_math::cos),
+            UnaryOp::Tanh => t.map(fixed_math::tanh),
             UnaryOp::Square => t.map(|x| x * x),
             UnaryOp::Rsqrt => t.map(|x| 1.0 / x.sqrt()),
-            UnaryOp::Silu => t.map(|x| x / (1.0 + (-x).exp())),
-            UnaryOp::Sigmoid => t.map(|x| 1.0 / (1.0 + (-x).exp())),
+            UnaryOp::Silu => t.map(|x| x / (1.0 + fixed_math::exp(-x))),
+            UnaryOp::Sigmoid => t.map(|x| 1.0 / (1.0 + fixed_math::exp(-x))),
             UnaryOp::Shift(c) => t.map(|x| x + c),
             UnaryOp::GeluTanh => t.map(gelu_tanh),
             UnaryOp::Softcap(c) => t.map(|x| softcap(x, c)),
@@ -90,15 +90,15 @@ impl UnaryOp {
         match self {
             UnaryOp::Neg => m(t, |x| -x),
             UnaryOp::Scale(k) => m(t, |x| k * x),
-            UnaryOp::Exp => m(t, f32::exp),
-            UnaryOp::Log => m(t, f32::ln),
-            UnaryOp::Sin => m(t, f32::sin),
-            UnaryOp::Cos => m(t, f32::cos),
-            UnaryOp::Tanh => m(t, f32::tanh),
+            UnaryOp::Exp => m(t, fixed_math::exp),
+            UnaryOp::Log => m(t, fixed_math::ln),
+            UnaryOp::Sin => m(t, fixed_math::sin),
+            UnaryOp::Cos => m(t, fixed_math::cos),
+            UnaryOp::Tanh => m(t, fixed_math::tanh),
             UnaryOp::Square => m(t, |x| x * x),
             UnaryOp::Rsqrt => m(t, |x| 1.0 / x.sqrt()),
-            UnaryOp::Silu => m(t, |x| x / (1.0 + (-x).exp())),
-            UnaryOp::Sigmoid => m(t, |x| 1.0 / (1.0 + (-x).exp())),
+            UnaryOp::Silu => m(t, |x| x / (1.0 + fixed_math::exp(-x))),
+            UnaryOp::Sigmoid => m(t, |x| 1.0 / (1.0 + fixed_math::exp(-x))),
             UnaryOp::Shift(c) => m(t, |x| x + c),
             UnaryOp::GeluTanh => m(t, gelu_tanh),
             UnaryOp::Softcap(c) => m(t, |x| softcap(x, c)),
@@ -112,13 +112,13 @@ impl UnaryOp {
             UnaryOp::Scale(k) => x.map(|_| k),
             UnaryOp::Exp => y.clone(),
             UnaryOp::Log => x.map(|v| 1.0 / v),
-            UnaryOp::Sin => x.map(f32::cos),
-            UnaryOp::Cos => x.map(|v| -v.sin()),
+            UnaryOp::Sin => x.map(fixed_math::cos),
+            UnaryOp::Cos => x.map(|v| -fixed_math::sin(v)),
             UnaryOp::Tanh => y.map(|t| 1.0 - t * t),
             UnaryOp::Square => x.map(|v| 2.0 * v),
             UnaryOp::Rsqrt => y.map(|r| -0.5 * r * r * r),
             UnaryOp::Silu => x.map(|v| {
-                let s = 1.0 / (1.0 + (-v).exp());
+                let s = 1.0 / (1.0 + fixed_math::exp(-v));
                 s * (1.0 + v * (1.0 - s))
             }),
             UnaryOp::Sigmoid => y.map(|s| s * (1.0 - s)),
@@ -152,13 +152,13 @@ impl UnaryOp {
             UnaryOp::Scale(k) => m(x, |_| k),
             UnaryOp::Exp => y.clone(),
             UnaryOp::Log => m(x, |v| 1.0 / v),
-            UnaryOp::Sin => m(x, f32::cos),
-            UnaryOp::Cos => m(x, |v| -v.sin()),
+            UnaryOp::Sin => m(x, fixed_math::cos),
+            UnaryOp::Cos => m(x, |v| -fixed_math::sin(v)),
             UnaryOp::Tanh => m(y, |t| 1.0 - t * t),
             UnaryOp::Square => m(x, |v| 2.0 * v),
             UnaryOp::Rsqrt => m(y, |r| -0.5 * r * r * r),
             UnaryOp::Silu => m(x, |v| {
-                let s = 1.0 / (1.0 + (-v).exp());
+                let s = 1.0 / (1.0 + fixed_math::exp(-v));
                 s * (1.0 + v * (1.0 - s))
             }),
             UnaryOp::Sigmoid => m(y, |s| s * (1.0 - s)),

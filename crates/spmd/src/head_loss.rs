@@ -342,10 +342,10 @@ impl Ctx<'_> {
     }
 }
 
-/// `logits` soft-capped (`cap·tanh(z/cap)`), the formula of the untiled `softcap` op.
+/// `logits` soft-capped (`cap·tanh(z/cap)`): the untiled `softcap` op's function, so its bits.
 fn capped(logits: Tensor, cap: Option<f32>) -> Tensor {
     match cap {
-        Some(c) => logits.map(|x| c * (x / c).tanh()),
+        Some(c) => logits.map(|x| ferrotext_tensor::softcap(x, c)),
         None => logits,
     }
 }

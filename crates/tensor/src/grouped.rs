@@ -356,6 +356,9 @@ fn dw_operands<'a>(
 }
 
 #[cfg(test)]
+// Test data and reference values, computed and compared within this process: the C
+// library's bits are fine here (`clippy.toml`).
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

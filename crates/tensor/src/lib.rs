@@ -58,7 +58,7 @@ mod blas;
 mod elementwise;
 mod error;
 mod fastmath;
-mod fixed_math;
+pub mod fixed_math;
 mod flash;
 mod grouped;
 mod isa;

@@ -376,7 +376,7 @@ impl DeviceRun {
                 if interval > 0 && (done.is_multiple_of(interval) || done == config.steps) {
                     let loss = trainer.evaluate(cx, source)?;
                     m.eval_loss = Some(loss);
-                    m.eval_perplexity = Some(loss.exp());
+                    m.eval_perplexity = Some(ferrotext_tensor::fixed_math::exp_f64(loss));
                 }
             }
             // 4. log: the metrics file and the progress callback.

@@ -15,7 +15,10 @@ pub fn learning_rate(config: &TrainConfig, step: usize) -> f64 {
     let span = (config.steps - warmup).max(1) as f64;
     let progress = ((step - warmup) as f64 / span).min(1.0);
     let floor = config.learning_rate_final_fraction * peak;
-    floor + (peak - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+    floor
+        + (peak - floor)
+            * 0.5
+            * (1.0 + ferrotext_tensor::fixed_math::cos_f64(std::f64::consts::PI * progress))
 }
 
 /// The scale that brings `norm` down to `threshold` (1 when under it, or when clipping is off).

@@ -267,7 +267,10 @@ fn step_line(m: &StepMetrics, steps: usize) -> Option<String> {
         .map_or(String::new(), |l| format!("  mtp_loss {l:.4}"));
     let epoch = m.epoch.map_or(String::new(), |e| format!("  epoch {e}"));
     let eval = m.eval_loss.map_or(String::new(), |l| {
-        format!("  eval_loss {l:.4} (ppl {:.2})", l.exp())
+        format!(
+            "  eval_loss {l:.4} (ppl {:.2})",
+            ferrotext_tensor::fixed_math::exp_f64(l)
+        )
     });
     Some(format!(
         "step {:>4}  loss {:.4}{mtp}  grad_norm {:.3}  lr {:.2e}  {:.0} ms{epoch}{eval}{skipped}",

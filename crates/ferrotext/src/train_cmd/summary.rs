@@ -77,7 +77,7 @@ fn print_losses(m: &[StepMetrics]) {
     {
         println!(
             "  eval loss        {eval:.4} (perplexity {:.2}) after step {step}",
-            eval.exp()
+            ferrotext_tensor::fixed_math::exp_f64(eval)
         );
     }
     if skipped > 0 {

@@ -220,7 +220,7 @@ fn get_mscale(scale: f32, mscale: f32) -> f32 {
     if scale <= 1.0 {
         1.0
     } else {
-        0.1 * mscale * scale.ln() + 1.0
+        0.1 * mscale * ferrotext_tensor::fixed_math::ln(scale) + 1.0
     }
 }
 

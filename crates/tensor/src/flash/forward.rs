@@ -217,7 +217,10 @@ impl<T: Elem> Head<'_, T> {
                     *o = MaybeUninit::new(a * inv);
                 }
                 // SAFETY: this head's log-sum-exp of row `i < Tq` (the caller's contract).
-                unsafe { lse.add(i).write(run.max[r] + run.sum[r].ln()) };
+                unsafe {
+                    lse.add(i)
+                        .write(run.max[r] + crate::fixed_math::ln(run.sum[r]))
+                };
             }
         }
     }

@@ -103,7 +103,7 @@ pub fn cross_entropy(
                             (max, write_sum_f64(row, erow, |x| exp(x - max)))
                         },
                     );
-                    let lz = max as f64 + sum.ln();
+                    let lz = max as f64 + crate::fixed_math::ln_f64(sum);
                     let m = mask[i];
                     let term = if m != 0.0 {
                         m as f64 * (lz - row[targets[i] as usize] as f64 + z_loss as f64 * lz * lz)

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
-use crate::fixed_math::{ln, pow};
+use crate::fixed_math::{ln_f64 as ln, pow_f64 as pow};
 use crate::nn::RowOut;
 use crate::parallel::{for_each_chunk, kernel_threads, Work};
 use crate::tensor::Tensor;

@@ -145,7 +145,13 @@ impl RunPlan {
         // the tree of `layout_invariant`, which keeps up to log2(GA) more.
         let (parameter_bytes, accumulator_bytes) = (local * 4.0, local * 4.0);
         let extra_sets = if config.layout_invariant {
-            (config.gradient_accumulation_steps as f64).log2().ceil()
+            // ⌈log2 GA⌉
+            f64::from(
+                config
+                    .gradient_accumulation_steps
+                    .next_power_of_two()
+                    .trailing_zeros(),
+            )
         } else {
             0.0
         };
