@@ -9,9 +9,10 @@
 //! the same answer `mul` gives, whose rule RMSNorm reuses.
 //!
 //! bf16 (docs/design.md §10): where the result is stored in bf16 and every activation operand
-//! holds bf16 ([`bf16_operands`]), RMSNorm, SwiGLU and their transposes run the bf16 kernels on
-//! the shards as stored: bitwise the `f32` kernel on the widened shards rounded on store (the
-//! tensor crate's invariant), without the widening copies and the rounding pass.
+//! holds bf16 ([`bf16_operands`]), RMSNorm, SwiGLU, softmax (causal too) and their transposes
+//! run the bf16 kernels on the shards as stored: bitwise the `f32` kernel on the widened shards
+//! rounded on store (the tensor crate's invariant), without the widening copies and the
+//! rounding pass.
 
 use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
 
@@ -170,12 +171,19 @@ impl Ctx<'_> {
     /// A sharded last dim or an unreduced operand.
     pub fn softmax(&mut self, x: &Array) -> Result<Array, SpmdError> {
         check_rowwise("softmax", x.ty(), 1)?;
-        let local = x
-            .local_opt()
-            .as_deref()
-            .map(ferrotext_tensor::softmax_last)
-            .transpose()?;
-        let out = Array::new(x.ty().clone(), local);
+        let out = if let Some(b) = bf16_operands(x.ty(), &[x]) {
+            Array::from_bf16(
+                x.ty().clone(),
+                Some(ferrotext_tensor::softmax_last_bf16(b[0])?),
+            )?
+        } else {
+            let local = x
+                .local_opt()
+                .as_deref()
+                .map(ferrotext_tensor::softmax_last)
+                .transpose()?;
+            Array::new(x.ty().clone(), local)
+        };
         let saved = out.clone();
         self.record(
             Backward::Softmax {
@@ -196,12 +204,17 @@ impl Ctx<'_> {
     /// A sharded query or key dim; an unreduced operand; fewer keys than queries.
     pub fn causal_softmax(&mut self, x: &Array, scale: f32) -> Result<Array, SpmdError> {
         check_rowwise("causal_softmax", x.ty(), 2)?;
-        let local = x
-            .local_opt()
-            .as_deref()
-            .map(|t| ferrotext_tensor::causal_softmax(t, scale))
-            .transpose()?;
-        let out = Array::new(x.ty().clone(), local);
+        let out = if let Some(b) = bf16_operands(x.ty(), &[x]) {
+            let y = ferrotext_tensor::causal_softmax_bf16(b[0], scale)?;
+            Array::from_bf16(x.ty().clone(), Some(y))?
+        } else {
+            let local = x
+                .local_opt()
+                .as_deref()
+                .map(|t| ferrotext_tensor::causal_softmax(t, scale))
+                .transpose()?;
+            Array::new(x.ty().clone(), local)
+        };
         let saved = out.clone();
         self.record(Backward::Softmax { out: saved, scale }, &[x], out)
     }
@@ -361,6 +374,10 @@ impl Ctx<'_> {
         scale: f32,
         ct: &Array,
     ) -> Result<Array, SpmdError> {
+        if let Some(b) = bf16_operands(ct.ty(), &[out, ct]) {
+            let dx = ferrotext_tensor::softmax_backward_bf16(b[0], b[1], scale)?;
+            return Array::from_bf16(ct.ty().clone(), Some(dx));
+        }
         let local = match (out.local_opt().as_deref(), ct.local_opt().as_deref()) {
             (Some(y), Some(c)) => Some(ferrotext_tensor::softmax_backward_scaled(y, c, scale)?),
             _ => None,

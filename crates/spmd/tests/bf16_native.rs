@@ -17,7 +17,7 @@ mod common;
 use common::*;
 use ferrotext_sharding::{DType, PartitionSpec};
 use ferrotext_spmd::{Array, AttentionSpec, Ctx, QueryPlaces, SpmdError, UnaryOp};
-use ferrotext_tensor::{round_bf16, widen_bf16, Tensor};
+use ferrotext_tensor::{round_bf16, widen_bf16, Bf16Tensor, Tensor};
 
 /// Values with a spread of magnitudes (the seed shifts them).
 fn values(shape: &[usize], seed: usize) -> Tensor {
@@ -142,6 +142,13 @@ fn check(
         assert!(r.out_type.starts_with("bf16["), "{what}: {}", r.out_type);
         assert_eq!(r.native.len(), r.widened.len());
         for (i, (n, w)) in r.native.iter().zip(&r.widened).enumerate() {
+            if i > 0 && what.ends_with("softmax") {
+                // The transpose reads the output as stored: rounded to bf16 on the native route,
+                // the f32 result on the widened one (whose program is f32). The bits of the
+                // native route are checked by `softmax_transpose_reads_the_stored_output`.
+                assert_close_bits(n, w, 0.01, &format!("{what}: result {i}"));
+                continue;
+            }
             if what == "attention" {
                 // The tiled attention on bf16 multiplies bf16 values: its probabilities and dS
                 // are rounded for their products (as FlashAttention's), and its backward's row
@@ -222,6 +229,62 @@ fn rms_norm_and_swiglu_run_bf16_with_the_widened_bits() {
         &["swiglu_bf16", "swiglu_backward_bf16"],
         &|cx, a| cx.swiglu(&a[0], &a[1]),
     );
+}
+
+#[test]
+fn softmax_runs_bf16_with_the_widened_bits() {
+    let (b, t, d) = (4, 6, 40);
+    let x = (values(&[b, t, d], 21), split(3), true);
+    check(
+        "softmax",
+        &[x],
+        &[b, t, d],
+        &["softmax_last_bf16", "softmax_backward_bf16"],
+        &|cx, a| cx.softmax(&a[0]),
+    );
+    // Scores [b, Tq, Tk] with Tk > Tq, as a decoding step over a key/value cache makes them.
+    let scores = (values(&[b, 5, 9], 22), split(3), true);
+    check(
+        "causal_softmax",
+        &[scores],
+        &[b, 5, 9],
+        &["causal_softmax_bf16", "softmax_backward_bf16"],
+        &|cx, a| cx.causal_softmax(&a[0], 0.3),
+    );
+}
+
+/// The bf16 softmax's transpose is the `f32` kernel on the output as stored (bf16, widened) and
+/// the cotangent, rounded on store: the bits an op without a bf16 kernel gives (docs/design.md
+/// §10), computed here from the tensor crate's `f32` kernels.
+#[test]
+fn softmax_transpose_reads_the_stored_output() {
+    let x = values(&[4, 6, 40], 23);
+    let ct = values(&[4, 6, 40], 24);
+    let m = mesh(&[("data", 1)]);
+    for (got, _) in on_devices(&m, |cx| {
+        let a = place(cx, &x, PartitionSpec::replicated());
+        let a = cx.cast(&a, DType::BF16)?;
+        let (out, grads) = cx.vjp(
+            std::slice::from_ref(&a),
+            |cx, p| cx.softmax(&p[0]),
+            |cx, out| {
+                let c = cx.from_global(&ct, out.ty().sharding().clone())?;
+                cx.cast(&c, DType::BF16)
+            },
+        )?;
+        let widen = |cx: &mut Ctx<'_>, v: &Array| -> Result<Tensor, SpmdError> {
+            let f = cx.cast(v, DType::F32)?;
+            Ok(f.local()?.into_owned())
+        };
+        Ok((widen(cx, &a)?, widen(cx, &out)?, widen(cx, &grads[0])?))
+    }) {
+        let (x_low, y, dx) = got;
+        let round = |t: &Tensor| Bf16Tensor::from_f32(t).to_f32();
+        assert_eq!(y, round(&ferrotext_tensor::softmax_last(&x_low).unwrap()));
+        let ct_low = round(&ct);
+        let want = round(&ferrotext_tensor::softmax_backward_scaled(&y, &ct_low, 1.0).unwrap());
+        assert_eq!(dx, want);
+    }
 }
 
 #[test]

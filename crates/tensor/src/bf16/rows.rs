@@ -198,6 +198,7 @@ pub fn rms_norm_backward_bf16(
 /// # Errors
 /// An empty last dimension.
 pub fn softmax_last_bf16(x: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
+    let _span = ferrotext_profile::span("softmax_last_bf16").map(|s| s.bytes((4 * x.len()) as f64));
     let n = last(x, "softmax_last_bf16")?;
     by_chunks(x.shape(), n, chunk_elements(n), &[x], |p| {
         softmax_last(&p[0])
@@ -216,6 +217,8 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
             format!("needs [.., Tq, Tk] with Tk ≥ Tq, got {:?}", x.shape()),
         ));
     }
+    let _span =
+        ferrotext_profile::span("causal_softmax_bf16").map(|s| s.bytes((4 * x.len()) as f64));
     let (tq, tk) = (x.shape()[r - 2], x.shape()[r - 1]);
     // Whole [Tq, Tk] blocks per chunk: the f32 kernel finds a row's place by its index.
     by_chunks(x.shape(), tk, (tq * tk).max(1), &[x], |p| {
@@ -329,6 +332,8 @@ pub fn softmax_backward_bf16(
     scale: f32,
 ) -> Result<Bf16Tensor, TensorError> {
     same(y, dy, "softmax_backward_bf16")?;
+    let _span =
+        ferrotext_profile::span("softmax_backward_bf16").map(|s| s.bytes((6 * y.len()) as f64));
     let n = last(y, "softmax_backward_bf16")?;
     by_chunks(y.shape(), n, chunk_elements(n), &[y, dy], |p| {
         softmax_backward_scaled(&p[0], &p[1], scale)
