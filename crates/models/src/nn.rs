@@ -6,7 +6,7 @@
 
 use ferrotext_sharding::{DType, DimSpec, PartitionSpec};
 use ferrotext_spmd::{Array, AttentionSpec, Ctx, QueryPlaces, SpmdError, UnaryOp};
-use ferrotext_tensor::{DotDims, Rope, Tensor};
+use ferrotext_tensor::{DotDims, GluActivation, Rope, Tensor};
 
 use crate::kv_cache::KvSlot;
 use crate::positions::{Balanced, Positions};
@@ -536,8 +536,8 @@ pub struct GluWeights<'a> {
     pub down: (&'a Array, Option<&'a Array>),
 }
 
-/// The gated MLP `(act(x·gate + b) ⊙ (x·up + b))·down + b`: SwiGLU (`gelu` false, the fused
-/// kernel) or GeGLU with the tanh GELU (`gelu` true).
+/// The gated MLP `(act(x·gate + b) ⊙ (x·up + b))·down + b`: SwiGLU (`gelu` false) or GeGLU
+/// with the tanh GELU (`gelu` true), the activation and the product one fused op.
 ///
 /// # Errors
 /// Any type error of the ops.
@@ -549,12 +549,12 @@ pub fn glu(
 ) -> Result<Array, SpmdError> {
     let g = linear_bias(cx, x, w.gate.0, w.gate.1, remat::MLPWI_0)?;
     let u = linear_bias(cx, x, w.up.0, w.up.1, remat::MLPWI_1)?;
-    let a = if gelu {
-        let g = cx.unary(UnaryOp::GeluTanh, &g)?;
-        cx.mul(&g, &u)?
+    let act = if gelu {
+        GluActivation::GeluTanh
     } else {
-        cx.swiglu(&g, &u)?
+        GluActivation::Silu
     };
+    let a = cx.glu(&g, &u, act)?;
     linear_bias(cx, &a, w.down.0, w.down.1, remat::MLPWO)
 }
 

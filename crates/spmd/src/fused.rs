@@ -16,6 +16,8 @@
 
 use ferrotext_sharding::{ArrayType, AxisSet, DimSpec, PartitionSpec};
 
+use ferrotext_tensor::GluActivation;
+
 use crate::array::{bf16_operands, Array};
 use crate::ctx::Ctx;
 use crate::error::{ShardingTypeError, SpmdError, TypeErrorKind as K};
@@ -26,6 +28,14 @@ use crate::tape::Backward;
 /// The target id of a token that [`Ctx::cross_entropy_sum`] ignores: it adds nothing to the
 /// loss and gets a zero gradient (padding, a prompt token).
 pub const IGNORE_INDEX: u32 = u32::MAX;
+
+/// A type error of a rule a fused op borrows (`mul`'s), reported as the fused op's own.
+fn named(op: &'static str) -> impl Fn(ShardingTypeError) -> ShardingTypeError {
+    move |mut e| {
+        e.op = op.to_string();
+        e
+    }
+}
 
 fn type_error(kind: K, op: &str, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
     ShardingTypeError::new(kind, op, xs, message).into()
@@ -95,7 +105,9 @@ impl Ctx<'_> {
         // The scale may stay f32 beside a bf16 `x` (norm scales are never rounded, docs/design.md
         // §10): the output takes `x`'s dtype.
         let scale_as_x = scale.ty().with_dtype(x.ty().dtype());
-        let out_ty = rules::binary_type(BinaryOp::Mul, x.ty(), &scale_as_x)?.out;
+        let out_ty = rules::binary_type(BinaryOp::Mul, x.ty(), &scale_as_x)
+            .map_err(named(OP))?
+            .out;
         let native = bf16_operands(&out_ty, &[x]);
         let (out, inv) = match (native, scale.local_opt()) {
             (Some(xb), Some(s)) => {
@@ -219,48 +231,67 @@ impl Ctx<'_> {
         self.record(Backward::Softmax { out: saved, scale }, &[x], out)
     }
 
-    /// The SwiGLU activation `silu(g) ⊙ u` as one op (one pass forward, one backward).
+    /// The SwiGLU activation `silu(g) ⊙ u` as one op (one pass forward, one backward):
+    /// [`Ctx::glu`] with [`GluActivation::Silu`].
+    ///
+    /// # Errors
+    /// As [`Ctx::glu`].
+    pub fn swiglu(&mut self, g: &Array, u: &Array) -> Result<Array, SpmdError> {
+        self.glu(g, u, GluActivation::Silu)
+    }
+
+    /// A gated unit's activation `act(g) ⊙ u` as one op (one pass forward, one backward):
+    /// SwiGLU, or GeGLU with the tanh GELU. `act(g)` is never stored.
     ///
     /// # Errors
     /// What `mul(g, u)` would reject; an unreduced operand.
-    pub fn swiglu(&mut self, g: &Array, u: &Array) -> Result<Array, SpmdError> {
+    pub fn glu(&mut self, g: &Array, u: &Array, act: GluActivation) -> Result<Array, SpmdError> {
+        let op = glu_op_name(act);
         if g.shape() != u.shape() {
             return Err(type_error(
                 K::ShapeError,
-                "swiglu",
+                op,
                 &[g.ty(), u.ty()],
                 "gate and up must have one shape",
             ));
         }
-        rules::unary_type("swiglu", false, g.ty())?;
+        rules::unary_type(op, false, g.ty())?;
         let out_ty = if g.ty().is_manual() {
-            crate::manual::typing::manual_binary_type(BinaryOp::Mul, g.ty(), u.ty())?
+            crate::manual::typing::manual_binary_type(BinaryOp::Mul, g.ty(), u.ty()).map_err(
+                |e| match e {
+                    SpmdError::Type(t) => named(op)(t).into(),
+                    other => other,
+                },
+            )?
         } else {
-            rules::binary_type(BinaryOp::Mul, g.ty(), u.ty())?.out
+            rules::binary_type(BinaryOp::Mul, g.ty(), u.ty())
+                .map_err(named(op))?
+                .out
         };
         if out_ty.sharding().spec().partitions() != g.ty().sharding().spec().partitions()
             || g.ty().sharding().spec().partitions() != u.ty().sharding().spec().partitions()
         {
             return Err(type_error(
                 K::ShardingMismatch,
-                "swiglu",
+                op,
                 &[g.ty(), u.ty()],
                 "gate and up must be laid out alike",
             ));
         }
         let out = if let Some(b) = bf16_operands(&out_ty, &[g, u]) {
-            Array::from_bf16(out_ty, Some(ferrotext_tensor::swiglu_bf16(b[0], b[1])?))?
+            Array::from_bf16(out_ty, Some(ferrotext_tensor::glu_bf16(b[0], b[1], act)?))?
         } else {
             let local = match (g.local_opt().as_deref(), u.local_opt().as_deref()) {
-                (Some(a), Some(b)) => Some(ferrotext_tensor::swiglu(a, b)?),
+                (Some(a), Some(b)) => Some(ferrotext_tensor::glu(a, b, act)?),
                 _ => None,
             };
             Array::new(out_ty, local)
         };
         self.record(
-            Backward::Swiglu {
+            Backward::Glu {
                 g: g.clone(),
                 u: u.clone(),
+                act,
             },
             &[g, u],
             out,
@@ -385,17 +416,18 @@ impl Ctx<'_> {
         Ok(Array::new(ct.ty().clone(), local))
     }
 
-    /// The transpose of [`Ctx::swiglu`] at `(g, u)`: the cotangents of the gate and the up
+    /// The transpose of [`Ctx::glu`] at `(g, u)`: the cotangents of the gate and the up
     /// projection.
-    pub(crate) fn swiglu_transpose(
+    pub(crate) fn glu_transpose(
         &mut self,
         g: &Array,
         u: &Array,
+        act: GluActivation,
         ct: &Array,
     ) -> Result<[Array; 2], SpmdError> {
         if let Some(b) = bf16_operands(&g.ty().to_cotangent(), &[g, u, ct]) {
             // `u` holds bf16, so its type (and its cotangent's) is bf16 too.
-            let (dg, du) = ferrotext_tensor::swiglu_backward_bf16(b[0], b[1], b[2])?;
+            let (dg, du) = ferrotext_tensor::glu_backward_bf16(b[0], b[1], b[2], act)?;
             return Ok([
                 Array::from_bf16(g.ty().to_cotangent(), Some(dg))?,
                 Array::from_bf16(u.ty().to_cotangent(), Some(du))?,
@@ -407,7 +439,7 @@ impl Ctx<'_> {
             ct.local_opt().as_deref(),
         ) {
             (Some(a), Some(b), Some(c)) => {
-                let (dg, du) = ferrotext_tensor::swiglu_backward(a, b, c)?;
+                let (dg, du) = ferrotext_tensor::glu_backward(a, b, c, act)?;
                 (Some(dg), Some(du))
             }
             _ => (None, None),
@@ -459,4 +491,12 @@ pub(crate) fn split_ignored(ids: &[u32]) -> (Vec<u32>, Vec<f32>) {
         .map(|&i| if i == IGNORE_INDEX { 0.0 } else { 1.0 })
         .collect();
     (safe, mask)
+}
+
+/// The name a gated unit's op carries in type errors and traces.
+fn glu_op_name(act: GluActivation) -> &'static str {
+    match act {
+        GluActivation::Silu => "swiglu",
+        GluActivation::GeluTanh => "geglu",
+    }
 }

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferrotext_sharding::{ArrayType, DType};
-use ferrotext_tensor::{CrossEntropy, DotDims, KeyRanges, Rope, Scores, Tensor};
+use ferrotext_tensor::{CrossEntropy, DotDims, GluActivation, KeyRanges, Rope, Scores, Tensor};
 
 use crate::array::Array;
 use crate::ids::Ids;
@@ -100,9 +100,10 @@ pub(crate) enum Backward {
         out: Array,
         scale: f32,
     },
-    Swiglu {
+    Glu {
         g: Array,
         u: Array,
+        act: GluActivation,
     },
     /// The tiled attention (boxed: it keeps four operands).
     Attention(Box<AttentionSaved>),

@@ -17,7 +17,7 @@ mod common;
 use common::*;
 use ferrotext_sharding::{DType, PartitionSpec};
 use ferrotext_spmd::{Array, AttentionSpec, Ctx, QueryPlaces, SpmdError, UnaryOp};
-use ferrotext_tensor::{round_bf16, widen_bf16, Bf16Tensor, Tensor};
+use ferrotext_tensor::{round_bf16, widen_bf16, Bf16Tensor, GluActivation, Tensor};
 
 /// Values with a spread of magnitudes (the seed shifts them).
 fn values(shape: &[usize], seed: usize) -> Tensor {
@@ -210,7 +210,7 @@ fn split(rank: usize) -> PartitionSpec {
 }
 
 #[test]
-fn rms_norm_and_swiglu_run_bf16_with_the_widened_bits() {
+fn rms_norm_swiglu_and_geglu_run_bf16_with_the_widened_bits() {
     let (b, t, d) = (4, 6, 40);
     let x = (values(&[b, t, d], 1), split(3), true);
     let scale = (values(&[d], 2), p(&[""], &[], &[]), false);
@@ -228,6 +228,15 @@ fn rms_norm_and_swiglu_run_bf16_with_the_widened_bits() {
         &[b, t, d],
         &["swiglu_bf16", "swiglu_backward_bf16"],
         &|cx, a| cx.swiglu(&a[0], &a[1]),
+    );
+    let g = (values(&[b, t, d], 4), split(3), true);
+    let u = (values(&[b, t, d], 5), split(3), true);
+    check(
+        "geglu",
+        &[g, u],
+        &[b, t, d],
+        &["geglu_bf16", "geglu_backward_bf16"],
+        &|cx, a| cx.glu(&a[0], &a[1], GluActivation::GeluTanh),
     );
 }
 

@@ -1,5 +1,5 @@
 //! The bf16 row and elementwise kernels a decoder layer runs around its products (RMSNorm,
-//! RoPE, SwiGLU, forward and backward), each alone on a kernel pool of `threads` workers as a
+//! RoPE, SwiGLU and GeGLU (Gemma's gated unit, timed at the same shapes), forward and backward), each alone on a kernel pool of `threads` workers as a
 //! device runs them: median µs a call and the bytes it must move ÷ that time. Where a kernel's
 //! GB/s is far below the memory's, it is bound by its arithmetic or by its dispatch, not by
 //! its traffic.
@@ -17,9 +17,13 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use ferrotext_tensor::{
-    rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, swiglu_backward_bf16, swiglu_bf16,
-    with_kernel_pool, Bf16Tensor, Rope, Tensor, TensorError,
+    glu_backward_bf16, glu_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16,
+    swiglu_backward_bf16, swiglu_bf16, with_kernel_pool, Bf16Tensor, GluActivation, Rope, Tensor,
+    TensorError,
 };
+
+/// GeGLU's activation.
+const GELU: GluActivation = GluActivation::GeluTanh;
 
 /// One layer's shape: name, batch, tokens, d_model, MLP width, query heads, kv heads, head dim.
 type Shape = (
@@ -147,6 +151,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "swiglu_backward",
                 10 * g.len(),
                 Box::new(|| swiglu_backward_bf16(&g, &u, &dm).map(|r| drop(black_box(r)))),
+            ),
+            (
+                "geglu",
+                6 * g.len(),
+                Box::new(|| glu_bf16(&g, &u, GELU).map(|r| drop(black_box(r)))),
+            ),
+            (
+                "geglu_backward",
+                10 * g.len(),
+                Box::new(|| glu_backward_bf16(&g, &u, &dm, GELU).map(|r| drop(black_box(r)))),
             ),
         ];
         let timed = with_kernel_pool(threads, "rows", 16 << 20, || {

@@ -78,10 +78,10 @@ pub use bf16::{
     add_bf16, allow_bf16_fallback, bf16_matmul_kernel, bf16_products_keep_packings,
     causal_softmax_bf16, dot_general_bf16, dot_general_bf16_accumulate, dot_general_bf16_rounded,
     dot_general_bf16_rounded_accumulate_parts, flash_attention_backward_bf16, flash_attention_bf16,
-    map_bf16, mul_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16, rope_tail_bf16,
-    round_bf16, round_slice, scale_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16,
-    swiglu_backward_bf16, swiglu_bf16, widen_add_slice, widen_bf16, widen_slice, zip_bf16,
-    Bf16Tensor,
+    glu_backward_bf16, glu_bf16, map_bf16, mul_bf16, rms_norm_backward_bf16, rms_norm_bf16,
+    rope_bf16, rope_tail_bf16, round_bf16, round_slice, scale_bf16, silu_bf16,
+    softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16, swiglu_bf16, widen_add_slice,
+    widen_bf16, widen_slice, zip_bf16, Bf16Tensor,
 };
 pub use blas::{check_kernel_env, matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
@@ -95,10 +95,10 @@ pub use grouped::{
 pub use isa::instruction_set;
 pub use matmul::{dot_general, dot_general_accumulate, dot_general_accumulate_parts, DotDims};
 pub use nn::{
-    causal_softmax, cross_entropy, cross_entropy_backward, gather, rms_norm, rms_norm_backward,
-    rope, scatter_add, scatter_add_into, scatter_add_into_parts, silu, silu_backward,
-    softmax_backward_scaled, softmax_last, softmax_last_backward, swiglu, swiglu_backward, top_k,
-    CrossEntropy,
+    causal_softmax, cross_entropy, cross_entropy_backward, gather, glu, glu_backward, rms_norm,
+    rms_norm_backward, rope, scatter_add, scatter_add_into, scatter_add_into_parts, silu,
+    silu_backward, softmax_backward_scaled, softmax_last, softmax_last_backward, swiglu,
+    swiglu_backward, top_k, CrossEntropy, GluActivation,
 };
 pub use optim::{adamw_update, sgd_update, sum_of_squares, AdamW};
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};

@@ -60,8 +60,8 @@ impl Ctx<'_> {
                 pass,
             } => one(self.rope_transpose(rope, positions, *pass, ct)?),
             Backward::Softmax { out, scale } => one(self.softmax_transpose(out, *scale, ct)?),
-            Backward::Swiglu { g, u } => {
-                let [dg, du] = self.swiglu_transpose(g, u, ct)?;
+            Backward::Glu { g, u, act } => {
+                let [dg, du] = self.glu_transpose(g, u, *act, ct)?;
                 vec![Some(dg), Some(du)]
             }
             Backward::Attention(a) => {

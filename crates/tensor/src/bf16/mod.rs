@@ -54,9 +54,9 @@ pub use matmul::{
     dot_general_bf16_rounded_accumulate_parts,
 };
 pub use rows::{
-    add_bf16, causal_softmax_bf16, rms_norm_backward_bf16, rms_norm_bf16, rope_bf16,
-    rope_tail_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16,
-    swiglu_bf16,
+    add_bf16, causal_softmax_bf16, glu_backward_bf16, glu_bf16, rms_norm_backward_bf16,
+    rms_norm_bf16, rope_bf16, rope_tail_bf16, silu_bf16, softmax_backward_bf16, softmax_last_bf16,
+    swiglu_backward_bf16, swiglu_bf16,
 };
 
 /// `x` rounded to bfloat16: to nearest, ties to even; NaN kept (quiet). Branch-free on the

@@ -6,8 +6,8 @@
 //! `f32`). Inputs are widened a chunk of whole rows at a time (about `nn`'s block of 4096
 //! elements; a causal softmax's whole `[Tq, Tk]` blocks) into a scratch `f32` tensor, so no
 //! `f32` copy of a whole activation is ever made; the `f32` kernels compute each row alike in
-//! any chunk, so chunking does not change a bit. SwiGLU, elementwise, calls the `f32` kernel's
-//! element function (`nn::swiglu_value`, `nn::swiglu_grads`) on each widened element into a
+//! any chunk, so chunking does not change a bit. SwiGLU and GeGLU, elementwise, call the `f32`
+//! kernel's element function (`nn::swiglu_value`, `nn::geglu_grads`, …) on each widened element into a
 //! block of 1024 `f32` that is rounded as a whole (`super::rounded_blocks`), as `zip_bf16` does
 //! for the residual add. Chunks run on the kernel thread budget.
 
@@ -22,8 +22,8 @@ use super::{
 use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::nn::{
-    causal_softmax, rms_norm_backward_slices, rms_norm_slices, silu, softmax_backward_scaled,
-    softmax_last, swiglu_grads, swiglu_value, RowOut,
+    causal_softmax, geglu_grads, geglu_value, rms_norm_backward_slices, rms_norm_slices, silu,
+    softmax_backward_scaled, softmax_last, swiglu_grads, swiglu_value, GluActivation, RowOut,
 };
 #[cfg(doc)]
 use crate::nn::{rms_norm, rms_norm_backward};
@@ -234,8 +234,65 @@ pub fn causal_softmax_bf16(x: &Bf16Tensor, scale: f32) -> Result<Bf16Tensor, Ten
 /// # Errors
 /// Shapes differ.
 pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorError> {
-    let _span = ferrotext_profile::span("swiglu_bf16").map(|s| s.bytes((6 * g.len()) as f64));
-    same(g, u, "swiglu_bf16")?;
+    glu_bf16(g, u, GluActivation::Silu)
+}
+
+/// [`swiglu_backward`](crate::swiglu_backward) on bf16 `g`, `u` and `dy`: `(dg, du)` rounded to bf16.
+///
+/// # Errors
+/// Shapes differ.
+pub fn swiglu_backward_bf16(
+    g: &Bf16Tensor,
+    u: &Bf16Tensor,
+    dy: &Bf16Tensor,
+) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
+    glu_backward_bf16(g, u, dy, GluActivation::Silu)
+}
+
+/// [`glu`](crate::glu) (`act(g) ⊙ u`) on bf16 inputs.
+///
+/// # Errors
+/// Shapes differ.
+pub fn glu_bf16(
+    g: &Bf16Tensor,
+    u: &Bf16Tensor,
+    act: GluActivation,
+) -> Result<Bf16Tensor, TensorError> {
+    match act {
+        GluActivation::Silu => glu_bf16_with(g, u, "swiglu_bf16", swiglu_value),
+        GluActivation::GeluTanh => glu_bf16_with(g, u, "geglu_bf16", geglu_value),
+    }
+}
+
+/// [`glu_backward`](crate::glu_backward) on bf16 `g`, `u` and `dy`: `(dg, du)` rounded to bf16.
+///
+/// # Errors
+/// Shapes differ.
+pub fn glu_backward_bf16(
+    g: &Bf16Tensor,
+    u: &Bf16Tensor,
+    dy: &Bf16Tensor,
+    act: GluActivation,
+) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
+    match act {
+        GluActivation::Silu => {
+            glu_backward_bf16_with(g, u, dy, "swiglu_backward_bf16", swiglu_grads)
+        }
+        GluActivation::GeluTanh => {
+            glu_backward_bf16_with(g, u, dy, "geglu_backward_bf16", geglu_grads)
+        }
+    }
+}
+
+/// [`glu_bf16`] with the `f32` kernel's element function `value`.
+fn glu_bf16_with(
+    g: &Bf16Tensor,
+    u: &Bf16Tensor,
+    name: &'static str,
+    value: impl Fn(f32, f32) -> f32 + Copy + Sync,
+) -> Result<Bf16Tensor, TensorError> {
+    let _span = ferrotext_profile::span(name).map(|s| s.bytes((6 * g.len()) as f64));
+    same(g, u, name)?;
     // Elementwise: the f32 kernel's own element function on the widened pair, a block of 1024
     // at a time, each block rounded at once — no scratch tensors.
     // SAFETY: the chunks cover the output, and `g`, `u` are as long, so each writes all of its
@@ -250,7 +307,7 @@ pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorE
                         #[inline(always)]
                         || {
                             for ((o, &a), &b) in block.iter_mut().zip(gs).zip(us) {
-                                *o = swiglu_value(widen_bf16(a), widen_bf16(b));
+                                *o = value(widen_bf16(a), widen_bf16(b));
                             }
                         },
                     );
@@ -261,19 +318,17 @@ pub fn swiglu_bf16(g: &Bf16Tensor, u: &Bf16Tensor) -> Result<Bf16Tensor, TensorE
     Bf16Tensor::new(g.shape().to_vec(), y)
 }
 
-/// [`swiglu_backward`](crate::swiglu_backward) on bf16 `g`, `u` and `dy`: `(dg, du)` rounded to bf16.
-///
-/// # Errors
-/// Shapes differ.
-pub fn swiglu_backward_bf16(
+/// [`glu_backward_bf16`] with the `f32` kernel's element function `grads`.
+fn glu_backward_bf16_with(
     g: &Bf16Tensor,
     u: &Bf16Tensor,
     dy: &Bf16Tensor,
+    name: &'static str,
+    grads: impl Fn(f32, f32, f32) -> (f32, f32) + Copy + Sync,
 ) -> Result<(Bf16Tensor, Bf16Tensor), TensorError> {
-    let _span =
-        ferrotext_profile::span("swiglu_backward_bf16").map(|s| s.bytes((10 * g.len()) as f64));
-    same(g, u, "swiglu_backward_bf16")?;
-    same(g, dy, "swiglu_backward_bf16")?;
+    let _span = ferrotext_profile::span(name).map(|s| s.bytes((10 * g.len()) as f64));
+    same(g, u, name)?;
+    same(g, dy, name)?;
     let n = g.len();
     let mut du = Vec::with_capacity(n);
     // SAFETY: the chunks cover both outputs, and `g`, `u`, `dy` are as long, so each chunk
@@ -301,11 +356,8 @@ pub fn swiglu_backward_bf16(
                                     .zip(gs)
                                     .zip(us.iter().zip(dys))
                                 {
-                                    (*dg, *du) = swiglu_grads(
-                                        widen_bf16(gv),
-                                        widen_bf16(uv),
-                                        widen_bf16(dyv),
-                                    );
+                                    (*dg, *du) =
+                                        grads(widen_bf16(gv), widen_bf16(uv), widen_bf16(dyv));
                                 }
                             },
                         );

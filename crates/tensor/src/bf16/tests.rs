@@ -9,9 +9,9 @@ use half::bf16;
 
 use super::*;
 use crate::{
-    causal_softmax, flash_attention, flash_attention_backward, rms_norm, rms_norm_backward,
-    rope_with, silu, softmax_backward_scaled, softmax_last, swiglu, swiglu_backward, KeyRanges,
-    Rope, Scores, Tensor,
+    causal_softmax, flash_attention, flash_attention_backward, glu, glu_backward, rms_norm,
+    rms_norm_backward, rope_with, silu, softmax_backward_scaled, softmax_last, swiglu,
+    swiglu_backward, GluActivation, KeyRanges, Rope, Scores, Tensor,
 };
 
 fn bits(x: f32) -> u16 {
@@ -158,6 +158,9 @@ fn row_kernels_are_their_f32_kernels_rounded() {
         let u = input(shape, 2);
         let g = swiglu_bf16(&x, &u).unwrap();
         assert_eq!(g, rounded(&swiglu(&x.to_f32(), &u.to_f32()).unwrap()));
+        let gelu = GluActivation::GeluTanh;
+        let g = glu_bf16(&x, &u, gelu).unwrap();
+        assert_eq!(g, rounded(&glu(&x.to_f32(), &u.to_f32(), gelu).unwrap()));
         assert_eq!(silu_bf16(&x).unwrap(), rounded(&silu(&x.to_f32())));
         let sum = add_bf16(&x, &u).unwrap();
         assert_eq!(sum, rounded(&x.to_f32().add(&u.to_f32()).unwrap()));
@@ -185,6 +188,14 @@ fn backward_row_kernels_are_their_f32_kernels_rounded() {
             (dg, du),
             (rounded(&wg), rounded(&wu)),
             "swiglu_backward {shape:?}"
+        );
+        let gelu = GluActivation::GeluTanh;
+        let (dg, du) = glu_backward_bf16(&x, &u, &dy, gelu).unwrap();
+        let (wg, wu) = glu_backward(&x.to_f32(), &u.to_f32(), &dy.to_f32(), gelu).unwrap();
+        assert_eq!(
+            (dg, du),
+            (rounded(&wg), rounded(&wu)),
+            "geglu_backward {shape:?}"
         );
 
         let y = softmax_last_bf16(&x).unwrap();

@@ -23,8 +23,10 @@ mod softmax;
 #[cfg(test)]
 mod tests;
 
-pub use activation::{silu, silu_backward, swiglu, swiglu_backward};
-pub(crate) use activation::{swiglu_grads, swiglu_value};
+pub(crate) use activation::{geglu_grads, geglu_value, swiglu_grads, swiglu_value};
+pub use activation::{
+    glu, glu_backward, silu, silu_backward, swiglu, swiglu_backward, GluActivation,
+};
 pub use cross_entropy::{cross_entropy, cross_entropy_backward, CrossEntropy};
 pub use index::{gather, scatter_add, scatter_add_into, scatter_add_into_parts, top_k};
 pub use norm::{rms_norm, rms_norm_backward, rope};
