@@ -29,14 +29,6 @@ use crate::tape::Backward;
 /// loss and gets a zero gradient (padding, a prompt token).
 pub const IGNORE_INDEX: u32 = u32::MAX;
 
-/// A type error of a rule a fused op borrows (`mul`'s), reported as the fused op's own.
-fn named(op: &'static str) -> impl Fn(ShardingTypeError) -> ShardingTypeError {
-    move |mut e| {
-        e.op = op.to_string();
-        e
-    }
-}
-
 fn type_error(kind: K, op: &str, xs: &[&ArrayType], message: impl Into<String>) -> SpmdError {
     ShardingTypeError::new(kind, op, xs, message).into()
 }
@@ -106,7 +98,7 @@ impl Ctx<'_> {
         // §10): the output takes `x`'s dtype.
         let scale_as_x = scale.ty().with_dtype(x.ty().dtype());
         let out_ty = rules::binary_type(BinaryOp::Mul, x.ty(), &scale_as_x)
-            .map_err(named(OP))?
+            .map_err(|e| rules::attribute(OP, e))?
             .out;
         let native = bf16_operands(&out_ty, &[x]);
         let (out, inv) = match (native, scale.local_opt()) {
@@ -246,7 +238,7 @@ impl Ctx<'_> {
     /// # Errors
     /// What `mul(g, u)` would reject; an unreduced operand.
     pub fn glu(&mut self, g: &Array, u: &Array, act: GluActivation) -> Result<Array, SpmdError> {
-        let op = glu_op_name(act);
+        let op = act.name();
         if g.shape() != u.shape() {
             return Err(type_error(
                 K::ShapeError,
@@ -259,13 +251,13 @@ impl Ctx<'_> {
         let out_ty = if g.ty().is_manual() {
             crate::manual::typing::manual_binary_type(BinaryOp::Mul, g.ty(), u.ty()).map_err(
                 |e| match e {
-                    SpmdError::Type(t) => named(op)(t).into(),
+                    SpmdError::Type(t) => rules::attribute(op, t).into(),
                     other => other,
                 },
             )?
         } else {
             rules::binary_type(BinaryOp::Mul, g.ty(), u.ty())
-                .map_err(named(op))?
+                .map_err(|e| rules::attribute(op, e))?
                 .out
         };
         if out_ty.sharding().spec().partitions() != g.ty().sharding().spec().partitions()
@@ -491,12 +483,4 @@ pub(crate) fn split_ignored(ids: &[u32]) -> (Vec<u32>, Vec<f32>) {
         .map(|&i| if i == IGNORE_INDEX { 0.0 } else { 1.0 })
         .collect();
     (safe, mask)
-}
-
-/// The name a gated unit's op carries in type errors and traces.
-fn glu_op_name(act: GluActivation) -> &'static str {
-    match act {
-        GluActivation::Silu => "swiglu",
-        GluActivation::GeluTanh => "geglu",
-    }
 }

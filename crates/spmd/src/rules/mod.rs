@@ -72,7 +72,9 @@ pub(crate) fn make_type(
     ArrayType::new(template.dtype(), shape, named).map_err(|e| attribute(op, e.into()))
 }
 
-fn attribute(op: &str, mut e: ShardingTypeError) -> ShardingTypeError {
+/// `e` reported as `op`'s own: a rule borrowed by another op (a fused op's `mul`), or a
+/// sharding built for it.
+pub(crate) fn attribute(op: &str, mut e: ShardingTypeError) -> ShardingTypeError {
     e.op = op.to_string();
     e
 }

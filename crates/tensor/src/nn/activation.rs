@@ -23,12 +23,22 @@ pub enum GluActivation {
 }
 
 impl GluActivation {
-    /// The profiler's names of the forward and backward kernels (`swiglu`, `geglu`, …).
-    pub(crate) fn span_names(self) -> (&'static str, &'static str) {
+    /// The unit's name, as its op and its kernels' profiler spans carry it: `swiglu`, `geglu`.
+    pub fn name(self) -> &'static str {
         match self {
-            GluActivation::Silu => ("swiglu", "swiglu_backward"),
-            GluActivation::GeluTanh => ("geglu", "geglu_backward"),
+            GluActivation::Silu => "swiglu",
+            GluActivation::GeluTanh => "geglu",
         }
+    }
+
+    /// The profiler's names of the forward and backward kernels ([`GluActivation::name`], and
+    /// `swiglu_backward`, `geglu_backward`).
+    pub(crate) fn span_names(self) -> (&'static str, &'static str) {
+        let backward = match self {
+            GluActivation::Silu => "swiglu_backward",
+            GluActivation::GeluTanh => "geglu_backward",
+        };
+        (self.name(), backward)
     }
 }
 
