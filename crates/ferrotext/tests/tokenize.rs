@@ -10,17 +10,12 @@ use std::process::Output;
 
 mod common;
 use common::ferrotext;
+mod scratch;
+use scratch::scratch;
 
 /// The word-level fixture tokenizer (14 ids: `<|endoftext|>` 0, `[UNK]` 1, 12 words).
 fn tokenizer() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tests/fixtures/wordlevel.json")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ferrotext-tok-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
 }
 
 fn stderr(out: &Output) -> String {

@@ -1,5 +1,8 @@
 //! Token sources from files: text (byte-level) and pre-tokenized u16/u32, with their errors.
 
+mod common;
+use common::scratch::{scratch_path as tmp, Scratch};
+
 use ferrotext_train::data::source_for;
 use ferrotext_train::TrainConfig;
 
@@ -7,14 +10,6 @@ fn cfg(items: &[String]) -> TrainConfig {
     let mut all = vec!["max_target_length=8".to_string()];
     all.extend(items.iter().cloned());
     TrainConfig::load(None, &all).unwrap()
-}
-
-fn tmp(name: &str) -> std::path::PathBuf {
-    // Under cargo's per-target temporary directory, not the system's: nothing is left in /tmp.
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ferrotext-data-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
 }
 
 #[test]
@@ -150,7 +145,7 @@ fn hf_tokenizer_files_tokenize_text() {
 }
 
 /// A u32 token file holding `0, 1, 2, ...`: every window's content names its own position.
-fn counting_file(name: &str, tokens: u32) -> std::path::PathBuf {
+fn counting_file(name: &str, tokens: u32) -> Scratch {
     let path = tmp(name);
     let bytes: Vec<u8> = (0..tokens).flat_map(|i| i.to_le_bytes()).collect();
     std::fs::write(&path, bytes).unwrap();
@@ -225,7 +220,7 @@ fn a_data_file_truncated_during_a_run_cannot_fault_the_reader() {
 fn inputs_that_are_not_regular_files_are_refused_without_reading() {
     let fifo = tmp("fifo");
     std::fs::remove_file(&fifo).ok();
-    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    let made = std::process::Command::new("mkfifo").arg(&*fifo).status();
     assert!(made.is_ok_and(|s| s.success()), "mkfifo");
     let dir = tmp("a-directory");
     std::fs::create_dir_all(&dir).unwrap();

@@ -11,6 +11,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod common;
+use common::scratch::{scratch, Scratch};
+
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_hf as hf;
 use ferrotext_models::decoder::{Config, Decoder, MoeSettings};
@@ -24,14 +27,6 @@ use ferrotext_tensor::Tensor;
 use ferrotext_train::io;
 use safetensors::SafeTensors;
 use serde_json::Value;
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ferrotext-hf-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 fn dense() -> Config {
     Config {
@@ -251,13 +246,13 @@ fn roundtrip(
     cfg: &Config,
     dtype: DType,
     shard_bytes: u64,
-) -> (PathBuf, Vec<ParamInfo>, Vec<Tensor>) {
-    let dir = scratch(&format!(
+) -> (Scratch, Vec<ParamInfo>, Vec<Tensor>) {
+    let out = scratch(&format!(
         "rt-{}-{dtype:?}-{shard_bytes}",
         cfg.base_num_decoder_layers
-    ));
+    ))
+    .at("model");
     let (_, infos, vals) = model(cfg);
-    let out = dir.join("model");
     hf::save_directory(&out, cfg, &infos, &vals, dtype, shard_bytes).unwrap();
     assert_eq!(hf::read_config(&out).unwrap(), *cfg);
     let loaded = io::load_parameters(&out, &infos).unwrap();
@@ -637,10 +632,9 @@ fn load_error(dir: &Path) -> String {
 }
 
 /// A fresh sharded copy of the MoE model to break.
-fn sharded(name: &str) -> PathBuf {
-    let dir = scratch(name);
+fn sharded(name: &str) -> Scratch {
+    let out = scratch(name).at("model");
     let (_, infos, vals) = model(&moe());
-    let out = dir.join("model");
     hf::save_directory(&out, &moe(), &infos, &vals, DType::F32, 4096).unwrap();
     out
 }
@@ -778,17 +772,6 @@ fn malformed_directories_get_one_clear_error_each() {
         e.contains("1 unexpected tensor(s): `model.layers.0.mystery.weight`"),
         "{e}"
     );
-    for name in [
-        "bad-index",
-        "bad-shard",
-        "bad-header",
-        "bad-dtype",
-        "bad-shape",
-        "bad-type",
-        "bad-extra",
-    ] {
-        std::fs::remove_dir_all(scratch(name)).ok();
-    }
 }
 
 #[test]
@@ -876,7 +859,7 @@ fn deepseek_v3_directories_carry_the_selection_bias_values() {
         m.routed_bias = false;
     }
     let (_, infos, vals) = model(&plain);
-    let dir = scratch("no-routed-bias").join("model");
+    let dir = scratch("no-routed-bias").at("model");
     hf::save_directory(&dir, &plain, &infos, &vals, DType::F32, u64::MAX).unwrap();
     let zeros = Files::read(&dir);
     assert_eq!(zeros.get(&bias(2)), [0.0; 4].as_slice());

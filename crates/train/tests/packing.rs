@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use ferrotext_train::{train, RunOptions, TrainConfig};
 mod common;
 
-use common::packed::{config, losses, scratch, shards};
+use common::packed::{config, losses, shards};
+use common::scratch::scratch;
 
 #[test]
 fn packed_windows_score_fewer_targets_and_train_other_numbers() {

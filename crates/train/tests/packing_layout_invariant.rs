@@ -5,7 +5,8 @@
 use ferrotext_train::{train, RunOptions};
 mod common;
 
-use common::packed::{config, losses, scratch, shards};
+use common::packed::{config, losses, shards};
+use common::scratch::scratch;
 
 #[test]
 fn packed_runs_keep_layout_invariance_and_resume_bit_for_bit() {

@@ -2,25 +2,19 @@
 //! directory, against the token stream the test wrote (counting ids, so every window names its
 //! own position), and the configs refused.
 
-use std::path::PathBuf;
-
 use ferrotext_data::{ShardWriter, TokenizerInfo};
 use ferrotext_train::data::{eval_source_for, micro_batch, source_for};
 use ferrotext_train::TrainConfig;
 
-const EOS: u32 = 999;
+mod common;
+use common::scratch::{scratch_path as tmp, Scratch};
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ferrotext-shards-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
-}
+const EOS: u32 = 999;
 
 /// Five shards, each two documents of 8 counting ids plus EOS (18 tokens a shard, 90 in all):
 /// shard `s` holds `[18s+1 ..= 18s+8, EOS, 18s+10 ..= 18s+17, EOS]`. Returns the directory and
 /// the whole stream.
-fn five_shards(name: &str) -> (PathBuf, Vec<u32>) {
+fn five_shards(name: &str) -> (Scratch, Vec<u32>) {
     let out = tmp(name);
     let _ = std::fs::remove_dir_all(&out);
     let info = TokenizerInfo {

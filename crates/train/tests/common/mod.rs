@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod packed;
+pub mod scratch;
 
 use ferrotext_spmd::Ctx;
 use ferrotext_train::data::{micro_batch, TokenSource};

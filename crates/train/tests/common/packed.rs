@@ -9,15 +9,6 @@ use ferrotext_train::{TrainConfig, TrainReport};
 /// The documents' end-of-sequence id.
 pub const EOS: u32 = 199;
 
-/// A fresh directory named for this process and `name`.
-pub fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("ferrotext-packing-{}-{name}", std::process::id()));
-    std::fs::remove_dir_all(&dir).ok();
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
 /// Two shards of documents of 3 to 13 tokens (ids below EOS), each ending in EOS.
 pub fn shards(dir: &Path) -> PathBuf {
     let out = dir.join("shards");
