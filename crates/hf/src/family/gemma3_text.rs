@@ -61,7 +61,13 @@ const PRESETS: &[Preset] = &[
 ];
 
 const KEYS: &[(&str, KeyUse)] = &[
-    ("attn_logit_softcapping", Read { probe: "20.0" }),
+    (
+        "attn_logit_softcapping",
+        Irrelevant(
+            "Gemma3Attention stores it but never passes it to the attention (4.57 and 5.x): no \
+             attention soft-cap",
+        ),
+    ),
     ("final_logit_softcapping", Read { probe: "20.0" }),
     ("rope_local_base_freq", Read { probe: "20000.0" }),
     (
@@ -127,7 +133,8 @@ fn read(k: &mut Keys<'_>) -> Result<Config, String> {
         .max(1) as usize;
     let mut cfg = gemma(k, |i| (i + 1) % pattern != 0)?;
     cfg.qk_norm = true;
-    cfg.attn_logit_softcapping = optional(k, "attn_logit_softcapping")?;
+    // transformers' Gemma3Attention keeps attn_logit_softcapping but never applies it.
+    cfg.attn_logit_softcapping = None;
     cfg.final_logit_softcapping = optional(k, "final_logit_softcapping")?;
     let local = k
         .get("rope_parameters")
@@ -161,6 +168,9 @@ fn misfit(cfg: &Config) -> Vec<String> {
     gemma_misfit(cfg, "gemma3_text", &mut out);
     let has = ["out_bias", "window", "gemma", "softcap"];
     block_misfit(cfg, "gemma3_text", &has, &mut out);
+    if cfg.attn_logit_softcapping.is_some() {
+        out.push("an attention soft-cap (gemma3_text's attention ignores it)".into());
+    }
     out
 }
 

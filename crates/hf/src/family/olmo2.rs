@@ -10,7 +10,7 @@ use super::common::{block_misfit, dense_misfit, gqa_json, merged, read_biases, s
 use super::rope::GQA_ROPE_TYPES;
 use super::table::{DECODER, GENERIC};
 use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
-use KeyUse::{Irrelevant, Read};
+use KeyUse::Read;
 
 /// The family.
 pub(super) const FAMILY: Family = Family {
@@ -50,10 +50,8 @@ const PRESETS: &[Preset] = &[
 const KEYS: &[(&str, KeyUse)] = &[
     ("tie_word_embeddings", Read { probe: "true" }),
     ("attention_bias", Read { probe: "true" }),
-    (
-        "head_dim",
-        Irrelevant("not a key of OLMo 2's class: the head is hidden_size / heads"),
-    ),
+    // Not a key of OLMo 2's class, but Olmo2Attention reads it with getattr (4.57 and 5.x).
+    ("head_dim", Read { probe: "16" }),
     (
         "rope_scaling",
         Read {
@@ -82,7 +80,6 @@ const DEFAULTS: &[super::defaults::ClassDefault] = &[
 fn read(k: &mut Keys<'_>) -> Result<Config, String> {
     let mut cfg = sizes(k)?;
     k.only("hidden_act", json!("silu"));
-    cfg.head_dim = cfg.base_emb_dim / cfg.base_num_query_heads.max(1);
     read_biases(k, &mut cfg)?;
     cfg.mlp_bias = false;
     cfg.qk_norm = true;
@@ -96,9 +93,6 @@ fn misfit(cfg: &Config) -> Vec<String> {
     if !cfg.qk_norm_all_heads || cfg.norm_placement != NormPlacement::Post {
         out.push("norms other than OLMo 2's post-norms and QK-norm over all heads".into());
     }
-    if cfg.head_dim * cfg.base_num_query_heads != cfg.base_emb_dim {
-        out.push("a head_dim other than hidden_size / heads (olmo2 derives it)".into());
-    }
     block_misfit(cfg, "olmo2", &["out_bias", "post_norm"], &mut out);
     out
 }
@@ -108,8 +102,11 @@ fn write(cfg: &Config) -> Value {
         json!({"architectures": ["Olmo2ForCausalLM"]}),
         gqa_json(cfg, 4096),
     ]);
-    if let Some(o) = v.as_object_mut() {
-        o.remove("head_dim");
+    // Written only where it is not the quotient transformers derives.
+    if cfg.head_dim * cfg.base_num_query_heads == cfg.base_emb_dim {
+        if let Some(o) = v.as_object_mut() {
+            o.remove("head_dim");
+        }
     }
     v
 }
