@@ -18,6 +18,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokenizer: PathBuf::from(&args[0]),
         output: PathBuf::from(&args[1]),
         eos: String::new(),
+        special_tokens: true,
         shard_tokens: 100_000_000,
         batch_bytes: 4 << 20,
     };

@@ -41,6 +41,11 @@ pub struct TokenizeOptions {
     pub output: PathBuf,
     /// The EOS token's text (empty: the model's `eos_token_id`, else a known name).
     pub eos: String,
+    /// Encode each document with the tokenizer's own special tokens: its post-processor's
+    /// template, as transformers' `tokenizer(text)` applies it (Llama 3's `<|begin_of_text|>`,
+    /// Gemma's and Mistral's BOS in front; Qwen's template adds nothing). A template that also
+    /// ends a document with the EOS is not doubled by the EOS every document ends with.
+    pub special_tokens: bool,
     /// Tokens a shard holds (a shard closes after the document that reaches this).
     pub shard_tokens: u64,
     /// Input bytes encoded per parallel batch.
@@ -209,6 +214,18 @@ pub fn eos_id(t: &LoadedTokenizer, eos: &str) -> Result<u32, DataError> {
         })
 }
 
+/// A document's ids before the EOS the writer appends: the encoding's, less a last EOS that
+/// the tokenizer's template added (a special token, not text that spelled it).
+fn document_ids(e: &tokenizers::Encoding, eos: u32) -> &[u32] {
+    let ids = e.get_ids();
+    let template_eos = ids.last() == Some(&eos) && e.get_special_tokens_mask().last() == Some(&1);
+    if template_eos {
+        &ids[..ids.len() - 1]
+    } else {
+        ids
+    }
+}
+
 /// Tokenizes the corpus `options` names into a new shard directory, calling `progress` after
 /// each batch with the totals so far; returns the manifest written.
 ///
@@ -243,14 +260,15 @@ pub fn tokenize(
             let text_bytes: usize = batch.iter().map(String::len).sum();
             let encodings = loaded
                 .tokenizer
-                .encode_batch_fast(batch, false)
+                .encode_batch_fast(batch, options.special_tokens)
                 .map_err(|e| DataError::Tokenizer {
                     path: loaded.path.clone(),
                     reason: e.to_string(),
                 })?;
             for e in &encodings {
-                writer.push_document(e.get_ids())?;
-                done.tokens += e.get_ids().len() as u64 + 1;
+                let ids = document_ids(e, eos);
+                writer.push_document(ids)?;
+                done.tokens += ids.len() as u64 + 1;
             }
             done.documents += encodings.len() as u64;
             done.text_bytes += text_bytes as u64;

@@ -54,6 +54,7 @@ fn options(inputs: Vec<String>, out: &Path) -> TokenizeOptions {
         tokenizer: fixture(),
         output: out.to_path_buf(),
         eos: String::new(),
+        special_tokens: true,
         shard_tokens: 1 << 20,
         batch_bytes: 16,
     }
@@ -153,6 +154,42 @@ fn jsonl_parquet_and_text_become_the_ids_worked_out_by_hand() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert!(names.iter().all(|n| !n.contains(".tmp-")), "{names:?}");
+}
+
+/// The tokenizer's own template, as transformers' `tokenizer(text)` applies it: a BOS (`<s>`,
+/// 14) in front of each document; a template that also appends the EOS does not double the EOS
+/// every document ends with; an EOS spelled in the text is text and stays. Ids worked out by
+/// hand from the fixtures (`wordlevel_bos.json`: `<s> $A`; `wordlevel_bos_eos.json`: `<s> $A
+/// <|endoftext|>`; both `wordlevel.json` plus `<s>`, written by Python's `tokenizers`).
+#[test]
+fn the_tokenizers_template_puts_its_bos_in_front_once_and_its_eos_is_not_doubled() {
+    let dir = scratch("template");
+    std::fs::write(
+        dir.join("a.jsonl"),
+        "{\"text\": \"the cat sees a bird .\"}\n{\"text\": \"a dog <|endoftext|>\"}\n",
+    )
+    .unwrap();
+    let read = |tokenizer: &str, special_tokens: bool| {
+        let out = dir.join(format!("{tokenizer}-{special_tokens}"));
+        let mut opts = options(vec![dir.join("a.jsonl").display().to_string()], &out);
+        opts.tokenizer = fixture().with_file_name(tokenizer);
+        opts.special_tokens = special_tokens;
+        let manifest = tokenize(&opts, &mut |_| {}).unwrap();
+        assert_eq!(manifest.documents, 2);
+        let stream = TokenStream::all(Arc::new(ShardSet::open(&out).unwrap()));
+        let ids = stream.read(0, manifest.tokens as usize);
+        assert_eq!(ids.len() as u64, manifest.tokens);
+        ids
+    };
+    let with_bos = vec![14, 2, 3, 5, 6, 7, 10, 0, 14, 6, 4, 0, 0];
+    assert_eq!(read("wordlevel_bos.json", true), with_bos);
+    assert_eq!(read("wordlevel_bos_eos.json", true), with_bos);
+    // Mirror: without the template, no BOS (and the template's EOS is not there to drop).
+    let without = vec![2, 3, 5, 6, 7, 10, 0, 6, 4, 0, 0];
+    assert_eq!(read("wordlevel_bos.json", false), without);
+    assert_eq!(read("wordlevel_bos_eos.json", false), without);
+    // A tokenizer without a template is the same either way.
+    assert_eq!(read("wordlevel.json", true), without);
 }
 
 #[test]

@@ -110,6 +110,40 @@ fn bad_input_is_one_error_line_exit_2_and_nothing_written() {
     assert_usage(&res, "is 4 bytes, expected 6 (truncated");
 }
 
+/// `--no-special-tokens` leaves out the BOS a tokenizer's template puts in front of each
+/// document, which `tokenize` adds by default (as transformers' `tokenizer(text)` does): the
+/// first document's ids, read back from the shard file, with and without it.
+#[test]
+fn the_tokenizers_bos_is_written_unless_turned_off() {
+    let dir = scratch("bos");
+    std::fs::write(dir.join("a.jsonl"), "{\"text\": \"the cat\"}\n").unwrap();
+    let a = dir.join("a.jsonl").display().to_string();
+    let bos_tokenizer = tokenizer().with_file_name("wordlevel_bos.json");
+    let ids = |extra: &[&str], name: &str| {
+        let out = dir.join(name);
+        let mut args = vec![
+            "tokenize".to_string(),
+            a.clone(),
+            "--tokenizer".into(),
+            bos_tokenizer.display().to_string(),
+            "--output".into(),
+            out.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let res = ferrotext(&args);
+        assert!(res.status.success(), "{}", stderr(&res));
+        let bytes = std::fs::read(out.join("shard_00000.bin")).unwrap();
+        bytes
+            .chunks(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect::<Vec<u16>>()
+    };
+    // `<s>` 14, `the` 2, `cat` 3, EOS 0.
+    assert_eq!(ids(&[], "with"), vec![14, 2, 3, 0]);
+    assert_eq!(ids(&["--no-special-tokens"], "without"), vec![2, 3, 0]);
+}
+
 /// The exact-resume test reads the tokens through the `FERROTEXT_DATA_TAP` hook, which only the
 /// `fault-injection` build has.
 #[cfg(feature = "fault-injection")]

@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::common::UsageError;
 
 /// `ferrotext tokenize INPUT... --tokenizer PATH --output DIR [--field text] [--eos TOKEN]
-/// [--shard-tokens N] [--report FILE]`.
+/// [--no-special-tokens] [--shard-tokens N] [--report FILE]`.
 #[derive(Args, Debug)]
 pub struct TokenizeArgs {
     /// Corpus files or globs (quoted, so the shell leaves them): `.jsonl`/`.json` (one JSON
@@ -38,6 +38,10 @@ pub struct TokenizeArgs {
     /// vocabulary has).
     #[arg(long, default_value = "")]
     eos: String,
+    /// Leave out the tokenizer's own special tokens (the BOS its template puts in front of each
+    /// document, as transformers' `tokenizer(text)` does for Llama 3, Gemma and Mistral).
+    #[arg(long)]
+    no_special_tokens: bool,
     /// Tokens a shard holds (a shard closes after the document that reaches this).
     #[arg(long, default_value_t = 100_000_000)]
     shard_tokens: u64,
@@ -63,6 +67,7 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
         tokenizer: args.tokenizer.clone(),
         output: args.output.clone(),
         eos: args.eos.clone(),
+        special_tokens: !args.no_special_tokens,
         shard_tokens: args.shard_tokens,
         batch_bytes: (args.batch_mib * 1048576.0) as usize,
     };
@@ -117,6 +122,7 @@ pub fn run(args: &TokenizeArgs) -> Result<()> {
             "text_bytes": last.text_bytes,
             "seconds": secs,
             "threads": std::thread::available_parallelism().map_or(1, usize::from),
+            "special_tokens": !args.no_special_tokens,
         });
         std::fs::write(path, format!("{report:#}\n"))
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
