@@ -36,7 +36,8 @@ impl TextCodec {
         Ok(TextCodec::Tokenizer(Box::new(tokenizer)))
     }
 
-    /// `text`'s ids.
+    /// `text`'s ids, with the tokenizer's own special tokens as transformers' `tokenizer(text)`
+    /// gives them (the BOS that Llama 3's, Gemma's and Mistral's templates put in front).
     ///
     /// # Errors
     /// [`GenerateError::Usage`] (key `prompt`) when the tokenizer fails on it.
@@ -44,7 +45,7 @@ impl TextCodec {
         match self {
             TextCodec::Bytes => Ok(text.bytes().map(u32::from).collect()),
             TextCodec::Tokenizer(t) => {
-                t.encode(text, false)
+                t.encode(text, true)
                     .map(|e| e.get_ids().to_vec())
                     .map_err(|e| {
                         GenerateError::usage("prompt", format!("cannot tokenize the prompt: {e}"))
@@ -154,6 +155,21 @@ mod tests {
         let mut stream = StreamDecoder::after(&codec, &ids[..2]);
         let rest: String = ids[2..].iter().map(|&i| stream.push(i)).collect();
         assert_eq!(rest + &stream.finish(), &text[2..]);
+    }
+
+    /// A prompt gets the BOS the tokenizer's template puts in front (`<s>` 14 before `the` 2,
+    /// `cat` 3), and the stream after it prints only the new text.
+    #[test]
+    fn a_prompt_is_encoded_with_the_tokenizers_template() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tests/fixtures");
+        let with_bos = TextCodec::from_file(&fixtures.join("wordlevel_bos.json")).unwrap();
+        let ids = with_bos.encode("the cat").unwrap();
+        assert_eq!(ids, vec![14, 2, 3]);
+        let plain = TextCodec::from_file(&fixtures.join("wordlevel.json")).unwrap();
+        assert_eq!(plain.encode("the cat").unwrap(), vec![2, 3]);
+        let mut stream = StreamDecoder::after(&with_bos, &ids);
+        let new = stream.push(4) + &stream.finish();
+        assert_eq!(new.trim(), "dog");
     }
 
     #[test]

@@ -122,6 +122,12 @@ fn hf_tokenizer_files_tokenize_text() {
     let ids = ferrotext_train::data::tokenize(tok.to_str().unwrap(), "the cat sat on the dog .", 7)
         .unwrap();
     assert_eq!(ids, vec![1, 2, 3, 4, 1, 0, 6]);
+    // A tokenizer whose template puts `<s>` (14) in front: the text is one document and gets it
+    // once, as `ferrotext tokenize` and transformers' `tokenizer(text)` give it.
+    let bos = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../data/tests/fixtures/wordlevel_bos.json");
+    let ids = ferrotext_train::data::tokenize(bos.to_str().unwrap(), "the cat . the dog", 15);
+    assert_eq!(ids.unwrap(), vec![14, 2, 3, 10, 2, 4]);
     let c = cfg(&[
         "dataset_type=text".into(),
         format!("dataset_path={}", text.display()),

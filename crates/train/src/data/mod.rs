@@ -433,7 +433,8 @@ fn token_windows(
 }
 
 /// `text` encoded with the HF tokenizer at `path` (the `tokenizers` crate: BPE, WordPiece,
-/// Unigram, WordLevel, as the file says).
+/// Unigram, WordLevel, as the file says), as one document: with the tokenizer's own special
+/// tokens, as `ferrotext tokenize` and transformers' `tokenizer(text)` encode a document.
 ///
 /// # Errors
 /// [`TrainError::Data`] for a file that is not a tokenizer, or ids beyond `vocab`.
@@ -445,7 +446,7 @@ pub fn tokenize(path: &str, text: &str, vocab: usize) -> Result<Vec<u32>, TrainE
         reason: e.to_string(),
     };
     let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(tokenizer_err)?;
-    let encoding = tokenizer.encode(text, false).map_err(tokenizer_err)?;
+    let encoding = tokenizer.encode(text, true).map_err(tokenizer_err)?;
     let ids = encoding.get_ids().to_vec();
     if ids.iter().any(|&t| t as usize >= vocab) {
         return Err(DataError::VocabTooLarge {
