@@ -208,6 +208,18 @@ fn conflicting_or_unknown_rope_keys_are_refused_by_name() {
         to_v5(&hf_config_json(&baseline(family("llama")), "f").unwrap())["rope_parameters"].clone();
     assert!(refusal(&llama3_in_deepseek)
         .contains("rope_type=\"llama3\" (deepseek_v3 reads default or yarn)"));
+    let mut llama3 = to_v5(&hf_config_json(&baseline(family("llama")), "f").unwrap());
+    assert!(
+        config_from_json(&llama3).is_ok(),
+        "mirror: a whole llama3 object"
+    );
+    let parameters = llama3["rope_parameters"].as_object_mut().unwrap();
+    parameters.remove("original_max_position_embeddings");
+    assert!(
+        refusal(&llama3).contains("rope_type llama3 needs `original_max_position_embeddings`"),
+        "{}",
+        refusal(&llama3)
+    );
     let mut moe = to_v5(&hf_config_json(&baseline(family("qwen3_moe")), "f").unwrap());
     moe["num_experts"] = json!(5);
     assert!(refusal(&moe).contains("num_experts=5 and num_local_experts=8"));

@@ -204,7 +204,12 @@ fn llama3(rk: &Keys<'_>) -> Result<Llama3, String> {
         factor: need("factor")?,
         low_freq_factor: need("low_freq_factor")?,
         high_freq_factor: need("high_freq_factor")?,
-        original_max_position: rk.usize("original_max_position_embeddings")?,
+        original_max_position: match rk.get("original_max_position_embeddings") {
+            // transformers 4.x fails on a KeyError; 5.x fills in `max_position_embeddings`, which
+            // its own check then calls wrong (it must be the smaller): refused, and said where.
+            None => return Err("rope_type llama3 needs `original_max_position_embeddings`".into()),
+            Some(_) => rk.usize("original_max_position_embeddings")?,
+        },
     };
     if l.high_freq_factor <= l.low_freq_factor {
         return Err(format!(
