@@ -193,18 +193,22 @@ pub fn preflight() -> Result<()> {
     Ok(())
 }
 
-/// SIGINT, SIGTERM and SIGHUP set the returned flag instead of ending the process, so the
-/// network is torn down on the way out.
+/// The signals that stop a run: the launcher handles them by tearing down
+/// ([`install_signal_flag`]), and its set-up and teardown helpers ignore them.
+pub(crate) const STOP_SIGNALS: [libc::c_int; 3] = [
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGHUP,
+];
+
+/// SIGINT, SIGTERM and SIGHUP ([`STOP_SIGNALS`]) set the returned flag instead of ending the
+/// process, so the network is torn down on the way out.
 ///
 /// # Errors
 /// The handlers could not be installed.
 pub fn install_signal_flag() -> Result<Arc<AtomicBool>> {
     let flag = Arc::new(AtomicBool::new(false));
-    for signal in [
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGHUP,
-    ] {
+    for signal in STOP_SIGNALS {
         signal_hook::flag::register(signal, flag.clone()).context("installing signal handlers")?;
     }
     Ok(flag)
@@ -335,8 +339,8 @@ fn host_wire(net: &Network, host: usize) -> HostWire {
 
 /// Sends `signal` to `pid` (a process this command started).
 fn signal(pid: u32, signal: &str) {
-    // In a group of its own: a Ctrl-C to this process's group must not end it before it sends.
-    let _ = std::os::unix::process::CommandExt::process_group(&mut Command::new("kill"), 0)
+    // A helper: a Ctrl-C to this process's group must not end it before it sends.
+    let _ = net::helper("kill")
         .args([signal, &pid.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -80,14 +80,34 @@ fn quiet(program: &str, args: &[&str]) {
     let _ = helper(program).args(args).output();
 }
 
-/// A set-up or teardown helper (`ip`, `tc`, `kill`) in a process group of its own: a Ctrl-C
-/// sent to the launcher's group (pressed again while it tears down) reaches the launcher, which
-/// handles it, and not the helper halfway through removing a namespace or listing its
-/// processes — an `ip netns pids` killed there would read as "no processes left".
-fn helper(program: &str) -> Command {
+/// A set-up or teardown helper (`ip`, `tc`, `kill`) in a process group of its own, ignoring
+/// the signals the launcher handles ([`STOP_SIGNALS`](super::STOP_SIGNALS)): a Ctrl-C sent to
+/// the launcher's group (pressed again while it tears down) reaches the launcher, which handles
+/// it, and not the helper halfway through removing a namespace or listing its processes — an
+/// `ip netns pids` killed there would read as "no processes left".
+///
+/// The group alone left a window: a signal sent to the launcher's group between the helper's
+/// start and its `setpgid` stayed pending while glibc's `posix_spawn` reset the launcher's
+/// handlers to the default, and killed the helper before it ran when its mask was restored (a
+/// teardown's `ip netns del` died so under a stream of Ctrl-C, and left a namespace behind).
+/// The `pre_exec` hook makes std start the helper by `fork` and `exec`: until the `exec` a
+/// signal finds the launcher's own handler (which sets a flag), and the helper execs with these
+/// signals ignored.
+pub(super) fn helper(program: &str) -> Command {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(program);
     cmd.process_group(0);
+    // SAFETY: the hook only calls `signal`, which is async-signal-safe, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            for sig in super::STOP_SIGNALS {
+                if libc::signal(sig, libc::SIG_IGN) == libc::SIG_ERR {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
     cmd
 }
 

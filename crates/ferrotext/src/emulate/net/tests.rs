@@ -72,3 +72,45 @@ fn the_subnet_avoids_every_route() {
     let all = [Prefix::parse("10.128.0.0/9").unwrap()];
     assert_eq!(free_subnet(&all, 1), None);
 }
+
+/// Waits until `child` runs `program` (it has passed its `exec`), at most 10 s.
+fn wait_exec(child: &std::process::Child, program: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_to_string(format!("/proc/{}/comm", child.id()))
+        .map_or(true, |comm| comm.trim() != program)
+    {
+        assert!(Instant::now() < deadline, "{program} did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A set-up or teardown helper lives through each signal that stops a run (a Ctrl-C to the
+/// launcher's group reaches a helper in the instant before its `setpgid`: a teardown's
+/// `ip netns del` died so and left a namespace behind); the mirror, a plain child, dies of it.
+#[test]
+fn a_helper_outlives_the_signals_that_stop_a_run() {
+    for sig in super::super::STOP_SIGNALS {
+        let mut helped = helper("sleep").arg("30").spawn().expect("sleep");
+        let mut plain = Command::new("sleep").arg("30").spawn().expect("sleep");
+        wait_exec(&helped, "sleep");
+        wait_exec(&plain, "sleep");
+        for child in [&helped, &plain] {
+            // SAFETY: `kill` on the PID of a child this test started and has not reaped.
+            assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
+        }
+        let status = plain.wait().expect("the plain child ends");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            status.signal(),
+            Some(sig),
+            "the mirror dies of signal {sig}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(
+            helped.try_wait().expect("wait").is_none(),
+            "a helper ended on signal {sig}"
+        );
+        helped.kill().expect("SIGKILL");
+        helped.wait().expect("reaped");
+    }
+}
