@@ -59,6 +59,27 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// Each tensor's stored dtype (`"BF16"`, `"F32"`, ...) across the safetensors files of `dir`,
+/// from their JSON headers.
+fn stored_dtypes(dir: &Path) -> std::collections::BTreeMap<String, String> {
+    let mut dtypes = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+        for (name, tensor) in header.as_object().unwrap() {
+            if let Some(dtype) = tensor.get("dtype").and_then(Value::as_str) {
+                dtypes.insert(name.clone(), dtype.to_string());
+            }
+        }
+    }
+    dtypes
+}
+
 /// The decoder and its parameters as read from `dir`.
 fn load(dir: &Path) -> (Decoder, Vec<Tensor>) {
     let cfg = hf::read_config(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
@@ -118,7 +139,8 @@ fn greedy(decoder: &Decoder, params: &[Tensor], prompt: &[u32], n: usize) -> Vec
         .tokens
 }
 
-/// Every covered directory: loss within 1e-6, greedy tokens equal, export and reload equal.
+/// Every covered directory: loss within 1e-6, greedy tokens equal, export and reload equal (a
+/// bf16 one also exported in bf16: transformers' dtype for every tensor, and the same loss).
 #[test]
 fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_back() {
     let mut covered = Vec::new();
@@ -174,6 +196,39 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
         let reread = loss(&again, &reloaded, &rows);
         if reread != got {
             failures.push(format!("{name}: loss after export {reread} vs {got}"));
+        }
+        // A bf16 checkpoint exported in bf16: the same loss (every value was a bf16 or an f32
+        // already), and every tensor in the dtype transformers 5 stored it in (DeepSeek's routers
+        // stay float32, `_keep_in_fp32_modules_strict`; 4.57 rounded them to bf16 too, so its
+        // directories are no reference for the dtypes).
+        if name.contains("-bf16-") {
+            let out = scratch.join(format!("{name}-bf16"));
+            hf::save_directory(
+                &out,
+                decoder.config(),
+                &decoder.params(),
+                &params,
+                ferrotext_sharding::DType::BF16,
+                hf::DEFAULT_SHARD_BYTES,
+            )
+            .unwrap();
+            let (theirs, ours) = (stored_dtypes(&dir), stored_dtypes(&out));
+            let differ: Vec<String> = theirs
+                .iter()
+                .filter(|_| name.contains("-tf5-"))
+                .filter_map(|(t, dtype)| {
+                    let mine = ours.get(t)?;
+                    (mine != dtype).then(|| format!("{t}: {mine} (transformers: {dtype})"))
+                })
+                .collect();
+            if !differ.is_empty() {
+                failures.push(format!("{name}: bf16 export stores {}", differ.join(", ")));
+            }
+            let (again, reloaded) = load(&out);
+            let reread = loss(&again, &reloaded, &rows);
+            if reread != got {
+                failures.push(format!("{name}: loss after bf16 export {reread} vs {got}"));
+            }
         }
         covered.push(name);
     }

@@ -34,6 +34,26 @@ impl Stored {
         Some(Stored { file })
     }
 
+    /// How the checkpoint tensor `name` of a `kind` model is stored: float32 where the family's
+    /// `save_pretrained` keeps it so ([`Family::kept_f32`](crate::family)), else this dtype.
+    fn of_tensor(self, kind: ModelType, name: &str) -> Stored {
+        let kept = kind
+            .family()
+            .kept_f32
+            .iter()
+            .any(|end| name == *end || name.ends_with(&format!(".{end}")));
+        if kept {
+            Stored { file: Dtype::F32 }
+        } else {
+            self
+        }
+    }
+
+    /// Bytes an element.
+    fn size_bytes(self) -> usize {
+        self.file.size()
+    }
+
     /// `values` as little-endian bytes of this dtype.
     fn encode(self, values: &[f32]) -> Vec<u8> {
         match self.file {
@@ -47,7 +67,8 @@ impl Stored {
 }
 
 /// Writes the HF directory `dir`: `config.json` for `cfg`'s `model_type`, and the parameters
-/// (`infos`, `values` in the same order) as HF tensors of `dtype` — one `model.safetensors`, or
+/// (`infos`, `values` in the same order) as HF tensors of `dtype` (float32 where the family's own
+/// `save_pretrained` keeps a tensor so: DeepSeek's routers) — one `model.safetensors`, or
 /// shards of at most `shard_bytes` each (a larger single tensor gets a shard of its own) with
 /// `model.safetensors.index.json`. A `deepseek_v3` directory also gets each router's zero
 /// `mlp.gate.e_score_correction_bias`, which HF's model expects. Written to a temporary
@@ -100,8 +121,10 @@ pub fn save_directory(
             .into_iter()
             .chain(selection_bias(kind, info, infos))
     });
-    for (_, shape) in stored {
-        let size = (shape.iter().product::<usize>() * dtype.size_bytes()) as u64;
+    for (name, shape) in stored {
+        let name = (kind.family().rename)(&name).unwrap_or(name);
+        let size = (shape.iter().product::<usize>()
+            * written_as.of_tensor(kind, &name).size_bytes()) as u64;
         if filled > 0 && filled + size > shard_bytes {
             shard += 1;
             filled = 0;
@@ -187,16 +210,17 @@ fn write_into(
     let meta: Option<HashMap<String, String>> =
         Some([("format".to_string(), "pt".to_string())].into());
     let mut weight_map = BTreeMap::new();
-    // (name, shape, bytes) of the shard being filled
-    let mut pending: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    // (name, dtype, shape, bytes) of the shard being filled
+    type Pending = Vec<(String, Stored, Vec<usize>, Vec<u8>)>;
+    let mut pending: Pending = Vec::new();
     let mut current = 0;
     let mut k = 0;
-    let flush = |pending: &mut Vec<(String, Vec<usize>, Vec<u8>)>, s: usize| {
+    let flush = |pending: &mut Pending, s: usize| {
         let path = tmp.join(file_name(s));
         let views = pending
             .iter()
-            .map(|(n, shape, b)| {
-                TensorView::new(stored.file, shape.clone(), b).map(|v| (n.clone(), v))
+            .map(|(n, as_, shape, b)| {
+                TensorView::new(as_.file, shape.clone(), b).map(|v| (n.clone(), v))
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| err(e.to_string()))?;
@@ -205,16 +229,18 @@ fn write_into(
         Ok::<(), HfError>(())
     };
     for (info, value) in infos.iter().zip(values) {
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        let mut tensors: Pending = Vec::new();
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
             let name = (kind.family().rename)(&name).unwrap_or(name);
-            tensors.push((name, t.shape().to_vec(), stored.encode(t.data())));
+            let as_ = stored.of_tensor(kind, &name);
+            tensors.push((name, as_, t.shape().to_vec(), as_.encode(t.data())));
         }
         if let Some((name, shape)) = selection_bias(kind, info, infos) {
             let zeros = vec![0.0; shape.iter().product()];
-            tensors.push((name, shape, stored.encode(&zeros)));
+            let as_ = stored.of_tensor(kind, &name);
+            tensors.push((name, as_, shape, as_.encode(&zeros)));
         }
-        for (name, shape, bytes) in tensors {
+        for (name, as_, shape, bytes) in tensors {
             let s = shard_of.get(k).copied().unwrap_or(current);
             k += 1;
             if s != current {
@@ -222,7 +248,7 @@ fn write_into(
                 current = s;
             }
             weight_map.insert(name.clone(), file_name(s));
-            pending.push((name, shape, bytes));
+            pending.push((name, as_, shape, bytes));
         }
     }
     flush(&mut pending, current)?;

@@ -19,6 +19,7 @@ use super::common::{
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
 use super::{no_extra_tensor, same_rope_view, Family, KeyUse, Keys, Preset};
+use crate::ROUTER;
 use KeyUse::{Irrelevant, Read, Refused};
 
 /// The family.
@@ -35,6 +36,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: PRESETS,
+    kept_f32: &[ROUTER],
 };
 
 /// DeepSeek-V2-Lite's shape (queries without a latent, 64 experts top-6, YaRN 40×), and the

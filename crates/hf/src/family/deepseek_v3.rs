@@ -38,6 +38,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: selection_bias,
     rename: super::no_rename,
     presets: &[],
+    kept_f32: &[ROUTER, SELECTION_BIAS],
 };
 
 const KEYS: &[(&str, KeyUse)] = &[

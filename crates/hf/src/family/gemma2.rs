@@ -35,6 +35,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: PRESETS,
+    kept_f32: &[],
 };
 
 /// Gemma 2 2B's shape (soft-caps 50 and 30, a window of 4096 on every other layer), and the

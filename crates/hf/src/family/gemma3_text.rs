@@ -32,6 +32,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: PRESETS,
+    kept_f32: &[],
 };
 
 /// Gemma 3 1B's shape (five sliding layers of window 512 to one full, a local θ of its own),

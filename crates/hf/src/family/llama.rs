@@ -27,6 +27,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: &[],
+    kept_f32: &[],
 };
 
 const KEYS: &[(&str, KeyUse)] = &[

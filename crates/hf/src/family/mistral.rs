@@ -28,6 +28,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: PRESETS,
+    kept_f32: &[],
 };
 
 /// Mistral 7B v0.1's shape (its sliding window of 4096 on every layer), and the same blocks at

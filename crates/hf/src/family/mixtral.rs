@@ -32,6 +32,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename,
     presets: PRESETS,
+    kept_f32: &[],
 };
 
 /// Mixtral 8x7B's shape, and the same blocks at CPU size.

@@ -114,6 +114,10 @@ pub(crate) struct Family {
     pub rename: fn(&str) -> Option<String>,
     /// Its named models (`model_name=`), as `config.json` keys its reader reads.
     pub presets: &'static [Preset],
+    /// The tensors its `save_pretrained` stores as float32 whatever the model's dtype (by the
+    /// end of their checkpoint name, after [`Family::rename`]): transformers 5's
+    /// `_keep_in_fp32_modules_strict`, DeepSeek's router weight and selection bias.
+    pub kept_f32: &'static [&'static str],
 }
 
 /// A family's [`Family::extra_tensor`]: the `(name, shape)` of a tensor its checkpoints store

@@ -26,6 +26,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: PRESETS,
+    kept_f32: &[],
 };
 
 /// OLMo 2 1B's shape (OLMo-2-0425-1B), and the same blocks at CPU size.

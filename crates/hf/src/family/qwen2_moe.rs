@@ -32,6 +32,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: PRESETS,
+    kept_f32: &[],
 };
 
 /// Qwen1.5-MoE-A2.7B's shape (60 experts top-4 and a gated shared expert), and the same blocks

@@ -30,6 +30,7 @@ pub(super) const FAMILY: Family = Family {
     extra_tensor: no_extra_tensor,
     rename: super::no_rename,
     presets: &[],
+    kept_f32: &[],
 };
 
 /// `Qwen3Config`'s own keys.
