@@ -561,3 +561,60 @@ fn keys_left_out_take_the_class_default_and_null_ones_are_derived() {
     assert_eq!(cfg.head_dim, cfg.base_emb_dim / cfg.base_num_query_heads);
     assert_eq!(cfg.base_num_kv_heads, cfg.base_num_query_heads);
 }
+
+/// Readers that derive YaRN's rotation factor from the two mscales and ignore
+/// `attention_factor` (DeepSeek's own modeling code, vLLM: `mscale` defaults to 1 there) get
+/// from an exported DeepSeek config the factor they get from transformers' own directory, and
+/// the softmax the same `mscale_all_dim`: for every DeepSeek YaRN fixture (V2-Lite's equal
+/// mscales 0.707, V3's 1.0 against 0.8).
+#[test]
+fn exported_deepseek_yarn_gives_mscale_readers_the_same_rotation() {
+    // DeepSeek's `yarn_get_mscale`, in f64.
+    let get_mscale = |factor: f64, m: f64| {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * factor.ln() + 1.0
+        }
+    };
+    let rotation = |rope: &Value| {
+        let factor = rope["factor"].as_f64().unwrap();
+        let m = rope.get("mscale").and_then(Value::as_f64).unwrap_or(1.0);
+        let all = rope.get("mscale_all_dim").and_then(Value::as_f64).unwrap_or(0.0);
+        (get_mscale(factor, m) / get_mscale(factor, all), all)
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/transformers");
+    let mut seen = Vec::new();
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let Ok(text) = std::fs::read_to_string(dir.join("config.json")) else {
+            continue;
+        };
+        let theirs: Value = serde_json::from_str(&text).unwrap();
+        let Some(rope) = ["rope_scaling", "rope_parameters"]
+            .iter()
+            .filter_map(|k| theirs.get(*k))
+            .find(|r| r.get("mscale_all_dim").is_some())
+        else {
+            continue;
+        };
+        let cfg = ferrotext_hf::read_config(&dir).unwrap();
+        let ours = hf_config_json(&cfg, "float32").unwrap();
+        let (want, want_all) = rotation(rope);
+        let (got, got_all) = rotation(&ours["rope_scaling"]);
+        assert!(
+            (got - want).abs() < 1e-6 && (got_all - want_all).abs() < 1e-6,
+            "{name}: an mscale reader's rotation {got} (mscale_all_dim {got_all}) against \
+             {want} ({want_all}) from transformers' directory; written {}",
+            ours["rope_scaling"]
+        );
+        seen.push(name);
+    }
+    for family in ["deepseek_v2-yarn", "deepseek_v3-yarn"] {
+        assert!(
+            seen.iter().any(|s| s.starts_with(family)),
+            "no {family} fixture: {seen:?}"
+        );
+    }
+}

@@ -320,6 +320,26 @@ pub(super) fn rope_json(cfg: &Config) -> (Value, Option<usize>) {
     }
 }
 
+/// DeepSeek's YaRN object (`rope_scaling`, `type: yarn`; `null` without YaRN): the softmax's
+/// `mscale_all_dim`, the rotation's `attention_factor`, and an `mscale` from which readers that
+/// derive the rotation's factor from the two mscales get the same factor
+/// ([`rope::mscale_for_rotation`](super::rope)).
+pub(super) fn deepseek_yarn_json(cfg: &Config) -> Value {
+    match &cfg.rope_yarn {
+        None => Value::Null,
+        Some(y) => json!({
+            "type": "yarn",
+            "factor": num(y.factor),
+            "original_max_position_embeddings": y.original_max_position,
+            "beta_fast": num(y.beta_fast),
+            "beta_slow": num(y.beta_slow),
+            "mscale": num(super::rope::mscale_for_rotation(y)),
+            "mscale_all_dim": num(y.mscale),
+            "attention_factor": num(y.attention_factor),
+        }),
+    }
+}
+
 /// The keys of `cfg`'s GQA RoPE and attention biases every Qwen/Llama-style class writes:
 /// `rope_scaling`, `max_position_embeddings` (`default` unless the scaling implies one),
 /// `attention_bias`, `head_dim`.

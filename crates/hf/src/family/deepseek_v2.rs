@@ -14,7 +14,8 @@ use ferrotext_models::router::GroupScore;
 use serde_json::{json, Value};
 
 use super::common::{
-    block_misfit, common_config, latent_eps_misfit, no_llama3, no_mtp, MLA_LATENT_NORM_EPS,
+    block_misfit, common_config, deepseek_yarn_json, latent_eps_misfit, no_llama3, no_mtp,
+    MLA_LATENT_NORM_EPS,
 };
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
@@ -219,18 +220,7 @@ fn write(cfg: &Config) -> Value {
     let (Some(m), Some(a)) = (&cfg.moe, &cfg.mla) else {
         return json!({});
     };
-    let rope_scaling = match &cfg.rope_yarn {
-        None => Value::Null,
-        Some(y) => json!({
-            "type": "yarn",
-            "factor": num(y.factor),
-            "original_max_position_embeddings": y.original_max_position,
-            "beta_fast": num(y.beta_fast),
-            "beta_slow": num(y.beta_slow),
-            "mscale_all_dim": num(y.mscale),
-            "attention_factor": num(y.attention_factor),
-        }),
-    };
+    let rope_scaling = deepseek_yarn_json(cfg);
     let max_pos = cfg.rope_yarn.as_ref().map_or(4096, |y| {
         (y.original_max_position as f64 * f64::from(y.factor)) as usize
     });

@@ -16,7 +16,8 @@ use ferrotext_models::ParamInfo;
 use serde_json::{json, Value};
 
 use super::common::{
-    block_misfit, common_config, latent_eps_misfit, no_llama3, MLA_LATENT_NORM_EPS,
+    block_misfit, common_config, deepseek_yarn_json, latent_eps_misfit, no_llama3,
+    MLA_LATENT_NORM_EPS,
 };
 use super::reader::num;
 use super::table::{DECODER, GENERIC};
@@ -201,19 +202,7 @@ fn write(cfg: &Config) -> Value {
 }
 
 fn deepseek_v3_extra(cfg: &Config, m: &MoeSettings, a: &MlaSettings) -> Value {
-    let rope_scaling = match &cfg.rope_yarn {
-        None => Value::Null,
-        Some(y) => json!({
-            "type": "yarn",
-            "factor": num(y.factor),
-            "original_max_position_embeddings": y.original_max_position,
-            "beta_fast": num(y.beta_fast),
-            "beta_slow": num(y.beta_slow),
-            "mscale": num(y.mscale),
-            "mscale_all_dim": num(y.mscale),
-            "attention_factor": num(y.attention_factor),
-        }),
-    };
+    let rope_scaling = deepseek_yarn_json(cfg);
     let max_pos = cfg.rope_yarn.as_ref().map_or(4096, |y| {
         (y.original_max_position as f64 * y.factor as f64) as usize
     });

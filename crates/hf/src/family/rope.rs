@@ -229,6 +229,20 @@ fn get_mscale(scale: f32, mscale: f32) -> f32 {
     }
 }
 
+/// The `mscale` to write beside `y`'s `mscale_all_dim` so that a reader deriving the rotation's
+/// factor from the two (`get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`, as
+/// DeepSeek's own code and vLLM do, ignoring `attention_factor`) gets `y.attention_factor`:
+/// `mscale_all_dim` itself when the factor is 1 (or the factor `≤ 1`, where neither matters),
+/// else the one solution, in f64 and rounded once.
+pub(super) fn mscale_for_rotation(y: &Yarn) -> f32 {
+    if y.factor <= 1.0 || y.attention_factor == 1.0 {
+        return y.mscale;
+    }
+    let tenth_ln = 0.1 * ferrotext_tensor::fixed_math::ln_f64(f64::from(y.factor));
+    let all_dim = f64::from(get_mscale(y.factor, y.mscale));
+    ((f64::from(y.attention_factor) * all_dim - 1.0) / tenth_ln) as f32
+}
+
 /// YaRN as transformers computes it (`_compute_yarn_parameters`): `sin` and `cos` times
 /// `attention_factor`, given or derived (`get_mscale(factor, mscale) / get_mscale(factor,
 /// mscale_all_dim)` when both are set and nonzero, else `get_mscale(factor, 1)`); `mscale_all_dim`
