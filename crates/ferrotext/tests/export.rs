@@ -345,3 +345,113 @@ fn bad_exports_get_one_error_line_exit_2_and_write_nothing() {
     }
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// A model trained from a Hugging Face directory is saved and exported declaring what that
+/// directory declared beyond the decoder, as transformers' own `save_pretrained` of the loaded
+/// model would: its special tokens (a list of stop tokens included), its context
+/// (`max_position_embeddings`, which no family default matches here) and its
+/// `generation_config.json`, byte for byte. The mirror: a model from a preset declares the
+/// family's defaults (no token ids, its family's context) and no generation defaults.
+#[test]
+fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
+    let root = scratch("declared");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures/transformers/llama3-untied-tf5-f32-single");
+    let source = root.join("source");
+    std::fs::create_dir_all(&source).expect("source dir");
+    for entry in std::fs::read_dir(&fixture).expect("fixture") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, source.join(path.file_name().expect("name"))).expect("copy");
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).expect("config"))
+            .expect("json");
+    let declared = serde_json::json!({
+        "bos_token_id": 3,
+        "eos_token_id": [5, 7],
+        "pad_token_id": 0,
+        "max_position_embeddings": 1000,
+    });
+    for (k, v) in declared.as_object().expect("object") {
+        config[k] = v.clone();
+    }
+    std::fs::write(source.join("config.json"), config.to_string()).expect("write");
+    let generation =
+        br#"{"bos_token_id": 3, "eos_token_id": [5, 7], "do_sample": true, "temperature": 0.6}"#;
+    std::fs::write(source.join("generation_config.json"), generation).expect("write");
+    let args = [
+        "train".to_string(),
+        format!("load_parameters_path={}", source.display()),
+        format!("base_output_directory={}", root.display()),
+        "run_name=r".into(),
+        "steps=1".into(),
+        "enable_checkpointing=true".into(),
+        "checkpoint_period=1".into(),
+        format!("save_parameters_path={}", root.join("final").display()),
+        "local_devices=1".into(),
+        "ici_data_parallelism=1".into(),
+        "per_device_batch_size=1".into(),
+        "max_target_length=16".into(),
+        "dataset_type=synthetic".into(),
+    ];
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let res = ferrotext(&argv);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let out = root.join("exported");
+    let res = ferrotext(&[
+        "export",
+        &root.join("r").display().to_string(),
+        &out.display().to_string(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let read = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config"))
+            .expect("json")
+    };
+    for dir in [out.clone(), root.join("final")] {
+        let written = read(&dir);
+        for (k, v) in declared.as_object().expect("object") {
+            assert_eq!(&written[k], v, "{}: {k}", dir.display());
+        }
+        assert_eq!(
+            std::fs::read(dir.join("generation_config.json")).expect("generation config"),
+            generation,
+            "{}",
+            dir.display()
+        );
+    }
+    // The mirror: a preset's export declares none of it.
+    let preset = trained(&root.join("preset"));
+    let out = root.join("preset-exported");
+    let res = ferrotext(&[
+        "export",
+        &preset.display().to_string(),
+        &out.display().to_string(),
+    ]);
+    assert!(
+        res.status.success(),
+        "{}",
+        String::from_utf8_lossy(&res.stderr)
+    );
+    let written = read(&out);
+    for k in ["bos_token_id", "eos_token_id", "pad_token_id"] {
+        assert!(
+            written.get(k).is_none(),
+            "a preset declares no {k}: {written}"
+        );
+    }
+    assert_eq!(
+        written["max_position_embeddings"], 40960,
+        "qwen3's own context"
+    );
+    assert!(!out.join("generation_config.json").exists());
+    let _ = std::fs::remove_dir_all(&root);
+}

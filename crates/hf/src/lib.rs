@@ -8,8 +8,9 @@
 //! error naming it, and so is every key whose value asks for math the decoder does not do:
 //! [`key_use`] says what happens to each key), [`load_directory`] reads
 //! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
-//! the same layout back (a checkpoint's export lives in `ferrotext-train`, which knows
-//! checkpoints). Every file is opened by `ferrotext_files`' rule (no FIFO,
+//! the same layout back ([`save_directory_declaring`] also what the source directory declared
+//! beyond the decoder: its special tokens, context and generation defaults, [`Declared`]; a
+//! checkpoint's export lives in `ferrotext-train`, which knows checkpoints). Every file is opened by `ferrotext_files`' rule (no FIFO,
 //! device or directory is read).
 //!
 //! # Invariants
@@ -35,19 +36,21 @@
 //! [`ParamInfo::hf`]: ferrotext_models::ParamInfo::hf
 
 mod convert;
+mod declared;
 mod error;
 mod family;
 mod read;
 mod shards;
 mod write;
 
+pub use declared::{Declared, DECLARED_KEYS, GENERATION_CONFIG_FILE};
 pub use error::HfError;
 pub use family::{
     class_defaults, config_from_json, hf_config_json, key_use, listed_keys, preset, presets,
     read_config, KeyUse, ModelType, PresetInfo,
 };
 pub use read::{load_directory, load_file};
-pub use write::{save_directory, selection_bias, DEFAULT_SHARD_BYTES};
+pub use write::{save_directory, save_directory_declaring, selection_bias, DEFAULT_SHARD_BYTES};
 
 /// The config file of a HF directory.
 pub const CONFIG_FILE: &str = "config.json";

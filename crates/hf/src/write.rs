@@ -11,6 +11,7 @@ use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 
 use super::{hf_config_json, ModelType, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
+use crate::declared::{Declared, GENERATION_CONFIG_FILE};
 use crate::error::HfError;
 
 /// HF's default `max_shard_size` (5 GB): above it, weights are split into shards.
@@ -88,6 +89,32 @@ pub fn save_directory(
     dtype: DType,
     shard_bytes: u64,
 ) -> Result<(), HfError> {
+    save_directory_declaring(
+        dir,
+        cfg,
+        infos,
+        values,
+        dtype,
+        shard_bytes,
+        &Declared::none(),
+    )
+}
+
+/// [`save_directory`], with what the model's source directory declared beyond the decoder
+/// written back: its [`DECLARED_KEYS`](crate::DECLARED_KEYS) over the family's `config.json`,
+/// and its `generation_config.json` ([`Declared`]).
+///
+/// # Errors
+/// As [`save_directory`].
+pub fn save_directory_declaring(
+    dir: &Path,
+    cfg: &Config,
+    infos: &[ParamInfo],
+    values: &[Tensor],
+    dtype: DType,
+    shard_bytes: u64,
+    declared: &Declared,
+) -> Result<(), HfError> {
     let err = |reason: String| HfError::Params {
         path: dir.display().to_string(),
         reason,
@@ -99,7 +126,7 @@ pub fn save_directory(
         ))
     })?;
     // `torch_dtype` takes the long name (`bfloat16`).
-    let config = hf_config_json(cfg, dtype.name()).map_err(err)?;
+    let config = declared.applied_to(hf_config_json(cfg, dtype.name()).map_err(err)?);
     if infos.len() != values.len() {
         return Err(err(format!(
             "{} values for {} parameters",
@@ -165,7 +192,14 @@ pub fn save_directory(
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let written = write_into(
         &tmp, &config, kind, infos, values, written_as, &shard_of, &file_name, total,
-    );
+    )
+    .and_then(|()| {
+        let Some(bytes) = &declared.generation_config else {
+            return Ok(());
+        };
+        let path = tmp.join(GENERATION_CONFIG_FILE);
+        std::fs::write(&path, bytes).map_err(io(&path))
+    });
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);

@@ -580,7 +580,10 @@ fn exported_deepseek_yarn_gives_mscale_readers_the_same_rotation() {
     let rotation = |rope: &Value| {
         let factor = rope["factor"].as_f64().unwrap();
         let m = rope.get("mscale").and_then(Value::as_f64).unwrap_or(1.0);
-        let all = rope.get("mscale_all_dim").and_then(Value::as_f64).unwrap_or(0.0);
+        let all = rope
+            .get("mscale_all_dim")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
         (get_mscale(factor, m) / get_mscale(factor, all), all)
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/transformers");

@@ -2,8 +2,10 @@
 //!
 //! The checkpoint is read and verified exactly as a restore reads it (format version, manifest
 //! seal, the manifest's numbers, the checksum of `params.safetensors`, dtypes and shapes) and is
-//! never written to; the directory is then written by [`save_directory`], which builds it beside
-//! the target and renames it into place.
+//! never written to; the directory is then written by [`save_directory_declaring`], which
+//! builds it beside the target and renames it into place. A model loaded from a Hugging Face
+//! directory keeps what that directory declared beyond the decoder (its special tokens, context
+//! and `generation_config.json`: [`ferrotext_hf::Declared`]), as long as the directory is there.
 
 use std::path::{Path, PathBuf};
 
@@ -14,7 +16,7 @@ use crate::checkpoint::{
     verify_listed_files, CheckpointProblem,
 };
 use crate::error::TrainError;
-use ferrotext_hf::{save_directory, selection_bias, ModelType};
+use ferrotext_hf::{save_directory_declaring, selection_bias, ModelType};
 use ferrotext_sharding::DType;
 
 /// What [`export_checkpoint`] wrote.
@@ -97,7 +99,8 @@ pub fn find_checkpoint(path: &Path, step: Option<usize>) -> Result<PathBuf, Trai
 
 /// Writes the parameters of the checkpoint `path` names ([`find_checkpoint`]) as the HF
 /// directory `out`: `config.json` of the model's `model_type`, every tensor under its HF name
-/// and orientation in `dtype`, sharded above `shard_bytes` ([`save_directory`]).
+/// and orientation in `dtype`, sharded above `shard_bytes`, with what the model's source
+/// directory declared ([`save_directory_declaring`]).
 ///
 /// The checkpoint is only read. Everything is checked before anything is written, and `out`
 /// appears complete or not at all; an existing `out` is replaced only when it is a model
@@ -168,7 +171,16 @@ pub fn export_checkpoint(
             i.hf_tensors().len() + usize::from(selection_bias(model_type, i, &infos).is_some())
         })
         .sum();
-    save_directory(out, decoder.config(), &infos, &values, dtype, shard_bytes)?;
+    let declared = config.source_declarations()?;
+    save_directory_declaring(
+        out,
+        decoder.config(),
+        &infos,
+        &values,
+        dtype,
+        shard_bytes,
+        &declared,
+    )?;
     Ok(Exported {
         checkpoint: dir,
         step: manifest.step,

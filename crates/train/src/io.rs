@@ -93,10 +93,12 @@ pub fn saves_directory(path: &Path) -> bool {
 
 /// Saves the final parameters where `config.save_parameters_path` says: a `.safetensors` path is
 /// one file (F32), any other path a Hugging Face model directory of `save_parameters_dtype`
-/// ([`ferrotext_hf::save_directory`], sharded above [`ferrotext_hf::DEFAULT_SHARD_BYTES`]).
+/// ([`ferrotext_hf::save_directory_declaring`], sharded above
+/// [`ferrotext_hf::DEFAULT_SHARD_BYTES`], declaring what the model's source directory declared).
 ///
 /// # Errors
-/// As [`save_parameters`] and [`ferrotext_hf::save_directory`].
+/// As [`save_parameters`] and [`ferrotext_hf::save_directory`]; the source directory's
+/// declarations cannot be read.
 pub fn save_final_parameters(
     config: &crate::TrainConfig,
     infos: &[ParamInfo],
@@ -106,13 +108,14 @@ pub fn save_final_parameters(
     if !saves_directory(path) {
         return save_parameters(path, infos, values);
     }
-    Ok(ferrotext_hf::save_directory(
+    Ok(ferrotext_hf::save_directory_declaring(
         path,
         &config.model()?,
         infos,
         values,
         config.save_parameters_dtype,
         ferrotext_hf::DEFAULT_SHARD_BYTES,
+        &config.source_declarations()?,
     )?)
 }
 

@@ -14,6 +14,26 @@ use super::TrainConfig;
 use crate::error::TrainError;
 
 impl TrainConfig {
+    /// The Hugging Face directory the model comes from: `load_parameters_path` when it names a
+    /// directory; `None` for a preset (or parameters from one `.safetensors` file).
+    fn hf_source(&self) -> Option<&Path> {
+        let dir = Path::new(&self.load_parameters_path);
+        (!self.load_parameters_path.is_empty() && dir.is_dir()).then_some(dir)
+    }
+
+    /// What the model's source directory declares beyond the decoder (its special tokens,
+    /// context and generation defaults), for a directory saved from it to declare the same;
+    /// nothing for a model from a preset.
+    ///
+    /// # Errors
+    /// The source's `config.json` or `generation_config.json` cannot be read.
+    pub(crate) fn source_declarations(&self) -> Result<ferrotext_hf::Declared, TrainError> {
+        match self.hf_source() {
+            Some(dir) => Ok(ferrotext_hf::Declared::of_directory(dir)?),
+            None => Ok(ferrotext_hf::Declared::none()),
+        }
+    }
+
     /// The decoder's config: the preset with the overrides applied. Only
     /// [`TrainConfig::plan`] calls it (once); everything else reads the plan's decoder.
     ///
@@ -21,11 +41,9 @@ impl TrainConfig {
     /// An unknown preset, MoE keys that do not fit the preset, or a Hugging Face directory
     /// whose `config.json` is not usable.
     pub(crate) fn model(&self) -> Result<decoder::Config, TrainError> {
-        let hf_dir = Path::new(&self.load_parameters_path);
-        let mut m = if !self.load_parameters_path.is_empty() && hf_dir.is_dir() {
-            ferrotext_hf::read_config(hf_dir)?
-        } else {
-            self.preset()?
+        let mut m = match self.hf_source() {
+            Some(hf_dir) => ferrotext_hf::read_config(hf_dir)?,
+            None => self.preset()?,
         };
         let set = |field: &mut usize, v: Option<usize>| {
             if let Some(v) = v {

@@ -1,0 +1,93 @@
+//! What a model's source directory declares beyond the decoder: the `config.json` keys the
+//! decoder does not compute but readers act on ([`DECLARED_KEYS`]: the special tokens
+//! transformers' `generate` starts and stops on, the context the model advertises) and its
+//! `generation_config.json`. An export writes them back as the source had them, as
+//! transformers' own `save_pretrained` of a loaded model does; a model from a preset declares
+//! none, and its export writes the family's defaults.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::HfError;
+use crate::CONFIG_FILE;
+
+/// The generation defaults of a HF directory (sampling settings, the stop tokens).
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// The `config.json` keys an export copies from the source directory, when the source sets
+/// them; none of them changes what the decoder computes (`max_position_embeddings` where a RoPE
+/// reads it was read into the model's config from the same value).
+pub const DECLARED_KEYS: &[&str] = &[
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+];
+
+/// A source directory's declarations, to write into an exported one.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Declared {
+    /// Each of [`DECLARED_KEYS`] the source's `config.json` sets (a `null` is not a setting).
+    pub keys: Map<String, Value>,
+    /// The source's `generation_config.json`, byte for byte; `None` where it has none.
+    pub generation_config: Option<Vec<u8>>,
+}
+
+impl Declared {
+    /// Nothing declared: the export writes the family's defaults (a model from a preset).
+    pub fn none() -> Declared {
+        Declared::default()
+    }
+
+    /// What the HF directory `dir` declares.
+    ///
+    /// # Errors
+    /// [`HfError::Params`] when its `config.json` cannot be read or is not a JSON object, or its
+    /// `generation_config.json` is not JSON (a file that transformers could not read either).
+    pub fn of_directory(dir: &Path) -> Result<Declared, HfError> {
+        let err = |path: &Path, reason: String| HfError::Params {
+            path: path.display().to_string(),
+            reason,
+        };
+        let config_path = dir.join(CONFIG_FILE);
+        let text = ferrotext_files::read_regular_to_string(&config_path)
+            .map_err(|e| err(&config_path, e.to_string()))?;
+        let config: Value =
+            serde_json::from_str(&text).map_err(|e| err(&config_path, format!("not JSON: {e}")))?;
+        let object = config
+            .as_object()
+            .ok_or_else(|| err(&config_path, "not a JSON object".into()))?;
+        let keys = DECLARED_KEYS
+            .iter()
+            .filter_map(|k| {
+                let v = object.get(*k).filter(|v| !v.is_null())?;
+                Some((k.to_string(), v.clone()))
+            })
+            .collect();
+        let generation_path = dir.join(GENERATION_CONFIG_FILE);
+        let generation_config = if generation_path.exists() {
+            let bytes = ferrotext_files::read_regular_to_string(&generation_path)
+                .map_err(|e| err(&generation_path, e.to_string()))?;
+            serde_json::from_str::<Value>(&bytes)
+                .map_err(|e| err(&generation_path, format!("not JSON: {e}")))?;
+            Some(bytes.into_bytes())
+        } else {
+            None
+        };
+        Ok(Declared {
+            keys,
+            generation_config,
+        })
+    }
+
+    /// `config` (a `config.json` object) with the declared keys written over the family's.
+    pub(crate) fn applied_to(&self, mut config: Value) -> Value {
+        if let Some(object) = config.as_object_mut() {
+            for (k, v) in &self.keys {
+                object.insert(k.clone(), v.clone());
+            }
+        }
+        config
+    }
+}
