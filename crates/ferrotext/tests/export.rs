@@ -455,3 +455,38 @@ fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
     assert!(!out.join("generation_config.json").exists());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A source directory whose `generation_config.json` does not read fails a run that would save
+/// a directory from it before it trains (one `error:` line naming the file, exit 2), not after.
+#[test]
+fn a_source_whose_generation_config_does_not_read_fails_before_training() {
+    let root = scratch("bad-generation-config");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures/transformers/llama3-untied-tf5-f32-single");
+    let source = root.join("source");
+    std::fs::create_dir_all(&source).expect("source dir");
+    for entry in std::fs::read_dir(&fixture).expect("fixture") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, source.join(path.file_name().expect("name"))).expect("copy");
+    }
+    std::fs::write(source.join("generation_config.json"), b"{not json").expect("write");
+    let args = [
+        "train".to_string(),
+        format!("load_parameters_path={}", source.display()),
+        format!("base_output_directory={}", root.display()),
+        "run_name=r".into(),
+        "steps=1".into(),
+        format!("save_parameters_path={}", root.join("final").display()),
+        "local_devices=1".into(),
+        "ici_data_parallelism=1".into(),
+        "max_target_length=16".into(),
+        "dataset_type=synthetic".into(),
+    ];
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let res = ferrotext(&argv);
+    let stderr = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("generation_config.json"), "{stderr}");
+    assert!(!root.join("r").join("metrics.jsonl").exists(), "it trained");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -93,6 +93,11 @@ impl TrainConfig {
             })
             .map_err(|e| TrainError::usage("model_name", e.to_string()))?;
         self.check_scalars()?;
+        // Read now what a directory saved at the end declares from the source, so that a source
+        // whose `generation_config.json` does not read fails the run before it trains.
+        if !self.save_parameters_path.is_empty() {
+            self.source_declarations()?;
+        }
         let mesh = self.mesh()?;
         self.check_combinations(decoder.config(), &mesh)?;
         let output_dir =
