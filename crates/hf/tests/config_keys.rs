@@ -621,3 +621,52 @@ fn exported_deepseek_yarn_gives_mscale_readers_the_same_rotation() {
         );
     }
 }
+
+/// An exported Qwen config's `max_window_layers` slides, for readers of that key alone
+/// (transformers without `layer_types`: the layers from it on), the layers its `layer_types`
+/// names, for every Qwen sliding fixture (its first layer full, the rest sliding); and a
+/// pattern no `max_window_layers` says (sliding, then full) is written as the layer count.
+#[test]
+fn exported_max_window_layers_slides_the_layers_layer_types_names() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/transformers");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        if !name.starts_with("qwen") || !name.contains("-sliding-") {
+            continue;
+        }
+        let cfg = ferrotext_hf::read_config(&dir).unwrap();
+        let v = hf_config_json(&cfg, "float32").unwrap();
+        let from = v["max_window_layers"].as_u64().unwrap() as usize;
+        let by_key: Vec<bool> = (0..cfg.base_num_decoder_layers)
+            .map(|i| i >= from)
+            .collect();
+        let by_types: Vec<bool> = v["layer_types"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t == "sliding_attention")
+            .collect();
+        assert_eq!(by_key, by_types, "{name}: {v}");
+        assert!(
+            by_types.contains(&true) && by_types.contains(&false),
+            "{name}"
+        );
+        // The same config with the pattern the other way round.
+        let mut flipped = cfg.clone();
+        let w = flipped.sliding_window.as_mut().unwrap();
+        w.layers = by_types.iter().map(|s| !s).collect();
+        let v = hf_config_json(&flipped, "float32").unwrap();
+        assert_eq!(
+            v["max_window_layers"].as_u64().unwrap() as usize,
+            cfg.base_num_decoder_layers,
+            "{name}"
+        );
+        seen += 1;
+    }
+    assert!(
+        seen >= 4,
+        "the qwen2/qwen3 sliding fixtures of both generations: {seen}"
+    );
+}

@@ -353,20 +353,28 @@ pub(super) fn gqa_json(cfg: &Config, default_max: usize) -> Value {
     })
 }
 
-/// The Qwen classes' window keys: `use_sliding_window`, `sliding_window`, `max_window_layers`
-/// (the layer count: `layer_types` says which layers slide) and `layer_types`.
+/// The Qwen classes' window keys: `use_sliding_window`, `sliding_window`, `layer_types` (which
+/// layers slide, what transformers reads) and `max_window_layers`: the first sliding layer when
+/// every layer from it on slides, so that readers of the older key alone (sliding from it on)
+/// slide the same layers; else the layer count (no older form says it).
 pub(super) fn qwen_window_json(cfg: &Config) -> Value {
     match &cfg.sliding_window {
         // Transformers' own keys, inert without use_sliding_window.
         None => {
             json!({"use_sliding_window": false, "sliding_window": 4096, "max_window_layers": 0})
         }
-        Some(w) => json!({
-            "use_sliding_window": true,
-            "sliding_window": w.size,
-            "max_window_layers": cfg.base_num_decoder_layers,
-            "layer_types": layer_types_json(cfg),
-        }),
+        Some(w) => {
+            let n = cfg.base_num_decoder_layers;
+            let slides = |i: usize| cfg.window_of(i).is_some();
+            let first = (0..n).find(|&i| slides(i)).unwrap_or(n);
+            let from = if (first..n).all(slides) { first } else { n };
+            json!({
+                "use_sliding_window": true,
+                "sliding_window": w.size,
+                "max_window_layers": from,
+                "layer_types": layer_types_json(cfg),
+            })
+        }
     }
 }
 
