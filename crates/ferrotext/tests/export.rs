@@ -349,9 +349,10 @@ fn bad_exports_get_one_error_line_exit_2_and_write_nothing() {
 /// A model trained from a Hugging Face directory is saved and exported declaring what that
 /// directory declared beyond the decoder, as transformers' own `save_pretrained` of the loaded
 /// model would: its special tokens (a list of stop tokens included), its context
-/// (`max_position_embeddings`, which no family default matches here) and its
-/// `generation_config.json`, byte for byte. The mirror: a model from a preset declares the
-/// family's defaults (no token ids, its family's context) and no generation defaults.
+/// (`max_position_embeddings`, which no family default matches here), its
+/// `generation_config.json` and its tokenizer's files, byte for byte. The mirror: a model from a
+/// preset declares the family's defaults (no token ids, its family's context), no generation
+/// defaults and no tokenizer.
 #[test]
 fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
     let root = scratch("declared");
@@ -379,6 +380,19 @@ fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
     let generation =
         br#"{"bos_token_id": 3, "eos_token_id": [5, 7], "do_sample": true, "temperature": 0.6}"#;
     std::fs::write(source.join("generation_config.json"), generation).expect("write");
+    // A tokenizer beside it (a word-level one written by Python's tokenizers).
+    let tokenizer = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tests/fixtures/wordlevel_bos.json"),
+    )
+    .expect("tokenizer");
+    let tokenizer_config = br#"{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>"}"#;
+    std::fs::write(source.join("tokenizer.json"), &tokenizer).expect("write");
+    std::fs::write(source.join("tokenizer_config.json"), tokenizer_config).expect("write");
+    let files: [(&str, &[u8]); 3] = [
+        ("generation_config.json", generation),
+        ("tokenizer.json", &tokenizer),
+        ("tokenizer_config.json", tokenizer_config),
+    ];
     let args = [
         "train".to_string(),
         format!("load_parameters_path={}", source.display()),
@@ -421,12 +435,14 @@ fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
         for (k, v) in declared.as_object().expect("object") {
             assert_eq!(&written[k], v, "{}: {k}", dir.display());
         }
-        assert_eq!(
-            std::fs::read(dir.join("generation_config.json")).expect("generation config"),
-            generation,
-            "{}",
-            dir.display()
-        );
+        for (name, bytes) in files {
+            assert_eq!(
+                std::fs::read(dir.join(name)).expect("declared file"),
+                bytes,
+                "{}: {name}",
+                dir.display()
+            );
+        }
     }
     // The mirror: a preset's export declares none of it.
     let preset = trained(&root.join("preset"));
@@ -452,7 +468,9 @@ fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
         written["max_position_embeddings"], 40960,
         "qwen3's own context"
     );
-    assert!(!out.join("generation_config.json").exists());
+    for (name, _) in files {
+        assert!(!out.join(name).exists(), "a preset has no {name}");
+    }
     let _ = std::fs::remove_dir_all(&root);
 }
 

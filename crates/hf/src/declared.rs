@@ -1,9 +1,10 @@
 //! What a model's source directory declares beyond the decoder: the `config.json` keys the
 //! decoder does not compute but readers act on ([`DECLARED_KEYS`]: the special tokens
-//! transformers' `generate` starts and stops on, the context the model advertises) and its
-//! `generation_config.json`. An export writes them back as the source had them, as
-//! transformers' own `save_pretrained` of a loaded model does; a model from a preset declares
-//! none, and its export writes the family's defaults.
+//! transformers' `generate` starts and stops on, the context the model advertises), its
+//! `generation_config.json` and its tokenizer's files ([`DECLARED_FILES`]). An export writes
+//! them back as the source had them, as transformers' own `save_pretrained` of a loaded model
+//! (and of its tokenizer) does, so the exported directory loads with `AutoTokenizer` too; a
+//! model from a preset declares none, and its export writes the family's defaults.
 
 use std::path::Path;
 
@@ -25,13 +26,29 @@ pub const DECLARED_KEYS: &[&str] = &[
     "max_position_embeddings",
 ];
 
+/// The files an export copies from the source directory, byte for byte, when it has them: the
+/// generation defaults and every file of a tokenizer transformers saves (fast and slow, BPE and
+/// SentencePiece, the chat template).
+pub const DECLARED_FILES: &[&str] = &[
+    GENERATION_CONFIG_FILE,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
 /// A source directory's declarations, to write into an exported one.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Declared {
     /// Each of [`DECLARED_KEYS`] the source's `config.json` sets (a `null` is not a setting).
     pub keys: Map<String, Value>,
-    /// The source's `generation_config.json`, byte for byte; `None` where it has none.
-    pub generation_config: Option<Vec<u8>>,
+    /// Each of [`DECLARED_FILES`] the source has, by name, with its bytes.
+    pub files: Vec<(String, Vec<u8>)>,
 }
 
 impl Declared {
@@ -43,8 +60,9 @@ impl Declared {
     /// What the HF directory `dir` declares.
     ///
     /// # Errors
-    /// [`HfError::Params`] when its `config.json` cannot be read or is not a JSON object, or its
-    /// `generation_config.json` is not JSON (a file that transformers could not read either).
+    /// [`HfError::Params`] when its `config.json` cannot be read or is not a JSON object, one of
+    /// its [`DECLARED_FILES`] cannot be read, or its `generation_config.json` is not JSON (a
+    /// file that transformers could not read either).
     pub fn of_directory(dir: &Path) -> Result<Declared, HfError> {
         let err = |path: &Path, reason: String| HfError::Params {
             path: path.display().to_string(),
@@ -65,20 +83,21 @@ impl Declared {
                 Some((k.to_string(), v.clone()))
             })
             .collect();
-        let generation_path = dir.join(GENERATION_CONFIG_FILE);
-        let generation_config = if generation_path.exists() {
-            let bytes = ferrotext_files::read_regular_to_string(&generation_path)
-                .map_err(|e| err(&generation_path, e.to_string()))?;
-            serde_json::from_str::<Value>(&bytes)
-                .map_err(|e| err(&generation_path, format!("not JSON: {e}")))?;
-            Some(bytes.into_bytes())
-        } else {
-            None
-        };
-        Ok(Declared {
-            keys,
-            generation_config,
-        })
+        let mut files = Vec::new();
+        for name in DECLARED_FILES {
+            let path = dir.join(name);
+            if !path.exists() {
+                continue;
+            }
+            let bytes =
+                ferrotext_files::read_regular(&path).map_err(|e| err(&path, e.to_string()))?;
+            if *name == GENERATION_CONFIG_FILE {
+                serde_json::from_slice::<Value>(&bytes)
+                    .map_err(|e| err(&path, format!("not JSON: {e}")))?;
+            }
+            files.push((name.to_string(), bytes));
+        }
+        Ok(Declared { keys, files })
     }
 
     /// `config` (a `config.json` object) with the declared keys written over the family's.

@@ -9,7 +9,8 @@
 //! [`key_use`] says what happens to each key), [`load_directory`] reads
 //! every parameter by the HF tensors its [`ParamInfo::hf`] declares, and [`save_directory`] writes
 //! the same layout back ([`save_directory_declaring`] also what the source directory declared
-//! beyond the decoder: its special tokens, context and generation defaults, [`Declared`]; a
+//! beyond the decoder: its special tokens, context, generation defaults and tokenizer,
+//! [`Declared`]; a
 //! checkpoint's export lives in `ferrotext-train`, which knows checkpoints). Every file is opened by `ferrotext_files`' rule (no FIFO,
 //! device or directory is read).
 //!
@@ -43,7 +44,7 @@ mod read;
 mod shards;
 mod write;
 
-pub use declared::{Declared, DECLARED_KEYS, GENERATION_CONFIG_FILE};
+pub use declared::{Declared, DECLARED_FILES, DECLARED_KEYS, GENERATION_CONFIG_FILE};
 pub use error::HfError;
 pub use family::{
     class_defaults, config_from_json, hf_config_json, key_use, listed_keys, preset, presets,

@@ -11,7 +11,7 @@ use ferrotext_tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 
 use super::{hf_config_json, ModelType, CONFIG_FILE, INDEX_FILE, SINGLE_FILE};
-use crate::declared::{Declared, GENERATION_CONFIG_FILE};
+use crate::declared::Declared;
 use crate::error::HfError;
 
 /// HF's default `max_shard_size` (5 GB): above it, weights are split into shards.
@@ -102,7 +102,8 @@ pub fn save_directory(
 
 /// [`save_directory`], with what the model's source directory declared beyond the decoder
 /// written back: its [`DECLARED_KEYS`](crate::DECLARED_KEYS) over the family's `config.json`,
-/// and its `generation_config.json` ([`Declared`]).
+/// and its [`DECLARED_FILES`](crate::DECLARED_FILES): `generation_config.json` and the
+/// tokenizer ([`Declared`]).
 ///
 /// # Errors
 /// As [`save_directory`].
@@ -194,11 +195,10 @@ pub fn save_directory_declaring(
         &tmp, &config, kind, infos, values, written_as, &shard_of, &file_name, total,
     )
     .and_then(|()| {
-        let Some(bytes) = &declared.generation_config else {
-            return Ok(());
-        };
-        let path = tmp.join(GENERATION_CONFIG_FILE);
-        std::fs::write(&path, bytes).map_err(io(&path))
+        declared.files.iter().try_for_each(|(name, bytes)| {
+            let path = tmp.join(name);
+            std::fs::write(&path, bytes).map_err(io(&path))
+        })
     });
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);

@@ -4,8 +4,9 @@
 //! seal, the manifest's numbers, the checksum of `params.safetensors`, dtypes and shapes) and is
 //! never written to; the directory is then written by [`save_directory_declaring`], which
 //! builds it beside the target and renames it into place. A model loaded from a Hugging Face
-//! directory keeps what that directory declared beyond the decoder (its special tokens, context
-//! and `generation_config.json`: [`ferrotext_hf::Declared`]), as long as the directory is there.
+//! directory keeps what that directory declared beyond the decoder (its special tokens, context,
+//! `generation_config.json` and tokenizer files: [`ferrotext_hf::Declared`]), as long as the
+//! directory is there.
 
 use std::path::{Path, PathBuf};
 

@@ -22,11 +22,11 @@ impl TrainConfig {
     }
 
     /// What the model's source directory declares beyond the decoder (its special tokens,
-    /// context and generation defaults), for a directory saved from it to declare the same;
-    /// nothing for a model from a preset.
+    /// context, generation defaults and tokenizer), for a directory saved from it to declare the
+    /// same; nothing for a model from a preset.
     ///
     /// # Errors
-    /// The source's `config.json` or `generation_config.json` cannot be read.
+    /// The source's `config.json`, `generation_config.json` or tokenizer files cannot be read.
     pub(crate) fn source_declarations(&self) -> Result<ferrotext_hf::Declared, TrainError> {
         match self.hf_source() {
             Some(dir) => Ok(ferrotext_hf::Declared::of_directory(dir)?),
