@@ -84,14 +84,33 @@ fn wait_exec(child: &std::process::Child, program: &str) {
     }
 }
 
+/// A child with each signal's default action, whatever this process inherited (a test run in
+/// the background of a shell ignores SIGINT, and so would its children).
+fn plain_sleep() -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new("sleep");
+    cmd.arg("30");
+    // SAFETY: only `signal`, async-signal-safe, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            for sig in super::super::STOP_SIGNALS {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
 /// A set-up or teardown helper lives through each signal that stops a run (a Ctrl-C to the
 /// launcher's group reaches a helper in the instant before its `setpgid`: a teardown's
-/// `ip netns del` died so and left a namespace behind); the mirror, a plain child, dies of it.
+/// `ip netns del` died so and left a namespace behind); the mirror, a child with the default
+/// actions, dies of it.
 #[test]
 fn a_helper_outlives_the_signals_that_stop_a_run() {
     for sig in super::super::STOP_SIGNALS {
         let mut helped = helper("sleep").arg("30").spawn().expect("sleep");
-        let mut plain = Command::new("sleep").arg("30").spawn().expect("sleep");
+        let mut plain = plain_sleep().spawn().expect("sleep");
         wait_exec(&helped, "sleep");
         wait_exec(&plain, "sleep");
         for child in [&helped, &plain] {
