@@ -36,14 +36,9 @@ impl Stored {
     }
 
     /// How the checkpoint tensor `name` of a `kind` model is stored: float32 where the family's
-    /// `save_pretrained` keeps it so ([`Family::kept_f32`](crate::family)), else this dtype.
+    /// `save_pretrained` keeps it so ([`ModelType::keeps_f32`]), else this dtype.
     fn of_tensor(self, kind: ModelType, name: &str) -> Stored {
-        let kept = kind
-            .family()
-            .kept_f32
-            .iter()
-            .any(|end| name == *end || name.ends_with(&format!(".{end}")));
-        if kept {
+        if kind.keeps_f32(name) {
             Stored { file: Dtype::F32 }
         } else {
             self

@@ -176,6 +176,16 @@ impl ModelType {
         self.0.model_type
     }
 
+    /// Whether this family's `save_pretrained` stores the checkpoint tensor `name` as float32
+    /// whatever the model's dtype ([`Family::kept_f32`]: DeepSeek's routers), so a bf16 export
+    /// stores it so too.
+    pub fn keeps_f32(self, name: &str) -> bool {
+        self.0
+            .kept_f32
+            .iter()
+            .any(|end| name == *end || name.ends_with(&format!(".{end}")))
+    }
+
     /// The type named `name` (`config.json`'s `model_type`).
     pub fn from_name(name: &str) -> Option<ModelType> {
         FAMILIES
