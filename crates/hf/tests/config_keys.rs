@@ -670,3 +670,19 @@ fn exported_max_window_layers_slides_the_layers_layer_types_names() {
         "the qwen2/qwen3 sliding fixtures of both generations: {seen}"
     );
 }
+
+/// A qwen2_moe model with a `head_dim` other than hidden_size / heads (read from a transformers
+/// 5 directory, whose attention reads the key) is written with it and reads back the same; one
+/// with the derived head dimension is written without the key, as transformers writes it.
+#[test]
+fn a_qwen2_moe_head_dim_of_its_own_is_written_and_reads_back() {
+    let mut cfg = fixture_config("qwen2_moe");
+    let derived = cfg.base_emb_dim / cfg.base_num_query_heads;
+    assert_eq!(cfg.head_dim, derived);
+    let v = hf_config_json(&cfg, "float32").unwrap();
+    assert!(v.get("head_dim").is_none(), "{v}");
+    cfg.head_dim = derived + 4;
+    let v = hf_config_json(&cfg, "float32").unwrap();
+    assert_eq!(v["head_dim"], derived + 4);
+    assert_eq!(config_from_json(&v).unwrap(), cfg);
+}

@@ -170,9 +170,6 @@ fn misfit(cfg: &Config) -> Vec<String> {
             }
         }
     }
-    if cfg.head_dim * cfg.base_num_query_heads != cfg.base_emb_dim {
-        out.push("a head_dim other than hidden_size / heads (qwen2_moe derives it)".into());
-    }
     gqa_misfit(cfg, "qwen2_moe", false, true, &mut out);
     block_misfit(cfg, "qwen2_moe", &["moe_step", "shared_gate"], &mut out);
     out
@@ -199,7 +196,12 @@ fn write(cfg: &Config) -> Value {
     ]);
     if let Some(o) = v.as_object_mut() {
         o.remove("attention_bias");
-        o.remove("head_dim");
+        // The class has no such key, but its attention and RoPE read one (`getattr`) in both
+        // generations; 4.x refuses a value other than hidden_size / heads, so it is written only
+        // then (a directory 4.x refuses, as it refused the one the model came from).
+        if cfg.head_dim * cfg.base_num_query_heads == cfg.base_emb_dim {
+            o.remove("head_dim");
+        }
     }
     v
 }
