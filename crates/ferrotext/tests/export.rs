@@ -346,6 +346,40 @@ fn bad_exports_get_one_error_line_exit_2_and_write_nothing() {
     std::fs::remove_dir_all(&root).ok();
 }
 
+/// A copy in `root/source` of transformers' llama3 directory (a fixture), to edit.
+fn llama3_source(root: &Path) -> PathBuf {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../hf/tests/fixtures/transformers/llama3-untied-tf5-f32-single");
+    let source = root.join("source");
+    std::fs::create_dir_all(&source).expect("source dir");
+    for entry in std::fs::read_dir(&fixture).expect("fixture") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, source.join(path.file_name().expect("name"))).expect("copy");
+    }
+    source
+}
+
+/// `ferrotext train` of one step from the HF directory `source` into `root/r`, saving the final
+/// parameters as the directory `root/final`, with `extra` keys.
+fn train_from(source: &Path, root: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "train".to_string(),
+        format!("load_parameters_path={}", source.display()),
+        format!("base_output_directory={}", root.display()),
+        "run_name=r".into(),
+        "steps=1".into(),
+        format!("save_parameters_path={}", root.join("final").display()),
+        "local_devices=1".into(),
+        "ici_data_parallelism=1".into(),
+        "per_device_batch_size=1".into(),
+        "max_target_length=16".into(),
+        "dataset_type=synthetic".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    ferrotext(&argv)
+}
+
 /// A model trained from a Hugging Face directory is saved and exported declaring what that
 /// directory declared beyond the decoder, as transformers' own `save_pretrained` of the loaded
 /// model would: its special tokens (a list of stop tokens included), its context
@@ -356,14 +390,7 @@ fn bad_exports_get_one_error_line_exit_2_and_write_nothing() {
 #[test]
 fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
     let root = scratch("declared");
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../hf/tests/fixtures/transformers/llama3-untied-tf5-f32-single");
-    let source = root.join("source");
-    std::fs::create_dir_all(&source).expect("source dir");
-    for entry in std::fs::read_dir(&fixture).expect("fixture") {
-        let path = entry.expect("entry").path();
-        std::fs::copy(&path, source.join(path.file_name().expect("name"))).expect("copy");
-    }
+    let source = llama3_source(&root);
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).expect("config"))
             .expect("json");
@@ -393,23 +420,11 @@ fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
         ("tokenizer.json", &tokenizer),
         ("tokenizer_config.json", tokenizer_config),
     ];
-    let args = [
-        "train".to_string(),
-        format!("load_parameters_path={}", source.display()),
-        format!("base_output_directory={}", root.display()),
-        "run_name=r".into(),
-        "steps=1".into(),
-        "enable_checkpointing=true".into(),
-        "checkpoint_period=1".into(),
-        format!("save_parameters_path={}", root.join("final").display()),
-        "local_devices=1".into(),
-        "ici_data_parallelism=1".into(),
-        "per_device_batch_size=1".into(),
-        "max_target_length=16".into(),
-        "dataset_type=synthetic".into(),
-    ];
-    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-    let res = ferrotext(&argv);
+    let res = train_from(
+        &source,
+        &root,
+        &["enable_checkpointing=true", "checkpoint_period=1"],
+    );
     assert!(
         res.status.success(),
         "{}",
@@ -479,29 +494,9 @@ fn a_model_from_a_hf_directory_keeps_what_that_directory_declared() {
 #[test]
 fn a_source_whose_generation_config_does_not_read_fails_before_training() {
     let root = scratch("bad-generation-config");
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../hf/tests/fixtures/transformers/llama3-untied-tf5-f32-single");
-    let source = root.join("source");
-    std::fs::create_dir_all(&source).expect("source dir");
-    for entry in std::fs::read_dir(&fixture).expect("fixture") {
-        let path = entry.expect("entry").path();
-        std::fs::copy(&path, source.join(path.file_name().expect("name"))).expect("copy");
-    }
+    let source = llama3_source(&root);
     std::fs::write(source.join("generation_config.json"), b"{not json").expect("write");
-    let args = [
-        "train".to_string(),
-        format!("load_parameters_path={}", source.display()),
-        format!("base_output_directory={}", root.display()),
-        "run_name=r".into(),
-        "steps=1".into(),
-        format!("save_parameters_path={}", root.join("final").display()),
-        "local_devices=1".into(),
-        "ici_data_parallelism=1".into(),
-        "max_target_length=16".into(),
-        "dataset_type=synthetic".into(),
-    ];
-    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-    let res = ferrotext(&argv);
+    let res = train_from(&source, &root, &[]);
     let stderr = String::from_utf8_lossy(&res.stderr);
     assert_eq!(res.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("generation_config.json"), "{stderr}");

@@ -177,7 +177,7 @@ impl ModelType {
     }
 
     /// Whether this family's `save_pretrained` stores the checkpoint tensor `name` as float32
-    /// whatever the model's dtype ([`Family::kept_f32`]: DeepSeek's routers), so a bf16 export
+    /// whatever the model's dtype (its family's `kept_f32`: DeepSeek's routers), so a bf16 export
     /// stores it so too.
     pub fn keeps_f32(self, name: &str) -> bool {
         self.0
