@@ -76,6 +76,8 @@ pub struct GenerateArgs {
 struct Source {
     config: TrainConfig,
     params: Vec<ferrotext_tensor::Tensor>,
+    /// The Hugging Face directory the model comes from (named, or the one a checkpoint's run
+    /// loaded): its tokenizer and end-of-sequence ids are the model's.
     hf_dir: Option<PathBuf>,
 }
 
@@ -97,10 +99,15 @@ fn source(args: &GenerateArgs) -> Result<Source> {
                     reason: e.to_string(),
                 }
             })?;
+        // A model trained from a HF directory generates with that directory's tokenizer and
+        // end-of-sequence ids, as the directory itself would.
+        let from = Path::new(&config.load_parameters_path);
+        let hf_dir =
+            (!config.load_parameters_path.is_empty() && from.is_dir()).then(|| from.to_path_buf());
         return Ok(Source {
             config,
             params,
-            hf_dir: None,
+            hf_dir,
         });
     }
     let mut config = config_args::parse_config(&args.args)?;
@@ -146,22 +153,28 @@ fn codec(args: &GenerateArgs, source: &Source, vocab: usize) -> Result<TextCodec
     }
 }
 
-/// `eos_token_id` of a HF `config.json` (a number or a list), when there is one.
+/// The end-of-sequence ids of a HF directory, as transformers' `generate` takes them: the
+/// `eos_token_id` (a number or a list) of its `generation_config.json` where that sets one, else
+/// of its `config.json` (Llama 3.1 Instruct stops on three ids there and names one here).
 fn hf_eos(dir: &Path) -> Vec<u32> {
-    let Ok(text) = ferrotext_files::read_regular_to_string(&dir.join("config.json")) else {
-        return Vec::new();
+    let eos_of = |file: &str| -> Option<Vec<u32>> {
+        let text = ferrotext_files::read_regular_to_string(&dir.join(file)).ok()?;
+        let json = serde_json::from_str::<serde_json::Value>(&text).ok()?;
+        match json.get("eos_token_id")? {
+            serde_json::Value::Number(n) => {
+                Some(n.as_u64().map(|n| n as u32).into_iter().collect())
+            }
+            serde_json::Value::Array(xs) => Some(
+                xs.iter()
+                    .filter_map(|x| x.as_u64().map(|n| n as u32))
+                    .collect(),
+            ),
+            _ => None,
+        }
     };
-    let Ok(json) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return Vec::new();
-    };
-    match json.get("eos_token_id") {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
-        Some(serde_json::Value::Array(xs)) => xs
-            .iter()
-            .filter_map(|x| x.as_u64().map(|n| n as u32))
-            .collect(),
-        _ => Vec::new(),
-    }
+    eos_of(ferrotext_hf::GENERATION_CONFIG_FILE)
+        .or_else(|| eos_of(ferrotext_hf::CONFIG_FILE))
+        .unwrap_or_default()
 }
 
 /// The compute dtype and, in bf16, what computes the products (`select_matmul_kernel` fixed

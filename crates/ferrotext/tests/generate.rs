@@ -186,6 +186,65 @@ fn a_hugging_face_directory_generates_with_its_own_tokenizer() {
     );
     let words: Vec<&str> = text.split_whitespace().collect();
     assert_eq!(words, ["sat", "on", "the", "mat", "."], "{text:?}");
+    // Its end-of-sequence ids as transformers' `generate` takes them: `config.json`'s ("mat",
+    // 5) end the text after that word; a `generation_config.json` that names others ("sat", 3)
+    // wins over it.
+    let generated = |source: &str| {
+        let out = ferrotext(&[
+            "generate",
+            source,
+            "--prompt",
+            "the cat",
+            "--max-new-tokens",
+            "5",
+        ]);
+        continuation(&out, "the cat")
+    };
+    let config_path = hf.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["eos_token_id"] = serde_json::json!(5);
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let from_hf = format!("load_parameters_path={}", hf.display());
+    assert_eq!(
+        generated(&from_hf).split_whitespace().collect::<Vec<_>>(),
+        ["sat", "on", "the", "mat"]
+    );
+    std::fs::write(
+        hf.join("generation_config.json"),
+        r#"{"eos_token_id": [3]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        generated(&from_hf).split_whitespace().collect::<Vec<_>>(),
+        ["sat"]
+    );
+    // A checkpoint of a run trained from the directory generates as the directory does: its
+    // tokenizer (the run names none) and its end-of-sequence ids.
+    let out = ferrotext(&[
+        "train",
+        "steps=1",
+        "learning_rate=1e-30",
+        "gradient_accumulation_steps=1",
+        "dataset_type=synthetic",
+        "enable_checkpointing=true",
+        "checkpoint_period=1",
+        &from_hf,
+        &format!("base_output_directory={}", dir.display()),
+        "run_name=tuned",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = dir.join("tuned");
+    let text = generated(&format!("--checkpoint={}", run.display()));
+    assert_eq!(
+        text.split_whitespace().collect::<Vec<_>>(),
+        ["sat"],
+        "{text:?}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
