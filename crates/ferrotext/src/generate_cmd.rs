@@ -101,9 +101,7 @@ fn source(args: &GenerateArgs) -> Result<Source> {
             })?;
         // A model trained from a HF directory generates with that directory's tokenizer and
         // end-of-sequence ids, as the directory itself would.
-        let from = Path::new(&config.load_parameters_path);
-        let hf_dir =
-            (!config.load_parameters_path.is_empty() && from.is_dir()).then(|| from.to_path_buf());
+        let hf_dir = config.hf_source().map(Path::to_path_buf);
         return Ok(Source {
             config,
             params,
@@ -124,7 +122,7 @@ fn source(args: &GenerateArgs) -> Result<Source> {
     let path = Path::new(&config.load_parameters_path);
     let params = ferrotext_train::io::load_parameters(path, plan.params())?;
     Ok(Source {
-        hf_dir: path.is_dir().then(|| path.to_path_buf()),
+        hf_dir: config.hf_source().map(Path::to_path_buf),
         config,
         params,
     })

@@ -16,7 +16,7 @@ use crate::error::TrainError;
 impl TrainConfig {
     /// The Hugging Face directory the model comes from: `load_parameters_path` when it names a
     /// directory; `None` for a preset (or parameters from one `.safetensors` file).
-    fn hf_source(&self) -> Option<&Path> {
+    pub fn hf_source(&self) -> Option<&Path> {
         let dir = Path::new(&self.load_parameters_path);
         (!self.load_parameters_path.is_empty() && dir.is_dir()).then_some(dir)
     }
