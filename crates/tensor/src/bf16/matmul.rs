@@ -451,11 +451,14 @@ pub fn dot_general_bf16_rounded(
 /// `dot_general_accumulate_parts` takes it): a bf16 weight copy's gradient, rounded to bf16 as
 /// its cotangent is, added into the master weight's `f32` accumulator without the bf16 result
 /// being stored and read back. Each element gets one addition of exactly the value
-/// [`dot_general_bf16_rounded`] gives it (the products are computed a band of rows at a time
-/// into scratch, as `rounded_by_bands` does, each band at least `MIN_BLOCK_ROWS` rows, or
-/// the whole product at once where the parts hold fewer than twice that), so the bits are those
-/// of that product followed by a widening add. Returns `false`, touching nothing, where the parts
-/// cut a row or the contraction is empty (the caller takes the unfused path).
+/// [`dot_general_bf16_rounded`] gives it, so the bits are those of that product followed by a
+/// widening add. On ferrotext's AVX512_BF16 kernel with `rhs` packed once, each register tile
+/// is rounded and added as it leaves the registers (`dpbf16::gemm_rounded_accumulate`), a run
+/// of rows per thread; otherwise the products are computed a band of rows at a time into
+/// scratch, as `rounded_by_bands` does, each band at least `MIN_BLOCK_ROWS` rows, or the whole
+/// product at once where the parts hold fewer than twice that. Returns `false`, touching
+/// nothing, where the parts cut a row or the contraction is empty (the caller takes the
+/// unfused path).
 ///
 /// # Errors
 /// As [`dot_general_bf16`], and [`TensorError::Shape`] when the parts do not hold the result.
@@ -504,11 +507,23 @@ pub fn dot_general_bf16_rounded_accumulate_parts(
         }
         return Ok(true);
     }
-    let band = band_rows(rows, n, k, threads);
     let bands = Bands::new(&stacks, threads, None);
+    let band = if bands.rounds_in_registers() {
+        // No scratch to keep in cache: a run of whole row tiles per thread.
+        rows.div_ceil(threads.max(1))
+            .next_multiple_of(super::dpbf16::MR)
+            .min(rows)
+    } else {
+        band_rows(rows, n, k, threads)
+    };
     for (p, out) in parts.iter_mut().enumerate() {
         for_each_chunk(out, band * n, threads, Work::Heavy, |c, out| {
             let first = p * rows + c * band;
+            // SAFETY: `out` holds whole rows of the product from `first` (`k > 0`, checked
+            // above).
+            if unsafe { bands.add_rounded_band(first, out) } {
+                return;
+            }
             // SAFETY: `band` writes every element of its rows (`k > 0`, checked above).
             let scratch = unsafe { filled(out.len(), |dst| bands.band(first, dst)) };
             add_rounded(&scratch, out);
@@ -636,6 +651,55 @@ impl<'s, 'a> Bands<'s, 'a> {
             let _ = (threads, rhs);
             Bands { stacks }
         }
+    }
+
+    /// Whether [`Bands::add_rounded_band`] adds bands from the kernel's registers (ferrotext's
+    /// AVX512_BF16 kernel with `b` packed once), not through an `f32` band in scratch.
+    fn rounds_in_registers(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self.packed.is_some();
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// `dst += widen(round_bf16(rows first..first + dst.len() / n of the product))` straight
+    /// from the kernel's register tiles ([`super::dpbf16::gemm_rounded_accumulate`]: the bits
+    /// of the band computed, rounded and then added), when [`Bands::rounds_in_registers`];
+    /// `false`, `dst` untouched, otherwise.
+    ///
+    /// # Safety
+    /// `dst` holds whole rows of the product inside it; `k > 0`.
+    unsafe fn add_rounded_band(&self, first: usize, dst: &mut [f32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(packed) = &self.packed {
+            let s = self.stacks;
+            let n = s.b.cols.0;
+            let a = Operand {
+                // SAFETY: rows `first..first + rows` of the one batch entry lie inside `a`
+                // (the caller's contract).
+                ptr: unsafe {
+                    s.a.data
+                        .as_ptr()
+                        .offset(s.a.offset(0) + first as isize * s.a.rows.1)
+                },
+                rs: s.a.rows.1,
+                cs: s.a.cols.1,
+            };
+            // SAFETY: `a` holds the band's rows over the contraction, `packed` is this `b`'s
+            // packing (made on the AVX512_BF16 kernel), `dst` the band's initialised rows.
+            unsafe {
+                super::dpbf16::gemm_rounded_accumulate(
+                    dst.len() / n.max(1),
+                    a,
+                    packed,
+                    dst.as_mut_ptr(),
+                    n,
+                )
+            };
+            return true;
+        }
+        let _ = (first, dst);
+        false
     }
 
     /// Rows `first..first + dst.len() / n` of the product into `dst`, overwritten.

@@ -8,15 +8,17 @@
 //! halves that decide rounding: `tests::the_instruction_rounds_as_round_bf16_does`).
 
 use std::arch::x86_64::{
-    __m512, __m512i, _mm512_castps_si512, _mm512_cvtne2ps_pbh, _mm512_loadu_ps,
-    _mm512_mask_storeu_epi16, _mm512_mask_test_epi32_mask, _mm512_set1_epi32, _mm512_storeu_si512,
+    __m256i, __m512, __m512i, _mm512_add_ps, _mm512_castps_si512, _mm512_castsi512_ps,
+    _mm512_cvtepu16_epi32, _mm512_cvtne2ps_pbh, _mm512_cvtneps_pbh, _mm512_loadu_ps,
+    _mm512_mask_storeu_epi16, _mm512_mask_storeu_ps, _mm512_mask_test_epi32_mask,
+    _mm512_maskz_loadu_ps, _mm512_set1_epi32, _mm512_slli_epi32, _mm512_storeu_si512,
     _mm512_testn_epi32_mask,
 };
 use std::mem::MaybeUninit;
 
 use half::bf16;
 
-use super::round_bf16;
+use super::{round_bf16, widen_bf16};
 
 /// Elements a step rounds: two registers of 16 `f32` into one of 32 bf16.
 const STEP: usize = 32;
@@ -105,6 +107,61 @@ pub(super) unsafe fn round_row(src: &[f32; STEP], dst: &mut [MaybeUninit<bf16>])
     unsafe {
         let rounded: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
         _mm512_mask_storeu_epi16(dst.as_mut_ptr().cast(), live, rounded);
+    }
+}
+
+/// A tile's row of `f32` (`src`: 32 elements, the first `dst.len() ≤ 32` of them live) rounded
+/// to bf16 and added, widened, into `dst`: each element `dst[c] + widen(round_bf16(src[c]))`,
+/// one `f32` addition, the bits of [`round_row`] followed by `super::add_rounded`'s add. A
+/// weight gradient's rounded product goes into its `f32` accumulator from the register tile
+/// this way, with no rounded or `f32` copy of the product in between.
+///
+/// # Safety
+/// The CPU has AVX512_BF16, AVX-512F and BW (`super::dpbf16::available`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn add_rounded_row(src: &[f32; STEP], dst: &mut [f32]) {
+    let cols = dst.len();
+    assert!(cols <= STEP); // ok: a tile's row
+    let live: u32 = if cols == STEP {
+        u32::MAX
+    } else {
+        (1 << cols) - 1
+    };
+    let exponent = _mm512_set1_epi32(0x7f80_0000);
+    let mantissa = _mm512_set1_epi32(0x007f_ffff);
+    let subnormal = |x: __m512| {
+        let bits = _mm512_castps_si512(x);
+        _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(bits, exponent), bits, mantissa)
+    };
+    // SAFETY: `src` holds 32 readable `f32`.
+    let (lo, hi) = unsafe {
+        (
+            _mm512_loadu_ps(src.as_ptr()),
+            _mm512_loadu_ps(src.as_ptr().add(16)),
+        )
+    };
+    if (u32::from(subnormal(lo)) | u32::from(subnormal(hi)) << 16) & live != 0 {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d += widen_bf16(round_bf16(x));
+        }
+        return;
+    }
+    // Rounded (16 bf16 in 256 bits), then widened: each bf16 the top half of an `f32`.
+    let widened = |x: __m512| {
+        // SAFETY: a 256-bit value reinterpreted as another.
+        let half: __m256i = unsafe { std::mem::transmute(_mm512_cvtneps_pbh(x)) };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half)))
+    };
+    let (low, high) = (live as u16, (live >> 16) as u16);
+    // SAFETY: the masks keep the loads and stores to `dst`'s `cols` elements.
+    unsafe {
+        let out = dst.as_mut_ptr();
+        let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(low, out), widened(lo));
+        _mm512_mask_storeu_ps(out, low, sum);
+        let out = out.wrapping_add(16);
+        let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(high, out), widened(hi));
+        _mm512_mask_storeu_ps(out, high, sum);
     }
 }
 
@@ -202,5 +259,65 @@ mod tests {
             "a live subnormal rounds as round_bf16"
         );
         assert_eq!(out[21], sentinel);
+    }
+
+    /// A tile's row rounded and added into `f32` (`add_rounded_row`): over the same patterns
+    /// (every bf16 pattern with the dropped halves that decide rounding, NaNs and infinities
+    /// among them), added into accumulators of both signs and magnitudes, cut to widths from 0
+    /// to 32: each live element is `acc + widen(round_bf16(x))` to the bit, the lanes past the
+    /// width are untouched; a row with a live subnormal is caught (the instruction alone
+    /// flushes it to zero: the mirror shows the two differ on it).
+    #[test]
+    fn adding_a_rounded_row_is_rounding_then_adding() {
+        if !super::super::dpbf16::available() {
+            crate::report_skipped(
+                "tensor bf16::round_avx512::tests::adding_a_rounded_row_is_rounding_then_adding",
+                "this processor has no AVX512_BF16",
+            );
+            return;
+        }
+        let lows: [u32; 5] = [0, 0x7fff, 0x8000, 0x8001, 0xffff];
+        let src: Vec<f32> = (0..=u32::from(u16::MAX))
+            .step_by(3)
+            .flat_map(|high| {
+                lows.iter()
+                    .map(move |&low| f32::from_bits(high << 16 | low))
+            })
+            .collect();
+        let sentinel = f32::from_bits(0x7e57_7e57);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, row) in src.chunks_exact(STEP).enumerate().step_by(13) {
+            let row: &[f32; STEP] = row.try_into().expect("32 elements");
+            let start: Vec<f32> = (0..STEP)
+                .map(|i| [1.0, -3.5e-3, 7.0e5, -0.0, 0.0][(r + i) % 5])
+                .collect();
+            for cols in [0, 1, 7, 16, 17, 31, 32] {
+                let mut got = [sentinel; STEP];
+                got[..cols].copy_from_slice(&start[..cols]);
+                let mut want = got;
+                for (w, &x) in want.iter_mut().zip(row).take(cols) {
+                    *w += widen_bf16(round_bf16(x));
+                }
+                // SAFETY: the CPU has the features (checked above).
+                unsafe { add_rounded_row(row, &mut got[..cols]) };
+                assert_eq!(bits(&got), bits(&want), "row {r}, {cols} live");
+            }
+        }
+        let mut row = [1.5f32; STEP];
+        row[20] = f32::from_bits(0x0000_8001);
+        let mut got = [0.0f32; STEP];
+        // SAFETY: as above.
+        unsafe { add_rounded_row(&row, &mut got[..21]) };
+        let smallest = widen_bf16(bf16::from_bits(0x0001));
+        assert_eq!(got[20], smallest, "a live subnormal rounds as round_bf16");
+        // The mirror: the instruction alone, on the same row, gives zero there.
+        // SAFETY: as above.
+        let flushed: [u16; STEP] = unsafe {
+            std::mem::transmute(_mm512_cvtne2ps_pbh(
+                _mm512_loadu_ps(row.as_ptr().add(16)),
+                _mm512_loadu_ps(row.as_ptr()),
+            ))
+        };
+        assert_eq!(flushed[20], 0, "the instruction flushes the subnormal");
     }
 }

@@ -617,8 +617,7 @@ fn a_rounded_product_in_chunks_of_tiles_gives_gemms_bits() {
                     op(a, k, 1),
                     &packed,
                     (&mut apack, chunk),
-                    out.as_mut_ptr(),
-                    n,
+                    RoundedOut::Store(out.as_mut_ptr(), n),
                 );
             }
             out

@@ -420,8 +420,13 @@ fn bands_are_narrow_on_a_cached_rhs_and_wide_on_a_large_one() {
 /// row, and an empty contraction, are declined with the accumulator untouched.
 #[test]
 fn a_rounded_product_accumulated_is_the_rounded_product_widened_and_added() {
-    let cases: [(Vec<usize>, Vec<usize>, DotDims); 4] = [
+    // Rows enough for a run per thread (and, on the AVX512_BF16 kernel, the tiles rounded and
+    // added from registers): partial row tiles and column panels, an odd contraction, one
+    // over the kernel's blocks of the contraction and columns, and a transposed lhs as a
+    // weight gradient's `xᵀ·dy`; and rows too few for runs.
+    let cases: [(Vec<usize>, Vec<usize>, DotDims); 5] = [
         (vec![300, 70], vec![70, 130], DotDims::matmul(2)),
+        (vec![203, 33], vec![33, 45], DotDims::matmul(2)),
         (vec![600, 1100], vec![1100, 600], DotDims::matmul(2)),
         (vec![12, 5], vec![5, 9], DotDims::matmul(2)),
         (
