@@ -922,3 +922,59 @@ fn deepseek_v3_directories_carry_the_selection_bias_values() {
     std::fs::remove_dir_all(dir.parent().unwrap()).ok();
     std::fs::remove_dir_all(qwen.parent().unwrap()).ok();
 }
+
+/// A key that sets a weight's shape, on a model loaded from a HF directory, is refused when
+/// it differs from the directory's `config.json` — before anything is loaded, naming the key
+/// and the directory's value (the loader would only list the tensors, against
+/// `config.json`). The mirror: each key set to the directory's own value plans.
+#[test]
+fn shape_keys_that_contradict_the_source_directory_are_refused_by_name() {
+    let dir = sharded("shape-keys");
+    let plan = |extra: &[String]| {
+        let mut overrides = vec![
+            format!("load_parameters_path={}", dir.display()),
+            "dataset_type=synthetic".to_string(),
+        ];
+        overrides.extend_from_slice(extra);
+        ferrotext_train::TrainConfig::parse(None, &overrides).and_then(|c| c.plan())
+    };
+    assert!(plan(&[]).is_ok(), "{:?}", plan(&[]).err());
+    let m = moe();
+    let e = m.moe.clone().unwrap();
+    let held: [(&str, usize); 11] = [
+        ("vocab_size", m.vocab_size),
+        ("base_emb_dim", m.base_emb_dim),
+        ("base_num_decoder_layers", m.base_num_decoder_layers),
+        ("base_num_query_heads", m.base_num_query_heads),
+        ("base_num_kv_heads", m.base_num_kv_heads),
+        ("head_dim", m.head_dim),
+        ("base_mlp_dim", m.base_mlp_dim),
+        ("num_experts", e.num_experts),
+        ("moe_mlp_dim", e.moe_mlp_dim),
+        ("shared_experts", e.shared_experts),
+        ("first_num_dense_layers", e.first_num_dense_layers),
+    ];
+    for (key, value) in held {
+        let same = plan(&[format!("{key}={value}")]);
+        assert!(same.is_ok(), "{key}={value}: {:?}", same.err());
+        let other = value + 2;
+        let err = plan(&[format!("{key}={other}")]).expect_err(key);
+        let msg = err.to_string();
+        assert!(
+            matches!(&err, ferrotext_train::TrainError::Usage { key: k, .. } if k == key),
+            "{key}: {msg}"
+        );
+        assert!(
+            msg.contains(&format!("{key} = {other} does not fit the model in"))
+                && msg.contains(&format!("whose config.json has {value}")),
+            "{msg}"
+        );
+    }
+    let err = plan(&["logits_via_embedding=true".to_string()]).expect_err("tied");
+    assert!(
+        err.to_string()
+            .contains("whose LM head is apart from the embedding"),
+        "{err}"
+    );
+    assert!(plan(&["logits_via_embedding=false".to_string()]).is_ok());
+}

@@ -42,7 +42,11 @@ impl TrainConfig {
     /// whose `config.json` is not usable.
     pub(crate) fn model(&self) -> Result<decoder::Config, TrainError> {
         let mut m = match self.hf_source() {
-            Some(hf_dir) => ferrotext_hf::read_config(hf_dir)?,
+            Some(hf_dir) => {
+                let m = ferrotext_hf::read_config(hf_dir)?;
+                self.refuse_shape_overrides(&m, hf_dir)?;
+                m
+            }
             None => self.preset()?,
         };
         let set = |field: &mut usize, v: Option<usize>| {
@@ -65,6 +69,101 @@ impl TrainConfig {
         m.mtp_loss_scaling_factor = self.mtp_loss_scaling_factor as f32;
         self.apply_moe(&mut m)?;
         Ok(m)
+    }
+
+    /// A key that sets a weight's shape to other than what the Hugging Face directory `dir`
+    /// holds (its `config.json`, read into `from_dir`): refused before anything is loaded, naming
+    /// the key and the directory's value, since the parameters come from that directory and
+    /// would not fit (the loader would only report the tensors, against `config.json`). A key
+    /// set to the directory's own value changes nothing and passes.
+    ///
+    /// # Errors
+    /// [`TrainError::Usage`] for the first such key.
+    fn refuse_shape_overrides(
+        &self,
+        from_dir: &decoder::Config,
+        dir: &Path,
+    ) -> Result<(), TrainError> {
+        let moe = from_dir.moe.as_ref();
+        let keys: [(&str, Option<usize>, Option<usize>); 11] = [
+            ("vocab_size", self.vocab_size, Some(from_dir.vocab_size)),
+            (
+                "base_emb_dim",
+                self.base_emb_dim,
+                Some(from_dir.base_emb_dim),
+            ),
+            (
+                "base_num_decoder_layers",
+                self.base_num_decoder_layers,
+                Some(from_dir.base_num_decoder_layers),
+            ),
+            (
+                "base_num_query_heads",
+                self.base_num_query_heads,
+                Some(from_dir.base_num_query_heads),
+            ),
+            (
+                "base_num_kv_heads",
+                self.base_num_kv_heads,
+                Some(from_dir.base_num_kv_heads),
+            ),
+            ("head_dim", self.head_dim, Some(from_dir.head_dim)),
+            (
+                "base_mlp_dim",
+                self.base_mlp_dim,
+                Some(from_dir.base_mlp_dim),
+            ),
+            ("num_experts", self.num_experts, moe.map(|m| m.num_experts)),
+            ("moe_mlp_dim", self.moe_mlp_dim, moe.map(|m| m.moe_mlp_dim)),
+            (
+                "shared_experts",
+                self.shared_experts,
+                moe.map(|m| m.shared_experts),
+            ),
+            (
+                "first_num_dense_layers",
+                self.first_num_dense_layers,
+                moe.map(|m| m.first_num_dense_layers),
+            ),
+        ];
+        let refuse = |key: &str, set: String, held: String| {
+            TrainError::usage(
+                key,
+                format!(
+                    "{key} = {set} does not fit the model in {}, {held}: its weights are loaded \
+                     from that directory, in its shapes; leave {key} unset",
+                    dir.display()
+                ),
+            )
+        };
+        for (key, set, held) in keys {
+            match (set, held) {
+                (Some(v), Some(h)) if v != h => {
+                    return Err(refuse(
+                        key,
+                        v.to_string(),
+                        format!("whose config.json has {h}"),
+                    ))
+                }
+                (Some(v), None) => return Err(refuse(key, v.to_string(), "a dense model".into())),
+                _ => {}
+            }
+        }
+        match self.logits_via_embedding {
+            Some(t) if t != from_dir.logits_via_embedding => Err(refuse(
+                "logits_via_embedding",
+                t.to_string(),
+                format!(
+                    "whose LM head is {} the embedding",
+                    if from_dir.logits_via_embedding {
+                        "tied to"
+                    } else {
+                        "apart from"
+                    }
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// The preset `model_name` names: one of the decoder's own ([`decoder::Config::preset`]) or
