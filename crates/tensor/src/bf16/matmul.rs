@@ -672,25 +672,14 @@ impl<'s, 'a> Bands<'s, 'a> {
     unsafe fn add_rounded_band(&self, first: usize, dst: &mut [f32]) -> bool {
         #[cfg(target_arch = "x86_64")]
         if let Some(packed) = &self.packed {
-            let s = self.stacks;
-            let n = s.b.cols.0;
-            let a = Operand {
-                // SAFETY: rows `first..first + rows` of the one batch entry lie inside `a`
-                // (the caller's contract).
-                ptr: unsafe {
-                    s.a.data
-                        .as_ptr()
-                        .offset(s.a.offset(0) + first as isize * s.a.rows.1)
-                },
-                rs: s.a.rows.1,
-                cs: s.a.cols.1,
-            };
-            // SAFETY: `a` holds the band's rows over the contraction, `packed` is this `b`'s
-            // packing (made on the AVX512_BF16 kernel), `dst` the band's initialised rows.
+            let n = self.stacks.b.cols.0;
+            // SAFETY: `dst`'s rows from `first` are rows of the product (the caller's
+            // contract); `packed` is this `b`'s packing (made on the AVX512_BF16 kernel), `dst`
+            // the band's initialised rows.
             unsafe {
                 super::dpbf16::gemm_rounded_accumulate(
                     dst.len() / n.max(1),
-                    a,
+                    self.a_from(first),
                     packed,
                     dst.as_mut_ptr(),
                     n,
@@ -700,6 +689,26 @@ impl<'s, 'a> Bands<'s, 'a> {
         }
         let _ = (first, dst);
         false
+    }
+
+    /// `a` from its row `first` (of the one batch entry), at its strides.
+    ///
+    /// # Safety
+    /// `first` is a row of `a`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn a_from(&self, first: usize) -> Operand<bf16> {
+        let a = &self.stacks.a;
+        Operand {
+            // SAFETY: row `first` of the one batch entry lies inside `a` (the caller's
+            // contract).
+            ptr: unsafe {
+                a.data
+                    .as_ptr()
+                    .offset(a.offset(0) + first as isize * a.rows.1)
+            },
+            rs: a.rows.1,
+            cs: a.cols.1,
+        }
     }
 
     /// Rows `first..first + dst.len() / n` of the product into `dst`, overwritten.
@@ -716,17 +725,9 @@ impl<'s, 'a> Bands<'s, 'a> {
                 m: rows,
                 n,
                 k,
-                a: Operand {
-                    // SAFETY: rows `first..first + rows` of the one batch entry lie inside `a`
-                    // (the caller's contract).
-                    ptr: unsafe {
-                        s.a.data
-                            .as_ptr()
-                            .offset(s.a.offset(0) + first as isize * s.a.rows.1)
-                    },
-                    rs: s.a.rows.1,
-                    cs: s.a.cols.1,
-                },
+                // SAFETY: rows `first..first + rows` are rows of the product (the caller's
+                // contract).
+                a: unsafe { self.a_from(first) },
                 b: Operand {
                     // SAFETY: as in `Bands::new`.
                     ptr: unsafe { s.b.data.as_ptr().offset(s.b.offset(0)) },

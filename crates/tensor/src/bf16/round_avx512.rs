@@ -66,17 +66,15 @@ pub(super) unsafe fn round_into(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
     }
 }
 
-/// A tile's row of `f32` (`src`: 32 elements, the first `dst.len() ≤ 32` of them live)
-/// rounded into `dst`, with [`round_into`]'s bits (the instruction, or `round_bf16` element by
-/// element when a live lane holds a subnormal), in one masked store: `gemm_rounded` called
-/// [`round_into`] on each tile row, a call and its setup for 32 elements.
+/// A tile's row (`src`, its first `cols ≤ 32` elements live) in two registers, with the mask
+/// of its live lanes; `None` when a live lane holds a subnormal, which the instruction would
+/// take as zero (the caller then rounds with `round_bf16`, element by element).
 ///
 /// # Safety
-/// The CPU has AVX512_BF16, AVX-512F and BW (`super::dpbf16::available`).
+/// The CPU has AVX-512F and BW.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(super) unsafe fn round_row(src: &[f32; STEP], dst: &mut [MaybeUninit<bf16>]) {
-    let cols = dst.len();
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn row_registers(src: &[f32; STEP], cols: usize) -> Option<(__m512, __m512, u32)> {
     assert!(cols <= STEP); // ok: a tile's row
     let live: u32 = if cols == STEP {
         u32::MAX
@@ -96,12 +94,27 @@ pub(super) unsafe fn round_row(src: &[f32; STEP], dst: &mut [MaybeUninit<bf16>])
             _mm512_loadu_ps(src.as_ptr().add(16)),
         )
     };
-    if (u32::from(subnormal(lo)) | u32::from(subnormal(hi)) << 16) & live != 0 {
+    let flushed = (u32::from(subnormal(lo)) | u32::from(subnormal(hi)) << 16) & live != 0;
+    (!flushed).then_some((lo, hi, live))
+}
+
+/// A tile's row of `f32` (`src`: 32 elements, the first `dst.len() ≤ 32` of them live)
+/// rounded into `dst`, with [`round_into`]'s bits (the instruction, or `round_bf16` element by
+/// element when a live lane holds a subnormal), in one masked store: `gemm_rounded` called
+/// [`round_into`] on each tile row, a call and its setup for 32 elements.
+///
+/// # Safety
+/// The CPU has AVX512_BF16, AVX-512F and BW (`super::dpbf16::available`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn round_row(src: &[f32; STEP], dst: &mut [MaybeUninit<bf16>]) {
+    // SAFETY: the caller's contract.
+    let Some((lo, hi, live)) = (unsafe { row_registers(src, dst.len()) }) else {
         for (o, &x) in dst.iter_mut().zip(src) {
             o.write(round_bf16(x));
         }
         return;
-    }
+    };
     // SAFETY: a 512-bit value reinterpreted as another; the mask keeps the store to `dst`'s
     // `cols` elements.
     unsafe {
@@ -121,32 +134,13 @@ pub(super) unsafe fn round_row(src: &[f32; STEP], dst: &mut [MaybeUninit<bf16>])
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(super) unsafe fn add_rounded_row(src: &[f32; STEP], dst: &mut [f32]) {
-    let cols = dst.len();
-    assert!(cols <= STEP); // ok: a tile's row
-    let live: u32 = if cols == STEP {
-        u32::MAX
-    } else {
-        (1 << cols) - 1
-    };
-    let exponent = _mm512_set1_epi32(0x7f80_0000);
-    let mantissa = _mm512_set1_epi32(0x007f_ffff);
-    let subnormal = |x: __m512| {
-        let bits = _mm512_castps_si512(x);
-        _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(bits, exponent), bits, mantissa)
-    };
-    // SAFETY: `src` holds 32 readable `f32`.
-    let (lo, hi) = unsafe {
-        (
-            _mm512_loadu_ps(src.as_ptr()),
-            _mm512_loadu_ps(src.as_ptr().add(16)),
-        )
-    };
-    if (u32::from(subnormal(lo)) | u32::from(subnormal(hi)) << 16) & live != 0 {
+    // SAFETY: the caller's contract.
+    let Some((lo, hi, live)) = (unsafe { row_registers(src, dst.len()) }) else {
         for (d, &x) in dst.iter_mut().zip(src) {
             *d += widen_bf16(round_bf16(x));
         }
         return;
-    }
+    };
     // Rounded (16 bf16 in 256 bits), then widened: each bf16 the top half of an `f32`.
     let widened = |x: __m512| {
         // SAFETY: a 256-bit value reinterpreted as another.

@@ -13,6 +13,10 @@ use ferrotext_models::decoder;
 use super::TrainConfig;
 use crate::error::TrainError;
 
+/// A key that sets a size of the model's weights: its name, the run's value (`None`: unset)
+/// and the field of `C` it sets.
+type ShapeKey<C> = (&'static str, Option<usize>, fn(&mut C) -> &mut usize);
+
 impl TrainConfig {
     /// The Hugging Face directory the model comes from: `load_parameters_path` when it names a
     /// directory; `None` for a preset (or parameters from one `.safetensors` file).
@@ -49,18 +53,11 @@ impl TrainConfig {
             }
             None => self.preset()?,
         };
-        let set = |field: &mut usize, v: Option<usize>| {
-            if let Some(v) = v {
-                *field = v;
+        for (_, value, field) in self.shape_keys() {
+            if let Some(v) = value {
+                *field(&mut m) = v;
             }
-        };
-        set(&mut m.vocab_size, self.vocab_size);
-        set(&mut m.base_emb_dim, self.base_emb_dim);
-        set(&mut m.base_num_decoder_layers, self.base_num_decoder_layers);
-        set(&mut m.base_num_query_heads, self.base_num_query_heads);
-        set(&mut m.base_num_kv_heads, self.base_num_kv_heads);
-        set(&mut m.head_dim, self.head_dim);
-        set(&mut m.base_mlp_dim, self.base_mlp_dim);
+        }
         if let Some(t) = self.logits_via_embedding {
             m.logits_via_embedding = t;
         }
@@ -69,6 +66,42 @@ impl TrainConfig {
         m.mtp_loss_scaling_factor = self.mtp_loss_scaling_factor as f32;
         self.apply_moe(&mut m)?;
         Ok(m)
+    }
+
+    /// The keys that set sizes of the decoder's weights, each with the run's value and the
+    /// decoder config's field.
+    fn shape_keys(&self) -> [ShapeKey<decoder::Config>; 7] {
+        [
+            ("vocab_size", self.vocab_size, |m| &mut m.vocab_size),
+            ("base_emb_dim", self.base_emb_dim, |m| &mut m.base_emb_dim),
+            (
+                "base_num_decoder_layers",
+                self.base_num_decoder_layers,
+                |m| &mut m.base_num_decoder_layers,
+            ),
+            ("base_num_query_heads", self.base_num_query_heads, |m| {
+                &mut m.base_num_query_heads
+            }),
+            ("base_num_kv_heads", self.base_num_kv_heads, |m| {
+                &mut m.base_num_kv_heads
+            }),
+            ("head_dim", self.head_dim, |m| &mut m.head_dim),
+            ("base_mlp_dim", self.base_mlp_dim, |m| &mut m.base_mlp_dim),
+        ]
+    }
+
+    /// The keys that set sizes of an MoE layer's weights, as [`TrainConfig::shape_keys`].
+    fn moe_shape_keys(&self) -> [ShapeKey<decoder::MoeSettings>; 4] {
+        [
+            ("num_experts", self.num_experts, |m| &mut m.num_experts),
+            ("moe_mlp_dim", self.moe_mlp_dim, |m| &mut m.moe_mlp_dim),
+            ("shared_experts", self.shared_experts, |m| {
+                &mut m.shared_experts
+            }),
+            ("first_num_dense_layers", self.first_num_dense_layers, |m| {
+                &mut m.first_num_dense_layers
+            }),
+        ]
     }
 
     /// A key that sets a weight's shape to other than what the Hugging Face directory `dir`
@@ -84,48 +117,6 @@ impl TrainConfig {
         from_dir: &decoder::Config,
         dir: &Path,
     ) -> Result<(), TrainError> {
-        let moe = from_dir.moe.as_ref();
-        let keys: [(&str, Option<usize>, Option<usize>); 11] = [
-            ("vocab_size", self.vocab_size, Some(from_dir.vocab_size)),
-            (
-                "base_emb_dim",
-                self.base_emb_dim,
-                Some(from_dir.base_emb_dim),
-            ),
-            (
-                "base_num_decoder_layers",
-                self.base_num_decoder_layers,
-                Some(from_dir.base_num_decoder_layers),
-            ),
-            (
-                "base_num_query_heads",
-                self.base_num_query_heads,
-                Some(from_dir.base_num_query_heads),
-            ),
-            (
-                "base_num_kv_heads",
-                self.base_num_kv_heads,
-                Some(from_dir.base_num_kv_heads),
-            ),
-            ("head_dim", self.head_dim, Some(from_dir.head_dim)),
-            (
-                "base_mlp_dim",
-                self.base_mlp_dim,
-                Some(from_dir.base_mlp_dim),
-            ),
-            ("num_experts", self.num_experts, moe.map(|m| m.num_experts)),
-            ("moe_mlp_dim", self.moe_mlp_dim, moe.map(|m| m.moe_mlp_dim)),
-            (
-                "shared_experts",
-                self.shared_experts,
-                moe.map(|m| m.shared_experts),
-            ),
-            (
-                "first_num_dense_layers",
-                self.first_num_dense_layers,
-                moe.map(|m| m.first_num_dense_layers),
-            ),
-        ];
         let refuse = |key: &str, set: String, held: String| {
             TrainError::usage(
                 key,
@@ -136,8 +127,15 @@ impl TrainConfig {
                 ),
             )
         };
-        for (key, set, held) in keys {
-            match (set, held) {
+        let (mut dense, mut moe) = (from_dir.clone(), from_dir.moe.clone());
+        let dense_keys = self
+            .shape_keys()
+            .map(|(key, value, field)| (key, value, Some(*field(&mut dense))));
+        let moe_keys = self
+            .moe_shape_keys()
+            .map(|(key, value, field)| (key, value, moe.as_mut().map(|m| *field(m))));
+        for (key, value, held) in dense_keys.into_iter().chain(moe_keys) {
+            match (value, held) {
                 (Some(v), Some(h)) if v != h => {
                     return Err(refuse(
                         key,
@@ -221,16 +219,17 @@ impl TrainConfig {
             moe_mlp_dim: m.base_mlp_dim,
             ..decoder::MoeSettings::default()
         });
+        for (_, value, field) in self.moe_shape_keys() {
+            if let Some(v) = value {
+                *field(&mut moe) = v;
+            }
+        }
         let set = |field: &mut usize, v: Option<usize>| {
             if let Some(v) = v {
                 *field = v;
             }
         };
-        set(&mut moe.num_experts, self.num_experts);
         set(&mut moe.num_experts_per_tok, self.num_experts_per_tok);
-        set(&mut moe.moe_mlp_dim, self.moe_mlp_dim);
-        set(&mut moe.shared_experts, self.shared_experts);
-        set(&mut moe.first_num_dense_layers, self.first_num_dense_layers);
         if let Some(f) = &self.routed_score_func {
             moe.score = match f.as_str() {
                 "softmax" => ferrotext_models::moe::RouterScore::Softmax,
