@@ -108,7 +108,9 @@ impl TrainConfig {
     /// holds (its `config.json`, read into `from_dir`): refused before anything is loaded, naming
     /// the key and the directory's value, since the parameters come from that directory and
     /// would not fit (the loader would only report the tensors, against `config.json`). A key
-    /// set to the directory's own value changes nothing and passes.
+    /// set to the directory's own value changes nothing and passes. (`logits_via_embedding` is
+    /// left to the loader: a tied model's directory that also stores `lm_head.weight` loads
+    /// untied.)
     ///
     /// # Errors
     /// [`TrainError::Usage`] for the first such key.
@@ -147,21 +149,7 @@ impl TrainConfig {
                 _ => {}
             }
         }
-        match self.logits_via_embedding {
-            Some(t) if t != from_dir.logits_via_embedding => Err(refuse(
-                "logits_via_embedding",
-                t.to_string(),
-                format!(
-                    "whose LM head is {} the embedding",
-                    if from_dir.logits_via_embedding {
-                        "tied to"
-                    } else {
-                        "apart from"
-                    }
-                ),
-            )),
-            _ => Ok(()),
-        }
+        Ok(())
     }
 
     /// The preset `model_name` names: one of the decoder's own ([`decoder::Config::preset`]) or
