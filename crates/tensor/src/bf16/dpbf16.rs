@@ -1108,28 +1108,18 @@ unsafe fn rounded_tiles(
 unsafe fn rounded_chunk(m: usize, first: usize, packed: &[u32], b: &PackedB, out: RoundedOut) {
     let (k, n) = (b.k, b.n);
     let kp = k.div_ceil(2);
-    let panels: Vec<&[u32]> = b.data[..whole_words(k, n)].chunks(kp * NR).collect();
-    let tiles: Vec<&[u32]> = packed.chunks(kp * MR).collect();
+    let (panels, tiles) = (n.div_ceil(NR), packed.len() / (kp * MR));
     let mut acc = [0.0f32; MR * NR];
     // Tile `t` of the chunk against panel `p`, rounded into `out`.
     let mut run = |t: usize, p: usize| {
         let (j0, cols) = (p * NR, NR.min(n - p * NR));
         let i0 = (first + t) * MR;
         let rows = MR.min(m - i0);
+        let tile_pack = &packed[t * kp * MR..(t + 1) * kp * MR];
+        let panel = &b.data[p * kp * NR..(p + 1) * kp * NR];
         // SAFETY: the CPU has the features (the caller's contract); `acc` holds `MR` rows of
         // `NR`.
-        unsafe {
-            tile(
-                rows,
-                kp,
-                tiles[t],
-                panels[p],
-                acc.as_mut_ptr(),
-                NR,
-                cols,
-                true,
-            )
-        };
+        unsafe { tile(rows, kp, tile_pack, panel, acc.as_mut_ptr(), NR, cols, true) };
         for (r, row) in acc.as_chunks::<NR>().0.iter().take(rows).enumerate() {
             let i = i0 + r;
             // SAFETY: row i, columns j0..j0+cols of the caller's `out` (as `MaybeUninit` where
@@ -1151,16 +1141,16 @@ unsafe fn rounded_chunk(m: usize, first: usize, packed: &[u32], b: &PackedB, out
     };
     match out {
         RoundedOut::Store(..) => {
-            for p in 0..panels.len() {
-                for t in 0..tiles.len() {
+            for p in 0..panels {
+                for t in 0..tiles {
                     run(t, p);
                 }
             }
         }
         RoundedOut::AddWidened(..) => {
-            for block in (0..panels.len()).step_by(NC / NR) {
-                for t in 0..tiles.len() {
-                    for p in block..(block + NC / NR).min(panels.len()) {
+            for block in (0..panels).step_by(NC / NR) {
+                for t in 0..tiles {
+                    for p in block..(block + NC / NR).min(panels) {
                         run(t, p);
                     }
                 }
