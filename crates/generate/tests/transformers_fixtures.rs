@@ -26,7 +26,12 @@ use ferrotext_tensor::Tensor;
 use serde_json::Value;
 
 /// Fixture directories (by name prefix) covered elsewhere, and why.
-const NOT_HERE: &[(&str, &str)] = &[];
+const NOT_HERE: &[(&str, &str)] = &[(
+    "qwen3-tiedown-tf4-",
+    "transformers 4.57 overwrites a tied config's stored head of its own with the embedding; \
+     ferrotext loads it as 5.x does, keeping the head \
+     (`a_tied_config_whose_weights_store_a_head_loads_as_transformers_5_does`)",
+)];
 
 /// The allowed distance to transformers' float64 loss.
 const LOSS_TOLERANCE: f64 = 1e-6;
@@ -237,6 +242,7 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
     // The families the issue names are all here, in both generations.
     for family in [
         "qwen3-tied",
+        "qwen3-tiedcopy",
         "qwen3-untied",
         "qwen3-yarn",
         "qwen3-bias",
@@ -269,6 +275,77 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
             );
         }
     }
+}
+
+/// A tied config (`tie_word_embeddings: true`) whose weights hold `lm_head.weight` anyway, as
+/// the Hub's Qwen/Qwen3-0.6B does. A copy of the embedding loads tied; a head of its own loads
+/// untied, the model transformers 5 computes (4.57 overwrites the head with the embedding, so
+/// its number for that directory is the tied model's); a model tied by hand refuses that head,
+/// naming it and the key to set, rather than drop it.
+#[test]
+fn a_tied_config_whose_weights_store_a_head_loads_as_transformers_5_does() {
+    let rows = |want: &Value| -> Vec<Vec<u32>> {
+        want["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(ids)
+            .collect()
+    };
+    // What transformers loaded: the head is the embedding exactly when ferrotext ties it.
+    for name in [
+        "qwen3-tiedcopy-tf4-f32-single",
+        "qwen3-tiedcopy-tf5-f32-single",
+        "qwen3-tiedown-tf5-f32-single",
+    ] {
+        let dir = fixtures().join(name);
+        let tied = hf::read_config(&dir).unwrap().logits_via_embedding;
+        assert_eq!(
+            tied,
+            expected(&dir)["head_is_embedding"].as_bool().unwrap(),
+            "{name}"
+        );
+    }
+    // The same weights written by 4.57: ferrotext's loss is 5.x's, not 4.57's.
+    let (old, new) = (
+        fixtures().join("qwen3-tiedown-tf4-f32-single"),
+        fixtures().join("qwen3-tiedown-tf5-f32-single"),
+    );
+    let (decoder, params) = load(&old);
+    assert!(!decoder.config().logits_via_embedding);
+    let got = loss(&decoder, &params, &rows(&expected(&old)));
+    let (tf5, tf4) = (
+        expected(&new)["loss"].as_f64().unwrap(),
+        expected(&old)["loss"].as_f64().unwrap(),
+    );
+    assert!((got - tf5).abs() <= LOSS_TOLERANCE, "{got} vs 5.x {tf5}");
+    assert!(
+        (got - tf4).abs() > 100.0 * LOSS_TOLERANCE,
+        "{got} vs 4.57 {tf4}"
+    );
+    // Tied by hand, the head of its own is refused by name; the copy loads.
+    let tied_by_hand = |dir: &Path| {
+        let mut cfg = hf::read_config(dir).unwrap();
+        cfg.logits_via_embedding = true;
+        let decoder = Decoder::new(cfg).unwrap();
+        hf::load_directory(dir, &decoder.params()).map(|p| (decoder, p))
+    };
+    let err = tied_by_hand(&new).err().unwrap().to_string();
+    assert!(
+        err.contains("unexpected tensor `lm_head.weight`")
+            && err.contains("set logits_via_embedding=false"),
+        "{err}"
+    );
+    let copy = fixtures().join("qwen3-tiedcopy-tf5-f32-single");
+    assert!(tied_by_hand(&copy).is_ok());
+    // Untied by hand, the copy is read as the head: the same loss as the tie.
+    let want = expected(&copy);
+    let mut cfg = hf::read_config(&copy).unwrap();
+    cfg.logits_via_embedding = false;
+    let decoder = Decoder::new(cfg).unwrap();
+    let params = hf::load_directory(&copy, &decoder.params()).unwrap();
+    let untied = loss(&decoder, &params, &rows(&want));
+    assert!((untied - want["loss"].as_f64().unwrap()).abs() <= LOSS_TOLERANCE);
 }
 
 /// Mirrors: the comparisons can fail. The `rope_interleave: false` checkpoint run with

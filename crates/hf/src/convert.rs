@@ -39,7 +39,7 @@ impl Stored {
 }
 
 /// Widens `src` (exactly `dst.len()` stored elements) into `dst`.
-fn decode(src: &[u8], kind: Stored, dst: &mut [f32]) {
+pub(super) fn decode(src: &[u8], kind: Stored, dst: &mut [f32]) {
     match kind {
         Stored::F32 => {
             for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {

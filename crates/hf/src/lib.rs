@@ -30,6 +30,9 @@
 //!   part of the model exactly when `read_config` finds `num_nextn_predict_layers` 1 and the
 //!   weights hold the layer (`mtp_num_layers` 1); a model without it refuses a directory with
 //!   it, naming it, and export writes it back with `num_nextn_predict_layers`.
+//! - A tied config whose weights hold `lm_head.weight` anyway is read as transformers 5 reads
+//!   it (`tied.rs`): a copy of the embedding, value for value, is the tie; a head of its own
+//!   makes the model untied. A model tied by hand refuses such a head, named.
 //! - Writing goes to a temporary directory beside the target, renamed into place when complete:
 //!   a failed save leaves nothing that looks like a model.
 //!
@@ -42,6 +45,7 @@ mod error;
 mod family;
 mod read;
 mod shards;
+mod tied;
 mod write;
 
 pub use declared::{Declared, DECLARED_FILES, DECLARED_KEYS, GENERATION_CONFIG_FILE};

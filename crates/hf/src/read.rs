@@ -17,6 +17,7 @@ use super::{listed, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE};
 use crate::error::HfError;
 use crate::family::no_rename;
 use crate::shards::{locate, map_files, parse_headers, release, shard_files, to_f32};
+use crate::tied::{self, StoredHead};
 
 /// Loads every parameter of `infos` from the HF directory `dir`, each from the HF tensors its
 /// [`ParamInfo::hf_tensors`] names, converted to f32.
@@ -24,7 +25,9 @@ use crate::shards::{locate, map_files, parse_headers, release, shard_files, to_f
 /// # Errors
 /// [`HfError::Params`] naming the directory and the problem: no weights file, an index that
 /// does not parse or names a shard that does not exist, a header that does not parse, missing
-/// and unexpected tensors (listed together), a dtype other than F32/BF16/F16, a shape that does
+/// and unexpected tensors (listed together; a model that ties its head to the embedding reads a
+/// stored `lm_head.weight` equal to the embedding as the tie and refuses any other, see
+/// `tied`), a dtype other than F32/BF16/F16, a shape that does
 /// not match the model, a non-finite value, a router selection bias
 /// (`mlp.gate.e_score_correction_bias`) that is not all zeros or has no router to go with.
 ///
@@ -86,7 +89,7 @@ fn load_files(
     // 1. the shard files, their headers, and which shard holds each tensor
     let maps = map_files(dir, files, index.is_some()).map_err(err)?;
     let shards = parse_headers(&maps, files).map_err(err)?;
-    let located = locate(&shards, files, index.as_ref()).map_err(err)?;
+    let mut located = locate(&shards, files, index.as_ref()).map_err(err)?;
     // 2. names: what the model needs against what the directory has, listed together
     let wanted: Vec<Vec<(String, Vec<usize>)>> = infos
         .iter()
@@ -97,12 +100,23 @@ fn load_files(
                 .collect()
         })
         .collect();
+    // A model that ties its head to the embedding reads a stored copy of the embedding as
+    // the tie itself; a head of its own stays, and is refused below with what to set.
+    let (embedding, head) = tied::names(rename);
+    let is_wanted = |name: &str| wanted.iter().flatten().any(|(n, _)| n == name);
+    let tied_head = (is_wanted(&embedding) && !is_wanted(&head)).then_some(head.as_str());
+    if let Some(head) = tied_head {
+        let stored = tied::stored_head(&shards, &located, (&embedding, head)).map_err(err)?;
+        if stored == StoredHead::Copy {
+            located.remove(head);
+        }
+    }
     let place = match (&index, files.first()) {
         (Some(_), _) => INDEX_FILE,
         (None, Some(file)) => file.as_str(),
         (None, None) => SINGLE_FILE,
     };
-    let biases = check_names(&located, &wanted, place, model).map_err(err)?;
+    let biases = check_names(&located, &wanted, (place, tied_head), model).map_err(err)?;
     // 3. every dtype and shape, before anything is converted
     let expected = wanted.iter().flatten().chain(&biases);
     check_dtypes_and_shapes(&shards, &located, expected, model).map_err(err)?;
@@ -129,12 +143,13 @@ fn load_files(
 }
 
 /// The names the model needs (`wanted`) against those `located`, missing and unexpected listed
-/// together (`place`: where a missing one was looked for); returns the router selection biases
-/// found, each with the shape it must have.
+/// together (`place`: where a missing one was looked for; `tied_head`: the head's name when the
+/// model ties it to the embedding, so that a stored one is refused with what to set); returns
+/// the router selection biases found, each with the shape it must have.
 fn check_names(
     located: &BTreeMap<String, usize>,
     wanted: &[Vec<(String, Vec<usize>)>],
-    place: &str,
+    (place, tied_head): (&str, Option<&str>),
     model: &str,
 ) -> Result<Vec<(String, Vec<usize>)>, String> {
     let wanted_names: BTreeSet<&str> = wanted.iter().flatten().map(|(n, _)| n.as_str()).collect();
@@ -167,6 +182,16 @@ fn check_names(
         return Ok(biases);
     }
     let mut parts = Vec::new();
+    // A head of its own in a directory this model ties (`tied`): refused with what to set.
+    if let Some(head) = tied_head.filter(|h| unexpected.iter().any(|n| n == h)) {
+        unexpected.retain(|n| n != head);
+        parts.push(format!(
+            "unexpected tensor `{head}`: it is not a copy of the embedding, and this model ties \
+             its head to the embedding (logits_via_embedding=true): set \
+             logits_via_embedding=false to load it as a head of its own, as transformers 5 \
+             does; it is refused rather than dropped"
+        ));
+    }
     // DeepSeek-V3's multi-token-prediction layer sits after the decoder's last layer
     // (`model.layers.{L}.*`, L = num_hidden_layers). A model without it refuses it, named,
     // never dropped (transformers drops it silently).

@@ -14,7 +14,7 @@ use crate::{INDEX_FILE, SINGLE_FILE};
 
 /// The tensor names of the HF directory `dir`'s weights (the index's, or the single file's
 /// header's), `None` when it has no weights file; what [`crate::read_config`] checks a declared
-/// multi-token-prediction layer against.
+/// multi-token-prediction layer, and a tied model's stored head, against.
 ///
 /// # Errors
 /// An index or a header that does not parse; a file that cannot be read.

@@ -235,6 +235,10 @@ impl ModelType {
 /// (`mtp_num_layers` = 1) only when the directory's weights hold a tensor under
 /// `model.layers.{num_hidden_layers}.`: transformers 5 writes 1 without the layer, and such a
 /// directory is the main model alone. A partial layer is then named, missing, at load.
+///
+/// A tied head (`tie_word_embeddings` true) whose directory stores an `lm_head.weight` with
+/// values of its own, not a copy of the embedding, is read untied (`logits_via_embedding`
+/// false), as transformers loads it: the stored head is the model's.
 pub fn read_config(dir: &Path) -> Result<Config, HfError> {
     let path = dir.join(super::CONFIG_FILE);
     let err = |reason: String| HfError::Params {
@@ -254,6 +258,13 @@ pub fn read_config(dir: &Path) -> Result<Config, HfError> {
         if names.is_some_and(|n| !n.iter().any(|n| n.starts_with(&prefix))) {
             cfg.mtp_num_layers = 0;
         }
+    }
+    if cfg.logits_via_embedding {
+        let head = crate::tied::directory_head(dir).map_err(|reason| HfError::Params {
+            path: dir.display().to_string(),
+            reason,
+        })?;
+        cfg.logits_via_embedding = head != crate::tied::StoredHead::Own;
     }
     Ok(cfg)
 }

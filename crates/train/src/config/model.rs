@@ -109,8 +109,9 @@ impl TrainConfig {
     /// the key and the directory's value, since the parameters come from that directory and
     /// would not fit (the loader would only report the tensors, against `config.json`). A key
     /// set to the directory's own value changes nothing and passes. (`logits_via_embedding` is
-    /// left to the loader: a tied model's directory that also stores `lm_head.weight` loads
-    /// untied.)
+    /// left to the loader: set false, a tied directory's embedding, or its stored copy of it,
+    /// loads as a head of its own; set true over a head of its own, the loader refuses that
+    /// head by name.)
     ///
     /// # Errors
     /// [`TrainError::Usage`] for the first such key.
