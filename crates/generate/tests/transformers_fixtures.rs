@@ -250,6 +250,7 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
         "qwen3_moe",
         "qwen3_moe-sparse",
         "llama3",
+        "llama3-invfreq",
         "llama-bias",
         "llama-linear",
         "llama-dynamic",

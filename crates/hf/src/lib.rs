@@ -33,6 +33,8 @@
 //! - A tied config whose weights hold `lm_head.weight` anyway is read as transformers 5 reads
 //!   it (`tied.rs`): a copy of the embedding, value for value, is the tie; a head of its own
 //!   makes the model untied. A model tied by hand refuses such a head, named.
+//! - Stored RoPE frequencies (`…rotary_emb.inv_freq`, older conversions) are skipped, as
+//!   transformers skips them: the model computes its frequencies from `config.json`.
 //! - Writing goes to a temporary directory beside the target, renamed into place when complete:
 //!   a failed save leaves nothing that looks like a model.
 //!
@@ -70,6 +72,11 @@ const ROUTER: &str = "mlp.gate.weight";
 /// (`[experts]`): a parameter under `routed_bias`; otherwise written as zeros and accepted on load
 /// only when zero.
 const SELECTION_BIAS: &str = "mlp.gate.e_score_correction_bias";
+
+/// The suffix of the RoPE frequencies older conversions store per layer
+/// (`model.layers.N.self_attn.rotary_emb.inv_freq`): a buffer the model computes from
+/// `config.json`, which transformers (4.x and 5) skips by name on load, as the loader does.
+const ROPE_FREQUENCIES: &str = "rotary_emb.inv_freq";
 
 /// At most `n` items of a list, then "and k more".
 fn listed(items: &[String], n: usize) -> String {

@@ -13,7 +13,7 @@ use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
 
 use super::convert::{self, NonFinite, Stored};
-use super::{listed, INDEX_FILE, ROUTER, SELECTION_BIAS, SINGLE_FILE};
+use super::{listed, INDEX_FILE, ROPE_FREQUENCIES, ROUTER, SELECTION_BIAS, SINGLE_FILE};
 use crate::error::HfError;
 use crate::family::no_rename;
 use crate::shards::{locate, map_files, parse_headers, release, shard_files, to_f32};
@@ -27,7 +27,7 @@ use crate::tied::{self, StoredHead};
 /// does not parse or names a shard that does not exist, a header that does not parse, missing
 /// and unexpected tensors (listed together; a model that ties its head to the embedding reads a
 /// stored `lm_head.weight` equal to the embedding as the tie and refuses any other, see
-/// `tied`), a dtype other than F32/BF16/F16, a shape that does
+/// `tied`; stored RoPE frequencies, `…rotary_emb.inv_freq`, are skipped), a dtype other than F32/BF16/F16, a shape that does
 /// not match the model, a non-finite value, a router selection bias
 /// (`mlp.gate.e_score_correction_bias`) that is not all zeros or has no router to go with.
 ///
@@ -168,7 +168,7 @@ fn check_names(
     let mut unexpected = Vec::new();
     for name in located
         .keys()
-        .filter(|n| !wanted_names.contains(n.as_str()))
+        .filter(|n| !wanted_names.contains(n.as_str()) && !n.ends_with(ROPE_FREQUENCIES))
     {
         match name
             .strip_suffix(SELECTION_BIAS)
