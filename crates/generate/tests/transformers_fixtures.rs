@@ -307,6 +307,20 @@ fn a_tied_config_whose_weights_store_a_head_loads_as_transformers_5_does() {
             "{name}"
         );
     }
+    // What a run's header says: a head of its own unties the config's tie; nothing else does.
+    for (name, untied) in [
+        ("qwen3-tiedown-tf4-f32-single", true),
+        ("qwen3-tiedown-tf5-f32-single", true),
+        ("qwen3-tiedcopy-tf5-f32-single", false),
+        ("qwen3-tied-tf5-f32-single", false),
+        ("qwen3-untied-tf5-f32-single", false),
+    ] {
+        assert_eq!(
+            hf::head_untied_by_its_weights(&fixtures().join(name)),
+            untied,
+            "{name}"
+        );
+    }
     // The same weights written by 4.57: ferrotext's loss is 5.x's, not 4.57's.
     let (old, new) = (
         fixtures().join("qwen3-tiedown-tf4-f32-single"),

@@ -57,6 +57,7 @@ pub use family::{
     read_config, KeyUse, ModelType, PresetInfo,
 };
 pub use read::{load_directory, load_file};
+pub use tied::head_untied_by_its_weights;
 pub use write::{save_directory, save_directory_declaring, selection_bias, DEFAULT_SHARD_BYTES};
 
 /// The config file of a HF directory.

@@ -86,6 +86,19 @@ pub(crate) fn directory_head(dir: &Path) -> Result<StoredHead, String> {
     Ok(found)
 }
 
+/// Whether the HF directory `dir`'s `config.json` ties the head to the embedding while its
+/// weights store a head of its own, so that [`crate::read_config`] reads it untied (what
+/// transformers 5 warns of on load): for a run's header to say so. `false` when the config or
+/// the weights cannot be read (the load reports that).
+pub fn head_untied_by_its_weights(dir: &Path) -> bool {
+    let tied = ferrotext_files::read_regular_to_string(&dir.join(crate::CONFIG_FILE))
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .and_then(|value| crate::config_from_json(&value).ok())
+        .is_some_and(|cfg| cfg.logits_via_embedding);
+    tied && directory_head(dir) == Ok(StoredHead::Own)
+}
+
 /// The embedding's and the head's names as a family's checkpoints store them.
 pub(crate) fn names(rename: fn(&str) -> Option<String>) -> (String, String) {
     let stored = |n: &str| rename(n).unwrap_or_else(|| n.to_string());

@@ -61,6 +61,17 @@ fn model_label(config: &TrainConfig) -> String {
     }
 }
 
+/// The header's line on a HF directory whose `config.json` ties the head to the embedding while
+/// its weights store a head of their own (loaded untied, as transformers 5 loads it and warns).
+fn untied_head_note(config: &TrainConfig) -> Option<&'static str> {
+    let dir = Path::new(&config.load_parameters_path);
+    (!config.load_parameters_path.is_empty() && ferrotext_hf::head_untied_by_its_weights(dir))
+        .then_some(
+            "head: config.json ties it to the embedding, but the weights store an \
+             `lm_head.weight` of their own: loaded untied, as transformers 5 loads it",
+        )
+}
+
 /// The config of one process of the job: the user's, with `num_processes` from the launcher.
 fn load_for(args: &TrainArgs, launch: &Launch) -> Result<RunPlan> {
     let processes = launch.processes();
@@ -175,6 +186,9 @@ fn print_header(plan: &RunPlan, launch: &Launch) {
         tokens_per_step(config),
         config.steps
     );
+    if let Some(note) = untied_head_note(config) {
+        println!("{note}");
+    }
     println!("outputs: {}", plan.output_dir().display());
     println!("matmul: {}", ferrotext_tensor::matmul_kernel());
     // The set the portable kernel and the row kernels ran on: what a claim of equal bits

@@ -11,7 +11,7 @@ use ferrotext_cost::{self as cost, ClusterSpec};
 use ferrotext_train::TrainConfig;
 
 use super::prediction::{print_prediction, Throughput};
-use super::{load, model_label, TrainArgs};
+use super::{load, model_label, untied_head_note, TrainArgs};
 use crate::common::{config_args, UsageError};
 
 /// Arguments of `ferrotext plan`.
@@ -59,6 +59,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         plan.mesh(),
         started.elapsed().as_secs_f64()
     );
+    if let Some(note) = untied_head_note(config) {
+        println!("{note}");
+    }
     println!("precision: {}", plan.precision());
     if let Some(kernel) = bf16 {
         println!("bf16 matmul: {kernel}");
