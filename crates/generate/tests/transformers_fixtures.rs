@@ -64,6 +64,16 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
+/// The rows of token ids an `expected.json` scores.
+fn rows_of(want: &Value) -> Vec<Vec<u32>> {
+    want["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .collect()
+}
+
 /// Each tensor's stored dtype (`"BF16"`, `"F32"`, ...) across the safetensors files of `dir`,
 /// from their JSON headers.
 fn stored_dtypes(dir: &Path) -> std::collections::BTreeMap<String, String> {
@@ -158,12 +168,7 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
             continue;
         }
         let want = expected(&dir);
-        let rows: Vec<Vec<u32>> = want["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(ids)
-            .collect();
+        let rows = rows_of(&want);
         let (decoder, params) = load(&dir);
         let got = loss(&decoder, &params, &rows);
         let reference = want["loss"].as_f64().unwrap();
@@ -285,14 +290,6 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
 /// naming it and the key to set, rather than drop it.
 #[test]
 fn a_tied_config_whose_weights_store_a_head_loads_as_transformers_5_does() {
-    let rows = |want: &Value| -> Vec<Vec<u32>> {
-        want["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(ids)
-            .collect()
-    };
     // What transformers loaded: the head is the embedding exactly when ferrotext ties it.
     for name in [
         "qwen3-tiedcopy-tf4-f32-single",
@@ -328,7 +325,7 @@ fn a_tied_config_whose_weights_store_a_head_loads_as_transformers_5_does() {
     );
     let (decoder, params) = load(&old);
     assert!(!decoder.config().logits_via_embedding);
-    let got = loss(&decoder, &params, &rows(&expected(&old)));
+    let got = loss(&decoder, &params, &rows_of(&expected(&old)));
     let (tf5, tf4) = (
         expected(&new)["loss"].as_f64().unwrap(),
         expected(&old)["loss"].as_f64().unwrap(),
@@ -359,7 +356,7 @@ fn a_tied_config_whose_weights_store_a_head_loads_as_transformers_5_does() {
     cfg.logits_via_embedding = false;
     let decoder = Decoder::new(cfg).unwrap();
     let params = hf::load_directory(&copy, &decoder.params()).unwrap();
-    let untied = loss(&decoder, &params, &rows(&want));
+    let untied = loss(&decoder, &params, &rows_of(&want));
     assert!((untied - want["loss"].as_f64().unwrap()).abs() <= LOSS_TOLERANCE);
 }
 
@@ -371,12 +368,7 @@ fn the_loss_comparison_sees_a_wrong_rotation_and_a_wrong_theta() {
     let off = |name: &str, edit: &dyn Fn(&mut ferrotext_models::decoder::Config)| {
         let dir = fixtures().join(name);
         let want = expected(&dir);
-        let rows: Vec<Vec<u32>> = want["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(ids)
-            .collect();
+        let rows = rows_of(&want);
         let (decoder, params) = load(&dir);
         let right = loss(&decoder, &params, &rows);
         let mut cfg = decoder.config().clone();
@@ -474,12 +466,7 @@ fn turning_off_each_new_block_misses_transformers_loss() {
     for (variant, what, edit) in cases {
         let dir = fixtures().join(format!("{variant}-tf5-f32-single"));
         let want = expected(&dir);
-        let rows: Vec<Vec<u32>> = want["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(ids)
-            .collect();
+        let rows = rows_of(&want);
         let (decoder, params) = load(&dir);
         let reference = want["loss"].as_f64().unwrap();
         let right = loss(&decoder, &params, &rows);
