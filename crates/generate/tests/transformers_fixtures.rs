@@ -3,7 +3,8 @@
 //! or 5, f32 or bf16, one file or sharded) with its float64 step-0 loss and 16 greedy tokens in
 //! `expected.json`. Each is loaded (config and weights), its loss on the same tokens computed and
 //! compared within 1e-6, its greedy tokens compared exactly, then it is exported by ferrotext's
-//! writer and reloaded (same loss).
+//! writer and reloaded (same loss), the export holding the tensors transformers' own save writes
+//! for that model, name for name and shape for shape.
 //!
 //! Directories this test does not cover are listed in [`NOT_HERE`] with the reason; any other
 //! directory is covered, so a new fixture is never skipped silently.
@@ -12,6 +13,7 @@
 // library's bits are fine here (`clippy.toml`).
 #![allow(clippy::disallowed_methods)]
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -74,10 +76,10 @@ fn rows_of(want: &Value) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Each tensor's stored dtype (`"BF16"`, `"F32"`, ...) across the safetensors files of `dir`,
-/// from their JSON headers.
-fn stored_dtypes(dir: &Path) -> std::collections::BTreeMap<String, String> {
-    let mut dtypes = std::collections::BTreeMap::new();
+/// Each tensor's stored dtype (`"BF16"`, `"F32"`, ...) and shape across the safetensors files
+/// of `dir`, from their JSON headers.
+fn stored_tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>)> {
+    let mut tensors = BTreeMap::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_none_or(|e| e != "safetensors") {
@@ -88,11 +90,53 @@ fn stored_dtypes(dir: &Path) -> std::collections::BTreeMap<String, String> {
         let header: Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
         for (name, tensor) in header.as_object().unwrap() {
             if let Some(dtype) = tensor.get("dtype").and_then(Value::as_str) {
-                dtypes.insert(name.clone(), dtype.to_string());
+                let shape = tensor["shape"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap() as usize)
+                    .collect();
+                tensors.insert(name.clone(), (dtype.to_string(), shape));
             }
         }
     }
-    dtypes
+    tensors
+}
+
+/// The tensors (name and shape) transformers' `save_pretrained` writes for the model it loads
+/// from `dir`: what `dir` stores, less what no save writes back (a tied model's stored head; the
+/// RoPE frequencies older conversions stored).
+fn saved_by_transformers(dir: &Path, tied: bool) -> BTreeMap<String, Vec<usize>> {
+    stored_tensors(dir)
+        .into_iter()
+        .filter(|(name, _)| !(tied && name == "lm_head.weight"))
+        .filter(|(name, _)| !name.ends_with("rotary_emb.inv_freq"))
+        .map(|(name, (_, shape))| (name, shape))
+        .collect()
+}
+
+/// How the tensors exported to `out` differ, by name or shape, from those transformers'
+/// `save_pretrained` writes for the model of the fixture `dir` (`tied`: its head is tied), or
+/// `None`.
+fn export_differs(out: &Path, dir: &Path, tied: bool) -> Option<String> {
+    let ours: BTreeMap<String, Vec<usize>> = stored_tensors(out)
+        .into_iter()
+        .map(|(n, (_, shape))| (n, shape))
+        .collect();
+    let theirs = saved_by_transformers(dir, tied);
+    let only = |a: &BTreeMap<String, Vec<usize>>, b: &BTreeMap<String, Vec<usize>>| {
+        a.iter()
+            .filter(|(n, s)| b.get(*n) != Some(*s))
+            .map(|(n, s)| format!("`{n}` {s:?}"))
+            .collect::<Vec<_>>()
+    };
+    (ours != theirs).then(|| {
+        format!(
+            "the export writes {:?} where transformers writes {:?}",
+            only(&ours, &theirs),
+            only(&theirs, &ours)
+        )
+    })
 }
 
 /// The decoder and its parameters as read from `dir`.
@@ -197,6 +241,10 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
             hf::DEFAULT_SHARD_BYTES,
         )
         .unwrap();
+        // The tensors written are the ones transformers writes for this model.
+        if let Some(differ) = export_differs(&out, &dir, decoder.config().logits_via_embedding) {
+            failures.push(format!("{name}: {differ}"));
+        }
         let (again, reloaded) = load(&out);
         assert_eq!(
             again.config(),
@@ -222,12 +270,12 @@ fn transformers_checkpoints_load_with_their_loss_and_greedy_tokens_and_export_ba
                 hf::DEFAULT_SHARD_BYTES,
             )
             .unwrap();
-            let (theirs, ours) = (stored_dtypes(&dir), stored_dtypes(&out));
+            let (theirs, ours) = (stored_tensors(&dir), stored_tensors(&out));
             let differ: Vec<String> = theirs
                 .iter()
                 .filter(|_| name.contains("-tf5-"))
-                .filter_map(|(t, dtype)| {
-                    let mine = ours.get(t)?;
+                .filter_map(|(t, (dtype, _))| {
+                    let (mine, _) = ours.get(t)?;
                     (mine != dtype).then(|| format!("{t}: {mine} (transformers: {dtype})"))
                 })
                 .collect();
@@ -358,6 +406,38 @@ fn a_tied_config_whose_weights_store_a_head_loads_as_transformers_5_does() {
     let params = hf::load_directory(&copy, &decoder.params()).unwrap();
     let untied = loss(&decoder, &params, &rows_of(&want));
     assert!((untied - want["loss"].as_f64().unwrap()).abs() <= LOSS_TOLERANCE);
+}
+
+/// Mirror of the export's tensor check: an export that leaves out a tensor transformers writes
+/// (an untied checkpoint written as a tied model, its head dropped) is reported, naming it.
+#[test]
+fn the_export_check_sees_a_tensor_left_out() {
+    let dir = fixtures().join("qwen3-untied-tf5-f32-single");
+    let (decoder, params) = load(&dir);
+    let head = decoder
+        .params()
+        .iter()
+        .position(|p| p.name == "lm_head.weight")
+        .unwrap();
+    let mut cfg = decoder.config().clone();
+    cfg.logits_via_embedding = true;
+    let tied = Decoder::new(cfg).unwrap();
+    let mut values = params.clone();
+    values.remove(head);
+    let out = std::env::temp_dir().join(format!("ferrotext-tf-mirror-{}", std::process::id()));
+    hf::save_directory(
+        &out,
+        tied.config(),
+        &tied.params(),
+        &values,
+        ferrotext_sharding::DType::F32,
+        hf::DEFAULT_SHARD_BYTES,
+    )
+    .unwrap();
+    let differ = export_differs(&out, &dir, false);
+    let _ = std::fs::remove_dir_all(&out);
+    let differ = differ.expect("a head left out is seen");
+    assert!(differ.contains("`lm_head.weight` [112, 32]"), "{differ}");
 }
 
 /// Mirrors: the comparisons can fail. The `rope_interleave: false` checkpoint run with
