@@ -108,7 +108,10 @@ fn load_files(
     if let Some(head) = tied_head {
         let stored = tied::stored_head(&shards, &located, (&embedding, head)).map_err(err)?;
         if stored == StoredHead::Copy {
-            located.remove(head);
+            // Read for the comparison only: its pages go now, not when the load ends.
+            if let Some(s) = located.remove(head) {
+                release(&maps[s], &shards[s], head);
+            }
         }
     }
     let place = match (&index, files.first()) {
