@@ -27,9 +27,9 @@ use crate::tied::{self, StoredHead};
 /// does not parse or names a shard that does not exist, a header that does not parse, missing
 /// and unexpected tensors (listed together; a model that ties its head to the embedding reads a
 /// stored `lm_head.weight` equal to the embedding as the tie and refuses any other, see
-/// `tied`; stored RoPE frequencies, `…rotary_emb.inv_freq`, are skipped), a dtype other than F32/BF16/F16, a shape that does
-/// not match the model, a non-finite value, a router selection bias
-/// (`mlp.gate.e_score_correction_bias`) that is not all zeros or has no router to go with.
+/// `tied`; stored RoPE frequencies, `…rotary_emb.inv_freq`, are skipped), a dtype other than
+/// F32/BF16/F16, a shape that does not match the model, a non-finite value, a router selection
+/// bias (`mlp.gate.e_score_correction_bias`) that is not all zeros or has no router to go with.
 ///
 /// # Performance
 /// One pass over the file bytes: each stored tensor is widened and (for `[out, in]` matrices)
