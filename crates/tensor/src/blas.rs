@@ -3,14 +3,18 @@
 //! kernel (`crate::portable`) when asked for (`deterministic=true`, `FERROTEXT_MATMUL=portable`).
 //!
 //! The BLAS is opened at run time (`dlopen`), not linked: the build needs nothing outside the
-//! Rust registry, and a machine without one runs the same binary on `gemm`. MKL's single
-//! runtime library (`libmkl_rt.so.3`, PyPI's `mkl` wheel; `.ci/install-mkl` puts it where the
-//! loader finds it) is tried first, then OpenBLAS (`libopenblas.so.0`, Debian's
-//! `libopenblas0-pthread`). Measured here, one thread, hot operands, qwen3-peer's products at
-//! 128 rows (a device's micro-batch at data=4): MKL 2026.2 172–203 GFLOP/s, OpenBLAS 0.3.21's
-//! SkylakeX kernel 139–169, `gemm` 0.19 102–111 (`ferrotext bench kernels`, and the same
-//! shapes through each library's `cblas_sgemm`); whole qwen3-peer steps (GA 4), MKL vs
-//! OpenBLAS: data=4 307–319 → 267–284 ms, data=1 293–317 → 274–286 ms, alternated runs.
+//! Rust registry, and a machine without one runs the same binary on `gemm`. The two libraries
+//! are MKL's single runtime library (`libmkl_rt.so.3`, PyPI's `mkl` wheel; `.ci/install-mkl`
+//! puts it where the loader finds it) and OpenBLAS (`libopenblas.so.0`, Debian's
+//! `libopenblas0-pthread`). MKL is tried first on an Intel processor, OpenBLAS first on one
+//! with AVX-512 made by another ([`library_order`]): MKL keeps its AVX-512 kernels for Intel's.
+//! On a 2-core Xeon, one thread, hot operands, qwen3-peer's products at 128 rows (a device's
+//! micro-batch at data=4): MKL 2026.2 172–203 GFLOP/s, OpenBLAS 0.3.21's SkylakeX kernel
+//! 139–169, `gemm` 0.19 102–111 (`ferrotext bench kernels`, and the same shapes through each
+//! library's `cblas_sgemm`); whole qwen3-peer steps (GA 4), MKL vs OpenBLAS: data=4 307–319 →
+//! 267–284 ms, data=1 293–317 → 274–286 ms, alternated runs. On a 2-core AMD EPYC (Zen 4) the
+//! other way round: OpenBLAS's Cooperlake kernel made qwen3-0.6b's `f32` step 0.81× MKL's
+//! (docs/performance.md).
 //!
 //! Invariants:
 //! * The BLAS computes on its caller's thread only: MKL's sequential threading layer (chosen
@@ -138,17 +142,82 @@ pub(crate) struct Blas {
 
 static KERNEL: OnceLock<Kernel> = OnceLock::new();
 
-/// The kernel `FERROTEXT_MATMUL` asks for (`mkl`, `openblas`, `gemm` or `portable`), else the
-/// first found of MKL and OpenBLAS, else `gemm`.
+/// The kernel `FERROTEXT_MATMUL` asks for (`mkl`, `openblas`, `gemm` or `portable`), else
+/// [`open_default`].
 pub(crate) fn open() -> Kernel {
     let blas = match std::env::var("FERROTEXT_MATMUL").as_deref() {
         Ok("gemm") => None,
         Ok("portable") => return Kernel::Portable(Isa::detect()),
         Ok("openblas") => open_openblas(),
         Ok("mkl") => open_mkl(),
-        _ => open_mkl().or_else(open_openblas),
+        _ => return open_default(),
     };
     blas.map_or(Kernel::Gemm, Kernel::Blas)
+}
+
+/// The kernel nobody named: the first found of MKL and OpenBLAS in [`library_order`]'s order
+/// for this processor, else `gemm`.
+pub(crate) fn open_default() -> Kernel {
+    let blas = match library_order(processor()) {
+        LibraryOrder::MklFirst => open_mkl().or_else(open_openblas),
+        LibraryOrder::OpenblasFirst => open_openblas().or_else(open_mkl),
+    };
+    blas.map_or(Kernel::Gemm, Kernel::Blas)
+}
+
+/// Which BLAS is tried first when both are installed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LibraryOrder {
+    /// Intel MKL, then OpenBLAS.
+    MklFirst,
+    /// OpenBLAS, then Intel MKL.
+    OpenblasFirst,
+}
+
+/// What the library order depends on: who made the processor and whether it has AVX-512F.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Processor {
+    /// The CPUID vendor string is `GenuineIntel`.
+    pub(crate) intel: bool,
+    /// The processor has AVX-512F.
+    pub(crate) avx512f: bool,
+}
+
+/// OpenBLAS first on a processor with AVX-512 that is not Intel's, MKL first everywhere else.
+///
+/// MKL picks its AVX-512 kernels on Intel processors only: on an AMD EPYC (Zen 4) its verbose
+/// line names no instruction set ("Intel(R) Architecture processors", where a Xeon's names
+/// AVX-512), and OpenBLAS's Cooperlake kernel ran qwen3-0.6b's `f32` step in 0.81× MKL's time
+/// and qwen3-peer's in 0.71–0.97× (docs/performance.md). On a Xeon MKL was the faster one, and
+/// on a processor with AVX2 alone neither was measured against the other (nor MKL's bf16
+/// product, which a processor without AVX512_BF16 uses, against the portable kernel), so those
+/// keep MKL first.
+pub(crate) fn library_order(p: Processor) -> LibraryOrder {
+    if p.avx512f && !p.intel {
+        LibraryOrder::OpenblasFirst
+    } else {
+        LibraryOrder::MklFirst
+    }
+}
+
+/// This processor, asked of CPUID (vendor string, leaf 0) and of std's feature detection.
+pub(crate) fn processor() -> Processor {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let leaf0 = std::arch::x86_64::__cpuid(0);
+        let vendor = [leaf0.ebx, leaf0.edx, leaf0.ecx];
+        Processor {
+            intel: vendor.map(u32::to_le_bytes).concat() == b"GenuineIntel",
+            avx512f: std::arch::is_x86_feature_detected!("avx512f"),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        Processor {
+            intel: false,
+            avx512f: false,
+        }
+    }
 }
 
 /// Reads a static NUL-terminated string a library function returns.

@@ -174,3 +174,54 @@ fn layouts_cblas_accepts_and_refuses() {
     assert_eq!(cblas_layout(3, 4, 8, 2), None);
     assert_eq!(cblas_layout(3, 4, -4, 1), None);
 }
+
+#[test]
+fn openblas_comes_first_on_a_processor_with_avx512_not_made_by_intel() {
+    let order = |intel, avx512f| library_order(Processor { intel, avx512f });
+    assert_eq!(order(false, true), LibraryOrder::OpenblasFirst);
+    assert_eq!(order(true, true), LibraryOrder::MklFirst);
+    assert_eq!(order(true, false), LibraryOrder::MklFirst);
+    assert_eq!(order(false, false), LibraryOrder::MklFirst);
+}
+
+/// The processor as Linux describes it (`/proc/cpuinfo`'s first `vendor_id` and `flags`), a
+/// source independent of the CPUID reads in `processor()`.
+#[cfg(target_arch = "x86_64")]
+fn processor_from_cpuinfo() -> Option<Processor> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    Some(Processor {
+        intel: field("vendor_id")? == "GenuineIntel",
+        avx512f: field("flags")?.split_whitespace().any(|f| f == "avx512f"),
+    })
+}
+
+/// With both libraries installed, the kernel nobody named is the one the order puts first for
+/// this processor as `/proc/cpuinfo` describes it (on a machine without both, the first found).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn the_default_kernel_follows_the_processor() {
+    let cpu = processor_from_cpuinfo().expect("/proc/cpuinfo names the vendor and flags");
+    assert_eq!(processor(), cpu);
+    let found = |k: &Kernel| match k {
+        Kernel::Blas(b) if b.is_mkl => "mkl",
+        Kernel::Blas(_) => "openblas",
+        _ => "none",
+    };
+    let (mkl, openblas) = (open_mkl().is_some(), open_openblas().is_some());
+    let want = match (mkl, openblas, library_order(cpu)) {
+        (true, true, LibraryOrder::MklFirst) | (true, false, _) => "mkl",
+        (true, true, LibraryOrder::OpenblasFirst) | (false, true, _) => "openblas",
+        (false, false, _) => "none",
+    };
+    assert_eq!(
+        found(&open_default()),
+        want,
+        "{cpu:?}, MKL {mkl}, OpenBLAS {openblas}"
+    );
+}
