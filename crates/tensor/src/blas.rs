@@ -185,10 +185,11 @@ pub(crate) struct Processor {
 
 /// OpenBLAS first on a processor with AVX-512 that is not Intel's, MKL first everywhere else.
 ///
-/// MKL picks its AVX-512 kernels on Intel processors only: on an AMD EPYC (Zen 4) its verbose
-/// line names no instruction set ("Intel(R) Architecture processors", where a Xeon's names
-/// AVX-512), and OpenBLAS's Cooperlake kernel ran qwen3-0.6b's `f32` step in 0.81× MKL's time
-/// and qwen3-peer's in 0.71–0.97× (docs/performance.md). On a Xeon MKL was the faster one, and
+/// MKL picks its AVX-512 kernels on Intel processors only: on an AMD EPYC (Zen 4) it runs
+/// `mkl_blas_def_sgemm_kernel_0_zen` from its default library (`libmkl_def.so.3`, by `perf`)
+/// and its verbose line names no instruction set, while OpenBLAS runs its Cooperlake (AVX-512)
+/// kernel there and ran qwen3-0.6b's `f32` step in 0.81× MKL's time and qwen3-peer's in
+/// 0.71–0.97× (docs/performance.md). On a Xeon MKL was the faster one, and
 /// on a processor with AVX2 alone neither was measured against the other (nor MKL's bf16
 /// product, which a processor without AVX512_BF16 uses, against the portable kernel), so those
 /// keep MKL first.
