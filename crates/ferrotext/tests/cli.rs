@@ -66,6 +66,22 @@ fn collectives_bench_writes_json() {
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[1]["bytes"], 16384);
     assert!(rows[0]["algbw_gb_s"].as_f64().unwrap() > 0.0);
+    // The machine the figures came from: this process's kernel is the child's (same binary
+    // choice, same environment), the cores and processor as this process sees them.
+    let machine = &json["machine"];
+    assert_eq!(
+        machine["matmul"],
+        ferrotext_tensor::matmul_kernel().as_str()
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    assert_eq!(machine["cores"], cores);
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|rest| rest.split_once(':'))
+        .map(|(_, name)| name.trim());
+    assert_eq!(machine["processor"].as_str(), model);
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -321,12 +321,37 @@ fn write_file(path: &Path, contents: impl AsRef<[u8]>) -> Result<()> {
     std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))
 }
 
-/// Writes `report` to `path` as pretty-printed JSON (see [`write_file`]).
+/// Writes `report` to `path` as pretty-printed JSON (see [`write_file`]), with a `machine`
+/// object beside its own keys when it is a JSON object that has none ([`machine`]).
 ///
 /// # Errors
 /// As [`write_file`].
 fn write_json(path: &Path, report: &impl serde::Serialize) -> Result<()> {
-    write_file(path, serde_json::to_string_pretty(report)?)
+    let mut value = serde_json::to_value(report)?;
+    if let Some(keys) = value.as_object_mut() {
+        keys.entry("machine").or_insert_with(machine);
+    }
+    write_file(path, serde_json::to_string_pretty(&value)?)
+}
+
+/// What a report's figures depend on besides the benchmark: the cores, the processor as Linux
+/// names it (`/proc/cpuinfo`'s `model name`; null where it says none), and the kernel this
+/// binary's `f32` products run on, which follows the processor (`crates/tensor/src/blas.rs`)
+/// and `FERROTEXT_MATMUL`.
+fn machine() -> serde_json::Value {
+    let processor = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines().find_map(|l| {
+                let (key, value) = l.split_once(':')?;
+                (key.trim() == "model name").then(|| value.trim().to_string())
+            })
+        });
+    serde_json::json!({
+        "cores": cores(),
+        "processor": processor,
+        "matmul": ferrotext_tensor::matmul_kernel(),
+    })
 }
 
 /// Two planned training runs on one mesh, stepped side by side in one process: a warm-up step
@@ -368,4 +393,32 @@ pub(crate) fn paired_training_steps(
     Ok(Paired::of(
         per_device.first().map_or(&[][..], Vec::as_slice),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A report gets the machine beside its own keys; one that records its own keeps it; one
+    /// that is not an object is written as it is.
+    #[test]
+    fn reports_record_the_machine_unless_they_say_it() {
+        let dir = std::env::temp_dir().join(format!("ferrotext-machine-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let read = |name: &str, report: serde_json::Value| {
+            let path = dir.join(name);
+            write_json(&path, &report).unwrap();
+            serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(path).unwrap())
+                .unwrap()
+        };
+        let plain = read("plain.json", serde_json::json!({ "rows": [1, 2] }));
+        assert_eq!(plain["rows"], serde_json::json!([1, 2]));
+        assert_eq!(plain["machine"], machine());
+        assert_eq!(plain["machine"]["cores"], cores());
+        let own = serde_json::json!({ "machine": "the report's own" });
+        assert_eq!(read("own.json", own.clone()), own);
+        let list = serde_json::json!([1, 2]);
+        assert_eq!(read("list.json", list.clone()), list);
+        std::fs::remove_dir_all(dir).ok();
+    }
 }
