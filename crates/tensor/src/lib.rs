@@ -103,7 +103,8 @@ pub use nn::{
 pub use optim::{adamw_update, sgd_update, sum_of_squares, AdamW};
 pub use parallel::{kernel_threads, set_kernel_threads, with_kernel_pool};
 pub use peak::{
-    cpu_peak, memory_bandwidth, product_peak, snap_units, CpuPeak, FmaProbe, Probes, ProductProbe,
+    cpu_peak, memory_bandwidth, processor_name, product_peak, snap_units, CpuPeak, FmaProbe,
+    Probes, ProductProbe,
 };
 pub use rope::{rope_tail, rope_with, Llama3, PositionScaling, Rope, Yarn};
 pub use skip::{report_skipped, SKIPPED_ENV};

@@ -339,17 +339,9 @@ fn write_json(path: &Path, report: &impl serde::Serialize) -> Result<()> {
 /// binary's `f32` products run on, which follows the processor (`crates/tensor/src/blas.rs`)
 /// and `FERROTEXT_MATMUL`.
 fn machine() -> serde_json::Value {
-    let processor = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|info| {
-            info.lines().find_map(|l| {
-                let (key, value) = l.split_once(':')?;
-                (key.trim() == "model name").then(|| value.trim().to_string())
-            })
-        });
     serde_json::json!({
         "cores": cores(),
-        "processor": processor,
+        "processor": ferrotext_tensor::processor_name(),
         "matmul": ferrotext_tensor::matmul_kernel(),
     })
 }

@@ -188,15 +188,25 @@ pub fn cpu_peak() -> CpuPeak {
     }
 }
 
+/// The value of `/proc/cpuinfo`'s first line named `key` (the first processor's), trimmed.
+fn cpuinfo_field<'a>(cpuinfo: &'a str, key: &str) -> Option<&'a str> {
+    cpuinfo.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k.trim() == key).then(|| v.trim())
+    })
+}
+
+/// This processor as Linux names it (`/proc/cpuinfo`'s `model name`), or `None` where it says
+/// none.
+pub fn processor_name() -> Option<String> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    cpuinfo_field(&cpuinfo, "model name").map(str::to_string)
+}
+
 /// The peak from the CPU's description alone, nothing probed.
 fn stated_peak() -> CpuPeak {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |key: &str| -> Option<&str> {
-        cpuinfo.lines().find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            (k.trim() == key).then(|| v.trim())
-        })
-    };
+    let field = |key: &str| cpuinfo_field(&cpuinfo, key);
     let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
     let smt = match (
         field("siblings").and_then(|v| v.parse::<usize>().ok()),
