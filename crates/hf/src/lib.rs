@@ -29,7 +29,11 @@
 //! - DeepSeek-V3's multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`) is a
 //!   part of the model exactly when `read_config` finds `num_nextn_predict_layers` 1 and the
 //!   weights hold the layer (`mtp_num_layers` 1); a model without it refuses a directory with
-//!   it, naming it, and export writes it back with `num_nextn_predict_layers`.
+//!   it, naming it, and export writes it back with `num_nextn_predict_layers`. Its
+//!   `embed_tokens` and `shared_head.head` are copies of the main model's embedding and head,
+//!   which the module shares (`tied.rs`): a copy is read as the sharing, a layer whose copies
+//!   hold values of their own is refused, named, and export writes the copies from the main
+//!   model's tensors.
 //! - A tied config whose weights hold `lm_head.weight` anyway is read as transformers 5 reads
 //!   it (`tied.rs`): a copy of the embedding, value for value, is the tie; a head of its own
 //!   makes the model untied. A model tied by hand refuses such a head, named.

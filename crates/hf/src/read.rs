@@ -114,6 +114,17 @@ fn load_files(
             }
         }
     }
+    // The multi-token-prediction layer's copies of the embedding and head: the sharing itself.
+    let copies: Vec<(String, String)> = ferrotext_models::mtp::stored_copies(infos)
+        .into_iter()
+        .map(|c| {
+            (
+                rename(&c.copy).unwrap_or(c.copy),
+                rename(&c.of).unwrap_or(c.of),
+            )
+        })
+        .collect();
+    tied::drop_copies(&maps, &shards, &mut located, &copies).map_err(err)?;
     let place = match (&index, files.first()) {
         (Some(_), _) => INDEX_FILE,
         (None, Some(file)) => file.as_str(),

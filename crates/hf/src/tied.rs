@@ -10,6 +10,12 @@
 //!   warns), [`crate::read_config`] reads such a directory with `logits_via_embedding` false,
 //!   and a model that ties anyway (`logits_via_embedding=true` set by hand) refuses the head,
 //!   named, rather than drop it.
+//!
+//! DeepSeek-V3's multi-token-prediction layer stores copies the same way: its `embed_tokens` and
+//! `shared_head.head` are the main model's embedding and head, shared
+//! ([`ferrotext_models::mtp::stored_copies`]). A copy is read as the sharing itself; a tensor
+//! with values of its own would be a layer trained apart from the main model, which the module
+//! cannot be: it is refused, named ([`drop_copies`]).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -59,6 +65,41 @@ pub(crate) fn stored_head(
     } else {
         StoredHead::Own
     })
+}
+
+/// Takes each stored copy in `copies` (`(copy, of)`, checkpoint names) out of `located` once it
+/// is found equal to the tensor it copies, its pages released, so that nothing reads it again;
+/// an absent copy is fine (the copied tensor is what the model reads).
+///
+/// # Errors
+/// A copy with values of its own (or nothing to compare it with), named with what it should
+/// copy; a header entry that cannot be read as a tensor.
+pub(crate) fn drop_copies(
+    maps: &[memmap2::Mmap],
+    shards: &[SafeTensors<'_>],
+    located: &mut BTreeMap<String, usize>,
+    copies: &[(String, String)],
+) -> Result<(), String> {
+    for (copy, of) in copies {
+        match stored_head(shards, located, (of, copy))? {
+            StoredHead::Absent => {}
+            StoredHead::Copy => {
+                if let Some(s) = located.remove(copy) {
+                    release(&maps[s], &shards[s], copy);
+                }
+            }
+            StoredHead::Own => {
+                return Err(format!(
+                    "`{copy}` is not a copy of `{of}`: the multi-token-prediction layer shares \
+                     the main model's embedding and output head (the DeepSeek-V3 report, \
+                     MaxText, transformers' MtpModel), and the published checkpoint stores \
+                     copies of them; a layer with tensors of its own cannot be trained as that \
+                     module, so it is refused rather than dropped"
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What the HF directory `dir`'s weights hold under the head's name beside its embedding, in

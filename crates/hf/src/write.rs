@@ -139,9 +139,19 @@ pub fn save_directory_declaring(
     // 1. which shard each HF tensor goes to, from the shapes alone
     let mut shard_of = Vec::new();
     let (mut shard, mut filled, mut total) = (0usize, 0u64, 0u64);
+    // The MTP layer's copies of the embedding and head go right after what they copy.
+    let copies = ferrotext_models::mtp::stored_copies(infos);
     let stored = infos.iter().flat_map(|info| {
         info.hf_tensors()
             .into_iter()
+            .flat_map(|(name, shape)| {
+                let copied = copies
+                    .iter()
+                    .filter(|c| c.of == name)
+                    .map(|c| (c.copy.clone(), shape.clone()))
+                    .collect::<Vec<_>>();
+                std::iter::once((name, shape)).chain(copied)
+            })
             .chain(selection_bias(kind, info, infos))
     });
     for (name, shape) in stored {
@@ -257,12 +267,16 @@ fn write_into(
         pending.clear();
         Ok::<(), HfError>(())
     };
+    let copies = ferrotext_models::mtp::stored_copies(infos);
     for (info, value) in infos.iter().zip(values) {
         let mut tensors: Pending = Vec::new();
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
-            let name = (kind.family().rename)(&name).unwrap_or(name);
-            let as_ = stored.of_tensor(kind, &name);
-            tensors.push((name, as_, t.shape().to_vec(), as_.encode(t.data())));
+            let copied = copies.iter().filter(|c| c.of == name).map(|c| &c.copy);
+            for name in std::iter::once(&name).chain(copied) {
+                let name = (kind.family().rename)(name).unwrap_or_else(|| name.clone());
+                let as_ = stored.of_tensor(kind, &name);
+                tensors.push((name, as_, t.shape().to_vec(), as_.encode(t.data())));
+            }
         }
         if let Some((name, shape)) = selection_bias(kind, info, infos) {
             let zeros = vec![0.0; shape.iter().product()];

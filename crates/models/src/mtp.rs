@@ -9,18 +9,26 @@
 //! ```text
 //! x_i = eh_proj · [ enorm(Emb(t_{i+1})) ; hnorm(h_i) ]     (the embedding first)
 //! y   = DecoderLayer_L(x)                                   (causal, RoPE position of x_i is i)
-//! z_i = shared_head.head · shared_head.norm(y_i)            predicts t_{i+2}
+//! z_i = Head · shared_head.norm(y_i)                        predicts t_{i+2}
 //! ```
 //!
+//! `Emb` and `Head` are the main model's embedding and output head, one parameter each, trained
+//! by both losses: the report shares them ("the embedding layer and the output head are shared
+//! with the main model"), as MaxText and transformers' `MtpModel` do. The published layer stores
+//! copies of them under its own names (`embed_tokens`, `shared_head.head`, [`stored_copies`]):
+//! loading reads a copy as the tie itself and refuses one with values of its own; export writes
+//! the copies back. `shared_head.norm` is the module's own.
+//!
 //! The concatenation puts the embedding first, the order that reads the published weights (the
-//! paper writes the other). Invariant: [`mtp_loss_sum`] reads only its own weights and the
-//! hidden states; the labels are the targets shifted by one, the last position ignored.
+//! paper writes the other). Invariant: [`mtp_loss_sum`] reads only its own weights, the shared
+//! embedding and head, and the hidden states; the labels are the targets shifted by one, the last
+//! position ignored.
 //!
 //! # Wiring
-//! `mtp_num_layers = 1` ([`Config::mtp_num_layers`]) puts the module in the decoder's weight map
-//! ([`Weights::mtp`](crate::decoder::Weights::mtp), last in the flat order), so loading,
-//! export, checkpoints and ZeRO-1 carry its parameters as any other. The decoder's loss sums
-//! ([`Decoder::loss`](crate::decoder::Decoder::loss) with `with_mtp`) then add
+//! `mtp_num_layers = 1` ([`Config::mtp_num_layers`]) puts the module's own weights in the
+//! decoder's weight map ([`Weights::mtp`](crate::decoder::Weights::mtp), last in the flat order),
+//! so loading, export, checkpoints and ZeRO-1 carry its parameters as any other. The decoder's
+//! loss sums ([`Decoder::loss`](crate::decoder::Decoder::loss) with `with_mtp`) then add
 //! `mtp_loss_scaling_factor × MTP sum × T / (T − 1)` for `[B, T]` inputs: after the trainer's
 //! division by the step's tokens that is `factor × the MTP loss's per-token mean` (MaxText's
 //! `calculate_mtp_loss`, whose mean is over the `B·(T − 1)` positions that have a token two
@@ -34,12 +42,11 @@
 //! there), and casts of its own to the compute dtype (under `dtype=bfloat16` its ops take the
 //! dtypes their inputs arrive in).
 
-use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, IGNORE_INDEX};
 
 use crate::decoder::config::{Config, ExpertLoads};
 pub use crate::decoder::weights::Mtp;
-use crate::nn::{linear, rms_norm, unsplit, ActivationLayout};
+use crate::nn::{linear, rms_norm, ActivationLayout};
 use crate::params::ParamInfo;
 
 /// The MTP settings of `c` checked (what [`Decoder::new`](crate::decoder::Decoder::new) runs).
@@ -63,7 +70,51 @@ pub fn check(c: &Config) -> Result<(), String> {
     Ok(())
 }
 
-/// The parameter count of `c`'s MTP module (0 without it).
+/// A tensor the published MTP layer stores as a copy of one of the main model's (HF names).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredCopy {
+    /// The copy's name: `model.layers.{L}.embed_tokens.weight` or
+    /// `model.layers.{L}.shared_head.head.weight`.
+    pub copy: String,
+    /// The main model's tensor it copies: `model.embed_tokens.weight`, or `lm_head.weight` (the
+    /// embedding when the head is tied to it).
+    pub of: String,
+}
+
+/// The copies DeepSeek-V3's published MTP layer stores of the main model's embedding and head,
+/// for a model whose parameters are `params` ([`Decoder::params`](crate::decoder::Decoder::params));
+/// none without the module. The module reads the main model's tensors themselves: a loader
+/// checks each copy against what it copies and reads it no further, and an export writes it.
+pub fn stored_copies(params: &[ParamInfo]) -> Vec<StoredCopy> {
+    const EMBEDDING: &str = "model.embed_tokens.weight";
+    const HEAD: &str = "lm_head.weight";
+    let layer = params.iter().find_map(|p| {
+        p.name
+            .strip_prefix("model.layers.")?
+            .strip_suffix(".eh_proj.weight")
+    });
+    let Some(layer) = layer else {
+        return Vec::new();
+    };
+    let head = if params.iter().any(|p| p.name == HEAD) {
+        HEAD
+    } else {
+        EMBEDDING
+    };
+    vec![
+        StoredCopy {
+            copy: format!("model.layers.{layer}.embed_tokens.weight"),
+            of: EMBEDDING.into(),
+        },
+        StoredCopy {
+            copy: format!("model.layers.{layer}.shared_head.head.weight"),
+            of: head.into(),
+        },
+    ]
+}
+
+/// The parameter count of `c`'s MTP module (0 without it): its own weights, not the embedding
+/// and head it shares with the main model.
 pub fn param_count(c: &Config) -> usize {
     if c.mtp_num_layers == 0 {
         return 0;
@@ -78,8 +129,8 @@ pub fn param_count(c: &Config) -> usize {
 /// Training FLOPs per token of `c`'s MTP module at sequence length `seq` (0 without it), as
 /// [`Decoder::flops_per_token`](crate::decoder::Decoder::flops_per_token) counts the main
 /// model's: 6 per matmul weight (`eh_proj`, the layer's projections, of the routed experts only
-/// the k a token uses, the head; not the embedding lookup, norms or biases) plus the layer's
-/// attention products.
+/// the k a token uses, and the shared head, which the module runs again; not the embedding
+/// lookup, norms or biases) plus the layer's attention products.
 pub fn flops_per_token(c: &Config, seq: usize) -> f64 {
     if c.mtp_num_layers == 0 {
         return 0.0;
@@ -92,12 +143,14 @@ pub fn flops_per_token(c: &Config, seq: usize) -> f64 {
             _ => n,
         }
     };
+    // Its own matrices, and the shared head's `d × vocab` (run a second time).
     let weights: f64 = m
         .params()
         .iter()
-        .filter(|p| p.shape.len() >= 2 && p.name != m.embed_tokens.name)
+        .filter(|p| p.shape.len() >= 2)
         .map(active)
-        .sum();
+        .sum::<f64>()
+        + (c.base_emb_dim * c.vocab_size) as f64;
     let (qk, v) = match &c.mla {
         Some(a) => (a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim),
         None => (c.head_dim, c.head_dim),
@@ -105,17 +158,30 @@ pub fn flops_per_token(c: &Config, seq: usize) -> f64 {
     6.0 * weights + 6.0 * (seq * c.base_num_query_heads * (qk + v)) as f64
 }
 
+/// The main model's weights the module shares, as the main model's forward read them.
+#[derive(Clone, Copy)]
+pub struct Shared<'a> {
+    /// The embedding table `[vocab, d]` as the main lookup reads it (gathered whole; reduced
+    /// when tied to the head).
+    pub table: &'a Array,
+    /// The output head: `lm_head` `[d, vocab]`, or the table itself when `tied`.
+    pub head: &'a Array,
+    /// The head is the embedding, transposed.
+    pub tied: bool,
+}
+
 /// The MTP cross-entropy *sum* of a batch: `hidden` `[B, T, d]` are the main model's normed last
 /// hidden states at the inputs' positions, `next` `[B, T]` the tokens after each input (the
 /// targets), `labels` `[B, T]` the tokens two after (the targets shifted by one, the last
-/// position [`IGNORE_INDEX`]). `params` in [`Mtp::params`] order.
+/// position [`IGNORE_INDEX`]). `params` are the module's own, in [`Mtp::params`] order; `shared`
+/// the main model's embedding and head.
 ///
 /// # Errors
 /// Too few parameters; a type error of the ops.
 pub fn mtp_loss_sum(
     cx: &mut Ctx<'_>,
     c: &Config,
-    params: &[Array],
+    (params, shared): (&[Array], Shared<'_>),
     hidden: &Array,
     next: &Ids,
     labels: &Ids,
@@ -128,7 +194,7 @@ pub fn mtp_loss_sum(
             got: params.len(),
         })
     })?;
-    w.loss(cx, c, hidden, next, labels, false)
+    w.loss(cx, c, shared, hidden, (next, labels), false)
 }
 
 impl Mtp<&Array> {
@@ -138,16 +204,15 @@ impl Mtp<&Array> {
         &self,
         cx: &mut Ctx<'_>,
         c: &Config,
+        shared: Shared<'_>,
         hidden: &Array,
-        next: &Ids,
-        labels: &Ids,
+        (next, labels): (&Ids, &Ids),
         partial: bool,
     ) -> Result<Array, SpmdError> {
         let eps = c.normalization_layer_epsilon;
         // 1. x = eh_proj · [enorm(Emb(next)); hnorm(h)]: [B@batch, T, 2d] → [B@batch, T, d]
-        //    (the table gathered first if it is split, as the main embedding is)
-        let table = unsplit(cx, self.embed_tokens)?;
-        let e = cx.take(&table, next)?;
+        //    (the main model's table, as its lookup read it)
+        let e = cx.take(shared.table, next)?;
         // The embedding rows in the main model's compute dtype (bf16 under `dtype=bfloat16`).
         let e = cx.cast(&e, hidden.ty().dtype())?;
         let e = rms_norm(cx, &e, self.enorm, eps)?;
@@ -161,11 +226,10 @@ impl Mtp<&Array> {
         let y = self
             .layer
             .forward(cx, &x, (c, i), &mut aux, &mut loads, None, None)?;
-        // 3. the shared head [B@batch, T, vocab], whole vocab rows, and the cross-entropy
-        //    against the tokens two ahead
+        // 3. its own norm, then the main model's head [B@batch, T, vocab] (f32 logits, never
+        //    rounded), whole vocab rows, and the cross-entropy against the tokens two ahead
         let y = rms_norm(cx, &y, self.shared_head_norm, eps)?;
-        // The logits in f32, never rounded (as the main head's).
-        let z = crate::nn::linear_to(cx, &y, self.shared_head_head, DType::F32)?;
+        let z = crate::nn::head_logits(cx, &y, shared.head, shared.tied)?;
         let layout = ActivationLayout::of(next);
         let want = layout.spec(3);
         let z = if z.ty().sharding().spec().partitions() == want.partitions() {
@@ -195,21 +259,21 @@ pub struct LossSum {
 }
 
 /// `total` (a loss sum of the `[B, T]` `targets`, with its `loads`) plus, when the module `w` is
-/// there, `factor · mtp · T / (T − 1)`, with `mtp` the module's cross-entropy sum (partial sums
-/// when `partial`).
+/// there (with the main model's weights it shares), `factor · mtp · T / (T − 1)`, with `mtp` the
+/// module's cross-entropy sum (partial sums when `partial`).
 ///
 /// # Errors
 /// A split sequence dim; a type error of the ops.
 pub(crate) fn join(
     cx: &mut Ctx<'_>,
     c: &Config,
-    w: Option<&Mtp<&Array>>,
+    w: Option<(&Mtp<&Array>, Shared<'_>)>,
     (total, loads): (Array, ExpertLoads),
     hidden: &Array,
     targets: &Ids,
     partial: bool,
 ) -> Result<LossSum, SpmdError> {
-    let Some(w) = w else {
+    let Some((w, shared)) = w else {
         return Ok(LossSum {
             total,
             mtp: None,
@@ -217,7 +281,7 @@ pub(crate) fn join(
         });
     };
     let (next, labels) = shifted(cx, targets)?;
-    let mtp = w.loss(cx, c, hidden, &next, &labels, partial)?;
+    let mtp = w.loss(cx, c, shared, hidden, (&next, &labels), partial)?;
     let t = targets.ty().shape().get(1).copied().unwrap_or(1);
     let scale = c.mtp_loss_scaling_factor * t as f32 / t.saturating_sub(1).max(1) as f32;
     let scaled = cx.scale(&mtp, scale)?;
@@ -271,6 +335,7 @@ pub(crate) fn shifted(cx: &Ctx<'_>, targets: &Ids) -> Result<(Ids, Ids), SpmdErr
 
 #[cfg(test)]
 mod tests {
+    use super::Mtp;
     use crate::decoder::{Config, Decoder};
 
     fn tiny(mtp: usize) -> Config {
@@ -312,13 +377,57 @@ mod tests {
         let extra = &with[without.len()..];
         assert_eq!(
             extra.first().map(String::as_str),
-            Some("model.layers.2.embed_tokens.weight")
+            Some("model.layers.2.enorm.weight")
         );
         assert_eq!(
             extra.last().map(String::as_str),
-            Some("model.layers.2.shared_head.head.weight")
+            Some("model.layers.2.shared_head.norm.weight")
         );
         assert!(extra.iter().all(|n| n.starts_with("model.layers.2.")));
+    }
+
+    /// The published layer's copies: the embedding's, and the head's (`lm_head`, or the
+    /// embedding when tied); none without the module. The module's parameters hold neither.
+    #[test]
+    fn the_stored_copies_name_the_shared_tensors() {
+        use super::{stored_copies, StoredCopy};
+        let copy = |copy: &str, of: &str| StoredCopy {
+            copy: copy.into(),
+            of: of.into(),
+        };
+        let mut untied = tiny(1);
+        untied.logits_via_embedding = false;
+        let mut tied = tiny(1);
+        tied.logits_via_embedding = true;
+        for (c, head) in [
+            (untied, "lm_head.weight"),
+            (tied, "model.embed_tokens.weight"),
+        ] {
+            let params = Decoder::new(c.clone()).unwrap().params();
+            assert_eq!(
+                stored_copies(&params),
+                [
+                    copy(
+                        "model.layers.2.embed_tokens.weight",
+                        "model.embed_tokens.weight"
+                    ),
+                    copy("model.layers.2.shared_head.head.weight", head),
+                ]
+            );
+            let plain = Decoder::new(Config {
+                mtp_num_layers: 0,
+                ..c.clone()
+            })
+            .unwrap();
+            assert!(stored_copies(&plain.params()).is_empty());
+            let own = params.len() - plain.params().len();
+            let module = Mtp::declare(&c).params();
+            assert_eq!(own, module.len());
+            assert!(module
+                .iter()
+                .all(|p| !p.name.ends_with("embed_tokens.weight")
+                    && !p.name.ends_with("shared_head.head.weight")));
+        }
     }
 
     /// qwen3-tiny (d 128, 4 heads of 32, 2 kv heads, MLP 384, vocab 256) at seq 16: the module

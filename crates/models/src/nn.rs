@@ -99,6 +99,31 @@ pub fn linear_to(cx: &mut Ctx<'_>, x: &Array, w: &Array, dtype: DType) -> Result
     cx.dot_general_preferred(x, &w, &dims, Some(&out), dtype)
 }
 
+/// An LM head's f32 logits `[B, T, vocab]` of the normed hidden states `x` `[B, T, d]`: `x·head`
+/// for a head of its own (`[d, vocab]`), or `x·tableᵀ` when `tied` (`head` is then the
+/// embedding table `[vocab, d]`, cast to `x`'s dtype first). Never rounded. The main model's
+/// head and the multi-token-prediction module's (which shares it) both run this.
+///
+/// # Errors
+/// The dot_general type errors.
+pub fn head_logits(
+    cx: &mut Ctx<'_>,
+    x: &Array,
+    head: &Array,
+    tied: bool,
+) -> Result<Array, SpmdError> {
+    if !tied {
+        return linear_to(cx, x, head, DType::F32);
+    }
+    let dims = DotDims {
+        lhs_contracting: vec![2],
+        rhs_contracting: vec![1],
+        ..Default::default()
+    };
+    let table = cx.cast(head, x.ty().dtype())?;
+    cx.dot_general_preferred(x, &table, &dims, None, DType::F32)
+}
+
 /// [`linear`]'s output layout: `x`'s leading dims, `w`'s last minus the axes `x` uses.
 fn linear_out_spec(x: &Array, w: &Array) -> PartitionSpec {
     let xs = x.ty().sharding().spec();

@@ -166,12 +166,14 @@ pub fn export_checkpoint(
     let values = read_params(&dir, &manifest, &infos)?;
     // 2. the directory
     let model_type = ModelType::of(decoder.config()).map_err(out_err)?;
+    // Every parameter's tensors, the zero selection biases and the MTP layer's copies.
     let tensors = infos
         .iter()
         .map(|i| {
             i.hf_tensors().len() + usize::from(selection_bias(model_type, i, &infos).is_some())
         })
-        .sum();
+        .sum::<usize>()
+        + ferrotext_models::mtp::stored_copies(&infos).len();
     let declared = config.source_declarations()?;
     save_directory_declaring(
         out,

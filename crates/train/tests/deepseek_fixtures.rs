@@ -375,12 +375,14 @@ fn a_broken_mtp_layer_is_named() {
     std::fs::remove_dir_all(&out).ok();
 }
 
-/// The MTP module (`ferrotext_models::mtp`) on the published tensor names gives the fixture's
-/// `mtp_loss` (a float64 reference of the module, checked there against transformers 5's own
-/// `MtpModel`) within 2e-5; the main model's loss is unchanged by the extra layer.
+/// The MTP module (`ferrotext_models::mtp`) on the published tensor names, reading the main
+/// model's embedding and head (the layer's stored copies read as the sharing), gives the
+/// fixture's `mtp_loss` (a float64 reference of the module on the stored copies, checked there
+/// against transformers 5's own `MtpModel`) within 2e-5; the main model's loss is unchanged by
+/// the extra layer.
 #[test]
 fn the_mtp_module_gives_the_reference_mtp_loss() {
-    use ferrotext_models::mtp::{mtp_loss_sum, Mtp};
+    use ferrotext_models::mtp::{mtp_loss_sum, Mtp, Shared};
     for name in [
         "deepseek_v3-mtp-tf5-f32-single",
         "deepseek_v3-mtp-tf5-bf16-sharded",
@@ -391,6 +393,7 @@ fn the_mtp_module_gives_the_reference_mtp_loss() {
         cfg.mtp_num_layers = 0;
         let model = Decoder::new(cfg.clone()).unwrap();
         let main = model.params();
+        let main_infos = &main;
         let mut infos = main.clone();
         infos.extend(Mtp::declare(&cfg).params());
         let values = hf::load_directory(&dir, &infos).unwrap_or_else(|e| panic!("{e}"));
@@ -428,6 +431,12 @@ fn the_mtp_module_gives_the_reference_mtp_loss() {
             };
             let main = place(&cx, main_values)?;
             let mtp = place(&cx, mtp_values)?;
+            let at = |name: &str| main_infos.iter().position(|p| p.name == name).unwrap();
+            let shared = Shared {
+                table: &main[at("model.embed_tokens.weight")],
+                head: &main[at("lm_head.weight")],
+                tied: false,
+            };
             let spec = PartitionSpec::new([Some("data"), None]);
             let id = |cx: &mut Ctx<'_>, v: &[u32]| cx.ids_from_global(&[b, t], spec.clone(), v);
             let (inputs, next, labels) = (
@@ -436,7 +445,7 @@ fn the_mtp_module_gives_the_reference_mtp_loss() {
                 id(&mut cx, &labels)?,
             );
             let hidden = model.hidden(&mut cx, &main, &inputs)?;
-            let sum = mtp_loss_sum(&mut cx, &cfg, &mtp, &hidden, &next, &labels)?;
+            let sum = mtp_loss_sum(&mut cx, &cfg, (&mtp, shared), &hidden, &next, &labels)?;
             sum.scalar()
         })
         .unwrap();

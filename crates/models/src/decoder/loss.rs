@@ -73,8 +73,8 @@ impl Decoder {
     ) -> Result<LossSum, SpmdError> {
         let LossOptions { partial, with_mtp } = options;
         let z = self.cfg.z_loss_multiplier;
-        let (ce, aux, loads, hidden) = if self.vocab_tiles > 1 {
-            let h = self.hidden_and_head(cx, params, inputs, None, docs)?;
+        let h = self.hidden_and_head(cx, params, inputs, None, docs)?;
+        let ce = if self.vocab_tiles > 1 {
             let spec = HeadLoss {
                 transposed: h.tied,
                 z_loss: z,
@@ -83,17 +83,16 @@ impl Decoder {
                 softcap: self.cfg.final_logit_softcapping,
             };
             let head = super::unsplit(cx, &h.head)?;
-            let ce = cx.head_cross_entropy(&h.x, &head, targets, &spec)?;
-            (ce, h.aux, h.loads, h.x)
+            cx.head_cross_entropy(&h.x, &head, targets, &spec)?
         } else {
-            let (logits, aux, loads, hidden) = self.forward(cx, params, inputs, None, docs)?;
-            let ce = if partial {
+            let logits = self.head(cx, &h, inputs)?;
+            if partial {
                 cx.cross_entropy_partial_sum(&logits, targets, z)?
             } else {
                 cx.cross_entropy_sum(&logits, targets, z)?
-            };
-            (ce, aux, loads, hidden)
+            }
         };
+        let (aux, loads) = (h.aux.clone(), h.loads.clone());
         let total = match (aux, partial) {
             (Some(_), true) => {
                 return Err(SpmdError::NoPartialSum {
@@ -110,8 +109,24 @@ impl Decoder {
             }
             (None, false) => ce,
         };
-        let (c, w) = (&self.cfg, self.bind(params)?.mtp.filter(|_| with_mtp));
-        let m = w.as_ref();
-        crate::mtp::join(cx, c, m, (total, loads), &hidden, targets, partial)
+        let w = self.bind(params)?;
+        // The module reads the main model's embedding table and head (shared, not copies).
+        let module = w.mtp.as_ref().filter(|_| with_mtp).map(|m| {
+            let shared = crate::mtp::Shared {
+                table: &h.table,
+                head: &h.head,
+                tied: h.tied,
+            };
+            (m, shared)
+        });
+        crate::mtp::join(
+            cx,
+            &self.cfg,
+            module,
+            (total, loads),
+            &h.x,
+            targets,
+            partial,
+        )
     }
 }

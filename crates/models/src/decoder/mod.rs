@@ -34,7 +34,6 @@
 
 use ferrotext_sharding::DType;
 use ferrotext_spmd::{Array, Ctx, Ids, SpmdError, UnaryOp};
-use ferrotext_tensor::DotDims;
 
 pub use crate::deepseek::MlaSettings;
 use crate::kv_cache::KvCache;
@@ -65,6 +64,8 @@ pub use weights::{Attention, DecoderLayer, DenseMlp, Experts, Gqa, Mlp, SparseMo
 /// expert loads.
 struct Hidden {
     x: Array,
+    /// The embedding table as the lookup read it (gathered whole; reduced when tied).
+    table: Array,
     head: Array,
     tied: bool,
     aux: Option<Array>,
@@ -343,32 +344,26 @@ impl Decoder {
         docs: Option<&Positions>,
     ) -> Result<(Array, Option<Array>, ExpertLoads, Array), SpmdError> {
         let hidden = self.hidden_and_head(cx, params, inputs, cache, docs)?;
-        let (x, aux, loads) = (hidden.x, hidden.aux, hidden.loads);
-        let layout = ActivationLayout::of(inputs);
-        // 3. the LM head: [B, T, d]·[d, V] (tied: the embedding, transposed)
-        let logits = if hidden.tied {
-            let dims = DotDims {
-                lhs_contracting: vec![2],
-                rhs_contracting: vec![1],
-                ..Default::default()
-            };
-            let table = cx.cast(&hidden.head, x.ty().dtype())?;
-            cx.dot_general_preferred(&x, &table, &dims, None, DType::F32)?
-        } else {
-            nn::linear_to(cx, &x, &hidden.head, DType::F32)?
-        };
+        let logits = self.head(cx, &hidden, inputs)?;
+        Ok((logits, hidden.aux, hidden.loads, hidden.x))
+    }
+
+    /// Step 3 of [`Decoder::forward`]: the LM head's f32 logits `[B, T, vocab]` of `h`'s hidden
+    /// states (`[B, T, d]·[d, V]`; tied: the embedding, transposed), soft-capped when the model
+    /// caps them, with whole vocab rows (the vocab dim gathered if it is split) laid out like
+    /// `inputs`, as the cross-entropy reads them.
+    fn head(&self, cx: &mut Ctx<'_>, h: &Hidden, inputs: &Ids) -> Result<Array, SpmdError> {
+        let logits = nn::head_logits(cx, &h.x, &h.head, h.tied)?;
         let logits = match self.cfg.final_logit_softcapping {
             Some(cap) => cx.unary(UnaryOp::Softcap(cap), &logits)?,
             None => logits,
         };
-        // 4. cross-entropy needs whole vocab rows: gather the vocab dim if it is split
-        let want = layout.spec(3);
-        let logits = if logits.ty().sharding().spec().partitions() == want.partitions() {
-            logits
+        let want = ActivationLayout::of(inputs).spec(3);
+        if logits.ty().sharding().spec().partitions() == want.partitions() {
+            Ok(logits)
         } else {
-            cx.reshard(&logits, &want)?
-        };
-        Ok((logits, aux, loads, x))
+            cx.reshard(&logits, &want)
+        }
     }
 
     /// Steps 1 and 2 of [`Decoder::forward`] and the head's weight: what the head reads.
@@ -383,11 +378,12 @@ impl Decoder {
         let w = self.bind(params)?;
         let (x, table, aux, loads) = self.trunk(cx, &w, inputs, cache, docs)?;
         let (head, tied) = match w.lm_head {
-            None => (table, true),
+            None => (table.clone(), true),
             Some(head) => (head.clone(), false),
         };
         Ok(Hidden {
             x,
+            table,
             head,
             tied,
             aux,

@@ -480,11 +480,12 @@ impl Weights<ParamInfo> {
 // ---------------------------------------------------------------------------------------------
 // DeepSeek-V3's multi-token-prediction module (its math is in `crate::mtp`).
 
-/// The weights of a depth-1 MTP module (`model.layers.{L}.*`, HF names), matrices `[in, out]`.
+/// The weights of a depth-1 MTP module that are its own (`model.layers.{L}.*`, HF names),
+/// matrices `[in, out]`. The embedding and the output head are the main model's: the DeepSeek-V3
+/// report shares them, as MaxText and transformers' `MtpModel` do, and the published layer's
+/// `embed_tokens` and `shared_head.head` are copies of them ([`crate::mtp::stored_copies`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Mtp<W> {
-    /// `embed_tokens.weight` `[vocab, d]` (the published layer's copy of the embedding).
-    pub embed_tokens: W,
     /// `enorm.weight` `[d]`: the RMSNorm of the next token's embedding.
     pub enorm: W,
     /// `hnorm.weight` `[d]`: the RMSNorm of the main model's hidden state.
@@ -493,10 +494,8 @@ pub struct Mtp<W> {
     pub eh_proj: W,
     /// The decoder layer (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`).
     pub layer: DecoderLayer<W>,
-    /// `shared_head.norm.weight` `[d]`.
+    /// `shared_head.norm.weight` `[d]`: the module's own final norm, before the shared head.
     pub shared_head_norm: W,
-    /// `shared_head.head.weight` `[d, vocab]`.
-    pub shared_head_head: W,
 }
 
 impl<W> Mtp<W> {
@@ -507,13 +506,11 @@ impl<W> Mtp<W> {
     /// The first error of `f`.
     pub fn try_map<U, E>(&self, f: &mut impl FnMut(&W) -> Result<U, E>) -> Result<Mtp<U>, E> {
         Ok(Mtp {
-            embed_tokens: f(&self.embed_tokens)?,
             enorm: f(&self.enorm)?,
             hnorm: f(&self.hnorm)?,
             eh_proj: f(&self.eh_proj)?,
             layer: self.layer.try_map(f)?,
             shared_head_norm: f(&self.shared_head_norm)?,
-            shared_head_head: f(&self.shared_head_head)?,
         })
     }
 }
@@ -524,28 +521,12 @@ impl Mtp<ParamInfo> {
         let i = c.base_num_decoder_layers;
         let l = |s: &str| format!("model.layers.{i}.{s}");
         let d = c.base_emb_dim;
-        let embed = l("embed_tokens.weight");
         Mtp {
-            embed_tokens: ParamInfo {
-                hf: HfLayout::Tensor {
-                    name: embed.clone(),
-                    transposed: false,
-                },
-                name: embed,
-                shape: vec![c.vocab_size, d],
-                logical: vec![Some("vocab"), Some("embed")],
-                init: Init::Normal { std: 0.02 },
-            },
             enorm: norm_scale(l("enorm.weight"), d, Some("norm")),
             hnorm: norm_scale(l("hnorm.weight"), d, Some("norm")),
             eh_proj: matrix(l("eh_proj.weight"), [2 * d, d], [None, Some("embed")]),
             layer: DecoderLayer::declare(c, i),
             shared_head_norm: norm_scale(l("shared_head.norm.weight"), d, Some("norm")),
-            shared_head_head: matrix(
-                l("shared_head.head.weight"),
-                [d, c.vocab_size],
-                [Some("embed"), Some("vocab")],
-            ),
         }
     }
 
