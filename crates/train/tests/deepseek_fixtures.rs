@@ -127,12 +127,7 @@ fn check_groups(name: &str) {
         .position(|p| p.name == "model.layers.1.mlp.gate.e_score_correction_bias")
         .unwrap();
     assert!(values[k].data().iter().any(|&b| b != 0.0));
-    let rows: Vec<Vec<u32>> = want["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(ids)
-        .collect();
+    let rows = rows_of(&want);
     let loss = mean_loss(&model, &values, &rows);
     let reference = want["loss"].as_f64().unwrap();
     eprintln!("{name}: loss {loss:.7} transformers {reference:.7}");
@@ -398,12 +393,7 @@ fn the_mtp_module_gives_the_reference_mtp_loss() {
         infos.extend(Mtp::declare(&cfg).params());
         let values = hf::load_directory(&dir, &infos).unwrap_or_else(|e| panic!("{e}"));
         let (main_values, mtp_values) = values.split_at(main.len());
-        let rows: Vec<Vec<u32>> = want["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(ids)
-            .collect();
+        let rows = rows_of(&want);
         let loss = mean_loss(&model, main_values, &rows);
         assert!(
             (loss - want["loss"].as_f64().unwrap()).abs() <= 2e-5,
