@@ -7,6 +7,7 @@
 //! is bitwise; a bf16 run trains it; a DeepSeek-V3 directory with the layer trains and exports with it, and
 //! refuses to load without `mtp_num_layers=1`; bad values are usage errors naming the key. The
 //! module shares the main model's embedding and head: its loss has a gradient on them, the
+//! objective and its gradient at a published layout are transformers 5's `MtpModel`'s (tied), the
 //! export writes the published layer's copies of them, and a layer whose copies differ is
 //! refused, named.
 
@@ -498,6 +499,106 @@ fn a_layer_whose_copies_are_its_own_is_refused_by_name() {
         );
         std::fs::remove_dir_all(&dir).ok();
     }
+}
+
+/// The training objective and its gradient at a DeepSeek-V3 directory with the layer are
+/// transformers': `objective/deepseek_v3-mtp-tf5-f32-single.json` holds them as transformers 5's
+/// `DeepseekV3ForCausalLM` and its `MtpModel` (tied to the main embedding and head) compute them
+/// in float64 (`mtp_objective.py`): the objective within 1e-5, and every gradient transformers
+/// has (bar the routed experts, which it fuses into a layout of its own) in its norm and first 8
+/// elements within 1e-4 of the norm. The mirror: the embedding's gradient of the main loss
+/// alone (what a module with a copy of its own would leave on the main embedding) is not the
+/// reference's.
+#[test]
+fn the_objective_and_its_gradient_are_transformers_mtp_models() {
+    let dir = fixture("deepseek_v3-mtp-tf5-f32-single");
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("objective").join("deepseek_v3-mtp-tf5-f32-single.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let factor = reference["factor"].as_f64().unwrap();
+    let cfg = hf_config(
+        &dir,
+        &[
+            "mtp_num_layers=1",
+            &format!("mtp_loss_scaling_factor={factor}"),
+        ],
+    )
+    .unwrap();
+    let plan = cfg.plan().unwrap();
+    let values = ferrotext_hf::load_directory(&dir, plan.params()).unwrap();
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let rows: Vec<Vec<u32>> = expected["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect();
+    let tokens = (rows.len() * (rows[0].len() - 1)) as f64;
+    let (sum, total) = value_and_grad(&cfg, &values, &rows, Of::Total);
+    let objective = reference["objective"].as_f64().unwrap();
+    assert!(
+        (sum / tokens - objective).abs() <= 1e-5,
+        "objective {} vs transformers' {objective}",
+        sum / tokens
+    );
+    // Every gradient in the checkpoint's layout and names, as a mean over the tokens.
+    let in_hf = |grads: &[Tensor]| -> std::collections::BTreeMap<String, Vec<f64>> {
+        plan.params()
+            .iter()
+            .zip(grads)
+            .flat_map(|(info, g)| info.to_hf(g).unwrap())
+            .map(|(name, t)| {
+                let mean = t.data().iter().map(|&x| f64::from(x) / tokens).collect();
+                (name, mean)
+            })
+            .collect()
+    };
+    let ours = in_hf(&total);
+    let norm = |g: &[f64]| g.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let gradients = reference["gradients"].as_object().unwrap();
+    assert!(
+        gradients.len() >= 40,
+        "{} reference gradients",
+        gradients.len()
+    );
+    for (name, want) in gradients {
+        let g = ours
+            .get(name)
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let want_norm = want["norm"].as_f64().unwrap();
+        let tol = 1e-4 * want_norm + 1e-8;
+        assert!(
+            (norm(g) - want_norm).abs() <= tol,
+            "{name}: gradient norm {} vs transformers' {want_norm}",
+            norm(g)
+        );
+        for (j, w) in want["first"].as_array().unwrap().iter().enumerate() {
+            let w = w.as_f64().unwrap();
+            assert!(
+                (g[j] - w).abs() <= tol,
+                "{name}[{j}]: {} vs transformers' {w}",
+                g[j]
+            );
+        }
+    }
+    let (_, main) = value_and_grad(&cfg, &values, &rows, Of::Main);
+    let embedding = "model.embed_tokens.weight";
+    let want = gradients[embedding]["norm"].as_f64().unwrap();
+    let alone = norm(&in_hf(&main)[embedding]);
+    assert!(
+        (alone - want).abs() > 1e-4 * want + 1e-8,
+        "mirror: the main loss alone gives the embedding a gradient of norm {alone}, the \
+         reference {want}"
+    );
 }
 
 /// A depth of 2 and a negative or non-finite factor: usage errors naming the key; the mirrors
