@@ -17,8 +17,9 @@ use crate::CONFIG_FILE;
 pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 
 /// The `config.json` keys an export copies from the source directory, when the source sets
-/// them; none of them changes what the decoder computes (`max_position_embeddings` where a RoPE
-/// reads it was read into the model's config from the same value).
+/// them; none of them changes what the decoder computes that the model's config did not read
+/// from the same value (`max_position_embeddings` where a RoPE reads it; `pad_token_id`, whose
+/// embedding row learns nothing from its lookups, `Config::pad_token_id`).
 pub const DECLARED_KEYS: &[&str] = &[
     "bos_token_id",
     "eos_token_id",

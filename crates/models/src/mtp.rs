@@ -212,7 +212,10 @@ impl Mtp<&Array> {
         let eps = c.normalization_layer_epsilon;
         // 1. x = eh_proj · [enorm(Emb(next)); hnorm(h)]: [B@batch, T, 2d] → [B@batch, T, d]
         //    (the main model's table, as its lookup read it)
-        let e = cx.take(shared.table, next)?;
+        let e = match c.pad_token_id {
+            Some(pad) => cx.take_frozen(shared.table, next, pad)?,
+            None => cx.take(shared.table, next)?,
+        };
         // The embedding rows in the main model's compute dtype (bf16 under `dtype=bfloat16`).
         let e = cx.cast(&e, hidden.ty().dtype())?;
         let e = rms_norm(cx, &e, self.enorm, eps)?;

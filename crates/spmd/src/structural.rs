@@ -9,6 +9,8 @@
 //! table reduced on an axis the indices are sharded on is used locally, and its cotangent comes
 //! back unreduced on that axis.
 
+use std::borrow::Cow;
+
 use ferrotext_sharding::{ArrayType, AxisSet, DType, DimSpec, NamedSharding, PartitionSpec};
 use ferrotext_tensor::Tensor;
 
@@ -208,6 +210,32 @@ impl Ctx<'_> {
     /// None forward. Backward: the per-device scatter-adds are partial sums over the ids' axes,
     /// kept unreduced for a table reduced on them, else all-reduced.
     pub fn take(&mut self, table: &Array, ids: &Ids) -> Result<Array, SpmdError> {
+        self.take_with(table, ids, None)
+    }
+
+    /// [`Ctx::take`] whose backward leaves row `frozen` of the table out: the rows read are
+    /// `take`'s, bit for bit, and the positions whose id is `frozen` pass no cotangent back, so
+    /// that row's gradient gets nothing from this lookup (transformers' `nn.Embedding` with a
+    /// `padding_idx`: the pad token's row learns only from a head tied to the table).
+    ///
+    /// # Errors
+    /// As [`Ctx::take`].
+    pub fn take_frozen(
+        &mut self,
+        table: &Array,
+        ids: &Ids,
+        frozen: u32,
+    ) -> Result<Array, SpmdError> {
+        self.take_with(table, ids, Some(frozen))
+    }
+
+    /// [`Ctx::take`], with the row its backward leaves out, if any.
+    fn take_with(
+        &mut self,
+        table: &Array,
+        ids: &Ids,
+        frozen: Option<u32>,
+    ) -> Result<Array, SpmdError> {
         let t = table.ty();
         if !t.sharding().spec().unreduced().is_empty() {
             return Err(type_error(
@@ -252,6 +280,7 @@ impl Ctx<'_> {
             Backward::Take {
                 table: t.clone(),
                 ids: ids.clone(),
+                frozen,
             },
             &[table],
             out,
@@ -294,7 +323,7 @@ impl Ctx<'_> {
         &mut self,
         ct: &Array,
         table: &ArrayType,
-        ids: &Ids,
+        (ids, frozen): (&Ids, Option<u32>),
     ) -> Result<Array, SpmdError> {
         let target = table.to_cotangent();
         let rows = table.shape()[0];
@@ -303,8 +332,9 @@ impl Ctx<'_> {
             (Some(c), Some(ix)) => {
                 let local_shape = natural.shard_shape();
                 let width: usize = local_shape[1..].iter().product();
-                let src = c.clone().reshape(&[ix.len(), width])?;
-                let added = ferrotext_tensor::scatter_add(&[rows, width], 0, ix, &src)?;
+                let (ix, kept) = kept_rows(ix, c.data(), width, frozen);
+                let src = Tensor::new(vec![ix.len(), width], kept.into_owned())?;
+                let added = ferrotext_tensor::scatter_add(&[rows, width], 0, &ix, &src)?;
                 Some(added.reshape(&local_shape)?)
             }
             _ => None,
@@ -324,7 +354,7 @@ impl Ctx<'_> {
         &mut self,
         ct: &Array,
         table: &ArrayType,
-        ids: &Ids,
+        (ids, frozen): (&Ids, Option<u32>),
         dest: &mut [&mut [f32]],
     ) -> Result<bool, SpmdError> {
         let Some(natural) = self.take_transpose_in_place(table, ids)? else {
@@ -333,11 +363,9 @@ impl Ctx<'_> {
         match (ct.local_opt().as_deref(), ids.local()) {
             (Some(c), Some(ix)) => {
                 let width: usize = natural.shard_shape()[1..].iter().product();
+                let (ix, kept) = kept_rows(ix, c.data(), width, frozen);
                 Ok(ferrotext_tensor::scatter_add_into_parts(
-                    dest,
-                    width,
-                    ix,
-                    c.data(),
+                    dest, width, &ix, &kept,
                 )?)
             }
             _ => Ok(true),
@@ -481,6 +509,31 @@ impl Ctx<'_> {
 }
 
 /// `m ? x : y` on local blocks.
+/// The ids and the cotangent rows (`width` elements each, one per id) a take's transpose
+/// scatters: all of them, or, with a `frozen` row, those whose id is not it (borrowed when none
+/// is).
+fn kept_rows<'a>(
+    ids: &'a [u32],
+    rows: &'a [f32],
+    width: usize,
+    frozen: Option<u32>,
+) -> (Cow<'a, [u32]>, Cow<'a, [f32]>) {
+    let Some(frozen) = frozen.filter(|f| ids.contains(f)) else {
+        return (Cow::Borrowed(ids), Cow::Borrowed(rows));
+    };
+    let (mut kept_ids, mut kept) = (
+        Vec::with_capacity(ids.len()),
+        Vec::with_capacity(rows.len()),
+    );
+    for (k, &id) in ids.iter().enumerate() {
+        if id != frozen {
+            kept_ids.push(id);
+            kept.extend_from_slice(&rows[k * width..(k + 1) * width]);
+        }
+    }
+    (Cow::Owned(kept_ids), Cow::Owned(kept))
+}
+
 fn select_local(m: &Tensor, x: &Tensor, y: &Tensor) -> Result<Tensor, SpmdError> {
     let xm = x.zip_with(m, |v, k| if k != 0.0 { v } else { 0.0 })?;
     let ym = y.zip_with(m, |v, k| if k != 0.0 { 0.0 } else { v })?;

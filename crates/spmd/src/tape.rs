@@ -81,6 +81,8 @@ pub(crate) enum Backward {
     Take {
         table: ArrayType,
         ids: Ids,
+        /// A row whose lookups pass no cotangent back ([`crate::Ctx::take_frozen`]).
+        frozen: Option<u32>,
     },
     Select {
         mask: Array,

@@ -283,10 +283,22 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
             cx.reduce_sum(&r3, &[0, 1, 2], Some(&p(&[], &["x"], &[])))
         };
         let tied_head = |cx: &mut Ctx<'_>, ts: &[Array]| tied(cx, ts, &ids);
+        // A lookup that passes nothing back to row 4 (`take_frozen`).
+        let frozen = |cx: &mut Ctx<'_>, ts: &[Array]| -> Result<Array, SpmdError> {
+            let rows = cx.take_frozen(&ts[0], &ids, 4)?;
+            let r3 = cx.mul(&rows, &rows)?;
+            let r3 = cx.mul(&r3, &rows)?;
+            cx.reduce_sum(&r3, &[0, 1, 2], Some(&p(&[], &["x"], &[])))
+        };
         let start: Vec<f32> = (0..15).map(|i| i as f32 * 0.37 + 0.01).collect();
         let mut results = Vec::new();
-        let models: [(&LossFn<'_>, usize); 4] =
-            [(&lookup, 1), (&tied_head, 1), (&lookup, 5), (&lookup, 3)];
+        let models: [(&LossFn<'_>, usize); 5] = [
+            (&lookup, 1),
+            (&tied_head, 1),
+            (&lookup, 5),
+            (&lookup, 3),
+            (&frozen, 1),
+        ];
         for (f, offer) in models {
             results.push(against_the_handed_path(cx, &ws, f, &start, offer)?);
         }
@@ -306,6 +318,15 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
         let (bufs, want, sunk) = &results[3];
         assert_eq!(sunk, &[(0, false)], "3 parts cut rows");
         assert_eq!(bits(bufs), bits(want));
+        let (bufs, want, sunk) = &results[4];
+        assert_eq!(sunk, &[(0, true)], "a frozen lookup goes into the buffer");
+        assert_eq!(
+            bits(bufs),
+            bits(want),
+            "a frozen lookup: the handed path's bits"
+        );
+        let start: Vec<f32> = (12..15).map(|i| i as f32 * 0.37 + 0.01).collect();
+        assert_eq!(bits(&bufs[12..15]), bits(&start), "row 4 untouched");
     }
 }
 

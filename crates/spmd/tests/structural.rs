@@ -158,6 +158,75 @@ fn host_lookup_grad() -> Vec<f32> {
     g
 }
 
+/// `take_frozen` reads the rows `take` reads, bit for bit, and its lookups pass nothing back to
+/// the frozen row (transformers' `padding_idx`); every other row's gradient is the host's. Tied
+/// to a head, the frozen row still gets the head's part, and only it. For a reduced table (the
+/// gradient unreduced, added in place) and a plain one (all-reduced).
+#[test]
+fn a_frozen_take_reads_the_same_rows_and_passes_nothing_back_to_its_row() {
+    let ids_global = [4u32, 0, 4, 2, 1, 1, 3, 0];
+    let x = Tensor::from_fn(&[2, 4, 3], |i| 0.01 * i as f32 - 0.1);
+    let frozen = 4u32;
+    for table_reduced in [true, false] {
+        let m = mesh(&[("data", 2)]);
+        let out = on_devices(&m, |cx| {
+            let spec = if table_reduced {
+                p(&["", ""], &[], &["data"])
+            } else {
+                p(&["", ""], &[], &[])
+            };
+            let table = place(cx, &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32), spec);
+            let ids = cx.ids_from_global(&[2, 4], p(&["data", ""], &[], &[]), &ids_global)?;
+            let xs = place(cx, &x, p(&["data", "", ""], &[], &[]));
+            let rows = local(&cx.take(&table, &ids)?);
+            let frozen_rows = local(&cx.take_frozen(&table, &ids, frozen)?);
+            let head = DotDims {
+                lhs_contracting: vec![2],
+                rhs_contracting: vec![1],
+                ..DotDims::default()
+            };
+            let mut grads = Vec::new();
+            for tied in [false, true] {
+                let (_, g) = cx.value_and_grad(std::slice::from_ref(&table), |cx, ts| {
+                    let rows = cx.take_frozen(&ts[0], &ids, frozen)?;
+                    let looked = sum_sq(cx, &rows)?;
+                    if !tied {
+                        return Ok(looked);
+                    }
+                    let logits = cx.dot_general(&xs, &ts[0], &head, None)?;
+                    let linear = cx.reduce_sum(&logits, &[0, 1, 2], None)?;
+                    cx.add(&looked, &linear)
+                })?;
+                let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
+                grads.push(local(&full));
+            }
+            Ok((rows, frozen_rows, grads))
+        });
+        let colsum: Vec<f32> = (0..3)
+            .map(|j| (0..8).map(|r| x.data()[r * 3 + j]).sum())
+            .collect();
+        let lookup: Vec<f32> = host_lookup_grad()
+            .iter()
+            .enumerate()
+            .map(|(i, &g)| if i / 3 == frozen as usize { 0.0 } else { g })
+            .collect();
+        let tied: Vec<f32> = lookup
+            .iter()
+            .enumerate()
+            .map(|(i, l)| l + colsum[i % 3])
+            .collect();
+        for ((rows, frozen_rows, grads), _) in out {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&frozen_rows), bits(&rows), "the rows take reads");
+            assert_close(&grads[0], &lookup, 1e-6, "frozen lookup grad");
+            assert!(grads[0][12..15].iter().all(|&g| g == 0.0));
+            assert_close(&grads[1], &tied, 1e-6, "frozen tied table grad");
+            // The mirror: the host's gradient of `take` moves the row.
+            assert!(host_lookup_grad()[12..15].iter().all(|&g| g != 0.0));
+        }
+    }
+}
+
 /// A table used by a `take` and by a product (a tied embedding and its output head): the take's
 /// rows are added into the product's contribution in place; the gradient is the host's,
 /// `{U:data}` for a reduced table and all-reduced for a plain one.

@@ -27,8 +27,10 @@ pub(super) fn sizes(k: &mut Keys<'_>) -> Result<Config, String> {
     k.only_number("partial_rotary_factor", 1.0);
     k.only_number("attention_dropout", 0.0);
     k.only("output_router_logits", json!(false));
+    let vocab = k.usize("vocab_size")?;
     Ok(Config {
-        vocab_size: k.usize("vocab_size")?,
+        vocab_size: vocab,
+        pad_token_id: padding_row(k.get("pad_token_id"), vocab),
         base_emb_dim: hidden,
         base_num_decoder_layers: k.usize("num_hidden_layers")?,
         base_num_query_heads: heads,
@@ -39,6 +41,19 @@ pub(super) fn sizes(k: &mut Keys<'_>) -> Result<Config, String> {
         normalization_layer_epsilon: k.positive_or("rms_norm_eps", 1e-6)?,
         ..Config::default()
     })
+}
+
+/// The embedding row transformers builds as `nn.Embedding`'s `padding_idx` from `pad_token_id`:
+/// an integer in `-vocab..vocab` (a negative one counts from the end, as torch counts it);
+/// `None` for none (`null`, absent, or a value transformers could not build a model with).
+fn padding_row(pad: Option<&Value>, vocab: usize) -> Option<u32> {
+    let pad = pad?.as_i64()?;
+    let vocab = i64::try_from(vocab).ok()?;
+    let row = if pad < 0 { vocab + pad } else { pad };
+    (0..vocab)
+        .contains(&row)
+        .then(|| u32::try_from(row).ok())
+        .flatten()
 }
 
 /// `attention_bias` and `mlp_bias` refused unless false (a family that builds neither).
@@ -130,7 +145,7 @@ pub(super) fn qwen_windows(k: &mut Keys<'_>, cfg: &mut Config) -> Result<(), Str
 /// The `config.json` keys every family writes for `cfg` (`model_type` `name`, `torch_dtype`
 /// `dtype`).
 pub(super) fn base_json(cfg: &Config, name: &str, dtype: &str) -> Value {
-    json!({
+    let mut v = json!({
         "model_type": name,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.base_emb_dim,
@@ -146,7 +161,21 @@ pub(super) fn base_json(cfg: &Config, name: &str, dtype: &str) -> Value {
         "initializer_range": 0.02,
         "use_cache": true,
         "torch_dtype": dtype,
-    })
+    });
+    // The pad token's row; none is written `null` only where the class's default is a row
+    // (Gemma's 0, OLMo 2's 1), which an absent key would mean.
+    let class_has_pad = super::ModelType::from_name(name).is_some_and(|k| {
+        k.family()
+            .defaults
+            .iter()
+            .any(|(names, _)| names.contains(&"pad_token_id"))
+    });
+    match cfg.pad_token_id {
+        Some(pad) => v["pad_token_id"] = json!(pad),
+        None if class_has_pad => v["pad_token_id"] = Value::Null,
+        None => {}
+    }
+    v
 }
 
 /// The features of `cfg` that a dense GQA family (`name`, with QK-norm as `qk_norm` says and

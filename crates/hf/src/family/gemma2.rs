@@ -128,6 +128,7 @@ const DEFAULTS: &[super::defaults::ClassDefault] = &[
     (&["sliding_window"], "4096"),
     (&["attn_logit_softcapping"], "50.0"),
     (&["final_logit_softcapping"], "30.0"),
+    (&["pad_token_id"], "0"),
 ];
 
 fn read(k: &mut Keys<'_>) -> Result<Config, String> {

@@ -107,6 +107,7 @@ const DEFAULTS: &[super::defaults::ClassDefault] = &[
     (&["tie_word_embeddings"], "true"),
     (&["query_pre_attn_scalar"], "256"),
     (&["sliding_window"], "4096"),
+    (&["pad_token_id"], "0"),
 ];
 
 /// The config with `rope_parameters` narrowed to its full-attention layers' object (5.x), so

@@ -76,6 +76,7 @@ const DEFAULTS: &[super::defaults::ClassDefault] = &[
     (&["rms_norm_eps"], "1e-5"),
     (&["tie_word_embeddings"], "false"),
     (&["attention_bias"], "false"),
+    (&["pad_token_id"], "1"),
 ];
 
 fn read(k: &mut Keys<'_>) -> Result<Config, String> {

@@ -69,7 +69,9 @@ pub(super) const GENERIC: &[(&str, KeyUse)] = &[
     ("tf_legacy_loss", Irrelevant(NOT_MATH)),
     ("bos_token_id", Irrelevant(TOKENS)),
     ("eos_token_id", Irrelevant(TOKENS)),
-    ("pad_token_id", Irrelevant(TOKENS)),
+    // transformers' `nn.Embedding(padding_idx = pad_token_id)`: that row gets no gradient
+    // from the lookups (`Config::pad_token_id`).
+    ("pad_token_id", Read { probe: "5" }),
     ("sep_token_id", Irrelevant(TOKENS)),
     ("decoder_start_token_id", Irrelevant(TOKENS)),
     ("max_length", Irrelevant(GENERATE)),

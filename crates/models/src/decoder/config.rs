@@ -172,6 +172,11 @@ pub struct Config {
     /// RoPE θ of the sliding layers when it is not the full layers' (Gemma 3's
     /// `rope_local_base_freq`; plain RoPE there, whatever scaling the full layers have).
     pub sliding_rope_theta: Option<f32>,
+    /// The pad token's row of the embedding (HF `pad_token_id`), whose lookups pass no gradient
+    /// back: transformers builds every family's embedding as `nn.Embedding(padding_idx =
+    /// pad_token_id)`, so that row learns only from a head tied to the table. The forward is
+    /// unchanged. `None` (every row learns from its lookups) for presets, MaxText's behaviour.
+    pub pad_token_id: Option<u32>,
 }
 
 /// The one base every preset and reader starts from (`..Config::default()`): a plain pre-norm
@@ -214,6 +219,7 @@ impl Default for Config {
             final_logit_softcapping: None,
             sliding_window: None,
             sliding_rope_theta: None,
+            pad_token_id: None,
         }
     }
 }

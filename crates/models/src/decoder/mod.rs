@@ -412,7 +412,10 @@ impl Decoder {
             None => reduced_over(cx, &table, &layout.token_axes())?,
             Some(_) => table,
         };
-        let x = cx.take(&table, inputs)?;
+        let x = match c.pad_token_id {
+            Some(pad) => cx.take_frozen(&table, inputs, pad)?,
+            None => cx.take(&table, inputs)?,
+        };
         let mut x = cx.cast(&x, self.compute_dtype)?;
         if c.scale_embedding {
             // Gemma's `normalizer`: √d, in the activations' dtype.

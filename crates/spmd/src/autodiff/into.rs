@@ -107,7 +107,9 @@ impl Ctx<'_> {
             (Backward::Dot { lhs, rhs, dims }, dest) => {
                 self.dot_general_transpose_into((lhs, rhs), dims, ct, side, dest)
             }
-            (Backward::Take { table, ids }, dest) => self.take_transpose_into(ct, table, ids, dest),
+            (Backward::Take { table, ids, frozen }, dest) => {
+                self.take_transpose_into(ct, table, (ids, *frozen), dest)
+            }
             (Backward::GroupedMatmul { x, w, group_sizes }, dest) if side == 1 => {
                 self.grouped_matmul_transpose_into(x, w, group_sizes, ct, dest)
             }

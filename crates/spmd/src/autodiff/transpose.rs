@@ -45,7 +45,9 @@ impl Ctx<'_> {
             Backward::Concat { types, dim, sizes } => {
                 self.concat_transpose(types, *dim, sizes, ct)?
             }
-            Backward::Take { table, ids } => one(self.take_transpose(ct, table, ids)?),
+            Backward::Take { table, ids, frozen } => {
+                one(self.take_transpose(ct, table, (ids, *frozen))?)
+            }
             Backward::Select { mask } => {
                 let [da, db] = self.select_transpose(mask, ct)?;
                 vec![Some(da), Some(db)]

@@ -301,7 +301,7 @@ impl Ctx<'_> {
             };
             // A tied table: the lookup's rows set aside first (see `tied`), or handed.
             let tied = match tied_take.map(|t| &tape.nodes[t].backward) {
-                Some(Backward::Take { table, ids }) => {
+                Some(Backward::Take { table, ids, .. }) => {
                     match TiedRows::set_aside(self, (table, ids), &mut dest)? {
                         Some(rows) => Some(rows),
                         None => continue,
