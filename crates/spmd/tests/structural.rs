@@ -121,31 +121,9 @@ fn slice_keeps_an_unreduced_tag_and_pads_its_cotangent_with_zeros() {
     }
 }
 
+/// The gradient of an untied lookup ([`table_gradient`]), with each device's trace.
 fn lookup(table_reduced: bool) -> Vec<((Vec<f32>, String), ferrotext_comm::Trace)> {
-    let m = mesh(&[("data", 2)]);
-    on_devices(&m, move |cx| {
-        let spec = if table_reduced {
-            p(&["", ""], &[], &["data"])
-        } else {
-            p(&["", ""], &[], &[])
-        };
-        let table = place(cx, &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32), spec);
-        let ids = cx.ids_from_global(
-            &[2, 4],
-            p(&["data", ""], &[], &[]),
-            &[4, 0, 4, 2, 1, 1, 3, 0],
-        )?;
-        cx.comm().push_phase("step");
-        let (_, g) = cx.value_and_grad(&[table], |cx, ts| {
-            let rows = cx.take(&ts[0], &ids)?;
-            assert_eq!(rows.ty().to_string(), "f32[2@data,4,3]");
-            sum_sq(cx, &rows)
-        })?;
-        cx.comm().pop_phase();
-        let ty = g[0].ty().to_string();
-        let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
-        Ok((local(&full), ty))
-    })
+    table_gradient(table_reduced, None, false)
 }
 
 fn host_lookup_grad() -> Vec<f32> {
@@ -158,73 +136,127 @@ fn host_lookup_grad() -> Vec<f32> {
     g
 }
 
+/// The head's input in [`table_gradient`]: `[2, 4, 3]`, split over `data`.
+fn head_input() -> Tensor {
+    Tensor::from_fn(&[2, 4, 3], |i| 0.01 * i as f32 - 0.1)
+}
+
+/// On two devices, the table's gradient (replicated) and its type, of `Σ rows²` for a lookup of
+/// the 5×3 table at `[4, 0, 4, 2, 1, 1, 3, 0]` (split over `data`; [`Ctx::take_frozen`] at
+/// `frozen` when given), plus, when `tied`, `Σ x·tableᵀ` ([`head_input`]: a head reading the
+/// same table). The table reduced over `data`, or plain.
+fn table_gradient(
+    reduced: bool,
+    frozen: Option<u32>,
+    tied: bool,
+) -> Vec<((Vec<f32>, String), ferrotext_comm::Trace)> {
+    let m = mesh(&[("data", 2)]);
+    on_devices(&m, |cx| {
+        let spec = if reduced {
+            p(&["", ""], &[], &["data"])
+        } else {
+            p(&["", ""], &[], &[])
+        };
+        let table = place(cx, &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32), spec);
+        let ids = cx.ids_from_global(
+            &[2, 4],
+            p(&["data", ""], &[], &[]),
+            &[4, 0, 4, 2, 1, 1, 3, 0],
+        )?;
+        let xs = place(cx, &head_input(), p(&["data", "", ""], &[], &[]));
+        let head = DotDims {
+            lhs_contracting: vec![2],
+            rhs_contracting: vec![1],
+            ..DotDims::default()
+        };
+        cx.comm().push_phase("step");
+        let (_, g) = cx.value_and_grad(&[table], |cx, ts| {
+            // The take is recorded first, so the walk reaches it last, after the product.
+            let rows = match frozen {
+                Some(row) => cx.take_frozen(&ts[0], &ids, row)?,
+                None => cx.take(&ts[0], &ids)?,
+            };
+            assert_eq!(rows.ty().to_string(), "f32[2@data,4,3]");
+            let looked = sum_sq(cx, &rows)?;
+            if !tied {
+                return Ok(looked);
+            }
+            let logits = cx.dot_general(&xs, &ts[0], &head, None)?;
+            let linear = cx.reduce_sum(&logits, &[0, 1, 2], None)?;
+            cx.add(&looked, &linear)
+        })?;
+        cx.comm().pop_phase();
+        let ty = g[0].ty().to_string();
+        let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
+        Ok((local(&full), ty))
+    })
+}
+
+/// [`table_gradient`] by hand: the lookup's rows (none for the frozen row) and, tied, the column
+/// sums of `x` on every row (d/dt Σ x·tᵀ).
+fn host_table_gradient(frozen: Option<u32>, tied: bool) -> Vec<f32> {
+    let x = head_input();
+    let colsum: Vec<f32> = (0..3)
+        .map(|j| (0..8).map(|r| x.data()[r * 3 + j]).sum())
+        .collect();
+    host_lookup_grad()
+        .iter()
+        .enumerate()
+        .map(|(i, &g)| {
+            let looked = if Some((i / 3) as u32) == frozen {
+                0.0
+            } else {
+                g
+            };
+            if tied {
+                looked + colsum[i % 3]
+            } else {
+                looked
+            }
+        })
+        .collect()
+}
+
 /// `take_frozen` reads the rows `take` reads, bit for bit, and its lookups pass nothing back to
 /// the frozen row (transformers' `padding_idx`); every other row's gradient is the host's. Tied
 /// to a head, the frozen row still gets the head's part, and only it. For a reduced table (the
 /// gradient unreduced, added in place) and a plain one (all-reduced).
 #[test]
 fn a_frozen_take_reads_the_same_rows_and_passes_nothing_back_to_its_row() {
-    let ids_global = [4u32, 0, 4, 2, 1, 1, 3, 0];
-    let x = Tensor::from_fn(&[2, 4, 3], |i| 0.01 * i as f32 - 0.1);
-    let frozen = 4u32;
-    for table_reduced in [true, false] {
-        let m = mesh(&[("data", 2)]);
-        let out = on_devices(&m, |cx| {
-            let spec = if table_reduced {
-                p(&["", ""], &[], &["data"])
-            } else {
-                p(&["", ""], &[], &[])
-            };
-            let table = place(cx, &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32), spec);
-            let ids = cx.ids_from_global(&[2, 4], p(&["data", ""], &[], &[]), &ids_global)?;
-            let xs = place(cx, &x, p(&["data", "", ""], &[], &[]));
-            let rows = local(&cx.take(&table, &ids)?);
-            let frozen_rows = local(&cx.take_frozen(&table, &ids, frozen)?);
-            let head = DotDims {
-                lhs_contracting: vec![2],
-                rhs_contracting: vec![1],
-                ..DotDims::default()
-            };
-            let mut grads = Vec::new();
-            for tied in [false, true] {
-                let (_, g) = cx.value_and_grad(std::slice::from_ref(&table), |cx, ts| {
-                    let rows = cx.take_frozen(&ts[0], &ids, frozen)?;
-                    let looked = sum_sq(cx, &rows)?;
-                    if !tied {
-                        return Ok(looked);
-                    }
-                    let logits = cx.dot_general(&xs, &ts[0], &head, None)?;
-                    let linear = cx.reduce_sum(&logits, &[0, 1, 2], None)?;
-                    cx.add(&looked, &linear)
-                })?;
-                let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
-                grads.push(local(&full));
+    let m = mesh(&[("data", 2)]);
+    let rows = on_devices(&m, |cx| {
+        let table = place(
+            cx,
+            &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32),
+            p(&["", ""], &[], &[]),
+        );
+        let ids = cx.ids_from_global(
+            &[2, 4],
+            p(&["data", ""], &[], &[]),
+            &[4, 0, 4, 2, 1, 1, 3, 0],
+        )?;
+        Ok((
+            local(&cx.take(&table, &ids)?),
+            local(&cx.take_frozen(&table, &ids, 4)?),
+        ))
+    });
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for ((plain, frozen), _) in rows {
+        assert_eq!(bits(&frozen), bits(&plain), "the rows take reads");
+    }
+    for reduced in [true, false] {
+        for tied in [false, true] {
+            let want = host_table_gradient(Some(4), tied);
+            for ((g, _), _) in table_gradient(reduced, Some(4), tied) {
+                assert_close(&g, &want, 1e-6, "frozen table grad");
+                if !tied {
+                    assert!(g[12..15].iter().all(|&g| g == 0.0));
+                }
             }
-            Ok((rows, frozen_rows, grads))
-        });
-        let colsum: Vec<f32> = (0..3)
-            .map(|j| (0..8).map(|r| x.data()[r * 3 + j]).sum())
-            .collect();
-        let lookup: Vec<f32> = host_lookup_grad()
-            .iter()
-            .enumerate()
-            .map(|(i, &g)| if i / 3 == frozen as usize { 0.0 } else { g })
-            .collect();
-        let tied: Vec<f32> = lookup
-            .iter()
-            .enumerate()
-            .map(|(i, l)| l + colsum[i % 3])
-            .collect();
-        for ((rows, frozen_rows, grads), _) in out {
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&frozen_rows), bits(&rows), "the rows take reads");
-            assert_close(&grads[0], &lookup, 1e-6, "frozen lookup grad");
-            assert!(grads[0][12..15].iter().all(|&g| g == 0.0));
-            assert_close(&grads[1], &tied, 1e-6, "frozen tied table grad");
-            // The mirror: the host's gradient of `take` moves the row.
-            assert!(host_lookup_grad()[12..15].iter().all(|&g| g != 0.0));
         }
     }
+    // The mirror: the host's gradient of `take` moves the row.
+    assert!(host_lookup_grad()[12..15].iter().all(|&g| g != 0.0));
 }
 
 /// A table used by a `take` and by a product (a tied embedding and its output head): the take's
@@ -232,49 +264,16 @@ fn a_frozen_take_reads_the_same_rows_and_passes_nothing_back_to_its_row() {
 /// `{U:data}` for a reduced table and all-reduced for a plain one.
 #[test]
 fn a_take_adds_its_rows_into_the_tables_other_contribution() {
-    let ids_global = [4u32, 0, 4, 2, 1, 1, 3, 0];
-    let x = Tensor::from_fn(&[2, 4, 3], |i| 0.01 * i as f32 - 0.1);
-    for table_reduced in [true, false] {
-        let m = mesh(&[("data", 2)]);
-        let out = on_devices(&m, |cx| {
-            let spec = if table_reduced {
-                p(&["", ""], &[], &["data"])
-            } else {
-                p(&["", ""], &[], &[])
-            };
-            let table = place(cx, &Tensor::from_fn(&[5, 3], |i| 0.1 * i as f32), spec);
-            let ids = cx.ids_from_global(&[2, 4], p(&["data", ""], &[], &[]), &ids_global)?;
-            let xs = place(cx, &x, p(&["data", "", ""], &[], &[]));
-            let head = DotDims {
-                lhs_contracting: vec![2],
-                rhs_contracting: vec![1],
-                ..DotDims::default()
-            };
-            let (_, g) = cx.value_and_grad(&[table], |cx, ts| {
-                // The take is recorded first, so the walk reaches it last, after the product.
-                let rows = cx.take(&ts[0], &ids)?;
-                let looked = sum_sq(cx, &rows)?;
-                let logits = cx.dot_general(&xs, &ts[0], &head, None)?;
-                let linear = cx.reduce_sum(&logits, &[0, 1, 2], None)?;
-                cx.add(&looked, &linear)
-            })?;
-            let ty = g[0].ty().to_string();
-            let full = cx.reshard(&g[0], &PartitionSpec::replicated())?;
-            Ok((local(&full), ty))
-        });
-        // d/dt Σ x·tᵀ: every row gets the column sums of x.
-        let colsum: Vec<f32> = (0..3)
-            .map(|j| (0..8).map(|r| x.data()[r * 3 + j]).sum())
-            .collect();
-        let want: Vec<f32> = host_lookup_grad()
-            .iter()
-            .enumerate()
-            .map(|(i, l)| l + colsum[i % 3])
-            .collect();
-        for ((g, ty), _) in out {
-            let tagged = if table_reduced { "{U:data}" } else { "" };
+    for reduced in [true, false] {
+        for ((g, ty), _) in table_gradient(reduced, None, true) {
+            let tagged = if reduced { "{U:data}" } else { "" };
             assert_eq!(ty, format!("f32[5,3]{tagged}"));
-            assert_close(&g, &want, 1e-6, "tied table grad");
+            assert_close(
+                &g,
+                &host_table_gradient(None, true),
+                1e-6,
+                "tied table grad",
+            );
         }
     }
 }

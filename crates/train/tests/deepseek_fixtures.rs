@@ -22,6 +22,10 @@ use ferrotext_spmd::{Array, Ctx};
 use ferrotext_tensor::Tensor;
 use serde_json::Value;
 
+mod common;
+
+use common::one_device;
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../hf/tests/fixtures/transformers")
@@ -186,20 +190,9 @@ fn deepseek_groups_bias_and_scaling_match_transformers_bf16_sharded() {
 /// The loss sums of `rows` (inputs `r[..t]`, targets `r[1..]`) on one device: the main
 /// model's cross-entropy sum, the MTP module's, and the training objective's total.
 fn loss_parts(model: &Decoder, values: &[Tensor], rows: &[Vec<u32>]) -> (f64, f64, f64) {
-    let mesh = Arc::new(Mesh::explicit([("data", 1)]).unwrap());
-    let (b, t) = (rows.len(), rows[0].len() - 1);
-    let inputs: Vec<u32> = rows.iter().flat_map(|r| r[..t].to_vec()).collect();
-    let targets: Vec<u32> = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
-    let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+    let out = run_spmd(&one_device::mesh(), &SpmdOptions::default(), |dev| {
         let mut cx = Ctx::new(dev.comm(), 1);
-        let named = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
-        let params: Vec<Array> = values
-            .iter()
-            .map(|v| cx.from_global(v, named.clone()))
-            .collect::<Result<_, _>>()?;
-        let spec = PartitionSpec::new([Some("data"), None]);
-        let inputs = cx.ids_from_global(&[b, t], spec.clone(), &inputs)?;
-        let targets = cx.ids_from_global(&[b, t], spec, &targets)?;
+        let (params, inputs, targets) = one_device::place(&mut cx, values, rows)?;
         let main = model.loss_sum(&mut cx, &params, &inputs, &targets)?;
         let with_mtp = LossOptions {
             partial: false,

@@ -15,8 +15,7 @@ use std::path::{Path, PathBuf};
 
 use ferrotext_comm::{run_spmd, PhasePattern, SpmdOptions};
 use ferrotext_models::decoder::LossOptions;
-use ferrotext_sharding::{NamedSharding, PartitionSpec};
-use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_spmd::{Ctx, SpmdError};
 use ferrotext_tensor::Tensor;
 use ferrotext_train::data::{micro_batch, source_for};
 use ferrotext_train::{train, Engine, RunOptions, TrainConfig, TrainError, TrainReport};
@@ -67,19 +66,9 @@ fn value_and_grad(
     let plan = cfg.plan().unwrap();
     let mesh = plan.compute_mesh().clone();
     let model = plan.decoder().clone();
-    let (b, t) = (rows.len(), rows[0].len() - 1);
-    let inputs: Vec<u32> = rows.iter().flat_map(|r| r[..t].to_vec()).collect();
-    let targets: Vec<u32> = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
     let out = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
         let mut cx = Ctx::new(dev.comm(), 1);
-        let named = NamedSharding::new(cx.mesh().clone(), PartitionSpec::replicated())?;
-        let params: Vec<Array> = values
-            .iter()
-            .map(|v| cx.from_global(v, named.clone()))
-            .collect::<Result<_, _>>()?;
-        let spec = PartitionSpec::new([Some("data"), None]);
-        let inputs = cx.ids_from_global(&[b, t], spec.clone(), &inputs)?;
-        let targets = cx.ids_from_global(&[b, t], spec, &targets)?;
+        let (params, inputs, targets) = common::one_device::place(&mut cx, values, rows)?;
         let (v, g) = cx.value_and_grad(&params, |cx, ps| match of {
             Of::Total => Ok(model.loss(cx, ps, (&inputs, None), &targets, MTP)?.total),
             Of::Main => model.loss_sum(cx, ps, &inputs, &targets),

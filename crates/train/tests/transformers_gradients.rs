@@ -12,15 +12,17 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use ferrotext_comm::{run_spmd, SpmdOptions};
 use ferrotext_hf as hf;
 use ferrotext_models::decoder::Decoder;
-use ferrotext_sharding::{Mesh, NamedSharding, PartitionSpec};
-use ferrotext_spmd::{Array, Ctx, SpmdError};
+use ferrotext_spmd::{Ctx, SpmdError};
 use ferrotext_tensor::Tensor;
 use serde_json::Value;
+
+mod common;
+
+use common::one_device;
 
 /// Fixture directories (by name prefix) left out, and why.
 const NOT_HERE: &[(&str, &str)] = &[(
@@ -42,19 +44,9 @@ fn loss_and_gradients(dir: &Path, rows: &[Vec<u32>]) -> (f64, BTreeMap<String, V
     let values =
         hf::load_directory(dir, &infos).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let (b, t) = (rows.len(), rows[0].len() - 1);
-    let inputs: Vec<u32> = rows.iter().flat_map(|r| r[..t].to_vec()).collect();
-    let targets: Vec<u32> = rows.iter().flat_map(|r| r[1..].to_vec()).collect();
-    let mesh = Arc::new(Mesh::explicit([("data", 1)]).unwrap());
-    let (sum, grads) = run_spmd(&mesh, &SpmdOptions::default(), |dev| {
+    let (sum, grads) = run_spmd(&one_device::mesh(), &SpmdOptions::default(), |dev| {
         let mut cx = Ctx::new(dev.comm(), 1);
-        let named = NamedSharding::new(mesh.clone(), PartitionSpec::replicated())?;
-        let params: Vec<Array> = values
-            .iter()
-            .map(|v| cx.from_global(v, named.clone()))
-            .collect::<Result<_, _>>()?;
-        let spec = PartitionSpec::new([Some("data"), None]);
-        let inputs = cx.ids_from_global(&[b, t], spec.clone(), &inputs)?;
-        let targets = cx.ids_from_global(&[b, t], spec, &targets)?;
+        let (params, inputs, targets) = one_device::place(&mut cx, &values, rows)?;
         let (v, g) = cx.value_and_grad(&params, |cx, ps| {
             decoder.loss_sum(cx, ps, &inputs, &targets)
         })?;

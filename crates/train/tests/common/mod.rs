@@ -1,6 +1,7 @@
 //! Helpers shared by the train integration tests.
 #![allow(dead_code)]
 
+pub mod one_device;
 pub mod packed;
 pub mod scratch;
 
