@@ -3,7 +3,7 @@
 //! (written by `gradients.py` from the same directories, float64, eager attention and experts)
 //! holds each directory's mean next-token cross-entropy and, per stored parameter, the gradient's
 //! norm and first 4 elements in the checkpoint's layout. ferrotext's f32 loss must be within
-//! 2e-5 of it, and every gradient transformers has within 1e-4 of the reference norm (the norm
+//! 2e-5 of it, and every gradient transformers has within 2e-5 of the reference norm (the norm
 //! and each element). The forward fixtures check the loss; this checks the backward of every
 //! family and option they cover: sliding windows, soft-caps, norms before and after, biases,
 //! RoPE scalings, MLA, routers and shared experts (5.x fuses its routed experts under names of
@@ -91,11 +91,12 @@ fn hf_name(name: &str) -> String {
     format!("{layer}.mlp.{rest}")
 }
 
-/// Where `ours` differs from the reference `[norm, first 4 elements]` by more than 1e-4 of the
-/// reference norm (plus 1e-9).
+/// Where `ours` differs from the reference `[norm, first 4 elements]` by more than 2e-5 of the
+/// reference norm (plus 1e-9): f32 against float64 (the largest norm difference measured on an
+/// AMD EPYC Zen 4 was 1.7e-6 of the norm).
 fn differs(ours: &[f64], want: &[Value]) -> Option<String> {
     let want: Vec<f64> = want.iter().map(|x| x.as_f64().unwrap()).collect();
-    let tol = 1e-4 * want[0] + 1e-9;
+    let tol = 2e-5 * want[0] + 1e-9;
     if (norm(ours) - want[0]).abs() > tol {
         return Some(format!("norm {} vs {}", norm(ours), want[0]));
     }
@@ -111,6 +112,8 @@ fn differs(ours: &[f64], want: &[Value]) -> Option<String> {
 fn every_checkpoints_gradient_is_transformers() {
     let mut checked = 0;
     let mut failures = Vec::new();
+    // The largest relative distance of a gradient's norm from transformers', and where.
+    let mut worst = (0.0f64, String::new());
     for generation in ["tf4", "tf5"] {
         let path = fixtures().join(format!("objective/gradients-{generation}.json"));
         let reference: Value =
@@ -148,6 +151,11 @@ fn every_checkpoints_gradient_is_transformers() {
                 match ours.get(&hf_name(tensor)) {
                     None => failures.push(format!("{name}: no gradient for {tensor}")),
                     Some(g) => {
+                        let want_norm = want[0].as_f64().unwrap();
+                        let gap = (norm(g) - want_norm).abs() / want_norm.max(1e-12);
+                        if gap > worst.0 {
+                            worst = (gap, format!("{name}: {tensor}"));
+                        }
                         if let Some(why) = differs(g, want.as_array().unwrap()) {
                             failures.push(format!("{name}: {tensor}: {why}"));
                         }
@@ -163,6 +171,10 @@ fn every_checkpoints_gradient_is_transformers() {
             }
         }
     }
+    eprintln!(
+        "{checked} gradients; the largest relative norm difference {:.2e} ({})",
+        worst.0, worst.1
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert!(checked > 1000, "{checked} gradients checked");
 }
