@@ -141,6 +141,7 @@ pub fn save_directory_declaring(
     let (mut shard, mut filled, mut total) = (0usize, 0u64, 0u64);
     // The MTP layer's copies of the embedding and head go right after what they copy.
     let copies = ferrotext_models::mtp::stored_copies(infos);
+    // (a copy is written in the dtype of what it copies, so it is sized as that)
     let stored = infos.iter().flat_map(|info| {
         info.hf_tensors()
             .into_iter()
@@ -148,9 +149,9 @@ pub fn save_directory_declaring(
                 let copied = copies
                     .iter()
                     .filter(|c| c.of == name)
-                    .map(|c| (c.copy.clone(), shape.clone()))
+                    .map(|_| (name.clone(), shape.clone()))
                     .collect::<Vec<_>>();
-                std::iter::once((name, shape)).chain(copied)
+                std::iter::once((name.clone(), shape)).chain(copied)
             })
             .chain(selection_bias(kind, info, infos))
     });
@@ -271,12 +272,22 @@ fn write_into(
     for (info, value) in infos.iter().zip(values) {
         let mut tensors: Pending = Vec::new();
         for (name, t) in info.to_hf(value).map_err(|e| err(e.to_string()))? {
-            let copied = copies.iter().filter(|c| c.of == name).map(|c| &c.copy);
-            for name in std::iter::once(&name).chain(copied) {
-                let name = (kind.family().rename)(name).unwrap_or_else(|| name.clone());
-                let as_ = stored.of_tensor(kind, &name);
-                tensors.push((name, as_, t.shape().to_vec(), as_.encode(t.data())));
-            }
+            // The MTP layer's copies follow what they copy, in its dtype and bytes (value for
+            // value equal, as the loader checks them).
+            let copied: Vec<String> = copies
+                .iter()
+                .filter(|c| c.of == name)
+                .map(|c| (kind.family().rename)(&c.copy).unwrap_or_else(|| c.copy.clone()))
+                .collect();
+            let name = (kind.family().rename)(&name).unwrap_or(name);
+            let as_ = stored.of_tensor(kind, &name);
+            let (shape, bytes) = (t.shape().to_vec(), as_.encode(t.data()));
+            let copies_here: Pending = copied
+                .into_iter()
+                .map(|copy| (copy, as_, shape.clone(), bytes.clone()))
+                .collect();
+            tensors.push((name, as_, shape, bytes));
+            tensors.extend(copies_here);
         }
         if let Some((name, shape)) = selection_bias(kind, info, infos) {
             let zeros = vec![0.0; shape.iter().product()];

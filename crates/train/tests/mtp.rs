@@ -426,6 +426,22 @@ fn a_directory_with_the_layer_trains_exports_and_is_never_dropped() {
         assert!(tensors.contains_key(&copy), "{copy} written");
         assert_eq!(tensors[&copy], tensors[of], "{copy} is {of}'s copy");
     }
+    // In bf16 and in shards of 20 kB (the copies in other files than what they copy, some of
+    // them): the copies load as the sharing, to the values of the bf16 export's main tensors.
+    let bf16 = scratch("export-bf16");
+    ferrotext_hf::save_directory(
+        &bf16,
+        plan.decoder().config(),
+        plan.params(),
+        &values,
+        ferrotext_sharding::DType::BF16,
+        20_000,
+    )
+    .unwrap();
+    assert!(bf16.join("model.safetensors.index.json").is_file());
+    let read = ferrotext_hf::load_directory(&bf16, plan.params()).unwrap();
+    assert_eq!(read.len(), values.len());
+    std::fs::remove_dir_all(&bf16).ok();
     assert_eq!(
         ferrotext_hf::load_directory(&out, plan.params()).unwrap(),
         values
