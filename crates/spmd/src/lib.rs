@@ -6,7 +6,8 @@ evaluation. It must not know about models, optimizers or files.
 Main items: [`Array`] (a global array: type plus this device's shard), [`Ctx`] (one device's
 context: communicator, mode, thread budget, tape), the ops on `Ctx` (elementwise,
 `dot_general`, `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose`, `slice`, `concat`,
-`take` (gather by [`Ids`]), `select`, `reshard`),
+`take` (gather by [`Ids`]; `take_frozen`, whose backward leaves one row out), `select`,
+`reshard`),
 [`Ctx::shard_map`] with its casts and collectives (`pcast`, `psum`, `psum_scatter`,
 `all_gather`, `all_to_all`),
 [`Ctx::value_and_grad`] / [`Ctx::vjp`], the type rules in [`rules`], and the [`conformance`]
@@ -27,7 +28,7 @@ them.
 | `dot` | `dot_general`/`matmul` (bf16 operands on the bf16 product, `dot_general_preferred` for an f32 result) and their transposes (where deferral happens) |
 | `shape_ops` | `reduce_sum`, `broadcast_in_dim`, `reshape`, `transpose` and their transposes |
 | `reshard` | `reshard`, the data movement between layouts, and its transpose |
-| `structural` | `slice`, `concat`, `take`, `select` and their transposes |
+| `structural` | `slice`, `concat`, `take` (and `take_frozen`), `select` and their transposes |
 | `ids` | [`Ids`]: index arrays (token ids, targets) |
 | `rope` | rotary position embeddings (at positions from a start, or per token) and their transpose |
 | `fused` | RMSNorm, softmax, SwiGLU, cross-entropy ([`IGNORE_INDEX`]) and their transposes |
