@@ -429,3 +429,25 @@ pub(super) fn merged(parts: &[Value]) -> Value {
     }
     Value::Object(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::padding_row;
+    use serde_json::json;
+
+    /// `pad_token_id` as torch takes `padding_idx`: a row in `0..vocab`, a negative index
+    /// counted from the end; none for `null`, an absent key, a value past either end or not an
+    /// integer (transformers could not build that embedding).
+    #[test]
+    fn the_pad_row_is_torchs_padding_idx() {
+        let row = |v: Option<serde_json::Value>| padding_row(v.as_ref(), 10);
+        assert_eq!(row(Some(json!(0))), Some(0));
+        assert_eq!(row(Some(json!(9))), Some(9));
+        assert_eq!(row(Some(json!(-1))), Some(9));
+        assert_eq!(row(Some(json!(-10))), Some(0));
+        for none in [json!(10), json!(-11), json!(null), json!(1.5), json!("0")] {
+            assert_eq!(row(Some(none.clone())), None, "{none}");
+        }
+        assert_eq!(row(None), None);
+    }
+}
