@@ -511,14 +511,15 @@ impl Ctx<'_> {
 /// `m ? x : y` on local blocks.
 /// The ids and the cotangent rows (`width` elements each, one per id) a take's transpose
 /// scatters: all of them, or, with a `frozen` row, those whose id is not it (borrowed when none
-/// is).
+/// is; also when the lengths disagree, which the scatter then reports).
 fn kept_rows<'a>(
     ids: &'a [u32],
     rows: &'a [f32],
     width: usize,
     frozen: Option<u32>,
 ) -> (Cow<'a, [u32]>, Cow<'a, [f32]>) {
-    let Some(frozen) = frozen.filter(|f| ids.contains(f)) else {
+    let frozen = frozen.filter(|f| ids.contains(f) && rows.len() == ids.len() * width);
+    let Some(frozen) = frozen else {
         return (Cow::Borrowed(ids), Cow::Borrowed(rows));
     };
     let (mut kept_ids, mut kept) = (
