@@ -333,9 +333,17 @@ fn a_take_goes_into_the_buffer_with_the_handed_bits_a_tied_table_is_handed() {
 /// `Σ (cast(take(t, ids)) · cast(t)ᵀ)²` with `f32` logits: a tied table as the decoder uses it
 /// in bf16 — the lookup reads the `f32` table and casts its rows, the head reads the table's
 /// bf16 cast (`dot_general_preferred`, as the LM head).
-fn tied_bf16(cx: &mut Ctx<'_>, ts: &[Array], ids: &Ids) -> Result<Array, SpmdError> {
+fn tied_bf16(
+    cx: &mut Ctx<'_>,
+    ts: &[Array],
+    ids: &Ids,
+    frozen: Option<u32>,
+) -> Result<Array, SpmdError> {
     use ferrotext_sharding::DType;
-    let rows = cx.take(&ts[0], ids)?;
+    let rows = match frozen {
+        Some(row) => cx.take_frozen(&ts[0], ids, row)?,
+        None => cx.take(&ts[0], ids)?,
+    };
     let rows = cx.cast(&rows, DType::BF16)?;
     let table = cx.cast(&ts[0], DType::BF16)?;
     let head = DotDims {
@@ -353,7 +361,9 @@ fn tied_bf16(cx: &mut Ctx<'_>, ts: &[Array], ids: &Ids) -> Result<Array, SpmdErr
 /// row, the lookup's rows (ids repeat, and rows stay untouched) summed with it first on the
 /// rows they touch — the buffer's start `+ (w + rows)` there, its signed zeros included. The
 /// mirrors: offered in parts, or with a second micro-batch's start, it is handed or sunk with
-/// the same sums; the `f32` tied table above is handed.
+/// the same sums; the `f32` tied table above is handed. The same with the lookup frozen at a
+/// row it reads twice (`take_frozen`: that row gets the head's part alone), in place and handed
+/// alike.
 #[test]
 fn a_tied_bf16_table_goes_into_the_buffer_with_the_handed_bits() {
     ferrotext_tensor::allow_bf16_fallback().unwrap();
@@ -367,7 +377,6 @@ fn a_tied_bf16_table_goes_into_the_buffer_with_the_handed_bits() {
         let ids =
             cx.ids_from_global(&[2, 4], p(&["x", ""], &[], &[]), &[4, 0, 4, 2, 1, 1, 3, 0])?;
         let ws = [table];
-        let f = |cx: &mut Ctx<'_>, ts: &[Array]| tied_bf16(cx, ts, &ids);
         // Touched rows start at +0.0, -0.0 and values whose last place is above the gradient's
         // (so that `(start + w) + rows` and `start + (w + rows)` round apart); row 5 is never
         // looked up.
@@ -382,15 +391,19 @@ fn a_tied_bf16_table_goes_into_the_buffer_with_the_handed_bits() {
             vec![0.0; 24],
         ];
         let mut results = Vec::new();
-        for (start, offer) in [(&starts[0], 1), (&starts[1], 1), (&starts[0], 4)] {
-            results.push(against_the_handed_path(cx, &ws, &f, start, offer)?);
+        // Plain, and with row 4 (looked up twice) frozen (`take_frozen`: the head's part only).
+        for frozen in [None, Some(4)] {
+            let f = |cx: &mut Ctx<'_>, ts: &[Array]| tied_bf16(cx, ts, &ids, frozen);
+            for (start, offer) in [(&starts[0], 1), (&starts[1], 1), (&starts[0], 4)] {
+                results.push(against_the_handed_path(cx, &ws, &f, start, offer)?);
+            }
         }
         Ok(results)
     });
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (results, _) in out {
         for (case, (bufs, want, sunk)) in results.iter().enumerate() {
-            let whole = case < 2;
+            let whole = case % 3 < 2;
             assert_eq!(
                 sunk,
                 &[(0, whole)],
