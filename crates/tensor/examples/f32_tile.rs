@@ -143,13 +143,27 @@ fn main() {
     }
     let mut tokens = vec![128usize, 512];
     let mut pairs = 5usize;
+    // A bad argument is one line and exit status 2.
+    let usage = |what: &str| -> ! {
+        eprintln!("error: {what}; the arguments are tokens=128,512 (multiples of 8) pairs=5 (≥ 1)");
+        std::process::exit(2)
+    };
     for arg in std::env::args().skip(1) {
         match arg.split_once('=') {
             Some(("tokens", v)) => {
-                tokens = v.split(',').map(|t| t.parse().expect("tokens")).collect()
+                tokens = v
+                    .split(',')
+                    .map(|t| match t.parse::<usize>() {
+                        Ok(m) if m > 0 && m.is_multiple_of(MR) => m,
+                        _ => usage(&format!("tokens={t}")),
+                    })
+                    .collect()
             }
-            Some(("pairs", v)) => pairs = v.parse().expect("pairs"),
-            _ => panic!("unknown argument {arg}: tokens=128,512 pairs=5"),
+            Some(("pairs", v)) => match v.parse() {
+                Ok(n) if n >= 1 => pairs = n,
+                _ => usage(&format!("pairs={v}")),
+            },
+            _ => usage(&format!("unknown argument `{arg}`")),
         }
     }
     let kernel = matmul_kernel();
@@ -168,6 +182,7 @@ fn main() {
             for _ in 0..pairs {
                 let t = Instant::now();
                 for _ in 0..reps {
+                    // ok: two matrices of matching shapes, made here.
                     want = Some(dot_general(&a, &b, &DotDims::matmul(2), 1).expect("product"));
                 }
                 theirs.push(flops * reps as f64 / t.elapsed().as_secs_f64() / 1e9);
@@ -177,7 +192,7 @@ fn main() {
                 }
                 ours.push(flops * reps as f64 / t.elapsed().as_secs_f64() / 1e9);
             }
-            let want = want.expect("at least one pair");
+            let want = want.expect("at least one pair"); // ok: pairs ≥ 1, checked above
             let scale = want.data().iter().fold(0f32, |s, x| s.max(x.abs()));
             let gap = want
                 .data()
