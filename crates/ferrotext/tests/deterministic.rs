@@ -208,6 +208,7 @@ fn an_unknown_kernel_name_is_refused() {
     for (name, value) in [
         ("FERROTEXT_MATMUL", "openblass"),
         ("FERROTEXT_PORTABLE_ISA", "sse2"),
+        ("FERROTEXT_F32_KEPT", "yes"),
     ] {
         let dir = temp_dir(&format!("unknown-{value}"));
         let base = format!("base_output_directory={}", dir.display());

@@ -345,9 +345,19 @@ impl Kernel {
 
 /// What computes matrix products in this process, for run headers and benchmarks: `OpenBLAS
 /// 0.3.21 (SkylakeX, one thread per call)`, `Intel MKL 2026.2 (sequential, one thread per
-/// call)`, `the portable kernel (AVX-512, fixed order)` or `the gemm crate`.
+/// call)`, `the portable kernel (AVX-512, fixed order)` or `the gemm crate`; beside a library,
+/// `; products by a row-major matrix on the portable kernel (AVX-512), a step's weights packed
+/// once` where those products take that route ([`f32_products_keep_packings`]).
 pub fn matmul_kernel() -> String {
-    kernel().describe()
+    match (kernel(), kept_packing_isa()) {
+        (Kernel::Portable(_), _) | (_, None) => kernel().describe(),
+        (library, Some(isa)) => format!(
+            "{}; products by a row-major matrix on the portable kernel ({}), a step's weights \
+             packed once",
+            library.describe(),
+            isa.name()
+        ),
+    }
 }
 
 /// True when this process's products add each element's terms in an order fixed by
@@ -359,8 +369,9 @@ pub fn matmul_order_is_fixed() -> bool {
 }
 
 /// The kernel environment variables, checked: `FERROTEXT_MATMUL` names a kernel this build
-/// knows (`mkl`, `openblas`, `gemm` or `portable`) and `FERROTEXT_PORTABLE_ISA` an instruction
-/// set (`avx512`, `avx2` or `scalar`) this processor has, each when set and not empty. A
+/// knows (`mkl`, `openblas`, `gemm` or `portable`), `FERROTEXT_F32_KEPT` is `0` or `1`, and
+/// `FERROTEXT_PORTABLE_ISA` an instruction set (`avx512`, `avx2` or `scalar`) this processor
+/// has, each when set and not empty. A
 /// misspelt value would otherwise run the default kernel, and a set the processor lacks
 /// another set, without a word.
 ///
@@ -383,7 +394,69 @@ pub fn check_kernel_env() -> Result<(), String> {
         }
         _ => {}
     }
+    match std::env::var(KEPT_ENV) {
+        Ok(v) if !matches!(v.as_str(), "" | "0" | "1") => {
+            return Err(format!(
+                "{KEPT_ENV}={v} names nothing this build knows; it takes 0, 1"
+            ));
+        }
+        Err(std::env::VarError::NotUnicode(_)) => {
+            return Err(format!("{KEPT_ENV} is not UTF-8; it takes 0, 1"));
+        }
+        _ => {}
+    }
     crate::isa::forced().map(|_| ())
+}
+
+/// The environment variable that turns the kept-packing route off (`0`) or on (`1`).
+const KEPT_ENV: &str = "FERROTEXT_F32_KEPT";
+
+/// The instruction set of the portable kernel's route for `f32` products by a row-major matrix
+/// (`crate::matmul::kept`: a layer's `x·W` and `dy·Wᵀ`), which reads the right operand's
+/// panels from its kept packings where it keeps them ([`crate::Tensor::keeping_packings`]: a
+/// step's weights, packed once); `None` where those products run on the process's kernel.
+///
+/// `FERROTEXT_F32_KEPT=0|1` decides; unset, the route runs on the portable kernel (the same
+/// bits, without packing a weight again) and beside a BLAS the process chose itself where
+/// [`kept_by_default`] says so. A BLAS the user named (`FERROTEXT_MATMUL`) computes every
+/// product. The route is chosen by the product's layout alone, never by whether an operand
+/// keeps packings, so keeping them (a step of several micro-batches without
+/// rematerialization) changes no bit.
+pub(crate) fn kept_packing_isa() -> Option<Isa> {
+    static CHOSEN: OnceLock<Option<Isa>> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let isa = match kernel() {
+            Kernel::Portable(isa) => *isa,
+            _ => Isa::detect(),
+        };
+        match std::env::var(KEPT_ENV).as_deref() {
+            Ok("0") => None,
+            Ok("1") => Some(isa),
+            _ => match kernel() {
+                Kernel::Portable(isa) => Some(*isa),
+                _ if std::env::var("FERROTEXT_MATMUL").is_ok_and(|v| !v.is_empty()) => None,
+                _ => kept_by_default(processor(), isa).then_some(isa),
+            },
+        }
+    })
+}
+
+/// Whether a process whose products run on a BLAS it chose (or `gemm`) takes the portable
+/// kernel's route for its products by a row-major matrix: on a processor with AVX-512 not made by Intel, with the
+/// portable kernel on AVX-512. Measured on a 2-core AMD EPYC (Zen 4) against OpenBLAS 0.3.21's
+/// Cooperlake kernel, one thread, the weight packed once (`examples/f32_kept.rs`): qwen3-peer's
+/// `x·W` and `dy·Wᵀ` at 128 rows 1.09–1.21×, at 512 rows 1.01–1.12×; qwen3-0.6b's 1.19–1.44×
+/// and 1.05–1.19× (docs/performance.md). On a Xeon, MKL's kernel runs two full-width FMA units
+/// and was not measured against it, so a Xeon keeps MKL.
+pub(crate) fn kept_by_default(p: Processor, isa: Isa) -> bool {
+    isa == Isa::Avx512 && p.avx512f && !p.intel
+}
+
+/// True when this process's `f32` products keep the packings of a right operand that asks
+/// ([`crate::Tensor::keeping_packings`]): a step holding its weights that way holds about
+/// twice their size more.
+pub fn f32_products_keep_packings() -> bool {
+    kept_packing_isa().is_some()
 }
 
 /// Makes the portable kernel this process's matrix-product kernel, before any product runs

@@ -66,6 +66,7 @@ mod matmul;
 mod nn;
 mod operand;
 mod optim;
+mod packings;
 mod parallel;
 mod peak;
 mod portable;
@@ -83,7 +84,10 @@ pub use bf16::{
     softmax_backward_bf16, softmax_last_bf16, swiglu_backward_bf16, swiglu_bf16, widen_add_slice,
     widen_bf16, widen_slice, zip_bf16, Bf16Tensor,
 };
-pub use blas::{check_kernel_env, matmul_kernel, matmul_order_is_fixed, use_portable_matmul};
+pub use blas::{
+    check_kernel_env, f32_products_keep_packings, matmul_kernel, matmul_order_is_fixed,
+    use_portable_matmul,
+};
 pub use elementwise::{add_assign_rows, add_assign_slice, broadcast_shapes};
 pub use error::TensorError;
 pub use fixed_math::softcap;

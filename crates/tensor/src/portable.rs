@@ -25,18 +25,24 @@
 //!   bits of the f32 product of the widened operands, on every instruction set.
 //!
 //! Where the time goes: `b` is packed [`NR`] columns at a time (`k × NR`, contiguous, zero past
-//! `n`), then every [`MR`]-row tile of `a` runs over that panel with `MR × NR` accumulators in
-//! registers (12 AVX-512 registers; on AVX2 the tile makes two passes of 16 columns, 12
-//! registers each). Where `b` spans several panels, the vector tiles read `a` from a row-major
-//! `f32` copy when it is bf16 or transposed (`RowMajorA`, up to 32 MiB), made once per product.
-//! No blocking of the contraction: that would split the chain.
+//! `n`), then every row tile of `a` runs over that panel with its accumulators in registers
+//! (`MR_AVX512` rows × 32 columns in 16 AVX-512 registers; [`MR`] rows elsewhere, on AVX2 in two
+//! passes of 16 columns, 12 registers each). A right operand packed whole beforehand
+//! ([`Panels`]: a step's weight kept packed, `crate::packings`) is read from its panels instead:
+//! the same words, so the same bits. Where `b` spans several panels, the vector tiles read `a`
+//! from a row-major `f32` copy when it is bf16 or transposed (`RowMajorA`, up to 32 MiB), made
+//! once per product. No blocking of the contraction: that would split the chain.
 //! Measured here (AMD EPYC, one thread, `ferrotext bench kernels`): see the README's kernel table.
 
 pub(crate) use crate::isa::Isa;
 use crate::operand::{Operand, Product, Store, Widen};
 
-/// Rows of `a` a register tile covers.
+/// Rows of `a` a register tile covers on AVX2 and the scalar route.
 const MR: usize = 6;
+/// Rows of `a` an AVX-512 register tile covers: 16 accumulators of its 32 registers, the
+/// broadcast and the panel's two loads beside them.
+#[cfg(target_arch = "x86_64")]
+const MR_AVX512: usize = 8;
 /// Columns of `b` a packed panel (and a register tile) covers: two AVX-512 registers.
 const NR: usize = 32;
 /// Columns the AVX2 tile covers in one pass over the panel: two AVX2 registers (a whole
@@ -50,17 +56,60 @@ const HALF: usize = NR / 2;
 /// # Safety
 /// As [`crate::blas::sgemm`]; `isa` must be one this CPU has ([`Isa::detect`] gives one).
 pub(crate) unsafe fn gemm<T: Widen>(isa: Isa, job: Product<T>) {
+    // SAFETY: the caller's contract.
+    unsafe { gemm_kept(isa, job, None) }
+}
+
+/// [`gemm`] with `b` read from `kept`, its panels packed beforehand, when given: the same
+/// bits, without packing `b` again.
+///
+/// # Safety
+/// As [`gemm`]; `kept`, when given, is [`Panels::pack`] of the job's `b` (its `k` and `n`).
+pub(crate) unsafe fn gemm_kept<T: Widen>(isa: Isa, job: Product<T>, kept: Option<&Panels>) {
+    debug_assert!(kept.is_none_or(|p| p.k == job.k && p.n == job.n));
     // SAFETY: the caller's contract; each path needs only the features `isa` names, and `a`
     // (the copy's or the job's) holds the job's `a`.
     unsafe {
         match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 | Isa::Avx2 => match RowMajorA::of(&job) {
-                Some(copy) => run_vector(isa, copy.operand(), &job),
-                None => run_vector(isa, job.a, &job),
+                Some(copy) => run_vector(isa, copy.operand(), &job, kept),
+                None => run_vector(isa, job.a, &job, kept),
             },
-            _ => job.run(),
+            _ => job.run(kept),
         }
+    }
+}
+
+/// A right operand (`k × n`) packed whole into the panels the tiles read: panel `p` holds
+/// columns `p·NR .. (p+1)·NR` as `k` rows of [`NR`] widened values, zero past `n` — the words
+/// a product packs for itself, panel by panel.
+pub(crate) struct Panels {
+    values: Vec<f32>,
+    k: usize,
+    n: usize,
+}
+
+impl Panels {
+    /// `b` packed whole, on this thread.
+    ///
+    /// # Safety
+    /// `b`'s `k` rows of `n` elements are readable.
+    pub(crate) unsafe fn pack<T: Widen>(b: Operand<T>, k: usize, n: usize) -> Panels {
+        let mut values = vec![0.0f32; n.div_ceil(NR) * k * NR];
+        for (p, panel) in values.chunks_exact_mut((k * NR).max(1)).enumerate() {
+            let j0 = p * NR;
+            // SAFETY: columns j0..j0 + cols of `b`, rows 0..k: inside it, by the caller's
+            // contract.
+            unsafe { pack_panel(b, k, j0, NR.min(n - j0), panel) };
+        }
+        Panels { values, k, n }
+    }
+
+    /// The panel holding columns `j0 .. j0 + NR` (`j0` a multiple of [`NR`] below `n`).
+    fn panel(&self, j0: usize) -> &[f32] {
+        let size = self.k * NR;
+        &self.values[j0 / NR * size..(j0 / NR + 1) * size]
     }
 }
 
@@ -68,14 +117,19 @@ pub(crate) unsafe fn gemm<T: Widen>(isa: Isa, job: Product<T>) {
 /// from `a` (the job's, or its [`RowMajorA`]).
 ///
 /// # Safety
-/// As [`gemm`]; `isa` is a vector set this CPU has; `a` holds the values of the job's `a`.
+/// As [`gemm_kept`]; `isa` is a vector set this CPU has; `a` holds the values of the job's `a`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn run_vector<A: Widen, T: Widen>(isa: Isa, a: Operand<A>, job: &Product<T>) {
+unsafe fn run_vector<A: Widen, T: Widen>(
+    isa: Isa,
+    a: Operand<A>,
+    job: &Product<T>,
+    kept: Option<&Panels>,
+) {
     // SAFETY: the caller's contract.
     unsafe {
         match isa {
-            Isa::Avx512 => run_avx512(a, job),
-            _ => run_avx2(a, job),
+            Isa::Avx512 => run_avx512(a, job, kept),
+            _ => run_avx2(a, job, kept),
         }
     }
 }
@@ -86,21 +140,21 @@ unsafe fn run_vector<A: Widen, T: Widen>(isa: Isa, a: Operand<A>, job: &Product<
 /// The CPU has AVX-512F and FMA; as [`run_vector`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn run_avx512<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
+unsafe fn run_avx512<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>, kept: Option<&Panels>) {
     let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
         // closure rows and columns inside the job's operands, which `a` holds.
-        unsafe { avx512_tile::<A, T, MR>(a, job, i0, j0, cols, panel) }
+        unsafe { avx512_tile::<A, T, MR_AVX512>(a, job, i0, j0, cols, panel) }
     };
     let rest = |job: &Product<T>, rows, i0, j0, cols, panel: &[f32]| {
         // SAFETY: as for `full`.
         unsafe { avx512_tile_rows(a, job, rows, i0, j0, cols, panel) }
     };
     // SAFETY: the caller's contract.
-    unsafe { job.run_with(full, rest) }
+    unsafe { job.run_with::<MR_AVX512>(full, rest, kept) }
 }
 
-/// [`avx512_tile`] for the last `rows < MR` rows.
+/// [`avx512_tile`] for the last `rows < MR_AVX512` rows.
 ///
 /// # Safety
 /// As [`avx512_tile`].
@@ -118,6 +172,8 @@ unsafe fn avx512_tile_rows<A: Widen, T: Widen>(
     // SAFETY: the caller's contract.
     unsafe {
         match rows {
+            7 => avx512_tile::<A, T, 7>(a, job, i0, j0, cols, panel),
+            6 => avx512_tile::<A, T, 6>(a, job, i0, j0, cols, panel),
             5 => avx512_tile::<A, T, 5>(a, job, i0, j0, cols, panel),
             4 => avx512_tile::<A, T, 4>(a, job, i0, j0, cols, panel),
             3 => avx512_tile::<A, T, 3>(a, job, i0, j0, cols, panel),
@@ -182,7 +238,7 @@ unsafe fn avx512_tile<A: Widen, T: Widen, const R: usize>(
 /// The CPU has AVX2 and FMA; as [`run_vector`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
+unsafe fn run_avx2<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>, kept: Option<&Panels>) {
     let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
         // SAFETY: the CPU has the features (the caller checked); `run_with` hands this
         // closure rows and columns inside the job's operands, which `a` holds.
@@ -201,7 +257,7 @@ unsafe fn run_avx2<A: Widen, T: Widen>(a: Operand<A>, job: &Product<T>) {
         }
     };
     // SAFETY: the caller's contract.
-    unsafe { job.run_with(full, rest) }
+    unsafe { job.run_with::<MR>(full, rest, kept) }
 }
 
 /// [`Product::tile`] in AVX2 registers, reading the left operand from `a`, one half of the panel ([`HALF`] columns) at a time:
@@ -321,6 +377,70 @@ impl RowMajorA {
     }
 }
 
+/// `panel[l·NR + c] = b[l, j0 + c]` (widened) for `c < cols` and `l < k`, zero for the columns
+/// past `cols`: one panel of `b`, as a product packs it and [`Panels::pack`] keeps it. A
+/// transposed `b` (`dy·Wᵀ`'s, each column contiguous) is gathered [`GATHER_ROWS`] rows at a
+/// time, so the panel's block stays in L1 while each column is read along memory.
+///
+/// # Safety
+/// Columns `j0..j0 + cols` of `b` are readable for rows `0..k`; `panel` holds `k · NR` values.
+#[inline(always)]
+unsafe fn pack_panel<T: Widen>(b: Operand<T>, k: usize, j0: usize, cols: usize, panel: &mut [f32]) {
+    let Operand { ptr, rs, cs } = b;
+    let first = ptr.wrapping_offset(j0 as isize * cs);
+    if rs == 1 && cs != 1 {
+        for (block, l0) in panel
+            .chunks_mut(GATHER_ROWS * NR)
+            .zip((0..k).step_by(GATHER_ROWS))
+        {
+            let rows = block.len() / NR;
+            for c in 0..NR {
+                if c >= cols {
+                    block
+                        .iter_mut()
+                        .skip(c)
+                        .step_by(NR)
+                        .for_each(|slot| *slot = 0.0);
+                    continue;
+                }
+                // SAFETY: column j0 + c, rows l0..l0 + rows: inside `b` (`rs` is 1), by the
+                // caller's contract.
+                let column = unsafe {
+                    std::slice::from_raw_parts(
+                        first.wrapping_offset(c as isize * cs + l0 as isize),
+                        rows,
+                    )
+                };
+                for (slot, &x) in block.iter_mut().skip(c).step_by(NR).zip(column) {
+                    *slot = x.widen();
+                }
+            }
+        }
+        return;
+    }
+    for (l, row) in panel.chunks_exact_mut(NR).enumerate().take(k) {
+        let at = first.wrapping_offset(l as isize * rs);
+        let (values, past) = row.split_at_mut(cols);
+        if cs == 1 {
+            // SAFETY: row l, columns j0..j0 + cols: inside `b` (`cs` is 1), by the caller's
+            // contract.
+            let src = unsafe { std::slice::from_raw_parts(at, cols) };
+            for (slot, &x) in values.iter_mut().zip(src) {
+                *slot = x.widen();
+            }
+        } else {
+            for (c, slot) in values.iter_mut().enumerate() {
+                // SAFETY: (l, j0 + c) is inside `b`, by the caller's contract.
+                *slot = unsafe { *at.wrapping_offset(c as isize * cs) }.widen();
+            }
+        }
+        past.fill(0.0);
+    }
+}
+
+/// Rows of a transposed `b` a panel is gathered by at a time (`64 × NR` values: 8 KiB).
+const GATHER_ROWS: usize = 64;
+
 impl<T: Widen> Product<T> {
     /// Panel by panel of `b`, tile by tile of `a`, with the portable tiles: the scalar set's
     /// route, where each `mul_add` is a call to libm's `fmaf`. (A closure does not take the
@@ -329,9 +449,9 @@ impl<T: Widen> Product<T> {
     /// 0.5 GFLOP/s, one `fmaf` call per multiply-add.)
     ///
     /// # Safety
-    /// As [`gemm`].
+    /// As [`gemm_kept`].
     #[inline(always)]
-    unsafe fn run(&self) {
+    unsafe fn run(&self, kept: Option<&Panels>) {
         let full = |job: &Product<T>, i0, j0, cols, panel: &[f32]| {
             // SAFETY: `run_with` hands this closure rows and columns inside the job's
             // operands, by the caller's contract.
@@ -350,54 +470,44 @@ impl<T: Widen> Product<T> {
             }
         };
         // SAFETY: the caller's contract.
-        unsafe { self.run_with(full, rest) }
+        unsafe { self.run_with::<MR>(full, rest, kept) }
     }
 
-    /// Panel by panel of `b` (packed once), every whole tile of [`MR`] rows by `full`, the last
-    /// rows by `rest`.
+    /// Panel by panel of `b` (packed once, or read from `kept`), every whole tile of `FULL`
+    /// rows by `full`, the last rows by `rest`.
     ///
     /// # Safety
-    /// As [`gemm`]; `full` and `rest` compute the rows and columns they are given, as
+    /// As [`gemm_kept`]; `full` and `rest` compute the rows and columns they are given, as
     /// [`Product::tile`] does.
     #[inline(always)]
-    unsafe fn run_with(
+    unsafe fn run_with<const FULL: usize>(
         &self,
         full: impl Fn(&Product<T>, usize, usize, usize, &[f32]),
         rest: impl Fn(&Product<T>, usize, usize, usize, usize, &[f32]),
+        kept: Option<&Panels>,
     ) {
         if self.m == 0 || self.n == 0 {
             return;
         }
-        let mut panel = vec![0.0f32; self.k * NR];
+        let mut own = Vec::new();
         for j0 in (0..self.n).step_by(NR) {
             let cols = NR.min(self.n - j0);
-            // SAFETY: columns j0..j0+cols of `b`, rows 0..k: inside the caller's operand.
-            unsafe { self.pack_panel(j0, cols, &mut panel) };
-            let whole = self.m - self.m % MR;
-            for i0 in (0..whole).step_by(MR) {
-                full(self, i0, j0, cols, &panel);
+            let panel = match kept {
+                Some(kept) => kept.panel(j0),
+                None => {
+                    own.resize(self.k * NR, 0.0);
+                    // SAFETY: columns j0..j0+cols of `b`, rows 0..k: inside the caller's
+                    // operand.
+                    unsafe { pack_panel(self.b, self.k, j0, cols, &mut own) };
+                    &own[..]
+                }
+            };
+            let whole = self.m - self.m % FULL;
+            for i0 in (0..whole).step_by(FULL) {
+                full(self, i0, j0, cols, panel);
             }
             if whole < self.m {
-                rest(self, self.m - whole, whole, j0, cols, &panel);
-            }
-        }
-    }
-
-    /// `panel[l·NR + c] = b[l, j0 + c]` (widened) for `c < cols`, zero for the columns past `n`.
-    ///
-    /// # Safety
-    /// Columns `j0..j0 + cols` of `b` are readable for rows `0..k`.
-    #[inline(always)]
-    unsafe fn pack_panel(&self, j0: usize, cols: usize, panel: &mut [f32]) {
-        let Operand { ptr, rs, cs } = self.b;
-        for (l, row) in panel.chunks_exact_mut(NR).enumerate() {
-            for (c, slot) in row.iter_mut().enumerate() {
-                *slot = if c < cols {
-                    // SAFETY: (l, j0 + c) is inside `b`, by the caller's contract.
-                    unsafe { *ptr.offset(l as isize * rs + (j0 + c) as isize * cs) }.widen()
-                } else {
-                    0.0
-                };
+                rest(self, self.m - whole, whole, j0, cols, panel);
             }
         }
     }
@@ -618,6 +728,136 @@ mod tests {
                         assert_eq!(out, want, "{isa:?} bf16 {m}×{n}×{k}, layouts {i} {j}");
                     }
                 }
+            }
+        }
+    }
+
+    /// A right operand packed whole beforehand ([`Panels`]) gives the chains' bits on every
+    /// instruction set, `b` row-major and transposed (`x·W`'s and `dy·Wᵀ`'s layouts), in `f32`
+    /// and bf16 (and an `f32` `b` strided on both axes), for the whole product and for a block of
+    /// its rows reading the same panels, on
+    /// sizes that leave partial tiles (of 8 rows and of 6) and a partial last panel. Mirror:
+    /// panels packed from another `b` give other values, so the tiles do read them.
+    #[test]
+    fn kept_panels_give_the_chains_bits() {
+        for (m, n, k) in [
+            (1, 1, 1),
+            (7, 33, 5),
+            (13, 70, 129),
+            (64, 96, 300),
+            (9, 40, 17),
+        ] {
+            let bf16 = |x: Vec<f32>| -> Vec<half::bf16> {
+                x.into_iter().map(half::bf16::from_f32).collect()
+            };
+            let (a16, b16) = (bf16(data(m * k, 11)), bf16(data(k * n, 12)));
+            let widened = |x: &[half::bf16]| x.iter().map(|x| x.to_f32()).collect::<Vec<_>>();
+            let (a, b) = (widened(&a16), widened(&b16));
+            let want = chains(m, n, k, &a, &b);
+            let (bt, bt16) = (transposed(&b, k, n), transposed(&b16, k, n));
+            let a_op = Operand {
+                ptr: a.as_ptr(),
+                rs: k as isize,
+                cs: 1,
+            };
+            // A third layout, strided on both axes: `b`'s columns every other one of a wider
+            // matrix's.
+            let wide: Vec<f32> = (0..k * 2 * n)
+                .map(|i| if i % 2 == 0 { b[i / 2] } else { f32::NAN })
+                .collect();
+            let strided = Operand {
+                ptr: wide.as_ptr(),
+                rs: 2 * n as isize,
+                cs: 2,
+            };
+            for isa in isas("kept_panels_give_the_chains_bits") {
+                let [row_major, column_major] = layouts(&b, &bt, k, n);
+                for (j, b_op) in [row_major, column_major, strided].into_iter().enumerate() {
+                    // SAFETY: `b_op` covers k×n.
+                    let panels = unsafe { Panels::pack(b_op, k, n) };
+                    let mut out = vec![f32::NAN; m * n];
+                    let p = Product {
+                        m,
+                        n,
+                        k,
+                        a: a_op,
+                        b: b_op,
+                        dst: out.as_mut_ptr(),
+                        ldc: n,
+                        store: Store::Overwrite,
+                    };
+                    // SAFETY: the operands cover m×k and k×n, `out` holds m×n, and `panels`
+                    // is `b_op`'s.
+                    unsafe { gemm_kept(isa, p, Some(&panels)) };
+                    assert_eq!(out, want, "{isa:?} f32 {m}×{n}×{k}, b layout {j}");
+                    // Rows 1..m alone, reading the same panels.
+                    if m > 1 {
+                        let mut rows = vec![f32::NAN; (m - 1) * n];
+                        let p = Product {
+                            m: m - 1,
+                            n,
+                            k,
+                            a: Operand {
+                                ptr: a[k..].as_ptr(),
+                                ..a_op
+                            },
+                            b: b_op,
+                            dst: rows.as_mut_ptr(),
+                            ldc: n,
+                            store: Store::Overwrite,
+                        };
+                        // SAFETY: as above, one row fewer.
+                        unsafe { gemm_kept(isa, p, Some(&panels)) };
+                        assert_eq!(rows, want[n..], "{isa:?} rows 1..{m}, b layout {j}");
+                    }
+                }
+                for (j, b_op) in layouts(&b16, &bt16, k, n).into_iter().enumerate() {
+                    // SAFETY: `b_op` covers k×n.
+                    let panels = unsafe { Panels::pack(b_op, k, n) };
+                    let mut out = vec![f32::NAN; m * n];
+                    let p = Product {
+                        m,
+                        n,
+                        k,
+                        a: Operand {
+                            ptr: a16.as_ptr(),
+                            rs: k as isize,
+                            cs: 1,
+                        },
+                        b: b_op,
+                        dst: out.as_mut_ptr(),
+                        ldc: n,
+                        store: Store::Overwrite,
+                    };
+                    // SAFETY: as above; bf16 panels hold the widened values.
+                    unsafe { gemm_kept(isa, p, Some(&panels)) };
+                    assert_eq!(out, want, "{isa:?} bf16 {m}×{n}×{k}, b layout {j}");
+                }
+                // Mirror: another operand's panels, another product.
+                let other: Vec<f32> = b.iter().map(|x| x + 1.0).collect();
+                let b_op = layouts(&b, &bt, k, n)[0];
+                let other_op = Operand {
+                    ptr: other.as_ptr(),
+                    rs: n as isize,
+                    cs: 1,
+                };
+                // SAFETY: `other_op` covers k×n.
+                let wrong = unsafe { Panels::pack(other_op, k, n) };
+                let mut out = vec![f32::NAN; m * n];
+                let p = Product {
+                    m,
+                    n,
+                    k,
+                    a: a_op,
+                    b: b_op,
+                    dst: out.as_mut_ptr(),
+                    ldc: n,
+                    store: Store::Overwrite,
+                };
+                // SAFETY: the shapes match; the panels hold another operand of the same shape.
+                unsafe { gemm_kept(isa, p, Some(&wrong)) };
+                assert_eq!(out, chains(m, n, k, &a, &other), "{isa:?} panels are read");
+                assert_ne!(out, want, "{isa:?} the mirror differs");
             }
         }
     }

@@ -29,7 +29,12 @@ pub struct Tensor {
     offset: usize,
     /// The element count (the product of `shape`).
     len: usize,
+    /// The packings its products keep, when it keeps them ([`Tensor::keeping_packings`]).
+    packings: Option<Arc<Packings>>,
 }
+
+/// What an `f32` tensor keeps: the portable kernel's panels.
+type Packings = crate::packings::Packings<crate::portable::Panels>;
 
 impl PartialEq for Tensor {
     /// Same shape and elements (wherever they are stored).
@@ -125,6 +130,7 @@ impl Tensor {
             shape,
             storage: Arc::new(data),
             offset: 0,
+            packings: None,
         }
     }
 
@@ -157,6 +163,7 @@ impl Tensor {
             storage,
             offset,
             len,
+            packings: None,
         })
     }
 
@@ -259,8 +266,10 @@ impl Tensor {
         &self.storage[self.offset..self.offset + self.len]
     }
 
-    /// The elements, row-major, mutable (copied out first when the storage is shared).
+    /// The elements, row-major, mutable (copied out first when the storage is shared). A tensor
+    /// that kept packings lets them go: they hold the elements as they were.
     pub fn data_mut(&mut self) -> &mut [f32] {
+        self.packings = None;
         let range = self.offset..self.offset + self.len;
         if Arc::get_mut(&mut self.storage).is_none() {
             self.storage = Arc::new(self.storage[range.clone()].to_vec());
@@ -268,6 +277,31 @@ impl Tensor {
             return &mut Arc::make_mut(&mut self.storage)[..];
         }
         &mut Arc::make_mut(&mut self.storage)[range]
+    }
+
+    /// This tensor (its storage shared, not copied) keeping the packings that products make of
+    /// it as their right operand, for as long as any clone of the result lives and until it is
+    /// written ([`Tensor::data_mut`]): where this process's products take kept packings
+    /// ([`f32_products_keep_packings`](crate::f32_products_keep_packings)), each matrix of it
+    /// is packed once and the packing reused after — for a step's weight, which every
+    /// micro-batch multiplies by (`x·W` and `dy·Wᵀ`: two packings, each about the tensor's
+    /// size). The products' bits are the same either way.
+    pub fn keeping_packings(&self) -> Tensor {
+        Tensor {
+            packings: Some(self.packings.clone().unwrap_or_default()),
+            ..self.clone()
+        }
+    }
+
+    /// How many packings of this tensor its products keep ([`Tensor::keeping_packings`]; 0
+    /// when it keeps none).
+    pub fn kept_packings(&self) -> usize {
+        self.packings.as_ref().map_or(0, |p| p.len())
+    }
+
+    /// The packings kept, when this tensor keeps them.
+    pub(crate) fn packings(&self) -> Option<&Packings> {
+        self.packings.as_deref()
     }
 
     /// Takes the elements (copied when the storage is shared or holds more).

@@ -863,7 +863,7 @@ pub(crate) unsafe fn pack_b_whole(b: Operand<bf16>, k: usize, n: usize, threads:
 }
 
 /// [`pack_b_whole`] into a buffer of its own, for a tensor to keep
-/// ([`super::packings::Packings`]): none of a thread's buffers is held meanwhile, nor grows to
+/// ([`crate::packings::Packings`]): none of a thread's buffers is held meanwhile, nor grows to
 /// the packing's size when it is dropped.
 ///
 /// # Safety

@@ -185,7 +185,7 @@ fn kept_packing(
     {
         return None;
     }
-    let at = super::packings::MatrixAt {
+    let at = crate::packings::MatrixAt {
         offset: s.b.offset(0),
         rs: s.b.rows.1,
         cs: s.b.cols.1,

@@ -28,7 +28,11 @@ use crate::error::TensorError;
 use crate::fastmath::vectorized;
 use crate::parallel::{filled, for_each_chunk, kernel_threads, Work};
 use crate::tensor::{strides, Tensor};
-use packings::Packings;
+/// What a bf16 tensor keeps: the AVX512_BF16 kernel's packings (nothing off x86-64).
+#[cfg(target_arch = "x86_64")]
+type Packings = crate::packings::Packings<dpbf16::PackedB>;
+#[cfg(not(target_arch = "x86_64"))]
+type Packings = crate::packings::Packings<std::convert::Infallible>;
 
 mod block_packing;
 mod choice;
@@ -37,7 +41,6 @@ mod dpbf16;
 mod elementwise;
 mod flash;
 mod matmul;
-mod packings;
 #[cfg(target_arch = "x86_64")]
 mod round_avx512;
 mod rows;

@@ -184,6 +184,20 @@ fn openblas_comes_first_on_a_processor_with_avx512_not_made_by_intel() {
     assert_eq!(order(false, false), LibraryOrder::MklFirst);
 }
 
+/// The kept-packing route beside a chosen BLAS: where the portable kernel runs AVX-512 on a
+/// processor not made by Intel (measured against OpenBLAS's AVX-512 kernel there), nowhere
+/// else — not on a Xeon (MKL, unmeasured against it), nor on a narrower set (forced, or the
+/// processor's).
+#[test]
+fn the_kept_route_runs_beside_a_blas_on_avx512_not_made_by_intel() {
+    let kept = |intel, avx512f, isa| kept_by_default(Processor { intel, avx512f }, isa);
+    assert!(kept(false, true, Isa::Avx512));
+    assert!(!kept(true, true, Isa::Avx512));
+    assert!(!kept(false, true, Isa::Avx2));
+    assert!(!kept(false, true, Isa::Scalar));
+    assert!(!kept(false, false, Isa::Avx2));
+}
+
 /// The processor as Linux describes it (`/proc/cpuinfo`'s first `vendor_id` and `flags`), a
 /// source independent of the CPUID reads in `processor()`.
 #[cfg(target_arch = "x86_64")]

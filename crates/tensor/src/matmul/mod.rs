@@ -20,6 +20,7 @@ use crate::operand::{Operand, Product, Store};
 use crate::error::TensorError;
 use crate::tensor::{strides, Tensor};
 
+mod portable_route;
 #[cfg(test)]
 mod tests;
 mod views;
@@ -223,12 +224,16 @@ pub fn dot_general(
     let len: usize = out_shape.iter().product();
     let stacks = Stacks::of(lhs, rhs, dims)?;
     let _span = stacks.span((lhs, rhs));
-    // SAFETY: `products` runs the kernel on every block of the output, and the kernel writes
-    // every element of its block (or the whole output is zero-filled for an empty
-    // contraction).
+    let route = portable_route::route(rhs, &stacks);
+    // SAFETY: `products` (or the route's `product`) runs the kernel on every block of the
+    // output, and the kernel writes every element of its block (or the whole output is
+    // zero-filled for an empty contraction).
     let out = unsafe {
-        crate::parallel::filled(len, |dst| {
-            products(&stacks, threads, stacks.all_rows(), dst, Store::Overwrite);
+        crate::parallel::filled(len, |dst| match &route {
+            Some((isa, panels)) => {
+                portable_route::product(&stacks, (*isa, panels), threads, dst, Store::Overwrite)
+            }
+            None => products(&stacks, threads, stacks.all_rows(), dst, Store::Overwrite),
         })
     };
     Tensor::new(out_shape, out)

@@ -334,3 +334,90 @@ fn bad_dimension_numbers_are_errors() {
     };
     assert!(dot_general(&a, &Tensor::zeros(&[3, 3]), &dup, 1).is_err());
 }
+
+/// A weight that keeps its packings (`Tensor::keeping_packings`), multiplied as `x·W` and as
+/// `dy·Wᵀ`, several times each on one and two threads: where this process's products take the
+/// portable kernel's route it packs each layout once (two packings) and gives the portable
+/// kernel's bits — each element one chain of fused multiply-adds from +0 in index order,
+/// computed here by hand — as does the weight as stored (the route follows the layout, not the
+/// packings); elsewhere it keeps nothing and matches the reference within a tolerance. A
+/// batched product or an operand the stacks must copy keeps nothing. Written in place, the
+/// weight lets its packings go and its products read the new values (a stale packing would
+/// give the old product). Mirror: the same weight not keeping packings keeps none.
+#[test]
+fn a_weight_keeping_its_packings_packs_once_per_layout() {
+    let (m, k, n) = (70, 45, 50);
+    let x = rand(&[m, k], 31);
+    let dy = rand(&[m, n], 32);
+    let w = rand(&[k, n], 33);
+    let kept = w.keeping_packings();
+    let backward = DotDims {
+        lhs_contracting: vec![1],
+        rhs_contracting: vec![1],
+        ..DotDims::default()
+    };
+    let route = crate::f32_products_keep_packings();
+    // The chains: element (i, j) is fma over l in order from +0.
+    let chains = |a: &Tensor, b: &dyn Fn(usize, usize) -> f32, cols: usize| {
+        let depth = a.shape()[1];
+        Tensor::from_fn(&[a.shape()[0], cols], |flat| {
+            let (i, j) = (flat / cols, flat % cols);
+            (0..depth).fold(0.0f32, |acc, l| {
+                a.data()[i * depth + l].mul_add(b(l, j), acc)
+            })
+        })
+    };
+    let forward_chains = chains(&x, &|l, j| w.data()[l * n + j], n);
+    let backward_chains = chains(&dy, &|l, j| w.data()[j * n + l], k);
+    for threads in [1, 2, 1] {
+        let forward = dot_general(&x, &kept, &DotDims::matmul(2), threads).unwrap();
+        let back = dot_general(&dy, &kept, &backward, threads).unwrap();
+        if route {
+            assert_eq!(forward, forward_chains, "x·W on {threads} threads");
+            assert_eq!(back, backward_chains, "dy·Wᵀ on {threads} threads");
+            let stored = dot_general(&x, &w, &DotDims::matmul(2), threads).unwrap();
+            assert_eq!(stored, forward_chains, "x·W, the weight as stored");
+            let stored = dot_general(&dy, &w, &backward, threads).unwrap();
+            assert_eq!(stored, backward_chains, "dy·Wᵀ, the weight as stored");
+        } else {
+            close(&forward, &reference(&x, &w, &DotDims::matmul(2)));
+            close(&back, &reference(&dy, &w, &backward));
+        }
+        assert_eq!(kept.kept_packings(), if route { 2 } else { 0 });
+    }
+    // A clone shares the packings; a reshape of it reads the same storage and keeps them.
+    assert_eq!(
+        kept.clone().reshape(&[k * n]).unwrap().kept_packings(),
+        kept.kept_packings()
+    );
+    // A stack of two weights ([2, k, n] batched with [2, m, k]) is not taken.
+    let pair = Tensor::from_fn(&[2, k, n], |i| {
+        w.data()[i % (k * n)] * if i < k * n { 1.0 } else { -0.5 }
+    });
+    let stacked = pair.keeping_packings();
+    let batched = DotDims {
+        lhs_contracting: vec![2],
+        rhs_contracting: vec![1],
+        lhs_batch: vec![0],
+        rhs_batch: vec![0],
+    };
+    let xb = Tensor::from_fn(&[2, m, k], |i| x.data()[i % (m * k)]);
+    close(
+        &dot_general(&xb, &stacked, &batched, 1).unwrap(),
+        &reference(&xb, &pair, &batched),
+    );
+    // Written in place: the packings go, and the product is the new weight's.
+    let mut written = kept.clone();
+    written.data_mut()[0] += 1.0;
+    assert_eq!(written.kept_packings(), 0);
+    let fresh = dot_general(&x, &written, &DotDims::matmul(2), 1).unwrap();
+    close(&fresh, &reference(&x, &written, &DotDims::matmul(2)));
+    assert_ne!(
+        fresh, forward_chains,
+        "the written weight's product differs"
+    );
+    // Mirror: the weight as stored keeps nothing.
+    dot_general(&x, &w, &DotDims::matmul(2), 1).unwrap();
+    assert_eq!(w.kept_packings(), 0);
+    assert_eq!(stacked.kept_packings(), 0);
+}

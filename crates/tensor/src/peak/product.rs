@@ -95,7 +95,9 @@ fn core_rate(bf16: bool, barrier: &Barrier) -> Option<f64> {
             ((i * 7 + salt) % 13) as f32 / 13.0 - 0.5
         })
     };
-    let (a, b) = (values(1), values(5));
+    // `b` keeps its packings, as a step's weights do: where this process's products take the
+    // kept route, the probe is the rate a step's weight products run at.
+    let (a, b) = (values(1), values(5).keeping_packings());
     let (a16, b16) = (Bf16Tensor::from_f32(&a), Bf16Tensor::from_f32(&b));
     let dims = DotDims::matmul(2);
     let product = || -> Option<()> {
