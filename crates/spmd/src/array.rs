@@ -83,17 +83,20 @@ impl Array {
         }
     }
 
-    /// This array (no copy) with its bf16 shard keeping the packings that products make of it
-    /// as their right operand ([`Bf16Tensor::keeping_packings`]); the same array for another
-    /// dtype or in abstract mode.
-    pub(crate) fn keeping_packings(&self) -> Array {
-        match self.local.as_deref() {
-            Some(Local::Bf16(t)) => Array {
-                ty: self.ty.clone(),
-                local: Some(Arc::new(Local::Bf16(t.keeping_packings()))),
-                var: None,
-            },
-            _ => self.with_type(self.ty.clone()),
+    /// This array (no copy) with its shard keeping the packings that products make of it as
+    /// their right operand ([`Tensor::keeping_packings`], [`Bf16Tensor::keeping_packings`]):
+    /// for a step's weights, which every micro-batch multiplies by. The same values and type;
+    /// the same array in abstract mode. Its products have the same bits either way.
+    pub fn keeping_packings(&self) -> Array {
+        let local = match self.local.as_deref() {
+            Some(Local::Bf16(t)) => Local::Bf16(t.keeping_packings()),
+            Some(Local::F32(t)) => Local::F32(t.keeping_packings()),
+            None => return self.with_type(self.ty.clone()),
+        };
+        Array {
+            ty: self.ty.clone(),
+            local: Some(Arc::new(local)),
+            var: None,
         }
     }
 

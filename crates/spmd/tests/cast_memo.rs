@@ -182,3 +182,57 @@ fn a_remembered_weight_keeps_its_packing_when_asked_to_the_same_bits() {
         );
     }
 }
+
+/// Three micro-batches of `Σ (x·w)²` in f32 with the gradients of both `x` and `w`, the weight
+/// `{R:data}` on data=2 as given (`keeping_packings` or not): each micro-batch's two gradients
+/// and how many packings the weight keeps after.
+fn f32_micro_batches(cx: &mut Ctx<'_>, keep: bool) -> Result<(Vec<Vec<f32>>, usize), SpmdError> {
+    let placed = place(cx, &w_value(), p(&["", ""], &[], &["data"]));
+    let w = if keep {
+        placed.keeping_packings()
+    } else {
+        placed
+    };
+    let mut grads = Vec::new();
+    for micro in 0..3 {
+        let x = place(cx, &x_value(micro), p(&["data", ""], &[], &[]));
+        let (_, g) = cx.value_and_grad(&[w.clone(), x], |cx, ps| {
+            let y = cx.dot_general(&ps[1], &ps[0], &DotDims::matmul(2), None)?;
+            let y2 = cx.mul(&y, &y)?;
+            cx.reduce_sum(&y2, &[0, 1], None)
+        })?;
+        for g in &g {
+            grads.push(g.local()?.data().to_vec());
+        }
+    }
+    let kept = w.local()?.kept_packings();
+    Ok((grads, kept))
+}
+
+/// An f32 weight that keeps its packings (`Array::keeping_packings`, as a step's weights do
+/// where the f32 products take them) keeps two — `x·w`'s and the `x` gradient's `dy·wᵀ` — and
+/// trains as the weight as stored does: bitwise on the portable kernel, whose kept route is the
+/// same chains, within a float tolerance beside a BLAS. Mirror: as stored, it keeps none.
+#[test]
+fn an_f32_weight_keeping_its_packings_keeps_one_per_layout_and_trains_the_same() {
+    let m = mesh(&[("data", 2)]);
+    let kept = on_devices(&m, |cx| f32_micro_batches(cx, true));
+    let plain = on_devices(&m, |cx| f32_micro_batches(cx, false));
+    let route = ferrotext_tensor::f32_products_keep_packings();
+    for (((g_kept, n_kept), _), ((g_plain, n_plain), _)) in kept.iter().zip(&plain) {
+        assert_eq!(*n_kept, if route { 2 } else { 0 }, "x·w's and dy·wᵀ's");
+        assert_eq!(*n_plain, 0, "the mirror: as stored it keeps none");
+        assert_ne!(
+            g_kept[0], g_kept[2],
+            "the micro-batches differ (the test can tell)"
+        );
+        for (a, b) in g_kept.iter().zip(g_plain) {
+            if ferrotext_tensor::matmul_order_is_fixed() {
+                assert_eq!(a, b, "bitwise on the portable kernel");
+            }
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} vs {y}");
+            }
+        }
+    }
+}

@@ -327,10 +327,13 @@ fn a_bf16_export_is_the_round_to_nearest_even_of_the_f32_weights_and_reads_back(
 
 /// A bf16 step of several micro-batches keeps its weights' packings (the casts are remembered
 /// and reused), and the memory estimate counts them — two more of the bf16 copies' size —
-/// where this process's bf16 kernel packs; a single micro-batch, rematerialized layers (whose
-/// copies are let go) and f32 keep none, and their estimates add nothing.
+/// where this process's bf16 kernel packs; a single micro-batch and rematerialized layers (whose
+/// copies are let go) keep none, and their estimates add nothing. An f32 step of several
+/// micro-batches keeps its weights' own packings where this process's f32 products take them
+/// (`f32_products_keep_packings`), and its estimate adds two of the weights' size; elsewhere
+/// it keeps none and adds nothing.
 #[test]
-fn a_bf16_step_of_several_micro_batches_keeps_packings_and_the_estimate_counts_them() {
+fn a_step_of_several_micro_batches_keeps_packings_and_the_estimate_counts_them() {
     // Fix the process's bf16 kernel first, as a bf16 run does before it plans memory.
     let _ = load(&["dtype=bfloat16"]).unwrap().select_bf16_kernel();
     let plan = |keys: &[&str]| load(keys).unwrap().plan().unwrap();
@@ -343,9 +346,11 @@ fn a_bf16_step_of_several_micro_batches_keeps_packings_and_the_estimate_counts_t
     let f32 = plan(&[&ga2]);
     let f32_one = plan(&[&ga1]);
     assert!(several.keeps_weight_packings());
-    for other in [&one, &remat, &f32] {
+    for other in [&one, &remat, &f32_one] {
         assert!(!other.keeps_weight_packings());
     }
+    let f32_packs = ferrotext_tensor::f32_products_keep_packings();
+    assert_eq!(f32.keeps_weight_packings(), f32_packs);
     let activations =
         |p: &ferrotext_train::RunPlan| p.memory_per_device().unwrap().activation_bytes;
     let copies = several
@@ -358,7 +363,7 @@ fn a_bf16_step_of_several_micro_batches_keeps_packings_and_the_estimate_counts_t
     if !packs {
         // The plans' keys and the unchanged estimates are still checked.
         ferrotext_tensor::report_skipped(
-            "train precision::a_bf16_step_of_several_…: the packings' bytes in the estimate",
+            "train precision::a_step_of_several_…: the bf16 packings' bytes in the estimate",
             "this process's bf16 kernel packs no operand (not ferrotext's AVX512_BF16 kernel)",
         );
     }
@@ -368,5 +373,24 @@ fn a_bf16_step_of_several_micro_batches_keeps_packings_and_the_estimate_counts_t
         "packings {extra} bytes, want {want} (the kernel packs: {packs})"
     );
     assert_eq!(activations(&remat), activations(&remat_one));
-    assert_eq!(activations(&f32), activations(&f32_one));
+    // Keeping them is decided by whether they fit: a machine with room for the estimate
+    // without them (the one-micro-batch plan's) but not with them gets none (the products'
+    // bits do not depend on it).
+    for (plan, without, counted) in [(&several, &one, packs), (&f32, &f32_one, f32_packs)] {
+        let with = plan.memory_estimate().unwrap().total();
+        let without = without.memory_estimate().unwrap().total();
+        assert!(plan.weight_packings_fit_in(with));
+        assert_eq!(
+            plan.weight_packings_fit_in(without),
+            !counted,
+            "{with} vs {without}"
+        );
+    }
+    let weights = f32.memory_per_device().unwrap().local_parameter_elements * 4.0;
+    let want = if f32_packs { 2.0 * weights } else { 0.0 };
+    let extra = activations(&f32) - activations(&f32_one);
+    assert!(
+        (extra - want).abs() <= 1e-9 * want.max(1.0),
+        "f32 packings {extra} bytes, want {want} (the f32 products keep them: {f32_packs})"
+    );
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferrotext_models::{ParamInfo, RematPolicy};
-use ferrotext_sharding::{ArrayType, PartitionSpec};
+use ferrotext_sharding::{ArrayType, DType, PartitionSpec};
 use ferrotext_spmd::{Array, BucketPlan, Ctx, GradientSink, Mode};
 
 use super::{Batch, Engine, FwdBwd, Pending, StepMetrics, StepSum};
@@ -156,14 +156,18 @@ impl Engine {
     /// they share are remembered, and an empty accumulator (or unit tree) waits for gradients.
     fn open_step(&mut self, cx: &mut Ctx<'_>) -> Result<(), TrainError> {
         // Deferral: the parameters enter every micro-batch `{R:data}` (a free cast).
-        let used = self.enter_micro_batches(cx, &self.params)?;
+        let mut used = self.enter_micro_batches(cx, &self.params)?;
         // The step's weights are written by no one until `update`: each cast the model
         // makes of one (bf16 compute) is computed once and shared by every micro-batch —
         // unless the layers are rematerialized, whose point is to keep only their inputs:
         // then a weight is cast where it is used, again in the replay, and let go. With more
-        // than one micro-batch, each copy's packings for the products are kept too.
+        // than one micro-batch, each copy's packings for the products are kept too; in f32
+        // the weights keep their own.
         cx.forget_casts();
         if self.plan.keeps_weight_packings() {
+            if self.plan.precision().dtype == DType::F32 {
+                used = used.iter().map(Array::keeping_packings).collect();
+            }
             cx.remember_casts_and_packings(&used);
         } else if self.plan.decoder().remat() == RematPolicy::None {
             cx.remember_casts(&used);

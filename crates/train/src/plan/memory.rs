@@ -79,6 +79,20 @@ impl RunPlan {
     /// # Errors
     /// None for a plan's mesh; typed for safety.
     pub fn memory_per_device(&self) -> Result<DeviceMemory, TrainError> {
+        self.memory_per_device_keeping(self.keeps_weight_packings())
+    }
+
+    /// Whether this run, keeping its weights' packings for the step, is estimated to fit in
+    /// `bytes` per process ([`RunPlan::memory_estimate`] with the packings counted). A step
+    /// that keeps them computes the same bits as one that packs them per product, so a run
+    /// that would not fit with them keeps none rather than being refused.
+    pub fn weight_packings_fit_in(&self, bytes: f64) -> bool {
+        self.memory_estimate_keeping(true)
+            .is_ok_and(|estimate| estimate.total() <= bytes)
+    }
+
+    /// [`RunPlan::memory_per_device`], counting the weights' packings when `keeps`.
+    fn memory_per_device_keeping(&self, keeps: bool) -> Result<DeviceMemory, TrainError> {
         let config = self.config();
         let mesh = self.mesh();
         let m = self.decoder().config();
@@ -126,16 +140,21 @@ impl RunPlan {
         // In bf16 each weight's bf16 copy (cast at use) is kept for the backward too — for
         // the whole step without rematerialization; with it, a layer's for its region only.
         // A step that keeps its weights' packings holds two more of about the copy's size
-        // each (`x·W`'s and `dy·Wᵀ`'s), where this process's kernel packs them.
-        let packings =
-            if self.keeps_weight_packings() && ferrotext_tensor::bf16_products_keep_packings() {
-                2.0
-            } else {
-                0.0
-            };
+        // each (`x·W`'s and `dy·Wᵀ`'s), where this process's kernel packs them; in `f32`, two
+        // of about the weight's size.
         let copies = match (dtype, self.decoder().remat()) {
+            (DType::F32, _) if keeps && ferrotext_tensor::f32_products_keep_packings() => {
+                local * 4.0 * 2.0
+            }
             (DType::F32, _) => 0.0,
-            (_, RematPolicy::None) => local * kept * (1.0 + packings),
+            (_, RematPolicy::None) => {
+                let packings = if keeps && ferrotext_tensor::bf16_products_keep_packings() {
+                    2.0
+                } else {
+                    0.0
+                };
+                local * kept * (1.0 + packings)
+            }
             _ => (2.0 * m.vocab_size as f64 * d + local / layers) * kept,
         };
         let logits = memory::logits_bytes(m, self.decoder().vocab_tiles(), tokens);
@@ -181,7 +200,12 @@ impl RunPlan {
     /// # Errors
     /// As [`RunPlan::memory_per_device`].
     pub fn memory_estimate(&self) -> Result<MemoryEstimate, TrainError> {
-        let device = self.memory_per_device()?;
+        self.memory_estimate_keeping(self.keeps_weight_packings())
+    }
+
+    /// [`RunPlan::memory_estimate`], counting the weights' packings when `keeps`.
+    fn memory_estimate_keeping(&self, keeps: bool) -> Result<MemoryEstimate, TrainError> {
+        let device = self.memory_per_device_keeping(keeps)?;
         let local = self.config().local_devices as f64;
         Ok(MemoryEstimate {
             parameter_and_optimizer_bytes: (device.total_bytes - device.activation_bytes) * local

@@ -59,6 +59,8 @@ struct Inner {
     overlap: Overlap,
     zero1: Zero1,
     layouts: Vec<ParamLayout>,
+    /// [`RunPlan::keeps_weight_packings`], once decided.
+    keeps_packings: std::sync::OnceLock<bool>,
     batch_spec: PartitionSpec,
     output_dir: PathBuf,
     metrics_path: PathBuf,
@@ -173,6 +175,7 @@ impl TrainConfig {
                 overlap,
                 zero1,
                 layouts,
+                keeps_packings: std::sync::OnceLock::new(),
                 batch_spec,
                 output_dir,
                 metrics_path,
@@ -192,14 +195,27 @@ impl RunPlan {
         self.inner.precision
     }
 
-    /// Whether a step keeps its weights' bf16 packings for all its micro-batches
-    /// (`Ctx::remember_casts_and_packings`): in bf16, with the casts remembered (no
-    /// rematerialization, which lets each copy go after its use), and more than one
-    /// micro-batch a step to reuse them.
+    /// Whether a step keeps its weights' packings for all its micro-batches: with more than
+    /// one micro-batch a step to reuse them, no rematerialization (which keeps memory lean),
+    /// a compute dtype whose products here keep packings — bf16 casts remembered
+    /// (`Ctx::remember_casts_and_packings`), or the `f32` weights themselves
+    /// (`Array::keeping_packings`) where [`ferrotext_tensor::f32_products_keep_packings`] —
+    /// and the run's estimate with them inside this machine's memory
+    /// ([`RunPlan::weight_packings_fit_in`]; a product's bits do not depend on whether its
+    /// weight's packing was kept). Decided once per plan.
     pub fn keeps_weight_packings(&self) -> bool {
-        self.precision().dtype == ferrotext_sharding::DType::BF16
-            && self.decoder().remat() == ferrotext_models::RematPolicy::None
-            && self.config().gradient_accumulation_steps > 1
+        *self.inner.keeps_packings.get_or_init(|| {
+            let dtype_keeps = match self.precision().dtype {
+                ferrotext_sharding::DType::BF16 => true,
+                ferrotext_sharding::DType::F32 => ferrotext_tensor::f32_products_keep_packings(),
+                _ => false,
+            };
+            dtype_keeps
+                && self.decoder().remat() == ferrotext_models::RematPolicy::None
+                && self.config().gradient_accumulation_steps > 1
+                && crate::config::machine_memory_bytes()
+                    .is_none_or(|total| self.weight_packings_fit_in(total))
+        })
     }
 
     /// The decoder (its config checked; its compute dtype the config's `dtype`).
