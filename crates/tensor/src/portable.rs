@@ -44,7 +44,7 @@ const MR: usize = 6;
 #[cfg(target_arch = "x86_64")]
 const MR_AVX512: usize = 8;
 /// Columns of `b` a packed panel (and a register tile) covers: two AVX-512 registers.
-const NR: usize = 32;
+pub(crate) const NR: usize = 32;
 /// Columns the AVX2 tile covers in one pass over the panel: two AVX2 registers (a whole
 /// panel's `MR × 4` accumulators would not fit AVX2's 16 registers).
 #[cfg(target_arch = "x86_64")]
@@ -732,6 +732,31 @@ mod tests {
         }
     }
 
+    /// The product of `a` (m×k) and `b` (k×n, packed as `panels`) on `isa`, overwriting.
+    fn with_panels<T: Widen>(
+        isa: Isa,
+        (m, n, k): (usize, usize, usize),
+        a: Operand<T>,
+        b: Operand<T>,
+        panels: &Panels,
+    ) -> Vec<f32> {
+        let mut out = vec![f32::NAN; m * n];
+        let p = Product {
+            m,
+            n,
+            k,
+            a,
+            b,
+            dst: out.as_mut_ptr(),
+            ldc: n,
+            store: Store::Overwrite,
+        };
+        // SAFETY: callers pass operands covering m×k and k×n and `b`'s panels; `out` holds
+        // m×n.
+        unsafe { gemm_kept(isa, p, Some(panels)) };
+        out
+    }
+
     /// A right operand packed whole beforehand ([`Panels`]) gives the chains' bits on every
     /// instruction set, `b` row-major and transposed (`x·W`'s and `dy·Wᵀ`'s layouts), in `f32`
     /// and bf16 (and an `f32` `b` strided on both axes), for the whole product and for a block of
@@ -775,87 +800,34 @@ mod tests {
                 for (j, b_op) in [row_major, column_major, strided].into_iter().enumerate() {
                     // SAFETY: `b_op` covers k×n.
                     let panels = unsafe { Panels::pack(b_op, k, n) };
-                    let mut out = vec![f32::NAN; m * n];
-                    let p = Product {
-                        m,
-                        n,
-                        k,
-                        a: a_op,
-                        b: b_op,
-                        dst: out.as_mut_ptr(),
-                        ldc: n,
-                        store: Store::Overwrite,
-                    };
-                    // SAFETY: the operands cover m×k and k×n, `out` holds m×n, and `panels`
-                    // is `b_op`'s.
-                    unsafe { gemm_kept(isa, p, Some(&panels)) };
+                    let out = with_panels(isa, (m, n, k), a_op, b_op, &panels);
                     assert_eq!(out, want, "{isa:?} f32 {m}×{n}×{k}, b layout {j}");
                     // Rows 1..m alone, reading the same panels.
                     if m > 1 {
-                        let mut rows = vec![f32::NAN; (m - 1) * n];
-                        let p = Product {
-                            m: m - 1,
-                            n,
-                            k,
-                            a: Operand {
-                                ptr: a[k..].as_ptr(),
-                                ..a_op
-                            },
-                            b: b_op,
-                            dst: rows.as_mut_ptr(),
-                            ldc: n,
-                            store: Store::Overwrite,
+                        let rows = Operand {
+                            ptr: a[k..].as_ptr(),
+                            ..a_op
                         };
-                        // SAFETY: as above, one row fewer.
-                        unsafe { gemm_kept(isa, p, Some(&panels)) };
-                        assert_eq!(rows, want[n..], "{isa:?} rows 1..{m}, b layout {j}");
+                        let out = with_panels(isa, (m - 1, n, k), rows, b_op, &panels);
+                        assert_eq!(out, want[n..], "{isa:?} rows 1..{m}, b layout {j}");
                     }
                 }
+                let a16_op = Operand {
+                    ptr: a16.as_ptr(),
+                    rs: k as isize,
+                    cs: 1,
+                };
                 for (j, b_op) in layouts(&b16, &bt16, k, n).into_iter().enumerate() {
                     // SAFETY: `b_op` covers k×n.
                     let panels = unsafe { Panels::pack(b_op, k, n) };
-                    let mut out = vec![f32::NAN; m * n];
-                    let p = Product {
-                        m,
-                        n,
-                        k,
-                        a: Operand {
-                            ptr: a16.as_ptr(),
-                            rs: k as isize,
-                            cs: 1,
-                        },
-                        b: b_op,
-                        dst: out.as_mut_ptr(),
-                        ldc: n,
-                        store: Store::Overwrite,
-                    };
-                    // SAFETY: as above; bf16 panels hold the widened values.
-                    unsafe { gemm_kept(isa, p, Some(&panels)) };
+                    let out = with_panels(isa, (m, n, k), a16_op, b_op, &panels);
                     assert_eq!(out, want, "{isa:?} bf16 {m}×{n}×{k}, b layout {j}");
                 }
                 // Mirror: another operand's panels, another product.
                 let other: Vec<f32> = b.iter().map(|x| x + 1.0).collect();
-                let b_op = layouts(&b, &bt, k, n)[0];
-                let other_op = Operand {
-                    ptr: other.as_ptr(),
-                    rs: n as isize,
-                    cs: 1,
-                };
-                // SAFETY: `other_op` covers k×n.
-                let wrong = unsafe { Panels::pack(other_op, k, n) };
-                let mut out = vec![f32::NAN; m * n];
-                let p = Product {
-                    m,
-                    n,
-                    k,
-                    a: a_op,
-                    b: b_op,
-                    dst: out.as_mut_ptr(),
-                    ldc: n,
-                    store: Store::Overwrite,
-                };
-                // SAFETY: the shapes match; the panels hold another operand of the same shape.
-                unsafe { gemm_kept(isa, p, Some(&wrong)) };
+                // SAFETY: `other` holds k×n, row-major.
+                let wrong = unsafe { Panels::pack(layouts(&other, &other, k, n)[0], k, n) };
+                let out = with_panels(isa, (m, n, k), a_op, row_major, &wrong);
                 assert_eq!(out, chains(m, n, k, &a, &other), "{isa:?} panels are read");
                 assert_ne!(out, want, "{isa:?} the mirror differs");
             }

@@ -185,19 +185,7 @@ fn kept_packing(
     {
         return None;
     }
-    let at = crate::packings::MatrixAt {
-        offset: s.b.offset(0),
-        rs: s.b.rows.1,
-        cs: s.b.cols.1,
-        k,
-        n,
-    };
-    let b = Operand {
-        // SAFETY: batch entry 0's offset lies inside the stack's data (as in `products`).
-        ptr: unsafe { s.b.data.as_ptr().offset(at.offset) },
-        rs: at.rs,
-        cs: at.cs,
-    };
+    let (at, b) = s.b.first_matrix();
     // SAFETY: `b` is a k×n matrix at these strides inside `rhs`'s storage (the stack's
     // invariant); `Own` is chosen only where the CPU has AVX512_BF16.
     Some(packings.get_or_pack(at, || unsafe {

@@ -144,6 +144,26 @@ pub(crate) struct MatStack<'a, T: Clone = f32> {
 }
 
 impl<T: Clone> MatStack<'_, T> {
+    /// Batch entry 0 as a matrix of its data (where a packing kept with the tensor finds it)
+    /// and as an operand reading it.
+    pub(crate) fn first_matrix(&self) -> (crate::packings::MatrixAt, Operand<T>) {
+        let at = crate::packings::MatrixAt {
+            offset: self.offset(0),
+            rs: self.rows.1,
+            cs: self.cols.1,
+            k: self.rows.0,
+            n: self.cols.0,
+        };
+        let operand = Operand {
+            // SAFETY: batch entry 0's offset lies inside the stack's data (its strides come
+            // from its shape).
+            ptr: unsafe { self.data.as_ptr().offset(at.offset) },
+            rs: at.rs,
+            cs: at.cs,
+        };
+        (at, operand)
+    }
+
     /// The element offset of batch entry `i` (row-major over the batch dims).
     pub(crate) fn offset(&self, mut i: usize) -> isize {
         let mut off = 0;

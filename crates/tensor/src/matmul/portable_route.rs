@@ -20,8 +20,7 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use super::Stacks;
-use crate::operand::{Operand, Product, Store};
-use crate::packings::MatrixAt;
+use crate::operand::{Product, Store};
 use crate::portable::{self, Isa, Panels};
 use crate::tensor::Tensor;
 
@@ -50,19 +49,7 @@ pub(crate) fn route(rhs: &Tensor, s: &Stacks<'_>) -> Option<(Isa, RightPanels)> 
     if s.batch != 1 || !a_rows_contiguous || m == 0 || k == 0 || n == 0 {
         return None;
     }
-    let at = MatrixAt {
-        offset: s.b.offset(0),
-        rs: s.b.rows.1,
-        cs: s.b.cols.1,
-        k,
-        n,
-    };
-    let b = Operand {
-        // SAFETY: batch entry 0's offset lies inside the stack's data (as in `products`).
-        ptr: unsafe { s.b.data.as_ptr().offset(at.offset) },
-        rs: at.rs,
-        cs: at.cs,
-    };
+    let (at, b) = s.b.first_matrix();
     let in_place =
         matches!(&s.b.data, std::borrow::Cow::Borrowed(d) if d.as_ptr() == rhs.data().as_ptr());
     let pack = || {
@@ -73,7 +60,7 @@ pub(crate) fn route(rhs: &Tensor, s: &Stacks<'_>) -> Option<(Isa, RightPanels)> 
     };
     let panels = match rhs.packings() {
         Some(kept) if in_place => RightPanels::Whole(kept.get_or_pack(at, pack)),
-        _ if k * n.next_multiple_of(32) * size_of::<f32>() <= FRESH_PACKING_MAX_BYTES => {
+        _ if k * n.next_multiple_of(portable::NR) * size_of::<f32>() <= FRESH_PACKING_MAX_BYTES => {
             RightPanels::Whole(Arc::new(pack()))
         }
         _ => RightPanels::ByPanel,
@@ -96,18 +83,8 @@ pub(crate) fn product(
         m,
         n,
         k,
-        a: Operand {
-            // SAFETY: batch entry 0's offset lies inside the stack's data.
-            ptr: unsafe { s.a.data.as_ptr().offset(s.a.offset(0)) },
-            rs: s.a.rows.1,
-            cs: s.a.cols.1,
-        },
-        b: Operand {
-            // SAFETY: as for `a`.
-            ptr: unsafe { s.b.data.as_ptr().offset(s.b.offset(0)) },
-            rs: s.b.rows.1,
-            cs: s.b.cols.1,
-        },
+        a: s.a.first_matrix().1,
+        b: s.b.first_matrix().1,
         dst: dst.as_mut_ptr().cast::<f32>(),
         ldc: n,
         store,
