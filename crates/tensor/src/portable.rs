@@ -91,17 +91,47 @@ pub(crate) struct Panels {
 }
 
 impl Panels {
-    /// `b` packed whole, on this thread.
+    /// `b` packed whole, its panels in up to `threads` groups on the rayon pool (each panel's
+    /// words do not depend on the group that packed it).
     ///
     /// # Safety
     /// `b`'s `k` rows of `n` elements are readable.
-    pub(crate) unsafe fn pack<T: Widen>(b: Operand<T>, k: usize, n: usize) -> Panels {
-        let mut values = vec![0.0f32; n.div_ceil(NR) * k * NR];
-        for (p, panel) in values.chunks_exact_mut((k * NR).max(1)).enumerate() {
-            let j0 = p * NR;
-            // SAFETY: columns j0..j0 + cols of `b`, rows 0..k: inside it, by the caller's
-            // contract.
-            unsafe { pack_panel(b, k, j0, NR.min(n - j0), panel) };
+    pub(crate) unsafe fn pack<T: Widen>(
+        b: Operand<T>,
+        k: usize,
+        n: usize,
+        threads: usize,
+    ) -> Panels {
+        /// The operand crossing threads: every group only reads it.
+        struct Shared<T>(Operand<T>);
+        // SAFETY: see the struct's doc; `T` is a plain element read through the pointer.
+        unsafe impl<T: Sync> Sync for Shared<T> {}
+        let panels = n.div_ceil(NR);
+        let size = (k * NR).max(1);
+        let mut values = vec![0.0f32; panels * k * NR];
+        let per_group = panels.div_ceil(threads.clamp(1, panels.max(1))).max(1);
+        let shared = Shared(b);
+        let pack_group = |(g, group): (usize, &mut [f32])| {
+            let b = &shared;
+            for (i, panel) in group.chunks_exact_mut(size).enumerate() {
+                let j0 = (g * per_group + i) * NR;
+                // SAFETY: columns j0..j0 + cols of `b`, rows 0..k: inside it, by the caller's
+                // contract.
+                unsafe { pack_panel(b.0, k, j0, NR.min(n - j0), panel) };
+            }
+        };
+        if per_group >= panels {
+            values
+                .chunks_mut(per_group * size)
+                .enumerate()
+                .for_each(pack_group);
+        } else {
+            use rayon::prelude::*;
+            values
+                .par_chunks_mut(per_group * size)
+                .with_max_len(1)
+                .enumerate()
+                .for_each(pack_group);
         }
         Panels { values, k, n }
     }
@@ -799,7 +829,7 @@ mod tests {
                 let [row_major, column_major] = layouts(&b, &bt, k, n);
                 for (j, b_op) in [row_major, column_major, strided].into_iter().enumerate() {
                     // SAFETY: `b_op` covers k×n.
-                    let panels = unsafe { Panels::pack(b_op, k, n) };
+                    let panels = unsafe { Panels::pack(b_op, k, n, 1 + j % 2) };
                     let out = with_panels(isa, (m, n, k), a_op, b_op, &panels);
                     assert_eq!(out, want, "{isa:?} f32 {m}×{n}×{k}, b layout {j}");
                     // Rows 1..m alone, reading the same panels.
@@ -819,14 +849,14 @@ mod tests {
                 };
                 for (j, b_op) in layouts(&b16, &bt16, k, n).into_iter().enumerate() {
                     // SAFETY: `b_op` covers k×n.
-                    let panels = unsafe { Panels::pack(b_op, k, n) };
+                    let panels = unsafe { Panels::pack(b_op, k, n, 1 + j % 2) };
                     let out = with_panels(isa, (m, n, k), a16_op, b_op, &panels);
                     assert_eq!(out, want, "{isa:?} bf16 {m}×{n}×{k}, b layout {j}");
                 }
                 // Mirror: another operand's panels, another product.
                 let other: Vec<f32> = b.iter().map(|x| x + 1.0).collect();
                 // SAFETY: `other` holds k×n, row-major.
-                let wrong = unsafe { Panels::pack(layouts(&other, &other, k, n)[0], k, n) };
+                let wrong = unsafe { Panels::pack(layouts(&other, &other, k, n)[0], k, n, 2) };
                 let out = with_panels(isa, (m, n, k), a_op, row_major, &wrong);
                 assert_eq!(out, chains(m, n, k, &a, &other), "{isa:?} panels are read");
                 assert_ne!(out, want, "{isa:?} the mirror differs");

@@ -244,7 +244,7 @@ pub fn dot_general(
     let len: usize = out_shape.iter().product();
     let stacks = Stacks::of(lhs, rhs, dims)?;
     let _span = stacks.span((lhs, rhs));
-    let route = portable_route::route(rhs, &stacks);
+    let route = portable_route::route(rhs, &stacks, threads);
     // SAFETY: `products` (or the route's `product`) runs the kernel on every block of the
     // output, and the kernel writes every element of its block (or the whole output is
     // zero-filled for an empty contraction).

@@ -40,9 +40,9 @@ pub(crate) enum RightPanels {
 }
 
 /// The route's instruction set and right panels for the product of `s` (its right operand
-/// `rhs`), packing them now if they are neither kept nor too large; `None` when the route does
-/// not take the product (module docs).
-pub(crate) fn route(rhs: &Tensor, s: &Stacks<'_>) -> Option<(Isa, RightPanels)> {
+/// `rhs`), packing them now (on up to `threads` threads) if they are neither kept nor too large;
+/// `None` when the route does not take the product (module docs).
+pub(crate) fn route(rhs: &Tensor, s: &Stacks<'_>, threads: usize) -> Option<(Isa, RightPanels)> {
     let isa = crate::blas::kept_packing_isa()?;
     let (m, k, n) = (s.a.rows.0, s.a.cols.0, s.b.cols.0);
     let a_rows_contiguous = s.a.cols.1 == 1 || k == 1;
@@ -56,7 +56,7 @@ pub(crate) fn route(rhs: &Tensor, s: &Stacks<'_>) -> Option<(Isa, RightPanels)> 
         let _span = ferrotext_profile::span("pack_f32").map(|span| span.bytes((8 * k * n) as f64));
         // SAFETY: `b` is a k×n matrix at these strides inside the stack's data (its
         // invariant), which is `rhs`'s storage where `in_place`.
-        unsafe { Panels::pack(b, k, n) }
+        unsafe { Panels::pack(b, k, n, threads) }
     };
     let panels = match rhs.packings() {
         Some(kept) if in_place => RightPanels::Whole(kept.get_or_pack(at, pack)),
