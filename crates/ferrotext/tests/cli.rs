@@ -843,3 +843,37 @@ fn argument_errors_are_one_line_with_exit_code_2() {
     assert_eq!(help.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&help.stdout).lines().count() > 5);
 }
+
+/// `plan` prints the memory estimate and whether a step keeps its weights' packings: never
+/// with one micro-batch; in f32 with two exactly where this process's f32 products keep them
+/// (the binary runs on the same processor and environment as this test). The estimate with
+/// them is the larger one.
+#[test]
+fn plan_prints_the_memory_estimate_and_whether_packings_are_kept() {
+    let line = |ga: &str| {
+        let out = ferrotext(&["plan", "dtype=float32", ga]);
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{stdout}");
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("memory per process, estimated: "))
+            .unwrap_or_else(|| panic!("no memory line in {stdout}"))
+            .to_string();
+        let gib: f64 = line["memory per process, estimated: ".len()..]
+            .split(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no figure in {line}"));
+        (line, gib)
+    };
+    let (one, one_gib) = line("gradient_accumulation_steps=1");
+    assert!(one.ends_with("kept for the step: no"), "{one}");
+    let (two, two_gib) = line("gradient_accumulation_steps=2");
+    let keeps = ferrotext_tensor::f32_products_keep_packings();
+    let want = if keeps { "yes" } else { "no" };
+    assert!(
+        two.ends_with(&format!("kept for the step: {want}")),
+        "{two}"
+    );
+    assert!(two_gib >= one_gib, "{two} against {one}");
+}

@@ -142,12 +142,16 @@ fn main() {
         }
     }
     let out = std::path::Path::new("target/bench");
-    std::fs::create_dir_all(out).expect("target/bench");
     let json = format!(
         "{{\"kernel\":\"{kernel}\",\"kept\":{},\"pairs\":{pairs},\"rows\":[{}]}}\n",
         f32_products_keep_packings(),
         rows.join(",")
     );
-    std::fs::write(out.join("f32_kept.json"), json).expect("write");
+    let written =
+        std::fs::create_dir_all(out).and_then(|()| std::fs::write(out.join("f32_kept.json"), json));
+    if let Err(e) = written {
+        eprintln!("error: writing target/bench/f32_kept.json: {e}");
+        std::process::exit(1);
+    }
     println!("wrote target/bench/f32_kept.json");
 }

@@ -100,8 +100,8 @@ const CBLAS_ROW_MAJOR: c_int = 101;
 const CBLAS_NO_TRANS: c_int = 111;
 const CBLAS_TRANS: c_int = 112;
 
-/// The fewest rows of a block when a product is split over threads.
-const MIN_BLOCK_ROWS: usize = 64;
+/// The fewest rows of a block when a product is split over threads (every kernel's split).
+pub(crate) const MIN_BLOCK_ROWS: usize = 64;
 
 /// Multiply-adds (rows × n × k) every block of a split product has at least: far above the
 /// size below which a BLAS switches to its small-matrix kernels (whose sums are ordered

@@ -67,6 +67,19 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         println!("bf16 matmul: {kernel}");
     }
     print_peak(&plan);
+    let estimate = plan.memory_estimate()?;
+    println!(
+        "memory per process, estimated: {} ({} of parameters and optimizer state, {} of \
+         activations for one micro-batch); the weights' packings kept for the step: {}",
+        ferrotext_train::gib(estimate.total()),
+        ferrotext_train::gib(estimate.parameter_and_optimizer_bytes),
+        ferrotext_train::gib(estimate.activation_bytes),
+        if plan.keeps_weight_packings() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
     println!("deferral: {}", gate.describe());
     println!("overlap: {}", plan.overlap().describe());
     let mb = PhasePattern::new("micro_batch*");

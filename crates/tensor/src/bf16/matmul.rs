@@ -32,7 +32,7 @@ use half::bf16;
 
 use super::choice::{choice, products_on_tiles, Choice};
 use super::{add_rounded, permuted, round_into, Bf16Tensor};
-use crate::blas::{gemm_on, kernel, Blas, Cblas, Element, Kernel};
+use crate::blas::{gemm_on, kernel, Blas, Cblas, Element, Kernel, MIN_BLOCK_ROWS};
 use crate::error::TensorError;
 use crate::matmul::{as_stack_of, products, DotDims, Stacks};
 use crate::operand::{Operand, Product, Store};
@@ -40,9 +40,6 @@ use crate::parallel::{filled, for_each_chunk, Work};
 use crate::portable;
 use crate::portable::Isa;
 use crate::tensor::Tensor;
-
-/// The fewest rows of a block when the AVX512_BF16 kernel's product is split over threads.
-const MIN_BLOCK_ROWS: usize = 64;
 
 /// A bf16 product on this process's choice (the public products checked it is not refused; a
 /// refused choice runs the portable kernel, so `dst` is always written).

@@ -20,12 +20,10 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use super::Stacks;
+use crate::blas::MIN_BLOCK_ROWS;
 use crate::operand::{Product, Store};
 use crate::portable::{self, Isa, Panels};
 use crate::tensor::Tensor;
-
-/// The fewest rows of a block when a product is split over threads.
-const MIN_BLOCK_ROWS: usize = 64;
 
 /// The largest packing of a right operand made for one product (its memory is outside what a
 /// run's plan counts; an LM head's table, 151,936 × 1,024 values, would be 622 MB).
